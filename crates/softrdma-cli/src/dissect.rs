@@ -102,6 +102,10 @@ pub struct FpduRecord {
     /// Where it is.
     #[serde(flatten)]
     pub place: Place,
+    /// Frame holding the FPDU's last byte (its CRC field). Differs from
+    /// `place.frame` when the FPDU spans segments; Wireshark shows an FPDU in
+    /// this frame, where its reassembly completes.
+    pub end_frame: u64,
     /// MPA ULPDU length.
     pub ulpdu_len: u16,
     /// DDP buffer model and addressing fields.
@@ -619,7 +623,8 @@ impl Walker<'_, '_> {
                 let ulpdu = fpdu.get(2..2 + usize::from(ulpdu_len)).unwrap_or_default();
                 match decode::decode_ulpdu(ulpdu) {
                     Ok(info) => {
-                        self.fpdu(at, ulpdu_len, fpdu, info);
+                        let end = clean.stream_offset(pos + total - 1);
+                        self.fpdu(at, end, ulpdu_len, fpdu, info);
                         pos += total;
                     }
                     Err(e) => {
@@ -708,7 +713,7 @@ impl Walker<'_, '_> {
         Some(found)
     }
 
-    fn fpdu(&mut self, at: u64, ulpdu_len: u16, fpdu: &[u8], info: UlpduInfo) {
+    fn fpdu(&mut self, at: u64, end: u64, ulpdu_len: u16, fpdu: &[u8], info: UlpduInfo) {
         let (body, field) = fpdu.split_at(fpdu.len() - 4);
         let found = u32::from_be_bytes([field[0], field[1], field[2], field[3]]);
         let crc = match self.crc {
@@ -742,6 +747,7 @@ impl Walker<'_, '_> {
         *self.summary.opcodes.entry(opcode_name).or_default() += 1;
         self.records.push(Record::Fpdu(FpduRecord {
             place: self.ctx.place(at),
+            end_frame: self.ctx.place(end).frame,
             ulpdu_len,
             ddp: info.ddp,
             last: info.last,

@@ -100,13 +100,17 @@ fn write_frame_note(n: &FrameNote, json: bool, out: &mut dyn Write) -> io::Resul
     }
 }
 
-fn prefix(p: &Place) -> String {
+fn prefix(p: &Place, end_frame: Option<u64>) -> String {
+    let frames = match end_frame {
+        Some(e) if e != p.frame => format!("{}-{e}", p.frame),
+        _ => p.frame.to_string(),
+    };
     format!(
-        "{:>11.6}  [{}] {}  #{:<6}",
+        "{:>11.6}  [{}] {}  #{:<10}",
         p.time,
         p.stream,
         p.dir.arrow(),
-        p.frame
+        frames
     )
 }
 
@@ -181,7 +185,11 @@ fn fpdu_text(f: &FpduRecord) -> String {
 
 /// The text line of one record.
 pub fn record_line(r: &Record) -> String {
-    let p = prefix(r.place());
+    let end = match r {
+        Record::Fpdu(f) => Some(f.end_frame),
+        _ => None,
+    };
+    let p = prefix(r.place(), end);
     match r {
         Record::Mpa(m) => format!("{p}{}", mpa_text(&m.mpa)),
         Record::Fpdu(f) => format!("{p}{}", fpdu_text(f)),
