@@ -86,15 +86,15 @@ pub const RESERVED_MASK: u8 = 0x3c;
 pub const VERSION_MASK: u8 = 0x03;
 
 /// Untagged queue for Send, Send with Invalidate, Send with Solicited Event,
-/// Send with Solicited Event and Invalidate (RFC 5040 section 5.1), and the
+/// Send with Solicited Event and Invalidate (RFC 5040 section 4.3), and the
 /// Immediate Data messages of RFC 7306.
 pub const QN_SEND: Qn = Qn(0);
 
-/// Untagged queue for RDMA Read Request messages (RFC 5040 section 5.1); RFC
+/// Untagged queue for RDMA Read Request messages (RFC 5040 section 4.3); RFC
 /// 7306 Atomic Request messages travel on the same queue.
 pub const QN_READ_REQUEST: Qn = Qn(1);
 
-/// Untagged queue for Terminate messages (RFC 5040 section 5.1).
+/// Untagged queue for Terminate messages (RFC 5040 section 4.3).
 pub const QN_TERMINATE: Qn = Qn(2);
 
 /// Untagged queue for Atomic Response messages (RFC 7306).
@@ -186,7 +186,7 @@ impl fmt::Display for Qn {
 ///
 /// Each untagged queue numbers its messages separately. The first message on
 /// every queue of a DDP stream carries MSN 1 ([`Msn::INITIAL`], RFC 5041
-/// section 5.3; Linux siw does the same), and the counter wraps modulo 2^32.
+/// section 4.4; Linux siw does the same), and the counter wraps modulo 2^32.
 /// All segments of one message carry the same MSN.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Msn(pub u32);
