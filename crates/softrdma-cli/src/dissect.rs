@@ -598,7 +598,10 @@ impl Walker<'_, '_> {
                         )));
                     }
                     match self.resync(&clean, 0) {
-                        Some(p) => p,
+                        Some(p) => {
+                            self.summary.undecoded_bytes += p as u64;
+                            p
+                        }
                         None => {
                             self.summary.undecoded_bytes += clean.data.len() as u64;
                             prev_end = Some(chunk.end());
