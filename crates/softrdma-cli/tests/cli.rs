@@ -56,7 +56,8 @@ fn text_output_on_rping() {
     assert!(out.contains("iWARP, CRC off"));
     assert!(out.contains("30 FPDUs: RDMA Read Response 10, Send 20"));
     assert!(out.contains("40 FPDUs: RDMA Read Request 10, RDMA Write 10, Send 20"));
-    assert!(!out.contains("error"));
+    assert!(!out.contains("error:"));
+    assert!(out.contains("decode errors 0"));
 }
 
 #[test]
