@@ -23,7 +23,8 @@
 //!
 //! The body is the payload of a Send variant (placed into the posted receive
 //! buffer at MO), or an RDMAP header that the protocol consumes: the RDMA
-//! Read Request (28 bytes), the Terminate message, the Atomic Request (52) and
+//! Read Request (28 bytes), the Terminate header ([`crate::rdmap::terminate`]),
+//! the Atomic Request (52) and
 //! Response (12), Immediate Data (8).
 //!
 //! # Decoding
@@ -41,9 +42,10 @@
 //! Reserved bits are ignored, as the RFCs require. It does not check that the
 //! queue number suits the opcode, nor MSN/MO/STag validity: those are protocol
 //! checks that answer with a specific Terminate, made by the caller with the
-//! decoded fields ([`Opcode::queue_number`] says which queue is right). Each
-//! [`UlpduError`] variant corresponds to one Terminate cause (for example
-//! "Invalid DDP version", "Invalid RDMAP version", "Unexpected OpCode").
+//! decoded fields ([`Opcode::queue_number`] says which queue is right).
+//! [`UlpduError::term_error`] names the Terminate error for the failures the
+//! RFCs give one ("Invalid DDP version", "Invalid RDMAP version",
+//! "Unexpected OpCode").
 //!
 //! # Direct placement
 //!
@@ -85,11 +87,13 @@ use crate::ddp::{
     self, DDP_VERSION, DdpHeaderRepr, DdpTaggedRepr, DdpUntaggedRepr, Msn, QN_ATOMIC_RESPONSE,
     QN_READ_REQUEST, QN_SEND, QN_TERMINATE, Qn, Stag, TAGGED_HEADER_LEN, Tagged, Untagged,
 };
+use crate::errcode::TermError;
 use crate::rdmap::atomic::{
     self, AtomicRequest, AtomicRequestRepr, AtomicResponse, AtomicResponseRepr,
 };
 use crate::rdmap::immediate::{self, ImmediateData, ImmediateDataRepr};
 use crate::rdmap::read_request::{self, ReadRequest, ReadRequestRepr};
+use crate::rdmap::terminate::{Terminate, TerminateRepr};
 use crate::rdmap::{self, Opcode, PayloadPlacement};
 use crate::{DecodeError, EncodeError};
 
@@ -130,9 +134,8 @@ pub enum UlpduBody<'a> {
     Payload(&'a [u8]),
     /// RDMA Read Request header.
     ReadRequest(ReadRequestRepr),
-    /// Terminate message: the bytes after the untagged DDP header, decoded
-    /// by [`crate::rdmap::terminate`].
-    Terminate(&'a [u8]),
+    /// Terminate header, with the copied headers it carries.
+    Terminate(TerminateRepr<'a>),
     /// Atomic Request header (RFC 7306).
     AtomicRequest(AtomicRequestRepr),
     /// Atomic Response header (RFC 7306).
@@ -170,9 +173,10 @@ impl UlpduBody<'_> {
     }
 
     /// Length of the body on the wire.
-    pub const fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         match self {
-            Self::Payload(p) | Self::Terminate(p) => p.len(),
+            Self::Payload(p) => p.len(),
+            Self::Terminate(t) => t.buffer_len(),
             Self::ReadRequest(_) => read_request::HEADER_LEN,
             Self::AtomicRequest(_) => atomic::REQUEST_LEN,
             Self::AtomicResponse(_) => atomic::RESPONSE_LEN,
@@ -180,9 +184,8 @@ impl UlpduBody<'_> {
         }
     }
 
-    /// Whether the body is empty on the wire (a zero-length payload or
-    /// Terminate).
-    pub const fn is_empty(&self) -> bool {
+    /// Whether the body is empty on the wire (a zero-length payload).
+    pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
@@ -205,7 +208,8 @@ pub struct UlpduRepr<'a> {
     pub body: UlpduBody<'a>,
 }
 
-/// Why bytes are not a valid ULPDU. Each variant maps to one Terminate cause.
+/// Why bytes are not a valid ULPDU. [`UlpduError::term_error`] gives the
+/// Terminate error to answer with, where the RFCs name one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum UlpduError {
@@ -263,6 +267,25 @@ pub enum UlpduError {
     /// atomic operation).
     #[error(transparent)]
     Body(DecodeError),
+}
+
+impl UlpduError {
+    /// The Terminate error RFC 5040/5041 name for this cause, if there is
+    /// one: the DDP and RDMAP version errors and "Unexpected OpCode". A
+    /// truncated header or a malformed RDMAP header has no specific code;
+    /// the caller picks one (for example
+    /// [`TermError::RdmapOperationUnspecified`]).
+    pub const fn term_error(&self) -> Option<TermError> {
+        match self {
+            Self::DdpVersion { tagged: true, .. } => Some(TermError::DdpTaggedInvalidVersion),
+            Self::DdpVersion { tagged: false, .. } => Some(TermError::DdpUntaggedInvalidVersion),
+            Self::RdmapVersion { .. } => Some(TermError::RdmapInvalidVersion),
+            Self::ReservedOpcode { .. } | Self::BufferModelMismatch { .. } => {
+                Some(TermError::RdmapUnexpectedOpcode)
+            }
+            Self::Truncated { .. } | Self::BodyLength { .. } | Self::Body(_) => None,
+        }
+    }
 }
 
 impl From<UlpduError> for DecodeError {
@@ -428,7 +451,10 @@ impl<'a> UlpduRepr<'a> {
             | Opcode::SendWithInvalidate
             | Opcode::SendWithSolicitedEvent
             | Opcode::SendWithSolicitedEventAndInvalidate => UlpduBody::Payload(body),
-            Opcode::Terminate => UlpduBody::Terminate(body),
+            Opcode::Terminate => {
+                let view = Terminate::new_checked(body).map_err(UlpduError::Body)?;
+                UlpduBody::Terminate(TerminateRepr::parse(&view).map_err(UlpduError::Body)?)
+            }
             Opcode::RdmaReadRequest => {
                 let b = body_exact(opcode, body, read_request::HEADER_LEN)?;
                 let view = ReadRequest::new_checked(b).map_err(UlpduError::Body)?;
@@ -514,9 +540,8 @@ impl<'a> UlpduRepr<'a> {
         )
     }
 
-    /// A Terminate message on queue 2; `body` is the encoded Terminate header
-    /// and the copied headers that follow it.
-    pub const fn terminate(msn: Msn, body: &'a [u8]) -> Self {
+    /// A Terminate message on queue 2.
+    pub const fn terminate(msn: Msn, body: TerminateRepr<'a>) -> Self {
         Self::untagged_single(
             Opcode::Terminate,
             QN_TERMINATE,
@@ -594,7 +619,7 @@ impl<'a> UlpduRepr<'a> {
     /// Bytes [`Self::emit_header`] writes: the DDP header, plus the RDMAP
     /// header for the message types whose body is consumed by RDMAP. For
     /// [`UlpduBody::Payload`] this is 14 or 18, whatever the payload.
-    pub const fn header_len(&self) -> usize {
+    pub fn header_len(&self) -> usize {
         let ddp_len = self.ddp_header().buffer_len();
         match self.body {
             UlpduBody::Payload(_) => ddp_len,
@@ -604,7 +629,7 @@ impl<'a> UlpduRepr<'a> {
 
     /// Bytes [`Self::emit`] writes: the whole ULPDU (the value of the MPA
     /// ULPDU length field).
-    pub const fn buffer_len(&self) -> usize {
+    pub fn buffer_len(&self) -> usize {
         self.ddp_header().buffer_len() + self.body.len()
     }
 
@@ -654,9 +679,7 @@ impl<'a> UlpduRepr<'a> {
                 r.emit(rest)?;
             }
             UlpduBody::Terminate(t) => {
-                if let Some(dst) = rest.get_mut(..t.len()) {
-                    dst.copy_from_slice(t);
-                }
+                t.emit(rest)?;
             }
             UlpduBody::AtomicRequest(r) => {
                 r.emit(rest)?;
@@ -702,6 +725,7 @@ impl<'a> UlpduRepr<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rdmap::terminate::TerminatedDdp;
     use proptest::prelude::*;
 
     /// The MPA FPDU around a ULPDU with CRC off: length, ULPDU, pad to 4.
@@ -838,6 +862,82 @@ mod tests {
             assert_eq!(buf[1], 0x43);
             assert_eq!(buf[14..18], mo.to_be_bytes());
             assert_eq!(UlpduRepr::parse(&buf), Ok(u));
+        }
+    }
+
+    #[test]
+    fn golden_terminate() {
+        // What Linux siw sends for a Send with no receive posted: Terminate
+        // on QN 2, MSN 1; DDP layer, Untagged Buffer Error, "no buffer";
+        // M and D set, the 16-byte Send's payload length and DDP header.
+        let bytes = [
+            0x41, 0x47, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0, // DDP/RDMAP
+            0x12, 0x02, 0xc0, 0x00, // Terminate control
+            0x00, 0x10, // DDP Segment Length
+            0x41, 0x43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, // copied header
+        ];
+        let u = UlpduRepr::parse(&bytes).unwrap();
+        assert_eq!(u.opcode, Opcode::Terminate);
+        assert_eq!(
+            u.address,
+            DdpAddress::Untagged {
+                qn: QN_TERMINATE,
+                msn: Msn(1),
+                mo: 0
+            }
+        );
+        let UlpduBody::Terminate(t) = u.body else {
+            panic!("not a Terminate body: {:?}", u.body);
+        };
+        assert_eq!(t.error(), Some(TermError::DdpUntaggedNoBuffer));
+        assert_eq!(u, UlpduRepr::terminate(Msn(1), t));
+        let mut out = [0u8; 42];
+        assert_eq!(u.emit_header(&mut out), Ok(42));
+        assert_eq!(out, bytes);
+        // A Terminate whose flags announce more than is there.
+        assert!(matches!(
+            UlpduRepr::parse(&bytes[..30]),
+            Err(UlpduError::Body(DecodeError::Truncated { .. }))
+        ));
+    }
+
+    #[test]
+    fn term_errors_for_decode_failures() {
+        let cases = [
+            (
+                UlpduError::DdpVersion {
+                    tagged: true,
+                    version: 0,
+                },
+                Some(TermError::DdpTaggedInvalidVersion),
+            ),
+            (
+                UlpduError::DdpVersion {
+                    tagged: false,
+                    version: 2,
+                },
+                Some(TermError::DdpUntaggedInvalidVersion),
+            ),
+            (
+                UlpduError::RdmapVersion { version: 0 },
+                Some(TermError::RdmapInvalidVersion),
+            ),
+            (
+                UlpduError::ReservedOpcode { opcode: 0xc },
+                Some(TermError::RdmapUnexpectedOpcode),
+            ),
+            (
+                UlpduError::BufferModelMismatch {
+                    opcode: Opcode::Send,
+                    tagged: true,
+                },
+                Some(TermError::RdmapUnexpectedOpcode),
+            ),
+            (UlpduError::Truncated { needed: 18, got: 3 }, None),
+        ];
+        for (e, t) in cases {
+            assert_eq!(e.term_error(), t);
+            assert!(!e.to_string().is_empty());
         }
     }
 
@@ -1015,7 +1115,6 @@ mod tests {
     #[derive(Debug, Clone)]
     enum OwnedBody {
         Payload(Vec<u8>),
-        Terminate(Vec<u8>),
         Fixed(UlpduBody<'static>),
     }
 
@@ -1023,10 +1122,36 @@ mod tests {
         fn as_body(&self) -> UlpduBody<'_> {
             match self {
                 Self::Payload(p) => UlpduBody::Payload(p),
-                Self::Terminate(p) => UlpduBody::Terminate(p),
                 Self::Fixed(b) => *b,
             }
         }
+    }
+
+    static COPIED_TAGGED: [u8; 14] = RTR_WRITE;
+    static COPIED_UNTAGGED: [u8; 18] = [0x41, 0x43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0];
+    static COPIED_RDMAP: [u8; 28] = [7; 28];
+
+    fn arb_terminate() -> impl Strategy<Value = TerminateRepr<'static>> {
+        (
+            proptest::sample::select(TermError::ALL.to_vec()),
+            any::<bool>(),
+            proptest::option::of((any::<u16>(), any::<bool>())),
+            proptest::option::of(any::<bool>()),
+        )
+            .prop_map(|(e, m, ddp, rdmap)| {
+                let mut t = TerminateRepr::new(e);
+                t.segment_length_valid = m;
+                t.ddp = ddp.map(|(segment_length, tagged)| TerminatedDdp {
+                    segment_length,
+                    header: if tagged {
+                        &COPIED_TAGGED[..]
+                    } else {
+                        &COPIED_UNTAGGED[..]
+                    },
+                });
+                t.rdmap_header = rdmap.map(|full| if full { &COPIED_RDMAP[..] } else { &[][..] });
+                t
+            })
     }
 
     fn arb_body() -> impl Strategy<Value = OwnedBody> {
@@ -1065,8 +1190,8 @@ mod tests {
                 compare_mask: d,
             });
         prop_oneof![
-            bytes.clone().prop_map(OwnedBody::Payload),
-            bytes.prop_map(OwnedBody::Terminate),
+            bytes.prop_map(OwnedBody::Payload),
+            arb_terminate().prop_map(|t| OwnedBody::Fixed(UlpduBody::Terminate(t))),
             read_request.prop_map(|r| OwnedBody::Fixed(UlpduBody::ReadRequest(r))),
             atomic_req.prop_map(|r| OwnedBody::Fixed(UlpduBody::AtomicRequest(r))),
             (any::<u32>(), any::<u64>()).prop_map(|(request_id, original_value)| {
