@@ -1,6 +1,6 @@
-//! The narrow set of decoding operations the dissector needs: MPA
-//! Request/Reply frames, FPDU framing, CRC32C and the DDP/RDMAP headers of a
-//! ULPDU, returned as plain values ready for printing.
+//! The dissector's view of the wire codecs: MPA Request/Reply frames, FPDU
+//! framing and CRC, and the DDP/RDMAP headers of a ULPDU, decoded by
+//! `softrdma-wire` and turned into plain, serialisable values for printing.
 //!
 //! Field layouts (RFC 5044 §7.1, RFC 6581 §9, RFC 5041 §4, RFC 5040 §4):
 //!
@@ -14,13 +14,13 @@
 //! ```
 
 use serde::Serialize;
+use softrdma_wire::fpdu::{self, CrcVerdict};
+use softrdma_wire::mpa::{self, Frame, FrameKind, FrameRepr, MPA_MAX_PRIVATE_DATA};
+use softrdma_wire::rdmap::Opcode;
+use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduRepr};
 
-/// "MPA ID Req Frame".
-pub const MPA_REQ_KEY: &[u8; 16] = b"MPA ID Req Frame";
-/// "MPA ID Rep Frame".
-pub const MPA_REP_KEY: &[u8; 16] = b"MPA ID Rep Frame";
-/// Bytes in an MPA Request/Reply header before the private data.
-pub const MPA_HEADER_LEN: usize = 20;
+pub use softrdma_wire::mpa::MpaError;
+pub use softrdma_wire::ulpdu::UlpduError;
 
 /// Which of the two MPA start-up frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -73,68 +73,44 @@ pub struct MpaFrameInfo {
     pub raw: Vec<u8>,
 }
 
-/// Why bytes at the start of a stream are not an MPA Request/Reply.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum MpaError {
-    /// The key is neither "MPA ID Req Frame" nor "MPA ID Rep Frame".
-    #[error("no MPA key at stream start")]
-    BadKey,
-    /// Revision is not 1 or 2.
-    #[error("unsupported MPA revision {0}")]
-    BadRevision(u8),
-    /// Private data longer than the 512 bytes RFC 5044 allows.
-    #[error("private data length {0} exceeds 512")]
-    PrivateDataTooLong(u16),
-}
-
-/// Parses an MPA Request/Reply at the start of `buf`.
+/// Parses an MPA Request/Reply at the start of `buf` with
+/// [`softrdma_wire::mpa`]. Private data up to the RFC 5044 maximum (512
+/// bytes) is accepted, not only siw's 256: a dissector shows what was sent.
 ///
-/// `None`: more bytes needed.
+/// `None`: the stream ends before the frame does.
 pub fn parse_mpa_frame(buf: &[u8]) -> Option<Result<MpaFrameInfo, MpaError>> {
-    let key = buf.get(..16)?;
-    let kind = if key == MPA_REQ_KEY {
-        MpaKind::Request
-    } else if key == MPA_REP_KEY {
-        MpaKind::Reply
-    } else {
-        return Some(Err(MpaError::BadKey));
+    let len = match mpa::frame_len(buf, MPA_MAX_PRIVATE_DATA)? {
+        Ok(len) => len,
+        Err(e) => return Some(Err(e)),
     };
-    let hdr = buf.get(..MPA_HEADER_LEN)?;
-    let flags = hdr[16];
-    let revision = hdr[17];
-    let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]);
-    if !(1..=2).contains(&revision) {
-        return Some(Err(MpaError::BadRevision(revision)));
-    }
-    if pd_len > 512 {
-        return Some(Err(MpaError::PrivateDataTooLong(pd_len)));
-    }
-    let raw = buf.get(..MPA_HEADER_LEN + usize::from(pd_len))?;
-    let enhanced = flags & 0x10 != 0 && revision == 2;
-    let ird_ord = match (enhanced, raw.get(20..24)) {
-        (true, Some(w)) => {
-            let ird = u16::from_be_bytes([w[0], w[1]]);
-            let ord = u16::from_be_bytes([w[2], w[3]]);
-            Some(IrdOrdInfo {
-                ird: ird & 0x3fff,
-                ord: ord & 0x3fff,
-                a_peer_to_peer: ird & 0x8000 != 0,
-                b_send_rtr: ird & 0x4000 != 0,
-                c_write_rtr: ord & 0x8000 != 0,
-                d_read_rtr: ord & 0x4000 != 0,
-            })
-        }
-        _ => None,
+    let raw = buf.get(..len)?;
+    let frame = match Frame::new_checked(raw) {
+        Ok(f) => f,
+        Err(e) => return Some(Err(MpaError::Malformed(e))),
     };
+    let repr = match FrameRepr::parse(&frame, MPA_MAX_PRIVATE_DATA) {
+        Ok(r) => r,
+        Err(e) => return Some(Err(e)),
+    };
+    let ird_ord = repr.ird_ord().and_then(Result::ok).map(|io| IrdOrdInfo {
+        ird: io.ird,
+        ord: io.ord,
+        a_peer_to_peer: io.peer_to_peer,
+        b_send_rtr: io.send_rtr,
+        c_write_rtr: io.write_rtr,
+        d_read_rtr: io.read_rtr,
+    });
     Some(Ok(MpaFrameInfo {
-        kind,
-        marker: flags & 0x80 != 0,
-        crc: flags & 0x40 != 0,
-        reject: flags & 0x20 != 0,
-        enhanced,
-        revision,
-        private_data_len: pd_len,
+        kind: match repr.kind {
+            FrameKind::Request => MpaKind::Request,
+            FrameKind::Reply => MpaKind::Reply,
+        },
+        marker: repr.markers,
+        crc: repr.crc,
+        reject: repr.reject,
+        enhanced: repr.enhanced,
+        revision: repr.revision,
+        private_data_len: frame.private_data_len(),
         ird_ord,
         raw: raw.to_vec(),
     }))
@@ -143,16 +119,30 @@ pub fn parse_mpa_frame(buf: &[u8]) -> Option<Result<MpaFrameInfo, MpaError>> {
 /// Total FPDU length on the wire (without markers) for a ULPDU length:
 /// 2 + ULPDU + pad to a multiple of 4 + 4.
 pub fn fpdu_len(ulpdu_len: u16) -> usize {
-    (2 + usize::from(ulpdu_len)).next_multiple_of(4) + 4
+    fpdu::fpdu_len(usize::from(ulpdu_len))
 }
 
-/// The CRC field value an FPDU should carry, read as a big-endian `u32`
-/// the way Wireshark shows it: CRC32C over everything before the CRC field
-/// (length, ULPDU, pad; markers excluded), RFC 5044 §6. The CRC register is
-/// transmitted least significant byte first (as in iSCSI, RFC 3720 §12.1),
-/// so the big-endian reading is the byte-swapped register.
-pub fn fpdu_crc(fpdu_without_crc: &[u8]) -> u32 {
-    crc32c::crc32c(fpdu_without_crc).swap_bytes()
+/// The CRC field of an FPDU read as a big-endian number, the way Wireshark
+/// displays it (the field itself carries the CRC32C value least significant
+/// byte first; see `softrdma_wire::crc`).
+pub fn crc_field_as_shown(field: [u8; 4]) -> u32 {
+    u32::from_be_bytes(field)
+}
+
+/// What CRC32C says about a whole FPDU (no markers), as
+/// `(verdict, expected, found)`, the last two shown as Wireshark shows the
+/// field. `None` if `fpdu` is not a whole FPDU.
+pub fn check_crc(fpdu_bytes: &[u8]) -> Option<(bool, u32, u32)> {
+    let d = fpdu::decode(fpdu_bytes, true).ok()?;
+    let field: [u8; 4] = fpdu_bytes
+        .get(d.len.checked_sub(4)?..d.len)?
+        .try_into()
+        .ok()?;
+    let shown = crc_field_as_shown(field);
+    Some(match d.crc {
+        CrcVerdict::Bad { expected, .. } => (false, expected.swap_bytes(), shown),
+        CrcVerdict::Good | CrcVerdict::NotNegotiated => (true, shown, shown),
+    })
 }
 
 /// The DDP buffer model and its addressing fields.
@@ -186,152 +176,93 @@ pub struct UlpduInfo {
     pub last: bool,
     /// RDMAP opcode.
     pub opcode: u8,
+    /// RDMAP message name.
+    pub opcode_name: &'static str,
     /// Bytes after the DDP header (RDMAP payload, including RDMAP
     /// message-specific headers such as a Read Request).
     pub payload_len: usize,
-    /// Extra fields of some messages (Read Request, Terminate), for display.
+    /// Extra fields of some messages (Read Request, Terminate, atomics,
+    /// Immediate Data), for display.
     pub detail: Option<String>,
 }
 
-/// Why a ULPDU could not be decoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum UlpduError {
-    /// Shorter than the DDP header its T bit announces.
-    #[error("ULPDU of {len} bytes is shorter than the {need}-byte DDP header")]
-    Truncated {
-        /// ULPDU length.
-        len: usize,
-        /// Header length required.
-        need: usize,
-    },
-    /// DDP version is not 1.
-    #[error("DDP version {0} (expected 1)")]
-    DdpVersion(u8),
-    /// RDMAP version is not 1.
-    #[error("RDMAP version {0} (expected 1)")]
-    RdmapVersion(u8),
-    /// Reserved opcode.
-    #[error("reserved RDMAP opcode {0:#x}")]
-    Opcode(u8),
-}
-
-/// RDMAP opcode names (RFC 5040 §4.3 and RFC 7306 §6).
+/// RDMAP opcode names (RFC 5040 §4.3 and RFC 7306), from the wire codecs.
 pub fn opcode_name(opcode: u8) -> Option<&'static str> {
-    Some(match opcode {
-        0x0 => "RDMA Write",
-        0x1 => "RDMA Read Request",
-        0x2 => "RDMA Read Response",
-        0x3 => "Send",
-        0x4 => "Send with Invalidate",
-        0x5 => "Send with Solicited Event",
-        0x6 => "Send with SE and Invalidate",
-        0x7 => "Terminate",
-        0x8 => "Immediate Data",
-        0x9 => "Immediate Data with SE",
-        0xa => "Atomic Request",
-        0xb => "Atomic Response",
-        _ => return None,
-    })
+    Opcode::from_u8(opcode).map(Opcode::name)
 }
 
-fn be32(b: &[u8], at: usize) -> u32 {
-    b.get(at..at + 4)
-        .map_or(0, |s| u32::from_be_bytes([s[0], s[1], s[2], s[3]]))
-}
-
-fn be64(b: &[u8], at: usize) -> u64 {
-    (u64::from(be32(b, at)) << 32) | u64::from(be32(b, at + 4))
-}
-
-/// Decodes the DDP and RDMAP headers of a ULPDU.
+/// Decodes the DDP and RDMAP headers of a ULPDU with
+/// [`softrdma_wire::ulpdu::UlpduRepr`].
 ///
 /// # Errors
 ///
-/// [`UlpduError`] when the header is truncated or carries a bad version or
-/// a reserved opcode.
+/// [`UlpduError`] when the header is truncated, carries a bad version or a
+/// reserved opcode, the buffer model does not suit the opcode, or an RDMAP
+/// header is malformed.
 pub fn decode_ulpdu(ulpdu: &[u8]) -> Result<UlpduInfo, UlpduError> {
-    let (Some(&ctrl), Some(&rctrl)) = (ulpdu.first(), ulpdu.get(1)) else {
-        return Err(UlpduError::Truncated {
-            len: ulpdu.len(),
-            need: 14,
-        });
+    let repr = UlpduRepr::parse(ulpdu)?;
+    let (ddp, ddp_len) = match repr.address {
+        DdpAddress::Tagged { stag, to } => (DdpInfo::Tagged { stag: stag.0, to }, 14),
+        DdpAddress::Untagged { qn, msn, mo } => (
+            DdpInfo::Untagged {
+                qn: qn.0,
+                msn: msn.0,
+                mo,
+            },
+            18,
+        ),
     };
-    let tagged = ctrl & 0x80 != 0;
-    let last = ctrl & 0x40 != 0;
-    let need = if tagged { 14 } else { 18 };
-    if ulpdu.len() < need {
-        return Err(UlpduError::Truncated {
-            len: ulpdu.len(),
-            need,
-        });
-    }
-    if ctrl & 0x03 != 1 {
-        return Err(UlpduError::DdpVersion(ctrl & 0x03));
-    }
-    if rctrl >> 6 != 1 {
-        return Err(UlpduError::RdmapVersion(rctrl >> 6));
-    }
-    let opcode = rctrl & 0x0f;
-    if opcode_name(opcode).is_none() {
-        return Err(UlpduError::Opcode(opcode));
-    }
-    let ddp = if tagged {
-        DdpInfo::Tagged {
-            stag: be32(ulpdu, 2),
-            to: be64(ulpdu, 6),
-        }
-    } else {
-        DdpInfo::Untagged {
-            qn: be32(ulpdu, 6),
-            msn: be32(ulpdu, 10),
-            mo: be32(ulpdu, 14),
-        }
-    };
-    let payload = ulpdu.get(need..).unwrap_or_default();
-    let detail = match opcode {
-        0x1 if payload.len() >= 28 => Some(format!(
+    let detail = match repr.body {
+        UlpduBody::Payload(_) => repr
+            .invalidate_stag
+            .map(|s| format!("invalidate STag {:#010x}", s.0)),
+        UlpduBody::ReadRequest(r) => Some(format!(
             "sink STag {:#010x} TO {:#x}, size {}, source STag {:#010x} TO {:#x}",
-            be32(payload, 0),
-            be64(payload, 4),
-            be32(payload, 12),
-            be32(payload, 16),
-            be64(payload, 20)
+            r.sink_stag.0, r.sink_to, r.read_size, r.src_stag.0, r.src_to
         )),
-        0x7 if payload.len() >= 4 => {
-            let w = be32(payload, 0);
-            Some(format!(
-                "layer {} etype {:#x} code {:#04x}",
-                w >> 28,
-                (w >> 24) & 0xf,
-                (w >> 16) & 0xff
-            ))
-        }
-        _ => None,
+        UlpduBody::Terminate(t) => Some(format!("{}", t.code)),
+        UlpduBody::AtomicRequest(a) => Some(format!(
+            "{:?} request {} STag {:#010x} TO {:#x}",
+            a.opcode, a.request_id, a.stag.0, a.to
+        )),
+        UlpduBody::AtomicResponse(a) => Some(format!(
+            "response to {}, original value {:#x}",
+            a.request_id, a.original_value
+        )),
+        UlpduBody::Immediate(i) => Some(format!("immediate data {:02x?}", i.data)),
     };
     Ok(UlpduInfo {
         ddp,
-        last,
-        opcode,
-        payload_len: payload.len(),
+        last: repr.last,
+        opcode: repr.opcode.as_u8(),
+        opcode_name: repr.opcode.name(),
+        payload_len: ulpdu.len().saturating_sub(ddp_len),
         detail,
     })
 }
 
 /// Heuristic check that an FPDU starts at `buf[0]`: a ULPDU length that
 /// can hold a DDP header, DDP and RDMAP version 1, reserved DDP bits clear,
-/// a defined opcode. Used only to resynchronise after a hole or when a
-/// capture starts mid-stream.
+/// a defined opcode in the buffer model it belongs to; and, when the whole
+/// ULPDU is in `buf`, a ULPDU that decodes. Used only to resynchronise after
+/// a hole or when a capture starts mid-stream.
 pub fn plausible_fpdu_start(buf: &[u8]) -> bool {
     let (Some(l), Some(&ctrl), Some(&rctrl)) = (buf.get(..2), buf.get(2), buf.get(3)) else {
         return false;
     };
-    let len = u16::from_be_bytes([l[0], l[1]]);
-    let need = if ctrl & 0x80 != 0 { 14 } else { 18 };
-    usize::from(len) >= need
-        && ctrl & 0x3f == 0x01
-        && rctrl & 0xf0 == 0x40
-        && opcode_name(rctrl & 0x0f).is_some()
+    let len = usize::from(u16::from_be_bytes([l[0], l[1]]));
+    let tagged = ctrl & 0x80 != 0;
+    let need = if tagged { 14 } else { 18 };
+    let Some(op) = Opcode::from_u8(rctrl & 0x0f) else {
+        return false;
+    };
+    if len < need || ctrl & 0x3f != 0x01 || rctrl & 0xf0 != 0x40 || op.is_tagged() != tagged {
+        return false;
+    }
+    match buf.get(2..2 + len) {
+        Some(ulpdu) => UlpduRepr::parse(ulpdu).is_ok(),
+        None => true,
+    }
 }
 
 #[cfg(test)]
@@ -357,10 +288,10 @@ mod tests {
         assert_eq!((io.ird, io.ord), (1, 1));
         assert!(io.a_peer_to_peer && !io.b_send_rtr && io.c_write_rtr && io.d_read_rtr);
         assert!(parse_mpa_frame(&raw[..23]).is_none());
-        assert_eq!(
+        assert!(matches!(
             parse_mpa_frame(b"GET / HTTP/1.1\r\n\r\n"),
-            Some(Err(MpaError::BadKey))
-        );
+            Some(Err(MpaError::BadKey { .. }))
+        ));
     }
 
     #[test]
@@ -369,6 +300,33 @@ mod tests {
         assert_eq!(fpdu_len(34), 40);
         assert_eq!(fpdu_len(20), 28);
         assert_eq!(fpdu_len(1442), 1448);
+    }
+
+    #[test]
+    fn crc_field_shown_as_wireshark_shows_it() {
+        // rping-crc-p2p frame 8: the zero-length RDMA Write (RTR), CRC field
+        // shown by tshark as 0xebd34c5f (Good).
+        let f = hex("000ec140000000010000000000000000ebd34c5f");
+        assert_eq!(check_crc(&f), Some((true, 0xebd3_4c5f, 0xebd3_4c5f)));
+        let mut bad = f.clone();
+        bad[5] ^= 1;
+        let (good, expected, found) = check_crc(&bad).unwrap();
+        assert!(!good);
+        assert_eq!(found, 0xebd3_4c5f);
+        assert_ne!(expected, found);
+        assert_eq!(check_crc(&f[..f.len() - 1]), None);
+    }
+
+    #[test]
+    fn plausibility() {
+        let f = hex("000ec140000000010000000000000000ebd34c5f");
+        assert!(plausible_fpdu_start(&f));
+        assert!(plausible_fpdu_start(&f[..4]));
+        assert!(!plausible_fpdu_start(&f[1..]));
+        // Untagged opcode (Send) with T set: not plausible.
+        let mut t = f.clone();
+        t[3] = 0x43;
+        assert!(!plausible_fpdu_start(&t));
     }
 
     #[test]

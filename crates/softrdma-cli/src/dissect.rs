@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::capture::{self, Capture, FrameNote};
 use crate::decode::{
-    self, DdpInfo, MpaError, MpaFrameInfo, MpaKind, UlpduInfo, fpdu_crc, fpdu_len,
+    self, DdpInfo, MpaError, MpaFrameInfo, MpaKind, UlpduInfo, check_crc, fpdu_len,
     plausible_fpdu_start,
 };
 use crate::reassembly::{self, Chunk, Connection, Direction};
@@ -48,6 +48,10 @@ impl Dir {
 }
 
 /// The outcome of checking one FPDU's CRC field.
+///
+/// CRC values are shown the way Wireshark shows the field: the four wire
+/// bytes read as a big-endian number (the CRC32C register goes on the wire
+/// least significant byte first, so this is the byte-swapped register).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum CrcStatus {
@@ -344,7 +348,7 @@ fn find_start(d: &Direction) -> Start {
             let len = f.raw.len() as u64;
             Start::Mpa(f, len)
         }
-        Some(Err(MpaError::BadKey)) => Start::NoKey,
+        Some(Err(MpaError::BadKey { .. })) => Start::NoKey,
         Some(Err(e)) => Start::Broken(e.to_string()),
         None => Start::Broken(format!(
             "stream ends after {} bytes, inside the MPA Request/Reply",
@@ -691,9 +695,7 @@ impl Walker<'_, '_> {
                 if self.crc == Some(true) {
                     match rest.get(..total) {
                         Some(f) => {
-                            let (body, field) = f.split_at(total - 4);
-                            let fv = u32::from_be_bytes([field[0], field[1], field[2], field[3]]);
-                            if fpdu_crc(body) != fv {
+                            if !check_crc(f).is_some_and(|(good, _, _)| good) {
                                 return false;
                             }
                         }
@@ -717,35 +719,22 @@ impl Walker<'_, '_> {
     }
 
     fn fpdu(&mut self, at: u64, end: u64, ulpdu_len: u16, fpdu: &[u8], info: UlpduInfo) {
-        let (body, field) = fpdu.split_at(fpdu.len() - 4);
-        let found = u32::from_be_bytes([field[0], field[1], field[2], field[3]]);
+        // `fpdu` is a whole FPDU (the caller sliced fpdu_len bytes).
+        let (good, expected, found) = check_crc(fpdu).unwrap_or((false, 0, 0));
         let crc = match self.crc {
             Some(false) => CrcStatus::NotNegotiated { field: found },
-            Some(true) => {
-                let expected = fpdu_crc(body);
-                if expected == found {
-                    CrcStatus::Good { value: found }
-                } else {
-                    CrcStatus::Bad { expected, found }
-                }
-            }
-            None => {
-                let expected = fpdu_crc(body);
-                if expected == found {
-                    CrcStatus::Good { value: found }
-                } else if found == 0 {
-                    CrcStatus::NotNegotiated { field: found }
-                } else {
-                    CrcStatus::Unknown { field: found }
-                }
-            }
+            Some(true) if good => CrcStatus::Good { value: found },
+            Some(true) => CrcStatus::Bad { expected, found },
+            None if good => CrcStatus::Good { value: found },
+            None if found == 0 => CrcStatus::NotNegotiated { field: found },
+            None => CrcStatus::Unknown { field: found },
         };
         match crc {
             CrcStatus::Good { .. } => self.summary.crc_good += 1,
             CrcStatus::Bad { .. } => self.summary.crc_bad += 1,
             _ => {}
         }
-        let opcode_name = decode::opcode_name(info.opcode).unwrap_or("reserved");
+        let opcode_name = info.opcode_name;
         self.summary.fpdus += 1;
         *self.summary.opcodes.entry(opcode_name).or_default() += 1;
         self.records.push(Record::Fpdu(FpduRecord {

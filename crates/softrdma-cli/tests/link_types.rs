@@ -18,6 +18,7 @@ use pcap_file::pcapng::blocks::interface_description::{
 use softrdma_cli::capture::{CaptureError, read_capture_bytes};
 use softrdma_cli::decode::DdpInfo;
 use softrdma_cli::dissect::{CrcStatus, Dir, Dissection, FpduRecord, Record, dissect_capture};
+use softrdma_wire::crc;
 
 const A_PORT: u16 = 40000;
 const B_PORT: u16 = 7174;
@@ -51,8 +52,7 @@ fn send_fpdu(msn: u32, payload: &[u8]) -> Vec<u8> {
     while f.len() % 4 != 0 {
         f.push(0);
     }
-    let crc = crc32c::crc32c(&f);
-    f.extend_from_slice(&crc.to_le_bytes());
+    f.extend_from_slice(&crc::to_wire(crc::crc32c(&f)));
     f
 }
 
@@ -67,8 +67,7 @@ fn write_fpdu(stag: u32, to: u64, payload: &[u8]) -> Vec<u8> {
     while f.len() % 4 != 0 {
         f.push(0);
     }
-    let crc = crc32c::crc32c(&f);
-    f.extend_from_slice(&crc.to_le_bytes());
+    f.extend_from_slice(&crc::to_wire(crc::crc32c(&f)));
     f
 }
 
