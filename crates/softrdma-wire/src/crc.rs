@@ -95,7 +95,7 @@ pub const fn from_wire(field: [u8; CRC_LEN]) -> u32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 

@@ -39,6 +39,7 @@
 //! ([`crate::deframer`]) removes them itself; [`MarkerRemover`] is the
 //! FPDU-agnostic building block for tools.
 
+use crate::crc::{self, CRC_LEN};
 use crate::{DecodeError, EncodeError};
 
 /// Length of a marker.
@@ -358,17 +359,25 @@ pub const fn marked_len(start: u64, fpdu_len: usize) -> usize {
     fpdu_len + FpduMarkers::layout(start, fpdu_len).marker_count() * MARKER_LEN
 }
 
-/// Writes `fpdu` (one whole FPDU without markers, CRC already computed over
-/// the marked bytes — see [`crate::deframer`] and the module documentation)
-/// with its markers into `out`, for an FPDU region starting at stream
-/// position `start`. Returns the bytes written ([`marked_len`]); the next
-/// FPDU starts at `start + written`.
+/// Writes `fpdu` (one whole FPDU without markers, as [`crate::fpdu::emit`]
+/// produces it) with its markers into `out`, for an FPDU region starting at
+/// stream position `start`. Returns the bytes written ([`marked_len`]); the
+/// next FPDU starts at `start + written`.
+///
+/// The CRC covers the markers, so with `crc_negotiated` the CRC field is
+/// recomputed over the marked bytes (the CRC field in `fpdu` is ignored);
+/// without, the CRC field is copied as it is.
 ///
 /// # Errors
 ///
 /// [`EncodeError::BufferTooSmall`] if `out` is too short;
 /// [`EncodeError::OutOfRange`] as for [`FpduMarkers::new`].
-pub fn insert_markers(fpdu: &[u8], start: u64, out: &mut [u8]) -> Result<usize, EncodeError> {
+pub fn insert_markers(
+    fpdu: &[u8],
+    start: u64,
+    crc_negotiated: bool,
+    out: &mut [u8],
+) -> Result<usize, EncodeError> {
     let total = marked_len(start, fpdu.len());
     let got = out.len();
     let out = out.get_mut(..total).ok_or(EncodeError::BufferTooSmall {
@@ -387,6 +396,12 @@ pub fn insert_markers(fpdu: &[u8], start: u64, out: &mut [u8]) -> Result<usize, 
         dst += MARKER_LEN;
     }
     copy(out, dst, fpdu, src, fpdu.len() - src);
+    // The CRC field is the last 4 bytes: no marker follows it inside the
+    // FPDU (a marker where the FPDU ends belongs to the next one).
+    if crc_negotiated && total >= CRC_LEN {
+        let (covered, field) = out.split_at_mut(total - CRC_LEN);
+        field.copy_from_slice(&crc::to_wire(crc::crc32c(covered)));
+    }
     Ok(total)
 }
 
@@ -409,7 +424,7 @@ fn copy(out: &mut [u8], dst: usize, src: &[u8], at: usize, n: usize) {
 /// use softrdma_wire::markers::{MarkerRemover, Piece, insert_markers, marked_len};
 /// let fpdu = [7u8; 600];
 /// let mut wire = vec![0u8; marked_len(0, fpdu.len())];
-/// insert_markers(&fpdu, 0, &mut wire)?;
+/// insert_markers(&fpdu, 0, false, &mut wire)?;
 /// let mut rm = MarkerRemover::new(0);
 /// let mut data = Vec::new();
 /// for piece in rm.split(&wire) {
@@ -571,7 +586,7 @@ mod tests {
         let mut wire = vec![0u8; 2048];
         let mut pos = 0usize;
         for f in [&a, &b, &c, &d] {
-            pos += insert_markers(f, pos as u64, &mut wire[pos..]).unwrap();
+            pos += insert_markers(f, pos as u64, false, &mut wire[pos..]).unwrap();
         }
         assert_eq!(pos, 4 + 20 + 1016 + 496 + 4 + 8);
         assert_eq!(&wire[0..4], &[0, 0, 0, 0]);
@@ -620,8 +635,8 @@ mod tests {
             Err(EncodeError::OutOfRange { .. })
         ));
         let mut out = vec![0u8; len + 1024];
-        assert!(insert_markers(&vec![0u8; len], 4, &mut out).is_err());
-        assert!(insert_markers(&[0u8; 8], 0, &mut [0u8; 11]).is_err());
+        assert!(insert_markers(&vec![0u8; len], 4, true, &mut out).is_err());
+        assert!(insert_markers(&[0u8; 8], 0, true, &mut [0u8; 11]).is_err());
     }
 
     /// A stream of FPDUs with markers inserted, and the header position of
@@ -634,7 +649,7 @@ mod tests {
         for (i, &u) in ulpdu_lens.iter().enumerate() {
             let f: Vec<u8> = (0..fpdu_len(u)).map(|j| (i * 31 + j) as u8).collect();
             let mut out = vec![0u8; marked_len(pos, f.len())];
-            let n = insert_markers(&f, pos, &mut out).unwrap();
+            let n = insert_markers(&f, pos, false, &mut out).unwrap();
             assert_eq!(n, out.len());
             headers.push(FpduMarkers::new(pos, f.len()).unwrap().header_position());
             pos += n as u64;
