@@ -797,6 +797,23 @@ mod tests {
     }
 
     #[test]
+    fn every_read_request_of_the_crc_capture() {
+        // rping-crc-p2p.txt frames 11, 19, 27: the same Read Request with
+        // MSN 1, 2, 3 on QN 1; their CRCs pin down every byte.
+        let base = crc_p2p_read_request();
+        let request = match UlpduRepr::parse(&base).map(|u| u.body) {
+            Ok(UlpduBody::ReadRequest(r)) => r,
+            other => panic!("{other:?}"),
+        };
+        for (msn, crc) in [(1u32, 0xee63_a0f7u32), (2, 0x9f1e_eb19), (3, 0xb035_d243)] {
+            let u = UlpduRepr::read_request(Msn(msn), request);
+            let mut buf = [0u8; 46];
+            assert_eq!(u.emit(&mut buf), Ok(46));
+            assert_capture_crc(&buf, crc);
+        }
+    }
+
+    #[test]
     fn golden_rping_send_write_read_response() {
         // rping.txt frame 8: Send, QN 0, MSN 1, MO 0, 16 bytes of data
         // (the rping {addr, rkey, size} exchange; the bytes are made up).
