@@ -14,7 +14,8 @@
 //! ```
 
 use serde::Serialize;
-use softrdma_wire::fpdu::{self, CrcVerdict};
+use softrdma_wire::crc;
+use softrdma_wire::fpdu;
 use softrdma_wire::mpa::{self, Frame, FrameKind, FrameRepr, MPA_MAX_PRIVATE_DATA};
 use softrdma_wire::rdmap::Opcode;
 use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduRepr};
@@ -129,20 +130,21 @@ pub fn crc_field_as_shown(field: [u8; 4]) -> u32 {
     u32::from_be_bytes(field)
 }
 
-/// What CRC32C says about a whole FPDU (no markers), as
-/// `(verdict, expected, found)`, the last two shown as Wireshark shows the
-/// field. `None` if `fpdu` is not a whole FPDU.
-pub fn check_crc(fpdu_bytes: &[u8]) -> Option<(bool, u32, u32)> {
-    let d = fpdu::decode(fpdu_bytes, true).ok()?;
-    let field: [u8; 4] = fpdu_bytes
-        .get(d.len.checked_sub(4)?..d.len)?
-        .try_into()
-        .ok()?;
-    let shown = crc_field_as_shown(field);
-    Some(match d.crc {
-        CrcVerdict::Bad { expected, .. } => (false, expected.swap_bytes(), shown),
-        CrcVerdict::Good | CrcVerdict::NotNegotiated => (true, shown, shown),
-    })
+/// What CRC32C says about one whole FPDU as sent (`raw`: length field
+/// through CRC field, markers included if any; the CRC covers everything
+/// before the CRC field), as `(good, expected, found)` with the two values
+/// shown as Wireshark shows the field. `None` if `raw` is shorter than the
+/// CRC field.
+pub fn check_crc(raw: &[u8]) -> Option<(bool, u32, u32)> {
+    let n = raw.len().checked_sub(crc::CRC_LEN)?;
+    let (covered, field) = raw.split_at(n);
+    let field: [u8; 4] = field.try_into().ok()?;
+    let expected = crc::to_wire(crc::crc32c(covered));
+    Some((
+        expected == field,
+        crc_field_as_shown(expected),
+        crc_field_as_shown(field),
+    ))
 }
 
 /// The DDP buffer model and its addressing fields.
@@ -314,7 +316,8 @@ mod tests {
         assert!(!good);
         assert_eq!(found, 0xebd3_4c5f);
         assert_ne!(expected, found);
-        assert_eq!(check_crc(&f[..f.len() - 1]), None);
+        assert!(!check_crc(&f[..f.len() - 1]).unwrap().0);
+        assert_eq!(check_crc(&f[..3]), None);
     }
 
     #[test]

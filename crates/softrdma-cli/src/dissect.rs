@@ -25,6 +25,8 @@ use crate::decode::{
     plausible_fpdu_start,
 };
 use crate::reassembly::{self, Chunk, Connection, Direction};
+use softrdma_wire::deframer::{Deframer, DeframerConfig};
+use softrdma_wire::markers;
 
 /// Which way bytes travel on a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -505,72 +507,18 @@ fn dissect_connection(conn: &Connection, t0: Duration) -> (Vec<Record>, StreamSu
     )
 }
 
-/// A chunk with markers removed: `clean` plus the stream offset of each
-/// piece of it.
-struct Clean {
-    data: Vec<u8>,
-    /// (index in `data`, stream offset) at the start of each contiguous piece.
-    pieces: Vec<(usize, u64)>,
-}
-
-impl Clean {
-    fn stream_offset(&self, idx: usize) -> u64 {
-        let i = self
-            .pieces
-            .partition_point(|p| p.0 <= idx)
-            .saturating_sub(1);
-        self.pieces
-            .get(i)
-            .map_or(idx as u64, |&(at, off)| off + (idx - at) as u64)
-    }
-
-    /// Index in `data` of the first byte at or after stream offset `off`.
-    fn index_of(&self, off: u64) -> usize {
-        (0..self.data.len())
-            .find(|&i| self.stream_offset(i) >= off)
-            .unwrap_or(self.data.len())
-    }
-}
-
-/// Removes 4-byte markers at every 512th octet counted from `origin` (the
-/// first FPDU's offset) from a chunk.
-fn strip_markers(chunk: &Chunk, origin: Option<u64>) -> Clean {
-    let Some(origin) = origin else {
-        return Clean {
-            data: chunk.data.clone(),
-            pieces: vec![(0, chunk.offset)],
-        };
-    };
-    let mut data = Vec::with_capacity(chunk.data.len());
-    let mut pieces = Vec::new();
-    let mut off = chunk.offset;
-    let end = chunk.end();
-    while off < end {
-        let rel = off.saturating_sub(origin);
-        if off >= origin && rel % 512 < 4 {
-            // Inside a marker: skip to its end.
-            off += 4 - rel % 512;
-            continue;
-        }
-        let next_marker = if off < origin {
-            origin
-        } else {
-            origin + (rel / 512 + 1) * 512
-        };
-        let stop = next_marker.min(end);
-        let from = (off - chunk.offset) as usize;
-        let to = (stop - chunk.offset) as usize;
-        pieces.push((data.len(), off));
-        data.extend_from_slice(chunk.data.get(from..to).unwrap_or_default());
-        off = stop;
-    }
-    Clean { data, pieces }
-}
-
-/// Walks the FPDUs of one direction.
+/// Walks the FPDUs of one direction with the wire deframer.
+///
+/// The deframer runs with CRC checking off and the CRC is verified here
+/// instead: a dissector must report a bad CRC and go on, while the deframer
+/// (rightly, for a receiver) stops at the first mismatch. With markers on,
+/// the deframer removes them; the CRC is computed over the FPDU as sent,
+/// markers included (RFC 5044 §5.1; `softrdma_wire::markers`).
 struct Walker<'a, 'b> {
     ctx: &'a Ctx<'b>,
     crc: Option<bool>,
+    /// Stream offset of the first FPDU when markers are on (they are placed
+    /// every 512 octets counted from there); `None` when markers are off.
     markers_from: Option<u64>,
     records: &'a mut Vec<Record>,
     summary: &'a mut DirSummary,
@@ -579,6 +527,14 @@ struct Walker<'a, 'b> {
 /// How many chained plausible FPDU headers make a resynchronisation point.
 const RESYNC_CHAIN: usize = 3;
 
+/// Where a deframing run over a chunk stopped.
+enum Stop {
+    /// All bytes of the chunk used (or the rest reported as incomplete).
+    End,
+    /// Start again (resynchronise) at or after this stream offset.
+    ResyncFrom(u64),
+}
+
 impl Walker<'_, '_> {
     fn walk(&mut self, fpdu_start: Option<u64>) {
         let chunks = &self.ctx.data.chunks;
@@ -586,10 +542,8 @@ impl Walker<'_, '_> {
         let mut prev_end: Option<u64> = None;
         for (ci, chunk) in chunks.iter().enumerate() {
             let last_chunk = ci + 1 == n;
-            let clean = strip_markers(chunk, self.markers_from);
-            // Where to start in this chunk.
-            let mut pos = match (ci, fpdu_start) {
-                (0, Some(s)) => clean.index_of(s),
+            let mut start = match (ci, fpdu_start) {
+                (0, Some(s)) => Some(s),
                 _ => {
                     if let Some(pe) = prev_end {
                         self.records.push(Record::Note(self.ctx.remark(
@@ -601,104 +555,124 @@ impl Walker<'_, '_> {
                             ),
                         )));
                     }
-                    match self.resync(&clean, 0) {
-                        Some(p) => {
-                            self.summary.undecoded_bytes += p as u64;
-                            p
-                        }
-                        None => {
-                            self.summary.undecoded_bytes += clean.data.len() as u64;
-                            prev_end = Some(chunk.end());
-                            continue;
-                        }
-                    }
+                    self.resync(chunk, chunk.offset)
                 }
             };
-            while pos < clean.data.len() {
-                let rest = clean.data.get(pos..).unwrap_or_default();
-                let at = clean.stream_offset(pos);
-                let Some(l) = rest.get(..2) else {
-                    self.incomplete(at, rest.len(), last_chunk);
-                    break;
+            while let Some(at) = start {
+                start = match self.run(chunk, at, last_chunk) {
+                    Stop::End => None,
+                    Stop::ResyncFrom(from) => self.resync(chunk, from),
                 };
-                let ulpdu_len = u16::from_be_bytes([l[0], l[1]]);
-                let total = fpdu_len(ulpdu_len);
-                let Some(fpdu) = rest.get(..total) else {
-                    self.incomplete(at, rest.len(), last_chunk);
-                    break;
-                };
-                let ulpdu = fpdu.get(2..2 + usize::from(ulpdu_len)).unwrap_or_default();
-                match decode::decode_ulpdu(ulpdu) {
-                    Ok(info) => {
-                        let end = clean.stream_offset(pos + total - 1);
-                        self.fpdu(at, end, ulpdu_len, fpdu, info);
-                        pos += total;
-                    }
-                    Err(e) => {
-                        self.summary.decode_errors += 1;
-                        self.records.push(Record::Error(self.ctx.remark(
-                            at,
-                            format!("bad FPDU (ULPDU length {ulpdu_len}): {e}; resynchronising"),
-                        )));
-                        match self.resync(&clean, pos + 1) {
-                            Some(p) => {
-                                self.summary.undecoded_bytes += (p - pos) as u64;
-                                pos = p;
-                            }
-                            None => {
-                                self.summary.undecoded_bytes += (clean.data.len() - pos) as u64;
-                                break;
-                            }
-                        }
-                    }
-                }
             }
             prev_end = Some(chunk.end());
         }
     }
 
-    fn incomplete(&mut self, at: u64, have: usize, last_chunk: bool) {
-        self.summary.undecoded_bytes += have as u64;
-        let message = if last_chunk {
-            format!("capture ends inside an FPDU ({have} bytes of it captured)")
-        } else {
-            format!("hole in the capture inside an FPDU ({have} bytes of it captured)")
-        };
-        if last_chunk {
-            self.records
-                .push(Record::Note(self.ctx.remark(at, message)));
-        } else {
-            self.summary.decode_errors += 1;
-            self.records
-                .push(Record::Error(self.ctx.remark(at, message)));
+    /// Deframes `chunk` from stream offset `at` (an FPDU boundary).
+    fn run(&mut self, chunk: &Chunk, at: u64, last_chunk: bool) -> Stop {
+        let base = self.markers_from.unwrap_or(0);
+        let config = DeframerConfig::new(false, self.markers_from.is_some())
+            .with_stream_position(at.saturating_sub(base));
+        let mut deframer = Deframer::new(config);
+        let mut rest = chunk
+            .data
+            .get(usize::try_from(at - chunk.offset).unwrap_or(usize::MAX)..)
+            .unwrap_or_default();
+        // Stream offset where the next FPDU's region (markers included) starts.
+        let mut region = at;
+        loop {
+            let (used, out) = deframer.deframe(rest);
+            match out {
+                None => {
+                    if region < chunk.end() {
+                        self.incomplete(region, chunk.end() - region, last_chunk);
+                    }
+                    return Stop::End;
+                }
+                Some(Err(e)) => {
+                    self.summary.decode_errors += 1;
+                    self.records.push(Record::Error(
+                        self.ctx.remark(region, format!("{e}; resynchronising")),
+                    ));
+                    return Stop::ResyncFrom(region + 1);
+                }
+                Some(Ok(d)) => {
+                    let header = base + d.position;
+                    let ulpdu_len = u16::try_from(d.ulpdu.len()).unwrap_or(u16::MAX);
+                    let plain_len = fpdu_len(ulpdu_len);
+                    let raw_len = if self.markers_from.is_some() {
+                        markers::marked_len(region - base, plain_len)
+                    } else {
+                        plain_len
+                    } as u64;
+                    let info = decode::decode_ulpdu(d.ulpdu);
+                    let from = usize::try_from(region - chunk.offset).unwrap_or(usize::MAX);
+                    let raw = chunk
+                        .data
+                        .get(from..from + raw_len as usize)
+                        .unwrap_or_default();
+                    match info {
+                        Ok(info) => {
+                            self.fpdu(header, region + raw_len - 1, ulpdu_len, raw, info);
+                        }
+                        Err(e) => {
+                            self.summary.decode_errors += 1;
+                            self.records.push(Record::Error(self.ctx.remark(
+                                header,
+                                format!(
+                                    "bad FPDU (ULPDU length {ulpdu_len}): {e}; resynchronising"
+                                ),
+                            )));
+                            return Stop::ResyncFrom(header + 1);
+                        }
+                    }
+                    region += raw_len;
+                }
+            }
+            rest = rest.get(used..).unwrap_or_default();
         }
     }
 
-    /// Finds the first index ≥ `from` where [`RESYNC_CHAIN`] plausible FPDU
-    /// headers follow each other (or the chain reaches the end of the data).
-    fn resync(&mut self, clean: &Clean, from: usize) -> Option<usize> {
-        let data = &clean.data;
-        let found = (from..data.len()).find(|&start| {
+    fn incomplete(&mut self, at: u64, have: u64, last_chunk: bool) {
+        self.summary.undecoded_bytes += have;
+        if last_chunk {
+            self.records.push(Record::Note(self.ctx.remark(
+                at,
+                format!("capture ends inside an FPDU ({have} bytes of it captured)"),
+            )));
+        } else {
+            self.summary.decode_errors += 1;
+            self.records.push(Record::Error(self.ctx.remark(
+                at,
+                format!("hole in the capture inside an FPDU ({have} bytes of it captured)"),
+            )));
+        }
+    }
+
+    /// Finds the first stream offset ≥ `from` in `chunk` where
+    /// [`RESYNC_CHAIN`] plausible FPDU headers follow each other (or the
+    /// chain reaches the end of the chunk). With CRC negotiated, each
+    /// complete FPDU of the chain must also carry a good CRC. Counts the
+    /// bytes skipped as undecoded.
+    fn resync(&mut self, chunk: &Chunk, from: u64) -> Option<u64> {
+        let data = &chunk.data;
+        let first = usize::try_from(from.saturating_sub(chunk.offset)).ok()?;
+        let found = (first..data.len()).find(|&start| {
             let mut p = start;
             for _ in 0..RESYNC_CHAIN {
                 let Some(rest) = data.get(p..) else {
                     return false;
                 };
-                if rest.is_empty() {
-                    return p > start;
-                }
                 if !plausible_fpdu_start(rest) {
                     return false;
                 }
-                let len = u16::from_be_bytes([rest[0], rest[1]]);
-                let total = fpdu_len(len);
+                let total = fpdu_len(u16::from_be_bytes([rest[0], rest[1]]));
                 if self.crc == Some(true) {
                     match rest.get(..total) {
-                        Some(f) => {
-                            if !check_crc(f).is_some_and(|(good, _, _)| good) {
-                                return false;
-                            }
+                        Some(f) if !check_crc(f).is_some_and(|(good, _, _)| good) => {
+                            return false;
                         }
+                        Some(_) => {}
                         None => return true,
                     }
                 }
@@ -708,19 +682,22 @@ impl Walker<'_, '_> {
                 }
             }
             true
-        })?;
-        if found > from {
-            self.records.push(Record::Note(self.ctx.remark(
-                clean.stream_offset(found),
-                format!("resynchronised: {} bytes skipped", found - from),
-            )));
+        });
+        let skipped = found.unwrap_or(data.len()).saturating_sub(first);
+        self.summary.undecoded_bytes += skipped as u64;
+        let found = chunk.offset + found? as u64;
+        if skipped > 0 {
+            self.records.push(Record::Note(
+                self.ctx
+                    .remark(found, format!("resynchronised: {skipped} bytes skipped")),
+            ));
         }
         Some(found)
     }
 
-    fn fpdu(&mut self, at: u64, end: u64, ulpdu_len: u16, fpdu: &[u8], info: UlpduInfo) {
-        // `fpdu` is a whole FPDU (the caller sliced fpdu_len bytes).
-        let (good, expected, found) = check_crc(fpdu).unwrap_or((false, 0, 0));
+    fn fpdu(&mut self, at: u64, end: u64, ulpdu_len: u16, raw: &[u8], info: UlpduInfo) {
+        // `raw` is the whole FPDU as sent (markers included, if any).
+        let (good, expected, found) = check_crc(raw).unwrap_or((false, 0, 0));
         let crc = match self.crc {
             Some(false) => CrcStatus::NotNegotiated { field: found },
             Some(true) if good => CrcStatus::Good { value: found },
