@@ -15,7 +15,7 @@
 //!
 //! # Byte order on the wire
 //!
-//! The 32-bit CRC value (as returned by [`crc32c`]) is stored
+//! The 32-bit CRC value (as returned by [`crc32c()`]) is stored
 //! **least significant byte first** ([`to_wire`] / [`from_wire`]). This is
 //! what Linux kernel siw does (the kernel's `crc32c` shash writes its result
 //! with `put_unaligned_le32`), and it is what Wireshark accepts: Wireshark
