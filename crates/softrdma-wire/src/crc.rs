@@ -133,7 +133,12 @@ pub(crate) mod tests {
         out
     }
 
-    pub(crate) const RPING_CRC_PCAP: &str = "/work/shared/captures/rping-crc-p2p.pcap";
+    /// The siw CRC capture bundled with the repository (a copy of the shared
+    /// `captures/rping-crc-p2p.pcap`).
+    pub(crate) const RPING_CRC_PCAP: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../captures/rping-crc-p2p.pcap"
+    );
 
     // Golden FPDUs from frame 8 and frame 9 of rping-crc-p2p.pcap (kernel siw
     // with CRC negotiated). The tshark decode (rping-crc-p2p.txt) shows
