@@ -15,7 +15,11 @@ fuzz_target!(|input: (u16, u8, &[u8])| {
         for p in remover.split(piece) {
             match p {
                 Piece::Data(d) => seen += d.len(),
-                Piece::Marker { .. } => pending_marker_bytes += MARKER_LEN,
+                // A marker that began before `start` was only partly fed.
+                Piece::Marker { position, .. } => {
+                    let before = u64::from(start).saturating_sub(position) as usize;
+                    pending_marker_bytes += MARKER_LEN - before;
+                }
             }
         }
     }

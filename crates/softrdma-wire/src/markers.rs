@@ -458,6 +458,10 @@ pub enum Piece<'a> {
 
 impl MarkerRemover {
     /// A remover whose next byte is at stream position `pos`.
+    ///
+    /// If `pos` falls inside a marker (`pos % 512` in `1..=3`), the bytes of
+    /// that marker before `pos` are taken to be zero; the marker is still
+    /// reported, with its true start position.
     #[must_use]
     pub const fn new(pos: u64) -> Self {
         MarkerRemover {
@@ -526,6 +530,26 @@ impl<'a> Iterator for Split<'_, 'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: a remover started inside a marker (found by the `markers`
+    /// fuzz target) reports that marker once, at its true start, with the
+    /// bytes before the start position taken as zero.
+    #[test]
+    fn remover_started_inside_a_marker() {
+        let mut rm = MarkerRemover::new(513);
+        let pieces: Vec<_> = rm.split(&[0x00, 0x01, 0x2c, 7, 8]).collect();
+        assert_eq!(
+            pieces,
+            [
+                Piece::Marker {
+                    position: 512,
+                    marker: MarkerRepr { fpduptr: 0x012c },
+                },
+                Piece::Data(&[7, 8]),
+            ]
+        );
+        assert_eq!(rm.position(), 518);
+    }
     use crate::fpdu::fpdu_len;
     use proptest::prelude::*;
 
