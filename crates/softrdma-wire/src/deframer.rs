@@ -1084,10 +1084,10 @@ mod tests {
         // rping-crc-p2p.pcap, one direction, reassembled; then the same
         // stream with every CRC field cut into its own segment as siw does
         // on bulk transfers.
-        let pcap = std::fs::read(crate::crc::tests::RPING_CRC_PCAP).unwrap();
+        let pcap = std::fs::read(crate::testutil::RPING_CRC_PCAP).unwrap();
         let mut wire = Vec::new();
         let mut segs = Vec::new();
-        let payloads = crate::crc::tests::pcap_tcp_payloads(&pcap);
+        let payloads = crate::testutil::pcap_tcp_payloads(&pcap);
         // Frames 8.. from port 41206 to 7174 (the first FPDU is frame 8).
         for (frame, p) in payloads {
             if [8, 9, 12, 14, 18, 20, 22, 26, 28, 30].contains(&frame) {

@@ -563,6 +563,7 @@ pub fn decode(buf: &[u8], crc_negotiated: bool) -> Result<DecodedFpdu<'_>, Decod
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::hex;
     use proptest::prelude::*;
 
     // Frame 12 of rping-crc-p2p.pcap: RDMA Read Response carrying "rdma-ping-0: ABC..."
@@ -570,13 +571,6 @@ mod tests {
     const FRAME12: &str = "004ec1420bde1b00000056315a3ec45072646d612d70696e672d303a204142434445464748494a4b4c4d4e4f505152535455565758595a5b5c5d5e5f606162636465666768696a6b6c6d6e6f70717200bcda4f07";
     // Frame 11: RDMA Read Request, ULPDU length 46, CRC 0xee63a0f7.
     const FRAME11: &str = "002e4141000000000000000100000001000000000bde1b00000056315a3ec45000000040b5ff1b00000055e9c6f8de10ee63a0f7";
-
-    fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
-    }
 
     #[test]
     fn pad_and_len() {

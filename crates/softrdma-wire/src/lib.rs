@@ -47,6 +47,8 @@ pub mod fpdu;
 pub mod markers;
 pub mod mpa;
 pub mod rdmap;
+#[cfg(test)]
+mod testutil;
 pub mod ulpdu;
 
 pub use error::{DecodeError, EncodeError};

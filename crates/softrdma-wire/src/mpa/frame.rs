@@ -542,14 +542,8 @@ impl<'a> FrameRepr<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::hex;
     use proptest::prelude::*;
-
-    fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
-    }
 
     // Raw TCP payloads of the MPA exchange, from the captures' .txt files.
     const RPING_REQ: &str = "4d504120494420526571204672616d651002000400010001";
