@@ -72,7 +72,11 @@ fuzz_target!(|input: (u8, u16, u8, &[u8])| {
     }
     // A start position inside a marker is documented as unsupported.
     let start = u64::from(start);
-    let start = if start % 512 != 0 && start % 512 < 4 { start + 4 - start % 512 } else { start };
+    let start = if start % 512 != 0 && start % 512 < 4 {
+        start + 4 - start % 512
+    } else {
+        start
+    };
     let config = config.with_stream_position(start);
     let chunk = usize::from(chunk).max(1);
     let a = slice_mode(config, chunk, stream);
