@@ -673,7 +673,7 @@ impl Deframer {
             running.update(covered);
             let expected = running.finish();
             let found = crc::from_wire([field[0], field[1], field[2], field[3]]);
-            if expected != found {
+            if !crc::matches(expected, found) {
                 let e = DeframeError::CrcMismatch {
                     position,
                     expected,
@@ -877,7 +877,7 @@ impl Deframer {
         let verdict = if self.config.crc {
             let expected = self.crc.finish();
             let found = crc::from_wire(self.crc_field);
-            if expected != found {
+            if !crc::matches(expected, found) {
                 return Err(DeframeError::CrcMismatch {
                     position: self.header_pos,
                     expected,

@@ -486,7 +486,7 @@ impl<T: AsRef<[u8]>> Fpdu<T> {
         }
         let expected = crc::crc32c(self.covered());
         let found = self.crc_field();
-        if expected == found {
+        if crc::matches(expected, found) {
             CrcVerdict::Good
         } else {
             CrcVerdict::Bad { expected, found }
