@@ -50,5 +50,6 @@ pub mod rdmap;
 #[cfg(test)]
 mod testutil;
 pub mod ulpdu;
+mod view;
 
 pub use error::{DecodeError, EncodeError};

@@ -172,37 +172,9 @@ pub struct AtomicRequest<T: AsRef<[u8]>> {
     buffer: T,
 }
 
+crate::view::fixed_len_view!(AtomicRequest, REQUEST_LEN, WHAT_REQUEST);
+
 impl<T: AsRef<[u8]>> AtomicRequest<T> {
-    /// Wraps a buffer without checking its length (accessors of a short
-    /// buffer return zeroes).
-    #[inline]
-    pub const fn new_unchecked(buffer: T) -> Self {
-        Self { buffer }
-    }
-
-    /// Wraps a buffer, checking that it holds at least [`REQUEST_LEN`] bytes.
-    ///
-    /// # Errors
-    ///
-    /// [`DecodeError::Truncated`] if it does not.
-    pub fn new_checked(buffer: T) -> Result<Self, DecodeError> {
-        let got = buffer.as_ref().len();
-        if got < REQUEST_LEN {
-            return Err(DecodeError::Truncated {
-                what: WHAT_REQUEST,
-                needed: REQUEST_LEN,
-                got,
-            });
-        }
-        Ok(Self { buffer })
-    }
-
-    /// Returns the underlying buffer.
-    #[inline]
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     /// The raw AOpCode (0..=15).
     #[inline]
     pub fn aopcode(&self) -> u8 {
@@ -489,37 +461,9 @@ pub struct AtomicResponse<T: AsRef<[u8]>> {
     buffer: T,
 }
 
+crate::view::fixed_len_view!(AtomicResponse, RESPONSE_LEN, WHAT_RESPONSE);
+
 impl<T: AsRef<[u8]>> AtomicResponse<T> {
-    /// Wraps a buffer without checking its length (accessors of a short
-    /// buffer return zeroes).
-    #[inline]
-    pub const fn new_unchecked(buffer: T) -> Self {
-        Self { buffer }
-    }
-
-    /// Wraps a buffer, checking that it holds at least [`RESPONSE_LEN`] bytes.
-    ///
-    /// # Errors
-    ///
-    /// [`DecodeError::Truncated`] if it does not.
-    pub fn new_checked(buffer: T) -> Result<Self, DecodeError> {
-        let got = buffer.as_ref().len();
-        if got < RESPONSE_LEN {
-            return Err(DecodeError::Truncated {
-                what: WHAT_RESPONSE,
-                needed: RESPONSE_LEN,
-                got,
-            });
-        }
-        Ok(Self { buffer })
-    }
-
-    /// Returns the underlying buffer.
-    #[inline]
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     /// Original Request Identifier.
     #[inline]
     pub fn request_id(&self) -> u32 {

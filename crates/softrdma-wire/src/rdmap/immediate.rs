@@ -39,37 +39,9 @@ pub struct ImmediateData<T: AsRef<[u8]>> {
     buffer: T,
 }
 
+crate::view::fixed_len_view!(ImmediateData, HEADER_LEN, WHAT);
+
 impl<T: AsRef<[u8]>> ImmediateData<T> {
-    /// Wraps a buffer without checking its length (the accessor of a short
-    /// buffer returns zeroes).
-    #[inline]
-    pub const fn new_unchecked(buffer: T) -> Self {
-        Self { buffer }
-    }
-
-    /// Wraps a buffer, checking that it holds at least [`HEADER_LEN`] bytes.
-    ///
-    /// # Errors
-    ///
-    /// [`DecodeError::Truncated`] if it does not.
-    pub fn new_checked(buffer: T) -> Result<Self, DecodeError> {
-        let got = buffer.as_ref().len();
-        if got < HEADER_LEN {
-            return Err(DecodeError::Truncated {
-                what: WHAT,
-                needed: HEADER_LEN,
-                got,
-            });
-        }
-        Ok(Self { buffer })
-    }
-
-    /// Returns the underlying buffer.
-    #[inline]
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     /// The 8 bytes of immediate data.
     #[inline]
     pub fn data(&self) -> [u8; HEADER_LEN] {
