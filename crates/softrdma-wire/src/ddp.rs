@@ -227,7 +227,7 @@ mod field {
 
     /// DDP control field: T, L, reserved, DV.
     pub(super) const CONTROL: usize = 0;
-    /// RsvdULP[0:7] (the RDMAP control field).
+    /// `RsvdULP[0:7]` (the RDMAP control field).
     pub(super) const RSVD_ULP: usize = 1;
 
     /// Tagged: Steering Tag.
@@ -235,7 +235,7 @@ mod field {
     /// Tagged: Tagged Offset.
     pub(super) const TO: Range<usize> = 6..14;
 
-    /// Untagged: RsvdULP[8:39].
+    /// Untagged: `RsvdULP[8:39]`.
     pub(super) const RSVD_ULP_EXT: Range<usize> = 2..6;
     /// Untagged: Queue Number.
     pub(super) const QN: Range<usize> = 6..10;
@@ -337,7 +337,7 @@ macro_rules! common_accessors {
             self.control() & VERSION_MASK
         }
 
-        /// RsvdULP[0:7]: the 8 bits reserved for the ULP (the RDMAP control
+        /// `RsvdULP[0:7]`: the 8 bits reserved for the ULP (the RDMAP control
         /// field).
         #[inline]
         pub fn rsvd_ulp(&self) -> u8 {
@@ -368,7 +368,7 @@ macro_rules! common_setters {
             write_u8(self.buffer.as_mut(), field::CONTROL, value);
         }
 
-        /// Sets RsvdULP[0:7].
+        /// Sets `RsvdULP[0:7]`.
         #[inline]
         pub fn set_rsvd_ulp(&mut self, value: u8) {
             write_u8(self.buffer.as_mut(), field::RSVD_ULP, value);
@@ -468,7 +468,7 @@ impl<T: AsRef<[u8]>> Untagged<T> {
         Ok(Self { buffer })
     }
 
-    /// RsvdULP[8:39]: 32 more bits for the ULP (RDMAP carries the
+    /// `RsvdULP[8:39]`: 32 more bits for the ULP (RDMAP carries the
     /// Invalidate STag here).
     #[inline]
     pub fn rsvd_ulp_ext(&self) -> u32 {
@@ -507,7 +507,7 @@ impl<T: AsRef<[u8]>> Untagged<T> {
 impl<T: AsRef<[u8]> + AsMut<[u8]>> Untagged<T> {
     common_setters!();
 
-    /// Sets RsvdULP[8:39].
+    /// Sets `RsvdULP[8:39]`.
     #[inline]
     pub fn set_rsvd_ulp_ext(&mut self, value: u32) {
         write_bytes(
@@ -553,7 +553,7 @@ fn buffer_too_small(what: &'static str, needed: usize, got: usize) -> EncodeErro
 pub struct DdpTaggedRepr {
     /// The `L` flag: last segment of the DDP message.
     pub last: bool,
-    /// RsvdULP[0:7], opaque to DDP (RDMAP's control field).
+    /// `RsvdULP[0:7]`, opaque to DDP (RDMAP's control field).
     pub rsvd_ulp: u8,
     /// The data sink's Steering Tag.
     pub stag: Stag,
@@ -618,9 +618,9 @@ impl DdpTaggedRepr {
 pub struct DdpUntaggedRepr {
     /// The `L` flag: last segment of the DDP message.
     pub last: bool,
-    /// RsvdULP[0:7], opaque to DDP (RDMAP's control field).
+    /// `RsvdULP[0:7]`, opaque to DDP (RDMAP's control field).
     pub rsvd_ulp: u8,
-    /// RsvdULP[8:39], opaque to DDP (RDMAP's Invalidate STag or zero).
+    /// `RsvdULP[8:39]`, opaque to DDP (RDMAP's Invalidate STag or zero).
     pub rsvd_ulp_ext: u32,
     /// The Queue Number.
     pub qn: Qn,
@@ -752,7 +752,7 @@ impl DdpHeaderRepr {
         }
     }
 
-    /// RsvdULP[0:7].
+    /// `RsvdULP[0:7]`.
     #[inline]
     pub const fn rsvd_ulp(&self) -> u8 {
         match self {

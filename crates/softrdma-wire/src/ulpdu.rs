@@ -200,7 +200,7 @@ pub struct UlpduRepr<'a> {
     /// The DDP addressing fields; tagged exactly when
     /// [`Opcode::is_tagged`].
     pub address: DdpAddress,
-    /// The Invalidate STag (RsvdULP[8:39]); `Some` exactly for the opcodes
+    /// The Invalidate STag (`RsvdULP[8:39]`); `Some` exactly for the opcodes
     /// with [`Opcode::has_invalidate_stag`]. For other untagged messages the
     /// field is reserved: sent as zero, ignored on receipt.
     pub invalidate_stag: Option<Stag>,

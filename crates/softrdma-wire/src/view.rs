@@ -13,11 +13,7 @@ macro_rules! fixed_len_view {
                 Self { buffer }
             }
 
-            #[doc = concat!(
-                        "Wraps a buffer, checking that it holds at least `",
-                        stringify!($len),
-                        "` bytes."
-                    )]
+            /// Wraps a buffer, checking that it holds the whole message.
             ///
             /// # Errors
             ///

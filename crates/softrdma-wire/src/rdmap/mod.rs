@@ -1,8 +1,8 @@
 //! RDMAP (RFC 5040, RFC 7306).
 //!
 //! RDMAP rides in DDP segments: its 8-bit control field is carried in the
-//! DDP header's RsvdULP[0:7] (the second byte of every DDP segment), and the
-//! untagged header's RsvdULP[8:39] carries the Invalidate STag of the Send
+//! DDP header's `RsvdULP[0:7]` (the second byte of every DDP segment), and the
+//! untagged header's `RsvdULP[8:39]` carries the Invalidate STag of the Send
 //! with Invalidate variants (reserved, zero, otherwise). RFC 5040 section 4.2:
 //!
 //! ```text
@@ -193,7 +193,7 @@ impl Opcode {
         }
     }
 
-    /// Whether the untagged header's RsvdULP[8:39] carries an Invalidate
+    /// Whether the untagged header's `RsvdULP[8:39]` carries an Invalidate
     /// STag (Send with Invalidate, Send with Solicited Event and Invalidate).
     #[inline]
     pub const fn has_invalidate_stag(self) -> bool {
@@ -262,7 +262,7 @@ pub const fn control_byte(opcode: Opcode) -> u8 {
     (RDMAP_VERSION << 6) | opcode.as_u8()
 }
 
-/// Parses an RDMAP control field (the DDP header's RsvdULP[0:7]). The
+/// Parses an RDMAP control field (the DDP header's `RsvdULP[0:7]`). The
 /// reserved bits are ignored.
 ///
 /// # Errors
