@@ -1,10 +1,29 @@
 //! # softrdma-engine: the verbs engine
 //!
-//! This crate will hold the RDMA "device" in software: protection domains,
-//! memory regions and windows, completion and queue pairs, direct sending,
-//! datamovers and direct placement. All IO and all `unsafe` of softrdma live
-//! here, in one module, each block with a `// SAFETY:` comment.
+//! The RDMA "device" in software: protection domains, memory regions and
+//! windows, completion queues, shared receive queues, queue pairs, and the
+//! data path (direct sending, datamovers, direct placement). All IO and all
+//! `unsafe` of softrdma live here, in the [`sys`] module, each block with a
+//! `// SAFETY:` comment.
 //!
-//! Status: not yet implemented; it builds on [`softrdma_proto`].
+//! The protocol rules come from [`softrdma_proto`] and the wire formats from
+//! [`softrdma_wire`].
 
 pub use softrdma_proto as proto;
+pub use softrdma_wire as wire;
+
+pub mod cq;
+pub mod device;
+pub mod event;
+pub mod mr;
+pub mod pd;
+pub mod srq;
+mod sys;
+pub mod wc;
+pub mod wr;
+
+pub use device::{Device, DeviceAttr, DeviceConfig, OpenError};
+pub use mr::{Access, MemoryRegion, MemoryWindow};
+pub use pd::ProtectionDomain;
+pub use wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
+pub use wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};

@@ -1,0 +1,1 @@
+//! Completion queues (stub, being written).

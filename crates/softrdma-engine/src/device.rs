@@ -1,0 +1,244 @@
+//! The software RDMA device: its configuration, attributes (like
+//! `ibv_query_device`) and the per-device shared state (registration table,
+//! async events, datamover and receive threads).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::event::AsyncEventQueue;
+use crate::mr::StagTable;
+
+/// Name of the default device.
+pub const DEFAULT_DEVICE_NAME: &str = "softrdma0";
+
+/// How a device is set up. [`DeviceConfig::default`] is what
+/// [`Device::open_default`] uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceConfig {
+    /// Device name (reported by [`Device::name`]).
+    pub name: String,
+    /// CPUs that run a datamover (transmit) thread each. Empty: one per CPU
+    /// the process may run on.
+    pub datamover_cpus: Vec<usize>,
+    /// Pin datamover and receive threads to their CPU.
+    pub pin_threads: bool,
+    /// Bytes of one QP's work a datamover transmits before moving on to the
+    /// next active QP (round robin). Also the segmentation unit.
+    pub slice_size: usize,
+    /// Force every transmission through the datamovers (no direct sending in
+    /// the posting thread). For measuring what direct sending saves.
+    pub force_datamover: bool,
+    /// A paused QP is resumed when its socket has at least this many bytes
+    /// of send space (0: as soon as the kernel reports it writable).
+    pub resume_threshold: usize,
+    /// Let `poll_cq` drive the receive path of the QPs using the CQ when it
+    /// finds the CQ empty (busy-polling applications get data without a
+    /// thread hand-off).
+    pub poll_driven_receive: bool,
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        DeviceConfig {
+            name: DEFAULT_DEVICE_NAME.to_string(),
+            datamover_cpus: Vec::new(),
+            pin_threads: true,
+            slice_size: 4096,
+            force_datamover: false,
+            resume_threshold: 64 * 1024,
+            poll_driven_receive: true,
+        }
+    }
+}
+
+/// Device attributes, like `ibv_device_attr`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceAttr {
+    /// Firmware version string (the crate version).
+    pub fw_ver: String,
+    /// Vendor identifier (0: none).
+    pub vendor_id: u32,
+    /// Largest memory region, bytes.
+    pub max_mr_size: u64,
+    /// Page size used for segmentation and by the datamovers.
+    pub page_size: usize,
+    /// Max QPs.
+    pub max_qp: u32,
+    /// Max outstanding work requests per queue.
+    pub max_qp_wr: u32,
+    /// Max SGEs per send or receive work request.
+    pub max_sge: u32,
+    /// Max SGEs of an RDMA Read sink.
+    pub max_sge_rd: u32,
+    /// Max inline payload bytes.
+    pub max_inline_data: u32,
+    /// Max CQs.
+    pub max_cq: u32,
+    /// Max entries per CQ.
+    pub max_cqe: u32,
+    /// Max memory regions.
+    pub max_mr: u32,
+    /// Max protection domains.
+    pub max_pd: u32,
+    /// Max memory windows.
+    pub max_mw: u32,
+    /// Max inbound RDMA Reads / atomics outstanding per QP (IRD).
+    pub max_qp_rd_atom: u32,
+    /// Max outbound RDMA Reads / atomics outstanding per QP (ORD).
+    pub max_qp_init_rd_atom: u32,
+    /// Max SRQs.
+    pub max_srq: u32,
+    /// Max work requests per SRQ.
+    pub max_srq_wr: u32,
+    /// Max SGEs per SRQ work request.
+    pub max_srq_sge: u32,
+    /// Atomic operations are supported and atomic with respect to other
+    /// atomics on this device (`IBV_ATOMIC_HCA`).
+    pub atomic_cap: bool,
+    /// Max pages of a fast-register region.
+    pub max_fast_reg_page_list_len: u32,
+    /// Number of datamover threads.
+    pub datamovers: u32,
+}
+
+impl DeviceAttr {
+    fn new(config: &DeviceConfig, datamovers: u32) -> Self {
+        DeviceAttr {
+            fw_ver: env!("CARGO_PKG_VERSION").to_string(),
+            vendor_id: 0,
+            max_mr_size: 1 << 40,
+            page_size: config.slice_size,
+            max_qp: 1 << 16,
+            max_qp_wr: 1 << 15,
+            max_sge: 16,
+            max_sge_rd: 1,
+            max_inline_data: 256,
+            max_cq: 1 << 16,
+            max_cqe: 1 << 20,
+            max_mr: 1 << 20,
+            max_pd: 1 << 16,
+            max_mw: 1 << 20,
+            max_qp_rd_atom: 128,
+            max_qp_init_rd_atom: 128,
+            max_srq: 1 << 12,
+            max_srq_wr: 1 << 15,
+            max_srq_sge: 16,
+            atomic_cap: true,
+            max_fast_reg_page_list_len: 1 << 16,
+            datamovers,
+        }
+    }
+}
+
+/// An open software RDMA device. Cheap to clone (a shared handle); the device
+/// and its threads go away when the last handle and the last object created
+/// from it are dropped.
+#[derive(Debug, Clone)]
+pub struct Device {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+/// Shared state of a device.
+#[derive(Debug)]
+pub(crate) struct DeviceInner {
+    pub(crate) config: DeviceConfig,
+    pub(crate) attr: DeviceAttr,
+    pub(crate) stags: StagTable,
+    pub(crate) events: AsyncEventQueue,
+    next_qp_num: AtomicU32,
+    next_pd_id: AtomicU32,
+}
+
+/// Why a device could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// No device has this name.
+    #[error("no softrdma device named {0:?} (the software device is {DEFAULT_DEVICE_NAME:?})")]
+    NoSuchDevice(String),
+    /// The configuration is not usable.
+    #[error("invalid device configuration: {0}")]
+    InvalidConfig(&'static str),
+    /// A resource (thread, event fd) could not be created.
+    #[error("cannot set up the device: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Device {
+    /// Opens the default software device with the default configuration.
+    pub fn open_default() -> Result<Device, OpenError> {
+        Device::open_with(DeviceConfig::default())
+    }
+
+    /// Opens the device called `name` (the software device answers to
+    /// [`DEFAULT_DEVICE_NAME`]).
+    pub fn open(name: &str) -> Result<Device, OpenError> {
+        if name != DEFAULT_DEVICE_NAME {
+            return Err(OpenError::NoSuchDevice(name.to_string()));
+        }
+        Device::open_default()
+    }
+
+    /// Opens a device with this configuration.
+    pub fn open_with(config: DeviceConfig) -> Result<Device, OpenError> {
+        if config.slice_size < 512 || !config.slice_size.is_power_of_two() {
+            return Err(OpenError::InvalidConfig(
+                "slice_size must be a power of two of at least 512",
+            ));
+        }
+        let datamovers = if config.datamover_cpus.is_empty() {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            config.datamover_cpus.len()
+        };
+        let attr = DeviceAttr::new(&config, u32::try_from(datamovers).unwrap_or(u32::MAX));
+        let events = AsyncEventQueue::new()?;
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                config,
+                attr,
+                stags: StagTable::new(),
+                events,
+                next_qp_num: AtomicU32::new(1),
+                next_pd_id: AtomicU32::new(1),
+            }),
+        })
+    }
+
+    /// The device name.
+    pub fn name(&self) -> &str {
+        &self.inner.config.name
+    }
+
+    /// Device attributes (`ibv_query_device`).
+    pub fn attr(&self) -> &DeviceAttr {
+        &self.inner.attr
+    }
+
+    /// The configuration the device was opened with.
+    pub fn config(&self) -> &DeviceConfig {
+        &self.inner.config
+    }
+
+    /// The registration table of the device.
+    pub(crate) fn stags(&self) -> &StagTable {
+        &self.inner.stags
+    }
+
+    /// The async event queue of the device.
+    pub(crate) fn events(&self) -> &AsyncEventQueue {
+        &self.inner.events
+    }
+
+    /// A fresh QP number.
+    pub(crate) fn alloc_qp_num(&self) -> u32 {
+        self.inner.next_qp_num.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A fresh protection domain identifier.
+    pub(crate) fn alloc_pd_id(&self) -> u32 {
+        self.inner.next_pd_id.fetch_add(1, Ordering::Relaxed)
+    }
+}

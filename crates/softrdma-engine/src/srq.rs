@@ -1,0 +1,1 @@
+//! Shared receive queues (stub, being written).

@@ -1,0 +1,1 @@
+//! Event file descriptors (stub, being written).
