@@ -12,6 +12,7 @@
 pub use softrdma_proto as proto;
 pub use softrdma_wire as wire;
 
+pub mod connect;
 pub mod cq;
 pub mod device;
 pub mod event;

@@ -1,0 +1,1 @@
+//! Connection setup helpers (stub, being written).
