@@ -1,1 +1,806 @@
-//! Completion queues (stub, being written).
+//! Completion queues and completion channels, like `ibv_cq` and
+//! `ibv_comp_channel`.
+//!
+//! ```text
+//!   send/receive path ──push──▶ ┌──────────── CQ ring ────────────┐ ──poll──▶ application
+//!   (any thread)                │ lock-free, bounded (capacity)   │
+//!                               └─────────────────────────────────┘
+//!                                   │ armed (req_notify) and a matching
+//!                                   ▼ completion arrives: one event
+//!                             CompletionChannel ──get_event / fd──▶ application
+//! ```
+//!
+//! A [`CompletionQueue`] is a bounded, lock-free ring of
+//! [`WorkCompletion`]s. The data path pushes completions from whichever
+//! thread finished the work; the application takes them with
+//! [`poll`](CompletionQueue::poll), which never blocks. Completions pushed by
+//! one thread come out in the order it pushed them.
+//!
+//! To sleep instead of spinning, create the CQ with a
+//! [`CompletionChannel`], arm it with
+//! [`req_notify`](CompletionQueue::req_notify), poll once more (completions
+//! that arrived before arming do not raise an event), then wait with
+//! [`get_event`](CompletionChannel::get_event) or on the channel's
+//! [`fd`](CompletionChannel::fd). Arming is one-shot, as in ibverbs.
+//!
+//! When the ring is full the completion is lost: the CQ is marked overflowed
+//! and an [`AsyncEventKind::CqError`] event is queued on the device (once).
+//! Size the CQ for all the work requests that may complete into it.
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
+use parking_lot::RwLock;
+
+use crate::device::Device;
+use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
+use crate::wc::WorkCompletion;
+
+/// Identifiers of completion queues, unique in the process.
+static NEXT_CQ_ID: AtomicU32 = AtomicU32::new(1);
+
+/// Not armed.
+const ARM_NONE: u8 = 0;
+/// Armed for a solicited receive completion or any error completion.
+const ARM_SOLICITED: u8 = 1;
+/// Armed for the next completion of any kind.
+const ARM_NEXT: u8 = 2;
+
+/// A hook the data path registers on a CQ so that polling an empty CQ can
+/// drive receive processing (see [`DeviceConfig::poll_driven_receive`]).
+///
+/// [`DeviceConfig::poll_driven_receive`]: crate::DeviceConfig::poll_driven_receive
+pub(crate) trait Progress: Send + Sync {
+    /// Makes what progress can be made without blocking (implementations
+    /// use try-locks and return at once if another thread is busy).
+    /// Returns whether anything was done. Must not attach or detach hooks
+    /// on the CQ that calls it.
+    fn progress(&self) -> bool;
+}
+
+/// Why a completion queue could not be created.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CreateCqError {
+    /// `cqe` is 0 or above the device's `max_cqe`.
+    #[error("invalid number of CQ entries {requested} (must be 1..={max})")]
+    InvalidSize {
+        /// The requested number of entries.
+        requested: usize,
+        /// The device's `max_cqe`.
+        max: u32,
+    },
+    /// The completion channel belongs to another device.
+    #[error("the completion channel belongs to another device")]
+    ForeignChannel,
+}
+
+/// Why [`CompletionQueue::req_notify`] failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotifyError {
+    /// The CQ was created without a completion channel: there is nowhere to
+    /// deliver the event.
+    #[error("the completion queue has no completion channel")]
+    NoChannel,
+}
+
+/// Why [`CompletionQueue::resize`] failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResizeError {
+    /// `cqe` is 0 or above the device's `max_cqe`.
+    #[error("invalid number of CQ entries {requested} (must be 1..={max})")]
+    InvalidSize {
+        /// The requested number of entries.
+        requested: usize,
+        /// The device's `max_cqe`.
+        max: u32,
+    },
+    /// More completions are queued than the new size holds.
+    #[error("{queued} completions are queued, more than the new size {requested}")]
+    TooSmall {
+        /// The requested number of entries.
+        requested: usize,
+        /// Completions queued at the time.
+        queued: usize,
+    },
+}
+
+/// Why [`CompletionChannel::get_event`] returned without an event.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GetEventError {
+    /// No event arrived within the timeout.
+    #[error("no completion event within the timeout")]
+    TimedOut,
+    /// Waiting on the channel's descriptor failed.
+    #[error("waiting for a completion event failed: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// A completion did not fit: the CQ overflowed and the completion is lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("completion queue {cq_id} overflowed")]
+#[allow(dead_code)] // used by the data path
+pub(crate) struct CqOverflow {
+    /// The CQ.
+    pub(crate) cq_id: u32,
+}
+
+/// A completion queue (`ibv_cq`). A cheap, clonable handle; the queue lives
+/// as long as a handle (the application's or a QP's) does.
+///
+/// # Example
+///
+/// ```
+/// use softrdma_engine::Device;
+/// use softrdma_engine::cq::CompletionQueue;
+///
+/// let dev = Device::open_default()?;
+/// let cq = CompletionQueue::new(&dev, 64, None)?;
+/// assert_eq!(cq.capacity(), 64);
+/// assert!(cq.poll_one().is_none());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct CompletionQueue {
+    shared: Arc<CqShared>,
+}
+
+/// The state of a CQ shared by its handles.
+struct CqShared {
+    id: u32,
+    device: Device,
+    /// The ring. Read-locked by push and poll (which are lock-free on the
+    /// ring itself), write-locked only by resize.
+    ring: RwLock<ArrayQueue<WorkCompletion>>,
+    /// One of `ARM_*`.
+    arm: AtomicU8,
+    /// Set on the first lost completion; never cleared.
+    overflowed: AtomicBool,
+    channel: Option<CompletionChannel>,
+    /// Events delivered by the channel for this CQ and not yet acknowledged.
+    unacked: AtomicU32,
+    /// Receive-progress hooks of the QPs using this CQ.
+    progress: RwLock<Vec<Weak<dyn Progress>>>,
+}
+
+impl fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("id", &self.id())
+            .field("capacity", &self.capacity())
+            .field("len", &self.len())
+            .field("overflowed", &self.is_overflowed())
+            .field("has_channel", &self.shared.channel.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn check_size(device: &Device, cqe: usize) -> Result<(), (usize, u32)> {
+    let max = device.attr().max_cqe;
+    let max_usize = usize::try_from(max).unwrap_or(usize::MAX);
+    if cqe == 0 || cqe > max_usize {
+        return Err((cqe, max));
+    }
+    Ok(())
+}
+
+impl CompletionQueue {
+    /// A completion queue of `cqe` entries (`ibv_create_cq`). Events of an
+    /// armed CQ go to `channel`, if given.
+    ///
+    /// # Errors
+    ///
+    /// [`CreateCqError::InvalidSize`] if `cqe` is 0 or above the device's
+    /// `max_cqe`; [`CreateCqError::ForeignChannel`] if `channel` was created
+    /// on another device.
+    pub fn new(
+        device: &Device,
+        cqe: usize,
+        channel: Option<&CompletionChannel>,
+    ) -> Result<CompletionQueue, CreateCqError> {
+        check_size(device, cqe)
+            .map_err(|(requested, max)| CreateCqError::InvalidSize { requested, max })?;
+        if let Some(ch) = channel
+            && !Arc::ptr_eq(&ch.shared.device.inner, &device.inner)
+        {
+            return Err(CreateCqError::ForeignChannel);
+        }
+        Ok(CompletionQueue {
+            shared: Arc::new(CqShared {
+                id: NEXT_CQ_ID.fetch_add(1, Ordering::Relaxed),
+                device: device.clone(),
+                ring: RwLock::new(ArrayQueue::new(cqe)),
+                arm: AtomicU8::new(ARM_NONE),
+                overflowed: AtomicBool::new(false),
+                channel: channel.cloned(),
+                unacked: AtomicU32::new(0),
+                progress: RwLock::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The CQ's identifier (unique in the process; used in async events).
+    pub fn id(&self) -> u32 {
+        self.shared.id
+    }
+
+    /// The number of completions the CQ holds.
+    pub fn capacity(&self) -> usize {
+        self.shared.ring.read().capacity()
+    }
+
+    /// The number of completions queued now.
+    pub fn len(&self) -> usize {
+        self.shared.ring.read().len()
+    }
+
+    /// Whether no completion is queued now.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The device the CQ was created on.
+    pub fn device(&self) -> &Device {
+        &self.shared.device
+    }
+
+    /// Whether the CQ is the same queue as `other` (both are handles of it).
+    pub fn same_as(&self, other: &CompletionQueue) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// Takes up to `out.len()` completions, oldest first, into `out`;
+    /// returns how many (`ibv_poll_cq`). Never blocks.
+    ///
+    /// If the CQ is empty and the device was opened with
+    /// [`poll_driven_receive`](crate::DeviceConfig::poll_driven_receive),
+    /// the calling thread first processes whatever the QPs using this CQ
+    /// have received (without blocking), then looks again.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
+        if out.is_empty() {
+            return 0;
+        }
+        let n = self.poll_ring(out);
+        if n > 0 || !self.shared.device.config().poll_driven_receive {
+            return n;
+        }
+        if self.run_progress() {
+            self.poll_ring(out)
+        } else {
+            0
+        }
+    }
+
+    /// The oldest completion, if any (see [`poll`](Self::poll)).
+    pub fn poll_one(&self) -> Option<WorkCompletion> {
+        let mut one = [WorkCompletion::success(0, crate::wc::WcOpcode::Send, 0)];
+        (self.poll(&mut one) == 1).then_some(one[0])
+    }
+
+    fn poll_ring(&self, out: &mut [WorkCompletion]) -> usize {
+        let ring = self.shared.ring.read();
+        let mut n = 0;
+        for slot in out.iter_mut() {
+            match ring.pop() {
+                Some(wc) => {
+                    *slot = wc;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        n
+    }
+
+    fn run_progress(&self) -> bool {
+        let hooks = self.shared.progress.read();
+        let mut any = false;
+        for hook in hooks.iter() {
+            if let Some(hook) = hook.upgrade() {
+                any |= hook.progress();
+            }
+        }
+        any
+    }
+
+    /// Arms the CQ (`ibv_req_notify_cq`): the next completion
+    /// (`solicited_only == false`), or the next solicited receive completion
+    /// or error completion (`solicited_only == true`), raises one event on
+    /// the CQ's channel and disarms it. Completions already queued do not
+    /// raise an event: poll after arming. Arming for any completion while
+    /// armed for solicited ones widens the arm; the reverse keeps it wide.
+    ///
+    /// # Errors
+    ///
+    /// [`NotifyError::NoChannel`] if the CQ has no completion channel.
+    pub fn req_notify(&self, solicited_only: bool) -> Result<(), NotifyError> {
+        if self.shared.channel.is_none() {
+            return Err(NotifyError::NoChannel);
+        }
+        let want = if solicited_only {
+            ARM_SOLICITED
+        } else {
+            ARM_NEXT
+        };
+        self.shared.arm.fetch_max(want, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Changes the number of entries (`ibv_resize_cq`), keeping the queued
+    /// completions in order. Pushes and polls wait for the move.
+    ///
+    /// # Errors
+    ///
+    /// [`ResizeError::InvalidSize`] if `cqe` is 0 or above `max_cqe`;
+    /// [`ResizeError::TooSmall`] if more completions are queued than `cqe`.
+    pub fn resize(&self, cqe: usize) -> Result<(), ResizeError> {
+        check_size(&self.shared.device, cqe)
+            .map_err(|(requested, max)| ResizeError::InvalidSize { requested, max })?;
+        let mut ring = self.shared.ring.write();
+        if ring.len() > cqe {
+            return Err(ResizeError::TooSmall {
+                requested: cqe,
+                queued: ring.len(),
+            });
+        }
+        let new = ArrayQueue::new(cqe);
+        while let Some(wc) = ring.pop() {
+            // Cannot fail: the new ring holds at least ring.len() entries and
+            // nobody else touches it.
+            let _ = new.push(wc);
+        }
+        *ring = new;
+        Ok(())
+    }
+
+    /// Whether a completion was ever lost because the CQ was full.
+    pub fn is_overflowed(&self) -> bool {
+        self.shared.overflowed.load(Ordering::Relaxed)
+    }
+
+    /// Acknowledges `n` events taken from the channel for this CQ
+    /// (`ibv_ack_cq_events`). Events need not be acknowledged before the CQ
+    /// is dropped (nothing waits for them); the count is kept for
+    /// [`unacked_events`](Self::unacked_events). Acknowledging more than
+    /// were delivered leaves the count at 0.
+    pub fn ack_events(&self, n: u32) {
+        let _ = self
+            .shared
+            .unacked
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                Some(u.saturating_sub(n))
+            });
+    }
+
+    /// Events delivered for this CQ and not yet acknowledged.
+    pub fn unacked_events(&self) -> u32 {
+        self.shared.unacked.load(Ordering::Relaxed)
+    }
+
+    /// Queues a completion (the data path). `solicited`: the completion is of
+    /// a receive that consumed a solicited Send (wakes solicited-only arms).
+    ///
+    /// # Errors
+    ///
+    /// [`CqOverflow`] if the CQ is full: the completion is not stored, the CQ
+    /// is marked overflowed and, the first time, an
+    /// [`AsyncEventKind::CqError`] event is queued on the device. The QP
+    /// should go to ERROR.
+    #[allow(dead_code)] // used by the data path
+    pub(crate) fn push(&self, wc: WorkCompletion, solicited: bool) -> Result<(), CqOverflow> {
+        let shared = &*self.shared;
+        let stored = shared.ring.read().push(wc).is_ok();
+        if !stored {
+            if !shared.overflowed.swap(true, Ordering::Relaxed) {
+                shared.device.events().push(
+                    AsyncEvent::cq(AsyncEventKind::CqError, shared.id).with_detail(format!(
+                        "completion queue overflow: a completion of QP {} was lost",
+                        wc.qp_num
+                    )),
+                );
+            }
+            return Err(CqOverflow { cq_id: shared.id });
+        }
+        // SeqCst pairs with req_notify: either this load sees the arm, or the
+        // application's poll after arming sees the completion.
+        let arm = shared.arm.load(Ordering::SeqCst);
+        let wakes = match arm {
+            ARM_NONE => false,
+            ARM_SOLICITED => solicited || !wc.status.is_success(),
+            _ => true,
+        };
+        if wakes
+            && shared
+                .arm
+                .compare_exchange(arm, ARM_NONE, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            && let Some(channel) = &shared.channel
+        {
+            channel.shared.queue.push(Arc::downgrade(&self.shared));
+        }
+        Ok(())
+    }
+
+    /// Registers a QP's receive-progress hook (see [`Progress`]). Dead hooks
+    /// are dropped on the way.
+    #[allow(dead_code)] // used by the data path
+    pub(crate) fn attach_progress(&self, hook: Weak<dyn Progress>) {
+        let mut hooks = self.shared.progress.write();
+        hooks.retain(|h| h.strong_count() > 0);
+        hooks.push(hook);
+    }
+
+    /// Removes a hook registered with [`attach_progress`](Self::attach_progress).
+    #[allow(dead_code)] // used by the data path
+    pub(crate) fn detach_progress(&self, hook: &Weak<dyn Progress>) {
+        self.shared
+            .progress
+            .write()
+            .retain(|h| h.strong_count() > 0 && !Weak::ptr_eq(h, hook));
+    }
+}
+
+/// A completion channel (`ibv_comp_channel`): where armed CQs deliver their
+/// events. One channel may serve many CQs. A cheap, clonable handle.
+///
+/// Its [`fd`](Self::fd) is readable while an event is pending, so it can be
+/// watched with `poll(2)`, `epoll(7)` or an async runtime; take the event
+/// with [`try_get_event`](Self::try_get_event).
+///
+/// Events of a CQ that has been dropped meanwhile are discarded.
+#[derive(Clone)]
+pub struct CompletionChannel {
+    shared: Arc<ChannelShared>,
+}
+
+struct ChannelShared {
+    device: Device,
+    queue: FdQueue<Weak<CqShared>>,
+}
+
+impl fmt::Debug for CompletionChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionChannel")
+            .field("fd", &self.shared.queue.fd().as_raw_fd())
+            .field("pending", &self.shared.queue.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CompletionChannel {
+    /// A new channel (`ibv_create_comp_channel`).
+    ///
+    /// # Errors
+    ///
+    /// The event descriptor could not be created (descriptor limit).
+    pub fn new(device: &Device) -> io::Result<CompletionChannel> {
+        Ok(CompletionChannel {
+            shared: Arc::new(ChannelShared {
+                device: device.clone(),
+                queue: FdQueue::new()?,
+            }),
+        })
+    }
+
+    /// The CQ of the next event, waiting up to `timeout` for one (`None`:
+    /// no limit), like `ibv_get_cq_event`. Counts as one unacknowledged
+    /// event of that CQ (see [`CompletionQueue::ack_events`]).
+    ///
+    /// # Errors
+    ///
+    /// [`GetEventError::TimedOut`] when the time is up,
+    /// [`GetEventError::Io`] if waiting on the descriptor failed.
+    pub fn get_event(&self, timeout: Option<Duration>) -> Result<CompletionQueue, GetEventError> {
+        loop {
+            match self.shared.queue.pop(timeout)? {
+                None => return Err(GetEventError::TimedOut),
+                Some(weak) => {
+                    if let Some(cq) = Self::deliver(&weak) {
+                        return Ok(cq);
+                    }
+                    // The CQ is gone; look for another event (the wait
+                    // restarts, so a stream of dead events can stretch it).
+                }
+            }
+        }
+    }
+
+    /// The CQ of the next event if one is pending, without waiting.
+    pub fn try_get_event(&self) -> Option<CompletionQueue> {
+        while let Some(weak) = self.shared.queue.try_pop() {
+            if let Some(cq) = Self::deliver(&weak) {
+                return Some(cq);
+            }
+        }
+        None
+    }
+
+    fn deliver(weak: &Weak<CqShared>) -> Option<CompletionQueue> {
+        let shared = weak.upgrade()?;
+        shared.unacked.fetch_add(1, Ordering::Relaxed);
+        Some(CompletionQueue { shared })
+    }
+
+    /// A descriptor that is readable while an event is pending. Reading it
+    /// is not needed: take the event with
+    /// [`try_get_event`](Self::try_get_event).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.shared.queue.fd()
+    }
+}
+
+impl AsFd for CompletionChannel {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd()
+    }
+}
+
+impl AsRawFd for CompletionChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd().as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wc::{WcOpcode, WcStatus};
+    use crate::{DeviceConfig, WcFlags};
+    use std::sync::atomic::AtomicUsize;
+
+    fn dev() -> Device {
+        Device::open_default().unwrap()
+    }
+
+    fn wc(wr_id: u64) -> WorkCompletion {
+        WorkCompletion::success(wr_id, WcOpcode::Recv, 1)
+    }
+
+    #[test]
+    fn poll_in_batches_in_order() {
+        let cq = CompletionQueue::new(&dev(), 8, None).unwrap();
+        for i in 0..8 {
+            cq.push(wc(i), false).unwrap();
+        }
+        let mut out = [wc(99); 3];
+        assert_eq!(cq.poll(&mut out), 3);
+        assert_eq!(out.map(|w| w.wr_id), [0, 1, 2]);
+        assert_eq!(cq.poll(&mut out), 3);
+        assert_eq!(out.map(|w| w.wr_id), [3, 4, 5]);
+        assert_eq!(cq.poll(&mut out), 2);
+        assert_eq!(out[..2].iter().map(|w| w.wr_id).collect::<Vec<_>>(), [6, 7]);
+        assert_eq!(cq.poll(&mut out), 0);
+        assert_eq!(cq.poll(&mut []), 0);
+    }
+
+    #[test]
+    fn sizes() {
+        let d = dev();
+        assert!(matches!(
+            CompletionQueue::new(&d, 0, None),
+            Err(CreateCqError::InvalidSize { requested: 0, .. })
+        ));
+        let max = d.attr().max_cqe as usize;
+        assert!(CompletionQueue::new(&d, max + 1, None).is_err());
+        let cq = CompletionQueue::new(&d, 1, None).unwrap();
+        assert!(matches!(cq.resize(0), Err(ResizeError::InvalidSize { .. })));
+        assert!(matches!(
+            cq.resize(max + 1),
+            Err(ResizeError::InvalidSize { .. })
+        ));
+    }
+
+    #[test]
+    fn ids_differ() {
+        let d = dev();
+        let a = CompletionQueue::new(&d, 1, None).unwrap();
+        let b = CompletionQueue::new(&d, 1, None).unwrap();
+        assert_ne!(a.id(), b.id());
+        assert!(a.same_as(&a.clone()));
+        assert!(!a.same_as(&b));
+    }
+
+    #[test]
+    fn overflow_loses_the_completion_and_raises_one_event() {
+        let d = dev();
+        let cq = CompletionQueue::new(&d, 2, None).unwrap();
+        cq.push(wc(1), false).unwrap();
+        cq.push(wc(2), false).unwrap();
+        assert_eq!(cq.push(wc(3), false), Err(CqOverflow { cq_id: cq.id() }));
+        assert_eq!(cq.push(wc(4), false), Err(CqOverflow { cq_id: cq.id() }));
+        assert!(cq.is_overflowed());
+        let e = d.events().try_get().unwrap();
+        assert_eq!(e.kind, AsyncEventKind::CqError);
+        assert_eq!(e.cq_id, Some(cq.id()));
+        assert!(d.events().try_get().is_none());
+        assert_eq!(cq.poll_one().unwrap().wr_id, 1);
+        assert_eq!(cq.poll_one().unwrap().wr_id, 2);
+        assert!(cq.poll_one().is_none());
+    }
+
+    #[test]
+    fn notify_needs_a_channel() {
+        let cq = CompletionQueue::new(&dev(), 2, None).unwrap();
+        assert_eq!(cq.req_notify(false), Err(NotifyError::NoChannel));
+    }
+
+    #[test]
+    fn arm_next_fires_once() {
+        let d = dev();
+        let ch = CompletionChannel::new(&d).unwrap();
+        let cq = CompletionQueue::new(&d, 8, Some(&ch)).unwrap();
+        cq.push(wc(0), false).unwrap();
+        assert!(ch.try_get_event().is_none(), "not armed");
+        cq.req_notify(false).unwrap();
+        cq.push(wc(1), false).unwrap();
+        cq.push(wc(2), false).unwrap();
+        let got = ch.try_get_event().unwrap();
+        assert!(got.same_as(&cq));
+        assert!(ch.try_get_event().is_none(), "one event per arm");
+        assert_eq!(cq.unacked_events(), 1);
+        cq.ack_events(1);
+        assert_eq!(cq.unacked_events(), 0);
+        cq.ack_events(5);
+        assert_eq!(cq.unacked_events(), 0);
+    }
+
+    #[test]
+    fn arm_solicited_waits_for_solicited_or_error() {
+        let d = dev();
+        let ch = CompletionChannel::new(&d).unwrap();
+        let cq = CompletionQueue::new(&d, 8, Some(&ch)).unwrap();
+        cq.req_notify(true).unwrap();
+        cq.push(wc(1), false).unwrap();
+        assert!(ch.try_get_event().is_none());
+        let mut solicited = wc(2);
+        solicited.flags = WcFlags::SOLICITED;
+        cq.push(solicited, true).unwrap();
+        assert!(ch.try_get_event().is_some());
+
+        cq.req_notify(true).unwrap();
+        cq.push(
+            WorkCompletion::error(3, WcOpcode::Send, 1, WcStatus::WrFlush),
+            false,
+        )
+        .unwrap();
+        assert!(ch.try_get_event().is_some());
+
+        // Widening: solicited then next fires on any completion.
+        cq.req_notify(true).unwrap();
+        cq.req_notify(false).unwrap();
+        cq.push(wc(4), false).unwrap();
+        assert!(ch.try_get_event().is_some());
+        // Next then solicited stays next.
+        cq.req_notify(false).unwrap();
+        cq.req_notify(true).unwrap();
+        cq.push(wc(5), false).unwrap();
+        assert!(ch.try_get_event().is_some());
+    }
+
+    #[test]
+    fn events_of_dropped_cqs_are_discarded() {
+        let d = dev();
+        let ch = CompletionChannel::new(&d).unwrap();
+        let cq = CompletionQueue::new(&d, 8, Some(&ch)).unwrap();
+        cq.req_notify(false).unwrap();
+        cq.push(wc(1), false).unwrap();
+        drop(cq);
+        assert!(ch.try_get_event().is_none());
+        assert!(matches!(
+            ch.get_event(Some(Duration::from_millis(1))),
+            Err(GetEventError::TimedOut)
+        ));
+    }
+
+    #[test]
+    fn foreign_channel_is_refused() {
+        let ch = CompletionChannel::new(&dev()).unwrap();
+        assert!(matches!(
+            CompletionQueue::new(&dev(), 8, Some(&ch)),
+            Err(CreateCqError::ForeignChannel)
+        ));
+    }
+
+    #[test]
+    fn resize_keeps_order() {
+        let cq = CompletionQueue::new(&dev(), 4, None).unwrap();
+        for i in 0..3 {
+            cq.push(wc(i), false).unwrap();
+        }
+        assert_eq!(
+            cq.resize(2),
+            Err(ResizeError::TooSmall {
+                requested: 2,
+                queued: 3
+            })
+        );
+        cq.resize(3).unwrap();
+        assert_eq!(cq.capacity(), 3);
+        assert!(cq.push(wc(9), false).is_err());
+        cq.resize(10).unwrap();
+        for i in 3..10 {
+            cq.push(wc(i), false).unwrap();
+        }
+        let mut out = [wc(0); 16];
+        assert_eq!(cq.poll(&mut out), 10);
+        assert!(out[..10].iter().map(|w| w.wr_id).eq(0..10));
+    }
+
+    struct Hook {
+        cq: CompletionQueue,
+        calls: AtomicUsize,
+    }
+
+    impl Progress for Hook {
+        fn progress(&self) -> bool {
+            let n = self.calls.fetch_add(1, Ordering::Relaxed);
+            if n == 0 {
+                self.cq.push(wc(42), false).unwrap();
+                true
+            } else {
+                false
+            }
+        }
+    }
+
+    #[test]
+    fn progress_hook_runs_on_empty_poll() {
+        let cq = CompletionQueue::new(&dev(), 4, None).unwrap();
+        let hook = Arc::new(Hook {
+            cq: cq.clone(),
+            calls: AtomicUsize::new(0),
+        });
+        let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
+        cq.attach_progress(weak.clone());
+        assert_eq!(cq.poll_one().unwrap().wr_id, 42);
+        assert_eq!(hook.calls.load(Ordering::Relaxed), 1);
+        assert!(cq.poll_one().is_none());
+        assert_eq!(hook.calls.load(Ordering::Relaxed), 2);
+        cq.push(wc(1), false).unwrap();
+        assert_eq!(cq.poll_one().unwrap().wr_id, 1);
+        assert_eq!(
+            hook.calls.load(Ordering::Relaxed),
+            2,
+            "not called when not empty"
+        );
+        cq.detach_progress(&weak);
+        assert!(cq.poll_one().is_none());
+        assert_eq!(hook.calls.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn progress_hook_off_without_poll_driven_receive() {
+        let mut config = DeviceConfig::default();
+        config.poll_driven_receive = false;
+        let d = Device::open_with(config).unwrap();
+        let cq = CompletionQueue::new(&d, 4, None).unwrap();
+        let hook = Arc::new(Hook {
+            cq: cq.clone(),
+            calls: AtomicUsize::new(0),
+        });
+        let arc: Arc<dyn Progress> = hook.clone();
+        cq.attach_progress(Arc::downgrade(&arc));
+        assert!(cq.poll_one().is_none());
+        assert_eq!(hook.calls.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn dead_hooks_are_skipped() {
+        let cq = CompletionQueue::new(&dev(), 4, None).unwrap();
+        let arc: Arc<dyn Progress> = Arc::new(Hook {
+            cq: cq.clone(),
+            calls: AtomicUsize::new(0),
+        });
+        cq.attach_progress(Arc::downgrade(&arc));
+        drop(arc);
+        assert!(cq.poll_one().is_none());
+    }
+}
