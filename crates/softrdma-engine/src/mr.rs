@@ -1,28 +1,1833 @@
-//! Memory regions and windows (stub, being written).
+//! Memory regions, memory windows and the registration (STag) table.
+//!
+//! RFC 5040 section 2.1 and RFC 5041 section 2: a Steering Tag (STag)
+//! "identifies a Data Sink's tagged buffer"; with a Tagged Offset (TO) it
+//! names a byte of registered memory. Here an STag is, as in Linux siw,
+//!
+//! ```text
+//!  31                                8 7          0
+//! +-----------------------------------+------------+
+//! |     index (24 bits, never 0)      | key (8 b.) |
+//! +-----------------------------------+------------+
+//! ```
+//!
+//! The index selects an entry of the device's [`StagTable`]; the key is
+//! random and changes on every re-registration, window bind and
+//! fast-register, so a stale or guessed STag fails with "Invalid STag".
+//! Index 0 is never used: STags 0 to 255 (among them the STag 1 used by
+//! peer-to-peer RTR messages) are never valid. On iWARP the local key and the
+//! remote key of a region are the same STag.
+//!
+//! Remote access checks follow RFC 5040 section 7.2 / RFC 5041 section 7.2
+//! in this order (see [`StagTable::remote`]): the STag (exists, valid, key),
+//! the protection domain, the access rights, then the range (Tagged Offset
+//! wrap, base and bounds).
 
-/// Access flags.
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+use rand::Rng;
+use softrdma_wire::errcode::TermError;
+
+use crate::pd::ProtectionDomain;
+use crate::sys::mem::Memory;
+use crate::wc::WcStatus;
+use crate::wr::{LocalSeg, Sge};
+
+/// Access rights of a memory region or window (`ibv_access_flags`; same bit
+/// values).
+///
+/// A region always allows local reads. As in verbs, [`Access::REMOTE_WRITE`]
+/// and [`Access::REMOTE_ATOMIC`] require [`Access::LOCAL_WRITE`]
+/// ([`Access::is_valid`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Access(u32);
 
 impl Access {
-    /// Remote peers may write.
+    /// No rights beyond local read.
+    pub const NONE: Access = Access(0);
+    /// The local side may write (receive into it, RDMA Read sink, atomics
+    /// result).
+    pub const LOCAL_WRITE: Access = Access(1);
+    /// Remote peers may write (RDMA Write).
+    pub const REMOTE_WRITE: Access = Access(2);
+    /// Remote peers may read (RDMA Read).
+    pub const REMOTE_READ: Access = Access(4);
+    /// Remote peers may run atomic operations (RFC 7306).
+    pub const REMOTE_ATOMIC: Access = Access(8);
+    /// Memory windows may be bound to the region.
     pub const MW_BIND: Access = Access(16);
+    /// Every defined flag.
+    pub const ALL: Access = Access(31);
+    /// The flags a memory window may grant.
+    pub const REMOTE: Access = Access(2 | 4 | 8);
+
+    /// Flags from their ibverbs bit values; `None` if an unknown bit is set.
+    pub const fn from_bits(bits: u32) -> Option<Access> {
+        if bits & !Access::ALL.0 == 0 {
+            Some(Access(bits))
+        } else {
+            None
+        }
+    }
+
+    /// The ibverbs bit values.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Whether every flag of `other` is set.
+    pub const fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Whether no flag is set.
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// Flags set in either.
+    #[must_use]
+    pub const fn union(self, other: Access) -> Access {
+        Access(self.0 | other.0)
+    }
+
+    /// Flags set in both.
+    #[must_use]
+    pub const fn intersection(self, other: Access) -> Access {
+        Access(self.0 & other.0)
+    }
+
+    /// Flags of `self` not in `other`.
+    #[must_use]
+    pub const fn difference(self, other: Access) -> Access {
+        Access(self.0 & !other.0)
+    }
+
+    /// The verbs rule: remote write or remote atomic access requires local
+    /// write access.
+    pub const fn is_valid(self) -> bool {
+        let needs_local = self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0) != 0;
+        !needs_local || self.0 & Access::LOCAL_WRITE.0 != 0
+    }
 }
 
-/// A memory region.
-#[derive(Debug)]
-pub struct MemoryRegion {}
+impl core::ops::BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        self.union(rhs)
+    }
+}
 
-/// A memory window.
-#[derive(Debug)]
-pub struct MemoryWindow {}
+impl core::ops::BitOrAssign for Access {
+    fn bitor_assign(&mut self, rhs: Access) {
+        *self = self.union(rhs);
+    }
+}
 
-/// The registration table.
+impl core::ops::BitAnd for Access {
+    type Output = Access;
+    fn bitand(self, rhs: Access) -> Access {
+        self.intersection(rhs)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+/// Why a registration (or re-registration, or allocation of a window or
+/// fast-register region) failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegError {
+    /// The access flags break the verbs rule (remote write or atomic access
+    /// without local write).
+    #[error("invalid access flags {0:?}: remote write and remote atomic need local write")]
+    InvalidAccess(Access),
+    /// Longer than the device's `max_mr_size`.
+    #[error("{len} bytes exceeds the largest region of {max} bytes")]
+    TooLarge {
+        /// Requested length.
+        len: u64,
+        /// The device limit.
+        max: u64,
+    },
+    /// The memory could not be allocated.
+    #[error("out of memory allocating {0} bytes")]
+    OutOfMemory(usize),
+    /// All 2^24 - 1 STag indices are in use.
+    #[error("the registration table is full")]
+    TableFull,
+    /// A re-registration while memory windows are bound to the region.
+    #[error("{0} memory window(s) are bound to the region")]
+    WindowsBound(u32),
+}
+
+/// Why a region could not be deregistered. Gives the region back.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot deregister: {windows} memory window(s) are still bound to the region")]
+pub struct DeregError {
+    region: MemoryRegion,
+    windows: u32,
+}
+
+impl DeregError {
+    /// Number of windows still bound.
+    pub fn windows(&self) -> u32 {
+        self.windows
+    }
+
+    /// The region, still registered.
+    pub fn into_region(self) -> MemoryRegion {
+        self.region
+    }
+}
+
+/// A local read or write of a region's buffer out of range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("bytes [{offset}, {offset}+{len}) are outside the region's {region_len} bytes")]
+pub struct RangeError {
+    /// Requested offset.
+    pub offset: usize,
+    /// Requested length.
+    pub len: usize,
+    /// Length of the region's buffer.
+    pub region_len: usize,
+}
+
+/// Why a remote access (tagged placement, Read Request source, atomic)
+/// was refused. The variants are the RFC 5040 / 5041 protection errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RemoteAccessError {
+    /// No such STag index, the entry is invalid (invalidated, unbound
+    /// window, fast-register region not registered), or the key differs.
+    #[error("invalid STag")]
+    InvalidStag,
+    /// The STag belongs to another protection domain than the stream's.
+    #[error("STag not associated with the stream (protection domain mismatch)")]
+    StagNotAssociated,
+    /// The STag does not grant the access the operation needs.
+    #[error("access rights violation")]
+    AccessRights,
+    /// `[to, to + len)` is not inside the registered range.
+    #[error("base or bounds violation")]
+    BaseOrBounds,
+    /// `to + len` wraps around 2^64.
+    #[error("tagged offset wrap")]
+    ToWrap,
+}
+
+impl RemoteAccessError {
+    /// The Terminate error code to report.
+    ///
+    /// `tagged`: true for DDP tagged-buffer errors (placement of RDMA Write
+    /// and Read Response data, RFC 5041 section 7.2, layer DDP, type Tagged
+    /// Buffer); false for RDMAP remote protection errors (the source of an
+    /// RDMA Read Request, atomics; RFC 5040 section 7.2).
+    ///
+    /// RFC 5041 has no "access rights" code for tagged buffers; like Linux
+    /// siw, [`RemoteAccessError::AccessRights`] is reported there as a base
+    /// or bounds violation.
+    pub const fn term_error(self, tagged: bool) -> TermError {
+        match (tagged, self) {
+            (true, RemoteAccessError::InvalidStag) => TermError::DdpTaggedInvalidStag,
+            (true, RemoteAccessError::StagNotAssociated) => TermError::DdpTaggedStagNotAssociated,
+            (true, RemoteAccessError::AccessRights | RemoteAccessError::BaseOrBounds) => {
+                TermError::DdpTaggedBaseOrBounds
+            }
+            (true, RemoteAccessError::ToWrap) => TermError::DdpTaggedToWrap,
+            (false, RemoteAccessError::InvalidStag) => TermError::RdmapInvalidStag,
+            (false, RemoteAccessError::StagNotAssociated) => TermError::RdmapStagNotAssociated,
+            (false, RemoteAccessError::AccessRights) => TermError::RdmapAccessRights,
+            (false, RemoteAccessError::BaseOrBounds) => TermError::RdmapBaseOrBounds,
+            (false, RemoteAccessError::ToWrap) => TermError::RdmapToWrap,
+        }
+    }
+
+    /// The completion status the requester sees when told of this error.
+    pub const fn wc_status(self) -> WcStatus {
+        WcStatus::RemoteAccess
+    }
+}
+
+/// Why a local SGE was refused at post time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LocalAccessError {
+    /// No such lkey, invalid entry, wrong key, or the key of a window.
+    #[error("invalid lkey {0:#010x}")]
+    InvalidLkey(u32),
+    /// The region belongs to another protection domain.
+    #[error("lkey {0:#010x} belongs to another protection domain")]
+    PdMismatch(u32),
+    /// `[addr, addr + len)` is not inside the region.
+    #[error("SGE [{addr:#x}, +{len}) is outside the region")]
+    OutOfBounds {
+        /// SGE address.
+        addr: u64,
+        /// SGE length.
+        len: u32,
+    },
+    /// The operation writes the memory but the region lacks local write.
+    #[error("lkey {0:#010x} lacks local write access")]
+    NoLocalWrite(u32),
+}
+
+impl LocalAccessError {
+    /// The completion status of the refused work request.
+    pub const fn wc_status(self) -> WcStatus {
+        WcStatus::LocalProtection
+    }
+}
+
+/// Why an STag could not be invalidated (Local Invalidate or Send with
+/// Invalidate).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidateError {
+    /// No such STag (index or key).
+    #[error("invalid STag")]
+    InvalidStag,
+    /// The STag belongs to another protection domain.
+    #[error("STag belongs to another protection domain")]
+    PdMismatch,
+    /// The STag names a region registered with `register*` (only windows
+    /// and fast-register regions can be invalidated).
+    #[error("STag cannot be invalidated")]
+    CannotInvalidate,
+}
+
+impl InvalidateError {
+    /// The Terminate code for a failed remote invalidation (Send with
+    /// Invalidate), RFC 5040 section 7.2, RDMAP Remote Protection.
+    pub const fn term_error(self) -> TermError {
+        match self {
+            InvalidateError::InvalidStag => TermError::RdmapInvalidStag,
+            InvalidateError::PdMismatch => TermError::RdmapStagNotAssociated,
+            InvalidateError::CannotInvalidate => TermError::RdmapProtectionCannotInvalidate,
+        }
+    }
+
+    /// The completion status of a failed Local Invalidate.
+    pub const fn wc_status(self) -> WcStatus {
+        WcStatus::InvalidateError
+    }
+}
+
+/// Why a memory window could not be bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BindError {
+    /// The window or the region belongs to another device.
+    #[error("window and region belong to another device")]
+    OtherDevice,
+    /// The window and the region are in different protection domains.
+    #[error("window and region are in different protection domains")]
+    PdMismatch,
+    /// The region is not valid (invalidated fast-register region).
+    #[error("the region is not valid")]
+    InvalidRegion,
+    /// The region was not registered with [`Access::MW_BIND`].
+    #[error("the region does not allow window binding")]
+    NoBindRight,
+    /// The window is already bound (a type 2 window must be invalidated
+    /// before it is bound again).
+    #[error("the window is already bound")]
+    AlreadyBound,
+    /// The window access contains flags other than remote read, write and
+    /// atomic.
+    #[error("invalid window access {0:?}")]
+    InvalidAccess(Access),
+    /// The window grants remote write or atomic access but the region lacks
+    /// local write.
+    #[error("window access exceeds what the region allows")]
+    AccessExceedsRegion,
+    /// The window range is not inside the region.
+    #[error("window range is outside the region")]
+    OutOfBounds,
+}
+
+impl BindError {
+    /// The completion status of the failed Bind work request.
+    pub const fn wc_status(self) -> WcStatus {
+        WcStatus::MwBind
+    }
+}
+
+/// Why a fast-register work request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FastRegError {
+    /// The region belongs to another device or is gone.
+    #[error("the region belongs to another device")]
+    OtherDevice,
+    /// The region was not allocated with `alloc_mr`.
+    #[error("the region is not a fast-register region")]
+    NotFastReg,
+    /// The region is currently valid: invalidate it first.
+    #[error("the region is still valid")]
+    AlreadyValid,
+    /// Longer than the region's capacity.
+    #[error("{len} bytes exceeds the region's capacity of {capacity}")]
+    TooLong {
+        /// Requested length.
+        len: u64,
+        /// The region's capacity.
+        capacity: usize,
+    },
+    /// `iova + len` wraps around 2^64.
+    #[error("address range wraps")]
+    Wrap,
+    /// Invalid access flags (see [`Access::is_valid`]).
+    #[error("invalid access flags {0:?}")]
+    InvalidAccess(Access),
+}
+
+impl FastRegError {
+    /// The completion status of the failed work request.
+    pub const fn wc_status(self) -> WcStatus {
+        WcStatus::LocalProtection
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The table
+// ---------------------------------------------------------------------------
+
+/// Largest STag index (24 bits).
+const MAX_INDEX: u32 = 0x00ff_ffff;
+
+/// The STag of `index` with `key`.
+const fn stag(index: u32, key: u8) -> u32 {
+    (index << 8) | key as u32
+}
+
+/// A random key different from `previous`.
+fn fresh_key(previous: Option<u8>) -> u8 {
+    let mut rng = rand::rng();
+    loop {
+        let k: u8 = rng.random();
+        if Some(k) != previous {
+            return k;
+        }
+    }
+}
+
+/// What an entry is.
 #[derive(Debug)]
-pub(crate) struct StagTable {}
+enum Kind {
+    /// A region; `fast_reg` if allocated with `alloc_mr`. `windows` counts
+    /// windows bound to it (shared with their entries).
+    Region {
+        fast_reg: bool,
+        windows: Arc<std::sync::atomic::AtomicU32>,
+    },
+    /// A type 2 window; `bound_to` is the window counter of the region it
+    /// is bound to.
+    Window {
+        bound_to: Option<Arc<std::sync::atomic::AtomicU32>>,
+    },
+}
+
+/// One registration.
+#[derive(Debug)]
+struct Entry {
+    key: u8,
+    valid: bool,
+    pd: u32,
+    access: Access,
+    /// First address (Tagged Offset) the entry answers to.
+    iova: u64,
+    /// Registered length in bytes.
+    len: u64,
+    /// The memory (`None`: unbound window).
+    mem: Option<Arc<Memory>>,
+    /// Offset in `mem` of `iova`.
+    mem_offset: usize,
+    kind: Kind,
+}
+
+impl Entry {
+    /// The offset in `mem` of `[addr, addr + len)`, if inside the range.
+    fn offset_of(&self, addr: u64, len: u64) -> Option<usize> {
+        let end = addr.checked_add(len)?;
+        let reg_end = self.iova.checked_add(self.len)?;
+        if addr < self.iova || end > reg_end {
+            return None;
+        }
+        let rel = usize::try_from(addr - self.iova).ok()?;
+        self.mem_offset.checked_add(rel)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    /// Entry `i` has STag index `i`; entry 0 is always `None`.
+    entries: Vec<Option<Entry>>,
+    /// Unused indices (never 0).
+    free: Vec<u32>,
+}
+
+impl Slots {
+    fn get(&self, index: u32) -> Option<&Entry> {
+        self.entries.get(index as usize)?.as_ref()
+    }
+
+    fn get_mut(&mut self, index: u32) -> Option<&mut Entry> {
+        self.entries.get_mut(index as usize)?.as_mut()
+    }
+}
+
+/// Registered memory for remote or local access: `len` bytes at `offset` of
+/// `mem`. Holding it keeps the memory alive.
+#[allow(dead_code)] // used by the data path
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    /// The memory.
+    pub(crate) mem: Arc<Memory>,
+    /// Byte offset in `mem`.
+    pub(crate) offset: usize,
+    /// Length in bytes.
+    pub(crate) len: usize,
+}
+
+/// The registration table of a device: every region and window by STag
+/// index. Lookups take a read lock and clone an `Arc`.
+#[derive(Debug)]
+pub(crate) struct StagTable {
+    slots: RwLock<Slots>,
+}
+
+/// What a new entry is registered as.
+pub(crate) struct NewEntry {
+    pub(crate) pd: u32,
+    pub(crate) access: Access,
+    pub(crate) iova: u64,
+    pub(crate) len: u64,
+    pub(crate) mem: Option<Arc<Memory>>,
+    pub(crate) valid: bool,
+    pub(crate) kind: NewKind,
+}
+
+/// Kind of a new entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NewKind {
+    /// A region registered with memory.
+    Region,
+    /// A fast-register region (invalid until fast-registered).
+    FastRegRegion,
+    /// A type 2 memory window.
+    Window,
+}
 
 impl StagTable {
+    /// An empty table.
     pub(crate) fn new() -> Self {
-        StagTable {}
+        StagTable {
+            slots: RwLock::new(Slots {
+                entries: vec![None],
+                free: Vec::new(),
+            }),
+        }
+    }
+
+    /// Adds an entry with a random key; returns its index.
+    pub(crate) fn insert(&self, new: NewEntry) -> Result<u32, RegError> {
+        let kind = match new.kind {
+            NewKind::Region | NewKind::FastRegRegion => Kind::Region {
+                fast_reg: new.kind == NewKind::FastRegRegion,
+                windows: Arc::default(),
+            },
+            NewKind::Window => Kind::Window { bound_to: None },
+        };
+        let entry = Entry {
+            key: fresh_key(None),
+            valid: new.valid,
+            pd: new.pd,
+            access: new.access,
+            iova: new.iova,
+            len: new.len,
+            mem: new.mem,
+            mem_offset: 0,
+            kind,
+        };
+        let mut slots = self.slots.write();
+        let index = if slots.free.is_empty() {
+            let index = u32::try_from(slots.entries.len()).map_err(|_| RegError::TableFull)?;
+            if index > MAX_INDEX {
+                return Err(RegError::TableFull);
+            }
+            slots.entries.push(None);
+            index
+        } else {
+            // A random free index, so reuse order is not predictable.
+            let pick = rand::rng().random_range(0..slots.free.len());
+            slots.free.swap_remove(pick)
+        };
+        if let Some(slot) = slots.entries.get_mut(index as usize) {
+            *slot = Some(entry);
+        }
+        Ok(index)
+    }
+
+    /// Removes the entry at `index`. A bound window releases its region.
+    pub(crate) fn remove(&self, index: u32) {
+        let mut slots = self.slots.write();
+        if let Some(slot) = slots.entries.get_mut(index as usize)
+            && let Some(entry) = slot.take()
+        {
+            if let Kind::Window {
+                bound_to: Some(count),
+            } = entry.kind
+            {
+                count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            slots.free.push(index);
+        }
+    }
+
+    /// The current STag of the entry at `index` (0 if there is none).
+    pub(crate) fn stag_of(&self, index: u32) -> u32 {
+        self.slots
+            .read()
+            .get(index)
+            .map_or(0, |e| stag(index, e.key))
+    }
+
+    /// `(valid, iova, len, access)` of the entry at `index`.
+    fn info(&self, index: u32) -> Option<(bool, u64, u64, Access)> {
+        self.slots
+            .read()
+            .get(index)
+            .map(|e| (e.valid, e.iova, e.len, e.access))
+    }
+
+    /// Number of windows bound to the region at `index`.
+    fn windows_of(&self, index: u32) -> u32 {
+        match self.slots.read().get(index).map(|e| &e.kind) {
+            Some(Kind::Region { windows, .. }) => {
+                windows.load(std::sync::atomic::Ordering::Relaxed)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Remote access check (placement of RDMA Write and Read Response data,
+    /// source of Read Response data, atomics).
+    ///
+    /// Checks, in this order: the STag index exists, the entry is valid and
+    /// the key matches ([`RemoteAccessError::InvalidStag`]); the entry's
+    /// protection domain is `pd` ([`RemoteAccessError::StagNotAssociated`]);
+    /// its access contains `need` ([`RemoteAccessError::AccessRights`]);
+    /// then, if `len > 0`, `to + len` does not wrap
+    /// ([`RemoteAccessError::ToWrap`]) and `[to, to + len)` is inside the
+    /// registered range ([`RemoteAccessError::BaseOrBounds`]).
+    ///
+    /// Zero length: the STag checks still apply and the range checks do not
+    /// (the returned target is empty). Linux siw places a zero-length RDMA
+    /// Write without looking its STag up at all (peer-to-peer RTR messages
+    /// carry STag 1, which is never valid): a data path that wants that
+    /// behaviour must not call this function for zero-length placement.
+    #[allow(dead_code)] // used by the data path
+    pub(crate) fn remote(
+        &self,
+        stag_value: u32,
+        pd: u32,
+        need: Access,
+        to: u64,
+        len: u64,
+    ) -> Result<Target, RemoteAccessError> {
+        let index = stag_value >> 8;
+        let key = (stag_value & 0xff) as u8;
+        let slots = self.slots.read();
+        let entry = slots
+            .get(index)
+            .filter(|e| e.valid && e.key == key)
+            .ok_or(RemoteAccessError::InvalidStag)?;
+        let mem = entry.mem.as_ref().ok_or(RemoteAccessError::InvalidStag)?;
+        if entry.pd != pd {
+            return Err(RemoteAccessError::StagNotAssociated);
+        }
+        if !entry.access.contains(need) {
+            return Err(RemoteAccessError::AccessRights);
+        }
+        if len == 0 {
+            return Ok(Target {
+                mem: Arc::clone(mem),
+                offset: 0,
+                len: 0,
+            });
+        }
+        if to.checked_add(len).is_none() {
+            return Err(RemoteAccessError::ToWrap);
+        }
+        let offset = entry
+            .offset_of(to, len)
+            .ok_or(RemoteAccessError::BaseOrBounds)?;
+        let len = usize::try_from(len).map_err(|_| RemoteAccessError::BaseOrBounds)?;
+        if mem.ptr_at(offset, len).is_none() {
+            return Err(RemoteAccessError::BaseOrBounds);
+        }
+        Ok(Target {
+            mem: Arc::clone(mem),
+            offset,
+            len,
+        })
+    }
+
+    /// Local SGE check at post time: `lkey` names a valid region (not a
+    /// window) of protection domain `pd`, `[addr, addr + len)` is inside it,
+    /// and, if `need_write`, the region allows local write.
+    ///
+    /// A zero-length SGE needs a valid lkey of the domain but no range; it
+    /// yields an empty segment.
+    #[allow(dead_code)] // used by the data path
+    pub(crate) fn local(
+        &self,
+        lkey: u32,
+        pd: u32,
+        addr: u64,
+        len: u32,
+        need_write: bool,
+    ) -> Result<LocalSeg, LocalAccessError> {
+        let index = lkey >> 8;
+        let key = (lkey & 0xff) as u8;
+        let slots = self.slots.read();
+        let entry = slots
+            .get(index)
+            .filter(|e| e.valid && e.key == key && matches!(e.kind, Kind::Region { .. }))
+            .ok_or(LocalAccessError::InvalidLkey(lkey))?;
+        let mem = entry
+            .mem
+            .as_ref()
+            .ok_or(LocalAccessError::InvalidLkey(lkey))?;
+        if entry.pd != pd {
+            return Err(LocalAccessError::PdMismatch(lkey));
+        }
+        if need_write && !entry.access.contains(Access::LOCAL_WRITE) {
+            return Err(LocalAccessError::NoLocalWrite(lkey));
+        }
+        if len == 0 {
+            return Ok(LocalSeg {
+                mem: Arc::clone(mem),
+                offset: 0,
+                len: 0,
+            });
+        }
+        let out = LocalAccessError::OutOfBounds { addr, len };
+        let offset = entry.offset_of(addr, u64::from(len)).ok_or(out)?;
+        let len = len as usize;
+        if mem.ptr_at(offset, len).is_none() {
+            return Err(out);
+        }
+        Ok(LocalSeg {
+            mem: Arc::clone(mem),
+            offset,
+            len,
+        })
+    }
+
+    /// Invalidates a memory window or a fast-register region (Local
+    /// Invalidate, or `remote`: Send with Invalidate from the peer). The
+    /// entry must belong to `pd`. Regions registered with memory
+    /// (`register*`) cannot be invalidated. An invalidated window is unbound
+    /// (it releases its region); the key is kept, lookups fail with "invalid
+    /// STag". Invalidating an already invalid entry with the right key
+    /// succeeds.
+    #[allow(dead_code)] // used by the data path
+    pub(crate) fn invalidate(
+        &self,
+        stag_value: u32,
+        pd: u32,
+        remote: bool,
+    ) -> Result<(), InvalidateError> {
+        // Local and remote invalidation follow the same rules here; the
+        // caller picks the error report (Terminate or completion status).
+        let _ = remote;
+        let index = stag_value >> 8;
+        let key = (stag_value & 0xff) as u8;
+        let mut slots = self.slots.write();
+        let entry = slots
+            .get_mut(index)
+            .filter(|e| e.key == key)
+            .ok_or(InvalidateError::InvalidStag)?;
+        if entry.pd != pd {
+            return Err(InvalidateError::PdMismatch);
+        }
+        match &mut entry.kind {
+            Kind::Region {
+                fast_reg: false, ..
+            } => Err(InvalidateError::CannotInvalidate),
+            Kind::Region { fast_reg: true, .. } => {
+                entry.valid = false;
+                Ok(())
+            }
+            Kind::Window { bound_to } => {
+                if let Some(count) = bound_to.take() {
+                    count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                entry.valid = false;
+                entry.mem = None;
+                Ok(())
+            }
+        }
+    }
+
+    /// Binds type 2 window `mw` to `[addr, addr + len)` of region `mr`
+    /// granting `access` (remote flags only), with a fresh key. Returns the
+    /// window's new rkey.
+    ///
+    /// Rules: same device and protection domain; the region is valid and has
+    /// [`Access::MW_BIND`]; the window is not bound; remote write or atomic
+    /// on the window needs local write on the region; the range is inside the
+    /// region. The window holds the region's memory until it is invalidated
+    /// or dropped.
+    #[allow(dead_code)] // used by the data path
+    pub(crate) fn bind_mw(
+        &self,
+        mw: &MemoryWindow,
+        mr: &MemoryRegion,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<u32, BindError> {
+        if !std::ptr::eq(self, mw.pd.device().stags())
+            || !std::ptr::eq(self, mr.pd.device().stags())
+        {
+            return Err(BindError::OtherDevice);
+        }
+        if mw.pd.id() != mr.pd.id() {
+            return Err(BindError::PdMismatch);
+        }
+        if !Access::REMOTE.contains(access) {
+            return Err(BindError::InvalidAccess(access));
+        }
+        let mut slots = self.slots.write();
+        let (mem, mem_offset, windows) = {
+            let region = slots
+                .get(mr.index)
+                .filter(|e| e.valid)
+                .ok_or(BindError::InvalidRegion)?;
+            let Kind::Region { windows, .. } = &region.kind else {
+                return Err(BindError::InvalidRegion);
+            };
+            if !region.access.contains(Access::MW_BIND) {
+                return Err(BindError::NoBindRight);
+            }
+            if access.intersection(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC) != Access::NONE
+                && !region.access.contains(Access::LOCAL_WRITE)
+            {
+                return Err(BindError::AccessExceedsRegion);
+            }
+            let offset = region.offset_of(addr, len).ok_or(BindError::OutOfBounds)?;
+            let mem = region.mem.clone().ok_or(BindError::InvalidRegion)?;
+            (mem, offset, Arc::clone(windows))
+        };
+        let window = slots.get_mut(mw.index).ok_or(BindError::OtherDevice)?;
+        let Kind::Window { bound_to } = &mut window.kind else {
+            return Err(BindError::OtherDevice);
+        };
+        if bound_to.is_some() {
+            return Err(BindError::AlreadyBound);
+        }
+        windows.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        *bound_to = Some(windows);
+        window.key = fresh_key(Some(window.key));
+        window.valid = true;
+        window.access = access;
+        window.iova = addr;
+        window.len = len;
+        window.mem = Some(mem);
+        window.mem_offset = mem_offset;
+        Ok(stag(mw.index, window.key))
+    }
+
+    /// Fast-registers region `mr` (from `alloc_mr`): it answers to `[iova,
+    /// iova + len)` with `access` and a fresh key, mapped to the start of
+    /// its memory. Returns the new STag. The region must be invalid (never
+    /// registered or invalidated).
+    #[allow(dead_code)] // used by the data path
+    pub(crate) fn fast_reg(
+        &self,
+        mr: &MemoryRegion,
+        iova: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<u32, FastRegError> {
+        if !std::ptr::eq(self, mr.pd.device().stags()) {
+            return Err(FastRegError::OtherDevice);
+        }
+        if !access.is_valid() {
+            return Err(FastRegError::InvalidAccess(access));
+        }
+        let capacity = mr.mem.len();
+        if usize::try_from(len).map_or(true, |l| l > capacity) {
+            return Err(FastRegError::TooLong { len, capacity });
+        }
+        if iova.checked_add(len).is_none() {
+            return Err(FastRegError::Wrap);
+        }
+        let mut slots = self.slots.write();
+        let entry = slots.get_mut(mr.index).ok_or(FastRegError::OtherDevice)?;
+        if !matches!(entry.kind, Kind::Region { fast_reg: true, .. }) {
+            return Err(FastRegError::NotFastReg);
+        }
+        if entry.valid {
+            return Err(FastRegError::AlreadyValid);
+        }
+        entry.key = fresh_key(Some(entry.key));
+        entry.valid = true;
+        entry.iova = iova;
+        entry.len = len;
+        entry.access = access;
+        entry.mem_offset = 0;
+        Ok(stag(mr.index, entry.key))
+    }
+
+    /// Re-registration: new access and a fresh key for the region at
+    /// `index`, same memory and range. Fails while windows are bound.
+    fn rereg(&self, index: u32, access: Access) -> Result<u32, RegError> {
+        let mut slots = self.slots.write();
+        let entry = slots.get_mut(index).ok_or(RegError::TableFull)?;
+        if let Kind::Region { windows, .. } = &entry.kind {
+            let n = windows.load(std::sync::atomic::Ordering::Relaxed);
+            if n > 0 {
+                return Err(RegError::WindowsBound(n));
+            }
+        }
+        entry.key = fresh_key(Some(entry.key));
+        entry.access = access;
+        Ok(stag(index, entry.key))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Public handles
+// ---------------------------------------------------------------------------
+
+/// A registered memory region (`ibv_mr`). Dropping it deregisters it.
+///
+/// The region owns (or, for [`ProtectionDomain::register_raw`], borrows) a
+/// buffer that remote peers may write at any time once they know its rkey.
+/// Local access is by copy ([`MemoryRegion::read`], [`MemoryRegion::write`])
+/// or through [`MemoryRegion::as_ptr`]; no `&[u8]` over the buffer is ever
+/// handed out. Offsets in these methods count from the start of the buffer;
+/// addresses in SGEs and remote operations count from [`MemoryRegion::addr`].
+///
+/// Work requests that name the region keep its memory alive until they
+/// complete, even if the region is deregistered meanwhile.
+#[derive(Debug)]
+pub struct MemoryRegion {
+    pub(crate) pd: ProtectionDomain,
+    pub(crate) index: u32,
+    pub(crate) mem: Arc<Memory>,
+    fast_reg: bool,
+}
+
+impl MemoryRegion {
+    /// Registers `mem` in the table of `pd`'s device.
+    pub(crate) fn new(
+        pd: &ProtectionDomain,
+        mem: Arc<Memory>,
+        access: Access,
+        fast_reg: bool,
+    ) -> Result<MemoryRegion, RegError> {
+        if !access.is_valid() {
+            return Err(RegError::InvalidAccess(access));
+        }
+        let max = pd.device().attr().max_mr_size;
+        let len = mem.len() as u64;
+        if len > max {
+            return Err(RegError::TooLarge { len, max });
+        }
+        let (iova, kind, valid) = if fast_reg {
+            (0, NewKind::FastRegRegion, false)
+        } else {
+            (mem.base() as u64, NewKind::Region, true)
+        };
+        let index = pd.device().stags().insert(NewEntry {
+            pd: pd.id(),
+            access,
+            iova,
+            len: if fast_reg { 0 } else { len },
+            mem: Some(Arc::clone(&mem)),
+            valid,
+            kind,
+        })?;
+        Ok(MemoryRegion {
+            pd: pd.clone(),
+            index,
+            mem,
+            fast_reg,
+        })
+    }
+
+    /// The local key (on iWARP the same STag as [`MemoryRegion::rkey`]).
+    /// Changes on [`MemoryRegion::rereg`] and fast-register.
+    pub fn lkey(&self) -> u32 {
+        self.pd.device().stags().stag_of(self.index)
+    }
+
+    /// The remote key (STag) to give peers.
+    pub fn rkey(&self) -> u32 {
+        self.lkey()
+    }
+
+    /// The STag index (the upper 24 bits of the keys; constant).
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    fn info(&self) -> (bool, u64, u64, Access) {
+        self.pd
+            .device()
+            .stags()
+            .info(self.index)
+            .unwrap_or((false, 0, 0, Access::NONE))
+    }
+
+    /// The address the region answers to (SGE addresses and remote Tagged
+    /// Offsets): by default the real address of the buffer, as with
+    /// `ibv_reg_mr`; for a fast-register region, the `iova` of the last
+    /// fast-register.
+    pub fn addr(&self) -> u64 {
+        self.info().1
+    }
+
+    /// Registered length in bytes (for a fast-register region: of the last
+    /// fast-register, 0 before).
+    pub fn len(&self) -> usize {
+        usize::try_from(self.info().2).unwrap_or(usize::MAX)
+    }
+
+    /// Whether the registered length is 0.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Size of the buffer in bytes.
+    pub fn capacity(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Access rights.
+    pub fn access(&self) -> Access {
+        self.info().3
+    }
+
+    /// Whether the STag is currently valid (false for a fast-register
+    /// region that is not registered, or after invalidation).
+    pub fn is_valid(&self) -> bool {
+        self.info().0
+    }
+
+    /// Whether the region was allocated with
+    /// [`ProtectionDomain::alloc_mr`].
+    pub fn is_fast_reg(&self) -> bool {
+        self.fast_reg
+    }
+
+    /// The protection domain's identifier.
+    pub fn pd_id(&self) -> u32 {
+        self.pd.id()
+    }
+
+    /// The protection domain.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+
+    /// Number of memory windows bound to the region.
+    pub fn bound_windows(&self) -> u32 {
+        self.pd.device().stags().windows_of(self.index)
+    }
+
+    fn range_err(&self, offset: usize, len: usize) -> RangeError {
+        RangeError {
+            offset,
+            len,
+            region_len: self.mem.len(),
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `offset` of the buffer into `dst`.
+    /// Races with remote writes like a DMA read.
+    ///
+    /// # Errors
+    ///
+    /// [`RangeError`] if the range is outside the buffer.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), RangeError> {
+        if self.mem.copy_out(offset, dst) {
+            Ok(())
+        } else {
+            Err(self.range_err(offset, dst.len()))
+        }
+    }
+
+    /// Copies `src` into the buffer at `offset`. Races with remote writes.
+    ///
+    /// # Errors
+    ///
+    /// [`RangeError`] if the range is outside the buffer.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), RangeError> {
+        if self.mem.copy_in(offset, src) {
+            Ok(())
+        } else {
+            Err(self.range_err(offset, src.len()))
+        }
+    }
+
+    /// A copy of the whole buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.mem.to_vec(0, self.mem.len()).unwrap_or_default()
+    }
+
+    /// Sets every byte of the buffer to `byte`.
+    pub fn fill(&self, byte: u8) {
+        self.mem.fill(0, self.mem.len(), byte);
+    }
+
+    /// The buffer's address, valid for [`MemoryRegion::capacity`] bytes while
+    /// the region lives. Remote peers write through it at any time:
+    /// creating a Rust reference over it is only sound while no remote
+    /// access can happen (for example before the rkey is shared).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.mem.base()
+    }
+
+    /// An SGE of `len` bytes at `offset` of the buffer (address
+    /// [`MemoryRegion::addr`] + `offset`, this region's lkey).
+    ///
+    /// # Errors
+    ///
+    /// [`RangeError`] if the range is outside the registered range.
+    pub fn sge(&self, offset: usize, len: u32) -> Result<Sge, RangeError> {
+        let (_, iova, reg_len, _) = self.info();
+        let err = self.range_err(offset, len as usize);
+        let end = (offset as u64).checked_add(u64::from(len)).ok_or(err)?;
+        if end > reg_len {
+            return Err(err);
+        }
+        Ok(Sge {
+            addr: iova.checked_add(offset as u64).ok_or(err)?,
+            length: len,
+            lkey: self.lkey(),
+        })
+    }
+
+    /// Re-registration with new access rights (`ibv_rereg_mr` with
+    /// `IBV_REREG_MR_CHANGE_ACCESS`): the region gets a new key (same index
+    /// and memory). Returns the new key.
+    ///
+    /// # Errors
+    ///
+    /// [`RegError::InvalidAccess`], or [`RegError::WindowsBound`] while
+    /// windows are bound to the region.
+    pub fn rereg(&mut self, access: Access) -> Result<u32, RegError> {
+        if !access.is_valid() {
+            return Err(RegError::InvalidAccess(access));
+        }
+        self.pd.device().stags().rereg(self.index, access)
+    }
+
+    /// Deregisters the region (`ibv_dereg_mr`). Work requests in flight keep
+    /// the memory alive until they complete.
+    ///
+    /// # Errors
+    ///
+    /// [`DeregError`] (giving the region back) while memory windows are bound
+    /// to it.
+    pub fn deregister(self) -> Result<(), DeregError> {
+        let windows = self.bound_windows();
+        if windows > 0 {
+            return Err(DeregError {
+                region: self,
+                windows,
+            });
+        }
+        drop(self);
+        Ok(())
+    }
+}
+
+impl Drop for MemoryRegion {
+    /// Removes the entry. Unlike [`MemoryRegion::deregister`] this cannot
+    /// fail: windows still bound keep the memory and stay usable until they
+    /// are invalidated or dropped.
+    fn drop(&mut self) {
+        self.pd.device().stags().remove(self.index);
+    }
+}
+
+/// A type 2 memory window (`ibv_mw`, `IBV_MW_TYPE_2`): a remote view of part
+/// of a region, bound and invalidated by work requests. Dropping it
+/// deallocates it.
+#[derive(Debug)]
+pub struct MemoryWindow {
+    pub(crate) pd: ProtectionDomain,
+    pub(crate) index: u32,
+}
+
+impl MemoryWindow {
+    /// Allocates an unbound window in the table of `pd`'s device.
+    pub(crate) fn new(pd: &ProtectionDomain) -> Result<MemoryWindow, RegError> {
+        let index = pd.device().stags().insert(NewEntry {
+            pd: pd.id(),
+            access: Access::NONE,
+            iova: 0,
+            len: 0,
+            mem: None,
+            valid: false,
+            kind: NewKind::Window,
+        })?;
+        Ok(MemoryWindow {
+            pd: pd.clone(),
+            index,
+        })
+    }
+
+    /// The remote key (STag); changes on every bind.
+    pub fn rkey(&self) -> u32 {
+        self.pd.device().stags().stag_of(self.index)
+    }
+
+    /// Whether the window is bound (and its rkey valid).
+    pub fn is_bound(&self) -> bool {
+        self.pd
+            .device()
+            .stags()
+            .info(self.index)
+            .is_some_and(|i| i.0)
+    }
+
+    /// The bound range's start address (0 when never bound).
+    pub fn addr(&self) -> u64 {
+        self.pd.device().stags().info(self.index).map_or(0, |i| i.1)
+    }
+
+    /// The bound range's length (0 when never bound).
+    pub fn len(&self) -> u64 {
+        self.pd.device().stags().info(self.index).map_or(0, |i| i.2)
+    }
+
+    /// Whether the bound length is 0.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The access the window grants.
+    pub fn access(&self) -> Access {
+        self.pd
+            .device()
+            .stags()
+            .info(self.index)
+            .map_or(Access::NONE, |i| i.3)
+    }
+
+    /// The protection domain's identifier.
+    pub fn pd_id(&self) -> u32 {
+        self.pd.id()
+    }
+}
+
+impl Drop for MemoryWindow {
+    fn drop(&mut self) {
+        self.pd.device().stags().remove(self.index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::device::Device;
+    use crate::pd::ProtectionDomain;
+
+    const RW: Access = Access(1 | 2 | 4 | 8);
+
+    fn setup() -> (Device, ProtectionDomain) {
+        let dev = Device::open_default().unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        (dev, pd)
+    }
+
+    #[test]
+    fn remote_ok_and_placement_through_target() {
+        let (dev, pd) = setup();
+        let mr = pd.register(4096, RW).unwrap();
+        let t = dev
+            .stags()
+            .remote(mr.rkey(), pd.id(), Access::REMOTE_WRITE, mr.addr() + 100, 5)
+            .unwrap();
+        assert_eq!((t.offset, t.len), (100, 5));
+        assert!(t.mem.copy_in(t.offset, b"hello"));
+        let mut out = [0u8; 5];
+        mr.read(100, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+        // The whole region, exactly.
+        let t = dev
+            .stags()
+            .remote(mr.rkey(), pd.id(), Access::REMOTE_READ, mr.addr(), 4096)
+            .unwrap();
+        assert_eq!((t.offset, t.len), (0, 4096));
+    }
+
+    #[test]
+    fn remote_checks_in_order() {
+        let (dev, pd) = setup();
+        let other = ProtectionDomain::new(&dev);
+        let t = dev.stags();
+        let mr = pd
+            .register(64, Access::LOCAL_WRITE | Access::REMOTE_READ)
+            .unwrap();
+        let (k, a) = (mr.rkey(), mr.addr());
+        let e = |r: Result<Target, RemoteAccessError>| r.unwrap_err();
+        // Invalid STag: unknown index, wrong key, index 0 (STags 0 and 1).
+        assert_eq!(
+            e(t.remote(k ^ 1, pd.id(), Access::REMOTE_READ, a, 1)),
+            RemoteAccessError::InvalidStag
+        );
+        assert_eq!(
+            e(t.remote(0xffff_ff00, pd.id(), Access::REMOTE_READ, a, 1)),
+            RemoteAccessError::InvalidStag
+        );
+        assert_eq!(
+            e(t.remote(0, pd.id(), Access::NONE, 0, 0)),
+            RemoteAccessError::InvalidStag
+        );
+        assert_eq!(
+            e(t.remote(1, pd.id(), Access::NONE, 0, 0)),
+            RemoteAccessError::InvalidStag
+        );
+        // The STag check comes before the PD check.
+        assert_eq!(
+            e(t.remote(k ^ 1, other.id(), Access::REMOTE_READ, a, 1)),
+            RemoteAccessError::InvalidStag
+        );
+        // PD before access rights.
+        assert_eq!(
+            e(t.remote(k, other.id(), Access::REMOTE_WRITE, a, 1)),
+            RemoteAccessError::StagNotAssociated
+        );
+        // Access rights before bounds.
+        assert_eq!(
+            e(t.remote(k, pd.id(), Access::REMOTE_WRITE, a + 1000, 1)),
+            RemoteAccessError::AccessRights
+        );
+        assert_eq!(
+            e(t.remote(k, pd.id(), Access::REMOTE_ATOMIC, a, 8)),
+            RemoteAccessError::AccessRights
+        );
+        // Bounds.
+        assert_eq!(
+            e(t.remote(k, pd.id(), Access::REMOTE_READ, a - 1, 1)),
+            RemoteAccessError::BaseOrBounds
+        );
+        assert_eq!(
+            e(t.remote(k, pd.id(), Access::REMOTE_READ, a + 60, 5)),
+            RemoteAccessError::BaseOrBounds
+        );
+        assert_eq!(
+            e(t.remote(k, pd.id(), Access::REMOTE_READ, a + 64, 1)),
+            RemoteAccessError::BaseOrBounds
+        );
+        assert!(t.remote(k, pd.id(), Access::REMOTE_READ, a + 60, 4).is_ok());
+        // Wrap.
+        assert_eq!(
+            e(t.remote(k, pd.id(), Access::REMOTE_READ, u64::MAX - 1, 4)),
+            RemoteAccessError::ToWrap
+        );
+        assert_eq!(
+            e(t.remote(k, pd.id(), Access::REMOTE_READ, a, u64::MAX)),
+            RemoteAccessError::ToWrap
+        );
+    }
+
+    #[test]
+    fn remote_zero_length() {
+        let (dev, pd) = setup();
+        let t = dev.stags();
+        let mr = pd
+            .register(16, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        // Zero length: any offset, but the STag checks still apply.
+        let z = t
+            .remote(mr.rkey(), pd.id(), Access::REMOTE_WRITE, u64::MAX, 0)
+            .unwrap();
+        assert_eq!(z.len, 0);
+        assert_eq!(
+            t.remote(mr.rkey(), pd.id(), Access::REMOTE_READ, mr.addr(), 0)
+                .unwrap_err(),
+            RemoteAccessError::AccessRights
+        );
+        assert_eq!(
+            t.remote(mr.rkey() ^ 0x80, pd.id(), Access::NONE, 0, 0)
+                .unwrap_err(),
+            RemoteAccessError::InvalidStag
+        );
+        // A zero-length region.
+        let empty = pd.register(0, Access::REMOTE_READ).unwrap();
+        assert!(
+            t.remote(empty.rkey(), pd.id(), Access::REMOTE_READ, empty.addr(), 0)
+                .is_ok()
+        );
+        assert_eq!(
+            t.remote(empty.rkey(), pd.id(), Access::REMOTE_READ, empty.addr(), 1)
+                .unwrap_err(),
+            RemoteAccessError::BaseOrBounds
+        );
+    }
+
+    #[test]
+    fn local_checks() {
+        let (dev, pd) = setup();
+        let other = ProtectionDomain::new(&dev);
+        let t = dev.stags();
+        let ro = pd.register(32, Access::NONE).unwrap();
+        let rw = pd.register(32, Access::LOCAL_WRITE).unwrap();
+        let seg = t.local(rw.lkey(), pd.id(), rw.addr() + 8, 8, true).unwrap();
+        assert_eq!((seg.offset, seg.len), (8, 8));
+        assert!(t.local(ro.lkey(), pd.id(), ro.addr(), 32, false).is_ok());
+        assert_eq!(
+            t.local(ro.lkey(), pd.id(), ro.addr(), 32, true)
+                .unwrap_err(),
+            LocalAccessError::NoLocalWrite(ro.lkey())
+        );
+        assert_eq!(
+            t.local(rw.lkey() ^ 1, pd.id(), rw.addr(), 1, false)
+                .unwrap_err(),
+            LocalAccessError::InvalidLkey(rw.lkey() ^ 1)
+        );
+        assert_eq!(
+            t.local(rw.lkey(), other.id(), rw.addr(), 1, false)
+                .unwrap_err(),
+            LocalAccessError::PdMismatch(rw.lkey())
+        );
+        assert!(matches!(
+            t.local(rw.lkey(), pd.id(), rw.addr() + 30, 3, false),
+            Err(LocalAccessError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            t.local(rw.lkey(), pd.id(), u64::MAX, 3, false),
+            Err(LocalAccessError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            t.local(rw.lkey(), pd.id(), rw.addr() - 1, 1, false),
+            Err(LocalAccessError::OutOfBounds { .. })
+        ));
+        // Zero length: any address with a valid lkey.
+        assert_eq!(t.local(rw.lkey(), pd.id(), 0, 0, true).unwrap().len, 0);
+        assert_eq!(
+            LocalAccessError::InvalidLkey(0).wc_status(),
+            WcStatus::LocalProtection
+        );
+        // The sge() helper produces SGEs that pass.
+        let sge = rw.sge(4, 28).unwrap();
+        let seg = t
+            .local(sge.lkey, pd.id(), sge.addr, sge.length, true)
+            .unwrap();
+        assert_eq!((seg.offset, seg.len), (4, 28));
+        assert!(rw.sge(4, 29).is_err());
+    }
+
+    #[test]
+    fn memory_outlives_deregistration_through_local_seg() {
+        let (dev, pd) = setup();
+        let mr = pd.register(16, Access::LOCAL_WRITE).unwrap();
+        mr.write(0, b"kept").unwrap();
+        let lkey = mr.lkey();
+        let seg = dev
+            .stags()
+            .local(lkey, pd.id(), mr.addr(), 4, true)
+            .unwrap();
+        mr.deregister().unwrap();
+        assert_eq!(seg.mem.to_vec(seg.offset, 4).unwrap(), b"kept");
+        assert!(seg.mem.copy_in(0, b"more"));
+        assert!(dev.stags().local(lkey, pd.id(), 0, 0, false).is_err());
+    }
+
+    #[test]
+    fn invalidate_rules() {
+        let (dev, pd) = setup();
+        let other = ProtectionDomain::new(&dev);
+        let t = dev.stags();
+        let mr = pd.register(64, RW | Access::MW_BIND).unwrap();
+        // A registered region cannot be invalidated, locally or remotely.
+        assert_eq!(
+            t.invalidate(mr.rkey(), pd.id(), false),
+            Err(InvalidateError::CannotInvalidate)
+        );
+        assert_eq!(
+            t.invalidate(mr.rkey(), pd.id(), true),
+            Err(InvalidateError::CannotInvalidate)
+        );
+        assert_eq!(
+            t.invalidate(mr.rkey() ^ 1, pd.id(), true),
+            Err(InvalidateError::InvalidStag)
+        );
+        assert_eq!(
+            t.invalidate(0x1, pd.id(), true),
+            Err(InvalidateError::InvalidStag)
+        );
+        // A window.
+        let mw = pd.alloc_mw().unwrap();
+        let rkey = t
+            .bind_mw(&mw, &mr, mr.addr(), 64, Access::REMOTE_READ)
+            .unwrap();
+        assert_eq!(mr.bound_windows(), 1);
+        assert_eq!(
+            t.invalidate(rkey, other.id(), true),
+            Err(InvalidateError::PdMismatch)
+        );
+        assert!(mw.is_bound());
+        t.invalidate(rkey, pd.id(), true).unwrap();
+        assert!(!mw.is_bound());
+        assert_eq!(mw.rkey(), rkey, "the key is kept");
+        assert_eq!(mr.bound_windows(), 0);
+        assert_eq!(
+            t.remote(rkey, pd.id(), Access::REMOTE_READ, mr.addr(), 1)
+                .unwrap_err(),
+            RemoteAccessError::InvalidStag
+        );
+        // Invalidating again is accepted.
+        t.invalidate(rkey, pd.id(), false).unwrap();
+        // A fast-register region.
+        let fr = pd.alloc_mr(128).unwrap();
+        let k = t.fast_reg(&fr, 0x1000, 128, Access::REMOTE_READ).unwrap();
+        assert!(
+            t.remote(k, pd.id(), Access::REMOTE_READ, 0x1000, 128)
+                .is_ok()
+        );
+        assert_eq!(
+            t.invalidate(k, other.id(), false),
+            Err(InvalidateError::PdMismatch)
+        );
+        t.invalidate(k, pd.id(), false).unwrap();
+        assert!(!fr.is_valid());
+        assert_eq!(
+            t.remote(k, pd.id(), Access::REMOTE_READ, 0x1000, 1)
+                .unwrap_err(),
+            RemoteAccessError::InvalidStag
+        );
+        assert_eq!(
+            InvalidateError::PdMismatch.wc_status(),
+            WcStatus::InvalidateError
+        );
+    }
+
+    #[test]
+    fn bind_rules() {
+        let (dev, pd) = setup();
+        let other = ProtectionDomain::new(&dev);
+        let t = dev.stags();
+        let mr = pd.register(256, RW | Access::MW_BIND).unwrap();
+        let no_bind = pd.register(256, RW).unwrap();
+        let read_only = pd
+            .register(256, Access::REMOTE_READ | Access::MW_BIND)
+            .unwrap();
+        let mw = pd.alloc_mw().unwrap();
+        let foreign_mw = other.alloc_mw().unwrap();
+        let a = mr.addr();
+        assert!(!mw.is_bound());
+        assert_eq!(
+            t.bind_mw(&foreign_mw, &mr, a, 16, Access::REMOTE_READ),
+            Err(BindError::PdMismatch)
+        );
+        assert_eq!(
+            t.bind_mw(&mw, &no_bind, no_bind.addr(), 16, Access::REMOTE_READ),
+            Err(BindError::NoBindRight)
+        );
+        assert_eq!(
+            t.bind_mw(&mw, &read_only, read_only.addr(), 16, Access::REMOTE_WRITE),
+            Err(BindError::AccessExceedsRegion)
+        );
+        assert_eq!(
+            t.bind_mw(&mw, &read_only, read_only.addr(), 16, Access::REMOTE_ATOMIC),
+            Err(BindError::AccessExceedsRegion)
+        );
+        assert!(matches!(
+            t.bind_mw(&mw, &mr, a, 16, Access::MW_BIND),
+            Err(BindError::InvalidAccess(_))
+        ));
+        assert_eq!(
+            t.bind_mw(&mw, &mr, a + 250, 16, Access::REMOTE_READ),
+            Err(BindError::OutOfBounds)
+        );
+        assert_eq!(
+            t.bind_mw(&mw, &mr, a - 1, 16, Access::REMOTE_READ),
+            Err(BindError::OutOfBounds)
+        );
+        assert_eq!(
+            t.bind_mw(&mw, &mr, u64::MAX, 16, Access::REMOTE_READ),
+            Err(BindError::OutOfBounds)
+        );
+        let old = mw.rkey();
+        let rkey = t
+            .bind_mw(&mw, &mr, a + 16, 32, Access::REMOTE_WRITE)
+            .unwrap();
+        assert_ne!(rkey, old);
+        assert_eq!(rkey >> 8, old >> 8, "same index");
+        assert_eq!(mw.rkey(), rkey);
+        assert!(mw.is_bound());
+        assert_eq!(
+            (mw.addr(), mw.len(), mw.access()),
+            (a + 16, 32, Access::REMOTE_WRITE)
+        );
+        assert_eq!(
+            t.bind_mw(&mw, &mr, a, 16, Access::REMOTE_READ),
+            Err(BindError::AlreadyBound)
+        );
+        // Access through the window: its range, its rights.
+        let tg = t
+            .remote(rkey, pd.id(), Access::REMOTE_WRITE, a + 20, 4)
+            .unwrap();
+        assert_eq!((tg.offset, tg.len), (20, 4));
+        assert!(tg.mem.copy_in(tg.offset, b"via!"));
+        let mut out = [0u8; 4];
+        mr.read(20, &mut out).unwrap();
+        assert_eq!(&out, b"via!");
+        assert_eq!(
+            t.remote(rkey, pd.id(), Access::REMOTE_READ, a + 20, 4)
+                .unwrap_err(),
+            RemoteAccessError::AccessRights
+        );
+        assert_eq!(
+            t.remote(rkey, pd.id(), Access::REMOTE_WRITE, a + 8, 16)
+                .unwrap_err(),
+            RemoteAccessError::BaseOrBounds
+        );
+        assert_eq!(
+            t.remote(rkey, pd.id(), Access::REMOTE_WRITE, a + 40, 9)
+                .unwrap_err(),
+            RemoteAccessError::BaseOrBounds
+        );
+        // A window key is not an lkey.
+        assert!(t.local(rkey, pd.id(), a + 20, 4, false).is_err());
+        // Rebind after invalidation gives a different key.
+        t.invalidate(rkey, pd.id(), false).unwrap();
+        let rkey2 = t.bind_mw(&mw, &mr, a, 256, Access::REMOTE_READ).unwrap();
+        assert_ne!(rkey2, rkey);
+        assert_eq!(BindError::OutOfBounds.wc_status(), WcStatus::MwBind);
+        // An invalid fast-register region cannot be bound to.
+        let fr = pd.alloc_mr(64).unwrap();
+        t.invalidate(rkey2, pd.id(), false).unwrap();
+        assert_eq!(
+            t.bind_mw(&mw, &fr, 0, 8, Access::REMOTE_READ),
+            Err(BindError::InvalidRegion)
+        );
+        // Another device.
+        let (_dev2, pd2) = setup();
+        let mw2 = pd2.alloc_mw().unwrap();
+        assert_eq!(
+            t.bind_mw(&mw2, &mr, a, 8, Access::REMOTE_READ),
+            Err(BindError::OtherDevice)
+        );
+    }
+
+    #[test]
+    fn deregister_while_windows_bound() {
+        let (dev, pd) = setup();
+        let t = dev.stags();
+        let mr = pd.register(64, RW | Access::MW_BIND).unwrap();
+        mr.write(0, b"window data").unwrap();
+        let mw = pd.alloc_mw().unwrap();
+        let rkey = t
+            .bind_mw(&mw, &mr, mr.addr(), 64, Access::REMOTE_READ)
+            .unwrap();
+        let err = mr.deregister().unwrap_err();
+        assert_eq!(err.windows(), 1);
+        let mr = err.into_region();
+        assert!(
+            t.remote(mr.rkey(), pd.id(), Access::REMOTE_READ, mr.addr(), 1)
+                .is_ok()
+        );
+        t.invalidate(rkey, pd.id(), false).unwrap();
+        let rkey = t
+            .bind_mw(&mw, &mr, mr.addr(), 64, Access::REMOTE_READ)
+            .unwrap();
+        // Dropping the window releases the region.
+        drop(mw);
+        assert_eq!(mr.bound_windows(), 0);
+        assert!(
+            t.remote(rkey, pd.id(), Access::REMOTE_READ, mr.addr(), 1)
+                .is_err()
+        );
+        // Dropping a region with a bound window: the window keeps the memory.
+        let mw = pd.alloc_mw().unwrap();
+        let rkey = t
+            .bind_mw(&mw, &mr, mr.addr(), 64, Access::REMOTE_READ)
+            .unwrap();
+        let (addr, lkey) = (mr.addr(), mr.lkey());
+        drop(mr);
+        assert!(t.local(lkey, pd.id(), addr, 1, false).is_err());
+        let tg = t
+            .remote(rkey, pd.id(), Access::REMOTE_READ, addr, 11)
+            .unwrap();
+        assert_eq!(tg.mem.to_vec(tg.offset, 11).unwrap(), b"window data");
+    }
+
+    #[test]
+    fn rereg_blocked_by_windows() {
+        let (dev, pd) = setup();
+        let mut mr = pd.register(64, RW | Access::MW_BIND).unwrap();
+        let mw = pd.alloc_mw().unwrap();
+        let rkey = dev
+            .stags()
+            .bind_mw(&mw, &mr, mr.addr(), 8, Access::REMOTE_READ)
+            .unwrap();
+        assert_eq!(
+            mr.rereg(Access::LOCAL_WRITE),
+            Err(RegError::WindowsBound(1))
+        );
+        dev.stags().invalidate(rkey, pd.id(), false).unwrap();
+        let old = mr.lkey();
+        let new = mr.rereg(Access::LOCAL_WRITE).unwrap();
+        assert_ne!(old, new);
+        assert_eq!(mr.lkey(), new);
+    }
+
+    #[test]
+    fn fast_reg_rules() {
+        let (dev, pd) = setup();
+        let t = dev.stags();
+        let fr = pd.alloc_mr(4096).unwrap();
+        assert!(fr.is_fast_reg());
+        assert!(!fr.is_valid());
+        let k0 = fr.rkey();
+        assert_eq!(
+            t.remote(k0, pd.id(), Access::NONE, 0, 0).unwrap_err(),
+            RemoteAccessError::InvalidStag
+        );
+        assert!(t.local(k0, pd.id(), 0, 0, false).is_err());
+        assert!(matches!(
+            t.fast_reg(&fr, 0, 4097, Access::REMOTE_READ),
+            Err(FastRegError::TooLong { .. })
+        ));
+        assert_eq!(
+            t.fast_reg(&fr, u64::MAX, 2, Access::REMOTE_READ),
+            Err(FastRegError::Wrap)
+        );
+        assert!(matches!(
+            t.fast_reg(&fr, 0, 2, Access::REMOTE_WRITE),
+            Err(FastRegError::InvalidAccess(_))
+        ));
+        let normal = pd.register(64, Access::LOCAL_WRITE).unwrap();
+        assert_eq!(
+            t.fast_reg(&normal, 0, 2, Access::LOCAL_WRITE),
+            Err(FastRegError::NotFastReg)
+        );
+        let k1 = t.fast_reg(&fr, 0x10_0000, 1024, RW).unwrap();
+        assert_ne!(k1, k0);
+        assert_eq!(k1 >> 8, k0 >> 8);
+        assert_eq!(
+            (fr.addr(), fr.len(), fr.access(), fr.rkey()),
+            (0x10_0000, 1024, RW, k1)
+        );
+        assert!(fr.is_valid());
+        assert_eq!(t.fast_reg(&fr, 0, 8, RW), Err(FastRegError::AlreadyValid));
+        let tg = t
+            .remote(k1, pd.id(), Access::REMOTE_WRITE, 0x10_0010, 16)
+            .unwrap();
+        assert_eq!((tg.offset, tg.len), (16, 16));
+        assert_eq!(
+            t.remote(k1, pd.id(), Access::REMOTE_WRITE, 0x10_0000 + 1020, 8)
+                .unwrap_err(),
+            RemoteAccessError::BaseOrBounds
+        );
+        let seg = t.local(k1, pd.id(), 0x10_0100, 8, true).unwrap();
+        assert_eq!(seg.offset, 0x100);
+        let sge = fr.sge(8, 8).unwrap();
+        assert_eq!(sge.addr, 0x10_0008);
+        t.invalidate(k1, pd.id(), false).unwrap();
+        let k2 = t.fast_reg(&fr, 0, 4096, Access::LOCAL_WRITE).unwrap();
+        assert_ne!(k2, k1);
+        assert!(t.remote(k2, pd.id(), Access::REMOTE_READ, 0, 1).is_err());
+    }
+
+    #[test]
+    fn atomics_through_a_target() {
+        let (dev, pd) = setup();
+        let mr = pd.register(64, RW).unwrap();
+        let t = dev
+            .stags()
+            .remote(mr.rkey(), pd.id(), Access::REMOTE_ATOMIC, mr.addr() + 8, 8)
+            .unwrap();
+        let a = t.mem.atomic_u64(t.offset).unwrap();
+        a.fetch_add(41, std::sync::atomic::Ordering::SeqCst);
+        a.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let mut out = [0u8; 8];
+        mr.read(8, &mut out).unwrap();
+        assert_eq!(u64::from_ne_bytes(out), 42);
+        assert!(t.mem.atomic_u64(t.offset + 4).is_none());
+    }
+
+    #[test]
+    fn index_reuse_gets_a_fresh_key_and_old_stag_fails() {
+        let (dev, pd) = setup();
+        let mr = pd.register(8, Access::REMOTE_READ).unwrap();
+        let old = mr.rkey();
+        drop(mr);
+        assert!(
+            dev.stags()
+                .remote(old, pd.id(), Access::REMOTE_READ, 0, 0)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn access_rules() {
+        assert!(Access::NONE.is_valid());
+        assert!(Access::REMOTE_READ.is_valid());
+        assert!(!Access::REMOTE_WRITE.is_valid());
+        assert!(!Access::REMOTE_ATOMIC.is_valid());
+        assert!((Access::REMOTE_WRITE | Access::LOCAL_WRITE).is_valid());
+        assert_eq!(Access::from_bits(31), Some(Access::ALL));
+        assert_eq!(Access::from_bits(32), None);
+        assert_eq!(Access::ALL.bits(), 31);
+        assert!(Access::ALL.contains(Access::MW_BIND));
+        assert_eq!(
+            Access::ALL.difference(Access::REMOTE),
+            Access::LOCAL_WRITE | Access::MW_BIND
+        );
+    }
+
+    #[test]
+    fn term_error_table() {
+        use RemoteAccessError as E;
+        let tagged = [
+            (E::InvalidStag, (1, 1, 0)),
+            (E::StagNotAssociated, (1, 1, 2)),
+            (E::AccessRights, (1, 1, 1)),
+            (E::BaseOrBounds, (1, 1, 1)),
+            (E::ToWrap, (1, 1, 3)),
+        ];
+        let untagged = [
+            (E::InvalidStag, (0, 1, 0)),
+            (E::StagNotAssociated, (0, 1, 3)),
+            (E::AccessRights, (0, 1, 2)),
+            (E::BaseOrBounds, (0, 1, 1)),
+            (E::ToWrap, (0, 1, 4)),
+        ];
+        for (e, (l, t, c)) in tagged {
+            let code = e.term_error(true).code();
+            assert_eq!((code.layer_raw(), code.etype(), code.ecode()), (l, t, c));
+        }
+        for (e, (l, t, c)) in untagged {
+            let code = e.term_error(false).code();
+            assert_eq!((code.layer_raw(), code.etype(), code.ecode()), (l, t, c));
+        }
+        let code = InvalidateError::CannotInvalidate.term_error().code();
+        assert_eq!((code.layer_raw(), code.etype(), code.ecode()), (0, 1, 9));
+    }
+
+    #[test]
+    fn stag_layout() {
+        assert_eq!(stag(1, 0), 0x100);
+        assert_eq!(stag(MAX_INDEX, 0xff), u32::MAX);
+        for prev in 0..=255u8 {
+            assert_ne!(fresh_key(Some(prev)), prev);
+        }
     }
 }
