@@ -81,45 +81,56 @@ impl EventFd {
 
     /// Waits until the descriptor is readable or `timeout` has passed
     /// (`None`: no time limit). Returns whether it is readable. Does not
-    /// change the counter. Interrupted waits are resumed with the time left.
+    /// change the counter.
     ///
     /// # Errors
     ///
     /// The error of `poll(2)` other than `EINTR`.
     pub(crate) fn wait(&self, timeout: Option<Duration>) -> io::Result<bool> {
-        let deadline = timeout.map(|t| Instant::now().checked_add(t));
-        loop {
-            let ms: libc::c_int = match deadline {
-                None | Some(None) => -1,
-                Some(Some(deadline)) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    // Round up so that a short timeout still sleeps.
-                    let ms = left.as_nanos().div_ceil(1_000_000);
-                    libc::c_int::try_from(ms).unwrap_or(libc::c_int::MAX)
-                }
-            };
-            let mut pfd = libc::pollfd {
-                fd: self.fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: `pfd` is one valid, writable pollfd for the duration of
-            // the call, and the count says 1.
-            let n = unsafe { libc::poll(&raw mut pfd, 1, ms) };
-            if n > 0 {
-                return Ok(true);
+        wait_readable(self.fd.as_fd(), timeout)
+    }
+}
+
+/// Waits until `fd` is readable (`POLLIN`) or `timeout` has passed (`None`:
+/// no time limit), with `poll(2)`. Returns whether it is readable.
+/// Interrupted waits are resumed with the time left.
+///
+/// # Errors
+///
+/// The error of `poll(2)` other than `EINTR`.
+pub(crate) fn wait_readable(fd: BorrowedFd<'_>, timeout: Option<Duration>) -> io::Result<bool> {
+    let deadline = timeout.map(|t| Instant::now().checked_add(t));
+    loop {
+        let ms: libc::c_int = match deadline {
+            None | Some(None) => -1,
+            Some(Some(deadline)) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                // Round up so that a short timeout still sleeps.
+                let ms = left.as_nanos().div_ceil(1_000_000);
+                libc::c_int::try_from(ms).unwrap_or(libc::c_int::MAX)
             }
-            if n == 0 {
-                if ms == 0 {
-                    return Ok(false);
-                }
-                // poll(2) may wake a little early; go round with what is left.
-                continue;
+        };
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is one valid, writable pollfd for the duration of
+        // the call, and the count says 1.
+        let n = unsafe { libc::poll(&raw mut pfd, 1, ms) };
+        if n > 0 {
+            return Ok(true);
+        }
+        if n == 0 {
+            if ms == 0 {
+                return Ok(false);
             }
-            let err = io::Error::last_os_error();
-            if err.kind() != io::ErrorKind::Interrupted {
-                return Err(err);
-            }
+            // poll(2) may wake a little early; go round with what is left.
+            continue;
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
         }
     }
 }
@@ -182,5 +193,34 @@ mod tests {
         let fl_flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
         assert_ne!(fd_flags & libc::FD_CLOEXEC, 0);
         assert_ne!(fl_flags & libc::O_NONBLOCK, 0);
+    }
+
+    #[test]
+    fn epoll_sees_readiness() {
+        let fd = EventFd::new().unwrap();
+        let poller = polling::Poller::new().unwrap();
+        // SAFETY: the descriptor stays open until it is deleted from the
+        // poller below.
+        unsafe { poller.add(&fd, polling::Event::readable(7)) }.unwrap();
+        let mut events = polling::Events::new();
+        poller
+            .wait(&mut events, Some(Duration::from_millis(1)))
+            .unwrap();
+        assert!(events.is_empty());
+        fd.signal();
+        events.clear();
+        poller
+            .wait(&mut events, Some(Duration::from_secs(5)))
+            .unwrap();
+        assert_eq!(events.iter().next().map(|e| e.key), Some(7));
+        poller.delete(&fd).unwrap();
+    }
+
+    #[test]
+    fn wait_readable_on_a_borrowed_fd() {
+        let fd = EventFd::new().unwrap();
+        assert!(!wait_readable(fd.as_fd(), Some(Duration::ZERO)).unwrap());
+        fd.signal();
+        assert!(wait_readable(fd.as_fd(), Some(Duration::ZERO)).unwrap());
     }
 }
