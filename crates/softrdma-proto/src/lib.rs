@@ -1,13 +1,23 @@
 //! # softrdma-proto: the sans-IO protocol core
 //!
-//! This crate will hold the protocol state machines that sit between the wire
-//! codecs ([`softrdma_wire`]) and the engine: MPA negotiation, the QP state
-//! machine, DDP/RDMAP sequencing and validation rules, ORD/IRD accounting and
-//! Terminate generation. Like the wire codecs it does no IO, reads no clock
-//! (time is passed in), spawns no threads and contains no `unsafe`.
+//! The protocol state machines that sit between the wire codecs
+//! ([`softrdma_wire`]) and the engine. Like the wire codecs this crate does
+//! no IO, reads no clock (time is passed in), spawns no threads and contains
+//! no `unsafe`: bytes go in, bytes and events come out.
 //!
-//! Status: not yet implemented. Today it only fixes the crate boundary so that
-//! the layering of the workspace is visible and enforced (see `clippy.toml`).
+//! * [`mpa`]: MPA connection setup (RFC 5044 section 7, RFC 6581): the
+//!   [`mpa::Initiator`] and [`mpa::Responder`] negotiation machines;
+//! * [`rtr`]: the peer-to-peer "Ready to Receive" messages of RFC 6581.
+//!
+//! Still to come: the QP state machine, DDP/RDMAP sequencing and validation
+//! rules, ORD/IRD accounting and Terminate generation.
 #![forbid(unsafe_code)]
+#![cfg_attr(
+    not(test),
+    deny(clippy::panic, clippy::unwrap_used, clippy::expect_used)
+)]
 
 pub use softrdma_wire as wire;
+
+pub mod mpa;
+pub mod rtr;
