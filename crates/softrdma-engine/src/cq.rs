@@ -58,8 +58,8 @@ const ARM_NEXT: u8 = 2;
 pub(crate) trait Progress: Send + Sync {
     /// Makes what progress can be made without blocking (implementations
     /// use try-locks and return at once if another thread is busy).
-    /// Returns whether anything was done. Must not attach or detach hooks
-    /// on the CQ that calls it.
+    /// Returns whether anything was done. May push to the CQ and attach or
+    /// detach hooks (the poll runs on a snapshot of the hooks).
     fn progress(&self) -> bool;
 }
 
@@ -167,8 +167,9 @@ struct CqShared {
     channel: Option<CompletionChannel>,
     /// Events delivered by the channel for this CQ and not yet acknowledged.
     unacked: AtomicU32,
-    /// Receive-progress hooks of the QPs using this CQ.
-    progress: RwLock<Vec<Weak<dyn Progress>>>,
+    /// Receive-progress hooks of the QPs using this CQ. Copy on write: a
+    /// poll clones the `Arc` and runs the hooks without holding the lock.
+    progress: RwLock<Arc<[Weak<dyn Progress>]>>,
 }
 
 impl fmt::Debug for CompletionQueue {
@@ -222,7 +223,7 @@ impl CompletionQueue {
                 overflowed: AtomicBool::new(false),
                 channel: channel.cloned(),
                 unacked: AtomicU32::new(0),
-                progress: RwLock::new(Vec::new()),
+                progress: RwLock::new(Arc::new([])),
             }),
         })
     }
@@ -301,7 +302,13 @@ impl CompletionQueue {
     }
 
     fn run_progress(&self) -> bool {
-        let hooks = self.shared.progress.read();
+        let hooks = {
+            let hooks = self.shared.progress.read();
+            if hooks.is_empty() {
+                return false;
+            }
+            Arc::clone(&hooks)
+        };
         let mut any = false;
         for hook in hooks.iter() {
             if let Some(hook) = hook.upgrade() {
@@ -434,17 +441,25 @@ impl CompletionQueue {
     #[allow(dead_code)] // used by the data path
     pub(crate) fn attach_progress(&self, hook: Weak<dyn Progress>) {
         let mut hooks = self.shared.progress.write();
-        hooks.retain(|h| h.strong_count() > 0);
-        hooks.push(hook);
+        let mut new: Vec<_> = hooks
+            .iter()
+            .filter(|h| h.strong_count() > 0)
+            .cloned()
+            .collect();
+        new.push(hook);
+        *hooks = new.into();
     }
 
     /// Removes a hook registered with [`attach_progress`](Self::attach_progress).
     #[allow(dead_code)] // used by the data path
     pub(crate) fn detach_progress(&self, hook: &Weak<dyn Progress>) {
-        self.shared
-            .progress
-            .write()
-            .retain(|h| h.strong_count() > 0 && !Weak::ptr_eq(h, hook));
+        let mut hooks = self.shared.progress.write();
+        let new: Vec<_> = hooks
+            .iter()
+            .filter(|h| h.strong_count() > 0 && !Weak::ptr_eq(h, hook))
+            .cloned()
+            .collect();
+        *hooks = new.into();
     }
 }
 
@@ -971,5 +986,36 @@ mod tests {
             }
         }
         producer.join().unwrap();
+    }
+
+    struct SelfDetaching {
+        cq: CompletionQueue,
+        me: parking_lot::Mutex<Option<Weak<dyn Progress>>>,
+    }
+
+    impl Progress for SelfDetaching {
+        fn progress(&self) -> bool {
+            if let Some(me) = self.me.lock().take() {
+                self.cq.detach_progress(&me);
+                self.cq.push(wc(8), false).unwrap();
+                return true;
+            }
+            false
+        }
+    }
+
+    #[test]
+    fn a_hook_may_detach_itself() {
+        let cq = CompletionQueue::new(&dev(), 4, None).unwrap();
+        let hook = Arc::new(SelfDetaching {
+            cq: cq.clone(),
+            me: parking_lot::Mutex::new(None),
+        });
+        let arc: Arc<dyn Progress> = hook.clone();
+        let weak = Arc::downgrade(&arc);
+        *hook.me.lock() = Some(weak.clone());
+        cq.attach_progress(weak);
+        assert_eq!(cq.poll_one().unwrap().wr_id, 8);
+        assert!(cq.shared.progress.read().is_empty());
     }
 }
