@@ -11,7 +11,7 @@
 //! +-----------------------------------+------------+
 //! ```
 //!
-//! The index selects an entry of the device's [`StagTable`]; the key is
+//! The index selects an entry of the device's registration table; the key is
 //! random and changes on every re-registration, window bind and
 //! fast-register, so a stale or guessed STag fails with "Invalid STag".
 //! Index 0 is never used: STags 0 to 255 (among them the STag 1 used by
@@ -19,7 +19,7 @@
 //! remote key of a region are the same STag.
 //!
 //! Remote access checks follow RFC 5040 section 7.2 / RFC 5041 section 7.2
-//! in this order (see [`StagTable::remote`]): the STag (exists, valid, key),
+//! in this order (see `StagTable::remote`): the STag (exists, valid, key),
 //! the protection domain, the access rights, then the range (Tagged Offset
 //! wrap, base and bounds).
 
@@ -466,8 +466,9 @@ impl Entry {
 struct Slots {
     /// Entry `i` has STag index `i`; entry 0 is always `None`.
     entries: Vec<Option<Entry>>,
-    /// Unused indices (never 0).
-    free: Vec<u32>,
+    /// Unused indices (never 0) with the last key each had, so a reused
+    /// index never gets the key of its previous registration.
+    free: Vec<(u32, u8)>,
 }
 
 impl Slots {
@@ -542,8 +543,8 @@ impl StagTable {
             },
             NewKind::Window => Kind::Window { bound_to: None },
         };
-        let entry = Entry {
-            key: fresh_key(None),
+        let mut entry = Entry {
+            key: 0,
             valid: new.valid,
             pd: new.pd,
             access: new.access,
@@ -554,18 +555,20 @@ impl StagTable {
             kind,
         };
         let mut slots = self.slots.write();
-        let index = if slots.free.is_empty() {
+        let (index, previous_key) = if slots.free.is_empty() {
             let index = u32::try_from(slots.entries.len()).map_err(|_| RegError::TableFull)?;
             if index > MAX_INDEX {
                 return Err(RegError::TableFull);
             }
             slots.entries.push(None);
-            index
+            (index, None)
         } else {
             // A random free index, so reuse order is not predictable.
             let pick = rand::rng().random_range(0..slots.free.len());
-            slots.free.swap_remove(pick)
+            let (index, key) = slots.free.swap_remove(pick);
+            (index, Some(key))
         };
+        entry.key = fresh_key(previous_key);
         if let Some(slot) = slots.entries.get_mut(index as usize) {
             *slot = Some(entry);
         }
@@ -575,17 +578,16 @@ impl StagTable {
     /// Removes the entry at `index`. A bound window releases its region.
     pub(crate) fn remove(&self, index: u32) {
         let mut slots = self.slots.write();
-        if let Some(slot) = slots.entries.get_mut(index as usize)
-            && let Some(entry) = slot.take()
+        let Some(entry) = slots.entries.get_mut(index as usize).and_then(Option::take) else {
+            return;
+        };
+        if let Kind::Window {
+            bound_to: Some(count),
+        } = entry.kind
         {
-            if let Kind::Window {
-                bound_to: Some(count),
-            } = entry.kind
-            {
-                count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            slots.free.push(index);
+            count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         }
+        slots.free.push((index, entry.key));
     }
 
     /// The current STag of the entry at `index` (0 if there is none).
