@@ -619,6 +619,11 @@ impl StagTable {
     /// Remote access check (placement of RDMA Write and Read Response data,
     /// source of Read Response data, atomics).
     ///
+    /// `need`: [`Access::REMOTE_WRITE`] to place an RDMA Write,
+    /// [`Access::REMOTE_READ`] for the source of a Read Response,
+    /// [`Access::REMOTE_ATOMIC`] for an atomic, and [`Access::LOCAL_WRITE`]
+    /// to place a Read Response into the local sink the Read Request named.
+    ///
     /// Checks, in this order: the STag index exists, the entry is valid and
     /// the key matches ([`RemoteAccessError::InvalidStag`]); the entry's
     /// protection domain is `pd` ([`RemoteAccessError::StagNotAssociated`]);
@@ -1776,6 +1781,75 @@ mod tests {
                 .remote(old, pd.id(), Access::REMOTE_READ, 0, 0)
                 .is_err()
         );
+    }
+
+    #[test]
+    fn remote_bounds_match_a_model_exhaustively() {
+        let (dev, pd) = setup();
+        let t = dev.stags();
+        let mr = pd.register(48, RW | Access::MW_BIND).unwrap();
+        let mw = pd.alloc_mw().unwrap();
+        let base = mr.addr();
+        let wkey = t
+            .bind_mw(&mw, &mr, base + 16, 16, Access::REMOTE_READ)
+            .unwrap();
+        for (key, start, len, off0) in [(mr.rkey(), base, 48u64, 0usize), (wkey, base + 16, 16, 16)]
+        {
+            for to in base.saturating_sub(3)..base + 52 {
+                for n in 0..52u64 {
+                    let got = t.remote(key, pd.id(), Access::REMOTE_READ, to, n);
+                    let inside = to >= start && to + n <= start + len;
+                    match got {
+                        Ok(tg) if n == 0 => assert_eq!(tg.len, 0),
+                        Ok(tg) => {
+                            assert!(inside, "to {to:#x} len {n} accepted");
+                            assert_eq!(tg.offset, off0 + (to - start) as usize);
+                            assert_eq!(tg.len as u64, n);
+                            assert!(tg.mem.ptr_at(tg.offset, tg.len).is_some());
+                        }
+                        Err(e) => {
+                            assert!(!inside && n > 0, "to {to:#x} len {n} refused");
+                            assert_eq!(e, RemoteAccessError::BaseOrBounds);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lookups_race_with_registration_safely() {
+        let (dev, pd) = setup();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mr = pd.register(64, RW).unwrap();
+        let (key, addr, pd_id) = (mr.rkey(), mr.addr(), pd.id());
+        let reader = {
+            let dev = dev.clone();
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut hits = 0u64;
+                loop {
+                    if let Ok(tg) = dev
+                        .stags()
+                        .remote(key, pd_id, Access::REMOTE_WRITE, addr, 8)
+                    {
+                        assert!(tg.mem.copy_in(tg.offset, &[1; 8]));
+                        hits += 1;
+                    }
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                }
+                hits
+            })
+        };
+        for _ in 0..2000 {
+            let m = pd.register(8, Access::REMOTE_READ).unwrap();
+            drop(m);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(reader.join().unwrap() > 0);
+        assert_eq!(&mr.to_vec()[..8], &[1; 8]);
     }
 
     #[test]
