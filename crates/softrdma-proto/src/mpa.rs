@@ -305,6 +305,7 @@ impl MpaNegotiationError {
         matches!(
             self,
             Self::PrivateDataTooLong { .. }
+                | Self::Frame(MpaError::PrivateDataTooLong { .. })
                 | Self::CrcRefused
                 | Self::MarkersRequested
                 | Self::NoCommonRtr { .. }
@@ -946,7 +947,19 @@ impl Responder {
     fn step(&mut self) -> Result<(), MpaNegotiationError> {
         match &self.state {
             ResponderState::AwaitRequest => {
-                if self.io.frame_complete(self.config.max_private_data)? {
+                let complete = match self.io.frame_complete(self.config.max_private_data) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Too much private data is known from a well-formed
+                        // header: the Request can still be rejected.
+                        if e.is_refusal() && self.io.rx.len() >= HEADER_LEN {
+                            let header = core::mem::take(&mut self.io.rx);
+                            self.refuse(&header);
+                        }
+                        return Err(e);
+                    }
+                };
+                if complete {
                     let bytes = core::mem::take(&mut self.io.rx);
                     self.on_request(&bytes)?;
                 }

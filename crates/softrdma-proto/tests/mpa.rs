@@ -567,6 +567,9 @@ fn private_data_limits() {
     })
     .unwrap();
     let err = r.receive(&take_tx_i(&mut i)).unwrap_err();
+    assert!(err.is_refusal());
+    assert!(r.request().is_some());
+    r.reject(&[]).unwrap();
     assert!(matches!(
         err,
         MpaNegotiationError::Frame(MpaError::PrivateDataTooLong { .. })
