@@ -623,3 +623,89 @@ fn config_errors() {
     assert_eq!(r.reject(&[]), Err(ConfigError::NotAwaitingAnswer));
     assert_eq!(r.accept(&[], 1, 1), Err(ConfigError::NotAwaitingAnswer));
 }
+
+mod prop {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Feeds `bytes` in chunks of the given sizes; returns what was consumed
+    /// and the first error.
+    fn feed_chunks<F: FnMut(&[u8]) -> Result<usize, MpaNegotiationError>>(
+        bytes: &[u8],
+        sizes: &[usize],
+        mut receive: F,
+    ) -> (usize, Option<MpaNegotiationError>) {
+        let mut at = 0;
+        let mut k = 0;
+        while at < bytes.len() {
+            let n = sizes.get(k).copied().unwrap_or(bytes.len()).max(1);
+            k += 1;
+            let end = (at + n).min(bytes.len());
+            match receive(&bytes[at..end]) {
+                Ok(used) => {
+                    assert!(used <= end - at);
+                    at += used;
+                    if at < end {
+                        break;
+                    }
+                }
+                Err(e) => return (at, Some(e)),
+            }
+        }
+        (at, None)
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600),
+                                    sizes in proptest::collection::vec(1usize..64, 0..40)) {
+            let mut r = Responder::new(MpaConfig::default()).unwrap();
+            let _ = feed_chunks(&bytes, &sizes, |b| r.receive(b));
+            let _ = r.poll();
+            let _ = r.reject(&[]);
+            let mut i = Initiator::new(MpaConfig { peer_to_peer: Some(RtrOffer::WRITE_READ), ..MpaConfig::default() }, &[]).unwrap();
+            let _ = feed_chunks(&bytes, &sizes, |b| i.receive(b));
+            let _ = i.poll();
+        }
+
+        #[test]
+        fn random_headers_never_panic(flags in any::<u8>(), rev in 0u8..4, len in 0u16..600,
+                                      tail in proptest::collection::vec(any::<u8>(), 0..600)) {
+            for key in [*b"MPA ID Req Frame", *b"MPA ID Rep Frame"] {
+                let mut bytes = key.to_vec();
+                bytes.extend_from_slice(&[flags, rev]);
+                bytes.extend_from_slice(&len.to_be_bytes());
+                bytes.extend_from_slice(&tail);
+                let mut r = Responder::new(MpaConfig::default()).unwrap();
+                if r.receive(&bytes).is_ok() && r.request().is_some() {
+                    r.accept(&[], 1, 1).unwrap();
+                    let _ = r.receive(&tail);
+                }
+                let mut i = Initiator::new(p2p_config(), &[]).unwrap();
+                let _ = i.receive(&bytes);
+                let _ = i.poll();
+            }
+        }
+
+        #[test]
+        fn chunking_does_not_matter(sizes in proptest::collection::vec(1usize..30, 0..20)) {
+            let mut r = Responder::new(rping_config()).unwrap();
+            let (used, err) = feed_chunks(&hex(P2P_REQ), &sizes, |b| r.receive(b));
+            prop_assert_eq!((used, err), (24, None));
+            r.accept(&[], 1, 1).unwrap();
+            prop_assert_eq!(take_tx_r(&mut r), hex(P2P_REP));
+            let mut rtr = hex(P2P_RTR);
+            rtr.extend_from_slice(b"next FPDU");
+            let mut total = 0;
+            for chunk in rtr.chunks(sizes.first().copied().unwrap_or(3)) {
+                let used = r.receive(chunk).unwrap_or(0);
+                total += used;
+                if used < chunk.len() {
+                    break;
+                }
+            }
+            prop_assert_eq!(total, 20);
+            prop_assert!(matches!(r.poll(), Some(ResponderEvent::Established(_))));
+        }
+    }
+}
