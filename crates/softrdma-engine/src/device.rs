@@ -5,6 +5,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use std::sync::OnceLock;
+
+use crate::datamover::{DatamoverStats, Threads};
 use crate::event::AsyncEventQueue;
 use crate::mr::StagTable;
 
@@ -29,9 +32,6 @@ pub struct DeviceConfig {
     /// Force every transmission through the datamovers (no direct sending in
     /// the posting thread). For measuring what direct sending saves.
     pub force_datamover: bool,
-    /// A paused QP is resumed when its socket has at least this many bytes
-    /// of send space (0: as soon as the kernel reports it writable).
-    pub resume_threshold: usize,
     /// Let `poll_cq` drive the receive path of the QPs using the CQ when it
     /// finds the CQ empty (busy-polling applications get data without a
     /// thread hand-off).
@@ -46,7 +46,6 @@ impl Default for DeviceConfig {
             pin_threads: true,
             slice_size: 4096,
             force_datamover: false,
-            resume_threshold: 64 * 1024,
             poll_driven_receive: true,
         }
     }
@@ -149,6 +148,7 @@ pub(crate) struct DeviceInner {
     pub(crate) events: AsyncEventQueue,
     next_qp_num: AtomicU32,
     next_pd_id: AtomicU32,
+    threads: OnceLock<Threads>,
 }
 
 /// Why a device could not be opened.
@@ -203,6 +203,7 @@ impl Device {
                 events,
                 next_qp_num: AtomicU32::new(1),
                 next_pd_id: AtomicU32::new(1),
+                threads: OnceLock::new(),
             }),
         })
     }
@@ -220,6 +221,35 @@ impl Device {
     /// The configuration the device was opened with.
     pub fn config(&self) -> &DeviceConfig {
         &self.inner.config
+    }
+
+    /// The device's async event queue: QP errors, CQ overflow, SRQ limit,
+    /// connection events (`ibv_get_async_event`). Its file descriptor is
+    /// readable while an event is queued.
+    pub fn async_events(&self) -> &AsyncEventQueue {
+        &self.inner.events
+    }
+
+    /// Statistics of the datamover threads (empty until the first QP is
+    /// created).
+    pub fn datamover_stats(&self) -> Vec<DatamoverStats> {
+        self.inner
+            .threads
+            .get()
+            .map(Threads::stats)
+            .unwrap_or_default()
+    }
+
+    /// The datamover and receive threads, started with the first QP.
+    pub(crate) fn threads(&self) -> &Threads {
+        self.inner
+            .threads
+            .get_or_init(|| match Threads::start(&self.inner.config) {
+                Ok(t) => t,
+                // Without threads the device cannot move data; this happens only
+                // when the process cannot create threads or epoll instances.
+                Err(e) => panic!("softrdma: cannot start the device threads: {e}"),
+            })
     }
 
     /// The registration table of the device.

@@ -198,11 +198,12 @@ fn keys_are_unpredictable() {
 #[test]
 fn dropped_and_reregistered_memory_gets_new_stags() {
     let pd = pd();
-    let mut old = HashSet::new();
-    for _ in 0..64 {
-        let mr = pd.register(8, Access::NONE).unwrap();
-        old.insert(mr.rkey());
-    }
+    // 64 live at once (64 indices, one key each), then all dropped.
+    let first: Vec<_> = (0..64)
+        .map(|_| pd.register(8, Access::NONE).unwrap())
+        .collect();
+    let old: HashSet<u32> = first.iter().map(|m| m.rkey()).collect();
+    drop(first);
     // All 64 were dropped; the next ones reuse their indices, each with a
     // key different from the index's previous one: no STag repeats.
     let again: Vec<_> = (0..64)

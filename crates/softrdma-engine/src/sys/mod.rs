@@ -3,4 +3,6 @@
 //! carries a `// SAFETY:` comment; nothing outside this module uses `unsafe`.
 
 pub(crate) mod fd;
+pub(crate) mod io;
 pub(crate) mod mem;
+pub(crate) mod poll;

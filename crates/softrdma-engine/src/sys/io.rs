@@ -1,0 +1,242 @@
+//! Vectored socket IO on raw pointers into registered memory, CRC over
+//! registered memory, and thread pinning.
+//!
+//! Registered memory may be written by a remote peer (through another QP) at
+//! any moment, exactly like memory a NIC places into by DMA, so the data path
+//! never forms `&[u8]`/`&mut [u8]` over it for longer than one CRC pass: the
+//! kernel reads and writes it through `iovec`s built from raw pointers.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use softrdma_wire::crc::Crc32c;
+
+use super::mem::Memory;
+
+/// Most `iovec`s passed to one `readv`/`writev` (below Linux's `IOV_MAX`).
+pub(crate) const MAX_IOVECS: usize = 64;
+
+/// A reusable list of `iovec`s.
+#[derive(Debug)]
+pub(crate) struct IoVecs {
+    v: Vec<libc::iovec>,
+    bytes: usize,
+}
+
+// SAFETY: an `IoVecs` only carries addresses; it is filled and consumed by
+// one thread at a time (it lives inside a QP's transmit or receive state,
+// behind that state's mutex), and the memory the addresses point to is kept
+// alive by the caller (an `Arc<Memory>` or a buffer owned by the same state)
+// for as long as the list is used.
+unsafe impl Send for IoVecs {}
+
+impl Default for IoVecs {
+    fn default() -> Self {
+        IoVecs::new()
+    }
+}
+
+impl IoVecs {
+    /// An empty list.
+    pub(crate) fn new() -> Self {
+        IoVecs {
+            v: Vec::with_capacity(MAX_IOVECS),
+            bytes: 0,
+        }
+    }
+
+    /// Empties the list.
+    pub(crate) fn clear(&mut self) {
+        self.v.clear();
+        self.bytes = 0;
+    }
+
+    /// Whether the list has room for another entry.
+    pub(crate) fn has_room(&self) -> bool {
+        self.v.len() < MAX_IOVECS
+    }
+
+    /// Adds a byte slice the caller keeps alive and unchanged until the list
+    /// is cleared. Empty slices are skipped.
+    pub(crate) fn push_slice(&mut self, s: &[u8]) {
+        if s.is_empty() {
+            return;
+        }
+        self.v.push(libc::iovec {
+            iov_base: s.as_ptr().cast_mut().cast(),
+            iov_len: s.len(),
+        });
+        self.bytes += s.len();
+    }
+
+    /// Adds a writable byte slice (for `readv`).
+    pub(crate) fn push_slice_mut(&mut self, s: &mut [u8]) {
+        if s.is_empty() {
+            return;
+        }
+        self.v.push(libc::iovec {
+            iov_base: s.as_mut_ptr().cast(),
+            iov_len: s.len(),
+        });
+        self.bytes += s.len();
+    }
+
+    /// Adds `len` bytes at `offset` of registered memory; `false` (and
+    /// nothing added) if the range is outside the memory.
+    pub(crate) fn push_mem(&mut self, mem: &Memory, offset: usize, len: usize) -> bool {
+        if len == 0 {
+            return true;
+        }
+        match mem.ptr_at(offset, len) {
+            Some(p) => {
+                self.v.push(libc::iovec {
+                    iov_base: p.cast(),
+                    iov_len: len,
+                });
+                self.bytes += len;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Converts a libc return value to a byte count.
+fn check(ret: isize) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret.unsigned_abs())
+    }
+}
+
+/// One `writev(2)` of the list (non-blocking if the socket is). Retries on
+/// `EINTR`.
+pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
+    if iov.v.is_empty() {
+        return Ok(0);
+    }
+    let count = libc::c_int::try_from(iov.v.len()).unwrap_or(libc::c_int::MAX);
+    loop {
+        // SAFETY: every entry points to live memory of at least `iov_len`
+        // bytes (see `IoVecs`); the kernel only reads from it.
+        let ret = unsafe { libc::writev(fd, iov.v.as_ptr(), count) };
+        match check(ret) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+/// One `readv(2)` into the list. Retries on `EINTR`.
+pub(crate) fn readv(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
+    if iov.v.is_empty() {
+        return Ok(0);
+    }
+    let count = libc::c_int::try_from(iov.v.len()).unwrap_or(libc::c_int::MAX);
+    loop {
+        // SAFETY: every entry points to live, writable memory of at least
+        // `iov_len` bytes: registered memory kept alive by the caller's
+        // `Arc<Memory>`, or a buffer the caller borrows mutably for the call.
+        // Concurrent remote writes into the same registered bytes race like
+        // DMA does; the kernel copies bytes, it never forms references.
+        let ret = unsafe { libc::readv(fd, iov.v.as_ptr(), count) };
+        match check(ret) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+/// Feeds `len` bytes at `offset` of `mem` to a CRC; `false` if the range is
+/// outside the memory.
+pub(crate) fn crc_update_mem(crc: &mut Crc32c, mem: &Memory, offset: usize, len: usize) -> bool {
+    if len == 0 {
+        return true;
+    }
+    let Some(p) = mem.ptr_at(offset, len) else {
+        return false;
+    };
+    // SAFETY: `ptr_at` checked that `[p, p+len)` lies inside the live
+    // allocation of `mem`, which the caller keeps alive. The slice lives only
+    // for this CRC pass. Bytes a remote peer writes meanwhile give a CRC that
+    // does not match them, which is the outcome DMA hardware has too.
+    let bytes = unsafe { std::slice::from_raw_parts(p.cast_const(), len) };
+    crc.update(bytes);
+    true
+}
+
+/// The TCP maximum segment size of a connected socket.
+pub(crate) fn tcp_maxseg(fd: RawFd) -> io::Result<usize> {
+    let mut value: libc::c_int = 0;
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).unwrap_or(4);
+    // SAFETY: `value` and `len` are valid for writes and sized for an int
+    // option.
+    let ret = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_MAXSEG,
+            (&raw mut value).cast(),
+            &raw mut len,
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usize::try_from(value).unwrap_or(0))
+}
+
+/// Pins the calling thread to one CPU.
+pub(crate) fn pin_current_thread(cpu: usize) -> io::Result<()> {
+    // SAFETY: `cpu_set_t` is plain data; all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "CPU number too large",
+        ));
+    }
+    // SAFETY: `cpu` is below CPU_SETSIZE (checked above).
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the
+    // calling thread.
+    let ret = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The CPUs the process may run on.
+pub(crate) fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: as above, all-zero is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is valid for writes of its size.
+    let ret =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if ret < 0 {
+        return vec![0];
+    }
+    // SAFETY: `set` was filled by the kernel; CPU_ISSET reads it.
+    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    if cpus.is_empty() { vec![0] } else { cpus }
+}
+
+/// Voluntary and involuntary context switches of the calling thread
+/// (`getrusage(RUSAGE_THREAD)`).
+pub fn thread_context_switches() -> (u64, u64) {
+    // SAFETY: `rusage` is plain data; all-zero is valid.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is valid for writes.
+    let ret = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    if ret < 0 {
+        return (0, 0);
+    }
+    (
+        u64::try_from(ru.ru_nvcsw).unwrap_or(0),
+        u64::try_from(ru.ru_nivcsw).unwrap_or(0),
+    )
+}
