@@ -38,6 +38,6 @@ pub use pd::ProtectionDomain;
 pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;
-pub use sys::io::thread_context_switches;
+pub use sys::io::{process_context_switches, thread_context_switches};
 pub use wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 pub use wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};

@@ -43,6 +43,8 @@ const STAGING: usize = 2 * 65536 + 64;
 /// Payload remainders at least this long are read straight into their
 /// destination; shorter ones go through the staging buffer.
 const DIRECT_MIN: usize = 1024;
+/// Bytes read ahead of a large payload (its trailer and the next header).
+const READAHEAD_LARGE: usize = 256;
 /// Longest ULPDU header or consumed ULPDU (Atomic Request: 18 + 52 bytes;
 /// Terminate: 18 + 52 at most).
 const MAX_HEAD: usize = 128;
@@ -139,6 +141,8 @@ pub(crate) struct RxState {
     /// A completed Send with Immediate waiting for its Immediate Data.
     imm_wait: Option<(RecvWqe, usize, bool)>,
     iov: IoVecs,
+    /// The last FPDU had a small payload: read as much as is available.
+    small: bool,
     pub(crate) bytes_received: u64,
 }
 
@@ -164,6 +168,7 @@ impl RxState {
             recv: None,
             imm_wait: None,
             iov: IoVecs::new(),
+            small: true,
             bytes_received: 0,
         }
     }
@@ -217,7 +222,15 @@ impl RxState {
             return Err(Stop::Dead);
         };
         let mut s: &TcpStream = stream;
-        match s.read(&mut self.buf[self.end..]) {
+        // After a large FPDU, read little ahead: the next FPDU is probably
+        // large too, and its payload should go straight to its destination,
+        // not through this buffer.
+        let limit = if self.small {
+            self.buf.len()
+        } else {
+            (self.end + READAHEAD_LARGE).min(self.buf.len())
+        };
+        match s.read(&mut self.buf[self.end..limit]) {
             Ok(0) => Err(Stop::Closed {
                 at_boundary: self.phase == Phase::Header && self.avail() == 0,
             }),
@@ -373,29 +386,26 @@ impl QpInner {
             }
         };
         let payload_len = ulpdu_len - head;
+        rx.small = payload_len < DIRECT_MIN;
         rx.ulpdu_len = ulpdu_len;
         rx.payload_left = payload_len;
         rx.dest.clear();
         rx.dest_idx = 0;
         rx.dest_off = 0;
-        let (action, dest) = self.validate(rx, &repr, payload_len)?;
+        let action = self.validate(rx, &repr, payload_len)?;
         rx.action = action;
-        if let Some(d) = dest {
-            rx.dest = d;
-        }
         rx.start += 2 + head;
         rx.phase = Phase::Payload;
         Ok(())
     }
 
     /// Checks a segment and says where its payload goes.
-    #[allow(clippy::type_complexity)]
     fn validate(
         &self,
         rx: &mut RxState,
         repr: &UlpduRepr<'_>,
         payload_len: usize,
-    ) -> Result<(Action, Option<Vec<(Arc<Memory>, usize, usize)>>), Stop> {
+    ) -> Result<Action, Stop> {
         let stags = self.device.stags();
         let pd = self.pd.id();
         let violation = |err: TermError, event| Stop::Violation { err, event };
@@ -403,10 +413,13 @@ impl QpInner {
             (Opcode::RdmaWrite, DdpAddress::Tagged { stag, to }) => {
                 if payload_len == 0 {
                     // A zero-length Write places nothing (RTR uses one).
-                    return Ok((Action::None, None));
+                    return Ok(Action::None);
                 }
                 match stags.remote(stag.0, pd, Access::REMOTE_WRITE, to, payload_len as u64) {
-                    Ok(t) => Ok((Action::None, Some(vec![(t.mem, t.offset, t.len)]))),
+                    Ok(t) => {
+                        rx.dest.push((t.mem, t.offset, t.len));
+                        Ok(Action::None)
+                    }
                     Err(e) => Err(violation(e.term_error(true), AsyncEventKind::QpAccessError)),
                 }
             }
@@ -439,7 +452,10 @@ impl QpInner {
                     None => Err(TermError::RdmapUnexpectedOpcode),
                 });
                 match r {
-                    Ok(piece) => Ok((Action::ReadResponse { last: repr.last }, Some(vec![piece]))),
+                    Ok(piece) => {
+                        rx.dest.push(piece);
+                        Ok(Action::ReadResponse { last: repr.last })
+                    }
                     Err(e) => Err(violation(e, AsyncEventKind::QpRequestError)),
                 }
             }
@@ -504,7 +520,7 @@ impl QpInner {
                         AsyncEventKind::QpRequestError,
                     ));
                 }
-                let mut pieces = Vec::new();
+                let pieces = &mut rx.dest;
                 let mut off = r.received;
                 let mut left = payload_len;
                 for s in &r.wqe.segs {
@@ -529,15 +545,12 @@ impl QpInner {
                         rx.hdr_copy[5],
                     ]) == SEND_IMM_FOLLOWS
                     && !repr.opcode.has_invalidate_stag();
-                Ok((
-                    Action::SendSegment {
-                        last: repr.last,
-                        solicited: repr.opcode.is_solicited(),
-                        inv: repr.invalidate_stag.map(|s| s.0),
-                        imm_follows,
-                    },
-                    Some(pieces),
-                ))
+                Ok(Action::SendSegment {
+                    last: repr.last,
+                    solicited: repr.opcode.is_solicited(),
+                    inv: repr.invalidate_stag.map(|s| s.0),
+                    imm_follows,
+                })
             }
             (
                 Opcode::ImmediateData | Opcode::ImmediateDataWithSolicitedEvent,
@@ -562,13 +575,10 @@ impl QpInner {
                         AsyncEventKind::QpRequestError,
                     ));
                 }
-                Ok((
-                    Action::Immediate {
-                        imm,
-                        solicited: repr.opcode.is_solicited(),
-                    },
-                    None,
-                ))
+                Ok(Action::Immediate {
+                    imm,
+                    solicited: repr.opcode.is_solicited(),
+                })
             }
             (Opcode::RdmaReadRequest, DdpAddress::Untagged { msn, .. }) => {
                 if msn != rx.expect[QN_RREQ] {
@@ -597,14 +607,11 @@ impl QpInner {
                     u64::from(req.read_size),
                 );
                 match src {
-                    Ok(t) => Ok((
-                        Action::ReadRequest(Response::Read {
-                            src: t,
-                            sink_stag: req.sink_stag.0,
-                            sink_to: req.sink_to,
-                        }),
-                        None,
-                    )),
+                    Ok(t) => Ok(Action::ReadRequest(Response::Read {
+                        src: t,
+                        sink_stag: req.sink_stag.0,
+                        sink_to: req.sink_to,
+                    })),
                     Err(e) => {
                         self.release_ird();
                         Err(violation(
@@ -641,7 +648,7 @@ impl QpInner {
                     ));
                 }
                 match stags.remote(req.stag.0, pd, Access::REMOTE_ATOMIC, req.to, 8) {
-                    Ok(t) => Ok((Action::AtomicRequest(req, t), None)),
+                    Ok(t) => Ok(Action::AtomicRequest(req, t)),
                     Err(e) => {
                         self.release_ird();
                         Err(violation(
@@ -673,7 +680,7 @@ impl QpInner {
                         AsyncEventKind::QpRequestError,
                     ));
                 }
-                Ok((Action::AtomicResponse(resp), None))
+                Ok(Action::AtomicResponse(resp))
             }
             (Opcode::Terminate, DdpAddress::Untagged { .. }) => {
                 let UlpduBody::Terminate(t) = repr.body else {
@@ -682,7 +689,7 @@ impl QpInner {
                         AsyncEventKind::QpRequestError,
                     ));
                 };
-                Ok((Action::Terminate(t.code), None))
+                Ok(Action::Terminate(t.code))
             }
             _ => Err(violation(
                 TermError::RdmapUnexpectedOpcode,
@@ -758,8 +765,7 @@ impl QpInner {
                 off = 0;
             }
         }
-        let staging_len = rx.buf.len();
-        rx.iov.push_slice_mut(&mut rx.buf[..staging_len]);
+        rx.iov.push_slice_mut(&mut rx.buf[..READAHEAD_LARGE]);
         let Some(stream) = rx.stream.as_ref() else {
             return Err(Stop::Dead);
         };

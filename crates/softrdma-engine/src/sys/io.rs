@@ -228,10 +228,20 @@ pub(crate) fn allowed_cpus() -> Vec<usize> {
 /// Voluntary and involuntary context switches of the calling thread
 /// (`getrusage(RUSAGE_THREAD)`).
 pub fn thread_context_switches() -> (u64, u64) {
+    context_switches(libc::RUSAGE_THREAD)
+}
+
+/// Voluntary and involuntary context switches of the whole process, all
+/// threads (`getrusage(RUSAGE_SELF)`).
+pub fn process_context_switches() -> (u64, u64) {
+    context_switches(libc::RUSAGE_SELF)
+}
+
+fn context_switches(who: libc::c_int) -> (u64, u64) {
     // SAFETY: `rusage` is plain data; all-zero is valid.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `ru` is valid for writes.
-    let ret = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    let ret = unsafe { libc::getrusage(who, &mut ru) };
     if ret < 0 {
         return (0, 0);
     }
