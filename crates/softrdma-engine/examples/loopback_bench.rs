@@ -330,10 +330,15 @@ fn rdma_fairness(qps: usize, dur: Duration) -> (f64, f64) {
     let src = mr(&senders[0], SIZE);
     // One destination per receiver, all Writes of a QP go to it.
     let dsts: Vec<MemoryRegion> = receivers.iter().map(|r| mr(r, SIZE)).collect();
+    // Touch every page before measuring.
+    for d in &dsts {
+        d.fill(0);
+    }
     let sges: Vec<[softrdma_engine::Sge; 1]> = senders
         .iter()
         .map(|s| {
             let m = s.pd.register(SIZE, Access::LOCAL_WRITE).expect("mr");
+            m.fill(1);
             let sge = [m.sge(0, SIZE as u32).expect("sge")];
             std::mem::forget(m);
             sge

@@ -38,8 +38,9 @@ use crate::tx::{QN_ARESP, QN_RREQ, QN_SEND, QN_TERM, Response, SEND_IMM_FOLLOWS}
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::RecvWqe;
 
-/// Staging buffer: one whole FPDU of the largest size plus read-ahead.
-const STAGING: usize = 2 * 65536 + 64;
+/// Staging buffer: headers, trailers, small payloads and read-ahead. Large
+/// payloads never pass through it, so it need not hold a whole FPDU.
+const STAGING: usize = 32 * 1024;
 /// Payload remainders at least this long are read straight into their
 /// destination; shorter ones go through the staging buffer.
 const DIRECT_MIN: usize = 1024;
