@@ -1626,3 +1626,41 @@ fn write_wrapping_the_tagged_offset() {
     assert_eq!(&got[8..12], b"fits");
     assert!(got[4091..].iter().all(|&b| b == 0));
 }
+
+/// A request failing its local checks behind a long Write: the transmit
+/// path may hit a full socket after reaching it; the QP must still enter
+/// ERROR.
+#[test]
+#[ignore = "bug: kick() and the datamover drop tx.fatal when the pass ends in WouldBlock or Budget"]
+fn local_error_behind_a_long_write() {
+    for force_dm in [false, true] {
+        let p = pair_with(device(force_dm), false, |_| {});
+        let len = 16 << 20;
+        let src = mr(&p.a, len);
+        let dst = mr(&p.b, len);
+        let s0 = [src.sge(0, len as u32).unwrap()];
+        let mut bad = src.sge(0, 8).unwrap();
+        bad.lkey ^= 0x11;
+        let s1 = [bad];
+        p.a.qp
+            .post_send_list(&[
+                SendWr::new(
+                    1,
+                    SendOp::Write {
+                        remote_addr: dst.addr(),
+                        rkey: dst.rkey(),
+                    },
+                )
+                .sg_list(&s0)
+                .signaled(),
+                SendWr::new(2, SendOp::Send).sg_list(&s1).signaled(),
+            ])
+            .unwrap();
+        let c = wait(&p.a.cq, 2);
+        assert_eq!(
+            c.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+            [(1, WcStatus::Success), (2, WcStatus::LocalProtection)]
+        );
+        wait_state(&p.a.qp, QpState::Error);
+    }
+}
