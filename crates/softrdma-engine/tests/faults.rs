@@ -883,6 +883,53 @@ fn flipped_bit_without_crc_read_is_delivered() {
     flipped_bit_without_crc(Op::Read);
 }
 
+/// A flipped bit in a Write's header with CRC on. The receive path checks
+/// the header before the payload arrives (direct placement), as Linux siw
+/// does, so a corrupted Tagged Offset that still lies inside the region is
+/// only caught by the CRC (Terminate: MPA CRC error), while a corrupted
+/// STag is refused as such (Terminate: invalid STag) before the CRC is
+/// known. Either way both QPs end in ERROR.
+fn flipped_header_bit_with_crc(at: u64, mask: u8, want: TermError) {
+    const LEN: usize = 4096;
+    let c = Conn::new(true);
+    let src = mr(&c.a, LEN);
+    src.write(0, &pattern(LEN, 3)).unwrap();
+    let dst = mr(&c.b, 2 * LEN);
+    c.relay.flip_after(Dir::AtoB, at, mask);
+    let s = [src.sge(0, LEN as u32).unwrap()];
+    c.a.qp
+        .post_send(
+            &SendWr::new(
+                WRITE_ID,
+                SendOp::Write {
+                    remote_addr: dst.addr(),
+                    rkey: dst.rkey(),
+                },
+            )
+            .sg_list(&s)
+            .signaled(),
+        )
+        .unwrap();
+    let ev = c.wait_event(c.a.qp.qp_num(), |e| {
+        e.kind == AsyncEventKind::TerminateReceived
+    });
+    assert_eq!(ev.term.and_then(|t| t.known()), Some(want), "{ev:?}");
+    c.wait_both_error();
+}
+
+#[test]
+fn flipped_tagged_offset_bit_with_crc_is_a_crc_error() {
+    // MPA length (2), DDP/RDMAP control (2), STag (4), TO (8): the low
+    // byte of the TO, +8.
+    flipped_header_bit_with_crc(15, 0x08, TermError::MpaCrcError);
+}
+
+#[test]
+fn flipped_stag_bit_with_crc_is_an_invalid_stag() {
+    // The low byte of the STag: its key.
+    flipped_header_bit_with_crc(7, 0x01, TermError::DdpTaggedInvalidStag);
+}
+
 // ---------------------------------------------------------------------------
 // Connection cut
 // ---------------------------------------------------------------------------
