@@ -61,8 +61,11 @@ fn connect(a: &Side, b: &Side, crc: bool) {
 }
 
 fn mr(s: &Side, len: usize) -> MemoryRegion {
-    s.pd.register(len, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)
-        .expect("mr")
+    s.pd.register(
+        len,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+    )
+    .expect("mr")
 }
 
 fn poll_n(cq: &CompletionQueue, n: usize) {
@@ -126,8 +129,7 @@ fn rdma_write_bw(size: usize, count: usize, depth: usize, crc: bool) -> f64 {
         let k = a.cq.poll(&mut buf);
         done += k;
     }
-    a.qp
-        .post_send(&SendWr::new(2, SendOp::Send).inline(b"end").signaled())
+    a.qp.post_send(&SendWr::new(2, SendOp::Send).inline(b"end").signaled())
         .expect("post");
     poll_n(&b.cq, 1);
     let secs = start.elapsed().as_secs_f64();
@@ -213,8 +215,47 @@ fn rdma_pingpong(iters: usize, force_dm: bool) -> (f64, f64, f64) {
     (lat[iters / 2], lat[iters * 99 / 100], cs)
 }
 
-fn tcp_pingpong(iters: usize) -> (f64, f64, f64) {
+/// Reads exactly `m.len()` bytes, spinning on a non-blocking socket.
+fn spin_read(s: &mut TcpStream, m: &mut [u8]) {
+    let mut got = 0;
+    while got < m.len() {
+        match s.read(&mut m[got..]) {
+            Ok(0) => panic!("closed"),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// TCP ping-pong; `spin`: non-blocking sockets, busy-polled like the CQ.
+fn tcp_pingpong_mode(iters: usize, spin: bool) -> (f64, f64, f64) {
     let (mut a, mut b) = tcp_pair();
+    if spin {
+        a.set_nonblocking(true).expect("nb");
+        b.set_nonblocking(true).expect("nb");
+        let echo = std::thread::spawn(move || {
+            let mut m = [0u8; 8];
+            for _ in 0..iters {
+                spin_read(&mut b, &mut m);
+                b.write_all(&m).expect("write");
+            }
+        });
+        let mut lat = Vec::with_capacity(iters);
+        let mut m = *b"pingping";
+        let cs0 = process_context_switches();
+        for _ in 0..iters {
+            let t = Instant::now();
+            a.write_all(&m).expect("write");
+            spin_read(&mut a, &mut m);
+            lat.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+        let cs1 = process_context_switches();
+        echo.join().expect("echo");
+        let cs = ((cs1.0 - cs0.0) + (cs1.1 - cs0.1)) as f64 / iters as f64;
+        lat.sort_by(|x, y| x.total_cmp(y));
+        return (lat[iters / 2], lat[iters * 99 / 100], cs);
+    }
     let echo = std::thread::spawn(move || {
         let mut m = [0u8; 8];
         for _ in 0..iters {
@@ -285,8 +326,7 @@ fn rdma_rate(count: usize, batch: usize, list: bool) -> f64 {
         let k = a.cq.poll(&mut buf);
         done += k * batch;
     }
-    a.qp
-        .post_send(&SendWr::new(2, SendOp::Send).inline(b"end").signaled())
+    a.qp.post_send(&SendWr::new(2, SendOp::Send).inline(b"end").signaled())
         .expect("post");
     poll_n(&b.cq, 1);
     count as f64 / start.elapsed().as_secs_f64()
@@ -425,13 +465,15 @@ fn bench_pingpong(o: &Opts) {
     let mut rp = Vec::new();
     let mut tm = Vec::new();
     let mut tp = Vec::new();
+    let mut sm = Vec::new();
     for _ in 0..o.runs {
         let (m, p, _) = rdma_pingpong(iters, false);
         rm.push(m);
         rp.push(p);
-        let (m, p, _) = tcp_pingpong(iters);
+        let (m, p, _) = tcp_pingpong_mode(iters, false);
         tm.push(m);
         tp.push(p);
+        sm.push(tcp_pingpong_mode(iters, true).0);
     }
     let (r, t) = (median(&mut rm), median(&mut tm));
     println!(
@@ -441,6 +483,12 @@ fn bench_pingpong(o: &Opts) {
         t,
         median(&mut tp),
         r / t
+    );
+    let s = median(&mut sm);
+    println!(
+        "    vs TCP with busy-polled non-blocking sockets: {:.2} µs  ratio {:.2}",
+        s,
+        r / s
     );
 }
 
@@ -510,7 +558,7 @@ fn bench_dm(o: &Opts) {
             median(&mut c)
         );
     }
-    let (m, p, c) = tcp_pingpong(iters);
+    let (m, p, c) = tcp_pingpong_mode(iters, false);
     println!(
         "plain TCP       : ping-pong half RTT {m:.2} µs (p99 {p:.2}), {c:.2} context switches per round trip"
     );

@@ -293,21 +293,53 @@ fn run_datamover(dm: &Datamover, slice: usize, pin: bool) {
     }
 }
 
+/// Nanoseconds since the engine's clock started.
+pub(crate) fn now_ns() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let start = START.get_or_init(std::time::Instant::now);
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// A QP whose CQ was polled this recently is left to the poller: its
+/// socket is not watched, so the sender does not pay for waking this thread.
+const POLL_QUIET_NS: u64 = 1_000_000;
+
 fn run_rx(rx: &RxThread, cpu: usize, pin: bool) {
     if pin {
         let _ = pin_current_thread(cpu);
     }
     let mut events = Events::new();
     let mut keys = Vec::new();
+    // QPs being driven by CQ polling: (key, fd, qp), re-armed once polling
+    // stops.
+    let mut deferred: Vec<(usize, RawFd, Weak<QpInner>)> = Vec::new();
     while !rx.stop.load(Ordering::Acquire) {
         keys.clear();
+        let timeout = if deferred.is_empty() {
+            Duration::from_millis(500)
+        } else {
+            Duration::from_micros(POLL_QUIET_NS / 1000)
+        };
         if rx
             .reactor
-            .wait(&mut events, &mut keys, Some(Duration::from_millis(500)))
+            .wait(&mut events, &mut keys, Some(timeout))
             .is_err()
         {
             continue;
         }
+        let now = now_ns();
+        deferred.retain(|(k, fd, weak)| {
+            let Some(qp) = weak.upgrade() else {
+                return false;
+            };
+            if now.saturating_sub(qp.last_poll.load(Ordering::Relaxed)) < POLL_QUIET_NS {
+                return true;
+            }
+            if rx.qps.lock().contains_key(k) {
+                let _ = rx.reactor.arm(*fd, *k, Interest::Read);
+            }
+            false
+        });
         for &k in &keys {
             let entry = rx.qps.lock().get(&k).map(|(w, fd)| (w.clone(), *fd));
             let Some((weak, fd)) = entry else { continue };
@@ -316,7 +348,12 @@ fn run_rx(rx: &RxThread, cpu: usize, pin: bool) {
                 continue;
             };
             if qp.rx_thread_progress() {
-                let _ = rx.reactor.arm(fd, k, Interest::Read);
+                let polled = qp.last_poll.load(Ordering::Relaxed);
+                if now_ns().saturating_sub(polled) < POLL_QUIET_NS {
+                    deferred.push((k, fd, weak));
+                } else {
+                    let _ = rx.reactor.arm(fd, k, Interest::Read);
+                }
             } else {
                 let removed = rx.qps.lock().remove(&k);
                 if removed.is_some() {

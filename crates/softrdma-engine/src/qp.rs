@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
@@ -399,6 +399,8 @@ pub(crate) struct QpInner {
     pub(crate) rx_registered: AtomicBool,
     /// Set while a datamover lists the QP (active or paused).
     pub(crate) dm_listed: AtomicBool,
+    /// When a CQ poll last drove this QP's receive path (engine clock, ns).
+    pub(crate) last_poll: AtomicU64,
     pub(crate) self_weak: Weak<QpInner>,
 }
 
@@ -454,6 +456,7 @@ impl QueuePair {
             rx: Mutex::new(RxState::new()),
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
+            last_poll: AtomicU64::new(0),
             self_weak: weak.clone(),
         });
         let hook: Weak<dyn Progress> = Arc::downgrade(&inner) as Weak<dyn Progress>;
@@ -1157,8 +1160,15 @@ impl QpInner {
                     tx.on_dm = true;
                     drop(tx);
                     self.schedule_dm();
+                    return;
                 }
-                return;
+                drop(tx);
+                // A request pushed while we held the lock: its poster's
+                // try-lock failed, so it is ours to hand over.
+                if self.incoming.is_empty() {
+                    return;
+                }
+                continue;
             }
             let outcome = tx.progress(self, usize::MAX);
             let fatal = tx.fatal.take();

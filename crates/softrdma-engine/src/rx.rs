@@ -263,6 +263,8 @@ impl RxState {
 impl QpInner {
     /// Receive progress from a CQ poll: only if nobody else is receiving.
     pub(crate) fn rx_poll(&self) -> bool {
+        self.last_poll
+            .store(crate::datamover::now_ns(), Ordering::Relaxed);
         let Some(mut rx) = self.rx.try_lock() else {
             return false;
         };
