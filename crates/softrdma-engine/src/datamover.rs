@@ -216,7 +216,13 @@ fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
     let mut tx = qp.tx.lock();
     qp.drain_incoming(&mut tx);
     let outcome = tx.progress(qp, slice);
-    let fatal = tx.fatal.take();
+    // Acted on only once the FPDUs framed before the failed request are
+    // written (Idle); until then it stays set.
+    let fatal = if matches!(outcome, TxOutcome::Idle) {
+        tx.fatal.take()
+    } else {
+        None
+    };
     let fd = tx.link.map(|l| l.fd);
     match outcome {
         TxOutcome::Budget => Served::Active,
@@ -230,8 +236,8 @@ fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
             drop(tx);
             if let TxOutcome::Failed(e) = outcome {
                 qp.link_failed(&e);
-            } else if let Some(status) = fatal {
-                qp.enter_error(Some(status), Some(crate::event::AsyncEventKind::QpFatal));
+            } else if fatal.is_some() {
+                qp.enter_error(None, Some(crate::event::AsyncEventKind::QpFatal));
             } else {
                 // Work posted while we held the lock.
                 qp.kick();

@@ -1091,8 +1091,11 @@ impl QpInner {
             }
         }
         if let Some(status) = bad {
-            // Like hardware, a bad receive is found when it is used; softrdma
-            // finds it at once and completes it with the error.
+            // Hardware finds a bad receive when a Send uses it; softrdma
+            // finds it at once. Like any error completion it puts the QP in
+            // ERROR: the receives posted before it are flushed first
+            // (completion order), then it completes with the error.
+            self.enter_error(None, Some(AsyncEventKind::QpFatal));
             self.complete_recv(
                 WorkCompletion::error(wr.wr_id, WcOpcode::Recv, self.qp_num, status),
                 false,
@@ -1171,7 +1174,14 @@ impl QpInner {
                 continue;
             }
             let outcome = tx.progress(self, usize::MAX);
-            let fatal = tx.fatal.take();
+            // A request that failed at post time reached the head of the
+            // queue; act on it once what was framed before it is written
+            // (the transmit path reports Idle then), not before.
+            let fatal = if matches!(outcome, TxOutcome::Idle) {
+                tx.fatal.take()
+            } else {
+                None
+            };
             match outcome {
                 TxOutcome::Idle | TxOutcome::Budget => {}
                 TxOutcome::WouldBlock => {
@@ -1187,8 +1197,10 @@ impl QpInner {
                 }
             }
             drop(tx);
-            if let Some(status) = fatal {
-                self.enter_error(Some(status), Some(AsyncEventKind::QpFatal));
+            if fatal.is_some() {
+                // The failed request has its status already; the Reads and
+                // atomics still outstanding are flushed.
+                self.enter_error(None, Some(AsyncEventKind::QpFatal));
                 return;
             }
             if self.incoming.is_empty() {
@@ -1270,8 +1282,14 @@ impl QpInner {
         self.device
             .events()
             .push(AsyncEvent::qp(AsyncEventKind::TerminateReceived, self.qp_num).with_term(code));
+        // The oldest outstanding Read or atomic is the request the
+        // Terminate answered; its completion carries the raw code.
         let status = term_status(code);
-        self.enter_error(Some(status), None);
+        let vendor = u32::from(u16::from_be_bytes(code.to_bytes()));
+        if let Some(r) = self.pop_ord() {
+            self.complete_sq(r.seq, status, 0, vendor);
+        }
+        self.enter_error(None, None);
     }
 
     /// Enters ERROR: flushes every outstanding request in order and closes

@@ -95,9 +95,6 @@ struct RecvProgress {
     wqe: RecvWqe,
     msn: Msn,
     received: usize,
-    /// Set if the Send overran the buffer: the receive completes with a
-    /// length error.
-    too_long: bool,
 }
 
 /// Why processing stopped.
@@ -504,7 +501,6 @@ impl QpInner {
                         wqe,
                         msn,
                         received: 0,
-                        too_long: false,
                     });
                 }
                 let Some(r) = rx.recv.as_mut() else {
@@ -517,7 +513,19 @@ impl QpInner {
                     ));
                 }
                 if r.received + payload_len > r.wqe.total_len {
-                    r.too_long = true;
+                    // The receive is too small: it completes with a length
+                    // error (not a flush), then the Terminate goes out.
+                    let wr_id = r.wqe.wr_id;
+                    rx.recv = None;
+                    self.complete_recv(
+                        WorkCompletion::error(
+                            wr_id,
+                            WcOpcode::Recv,
+                            self.qp_num,
+                            WcStatus::LocalLength,
+                        ),
+                        false,
+                    );
                     return Err(violation(
                         TermError::DdpUntaggedMessageTooLong,
                         AsyncEventKind::QpRequestError,
@@ -862,15 +870,19 @@ impl QpInner {
                     wc.flags = wc.flags | WcFlags::SOLICITED;
                 }
                 if let Some(stag) = inv {
-                    if self
-                        .device
-                        .stags()
-                        .invalidate(stag, self.pd.id(), true)
-                        .is_err()
-                    {
+                    if let Err(e) = self.device.stags().invalidate(stag, self.pd.id(), true) {
+                        // Like siw: the receive reports the failure, and an
+                        // STag of another PD is a protection error.
+                        wc.status = WcStatus::RemoteInvalidRequest;
                         self.complete_recv(wc, solicited);
+                        let err = match e {
+                            crate::mr::InvalidateError::PdMismatch => {
+                                TermError::RdmapProtectionCannotInvalidate
+                            }
+                            _ => TermError::RdmapOperationCannotInvalidate,
+                        };
                         return Err(Stop::Violation {
-                            err: TermError::RdmapOperationCannotInvalidate,
+                            err,
                             event: AsyncEventKind::QpAccessError,
                         });
                     }

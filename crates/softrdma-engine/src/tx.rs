@@ -310,7 +310,7 @@ impl TxState {
             if self.out.is_empty() {
                 return TxOutcome::Idle;
             }
-            self.build_iov();
+            self.build_iov(budget.saturating_sub(sent));
             match writev(link.fd, &self.iov) {
                 Ok(n) => {
                     self.iov.clear();
@@ -332,11 +332,13 @@ impl TxState {
         }
     }
 
-    /// Builds the iovec list of the framed FPDUs, skipping written bytes.
-    fn build_iov(&mut self) {
+    /// Builds the iovec list of the framed FPDUs, skipping written bytes,
+    /// with at most `cap` bytes (the rest of a datamover slice).
+    fn build_iov(&mut self, cap: usize) {
         self.iov.clear();
+        let mut left = cap;
         for f in &self.out {
-            if !self.iov.has_room() {
+            if !self.iov.has_room() || left == 0 {
                 break;
             }
             let mut skip = f.written;
@@ -344,7 +346,9 @@ impl TxState {
             if skip >= head.len() {
                 skip -= head.len();
             } else {
-                self.iov.push_slice(&head[skip..]);
+                let n = (head.len() - skip).min(left);
+                self.iov.push_slice(&head[skip..skip + n]);
+                left -= n;
                 skip = 0;
             }
             for (mem, off, len) in &f.pieces {
@@ -352,17 +356,22 @@ impl TxState {
                     skip -= len;
                     continue;
                 }
-                if !self.iov.has_room() {
+                if !self.iov.has_room() || left == 0 {
                     return;
                 }
-                self.iov.push_mem(mem, off + skip, len - skip);
+                let n = (len - skip).min(left);
+                self.iov.push_mem(mem, off + skip, n);
+                left -= n;
                 skip = 0;
             }
-            if !self.iov.has_room() {
+            if !self.iov.has_room() || left == 0 {
                 return;
             }
             let tr = f.trailer.as_bytes();
-            self.iov.push_slice(&tr[skip.min(tr.len())..]);
+            let tr = &tr[skip.min(tr.len())..];
+            let n = tr.len().min(left);
+            self.iov.push_slice(&tr[..n]);
+            left -= n;
         }
     }
 

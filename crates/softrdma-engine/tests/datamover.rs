@@ -113,7 +113,6 @@ fn many_qps_share_one_datamover() {
 /// documented round-robin unit), so a 1 MiB Write takes at least
 /// 1 MiB / 4 KiB turns.
 #[test]
-#[ignore = "bug: a turn writes up to 512 KiB (one writev of all framed FPDUs), not slice_size bytes"]
 fn a_turn_moves_at_most_one_slice() {
     const LEN: usize = 1 << 20;
     let dev = one_datamover();

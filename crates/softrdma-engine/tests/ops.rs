@@ -368,3 +368,43 @@ fn send_to_a_qp_without_a_receive_is_a_terminate() {
     }
     assert!(saw_term, "the sender was told why");
 }
+
+/// Regression: in forced-datamover mode, a request posted while another
+/// thread held the transmit lock (and found nothing to do) was never handed
+/// to the datamover; a ping-pong then stopped after some 10^5 round trips.
+#[test]
+fn forced_datamover_ping_pong_never_strands_a_request() {
+    let p = pair_with(device(true), false, |_| {});
+    let ma = mr(&p.a, 64);
+    let mb = mr(&p.b, 64);
+    let sa = [ma.sge(0, 8).unwrap()];
+    let sb = [mb.sge(0, 8).unwrap()];
+    for _ in 0..16 {
+        p.a.qp.post_recv(&RecvWr::new(0, &sa)).unwrap();
+        p.b.qp.post_recv(&RecvWr::new(0, &sb)).unwrap();
+    }
+    const ITERS: usize = 30_000;
+    let (qb, cb) = (p.b.qp.clone(), p.b.cq.clone());
+    let echo = std::thread::spawn(move || {
+        let mut n = 0;
+        while n < ITERS {
+            for wc in wait(&cb, 1) {
+                if wc.opcode == WcOpcode::Recv {
+                    qb.post_recv(&RecvWr::new(0, &sb)).unwrap();
+                    qb.post_send(&SendWr::new(1, SendOp::Send).inline(b"pong"))
+                        .unwrap();
+                    n += 1;
+                }
+            }
+        }
+    });
+    for _ in 0..ITERS {
+        p.a.qp
+            .post_send(&SendWr::new(1, SendOp::Send).inline(b"ping"))
+            .unwrap();
+        let wc = wait(&p.a.cq, 1);
+        assert_eq!(wc[0].opcode, WcOpcode::Recv);
+        p.a.qp.post_recv(&RecvWr::new(0, &sa)).unwrap();
+    }
+    echo.join().unwrap();
+}

@@ -497,7 +497,6 @@ fn send_longer_than_the_receive() {
 /// Verbs: a receive too small for the message completes with a local
 /// length error (siw: `SIW_WC_LOC_LEN_ERR`), not a flush.
 #[test]
-#[ignore = "bug: the receive of a too-long Send completes with WrFlush; RecvProgress::too_long is never read"]
 fn send_longer_than_the_receive_is_a_local_length_error() {
     let p = pair(false);
     let dst = mr(&p.b, 64);
@@ -654,7 +653,6 @@ fn terminate_flushes_everything_in_posting_order() {
 /// `WorkCompletion::vendor_err` is documented to carry the raw Terminate
 /// code when the error came from a Terminate.
 #[test]
-#[ignore = "bug: terminated_by_peer completes the answered request with vendor_err 0"]
 fn remote_error_completion_carries_the_terminate_code() {
     let p = pair(false);
     let remote = mr(&p.b, 64);
@@ -805,7 +803,6 @@ fn read_into_a_region_without_local_write() {
 /// Read never got its response and must be flushed, not reported with the
 /// later request's error.
 #[test]
-#[ignore = "bug: kick() passes the failed request's status to enter_error, which gives it to the oldest outstanding Read"]
 fn local_error_behind_an_outstanding_read() {
     let p = pair(false);
     let remote = mr(&p.b, 1 << 20);
@@ -833,7 +830,6 @@ fn local_error_behind_an_outstanding_read() {
 /// completion this leaves the QP in ERROR, and the receives posted before it
 /// complete (flushed) before it.
 #[test]
-#[ignore = "bug: post_recv completes a bad receive at once and leaves the QP in RTS, ahead of earlier receives"]
 fn receive_with_a_bad_lkey() {
     let p = pair(false);
     let buf = mr(&p.b, 64);
@@ -1528,7 +1524,6 @@ fn send_with_invalidate_of_an_unknown_stag() {
 /// fails completes with a remote invalid request error, and an STag of
 /// another protection domain is a Remote Protection error.
 #[test]
-#[ignore = "bug: the receive completes with Success and every invalidation failure is reported as Remote Operation"]
 fn send_with_invalidate_of_a_window_of_another_pd() {
     let p = pair(false);
     let mut ev = Events::new(&p.dev);
@@ -1631,7 +1626,6 @@ fn write_wrapping_the_tagged_offset() {
 /// path may hit a full socket after reaching it; the QP must still enter
 /// ERROR.
 #[test]
-#[ignore = "bug: kick() and the datamover drop tx.fatal when the pass ends in WouldBlock or Budget"]
 fn local_error_behind_a_long_write() {
     for force_dm in [false, true] {
         let p = pair_with(device(force_dm), false, |_| {});
