@@ -4,7 +4,8 @@
 //! a set of *paused* QPs (socket full). It serves active QPs round robin, one
 //! slice of [`DeviceConfig::slice_size`](crate::DeviceConfig::slice_size)
 //! bytes each per turn, so one large transfer or one congested peer never
-//! starves the others. A QP whose socket would block is paused: its socket
+//! starves the others. A QP that is the only active one gets turns of 64
+//! slices (fewer, larger writes; new QPs join the round at the next turn). A QP whose socket would block is paused: its socket
 //! is armed for writability, and the kernel reports it only once the socket
 //! has a useful amount of free space (for TCP, at least a third of the send
 //! buffer — the resume threshold that avoids unproductive wake-ups); then
@@ -247,6 +248,9 @@ fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
     }
 }
 
+/// Slices one turn may take when its QP is the only active one.
+const ALONE_SLICES: usize = 64;
+
 fn run_datamover(dm: &Datamover, slice: usize, pin: bool) {
     if pin {
         let _ = pin_current_thread(dm.cpu);
@@ -279,10 +283,17 @@ fn run_datamover(dm: &Datamover, slice: usize, pin: bool) {
                 continue;
             }
         }
+        // Alone, a QP has no one to be fair to: it gets a longer turn (fewer,
+        // larger writes), and the inbox is still checked every turn.
+        let budget = if active.len() == 1 {
+            slice.saturating_mul(ALONE_SLICES)
+        } else {
+            slice
+        };
         for _ in 0..active.len() {
             let Some(qp) = active.pop_front() else { break };
             dm.slices.fetch_add(1, Ordering::Relaxed);
-            match serve(&qp, slice) {
+            match serve(&qp, budget) {
                 Served::Active => active.push_back(qp),
                 Served::Paused(fd) => {
                     let key = qp.qp_num as usize;

@@ -109,28 +109,37 @@ fn many_qps_share_one_datamover() {
     assert!(stats[0].slices >= QPS as u64, "{stats:?}");
 }
 
-/// A datamover turn moves at most `slice_size` bytes of one QP (the
-/// documented round-robin unit), so a 1 MiB Write takes at least
-/// 1 MiB / 4 KiB turns.
+/// Two QPs writing at once on one datamover share it slice by slice: the
+/// turns number at least one per slice of one QP's transfer (a QP alone gets
+/// longer turns, so without interleaving there would be ~64× fewer).
 #[test]
-fn a_turn_moves_at_most_one_slice() {
-    const LEN: usize = 1 << 20;
+fn concurrent_qps_take_turns_of_one_slice() {
+    const LEN: usize = 8 << 20;
     let dev = one_datamover();
     let slice = dev.config().slice_size;
-    let p = pair_with(dev.clone(), false, |_| {});
-    let src = mr(&p.a, LEN);
-    src.write(0, &pattern(LEN, 8)).unwrap();
-    let dst = mr(&p.b, LEN);
-    let s = [src.sge(0, LEN as u32).unwrap()];
+    let p1 = pair_with(dev.clone(), false, |_| {});
+    let p2 = pair_with(dev.clone(), false, |_| {});
+    let src1 = mr(&p1.a, LEN);
+    src1.write(0, &pattern(LEN, 8)).unwrap();
+    let src2 = mr(&p2.a, LEN);
+    src2.write(0, &pattern(LEN, 9)).unwrap();
+    let dst1 = mr(&p1.b, LEN);
+    let dst2 = mr(&p2.b, LEN);
+    let s1 = [src1.sge(0, LEN as u32).unwrap()];
+    let s2 = [src2.sge(0, LEN as u32).unwrap()];
     let before = dev.datamover_stats()[0].slices;
-    p.a.qp
-        .post_send(&write_wr(1, &s, dst.addr(), dst.rkey()))
+    p1.a.qp
+        .post_send(&write_wr(1, &s1, dst1.addr(), dst1.rkey()))
         .unwrap();
-    assert_eq!(wait(&p.a.cq, 1)[0].status, WcStatus::Success);
+    p2.a.qp
+        .post_send(&write_wr(2, &s2, dst2.addr(), dst2.rkey()))
+        .unwrap();
+    assert_eq!(wait(&p1.a.cq, 1)[0].status, WcStatus::Success);
+    assert_eq!(wait(&p2.a.cq, 1)[0].status, WcStatus::Success);
     let slices = dev.datamover_stats()[0].slices - before;
     assert!(
         slices >= (LEN / slice) as u64,
-        "{slices} turns for {LEN} bytes with slices of {slice}"
+        "{slices} turns for 2 x {LEN} bytes with slices of {slice}"
     );
 }
 
