@@ -8,8 +8,57 @@
 //!
 //! The protocol rules come from [`softrdma_proto`] and the wire formats from
 //! [`softrdma_wire`].
+//!
+//! ## Example: two QPs over loopback, a Send and an RDMA Write
+//!
+//! ```
+//! use softrdma_engine::loopback::connect_pair;
+//! use softrdma_engine::proto::mpa::MpaConfig;
+//! use softrdma_engine::*;
+//!
+//! let dev = Device::open_default()?;
+//! let pd = dev.alloc_pd();
+//! let cq = dev.create_cq(256)?;
+//! let a = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq))?;
+//! let b = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq))?;
+//! connect_pair(&a, &b, &MpaConfig::default())?; // MPA v2, both in RTS
+//!
+//! let src = pd.register(4096, Access::LOCAL_WRITE)?;
+//! let dst = pd.register(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+//! src.write(0, b"hello, RDMA")?;
+//!
+//! // Send/Recv: b posts a receive, a sends 11 bytes from `src`.
+//! b.post_recv(&RecvWr::new(7, &[dst.sge(0, 64)?]))?;
+//! a.post_send(&SendWr::new(1, SendOp::Send).sg_list(&[src.sge(0, 11)?]).signaled())?;
+//! let mut wcs = Vec::new();
+//! while wcs.len() < 2 {
+//!     wcs.extend(cq.poll_one()); // busy polling; see CompletionChannel for events
+//! }
+//! assert!(wcs.iter().all(|wc| wc.status == WcStatus::Success));
+//! assert_eq!(&dst.to_vec()[..11], b"hello, RDMA");
+//!
+//! // One-sided RDMA Write into b's region at offset 100, with its rkey.
+//! let write = SendOp::Write { remote_addr: dst.addr() + 100, rkey: dst.rkey() };
+//! a.post_send(&SendWr::new(2, write).inline(b"direct").signaled())?;
+//! while cq.poll_one().is_none() {}
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## Memory safety
+//!
+//! A peer writes into registered memory at any time, like a NIC's DMA, so
+//! the engine never hands out `&mut [u8]` over it: regions own their buffer
+//! ([`ProtectionDomain::register`]) and local access copies in and out
+//! ([`MemoryRegion::read`], [`MemoryRegion::write`]) or goes through a raw
+//! pointer documented as racing with remote access. Posted work holds a
+//! reference to the memory its SGEs name, checked against the registration
+//! table when posted, so memory outlives the work even if the region is
+//! deregistered. Registering memory the engine does not own is the one
+//! `unsafe` call ([`ProtectionDomain::register_raw`]). STag keys are random
+//! and change on every re-registration, window bind and fast-register.
 
 pub use softrdma_proto as proto;
+pub use softrdma_proto::qp_state as state;
 pub use softrdma_wire as wire;
 
 pub mod connect;
@@ -23,7 +72,6 @@ pub mod pd;
 pub mod qp;
 mod rx;
 pub mod srq;
-pub mod state;
 mod sys;
 mod tx;
 pub mod wc;

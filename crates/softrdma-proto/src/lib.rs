@@ -7,10 +7,14 @@
 //!
 //! * [`mpa`]: MPA connection setup (RFC 5044 section 7, RFC 6581): the
 //!   [`mpa::Initiator`] and [`mpa::Responder`] negotiation machines;
-//! * [`rtr`]: the peer-to-peer "Ready to Receive" messages of RFC 6581.
+//! * [`rtr`]: the peer-to-peer "Ready to Receive" messages of RFC 6581;
+//! * [`qp_state`]: the iWARP QP states and which transitions and posts each
+//!   allows.
 //!
-//! Still to come: the QP state machine, DDP/RDMAP sequencing and validation
-//! rules, ORD/IRD accounting and Terminate generation.
+//! The DDP/RDMAP sequencing and validation rules, ORD/IRD accounting and
+//! Terminate generation currently live in the engine's receive and transmit
+//! paths (`softrdma-engine`, modules `rx` and `tx`), written as plain checks
+//! on decoded headers; moving them here as pure functions is planned.
 #![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),
@@ -20,4 +24,5 @@
 pub use softrdma_wire as wire;
 
 pub mod mpa;
+pub mod qp_state;
 pub mod rtr;
