@@ -141,6 +141,8 @@ pub(crate) struct RxState {
     iov: IoVecs,
     /// The last FPDU had a small payload: read as much as is available.
     small: bool,
+    /// The last read returned less than asked for.
+    drained_hint: bool,
     pub(crate) bytes_received: u64,
 }
 
@@ -167,6 +169,7 @@ impl RxState {
             imm_wait: None,
             iov: IoVecs::new(),
             small: true,
+            drained_hint: false,
             bytes_received: 0,
         }
     }
@@ -216,6 +219,12 @@ impl RxState {
             self.end -= self.start;
             self.start = 0;
         }
+        if self.drained_hint {
+            // The last read came back short: the socket is (very likely)
+            // empty. Skip the read that would say EAGAIN; a watcher re-arms
+            // level-triggered, so bytes still there are not missed.
+            return Err(Stop::Drained);
+        }
         let Some(stream) = self.stream.as_ref() else {
             return Err(Stop::Dead);
         };
@@ -233,6 +242,7 @@ impl RxState {
                 at_boundary: self.phase == Phase::Header && self.avail() == 0,
             }),
             Ok(n) => {
+                self.drained_hint = self.end + n < limit;
                 self.end += n;
                 self.bytes_received += n as u64;
                 Ok(())
@@ -286,6 +296,7 @@ impl QpInner {
     /// Processes FPDUs until the socket has no more bytes. Returns whether
     /// the QP still receives.
     fn rx_run(&self, rx: &mut RxState) -> bool {
+        rx.drained_hint = false;
         let stop = loop {
             if !matches!(self.state(), QpState::Rts | QpState::Closing) {
                 break Stop::Dead;
