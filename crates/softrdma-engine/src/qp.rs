@@ -527,10 +527,9 @@ impl QueuePair {
     ///   connection is closed abortively.
     /// * RTS → TERMINATE: a Terminate (RDMAP local catastrophic) is sent,
     ///   then the QP enters ERROR.
-    /// * RTS → CLOSING: the connection is shut down for writing after the
-    ///   queued work is on the wire; the QP then reaches ERROR with
-    ///   outstanding receives flushed (the full graceful-close protocol is
-    ///   the connection manager's).
+    /// * RTS → CLOSING: for now the same as → ERROR (outstanding work is
+    ///   flushed and the connection closed); the graceful close protocol
+    ///   (FIN exchange, LLP-close timer) belongs to the connection manager.
     /// * ERROR → IDLE: the QP is reset and can be connected again.
     pub fn modify(&self, to: QpState) -> Result<(), ModifyError> {
         let qp = self.qp();
@@ -1286,6 +1285,15 @@ impl QpInner {
         // Terminate answered; its completion carries the raw code.
         let status = term_status(code);
         let vendor = u32::from(u16::from_be_bytes(code.to_bytes()));
+        // Stop framing before the ORD slot frees up: nothing behind the
+        // answered request may reach the wire now.
+        {
+            let _g = self.state_lock.lock();
+            if self.state() == QpState::Error {
+                return;
+            }
+            self.set_state(QpState::Terminate);
+        }
         if let Some(r) = self.pop_ord() {
             self.complete_sq(r.seq, status, 0, vendor);
         }

@@ -255,6 +255,12 @@ impl RxState {
 
     /// Ensures `n` bytes are staged (n ≤ STAGING / 2).
     fn need(&mut self, n: usize) -> Result<(), Stop> {
+        if n > self.buf.len() {
+            return Err(Stop::Violation {
+                err: TermError::DdpLocalCatastrophic,
+                event: AsyncEventKind::QpRequestError,
+            });
+        }
         while self.avail() < n {
             if self.buf.len() - self.start < n {
                 self.buf.copy_within(self.start..self.end, 0);
@@ -368,6 +374,18 @@ impl QpInner {
         } else {
             hdr_len
         };
+        if head > MAX_HEAD {
+            // No header or consumed message is this long: answer at once,
+            // without waiting for (or trying to stage) bytes never used.
+            rx.need(2 + hdr_len)?;
+            let s = rx.start;
+            rx.hdr_copy[..hdr_len].copy_from_slice(&rx.buf[s + 2..s + 2 + hdr_len]);
+            rx.hdr_copy_len = hdr_len;
+            return Err(Stop::Violation {
+                err: TermError::DdpLocalCatastrophic,
+                event: AsyncEventKind::QpRequestError,
+            });
+        }
         rx.need(2 + head)?;
         let s = rx.start;
         let copy = head.min(MAX_COPIED_HDR);
@@ -376,13 +394,6 @@ impl QpInner {
         if rx.crc_on {
             rx.crc = Crc32c::new();
             rx.crc.update(&rx.buf[s..s + 2 + head]);
-        }
-        if head > MAX_HEAD {
-            // No header or consumed message is this long.
-            return Err(Stop::Violation {
-                err: TermError::DdpLocalCatastrophic,
-                event: AsyncEventKind::QpRequestError,
-            });
         }
         let mut local = [0u8; MAX_HEAD];
         local[..head].copy_from_slice(&rx.buf[s + 2..s + 2 + head]);
@@ -515,7 +526,7 @@ impl QpInner {
                     });
                 }
                 let Some(r) = rx.recv.as_mut() else {
-                    return Err(Stop::Dead);
+                    return Err(local_catastrophe());
                 };
                 if r.msn != msn || mo as usize != r.received {
                     return Err(violation(
@@ -732,11 +743,11 @@ impl QpInner {
                 let mut at = s;
                 while at < e {
                     let Some((mem, off, len)) = rx.dest.get(rx.dest_idx).cloned() else {
-                        return Err(Stop::Dead);
+                        return Err(local_catastrophe());
                     };
                     let k = (len - rx.dest_off).min(e - at);
                     if !mem.copy_in(off + rx.dest_off, &rx.buf[at..at + k]) {
-                        return Err(Stop::Dead);
+                        return Err(local_catastrophe());
                     }
                     at += k;
                     rx.dest_off += k;
@@ -772,11 +783,11 @@ impl QpInner {
         let mut np = 0usize;
         while covered < rx.payload_left && np < MAX_IOVECS - 1 {
             let Some((mem, moff, len)) = rx.dest.get(idx) else {
-                return Err(Stop::Dead);
+                return Err(local_catastrophe());
             };
             let k = (len - off).min(rx.payload_left - covered);
             if !rx.iov.push_mem(mem, moff + off, k) {
-                return Err(Stop::Dead);
+                return Err(local_catastrophe());
             }
             pieces[np] = (idx, moff + off, k);
             np += 1;
@@ -1003,6 +1014,16 @@ impl QpInner {
     #[allow(dead_code)]
     pub(crate) fn rx_active(&self) -> bool {
         self.rx_registered.load(Ordering::Relaxed)
+    }
+}
+
+/// A destination checked at header time turned out unusable: cannot happen
+/// unless the engine's own bookkeeping is wrong; the QP is failed rather
+/// than touching memory.
+fn local_catastrophe() -> Stop {
+    Stop::Violation {
+        err: TermError::DdpLocalCatastrophic,
+        event: AsyncEventKind::QpFatal,
     }
 }
 

@@ -471,6 +471,10 @@ impl TxState {
 
     /// Frames the next FPDU of the send queue.
     fn frame_sq(&mut self, qp: &QpInner, link: TxLink) -> bool {
+        if qp.state() != crate::state::QpState::Rts {
+            // Leaving RTS (Terminate, close): nothing new goes out.
+            return false;
+        }
         loop {
             let Some(w) = self.sq.front() else {
                 return false;

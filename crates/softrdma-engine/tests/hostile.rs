@@ -1309,7 +1309,6 @@ fn valid_writes_everywhere() {
 /// most 70 bytes; a length field of 40000 on one must be answered with a
 /// Terminate at once, not wait for 40000 bytes nor read as a close.
 #[test]
-#[ignore = "bug: a consumed opcode with a ULPDU length over the staging buffer reads as a close (BadClose, no Terminate)"]
 fn oversized_consumed_message_gets_a_terminate() {
     let dev = device(false);
     let mut rng = Rng::new(seed(98));
