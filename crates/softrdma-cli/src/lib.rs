@@ -58,13 +58,13 @@ pub fn run_dissect(
 ) -> Result<Dissection, DissectError> {
     let capture = capture::read_capture(path)?;
     let d = dissect_capture(&capture);
-    if let Some(wanted) = opts.stream {
-        if wanted >= d.summaries.len() {
-            return Err(DissectError::NoSuchStream {
-                wanted,
-                count: d.summaries.len(),
-            });
-        }
+    if let Some(wanted) = opts.stream
+        && wanted >= d.summaries.len()
+    {
+        return Err(DissectError::NoSuchStream {
+            wanted,
+            count: d.summaries.len(),
+        });
     }
     output::write(&d, opts, out)?;
     out.flush()?;

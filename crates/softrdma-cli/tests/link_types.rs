@@ -49,7 +49,7 @@ fn send_fpdu(msn: u32, payload: &[u8]) -> Vec<u8> {
     ulpdu.extend_from_slice(payload);
     let mut f = (ulpdu.len() as u16).to_be_bytes().to_vec();
     f.extend_from_slice(&ulpdu);
-    while f.len() % 4 != 0 {
+    while !f.len().is_multiple_of(4) {
         f.push(0);
     }
     f.extend_from_slice(&crc::to_wire(crc::crc32c(&f)));
@@ -64,7 +64,7 @@ fn write_fpdu(stag: u32, to: u64, payload: &[u8]) -> Vec<u8> {
     ulpdu.extend_from_slice(payload);
     let mut f = (ulpdu.len() as u16).to_be_bytes().to_vec();
     f.extend_from_slice(&ulpdu);
-    while f.len() % 4 != 0 {
+    while !f.len().is_multiple_of(4) {
         f.push(0);
     }
     f.extend_from_slice(&crc::to_wire(crc::crc32c(&f)));

@@ -738,12 +738,12 @@ impl QpInner {
             else {
                 return;
             };
-            if let Some(s) = c.slots.get_mut(idx) {
-                if s.status.is_none() {
-                    s.status = Some(status);
-                    s.byte_len = byte_len;
-                    s.vendor_err = vendor_err;
-                }
+            if let Some(s) = c.slots.get_mut(idx)
+                && s.status.is_none()
+            {
+                s.status = Some(status);
+                s.byte_len = byte_len;
+                s.vendor_err = vendor_err;
             }
             while let Some(s) = c.slots.front().copied() {
                 let Some(st) = s.status else { break };
@@ -781,11 +781,11 @@ impl QpInner {
     }
 
     fn cq_overflow(&self) {
-        if self.state() != QpState::Error {
-            if let Some(qp) = self.self_weak.upgrade() {
-                // Completions can no longer be delivered: the QP is unusable.
-                std::thread::spawn(move || qp.enter_error(None, Some(AsyncEventKind::QpFatal)));
-            }
+        if self.state() != QpState::Error
+            && let Some(qp) = self.self_weak.upgrade()
+        {
+            // Completions can no longer be delivered: the QP is unusable.
+            std::thread::spawn(move || qp.enter_error(None, Some(AsyncEventKind::QpFatal)));
         }
     }
 
@@ -892,13 +892,13 @@ impl QpInner {
                     why: "needs exactly one SGE as its local sink",
                 });
             }
-            if let Some(n) = exact {
-                if wr.sg_list.first().map(|s| s.length) != Some(n) {
-                    return Err(PostSendError::Invalid {
-                        op,
-                        why: "the local sink must be 8 bytes",
-                    });
-                }
+            if let Some(n) = exact
+                && wr.sg_list.first().map(|s| s.length) != Some(n)
+            {
+                return Err(PostSendError::Invalid {
+                    op,
+                    why: "the local sink must be 8 bytes",
+                });
             }
             Ok(())
         };
@@ -1326,11 +1326,11 @@ impl QpInner {
             d
         };
         let mut ord: Vec<OutRead> = self.ord_q.lock().drain(..).collect();
-        if let Some(st) = first_status {
-            if !ord.is_empty() {
-                let r = ord.remove(0);
-                self.complete_sq(r.seq, st, 0, 0);
-            }
+        if let Some(st) = first_status
+            && !ord.is_empty()
+        {
+            let r = ord.remove(0);
+            self.complete_sq(r.seq, st, 0, 0);
         }
         for r in ord {
             self.complete_sq(r.seq, WcStatus::WrFlush, 0, 0);

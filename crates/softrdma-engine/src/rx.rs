@@ -819,19 +819,19 @@ impl QpInner {
                 break;
             }
             let t = k.min(left);
-            if rx.crc_on {
-                if let Some((mem, _, _)) = rx.dest.get(idx) {
-                    crc_update_mem(&mut rx.crc, mem, moff, t);
-                }
+            if rx.crc_on
+                && let Some((mem, _, _)) = rx.dest.get(idx)
+            {
+                crc_update_mem(&mut rx.crc, mem, moff, t);
             }
             left -= t;
             // Advance the destination cursor.
             rx.dest_off += t;
-            if let Some((_, _, len)) = rx.dest.get(rx.dest_idx) {
-                if rx.dest_off == *len {
-                    rx.dest_idx += 1;
-                    rx.dest_off = 0;
-                }
+            if let Some((_, _, len)) = rx.dest.get(rx.dest_idx)
+                && rx.dest_off == *len
+            {
+                rx.dest_idx += 1;
+                rx.dest_off = 0;
             }
         }
         rx.payload_left -= placed;

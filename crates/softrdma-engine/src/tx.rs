@@ -301,11 +301,11 @@ impl TxState {
                     }
                 }
             }
-            if self.out.is_empty() || self.out.front().is_some_and(|f| f.written == 0) {
-                if let Some(t) = self.term.take() {
-                    self.out_bytes += t.total;
-                    self.out.push_front(t);
-                }
+            if (self.out.is_empty() || self.out.front().is_some_and(|f| f.written == 0))
+                && let Some(t) = self.term.take()
+            {
+                self.out_bytes += t.total;
+                self.out.push_front(t);
             }
             if self.out.is_empty() {
                 return TxOutcome::Idle;

@@ -235,11 +235,12 @@ fn pump(sh: &Shared, d: Dir, mut src: TcpStream, mut dst: TcpStream) {
                     take = take.min(c[chunk_idx % c.len()]).max(1);
                     chunk_idx += 1;
                 }
-                if let Some((at, mask)) = s.flip {
-                    if at >= s.fwd && at < s.fwd + take as u64 {
-                        buf[pos + (at - s.fwd) as usize] ^= mask;
-                        s.flip = None;
-                    }
+                if let Some((at, mask)) = s.flip
+                    && at >= s.fwd
+                    && at < s.fwd + take as u64
+                {
+                    buf[pos + (at - s.fwd) as usize] ^= mask;
+                    s.flip = None;
                 }
                 // Counted before the write: a receiver never has more
                 // bytes than `fwd` says.

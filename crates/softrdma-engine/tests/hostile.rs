@@ -808,7 +808,7 @@ fn gen_fpdu(v: &Victim, m: &mut Model, rng: &mut Rng, case: &mut Case) -> bool {
                 && t.atomic
                 && off >= 0
                 && off as usize + 8 <= t.len
-                && to % 8 == 0
+                && to.is_multiple_of(8)
                 && to == t.base.wrapping_add(off as u64);
             if ok {
                 m.rreq_msn = m.rreq_msn.wrapping_add(1);
@@ -903,20 +903,20 @@ fn gen_fpdu(v: &Victim, m: &mut Model, rng: &mut Rng, case: &mut Case) -> bool {
                     *b = (*b & 0xc0) | 0x01; // DDP version 1, reserved bits clear
                 }
             }
-            if let Some(b) = u.get_mut(1) {
-                if rng.chance(70) {
-                    *b = control_byte(rng.pick(&[
-                        Opcode::RdmaWrite,
-                        Opcode::RdmaReadRequest,
-                        Opcode::RdmaReadResponse,
-                        Opcode::Send,
-                        Opcode::SendWithInvalidate,
-                        Opcode::Terminate,
-                        Opcode::ImmediateData,
-                        Opcode::AtomicRequest,
-                        Opcode::AtomicResponse,
-                    ]));
-                }
+            if let Some(b) = u.get_mut(1)
+                && rng.chance(70)
+            {
+                *b = control_byte(rng.pick(&[
+                    Opcode::RdmaWrite,
+                    Opcode::RdmaReadRequest,
+                    Opcode::RdmaReadResponse,
+                    Opcode::Send,
+                    Opcode::SendWithInvalidate,
+                    Opcode::Terminate,
+                    Opcode::ImmediateData,
+                    Opcode::AtomicRequest,
+                    Opcode::AtomicResponse,
+                ]));
             }
             if tagged && u.len() >= 14 && rng.chance(60) {
                 let (stag, t) = v.stag(rng);
@@ -1323,10 +1323,11 @@ fn oversized_consumed_message_gets_a_terminate() {
     raw.write_all(&b).expect("write");
     let deadline = Instant::now() + DEADLINE;
     let ev = loop {
-        if let Some(e) = dev.async_events().get(Some(Duration::from_millis(50))) {
-            if e.qp_num == Some(v.qp.qp_num()) && e.kind != AsyncEventKind::CommEstablished {
-                break e;
-            }
+        if let Some(e) = dev.async_events().get(Some(Duration::from_millis(50)))
+            && e.qp_num == Some(v.qp.qp_num())
+            && e.kind != AsyncEventKind::CommEstablished
+        {
+            break e;
         }
         assert!(Instant::now() < deadline, "no event");
     };

@@ -1020,12 +1020,12 @@ impl Responder {
         let mut refusal = refusal;
         // Peer-to-peer needs the IRD/ORD word in both frames: only when
         // this side speaks revision 2.
-        if let (Some(offered), None) = (rtr_offer, &refusal) {
-            if self.config.revision == REVISION_2 {
-                rtr = accepted.pick(&offered);
-                if rtr.is_none() {
-                    refusal = Some(MpaNegotiationError::NoCommonRtr { offered, accepted });
-                }
+        if let (Some(offered), None) = (rtr_offer, &refusal)
+            && self.config.revision == REVISION_2
+        {
+            rtr = accepted.pick(&offered);
+            if rtr.is_none() {
+                refusal = Some(MpaNegotiationError::NoCommonRtr { offered, accepted });
             }
         }
         if let Some(e) = refusal {

@@ -251,10 +251,10 @@ const WHAT_UNTAGGED: &str = "DDP untagged header";
 #[inline]
 fn read_u32(buf: &[u8], range: Range<usize>) -> u32 {
     let mut b = [0u8; 4];
-    if let Some(src) = buf.get(range) {
-        if src.len() == 4 {
-            b.copy_from_slice(src);
-        }
+    if let Some(src) = buf.get(range)
+        && src.len() == 4
+    {
+        b.copy_from_slice(src);
     }
     u32::from_be_bytes(b)
 }
@@ -262,20 +262,20 @@ fn read_u32(buf: &[u8], range: Range<usize>) -> u32 {
 #[inline]
 fn read_u64(buf: &[u8], range: Range<usize>) -> u64 {
     let mut b = [0u8; 8];
-    if let Some(src) = buf.get(range) {
-        if src.len() == 8 {
-            b.copy_from_slice(src);
-        }
+    if let Some(src) = buf.get(range)
+        && src.len() == 8
+    {
+        b.copy_from_slice(src);
     }
     u64::from_be_bytes(b)
 }
 
 #[inline]
 fn write_bytes(buf: &mut [u8], range: Range<usize>, src: &[u8]) {
-    if let Some(dst) = buf.get_mut(range) {
-        if dst.len() == src.len() {
-            dst.copy_from_slice(src);
-        }
+    if let Some(dst) = buf.get_mut(range)
+        && dst.len() == src.len()
+    {
+        dst.copy_from_slice(src);
     }
 }
 

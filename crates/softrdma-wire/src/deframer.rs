@@ -609,11 +609,12 @@ impl Deframer {
         if let Some(e) = self.error {
             return (0, Some(Err(e)));
         }
-        if matches!(self.phase, Phase::Header) && self.hdr_have == 0 && self.pos < self.next_marker
+        if matches!(self.phase, Phase::Header)
+            && self.hdr_have == 0
+            && self.pos < self.next_marker
+            && let Some(r) = self.deframe_whole(input)
         {
-            if let Some(r) = self.deframe_whole(input) {
-                return r;
-            }
+            return r;
         }
         self.deframe_pieces(input)
     }

@@ -55,7 +55,7 @@ const INTERVAL: u64 = MARKER_INTERVAL as u64;
 #[inline]
 #[must_use]
 pub const fn is_marker_position(pos: u64) -> bool {
-    pos % INTERVAL == 0
+    pos.is_multiple_of(INTERVAL)
 }
 
 /// Start of the first marker at or after stream position `pos`.

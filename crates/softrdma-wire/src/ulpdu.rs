@@ -713,10 +713,10 @@ impl<'a> UlpduRepr<'a> {
             .into());
         }
         let n = self.emit_header(buf)?;
-        if let UlpduBody::Payload(p) = self.body {
-            if let Some(dst) = buf.get_mut(n..n + p.len()) {
-                dst.copy_from_slice(p);
-            }
+        if let UlpduBody::Payload(p) = self.body
+            && let Some(dst) = buf.get_mut(n..n + p.len())
+        {
+            dst.copy_from_slice(p);
         }
         Ok(needed)
     }
@@ -732,7 +732,7 @@ mod tests {
     fn fpdu(ulpdu: &[u8]) -> Vec<u8> {
         let mut f = (ulpdu.len() as u16).to_be_bytes().to_vec();
         f.extend_from_slice(ulpdu);
-        while f.len() % 4 != 0 {
+        while !f.len().is_multiple_of(4) {
             f.push(0);
         }
         f

@@ -225,7 +225,7 @@ impl Memory {
     #[allow(dead_code)] // used by the data path
     pub(crate) fn atomic_u64(&self, offset: usize) -> Option<&AtomicU64> {
         let ptr = self.ptr_at(offset, 8)?;
-        if (ptr as usize) % 8 != 0 {
+        if !(ptr as usize).is_multiple_of(8) {
             return None;
         }
         // SAFETY: `ptr` is 8-byte aligned (checked), valid for 8 bytes for

@@ -147,10 +147,10 @@ pub fn frame_len(prefix: &[u8], max_private_data: usize) -> Option<Result<usize,
         }
         return Some(Err(MpaError::BadKey { key }));
     }
-    if let Some(&revision) = prefix.get(field::REV) {
-        if !is_valid_revision(revision) {
-            return Some(Err(MpaError::BadRevision { revision }));
-        }
+    if let Some(&revision) = prefix.get(field::REV)
+        && !is_valid_revision(revision)
+    {
+        return Some(Err(MpaError::BadRevision { revision }));
     }
     let &[l0, l1] = prefix.get(field::PD_LEN)?.first_chunk::<2>()?;
     let len = usize::from(u16::from_be_bytes([l0, l1]));

@@ -47,19 +47,19 @@ mod field {
 
 fn get<const N: usize>(buf: &[u8], range: core::ops::Range<usize>) -> [u8; N] {
     let mut out = [0u8; N];
-    if let Some(src) = buf.get(range) {
-        if src.len() == N {
-            out.copy_from_slice(src);
-        }
+    if let Some(src) = buf.get(range)
+        && src.len() == N
+    {
+        out.copy_from_slice(src);
     }
     out
 }
 
 fn put(buf: &mut [u8], range: core::ops::Range<usize>, src: &[u8]) {
-    if let Some(dst) = buf.get_mut(range) {
-        if dst.len() == src.len() {
-            dst.copy_from_slice(src);
-        }
+    if let Some(dst) = buf.get_mut(range)
+        && dst.len() == src.len()
+    {
+        dst.copy_from_slice(src);
     }
 }
 

@@ -424,15 +424,16 @@ impl<'a> TerminateRepr<'a> {
                 });
             }
         }
-        if let Some(r) = self.rdmap_header {
-            if !r.is_empty() && r.len() != RDMAP_HEADER_LEN {
-                return Err(EncodeError::OutOfRange {
-                    what: WHAT,
-                    field: "terminated RDMAP header length",
-                    value: r.len() as u64,
-                    max: RDMAP_HEADER_LEN as u64,
-                });
-            }
+        if let Some(r) = self.rdmap_header
+            && !r.is_empty()
+            && r.len() != RDMAP_HEADER_LEN
+        {
+            return Err(EncodeError::OutOfRange {
+                what: WHAT,
+                field: "terminated RDMAP header length",
+                value: r.len() as u64,
+                max: RDMAP_HEADER_LEN as u64,
+            });
         }
         let needed = self.buffer_len();
         let got = buf.len();
