@@ -614,24 +614,13 @@ impl QpInner {
                 })
             }
             (Opcode::RdmaReadRequest, DdpAddress::Untagged { msn, .. }) => {
-                if msn != rx.expect[QN_RREQ] {
-                    return Err(violation(
-                        TermError::DdpUntaggedMsnRange,
-                        AsyncEventKind::QpRequestError,
-                    ));
-                }
                 let UlpduBody::ReadRequest(req) = repr.body else {
                     return Err(violation(
                         TermError::RdmapUnexpectedOpcode,
                         AsyncEventKind::QpRequestError,
                     ));
                 };
-                if !self.take_ird() {
-                    return Err(violation(
-                        TermError::DdpUntaggedMsnRange,
-                        AsyncEventKind::QpRequestError,
-                    ));
-                }
+                self.accept_inbound_request(rx, msn)?;
                 let src = stags.remote(
                     req.src_stag.0,
                     pd,
@@ -655,24 +644,13 @@ impl QpInner {
                 }
             }
             (Opcode::AtomicRequest, DdpAddress::Untagged { msn, .. }) => {
-                if msn != rx.expect[QN_RREQ] {
-                    return Err(violation(
-                        TermError::DdpUntaggedMsnRange,
-                        AsyncEventKind::QpRequestError,
-                    ));
-                }
                 let UlpduBody::AtomicRequest(req) = repr.body else {
                     return Err(violation(
                         TermError::RdmapUnexpectedOpcode,
                         AsyncEventKind::QpRequestError,
                     ));
                 };
-                if !self.take_ird() {
-                    return Err(violation(
-                        TermError::DdpUntaggedMsnRange,
-                        AsyncEventKind::QpRequestError,
-                    ));
-                }
+                self.accept_inbound_request(rx, msn)?;
                 if req.to % 8 != 0 {
                     self.release_ird();
                     return Err(violation(
@@ -729,6 +707,19 @@ impl QpInner {
                 AsyncEventKind::QpRequestError,
             )),
         }
+    }
+
+    /// The checks every inbound Read Request or Atomic Request passes
+    /// (queue 1): its MSN is the next one, and an IRD slot is free (taken
+    /// here; RFC 5041's "MSN out of range" when the peer exceeds our IRD).
+    fn accept_inbound_request(&self, rx: &RxState, msn: Msn) -> Result<(), Stop> {
+        if msn != rx.expect[QN_RREQ] || !self.take_ird() {
+            return Err(Stop::Violation {
+                err: TermError::DdpUntaggedMsnRange,
+                event: AsyncEventKind::QpRequestError,
+            });
+        }
+        Ok(())
     }
 
     fn rx_payload(&self, rx: &mut RxState) -> Result<(), Stop> {

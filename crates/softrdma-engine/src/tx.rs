@@ -733,14 +733,25 @@ fn frame_consumed(ulpdu: &UlpduRepr<'_>, crc: bool, done: Done) -> Option<OutFpd
     let n = ulpdu.emit(head.get_mut(2..)?).ok()?;
     let len16 = u16::try_from(n).ok()?;
     head.get_mut(..2)?.copy_from_slice(&len16.to_be_bytes());
-    let head_len = 2 + n;
+    Some(small_fpdu(head, 2 + n, n, crc, done))
+}
+
+/// An FPDU entirely in its header buffer: `head[..head_len]` holds the
+/// length field and the whole ULPDU of `ulpdu_len` bytes.
+fn small_fpdu(
+    head: [u8; HEAD_CAP],
+    head_len: usize,
+    ulpdu_len: usize,
+    crc: bool,
+    done: Done,
+) -> OutFpdu {
     let c = crc.then(|| {
         let mut c = Crc32c::new();
         c.update(&head[..head_len]);
         c
     });
-    let trailer = trailer(c, n);
-    Some(OutFpdu {
+    let trailer = trailer(c, ulpdu_len);
+    OutFpdu {
         head,
         head_len,
         pieces: Vec::new(),
@@ -748,7 +759,7 @@ fn frame_consumed(ulpdu: &UlpduRepr<'_>, crc: bool, done: Done) -> Option<OutFpd
         trailer,
         written: 0,
         done,
-    })
+    }
 }
 
 /// An FPDU with a payload copied from `bytes`.
@@ -762,21 +773,7 @@ fn frame_inline(
     let (mut head, hdr_len, ulpdu_len) = start_fpdu(ulpdu, bytes.len(), patch_imm)?;
     let head_len = hdr_len + bytes.len();
     head.get_mut(hdr_len..head_len)?.copy_from_slice(bytes);
-    let c = crc.then(|| {
-        let mut c = Crc32c::new();
-        c.update(&head[..head_len]);
-        c
-    });
-    let trailer = trailer(c, ulpdu_len);
-    Some(OutFpdu {
-        head,
-        head_len,
-        pieces: Vec::new(),
-        total: head_len + trailer.as_bytes().len(),
-        trailer,
-        written: 0,
-        done,
-    })
+    Some(small_fpdu(head, head_len, ulpdu_len, crc, done))
 }
 
 /// An FPDU with a payload of `len` bytes gathered from `pieces` (copied into
@@ -798,22 +795,7 @@ fn frame_data(
             }
             at += n;
         }
-        let head_len = hdr_len + len;
-        let c = crc.then(|| {
-            let mut c = Crc32c::new();
-            c.update(&head[..head_len]);
-            c
-        });
-        let trailer = trailer(c, ulpdu_len);
-        return Some(OutFpdu {
-            head,
-            head_len,
-            pieces: Vec::new(),
-            total: head_len + trailer.as_bytes().len(),
-            trailer,
-            written: 0,
-            done,
-        });
+        return Some(small_fpdu(head, hdr_len + len, ulpdu_len, crc, done));
     }
     let c = crc.then(|| {
         let mut c = Crc32c::new();
