@@ -66,6 +66,7 @@ pub mod cq;
 mod datamover;
 pub mod device;
 pub mod event;
+pub mod handlers;
 pub mod loopback;
 pub mod mr;
 pub mod pd;

@@ -1,0 +1,1 @@
+//! Per-CPU completion event handlers (being written).
