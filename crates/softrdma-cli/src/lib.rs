@@ -16,6 +16,7 @@ pub mod capture;
 pub mod decode;
 pub mod dissect;
 pub mod output;
+pub mod ping;
 pub mod reassembly;
 
 use std::io::Write;

@@ -1,0 +1,533 @@
+//! `softrdma ping`: an rping-compatible client and server.
+//!
+//! rping (rdma-core's `librdmacm/examples/rping.c`) exchanges 16-byte
+//! advertisements `{be64 addr, be32 rkey, be32 size}` by Send and moves a
+//! buffer by RDMA Read and RDMA Write. One iteration:
+//!
+//! ```text
+//!  client                                   server
+//!  Send {start_buf addr, rkey, size}  ───►  RDMA Read start_buf → rdma_buf
+//!                                     ◄───  Send (go ahead)
+//!  Send {rdma_buf addr, rkey, size}   ───►  RDMA Write rdma_buf → client rdma_buf
+//!                                     ◄───  Send (write done)
+//!  compare rdma_buf with start_buf
+//! ```
+//!
+//! The client fills `start_buf` with rping's text, `rdma-ping-N: ` followed
+//! by a rotating run of the letters `A`..`z`, NUL-terminated, so a kernel
+//! siw `rping` on the other side sees exactly what another `rping` would
+//! send. The connection is MPA over TCP (default port 7174, as rping), set up
+//! like rdma_cm does on iWARP: MPA revision 2 with IRD/ORD 1/1 and no private
+//! data beyond the IRD/ORD word.
+
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use softrdma_engine::connect::{ConnectError, mpa_accept, mpa_connect};
+use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig, RtrOffer};
+use softrdma_engine::qp::EstablishError;
+use softrdma_engine::{
+    Access, CompletionQueue, Device, LinkParams, MemoryRegion, ProtectionDomain, QpInitAttr,
+    QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+};
+
+/// rping's default port.
+pub const DEFAULT_PORT: u16 = 7174;
+/// rping's default buffer size.
+pub const DEFAULT_SIZE: usize = 64;
+/// Smallest buffer rping accepts: room for `rdma-ping-%d: ` with any count.
+pub const MIN_SIZE: usize = 24;
+/// Size of an advertisement.
+const INFO_LEN: usize = 16;
+
+/// What `softrdma ping` was asked to do.
+#[derive(Debug, Clone)]
+pub struct PingOptions {
+    /// Run the server side (else the client).
+    pub server: bool,
+    /// Address to connect to (client) or bind to (server).
+    pub addr: Option<String>,
+    /// TCP port.
+    pub port: u16,
+    /// Iterations (0: until the peer disconnects, server only).
+    pub count: u64,
+    /// Buffer size in bytes.
+    pub size: usize,
+    /// Print each iteration's data.
+    pub verbose: bool,
+    /// MPA revision to request (1 or 2).
+    pub mpa_revision: u8,
+    /// CRC policy.
+    pub crc: CrcPolicy,
+    /// Offer peer-to-peer mode with an RTR (client).
+    pub p2p: bool,
+    /// How long to wait for any one step.
+    pub timeout: Duration,
+}
+
+impl Default for PingOptions {
+    fn default() -> Self {
+        PingOptions {
+            server: false,
+            addr: None,
+            port: DEFAULT_PORT,
+            count: 0,
+            size: DEFAULT_SIZE,
+            verbose: false,
+            mpa_revision: 2,
+            crc: CrcPolicy::AcceptIfAsked,
+            p2p: false,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What a ping run did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PingSummary {
+    /// Iterations completed with verified data.
+    pub iterations: u64,
+    /// The peer's address.
+    pub peer: SocketAddr,
+    /// Whether the connection used MPA CRC.
+    pub crc: bool,
+    /// MPA revision of the connection.
+    pub mpa_revision: u8,
+}
+
+/// Why a ping run failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PingError {
+    /// Bad options.
+    #[error("{0}")]
+    Usage(String),
+    /// Socket setup failed.
+    #[error("{what}: {err}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        err: std::io::Error,
+    },
+    /// The MPA exchange failed.
+    #[error("MPA negotiation: {0}")]
+    Mpa(#[from] ConnectError),
+    /// The engine refused a step.
+    #[error("{0}")]
+    Engine(String),
+    /// A work request failed.
+    #[error("{what} failed: {status} (vendor error {vendor:#x})")]
+    Completion {
+        /// Which step.
+        what: &'static str,
+        /// Its status.
+        status: WcStatus,
+        /// The Terminate code, if any.
+        vendor: u32,
+    },
+    /// A step took longer than the timeout.
+    #[error("timed out waiting for {0}")]
+    Timeout(&'static str),
+    /// The data read back differs from what was sent.
+    #[error("data mismatch in iteration {iteration}: sent {sent:?}, got {got:?}")]
+    Mismatch {
+        /// Iteration.
+        iteration: u64,
+        /// What was sent (text).
+        sent: String,
+        /// What came back (text).
+        got: String,
+    },
+    /// The peer's advertisement is unusable.
+    #[error("peer advertised {len} bytes, more than the local {size}-byte buffer")]
+    TooLong {
+        /// Advertised length.
+        len: u32,
+        /// Local buffer size.
+        size: usize,
+    },
+}
+
+impl From<EstablishError> for PingError {
+    fn from(e: EstablishError) -> Self {
+        PingError::Engine(e.to_string())
+    }
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> PingError {
+    let what = what.into();
+    move |err| PingError::Io { what, err }
+}
+
+fn engine_err(e: impl std::fmt::Display) -> PingError {
+    PingError::Engine(e.to_string())
+}
+
+/// The resources of one side.
+struct Side {
+    qp: QueuePair,
+    scq: CompletionQueue,
+    rcq: CompletionQueue,
+    recv_buf: MemoryRegion,
+    send_buf: MemoryRegion,
+    start_buf: MemoryRegion,
+    rdma_buf: MemoryRegion,
+    size: usize,
+    timeout: Duration,
+}
+
+impl Side {
+    fn new(opts: &PingOptions) -> Result<(Side, ProtectionDomain), PingError> {
+        let dev = Device::open_default().map_err(engine_err)?;
+        let pd = dev.alloc_pd();
+        let scq = dev.create_cq(16).map_err(engine_err)?;
+        let rcq = dev.create_cq(16).map_err(engine_err)?;
+        let mut attr = QpInitAttr::new(&scq, &rcq);
+        attr.cap.max_send_wr = 8;
+        attr.cap.max_recv_wr = 8;
+        attr.ird = 1;
+        attr.ord = 1;
+        let qp = QueuePair::new(&pd, &attr).map_err(engine_err)?;
+        let reg = |len, access| pd.register(len, access).map_err(engine_err);
+        let side = Side {
+            recv_buf: reg(INFO_LEN, Access::LOCAL_WRITE)?,
+            send_buf: reg(INFO_LEN, Access::NONE)?,
+            start_buf: reg(opts.size, Access::LOCAL_WRITE | Access::REMOTE_READ)?,
+            rdma_buf: reg(opts.size, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?,
+            qp,
+            scq,
+            rcq,
+            size: opts.size,
+            timeout: opts.timeout,
+        };
+        Ok((side, pd))
+    }
+
+    fn post_recv(&self) -> Result<(), PingError> {
+        let sge = [self.recv_buf.sge(0, INFO_LEN as u32).map_err(engine_err)?];
+        self.qp.post_recv(&RecvWr::new(0, &sge)).map_err(engine_err)
+    }
+
+    /// Waits for one completion on `cq`.
+    fn wait(&self, cq: &CompletionQueue, what: &'static str) -> Result<WorkCompletion, PingError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut spins = 0u32;
+        loop {
+            if let Some(wc) = cq.poll_one() {
+                if wc.status != WcStatus::Success {
+                    return Err(PingError::Completion {
+                        what,
+                        status: wc.status,
+                        vendor: wc.vendor_err,
+                    });
+                }
+                return Ok(wc);
+            }
+            if Instant::now() > deadline {
+                return Err(PingError::Timeout(what));
+            }
+            spins += 1;
+            if spins > 1000 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Receives the peer's next Send and re-posts the receive buffer.
+    fn recv(&self, what: &'static str) -> Result<[u8; INFO_LEN], PingError> {
+        let wc = self.wait(&self.rcq, what)?;
+        debug_assert_eq!(wc.opcode, WcOpcode::Recv);
+        let mut info = [0u8; INFO_LEN];
+        self.recv_buf.read(0, &mut info).map_err(engine_err)?;
+        self.post_recv()?;
+        Ok(info)
+    }
+
+    /// Sends an advertisement of `mr` (or zeros).
+    fn send_info(&self, mr: Option<&MemoryRegion>, what: &'static str) -> Result<(), PingError> {
+        let mut info = [0u8; INFO_LEN];
+        if let Some(mr) = mr {
+            info[..8].copy_from_slice(&mr.addr().to_be_bytes());
+            info[8..12].copy_from_slice(&mr.rkey().to_be_bytes());
+            info[12..].copy_from_slice(&(self.size as u32).to_be_bytes());
+        }
+        self.send_buf.write(0, &info).map_err(engine_err)?;
+        let sge = [self.send_buf.sge(0, INFO_LEN as u32).map_err(engine_err)?];
+        self.qp
+            .post_send(&SendWr::new(1, SendOp::Send).sg_list(&sge).signaled())
+            .map_err(engine_err)?;
+        self.wait(&self.scq, what).map(|_| ())
+    }
+
+    fn rdma(&self, op: SendOp<'_>, len: u32, what: &'static str) -> Result<(), PingError> {
+        let sge = [self.rdma_buf.sge(0, len).map_err(engine_err)?];
+        self.qp
+            .post_send(&SendWr::new(2, op).sg_list(&sge).signaled())
+            .map_err(engine_err)?;
+        self.wait(&self.scq, what).map(|_| ())
+    }
+}
+
+/// Parses an advertisement.
+fn parse_info(info: &[u8; INFO_LEN]) -> (u64, u32, u32) {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&info[..8]);
+    let mut k = [0u8; 4];
+    k.copy_from_slice(&info[8..12]);
+    let mut l = [0u8; 4];
+    l.copy_from_slice(&info[12..]);
+    (
+        u64::from_be_bytes(a),
+        u32::from_be_bytes(k),
+        u32::from_be_bytes(l),
+    )
+}
+
+/// rping's buffer contents for iteration `ping`: `rdma-ping-N: ` then
+/// letters from `start` (65..=122, wrapping), last byte NUL.
+pub fn rping_pattern(ping: u64, start: u8, size: usize) -> Vec<u8> {
+    let mut buf = format!("rdma-ping-{ping}: ").into_bytes();
+    buf.truncate(size);
+    let mut c = start;
+    while buf.len() < size {
+        buf.push(c);
+        c += 1;
+        if c > 122 {
+            c = 65;
+        }
+    }
+    if let Some(last) = buf.last_mut() {
+        *last = 0;
+    }
+    buf
+}
+
+/// The text of a NUL-terminated buffer.
+fn text(buf: &[u8]) -> String {
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn mpa_config(opts: &PingOptions) -> MpaConfig {
+    MpaConfig {
+        revision: opts.mpa_revision,
+        crc: opts.crc,
+        ird: 1,
+        ord: 1,
+        peer_to_peer: opts.p2p.then_some(RtrOffer::WRITE_READ),
+        ..MpaConfig::default()
+    }
+}
+
+fn resolve(addr: &str, port: u16) -> Result<SocketAddr, PingError> {
+    if let Ok(ip) = addr.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    (addr, port)
+        .to_socket_addrs()
+        .map_err(io_err(format!("resolving {addr}")))?
+        .next()
+        .ok_or_else(|| PingError::Usage(format!("{addr}: no address")))
+}
+
+/// Runs `softrdma ping` with `opts`, reporting progress to `out`.
+pub fn run_ping(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, PingError> {
+    if opts.size < MIN_SIZE {
+        return Err(PingError::Usage(format!(
+            "size {} is below the minimum of {MIN_SIZE} bytes",
+            opts.size
+        )));
+    }
+    if !matches!(opts.mpa_revision, 1 | 2) {
+        return Err(PingError::Usage("MPA revision must be 1 or 2".into()));
+    }
+    if opts.server {
+        run_server(opts, out)
+    } else {
+        run_client(opts, out)
+    }
+}
+
+fn run_client(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, PingError> {
+    let Some(addr) = opts.addr.as_deref() else {
+        return Err(PingError::Usage("the client needs -a ADDRESS".into()));
+    };
+    let peer = resolve(addr, opts.port)?;
+    let (side, _pd) = Side::new(opts)?;
+    side.post_recv()?;
+    let mut stream = TcpStream::connect_timeout(&peer, opts.timeout)
+        .map_err(io_err(format!("connecting to {peer}")))?;
+    let n = mpa_connect(&mut stream, &mpa_config(opts), &[], opts.timeout)?;
+    let (crc, rev) = (n.crc, n.revision);
+    side.qp.establish(stream, &LinkParams::from(&n))?;
+    let count = if opts.count == 0 {
+        u64::MAX
+    } else {
+        opts.count
+    };
+    let mut start = 65u8;
+    let mut done = 0;
+    for ping in 0..count {
+        let data = rping_pattern(ping, start, opts.size);
+        start += 1;
+        if start > 122 {
+            start = 65;
+        }
+        side.start_buf.write(0, &data).map_err(engine_err)?;
+        side.rdma_buf.fill(0);
+        side.send_info(Some(&side.start_buf), "the start-buffer advertisement")?;
+        side.recv("the server's go-ahead after its RDMA Read")?;
+        side.send_info(Some(&side.rdma_buf), "the sink-buffer advertisement")?;
+        side.recv("the server's go-ahead after its RDMA Write")?;
+        let got = side.rdma_buf.to_vec();
+        if got != data {
+            return Err(PingError::Mismatch {
+                iteration: ping,
+                sent: text(&data),
+                got: text(&got),
+            });
+        }
+        if opts.verbose {
+            let _ = writeln!(out, "ping data: {}", text(&got));
+        }
+        done += 1;
+    }
+    Ok(PingSummary {
+        iterations: done,
+        peer,
+        crc,
+        mpa_revision: rev,
+    })
+}
+
+fn run_server(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, PingError> {
+    let bind = match opts.addr.as_deref() {
+        Some(a) => resolve(a, opts.port)?,
+        None => SocketAddr::from(([0, 0, 0, 0], opts.port)),
+    };
+    let listener = TcpListener::bind(bind).map_err(io_err(format!("binding {bind}")))?;
+    let (side, _pd) = Side::new(opts)?;
+    side.post_recv()?;
+    let (mut stream, peer) = listener.accept().map_err(io_err("accepting"))?;
+    let n = mpa_accept(&mut stream, &mpa_config(opts), &[], opts.timeout)?;
+    let (crc, rev) = (n.crc, n.revision);
+    side.qp.establish(stream, &LinkParams::from(&n))?;
+    let mut done = 0u64;
+    loop {
+        if opts.count != 0 && done >= opts.count {
+            break;
+        }
+        // The client's start-buffer advertisement; a flush here is the
+        // client disconnecting, the normal end of a run without -C.
+        let info = match side.recv("the client's start-buffer advertisement") {
+            Ok(i) => i,
+            Err(PingError::Completion {
+                status: WcStatus::WrFlush,
+                ..
+            }) if done > 0 => break,
+            Err(e) => return Err(e),
+        };
+        let (addr, rkey, len) = parse_info(&info);
+        if len as usize > side.size {
+            return Err(PingError::TooLong {
+                len,
+                size: side.size,
+            });
+        }
+        side.rdma(
+            SendOp::Read {
+                remote_addr: addr,
+                rkey,
+            },
+            len,
+            "the RDMA Read of the client's start buffer",
+        )?;
+        let got = side.rdma_buf.to_vec();
+        if opts.verbose {
+            let _ = writeln!(out, "server ping data: {}", text(&got));
+        }
+        side.send_info(None, "the go-ahead Send")?;
+        let info = side.recv("the client's sink-buffer advertisement")?;
+        let (addr, rkey, _len) = parse_info(&info);
+        let wlen = got
+            .iter()
+            .position(|&b| b == 0)
+            .map_or(got.len(), |p| p + 1);
+        side.rdma(
+            SendOp::Write {
+                remote_addr: addr,
+                rkey,
+            },
+            wlen as u32,
+            "the RDMA Write to the client's sink buffer",
+        )?;
+        side.send_info(None, "the write-done Send")?;
+        done += 1;
+    }
+    Ok(PingSummary {
+        iterations: done,
+        peer,
+        crc,
+        mpa_revision: rev,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_matches_rping() {
+        let p = rping_pattern(0, 65, 64);
+        assert_eq!(p.len(), 64);
+        assert!(p.starts_with(b"rdma-ping-0: ABCDEFG"));
+        assert_eq!(p[63], 0);
+        // Wraps from 'z' to 'A'.
+        let p = rping_pattern(12, 121, 30);
+        assert_eq!(&p[..16], b"rdma-ping-12: yz");
+        assert_eq!(p[16], b'A');
+    }
+
+    #[test]
+    fn loopback_client_and_server() {
+        let port = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let server = PingOptions {
+            server: true,
+            addr: Some("127.0.0.1".into()),
+            port,
+            count: 5,
+            size: 100,
+            ..PingOptions::default()
+        };
+        let t = std::thread::spawn(move || run_ping(&server, &mut Vec::new()));
+        let client = PingOptions {
+            addr: Some("127.0.0.1".into()),
+            port,
+            count: 5,
+            size: 100,
+            verbose: true,
+            ..PingOptions::default()
+        };
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let summary = loop {
+            match run_ping(&client, &mut out) {
+                Err(PingError::Io { .. }) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                r => break r.unwrap(),
+            }
+        };
+        assert_eq!(summary.iterations, 5);
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.lines().count(), 5);
+        assert!(text.starts_with("ping data: rdma-ping-0: ABC"), "{text}");
+        let s = t.join().unwrap().unwrap();
+        assert_eq!(s.iterations, 5);
+    }
+}
