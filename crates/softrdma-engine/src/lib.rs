@@ -63,6 +63,8 @@ pub use softrdma_wire as wire;
 
 pub mod connect;
 pub mod cq;
+#[cfg(feature = "tokio")]
+pub mod async_cq;
 mod datamover;
 pub mod device;
 pub mod event;

@@ -1,0 +1,3 @@
+//! Async echo over softrdma (being written).
+
+fn main() {}

@@ -1,0 +1,1 @@
+//! Tests of the async completion adapter (being written).
