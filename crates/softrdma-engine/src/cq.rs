@@ -23,6 +23,13 @@
 //! [`get_event`](CompletionChannel::get_event) or on the channel's
 //! [`fd`](CompletionChannel::fd). Arming is one-shot, as in ibverbs.
 //!
+//! Instead of a channel, a CQ may carry a completion callback
+//! ([`CompletionQueue::with_callback`], [`CqBuilder::callback`]): its events
+//! go to the CQ's completion event handler thread, which runs the callback.
+//! Every CQ is bound to one handler of its device; see [`crate::handlers`]
+//! for the handlers, the callback rules (poll, re-arm, poll again:
+//! [`CompletionQueue::drain_and_arm`]) and the rule for unsignaled work.
+//!
 //! When the ring is full the completion is lost: the CQ is marked overflowed
 //! and an [`AsyncEventKind::CqError`] event is queued on the device (once).
 //! Size the CQ for all the work requests that may complete into it.
@@ -30,15 +37,16 @@
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
+use crate::handlers::{BindError, Binding, Handler, HandlerId};
 use crate::wc::WorkCompletion;
 
 /// Identifiers of completion queues, unique in the process.
@@ -78,15 +86,33 @@ pub enum CreateCqError {
     /// The completion channel belongs to another device.
     #[error("the completion channel belongs to another device")]
     ForeignChannel,
+    /// No completion event handler has this identifier.
+    #[error("the device has no completion event {0}")]
+    NoSuchHandler(HandlerId),
+    /// No completion event handler runs on this CPU.
+    #[error("no completion event handler runs on CPU {0}")]
+    NoHandlerOnCpu(usize),
+    /// A CQ delivers its events either to a channel or to a callback.
+    #[error("a completion queue takes a completion channel or a callback, not both")]
+    ChannelAndCallback,
+}
+
+impl From<BindError> for CreateCqError {
+    fn from(e: BindError) -> Self {
+        match e {
+            BindError::NoSuchHandler(id) => CreateCqError::NoSuchHandler(id),
+            BindError::NoHandlerOnCpu(cpu) => CreateCqError::NoHandlerOnCpu(cpu),
+        }
+    }
 }
 
 /// Why [`CompletionQueue::req_notify`] failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum NotifyError {
-    /// The CQ was created without a completion channel: there is nowhere to
-    /// deliver the event.
-    #[error("the completion queue has no completion channel")]
+    /// The CQ was created without a completion channel or callback: there
+    /// is nowhere to deliver the event.
+    #[error("the completion queue has no completion channel and no callback")]
     NoChannel,
 }
 
@@ -170,6 +196,140 @@ struct CqShared {
     /// Receive-progress hooks of the QPs using this CQ. Copy on write: a
     /// poll clones the `Arc` and runs the hooks without holding the lock.
     progress: RwLock<Arc<[Weak<dyn Progress>]>>,
+    /// The completion event handler the CQ is bound to.
+    handler: Arc<Handler>,
+    /// Runs on the handler's thread when an armed CQ gets a completion.
+    /// Only that thread locks it, so the lock is never contended.
+    callback: Option<Mutex<CqCallback>>,
+    /// Completions polled (for the handler's load accounting).
+    polled: Arc<AtomicU64>,
+}
+
+impl Drop for CqShared {
+    fn drop(&mut self) {
+        self.handler.unbind(&self.polled);
+    }
+}
+
+/// A completion callback: runs on the CQ's handler thread, with the CQ.
+pub type CqCallback = Box<dyn FnMut(&CompletionQueue) + Send>;
+
+/// An event for a CQ with a callback, queued on its handler.
+pub(crate) struct CqEvent(Weak<CqShared>);
+
+impl CqEvent {
+    /// Runs the CQ's callback; false if the CQ is gone.
+    pub(crate) fn run(&self) -> bool {
+        let Some(shared) = self.0.upgrade() else {
+            return false;
+        };
+        let cq = CompletionQueue { shared };
+        if let Some(cb) = &cq.shared.callback {
+            (cb.lock())(&cq);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Builds a [`CompletionQueue`] with the less common options: a handler
+/// binding, a callback. From [`CompletionQueue::builder`].
+///
+/// ```
+/// use softrdma_engine::Device;
+/// use softrdma_engine::cq::CompletionQueue;
+/// use softrdma_engine::handlers::{Binding, HandlerId};
+///
+/// let dev = Device::open_default()?;
+/// let cq = CompletionQueue::builder(&dev, 64)
+///     .binding(Binding::Handler(HandlerId::new(0)))
+///     .callback(|cq: &CompletionQueue| {
+///         cq.drain_and_arm(false, |_wc| {});
+///     })
+///     .build()?;
+/// assert_eq!(cq.handler(), HandlerId::new(0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[must_use]
+pub struct CqBuilder<'a> {
+    device: &'a Device,
+    cqe: usize,
+    channel: Option<&'a CompletionChannel>,
+    binding: Binding,
+    callback: Option<CqCallback>,
+}
+
+impl fmt::Debug for CqBuilder<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CqBuilder")
+            .field("cqe", &self.cqe)
+            .field("channel", &self.channel.is_some())
+            .field("binding", &self.binding)
+            .field("callback", &self.callback.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> CqBuilder<'a> {
+    /// Events of the armed CQ go to this channel.
+    pub fn channel(mut self, channel: &'a CompletionChannel) -> Self {
+        self.channel = Some(channel);
+        self
+    }
+
+    /// How the CQ chooses its completion event handler (default: the
+    /// device's load-balancing policy).
+    pub fn binding(mut self, binding: Binding) -> Self {
+        self.binding = binding;
+        self
+    }
+
+    /// Events of the armed CQ run `callback` on the CQ's handler thread
+    /// (see [`crate::handlers`]).
+    pub fn callback(mut self, callback: impl FnMut(&CompletionQueue) + Send + 'static) -> Self {
+        self.callback = Some(Box::new(callback));
+        self
+    }
+
+    /// Creates the CQ.
+    ///
+    /// # Errors
+    ///
+    /// As [`CompletionQueue::new`], plus [`CreateCqError::NoSuchHandler`] /
+    /// [`CreateCqError::NoHandlerOnCpu`] for an explicit binding that does
+    /// not exist and [`CreateCqError::ChannelAndCallback`].
+    pub fn build(self) -> Result<CompletionQueue, CreateCqError> {
+        let device = self.device;
+        check_size(device, self.cqe)
+            .map_err(|(requested, max)| CreateCqError::InvalidSize { requested, max })?;
+        if let Some(ch) = self.channel
+            && !Arc::ptr_eq(&ch.shared.device.inner, &device.inner)
+        {
+            return Err(CreateCqError::ForeignChannel);
+        }
+        if self.channel.is_some() && self.callback.is_some() {
+            return Err(CreateCqError::ChannelAndCallback);
+        }
+        let handler = device.handlers().choose(self.binding)?;
+        let polled = Arc::new(AtomicU64::new(0));
+        handler.bind(&polled);
+        Ok(CompletionQueue {
+            shared: Arc::new(CqShared {
+                id: NEXT_CQ_ID.fetch_add(1, Ordering::Relaxed),
+                device: device.clone(),
+                ring: RwLock::new(ArrayQueue::new(self.cqe)),
+                arm: AtomicU8::new(ARM_NONE),
+                overflowed: AtomicBool::new(false),
+                channel: self.channel.cloned(),
+                unacked: AtomicU32::new(0),
+                progress: RwLock::new(Arc::new([])),
+                handler,
+                callback: self.callback.map(Mutex::new),
+                polled,
+            }),
+        })
+    }
 }
 
 impl fmt::Debug for CompletionQueue {
@@ -180,6 +340,8 @@ impl fmt::Debug for CompletionQueue {
             .field("len", &self.len())
             .field("overflowed", &self.is_overflowed())
             .field("has_channel", &self.shared.channel.is_some())
+            .field("has_callback", &self.shared.callback.is_some())
+            .field("handler", &self.shared.handler.id())
             .finish_non_exhaustive()
     }
 }
@@ -207,25 +369,87 @@ impl CompletionQueue {
         cqe: usize,
         channel: Option<&CompletionChannel>,
     ) -> Result<CompletionQueue, CreateCqError> {
-        check_size(device, cqe)
-            .map_err(|(requested, max)| CreateCqError::InvalidSize { requested, max })?;
-        if let Some(ch) = channel
-            && !Arc::ptr_eq(&ch.shared.device.inner, &device.inner)
-        {
-            return Err(CreateCqError::ForeignChannel);
+        let b = CompletionQueue::builder(device, cqe);
+        match channel {
+            Some(ch) => b.channel(ch).build(),
+            None => b.build(),
         }
-        Ok(CompletionQueue {
-            shared: Arc::new(CqShared {
-                id: NEXT_CQ_ID.fetch_add(1, Ordering::Relaxed),
-                device: device.clone(),
-                ring: RwLock::new(ArrayQueue::new(cqe)),
-                arm: AtomicU8::new(ARM_NONE),
-                overflowed: AtomicBool::new(false),
-                channel: channel.cloned(),
-                unacked: AtomicU32::new(0),
-                progress: RwLock::new(Arc::new([])),
-            }),
-        })
+    }
+
+    /// A builder for a CQ of `cqe` entries with a handler binding or a
+    /// callback.
+    pub fn builder(device: &Device, cqe: usize) -> CqBuilder<'_> {
+        CqBuilder {
+            device,
+            cqe,
+            channel: None,
+            binding: Binding::Balanced,
+            callback: None,
+        }
+    }
+
+    /// A CQ of `cqe` entries whose events run `callback` on its completion
+    /// event handler (chosen by the device's load-balancing policy). Arm it
+    /// with [`req_notify`](Self::req_notify); see [`crate::handlers`].
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new).
+    pub fn with_callback(
+        device: &Device,
+        cqe: usize,
+        callback: impl FnMut(&CompletionQueue) + Send + 'static,
+    ) -> Result<CompletionQueue, CreateCqError> {
+        CompletionQueue::builder(device, cqe)
+            .callback(callback)
+            .build()
+    }
+
+    /// The completion event handler the CQ is bound to.
+    pub fn handler(&self) -> HandlerId {
+        self.shared.handler.id()
+    }
+
+    /// The CPU of the CQ's completion event handler.
+    pub fn handler_cpu(&self) -> usize {
+        self.shared.handler.cpu()
+    }
+
+    /// Whether the CQ has a completion callback.
+    pub fn has_callback(&self) -> bool {
+        self.shared.callback.is_some()
+    }
+
+    /// Takes every completion, arms the CQ and looks again, until a look
+    /// after arming finds nothing: the verbs rule for event-driven
+    /// consumers (a completion that arrives between the last poll and the
+    /// arm raises no event, so it must be found by the poll after the arm).
+    /// Calls `f` with each completion, oldest first; returns how many. When
+    /// it returns, the CQ is armed (`solicited_only` as in
+    /// [`req_notify`](Self::req_notify)) and was seen empty after arming.
+    ///
+    /// Without a channel or callback the CQ cannot be armed: this then just
+    /// polls until empty.
+    pub fn drain_and_arm(&self, solicited_only: bool, mut f: impl FnMut(&WorkCompletion)) -> usize {
+        let mut buf = [WorkCompletion::success(0, crate::wc::WcOpcode::Send, 0); 32];
+        let mut total = 0;
+        loop {
+            let n = self.poll(&mut buf);
+            buf[..n].iter().for_each(&mut f);
+            total += n;
+            if n == buf.len() {
+                continue;
+            }
+            if self.req_notify(solicited_only).is_err() && n == 0 {
+                return total;
+            }
+            let n = self.poll(&mut buf);
+            if n == 0 {
+                return total;
+            }
+            buf[..n].iter().for_each(&mut f);
+            total += n;
+        }
     }
 
     /// The CQ's identifier (unique in the process; used in async events).
@@ -269,15 +493,14 @@ impl CompletionQueue {
         if out.is_empty() {
             return 0;
         }
-        let n = self.poll_ring(out);
-        if n > 0 || !self.shared.device.config().poll_driven_receive {
-            return n;
+        let mut n = self.poll_ring(out);
+        if n == 0 && self.shared.device.config().poll_driven_receive && self.run_progress() {
+            n = self.poll_ring(out);
         }
-        if self.run_progress() {
-            self.poll_ring(out)
-        } else {
-            0
+        if n > 0 {
+            self.shared.polled.fetch_add(n as u64, Ordering::Relaxed);
         }
+        n
     }
 
     /// The oldest completion, if any (see [`poll`](Self::poll)).
@@ -325,11 +548,15 @@ impl CompletionQueue {
     /// raise an event: poll after arming. Arming for any completion while
     /// armed for solicited ones widens the arm; the reverse keeps it wide.
     ///
+    /// With a callback, the event runs the callback on the CQ's handler
+    /// thread instead (see [`crate::handlers`]).
+    ///
     /// # Errors
     ///
-    /// [`NotifyError::NoChannel`] if the CQ has no completion channel.
+    /// [`NotifyError::NoChannel`] if the CQ has neither a completion channel
+    /// nor a callback.
     pub fn req_notify(&self, solicited_only: bool) -> Result<(), NotifyError> {
-        if self.shared.channel.is_none() {
+        if self.shared.channel.is_none() && self.shared.callback.is_none() {
             return Err(NotifyError::NoChannel);
         }
         let want = if solicited_only {
@@ -429,9 +656,14 @@ impl CompletionQueue {
                 .arm
                 .compare_exchange(arm, ARM_NONE, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
-            && let Some(channel) = &shared.channel
         {
-            channel.shared.queue.push(Arc::downgrade(&self.shared));
+            if let Some(channel) = &shared.channel {
+                channel.shared.queue.push(Arc::downgrade(&self.shared));
+            } else if shared.callback.is_some() {
+                shared
+                    .handler
+                    .deliver(CqEvent(Arc::downgrade(&self.shared)));
+            }
         }
         Ok(())
     }

@@ -1,14 +1,16 @@
 //! The software RDMA device: its configuration, attributes (like
 //! `ibv_query_device`) and the per-device shared state (registration table,
-//! async events, datamover and receive threads).
+//! async events, completion event handlers, datamover and receive threads).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use crate::datamover::{DatamoverStats, Threads};
-use crate::event::AsyncEventQueue;
+use crate::event::{AsyncEvent, AsyncEventQueue};
+use crate::handlers::{AsyncEvents, HandlerId, HandlerPolicy, HandlerStats, Handlers};
 use crate::mr::StagTable;
 
 /// Name of the default device.
@@ -24,8 +26,19 @@ pub struct DeviceConfig {
     /// CPUs that run a datamover (transmit) thread each. Empty: one per CPU
     /// the process may run on.
     pub datamover_cpus: Vec<usize>,
-    /// Pin datamover and receive threads to their CPU.
+    /// Pin datamover, receive and completion event handler threads to their
+    /// CPU.
     pub pin_threads: bool,
+    /// CPUs that run a completion event handler thread each (handler `i`
+    /// runs on `handler_cpus[i]`; a CPU may appear twice). Empty: one per
+    /// CPU the process may run on. See [`crate::handlers`].
+    pub handler_cpus: Vec<usize>,
+    /// How CQs created without an explicit binding choose their handler.
+    pub handler_policy: HandlerPolicy,
+    /// How long a completion event handler keeps looking for more events
+    /// before it sleeps (0: sleep at once). Spinning lowers the latency of
+    /// callback delivery under steady load at the cost of CPU time.
+    pub handler_spin: Duration,
     /// Bytes of one QP's work a datamover transmits before moving on to the
     /// next active QP (round robin). Also the segmentation unit.
     pub slice_size: usize,
@@ -47,6 +60,9 @@ impl Default for DeviceConfig {
             slice_size: 4096,
             force_datamover: false,
             poll_driven_receive: true,
+            handler_cpus: Vec::new(),
+            handler_policy: HandlerPolicy::default(),
+            handler_spin: Duration::ZERO,
         }
     }
 }
@@ -100,10 +116,12 @@ pub struct DeviceAttr {
     pub max_fast_reg_page_list_len: u32,
     /// Number of datamover threads.
     pub datamovers: u32,
+    /// Number of completion event handlers.
+    pub completion_handlers: u32,
 }
 
 impl DeviceAttr {
-    fn new(config: &DeviceConfig, datamovers: u32) -> Self {
+    fn new(config: &DeviceConfig, datamovers: u32, completion_handlers: u32) -> Self {
         DeviceAttr {
             fw_ver: env!("CARGO_PKG_VERSION").to_string(),
             vendor_id: 0,
@@ -127,6 +145,7 @@ impl DeviceAttr {
             atomic_cap: true,
             max_fast_reg_page_list_len: 1 << 16,
             datamovers,
+            completion_handlers,
         }
     }
 }
@@ -145,7 +164,8 @@ pub(crate) struct DeviceInner {
     pub(crate) config: DeviceConfig,
     pub(crate) attr: DeviceAttr,
     pub(crate) stags: StagTable,
-    pub(crate) events: AsyncEventQueue,
+    pub(crate) events: AsyncEvents,
+    handlers: Handlers,
     next_qp_num: AtomicU32,
     next_pd_id: AtomicU32,
     threads: OnceLock<Threads>,
@@ -193,14 +213,20 @@ impl Device {
         } else {
             config.datamover_cpus.len()
         };
-        let attr = DeviceAttr::new(&config, u32::try_from(datamovers).unwrap_or(u32::MAX));
-        let events = AsyncEventQueue::new()?;
+        let handlers = Handlers::start(&config)?;
+        let attr = DeviceAttr::new(
+            &config,
+            u32::try_from(datamovers).unwrap_or(u32::MAX),
+            u32::try_from(handlers.table().len()).unwrap_or(u32::MAX),
+        );
+        let events = AsyncEvents::new(AsyncEventQueue::new()?);
         Ok(Device {
             inner: Arc::new(DeviceInner {
                 config,
                 attr,
                 stags: StagTable::new(),
                 events,
+                handlers,
                 next_qp_num: AtomicU32::new(1),
                 next_pd_id: AtomicU32::new(1),
                 threads: OnceLock::new(),
@@ -249,6 +275,55 @@ impl Device {
         &self.inner.events
     }
 
+    /// Registers `callback` as the device's asynchronous event handler:
+    /// from now on QP, CQ, SRQ and device events are delivered to it, in
+    /// order, on the device's asynchronous event thread (started by the
+    /// first call) instead of being queued on [`async_events`](Self::async_events).
+    /// Events queued before stay queued. Replaces an earlier callback; must
+    /// not be called from inside the callback.
+    ///
+    /// # Errors
+    ///
+    /// The thread could not be started.
+    pub fn set_async_event_handler(
+        &self,
+        callback: impl FnMut(&AsyncEvent) + Send + 'static,
+    ) -> std::io::Result<()> {
+        self.inner.events.set_callback(Box::new(callback))
+    }
+
+    /// Removes the asynchronous event callback: later events are queued on
+    /// [`async_events`](Self::async_events) again (as are events not yet
+    /// handed to the callback).
+    pub fn clear_async_event_handler(&self) {
+        self.inner.events.clear_callback();
+    }
+
+    /// Asynchronous events delivered to callbacks so far.
+    pub fn async_events_delivered(&self) -> u64 {
+        self.inner.events.delivered()
+    }
+
+    /// The completion event handlers: identifier → CPU, in identifier
+    /// order.
+    pub fn handler_table(&self) -> Vec<(HandlerId, usize)> {
+        self.inner.handlers.table()
+    }
+
+    /// The CPU of a completion event handler.
+    pub fn handler_cpu(&self, id: HandlerId) -> Option<usize> {
+        self.inner
+            .handlers
+            .table()
+            .get(id.index())
+            .map(|&(_, cpu)| cpu)
+    }
+
+    /// Statistics of the completion event handlers, in identifier order.
+    pub fn handler_stats(&self) -> Vec<HandlerStats> {
+        self.inner.handlers.stats()
+    }
+
     /// Statistics of the datamover threads (empty until the first QP is
     /// created).
     pub fn datamover_stats(&self) -> Vec<DatamoverStats> {
@@ -276,9 +351,15 @@ impl Device {
         &self.inner.stags
     }
 
-    /// The async event queue of the device.
-    pub(crate) fn events(&self) -> &AsyncEventQueue {
+    /// The async events of the device: `push` reports an event (to the
+    /// callback if one is registered, else to the queue).
+    pub(crate) fn events(&self) -> &AsyncEvents {
         &self.inner.events
+    }
+
+    /// The completion event handlers of the device.
+    pub(crate) fn handlers(&self) -> &Handlers {
+        &self.inner.handlers
     }
 
     /// A fresh QP number.

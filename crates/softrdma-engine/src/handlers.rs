@@ -1,1 +1,729 @@
-//! Per-CPU completion event handlers (being written).
+//! Completion event handlers: one thread per participating CPU that runs
+//! the completion callbacks of the CQs bound to it, and one asynchronous
+//! event handler per device.
+//!
+//! ```text
+//!   Device ─┬─ handler 0 (CPU 0) ─┬─ CQ 3 ─┬─ QP 1
+//!           │                     │        └─ QP 2
+//!           │                     └─ CQ 5 ── QP 7
+//!           ├─ handler 1 (CPU 1) ─── CQ 4 ── QP 3
+//!           └─ async event handler ──▶ registered callback (QP/CQ/device errors)
+//! ```
+//!
+//! When a device is opened it starts one completion event handler per
+//! participating CPU ([`DeviceConfig::handler_cpus`]; all CPUs the process
+//! may run on by default), each a thread pinned to its CPU when
+//! [`DeviceConfig::pin_threads`] is set, each with a [`HandlerId`]
+//! (`0..n`). [`Device::handler_table`] maps identifiers to CPUs.
+//!
+//! Every CQ is bound to one handler when it is created: explicitly
+//! ([`Binding::Handler`], [`Binding::Cpu`]) or by the device's
+//! load-balancing policy ([`HandlerPolicy`]; by default the handler with the
+//! fewest bound CQs, ties broken by the lower recent completion rate, then
+//! by the lower identifier). The binding does not change;
+//! [`CompletionQueue::handler`] tells it.
+//!
+//! # Completion callbacks
+//!
+//! A CQ created with a callback ([`CqBuilder::callback`],
+//! [`CompletionQueue::with_callback`]) delivers its events to its handler
+//! instead of a completion channel: when the CQ is armed
+//! ([`CompletionQueue::req_notify`]) and a matching completion arrives, the
+//! CQ is disarmed and the handler thread runs the callback once. Hence:
+//!
+//! - callbacks of CQs bound to different handlers run in parallel;
+//! - callbacks of one CQ never run concurrently (they all run on its
+//!   handler's thread, one after the other);
+//! - every event is delivered (the handler's queue is unbounded); an arm
+//!   raises at most one event.
+//!
+//! Arming is one-shot and completions that arrived before the arm raise no
+//! event, so a callback must follow the verbs rule: **poll until empty,
+//! re-arm, then poll again**; if that last poll finds a completion, process
+//! it and repeat (the completion may have arrived before the arm, so no
+//! event will come for it). [`CompletionQueue::drain_and_arm`] does exactly
+//! this:
+//!
+//! ```
+//! use softrdma_engine::*;
+//!
+//! let dev = Device::open_default()?;
+//! let cq = CompletionQueue::with_callback(&dev, 256, |cq: &CompletionQueue| {
+//!     cq.drain_and_arm(false, |wc| {
+//!         // handle `wc`
+//!         let _ = wc.wr_id;
+//!     });
+//! })?;
+//! cq.req_notify(false)?; // first arm; from now on the callback re-arms
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A callback receives the CQ as an argument: it should not capture a
+//! handle of its own CQ (or of a QP using it), which would keep the CQ alive
+//! forever. A panicking callback is caught and counted
+//! ([`HandlerStats::callback_panics`]); the CQ stays disarmed until the
+//! application arms it again.
+//!
+//! CQs without a callback keep the completion-channel behaviour of
+//! [`crate::cq`]; their handler binding only serves load accounting.
+//!
+//! # Unsignaled work
+//!
+//! A send-queue work request posted without
+//! [`SendWr::signaled`](crate::SendWr::signaled) (on a QP without
+//! `sq_sig_all`) produces no completion when it succeeds. As in verbs, it is
+//! reported complete by the next *signaled* request of the same send queue:
+//! send-queue requests complete in order, so when the completion of a
+//! signaled request is polled, every unsignaled request posted before it on
+//! that QP has completed too, and its send-queue slot is free again
+//! ([`QueuePair::send_queue_len`](crate::QueuePair::send_queue_len) drops
+//! by all of them at once). An application that posts only unsignaled work
+//! must therefore signal one request every so often (at most once per send
+//! queue depth), or the send queue fills up. A failed unsignaled request is
+//! always reported (with its error status), and the QP goes to ERROR.
+//!
+//! # Asynchronous events
+//!
+//! Errors of QPs, CQs and the device go to the device's
+//! [`AsyncEventQueue`](crate::AsyncEventQueue)
+//! ([`Device::async_events`]). With a callback registered
+//! ([`Device::set_async_event_handler`]) they are instead delivered, in
+//! order, to the callback, which runs on the device's asynchronous event
+//! handler thread (started with the first registration).
+//!
+//! [`DeviceConfig::handler_cpus`]: crate::DeviceConfig::handler_cpus
+//! [`DeviceConfig::pin_threads`]: crate::DeviceConfig::pin_threads
+//! [`Device::handler_table`]: crate::Device::handler_table
+//! [`Device::async_events`]: crate::Device::async_events
+//! [`Device::set_async_event_handler`]: crate::Device::set_async_event_handler
+//! [`CompletionQueue::handler`]: crate::CompletionQueue::handler
+//! [`CompletionQueue::req_notify`]: crate::CompletionQueue::req_notify
+//! [`CompletionQueue::with_callback`]: crate::CompletionQueue::with_callback
+//! [`CompletionQueue::drain_and_arm`]: crate::CompletionQueue::drain_and_arm
+//! [`CqBuilder::callback`]: crate::cq::CqBuilder::callback
+
+use std::fmt;
+use std::io;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::SegQueue;
+use parking_lot::Mutex;
+
+use crate::cq::CqEvent;
+use crate::device::DeviceConfig;
+use crate::event::{AsyncEvent, AsyncEventQueue};
+use crate::sys::io::{allowed_cpus, pin_current_thread};
+
+/// Identifier of a completion event handler of a device (`0..n`, in the
+/// order of [`DeviceConfig::handler_cpus`](crate::DeviceConfig::handler_cpus)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HandlerId(u32);
+
+impl HandlerId {
+    /// The identifier of the handler at `index` of the device's table.
+    pub fn new(index: usize) -> HandlerId {
+        HandlerId(u32::try_from(index).unwrap_or(u32::MAX))
+    }
+
+    /// The index of the handler in the device's table.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for HandlerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "handler {}", self.0)
+    }
+}
+
+/// How a new CQ chooses its completion event handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Binding {
+    /// The device's load-balancing policy chooses ([`HandlerPolicy`]).
+    #[default]
+    Balanced,
+    /// This handler.
+    Handler(HandlerId),
+    /// The (first) handler running on this CPU.
+    Cpu(usize),
+}
+
+/// What a load-balancing policy knows of one handler when a CQ is created.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct HandlerLoad {
+    /// The handler.
+    pub id: HandlerId,
+    /// Its CPU.
+    pub cpu: usize,
+    /// CQs bound to it now.
+    pub cqs_bound: usize,
+    /// Completions per second polled from its CQs, measured over the last
+    /// second or so (0 until a second has passed since the device opened).
+    pub recent_completion_rate: f64,
+}
+
+/// A load-balancing policy: chooses the handler of a new CQ (created with
+/// [`Binding::Balanced`]).
+pub trait BalancePolicy: Send + Sync + fmt::Debug {
+    /// Chooses among `loads` (one per handler, never empty). An identifier
+    /// that is not in `loads` falls back to [`FewestCqs`].
+    fn choose(&self, loads: &[HandlerLoad]) -> HandlerId;
+}
+
+/// The default policy: the handler with the fewest bound CQs; ties go to
+/// the lower recent completion rate, then to the lower identifier.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FewestCqs;
+
+impl BalancePolicy for FewestCqs {
+    fn choose(&self, loads: &[HandlerLoad]) -> HandlerId {
+        loads
+            .iter()
+            .min_by(|a, b| {
+                a.cqs_bound
+                    .cmp(&b.cqs_bound)
+                    .then(
+                        a.recent_completion_rate
+                            .total_cmp(&b.recent_completion_rate),
+                    )
+                    .then(a.id.cmp(&b.id))
+            })
+            .map_or(HandlerId(0), |l| l.id)
+    }
+}
+
+/// Handlers in turn, whatever their load.
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: AtomicUsize,
+}
+
+impl BalancePolicy for RoundRobin {
+    fn choose(&self, loads: &[HandlerLoad]) -> HandlerId {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        loads
+            .get(i % loads.len().max(1))
+            .map_or(HandlerId(0), |l| l.id)
+    }
+}
+
+/// The load-balancing policy of a device
+/// ([`DeviceConfig::handler_policy`](crate::DeviceConfig::handler_policy)).
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub enum HandlerPolicy {
+    /// [`FewestCqs`] (the default).
+    #[default]
+    FewestCqs,
+    /// [`RoundRobin`].
+    RoundRobin,
+    /// An application-defined policy.
+    Custom(Arc<dyn BalancePolicy>),
+}
+
+impl HandlerPolicy {
+    /// An application-defined policy.
+    pub fn custom(policy: impl BalancePolicy + 'static) -> HandlerPolicy {
+        HandlerPolicy::Custom(Arc::new(policy))
+    }
+
+    fn build(&self) -> Arc<dyn BalancePolicy> {
+        match self {
+            HandlerPolicy::FewestCqs => Arc::new(FewestCqs),
+            HandlerPolicy::RoundRobin => Arc::new(RoundRobin::default()),
+            HandlerPolicy::Custom(p) => Arc::clone(p),
+        }
+    }
+}
+
+impl fmt::Debug for HandlerPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HandlerPolicy::FewestCqs => f.write_str("FewestCqs"),
+            HandlerPolicy::RoundRobin => f.write_str("RoundRobin"),
+            HandlerPolicy::Custom(p) => f.debug_tuple("Custom").field(p).finish(),
+        }
+    }
+}
+
+impl PartialEq for HandlerPolicy {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (HandlerPolicy::FewestCqs, HandlerPolicy::FewestCqs)
+            | (HandlerPolicy::RoundRobin, HandlerPolicy::RoundRobin) => true,
+            (HandlerPolicy::Custom(a), HandlerPolicy::Custom(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for HandlerPolicy {}
+
+/// Statistics of one completion event handler
+/// ([`Device::handler_stats`](crate::Device::handler_stats)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HandlerStats {
+    /// The handler.
+    pub id: HandlerId,
+    /// Its CPU.
+    pub cpu: usize,
+    /// Whether its thread is pinned to the CPU.
+    pub pinned: bool,
+    /// Completion events delivered to it (armed CQs with a callback that
+    /// got a matching completion).
+    pub events: u64,
+    /// Callbacks it ran.
+    pub callbacks: u64,
+    /// Callbacks that panicked (caught).
+    pub callback_panics: u64,
+    /// CQs bound to it now.
+    pub cqs_bound: usize,
+    /// Completions polled from its CQs (by anyone), including CQs since
+    /// dropped.
+    pub completions: u64,
+}
+
+/// One completion event handler, shared by its thread, the device and the
+/// CQs bound to it.
+pub(crate) struct Handler {
+    id: HandlerId,
+    cpu: usize,
+    pinned: AtomicBool,
+    /// Events to run, in arrival order.
+    queue: SegQueue<CqEvent>,
+    thread: OnceLock<Thread>,
+    stop: AtomicBool,
+    /// Spin this long for more events before parking.
+    spin: Duration,
+    events: AtomicU64,
+    callbacks: AtomicU64,
+    panics: AtomicU64,
+    cqs_bound: AtomicUsize,
+    /// Poll counters of the bound CQs, and completions of dropped ones.
+    counters: Mutex<Counters>,
+}
+
+#[derive(Default)]
+struct Counters {
+    live: Vec<Weak<AtomicU64>>,
+    retired: u64,
+    /// Last rate sample: when, total then, rate computed then.
+    sample: Option<(Instant, u64, f64)>,
+}
+
+impl fmt::Debug for Handler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Handler")
+            .field("id", &self.id)
+            .field("cpu", &self.cpu)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Handler {
+    /// The handler's identifier.
+    pub(crate) fn id(&self) -> HandlerId {
+        self.id
+    }
+
+    /// The handler's CPU.
+    pub(crate) fn cpu(&self) -> usize {
+        self.cpu
+    }
+
+    /// Queues an event for the handler thread (the data path: cheap, never
+    /// blocks).
+    pub(crate) fn deliver(&self, event: CqEvent) {
+        self.events.fetch_add(1, Ordering::Relaxed);
+        self.queue.push(event);
+        if let Some(t) = self.thread.get() {
+            // An atomic swap unless the thread is parked.
+            t.unpark();
+        }
+    }
+
+    /// A CQ was bound; `counter` counts the completions polled from it.
+    pub(crate) fn bind(&self, counter: &Arc<AtomicU64>) {
+        self.cqs_bound.fetch_add(1, Ordering::Relaxed);
+        let mut c = self.counters.lock();
+        c.live.retain(|w| w.strong_count() > 0);
+        c.live.push(Arc::downgrade(counter));
+    }
+
+    /// A CQ is going away.
+    pub(crate) fn unbind(&self, counter: &Arc<AtomicU64>) {
+        self.cqs_bound.fetch_sub(1, Ordering::Relaxed);
+        let mut c = self.counters.lock();
+        let target = Arc::downgrade(counter);
+        c.live
+            .retain(|w| w.strong_count() > 0 && !Weak::ptr_eq(w, &target));
+        c.retired += counter.load(Ordering::Relaxed);
+    }
+
+    fn completions(c: &Counters) -> u64 {
+        c.retired
+            + c.live
+                .iter()
+                .filter_map(Weak::upgrade)
+                .map(|a| a.load(Ordering::Relaxed))
+                .sum::<u64>()
+    }
+
+    fn load(&self) -> HandlerLoad {
+        let mut c = self.counters.lock();
+        let total = Self::completions(&c);
+        let now = Instant::now();
+        let rate = match c.sample {
+            None => {
+                c.sample = Some((now, total, 0.0));
+                0.0
+            }
+            Some((then, before, rate)) => {
+                let dt = now.duration_since(then);
+                if dt >= Duration::from_secs(1) {
+                    let rate = total.saturating_sub(before) as f64 / dt.as_secs_f64();
+                    c.sample = Some((now, total, rate));
+                    rate
+                } else {
+                    rate
+                }
+            }
+        };
+        HandlerLoad {
+            id: self.id,
+            cpu: self.cpu,
+            cqs_bound: self.cqs_bound.load(Ordering::Relaxed),
+            recent_completion_rate: rate,
+        }
+    }
+
+    fn stats(&self) -> HandlerStats {
+        HandlerStats {
+            id: self.id,
+            cpu: self.cpu,
+            pinned: self.pinned.load(Ordering::Relaxed),
+            events: self.events.load(Ordering::Relaxed),
+            callbacks: self.callbacks.load(Ordering::Relaxed),
+            callback_panics: self.panics.load(Ordering::Relaxed),
+            cqs_bound: self.cqs_bound.load(Ordering::Relaxed),
+            completions: Self::completions(&self.counters.lock()),
+        }
+    }
+
+    /// The handler thread.
+    fn run(&self, pin: bool) {
+        if pin {
+            self.pinned
+                .store(pin_current_thread(self.cpu).is_ok(), Ordering::Relaxed);
+        }
+        loop {
+            while let Some(event) = self.queue.pop() {
+                match catch_unwind(AssertUnwindSafe(|| event.run())) {
+                    Ok(true) => {
+                        self.callbacks.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(false) => {}
+                    Err(_) => {
+                        self.callbacks.fetch_add(1, Ordering::Relaxed);
+                        self.panics.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            if !self.spin.is_zero() {
+                let until = Instant::now() + self.spin;
+                while self.queue.is_empty()
+                    && !self.stop.load(Ordering::Relaxed)
+                    && Instant::now() < until
+                {
+                    std::hint::spin_loop();
+                }
+                if !self.queue.is_empty() {
+                    continue;
+                }
+            }
+            // A push after the last pop unparks us (the token makes this
+            // park return at once), so no event is left behind.
+            std::thread::park();
+        }
+    }
+}
+
+/// Why a CQ could not be bound to a handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BindError {
+    NoSuchHandler(HandlerId),
+    NoHandlerOnCpu(usize),
+}
+
+/// The completion event handlers and the asynchronous event handler of a
+/// device.
+pub(crate) struct Handlers {
+    handlers: Vec<Arc<Handler>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    policy: Arc<dyn BalancePolicy>,
+}
+
+impl fmt::Debug for Handlers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Handlers")
+            .field("handlers", &self.handlers)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Handlers {
+    /// Starts one handler thread per CPU of `config.handler_cpus` (all
+    /// allowed CPUs if empty).
+    pub(crate) fn start(config: &DeviceConfig) -> io::Result<Handlers> {
+        let cpus = if config.handler_cpus.is_empty() {
+            allowed_cpus()
+        } else {
+            config.handler_cpus.clone()
+        };
+        let mut handlers = Handlers {
+            handlers: Vec::with_capacity(cpus.len()),
+            threads: Mutex::new(Vec::with_capacity(cpus.len())),
+            policy: config.handler_policy.build(),
+        };
+        for (i, cpu) in cpus.into_iter().enumerate() {
+            let h = Arc::new(Handler {
+                id: HandlerId::new(i),
+                cpu,
+                pinned: AtomicBool::new(false),
+                queue: SegQueue::new(),
+                thread: OnceLock::new(),
+                stop: AtomicBool::new(false),
+                spin: config.handler_spin,
+                events: AtomicU64::new(0),
+                callbacks: AtomicU64::new(0),
+                panics: AtomicU64::new(0),
+                cqs_bound: AtomicUsize::new(0),
+                counters: Mutex::new(Counters::default()),
+            });
+            let pin = config.pin_threads;
+            let thread_h = Arc::clone(&h);
+            // On error, `handlers` drops and stops the threads started so far.
+            let jh = std::thread::Builder::new()
+                .name(format!("softrdma-cq{i}"))
+                .spawn(move || thread_h.run(pin))?;
+            let _ = h.thread.set(jh.thread().clone());
+            handlers.threads.get_mut().push(jh);
+            handlers.handlers.push(h);
+        }
+        Ok(handlers)
+    }
+
+    /// Chooses the handler of a new CQ.
+    pub(crate) fn choose(&self, binding: Binding) -> Result<Arc<Handler>, BindError> {
+        let h = match binding {
+            Binding::Handler(id) => self
+                .handlers
+                .get(id.index())
+                .ok_or(BindError::NoSuchHandler(id))?,
+            Binding::Cpu(cpu) => self
+                .handlers
+                .iter()
+                .find(|h| h.cpu == cpu)
+                .ok_or(BindError::NoHandlerOnCpu(cpu))?,
+            Binding::Balanced => {
+                let loads: Vec<HandlerLoad> = self.handlers.iter().map(|h| h.load()).collect();
+                let id = self.policy.choose(&loads);
+                let id = if id.index() < self.handlers.len() {
+                    id
+                } else {
+                    FewestCqs.choose(&loads)
+                };
+                self.handlers
+                    .get(id.index())
+                    .ok_or(BindError::NoSuchHandler(id))?
+            }
+        };
+        Ok(Arc::clone(h))
+    }
+
+    /// Handler identifier → CPU, in identifier order.
+    pub(crate) fn table(&self) -> Vec<(HandlerId, usize)> {
+        self.handlers.iter().map(|h| (h.id, h.cpu)).collect()
+    }
+
+    /// Statistics of every handler, in identifier order.
+    pub(crate) fn stats(&self) -> Vec<HandlerStats> {
+        self.handlers.iter().map(|h| h.stats()).collect()
+    }
+}
+
+impl Drop for Handlers {
+    fn drop(&mut self) {
+        for h in &self.handlers {
+            h.stop.store(true, Ordering::Release);
+            if let Some(t) = h.thread.get() {
+                t.unpark();
+            }
+        }
+        let me = std::thread::current().id();
+        for jh in self.threads.get_mut().drain(..) {
+            // The last device handle may be dropped by a callback on a
+            // handler thread: that thread ends on its own.
+            if jh.thread().id() != me {
+                let _ = jh.join();
+            }
+        }
+    }
+}
+
+/// A callback for asynchronous events.
+pub type AsyncEventCallback = Box<dyn FnMut(&AsyncEvent) + Send>;
+
+/// The device's asynchronous events: the application-visible queue, or,
+/// with a callback registered, the asynchronous event handler thread.
+/// Dereferences to the [`AsyncEventQueue`].
+pub(crate) struct AsyncEvents {
+    queue: AsyncEventQueue,
+    handler: OnceLock<AsyncHandler>,
+    /// Whether a callback is registered (events bypass the queue).
+    active: AtomicBool,
+}
+
+struct AsyncHandler {
+    shared: Arc<AsyncShared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct AsyncShared {
+    pending: SegQueue<AsyncEvent>,
+    callback: Mutex<Option<AsyncEventCallback>>,
+    stop: AtomicBool,
+    delivered: AtomicU64,
+}
+
+impl fmt::Debug for AsyncEvents {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AsyncEvents")
+            .field("queue", &self.queue)
+            .field("callback", &self.active.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::ops::Deref for AsyncEvents {
+    type Target = AsyncEventQueue;
+    fn deref(&self) -> &AsyncEventQueue {
+        &self.queue
+    }
+}
+
+impl AsyncEvents {
+    /// No callback; events go to `queue`.
+    pub(crate) fn new(queue: AsyncEventQueue) -> AsyncEvents {
+        AsyncEvents {
+            queue,
+            handler: OnceLock::new(),
+            active: AtomicBool::new(false),
+        }
+    }
+
+    /// Reports an event: to the callback's thread if one is registered,
+    /// else to the queue.
+    pub(crate) fn push(&self, event: AsyncEvent) {
+        if self.active.load(Ordering::Acquire)
+            && let Some(h) = self.handler.get()
+        {
+            h.shared.pending.push(event);
+            if let Some(t) = h.thread.lock().as_ref() {
+                t.thread().unpark();
+            }
+            return;
+        }
+        self.queue.push(event);
+    }
+
+    /// Registers (replaces) the callback, starting the handler thread the
+    /// first time. Events queued before stay in the queue.
+    pub(crate) fn set_callback(&self, callback: AsyncEventCallback) -> io::Result<()> {
+        let h = self.handler.get_or_init(|| AsyncHandler {
+            shared: Arc::new(AsyncShared {
+                pending: SegQueue::new(),
+                callback: Mutex::new(None),
+                stop: AtomicBool::new(false),
+                delivered: AtomicU64::new(0),
+            }),
+            thread: Mutex::new(None),
+        });
+        *h.shared.callback.lock() = Some(callback);
+        {
+            let mut thread = h.thread.lock();
+            if thread.is_none() {
+                let shared = Arc::clone(&h.shared);
+                *thread = Some(
+                    std::thread::Builder::new()
+                        .name("softrdma-async".to_string())
+                        .spawn(move || run_async(&shared))?,
+                );
+            }
+        }
+        self.active.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Removes the callback: later events go to the queue again (events
+    /// already handed to the handler thread are still delivered to the
+    /// old callback, or to the queue if it is gone).
+    pub(crate) fn clear_callback(&self) {
+        self.active.store(false, Ordering::Release);
+        if let Some(h) = self.handler.get() {
+            *h.shared.callback.lock() = None;
+            while let Some(e) = h.shared.pending.pop() {
+                self.queue.push(e);
+            }
+        }
+    }
+
+    /// Events delivered to callbacks so far.
+    pub(crate) fn delivered(&self) -> u64 {
+        self.handler
+            .get()
+            .map_or(0, |h| h.shared.delivered.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for AsyncEvents {
+    fn drop(&mut self) {
+        if let Some(h) = self.handler.get() {
+            h.shared.stop.store(true, Ordering::Release);
+            if let Some(jh) = h.thread.lock().take() {
+                jh.thread().unpark();
+                if jh.thread().id() != std::thread::current().id() {
+                    let _ = jh.join();
+                }
+            }
+        }
+    }
+}
+
+fn run_async(shared: &AsyncShared) {
+    loop {
+        while let Some(event) = shared.pending.pop() {
+            let mut cb = shared.callback.lock();
+            if let Some(cb) = cb.as_mut() {
+                let _ = catch_unwind(AssertUnwindSafe(|| cb(&event)));
+                shared.delivered.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        std::thread::park();
+    }
+}
