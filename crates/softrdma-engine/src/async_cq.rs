@@ -162,7 +162,7 @@ pub enum OpError<B> {
         buf: B,
     },
     /// The work request completed with an error status (including
-    /// [`WcStatus::WrFlushErr`] when the QP went to ERROR).
+    /// [`WcStatus::WrFlush`] when the QP went to ERROR).
     Completion {
         /// The error completion.
         wc: WorkCompletion,
