@@ -123,6 +123,10 @@ pub enum AsyncCqError {
     /// The CQ is already served by an adapter.
     #[error("CQ {0} is already served by an async adapter")]
     AlreadyServed(u32),
+    /// The CQ has a completion callback: its events run the callback, and
+    /// the callback polls it.
+    #[error("CQ {0} has a completion callback; it cannot also be served asynchronously")]
+    HasCallback(u32),
 }
 
 /// Why posting an awaited operation failed (nothing was posted).
@@ -603,9 +607,13 @@ impl AsyncCq {
     /// # Errors
     ///
     /// [`AsyncCqError::Notify`] if the CQ has no completion channel,
+    /// [`AsyncCqError::HasCallback`] if it has a completion callback,
     /// [`AsyncCqError::AlreadyServed`] if an adapter on this channel already
     /// serves it.
     pub fn serve(channel: &AsyncChannel, cq: CompletionQueue) -> Result<AsyncCq, AsyncCqError> {
+        if cq.has_callback() {
+            return Err(AsyncCqError::HasCallback(cq.id()));
+        }
         // Arming checks that the CQ has a channel; the driver re-arms.
         cq.req_notify(false)?;
         let state = Arc::new(CqState {

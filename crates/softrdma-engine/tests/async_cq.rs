@@ -426,6 +426,12 @@ fn outside_a_runtime_is_an_error() {
             AsyncCq::serve(&chan, cq),
             Err(AsyncCqError::Notify(_))
         ));
+        // Nor a CQ whose events run a completion callback.
+        let cq = CompletionQueue::with_callback(&dev, 16, |_| {}).unwrap();
+        assert!(matches!(
+            AsyncCq::serve(&chan, cq),
+            Err(AsyncCqError::HasCallback(_))
+        ));
     });
 }
 
