@@ -402,8 +402,8 @@ impl AsyncChannel {
         self.shared.safety_interval
     }
 
-    /// How many safety polls found completions that no event had announced
-    /// (missed or lost wake-ups the safety poll recovered).
+    /// How many safety polls found completions no event had announced (yet):
+    /// wake-ups that were lost, or late, and that the safety poll recovered.
     pub fn recovered_by_safety_poll(&self) -> u64 {
         self.shared.recovered.load(Ordering::Relaxed)
     }
@@ -483,27 +483,40 @@ fn finished(shared: &ChanShared) -> bool {
     cqs.is_empty()
 }
 
+/// Marks the channel closed and wakes every waiter when the driver ends,
+/// also when its task is dropped (the runtime shuts down).
+struct CloseOnDrop(Arc<ChanShared>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.wake_all_closed();
+    }
+}
+
+fn serve_all(shared: &ChanShared) -> usize {
+    let all: Vec<Arc<CqState>> = shared.cqs.lock().values().cloned().collect();
+    all.iter().map(|state| serve(state)).sum()
+}
+
 /// The driver task of one channel.
 async fn drive(shared: Arc<ChanShared>, afd: AsyncFd<CompletionChannel>) {
+    let _close = CloseOnDrop(Arc::clone(&shared));
     let mut tick = tokio::time::interval(shared.safety_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first round (and one after each notification: a CQ added, a
+    // handle dropped) serves every CQ: a new CQ gets armed.
+    let mut serve_everything = true;
     loop {
-        // Everything registered gets a look first (new CQs, wake-ups for
-        // handles dropped); the poll is cheap when empty.
-        let all: Vec<Arc<CqState>> = shared.cqs.lock().values().cloned().collect();
-        for state in &all {
-            serve(state);
+        if serve_everything {
+            serve_all(&shared);
+            serve_everything = false;
         }
-        drop(all);
         if finished(&shared) {
             break;
         }
         tokio::select! {
             ready = afd.readable() => {
-                let mut guard = match ready {
-                    Ok(guard) => guard,
-                    Err(_) => break,
-                };
+                let Ok(mut guard) = ready else { break };
                 let mut events: Vec<Arc<CqState>> = Vec::new();
                 while let Some(cq) = afd.get_ref().try_get_event() {
                     cq.ack_events(1);
@@ -521,17 +534,13 @@ async fn drive(shared: Arc<ChanShared>, afd: AsyncFd<CompletionChannel>) {
                 }
             }
             _ = tick.tick() => {
-                let all: Vec<Arc<CqState>> = shared.cqs.lock().values().cloned().collect();
-                for state in &all {
-                    if serve(state) > 0 {
-                        shared.recovered.fetch_add(1, Ordering::Relaxed);
-                    }
+                if serve_all(&shared) > 0 {
+                    shared.recovered.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            () = shared.notify.notified() => {}
+            () = shared.notify.notified() => serve_everything = true,
         }
     }
-    shared.wake_all_closed();
 }
 
 // ---------------------------------------------------------------------------

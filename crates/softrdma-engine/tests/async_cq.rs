@@ -452,3 +452,32 @@ fn current_thread_runtime_works_too() {
         assert_eq!(&r.unwrap().buf.to_vec()[..4], b"ping");
     });
 }
+
+#[test]
+fn runtime_shutdown_resolves_waiting_operations_as_closed() {
+    let dev = device();
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    // A receive on an unconnected QP: it cannot complete.
+    let (s, op) = first.block_on(async {
+        let s = side(&dev, AsyncCq::new(&dev, 16).unwrap());
+        let op = s.qp.recv(mr(&s, 64), 0, 64);
+        (s, op)
+    });
+    assert_eq!(s.cq.in_flight(), 1);
+    drop(first); // the driver task goes with its runtime
+    assert!(s.cq.channel().is_closed());
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let err = within(op).await.expect_err("closed");
+        assert!(matches!(err, OpError::Closed { .. }), "{err:?}");
+        assert_eq!(err.into_buf().len(), 64);
+        assert_eq!(s.cq.next_completion().await, None);
+    });
+}
