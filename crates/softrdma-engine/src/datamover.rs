@@ -231,6 +231,13 @@ fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
             Some(fd) => Served::Paused(fd),
             None => Served::Done,
         },
+        TxOutcome::FinSent => {
+            tx.on_dm = false;
+            qp.dm_listed.store(false, Ordering::Release);
+            drop(tx);
+            qp.fin_sent();
+            Served::Done
+        }
         TxOutcome::Idle | TxOutcome::Failed(_) => {
             tx.on_dm = false;
             qp.dm_listed.store(false, Ordering::Release);

@@ -34,6 +34,10 @@ use crate::tx::{Payload, SendWqe, TxLink, TxOutcome, TxState, WqeKind};
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::{LocalSeg, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
 
+/// How long a graceful close waits for the peer's FIN before it resets the
+/// connection, unless changed with [`QueuePair::set_close_timeout`].
+pub const DEFAULT_CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Requested sizes of a QP's queues (`ibv_qp_cap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpCap {
@@ -401,6 +405,10 @@ pub(crate) struct QpInner {
     pub(crate) dm_listed: AtomicBool,
     /// When a CQ poll last drove this QP's receive path (engine clock, ns).
     pub(crate) last_poll: AtomicU64,
+    /// The peer's FIN arrived (at an FPDU boundary).
+    peer_fin: AtomicBool,
+    /// How long a graceful close waits for the peer's FIN (ms).
+    close_timeout_ms: AtomicU64,
     pub(crate) self_weak: Weak<QpInner>,
 }
 
@@ -457,6 +465,8 @@ impl QueuePair {
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
             last_poll: AtomicU64::new(0),
+            peer_fin: AtomicBool::new(false),
+            close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
             self_weak: weak.clone(),
         });
         let hook: Weak<dyn Progress> = Arc::downgrade(&inner) as Weak<dyn Progress>;
@@ -527,9 +537,8 @@ impl QueuePair {
     ///   connection is closed abortively.
     /// * RTS → TERMINATE: a Terminate (RDMAP local catastrophic) is sent,
     ///   then the QP enters ERROR.
-    /// * RTS → CLOSING: for now the same as → ERROR (outstanding work is
-    ///   flushed and the connection closed); the graceful close protocol
-    ///   (FIN exchange, LLP-close timer) belongs to the connection manager.
+    /// * RTS → CLOSING: graceful disconnect, as [`QueuePair::disconnect`].
+    /// * → ERROR from RTS: abortive disconnect (the connection is reset).
     /// * ERROR → IDLE: the QP is reset and can be connected again.
     pub fn modify(&self, to: QpState) -> Result<(), ModifyError> {
         let qp = self.qp();
@@ -546,7 +555,7 @@ impl QueuePair {
                 Err(ModifyError::NotConnected { qp_num: qp.qp_num })
             }
             QpState::Error => {
-                qp.enter_error(None, None);
+                qp.abort(false);
                 Ok(())
             }
             QpState::Terminate => {
@@ -558,8 +567,7 @@ impl QueuePair {
                 Ok(())
             }
             QpState::Closing => {
-                qp.set_state(QpState::Closing);
-                qp.enter_error(None, None);
+                qp.begin_close(false);
                 Ok(())
             }
             QpState::Idle if from == QpState::Error => {
@@ -571,6 +579,42 @@ impl QueuePair {
                 Ok(())
             }
         }
+    }
+
+    /// Graceful disconnect: RTS → CLOSING. Posted receives are flushed, the
+    /// send requests posted before the call still go out, then FIN is sent;
+    /// when the peer's FIN has arrived too the QP reaches IDLE and the device
+    /// reports [`AsyncEventKind::LlpClosed`]. If the peer's FIN does not come
+    /// within the close timeout, the connection is reset: ERROR,
+    /// everything flushed, [`AsyncEventKind::BadClose`].
+    pub fn disconnect(&self) -> Result<(), ModifyError> {
+        let qp = self.qp();
+        let from = qp.state();
+        if from != QpState::Rts {
+            return Err(ModifyError::InvalidTransition {
+                qp_num: qp.qp_num,
+                from,
+                to: QpState::Closing,
+            });
+        }
+        qp.begin_close(false);
+        Ok(())
+    }
+
+    /// Abortive disconnect: the connection is reset (RST), the QP enters
+    /// ERROR and every outstanding request completes with a flush error;
+    /// the device reports [`AsyncEventKind::LlpReset`].
+    pub fn abort(&self) {
+        self.qp().abort(false);
+    }
+
+    /// How long a graceful close waits for the peer's FIN
+    /// ([`DEFAULT_CLOSE_TIMEOUT`] unless set).
+    pub fn set_close_timeout(&self, timeout: std::time::Duration) {
+        self.qp().close_timeout_ms.store(
+            u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     /// Moves the QP to RTS over a connected TCP stream positioned at the
@@ -615,6 +659,7 @@ impl QueuePair {
         qp.rx
             .lock()
             .attach(stream, params.crc, params.msns.send_rx, params.msns.read_rx);
+        qp.peer_fin.store(false, Ordering::Release);
         qp.set_state(QpState::Rts);
         drop(_g);
         qp.device.threads().register_rx(qp, fd);
@@ -1183,6 +1228,11 @@ impl QpInner {
             };
             match outcome {
                 TxOutcome::Idle | TxOutcome::Budget => {}
+                TxOutcome::FinSent => {
+                    drop(tx);
+                    self.fin_sent();
+                    return;
+                }
                 TxOutcome::WouldBlock => {
                     tx.on_dm = true;
                     drop(tx);
@@ -1228,15 +1278,120 @@ impl QpInner {
 
     /// The peer closed the connection.
     pub(crate) fn link_closed(&self, at_boundary: bool) {
-        if matches!(self.state(), QpState::Error | QpState::Idle) {
+        let state = self.state();
+        if matches!(state, QpState::Error | QpState::Idle) {
             return;
         }
-        let kind = if at_boundary {
-            AsyncEventKind::LlpClosed
-        } else {
-            AsyncEventKind::BadClose
+        if at_boundary && matches!(state, QpState::Rts | QpState::Closing) {
+            // The peer's FIN: a graceful close (started by the peer if we
+            // are still in RTS).
+            self.peer_fin.store(true, Ordering::Release);
+            if state == QpState::Rts {
+                self.begin_close(true);
+            }
+            self.try_finish_close();
+            return;
+        }
+        self.device
+            .events()
+            .push(AsyncEvent::qp(AsyncEventKind::BadClose, self.qp_num));
+        self.enter_error(None, None);
+    }
+
+    /// RTS → CLOSING: flush the posted receives, let the send queue drain,
+    /// then FIN; arm the close timer.
+    pub(crate) fn begin_close(&self, by_peer: bool) {
+        {
+            let _g = self.state_lock.lock();
+            if self.state() != QpState::Rts {
+                return;
+            }
+            self.set_state(QpState::Closing);
+        }
+        self.flush_rq();
+        self.tx.lock().fin_pending = true;
+        self.kick();
+        let _ = by_peer;
+        let weak = self.self_weak.clone();
+        let timeout =
+            std::time::Duration::from_millis(self.close_timeout_ms.load(Ordering::Relaxed));
+        let spawned = std::thread::Builder::new()
+            .name("softrdma-close".into())
+            .spawn(move || {
+                std::thread::sleep(timeout);
+                if let Some(qp) = weak.upgrade()
+                    && qp.state() == QpState::Closing
+                {
+                    qp.device.events().push(
+                        AsyncEvent::qp(AsyncEventKind::BadClose, qp.qp_num)
+                            .with_detail("the peer did not close in time; connection reset"),
+                    );
+                    qp.abort(true);
+                }
+            });
+        if spawned.is_err() {
+            // No timer: close abortively at once rather than hang forever.
+            self.abort(true);
+        }
+    }
+
+    /// The FIN went out (transmit path).
+    pub(crate) fn fin_sent(&self) {
+        self.try_finish_close();
+    }
+
+    /// CLOSING → IDLE once both FINs are exchanged.
+    fn try_finish_close(&self) {
+        if !self.peer_fin.load(Ordering::Acquire) {
+            return;
+        }
+        if !self.tx.lock().fin_sent {
+            return;
+        }
+        {
+            let _g = self.state_lock.lock();
+            if self.state() != QpState::Closing {
+                return;
+            }
+            self.set_state(QpState::Idle);
+        }
+        // Reads and atomics the peer will never answer now, and anything
+        // else still open, complete with flush errors, in order.
+        let ord: Vec<OutRead> = self.ord_q.lock().drain(..).collect();
+        for r in ord {
+            self.complete_sq(r.seq, WcStatus::WrFlush, 0, 0);
+        }
+        let dropped = {
+            let mut tx = self.tx.lock();
+            let d = tx.clear();
+            self.drain_incoming(&mut tx);
+            d
         };
-        self.device.events().push(AsyncEvent::qp(kind, self.qp_num));
+        for w in dropped {
+            self.complete_sq(w.seq, WcStatus::WrFlush, 0, 0);
+        }
+        self.flush_open_sq();
+        self.flush_partial_recv();
+        self.flush_rq();
+        self.device.threads().unregister(self);
+        self.device
+            .events()
+            .push(AsyncEvent::qp(AsyncEventKind::LlpClosed, self.qp_num));
+    }
+
+    /// Abortive close: reset the connection, then ERROR.
+    pub(crate) fn abort(&self, timer: bool) {
+        if matches!(self.state(), QpState::Error) {
+            return;
+        }
+        if let Some(s) = self.stream.lock().as_ref() {
+            let _ = crate::sys::io::reset_connection(s.as_raw_fd());
+        }
+        if !timer && !matches!(self.state(), QpState::Idle) {
+            self.device.events().push(
+                AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail("local abort"),
+            );
+        }
         self.enter_error(None, None);
     }
 
@@ -1338,8 +1493,22 @@ impl QpInner {
         for w in dropped {
             self.complete_sq(w.seq, WcStatus::WrFlush, 0, 0);
         }
-        // Requests already written but whose completion waits for earlier
-        // ones are complete; anything else still open is flushed.
+        self.flush_open_sq();
+        self.flush_partial_recv();
+        self.flush_rq();
+        if let Some(srq) = &self.srq {
+            let _ = srq;
+            self.device.events().push(AsyncEvent::qp(
+                AsyncEventKind::QpLastWqeReached,
+                self.qp_num,
+            ));
+        }
+        self.close_link();
+    }
+
+    /// Requests already written but whose completion waits for earlier ones
+    /// are complete; anything else still open is flushed.
+    fn flush_open_sq(&self) {
         let open: Vec<u64> = {
             let c = self.comp.lock();
             c.slots
@@ -1352,16 +1521,6 @@ impl QpInner {
         for seq in open {
             self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
         }
-        self.flush_partial_recv();
-        self.flush_rq();
-        if let Some(srq) = &self.srq {
-            let _ = srq;
-            self.device.events().push(AsyncEvent::qp(
-                AsyncEventKind::QpLastWqeReached,
-                self.qp_num,
-            ));
-        }
-        self.close_link();
     }
 
     /// Flushes the receives the receive path holds, if it is not running
@@ -1385,8 +1544,10 @@ impl QpInner {
 
     fn close_link(&self) {
         self.device.threads().unregister(self);
-        let s = self.stream.lock().take();
-        if let Some(s) = s {
+        // The descriptor stays open until the QP is freed or reconnected:
+        // a datamover may still watch it, and must see the hang-up rather
+        // than a recycled descriptor.
+        if let Some(s) = self.stream.lock().as_ref() {
             let _ = s.shutdown(Shutdown::Both);
         }
         if let Some(mut rx) = self.rx.try_lock() {

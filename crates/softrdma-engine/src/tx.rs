@@ -173,6 +173,8 @@ pub(crate) enum TxOutcome {
     Budget,
     /// The socket failed.
     Failed(io::Error),
+    /// All work was written and FIN sent (graceful close).
+    FinSent,
 }
 
 /// Connection parameters of the transmit side.
@@ -216,6 +218,11 @@ pub(crate) struct TxState {
     pub(crate) closed: bool,
     /// Bytes written since creation.
     pub(crate) bytes_sent: u64,
+    /// A graceful close is under way: send FIN once everything queued is
+    /// on the wire.
+    pub(crate) fin_pending: bool,
+    /// FIN was sent.
+    pub(crate) fin_sent: bool,
 }
 
 impl TxState {
@@ -239,6 +246,8 @@ impl TxState {
             fatal: None,
             closed: false,
             bytes_sent: 0,
+            fin_pending: false,
+            fin_sent: false,
         }
     }
 
@@ -308,6 +317,13 @@ impl TxState {
                 self.out.push_front(t);
             }
             if self.out.is_empty() {
+                if self.fin_pending && !self.fin_sent && self.sq.is_empty() && self.resp.is_empty()
+                {
+                    // Everything posted before the close is on the wire.
+                    self.fin_sent = crate::sys::io::shutdown_write(link.fd).is_ok();
+                    self.fin_pending = false;
+                    return TxOutcome::FinSent;
+                }
                 return TxOutcome::Idle;
             }
             self.build_iov(budget.saturating_sub(sent));
@@ -471,8 +487,12 @@ impl TxState {
 
     /// Frames the next FPDU of the send queue.
     fn frame_sq(&mut self, qp: &QpInner, link: TxLink) -> bool {
-        if qp.state() != crate::state::QpState::Rts {
-            // Leaving RTS (Terminate, close): nothing new goes out.
+        if !matches!(
+            qp.state(),
+            crate::state::QpState::Rts | crate::state::QpState::Closing
+        ) {
+            // Terminate or error: nothing new goes out. (In CLOSING the
+            // requests posted before the close still drain.)
             return false;
         }
         loop {

@@ -179,6 +179,7 @@ impl Relay {
     fn abort(&self) {
         self.sh.dead.store(true, Ordering::Release);
         for s in &self.socks {
+            reset(s);
             let _ = s.shutdown(Shutdown::Both);
         }
         let _g = self.sh.st.lock().unwrap();
@@ -192,6 +193,40 @@ impl Drop for Relay {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+/// Resets a TCP connection (RST), as a crashed peer or a middlebox does:
+/// `SO_LINGER {1, 0}` then `connect(AF_UNSPEC)`, which disconnects the
+/// socket at once even while other descriptors of it are open.
+fn reset(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: `linger` is a valid `struct linger` of the size passed, and
+    // `fd` is open (borrowed from `s`).
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+    // SAFETY: all-zero is a valid `sockaddr`; AF_UNSPEC dissolves the
+    // association; `fd` is open.
+    unsafe {
+        let mut addr: libc::sockaddr = std::mem::zeroed();
+        addr.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+        libc::connect(
+            fd,
+            &raw const addr,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        );
     }
 }
 

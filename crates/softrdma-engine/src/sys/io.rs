@@ -166,6 +166,54 @@ pub(crate) fn crc_update_mem(crc: &mut Crc32c, mem: &Memory, offset: usize, len:
     true
 }
 
+/// Sends FIN: no more bytes from this side (`shutdown(SHUT_WR)`).
+pub(crate) fn shutdown_write(fd: RawFd) -> io::Result<()> {
+    // SAFETY: plain syscall on a descriptor the caller keeps open.
+    let ret = unsafe { libc::shutdown(fd, libc::SHUT_WR) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Abortive close: the connection is reset (RST) at once, queued bytes are
+/// dropped. Done with `connect(AF_UNSPEC)` after `SO_LINGER {1, 0}`, which
+/// disconnects the socket without closing the descriptor (so pollers that
+/// still watch it see the hang-up instead of a recycled descriptor).
+pub(crate) fn reset_connection(fd: RawFd) -> io::Result<()> {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    let len = libc::socklen_t::try_from(std::mem::size_of::<libc::linger>()).unwrap_or(8);
+    // SAFETY: `linger` is a valid `struct linger` of the size passed.
+    let ret = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            len,
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: an all-zero sockaddr with family AF_UNSPEC is valid input.
+    let mut addr: libc::sockaddr = unsafe { std::mem::zeroed() };
+    addr.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+    let alen = libc::socklen_t::try_from(std::mem::size_of::<libc::sockaddr>()).unwrap_or(16);
+    // SAFETY: `addr` is a valid sockaddr of the size passed.
+    let ret = unsafe { libc::connect(fd, &raw const addr, alen) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // Wake readers and writers (shutdown of a disconnected socket).
+    // SAFETY: plain syscall on a descriptor the caller keeps open.
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+    Ok(())
+}
+
 /// The TCP maximum segment size of a connected socket.
 pub(crate) fn tcp_maxseg(fd: RawFd) -> io::Result<usize> {
     let mut value: libc::c_int = 0;

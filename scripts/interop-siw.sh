@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Interoperability matrix: `softrdma ping` against rdma-core's `rping` on the
+# Linux kernel's Soft-iWARP (siw), in both directions, for each siw variant.
+#
+#   scripts/interop-siw.sh [VARIANT...]     default: default crc p2p crc-p2p mpav1
+#
+# Needs root (network namespace, tap, QEMU) and the siw VM harness in
+# ../shared/interop/siw-vm (built on first use: ~2 min, Debian packages).
+# Prints one PASS/FAIL line per case; exits non-zero if any case failed.
+# Logs of every case are kept in $SOFTRDMA_INTEROP_LOGS (default
+# /tmp/softrdma-interop).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VM=${SIWVM_DIR:-$ROOT/../shared/interop/siw-vm}
+CACHE=${SIWVM_CACHE:-$HOME/.cache/softrdma-siw-vm}
+LOGS=${SOFTRDMA_INTEROP_LOGS:-/tmp/softrdma-interop}
+COUNT=${SOFTRDMA_INTEROP_COUNT:-10}
+HOST_IP=10.99.0.1
+GUEST_IP=10.99.0.2
+VARIANTS=("$@")
+[ ${#VARIANTS[@]} -eq 0 ] && VARIANTS=(default crc p2p crc-p2p mpav1)
+
+[ "$(id -u)" = 0 ] || { echo "interop-siw: needs root (netns, tap, QEMU)" >&2; exit 2; }
+[ -x "$VM/run.sh" ] || { echo "interop-siw: no siw VM harness at $VM" >&2; exit 2; }
+
+(cd "$ROOT" && cargo build --release -q -p softrdma-cli) || exit 2
+BIN=$ROOT/target/release/softrdma
+[ -f "$CACHE/rootfs.ext4" ] || "$VM/build.sh" || exit 2
+mkdir -p "$LOGS"
+"$VM/netns.sh" up
+
+fails=0
+result() { # name status detail
+	printf '%-4s %-36s %s\n' "$2" "$1" "$3"
+	[ "$2" = PASS ] || fails=$((fails + 1))
+}
+
+# Extra client options of softrdma for a variant.
+client_opts() {
+	case "$1" in
+	p2p | crc-p2p) echo "--p2p" ;;
+	mpav1) echo "--mpa-rev 1" ;;
+	*) echo "" ;;
+	esac
+}
+
+SPID=
+cleanup() {
+	[ -n "$SPID" ] && kill "$SPID" 2>/dev/null
+	"$VM/netns.sh" down
+}
+trap cleanup EXIT
+
+for v in "${VARIANTS[@]}"; do
+	# 1. guest rping client (kernel siw) -> softrdma ping server on the host.
+	log=$LOGS/$v-rping-client.log
+	"$VM/netns.sh" exec "$BIN" ping -s -a "$HOST_IP" -C "$COUNT" -v --timeout 60 >"$log.softrdma" 2>&1 &
+	SPID=$!
+	sleep 0.5
+	"$VM/run.sh" --siw "$v" --timeout 180 "rping -c -a \$SIWVM_HOST_IP -C $COUNT -v" >"$log" 2>&1
+	grc=$?
+	wait "$SPID"
+	src=$?
+	SPID=
+	if [ $grc -eq 0 ] && [ $src -eq 0 ]; then
+		result "$v: guest rping -c -> softrdma -s" PASS "$(grep -c 'ping data' "$log") pings"
+	else
+		result "$v: guest rping -c -> softrdma -s" FAIL "rping exit $grc, softrdma exit $src ($log)"
+	fi
+
+	# 2. softrdma ping client on the host -> guest rping server.
+	log=$LOGS/$v-rping-server.log
+	out=$(mktemp -d)
+	"$VM/run.sh" --siw "$v" --timeout 180 --out "$out" \
+		"(sleep 1; touch /out/ready) & rping -s -a \$SIWVM_GUEST_IP -C $COUNT -v" >"$log" 2>&1 &
+	vpid=$!
+	for _ in $(seq 1 1200); do
+		[ -e "$out/ready" ] && break
+		kill -0 "$vpid" 2>/dev/null || break
+		sleep 0.1
+	done
+	# shellcheck disable=SC2046
+	"$VM/netns.sh" exec "$BIN" ping -c -a "$GUEST_IP" -C "$COUNT" -v --timeout 60 $(client_opts "$v") \
+		>"$log.softrdma" 2>&1
+	src=$?
+	wait "$vpid"
+	grc=$?
+	rm -rf "$out"
+	if [ $grc -eq 0 ] && [ $src -eq 0 ]; then
+		result "$v: softrdma -c -> guest rping -s" PASS "$(grep -c 'ping data' "$log.softrdma") pings"
+	else
+		result "$v: softrdma -c -> guest rping -s" FAIL "rping exit $grc, softrdma exit $src ($log)"
+	fi
+done
+
+echo "interop-siw: $fails case(s) failed; logs in $LOGS"
+[ $fails -eq 0 ]
