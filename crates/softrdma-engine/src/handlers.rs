@@ -75,12 +75,16 @@
 //! reported complete by the next *signaled* request of the same send queue:
 //! send-queue requests complete in order, so when the completion of a
 //! signaled request is polled, every unsignaled request posted before it on
-//! that QP has completed too, and its send-queue slot is free again
-//! ([`QueuePair::send_queue_len`](crate::QueuePair::send_queue_len) drops
-//! by all of them at once). An application that posts only unsignaled work
-//! must therefore signal one request every so often (at most once per send
-//! queue depth), or the send queue fills up. A failed unsignaled request is
-//! always reported (with its error status), and the QP goes to ERROR.
+//! that QP has completed too, and its send-queue slot is free again. Verbs
+//! lets a provider keep those slots until then, so an application that posts
+//! only unsignaled work must signal one request every so often (at least
+//! once per send-queue depth), or the send queue may fill up. softrdma
+//! retires a successful unsignaled request as soon as it and every request
+//! before it are done (the slot is free at once,
+//! [`QueuePair::send_queue_len`](crate::QueuePair::send_queue_len) drops),
+//! which is allowed: applications must still follow the rule above. A
+//! failed unsignaled request is always reported, with its error status, and
+//! the QP goes to ERROR.
 //!
 //! # Asynchronous events
 //!
@@ -725,5 +729,393 @@ fn run_async(shared: &AsyncShared) {
             return;
         }
         std::thread::park();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::AsyncEventKind;
+    use crate::wc::{WcOpcode, WorkCompletion};
+    use crate::{CompletionQueue, Device};
+    use rand::Rng;
+    use std::sync::atomic::AtomicU32;
+
+    fn device(handlers: usize) -> Device {
+        Device::open_with(DeviceConfig {
+            handler_cpus: vec![0; handlers],
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap()
+    }
+
+    fn wc(wr_id: u64, producer: u32) -> WorkCompletion {
+        WorkCompletion::success(wr_id, WcOpcode::Recv, producer)
+    }
+
+    /// Waits (yielding) until `done` holds; fails after a generous deadline.
+    fn wait_until(what: &str, done: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// What one stress CQ's callback saw.
+    #[derive(Default)]
+    struct Seen {
+        next: Mutex<Vec<u64>>,
+        total: AtomicU64,
+        running: AtomicBool,
+        overlaps: AtomicU64,
+        runs: AtomicU64,
+    }
+
+    /// Takes up to `k` completions, checking per-producer order.
+    fn take(cq: &CompletionQueue, seen: &Seen, k: usize) -> usize {
+        let mut buf = [wc(0, 0); 64];
+        let n = cq.poll(&mut buf[..k.clamp(1, 64)]);
+        let mut next = seen.next.lock();
+        for w in &buf[..n] {
+            let slot = &mut next[w.qp_num as usize];
+            assert_eq!(w.wr_id, *slot, "per-producer order");
+            *slot += 1;
+        }
+        seen.total.fetch_add(n as u64, Ordering::Relaxed);
+        n
+    }
+
+    /// One million completions from producer threads into two CQs on two
+    /// handlers; the callbacks poll in random batches, re-arm at random
+    /// points of the drain (always polling again after the last arm, the
+    /// verbs rule), and a third thread arms at random. Nothing may be lost,
+    /// order per producer holds, callbacks of one CQ never overlap.
+    #[test]
+    fn a_million_completions_with_random_arm_poll_interleavings() {
+        const PRODUCERS: u32 = 4;
+        const EACH: u64 = 250_000;
+        let dev = device(2);
+        let mut cqs = Vec::new();
+        let mut seens = Vec::new();
+        for h in 0..2 {
+            let seen = Arc::new(Seen::default());
+            *seen.next.lock() = vec![0; PRODUCERS as usize];
+            let s = Arc::clone(&seen);
+            let cq = CompletionQueue::builder(&dev, 1024)
+                .binding(Binding::Handler(HandlerId::new(h)))
+                .callback(move |cq: &CompletionQueue| {
+                    if s.running.swap(true, Ordering::SeqCst) {
+                        s.overlaps.fetch_add(1, Ordering::Relaxed);
+                    }
+                    s.runs.fetch_add(1, Ordering::Relaxed);
+                    let mut rng = rand::rng();
+                    loop {
+                        // Random batches, sometimes arming early (an arm
+                        // while completions are queued is allowed; it
+                        // may raise an extra event).
+                        while take(cq, &s, rng.random_range(1..64)) > 0 {
+                            if rng.random_ratio(1, 50) {
+                                cq.req_notify(rng.random_bool(0.1)).unwrap();
+                            }
+                            if rng.random_ratio(1, 200) {
+                                std::thread::yield_now();
+                            }
+                        }
+                        cq.req_notify(false).unwrap();
+                        if rng.random_ratio(1, 20) {
+                            std::thread::yield_now();
+                        }
+                        if take(cq, &s, rng.random_range(1..64)) == 0 {
+                            break;
+                        }
+                    }
+                    s.running.store(false, Ordering::SeqCst);
+                })
+                .build()
+                .unwrap();
+            assert_eq!(cq.handler(), HandlerId::new(h));
+            cq.req_notify(false).unwrap();
+            cqs.push(cq);
+            seens.push(seen);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let chaos = {
+            let cqs = cqs.clone();
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut rng = rand::rng();
+                while !stop.load(Ordering::Relaxed) {
+                    cqs[rng.random_range(0..2)]
+                        .req_notify(rng.random_bool(0.5))
+                        .unwrap();
+                    std::thread::sleep(Duration::from_micros(rng.random_range(0..200)));
+                }
+            })
+        };
+        let producers: Vec<_> = (0..PRODUCERS)
+            .map(|p| {
+                let cq = cqs[p as usize % 2].clone();
+                std::thread::spawn(move || {
+                    let mut rng = rand::rng();
+                    for i in 0..EACH {
+                        // Back off instead of overflowing.
+                        while cq.len() >= cq.capacity() || cq.push(wc(i, p), false).is_err() {
+                            std::thread::yield_now();
+                        }
+                        if rng.random_ratio(1, 5000) {
+                            std::thread::sleep(Duration::from_micros(50));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for p in producers {
+            p.join().unwrap();
+        }
+        let per_cq = u64::from(PRODUCERS / 2) * EACH;
+        for s in &seens {
+            wait_until("every completion", || {
+                s.total.load(Ordering::Relaxed) == per_cq
+            });
+        }
+        stop.store(true, Ordering::Relaxed);
+        chaos.join().unwrap();
+        // Every callback returned armed and saw the CQ empty after arming:
+        // one more completion must raise one more event.
+        for (h, (cq, s)) in cqs.iter().zip(&seens).enumerate() {
+            wait_until("the last callback", || !s.running.load(Ordering::SeqCst));
+            let runs = s.runs.load(Ordering::Relaxed);
+            // Producer `h` fed this CQ; its next completion is number EACH.
+            cq.push(wc(EACH, h as u32), false).unwrap();
+            wait_until("the final event", || s.runs.load(Ordering::Relaxed) > runs);
+            wait_until("the final completion", || {
+                s.total.load(Ordering::Relaxed) == per_cq + 1
+            });
+            assert_eq!(s.overlaps.load(Ordering::Relaxed), 0);
+        }
+        let stats = dev.handler_stats();
+        for (st, s) in stats.iter().zip(&seens) {
+            wait_until("stats", || {
+                dev.handler_stats()[st.id.index()].callbacks == s.runs.load(Ordering::Relaxed)
+            });
+            assert_eq!(st.cqs_bound, 1);
+            assert_eq!(st.callback_panics, 0);
+        }
+        let stats = dev.handler_stats();
+        for st in &stats {
+            // Every event ran a callback (none lost in the handler).
+            assert_eq!(st.events, st.callbacks);
+            assert_eq!(st.completions, per_cq + 1);
+        }
+    }
+
+    #[test]
+    fn handler_table_and_explicit_bindings() {
+        let dev = Device::open_with(DeviceConfig {
+            handler_cpus: vec![0, 0, 0],
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        assert_eq!(dev.attr().completion_handlers, 3);
+        let table = dev.handler_table();
+        assert_eq!(
+            table,
+            (0..3).map(|i| (HandlerId::new(i), 0)).collect::<Vec<_>>()
+        );
+        assert_eq!(dev.handler_cpu(HandlerId::new(2)), Some(0));
+        assert_eq!(dev.handler_cpu(HandlerId::new(3)), None);
+        let cq = CompletionQueue::builder(&dev, 4)
+            .binding(Binding::Handler(HandlerId::new(2)))
+            .build()
+            .unwrap();
+        assert_eq!(cq.handler(), HandlerId::new(2));
+        assert_eq!(cq.handler_cpu(), 0);
+        let by_cpu = CompletionQueue::builder(&dev, 4)
+            .binding(Binding::Cpu(0))
+            .build()
+            .unwrap();
+        assert_eq!(
+            by_cpu.handler(),
+            HandlerId::new(0),
+            "first handler of the CPU"
+        );
+        assert!(matches!(
+            CompletionQueue::builder(&dev, 4)
+                .binding(Binding::Handler(HandlerId::new(3)))
+                .build(),
+            Err(crate::cq::CreateCqError::NoSuchHandler(_))
+        ));
+        assert!(matches!(
+            CompletionQueue::builder(&dev, 4)
+                .binding(Binding::Cpu(9999))
+                .build(),
+            Err(crate::cq::CreateCqError::NoHandlerOnCpu(9999))
+        ));
+        let ch = dev.create_comp_channel().unwrap();
+        assert!(matches!(
+            CompletionQueue::builder(&dev, 4)
+                .channel(&ch)
+                .callback(|_: &CompletionQueue| {})
+                .build(),
+            Err(crate::cq::CreateCqError::ChannelAndCallback)
+        ));
+        let bound: Vec<usize> = dev.handler_stats().iter().map(|s| s.cqs_bound).collect();
+        assert_eq!(bound, [1, 0, 1]);
+        drop(cq);
+        let bound: Vec<usize> = dev.handler_stats().iter().map(|s| s.cqs_bound).collect();
+        assert_eq!(bound, [1, 0, 0]);
+    }
+
+    #[test]
+    fn fewest_cqs_then_lowest_rate() {
+        let load = |id: usize, cqs: usize, rate: f64| HandlerLoad {
+            id: HandlerId::new(id),
+            cpu: id,
+            cqs_bound: cqs,
+            recent_completion_rate: rate,
+        };
+        let p = FewestCqs;
+        assert_eq!(
+            p.choose(&[load(0, 3, 0.0), load(1, 2, 9.0), load(2, 2, 5.0)]),
+            HandlerId::new(2)
+        );
+        assert_eq!(
+            p.choose(&[load(0, 1, 1.0), load(1, 1, 1.0)]),
+            HandlerId::new(0)
+        );
+        let rr = RoundRobin::default();
+        let loads = [load(0, 9, 0.0), load(1, 0, 0.0)];
+        let picks: Vec<_> = (0..4).map(|_| rr.choose(&loads).index()).collect();
+        assert_eq!(picks, [0, 1, 0, 1]);
+    }
+
+    #[derive(Debug)]
+    struct Last;
+    impl BalancePolicy for Last {
+        fn choose(&self, loads: &[HandlerLoad]) -> HandlerId {
+            loads.last().unwrap().id
+        }
+    }
+
+    #[derive(Debug)]
+    struct Bogus;
+    impl BalancePolicy for Bogus {
+        fn choose(&self, _: &[HandlerLoad]) -> HandlerId {
+            HandlerId::new(77)
+        }
+    }
+
+    #[test]
+    fn custom_policies() {
+        for (policy, want) in [
+            (HandlerPolicy::custom(Last), [2, 2, 2]),
+            (HandlerPolicy::custom(Bogus), [0, 1, 2]), // falls back to FewestCqs
+            (HandlerPolicy::RoundRobin, [0, 1, 2]),
+        ] {
+            let dev = Device::open_with(DeviceConfig {
+                handler_cpus: vec![0, 0, 0],
+                pin_threads: false,
+                handler_policy: policy,
+                ..DeviceConfig::default()
+            })
+            .unwrap();
+            let cqs: Vec<_> = (0..3).map(|_| dev.create_cq(4).unwrap()).collect();
+            let got: Vec<usize> = cqs.iter().map(|c| c.handler().index()).collect();
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn a_panicking_callback_is_counted_and_the_handler_goes_on() {
+        let dev = device(1);
+        let calls = Arc::new(AtomicU32::new(0));
+        let c = Arc::clone(&calls);
+        let cq = CompletionQueue::with_callback(&dev, 8, move |_: &CompletionQueue| {
+            if c.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("first callback fails");
+            }
+        })
+        .unwrap();
+        // Silence the expected panic message.
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        cq.req_notify(false).unwrap();
+        cq.push(wc(1, 0), false).unwrap();
+        wait_until("the first callback", || calls.load(Ordering::SeqCst) == 1);
+        wait_until("the panic count", || {
+            dev.handler_stats()[0].callback_panics == 1
+        });
+        std::panic::set_hook(hook);
+        cq.req_notify(false).unwrap();
+        cq.push(wc(2, 0), false).unwrap();
+        wait_until("the second callback", || calls.load(Ordering::SeqCst) == 2);
+        let st = &dev.handler_stats()[0];
+        assert_eq!((st.events, st.callbacks), (2, 2));
+    }
+
+    #[test]
+    fn an_unarmed_callback_cq_raises_nothing_and_solicited_arms_wait() {
+        let dev = device(1);
+        let calls = Arc::new(AtomicU32::new(0));
+        let c = Arc::clone(&calls);
+        let cq = CompletionQueue::with_callback(&dev, 8, move |_: &CompletionQueue| {
+            c.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        cq.push(wc(1, 0), false).unwrap();
+        cq.req_notify(true).unwrap();
+        cq.push(wc(2, 0), false).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+        cq.push(wc(3, 0), true).unwrap();
+        wait_until("the solicited event", || calls.load(Ordering::SeqCst) == 1);
+        assert_eq!(cq.drain_and_arm(false, |_| {}), 3);
+        cq.push(wc(4, 0), false).unwrap();
+        wait_until("the next event", || calls.load(Ordering::SeqCst) == 2);
+    }
+
+    #[test]
+    fn dropping_the_device_from_a_callback_does_not_hang() {
+        let dev = device(2);
+        let done = Arc::new(AtomicBool::new(false));
+        let d = Arc::clone(&done);
+        let cq = CompletionQueue::with_callback(&dev, 8, move |_: &CompletionQueue| {
+            d.store(true, Ordering::SeqCst);
+        })
+        .unwrap();
+        cq.req_notify(false).unwrap();
+        cq.push(wc(1, 0), false).unwrap();
+        // The event holds only a weak reference; dropping every handle
+        // while it is queued or running ends the device cleanly.
+        drop(cq);
+        drop(dev);
+    }
+
+    #[test]
+    fn async_events_go_to_the_callback_when_one_is_registered() {
+        let dev = device(1);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = Arc::clone(&seen);
+        dev.set_async_event_handler(move |e: &AsyncEvent| s.lock().push(e.clone()))
+            .unwrap();
+        let cq = dev.create_cq(1).unwrap();
+        cq.push(wc(1, 0), false).unwrap();
+        assert!(cq.push(wc(2, 0), false).is_err());
+        wait_until("the CQ error", || seen.lock().len() == 1);
+        assert_eq!(seen.lock()[0].kind, AsyncEventKind::CqError);
+        assert_eq!(seen.lock()[0].cq_id, Some(cq.id()));
+        assert!(dev.async_events().try_get().is_none());
+        assert_eq!(dev.async_events_delivered(), 1);
+        dev.clear_async_event_handler();
+        dev.events()
+            .push(AsyncEvent::device(AsyncEventKind::DeviceFatal));
+        assert_eq!(
+            dev.async_events().try_get().unwrap().kind,
+            AsyncEventKind::DeviceFatal
+        );
+        assert_eq!(seen.lock().len(), 1);
     }
 }
