@@ -37,7 +37,7 @@
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -46,7 +46,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
-use crate::handlers::{BindError, Binding, Handler, HandlerId};
+use crate::handlers::{BindError, Binding, Handler, HandlerId, PollCounter};
 use crate::wc::WorkCompletion;
 
 /// Identifiers of completion queues, unique in the process.
@@ -202,7 +202,7 @@ struct CqShared {
     /// Only that thread locks it, so the lock is never contended.
     callback: Option<Mutex<CqCallback>>,
     /// Completions polled (for the handler's load accounting).
-    polled: Arc<AtomicU64>,
+    polled: Arc<PollCounter>,
 }
 
 impl Drop for CqShared {
@@ -312,7 +312,7 @@ impl<'a> CqBuilder<'a> {
             return Err(CreateCqError::ChannelAndCallback);
         }
         let handler = device.handlers().choose(self.binding)?;
-        let polled = Arc::new(AtomicU64::new(0));
+        let polled = Arc::new(PollCounter::default());
         handler.bind(&polled);
         Ok(CompletionQueue {
             shared: Arc::new(CqShared {
@@ -498,7 +498,7 @@ impl CompletionQueue {
             n = self.poll_ring(out);
         }
         if n > 0 {
-            self.shared.polled.fetch_add(n as u64, Ordering::Relaxed);
+            self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
         }
         n
     }

@@ -315,9 +315,15 @@ pub(crate) struct Handler {
     counters: Mutex<Counters>,
 }
 
+/// A counter alone on its cache line (the poll counters of CQs polled by
+/// different threads must not share one).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct PollCounter(pub(crate) AtomicU64);
+
 #[derive(Default)]
 struct Counters {
-    live: Vec<Weak<AtomicU64>>,
+    live: Vec<Weak<PollCounter>>,
     retired: u64,
     /// Last rate sample: when, total then, rate computed then.
     sample: Option<(Instant, u64, f64)>,
@@ -355,7 +361,7 @@ impl Handler {
     }
 
     /// A CQ was bound; `counter` counts the completions polled from it.
-    pub(crate) fn bind(&self, counter: &Arc<AtomicU64>) {
+    pub(crate) fn bind(&self, counter: &Arc<PollCounter>) {
         self.cqs_bound.fetch_add(1, Ordering::Relaxed);
         let mut c = self.counters.lock();
         c.live.retain(|w| w.strong_count() > 0);
@@ -363,13 +369,13 @@ impl Handler {
     }
 
     /// A CQ is going away.
-    pub(crate) fn unbind(&self, counter: &Arc<AtomicU64>) {
+    pub(crate) fn unbind(&self, counter: &Arc<PollCounter>) {
         self.cqs_bound.fetch_sub(1, Ordering::Relaxed);
         let mut c = self.counters.lock();
         let target = Arc::downgrade(counter);
         c.live
             .retain(|w| w.strong_count() > 0 && !Weak::ptr_eq(w, &target));
-        c.retired += counter.load(Ordering::Relaxed);
+        c.retired += counter.0.load(Ordering::Relaxed);
     }
 
     fn completions(c: &Counters) -> u64 {
@@ -377,7 +383,7 @@ impl Handler {
             + c.live
                 .iter()
                 .filter_map(Weak::upgrade)
-                .map(|a| a.load(Ordering::Relaxed))
+                .map(|a| a.0.load(Ordering::Relaxed))
                 .sum::<u64>()
     }
 
