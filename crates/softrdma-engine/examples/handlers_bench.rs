@@ -134,7 +134,19 @@ struct Run {
     done: std::sync::Mutex<Option<mpsc::Sender<Instant>>>,
 }
 
-fn throughput(handlers: usize, a: &Args, iters: u64) -> Result<Vec<f64>, Error> {
+/// One throughput setup: a device, two CQs with callbacks bound to one
+/// handler or to two, a connected QP pair filling them.
+struct Throughput {
+    _dev: Device,
+    dst: MemoryRegion,
+    slot: Arc<std::sync::Mutex<Option<Arc<Run>>>>,
+    cqs: [CompletionQueue; 2],
+    qps: [QueuePair; 2],
+    per_cq: u64,
+    iters: u64,
+}
+
+fn throughput(handlers: usize, a: &Args, iters: u64) -> Result<Throughput, Error> {
     let mut cfg = DeviceConfig::default();
     cfg.pin_threads = true;
     let dev = Device::open_with(cfg)?;
@@ -173,14 +185,29 @@ fn throughput(handlers: usize, a: &Args, iters: u64) -> Result<Vec<f64>, Error> 
     let q0 = QueuePair::new(&pd, &attr0)?;
     let q1 = QueuePair::new(&pd, &attr1)?;
     connect_pair(&q0, &q1, &MpaConfig::default())?;
-    let mut rates = Vec::new();
-    for _ in 0..a.runs {
-        post_n(&q0, &dst, a.per_cq);
-        post_n(&q1, &dst, a.per_cq);
-        while cq0.len() < a.per_cq as usize || cq1.len() < a.per_cq as usize {
+    Ok(Throughput {
+        _dev: dev,
+        dst,
+        slot,
+        cqs: [cq0, cq1],
+        qps: [q0, q1],
+        per_cq: a.per_cq,
+        iters,
+    })
+}
+
+impl Throughput {
+    /// Completions per second of one run.
+    fn run(&self) -> Result<f64, Error> {
+        let [cq0, cq1] = &self.cqs;
+        let [q0, q1] = &self.qps;
+        let (dst, slot, iters) = (&self.dst, &self.slot, self.iters);
+        post_n(q0, dst, self.per_cq);
+        post_n(q1, dst, self.per_cq);
+        while cq0.len() < self.per_cq as usize || cq1.len() < self.per_cq as usize {
             std::thread::sleep(Duration::from_millis(1));
         }
-        let total = 2 * (a.per_cq + 1);
+        let total = 2 * (self.per_cq + 1);
         let (tx, rx) = mpsc::channel();
         *slot.lock().unwrap() = Some(Arc::new(Run {
             processed: AtomicU64::new(0),
@@ -192,13 +219,12 @@ fn throughput(handlers: usize, a: &Args, iters: u64) -> Result<Vec<f64>, Error> 
         let start = Instant::now();
         cq0.req_notify(false)?;
         cq1.req_notify(false)?;
-        q0.post_send(&write_wr(u64::MAX, &dst))?;
-        q1.post_send(&write_wr(u64::MAX, &dst))?;
+        q0.post_send(&write_wr(u64::MAX, dst))?;
+        q1.post_send(&write_wr(u64::MAX, dst))?;
         let end = rx.recv_timeout(Duration::from_secs(120))?;
-        rates.push(total as f64 / end.duration_since(start).as_secs_f64());
         *slot.lock().unwrap() = None;
+        Ok(total as f64 / end.duration_since(start).as_secs_f64())
     }
-    Ok(rates)
 }
 
 /// Median, p99 of post → completion seen, in µs: by busy polling
@@ -272,8 +298,13 @@ fn main() -> Result<(), Error> {
          {} completions per CQ, 2 CQs, {} runs",
         a.per_cq, a.runs
     );
-    let one = throughput(1, &a, iters)?;
-    let all = throughput(cpus, &a, iters)?;
+    // Alternate the two setups so that both see the same background load.
+    let (one_t, all_t) = (throughput(1, &a, iters)?, throughput(cpus, &a, iters)?);
+    let (mut one, mut all) = (Vec::new(), Vec::new());
+    for _ in 0..a.runs {
+        one.push(one_t.run()?);
+        all.push(all_t.run()?);
+    }
     let mut ratios: Vec<f64> = one.iter().zip(&all).map(|(o, x)| x / o).collect();
     let (mut one_s, mut all_s) = (one.clone(), all.clone());
     println!(
