@@ -77,6 +77,11 @@ enum Command {
         /// Seconds to wait for any one step.
         #[arg(long, default_value_t = 30)]
         timeout: u64,
+        /// Client: milliseconds to wait after connecting before the first
+        /// Send (rping's server can lose a message that arrives before it has
+        /// handled its connection-established event).
+        #[arg(long, default_value_t = 200)]
+        start_delay_ms: u64,
     },
 }
 
@@ -97,6 +102,7 @@ fn main() -> ExitCode {
             crc,
             p2p,
             timeout,
+            start_delay_ms,
         } => {
             use softrdma_cli::ping::{PingOptions, run_ping};
             use softrdma_engine::proto::mpa::CrcPolicy;
@@ -115,6 +121,7 @@ fn main() -> ExitCode {
                 },
                 p2p,
                 timeout: std::time::Duration::from_secs(timeout),
+                start_delay: std::time::Duration::from_millis(start_delay_ms),
             };
             let stdout = io::stdout();
             let mut out = stdout.lock();

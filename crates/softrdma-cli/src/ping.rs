@@ -64,6 +64,11 @@ pub struct PingOptions {
     pub p2p: bool,
     /// How long to wait for any one step.
     pub timeout: Duration,
+    /// Client: pause between connecting and the first Send. rping's server
+    /// can miss a message that arrives before it has handled its own
+    /// "established" event (a race in rping.c that shows on slow hosts);
+    /// a short pause avoids it.
+    pub start_delay: Duration,
 }
 
 impl Default for PingOptions {
@@ -79,6 +84,7 @@ impl Default for PingOptions {
             crc: CrcPolicy::AcceptIfAsked,
             p2p: false,
             timeout: Duration::from_secs(30),
+            start_delay: Duration::from_millis(200),
         }
     }
 }
@@ -362,6 +368,7 @@ fn run_client(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
     let n = mpa_connect(&mut stream, &mpa_config(opts), &[], opts.timeout)?;
     let (crc, rev) = (n.crc, n.revision);
     side.qp.establish(stream, &LinkParams::from(&n))?;
+    std::thread::sleep(opts.start_delay);
     let count = if opts.count == 0 {
         u64::MAX
     } else {

@@ -407,6 +407,9 @@ pub(crate) struct QpInner {
     pub(crate) last_poll: AtomicU64,
     /// The peer's FIN arrived (at an FPDU boundary).
     peer_fin: AtomicBool,
+    /// Entering ERROR closes the connection in order instead of resetting
+    /// it (QP destroyed by its owner).
+    orderly_close: AtomicBool,
     /// How long a graceful close waits for the peer's FIN (ms).
     close_timeout_ms: AtomicU64,
     pub(crate) self_weak: Weak<QpInner>,
@@ -466,6 +469,7 @@ impl QueuePair {
             dm_listed: AtomicBool::new(false),
             last_poll: AtomicU64::new(0),
             peer_fin: AtomicBool::new(false),
+            orderly_close: AtomicBool::new(false),
             close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
             self_weak: weak.clone(),
         });
@@ -1288,6 +1292,9 @@ impl QpInner {
             self.peer_fin.store(true, Ordering::Release);
             if state == QpState::Rts {
                 self.begin_close(true);
+            } else {
+                self.tx.lock().peer_closed = true;
+                self.kick();
             }
             self.try_finish_close();
             return;
@@ -1309,9 +1316,12 @@ impl QpInner {
             self.set_state(QpState::Closing);
         }
         self.flush_rq();
-        self.tx.lock().fin_pending = true;
+        {
+            let mut tx = self.tx.lock();
+            tx.fin_pending = true;
+            tx.peer_closed = by_peer;
+        }
         self.kick();
-        let _ = by_peer;
         let weak = self.self_weak.clone();
         let timeout =
             std::time::Duration::from_millis(self.close_timeout_ms.load(Ordering::Relaxed));
@@ -1544,11 +1554,18 @@ impl QpInner {
 
     fn close_link(&self) {
         self.device.threads().unregister(self);
-        // The descriptor stays open until the QP is freed or reconnected:
-        // a datamover may still watch it, and must see the hang-up rather
-        // than a recycled descriptor.
+        // After a Terminate the connection closes in order (so the Terminate
+        // is delivered); any other way into ERROR resets it, so the peer
+        // learns at once. The descriptor stays open until the QP is freed
+        // or reconnected: a datamover may still watch it, and must see the
+        // hang-up rather than a recycled descriptor.
+        let orderly = self.tx.lock().terminate_sent || self.orderly_close.load(Ordering::Acquire);
         if let Some(s) = self.stream.lock().as_ref() {
-            let _ = s.shutdown(Shutdown::Both);
+            if orderly {
+                let _ = s.shutdown(Shutdown::Both);
+            } else {
+                let _ = crate::sys::io::reset_connection(s.as_raw_fd());
+            }
         }
         if let Some(mut rx) = self.rx.try_lock() {
             rx.detach();
@@ -1570,6 +1587,10 @@ impl QpInner {
     /// The last handle is gone: flush and close.
     fn destroy(&self) {
         if self.state() != QpState::Error {
+            // Destroying a connected QP closes its connection in order (FIN
+            // after what is already in the socket), like closing a socket;
+            // use `abort` first for a reset.
+            self.orderly_close.store(true, Ordering::Release);
             self.enter_error(None, None);
         }
         self.device.threads().unregister(self);

@@ -223,6 +223,11 @@ pub(crate) struct TxState {
     pub(crate) fin_pending: bool,
     /// FIN was sent.
     pub(crate) fin_sent: bool,
+    /// The peer closed its side first: requests not yet started are not
+    /// started any more (the remaining ones are flushed at IDLE).
+    pub(crate) peer_closed: bool,
+    /// A Terminate message was written completely.
+    pub(crate) terminate_sent: bool,
 }
 
 impl TxState {
@@ -248,6 +253,8 @@ impl TxState {
             bytes_sent: 0,
             fin_pending: false,
             fin_sent: false,
+            peer_closed: false,
+            terminate_sent: false,
         }
     }
 
@@ -259,7 +266,11 @@ impl TxState {
 
     /// Whether there is anything to transmit (possibly blocked on credits).
     pub(crate) fn has_work(&self) -> bool {
-        !self.sq.is_empty() || !self.resp.is_empty() || !self.out.is_empty() || self.term.is_some()
+        !self.sq.is_empty()
+            || !self.resp.is_empty()
+            || !self.out.is_empty()
+            || self.term.is_some()
+            || (self.fin_pending && !self.fin_sent)
     }
 
     /// Drops all queued work (the QP entered ERROR); returns the dropped
@@ -317,8 +328,8 @@ impl TxState {
                 self.out.push_front(t);
             }
             if self.out.is_empty() {
-                if self.fin_pending && !self.fin_sent && self.sq.is_empty() && self.resp.is_empty()
-                {
+                let sq_done = self.sq.is_empty() || (self.peer_closed && !self.cur_started);
+                if self.fin_pending && !self.fin_sent && sq_done && self.resp.is_empty() {
                     // Everything posted before the close is on the wire.
                     self.fin_sent = crate::sys::io::shutdown_write(link.fd).is_ok();
                     self.fin_pending = false;
@@ -411,7 +422,10 @@ impl TxState {
                         qp.complete_sq(seq, WcStatus::Success, byte_len, 0);
                     }
                     Done::Response => qp.release_ird(),
-                    Done::Terminate => self.closed = true,
+                    Done::Terminate => {
+                        self.closed = true;
+                        self.terminate_sent = true;
+                    }
                 }
             }
         }
@@ -493,6 +507,9 @@ impl TxState {
         ) {
             // Terminate or error: nothing new goes out. (In CLOSING the
             // requests posted before the close still drain.)
+            return false;
+        }
+        if self.peer_closed && !self.cur_started {
             return false;
         }
         loop {

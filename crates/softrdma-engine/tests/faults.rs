@@ -238,11 +238,18 @@ fn pump(sh: &Shared, d: Dir, mut src: TcpStream, mut dst: TcpStream) {
     loop {
         let n = match src.read(&mut buf) {
             Ok(0) => {
-                let _ = dst.shutdown(Shutdown::Write);
+                if sh.dead.load(Ordering::Acquire) {
+                    reset(&dst);
+                } else {
+                    let _ = dst.shutdown(Shutdown::Write);
+                }
                 return;
             }
             Ok(n) => n,
             Err(_) => {
+                if sh.dead.load(Ordering::Acquire) {
+                    reset(&dst);
+                }
                 let _ = dst.shutdown(Shutdown::Both);
                 return;
             }

@@ -1,0 +1,252 @@
+//! Closing rules: graceful disconnect by either side (FIN exchange, IDLE,
+//! "LLP closed"), a peer whose FIN never comes (close timer, reset, "bad
+//! close"), abortive disconnect by either side (RST, ERROR, flush), and what
+//! posting does while closing.
+
+mod common;
+
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::*;
+use softrdma_engine::connect::{mpa_accept, mpa_connect};
+use softrdma_engine::proto::mpa::MpaConfig;
+use softrdma_engine::qp::PostSendError;
+use softrdma_engine::{
+    AsyncEventKind, Device, LinkParams, QpState, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + TIMEOUT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The kinds of the events the device reported for `qp_num` so far
+/// (events of other QPs are kept aside in `other`).
+fn events_of(
+    dev: &Device,
+    qp_num: u32,
+    seen: &mut Vec<(u32, AsyncEventKind)>,
+) -> Vec<AsyncEventKind> {
+    while let Some(ev) = dev.async_events().try_get() {
+        if let Some(q) = ev.qp_num {
+            seen.push((q, ev.kind));
+        }
+    }
+    seen.iter()
+        .filter(|(q, _)| *q == qp_num)
+        .map(|(_, k)| *k)
+        .collect()
+}
+
+fn graceful(initiator_is_a: bool) {
+    let p = pair(false);
+    let (closer, other) = if initiator_is_a {
+        (&p.a, &p.b)
+    } else {
+        (&p.b, &p.a)
+    };
+    // One receive posted on each side, never used: flushed by the close.
+    let ra = mr(&p.a, 64);
+    let rb = mr(&p.b, 64);
+    p.a.qp
+        .post_recv(&RecvWr::new(10, &[ra.sge(0, 64).unwrap()]))
+        .unwrap();
+    p.b.qp
+        .post_recv(&RecvWr::new(20, &[rb.sge(0, 64).unwrap()]))
+        .unwrap();
+    // A Write posted just before the close still goes out.
+    let dst = mr(other, 1 << 20);
+    let src = mr(closer, 1 << 20);
+    let data = pattern(1 << 20, 4);
+    src.write(0, &data).unwrap();
+    closer
+        .qp
+        .post_send(
+            &SendWr::new(
+                1,
+                SendOp::Write {
+                    remote_addr: dst.addr(),
+                    rkey: dst.rkey(),
+                },
+            )
+            .sg_list(&[src.sge(0, 1 << 20).unwrap()])
+            .signaled(),
+        )
+        .unwrap();
+    closer.qp.disconnect().unwrap();
+    assert!(matches!(
+        closer.qp.state(),
+        QpState::Closing | QpState::Idle
+    ));
+    // Posting while closing is refused.
+    if closer.qp.state() == QpState::Closing {
+        let e = closer
+            .qp
+            .post_send(&SendWr::new(2, SendOp::Send).inline(b"late"))
+            .unwrap_err();
+        assert!(matches!(e, PostSendError::InvalidState { .. }), "{e}");
+    }
+    until("both QPs in IDLE", || {
+        p.a.qp.state() == QpState::Idle && p.b.qp.state() == QpState::Idle
+    });
+    let c = wait(&closer.cq, 2);
+    let mut ids: Vec<(u64, WcStatus)> = c.iter().map(|w| (w.wr_id, w.status)).collect();
+    ids.sort_by_key(|x| x.0);
+    let recv_id = if initiator_is_a { 10 } else { 20 };
+    assert_eq!(ids, [(1, WcStatus::Success), (recv_id, WcStatus::WrFlush)]);
+    let o = wait(&other.cq, 1);
+    assert_eq!(o[0].status, WcStatus::WrFlush);
+    assert_eq!(o[0].opcode, WcOpcode::Recv);
+    assert_eq!(
+        dst.to_vec(),
+        data,
+        "the Write posted before the close arrived"
+    );
+    let mut seen = Vec::new();
+    until("LLP closed on both sides", || {
+        let a = events_of(&p.dev, p.a.qp.qp_num(), &mut seen);
+        let b = events_of(&p.dev, p.b.qp.qp_num(), &mut seen);
+        a.contains(&AsyncEventKind::LlpClosed) && b.contains(&AsyncEventKind::LlpClosed)
+    });
+    let all = events_of(&p.dev, p.a.qp.qp_num(), &mut seen);
+    assert!(!all.contains(&AsyncEventKind::BadClose), "{all:?}");
+}
+
+#[test]
+fn graceful_disconnect_by_the_initiator() {
+    graceful(true);
+}
+
+#[test]
+fn graceful_disconnect_by_the_responder() {
+    graceful(false);
+}
+
+#[test]
+fn modify_to_closing_is_a_graceful_disconnect() {
+    let p = pair(false);
+    p.a.qp.modify(QpState::Closing).unwrap();
+    until("both QPs in IDLE", || {
+        p.a.qp.state() == QpState::Idle && p.b.qp.state() == QpState::Idle
+    });
+}
+
+fn abortive(initiator_is_a: bool) {
+    let p = pair(false);
+    let (aborter, other) = if initiator_is_a {
+        (&p.a, &p.b)
+    } else {
+        (&p.b, &p.a)
+    };
+    let ra = mr(&p.a, 64);
+    let rb = mr(&p.b, 64);
+    for i in 0..3 {
+        p.a.qp
+            .post_recv(&RecvWr::new(10 + i, &[ra.sge(0, 64).unwrap()]))
+            .unwrap();
+        p.b.qp
+            .post_recv(&RecvWr::new(20 + i, &[rb.sge(0, 64).unwrap()]))
+            .unwrap();
+    }
+    aborter.qp.abort();
+    assert_eq!(aborter.qp.state(), QpState::Error);
+    until("the peer in ERROR", || other.qp.state() == QpState::Error);
+    for side in [aborter, other] {
+        let c = wait(&side.cq, 3);
+        assert!(c.iter().all(|w| w.status == WcStatus::WrFlush), "{c:?}");
+        let ids: Vec<u64> = c.iter().map(|w| w.wr_id).collect();
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        assert_eq!(ids, sorted, "flushed in posting order");
+    }
+    let mut seen = Vec::new();
+    until("reset events on both sides", || {
+        let a = events_of(&p.dev, aborter.qp.qp_num(), &mut seen);
+        let b = events_of(&p.dev, other.qp.qp_num(), &mut seen);
+        a.contains(&AsyncEventKind::LlpReset) && b.contains(&AsyncEventKind::LlpReset)
+    });
+    // Posting in ERROR completes with a flush error at once.
+    other
+        .qp
+        .post_send(&SendWr::new(99, SendOp::Send).inline(b"x").signaled())
+        .unwrap();
+    let f = wait(&other.cq, 1);
+    assert_eq!((f[0].wr_id, f[0].status), (99, WcStatus::WrFlush));
+}
+
+#[test]
+fn abortive_disconnect_by_the_initiator() {
+    abortive(true);
+}
+
+#[test]
+fn abortive_disconnect_by_the_responder() {
+    abortive(false);
+}
+
+/// A peer that never sends its FIN: the close timer resets the connection,
+/// the QP enters ERROR with everything flushed and a "bad close" event.
+#[test]
+fn peer_that_never_closes_gets_reset_by_the_close_timer() {
+    let dev = device(false);
+    let s = side(&dev, |_| {});
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        mpa_accept(&mut s, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+        // Read until our FIN; never close; then see the reset in the socket's
+        // pending error (after a FIN, reads report end of stream only).
+        let mut buf = [0u8; 4096];
+        use std::io::Read;
+        let mut fin = false;
+        let deadline = Instant::now() + TIMEOUT;
+        while Instant::now() < deadline {
+            if !fin {
+                match s.read(&mut buf) {
+                    Ok(0) => fin = true,
+                    Ok(_) => {}
+                    Err(e) => return (fin, Some(e.kind())),
+                }
+            } else {
+                if let Ok(Some(e)) = s.take_error() {
+                    return (fin, Some(e.kind()));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        (fin, None)
+    });
+    let mut stream = TcpStream::connect(addr).unwrap();
+    let n = mpa_connect(&mut stream, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+    s.qp.establish(stream, &LinkParams::from(&n)).unwrap();
+    let buf = mr(&s, 64);
+    s.qp.post_recv(&RecvWr::new(5, &[buf.sge(0, 64).unwrap()]))
+        .unwrap();
+    s.qp.set_close_timeout(Duration::from_millis(200));
+    s.qp.disconnect().unwrap();
+    let r = wait(&s.cq, 1);
+    assert_eq!((r[0].wr_id, r[0].status), (5, WcStatus::WrFlush));
+    until("ERROR after the close timer", || {
+        s.qp.state() == QpState::Error
+    });
+    let mut seen = Vec::new();
+    until("a bad close event", || {
+        events_of(&dev, s.qp.qp_num(), &mut seen).contains(&AsyncEventKind::BadClose)
+    });
+    let (fin, err) = peer.join().unwrap();
+    assert!(fin, "the peer saw our FIN before the reset");
+    assert!(
+        matches!(
+            err,
+            Some(std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)
+        ),
+        "the peer's connection was reset: {err:?}"
+    );
+}
