@@ -360,13 +360,8 @@ impl AsyncChannel {
         let rt = tokio::runtime::Handle::try_current().map_err(|_| AsyncCqError::NoRuntime)?;
         let afd = {
             let _enter = rt.enter();
-            // `AsyncFd::register` (unsafe, and all unsafe code of the crate
-            // lives in `sys`) asks that the descriptor stay open and be the
-            // same for the AsyncFd's whole life. It does: the AsyncFd owns a
-            // handle of the channel, which keeps the channel's eventfd open,
-            // and `as_raw_fd` always returns that eventfd.
-            #[allow(deprecated)]
-            AsyncFd::new(channel.clone())?
+            // Registration is the one unsafe step; it lives in `sys`.
+            crate::sys::async_fd::register(channel.clone())?
         };
         let shared = Arc::new(ChanShared {
             channel,

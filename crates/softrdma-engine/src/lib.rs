@@ -61,10 +61,10 @@ pub use softrdma_proto as proto;
 pub use softrdma_proto::qp_state as state;
 pub use softrdma_wire as wire;
 
-pub mod connect;
-pub mod cq;
 #[cfg(feature = "tokio")]
 pub mod async_cq;
+pub mod connect;
+pub mod cq;
 mod datamover;
 pub mod device;
 pub mod event;
@@ -80,10 +80,11 @@ mod tx;
 pub mod wc;
 pub mod wr;
 
-pub use cq::{CompletionChannel, CompletionQueue};
+pub use cq::{CompletionChannel, CompletionQueue, CqBuilder};
 pub use datamover::DatamoverStats;
 pub use device::{Device, DeviceAttr, DeviceConfig, OpenError};
 pub use event::{AsyncEvent, AsyncEventKind, AsyncEventQueue};
+pub use handlers::{Binding, HandlerId, HandlerPolicy, HandlerStats};
 pub use mr::{Access, MemoryRegion, MemoryWindow};
 pub use pd::ProtectionDomain;
 pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair};

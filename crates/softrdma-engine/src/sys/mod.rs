@@ -2,6 +2,8 @@
 //! on raw pointers, event file descriptors and thread pinning. Each block
 //! carries a `// SAFETY:` comment; nothing outside this module uses `unsafe`.
 
+#[cfg(feature = "tokio")]
+pub(crate) mod async_fd;
 pub(crate) mod fd;
 pub(crate) mod io;
 pub(crate) mod mem;
