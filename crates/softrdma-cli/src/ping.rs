@@ -29,7 +29,7 @@ use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig, RtrOffer};
 use softrdma_engine::qp::EstablishError;
 use softrdma_engine::{
     Access, CompletionQueue, Device, LinkParams, MemoryRegion, ProtectionDomain, QpInitAttr,
-    QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    QpState, QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// rping's default port.
@@ -401,6 +401,13 @@ fn run_client(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
         }
         done += 1;
     }
+    // Disconnect gracefully (FIN exchange); the server sees the disconnect
+    // as the end of the run, as rping's does.
+    side.qp.disconnect().map_err(engine_err)?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !matches!(side.qp.state(), QpState::Idle | QpState::Error) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     Ok(PingSummary {
         iterations: done,
         peer,
@@ -423,17 +430,25 @@ fn run_server(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
     side.qp.establish(stream, &LinkParams::from(&n))?;
     let mut done = 0u64;
     loop {
-        if opts.count != 0 && done >= opts.count {
-            break;
-        }
         // The client's start-buffer advertisement; a flush here is the
-        // client disconnecting, the normal end of a run without -C.
+        // client disconnecting: the end of the run (like rping's server, the
+        // server leaves the disconnect to the client; -C only says how many
+        // iterations to expect).
         let info = match side.recv("the client's start-buffer advertisement") {
             Ok(i) => i,
             Err(PingError::Completion {
                 status: WcStatus::WrFlush,
                 ..
-            }) if done > 0 => break,
+            }) if done > 0 && done >= opts.count => break,
+            Err(PingError::Completion {
+                status: WcStatus::WrFlush,
+                ..
+            }) => {
+                return Err(PingError::Engine(format!(
+                    "the client disconnected after {done} of {} iterations",
+                    opts.count.max(1)
+                )));
+            }
             Err(e) => return Err(e),
         };
         let (addr, rkey, len) = parse_info(&info);
