@@ -625,6 +625,26 @@ impl QueuePair {
     /// first FPDU of full operation (the MPA exchange is done), with what
     /// the negotiation settled.
     pub fn establish(&self, stream: TcpStream, params: &LinkParams) -> Result<(), EstablishError> {
+        self.establish_with_prefix(stream, params, &[])
+    }
+
+    /// Like [`establish`](Self::establish), for a stream from which the
+    /// caller has already read the first bytes of full operation (read-ahead
+    /// of a stream-to-RDMA transition, or of an MPA exchange that read past
+    /// the handshake): `already_read` is processed as FPDUs before anything
+    /// read from the socket. At most 16 KiB.
+    pub fn establish_with_prefix(
+        &self,
+        stream: TcpStream,
+        params: &LinkParams,
+        already_read: &[u8],
+    ) -> Result<(), EstablishError> {
+        if already_read.len() > 16 * 1024 {
+            return Err(EstablishError::Io(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "more than 16 KiB of read-ahead",
+            )));
+        }
         let qp = self.qp();
         let _g = qp.state_lock.lock();
         let state = qp.state();
@@ -660,13 +680,22 @@ impl QueuePair {
             tx.closed = false;
             tx.set_initial_msns(params.msns.send_tx, params.msns.read_tx);
         }
-        qp.rx
-            .lock()
-            .attach(stream, params.crc, params.msns.send_rx, params.msns.read_rx);
+        qp.rx.lock().attach(
+            stream,
+            params.crc,
+            params.msns.send_rx,
+            params.msns.read_rx,
+            already_read,
+        );
         qp.peer_fin.store(false, Ordering::Release);
         qp.set_state(QpState::Rts);
         drop(_g);
         qp.device.threads().register_rx(qp, fd);
+        if !already_read.is_empty() {
+            // Bytes already here: the socket may never become readable for
+            // them, so process them now.
+            qp.rx_thread_progress();
+        }
         qp.device
             .events()
             .push(AsyncEvent::qp(AsyncEventKind::CommEstablished, qp.qp_num));

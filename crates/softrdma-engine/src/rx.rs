@@ -180,12 +180,17 @@ impl RxState {
         crc: bool,
         send_msn: Msn,
         read_msn: Msn,
+        already_read: &[u8],
     ) {
         self.stream = Some(stream);
         self.expect[QN_SEND] = send_msn;
         self.expect[QN_RREQ] = read_msn;
         self.crc_on = crc;
         self.buf = vec![0u8; STAGING];
+        let n = already_read.len().min(STAGING);
+        self.buf[..n].copy_from_slice(&already_read[..n]);
+        self.start = 0;
+        self.end = n;
     }
 
     pub(crate) fn detach(&mut self) {

@@ -408,3 +408,50 @@ fn forced_datamover_ping_pong_never_strands_a_request() {
     }
     echo.join().unwrap();
 }
+
+/// Bytes of full operation read before `establish` (read-ahead) are
+/// processed as FPDUs first: a Send whose first bytes were consumed by the
+/// application's own read arrives intact.
+#[test]
+fn establish_with_prefix_processes_read_ahead_bytes() {
+    use softrdma_engine::LinkParams;
+    use softrdma_engine::connect::{mpa_accept, mpa_connect};
+    use softrdma_engine::proto::mpa::MpaConfig;
+    use std::io::Read;
+    use std::net::{Ipv4Addr, TcpListener, TcpStream};
+    use std::time::Duration;
+    let dev = device(false);
+    let a = side(&dev, |_| {});
+    let b = side(&dev, |_| {});
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let n = mpa_accept(&mut s, &MpaConfig::default(), &[], Duration::from_secs(5)).unwrap();
+        (s, n)
+    });
+    let mut sa = TcpStream::connect(addr).unwrap();
+    let na = mpa_connect(&mut sa, &MpaConfig::default(), &[], Duration::from_secs(5)).unwrap();
+    let (mut sb, nb) = t.join().unwrap();
+    a.qp.establish(sa, &LinkParams::from(&na)).unwrap();
+    let dst = mr(&b, 64);
+    b.qp.post_recv(&RecvWr::new(3, &[dst.sge(0, 64).unwrap()]))
+        .unwrap();
+    a.qp.post_send(
+        &SendWr::new(1, SendOp::Send)
+            .inline(b"read ahead!")
+            .signaled(),
+    )
+    .unwrap();
+    // The application reads the first 10 bytes of the FPDU itself.
+    let mut head = [0u8; 10];
+    sb.read_exact(&mut head).unwrap();
+    b.qp.establish_with_prefix(sb, &LinkParams::from(&nb), &head)
+        .unwrap();
+    let c = wait(&b.cq, 1);
+    assert_eq!(
+        (c[0].wr_id, c[0].status, c[0].byte_len),
+        (3, WcStatus::Success, 11)
+    );
+    assert_eq!(&dst.to_vec()[..11], b"read ahead!");
+}
