@@ -65,6 +65,7 @@ pub use softrdma_wire as wire;
 pub mod async_cq;
 pub mod connect;
 pub mod cq;
+pub mod cm;
 mod datamover;
 pub mod device;
 pub mod event;
