@@ -76,6 +76,7 @@ pub mod pd;
 pub mod qp;
 mod rx;
 pub mod srq;
+pub mod transition;
 mod sys;
 mod tx;
 pub mod wc;

@@ -1,0 +1,697 @@
+//! Switching a live TCP byte stream into RDMA mode.
+//!
+//! An application may first use a connection as a plain byte stream (a
+//! login or negotiation phase, as iSCSI does before iSER takes over, RFC
+//! 7145 section 5) and then switch the same connection into RDMA mode.
+//! [`StreamConnection`] wraps the connected [`TcpStream`] for that:
+//!
+//! ```text
+//!  Streaming ──request_switch──▶ SwitchRequested ──post_recv_and_switch──▶ Transitioning
+//!   read/write                    write only (last                          │         │
+//!   reserve, set_ird_ord          streaming messages)                       ▼         ▼
+//!                                 reserve, set_ird_ord                     Rdma     Failed
+//!                                                                          (QP RTS)  (torn down)
+//! ```
+//!
+//! 1. Resources first: [`StreamConnection::reserve`] takes a QP in IDLE (or
+//!    RTR); its IRD/ORD may be changed with
+//!    [`StreamConnection::set_ird_ord`] until the switch starts. From then on
+//!    they are fixed by the negotiation at the switch (the QP is in RTS,
+//!    where [`QueuePair::set_ird_ord`] refuses).
+//! 2. [`StreamConnection::request_switch`]: from now on stream reads are
+//!    refused ([`TransitionError::ReadAfterSwitchRequest`]); the application
+//!    may still write its last streaming message(s).
+//! 3. [`StreamConnection::post_recv_and_switch`]: posts the first receive
+//!    (at least one must be pre-posted) and performs the switch. All
+//!    streaming writes are blocking and complete (the octets are in the
+//!    socket, in order) before the switch starts, so no RDMA frame can
+//!    overtake or interleave with streaming octets.
+//!
+//! ## Protocol at the switch
+//!
+//! [`SwitchMode::Mpa`] (the default choice, as iSER over iWARP does): after
+//! its last streaming message each side runs an MPA exchange (RFC 5044
+//! section 7.1, RFC 6581) on the same stream, one side as initiator, the
+//! other as responder; it settles CRC, the IRD/ORD of the reserved QP (RFC
+//! 6581 enhanced mode) and, if configured, the peer-to-peer RTR. The MPA
+//! Request therefore follows the initiator's last streaming octet, and the
+//! Reply follows the responder's.
+//!
+//! [`SwitchMode::Direct`]: the parameters were agreed during the streaming
+//! phase (by the application's own login keys); full operation starts with
+//! the octet right after each side's last streaming message, with the given
+//! [`LinkParams`] and no MPA frames.
+//!
+//! ## Read-ahead
+//!
+//! Stream reads are buffered: the connection reads up to
+//! [`READ_AHEAD`] octets from the socket at a time, so the buffer may hold
+//! octets past the peer's last streaming message (its MPA frame or, in
+//! direct mode, its first FPDUs, which a peer that switched first may send
+//! at once). Those octets are never returned by a read after
+//! [`StreamConnection::request_switch`]; at the switch they go to the MPA
+//! exchange and then to the RDMA receive path
+//! ([`QueuePair::establish_with_prefix`]), in order, before anything else
+//! read from the socket. The application frames its own messages: it reads
+//! exactly a message's length ([`StreamConnection::read_exact`]), and
+//! returns octets it read too far with [`StreamConnection::unread`].
+//!
+//! ## Failure
+//!
+//! A failure once the switch started (peer closed, garbage, timeout, MPA
+//! refusal, local setup error) tears the connection down: the socket is
+//! shut down in both directions, the QP enters ERROR (the pre-posted
+//! receives complete with flush errors) and the connection is
+//! [`ConnState::Failed`]. It never falls back to streaming.
+
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use softrdma_proto::mpa::{
+    ConfigError, Initiator, InitiatorEvent, MpaConfig, MpaNegotiationError, Negotiated, Responder,
+    ResponderEvent,
+};
+
+use crate::qp::{EstablishError, LinkParams, ModifyError, PostRecvError, QueuePair};
+use crate::state::QpState;
+use crate::wr::RecvWr;
+
+/// Octets read from the socket at a time in streaming mode; also the most
+/// the read-ahead buffer holds (well below the 16 KiB that
+/// [`QueuePair::establish_with_prefix`] takes).
+pub const READ_AHEAD: usize = 8 * 1024;
+
+/// Most octets the read-ahead buffer may hold including octets given back
+/// with [`StreamConnection::unread`].
+pub const READ_AHEAD_MAX: usize = 16 * 1024;
+
+/// Default time limit of the switch ([`StreamConnection::set_switch_timeout`]).
+pub const DEFAULT_SWITCH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The side this end takes in the MPA exchange at the switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MpaRole {
+    /// Sends the MPA Request (and the RTR in peer-to-peer mode).
+    Initiator,
+    /// Answers the Request with a Reply.
+    Responder,
+}
+
+/// How the connection enters full operation.
+#[derive(Debug, Clone)]
+pub enum SwitchMode {
+    /// MPA exchange on the stream after the last streaming message. The
+    /// `config`'s IRD/ORD are replaced by the reserved QP's at the switch.
+    Mpa {
+        /// Initiator or responder.
+        role: MpaRole,
+        /// Revision, CRC policy, peer-to-peer mode, private data cap.
+        config: MpaConfig,
+        /// Private data of the Request or Reply.
+        private_data: Vec<u8>,
+    },
+    /// No MPA frames: full operation starts right after the last streaming
+    /// message with these parameters, agreed during the streaming phase.
+    Direct(LinkParams),
+}
+
+impl SwitchMode {
+    /// MPA exchange with the default [`MpaConfig`] (revision 2, CRC if the
+    /// peer asks) and no private data.
+    pub fn mpa(role: MpaRole) -> Self {
+        SwitchMode::Mpa {
+            role,
+            config: MpaConfig::default(),
+            private_data: Vec::new(),
+        }
+    }
+}
+
+/// Where a [`StreamConnection`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnState {
+    /// Byte stream: reads and writes.
+    Streaming,
+    /// Switch requested: writes only (the last streaming messages).
+    SwitchRequested,
+    /// The switch is running.
+    Transitioning,
+    /// RDMA mode: the QP owns the connection.
+    Rdma,
+    /// The switch failed and the connection was torn down.
+    Failed,
+}
+
+impl fmt::Display for ConnState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ConnState::Streaming => "streaming",
+            ConnState::SwitchRequested => "switch requested",
+            ConnState::Transitioning => "transition in progress",
+            ConnState::Rdma => "RDMA mode",
+            ConnState::Failed => "failed (connection torn down)",
+        })
+    }
+}
+
+/// Why a call on a [`StreamConnection`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransitionError {
+    /// The call is not allowed in the connection's state.
+    #[error("{op} is not allowed: the connection is in state {state}")]
+    NotAllowed {
+        /// The call.
+        op: &'static str,
+        /// The connection's state.
+        state: ConnState,
+    },
+    /// A stream read after [`StreamConnection::request_switch`]: the octets
+    /// that follow belong to RDMA mode.
+    #[error("stream reads are refused once the switch to RDMA mode is requested")]
+    ReadAfterSwitchRequest,
+    /// The switch needs a QP: call [`StreamConnection::reserve`].
+    #[error("no QP reserved for the switch")]
+    NoQpReserved,
+    /// The QP to reserve is not in IDLE or RTR.
+    #[error("QP {qp_num} is in state {state}; reserving it needs IDLE or RTR")]
+    QpNotIdle {
+        /// The QP.
+        qp_num: u32,
+        /// Its state.
+        state: QpState,
+    },
+    /// IRD/ORD could not be changed (fixed once the switch started).
+    #[error("IRD/ORD: {0}")]
+    IrdOrd(#[from] ModifyError),
+    /// The first receive could not be posted (the switch did not start).
+    #[error("posting the first receive: {0}")]
+    PostRecv(#[from] PostRecvError),
+    /// [`StreamConnection::unread`] would overflow the read-ahead buffer.
+    #[error("read-ahead buffer full: {len} octets, at most {READ_AHEAD_MAX}")]
+    ReadAheadFull {
+        /// Octets it would hold.
+        len: usize,
+    },
+    /// An earlier streaming write failed part way: the stream is not at a
+    /// message boundary, the switch cannot start.
+    #[error("an earlier streaming write was incomplete; the stream cannot be switched")]
+    IncompleteWrite,
+    /// The peer closed the connection.
+    #[error("peer closed the connection")]
+    PeerClosed,
+    /// The switch did not complete in time.
+    #[error("switch to RDMA mode timed out")]
+    TimedOut,
+    /// The local MPA settings cannot be used.
+    #[error("MPA settings: {0}")]
+    MpaConfig(#[from] ConfigError),
+    /// The peer's MPA exchange is wrong (garbage, refusal of the terms).
+    #[error("MPA exchange at the switch: {0}")]
+    Mpa(#[from] MpaNegotiationError),
+    /// The peer rejected the MPA Request.
+    #[error("peer rejected the switch ({} octets of private data)", private_data.len())]
+    Rejected {
+        /// The peer's private data.
+        private_data: Vec<u8>,
+    },
+    /// The QP refused the connection.
+    #[error("QP: {0}")]
+    Establish(#[from] EstablishError),
+    /// A socket error.
+    #[error("socket: {0}")]
+    Io(#[from] io::Error),
+}
+
+fn io_error(e: io::Error) -> TransitionError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => TransitionError::TimedOut,
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted
+        | io::ErrorKind::BrokenPipe => TransitionError::PeerClosed,
+        _ => TransitionError::Io(e),
+    }
+}
+
+/// A connected TCP stream used as a byte stream first and switched into
+/// RDMA mode later (see the [module documentation](self)).
+#[derive(Debug)]
+pub struct StreamConnection {
+    stream: Option<TcpStream>,
+    /// Read-ahead: the unread octets are `rbuf[rpos..]`.
+    rbuf: Vec<u8>,
+    rpos: usize,
+    state: ConnState,
+    qp: Option<QueuePair>,
+    mode: SwitchMode,
+    timeout: Duration,
+    write_broken: bool,
+    negotiated: Option<Negotiated>,
+}
+
+impl StreamConnection {
+    /// Wraps a connected stream in streaming mode; `mode` says how the
+    /// switch will be done.
+    pub fn new(stream: TcpStream, mode: SwitchMode) -> Self {
+        StreamConnection {
+            stream: Some(stream),
+            rbuf: Vec::new(),
+            rpos: 0,
+            state: ConnState::Streaming,
+            qp: None,
+            mode,
+            timeout: DEFAULT_SWITCH_TIMEOUT,
+            write_broken: false,
+            negotiated: None,
+        }
+    }
+
+    /// The connection's state.
+    pub fn state(&self) -> ConnState {
+        self.state
+    }
+
+    /// The reserved QP.
+    pub fn qp(&self) -> Option<&QueuePair> {
+        self.qp.as_ref()
+    }
+
+    /// What the MPA exchange at the switch settled ([`SwitchMode::Mpa`],
+    /// once in RDMA mode).
+    pub fn negotiated(&self) -> Option<&Negotiated> {
+        self.negotiated.as_ref()
+    }
+
+    /// Octets read ahead from the socket and not yet returned by a read.
+    pub fn buffered(&self) -> usize {
+        self.rbuf.len().saturating_sub(self.rpos)
+    }
+
+    /// The peer's address (streaming phase).
+    pub fn peer_addr(&self) -> Result<SocketAddr, TransitionError> {
+        Ok(self.stream("peer_addr")?.peer_addr()?)
+    }
+
+    /// Limits the whole switch (MPA exchange included) to `timeout`.
+    pub fn set_switch_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// Read and write timeouts of the streaming phase (`None`: block).
+    pub fn set_stream_timeout(&mut self, timeout: Option<Duration>) -> Result<(), TransitionError> {
+        let s = self.stream_mut("set_stream_timeout")?;
+        s.set_read_timeout(timeout)?;
+        s.set_write_timeout(timeout)?;
+        Ok(())
+    }
+
+    fn not_allowed(&self, op: &'static str) -> TransitionError {
+        TransitionError::NotAllowed {
+            op,
+            state: self.state,
+        }
+    }
+
+    fn stream(&self, op: &'static str) -> Result<&TcpStream, TransitionError> {
+        match (&self.stream, self.state) {
+            (Some(s), ConnState::Streaming | ConnState::SwitchRequested) => Ok(s),
+            _ => Err(self.not_allowed(op)),
+        }
+    }
+
+    fn stream_mut(&mut self, op: &'static str) -> Result<&mut TcpStream, TransitionError> {
+        let state = self.state;
+        match (&mut self.stream, state) {
+            (Some(s), ConnState::Streaming | ConnState::SwitchRequested) => Ok(s),
+            _ => Err(TransitionError::NotAllowed { op, state }),
+        }
+    }
+
+    fn check_read(&self, op: &'static str) -> Result<(), TransitionError> {
+        match self.state {
+            ConnState::Streaming => Ok(()),
+            ConnState::SwitchRequested => Err(TransitionError::ReadAfterSwitchRequest),
+            _ => Err(self.not_allowed(op)),
+        }
+    }
+
+    /// Reads stream octets (streaming state only): from the read-ahead
+    /// buffer, refilled with up to [`READ_AHEAD`] octets when empty. Returns
+    /// 0 at the end of the stream.
+    pub fn read(&mut self, buf: &mut [u8]) -> Result<usize, TransitionError> {
+        self.check_read("read")?;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        if self.buffered() == 0 {
+            self.rbuf.clear();
+            self.rpos = 0;
+            let mut chunk = [0u8; READ_AHEAD];
+            let s = self.stream_mut("read")?;
+            let n = loop {
+                match s.read(&mut chunk) {
+                    Ok(n) => break n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(TransitionError::Io(e)),
+                }
+            };
+            self.rbuf
+                .extend_from_slice(chunk.get(..n).unwrap_or_default());
+        }
+        let avail = self.rbuf.get(self.rpos..).unwrap_or_default();
+        let n = avail.len().min(buf.len());
+        if let (Some(dst), Some(src)) = (buf.get_mut(..n), avail.get(..n)) {
+            dst.copy_from_slice(src);
+        }
+        self.rpos += n;
+        Ok(n)
+    }
+
+    /// Reads exactly `buf.len()` octets (streaming state only): one
+    /// message of the application's framing.
+    pub fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), TransitionError> {
+        let mut done = 0;
+        while let Some(rest) = buf.get_mut(done..).filter(|r| !r.is_empty()) {
+            match self.read(rest)? {
+                0 => return Err(TransitionError::PeerClosed),
+                n => done += n,
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives back octets the application read past the end of its last
+    /// streaming message: they are put in front of the read-ahead buffer
+    /// (so, after a switch request, they go to the RDMA side). Allowed while
+    /// streaming or after the switch request.
+    pub fn unread(&mut self, octets: &[u8]) -> Result<(), TransitionError> {
+        if !matches!(
+            self.state,
+            ConnState::Streaming | ConnState::SwitchRequested
+        ) {
+            return Err(self.not_allowed("unread"));
+        }
+        let len = self.buffered() + octets.len();
+        if len > READ_AHEAD_MAX {
+            return Err(TransitionError::ReadAheadFull { len });
+        }
+        let mut v = Vec::with_capacity(len);
+        v.extend_from_slice(octets);
+        v.extend_from_slice(self.rbuf.get(self.rpos..).unwrap_or_default());
+        self.rbuf = v;
+        self.rpos = 0;
+        Ok(())
+    }
+
+    /// Writes all of `buf` to the stream (blocking). Allowed while
+    /// streaming and after the switch request (last streaming messages).
+    /// If it fails part way, the stream cannot be switched any more.
+    pub fn write_all(&mut self, buf: &[u8]) -> Result<(), TransitionError> {
+        let s = self.stream_mut("write")?;
+        match s.write_all(buf) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.write_broken = true;
+                Err(io_error(e))
+            }
+        }
+    }
+
+    /// Flushes the stream (streaming writes are not buffered by this type;
+    /// kept for symmetry with [`Write`]).
+    pub fn flush(&mut self) -> Result<(), TransitionError> {
+        Ok(self.stream_mut("flush")?.flush()?)
+    }
+
+    /// Reserves `qp` (in IDLE or RTR) for the switch, replacing an earlier
+    /// reservation. Allowed while streaming and after the switch request.
+    pub fn reserve(&mut self, qp: &QueuePair) -> Result<(), TransitionError> {
+        if !matches!(
+            self.state,
+            ConnState::Streaming | ConnState::SwitchRequested
+        ) {
+            return Err(self.not_allowed("reserve"));
+        }
+        let state = qp.state();
+        if !matches!(state, QpState::Idle | QpState::Rtr) {
+            return Err(TransitionError::QpNotIdle {
+                qp_num: qp.qp_num(),
+                state,
+            });
+        }
+        self.qp = Some(qp.clone());
+        Ok(())
+    }
+
+    /// Changes the reserved QP's IRD/ORD before the switch. Once the switch
+    /// started they are fixed by the negotiation:
+    /// [`TransitionError::IrdOrd`] then.
+    pub fn set_ird_ord(&mut self, ird: u16, ord: u16) -> Result<(), TransitionError> {
+        let qp = self.qp.as_ref().ok_or(TransitionError::NoQpReserved)?;
+        match self.state {
+            ConnState::Streaming | ConnState::SwitchRequested => Ok(qp.set_ird_ord(ird, ord)?),
+            ConnState::Transitioning | ConnState::Rdma => Err(ModifyError::IrdOrdFixed {
+                qp_num: qp.qp_num(),
+            }
+            .into()),
+            ConnState::Failed => Err(self.not_allowed("set_ird_ord")),
+        }
+    }
+
+    /// Requests the switch: stream reads are refused from now on; writes
+    /// (the last streaming messages) are still allowed.
+    pub fn request_switch(&mut self) -> Result<(), TransitionError> {
+        if self.state != ConnState::Streaming {
+            return Err(self.not_allowed("request_switch"));
+        }
+        self.state = ConnState::SwitchRequested;
+        Ok(())
+    }
+
+    /// Posts the first receive on the reserved QP and switches the
+    /// connection into RDMA mode (blocking, at most the switch timeout).
+    ///
+    /// Only after [`request_switch`](Self::request_switch). If the receive
+    /// is refused, nothing else happens (the connection stays in
+    /// [`ConnState::SwitchRequested`]). Any later failure tears the
+    /// connection down ([`ConnState::Failed`]). On success the QP is in RTS
+    /// and the connection is in [`ConnState::Rdma`].
+    pub fn post_recv_and_switch(&mut self, wr: &RecvWr<'_>) -> Result<(), TransitionError> {
+        if self.state != ConnState::SwitchRequested {
+            return Err(self.not_allowed("post_recv_and_switch"));
+        }
+        let qp = self.qp.clone().ok_or(TransitionError::NoQpReserved)?;
+        let state = qp.state();
+        if !matches!(state, QpState::Idle | QpState::Rtr) {
+            return Err(TransitionError::QpNotIdle {
+                qp_num: qp.qp_num(),
+                state,
+            });
+        }
+        qp.post_recv(wr)?;
+        self.state = ConnState::Transitioning;
+        match self.switch(&qp) {
+            Ok(()) => {
+                self.state = ConnState::Rdma;
+                Ok(())
+            }
+            Err(e) => {
+                self.tear_down(&qp);
+                Err(e)
+            }
+        }
+    }
+
+    fn tear_down(&mut self, qp: &QueuePair) {
+        if let Some(s) = self.stream.take() {
+            // Best effort: the connection is being discarded.
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        self.rbuf = Vec::new();
+        self.rpos = 0;
+        // Flushes the pre-posted receives; the QP may already be in ERROR.
+        let _ = qp.modify(QpState::Error);
+        self.state = ConnState::Failed;
+    }
+
+    fn switch(&mut self, qp: &QueuePair) -> Result<(), TransitionError> {
+        if self.write_broken {
+            return Err(TransitionError::IncompleteWrite);
+        }
+        let deadline = Instant::now() + self.timeout;
+        let mut stream = self.stream.take().ok_or(TransitionError::PeerClosed)?;
+        // Streaming writes were blocking: every streaming octet is in the
+        // socket before anything of RDMA mode.
+        stream.flush()?;
+        stream.set_nonblocking(false)?;
+        let params = match self.mode.clone() {
+            SwitchMode::Direct(params) => params,
+            SwitchMode::Mpa {
+                role,
+                mut config,
+                private_data,
+            } => {
+                let a = qp.query();
+                config.ird = a.ird;
+                config.ord = a.ord;
+                let n = self.mpa(&mut stream, role, config, &private_data, deadline)?;
+                let params = LinkParams::from(&n);
+                self.negotiated = Some(n);
+                params
+            }
+        };
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        let prefix = self.rbuf.get(self.rpos..).unwrap_or_default();
+        qp.establish_with_prefix(stream, &params, prefix)?;
+        self.rbuf = Vec::new();
+        self.rpos = 0;
+        Ok(())
+    }
+
+    /// Runs the MPA exchange over the read-ahead buffer then the socket;
+    /// octets past the handshake stay in the read-ahead buffer.
+    fn mpa(
+        &mut self,
+        stream: &mut TcpStream,
+        role: MpaRole,
+        config: MpaConfig,
+        private_data: &[u8],
+        deadline: Instant,
+    ) -> Result<Negotiated, TransitionError> {
+        stream.set_nodelay(true)?;
+        let (ird, ord) = (config.ird, config.ord);
+        let mut m = match role {
+            MpaRole::Initiator => Machine::I(Initiator::new(config, private_data)?),
+            MpaRole::Responder => Machine::R(Responder::new(config)?),
+        };
+        loop {
+            send(stream, &mut m, deadline)?;
+            match &mut m {
+                Machine::I(i) => match i.poll() {
+                    Some(InitiatorEvent::Established(n)) => {
+                        send(stream, &mut m, deadline)?;
+                        return Ok(n);
+                    }
+                    Some(InitiatorEvent::Rejected { private_data, .. }) => {
+                        return Err(TransitionError::Rejected { private_data });
+                    }
+                    _ => {}
+                },
+                Machine::R(r) => match r.poll() {
+                    Some(ResponderEvent::Request(_)) => {
+                        r.accept(private_data, ird, ord)?;
+                        continue;
+                    }
+                    Some(ResponderEvent::Established(n)) => {
+                        send(stream, &mut m, deadline)?;
+                        return Ok(n);
+                    }
+                    _ => {}
+                },
+            }
+            if m.want() == 0 {
+                return Err(MpaNegotiationError::Over.into());
+            }
+            if self.buffered() == 0 {
+                self.fill(stream, deadline)?;
+            }
+            let avail = self.rbuf.get(self.rpos..).unwrap_or_default();
+            match m.receive(avail) {
+                Ok(0) => return Err(MpaNegotiationError::Over.into()),
+                Ok(n) => self.rpos += n,
+                Err(e) => {
+                    if let Machine::R(r) = &mut m
+                        && r.request().is_some()
+                        && r.reject(&[]).is_ok()
+                    {
+                        // Best effort: the error is what the caller needs.
+                        let _ = send(stream, &mut m, deadline);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+
+    /// Reads more octets into the (empty) read-ahead buffer.
+    fn fill(&mut self, stream: &mut TcpStream, deadline: Instant) -> Result<(), TransitionError> {
+        self.rbuf.clear();
+        self.rpos = 0;
+        let mut chunk = [0u8; READ_AHEAD];
+        loop {
+            stream.set_read_timeout(Some(remaining(deadline)?))?;
+            match stream.read(&mut chunk) {
+                Ok(0) => return Err(TransitionError::PeerClosed),
+                Ok(n) => {
+                    self.rbuf
+                        .extend_from_slice(chunk.get(..n).unwrap_or_default());
+                    return Ok(());
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_error(e)),
+            }
+        }
+    }
+}
+
+fn remaining(deadline: Instant) -> Result<Duration, TransitionError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        Err(TransitionError::TimedOut)
+    } else {
+        Ok(left)
+    }
+}
+
+enum Machine {
+    I(Initiator),
+    R(Responder),
+}
+
+impl Machine {
+    fn transmit(&self) -> &[u8] {
+        match self {
+            Machine::I(m) => m.transmit(),
+            Machine::R(m) => m.transmit(),
+        }
+    }
+    fn consumed(&mut self, n: usize) {
+        match self {
+            Machine::I(m) => m.consumed(n),
+            Machine::R(m) => m.consumed(n),
+        }
+    }
+    fn want(&self) -> usize {
+        match self {
+            Machine::I(m) => m.want(),
+            Machine::R(m) => m.want(),
+        }
+    }
+    fn receive(&mut self, bytes: &[u8]) -> Result<usize, MpaNegotiationError> {
+        match self {
+            Machine::I(m) => m.receive(bytes),
+            Machine::R(m) => m.receive(bytes),
+        }
+    }
+}
+
+/// Writes what the machine has to send.
+fn send(stream: &mut TcpStream, m: &mut Machine, deadline: Instant) -> Result<(), TransitionError> {
+    loop {
+        let out = m.transmit();
+        if out.is_empty() {
+            return Ok(());
+        }
+        stream.set_write_timeout(Some(remaining(deadline)?))?;
+        match stream.write(out) {
+            Ok(0) => return Err(TransitionError::PeerClosed),
+            Ok(n) => m.consumed(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_error(e)),
+        }
+    }
+}
