@@ -521,6 +521,9 @@ fn handshake(
         }),
         Err(e) => {
             let _ = stream.shutdown(Shutdown::Both);
+            drop(stream);
+            // The slot is free before the failure is reported.
+            drop(guard);
             s.events.push(CmEvent::Error {
                 peer: Some(peer),
                 reason: format!("incoming connection from {peer}: {e}"),
@@ -694,11 +697,12 @@ fn tcp_connect(addr: impl ToSocketAddrs, d: &Deadline) -> Result<TcpStream, CmEr
     })
 }
 
+/// The initiator's handshake; returns the stream in full operation.
 fn run_connect(
     qp: &QueuePair,
     addr: impl ToSocketAddrs,
     config: &ConnectConfig,
-) -> Result<Connection, CmError> {
+) -> Result<(TcpStream, Negotiated, SocketAddr), CmError> {
     let mut m = Initiator::new(config.mpa.clone(), &config.private_data)?;
     qp.set_ird_ord(config.mpa.ird, config.mpa.ord)?;
     let d = Deadline::after(config.timeout);
@@ -726,7 +730,7 @@ fn run_connect(
     };
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
-    Connection::established(qp, stream, n, peer)
+    Ok((stream, n, peer))
 }
 
 /// Connects `qp` (in IDLE or RTR) to a listener at `addr` (a
@@ -746,7 +750,8 @@ pub fn connect(
     addr: impl ToSocketAddrs,
     config: &ConnectConfig,
 ) -> Result<Connection, CmError> {
-    run_connect(qp, addr, config)
+    let (stream, n, peer) = run_connect(qp, addr, config)?;
+    Connection::established(qp, stream, n, peer)
 }
 
 /// The event a failed connect reports.
@@ -837,28 +842,14 @@ impl Connection {
             CmError::Io(e) => e,
             other => io::Error::other(other.to_string()),
         })?;
-        let shared = c.shared.clone();
+        let this = c.clone();
         std::thread::Builder::new()
             .name("softrdma-cm-connect".into())
             .spawn(move || {
-                let qp = shared.qp.clone();
-                let this = Connection { shared };
-                match run_connect(&qp, addr, &config) {
-                    Ok(done) => {
-                        // Move what the connect found into this connection.
-                        let n = done.shared.negotiated.lock().take();
-                        *this.shared.negotiated.lock() = n;
-                        *this.shared.peer.lock() = *done.shared.peer.lock();
-                        while let Some(ev) = done.shared.events.try_take() {
-                            this.shared.events.push(ev);
-                        }
-                        let weak = Arc::downgrade(&this.shared);
-                        drop(done);
-                        let _ = std::thread::Builder::new()
-                            .name("softrdma-cm-monitor".into())
-                            .spawn(move || monitor(&weak));
-                    }
-                    Err(e) => this.shared.events.push(failure_event(&e)),
+                let r = run_connect(&this.shared.qp, addr, &config)
+                    .and_then(|(stream, n, peer)| this.on_established(stream, n, peer));
+                if let Err(e) = r {
+                    this.shared.events.push(failure_event(&e));
                 }
             })?;
         Ok(c)

@@ -444,3 +444,45 @@ fn connect_by_host_name() {
         Err(CmError::Resolve(_))
     ));
 }
+
+#[test]
+fn oversized_length_in_header_is_refused() {
+    let dev = device(false);
+    let l = short_listen();
+    let mut request = Initiator::new(MpaConfig::default(), b"").unwrap();
+    let mut bytes = request.transmit().to_vec();
+    request.consumed(bytes.len());
+    // Private data length (octets 18..20 of the frame header): 0xFFFF.
+    bytes[18] = 0xFF;
+    bytes[19] = 0xFF;
+    let mut bad = TcpStream::connect(l.local_addr()).unwrap();
+    bad.write_all(&bytes[..20]).unwrap();
+    let reason = listener_error(&l);
+    assert!(reason.contains("private data"), "{reason}");
+    assert_closed(bad);
+    good_client(&l, &dev);
+}
+
+#[test]
+fn backlog_bounds_pending_handshakes_and_is_freed() {
+    let dev = device(false);
+    let l = Listener::bind(
+        "127.0.0.1:0",
+        1,
+        ListenConfig {
+            handshake_timeout: Duration::from_millis(300),
+            ..ListenConfig::default()
+        },
+    )
+    .unwrap();
+    // The first connection holds the only slot until it times out.
+    let silent = TcpStream::connect(l.local_addr()).unwrap();
+    let refused = TcpStream::connect(l.local_addr()).unwrap();
+    assert_closed(refused);
+    let reason = listener_error(&l);
+    assert!(reason.contains("timed out"), "{reason}");
+    assert_closed(silent);
+    // The slot is free again.
+    good_client(&l, &dev);
+    good_client(&l, &dev);
+}
