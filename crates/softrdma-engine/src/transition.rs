@@ -21,8 +21,13 @@
 //! 2. [`StreamConnection::request_switch`]: from now on stream reads are
 //!    refused ([`TransitionError::ReadAfterSwitchRequest`]); the application
 //!    may still write its last streaming message(s).
-//! 3. [`StreamConnection::post_recv_and_switch`]: posts the first receive
-//!    (at least one must be pre-posted) and performs the switch. All
+//! 3. [`StreamConnection::post_recv_and_switch`] (or
+//!    [`StreamConnection::post_srq_recv_and_switch`] for a QP with a shared
+//!    receive queue): posts the first receive (at least one must be
+//!    pre-posted; more may be posted on the QP before) and performs the
+//!    switch, blocking until RDMA mode or failure (so
+//!    [`ConnState::Transitioning`] is seen only by a failed call's
+//!    teardown; the `&mut self` receiver keeps other calls out meanwhile). All
 //!    streaming writes are blocking and complete (the octets are in the
 //!    socket, in order) before the switch starts, so no RDMA frame can
 //!    overtake or interleave with streaming octets.
@@ -75,6 +80,7 @@ use softrdma_proto::mpa::{
 };
 
 use crate::qp::{EstablishError, LinkParams, ModifyError, PostRecvError, QueuePair};
+use crate::srq::SharedReceiveQueue;
 use crate::state::QpState;
 use crate::wr::RecvWr;
 
@@ -189,6 +195,10 @@ pub enum TransitionError {
     /// The first receive could not be posted (the switch did not start).
     #[error("posting the first receive: {0}")]
     PostRecv(#[from] PostRecvError),
+    /// The first receive could not be posted to the shared receive queue
+    /// (the switch did not start).
+    #[error("posting the first receive to the SRQ: {0}")]
+    SrqPostRecv(#[from] crate::srq::PostRecvError),
     /// [`StreamConnection::unread`] would overflow the read-ahead buffer.
     #[error("read-ahead buffer full: {len} octets, at most {READ_AHEAD_MAX}")]
     ReadAheadFull {
@@ -480,8 +490,27 @@ impl StreamConnection {
     /// connection down ([`ConnState::Failed`]). On success the QP is in RTS
     /// and the connection is in [`ConnState::Rdma`].
     pub fn post_recv_and_switch(&mut self, wr: &RecvWr<'_>) -> Result<(), TransitionError> {
+        self.start_switch("post_recv_and_switch", |qp| Ok(qp.post_recv(wr)?))
+    }
+
+    /// As [`post_recv_and_switch`](Self::post_recv_and_switch), for a QP
+    /// created with a shared receive queue: the receive is posted to `srq`
+    /// (which must be the reserved QP's).
+    pub fn post_srq_recv_and_switch(
+        &mut self,
+        srq: &SharedReceiveQueue,
+        wr: &RecvWr<'_>,
+    ) -> Result<(), TransitionError> {
+        self.start_switch("post_srq_recv_and_switch", |_| Ok(srq.post_recv(wr)?))
+    }
+
+    fn start_switch(
+        &mut self,
+        op: &'static str,
+        post: impl FnOnce(&QueuePair) -> Result<(), TransitionError>,
+    ) -> Result<(), TransitionError> {
         if self.state != ConnState::SwitchRequested {
-            return Err(self.not_allowed("post_recv_and_switch"));
+            return Err(self.not_allowed(op));
         }
         let qp = self.qp.clone().ok_or(TransitionError::NoQpReserved)?;
         let state = qp.state();
@@ -491,7 +520,7 @@ impl StreamConnection {
                 state,
             });
         }
-        qp.post_recv(wr)?;
+        post(&qp)?;
         self.state = ConnState::Transitioning;
         match self.switch(&qp) {
             Ok(()) => {

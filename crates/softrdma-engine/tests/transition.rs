@@ -8,7 +8,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
-use softrdma_engine::proto::mpa::MpaConfig;
+use softrdma_engine::proto::mpa::{MpaConfig, RtrOffer};
+use softrdma_engine::proto::rtr::RtrKind;
 use softrdma_engine::transition::{
     ConnState, MpaRole, StreamConnection, SwitchMode, TransitionError,
 };
@@ -164,6 +165,24 @@ fn login_then_switch_mpa_crc() {
         },
         SwitchMode::mpa(MpaRole::Responder),
     );
+}
+
+fn p2p(role: MpaRole, kind: RtrKind) -> SwitchMode {
+    SwitchMode::Mpa {
+        role,
+        config: MpaConfig {
+            peer_to_peer: Some(RtrOffer::only(kind)),
+            ..MpaConfig::default()
+        },
+        private_data: Vec::new(),
+    }
+}
+
+#[test]
+fn login_then_switch_mpa_peer_to_peer() {
+    for kind in [RtrKind::Write, RtrKind::Read, RtrKind::Send] {
+        login_then_switch(p2p(MpaRole::Initiator, kind), p2p(MpaRole::Responder, kind));
+    }
 }
 
 #[test]
@@ -568,4 +587,43 @@ fn silent_peer_times_out_and_tears_down() {
         .unwrap_err();
     assert!(matches!(e, TransitionError::TimedOut), "{e}");
     expect_torn_down(&c, &a);
+}
+
+/// A QP with a shared receive queue: the first receive goes to the SRQ;
+/// posting it to the QP is refused without starting the switch.
+#[test]
+fn switch_with_shared_receive_queue() {
+    let dev = device(false);
+    let a = side(&dev, |_| {});
+    let pd = softrdma_engine::ProtectionDomain::new(&dev);
+    let cq = softrdma_engine::CompletionQueue::new(&dev, 64, None).unwrap();
+    let srq = softrdma_engine::SharedReceiveQueue::new(&pd, 16, 1, 0).unwrap();
+    let mut attr = softrdma_engine::QpInitAttr::new(&cq, &cq);
+    attr.srq = Some(srq.clone());
+    let qp = softrdma_engine::QueuePair::new(&pd, &attr).unwrap();
+    let b = Side { pd, cq, qp };
+    let ra = mr(&a, 4096);
+    let rb = mr(&b, 4096);
+    let (sa, sb) = tcp_pair();
+    let mut cb = conn(sb, SwitchMode::mpa(MpaRole::Responder));
+    cb.reserve(&b.qp).unwrap();
+    cb.request_switch().unwrap();
+    assert!(matches!(
+        cb.post_recv_and_switch(&RecvWr::new(100, &recv_wr(&rb))),
+        Err(TransitionError::PostRecv(_))
+    ));
+    assert_eq!(cb.state(), ConnState::SwitchRequested);
+    let qa = a.qp.clone();
+    let ra_sge = recv_wr(&ra);
+    let ta = thread::spawn(move || {
+        let mut c = conn(sa, SwitchMode::mpa(MpaRole::Initiator));
+        c.reserve(&qa).unwrap();
+        c.request_switch().unwrap();
+        c.post_recv_and_switch(&RecvWr::new(100, &ra_sge)).unwrap();
+        c
+    });
+    cb.post_srq_recv_and_switch(&srq, &RecvWr::new(100, &recv_wr(&rb)))
+        .unwrap();
+    let _ca = ta.join().unwrap();
+    verify_rdma(&a, &b, &ra, &rb);
 }
