@@ -62,6 +62,9 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the acceptor thread checks whether its listener was dropped.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
+/// How often a blocked handshake read checks whether it was cancelled.
+const CANCEL_POLL: Duration = Duration::from_millis(100);
+
 /// The larger of an MPA frame and an RTR exchange FPDU.
 const RX_CHUNK: usize = HEADER_LEN + MPA_MAX_PRIVATE_DATA;
 
@@ -100,6 +103,9 @@ pub enum CmError {
     /// The QP could not be moved to RTS over the connection.
     #[error("establish: {0}")]
     Establish(#[from] EstablishError),
+    /// The listener was dropped during the handshake.
+    #[error("listener closed")]
+    ListenerClosed,
     /// A socket error.
     #[error("socket: {0}")]
     Io(#[from] io::Error),
@@ -243,24 +249,41 @@ fn send_all(stream: &mut TcpStream, mut bytes: &[u8], d: &Deadline) -> Result<()
     Ok(())
 }
 
-/// Reads at most `want` octets (at least one), within the deadline.
+/// Reads at most `want` octets (at least one), within the deadline, giving
+/// up early once `cancelled` says so (checked every [`CANCEL_POLL`]).
 fn recv_some<'b>(
     stream: &mut TcpStream,
     buf: &'b mut [u8; RX_CHUNK],
     want: usize,
     d: &Deadline,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<&'b [u8], CmError> {
     let limit = want.clamp(1, RX_CHUNK);
     loop {
-        stream.set_read_timeout(Some(d.remaining()?))?;
+        let left = d.remaining()?;
+        if cancelled() {
+            return Err(CmError::ListenerClosed);
+        }
+        stream.set_read_timeout(Some(left.min(CANCEL_POLL)))?;
         let dst = buf.get_mut(..limit).unwrap_or_default();
         match stream.read(dst) {
             Ok(0) => return Err(CmError::PeerClosed),
             Ok(n) => return Ok(buf.get(..n).unwrap_or_default()),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted
+                        | io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                ) => {}
             Err(e) => return Err(io_error(e)),
         }
     }
+}
+
+/// Never cancelled.
+fn never() -> bool {
+    false
 }
 
 /// Writes what the responder has to send.
@@ -277,6 +300,7 @@ fn read_request(
     m: &mut Responder,
     stream: &mut TcpStream,
     d: &Deadline,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<Request, CmError> {
     let mut buf = [0u8; RX_CHUNK];
     loop {
@@ -287,7 +311,7 @@ fn read_request(
         if want == 0 {
             return Err(MpaNegotiationError::Over.into());
         }
-        let got = recv_some(stream, &mut buf, want, d)?;
+        let got = recv_some(stream, &mut buf, want, d, cancelled)?;
         if let Err(e) = m.receive(got) {
             if m.request().is_some() && m.reject(&[]).is_ok() {
                 // Best effort: the error is what matters.
@@ -506,7 +530,12 @@ fn handshake(
         stream.set_nodelay(true)?;
         let mut m = Responder::new(config.mpa.clone())?;
         let d = Deadline::after(config.handshake_timeout);
-        let r = read_request(&mut m, &mut stream, &d)?;
+        let cancelled = || {
+            shared
+                .upgrade()
+                .is_none_or(|s| s.closed.load(Ordering::Acquire))
+        };
+        let r = read_request(&mut m, &mut stream, &d, &cancelled)?;
         Ok((m, r))
     })();
     let Some(s) = shared.upgrade() else { return };
@@ -623,7 +652,7 @@ impl ConnRequest {
             if want == 0 {
                 return Err(MpaNegotiationError::Over.into());
             }
-            let got = recv_some(stream, &mut buf, want, d)?;
+            let got = recv_some(stream, &mut buf, want, d, &never)?;
             m.receive(got)?;
         }
     }
@@ -725,7 +754,7 @@ fn run_connect(
         if want == 0 {
             return Err(MpaNegotiationError::Over.into());
         }
-        let got = recv_some(&mut stream, &mut buf, want, &d)?;
+        let got = recv_some(&mut stream, &mut buf, want, &d, &never)?;
         m.receive(got)?;
     };
     stream.set_read_timeout(None)?;

@@ -486,3 +486,56 @@ fn backlog_bounds_pending_handshakes_and_is_freed() {
     good_client(&l, &dev);
     good_client(&l, &dev);
 }
+
+#[test]
+fn revision_1_listener_and_busy_qp() {
+    let dev = device(false);
+    let a = side(&dev, |_| {});
+    let b = side(&dev, |_| {});
+    let mut lc = ListenConfig::default();
+    lc.mpa.revision = 1;
+    let l = listen(lc);
+    let addr = l.local_addr();
+    let qp = a.qp.clone();
+    let h = thread::spawn(move || connect(&qp, addr, &cfg(b"v2 asks")));
+    let req = l.get_request(Some(T)).expect("request");
+    assert_eq!(req.request().revision, 2);
+    let server = req.accept(&b.qp, b"v1 answers", 4, 4).expect("accept");
+    let client = h.join().unwrap().expect("connect");
+    assert_eq!(client.negotiated().unwrap().revision, 1);
+    assert_eq!(server.negotiated().unwrap().peer_ird, None);
+    send_recv(&a, &b, b"revision 1");
+
+    // A QP already connected cannot take another connection.
+    let c = side(&dev, |_| {});
+    let qp = c.qp.clone();
+    let h = thread::spawn(move || connect(&qp, addr, &cfg(b"")));
+    let req = l.get_request(Some(T)).expect("request");
+    assert!(matches!(req.accept(&b.qp, b"", 4, 4), Err(CmError::Qp(_))));
+    assert!(h.join().unwrap().is_err());
+    assert_eq!(c.qp.state(), QpState::Idle);
+}
+
+#[test]
+fn dropping_the_listener_closes_what_it_holds() {
+    let l = listen(ListenConfig {
+        handshake_timeout: Duration::from_secs(600),
+        ..ListenConfig::default()
+    });
+    let addr = l.local_addr();
+    let in_handshake = TcpStream::connect(addr).unwrap();
+    let request = Initiator::new(MpaConfig::default(), b"queued").unwrap();
+    let bytes = request.transmit().to_vec();
+    let mut queued = TcpStream::connect(addr).unwrap();
+    queued.write_all(&bytes).unwrap();
+    let deadline = Instant::now() + T;
+    while l.pending_requests() == 0 {
+        assert!(Instant::now() < deadline);
+        thread::sleep(Duration::from_millis(1));
+    }
+    drop(l);
+    assert_closed(queued);
+    // The handshake in progress is ended long before its timeout.
+    assert_closed(in_handshake);
+    assert!(TcpStream::connect(addr).is_err());
+}
