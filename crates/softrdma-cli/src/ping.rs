@@ -316,6 +316,28 @@ fn text(buf: &[u8]) -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
+/// With `-v`, one line on what the MPA exchange settled.
+fn report_connection(
+    out: &mut dyn Write,
+    opts: &PingOptions,
+    peer: SocketAddr,
+    n: &softrdma_engine::proto::mpa::Negotiated,
+) {
+    if opts.verbose {
+        let _ = writeln!(
+            out,
+            "connected to {peer}: MPA rev {}, CRC {}, IRD/ORD {}/{} (peer {}/{}), RTR {}",
+            n.revision,
+            if n.crc { "on" } else { "off" },
+            n.ird,
+            n.ord,
+            n.peer_ird.map_or("-".to_string(), |v| v.to_string()),
+            n.peer_ord.map_or("-".to_string(), |v| v.to_string()),
+            n.rtr.map_or("none".to_string(), |r| format!("{r:?}")),
+        );
+    }
+}
+
 fn mpa_config(opts: &PingOptions) -> MpaConfig {
     MpaConfig {
         revision: opts.mpa_revision,
@@ -368,6 +390,7 @@ fn run_client(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
     let n = mpa_connect(&mut stream, &mpa_config(opts), &[], opts.timeout)?;
     let (crc, rev) = (n.crc, n.revision);
     side.qp.establish(stream, &LinkParams::from(&n))?;
+    report_connection(out, opts, peer, &n);
     std::thread::sleep(opts.start_delay);
     let count = if opts.count == 0 {
         u64::MAX
@@ -428,6 +451,7 @@ fn run_server(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
     let n = mpa_accept(&mut stream, &mpa_config(opts), &[], opts.timeout)?;
     let (crc, rev) = (n.crc, n.revision);
     side.qp.establish(stream, &LinkParams::from(&n))?;
+    report_connection(out, opts, peer, &n);
     let mut done = 0u64;
     loop {
         // The client's start-buffer advertisement; a flush here is the
@@ -547,8 +571,9 @@ mod tests {
         };
         assert_eq!(summary.iterations, 5);
         let text = String::from_utf8(out).unwrap();
-        assert_eq!(text.lines().count(), 5);
-        assert!(text.starts_with("ping data: rdma-ping-0: ABC"), "{text}");
+        assert_eq!(text.lines().count(), 6);
+        assert!(text.starts_with("connected to 127.0.0.1:"), "{text}");
+        assert!(text.contains("ping data: rdma-ping-0: ABC"), "{text}");
         let s = t.join().unwrap().unwrap();
         assert_eq!(s.iterations, 5);
     }
