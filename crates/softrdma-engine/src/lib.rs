@@ -63,9 +63,9 @@ pub use softrdma_wire as wire;
 
 #[cfg(feature = "tokio")]
 pub mod async_cq;
+pub mod cm;
 pub mod connect;
 pub mod cq;
-pub mod cm;
 mod datamover;
 pub mod device;
 pub mod event;
@@ -76,8 +76,8 @@ pub mod pd;
 pub mod qp;
 mod rx;
 pub mod srq;
-pub mod transition;
 mod sys;
+pub mod transition;
 mod tx;
 pub mod wc;
 pub mod wr;
