@@ -33,7 +33,7 @@
 //! connection.
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -46,8 +46,8 @@ use softrdma_proto::mpa::{
     ConfigError, Initiator, InitiatorEvent, MpaConfig, MpaNegotiationError, Negotiated, Request,
     Responder, ResponderEvent, RtrOffer,
 };
-use softrdma_proto::wire::mpa::{HEADER_LEN, MPA_MAX_PRIVATE_DATA};
 
+use crate::connect::{Deadline, HandshakeIoError, RX_CHUNK, never, recv_some, send_all};
 use crate::qp::{EstablishError, LinkParams, ModifyError, QueuePair};
 use crate::state::QpState;
 use crate::sys::fd::EventFd;
@@ -62,11 +62,16 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the acceptor thread checks whether its listener was dropped.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
-/// How often a blocked handshake read checks whether it was cancelled.
-const CANCEL_POLL: Duration = Duration::from_millis(100);
-
-/// The larger of an MPA frame and an RTR exchange FPDU.
-const RX_CHUNK: usize = HEADER_LEN + MPA_MAX_PRIVATE_DATA;
+impl From<HandshakeIoError> for CmError {
+    fn from(e: HandshakeIoError) -> Self {
+        match e {
+            HandshakeIoError::TimedOut => CmError::TimedOut,
+            HandshakeIoError::PeerClosed => CmError::PeerClosed,
+            HandshakeIoError::Cancelled => CmError::ListenerClosed,
+            HandshakeIoError::Io(e) => CmError::Io(e),
+        }
+    }
+}
 
 /// Why a connection could not be set up or answered.
 #[derive(Debug, thiserror::Error)]
@@ -202,88 +207,6 @@ impl<T> Queue<T> {
     fn len(&self) -> usize {
         self.items.lock().len()
     }
-}
-
-struct Deadline(Instant);
-
-impl Deadline {
-    fn after(t: Duration) -> Self {
-        let now = Instant::now();
-        Deadline(
-            now.checked_add(t)
-                .unwrap_or(now + Duration::from_secs(86_400 * 365)),
-        )
-    }
-
-    fn remaining(&self) -> Result<Duration, CmError> {
-        let left = self.0.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            Err(CmError::TimedOut)
-        } else {
-            Ok(left)
-        }
-    }
-}
-
-fn io_error(e: io::Error) -> CmError {
-    match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => CmError::TimedOut,
-        io::ErrorKind::UnexpectedEof
-        | io::ErrorKind::ConnectionReset
-        | io::ErrorKind::ConnectionAborted
-        | io::ErrorKind::BrokenPipe => CmError::PeerClosed,
-        _ => CmError::Io(e),
-    }
-}
-
-fn send_all(stream: &mut TcpStream, mut bytes: &[u8], d: &Deadline) -> Result<(), CmError> {
-    while !bytes.is_empty() {
-        stream.set_write_timeout(Some(d.remaining()?))?;
-        match stream.write(bytes) {
-            Ok(0) => return Err(CmError::PeerClosed),
-            Ok(n) => bytes = bytes.get(n..).unwrap_or_default(),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_error(e)),
-        }
-    }
-    Ok(())
-}
-
-/// Reads at most `want` octets (at least one), within the deadline, giving
-/// up early once `cancelled` says so (checked every [`CANCEL_POLL`]).
-fn recv_some<'b>(
-    stream: &mut TcpStream,
-    buf: &'b mut [u8; RX_CHUNK],
-    want: usize,
-    d: &Deadline,
-    cancelled: &dyn Fn() -> bool,
-) -> Result<&'b [u8], CmError> {
-    let limit = want.clamp(1, RX_CHUNK);
-    loop {
-        let left = d.remaining()?;
-        if cancelled() {
-            return Err(CmError::ListenerClosed);
-        }
-        stream.set_read_timeout(Some(left.min(CANCEL_POLL)))?;
-        let dst = buf.get_mut(..limit).unwrap_or_default();
-        match stream.read(dst) {
-            Ok(0) => return Err(CmError::PeerClosed),
-            Ok(n) => return Ok(buf.get(..n).unwrap_or_default()),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted
-                        | io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => return Err(io_error(e)),
-        }
-    }
-}
-
-/// Never cancelled.
-fn never() -> bool {
-    false
 }
 
 /// Writes what the responder has to send.

@@ -59,63 +59,126 @@ pub enum ConnectError {
 }
 
 /// The larger of a frame and an RTR exchange FPDU.
-const RX_CHUNK: usize = HEADER_LEN + MPA_MAX_PRIVATE_DATA;
+pub(crate) const RX_CHUNK: usize = HEADER_LEN + MPA_MAX_PRIVATE_DATA;
 
-struct Deadline(Instant);
+/// How often a blocked handshake read checks whether it was cancelled.
+pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(100);
+
+/// Why a handshake read or write stopped (shared by the blocking helpers
+/// here and the connection manager, which map it to their own errors).
+#[derive(Debug)]
+pub(crate) enum HandshakeIoError {
+    /// The deadline passed.
+    TimedOut,
+    /// The peer closed or reset the connection.
+    PeerClosed,
+    /// The caller cancelled (listener going away).
+    Cancelled,
+    /// Another socket error.
+    Io(io::Error),
+}
+
+impl From<io::Error> for HandshakeIoError {
+    fn from(e: io::Error) -> Self {
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => HandshakeIoError::TimedOut,
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe => HandshakeIoError::PeerClosed,
+            _ => HandshakeIoError::Io(e),
+        }
+    }
+}
+
+impl From<HandshakeIoError> for ConnectError {
+    fn from(e: HandshakeIoError) -> Self {
+        match e {
+            HandshakeIoError::TimedOut | HandshakeIoError::Cancelled => ConnectError::TimedOut,
+            HandshakeIoError::PeerClosed => ConnectError::PeerClosed,
+            HandshakeIoError::Io(e) => ConnectError::Io(e),
+        }
+    }
+}
+
+/// A point in time a handshake must finish by.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline(Instant);
 
 impl Deadline {
-    fn remaining(&self) -> Result<Duration, ConnectError> {
+    /// `t` from now (saturating far in the future).
+    pub(crate) fn after(t: Duration) -> Self {
+        let now = Instant::now();
+        Deadline(
+            now.checked_add(t)
+                .unwrap_or(now + Duration::from_secs(86_400 * 365)),
+        )
+    }
+
+    /// Time left, or `TimedOut`.
+    pub(crate) fn remaining(&self) -> Result<Duration, HandshakeIoError> {
         let left = self.0.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            Err(ConnectError::TimedOut)
+            Err(HandshakeIoError::TimedOut)
         } else {
             Ok(left)
         }
     }
 }
 
-fn io_error(e: io::Error) -> ConnectError {
-    match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ConnectError::TimedOut,
-        io::ErrorKind::UnexpectedEof
-        | io::ErrorKind::ConnectionReset
-        | io::ErrorKind::ConnectionAborted
-        | io::ErrorKind::BrokenPipe => ConnectError::PeerClosed,
-        _ => ConnectError::Io(e),
-    }
-}
-
-fn send_all(stream: &mut TcpStream, mut bytes: &[u8], d: &Deadline) -> Result<(), ConnectError> {
+/// Writes all of `bytes` before the deadline.
+pub(crate) fn send_all(
+    stream: &mut TcpStream,
+    mut bytes: &[u8],
+    d: &Deadline,
+) -> Result<(), HandshakeIoError> {
     while !bytes.is_empty() {
         stream.set_write_timeout(Some(d.remaining()?))?;
         match stream.write(bytes) {
-            Ok(0) => return Err(ConnectError::PeerClosed),
+            Ok(0) => return Err(HandshakeIoError::PeerClosed),
             Ok(n) => bytes = bytes.get(n..).unwrap_or_default(),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_error(e)),
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(())
 }
 
-/// Reads at most `want` octets (at least one).
-fn recv_some<'b>(
+/// Reads at most `want` octets (at least one) before the deadline, giving
+/// up early once `cancelled` says so (checked every [`CANCEL_POLL`]).
+pub(crate) fn recv_some<'b>(
     stream: &mut TcpStream,
     buf: &'b mut [u8; RX_CHUNK],
     want: usize,
     d: &Deadline,
-) -> Result<&'b [u8], ConnectError> {
+    cancelled: &dyn Fn() -> bool,
+) -> Result<&'b [u8], HandshakeIoError> {
     let limit = want.clamp(1, RX_CHUNK);
     loop {
-        stream.set_read_timeout(Some(d.remaining()?))?;
+        let left = d.remaining()?;
+        if cancelled() {
+            return Err(HandshakeIoError::Cancelled);
+        }
+        stream.set_read_timeout(Some(left.min(CANCEL_POLL)))?;
         let dst = buf.get_mut(..limit).unwrap_or_default();
         match stream.read(dst) {
-            Ok(0) => return Err(ConnectError::PeerClosed),
+            Ok(0) => return Err(HandshakeIoError::PeerClosed),
             Ok(n) => return Ok(buf.get(..n).unwrap_or_default()),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_error(e)),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted
+                        | io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e.into()),
         }
     }
+}
+
+/// Never cancelled.
+pub(crate) fn never() -> bool {
+    false
 }
 
 /// Runs `f` with TCP_NODELAY set and the stream's timeouts restored after.
@@ -151,7 +214,7 @@ pub fn mpa_connect(
     timeout: Duration,
 ) -> Result<Negotiated, ConnectError> {
     let mut m = Initiator::new(config.clone(), private_data)?;
-    let d = Deadline(Instant::now() + timeout);
+    let d = Deadline::after(timeout);
     with_stream(stream, |stream| {
         let mut buf = [0u8; RX_CHUNK];
         loop {
@@ -169,7 +232,7 @@ pub fn mpa_connect(
             if want == 0 {
                 return Err(MpaNegotiationError::Over.into());
             }
-            let got = recv_some(stream, &mut buf, want, &d)?;
+            let got = recv_some(stream, &mut buf, want, &d, &never)?;
             m.receive(got)?;
         }
     })
@@ -222,7 +285,7 @@ fn respond(
     answer: impl FnOnce(&mut Responder) -> Result<(), ConfigError>,
 ) -> Result<Option<Negotiated>, ConnectError> {
     let mut m = Responder::new(config.clone())?;
-    let d = Deadline(Instant::now() + timeout);
+    let d = Deadline::after(timeout);
     let mut answer = Some(answer);
     with_stream(stream, |stream| {
         let mut buf = [0u8; RX_CHUNK];
@@ -247,7 +310,7 @@ fn respond(
             if want == 0 {
                 return Err(MpaNegotiationError::Over.into());
             }
-            let got = recv_some(stream, &mut buf, want, &d)?;
+            let got = recv_some(stream, &mut buf, want, &d, &never)?;
             if let Err(e) = m.receive(got) {
                 if m.request().is_some() && m.reject(&[]).is_ok() {
                     let out = m.transmit().to_vec();
