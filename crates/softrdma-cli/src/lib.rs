@@ -14,8 +14,11 @@
 
 pub mod capture;
 pub mod decode;
+pub mod demo;
 pub mod dissect;
+pub mod info;
 pub mod output;
+pub mod perf;
 pub mod ping;
 pub mod reassembly;
 

@@ -17,6 +17,13 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Loopback demonstration of the whole stack: connection setup,
+    /// Send/Recv, RDMA Write, RDMA Read, an atomic, a verified checksum, and
+    /// a short bandwidth/latency comparison with plain TCP. No arguments.
+    Demo,
+    /// perftest-style measurements (ib_write_bw, ib_read_lat, ...), with an
+    /// optional plain-TCP baseline in the same run.
+    Perf(Box<PerfArgs>),
     /// Decode the iWARP traffic (MPA, DDP, RDMAP) of a pcap/pcapng capture:
     /// one line per FPDU, then a summary per TCP stream.
     Dissect {
@@ -85,9 +92,158 @@ enum Command {
     },
 }
 
+/// Arguments of `softrdma perf`.
+#[derive(Debug, clap::Args)]
+struct PerfArgs {
+    /// The operation to measure.
+    #[arg(value_enum)]
+    test: softrdma_cli::perf::Test,
+    /// Latency mode (one operation at a time) instead of bandwidth.
+    #[arg(long)]
+    lat: bool,
+    /// Message size in bytes (suffixes K, M, G: 8, 64K, 1M). Default 64K for
+    /// bandwidth, 8 for latency and atomics.
+    #[arg(short = 's', long, value_parser = softrdma_cli::perf::parse_size, conflicts_with = "all")]
+    size: Option<usize>,
+    /// Sweep sizes 2 B .. 8 MiB in powers of two (atomic: 8 only).
+    #[arg(short = 'a', long)]
+    all: bool,
+    /// Messages per size.
+    #[arg(short = 'n', long, default_value_t = 1000, conflicts_with = "duration")]
+    iters: u64,
+    /// Run each size for this many seconds instead of a message count.
+    #[arg(short = 'D', long, value_name = "SECS")]
+    duration: Option<f64>,
+    /// Outstanding operations per QP (bandwidth mode).
+    #[arg(long, default_value_t = 16)]
+    depth: usize,
+    /// Queue pairs (bandwidth mode).
+    #[arg(long, default_value_t = 1)]
+    qps: usize,
+    /// Messages up to this many bytes are posted inline (at most 256).
+    #[arg(long = "inline", default_value_t = 64, value_name = "N")]
+    inline_size: u32,
+    /// Ask for the MPA CRC32C on every FPDU.
+    #[arg(long)]
+    crc: bool,
+    /// Send everything through the datamover threads (no direct sending).
+    #[arg(long)]
+    force_datamover: bool,
+    /// Wait on a completion channel instead of busy polling.
+    #[arg(long)]
+    event: bool,
+    /// Measure the same pattern over plain TCP sockets too and print the
+    /// ratio softrdma / TCP (bandwidth ratio in bw mode, latency ratio in
+    /// lat mode).
+    #[arg(long, value_parser = ["tcp"], value_name = "tcp")]
+    baseline: Option<String>,
+    /// One JSON object per line.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Comma-separated values with a header.
+    #[arg(long)]
+    csv: bool,
+    /// Draw bandwidth and latency against message size into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Two-process mode: wait for a `--connect` peer (not available yet).
+    #[arg(long, conflicts_with = "connect")]
+    server: bool,
+    /// Two-process mode: connect to a `--server` peer (not available yet).
+    #[arg(long, value_name = "HOST")]
+    connect: Option<String>,
+    /// TCP port of the two-process mode.
+    #[arg(short = 'p', long, default_value_t = softrdma_cli::perf::DEFAULT_PORT)]
+    port: u16,
+}
+
+/// Exit status of usage errors (as clap's).
+const USAGE: u8 = 2;
+
+fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
+    use softrdma_cli::perf::{self, Format, Mode, Params, PerfError, PerfOptions, Test};
+    if a.server || a.connect.is_some() {
+        eprintln!(
+            "softrdma perf: error: the two-process mode (--server/--connect, port {}) is not available yet; run without them for loopback mode",
+            a.port
+        );
+        return ExitCode::from(USAGE);
+    }
+    let mode = if a.lat { Mode::Lat } else { Mode::Bw };
+    let sizes = if a.all {
+        perf::sweep(a.test)
+    } else {
+        vec![a.size.unwrap_or(if a.test == Test::Atomic || a.lat {
+            8
+        } else {
+            65536
+        })]
+    };
+    let duration = match a.duration {
+        Some(d) if !(d.is_finite() && d > 0.0 && d < 1e6) => {
+            eprintln!("softrdma perf: error: --duration must be a positive number of seconds");
+            return ExitCode::from(USAGE);
+        }
+        d => d.map(std::time::Duration::from_secs_f64),
+    };
+    let opts = PerfOptions {
+        params: Params {
+            test: a.test,
+            mode,
+            size: sizes[0],
+            iters: a.iters,
+            duration,
+            depth: a.depth,
+            qps: a.qps,
+            inline: a.inline_size,
+            crc: a.crc,
+            force_datamover: a.force_datamover,
+            event: a.event,
+        },
+        sizes,
+        baseline_tcp: a.baseline.is_some(),
+        format: if a.json {
+            Format::Json
+        } else if a.csv {
+            Format::Csv
+        } else {
+            Format::Human
+        },
+        plot: a.plot.clone(),
+    };
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    match perf::run_perf(&opts, &mut out) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(PerfError::Usage(m)) => {
+            eprintln!("softrdma perf: error: {m}");
+            ExitCode::from(USAGE)
+        }
+        Err(PerfError::Io { source, .. }) if source.kind() == ErrorKind::BrokenPipe => {
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("softrdma perf: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo => {
+            let stdout = io::stdout();
+            let mut out = stdout.lock();
+            match softrdma_cli::demo::run_demo(&mut out) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("softrdma demo: FAILED at step '{e}'");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Perf(a) => run_perf_cmd(&a),
         Command::Ping {
             server,
             client: _,

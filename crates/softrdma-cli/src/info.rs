@@ -1,0 +1,2 @@
+//! `softrdma info`: the device's attributes, threads and defaults, like
+//! `ibv_devinfo -v`.
