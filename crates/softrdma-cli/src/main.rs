@@ -21,6 +21,13 @@ enum Command {
     /// Send/Recv, RDMA Write, RDMA Read, an atomic, a verified checksum, and
     /// a short bandwidth/latency comparison with plain TCP. No arguments.
     Demo,
+    /// Show the device: attributes (like `ibv_devinfo -v`), datamover and
+    /// completion-handler threads with their CPUs, negotiation defaults.
+    Info {
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// perftest-style measurements (ib_write_bw, ib_read_lat, ...), with an
     /// optional plain-TCP baseline in the same run.
     Perf(Box<PerfArgs>),
@@ -232,6 +239,17 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Info { json } => {
+            let stdout = io::stdout();
+            let mut out = stdout.lock();
+            match softrdma_cli::info::run_info(json, &mut out) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("softrdma info: error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Demo => {
             let stdout = io::stdout();
             let mut out = stdout.lock();

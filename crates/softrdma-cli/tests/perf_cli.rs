@@ -180,3 +180,35 @@ fn bad_arguments_exit_2_with_a_message() {
         assert!(err.contains("error"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn info_json_reports_attributes_threads_and_defaults() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(["info", "--json"])
+        .output()
+        .expect("run softrdma info");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["device"], "softrdma0");
+    assert!(v["attributes"]["max_qp"].as_u64().unwrap() > 0);
+    assert_eq!(v["attributes"]["max_sge_rd"], 1);
+    assert!(!v["threads"]["datamovers"].as_array().unwrap().is_empty());
+    assert!(
+        !v["threads"]["completion_handlers"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(v["defaults"]["mpa_revision"], 2);
+    assert_eq!(v["defaults"]["private_data_cap"], 256);
+    let text = std::process::Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("info")
+        .output()
+        .expect("run softrdma info");
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(text.starts_with("hca_id:\tsoftrdma0"), "{text}");
+}
