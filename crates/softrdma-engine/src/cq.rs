@@ -66,9 +66,15 @@ const ARM_NEXT: u8 = 2;
 pub(crate) trait Progress: Send + Sync {
     /// Makes what progress can be made without blocking (implementations
     /// use try-locks and return at once if another thread is busy).
+    /// `armed`: the CQ is armed, so its owner is about to wait for an event
+    /// rather than busy-poll.
     /// Returns whether anything was done. May push to the CQ and attach or
     /// detach hooks (the poll runs on a snapshot of the hooks).
-    fn progress(&self) -> bool;
+    fn progress(&self, armed: bool) -> bool;
+
+    /// The CQ was armed: its owner is about to wait for an event instead of
+    /// polling, so receive threads must watch the QP's socket again.
+    fn armed(&self) {}
 }
 
 /// Why a completion queue could not be created.
@@ -532,10 +538,11 @@ impl CompletionQueue {
             }
             Arc::clone(&hooks)
         };
+        let armed = self.shared.arm.load(Ordering::Relaxed) != 0;
         let mut any = false;
         for hook in hooks.iter() {
             if let Some(hook) = hook.upgrade() {
-                any |= hook.progress();
+                any |= hook.progress(armed);
             }
         }
         any
@@ -565,7 +572,18 @@ impl CompletionQueue {
             ARM_NEXT
         };
         self.shared.arm.fetch_max(want, Ordering::SeqCst);
+        self.notify_armed();
         Ok(())
+    }
+
+    /// Tells the QPs of this CQ that their owner now waits for events.
+    fn notify_armed(&self) {
+        let hooks = Arc::clone(&self.shared.progress.read());
+        for hook in hooks.iter() {
+            if let Some(hook) = hook.upgrade() {
+                hook.armed();
+            }
+        }
     }
 
     /// Changes the number of entries (`ibv_resize_cq`), keeping the queued
@@ -987,7 +1005,7 @@ mod tests {
     }
 
     impl Progress for Hook {
-        fn progress(&self) -> bool {
+        fn progress(&self, _armed: bool) -> bool {
             let n = self.calls.fetch_add(1, Ordering::Relaxed);
             if n == 0 {
                 self.cq.push(wc(42), false).unwrap();
@@ -1226,7 +1244,7 @@ mod tests {
     }
 
     impl Progress for SelfDetaching {
-        fn progress(&self) -> bool {
+        fn progress(&self, _armed: bool) -> bool {
             if let Some(me) = self.me.lock().take() {
                 self.cq.detach_progress(&me);
                 self.cq.push(wc(8), false).unwrap();

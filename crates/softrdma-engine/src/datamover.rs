@@ -161,6 +161,14 @@ impl Threads {
         let _ = rx.reactor.arm(fd, key, Interest::Read);
     }
 
+    /// Wakes receive thread `idx` so it re-checks the QPs it left to CQ
+    /// pollers.
+    pub(crate) fn wake_rx(&self, idx: usize) {
+        if let Some(rx) = self.rxs.get(idx) {
+            rx.reactor.notify();
+        }
+    }
+
     /// Stops watching a QP's socket.
     pub(crate) fn unregister(&self, qp: &QpInner) {
         if !qp.rx_registered.swap(false, Ordering::AcqRel) {

@@ -1645,10 +1645,18 @@ pub(crate) fn term_status(code: TermCode) -> WcStatus {
 }
 
 impl Progress for QpInner {
-    fn progress(&self) -> bool {
+    fn armed(&self) {
+        // Not busy-polled any more: let the receive thread watch the socket
+        // now, not after the quiet period.
+        if self.last_poll.swap(0, Ordering::Relaxed) != 0 {
+            self.device.threads().wake_rx(self.datamover);
+        }
+    }
+
+    fn progress(&self, armed: bool) -> bool {
         if !self.device.config().poll_driven_receive {
             return false;
         }
-        self.rx_poll()
+        self.rx_poll(!armed)
     }
 }

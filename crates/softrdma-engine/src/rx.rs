@@ -280,9 +280,13 @@ impl RxState {
 
 impl QpInner {
     /// Receive progress from a CQ poll: only if nobody else is receiving.
-    pub(crate) fn rx_poll(&self) -> bool {
-        self.last_poll
-            .store(crate::datamover::now_ns(), Ordering::Relaxed);
+    /// `busy`: the caller busy-polls (the receive thread may leave the
+    /// socket to it for a while).
+    pub(crate) fn rx_poll(&self, busy: bool) -> bool {
+        if busy {
+            self.last_poll
+                .store(crate::datamover::now_ns(), Ordering::Relaxed);
+        }
         let Some(mut rx) = self.rx.try_lock() else {
             return false;
         };
