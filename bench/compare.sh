@@ -110,6 +110,21 @@ wait_listen() {
     return 1
 }
 
+# Run a client in the background and wait for it, so that a signal to this
+# script is handled at once (bash defers traps while a foreground child
+# runs). Output goes to stdout of this function.
+client() {
+    local out="$WORK/client.out"
+    timeout -k 2 "$TMO" "$@" >"$out" 2>&1 &
+    local pid=$!
+    PIDS+=("$pid")
+    wait "$pid"
+    local keep=() p
+    for p in "${PIDS[@]:-}"; do [ "$p" != "$pid" ] && [ -n "$p" ] && keep+=("$p"); done
+    PIDS=("${keep[@]:-}")
+    cat "$out"
+}
+
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
 }
@@ -182,7 +197,7 @@ run_iperf3() {
         start_bg "$WORK/iperf3-srv.log" iperf3 -s -1 -p "$port"
         srv=$BG_PID
         wait_listen "$port"
-        out="$(timeout -k 2 "$TMO" iperf3 -c 127.0.0.1 -p "$port" -t "$DUR" -l "$size" -J 2>/dev/null)"
+        client iperf3 -c 127.0.0.1 -p "$port" -t "$DUR" -l "$size" -J >"$WORK/out"; out="$(cat "$WORK/out")"
         finish_bg "$srv"
         record tcp iperf3 bw "$size" "$run" "$(printf '%s' "$out" | python3 -c '
 import json, sys
@@ -210,7 +225,7 @@ run_tcp_lat() {
             wait_listen "$QPERF_PORT"
         fi
         for size in $SIZES; do
-            out="$(timeout -k 2 "$TMO" qperf 127.0.0.1 --listen_port "$QPERF_PORT" -t "$DUR" -m "$size" tcp_lat 2>&1)"
+            client qperf 127.0.0.1 --listen_port "$QPERF_PORT" -t "$DUR" -m "$size" tcp_lat >"$WORK/out"; out="$(cat "$WORK/out")"
             record tcp tcp_lat lat "$size" "$run" "$(printf '%s' "$out" | awk '
                 /latency *=/ { v=$3; u=$4;
                     if (u=="ns") v=v/1000; else if (u=="ms") v=v*1000; else if (u=="sec"||u=="s") v=v*1e6;
@@ -226,7 +241,7 @@ run_tcp_lat() {
         for size in 14 65536; do
             [ "$size" -gt 65506 ] && continue
             local m="$size"; [ "$m" -gt 65506 ] && m=65506
-            out="$(timeout -k 2 "$TMO" sockperf pp --tcp -i 127.0.0.1 -p "$port" -m "$m" -t "$DUR" 2>&1)"
+            client sockperf pp --tcp -i 127.0.0.1 -p "$port" -m "$m" -t "$DUR" >"$WORK/out"; out="$(cat "$WORK/out")"
             local key="$size"; [ "$size" -eq 14 ] && key=8
             record tcp tcp_lat lat "$key" "$run" "$(printf '%s' "$out" | sed -n 's/.*Summary: Latency is \([0-9.]*\) usec.*/\1/p' | tail -1)"
         done
@@ -256,8 +271,8 @@ run_ucx() {
             UCX_TLS=tcp,self UCX_NET_DEVICES=lo start_bg "$WORK/ucx-srv.log" ucx_perftest -p "$port"
             srv=$BG_PID
             wait_listen "$port"
-            out="$(UCX_TLS=tcp,self UCX_NET_DEVICES=lo timeout -k 2 "$TMO" \
-                ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s "$size" -n "$n" 2>&1)"
+            UCX_TLS=tcp,self UCX_NET_DEVICES=lo client \
+                ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s "$size" -n "$n" >"$WORK/out"; out="$(cat "$WORK/out")"
             finish_bg "$srv"
             # Final: iters lat50 lat_avg lat_overall bw_avg bw_overall rate_avg rate_overall
             case "$test" in
@@ -284,7 +299,7 @@ run_fabric() {
         start_bg "$WORK/fi-srv.log" fi_pingpong -p tcp -e msg -B "$port" -I "$n" -S "$size"
         srv=$BG_PID
         wait_listen "$port"
-        out="$(timeout -k 2 "$TMO" fi_pingpong -p tcp -e msg -P "$port" -I "$n" -S "$size" 127.0.0.1 2>&1)"
+        client fi_pingpong -p tcp -e msg -P "$port" -I "$n" -S "$size" 127.0.0.1 >"$WORK/out"; out="$(cat "$WORK/out")"
         finish_bg "$srv"
         # bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
         local line
@@ -314,7 +329,7 @@ run_softrdma() {
                 n="$(sr_iters "$mode" "$size")"
                 latflag=""; [ "$mode" = lat ] && latflag="--lat"
                 # shellcheck disable=SC2086
-                out="$(timeout -k 2 "$TMO" "$SOFTRDMA" perf "$test" --size "$size" $latflag -n "$n" --json 2>/dev/null)"
+                client "$SOFTRDMA" perf "$test" --size "$size" $latflag -n "$n" --json >"$WORK/out"; out="$(grep "^{" "$WORK/out")"
                 printf '%s\n' "$out" | python3 -c '
 import json, sys
 test, mode, size, run = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
