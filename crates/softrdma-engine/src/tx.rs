@@ -478,9 +478,9 @@ impl TxState {
                     last,
                     &[],
                 );
-                let pieces = [(src.mem.clone(), src.offset + off, chunk)];
+                let pieces = vec![(src.mem.clone(), src.offset + off, chunk)];
                 let done = if last { Done::Response } else { Done::Nothing };
-                if let Some(f) = frame_data(&ulpdu, None, &pieces, chunk, link.crc, done) {
+                if let Some(f) = frame_data(&ulpdu, None, pieces, chunk, link.crc, done) {
                     self.push_out(f);
                 }
                 if last {
@@ -683,7 +683,7 @@ impl TxState {
             None => frame_data(
                 &ulpdu,
                 patch_imm.then_some(()),
-                &pieces,
+                pieces,
                 chunk,
                 link.crc,
                 done,
@@ -818,7 +818,7 @@ fn frame_inline(
 fn frame_data(
     ulpdu: &UlpduRepr<'_>,
     patch_imm: Option<()>,
-    pieces: &[(Arc<Memory>, usize, usize)],
+    pieces: Vec<(Arc<Memory>, usize, usize)>,
     len: usize,
     crc: bool,
     done: Done,
@@ -826,7 +826,7 @@ fn frame_data(
     let (mut head, hdr_len, ulpdu_len) = start_fpdu(ulpdu, len, patch_imm.is_some())?;
     if len <= COPY_MAX {
         let mut at = hdr_len;
-        for (mem, off, n) in pieces {
+        for (mem, off, n) in &pieces {
             if !mem.copy_out(*off, head.get_mut(at..at + n)?) {
                 return None;
             }
@@ -837,7 +837,7 @@ fn frame_data(
     let c = crc.then(|| {
         let mut c = Crc32c::new();
         c.update(&head[..hdr_len]);
-        for (mem, off, n) in pieces {
+        for (mem, off, n) in &pieces {
             crc_update_mem(&mut c, mem, *off, *n);
         }
         c
@@ -846,7 +846,7 @@ fn frame_data(
     Some(OutFpdu {
         head,
         head_len: hdr_len,
-        pieces: pieces.to_vec(),
+        pieces,
         total: hdr_len + len + trailer.as_bytes().len(),
         trailer,
         written: 0,
