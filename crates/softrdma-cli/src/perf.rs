@@ -682,13 +682,7 @@ fn rdma_send_lat(p: &Params) -> Result<Measurement, PerfError> {
             dog.check()?;
         }
     });
-    stop.store(true, Ordering::Release);
-    let e = echo
-        .join()
-        .map_err(|_| PerfError::Engine("echo thread panicked".into()))?;
-    let m = r?;
-    e?;
-    Ok(m)
+    finish_echo(&stop, echo, r)
 }
 
 /// Runs `one` (one exchange; returns the divisor of its time: 2 for a
@@ -810,6 +804,16 @@ fn rdma_write_lat(p: &Params) -> Result<Measurement, PerfError> {
             dog.check()?;
         }
     });
+    finish_echo(&stop, echo, r)
+}
+
+/// Stops the echo thread of a ping-pong and combines its outcome with the
+/// measurement's.
+fn finish_echo(
+    stop: &AtomicBool,
+    echo: std::thread::JoinHandle<Result<(), PerfError>>,
+    r: Result<Measurement, PerfError>,
+) -> Result<Measurement, PerfError> {
     stop.store(true, Ordering::Release);
     let e = echo
         .join()
