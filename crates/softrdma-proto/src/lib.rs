@@ -9,7 +9,9 @@
 //!   [`mpa::Initiator`] and [`mpa::Responder`] negotiation machines;
 //! * [`rtr`]: the peer-to-peer "Ready to Receive" messages of RFC 6581;
 //! * [`qp_state`]: the iWARP QP states and which transitions and posts each
-//!   allows.
+//!   allows;
+//! * [`proxy`]: proxy offload rules — the message filter, the completion
+//!   reorder buffer and the no-offload load guard.
 //!
 //! The DDP/RDMAP sequencing and validation rules, ORD/IRD accounting and
 //! Terminate generation currently live in the engine's receive and transmit
@@ -24,5 +26,6 @@
 pub use softrdma_wire as wire;
 
 pub mod mpa;
+pub mod proxy;
 pub mod qp_state;
 pub mod rtr;
