@@ -209,6 +209,8 @@ struct CqShared {
     callback: Option<Mutex<CqCallback>>,
     /// Completions polled (for the handler's load accounting).
     polled: Arc<PollCounter>,
+    /// The proxy this CQ belongs to ([`CqBuilder::proxy`]), by id.
+    proxy: Option<u32>,
 }
 
 impl Drop for CqShared {
@@ -264,6 +266,7 @@ pub struct CqBuilder<'a> {
     channel: Option<&'a CompletionChannel>,
     binding: Binding,
     callback: Option<CqCallback>,
+    proxy: Option<u32>,
 }
 
 impl fmt::Debug for CqBuilder<'_> {
@@ -273,11 +276,19 @@ impl fmt::Debug for CqBuilder<'_> {
             .field("channel", &self.channel.is_some())
             .field("binding", &self.binding)
             .field("callback", &self.callback.is_some())
+            .field("proxy", &self.proxy)
             .finish_non_exhaustive()
     }
 }
 
 impl<'a> CqBuilder<'a> {
+    /// Makes the CQ a proxy CQ of `proxy`: the CQ that proxy QPs served by
+    /// `proxy` must use (see [`crate::proxy`]).
+    pub fn proxy(mut self, proxy: &crate::proxy::Proxy) -> Self {
+        self.proxy = Some(proxy.id());
+        self
+    }
+
     /// Events of the armed CQ go to this channel.
     pub fn channel(mut self, channel: &'a CompletionChannel) -> Self {
         self.channel = Some(channel);
@@ -333,6 +344,7 @@ impl<'a> CqBuilder<'a> {
                 handler,
                 callback: self.callback.map(Mutex::new),
                 polled,
+                proxy: self.proxy,
             }),
         })
     }
@@ -391,7 +403,14 @@ impl CompletionQueue {
             channel: None,
             binding: Binding::Balanced,
             callback: None,
+            proxy: None,
         }
+    }
+
+    /// The id of the proxy this CQ belongs to, if it is a proxy CQ
+    /// ([`CqBuilder::proxy`]).
+    pub fn proxy_id(&self) -> Option<u32> {
+        self.shared.proxy
     }
 
     /// A CQ of `cqe` entries whose events run `callback` on its completion

@@ -69,6 +69,10 @@ pub enum AsyncEventKind {
     BadClose,
     /// The peer sent a Terminate message; [`AsyncEvent::term`] has its code.
     TerminateReceived,
+    /// softrdma: a message for a proxy QP's proxy reached a proxy that no
+    /// longer runs; the message was discarded (its receive completed with
+    /// [`WcStatus::ProxyDiscarded`](crate::WcStatus::ProxyDiscarded)).
+    ProxyMismatch,
 }
 
 impl AsyncEventKind {
@@ -90,6 +94,7 @@ impl AsyncEventKind {
             AsyncEventKind::LlpReset => "LLP_RESET",
             AsyncEventKind::BadClose => "BAD_CLOSE",
             AsyncEventKind::TerminateReceived => "TERMINATE_RECEIVED",
+            AsyncEventKind::ProxyMismatch => "PROXY_MISMATCH",
         }
     }
 }

@@ -73,6 +73,7 @@ pub mod handlers;
 pub mod loopback;
 pub mod mr;
 pub mod pd;
+pub mod proxy;
 pub mod qp;
 mod rx;
 pub mod srq;

@@ -157,6 +157,9 @@ pub enum CreateQpError {
     /// A CQ, the SRQ or the PD belong to another device.
     #[error("the CQs, SRQ and PD of a QP must belong to the same device")]
     WrongDevice,
+    /// The QP could not become a proxy QP.
+    #[error(transparent)]
+    Proxy(#[from] crate::proxy::ProxySetupError),
 }
 
 /// Why a send request was refused (nothing was queued).
@@ -340,6 +343,9 @@ struct Slot {
     status: Option<WcStatus>,
     byte_len: u32,
     vendor_err: u32,
+    /// Posted by a proxy handler: its completion is the proxy's, never the
+    /// application's.
+    proxy_owned: bool,
 }
 
 /// Send-queue completion order.
@@ -412,6 +418,9 @@ pub(crate) struct QpInner {
     orderly_close: AtomicBool,
     /// How long a graceful close waits for the peer's FIN (ms).
     close_timeout_ms: AtomicU64,
+    /// Proxy offload, once attached (IDLE only): filter, handler and the
+    /// completion sequencer.
+    pub(crate) proxy: std::sync::OnceLock<crate::proxy::ProxyLink>,
     pub(crate) self_weak: Weak<QpInner>,
 }
 
@@ -471,6 +480,7 @@ impl QueuePair {
             peer_fin: AtomicBool::new(false),
             orderly_close: AtomicBool::new(false),
             close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
+            proxy: std::sync::OnceLock::new(),
             self_weak: weak.clone(),
         });
         let hook: Weak<dyn Progress> = Arc::downgrade(&inner) as Weak<dyn Progress>;
@@ -828,6 +838,12 @@ impl QpInner {
                 c.slots.pop_front();
                 c.base += 1;
                 self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+                if s.proxy_owned {
+                    if let Some(link) = self.proxy.get() {
+                        link.reply_completed(st);
+                    }
+                    continue;
+                }
                 if s.signaled || !st.is_success() {
                     let wc = WorkCompletion {
                         wr_id: s.wr_id,
@@ -839,8 +855,14 @@ impl QpInner {
                         qp_num: self.qp_num,
                         flags: WcFlags::NONE,
                         vendor_err: s.vendor_err,
+                        proxy_seq: 0,
+                        proxy_note: 0,
                     };
-                    if self.send_cq.push(wc, false).is_err() {
+                    let lost = match self.proxy.get() {
+                        Some(link) => link.deliver(self, wc, true, false),
+                        None => self.send_cq.push(wc, false).is_err(),
+                    };
+                    if lost {
                         overflow = true;
                     }
                 }
@@ -853,12 +875,16 @@ impl QpInner {
 
     /// Delivers a receive completion.
     pub(crate) fn complete_recv(&self, wc: WorkCompletion, solicited: bool) {
-        if self.recv_cq.push(wc, solicited).is_err() {
+        let lost = match self.proxy.get() {
+            Some(link) => link.deliver(self, wc, false, solicited),
+            None => self.recv_cq.push(wc, solicited).is_err(),
+        };
+        if lost {
             self.cq_overflow();
         }
     }
 
-    fn cq_overflow(&self) {
+    pub(crate) fn cq_overflow(&self) {
         if self.state() != QpState::Error
             && let Some(qp) = self.self_weak.upgrade()
         {
@@ -876,9 +902,20 @@ impl QpInner {
     }
 
     fn post_one(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        let signaled = self.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED);
+        let (opcode, wqe) = self.prepare_send(wr)?;
+        self.enqueue(wr.wr_id, opcode, signaled, false, wqe)
+    }
+
+    /// Checks a send request as [`post_send`](QueuePair::post_send) would and
+    /// returns it ready for [`enqueue`](Self::enqueue) (for proxy handlers,
+    /// whose replies are posted only if the handler succeeds).
+    pub(crate) fn prepare_send(
+        &self,
+        wr: &SendWr<'_>,
+    ) -> Result<(WcOpcode, SendWqe), PostSendError> {
         let state = self.state();
-        let policy = state.send_policy();
-        if policy == PostPolicy::Reject {
+        if state.send_policy() == PostPolicy::Reject {
             return Err(PostSendError::InvalidState {
                 qp_num: self.qp_num,
                 state,
@@ -897,8 +934,26 @@ impl QpInner {
                 max: self.cap.max_inline_data,
             });
         }
-        let signaled = self.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED);
-        let (opcode, wqe) = self.build_wqe(wr, inline)?;
+        self.build_wqe(wr, inline)
+    }
+
+    /// Queues a checked request: takes a send-queue slot (completion order)
+    /// and hands it to the transmit path, or flushes it in ERROR.
+    pub(crate) fn enqueue(
+        &self,
+        wr_id: u64,
+        opcode: WcOpcode,
+        signaled: bool,
+        proxy_owned: bool,
+        wqe: SendWqe,
+    ) -> Result<(), PostSendError> {
+        let policy = self.state().send_policy();
+        if policy == PostPolicy::Reject {
+            return Err(PostSendError::InvalidState {
+                qp_num: self.qp_num,
+                state: self.state(),
+            });
+        }
         // Reserve a send-queue slot.
         let depth = self.cap.max_send_wr;
         if self
@@ -913,12 +968,13 @@ impl QpInner {
         let mut c = self.comp.lock();
         let seq = c.base + c.slots.len() as u64;
         c.slots.push_back(Slot {
-            wr_id: wr.wr_id,
+            wr_id,
             opcode,
             signaled,
             status: None,
             byte_len: 0,
             vendor_err: 0,
+            proxy_owned,
         });
         let mut wqe = wqe;
         wqe.seq = seq;

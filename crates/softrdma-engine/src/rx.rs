@@ -30,6 +30,7 @@ use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduRepr};
 
 use crate::event::AsyncEventKind;
 use crate::mr::Access;
+use crate::proxy::MsgMeta;
 use crate::qp::{OutReadKind, QpInner};
 use crate::state::QpState;
 use crate::sys::io::{IoVecs, MAX_IOVECS, crc_update_mem, readv};
@@ -95,6 +96,21 @@ struct RecvProgress {
     wqe: RecvWqe,
     msn: Msn,
     received: usize,
+    /// RDMAP opcode and DDP/RDMAP header of the first segment (for proxy
+    /// filters).
+    opcode: Opcode,
+    header: [u8; MAX_COPIED_HDR],
+}
+
+/// An RDMA Write being received on a proxy QP: what a following Immediate
+/// Data message (Write with Immediate) reports to the proxy filter.
+#[derive(Debug, Clone, Copy)]
+struct WriteTrack {
+    stag: u32,
+    to: u64,
+    len: u64,
+    header: [u8; MAX_COPIED_HDR],
+    header_len: usize,
 }
 
 /// Why processing stopped.
@@ -137,7 +153,11 @@ pub(crate) struct RxState {
     expect: [Msn; 4],
     recv: Option<RecvProgress>,
     /// A completed Send with Immediate waiting for its Immediate Data.
-    imm_wait: Option<(RecvWqe, usize, bool)>,
+    imm_wait: Option<(RecvProgress, bool)>,
+    /// Proxy QPs only: the RDMA Write being received, and the last one
+    /// received completely.
+    write_open: Option<WriteTrack>,
+    last_write: Option<WriteTrack>,
     iov: IoVecs,
     /// The last FPDU had a small payload: read as much as is available.
     small: bool,
@@ -167,6 +187,8 @@ impl RxState {
             expect: [Msn::INITIAL; 4],
             recv: None,
             imm_wait: None,
+            write_open: None,
+            last_write: None,
             iov: IoVecs::new(),
             small: true,
             drained_hint: false,
@@ -204,8 +226,8 @@ impl RxState {
         if let Some(r) = self.recv.take() {
             v.push(r.wqe.wr_id);
         }
-        if let Some((w, _, _)) = self.imm_wait.take() {
-            v.push(w.wr_id);
+        if let Some((r, _)) = self.imm_wait.take() {
+            v.push(r.wqe.wr_id);
         }
         v
     }
@@ -442,6 +464,19 @@ impl QpInner {
         let violation = |err: TermError, event| Stop::Violation { err, event };
         match (repr.opcode, repr.address) {
             (Opcode::RdmaWrite, DdpAddress::Tagged { stag, to }) => {
+                if self.proxy.get().is_some() {
+                    let w = rx.write_open.get_or_insert(WriteTrack {
+                        stag: stag.0,
+                        to,
+                        len: 0,
+                        header: rx.hdr_copy,
+                        header_len: rx.hdr_copy_len,
+                    });
+                    w.len += payload_len as u64;
+                    if repr.last {
+                        rx.last_write = rx.write_open.take();
+                    }
+                }
                 if payload_len == 0 {
                     // A zero-length Write places nothing (RTR uses one).
                     return Ok(Action::None);
@@ -532,6 +567,8 @@ impl QpInner {
                         wqe,
                         msn,
                         received: 0,
+                        opcode: repr.opcode,
+                        header: rx.hdr_copy,
                     });
                 }
                 let Some(r) = rx.recv.as_mut() else {
@@ -883,7 +920,7 @@ impl QpInner {
                     return Ok(());
                 };
                 if imm_follows {
-                    rx.imm_wait = Some((r.wqe, r.received, solicited));
+                    rx.imm_wait = Some((r, solicited));
                     return Ok(());
                 }
                 let mut wc = WorkCompletion::success(r.wqe.wr_id, WcOpcode::Recv, self.qp_num);
@@ -911,14 +948,41 @@ impl QpInner {
                     wc.flags = wc.flags | WcFlags::WITH_INV;
                     wc.invalidated_rkey = stag;
                 }
-                self.complete_recv(wc, solicited);
+                match self.proxy.get() {
+                    Some(link) => link.on_message(
+                        self,
+                        wc,
+                        solicited,
+                        MsgMeta::send(r.opcode, r.header, r.wqe.segs, inv),
+                    ),
+                    None => self.complete_recv(wc, solicited),
+                }
             }
             Action::Immediate { imm, solicited } => {
                 rx.expect[QN_SEND] = rx.expect[QN_SEND].next();
-                let (wqe, len, opcode, sol) = match rx.imm_wait.take() {
-                    Some((w, len, s)) => (w, len, WcOpcode::Recv, s || solicited),
+                let (wc, sol, meta) = match rx.imm_wait.take() {
+                    Some((r, s)) => {
+                        let mut wc =
+                            WorkCompletion::success(r.wqe.wr_id, WcOpcode::Recv, self.qp_num);
+                        wc.byte_len = u32::try_from(r.received).unwrap_or(u32::MAX);
+                        (
+                            wc,
+                            s || solicited,
+                            MsgMeta::send(r.opcode, r.header, r.wqe.segs, None),
+                        )
+                    }
                     None => match self.pop_recv() {
-                        Some(w) => (w, 0, WcOpcode::RecvRdmaWithImm, solicited),
+                        Some(w) => {
+                            let wc = WorkCompletion::success(
+                                w.wr_id,
+                                WcOpcode::RecvRdmaWithImm,
+                                self.qp_num,
+                            );
+                            let meta = rx.last_write.take().map(|t| {
+                                MsgMeta::write(t.stag, t.to, t.len, &t.header[..t.header_len])
+                            });
+                            (wc, solicited, meta.unwrap_or_else(MsgMeta::empty_write))
+                        }
                         None => {
                             return Err(Stop::Violation {
                                 err: TermError::DdpUntaggedNoBuffer,
@@ -927,14 +991,16 @@ impl QpInner {
                         }
                     },
                 };
-                let mut wc = WorkCompletion::success(wqe.wr_id, opcode, self.qp_num);
-                wc.byte_len = u32::try_from(len).unwrap_or(u32::MAX);
+                let mut wc = wc;
                 wc.imm_data = imm;
                 wc.flags = WcFlags::WITH_IMM;
                 if sol {
                     wc.flags = wc.flags | WcFlags::SOLICITED;
                 }
-                self.complete_recv(wc, sol);
+                match self.proxy.get() {
+                    Some(link) => link.on_message(self, wc, sol, meta.with_imm(imm)),
+                    None => self.complete_recv(wc, sol),
+                }
             }
             Action::ReadResponse { last } => {
                 if last {

@@ -32,6 +32,12 @@ pub enum WcStatus {
     InvalidateError,
     /// General error not covered by another status.
     General,
+    /// softrdma: a message addressed to a proxy QP's proxy was discarded
+    /// because the proxy no longer runs (a proxy mismatch); an
+    /// [`AsyncEventKind::ProxyMismatch`](crate::AsyncEventKind::ProxyMismatch)
+    /// event reports it too. The receive buffer holds the message's bytes,
+    /// but the message was not processed.
+    ProxyDiscarded,
 }
 
 impl WcStatus {
@@ -55,6 +61,7 @@ impl WcStatus {
             WcStatus::Fatal => "IBV_WC_FATAL_ERR",
             WcStatus::InvalidateError => "IBV_WC_INV_EECN_ERR",
             WcStatus::General => "IBV_WC_GENERAL_ERR",
+            WcStatus::ProxyDiscarded => "SOFTRDMA_WC_PROXY_DISCARDED",
         }
     }
 }
@@ -89,6 +96,10 @@ pub enum WcOpcode {
     Recv,
     /// A receive consumed by an RDMA Write with immediate data.
     RecvRdmaWithImm,
+    /// softrdma: a received message that a proxy handler served completely
+    /// (see [`crate::proxy`]). Nothing is left for the application to do;
+    /// `wr_id` names the receive it consumed, so its buffer can be reposted.
+    ProxyNoop,
 }
 
 /// Completion flags (`ibv_wc_flags`).
@@ -104,6 +115,9 @@ impl WcFlags {
     pub const WITH_INV: WcFlags = WcFlags(2);
     /// The received Send was a solicited one.
     pub const SOLICITED: WcFlags = WcFlags(4);
+    /// softrdma: a proxy handler served part of this received message;
+    /// `proxy_note` says what remains (see [`crate::proxy`]).
+    pub const PROXY_PARTIAL: WcFlags = WcFlags(8);
 
     /// Whether every flag of `other` is set.
     pub const fn contains(self, other: WcFlags) -> bool {
@@ -150,6 +164,12 @@ pub struct WorkCompletion {
     /// Vendor error: the raw Terminate code (layer, type, code) when the
     /// error came from a Terminate, else 0.
     pub vendor_err: u32,
+    /// For completions of a proxy QP: the completion's sequence number, its
+    /// position (from 0) in the QP's completion order kept by the proxy.
+    /// 0 on other QPs.
+    pub proxy_seq: u64,
+    /// With [`WcFlags::PROXY_PARTIAL`]: the note the proxy handler returned.
+    pub proxy_note: u64,
 }
 
 impl WorkCompletion {
@@ -165,6 +185,8 @@ impl WorkCompletion {
             qp_num,
             flags: WcFlags::NONE,
             vendor_err: 0,
+            proxy_seq: 0,
+            proxy_note: 0,
         }
     }
 
