@@ -556,6 +556,8 @@ pub(crate) struct MsgMeta {
     stag: Option<u32>,
     to: Option<u64>,
     imm: Option<u32>,
+    /// Bytes the Write of a Write with Immediate placed.
+    written: u64,
     data: MsgData,
 }
 
@@ -584,13 +586,13 @@ impl MsgMeta {
             stag: inv,
             to: None,
             imm: None,
+            written: 0,
             data: MsgData::Recv(segs),
         }
     }
 
     /// The RDMA Write of a Write with Immediate Data.
     pub(crate) fn write(stag: u32, to: u64, len: u64, header: &[u8]) -> MsgMeta {
-        let _ = len;
         let mut h = [0u8; 18];
         let n = header.len().min(18);
         h[..n].copy_from_slice(&header[..n]);
@@ -601,6 +603,7 @@ impl MsgMeta {
             stag: Some(stag),
             to: Some(to),
             imm: None,
+            written: len,
             data: MsgData::Tagged,
         }
     }
@@ -614,6 +617,7 @@ impl MsgMeta {
             stag: None,
             to: None,
             imm: None,
+            written: 0,
             data: MsgData::None,
         }
     }
@@ -622,6 +626,15 @@ impl MsgMeta {
     pub(crate) fn with_imm(mut self, imm: u32) -> MsgMeta {
         self.imm = Some(imm);
         self
+    }
+
+    /// Payload length: the bytes received by a Send (`wc.byte_len`), the
+    /// bytes written by a Write with Immediate.
+    fn payload_len(&self, wc: &WorkCompletion) -> u64 {
+        match self.data {
+            MsgData::Recv(_) => wc.byte_len.into(),
+            MsgData::Tagged | MsgData::None => self.written,
+        }
     }
 
     /// Copies payload bytes from `off` into `buf`; the payload is `len`
@@ -709,14 +722,15 @@ impl ProxyMessage<'_> {
         self.wc.qp_num
     }
 
-    /// Payload length.
+    /// Payload length: the bytes of a Send, or the bytes the Write of a
+    /// Write with Immediate placed.
     pub fn len(&self) -> usize {
-        self.wc.byte_len as usize
+        usize::try_from(self.meta.payload_len(self.wc)).unwrap_or(usize::MAX)
     }
 
     /// Whether the payload is empty.
     pub fn is_empty(&self) -> bool {
-        self.wc.byte_len == 0
+        self.len() == 0
     }
 
     /// The `wr_id` of the receive the message consumed.
@@ -752,7 +766,7 @@ impl ProxyMessage<'_> {
     /// Copies payload bytes from `offset` into `buf`; returns how many.
     pub fn read_payload(&self, offset: usize, buf: &mut [u8]) -> usize {
         self.meta
-            .read_payload(self.qp, self.wc.byte_len.into(), offset as u64, buf)
+            .read_payload(self.qp, self.meta.payload_len(self.wc), offset as u64, buf)
     }
 
     /// The whole payload.
@@ -1065,11 +1079,12 @@ impl ProxyLink {
         meta: MsgMeta,
     ) {
         let mut prefix = [0u8; MAX_MATCH_BYTES];
-        let want = self.prefix.min(wc.byte_len as usize);
-        let n = meta.read_payload(qp, wc.byte_len.into(), 0, &mut prefix[..want]);
+        let len = meta.payload_len(&wc);
+        let want = usize::try_from(len).map_or(self.prefix, |l| l.min(self.prefix));
+        let n = meta.read_payload(qp, len, 0, &mut prefix[..want]);
         let view = MessageView {
             opcode: meta.opcode,
-            len: wc.byte_len.into(),
+            len,
             stag: meta.stag,
             to: meta.to,
             header: &meta.header[..meta.header_len],
