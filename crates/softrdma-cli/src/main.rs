@@ -101,10 +101,18 @@ enum Command {
 
 /// Arguments of `softrdma perf`.
 #[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Two-process mode (like perftest's ib_write_bw / ib_write_bw HOST):\n  \
+    softrdma perf write --server                  # waits for one client, then exits\n  \
+    softrdma perf write --connect HOST -s 1M      # the client chooses the test and measures\n\
+The server accepts whatever test the client asks for unless it conflicts with the test options \
+given to the server itself (it refuses then, with the reason on both sides)."
+)]
 struct PerfArgs {
-    /// The operation to measure.
-    #[arg(value_enum)]
-    test: softrdma_cli::perf::Test,
+    /// The operation to measure (optional with --server: the client
+    /// chooses; given there, the client must ask for it).
+    #[arg(value_enum, required_unless_present = "server")]
+    test: Option<softrdma_cli::perf::Test>,
     /// Latency mode (one operation at a time) instead of bandwidth.
     #[arg(long)]
     lat: bool,
@@ -115,22 +123,24 @@ struct PerfArgs {
     /// Sweep sizes 2 B .. 8 MiB in powers of two (atomic: 8 only).
     #[arg(short = 'a', long)]
     all: bool,
-    /// Messages per size.
-    #[arg(short = 'n', long, default_value_t = 1000, conflicts_with = "duration")]
-    iters: u64,
+    /// Messages per size [default: 1000].
+    #[arg(short = 'n', long, conflicts_with = "duration")]
+    iters: Option<u64>,
     /// Run each size for this many seconds instead of a message count.
     #[arg(short = 'D', long, value_name = "SECS")]
     duration: Option<f64>,
-    /// Outstanding operations per QP (bandwidth mode).
-    #[arg(long, default_value_t = 16)]
-    depth: usize,
-    /// Queue pairs (bandwidth mode).
-    #[arg(long, default_value_t = 1)]
-    qps: usize,
-    /// Messages up to this many bytes are posted inline (at most 256).
-    #[arg(long = "inline", default_value_t = 64, value_name = "N")]
-    inline_size: u32,
-    /// Ask for the MPA CRC32C on every FPDU.
+    /// Outstanding operations per QP (bandwidth mode) [default: 16].
+    #[arg(long)]
+    depth: Option<usize>,
+    /// Queue pairs (bandwidth mode; in two-process mode one connection
+    /// each) [default: 1].
+    #[arg(long)]
+    qps: Option<usize>,
+    /// Messages up to this many bytes are posted inline (at most 256)
+    /// [default: 64].
+    #[arg(long = "inline", value_name = "N")]
+    inline_size: Option<u32>,
+    /// Ask for the MPA CRC32C on every FPDU (on a server: require it).
     #[arg(long)]
     crc: bool,
     /// Send everything through the datamover threads (no direct sending).
@@ -141,7 +151,8 @@ struct PerfArgs {
     event: bool,
     /// Measure the same pattern over plain TCP sockets too and print the
     /// ratio softrdma / TCP (bandwidth ratio in bw mode, latency ratio in
-    /// lat mode).
+    /// lat mode). In two-process mode over a TCP connection to the same
+    /// server (the client decides; ignored on a server).
     #[arg(long, value_parser = ["tcp"], value_name = "tcp")]
     baseline: Option<String>,
     /// One JSON object per line.
@@ -153,59 +164,116 @@ struct PerfArgs {
     /// Draw bandwidth and latency against message size into this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
-    /// Two-process mode: wait for a `--connect` peer (not available yet).
+    /// Two-process mode: wait for a `--connect` client, serve its run, exit.
+    /// Prints `listening on ADDR:PORT` first.
     #[arg(long, conflicts_with = "connect")]
     server: bool,
-    /// Two-process mode: connect to a `--server` peer (not available yet).
-    #[arg(long, value_name = "HOST")]
+    /// Two-process mode: run the test against the `--server` at HOST
+    /// (HOST, HOST:PORT, [IPv6]:PORT).
+    #[arg(long, value_name = "HOST[:PORT]")]
     connect: Option<String>,
-    /// TCP port of the two-process mode.
+    /// TCP port of the two-process mode (0 on a server: any free port).
     #[arg(short = 'p', long, default_value_t = softrdma_cli::perf::DEFAULT_PORT)]
     port: u16,
+    /// Server: the address to listen on.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        default_value = "0.0.0.0",
+        requires = "server"
+    )]
+    bind: String,
+    /// Server: serve clients one after another until interrupted.
+    #[arg(long, requires = "server")]
+    persist: bool,
+    /// Seconds to wait for any step: a client to connect (server), the
+    /// connections, control messages, and any progress during a run
+    /// [default: 30 in two-process mode, 10 in loopback].
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
 }
 
 /// Exit status of usage errors (as clap's).
 const USAGE: u8 = 2;
 
 fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
-    use softrdma_cli::perf::{self, Format, Mode, Params, PerfError, PerfOptions, Test};
-    if a.server || a.connect.is_some() {
-        eprintln!(
-            "softrdma perf: error: the two-process mode (--server/--connect, port {}) is not available yet; run without them for loopback mode",
-            a.port
-        );
-        return ExitCode::from(USAGE);
-    }
+    use softrdma_cli::perf::{
+        self, Constraints, Format, Mode, Params, PerfError, PerfOptions, Role, ServerOptions, Test,
+    };
+    let usage = |m: &str| {
+        eprintln!("softrdma perf: error: {m}");
+        ExitCode::from(USAGE)
+    };
+    let positive = |d: Option<f64>, what: &str| match d {
+        Some(d) if !(d.is_finite() && d > 0.0 && d < 1e6) => {
+            Err(format!("{what} must be a positive number of seconds"))
+        }
+        d => Ok(d.map(std::time::Duration::from_secs_f64)),
+    };
+    let duration = match positive(a.duration, "--duration") {
+        Ok(d) => d,
+        Err(m) => return usage(&m),
+    };
+    let two_process = a.server || a.connect.is_some();
+    let timeout = match positive(a.timeout, "--timeout") {
+        Ok(t) => t.unwrap_or(std::time::Duration::from_secs(if two_process {
+            30
+        } else {
+            10
+        })),
+        Err(m) => return usage(&m),
+    };
+    let test = a.test.unwrap_or(Test::Write);
     let mode = if a.lat { Mode::Lat } else { Mode::Bw };
     let sizes = if a.all {
-        perf::sweep(a.test)
+        perf::sweep(test)
     } else {
-        vec![a.size.unwrap_or(if a.test == Test::Atomic || a.lat {
+        vec![a.size.unwrap_or(if test == Test::Atomic || a.lat {
             8
         } else {
             65536
         })]
     };
-    let duration = match a.duration {
-        Some(d) if !(d.is_finite() && d > 0.0 && d < 1e6) => {
-            eprintln!("softrdma perf: error: --duration must be a positive number of seconds");
-            return ExitCode::from(USAGE);
+    let role = if a.server {
+        Role::Server(ServerOptions {
+            bind: a.bind.clone(),
+            port: a.port,
+            persist: a.persist,
+            require: Constraints {
+                test: a.test,
+                lat: a.lat,
+                size: a.size,
+                sweep: a.all,
+                iters: a.iters,
+                duration,
+                depth: a.depth,
+                qps: a.qps,
+                inline: a.inline_size,
+                crc: a.crc,
+            },
+        })
+    } else if let Some(server) = &a.connect {
+        Role::Client {
+            server: server.clone(),
+            port: a.port,
         }
-        d => d.map(std::time::Duration::from_secs_f64),
+    } else {
+        Role::Loopback
     };
     let opts = PerfOptions {
         params: Params {
-            test: a.test,
+            test,
             mode,
             size: sizes[0],
-            iters: a.iters,
+            iters: a.iters.unwrap_or(1000),
             duration,
-            depth: a.depth,
-            qps: a.qps,
-            inline: a.inline_size,
+            depth: a.depth.unwrap_or(16),
+            qps: a.qps.unwrap_or(1),
+            inline: a.inline_size.unwrap_or(64),
             crc: a.crc,
             force_datamover: a.force_datamover,
             event: a.event,
+            timeout,
         },
         sizes,
         baseline_tcp: a.baseline.is_some(),
@@ -217,15 +285,13 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
             Format::Human
         },
         plot: a.plot.clone(),
+        role,
     };
     let stdout = io::stdout();
     let mut out = stdout.lock();
     match perf::run_perf(&opts, &mut out) {
         Ok(_) => ExitCode::SUCCESS,
-        Err(PerfError::Usage(m)) => {
-            eprintln!("softrdma perf: error: {m}");
-            ExitCode::from(USAGE)
-        }
+        Err(PerfError::Usage(m)) => usage(&m),
         Err(PerfError::Io { source, .. }) if source.kind() == ErrorKind::BrokenPipe => {
             ExitCode::SUCCESS
         }

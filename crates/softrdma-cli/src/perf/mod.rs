@@ -1,0 +1,690 @@
+//! `softrdma perf`: perftest-style bandwidth and latency tests (`ib_write_bw`,
+//! `ib_read_lat`, ...) over softrdma, with the same transfer pattern over
+//! plain TCP sockets as a baseline in the same run.
+//!
+//! Loopback mode (the default) runs both ends in this process: the numbers
+//! include the CPU time of both ends (`cpu_us_per_msg` is the process's
+//! user + system time from `getrusage` divided by the messages).
+//! Two-process mode ([`Role::Server`], [`Role::Client`]) runs one end per
+//! process, like perftest's `ib_write_bw` / `ib_write_bw HOST`: the client
+//! chooses the test and measures, the server serves it (see [`remote`]);
+//! each process reports its own CPU time.
+//!
+//! Patterns:
+//!
+//! | test   | bw (depth outstanding)            | lat                                   |
+//! |--------|-----------------------------------|---------------------------------------|
+//! | write  | RDMA Write stream, fenced by Send | Write ping-pong polling memory, RTT/2 |
+//! | send   | Send stream, receiver reposts     | Send/Recv ping-pong, RTT/2            |
+//! | read   | RDMA Read stream                  | one Read at a time, full RTT          |
+//! | atomic | Fetch-and-Add stream (8 bytes)    | one Fetch-and-Add at a time, full RTT |
+//!
+//! TCP baseline: write/send: a byte stream of the same messages (bw) or a
+//! ping-pong of the same size (lat, RTT/2); read/atomic: 8-byte requests
+//! answered by `size`-byte responses, `depth` in flight (bw) or one at a
+//! time (lat, full RTT).
+
+mod msg;
+mod output;
+mod rdma;
+pub mod remote;
+mod tcp;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
+use softrdma_engine::{Access, Device, DeviceConfig};
+
+pub use output::svg;
+pub use rdma::measure_rdma;
+pub use tcp::measure_tcp;
+
+use output::{Progress, header, human_size, line};
+
+/// Default TCP port of the two-process mode (perftest's).
+pub const DEFAULT_PORT: u16 = 18515;
+
+/// Which operation is measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Test {
+    /// RDMA Write.
+    Write,
+    /// RDMA Read.
+    Read,
+    /// Send / Recv.
+    Send,
+    /// Atomic Fetch-and-Add (8 bytes).
+    Atomic,
+}
+
+impl Test {
+    /// The lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Test::Write => "write",
+            Test::Read => "read",
+            Test::Send => "send",
+            Test::Atomic => "atomic",
+        }
+    }
+}
+
+/// Bandwidth or latency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Many operations outstanding.
+    Bw,
+    /// One operation at a time.
+    Lat,
+}
+
+/// Parameters of one measurement (one message size).
+/// Parameters of one measurement (one message size).
+#[derive(Debug, Clone)]
+pub struct Params {
+    /// The operation.
+    pub test: Test,
+    /// Bandwidth or latency.
+    pub mode: Mode,
+    /// Message size in bytes.
+    pub size: usize,
+    /// Iterations (messages; ignored when `duration` is set).
+    pub iters: u64,
+    /// Run for this long instead of `iters`.
+    pub duration: Option<Duration>,
+    /// Outstanding operations per QP (bandwidth mode).
+    pub depth: usize,
+    /// Queue pairs (bandwidth mode spreads the messages over them).
+    pub qps: usize,
+    /// Messages up to this size are posted inline.
+    pub inline: u32,
+    /// Ask for the MPA CRC.
+    pub crc: bool,
+    /// Force every transmission through the datamover threads.
+    pub force_datamover: bool,
+    /// Wait on a completion channel instead of busy polling.
+    pub event: bool,
+    /// Fail when nothing progresses for this long (and, in two-process
+    /// mode, the limit of each connection step and control message).
+    pub timeout: Duration,
+}
+
+impl Params {
+    /// QPs used: `qps` in bandwidth mode, 1 in latency mode.
+    pub fn nqps(&self) -> usize {
+        if self.mode == Mode::Bw { self.qps } else { 1 }
+    }
+
+    /// IRD and ORD of each QP.
+    fn rd(&self) -> u16 {
+        self.depth.clamp(16, 128) as u16
+    }
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            test: Test::Write,
+            mode: Mode::Bw,
+            size: 65536,
+            iters: 1000,
+            duration: None,
+            depth: 16,
+            qps: 1,
+            inline: 64,
+            crc: false,
+            force_datamover: false,
+            event: false,
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The result of one measurement.
+#[derive(Debug, Clone, Default)]
+pub struct Measurement {
+    /// Message size.
+    pub size: usize,
+    /// Messages completed.
+    pub iters: u64,
+    /// Wall time.
+    pub secs: f64,
+    /// Per-operation latencies in µs, sorted (bw: post to completion).
+    pub lat_us: Vec<f64>,
+    /// Process CPU time (user + system) during the run, seconds.
+    pub cpu_secs: f64,
+}
+
+impl Measurement {
+    /// Megabytes (10^6) per second.
+    pub fn mb_s(&self) -> f64 {
+        self.size as f64 * self.iters as f64 / self.secs.max(1e-9) / 1e6
+    }
+    /// Gigabits per second.
+    pub fn gbit_s(&self) -> f64 {
+        self.mb_s() * 8.0 / 1000.0
+    }
+    /// Millions of messages per second.
+    pub fn mmsg_s(&self) -> f64 {
+        self.iters as f64 / self.secs.max(1e-9) / 1e6
+    }
+    fn pct(&self, p: f64) -> f64 {
+        if self.lat_us.is_empty() {
+            return 0.0;
+        }
+        let i = ((self.lat_us.len() - 1) as f64 * p).round() as usize;
+        self.lat_us[i.min(self.lat_us.len() - 1)]
+    }
+    /// Smallest latency, µs.
+    pub fn lat_min(&self) -> f64 {
+        self.pct(0.0)
+    }
+    /// Median latency, µs.
+    pub fn lat_median(&self) -> f64 {
+        self.pct(0.5)
+    }
+    /// 99th percentile latency, µs.
+    pub fn lat_p99(&self) -> f64 {
+        self.pct(0.99)
+    }
+    /// Largest latency, µs.
+    pub fn lat_max(&self) -> f64 {
+        self.pct(1.0)
+    }
+    /// CPU µs per message.
+    pub fn cpu_us_per_msg(&self) -> f64 {
+        self.cpu_secs * 1e6 / (self.iters.max(1) as f64)
+    }
+
+    /// The numbers a row needs.
+    pub fn summary(&self) -> Summary {
+        Summary {
+            size: self.size,
+            iters: self.iters,
+            secs: self.secs,
+            lat_min_us: self.lat_min(),
+            lat_median_us: self.lat_median(),
+            lat_p99_us: self.lat_p99(),
+            lat_max_us: self.lat_max(),
+            cpu_secs: self.cpu_secs,
+        }
+    }
+}
+
+/// What a row shows of a [`Measurement`] (what the client of a two-process
+/// run sends to the server).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Summary {
+    /// Message size.
+    pub size: usize,
+    /// Messages completed.
+    pub iters: u64,
+    /// Wall time, seconds.
+    pub secs: f64,
+    /// Latency minimum, µs.
+    pub lat_min_us: f64,
+    /// Latency median, µs.
+    pub lat_median_us: f64,
+    /// Latency 99th percentile, µs.
+    pub lat_p99_us: f64,
+    /// Latency maximum, µs.
+    pub lat_max_us: f64,
+    /// CPU time (user + system) of this process during the run, seconds.
+    pub cpu_secs: f64,
+}
+
+impl Summary {
+    /// Megabytes (10^6) per second.
+    pub fn mb_s(&self) -> f64 {
+        self.size as f64 * self.iters as f64 / self.secs.max(1e-9) / 1e6
+    }
+}
+
+/// Why a measurement failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PerfError {
+    /// Bad arguments.
+    #[error("{0}")]
+    Usage(String),
+    /// The engine refused something or a completion failed.
+    #[error("{0}")]
+    Engine(String),
+    /// A socket or file failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Nothing happened for too long.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// Two-process mode: the server refused the client's test (the reason
+    /// is the server's).
+    #[error("{0}")]
+    Refused(String),
+    /// Two-process mode: the peer failed, left, or sent something invalid.
+    #[error("{0}")]
+    Peer(String),
+}
+
+fn eng(e: impl std::fmt::Display) -> PerfError {
+    PerfError::Engine(e.to_string())
+}
+
+fn io(what: &str) -> impl Fn(std::io::Error) -> PerfError + '_ {
+    move |source| PerfError::Io {
+        what: what.to_string(),
+        source,
+    }
+}
+
+/// Operations completed so far, for the progress indicator.
+static PROGRESS: AtomicU64 = AtomicU64::new(0);
+
+/// Process CPU time (user + system), seconds.
+pub fn cpu_time() -> f64 {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `ru` is a valid, writable rusage; getrusage only writes it.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    if rc != 0 {
+        return 0.0;
+    }
+    // SAFETY: zero-initialised and filled by a successful getrusage.
+    let ru = unsafe { ru.assume_init() };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Limit of a run: a count or a deadline.
+#[derive(Clone, Copy)]
+struct Limit {
+    iters: u64,
+    deadline: Option<Instant>,
+}
+
+impl Limit {
+    fn new(p: &Params) -> Limit {
+        Limit {
+            iters: if p.duration.is_some() {
+                u64::MAX
+            } else {
+                p.iters
+            },
+            deadline: p.duration.map(|d| Instant::now() + d),
+        }
+    }
+    fn more(&self, done: u64) -> bool {
+        done < self.iters && self.deadline.is_none_or(|d| Instant::now() < d)
+    }
+}
+
+/// A watchdog: fails instead of hanging when nothing completes.
+/// A watchdog: fails instead of hanging when nothing completes.
+struct Watchdog {
+    last: Instant,
+    what: &'static str,
+    limit: Duration,
+}
+
+impl Watchdog {
+    fn new(what: &'static str, limit: Duration) -> Self {
+        Watchdog {
+            last: Instant::now(),
+            what,
+            limit,
+        }
+    }
+    fn kick(&mut self) {
+        self.last = Instant::now();
+    }
+    fn check(&self) -> Result<(), PerfError> {
+        if self.last.elapsed() > self.limit {
+            Err(PerfError::Timeout(format!(
+                "no progress for {:.0} s waiting for {}",
+                self.limit.as_secs_f64(),
+                self.what
+            )))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+fn access() -> Access {
+    Access::LOCAL_WRITE | Access::REMOTE
+}
+
+fn device(p: &Params) -> Result<Device, PerfError> {
+    let mut cfg = DeviceConfig::default();
+    cfg.force_datamover = p.force_datamover;
+    Device::open_with(cfg).map_err(eng)
+}
+
+fn mpa(p: &Params) -> MpaConfig {
+    MpaConfig {
+        crc: if p.crc {
+            CrcPolicy::Required
+        } else {
+            CrcPolicy::AcceptIfAsked
+        },
+        ..MpaConfig::default()
+    }
+}
+
+/// Largest message size.
+pub const MAX_SIZE: usize = 1 << 30;
+
+/// Largest `--depth`.
+pub const MAX_DEPTH: usize = 4096;
+
+/// Largest `--qps`.
+pub const MAX_QPS: usize = 255;
+
+fn validate(p: &Params) -> Result<(), PerfError> {
+    if p.size == 0 {
+        return Err(PerfError::Usage("message size must be at least 1".into()));
+    }
+    if p.test == Test::Atomic && p.size != 8 {
+        return Err(PerfError::Usage(
+            "atomic operations are 8 bytes (-s 8)".into(),
+        ));
+    }
+    if p.size > MAX_SIZE {
+        return Err(PerfError::Usage(
+            "message size too large (at most 1G)".into(),
+        ));
+    }
+    if p.depth == 0 || p.depth > MAX_DEPTH || p.qps == 0 || p.qps > MAX_QPS {
+        return Err(PerfError::Usage(format!(
+            "--depth must be between 1 and {MAX_DEPTH} and --qps between 1 and {MAX_QPS}"
+        )));
+    }
+    if p.duration.is_none() && p.iters == 0 {
+        return Err(PerfError::Usage("--iters must be at least 1".into()));
+    }
+    Ok(())
+}
+
+/// Output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Format {
+    /// A table for people.
+    #[default]
+    Human,
+    /// One JSON object per line.
+    Json,
+    /// Comma-separated values with a header line.
+    Csv,
+}
+
+/// Where the two ends run.
+#[derive(Debug, Clone, Default)]
+pub enum Role {
+    /// Both in this process.
+    #[default]
+    Loopback,
+    /// Measure against a server (`host`, `host:port`, `[v6]:port`; the
+    /// port defaults to `port`).
+    Client {
+        /// The server's address.
+        server: String,
+        /// Port when `server` has none.
+        port: u16,
+    },
+    /// Serve clients.
+    Server(ServerOptions),
+}
+
+/// Settings of `softrdma perf --server`.
+#[derive(Debug, Clone, Default)]
+pub struct ServerOptions {
+    /// Address to listen on (`0.0.0.0` for all).
+    pub bind: String,
+    /// Port (0: any free one; the line `listening on ADDR:PORT` tells).
+    pub port: u16,
+    /// Serve one client after another instead of one run.
+    pub persist: bool,
+    /// Test settings given to the server: a client asking for something
+    /// else is refused.
+    pub require: Constraints,
+}
+
+/// Test settings given explicitly to the server; `None`/`false`: anything
+/// the client asks.
+#[derive(Debug, Clone, Default)]
+pub struct Constraints {
+    /// The test.
+    pub test: Option<Test>,
+    /// Latency mode.
+    pub lat: bool,
+    /// The only message size.
+    pub size: Option<usize>,
+    /// The `-a` sweep.
+    pub sweep: bool,
+    /// Messages per size.
+    pub iters: Option<u64>,
+    /// Seconds per size.
+    pub duration: Option<Duration>,
+    /// Outstanding operations.
+    pub depth: Option<usize>,
+    /// Queue pairs.
+    pub qps: Option<usize>,
+    /// Inline threshold.
+    pub inline: Option<u32>,
+    /// The MPA CRC.
+    pub crc: bool,
+}
+
+/// Everything `softrdma perf` was asked to do.
+#[derive(Debug, Clone)]
+pub struct PerfOptions {
+    /// Per-measurement parameters (`size` is replaced by each of `sizes`).
+    /// On a server only the local settings (`event`, `force_datamover`,
+    /// `timeout`) are used: the client chooses the test.
+    pub params: Params,
+    /// Message sizes to run.
+    pub sizes: Vec<usize>,
+    /// Also run the TCP baseline.
+    pub baseline_tcp: bool,
+    /// Output format.
+    pub format: Format,
+    /// Write an SVG plot here.
+    pub plot: Option<PathBuf>,
+    /// Loopback, client or server.
+    pub role: Role,
+}
+
+/// One output line.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    /// The test.
+    pub test: Test,
+    /// bw or lat.
+    pub mode: Mode,
+    /// Message size, bytes.
+    pub size: usize,
+    /// Messages completed.
+    pub iters: u64,
+    /// MB/s (10^6 bytes).
+    pub mb_s: f64,
+    /// Gbit/s.
+    pub gbit_s: f64,
+    /// Millions of messages per second.
+    pub mmsg_s: f64,
+    /// Latency minimum, µs.
+    pub lat_min_us: f64,
+    /// Latency median, µs.
+    pub lat_median_us: f64,
+    /// Latency 99th percentile, µs.
+    pub lat_p99_us: f64,
+    /// Latency maximum, µs.
+    pub lat_max_us: f64,
+    /// Process CPU µs per message (both ends in loopback mode).
+    pub cpu_us_per_msg: f64,
+    /// TCP baseline MB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_mb_s: Option<f64>,
+    /// TCP baseline median latency, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_lat_median_us: Option<f64>,
+    /// softrdma / TCP: bandwidth ratio in bw mode, latency ratio in lat mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio: Option<f64>,
+}
+
+/// Rounds to 4 significant digits (small rates stay non-zero).
+fn r3(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let scale = 10f64.powi(3 - x.abs().log10().floor() as i32);
+    (x * scale).round() / scale
+}
+
+impl Row {
+    fn new(p: &Params, m: &Summary, tcp: Option<&Summary>) -> Row {
+        let ratio = tcp.map(|t| match p.mode {
+            Mode::Bw => m.mb_s() / t.mb_s().max(1e-9),
+            Mode::Lat => m.lat_median_us / t.lat_median_us.max(1e-9),
+        });
+        let mb_s = m.mb_s();
+        Row {
+            test: p.test,
+            mode: p.mode,
+            size: m.size,
+            iters: m.iters,
+            mb_s: r3(mb_s),
+            gbit_s: r3(mb_s * 8.0 / 1000.0),
+            mmsg_s: r3(m.iters as f64 / m.secs.max(1e-9) / 1e6),
+            lat_min_us: r3(m.lat_min_us),
+            lat_median_us: r3(m.lat_median_us),
+            lat_p99_us: r3(m.lat_p99_us),
+            lat_max_us: r3(m.lat_max_us),
+            cpu_us_per_msg: r3(m.cpu_secs * 1e6 / (m.iters.max(1) as f64)),
+            tcp_mb_s: tcp.map(|t| r3(t.mb_s())),
+            tcp_lat_median_us: tcp.map(|t| r3(t.lat_median_us)),
+            ratio: ratio.map(r3),
+        }
+    }
+}
+
+/// Parses a size: `8`, `64K`, `1M`, `2G` (binary multiples; `k`, `KiB`,
+/// `KB` also accepted).
+///
+/// # Errors
+///
+/// A message for anything else.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (examples: 8, 64K, 1M)"))?;
+    let mult: usize = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("'{s}': unknown size suffix (use K, M or G)")),
+    };
+    n.checked_mul(mult)
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("'{s}' is not a valid size"))
+}
+
+/// Runs `softrdma perf` (loopback, client or server), writing results to
+/// `out` as they come; returns the rows.
+///
+/// # Errors
+///
+/// [`PerfError`] from a measurement, the peer, the output or the plot file.
+pub fn run_perf(o: &PerfOptions, out: &mut dyn Write) -> Result<Vec<Row>, PerfError> {
+    let rows = match &o.role {
+        Role::Loopback => run_loopback(o, out)?,
+        Role::Client { server, port } => remote::run_client(o, server, *port, out)?,
+        Role::Server(s) => remote::run_server(o, s, out)?,
+    };
+    if let Some(path) = &o.plot {
+        std::fs::write(path, svg(&rows)).map_err(io("writing the plot"))?;
+    }
+    Ok(rows)
+}
+
+/// Checks every size of `o` before anything runs.
+fn validate_all(o: &PerfOptions) -> Result<(), PerfError> {
+    if o.sizes.is_empty() {
+        return Err(PerfError::Usage("no message size".into()));
+    }
+    for &s in &o.sizes {
+        validate(&Params {
+            size: s,
+            ..o.params.clone()
+        })?;
+    }
+    Ok(())
+}
+
+/// The progress label of a measurement.
+fn label(p: &Params) -> String {
+    format!(
+        "{} {} {}",
+        p.test.name(),
+        human_size(p.size),
+        if p.mode == Mode::Bw { "bw" } else { "lat" }
+    )
+}
+
+fn run_loopback(o: &PerfOptions, out: &mut dyn Write) -> Result<Vec<Row>, PerfError> {
+    validate_all(o)?;
+    let progress = Progress::start();
+    header(out, o.format, o.baseline_tcp, &o.params, "loopback").map_err(io("output"))?;
+    let mut rows = Vec::new();
+    for &size in &o.sizes {
+        let p = Params {
+            size,
+            ..o.params.clone()
+        };
+        progress.set(label(&p));
+        let m = measure_rdma(&p)?;
+        let tcp = if o.baseline_tcp {
+            progress.set(format!("tcp baseline {}", human_size(size)));
+            // Same number of messages as the softrdma run did.
+            Some(measure_tcp(&tcp_params(&p, &m))?)
+        } else {
+            None
+        };
+        let r = Row::new(&p, &m.summary(), tcp.map(|t| t.summary()).as_ref());
+        line(out, o.format, &r).map_err(io("output"))?;
+        out.flush().map_err(io("output"))?;
+        rows.push(r);
+    }
+    Ok(rows)
+}
+
+/// The TCP baseline's parameters: the same number of messages as the
+/// softrdma run `m` did.
+fn tcp_params(p: &Params, m: &Measurement) -> Params {
+    Params {
+        iters: m.iters.max(1),
+        duration: None,
+        ..p.clone()
+    }
+}
+
+/// The sizes of `-a`: powers of two from 2 to 8 MiB (8 only for atomic).
+pub fn sweep(test: Test) -> Vec<usize> {
+    if test == Test::Atomic {
+        vec![8]
+    } else {
+        (1..=23).map(|e| 1usize << e).collect()
+    }
+}
