@@ -117,10 +117,11 @@ struct PerfArgs {
     #[arg(long)]
     lat: bool,
     /// Message size in bytes (suffixes K, M, G: 8, 64K, 1M). Default 64K for
-    /// bandwidth, 8 for latency and atomics.
-    #[arg(short = 's', long, value_parser = softrdma_cli::perf::parse_size, conflicts_with = "all")]
+    /// bandwidth, 8 for latency and atomics. With -a: the largest size.
+    #[arg(short = 's', long, value_parser = softrdma_cli::perf::parse_size)]
     size: Option<usize>,
-    /// Sweep sizes 2 B .. 8 MiB in powers of two (atomic: 8 only).
+    /// Sweep sizes 2 B .. 8 MiB (or .. the -s size) in powers of two
+    /// (atomic: 8 only).
     #[arg(short = 'a', long)]
     all: bool,
     /// Messages per size [default: 1000].
@@ -226,7 +227,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
     let test = a.test.unwrap_or(Test::Write);
     let mode = if a.lat { Mode::Lat } else { Mode::Bw };
     let sizes = if a.all {
-        perf::sweep(test)
+        perf::sweep_to(test, a.size.unwrap_or(1 << 23))
     } else {
         vec![a.size.unwrap_or(if test == Test::Atomic || a.lat {
             8
@@ -242,8 +243,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
             require: Constraints {
                 test: a.test,
                 lat: a.lat,
-                size: a.size,
-                sweep: a.all,
+                sizes: (a.all || a.size.is_some()).then(|| sizes.clone()),
                 iters: a.iters,
                 duration,
                 depth: a.depth,

@@ -465,10 +465,8 @@ pub struct Constraints {
     pub test: Option<Test>,
     /// Latency mode.
     pub lat: bool,
-    /// The only message size.
-    pub size: Option<usize>,
-    /// The `-a` sweep.
-    pub sweep: bool,
+    /// The message sizes (`-s`, `-a`).
+    pub sizes: Option<Vec<usize>>,
     /// Messages per size.
     pub iters: Option<u64>,
     /// Seconds per size.
@@ -682,9 +680,20 @@ fn tcp_params(p: &Params, m: &Measurement) -> Params {
 
 /// The sizes of `-a`: powers of two from 2 to 8 MiB (8 only for atomic).
 pub fn sweep(test: Test) -> Vec<usize> {
+    sweep_to(test, 1 << 23)
+}
+
+/// The sizes of `-a -s MAX`: powers of two from 2 to `max` (8 only for
+/// atomic; `max` itself if it is below 2).
+pub fn sweep_to(test: Test, max: usize) -> Vec<usize> {
     if test == Test::Atomic {
         vec![8]
+    } else if max < 2 {
+        vec![max]
     } else {
-        (1..=23).map(|e| 1usize << e).collect()
+        (1..usize::BITS)
+            .map(|e| 1usize << e)
+            .take_while(|&s| s <= max)
+            .collect()
     }
 }

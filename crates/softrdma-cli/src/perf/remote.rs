@@ -68,6 +68,8 @@ struct Ctl {
     timeout: Duration,
     /// "client" or "server", for messages.
     peer: &'static str,
+    /// Why the connection failed, once it did.
+    failed: Option<String>,
 }
 
 impl Ctl {
@@ -87,6 +89,7 @@ impl Ctl {
             stash: VecDeque::new(),
             timeout,
             peer,
+            failed: None,
         };
         for slot in 0..CONTROL_RECVS {
             c.post_recv(slot)?;
@@ -109,33 +112,46 @@ impl Ctl {
     }
 
     /// Takes completions: received messages go to the stash. Returns
-    /// whether the outstanding Send completed.
+    /// whether the outstanding Send completed. A failed completion (the
+    /// peer left) is reported once the messages before it are taken.
     fn pump(&mut self) -> Result<bool, PerfError> {
         let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 8];
         let k = self.end.cq.poll(&mut buf);
         let mut sent = false;
         for wc in &buf[..k] {
             if wc.status != WcStatus::Success {
-                if self.qp.state() != QpState::Rts || wc.status == WcStatus::WrFlush {
-                    return Err(self.gone());
+                if self.failed.is_none() {
+                    self.failed = Some(
+                        if self.qp.state() != QpState::Rts || wc.status == WcStatus::WrFlush {
+                            self.gone().to_string()
+                        } else {
+                            format!(
+                                "the control connection to the {} failed: {}",
+                                self.peer, wc.status
+                            )
+                        },
+                    );
                 }
-                return Err(PerfError::Peer(format!(
-                    "the control connection to the {} failed: {}",
-                    self.peer, wc.status
-                )));
+                continue;
             }
             if wc.opcode == WcOpcode::Recv {
                 let slot = (wc.wr_id as usize).min(CONTROL_RECVS - 1);
                 let len = (wc.byte_len as usize).min(MAX_CONTROL);
                 let mut m = vec![0u8; len];
                 self.rbuf.read(slot * MAX_CONTROL, &mut m).map_err(eng)?;
-                self.post_recv(slot)?;
+                // No more receives once the peer is closing (after its Bye).
+                if self.qp.state() == QpState::Rts {
+                    self.post_recv(slot)?;
+                }
                 self.stash.push_back(m);
             } else if wc.wr_id == SEND_ID {
                 sent = true;
             }
         }
-        Ok(sent)
+        match &self.failed {
+            Some(e) if self.stash.is_empty() && !sent => Err(PerfError::Peer(e.clone())),
+            _ => Ok(sent),
+        }
     }
 
     /// Waits a little: spins for the first 2 ms of a wait, then sleeps.
@@ -162,6 +178,10 @@ impl Ctl {
             })?;
         let start = Instant::now();
         while !self.pump()? {
+            if self.failed.is_some() {
+                // The peer answered, then closed: the Send arrived.
+                return Ok(());
+            }
             if start.elapsed() > self.timeout {
                 return Err(PerfError::Timeout(format!(
                     "sending to the {} ({})",
@@ -201,15 +221,20 @@ impl Ctl {
     /// Waits for the next message (`what`, for the error message).
     fn recv(&mut self, what: &str) -> Result<Control, PerfError> {
         let start = Instant::now();
+        let gone = |e: PerfError, failed: bool| match e {
+            PerfError::Peer(m) if failed => PerfError::Peer(format!("{m} (waiting for {what})")),
+            e => e,
+        };
         loop {
-            if let Some(m) = self.try_recv()? {
-                return Ok(m);
+            let live = self.qp.state() == QpState::Rts;
+            match self.try_recv() {
+                Ok(Some(m)) => return Ok(m),
+                Ok(None) => {}
+                Err(e) => return Err(gone(e, self.failed.is_some())),
             }
-            if self.qp.state() != QpState::Rts {
-                return Err(PerfError::Peer(format!(
-                    "the {} closed the connection while this side waited for {what}",
-                    self.peer
-                )));
+            if !live {
+                // Everything that arrived before the close was taken.
+                return Err(gone(self.gone(), true));
             }
             if start.elapsed() > self.timeout {
                 return Err(PerfError::Timeout(format!(
@@ -384,8 +409,12 @@ pub fn run_client(
         out.flush().map_err(io("output"))?;
         rows.push(r);
     }
-    ctl.send(&Control::Bye)?;
-    Ok(rows)
+    // The server exits when the Bye arrives: its close may overtake the
+    // Send's completion here.
+    match ctl.send(&Control::Bye) {
+        Ok(()) | Err(PerfError::Peer(_)) => Ok(rows),
+        Err(e) => Err(e),
+    }
 }
 
 fn client_round(
@@ -464,13 +493,20 @@ fn conflicts(c: &Constraints, h: &Hello) -> Option<String> {
     if c.crc && !h.crc {
         why.push("the server requires the MPA CRC (--crc), the client did not ask for it".into());
     }
-    if let Some(s) = c.size
-        && h.sizes != [s]
+    if let Some(s) = &c.sizes
+        && h.sizes != *s
     {
-        why.push(format!("the server's message size is {s} (-s)"));
-    }
-    if c.sweep && h.sizes != super::sweep(h.test) {
-        why.push("the server runs the -a sweep, the client does not".into());
+        let list = |v: &[usize]| {
+            v.iter()
+                .map(|&s| super::human_size(s))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        why.push(format!(
+            "the server's message sizes are {} (-s/-a), the client's {}",
+            list(s),
+            list(&h.sizes)
+        ));
     }
     if let Some(n) = c.iters
         && (h.iters != n || h.duration.is_some())
@@ -867,15 +903,19 @@ mod tests {
         let why = conflicts(&c, &h).unwrap();
         assert!(why.contains("'write'") && why.contains("CRC"), "{why}");
         let c = Constraints {
-            size: Some(65536),
+            sizes: Some(vec![65536]),
             qps: Some(1),
             ..Constraints::default()
         };
         assert!(conflicts(&c, &h).is_none());
         let c = Constraints {
-            sweep: true,
+            sizes: Some(super::super::sweep(Test::Read)),
             ..Constraints::default()
         };
-        assert!(conflicts(&c, &h).unwrap().contains("-a"));
+        let why = conflicts(&c, &h).unwrap();
+        assert!(
+            why.contains("2,4,8") && why.contains("client's 64K"),
+            "{why}"
+        );
     }
 }
