@@ -35,7 +35,7 @@ use softrdma_engine::proxy::{
 };
 use softrdma_engine::{
     Access, CompletionChannel, CompletionQueue, Device, DeviceConfig, MemoryRegion,
-    ProtectionDomain, QpInitAttr, QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
+    ProtectionDomain, QpInitAttr, QueuePair, RecvWr, SendOp, SendWr, WcFlags, WcOpcode, WcStatus,
     WorkCompletion,
 };
 
@@ -134,7 +134,9 @@ impl Server {
                     };
                     ctx.post_send(&SendWr::new(0, SendOp::Send).inline(&[status, key]))?;
                     Ok(ProxyOutcome::Done)
-                });
+                })
+                // The proxy reposts the buffers of the messages it serves.
+                .recycle_receives();
                 QueuePair::new_proxy(&self.pd, &attr, attach)?
             }
             None => QueuePair::new(&self.pd, &attr)?,
@@ -210,7 +212,9 @@ impl Server {
             }
             _ => Some(DENIED),
         };
-        qp.post_recv(&RecvWr::new(wc.wr_id, &[bufs.sge(slot, SLOT as u32)?]))?;
+        if !wc.flags.contains(WcFlags::PROXY_RECYCLED) {
+            qp.post_recv(&RecvWr::new(wc.wr_id, &[bufs.sge(slot, SLOT as u32)?]))?;
+        }
         if let Some(status) = reply {
             qp.post_send(&SendWr::new(0, SendOp::Send).inline(&[status, key as u8]))?;
         }
@@ -345,7 +349,9 @@ impl Client {
                 )
                 .into());
             }
-            std::hint::spin_loop();
+            // Polling, but giving the CPU away: on a small machine the
+            // server's threads need it.
+            std::thread::yield_now();
         }
     }
 }

@@ -99,7 +99,7 @@ use crate::sys::io::pin_current_thread;
 use crate::sys::mem::Memory;
 use crate::tx::SendWqe;
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
-use crate::wr::{LocalSeg, SendWr};
+use crate::wr::{LocalSeg, RecvWqe, SendWr};
 
 /// How a proxy runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1007,6 +1007,7 @@ pub(crate) struct ProxyLink {
     shared: Arc<ProxyShared>,
     filter: ProxyFilter,
     prefix: usize,
+    recycle: bool,
     handler: Mutex<ProxyHandler>,
     seq: Mutex<Sequencer<Pending>>,
 }
@@ -1205,10 +1206,24 @@ fn serve(shared: &ProxyShared, job: Job) {
         Ok(Ok(ProxyOutcome::Done)) => {
             ctx.commit(shared);
             inc(&c.offloaded);
-            WorkCompletion {
+            let mut w = WorkCompletion {
                 opcode: WcOpcode::ProxyNoop,
                 ..wc
+            };
+            if link.recycle
+                && let MsgData::Recv(segs) = meta.data
+            {
+                let total_len = segs.iter().map(|s| s.len).sum();
+                let wqe = RecvWqe {
+                    wr_id: wc.wr_id,
+                    segs,
+                    total_len,
+                };
+                if qp.repost_recv(wqe) {
+                    w.flags = w.flags | WcFlags::PROXY_RECYCLED;
+                }
             }
+            w
         }
         Ok(Ok(ProxyOutcome::Partial { note })) => {
             ctx.commit(shared);
@@ -1250,6 +1265,7 @@ pub struct ProxyAttach {
     proxy: Proxy,
     filter: ProxyFilter,
     handler: ProxyHandler,
+    recycle: bool,
 }
 
 impl std::fmt::Debug for ProxyAttach {
@@ -1277,7 +1293,20 @@ impl ProxyAttach {
             proxy: proxy.clone(),
             filter,
             handler: Box::new(handler),
+            recycle: false,
         }
+    }
+
+    /// The proxy reposts the receive buffer of every Send it serves
+    /// completely, at the end of the QP's receive queue, before writing the
+    /// no-op completion (flagged [`WcFlags::PROXY_RECYCLED`]): the
+    /// application then need not wake to keep receives posted for offloaded
+    /// traffic. Not done for QPs on an SRQ or no longer receiving (the
+    /// completion then lacks the flag).
+    #[must_use]
+    pub fn recycle_receives(mut self) -> ProxyAttach {
+        self.recycle = true;
+        self
     }
 }
 
@@ -1333,6 +1362,7 @@ impl QueuePair {
         let link = ProxyLink {
             shared: Arc::clone(&attach.proxy.owner.shared),
             prefix: attach.filter.payload_prefix_len(),
+            recycle: attach.recycle,
             filter: attach.filter,
             handler: Mutex::new(attach.handler),
             seq: Mutex::new(Sequencer::new()),

@@ -1192,6 +1192,15 @@ impl QpInner {
         NEXT.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Puts a consumed receive back at the end of the receive queue (a
+    /// proxy recycling the buffer of a message it served). False if the QP
+    /// uses an SRQ, no longer accepts receives or its queue is full.
+    pub(crate) fn repost_recv(&self, wqe: RecvWqe) -> bool {
+        self.srq.is_none()
+            && self.state().recv_policy() == PostPolicy::Accept
+            && self.rq.push(wqe).is_ok()
+    }
+
     fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
         if self.srq.is_some() {
             return Err(PostRecvError::HasSrq);

@@ -118,6 +118,11 @@ impl WcFlags {
     /// softrdma: a proxy handler served part of this received message;
     /// `proxy_note` says what remains (see [`crate::proxy`]).
     pub const PROXY_PARTIAL: WcFlags = WcFlags(8);
+    /// softrdma: the proxy already reposted this completion's receive
+    /// buffer (a proxy QP attached with
+    /// [`ProxyAttach::recycle_receives`](crate::proxy::ProxyAttach::recycle_receives));
+    /// the application must not post it again.
+    pub const PROXY_RECYCLED: WcFlags = WcFlags(16);
 
     /// Whether every flag of `other` is set.
     pub const fn contains(self, other: WcFlags) -> bool {

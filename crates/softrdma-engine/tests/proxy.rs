@@ -46,6 +46,16 @@ fn setup_with(
     tweak: impl Fn(&mut QpInitAttr),
     handler: Handler,
 ) -> Setup {
+    setup_full(cfg, filter, tweak, handler, false)
+}
+
+fn setup_full(
+    cfg: ProxyConfig,
+    filter: ProxyFilter,
+    tweak: impl Fn(&mut QpInitAttr),
+    handler: Handler,
+    recycle: bool,
+) -> Setup {
     let dev = common::device(false);
     let proxy = Proxy::start(&dev, cfg).expect("proxy");
     let client = common::side(&dev, |_| {});
@@ -56,7 +66,10 @@ fn setup_with(
         .expect("proxy cq");
     let mut attr = QpInitAttr::new(&cq, &cq);
     tweak(&mut attr);
-    let attach = ProxyAttach::new(&proxy, filter, handler);
+    let mut attach = ProxyAttach::new(&proxy, filter, handler);
+    if recycle {
+        attach = attach.recycle_receives();
+    }
     let qp = QueuePair::new_proxy(&pd, &attr, attach).expect("proxy qp");
     let server = Side { pd, cq, qp };
     connect_pair(&client.qp, &server.qp, &MpaConfig::default()).expect("connect");
@@ -862,4 +875,27 @@ fn flushed_receives_of_a_proxy_qp_keep_their_order() {
     for (i, wc) in wcs[1..].iter().enumerate() {
         assert_eq!((wc.wr_id, wc.status), (i as u64 + 1, WcStatus::WrFlush));
     }
+}
+
+#[test]
+fn recycled_receives_keep_offloaded_traffic_flowing_without_the_application() {
+    let s = setup_full(ProxyConfig::default(), lock_filter(), |_| {}, done(), true);
+    // Two receives for 50 offloaded messages: the proxy reposts each
+    // buffer it is done with.
+    s.post_server_recvs(0..2);
+    for i in 0..50 {
+        s.send(i, format!("L{i}").as_bytes());
+        let wc = wait(&s.server.cq, 1)[0];
+        assert_eq!(wc.opcode, WcOpcode::ProxyNoop);
+        assert!(wc.flags.contains(WcFlags::PROXY_RECYCLED), "{wc:?}");
+        assert_eq!(wc.wr_id, i % 2, "buffers used round robin");
+        assert_eq!(wc.proxy_seq, i);
+    }
+    // A message for the application still finds a buffer, and its
+    // completion is not flagged.
+    s.send(50, b"Update");
+    let wc = wait(&s.server.cq, 1)[0];
+    assert_eq!((wc.opcode, wc.status), (WcOpcode::Recv, WcStatus::Success));
+    assert!(!wc.flags.contains(WcFlags::PROXY_RECYCLED));
+    assert_eq!(s.server.qp.state(), QpState::Rts);
 }
