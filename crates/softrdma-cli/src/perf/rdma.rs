@@ -143,6 +143,25 @@ fn wcs<const N: usize>() -> [WorkCompletion; N] {
     [WorkCompletion::success(0, WcOpcode::Send, 0); N]
 }
 
+/// QPs and per-QP buffer pairs of one side.
+type QpsWithBuffers = (Vec<QueuePair>, Vec<MemoryRegion>, Vec<MemoryRegion>);
+
+/// `p.nqps()` QPs of `end`, each with two buffers of `p.size` bytes.
+fn qps_with_buffers(end: &End, p: &Params) -> Result<QpsWithBuffers, PerfError> {
+    let n = p.nqps();
+    let mut out = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for _ in 0..n {
+        out.0.push(end.qp(p)?);
+        out.1.push(end.mr(p.size)?);
+        out.2.push(end.mr(p.size)?);
+    }
+    Ok(out)
+}
+
 /// The measuring side of one measurement.
 pub(super) struct Active {
     pub(super) end: End,
@@ -161,20 +180,14 @@ impl Active {
     pub(super) fn new(p: &Params, dev: &Device) -> Result<Active, PerfError> {
         let polls_memory = p.mode == Mode::Lat && p.test == Test::Write;
         let end = End::new(dev, cqe(p), p.event && !polls_memory)?;
-        let n = p.nqps();
-        let mut a = Active {
-            qps: Vec::with_capacity(n),
-            local: Vec::with_capacity(n),
-            sink: Vec::with_capacity(n),
+        let (qps, local, sink) = qps_with_buffers(&end, p)?;
+        Ok(Active {
+            qps,
+            local,
+            sink,
             remote: Vec::new(),
             end,
-        };
-        for _ in 0..n {
-            a.qps.push(a.end.qp(p)?);
-            a.local.push(a.end.mr(p.size)?);
-            a.sink.push(a.end.mr(p.size)?);
-        }
-        Ok(a)
+        })
     }
 
     /// The buffers the peer writes into (write latency).
@@ -226,20 +239,14 @@ impl Passive {
             cqe(p),
             p.event && p.mode == Mode::Lat && p.test == Test::Send,
         )?;
-        let n = p.nqps();
-        let mut s = Passive {
-            qps: Vec::with_capacity(n),
-            buf: Vec::with_capacity(n),
-            rbuf: Vec::with_capacity(n),
+        let (qps, buf, rbuf) = qps_with_buffers(&end, p)?;
+        Ok(Passive {
+            qps,
+            buf,
+            rbuf,
             remote: Vec::new(),
             end,
-        };
-        for _ in 0..n {
-            s.qps.push(s.end.qp(p)?);
-            s.buf.push(s.end.mr(p.size)?);
-            s.rbuf.push(s.end.mr(p.size)?);
-        }
-        Ok(s)
+        })
     }
 
     /// The buffers the measuring side writes, reads and updates.

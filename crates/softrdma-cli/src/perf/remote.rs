@@ -398,16 +398,7 @@ pub fn run_client(
         let p = Params { size, ..p0.clone() };
         progress.set(label(&p));
         let r = client_round(o, &p, round as u32, &dev, &mut ctl, addr, welcome);
-        let r = match r {
-            Ok(r) => r,
-            Err(e) => {
-                ctl.send_error(&e);
-                return Err(e);
-            }
-        };
-        line(out, o.format, &r).map_err(io("output"))?;
-        out.flush().map_err(io("output"))?;
-        rows.push(r);
+        rows.push(round_done(&mut ctl, out, o, r)?);
     }
     // The server exits when the Bye arrives: its close may overtake the
     // Send's completion here.
@@ -415,6 +406,19 @@ pub fn run_client(
         Ok(()) | Err(PerfError::Peer(_)) => Ok(rows),
         Err(e) => Err(e),
     }
+}
+
+/// Ends one size: a failure is reported to the peer; a result is printed.
+fn round_done(
+    ctl: &mut Ctl,
+    out: &mut dyn Write,
+    o: &PerfOptions,
+    r: Result<Row, PerfError>,
+) -> Result<Row, PerfError> {
+    let r = r.inspect_err(|e| ctl.send_error(e))?;
+    line(out, o.format, &r).map_err(io("output"))?;
+    out.flush().map_err(io("output"))?;
+    Ok(r)
 }
 
 fn client_round(
@@ -707,16 +711,7 @@ fn serve_client(
             tcp.as_ref(),
             welcome,
         );
-        let r = match r {
-            Ok(r) => r,
-            Err(e) => {
-                ctl.send_error(&e);
-                return Err(e);
-            }
-        };
-        line(out, o.format, &r).map_err(io("output"))?;
-        out.flush().map_err(io("output"))?;
-        rows.push(r);
+        rows.push(round_done(&mut ctl, out, o, r)?);
     }
     match ctl.recv("the end of the client's run")? {
         Control::Bye => Ok(rows),
