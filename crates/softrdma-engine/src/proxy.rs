@@ -504,8 +504,26 @@ impl Proxy {
                 if let Some(cpu) = thread_shared.cpu {
                     let _ = pin_current_thread(cpu);
                 }
-                while let Some(job) = next_job(&rx, spin) {
-                    serve(&thread_shared, job);
+                let mut to_kick: Vec<Arc<QpInner>> = Vec::new();
+                while let Some(first) = next_job(&rx, spin) {
+                    // Serve what is already queued too (up to a batch),
+                    // then send the replies of the batch together.
+                    let mut job = Some(first);
+                    let mut n = 0;
+                    while let Some(j) = job.take() {
+                        if let Some(qp) = serve(&thread_shared, j)
+                            && !to_kick.iter().any(|q| Arc::ptr_eq(q, &qp))
+                        {
+                            to_kick.push(qp);
+                        }
+                        n += 1;
+                        if n < BATCH {
+                            job = rx.try_recv().ok();
+                        }
+                    }
+                    for qp in to_kick.drain(..) {
+                        qp.kick();
+                    }
                 }
             })?;
         Ok(Proxy {
@@ -949,18 +967,20 @@ impl ProxyContext<'_> {
         self.undo.len()
     }
 
-    fn commit(self, shared: &ProxyShared) {
+    /// Queues the replies (the caller starts transmission); true if any.
+    fn commit(self, shared: &ProxyShared) -> bool {
         let qp = self.qp;
-        let any = !self.replies.is_empty();
+        let mut any = false;
         for (wr_id, opcode, wqe) in self.replies {
             match qp.enqueue(wr_id, opcode, false, true, wqe) {
-                Ok(()) => inc(&shared.counters.replies_posted),
+                Ok(()) => {
+                    any = true;
+                    inc(&shared.counters.replies_posted);
+                }
                 Err(_) => inc(&shared.counters.reply_errors),
             }
         }
-        if any {
-            qp.kick();
-        }
+        any
     }
 
     fn rollback(self, shared: &ProxyShared) {
@@ -1173,8 +1193,12 @@ fn next_job(rx: &mpsc::Receiver<Job>, spin: Duration) -> Option<Job> {
     rx.recv().ok()
 }
 
-/// Runs the handler on one offloaded message (proxy thread).
-fn serve(shared: &ProxyShared, job: Job) {
+/// Messages the proxy thread serves before it sends their replies.
+const BATCH: usize = 32;
+
+/// Runs the handler on one offloaded message (proxy thread). Returns the
+/// QP if replies were queued on it (to be sent by the caller).
+fn serve(shared: &ProxyShared, job: Job) -> Option<Arc<QpInner>> {
     let Job {
         qp,
         seq,
@@ -1184,7 +1208,7 @@ fn serve(shared: &ProxyShared, job: Job) {
     } = job;
     let Some(link) = qp.proxy.get() else {
         shared.finished_one();
-        return;
+        return None;
     };
     let msg = ProxyMessage {
         seq,
@@ -1202,9 +1226,10 @@ fn serve(shared: &ProxyShared, job: Job) {
         catch_unwind(AssertUnwindSafe(|| (h)(&mut ctx, &msg)))
     };
     let c = &shared.counters;
+    let mut replied = false;
     let out = match result {
         Ok(Ok(ProxyOutcome::Done)) => {
-            ctx.commit(shared);
+            replied = ctx.commit(shared);
             inc(&c.offloaded);
             let mut w = WorkCompletion {
                 opcode: WcOpcode::ProxyNoop,
@@ -1226,7 +1251,7 @@ fn serve(shared: &ProxyShared, job: Job) {
             w
         }
         Ok(Ok(ProxyOutcome::Partial { note })) => {
-            ctx.commit(shared);
+            replied = ctx.commit(shared);
             inc(&c.partial);
             let mut w = wc;
             w.flags = w.flags | WcFlags::PROXY_PARTIAL;
@@ -1258,6 +1283,7 @@ fn serve(shared: &ProxyShared, job: Job) {
     };
     link.fill(&qp, seq, out, solicited);
     shared.finished_one();
+    replied.then_some(qp)
 }
 
 /// Makes a QP a proxy QP: the proxy, the filter and the handler.
