@@ -131,6 +131,11 @@ struct RunArgs {
     /// programs).
     #[arg(long)]
     sockets: bool,
+    /// The sockets preload's policy: auto (offload when the peer can),
+    /// offload (required), tcp (plain). Sets SOFTRDMA_SOCKETS; a rules file
+    /// can be named with SOFTRDMA_SOCKETS_CONF.
+    #[arg(long, value_name = "MODE", requires = "sockets", value_parser = ["auto", "offload", "tcp"])]
+    sockets_policy: Option<String>,
     /// Directory holding the softrdma libraries.
     #[arg(long, value_name = "DIR")]
     lib_dir: Option<PathBuf>,
@@ -167,6 +172,7 @@ fn run_run_cmd(a: &RunArgs) -> ExitCode {
         verbs: pick(a.verbs, a.no_verbs),
         dat: pick(a.dat, a.no_dat),
         sockets: a.sockets,
+        sockets_policy: a.sockets_policy.clone(),
         lib_dir: a.lib_dir.clone(),
         ia_addr: a.ia_addr,
     };

@@ -70,6 +70,9 @@ pub struct RunOptions {
     pub dat: Use,
     /// The sockets preload library (off unless asked for).
     pub sockets: bool,
+    /// The preload's policy (`auto`, `offload`, `tcp`), passed as
+    /// `SOFTRDMA_SOCKETS`; unset: the library's default (auto).
+    pub sockets_policy: Option<String>,
     /// Where the libraries are (default: `$SOFTRDMA_LIB_DIR`, then the
     /// executable's directory).
     pub lib_dir: Option<PathBuf>,
@@ -344,6 +347,9 @@ pub fn prepare(
             v.push(old);
         }
         vars.push(("LD_PRELOAD", v));
+        if let Some(p) = &opts.sockets_policy {
+            vars.push(("SOFTRDMA_SOCKETS", OsString::from(p)));
+        }
         layers.push("sockets");
     }
     Ok(Prepared {
@@ -477,12 +483,14 @@ mod tests {
         ));
         let opts = RunOptions {
             sockets: true,
+            sockets_policy: Some("tcp".into()),
             ..opts
         };
         let p = prepare(&opts, |k| (k == "LD_PRELOAD").then(|| "/a.so".into())).unwrap();
         assert_eq!(p.layers, ["sockets"]);
         let v = p.vars[0].1.to_string_lossy().into_owned();
         assert!(v.ends_with("libsoftrdma_preload.so:/a.so"), "{v}");
+        assert_eq!(p.vars[1], ("SOFTRDMA_SOCKETS", OsString::from("tcp")));
     }
 
     #[test]

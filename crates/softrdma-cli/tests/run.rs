@@ -113,3 +113,45 @@ fn no_command_is_a_usage_error() {
     let o = softrdma(d.path(), &[]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn sockets_preload_counts_a_real_programs_connections() {
+    // The real preload library, built next to this test binary's softrdma.
+    let bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_softrdma"));
+    let dir = bin.parent().unwrap();
+    if !dir.join("libsoftrdma_preload.so").exists() {
+        println!(
+            "SKIPPED: libsoftrdma_preload.so not built in {}",
+            dir.display()
+        );
+        return;
+    }
+    if Command::new("python3").arg("-V").output().is_err() {
+        println!("SKIPPED: no python3");
+        return;
+    }
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut s, &mut v).unwrap();
+        v
+    });
+    let stats = tempfile::tempdir().unwrap();
+    let file = stats.path().join("s.jsonl");
+    let o = Command::new(&bin)
+        .args(["run", "--no-verbs", "--no-dat", "--sockets", "--sockets-policy", "tcp", "--"])
+        .args(["python3", "-c"])
+        .arg(format!(
+            "import socket; s=socket.create_connection(('127.0.0.1',{port})); s.sendall(b'hi'); s.close()"
+        ))
+        .env("SOFTRDMA_SOCKETS_STATS", &file)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(t.join().unwrap(), b"hi");
+    let line = std::fs::read_to_string(&file).unwrap();
+    assert!(line.contains("\"plain\":1"), "{line}");
+    assert!(line.contains("\"policy\":1"), "{line}");
+}

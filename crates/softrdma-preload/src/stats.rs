@@ -1,0 +1,135 @@
+//! Per-process connection counts and the JSON line written at exit
+//! (`SOFTRDMA_SOCKETS_STATS=FILE`).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Why a connection stayed plain TCP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum PlainReason {
+    /// The policy said `tcp`.
+    Policy,
+    /// No offload protocol is available in this build of the library.
+    NoOffloadProtocol,
+}
+
+impl PlainReason {
+    pub(crate) fn key(self) -> &'static str {
+        match self {
+            PlainReason::Policy => "policy",
+            PlainReason::NoOffloadProtocol => "no offload protocol",
+        }
+    }
+}
+
+/// Every reason, in the order of their slots.
+const REASONS: [PlainReason; 2] = [PlainReason::Policy, PlainReason::NoOffloadProtocol];
+
+/// The counts of one process. Atomics only: a forked child resets them
+/// while a lock could be held by a thread that does not exist there.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    offloaded: AtomicU64,
+    plain: AtomicU64,
+    refused: AtomicU64,
+    reasons: [AtomicU64; REASONS.len()],
+}
+
+/// A copy of the counts.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub(crate) offloaded: u64,
+    pub(crate) plain: u64,
+    pub(crate) refused: u64,
+    pub(crate) reasons: BTreeMap<&'static str, u64>,
+}
+
+impl Stats {
+    pub(crate) fn plain(&self, why: PlainReason) {
+        self.plain.fetch_add(1, Ordering::Relaxed);
+        let slot = REASONS.iter().position(|r| *r == why).unwrap_or(0);
+        self.reasons[slot].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection refused because the policy required offload.
+    pub(crate) fn refused(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Forget everything (a forked child reports only its own connections).
+    pub(crate) fn reset(&self) {
+        for a in [&self.offloaded, &self.plain, &self.refused]
+            .into_iter()
+            .chain(&self.reasons)
+        {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> Counts {
+        Counts {
+            offloaded: self.offloaded.load(Ordering::Relaxed),
+            plain: self.plain.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+            reasons: REASONS
+                .iter()
+                .zip(&self.reasons)
+                .map(|(r, n)| (r.key(), n.load(Ordering::Relaxed)))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
+        }
+    }
+}
+
+/// The JSON line for `pid`/`exe` (no trailing newline).
+pub(crate) fn json_line(pid: u32, exe: &str, c: &Counts) -> String {
+    let reasons: Vec<String> = c
+        .reasons
+        .iter()
+        .map(|(k, v)| format!("{}:{v}", json_str(k)))
+        .collect();
+    format!(
+        "{{\"pid\":{pid},\"exe\":{},\"offloaded\":{},\"plain\":{},\"refused\":{},\"reasons\":{{{}}}}}",
+        json_str(exe),
+        c.offloaded,
+        c.plain,
+        c.refused,
+        reasons.join(",")
+    )
+}
+
+fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for ch in s.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_line_counts_and_escapes() {
+        let s = Stats::default();
+        s.plain(PlainReason::Policy);
+        s.plain(PlainReason::NoOffloadProtocol);
+        s.plain(PlainReason::Policy);
+        s.refused();
+        let line = json_line(42, "/usr/bin/a \"b\"", &s.snapshot());
+        assert_eq!(
+            line,
+            "{\"pid\":42,\"exe\":\"/usr/bin/a \\\"b\\\"\",\"offloaded\":0,\"plain\":3,\"refused\":1,\"reasons\":{\"no offload protocol\":1,\"policy\":2}}"
+        );
+        s.reset();
+        assert_eq!(s.snapshot(), Counts::default());
+    }
+}

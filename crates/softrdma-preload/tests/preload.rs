@@ -1,0 +1,199 @@
+//! The built library preloaded into real processes (Python socket programs):
+//! policy decisions, bytes unchanged, the stats line at exit, fork.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+/// `target/<profile>/libsoftrdma_preload.so`, next to this test's `deps/`.
+fn library() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let lib = dir.join("libsoftrdma_preload.so");
+    assert!(lib.exists(), "{} not built", lib.display());
+    lib
+}
+
+fn have_python() -> bool {
+    Command::new("python3").arg("-V").output().is_ok()
+}
+
+/// Runs `script` under python3 with the library preloaded.
+fn python(script: &str, env: &[(&str, &str)]) -> (Output, Vec<String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = dir.path().join("stats.jsonl");
+    let mut c = Command::new("python3");
+    c.arg("-c")
+        .arg(script)
+        .env("LD_PRELOAD", library())
+        .env("SOFTRDMA_SOCKETS_STATS", &stats)
+        .env_remove("SOFTRDMA_SOCKETS")
+        .env_remove("SOFTRDMA_SOCKETS_CONF");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().unwrap();
+    let lines = std::fs::read_to_string(&stats)
+        .unwrap_or_default()
+        .lines()
+        .map(String::from)
+        .collect();
+    (out, lines)
+}
+
+fn client_script(port: u16) -> String {
+    format!(
+        "import socket,sys\n\
+         try:\n    s=socket.create_connection(('127.0.0.1',{port}))\n\
+         except OSError as e:\n    print('error', e.errno); sys.exit(3)\n\
+         s.sendall(bytes(range(256))*40); s.close()"
+    )
+}
+
+fn received(l: &TcpListener) -> Vec<u8> {
+    let (mut s, _) = l.accept().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut v = Vec::new();
+    s.read_to_end(&mut v).unwrap();
+    v
+}
+
+fn field(line: &str, key: &str) -> String {
+    let at = line.find(&format!("\"{key}\":")).unwrap() + key.len() + 3;
+    line[at..]
+        .split([',', '}'])
+        .next()
+        .unwrap()
+        .trim_matches('"')
+        .to_string()
+}
+
+#[test]
+fn auto_connection_stays_plain_byte_exact_and_is_counted() {
+    if !have_python() {
+        println!("SKIPPED: no python3");
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let t = std::thread::spawn(move || received(&l));
+    let (out, lines) = python(&client_script(port), &[]);
+    assert!(out.status.success(), "{out:?}");
+    let want: Vec<u8> = (0..=255u8).cycle().take(256 * 40).collect();
+    assert_eq!(t.join().unwrap(), want);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let l = &lines[0];
+    assert!(field(l, "exe").contains("python3"), "{l}");
+    assert_eq!(field(l, "offloaded"), "0");
+    assert_eq!(field(l, "plain"), "1");
+    assert!(l.contains("\"reasons\":{\"no offload protocol\":1}"), "{l}");
+}
+
+#[test]
+fn tcp_policy_is_the_reason_when_set() {
+    if !have_python() {
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let t = std::thread::spawn(move || received(&l));
+    let (out, lines) = python(&client_script(port), &[("SOFTRDMA_SOCKETS", "tcp")]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(t.join().unwrap().len(), 256 * 40);
+    assert!(lines[0].contains("\"reasons\":{\"policy\":1}"), "{lines:?}");
+}
+
+#[test]
+fn required_offload_is_refused_with_eopnotsupp_before_any_byte() {
+    if !have_python() {
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (out, lines) = python(&client_script(port), &[("SOFTRDMA_SOCKETS", "offload")]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.trim(), format!("error {}", libc::EOPNOTSUPP));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("policy requires offload"));
+    assert!(l.accept().is_err(), "no connection reached the server");
+    assert_eq!(field(&lines[0], "refused"), "1");
+    assert_eq!(field(&lines[0], "plain"), "0");
+}
+
+#[test]
+fn rules_file_decides_per_address_and_port() {
+    if !have_python() {
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("sockets.conf");
+    std::fs::write(
+        &conf,
+        format!("# test\ntcp client python3* 127.0.0.0/8:{port}\nbogus line\n"),
+    )
+    .unwrap();
+    let t = std::thread::spawn(move || received(&l));
+    let (out, lines) = python(
+        &client_script(port),
+        &[
+            ("SOFTRDMA_SOCKETS", "offload"),
+            ("SOFTRDMA_SOCKETS_CONF", conf.to_str().unwrap()),
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(t.join().unwrap().len(), 256 * 40);
+    assert!(lines[0].contains("\"policy\":1"), "{lines:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("sockets.conf:3:"), "{err}");
+}
+
+#[test]
+fn accepted_connections_are_counted_on_the_server() {
+    if !have_python() {
+        return;
+    }
+    let script = "import socket,threading\n\
+        l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(4)\n\
+        p=l.getsockname()[1]\n\
+        def cl():\n    c=socket.create_connection(('127.0.0.1',p)); c.sendall(b'x'); c.close()\n\
+        threading.Thread(target=cl).start()\n\
+        s,_=l.accept(); assert s.recv(1)==b'x'\n";
+    let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    assert!(out.status.success(), "{out:?}");
+    // One connect (client role) and one accept (server role).
+    assert_eq!(field(&lines[0], "plain"), "2", "{lines:?}");
+}
+
+#[test]
+fn a_forked_child_reports_only_its_own_connections() {
+    if !have_python() {
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let t = std::thread::spawn(move || (received(&l), received(&l), received(&l)));
+    let script = format!(
+        "import os,socket,sys\n\
+         def c():\n    s=socket.create_connection(('127.0.0.1',{port})); s.sendall(b'a'); s.close()\n\
+         c()\n\
+         pid=os.fork()\n\
+         if pid==0:\n    c(); sys.exit(0)\n\
+         os.waitpid(pid,0); c()\n"
+    );
+    let (out, lines) = python(&script, &[]);
+    assert!(out.status.success(), "{out:?}");
+    let _ = t.join().unwrap();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let mut plains: Vec<String> = lines.iter().map(|l| field(l, "plain")).collect();
+    plains.sort();
+    assert_eq!(
+        plains,
+        ["1", "2"],
+        "child 1 connection, parent 2: {lines:?}"
+    );
+}
