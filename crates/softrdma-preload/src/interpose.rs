@@ -71,12 +71,44 @@ struct State {
 
 static STATE: OnceLock<State> = OnceLock::new();
 
+/// The library's environment variables as the process started with them:
+/// servers such as nginx clear the environment of their worker processes,
+/// which are the ones that accept connections.
+struct Env {
+    mode: Option<String>,
+    conf: Option<std::ffi::OsString>,
+    stats: Option<std::ffi::OsString>,
+}
+
+static ENV: OnceLock<Env> = OnceLock::new();
+
+fn read_env() -> Env {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    Env {
+        mode: var("SOFTRDMA_SOCKETS").map(|m| m.to_string_lossy().into_owned()),
+        conf: var("SOFTRDMA_SOCKETS_CONF"),
+        stats: var("SOFTRDMA_SOCKETS_STATS"),
+    }
+}
+
+/// Runs when the library is loaded: copies three environment variables,
+/// nothing else.
+extern "C" fn capture_env() {
+    let _ = catch_unwind(|| ENV.get_or_init(read_env));
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static CAPTURE_ENV: extern "C" fn() = capture_env;
+
 fn state() -> &'static State {
     STATE.get_or_init(|| {
-        let default = std::env::var("SOFTRDMA_SOCKETS")
-            .ok()
+        let env = ENV.get_or_init(read_env);
+        let default = env
+            .mode
+            .as_ref()
             .and_then(|m| {
-                let mode = Mode::parse(&m);
+                let mode = Mode::parse(m);
                 if mode.is_none() {
                     eprintln!(
                         "softrdma-preload: SOFTRDMA_SOCKETS={m:?} is not auto, offload or tcp; using auto"
@@ -86,8 +118,8 @@ fn state() -> &'static State {
             })
             .unwrap_or(Mode::Auto);
         let mut policy = Policy::new(default);
-        if let Some(path) = std::env::var_os("SOFTRDMA_SOCKETS_CONF").filter(|p| !p.is_empty()) {
-            match std::fs::read_to_string(&path) {
+        if let Some(path) = &env.conf {
+            match std::fs::read_to_string(path) {
                 Ok(text) => {
                     for e in policy.add_rules(&text) {
                         eprintln!(
@@ -108,9 +140,7 @@ fn state() -> &'static State {
             .map(|p| p.to_string_lossy().into_owned())
             .unwrap_or_default();
         let program = exe.rsplit('/').next().unwrap_or("").to_string();
-        let stats_file = std::env::var_os("SOFTRDMA_SOCKETS_STATS")
-            .filter(|p| !p.is_empty())
-            .map(Into::into);
+        let stats_file = env.stats.clone().map(Into::into);
         if stats_file.is_some() {
             // SAFETY: registering a plain `extern "C" fn()` with no
             // arguments; it runs at most once per process at exit.

@@ -22,8 +22,10 @@
 //! `write`, `poll`, `epoll_*`, ...) are not interposed until offloaded
 //! connections exist, so they cost nothing.
 //!
-//! Safe inside someone else's process: nothing runs at load time (state is
-//! made on the first interposed call), every entry point catches panics and
+//! Safe inside someone else's process: at load time the library only copies
+//! its three environment variables (servers such as nginx clear the
+//! environment of the worker processes that accept connections); its state
+//! is made on the first interposed call; every entry point catches panics and
 //! keeps `errno` as the real call left it, and a forked child reports only
 //! its own connections.
 

@@ -197,3 +197,26 @@ fn a_forked_child_reports_only_its_own_connections() {
         "child 1 connection, parent 2: {lines:?}"
     );
 }
+
+#[test]
+fn settings_survive_a_program_clearing_its_environment() {
+    // nginx clears the environment of the workers that accept connections.
+    if !have_python() {
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let t = std::thread::spawn(move || received(&l));
+    let script = format!(
+        "import os,socket\nos.environ.clear()\n\
+         s=socket.create_connection(('127.0.0.1',{port})); s.sendall(b'z'); s.close()"
+    );
+    let (out, lines) = python(&script, &[("SOFTRDMA_SOCKETS", "tcp")]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(t.join().unwrap(), b"z");
+    assert_eq!(lines.len(), 1, "the stats file was still known: {lines:?}");
+    assert!(
+        lines[0].contains("\"policy\":1"),
+        "the mode was still known: {lines:?}"
+    );
+}

@@ -1,0 +1,316 @@
+#!/usr/bin/env bash
+# Unmodified socket programs with the sockets preload (softrdma run --sockets).
+#
+#   scripts/apps-suite.sh [--quick]
+#
+# Every program pair runs in four placements: none (no preload: the
+# reference), both ends preloaded, only the client, only the server. Each
+# case prints one PASS/FAIL line: bytes checked with sha256 (or the program's
+# own success output), and for "both" the stats of the preloaded processes
+# must show the connections offloaded (SOFTRDMA_APPS_EXPECT=offloaded, the
+# default) or plain (SOFTRDMA_APPS_EXPECT=plain, while no offload protocol is
+# wired into the library). Speed lines compare each placement with "none" in
+# the same run.
+#
+# Programs (Debian packages, installed with apt when missing): nc
+# (netcat-openbsd), iperf3, redis-server + redis-benchmark + redis-cli,
+# nginx + curl + wrk. --quick: smaller counts (the CI run).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+QUICK=0
+[ "${1:-}" = --quick ] && QUICK=1
+EXPECT=${SOFTRDMA_APPS_EXPECT:-offloaded}
+LOGS=${SOFTRDMA_APPS_LOGS:-$(mktemp -d /tmp/softrdma-apps.XXXXXX)}
+mkdir -p "$LOGS"
+
+need=()
+command -v nc >/dev/null || need+=(netcat-openbsd)
+command -v iperf3 >/dev/null || need+=(iperf3)
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v redis-benchmark >/dev/null || need+=(redis-tools)
+command -v nginx >/dev/null || need+=(nginx)
+command -v curl >/dev/null || need+=(curl)
+command -v wrk >/dev/null || need+=(wrk)
+if [ ${#need[@]} -gt 0 ]; then
+	echo "apps-suite: installing ${need[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	{ apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}"; } >"$LOGS/apt.log" 2>&1 ||
+		{ echo "apps-suite: apt-get failed ($LOGS/apt.log)"; exit 2; }
+fi
+
+cargo build --release -q -p softrdma-cli -p softrdma-preload || exit 2
+BIN=$ROOT/target/release/softrdma
+
+if [ $QUICK = 1 ]; then
+	NC_MB=10 IPERF_T=2 REDIS_N=20000 WRK_D=2
+else
+	NC_MB=100 IPERF_T=5 REDIS_N=100000 WRK_D=5
+fi
+PLACEMENTS=(none both client server)
+
+fails=0
+result() { # status name detail
+	printf '%-4s %-34s %s\n' "$1" "$2" "$3"
+	[ "$1" = PASS ] || fails=$((fails + 1))
+}
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
+trap cleanup EXIT
+
+PORT=$((20000 + RANDOM % 20000))
+next_port() { PORT=$((PORT + 1)); }
+
+# wrap PLACEMENT SIDE STATS: the prefix that runs SIDE (client|server).
+wrap() {
+	case "$1:$2" in
+	both:* | client:client | server:server)
+		echo "env SOFTRDMA_SOCKETS_STATS=$3 $BIN run --no-verbs --no-dat --sockets --"
+		;;
+	*) echo "" ;;
+	esac
+}
+
+# The stats verdict of a placement: "" if fine, else what is wrong.
+stats_verdict() { # placement statsfile
+	local f=$2
+	case "$1" in
+	none)
+		[ -s "$f" ] && { echo "stats written without the preload"; return; }
+		;;
+	both)
+		[ -s "$f" ] || { echo "no stats line from the preloaded processes"; return; }
+		local off plain
+		off=$(grep -o '"offloaded":[0-9]*' "$f" | cut -d: -f2 | awk '{ s += $1 } END { print s + 0 }')
+		plain=$(grep -o '"plain":[0-9]*' "$f" | cut -d: -f2 | awk '{ s += $1 } END { print s + 0 }')
+		if [ "$EXPECT" = offloaded ] && [ "${off:-0}" -eq 0 ]; then
+			echo "0 connections offloaded ($plain plain: $(grep -o '"reasons":{[^}]*}' "$f" | sort | uniq -c | tr '\n' ' '))"
+		elif [ "$EXPECT" = plain ] && [ "${off:-0}" -ne 0 ]; then
+			echo "$off connections offloaded, expected plain"
+		fi
+		;;
+	client | server)
+		# One end plain: every connection must have fallen back.
+		[ -s "$f" ] || { echo "no stats line from the preloaded side"; return; }
+		local off
+		off=$(grep -o '"offloaded":[0-9]*' "$f" | cut -d: -f2 | awk '{ s += $1 } END { print s + 0 }')
+		[ "${off:-0}" -eq 0 ] || echo "$off connections offloaded with a plain peer"
+		;;
+	esac
+}
+
+# Wait until something listens on PORT, without connecting to it (one-shot
+# servers such as `nc -l` and `iperf3 -s -1` would take a probe for their
+# client).
+wait_port() { # port
+	local hex
+	hex=$(printf ':%04X$' "$1")
+	for _ in $(seq 1 100); do
+		awk -v p="$hex" '$2 ~ p && $4 == "0A" { found = 1 } END { exit !found }' /proc/net/tcp /proc/net/tcp6 2>/dev/null && return 0
+		sleep 0.1
+	done
+	return 1
+}
+
+# --- nc: random bytes each way, sha256 on both ends ------------------------
+head -c $((NC_MB * 1024 * 1024)) /dev/urandom >"$LOGS/nc.in"
+want=$(sha256sum <"$LOGS/nc.in" | cut -d' ' -f1)
+for pl in "${PLACEMENTS[@]}"; do
+	for dir in up down; do
+		next_port
+		st=$LOGS/nc-$pl-$dir.stats
+		rm -f "$st"
+		out=$LOGS/nc-$pl-$dir.out
+		if [ $dir = up ]; then
+			# shellcheck disable=SC2046
+			timeout 60 $(wrap "$pl" server "$st") nc -l 127.0.0.1 "$PORT" >"$out" 2>"$out.err" &
+			spid=$!
+			PIDS+=("$spid")
+			wait_port "$PORT"
+			# shellcheck disable=SC2046
+			timeout 60 $(wrap "$pl" client "$st") nc -N 127.0.0.1 "$PORT" <"$LOGS/nc.in" 2>"$out.cerr"
+			crc=$?
+			wait "$spid"
+			src=$?
+		else
+			# shellcheck disable=SC2046
+			timeout 60 $(wrap "$pl" server "$st") nc -N -l 127.0.0.1 "$PORT" <"$LOGS/nc.in" 2>"$out.err" &
+			spid=$!
+			PIDS+=("$spid")
+			wait_port "$PORT"
+			# shellcheck disable=SC2046
+			timeout 60 $(wrap "$pl" client "$st") nc 127.0.0.1 "$PORT" >"$out" 2>"$out.cerr" </dev/null
+			crc=$?
+			wait "$spid"
+			src=$?
+		fi
+		got=$(sha256sum <"$out" | cut -d' ' -f1)
+		v=$(stats_verdict "$pl" "$st")
+		name="nc $NC_MB MB $dir ($pl)"
+		if [ "$got" = "$want" ] && [ -z "$v" ]; then
+			result PASS "$name" "sha256 equal; exits $crc/$src"
+		else
+			result FAIL "$name" "sha256 $([ "$got" = "$want" ] && echo equal || echo DIFFERS); exits $crc/$src; $v"
+		fi
+		rm -f "$out"
+	done
+done
+
+# --- iperf3 -----------------------------------------------------------------
+declare -A IPERF_BASE
+for pl in "${PLACEMENTS[@]}"; do
+	for variant in default -R "-P 4" -Z; do
+		next_port
+		st=$LOGS/iperf-$pl-${variant// /}.stats
+		rm -f "$st"
+		log=$LOGS/iperf-$pl-${variant// /}.log
+		# shellcheck disable=SC2046
+		timeout $((IPERF_T + 30)) $(wrap "$pl" server "$st") iperf3 -s -1 -B 127.0.0.1 -p "$PORT" >"$log.server" 2>&1 &
+		spid=$!
+		PIDS+=("$spid")
+		wait_port "$PORT"
+		opts=""
+		[ "$variant" != default ] && opts=$variant
+		# shellcheck disable=SC2046,SC2086
+		timeout $((IPERF_T + 30)) $(wrap "$pl" client "$st") iperf3 -c 127.0.0.1 -p "$PORT" -t "$IPERF_T" $opts -f m >"$log" 2>&1
+		crc=$?
+		wait "$spid"
+		gbps=$(grep -E 'receiver' "$log" | tail -1 | grep -oE '[0-9.]+ Mbits/sec' | cut -d' ' -f1)
+		v=$(stats_verdict "$pl" "$st")
+		name="iperf3 $variant ($pl)"
+		if [ $crc -eq 0 ] && [ -n "$gbps" ] && [ -z "$v" ]; then
+			ratio=""
+			if [ "$pl" = none ]; then
+				IPERF_BASE[$variant]=$gbps
+			elif [ -n "${IPERF_BASE[$variant]:-}" ]; then
+				ratio=$(awk -v a="$gbps" -v b="${IPERF_BASE[$variant]}" 'BEGIN { printf "%.2f x none", a / b }')
+			fi
+			result PASS "$name" "$gbps Mbit/s $ratio"
+		else
+			result FAIL "$name" "exit $crc, rate '${gbps}'; $v ($log)"
+		fi
+	done
+done
+
+# --- redis --------------------------------------------------------------------
+declare -A REDIS_BASE
+for pl in "${PLACEMENTS[@]}"; do
+	next_port
+	st=$LOGS/redis-$pl.stats
+	rm -f "$st"
+	dir=$LOGS/redis-$pl
+	mkdir -p "$dir"
+	# shellcheck disable=SC2046
+	timeout 300 $(wrap "$pl" server "$st") redis-server --port "$PORT" --bind 127.0.0.1 --save '' \
+		--appendonly no --dir "$dir" --daemonize no >"$dir/server.log" 2>&1 &
+	spid=$!
+	PIDS+=("$spid")
+	wait_port "$PORT"
+	for pipe in 1 16; do
+		log=$dir/bench-P$pipe.log
+		# shellcheck disable=SC2046
+		timeout 120 $(wrap "$pl" client "$st") redis-benchmark -h 127.0.0.1 -p "$PORT" -q -n "$REDIS_N" -c 50 -t set,get -P $pipe >"$log" 2>&1 &
+		bpid=$!
+		PIDS+=("$bpid")
+		if [ $pipe = 16 ]; then
+			sleep 0.3
+			# shellcheck disable=SC2046
+			timeout 30 $(wrap "$pl" client "$st") redis-cli -h 127.0.0.1 -p "$PORT" bgsave >"$dir/bgsave.log" 2>&1
+		fi
+		wait "$bpid"
+		brc=$?
+		set_rps=$(tr '\r' '\n' <"$log" | grep -E '^SET:' | tail -1 | grep -oE '[0-9.]+ requests' | cut -d' ' -f1)
+		get_rps=$(tr '\r' '\n' <"$log" | grep -E '^GET:' | tail -1 | grep -oE '[0-9.]+ requests' | cut -d' ' -f1)
+		name="redis-benchmark -P $pipe ($pl)"
+		if [ $brc -eq 0 ] && [ -n "$set_rps" ] && [ -n "$get_rps" ]; then
+			ratio=""
+			if [ "$pl" = none ]; then
+				REDIS_BASE[$pipe]=$get_rps
+			elif [ -n "${REDIS_BASE[$pipe]:-}" ]; then
+				ratio=$(awk -v a="$get_rps" -v b="${REDIS_BASE[$pipe]}" 'BEGIN { printf "(GET %.2f x none)", a / b }')
+			fi
+			result PASS "$name" "SET $set_rps GET $get_rps req/s $ratio"
+		else
+			result FAIL "$name" "exit $brc ($log)"
+		fi
+	done
+	if grep -q 'Background saving started' "$dir/bgsave.log" 2>/dev/null; then
+		result PASS "redis-cli bgsave under load ($pl)" "$(head -1 "$dir/bgsave.log")"
+	else
+		result FAIL "redis-cli bgsave under load ($pl)" "$(head -1 "$dir/bgsave.log" 2>/dev/null)"
+	fi
+	kill "$spid" 2>/dev/null
+	wait "$spid" 2>/dev/null
+	v=$(stats_verdict "$pl" "$st")
+	if [ -z "$v" ]; then result PASS "redis stats ($pl)" "as expected"; else result FAIL "redis stats ($pl)" "$v"; fi
+done
+
+# --- nginx: curl files with sha256, wrk -------------------------------------
+www=$LOGS/www
+mkdir -p "$www"
+sizes=(1K 64K 1M 16M)
+for s in "${sizes[@]}"; do head -c "$(numfmt --from=iec "$s")" /dev/urandom >"$www/$s"; done
+chmod -R a+rX "$www" "$LOGS"
+declare -A NGINX_BASE
+for pl in "${PLACEMENTS[@]}"; do
+	for sf in on off; do
+		next_port
+		st=$LOGS/nginx-$pl-$sf.stats
+		rm -f "$st"
+		d=$LOGS/nginx-$pl-$sf
+		mkdir -p "$d"
+		cat >"$d/nginx.conf" <<EOF
+worker_processes 2;
+daemon off;
+pid $d/nginx.pid;
+error_log $d/error.log;
+events { worker_connections 256; }
+http {
+    access_log off;
+    sendfile $sf;
+    client_body_temp_path $d/body;
+    proxy_temp_path $d/proxy;
+    fastcgi_temp_path $d/fastcgi;
+    uwsgi_temp_path $d/uwsgi;
+    scgi_temp_path $d/scgi;
+    server { listen 127.0.0.1:$PORT; root $www; }
+}
+EOF
+		# shellcheck disable=SC2046
+		timeout 120 $(wrap "$pl" server "$st") nginx -c "$d/nginx.conf" -p "$d" >"$d/out.log" 2>&1 &
+		spid=$!
+		PIDS+=("$spid")
+		wait_port "$PORT"
+		ok=1
+		detail=""
+		for s in "${sizes[@]}"; do
+			# shellcheck disable=SC2046
+			got=$(timeout 30 $(wrap "$pl" client "$st") curl -s "http://127.0.0.1:$PORT/$s" | sha256sum | cut -d' ' -f1)
+			if [ "$got" != "$(sha256sum <"$www/$s" | cut -d' ' -f1)" ]; then
+				ok=0
+				detail="$detail $s differs;"
+			fi
+		done
+		# shellcheck disable=SC2046
+		timeout $((WRK_D + 20)) $(wrap "$pl" client "$st") wrk -t1 -c20 -d"${WRK_D}s" "http://127.0.0.1:$PORT/1K" >"$d/wrk.log" 2>&1
+		rps=$(grep -E '^Requests/sec' "$d/wrk.log" | awk '{print $2}')
+		kill "$spid" 2>/dev/null
+		wait "$spid" 2>/dev/null
+		v=$(stats_verdict "$pl" "$st")
+		name="nginx sendfile $sf ($pl)"
+		if [ $ok = 1 ] && [ -n "$rps" ] && [ -z "$v" ]; then
+			ratio=""
+			if [ "$pl" = none ]; then
+				NGINX_BASE[$sf]=$rps
+			elif [ -n "${NGINX_BASE[$sf]:-}" ]; then
+				ratio=$(awk -v a="$rps" -v b="${NGINX_BASE[$sf]}" 'BEGIN { printf "(%.2f x none)", a / b }')
+			fi
+			result PASS "$name" "curl 1K..16M sha256 equal; wrk $rps req/s $ratio"
+		else
+			result FAIL "$name" "${detail} wrk '${rps}'; $v ($d)"
+		fi
+	done
+done
+
+echo "apps-suite: $fails case(s) failed (expecting $EXPECT connections with both ends preloaded); logs in $LOGS"
+[ $fails -eq 0 ]
