@@ -22,7 +22,7 @@ QUICK=0
 [ "${1:-}" = --quick ] && QUICK=1
 EXPECT=${SOFTRDMA_APPS_EXPECT:-offloaded}
 LOGS=${SOFTRDMA_APPS_LOGS:-$(mktemp -d /tmp/softrdma-apps.XXXXXX)}
-mkdir -p "$LOGS"
+mkdir -p "$LOGS" && chmod 755 "$LOGS"
 
 need=()
 command -v nc >/dev/null || need+=(netcat-openbsd)
@@ -70,6 +70,10 @@ wrap() {
 	*) echo "" ;;
 	esac
 }
+
+# An empty stats file every process can append to (nginx's workers drop
+# root's privileges).
+fresh_stats() { : >"$1" && chmod 666 "$1"; }
 
 # The stats verdict of a placement: "" if fine, else what is wrong.
 stats_verdict() { # placement statsfile
@@ -119,7 +123,7 @@ for pl in "${PLACEMENTS[@]}"; do
 	for dir in up down; do
 		next_port
 		st=$LOGS/nc-$pl-$dir.stats
-		rm -f "$st"
+		fresh_stats "$st"
 		out=$LOGS/nc-$pl-$dir.out
 		if [ $dir = up ]; then
 			# shellcheck disable=SC2046
@@ -162,7 +166,7 @@ for pl in "${PLACEMENTS[@]}"; do
 	for variant in default -R "-P 4" -Z; do
 		next_port
 		st=$LOGS/iperf-$pl-${variant// /}.stats
-		rm -f "$st"
+		fresh_stats "$st"
 		log=$LOGS/iperf-$pl-${variant// /}.log
 		# shellcheck disable=SC2046
 		timeout $((IPERF_T + 30)) $(wrap "$pl" server "$st") iperf3 -s -1 -B 127.0.0.1 -p "$PORT" >"$log.server" 2>&1 &
@@ -197,7 +201,7 @@ declare -A REDIS_BASE
 for pl in "${PLACEMENTS[@]}"; do
 	next_port
 	st=$LOGS/redis-$pl.stats
-	rm -f "$st"
+	fresh_stats "$st"
 	dir=$LOGS/redis-$pl
 	mkdir -p "$dir"
 	# shellcheck disable=SC2046
@@ -256,7 +260,7 @@ for pl in "${PLACEMENTS[@]}"; do
 	for sf in on off; do
 		next_port
 		st=$LOGS/nginx-$pl-$sf.stats
-		rm -f "$st"
+		fresh_stats "$st"
 		d=$LOGS/nginx-$pl-$sf
 		mkdir -p "$d"
 		cat >"$d/nginx.conf" <<EOF
