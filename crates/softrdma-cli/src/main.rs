@@ -187,6 +187,11 @@ struct PerfArgs {
     /// Server: serve clients one after another until interrupted.
     #[arg(long, requires = "server")]
     persist: bool,
+    /// Server: most memory one client's run may make it allocate (buffers
+    /// of all QPs, the TCP baseline); larger requests are refused
+    /// (suffixes K, M, G) [default: 1G].
+    #[arg(long, value_name = "BYTES", requires = "server", value_parser = softrdma_cli::perf::parse_size)]
+    max_mem: Option<usize>,
     /// Seconds to wait for any step: a client to connect (server), the
     /// connections, control messages, and any progress during a run
     /// [default: 30 in two-process mode, 10 in loopback].
@@ -251,6 +256,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
                 inline: a.inline_size,
                 crc: a.crc,
             },
+            max_mem: a.max_mem.map_or(perf::DEFAULT_MAX_MEM, |m| m as u64),
         })
     } else if let Some(server) = &a.connect {
         Role::Client {

@@ -36,7 +36,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
-use softrdma_engine::{Access, Device, DeviceConfig};
+use softrdma_engine::{Device, DeviceConfig};
 
 pub use output::svg;
 pub use rdma::measure_rdma;
@@ -289,18 +289,13 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> PerfError + '_ {
 /// Operations completed so far, for the progress indicator.
 static PROGRESS: AtomicU64 = AtomicU64::new(0);
 
-/// Process CPU time (user + system), seconds.
+/// Process CPU time (user + system), seconds (0 if getrusage fails).
 pub fn cpu_time() -> f64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: `ru` is a valid, writable rusage; getrusage only writes it.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
-    if rc != 0 {
-        return 0.0;
-    }
-    // SAFETY: zero-initialised and filled by a successful getrusage.
-    let ru = unsafe { ru.assume_init() };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    use nix::sys::resource::{UsageWho, getrusage};
+    use nix::sys::time::TimeValLike;
+    getrusage(UsageWho::RUSAGE_SELF).map_or(0.0, |u| {
+        (u.user_time().num_microseconds() + u.system_time().num_microseconds()) as f64 / 1e6
+    })
 }
 
 /// Limit of a run: a count or a deadline.
@@ -356,10 +351,6 @@ impl Watchdog {
             Ok(())
         }
     }
-}
-
-fn access() -> Access {
-    Access::LOCAL_WRITE | Access::REMOTE
 }
 
 fn device(p: &Params) -> Result<Device, PerfError> {
@@ -443,8 +434,11 @@ pub enum Role {
     Server(ServerOptions),
 }
 
+/// Default of [`ServerOptions::max_mem`]: 1 GiB.
+pub const DEFAULT_MAX_MEM: u64 = 1 << 30;
+
 /// Settings of `softrdma perf --server`.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ServerOptions {
     /// Address to listen on (`0.0.0.0` for all).
     pub bind: String,
@@ -455,6 +449,22 @@ pub struct ServerOptions {
     /// Test settings given to the server: a client asking for something
     /// else is refused.
     pub require: Constraints,
+    /// Most bytes of buffers one client's run may make the server
+    /// allocate (all QPs, the TCP baseline, the control connection); a
+    /// client asking for more is refused.
+    pub max_mem: u64,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            bind: "0.0.0.0".into(),
+            port: DEFAULT_PORT,
+            persist: false,
+            require: Constraints::default(),
+            max_mem: DEFAULT_MAX_MEM,
+        }
+    }
 }
 
 /// Test settings given explicitly to the server; `None`/`false`: anything

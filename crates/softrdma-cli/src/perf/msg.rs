@@ -17,7 +17,8 @@
 //! Control messages: a tag octet, then
 //! `R` round: size:u64 n:u16 (addr:u64 rkey:u32 len:u64)*n — `Y` ready:
 //! n:u16 bufs — `N` end: receives:u64 — `O` done: receives:u64 — `S`
-//! result: summary [tcp summary] — `B` bye — `E` error: reason (UTF-8).
+//! result: summary [tcp summary] — `B` bye — `K` alive (the client's
+//! heartbeat during a run) — `E` error: reason (UTF-8).
 
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ use super::{MAX_DEPTH, MAX_QPS, MAX_SIZE, Mode, Summary, Test};
 const MAGIC: &[u8; 4] = b"SRPF";
 
 /// Version of the messages.
-pub(super) const VERSION: u8 = 1;
+pub(super) const VERSION: u8 = 2;
 
 /// Most sizes in one run (`-a` has 23).
 pub(super) const MAX_SIZES: usize = 48;
@@ -366,6 +367,9 @@ pub(super) enum Control {
     Result { rdma: Summary, tcp: Option<Summary> },
     /// Client: no more sizes.
     Bye,
+    /// Client: a heartbeat during a run (the server ends a run that hears
+    /// nothing for its timeout).
+    Alive,
     /// Either: a failure, with the reason.
     Error(String),
 }
@@ -449,6 +453,9 @@ impl Control {
             Control::Bye => {
                 w.u8(b'B');
             }
+            Control::Alive => {
+                w.u8(b'K');
+            }
             Control::Error(m) => {
                 w.u8(b'E').text(m);
             }
@@ -484,6 +491,7 @@ impl Control {
                 Control::Result { rdma, tcp }
             }
             b'B' => Control::Bye,
+            b'K' => Control::Alive,
             b'E' => return Ok(Control::Error(r.text())),
             t => return bad(format!("unknown control message '{}'", t.escape_ascii())),
         };
@@ -566,6 +574,7 @@ mod tests {
             },
             Control::Result { rdma: s, tcp: None },
             Control::Bye,
+            Control::Alive,
             Control::Error("out of memory".into()),
         ] {
             let b = m.encode();

@@ -18,6 +18,22 @@ pub(super) fn human_size(n: usize) -> String {
     }
 }
 
+/// `n` bytes in binary units: `512 B`, `64 KiB`, `1.5 GiB`.
+pub(super) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 || v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
 /// Shows progress on stderr (when it is a terminal) for runs over 2 s.
 pub(super) struct Progress {
     stop: Arc<AtomicBool>,

@@ -38,15 +38,15 @@ use std::time::{Duration, Instant};
 use softrdma_engine::cm::{self, CmError, ConnectConfig, ListenConfig, Listener};
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
 use softrdma_engine::{
-    Device, MemoryRegion, QpInitAttr, QpState, QueuePair, RecvWr, SendOp, SendWr, WcOpcode,
+    Access, Device, MemoryRegion, QpInitAttr, QpState, QueuePair, RecvWr, SendOp, SendWr, WcOpcode,
     WcStatus, WorkCompletion,
 };
 
 use super::msg::{Control, DataConn, Hello, MAX_CONTROL, MAX_SIZES, Welcome, refusal};
 use super::output::{Progress, header, line};
-use super::rdma::{Active, End, Passive, Peer, run_active, serve};
+use super::rdma::{Active, End, Passive, Peer, passive_bytes, run_active, serve};
 use super::{
-    Constraints, Mode, Params, PerfError, PerfOptions, Row, ServerOptions, Summary, cpu_time,
+    Constraints, Mode, Params, PerfError, PerfOptions, Row, ServerOptions, Summary, Test, cpu_time,
     device, eng, io, label, msg, tcp, tcp_params, validate, validate_all,
 };
 
@@ -56,6 +56,9 @@ const CONTROL_RECVS: usize = 4;
 
 /// `wr_id` of control Sends.
 const SEND_ID: u64 = u64::MAX;
+
+/// `wr_id` of heartbeats (not waited for).
+const ALIVE_ID: u64 = u64::MAX - 1;
 
 /// The control connection: small messages as Sends, one at a time.
 struct Ctl {
@@ -78,9 +81,10 @@ impl Ctl {
         let mut attr = QpInitAttr::new(&end.cq, &end.cq);
         attr.cap.max_send_wr = 16;
         attr.cap.max_recv_wr = 16;
+        attr.cap.max_inline_data = 16;
         let qp = QueuePair::new(&end.pd, &attr).map_err(eng)?;
-        let rbuf = end.mr(CONTROL_RECVS * MAX_CONTROL)?;
-        let sbuf = end.mr(MAX_CONTROL)?;
+        let rbuf = end.mr(CONTROL_RECVS * MAX_CONTROL, Access::LOCAL_WRITE)?;
+        let sbuf = end.mr(MAX_CONTROL, Access::NONE)?;
         let c = Ctl {
             end,
             qp,
@@ -194,6 +198,28 @@ impl Ctl {
         Ok(())
     }
 
+    /// A heartbeat: takes the completions (so the CQ never fills), fails
+    /// if the peer reported an error or left, and posts an `Alive`
+    /// without waiting for it.
+    fn heartbeat(&mut self) -> Result<(), PerfError> {
+        self.pump()?;
+        if let Some(b) = self.stash.front()
+            && let Ok(Control::Error(_)) = Control::decode(b)
+        {
+            self.try_recv()?;
+        }
+        let b = Control::Alive.encode();
+        self.qp
+            .post_send(&SendWr::new(ALIVE_ID, SendOp::Send).inline(&b).signaled())
+            .map_err(|e| {
+                if self.qp.state() == QpState::Rts {
+                    eng(e)
+                } else {
+                    self.gone()
+                }
+            })
+    }
+
     /// Tells the peer why this side gives up (best effort).
     fn send_error(&mut self, e: &PerfError) {
         if self.qp.state() == QpState::Rts {
@@ -228,6 +254,7 @@ impl Ctl {
         loop {
             let live = self.qp.state() == QpState::Rts;
             match self.try_recv() {
+                Ok(Some(Control::Alive)) => continue,
                 Ok(Some(m)) => return Ok(m),
                 Ok(None) => {}
                 Err(e) => return Err(gone(e, self.failed.is_some())),
@@ -238,13 +265,23 @@ impl Ctl {
             }
             if start.elapsed() > self.timeout {
                 return Err(PerfError::Timeout(format!(
-                    "no {what} from the {} within {:.0} s",
+                    "nothing from the {} for {} s (waiting for {what})",
                     self.peer,
-                    self.timeout.as_secs_f64()
+                    secs(self.timeout)
                 )));
             }
             Self::pause(start);
         }
+    }
+}
+
+/// Seconds for messages: `2`, `0.5`.
+fn secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0}")
+    } else {
+        format!("{s}")
     }
 }
 
@@ -264,6 +301,7 @@ impl Control {
             Control::Done { .. } => "done",
             Control::Result { .. } => "result",
             Control::Bye => "bye",
+            Control::Alive => "alive",
             Control::Error(_) => "error",
         }
     }
@@ -319,6 +357,10 @@ struct RemotePeer<'a> {
 }
 
 impl Peer for RemotePeer<'_> {
+    fn alive(&mut self) -> Result<(), PerfError> {
+        self.ctl.heartbeat()
+    }
+
     fn finish(&mut self, recvs: u64) -> Result<(), PerfError> {
         self.ctl.send(&Control::End { recvs })?;
         match self.ctl.recv("the end of the run")? {
@@ -457,7 +499,13 @@ fn client_round(
         Control::Ready { bufs } => bufs,
         m => return Err(unexpected("'ready'", &m)),
     };
-    if bufs.len() != a.qps.len() || bufs.iter().any(|b| b.len < p.size as u64) {
+    // Send tests use no buffer of the server's.
+    let need = if p.test == Test::Send {
+        0
+    } else {
+        p.size as u64
+    };
+    if bufs.len() != a.qps.len() || bufs.iter().any(|b| b.len < need) {
         return Err(PerfError::Peer(
             "the server's buffers do not match the test".into(),
         ));
@@ -607,7 +655,10 @@ pub fn run_server(
         let wait = (!s.persist).then_some(local.timeout);
         match serve_client(o, s, &listener, wait, out) {
             Ok(mut r) => rows.append(&mut r),
-            Err(e) if s.persist => eprintln!("softrdma perf: {e}"),
+            Err(e) if s.persist => {
+                eprintln!("softrdma perf: {e}");
+                eprintln!("softrdma perf: waiting for the next client");
+            }
             Err(e) => return Err(e),
         }
         if !s.persist {
@@ -671,6 +722,18 @@ fn serve_client(
             )));
         }
     }
+    let need = server_bytes(&p, &hello.sizes, hello.baseline_tcp);
+    if need > s.max_mem {
+        let why = format!(
+            "the test needs {} of memory on the server, more than its limit of {} (--max-mem)",
+            super::output::human_bytes(need),
+            super::output::human_bytes(s.max_mem)
+        );
+        let _ = req.reject(&refusal(&why));
+        return Err(PerfError::Refused(format!(
+            "refused the client at {peer}: {why}"
+        )));
+    }
     let dev = device(&p)?;
     let mut ctl = Ctl::new(&dev, p.timeout, "client")?;
     let tcp = if hello.baseline_tcp {
@@ -717,6 +780,27 @@ fn serve_client(
         Control::Bye => Ok(rows),
         m => Err(unexpected("'bye'", &m)),
     }
+}
+
+/// Memory the server allocates for a run of `sizes` (the largest round:
+/// rounds run one after another, each freeing its buffers), with the TCP
+/// baseline's buffers and the control connection.
+fn server_bytes(p: &Params, sizes: &[usize], baseline_tcp: bool) -> u64 {
+    let control = ((CONTROL_RECVS + 1) * MAX_CONTROL) as u64;
+    sizes
+        .iter()
+        .map(|&size| {
+            let q = Params { size, ..p.clone() };
+            let tcp = if baseline_tcp {
+                tcp::passive_bytes(&q)
+            } else {
+                0
+            };
+            passive_bytes(&q) + tcp
+        })
+        .max()
+        .unwrap_or(0)
+        + control
 }
 
 /// Accepts the data connections of a round, in order; refuses others.
@@ -797,7 +881,12 @@ fn serve_round(
             p.size
         )));
     }
-    if bufs.len() != p.nqps() || bufs.iter().any(|b| b.len < p.size as u64) {
+    let need = if p.test == Test::Write && p.mode == Mode::Lat {
+        p.size as u64
+    } else {
+        0
+    };
+    if bufs.len() != p.nqps() || bufs.iter().any(|b| b.len < need) {
         return Err(PerfError::Peer(
             "the client's buffers do not match the test".into(),
         ));
@@ -812,11 +901,19 @@ fn serve_round(
     let got = {
         let mut calls = 0u32;
         let mut ended: Option<Instant> = None;
+        let mut heard = Instant::now();
         let timeout = p.timeout;
         let mut control = || -> Result<Option<u64>, PerfError> {
             calls = calls.wrapping_add(1);
             if !calls.is_multiple_of(64) {
                 return Ok(None);
+            }
+            if ended.is_none() && heard.elapsed() > timeout {
+                return Err(PerfError::Timeout(format!(
+                    "the client went silent: nothing from it for {} s during the run \
+                     (stopped, or the network is partitioned)",
+                    secs(timeout)
+                )));
             }
             if data.iter().any(|q| q.state() != QpState::Rts) {
                 return Err(PerfError::Peer(
@@ -829,6 +926,10 @@ fn serve_round(
                 ));
             }
             match ctl.try_recv()? {
+                Some(Control::Alive) => {
+                    heard = Instant::now();
+                    Ok(None)
+                }
                 Some(Control::End { recvs }) => {
                     ended = Some(Instant::now());
                     Ok(Some(recvs))

@@ -39,6 +39,15 @@ pub(super) fn setup(s: &TcpStream, timeout: Duration) -> Result<(), PerfError> {
     Ok(())
 }
 
+/// Bytes the serving side allocates for `p`.
+pub(super) fn passive_bytes(p: &Params) -> u64 {
+    if p.mode == Mode::Bw && !reqrep(p) {
+        p.size.clamp(65536, 1 << 22) as u64
+    } else {
+        (request_len(p) + p.size) as u64
+    }
+}
+
 /// The serving side: reads the stream to its end (bw write/send), or
 /// answers each request with `size` bytes until the end.
 pub(super) fn passive(p: &Params, mut b: TcpStream) -> Result<(), PerfError> {

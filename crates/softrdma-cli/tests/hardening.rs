@@ -1,0 +1,250 @@
+//! Regression tests of the `softrdma` command's hardening, each named
+//! after the bug, run against the real binary: silent clients, memory a
+//! request makes the server allocate, port scans of the ping server, error
+//! messages that hide the cause.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::Duration;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_softrdma"))
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("run softrdma")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A process whose stdout and stderr lines arrive on a channel.
+struct Proc {
+    child: Child,
+    lines: Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Proc {
+    fn start(args: &[&str]) -> Proc {
+        let mut child = bin()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start softrdma");
+        let (tx, lines) = channel();
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx2.send(l);
+            }
+        });
+        Proc {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits (at most `secs`) for a line containing `what`; returns it.
+    fn wait_for(&mut self, what: &str, secs: u64) -> String {
+        loop {
+            match self.lines.recv_timeout(Duration::from_secs(secs)) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if l.contains(what) {
+                        return l;
+                    }
+                }
+                Err(_) => panic!("no line with {what:?}; output so far:\n{}", self.text()),
+            }
+        }
+    }
+
+    fn text(&self) -> String {
+        self.seen.join("\n")
+    }
+
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // Only this test's own child, by its PID.
+        let _ = Command::new("kill").args(["-CONT", &self.pid()]).status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A persistent perf server on a free port; returns it and its address.
+fn perf_server(extra: &[&str]) -> (Proc, String) {
+    let mut args = vec![
+        "perf",
+        "--server",
+        "--persist",
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    let mut s = Proc::start(&args);
+    let l = s.wait_for("listening on", 30);
+    let addr = l.trim().strip_prefix("listening on ").unwrap().to_string();
+    (s, addr)
+}
+
+#[test]
+fn persist_server_froze_forever_when_a_client_went_silent_mid_run() {
+    let (mut server, addr) = perf_server(&["--timeout", "2"]);
+    // A client with a long run, stopped (SIGSTOP) once the run is under
+    // way: its connections stay up but nothing comes from it any more, as
+    // in a network partition without a reset.
+    let mut silent = Proc::start(&[
+        "perf",
+        "read",
+        "-s",
+        "4K",
+        "-D",
+        "60",
+        "--timeout",
+        "60",
+        "--connect",
+        &addr,
+    ]);
+    server.wait_for("server, client", 30);
+    std::thread::sleep(Duration::from_millis(500));
+    let st = Command::new("kill")
+        .args(["-STOP", &silent.pid()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let why = server.wait_for("went silent", 60);
+    assert!(why.contains("2 s"), "{why}");
+    server.wait_for("waiting for the next client", 30);
+    // The server serves the next client.
+    let o = run(&[
+        "perf",
+        "write",
+        "-s",
+        "4K",
+        "-n",
+        "50",
+        "--json",
+        "--timeout",
+        "20",
+        "--connect",
+        &addr,
+    ]);
+    assert!(o.status.success(), "{}\n{}", stderr(&o), server.text());
+    let _ = silent.child.kill();
+}
+
+#[test]
+fn persist_server_froze_when_a_client_sent_a_request_and_went_silent() {
+    use softrdma_engine::cm::{ConnectConfig, connect};
+    use softrdma_engine::{CompletionQueue, Device, ProtectionDomain, QpInitAttr, QueuePair};
+    let (mut server, addr) = perf_server(&["--timeout", "1"]);
+    // A valid request (write bw, 1 size of 4 KiB, 10 messages) that is
+    // never followed by anything.
+    let mut hello = b"SRPF".to_vec();
+    hello.extend_from_slice(&[b'H', 2, 0, 0, 0]);
+    hello.extend_from_slice(&10u64.to_le_bytes());
+    hello.extend_from_slice(&0u64.to_le_bytes());
+    hello.extend_from_slice(&16u32.to_le_bytes());
+    hello.extend_from_slice(&1u32.to_le_bytes());
+    hello.extend_from_slice(&64u32.to_le_bytes());
+    hello.push(1);
+    hello.extend_from_slice(&4096u32.to_le_bytes());
+    let dev = Device::open_with(Default::default()).unwrap();
+    let pd = ProtectionDomain::new(&dev);
+    let cq = CompletionQueue::new(&dev, 16, None).unwrap();
+    let qp = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+    let conn = connect(
+        &qp,
+        addr.as_str(),
+        &ConnectConfig {
+            private_data: hello,
+            timeout: Duration::from_secs(10),
+            ..ConnectConfig::default()
+        },
+    )
+    .expect("the server accepts a valid request");
+    let why = server.wait_for("softrdma perf:", 30);
+    assert!(
+        why.contains("nothing from the client for 1 s (waiting for the next test)"),
+        "{why}"
+    );
+    server.wait_for("waiting for the next client", 30);
+    let o = run(&[
+        "perf",
+        "send",
+        "--lat",
+        "-n",
+        "50",
+        "--timeout",
+        "20",
+        "--connect",
+        &addr,
+    ]);
+    assert!(o.status.success(), "{}\n{}", stderr(&o), server.text());
+    drop(conn);
+}
+
+#[test]
+fn one_request_made_the_server_allocate_8_gib() {
+    let (mut server, addr) = perf_server(&["--timeout", "10"]);
+    // 4 QPs of 1 GiB: refused by the default limit before anything is
+    // allocated on either side.
+    let o = run(&[
+        "perf",
+        "write",
+        "-s",
+        "1G",
+        "--qps",
+        "4",
+        "-n",
+        "1",
+        "--connect",
+        &addr,
+    ]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("refused") && e.contains("--max-mem"), "{e}");
+    assert!(e.contains("4.0 GiB") && e.contains("1 GiB"), "{e}");
+    server.wait_for("--max-mem", 30);
+    // A server's own limit.
+    drop(server);
+    let (_server, addr) = perf_server(&["--max-mem", "1M"]);
+    let o = run(&["perf", "send", "-s", "2M", "-n", "1", "--connect", &addr]);
+    assert!(
+        stderr(&o).contains("limit of 1 MiB (--max-mem)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&[
+        "perf",
+        "send",
+        "-s",
+        "64K",
+        "-n",
+        "20",
+        "--json",
+        "--connect",
+        &addr,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
