@@ -21,6 +21,7 @@ pub mod output;
 pub mod perf;
 pub mod ping;
 pub mod reassembly;
+mod why;
 
 use std::io::Write;
 use std::path::Path;

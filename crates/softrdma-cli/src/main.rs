@@ -50,9 +50,11 @@ enum Command {
     },
     /// rping-compatible ping over softrdma: Send, RDMA Read, Send, Send,
     /// RDMA Write, Send per iteration, data verified. Talks to rdma-core's
-    /// `rping` on kernel siw or to another `softrdma ping`.
+    /// `rping` on kernel siw or to another `softrdma ping`. The flags are
+    /// rping's.
     Ping {
-        /// Run the server (waits for one client).
+        /// Run the server (waits for a client; skips connections that fail
+        /// to set up, like a port scan's).
         #[arg(short = 's', long, conflicts_with = "client")]
         server: bool,
         /// Run the client (the default).
@@ -61,23 +63,44 @@ enum Command {
         /// Address to connect to (client) or to bind (server; default all).
         #[arg(short = 'a', long = "addr", value_name = "ADDRESS")]
         addr: Option<String>,
+        /// Client: the source address to bind to (rping's -I).
+        #[arg(
+            short = 'I',
+            long = "source",
+            value_name = "ADDRESS",
+            conflicts_with = "server"
+        )]
+        source: Option<String>,
         /// TCP port.
         #[arg(short = 'p', long, default_value_t = softrdma_cli::ping::DEFAULT_PORT)]
         port: u16,
-        /// Iterations (0: client runs forever, server until the client leaves).
+        /// Iterations (0: client runs until interrupted, server until the
+        /// client leaves).
         #[arg(short = 'C', long, default_value_t = 0)]
         count: u64,
-        /// Buffer size in bytes.
-        #[arg(short = 'S', long, default_value_t = softrdma_cli::ping::DEFAULT_SIZE)]
+        /// Buffer size in bytes (suffixes K, M as for perf; 24 .. 64K).
+        #[arg(short = 'S', long, default_value = "100", value_parser = softrdma_cli::perf::parse_size)]
         size: usize,
+        /// Server: serve clients one after another until interrupted
+        /// (rping's persistent server mode).
+        #[arg(short = 'P', long, requires = "server")]
+        persistent: bool,
         /// Print each iteration's data.
         #[arg(short = 'v', long)]
         verbose: bool,
         /// Verify the data (always done; accepted for rping compatibility).
         #[arg(short = 'V', long)]
         validate: bool,
-        /// Quiet: print nothing on success (rping's -q).
-        #[arg(short = 'q', long)]
+        /// Debug output on stderr: the connection steps (rping's -d; more
+        /// with RUST_LOG).
+        #[arg(short = 'd', long, action = clap::ArgAction::Count)]
+        debug: u8,
+        /// rping's "use a self-created, non-CM QP": accepted, no effect
+        /// (softrdma sets the QP up the same way either way).
+        #[arg(short = 'q')]
+        self_created_qp: bool,
+        /// Print nothing on success.
+        #[arg(long)]
         quiet: bool,
         /// MPA revision to request: 2 (enhanced, IRD/ORD) or 1.
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
@@ -201,6 +224,39 @@ struct PerfArgs {
 
 /// Exit status of usage errors (as clap's).
 const USAGE: u8 = 2;
+
+/// Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
+const INTERRUPTED: u8 = 130;
+
+/// A flag that Ctrl-C (SIGINT) sets instead of ending the process, so a
+/// run can print what it has before it exits.
+fn interrupt_flag() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Err(e) = signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone()) {
+        eprintln!("softrdma: cannot handle Ctrl-C: {e}");
+    }
+    flag
+}
+
+/// Diagnostics on stderr: `RUST_LOG` when set (e.g.
+/// `RUST_LOG=softrdma_engine=debug`), else by `-v`/`-d` count: warnings,
+/// then info (1), debug (2), trace (3 and more).
+fn init_tracing(verbosity: u8) {
+    use tracing_subscriber::EnvFilter;
+    let level = match verbosity {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(io::stderr)
+        .with_ansi(io::IsTerminal::is_terminal(&io::stderr()))
+        .with_target(true)
+        .try_init();
+}
 
 fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
     use softrdma_cli::perf::{
@@ -338,11 +394,15 @@ fn main() -> ExitCode {
             server,
             client: _,
             addr,
+            source,
             port,
             count,
             size,
+            persistent,
             verbose,
             validate: _,
+            debug,
+            self_created_qp: _,
             quiet,
             mpa_rev,
             crc,
@@ -350,8 +410,10 @@ fn main() -> ExitCode {
             timeout,
             start_delay_ms,
         } => {
-            use softrdma_cli::ping::{PingOptions, run_ping};
+            use softrdma_cli::ping::{PingError, PingOptions, run_ping};
             use softrdma_engine::proto::mpa::CrcPolicy;
+            // rping's -d: the debug messages.
+            init_tracing(if debug > 0 { debug + 1 } else { 0 });
             let opts = PingOptions {
                 server,
                 addr,
@@ -368,6 +430,9 @@ fn main() -> ExitCode {
                 p2p,
                 timeout: std::time::Duration::from_secs(timeout),
                 start_delay: std::time::Duration::from_millis(start_delay_ms),
+                persistent,
+                source,
+                stop: Some(interrupt_flag()),
             };
             let stdout = io::stdout();
             let mut out = stdout.lock();
@@ -383,6 +448,14 @@ fn main() -> ExitCode {
                         );
                     }
                     ExitCode::SUCCESS
+                }
+                Err(PingError::Interrupted { iterations }) => {
+                    println!("softrdma ping: interrupted; {iterations} iterations verified");
+                    ExitCode::from(INTERRUPTED)
+                }
+                Err(e @ PingError::Usage(_)) => {
+                    eprintln!("softrdma ping: error: {e}");
+                    ExitCode::from(USAGE)
                 }
                 Err(e) => {
                     eprintln!("softrdma ping: error: {e}");

@@ -248,3 +248,168 @@ fn one_request_made_the_server_allocate_8_gib() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port().to_string()
+}
+
+/// Waits (at most 60 s) for `p` to exit; its status and all its output.
+fn finish(mut p: Proc) -> (std::process::ExitStatus, String) {
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = p.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "did not exit:\n{}",
+            p.text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // The reader threads end with the pipes.
+    while let Ok(l) = p.lines.recv_timeout(Duration::from_secs(5)) {
+        p.seen.push(l);
+    }
+    (status, p.text())
+}
+
+#[test]
+fn ping_server_exited_on_the_first_bad_or_silent_connection() {
+    let port = free_port();
+    let server = Proc::start(&[
+        "ping",
+        "-s",
+        "-a",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-C",
+        "3",
+        "--timeout",
+        "20",
+    ]);
+    // A port scan: connect, close at once (retried until the server
+    // listens).
+    let addr = format!("127.0.0.1:{port}");
+    let start = std::time::Instant::now();
+    loop {
+        match std::net::TcpStream::connect(&addr) {
+            Ok(s) => break drop(s),
+            Err(e) => {
+                assert!(start.elapsed() < Duration::from_secs(30), "{e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+    // A connection that says nothing, held open while the client runs.
+    let silent = std::net::TcpStream::connect(&addr).unwrap();
+    // Not MPA at all.
+    let mut junk = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(&mut junk, b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let o = run(&["ping", "-c", "-a", "127.0.0.1", "-p", &port, "-C", "3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (status, text) = finish(server);
+    assert!(status.success(), "{text}");
+    assert!(
+        text.contains("skipped the connection from 127.0.0.1"),
+        "{text}"
+    );
+    assert!(text.contains("3 iterations"), "{text}");
+    drop((silent, junk));
+}
+
+#[test]
+fn ping_server_exit_status_depended_on_timing_when_the_client_left() {
+    // The client leaves right after its last iteration, every time: the
+    // server's last Send may complete before or after the close arrives.
+    for _ in 0..3 {
+        let port = free_port();
+        let server = Proc::start(&["ping", "-s", "-a", "127.0.0.1", "-p", &port, "-C", "2"]);
+        let start = std::time::Instant::now();
+        let o = loop {
+            let o = run(&[
+                "ping",
+                "-c",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-C",
+                "2",
+                "--start-delay-ms",
+                "0",
+            ]);
+            if o.status.success() || start.elapsed() > Duration::from_secs(30) {
+                break o;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(o.status.success(), "{}", stderr(&o));
+        let (status, text) = finish(server);
+        assert!(status.success(), "{text}");
+    }
+}
+
+#[test]
+fn ping_q_meant_quiet_and_size_took_no_suffix() {
+    // rping's -q (a self-created QP) is accepted; -S takes perf's suffixes;
+    // the default size is rping's 100.
+    let o = run(&[
+        "ping",
+        "-q",
+        "-S",
+        "1K",
+        "-a",
+        "127.0.0.1",
+        "-p",
+        "1",
+        "--timeout",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("connecting to 127.0.0.1:1"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["ping", "-S", "100K"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("maximum of 65536"), "{}", stderr(&o));
+    let o = run(&["ping", "--help"]);
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(help.contains("[default: 100]"), "{help}");
+}
+
+#[test]
+fn ping_ctrl_c_printed_nothing_and_persistent_server_served_one_client() {
+    let port = free_port();
+    let mut server = Proc::start(&["ping", "-s", "-P", "-a", "127.0.0.1", "-p", &port]);
+    let start = std::time::Instant::now();
+    let o = loop {
+        let o = run(&["ping", "-c", "-a", "127.0.0.1", "-p", &port, "-C", "2"]);
+        if o.status.success() || start.elapsed() > Duration::from_secs(30) {
+            break o;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(o.status.success(), "{}", stderr(&o));
+    server.wait_for("2 iterations verified", 30);
+    // An endless client, interrupted: it says how many it verified.
+    let mut client = Proc::start(&["ping", "-c", "-a", "127.0.0.1", "-p", &port, "-v"]);
+    client.wait_for("ping data: rdma-ping-3", 30);
+    let st = Command::new("kill")
+        .args(["-INT", &client.pid()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let (status, text) = finish(client);
+    assert_eq!(status.code(), Some(130), "{text}");
+    assert!(text.contains("interrupted; "), "{text}");
+    assert!(text.contains("iterations verified"), "{text}");
+    // The persistent server is still there for the next client.
+    server.wait_for("iterations", 30);
+    let o = run(&["ping", "-c", "-a", "127.0.0.1", "-p", &port, "-C", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
