@@ -83,8 +83,13 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         // Only this test's own child, by its PID.
-        let _ = Command::new("kill").args(["-CONT", &self.pid()]).status();
-        let _ = self.child.kill();
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = Command::new("kill")
+                .args(["-CONT", &self.pid()])
+                .stderr(Stdio::null())
+                .status();
+            let _ = self.child.kill();
+        }
         let _ = self.child.wait();
     }
 }
@@ -256,23 +261,7 @@ fn free_port() -> String {
 
 /// Waits (at most 60 s) for `p` to exit; its status and all its output.
 fn finish(mut p: Proc) -> (std::process::ExitStatus, String) {
-    let start = std::time::Instant::now();
-    let status = loop {
-        if let Some(s) = p.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "did not exit:\n{}",
-            p.text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    // The reader threads end with the pipes.
-    while let Ok(l) = p.lines.recv_timeout(Duration::from_secs(5)) {
-        p.seen.push(l);
-    }
-    (status, p.text())
+    finish_taken(&mut p)
 }
 
 #[test]
@@ -412,4 +401,85 @@ fn ping_ctrl_c_printed_nothing_and_persistent_server_served_one_client() {
     server.wait_for("iterations", 30);
     let o = run(&["ping", "-c", "-a", "127.0.0.1", "-p", &port, "-C", "1"]);
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn connect_with_an_invalid_port_said_cannot_resolve() {
+    for bad in ["127.0.0.1:99999", "127.0.0.1:abc"] {
+        let o = run(&["perf", "write", "--connect", bad]);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains("invalid port"), "{e}");
+        assert!(!e.contains("resolve"), "{e}");
+    }
+}
+
+#[test]
+fn a_perftest_peer_gave_malformed_message_truncated() {
+    use softrdma_engine::cm::{ListenConfig, Listener};
+    use softrdma_engine::{CompletionQueue, Device, ProtectionDomain, QpInitAttr, QueuePair};
+    // A server that accepts with no private data, as perftest's -R does.
+    let l = Listener::bind("127.0.0.1:0", 8, ListenConfig::default()).unwrap();
+    let addr = l.local_addr().to_string();
+    let t = std::thread::spawn(move || {
+        let dev = Device::open_with(Default::default()).unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cq = CompletionQueue::new(&dev, 16, None).unwrap();
+        let qp = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+        let req = l.get_request(Some(Duration::from_secs(30))).unwrap();
+        req.accept(&qp, &[], 16, 16).unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+    });
+    let o = run(&["perf", "write", "-n", "5", "--connect", &addr]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("is not a softrdma perf server"), "{e}");
+    t.join().unwrap();
+}
+
+#[test]
+fn a_peer_leaving_mid_run_showed_wr_flush_err() {
+    let (mut server, addr) = perf_server(&["--timeout", "10"]);
+    let mut client = Proc::start(&[
+        "perf",
+        "read",
+        "-s",
+        "4K",
+        "-D",
+        "60",
+        "--timeout",
+        "10",
+        "--connect",
+        &addr,
+    ]);
+    server.wait_for("server, client", 30);
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = server.child.kill();
+    let (status, text) = finish_taken(&mut client);
+    assert!(!status.success(), "{text}");
+    assert!(!text.contains("FLUSH_ERR"), "{text}");
+    assert!(
+        text.contains("closed the connection") || text.contains("reset"),
+        "{text}"
+    );
+}
+
+/// [`finish`] for a process still owned by the caller.
+fn finish_taken(p: &mut Proc) -> (std::process::ExitStatus, String) {
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = p.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "did not exit:\n{}",
+            p.text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    while let Ok(l) = p.lines.recv_timeout(Duration::from_secs(5)) {
+        p.seen.push(l);
+    }
+    (status, p.text())
 }

@@ -216,14 +216,28 @@ impl End {
     }
 }
 
-pub(super) fn check_wc(wc: &WorkCompletion) -> Result<(), PerfError> {
-    if wc.status == WcStatus::Success {
-        Ok(())
-    } else {
-        Err(PerfError::Engine(format!(
-            "completion error: {} ({:?}, wr_id {})",
-            wc.status, wc.opcode, wc.wr_id
-        )))
+impl End {
+    /// A failed completion as an error that says why: the peer closed the
+    /// connection or sent a Terminate, or this side sent one (from the
+    /// engine's asynchronous events of the QP), else the status.
+    pub(super) fn check(&self, wc: &WorkCompletion) -> Result<(), PerfError> {
+        if wc.status == WcStatus::Success {
+            return Ok(());
+        }
+        let why = crate::why::connection_end(self.cq.device(), wc.qp_num);
+        Err(match (wc.status, why) {
+            (WcStatus::WrFlush, Some(why)) => PerfError::Peer(why),
+            (WcStatus::WrFlush, None) => PerfError::Peer(
+                "the peer closed the connection (outstanding work requests were flushed)".into(),
+            ),
+            (status, Some(why)) => {
+                PerfError::Peer(format!("{:?} failed with {status}: {why}", wc.opcode))
+            }
+            (status, None) => PerfError::Engine(format!(
+                "completion error: {status} ({:?}, wr_id {})",
+                wc.opcode, wc.wr_id
+            )),
+        })
     }
 }
 
@@ -414,7 +428,7 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
             s.end.poll(&mut buf)?
         };
         for wc in &buf[..k] {
-            check_wc(wc)?;
+            s.end.check(wc)?;
             if wc.opcode != WcOpcode::Recv {
                 continue;
             }
@@ -620,7 +634,7 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
         if k > 0 {
             let now = Instant::now();
             for wc in &buf[..k] {
-                check_wc(wc)?;
+                a.end.check(wc)?;
                 if wc.opcode == WcOpcode::Recv {
                     // Credits from the serving side.
                     let i = wc.wr_id as usize;
@@ -728,7 +742,7 @@ fn send_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement, 
             let k = a.end.poll(&mut buf)?;
             let mut got = false;
             for wc in &buf[..k] {
-                check_wc(wc)?;
+                a.end.check(wc)?;
                 got |= wc.opcode == WcOpcode::Recv;
             }
             if got {
@@ -775,7 +789,7 @@ fn write_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
         loop {
             let k = a.end.cq.poll(&mut buf);
             for wc in &buf[..k] {
-                check_wc(wc)?;
+                a.end.check(wc)?;
             }
             sink.read(last, &mut b1).map_err(eng)?;
             if b1[0] == mark {
@@ -799,7 +813,7 @@ fn rtt_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement, P
         loop {
             let k = a.end.poll(&mut buf)?;
             for wc in &buf[..k] {
-                check_wc(wc)?;
+                a.end.check(wc)?;
             }
             if k > 0 {
                 return Ok(1.0);

@@ -328,6 +328,30 @@ pub fn with_port(host: &str, port: u16) -> String {
     format!("{host}:{port}")
 }
 
+/// [`with_port`], refusing a port that is not one (`host:99999`,
+/// `host:abc`, `[::1]:x`, port 0).
+///
+/// # Errors
+///
+/// A message naming the bad port.
+pub fn checked_port(host: &str, port: u16) -> Result<String, String> {
+    let given = if let Some(rest) = host.strip_prefix('[') {
+        rest.split_once("]:").map(|(_, p)| p)
+    } else {
+        host.rsplit_once(':')
+            .filter(|(h, _)| !h.contains(':'))
+            .map(|(_, p)| p)
+    };
+    if let Some(p) = given
+        && !p.parse::<u16>().is_ok_and(|p| p > 0)
+    {
+        return Err(format!(
+            "invalid port '{p}' in '{host}' (a number from 1 to 65535)"
+        ));
+    }
+    Ok(with_port(host, port))
+}
+
 fn mpa_config(p: &Params, rd: u16) -> MpaConfig {
     MpaConfig {
         ird: rd,
@@ -389,7 +413,7 @@ pub fn run_client(
         )));
     }
     let p0 = &o.params;
-    let target = with_port(server, port);
+    let target = checked_port(server, port).map_err(PerfError::Usage)?;
     let dev = device(p0)?;
     let mut ctl = Ctl::new(&dev, p0.timeout, "server")?;
     let hello = Hello {
@@ -414,8 +438,12 @@ pub fn run_client(
         },
     )
     .map_err(|e| connect_error(&target, e))?;
-    let welcome = Welcome::decode(&conn.peer_private_data().unwrap_or_default())
-        .map_err(|e| PerfError::Peer(e.to_string()))?;
+    let welcome = Welcome::decode(&conn.peer_private_data().unwrap_or_default()).map_err(|e| {
+        PerfError::Peer(format!(
+            "the peer at {target} is not a softrdma perf server (a perftest server? \
+                 its answer to the connection request: {e})"
+        ))
+    })?;
     let addr = conn
         .peer_addr()
         .ok_or_else(|| PerfError::Peer("the server's address is unknown".into()))?;
@@ -964,6 +992,23 @@ fn serve_round(
 mod tests {
     use super::super::Test;
     use super::*;
+
+    #[test]
+    fn connect_reported_cannot_resolve_for_an_invalid_port() {
+        for bad in [
+            "127.0.0.1:99999",
+            "127.0.0.1:abc",
+            "host:0",
+            "[::1]:x",
+            "h:",
+        ] {
+            let e = checked_port(bad, 7).unwrap_err();
+            assert!(e.contains("invalid port"), "{bad}: {e}");
+        }
+        assert_eq!(checked_port("h:80", 7).unwrap(), "h:80");
+        assert_eq!(checked_port("::1", 7).unwrap(), "[::1]:7");
+        assert_eq!(checked_port("[::1]:9", 7).unwrap(), "[::1]:9");
+    }
 
     #[test]
     fn ports() {
