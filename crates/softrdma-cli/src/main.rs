@@ -220,6 +220,10 @@ struct PerfArgs {
     /// [default: 30 in two-process mode, 10 in loopback].
     #[arg(long, value_name = "SECS")]
     timeout: Option<f64>,
+    /// Log the steps on stderr: connections, negotiated parameters, each
+    /// test's start and end (-vv: more; RUST_LOG overrides).
+    #[arg(short = 'v', long, action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 /// Exit status of usage errors (as clap's).
@@ -262,6 +266,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
     use softrdma_cli::perf::{
         self, Constraints, Format, Mode, Params, PerfError, PerfOptions, Role, ServerOptions, Test,
     };
+    init_tracing(a.verbose);
     let usage = |m: &str| {
         eprintln!("softrdma perf: error: {m}");
         ExitCode::from(USAGE)

@@ -127,11 +127,12 @@ fn persist_server_froze_forever_when_a_client_went_silent_mid_run() {
         "60",
         "--timeout",
         "60",
+        "-v",
         "--connect",
         &addr,
     ]);
-    server.wait_for("server, client", 30);
-    std::thread::sleep(Duration::from_millis(500));
+    silent.wait_for("measuring", 30);
+    std::thread::sleep(Duration::from_millis(300));
     let st = Command::new("kill")
         .args(["-STOP", &silent.pid()])
         .status()
@@ -449,11 +450,12 @@ fn a_peer_leaving_mid_run_showed_wr_flush_err() {
         "60",
         "--timeout",
         "10",
+        "-v",
         "--connect",
         &addr,
     ]);
-    server.wait_for("server, client", 30);
-    std::thread::sleep(Duration::from_millis(300));
+    client.wait_for("measuring", 30);
+    std::thread::sleep(Duration::from_millis(200));
     let _ = server.child.kill();
     let (status, text) = finish_taken(&mut client);
     assert!(!status.success(), "{text}");

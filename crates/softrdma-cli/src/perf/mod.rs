@@ -662,7 +662,9 @@ fn run_loopback(o: &PerfOptions, out: &mut dyn Write) -> Result<Vec<Row>, PerfEr
             ..o.params.clone()
         };
         progress.set(label(&p));
+        tracing::info!(test = p.test.name(), size, "loopback measurement");
         let m = measure_rdma(&p)?;
+        tracing::info!(size, iters = m.iters, secs = m.secs, "measured");
         let tcp = if o.baseline_tcp {
             progress.set(format!("tcp baseline {}", human_size(size)));
             // Same number of messages as the softrdma run did.

@@ -447,6 +447,13 @@ pub fn run_client(
     let addr = conn
         .peer_addr()
         .ok_or_else(|| PerfError::Peer("the server's address is unknown".into()))?;
+    tracing::info!(
+        server = %addr,
+        session = welcome.session,
+        tcp_baseline_port = welcome.tcp_port,
+        "connected: the server accepted the test"
+    );
+    tracing::debug!(negotiated = ?conn.negotiated(), "control connection");
     drop(conn);
     if o.baseline_tcp && welcome.tcp_port == 0 {
         return Err(PerfError::Peer(
@@ -539,7 +546,14 @@ fn client_round(
         ));
     }
     a.remote = bufs;
+    tracing::info!(
+        round,
+        size = p.size,
+        qps = a.qps.len(),
+        "data connections up; measuring"
+    );
     let m = run_active(p, &a, &mut RemotePeer { ctl })?;
+    tracing::info!(round, iters = m.iters, secs = m.secs, "measured");
     drop(a);
     let tcp = if o.baseline_tcp {
         let to = SocketAddr::new(addr.ip(), welcome.tcp_port);
@@ -781,6 +795,20 @@ fn serve_client(
     };
     req.accept(&ctl.qp, &welcome.encode(), 16, 16)
         .map_err(|e| PerfError::Peer(format!("accepting the client at {peer}: {e}")))?;
+    tracing::info!(
+        client = %peer,
+        test = hello.test.name(),
+        mode = ?hello.mode,
+        sizes = ?hello.sizes,
+        iters = hello.iters,
+        duration = ?hello.duration,
+        depth = hello.depth,
+        qps = hello.qps,
+        inline = hello.inline,
+        crc = hello.crc,
+        tcp_baseline = hello.baseline_tcp,
+        "accepted a client's test"
+    );
     header(
         out,
         o.format,
@@ -924,6 +952,7 @@ fn serve_round(
     accept_data(p, listener, &s.qps, welcome.session, round)?;
     s.prepare(p)?;
     ctl.send(&Control::Ready { bufs: s.targets() })?;
+    tracing::info!(round, size = p.size, "data connections up; serving");
     let cpu0 = cpu_time();
     let data = s.qps.clone();
     let got = {
@@ -970,6 +999,7 @@ fn serve_round(
         serve(p, &s, &mut control)?
     };
     ctl.send(&Control::Done { recvs: got })?;
+    tracing::info!(round, receives = got, "run ended");
     let cpu = cpu_time() - cpu0;
     drop(s);
     if let Some(l) = tcp {
