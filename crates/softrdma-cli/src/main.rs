@@ -136,6 +136,10 @@ struct PerfArgs {
     /// chooses; given there, the client must ask for it).
     #[arg(value_enum, required_unless_present = "server")]
     test: Option<softrdma_cli::perf::Test>,
+    /// The server to measure against, as perftest's `ib_write_bw HOST`
+    /// (same as --connect HOST).
+    #[arg(value_name = "HOST", conflicts_with_all = ["server", "connect"])]
+    host: Option<String>,
     /// Latency mode (one operation at a time) instead of bandwidth.
     #[arg(long)]
     lat: bool,
@@ -153,17 +157,37 @@ struct PerfArgs {
     /// Run each size for this many seconds instead of a message count.
     #[arg(short = 'D', long, value_name = "SECS")]
     duration: Option<f64>,
-    /// Outstanding operations per QP (bandwidth mode) [default: 16].
-    #[arg(long)]
+    /// Outstanding operations per QP (bandwidth mode; perftest's -t)
+    /// [default: 16].
+    #[arg(short = 't', long, visible_alias = "tx-depth")]
     depth: Option<usize>,
     /// Queue pairs (bandwidth mode; in two-process mode one connection
-    /// each) [default: 1].
-    #[arg(long)]
+    /// each; perftest's -q) [default: 1].
+    #[arg(short = 'q', long)]
     qps: Option<usize>,
-    /// Messages up to this many bytes are posted inline (at most 256)
-    /// [default: 64].
-    #[arg(long = "inline", value_name = "N")]
+    /// Messages up to this many bytes are posted inline (at most 256;
+    /// perftest's -I) [default: 64].
+    #[arg(
+        short = 'I',
+        long = "inline",
+        visible_alias = "inline_size",
+        value_name = "N"
+    )]
     inline_size: Option<u32>,
+    /// The device (perftest's -d): softrdma has one, `softrdma0`.
+    #[arg(short = 'd', long = "ib-dev", value_name = "DEVICE")]
+    device: Option<String>,
+    /// Bidirectional test (perftest's -b): not supported; an error.
+    #[arg(short = 'b', long)]
+    bidirectional: bool,
+    /// Connect with the RDMA CM (perftest's -R): accepted, no effect;
+    /// softrdma always sets connections up that way.
+    #[arg(short = 'R', long = "rdma_cm")]
+    rdma_cm: bool,
+    /// Report bandwidth in MiB/s (2^20 bytes per second, what perftest
+    /// calls MB/sec) in the table; JSON and CSV always carry both.
+    #[arg(long, visible_alias = "report_mib")]
+    report_mib: bool,
     /// Ask for the MPA CRC32C on every FPDU (on a server: require it).
     #[arg(long)]
     crc: bool,
@@ -174,10 +198,12 @@ struct PerfArgs {
     #[arg(long)]
     event: bool,
     /// Measure the same pattern over plain TCP sockets too and print the
-    /// ratio softrdma / TCP (bandwidth ratio in bw mode, latency ratio in
-    /// lat mode). In two-process mode over a TCP connection to the same
-    /// server (the client decides; ignored on a server).
-    #[arg(long, value_parser = ["tcp"], value_name = "tcp")]
+    /// ratio softrdma / TCP (bandwidth ratio in bw mode, mean-latency ratio
+    /// in lat mode). `tcp`: blocking sockets; `tcp-spin`: non-blocking
+    /// sockets polled in a loop, as softrdma busy-polls its CQ. In
+    /// two-process mode over a TCP connection to the same server (the
+    /// client decides; ignored on a server).
+    #[arg(long, value_parser = ["tcp", "tcp-spin"], value_name = "tcp|tcp-spin")]
     baseline: Option<String>,
     /// One JSON object per line.
     #[arg(long, conflicts_with = "csv")]
@@ -185,7 +211,8 @@ struct PerfArgs {
     /// Comma-separated values with a header.
     #[arg(long)]
     csv: bool,
-    /// Draw bandwidth and latency against message size into this SVG file.
+    /// Draw bandwidth and latency against message size into this SVG file
+    /// (checked before the run).
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
     /// Two-process mode: wait for a `--connect` client, serve its run, exit.
@@ -281,7 +308,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
         Ok(d) => d,
         Err(m) => return usage(&m),
     };
-    let two_process = a.server || a.connect.is_some();
+    let two_process = a.server || a.connect.is_some() || a.host.is_some();
     let timeout = match positive(a.timeout, "--timeout") {
         Ok(t) => t.unwrap_or(std::time::Duration::from_secs(if two_process {
             30
@@ -290,6 +317,19 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
         })),
         Err(m) => return usage(&m),
     };
+    if a.bidirectional {
+        return usage("bidirectional tests (-b) are not supported");
+    }
+    if let Some(d) = &a.device
+        && d != softrdma_engine::device::DEFAULT_DEVICE_NAME
+    {
+        return usage(&format!(
+            "no device '{d}': softrdma's device is '{}'",
+            softrdma_engine::device::DEFAULT_DEVICE_NAME
+        ));
+    }
+    let _ = a.rdma_cm;
+    let connect = a.connect.clone().or_else(|| a.host.clone());
     let test = a.test.unwrap_or(Test::Write);
     let mode = if a.lat { Mode::Lat } else { Mode::Bw };
     let sizes = if a.all {
@@ -319,7 +359,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
             },
             max_mem: a.max_mem.map_or(perf::DEFAULT_MAX_MEM, |m| m as u64),
         })
-    } else if let Some(server) = &a.connect {
+    } else if let Some(server) = &connect {
         Role::Client {
             server: server.clone(),
             port: a.port,
@@ -341,9 +381,17 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
             force_datamover: a.force_datamover,
             event: a.event,
             timeout,
+            tcp_spin: false,
         },
         sizes,
-        baseline_tcp: a.baseline.is_some(),
+        baseline: a.baseline.as_deref().map(|b| {
+            if b == "tcp-spin" {
+                perf::Baseline::TcpSpin
+            } else {
+                perf::Baseline::Tcp
+            }
+        }),
+        mib: a.report_mib,
         format: if a.json {
             Format::Json
         } else if a.csv {
@@ -354,9 +402,14 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
         plot: a.plot.clone(),
         role,
     };
+    perf::set_interrupt(interrupt_flag());
     let stdout = io::stdout();
     let mut out = stdout.lock();
     match perf::run_perf(&opts, &mut out) {
+        Ok(_) if perf::interrupted() => {
+            eprintln!("softrdma perf: interrupted; the results above are those measured so far");
+            ExitCode::from(INTERRUPTED)
+        }
         Ok(_) => ExitCode::SUCCESS,
         Err(PerfError::Usage(m)) => usage(&m),
         Err(PerfError::Io { source, .. }) if source.kind() == ErrorKind::BrokenPipe => {

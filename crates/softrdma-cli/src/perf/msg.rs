@@ -165,6 +165,8 @@ pub(super) struct Hello {
     pub(super) mode: Mode,
     pub(super) crc: bool,
     pub(super) baseline_tcp: bool,
+    /// The TCP baseline busy-polls.
+    pub(super) tcp_spin: bool,
     pub(super) iters: u64,
     pub(super) duration: Option<Duration>,
     pub(super) depth: usize,
@@ -188,7 +190,9 @@ impl Hello {
             Mode::Bw => 0,
             Mode::Lat => 1,
         });
-        w.u8(u8::from(self.crc) | (u8::from(self.baseline_tcp) << 1));
+        w.u8(u8::from(self.crc)
+            | (u8::from(self.baseline_tcp) << 1)
+            | (u8::from(self.tcp_spin) << 2));
         w.u64(self.iters)
             .u64(self.duration.map_or(0, |d| d.as_micros().max(1) as u64))
             .u32(self.depth as u32)
@@ -217,7 +221,7 @@ impl Hello {
             m => return bad(format!("unknown mode {m}")),
         };
         let flags = r.u8()?;
-        if flags & !3 != 0 {
+        if flags & !7 != 0 {
             return bad("unknown flags");
         }
         let iters = r.u64()?;
@@ -261,6 +265,7 @@ impl Hello {
             mode,
             crc: flags & 1 != 0,
             baseline_tcp: flags & 2 != 0,
+            tcp_spin: flags & 4 != 0,
             iters,
             duration,
             depth,
@@ -401,9 +406,13 @@ fn put_summary(w: &mut W, s: &Summary) {
     w.u64(s.size as u64)
         .u64(s.iters)
         .f64(s.secs)
+        .u64(s.lat_n)
         .f64(s.lat_min_us)
-        .f64(s.lat_median_us)
+        .f64(s.lat_mean_us)
+        .f64(s.lat_stdev_us)
+        .f64(s.lat_p50_us)
         .f64(s.lat_p99_us)
+        .f64(s.lat_p999_us)
         .f64(s.lat_max_us)
         .f64(s.cpu_secs);
 }
@@ -417,9 +426,13 @@ fn get_summary(r: &mut R<'_>) -> Result<Summary, MsgError> {
         size: size as usize,
         iters: r.u64()?,
         secs: r.f64()?,
+        lat_n: r.u64()?,
         lat_min_us: r.f64()?,
-        lat_median_us: r.f64()?,
+        lat_mean_us: r.f64()?,
+        lat_stdev_us: r.f64()?,
+        lat_p50_us: r.f64()?,
         lat_p99_us: r.f64()?,
+        lat_p999_us: r.f64()?,
         lat_max_us: r.f64()?,
         cpu_secs: r.f64()?,
     })
@@ -510,6 +523,7 @@ mod tests {
             mode: Mode::Lat,
             crc: true,
             baseline_tcp: true,
+            tcp_spin: true,
             iters: 1000,
             duration: None,
             depth: 16,
@@ -554,8 +568,12 @@ mod tests {
             size: 65536,
             iters: 10,
             secs: 0.5,
+            lat_n: 10,
             lat_min_us: 1.0,
-            lat_median_us: 2.0,
+            lat_mean_us: 2.5,
+            lat_stdev_us: 0.5,
+            lat_p50_us: 2.0,
+            lat_p999_us: 3.5,
             lat_p99_us: 3.0,
             lat_max_us: 4.0,
             cpu_secs: 0.25,

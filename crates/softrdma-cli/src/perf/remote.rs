@@ -43,11 +43,11 @@ use softrdma_engine::{
 };
 
 use super::msg::{Control, DataConn, Hello, MAX_CONTROL, MAX_SIZES, Welcome, refusal};
-use super::output::{Progress, header, line};
+use super::output::{Progress, Style, header, line};
 use super::rdma::{Active, End, Passive, Peer, passive_bytes, run_active, serve};
 use super::{
-    Constraints, Mode, Params, PerfError, PerfOptions, Row, ServerOptions, Summary, Test, cpu_time,
-    device, eng, io, label, msg, tcp, tcp_params, validate, validate_all,
+    Baseline, Constraints, Mode, Params, PerfError, PerfOptions, Row, ServerOptions, Summary, Test,
+    cpu_time, device, eng, io, label, msg, tcp, tcp_params, validate, validate_all,
 };
 
 /// Receives kept posted on the control QP (the exchange is strictly
@@ -420,7 +420,8 @@ pub fn run_client(
         test: p0.test,
         mode: p0.mode,
         crc: p0.crc,
-        baseline_tcp: o.baseline_tcp,
+        baseline_tcp: o.baseline.is_some(),
+        tcp_spin: o.baseline == Some(Baseline::TcpSpin),
         iters: p0.iters,
         duration: p0.duration,
         depth: p0.depth,
@@ -455,20 +456,13 @@ pub fn run_client(
     );
     tracing::debug!(negotiated = ?conn.negotiated(), "control connection");
     drop(conn);
-    if o.baseline_tcp && welcome.tcp_port == 0 {
+    if o.baseline.is_some() && welcome.tcp_port == 0 {
         return Err(PerfError::Peer(
             "the server offered no port for the TCP baseline".into(),
         ));
     }
     let progress = Progress::start();
-    header(
-        out,
-        o.format,
-        o.baseline_tcp,
-        p0,
-        &format!("client of {addr}"),
-    )
-    .map_err(io("output"))?;
+    header(out, o.style(), p0, &format!("client of {addr}")).map_err(io("output"))?;
     out.flush().map_err(io("output"))?;
     let mut rows = Vec::new();
     for (round, &size) in o.sizes.iter().enumerate() {
@@ -493,7 +487,17 @@ fn round_done(
     r: Result<Row, PerfError>,
 ) -> Result<Row, PerfError> {
     let r = r.inspect_err(|e| ctl.send_error(e))?;
-    line(out, o.format, &r).map_err(io("output"))?;
+    let st = Style {
+        baseline: r.baseline.map(|b| {
+            if b == Baseline::TcpSpin.name() {
+                Baseline::TcpSpin
+            } else {
+                Baseline::Tcp
+            }
+        }),
+        ..o.style()
+    };
+    line(out, st, &r).map_err(io("output"))?;
     out.flush().map_err(io("output"))?;
     Ok(r)
 }
@@ -555,17 +559,17 @@ fn client_round(
     let m = run_active(p, &a, &mut RemotePeer { ctl })?;
     tracing::info!(round, iters = m.iters, secs = m.secs, "measured");
     drop(a);
-    let tcp = if o.baseline_tcp {
+    let tcp = if o.baseline.is_some() {
         let to = SocketAddr::new(addr.ip(), welcome.tcp_port);
         let s = TcpStream::connect_timeout(&to, p.timeout)
             .map_err(io("connecting to the server's TCP baseline port"))?;
-        Some(tcp::active(&tcp_params(p, &m), s)?.summary())
+        Some(tcp::active(&tcp_params(p, &m, o.baseline), s)?.summary())
     } else {
         None
     };
     let rdma = m.summary();
     ctl.send(&Control::Result { rdma, tcp })?;
-    Ok(Row::new(p, &rdma, tcp.as_ref()))
+    Ok(Row::new(p, &rdma, tcp.as_ref(), o.baseline))
 }
 
 /// Why the server refuses `h`, if its own flags `c` ask for something
@@ -690,11 +694,27 @@ pub fn run_server(
         },
         e => PerfError::Peer(format!("cannot listen on {bind}: {e}")),
     })?;
-    writeln!(out, "listening on {}", listener.local_addr()).map_err(io("output"))?;
+    // A JSON stream stays JSON; CSV gets the line on stderr.
+    match o.format {
+        super::Format::Json => writeln!(
+            out,
+            "{}",
+            serde_json::json!({"listening": listener.local_addr().to_string()})
+        ),
+        super::Format::Csv => {
+            eprintln!("listening on {}", listener.local_addr());
+            Ok(())
+        }
+        super::Format::Human => writeln!(out, "listening on {}", listener.local_addr()),
+    }
+    .map_err(io("output"))?;
     out.flush().map_err(io("output"))?;
     let mut rows = Vec::new();
     loop {
         let wait = (!s.persist).then_some(local.timeout);
+        if s.persist && !super::wait_for_request(&listener) {
+            return Ok(rows);
+        }
         match serve_client(o, s, &listener, wait, out) {
             Ok(mut r) => rows.append(&mut r),
             Err(e) if s.persist => {
@@ -754,6 +774,7 @@ fn serve_client(
         qps: hello.qps,
         inline: hello.inline,
         crc: hello.crc,
+        tcp_spin: hello.tcp_spin,
         ..local.clone()
     };
     for &size in &hello.sizes {
@@ -795,6 +816,11 @@ fn serve_client(
     };
     req.accept(&ctl.qp, &welcome.encode(), 16, 16)
         .map_err(|e| PerfError::Peer(format!("accepting the client at {peer}: {e}")))?;
+    let baseline = hello.baseline_tcp.then_some(if hello.tcp_spin {
+        Baseline::TcpSpin
+    } else {
+        Baseline::Tcp
+    });
     tracing::info!(
         client = %peer,
         test = hello.test.name(),
@@ -811,8 +837,10 @@ fn serve_client(
     );
     header(
         out,
-        o.format,
-        hello.baseline_tcp,
+        Style {
+            baseline,
+            ..o.style()
+        },
         &p,
         &format!("server, client {peer}"),
     )
@@ -1012,7 +1040,12 @@ fn serve_round(
                 cpu_secs: cpu,
                 ..rdma
             };
-            Ok(Row::new(p, &mine, tcp.as_ref()))
+            let baseline = if p.tcp_spin {
+                Baseline::TcpSpin
+            } else {
+                Baseline::Tcp
+            };
+            Ok(Row::new(p, &mine, tcp.as_ref(), Some(baseline)))
         }
         m => Err(unexpected("'result'", &m)),
     }
@@ -1058,6 +1091,7 @@ mod tests {
             mode: Mode::Bw,
             crc: false,
             baseline_tcp: false,
+            tcp_spin: false,
             iters: 1000,
             duration: None,
             depth: 16,
