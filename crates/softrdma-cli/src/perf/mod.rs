@@ -919,3 +919,37 @@ pub fn sweep_to(test: Test, max: usize) -> Vec<usize> {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statistics_of_known_samples() {
+        let m = Measurement {
+            size: 8,
+            iters: 1000,
+            secs: 1.0,
+            lat_us: (1..=1000).map(f64::from).collect(),
+            cpu_secs: 0.0,
+        };
+        assert_eq!(m.lat_min(), 1.0);
+        assert_eq!(m.lat_median(), 500.0);
+        assert_eq!(m.lat_p99(), 990.0);
+        assert_eq!(m.lat_p999(), 999.0);
+        assert_eq!(m.lat_max(), 1000.0);
+        assert_eq!(m.lat_mean(), 500.5);
+        // Sample standard deviation of 1..=n: sqrt(n (n + 1) / 12).
+        assert!((m.lat_stdev() - (1000.0f64 * 1001.0 / 12.0).sqrt()).abs() < 1e-9);
+        let one = Measurement {
+            lat_us: vec![3.0],
+            ..m.clone()
+        };
+        assert_eq!((one.lat_p999(), one.lat_stdev()), (3.0, 0.0));
+        let none = Measurement {
+            lat_us: vec![],
+            ..m
+        };
+        assert_eq!(none.summary().lat_n, 0);
+    }
+}

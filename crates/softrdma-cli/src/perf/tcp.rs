@@ -16,7 +16,9 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::{Limit, Measurement, Mode, Params, PerfError, Test, cpu_time, io, validate};
+use std::sync::atomic::Ordering;
+
+use super::{Limit, Measurement, Mode, PROGRESS, Params, PerfError, Test, cpu_time, io, validate};
 
 /// Whether the pattern is request/response (read, atomic).
 fn reqrep(p: &Params) -> bool {
@@ -156,6 +158,7 @@ pub(super) fn active(p: &Params, a: TcpStream) -> Result<Measurement, PerfError>
         while limit.more(i) {
             a.write_all(&data).map_err(io("tcp write"))?;
             i += 1;
+            PROGRESS.fetch_add(1, Ordering::Relaxed);
         }
         a.s.shutdown(Shutdown::Write).map_err(io("tcp shutdown"))?;
         // The peer closes once it has read everything.
@@ -188,6 +191,7 @@ pub(super) fn active(p: &Params, a: TcpStream) -> Result<Measurement, PerfError>
         a.read_exact(&mut r).map_err(io("tcp read"))?;
         lat.push(t.elapsed().as_secs_f64() * 1e6 / div);
         done += 1;
+        PROGRESS.fetch_add(1, Ordering::Relaxed);
     }
     let secs = start.elapsed().as_secs_f64();
     let cpu = cpu_time() - cpu0;
