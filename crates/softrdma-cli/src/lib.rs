@@ -17,6 +17,7 @@ pub mod decode;
 pub mod demo;
 pub mod dissect;
 pub mod info;
+pub mod load;
 pub mod output;
 pub mod perf;
 pub mod ping;

@@ -257,3 +257,13 @@ fn ctrl_c_lost_the_results_so_far() {
         serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().next().unwrap()).unwrap();
     assert!(r["iters"].as_u64().unwrap() > 0, "{r}");
 }
+
+#[test]
+fn demo_compared_a_spinning_softrdma_with_blocking_tcp_only() {
+    let o = run(&["demo"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("TCP, busy-polled sockets"), "{text}");
+    assert!(text.contains("TCP, blocking sockets"), "{text}");
+    assert!(text.contains("below 1: softrdma faster"), "{text}");
+}

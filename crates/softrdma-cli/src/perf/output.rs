@@ -156,11 +156,24 @@ pub(super) fn header(
     p: &Params,
     place: &str,
 ) -> std::io::Result<()> {
+    // Busy-polling threads of this process: both ends in loopback.
+    let spinning = if place == "loopback" { 2 } else { 1 };
+    let warning = crate::load::Load::now().warning(spinning);
     match st.format {
-        Format::Json => Ok(()),
-        Format::Csv => writeln!(out, "{CSV_HEADER}"),
+        Format::Json | Format::Csv => {
+            if let Some(w) = &warning {
+                eprintln!("softrdma perf: warning: {w}");
+            }
+            if st.format == Format::Csv {
+                writeln!(out, "{CSV_HEADER}")?;
+            }
+            Ok(())
+        }
         Format::Human => {
             writeln!(out, "# {}", title(p, place))?;
+            if let Some(w) = &warning {
+                writeln!(out, "# warning: {w}")?;
+            }
             writeln!(
                 out,
                 "# latency columns (µs): {}{}",
