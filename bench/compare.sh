@@ -375,8 +375,12 @@ run_softrdma() {
                 # The latency runs carry a busy-polled TCP ping-pong of the
                 # same size (a spinning TCP beside the spinning softrdma).
                 local base=""; [ "$mode" = lat ] && [ "$test" = send ] && base="--baseline tcp-spin"
+                # Two measurements in one invocation (softrdma and TCP): a
+                # longer limit, which a loaded machine (--load) needs.
+                local tmo_save="$TMO"; [ -n "$base" ] && TMO=$((TMO * 3))
                 # shellcheck disable=SC2086
                 client "$SOFTRDMA" perf "$test" --size "$size" $latflag $base -n "$n" --json >"$WORK/out"; out="$(grep "^{" "$WORK/out")"
+                TMO="$tmo_save"
                 printf '%s\n' "$out" | python3 -c '
 import json, sys
 test, mode, size, run = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]

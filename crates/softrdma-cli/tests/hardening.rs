@@ -324,6 +324,9 @@ fn ping_server_exit_status_depended_on_timing_when_the_client_left() {
                 "-c",
                 "-a",
                 "127.0.0.1",
+                // rping's -I: from a given source address.
+                "-I",
+                "127.0.0.1",
                 "-p",
                 &port,
                 "-C",

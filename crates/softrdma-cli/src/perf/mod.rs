@@ -594,17 +594,19 @@ pub fn interrupted() -> bool {
         .is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed))
 }
 
-/// Persistent server: waits for the next connection request, returns
-/// false when interrupted first.
-fn wait_for_request(l: &softrdma_engine::cm::Listener) -> bool {
+/// Server: waits for the next connection request (at most `limit`);
+/// false only when interrupted first (a timeout is left to the caller's
+/// own wait, which reports it).
+fn wait_for_request(l: &softrdma_engine::cm::Listener, limit: Option<Duration>) -> bool {
+    let start = Instant::now();
     loop {
         if interrupted() {
             return false;
         }
-        if l.pending_requests() > 0 {
+        if l.pending_requests() > 0 || limit.is_some_and(|t| start.elapsed() > t) {
             return true;
         }
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

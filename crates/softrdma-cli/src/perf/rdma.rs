@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use softrdma_engine::loopback::connect_pair;
 use softrdma_engine::{
     Access, CompletionChannel, CompletionQueue, Device, MemoryRegion, ProtectionDomain, QpInitAttr,
-    QueuePair, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    QpState, QueuePair, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 use super::{
@@ -241,6 +241,18 @@ impl End {
     }
 }
 
+/// A refused post: when the QP has left RTS, the peer left (with the
+/// reason the engine reported), else the engine's error.
+fn left(qp: &QueuePair, e: impl std::fmt::Display) -> PerfError {
+    if qp.state() == QpState::Rts {
+        return eng(e);
+    }
+    PerfError::Peer(
+        crate::why::connection_end(qp.device(), qp.qp_num())
+            .unwrap_or_else(|| "the peer closed the connection".into()),
+    )
+}
+
 fn wcs<const N: usize>() -> [WorkCompletion; N] {
     [WorkCompletion::success(0, WcOpcode::Send, 0); N]
 }
@@ -439,23 +451,25 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
             };
             match (p.mode, p.test) {
                 (Mode::Bw, Test::Send) => {
-                    qp.post_recv(&RecvWr::new(i as u64, &[*sge])).map_err(eng)?;
+                    qp.post_recv(&RecvWr::new(i as u64, &[*sge]))
+                        .map_err(|e| left(qp, e))?;
                     counts[i] += 1;
                     if counts[i].is_multiple_of(batch) {
                         let c = counts[i].to_le_bytes();
                         qp.post_send(&SendWr::new(u64::MAX, SendOp::Send).inline(&c).signaled())
-                            .map_err(eng)?;
+                            .map_err(|e| left(qp, e))?;
                     }
                 }
                 (Mode::Lat, Test::Send) => {
-                    qp.post_recv(&RecvWr::new(i as u64, &[*sge])).map_err(eng)?;
+                    qp.post_recv(&RecvWr::new(i as u64, &[*sge]))
+                        .map_err(|e| left(qp, e))?;
                     let wr = SendWr::new(1, SendOp::Send).signaled();
                     let wr = if use_inline {
                         wr.inline(&payload)
                     } else {
                         wr.sg_list(&src)
                     };
-                    qp.post_send(&wr).map_err(eng)?;
+                    qp.post_send(&wr).map_err(|e| left(qp, e))?;
                 }
                 _ => {}
             }
@@ -480,7 +494,7 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
                 } else {
                     wr.sg_list(&src)
                 };
-                s.qps[0].post_send(&wr).map_err(eng)?;
+                s.qps[0].post_send(&wr).map_err(|e| left(&s.qps[0], e))?;
                 expect = expect % 255 + 1;
             }
         }
@@ -622,7 +636,7 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
                         wr.sg_list(&sges[i])
                     };
                     post_time[(posted as usize) & (ring - 1)] = Instant::now();
-                    qp.post_send(&wr).map_err(eng)?;
+                    qp.post_send(&wr).map_err(|e| left(qp, e))?;
                     outstanding[i] += 1;
                     sent[i] += 1;
                     posted += 1;
@@ -640,7 +654,9 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
                     let i = wc.wr_id as usize;
                     if let (Some(c), Some(s)) = (credit.get_mut(i), credit_sges.get(i)) {
                         *c += batch;
-                        a.qps[i].post_recv(&RecvWr::new(i as u64, s)).map_err(eng)?;
+                        a.qps[i]
+                            .post_recv(&RecvWr::new(i as u64, s))
+                            .map_err(|e| left(&a.qps[i], e))?;
                     }
                     continue;
                 }
@@ -666,7 +682,7 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
             // Fence: the Writes are placed when the Send behind them arrives.
             for qp in &a.qps {
                 qp.post_send(&SendWr::new(u64::MAX, SendOp::Send).inline(b"end"))
-                    .map_err(eng)?;
+                    .map_err(|e| left(qp, e))?;
             }
             n as u64
         }
@@ -736,7 +752,7 @@ fn send_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement, 
         } else {
             wr.sg_list(&src)
         };
-        qp.post_send(&wr).map_err(eng)?;
+        qp.post_send(&wr).map_err(|e| left(qp, e))?;
         let dog = Watchdog::new("the echo", p.timeout);
         loop {
             let k = a.end.poll(&mut buf)?;
@@ -746,7 +762,8 @@ fn send_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement, 
                 got |= wc.opcode == WcOpcode::Recv;
             }
             if got {
-                qp.post_recv(&RecvWr::new(0, &sink)).map_err(eng)?;
+                qp.post_recv(&RecvWr::new(0, &sink))
+                    .map_err(|e| left(qp, e))?;
                 return Ok(2.0);
             }
             dog.check()?;
@@ -783,7 +800,7 @@ fn write_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
             local.write(last, &[mark]).map_err(eng)?;
             wr.sg_list(&src)
         };
-        qp.post_send(&wr).map_err(eng)?;
+        qp.post_send(&wr).map_err(|e| left(qp, e))?;
         let dog = Watchdog::new("the peer's Write", p.timeout);
         let mut b1 = [0u8; 1];
         loop {
@@ -808,7 +825,7 @@ fn rtt_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement, P
     let mut buf = wcs::<16>();
     ping_pong(p, peer, |_, alive| {
         qp.post_send(&SendWr::new(1, op(p, &a.remote[0])).sg_list(&src).signaled())
-            .map_err(eng)?;
+            .map_err(|e| left(qp, e))?;
         let dog = Watchdog::new("the response", p.timeout);
         loop {
             let k = a.end.poll(&mut buf)?;

@@ -712,7 +712,7 @@ pub fn run_server(
     let mut rows = Vec::new();
     loop {
         let wait = (!s.persist).then_some(local.timeout);
-        if s.persist && !super::wait_for_request(&listener) {
+        if !super::wait_for_request(&listener, wait) {
             return Ok(rows);
         }
         match serve_client(o, s, &listener, wait, out) {
