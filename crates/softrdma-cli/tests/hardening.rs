@@ -255,6 +255,51 @@ fn one_request_made_the_server_allocate_8_gib() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// Resident memory of process `pid`, KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn server_zero_filled_buffers_it_only_serves_reads_from() {
+    // A 64 MiB Read test: the server's buffer is only read, never written,
+    // so the kernel need not back it.
+    let (server, addr) = perf_server(&["--timeout", "20"]);
+    let mut client = Proc::start(&[
+        "perf",
+        "read",
+        "-s",
+        "64M",
+        "-D",
+        "2",
+        "-t",
+        "1",
+        "--json",
+        "-v",
+        "--connect",
+        &addr,
+    ]);
+    client.wait_for("measuring", 30);
+    std::thread::sleep(Duration::from_millis(300));
+    // During the run, while the server holds the buffer.
+    let rss = rss_kib(server.child.id());
+    let (status, text) = finish_taken(&mut client);
+    assert!(status.success(), "{text}");
+    // The old server held 128 MiB of zeroed buffers here (a target and a
+    // receive buffer, both filled); now the target is untouched and there
+    // is no receive buffer. What remains is the process itself and the
+    // engine's transmit path, which copies a Read Response's data (one
+    // 64 MiB Read in flight with -t 1).
+    assert!(
+        rss < 112 * 1024,
+        "server resident memory {rss} KiB during a 64 MiB read test"
+    );
+}
+
 fn free_port() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().port().to_string()

@@ -186,11 +186,15 @@ impl End {
         QueuePair::new(&self.pd, &attr).map_err(eng)
     }
 
-    /// Registers `len` bytes (at least 8) with `access`. The engine hands
-    /// out zeroed pages that the kernel backs only once touched, so a large
-    /// buffer costs memory only as far as the test uses it.
+    /// Registers `len` bytes (at least 8) with `access`, in memory that
+    /// the kernel backs only once touched (`vec![0; n]` is a `calloc`: fresh
+    /// zero pages), so a large buffer costs memory only as far as the test
+    /// uses it. (`ProtectionDomain::register` page-aligns its allocation,
+    /// and the allocator zero-fills aligned allocations by writing them.)
     pub(super) fn mr(&self, len: usize, access: Access) -> Result<MemoryRegion, PerfError> {
-        self.pd.register(len.max(8), access).map_err(eng)
+        self.pd
+            .register_vec(vec![0u8; len.max(8)], access)
+            .map_err(eng)
     }
 
     fn need(&self, n: Need) -> Result<MemoryRegion, PerfError> {

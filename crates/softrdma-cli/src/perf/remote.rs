@@ -468,7 +468,16 @@ pub fn run_client(
     for (round, &size) in o.sizes.iter().enumerate() {
         let p = Params { size, ..p0.clone() };
         progress.set(label(&p));
-        let r = client_round(o, &p, round as u32, &dev, &mut ctl, addr, welcome);
+        let r = client_round(
+            o,
+            &p,
+            round as u32,
+            &dev,
+            &mut ctl,
+            addr,
+            welcome,
+            &progress,
+        );
         rows.push(round_done(&mut ctl, out, o, r)?);
     }
     // The server exits when the Bye arrives: its close may overtake the
@@ -502,6 +511,7 @@ fn round_done(
     Ok(r)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn client_round(
     o: &PerfOptions,
     p: &Params,
@@ -510,6 +520,7 @@ fn client_round(
     ctl: &mut Ctl,
     addr: SocketAddr,
     welcome: Welcome,
+    progress: &Progress,
 ) -> Result<Row, PerfError> {
     let mut a = Active::new(p, dev)?;
     a.prepare(p)?;
@@ -560,6 +571,7 @@ fn client_round(
     tracing::info!(round, iters = m.iters, secs = m.secs, "measured");
     drop(a);
     let tcp = if o.baseline.is_some() {
+        progress.set(format!("tcp baseline {}", super::human_size(p.size)));
         let to = SocketAddr::new(addr.ip(), welcome.tcp_port);
         let s = TcpStream::connect_timeout(&to, p.timeout)
             .map_err(io("connecting to the server's TCP baseline port"))?;
