@@ -267,3 +267,52 @@ fn demo_compared_a_spinning_softrdma_with_blocking_tcp_only() {
     assert!(text.contains("TCP, blocking sockets"), "{text}");
     assert!(text.contains("below 1: softrdma faster"), "{text}");
 }
+
+#[test]
+fn two_process_busy_polled_baseline_on_both_sides() {
+    let s = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args([
+            "perf",
+            "--server",
+            "--bind",
+            "127.0.0.1",
+            "-p",
+            "0",
+            "--json",
+            "--timeout",
+            "20",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut s = scopeguard(s);
+    let mut out = BufReader::new(s.0.stdout.take().unwrap());
+    let mut first = String::new();
+    out.read_line(&mut first).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&first).unwrap();
+    let addr = v["listening"].as_str().unwrap().to_string();
+    let r = &rows(&run(&[
+        "perf",
+        "send",
+        "--lat",
+        "-n",
+        "100",
+        "--baseline",
+        "tcp-spin",
+        "--json",
+        "--connect",
+        &addr,
+    ]))[0];
+    assert_eq!(r["baseline"], "tcp-spin", "{r}");
+    assert!(
+        r["tcp_lat_p999_us"].as_f64().is_some_and(|v| v > 0.0),
+        "{r}"
+    );
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let srow: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(srow["baseline"], "tcp-spin", "{srow}");
+    assert_eq!(srow["tcp_lat_mean_us"], r["tcp_lat_mean_us"]);
+    let _ = s.0.wait();
+}
