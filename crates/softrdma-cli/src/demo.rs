@@ -371,7 +371,7 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     let r = tryd!("bandwidth", perf::measure_rdma(&bw));
     let t = tryd!("bandwidth", perf::measure_tcp(&bw));
     say(format!(
-        "[8/9] bandwidth   RDMA Write 1 MiB x 200: {:.0} MB/s ({:.1} Gbit/s); plain TCP same data: {:.0} MB/s — ratio {:.2}",
+        "[8/9] bandwidth   RDMA Write 1 MiB x 200: {:.0} MB/s ({:.1} Gbit/s); plain TCP same data: {:.0} MB/s — softrdma/TCP {:.2} (above 1: softrdma faster)",
         r.mb_s(),
         r.gbit_s(),
         t.mb_s(),
@@ -387,13 +387,31 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     };
     let r = tryd!("latency", perf::measure_rdma(&lat));
     let t = tryd!("latency", perf::measure_tcp(&lat));
+    let spin = perf::Params {
+        tcp_spin: true,
+        ..lat
+    };
+    let ts = tryd!("latency", perf::measure_tcp(&spin));
     say(format!(
-        "[9/9] latency     8-byte Send/Recv ping-pong x 2000: median {:.2} µs one way (p99 {:.2}); TCP ping-pong: {:.2} µs — ratio {:.2}",
+        "[9/9] latency     8-byte Send/Recv ping-pong x 2000, one way, mean (p50, p99) in µs:\n\
+         \x20                 softrdma, busy-polled CQ      {:>8.2} ({:.2}, {:.2})\n\
+         \x20                 TCP, busy-polled sockets      {:>8.2} ({:.2}, {:.2})  softrdma/TCP {:.2} (below 1: softrdma faster)\n\
+         \x20                 TCP, blocking sockets         {:>8.2} ({:.2}, {:.2})  softrdma/TCP {:.2}",
+        r.lat_mean(),
         r.lat_median(),
         r.lat_p99(),
+        ts.lat_mean(),
+        ts.lat_median(),
+        ts.lat_p99(),
+        r.lat_mean() / ts.lat_mean().max(1e-9),
+        t.lat_mean(),
         t.lat_median(),
-        r.lat_median() / t.lat_median()
+        t.lat_p99(),
+        r.lat_mean() / t.lat_mean().max(1e-9),
     ));
+    if let Some(w) = crate::load::Load::now().warning(2) {
+        say(format!("warning: {w}"));
+    }
     say(format!(
         "demo complete in {:.1} s: every step succeeded. Next: `softrdma info`, `softrdma perf write -a --baseline tcp`.",
         t0.elapsed().as_secs_f64()

@@ -17,11 +17,13 @@ pub mod decode;
 pub mod demo;
 pub mod dissect;
 pub mod info;
+pub mod load;
 pub mod output;
 pub mod perf;
 pub mod ping;
 pub mod reassembly;
 pub mod run;
+mod why;
 
 use std::io::Write;
 use std::path::Path;

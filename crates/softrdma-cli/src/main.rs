@@ -50,9 +50,11 @@ enum Command {
     },
     /// rping-compatible ping over softrdma: Send, RDMA Read, Send, Send,
     /// RDMA Write, Send per iteration, data verified. Talks to rdma-core's
-    /// `rping` on kernel siw or to another `softrdma ping`.
+    /// `rping` on kernel siw or to another `softrdma ping`. The flags are
+    /// rping's.
     Ping {
-        /// Run the server (waits for one client).
+        /// Run the server (waits for a client; skips connections that fail
+        /// to set up, like a port scan's).
         #[arg(short = 's', long, conflicts_with = "client")]
         server: bool,
         /// Run the client (the default).
@@ -61,23 +63,44 @@ enum Command {
         /// Address to connect to (client) or to bind (server; default all).
         #[arg(short = 'a', long = "addr", value_name = "ADDRESS")]
         addr: Option<String>,
+        /// Client: the source address to bind to (rping's -I).
+        #[arg(
+            short = 'I',
+            long = "source",
+            value_name = "ADDRESS",
+            conflicts_with = "server"
+        )]
+        source: Option<String>,
         /// TCP port.
         #[arg(short = 'p', long, default_value_t = softrdma_cli::ping::DEFAULT_PORT)]
         port: u16,
-        /// Iterations (0: client runs forever, server until the client leaves).
+        /// Iterations (0: client runs until interrupted, server until the
+        /// client leaves).
         #[arg(short = 'C', long, default_value_t = 0)]
         count: u64,
-        /// Buffer size in bytes.
-        #[arg(short = 'S', long, default_value_t = softrdma_cli::ping::DEFAULT_SIZE)]
+        /// Buffer size in bytes (suffixes K, M as for perf; 24 .. 64K).
+        #[arg(short = 'S', long, default_value = "100", value_parser = softrdma_cli::perf::parse_size)]
         size: usize,
+        /// Server: serve clients one after another until interrupted
+        /// (rping's persistent server mode).
+        #[arg(short = 'P', long, requires = "server")]
+        persistent: bool,
         /// Print each iteration's data.
         #[arg(short = 'v', long)]
         verbose: bool,
         /// Verify the data (always done; accepted for rping compatibility).
         #[arg(short = 'V', long)]
         validate: bool,
-        /// Quiet: print nothing on success (rping's -q).
-        #[arg(short = 'q', long)]
+        /// Debug output on stderr: the connection steps (rping's -d; more
+        /// with RUST_LOG).
+        #[arg(short = 'd', long, action = clap::ArgAction::Count)]
+        debug: u8,
+        /// rping's "use a self-created, non-CM QP": accepted, no effect
+        /// (softrdma sets the QP up the same way either way).
+        #[arg(short = 'q')]
+        self_created_qp: bool,
+        /// Print nothing on success.
+        #[arg(long)]
         quiet: bool,
         /// MPA revision to request: 2 (enhanced, IRD/ORD) or 1.
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
@@ -221,6 +244,10 @@ struct PerfArgs {
     /// chooses; given there, the client must ask for it).
     #[arg(value_enum, required_unless_present = "server")]
     test: Option<softrdma_cli::perf::Test>,
+    /// The server to measure against, as perftest's `ib_write_bw HOST`
+    /// (same as --connect HOST).
+    #[arg(value_name = "HOST", conflicts_with_all = ["server", "connect"])]
+    host: Option<String>,
     /// Latency mode (one operation at a time) instead of bandwidth.
     #[arg(long)]
     lat: bool,
@@ -238,17 +265,37 @@ struct PerfArgs {
     /// Run each size for this many seconds instead of a message count.
     #[arg(short = 'D', long, value_name = "SECS")]
     duration: Option<f64>,
-    /// Outstanding operations per QP (bandwidth mode) [default: 16].
-    #[arg(long)]
+    /// Outstanding operations per QP (bandwidth mode; perftest's -t)
+    /// [default: 16].
+    #[arg(short = 't', long, visible_alias = "tx-depth")]
     depth: Option<usize>,
     /// Queue pairs (bandwidth mode; in two-process mode one connection
-    /// each) [default: 1].
-    #[arg(long)]
+    /// each; perftest's -q) [default: 1].
+    #[arg(short = 'q', long)]
     qps: Option<usize>,
-    /// Messages up to this many bytes are posted inline (at most 256)
-    /// [default: 64].
-    #[arg(long = "inline", value_name = "N")]
+    /// Messages up to this many bytes are posted inline (at most 256;
+    /// perftest's -I) [default: 64].
+    #[arg(
+        short = 'I',
+        long = "inline",
+        visible_alias = "inline_size",
+        value_name = "N"
+    )]
     inline_size: Option<u32>,
+    /// The device (perftest's -d): softrdma has one, `softrdma0`.
+    #[arg(short = 'd', long = "ib-dev", value_name = "DEVICE")]
+    device: Option<String>,
+    /// Bidirectional test (perftest's -b): not supported; an error.
+    #[arg(short = 'b', long)]
+    bidirectional: bool,
+    /// Connect with the RDMA CM (perftest's -R): accepted, no effect;
+    /// softrdma always sets connections up that way.
+    #[arg(short = 'R', long = "rdma_cm")]
+    rdma_cm: bool,
+    /// Report bandwidth in MiB/s (2^20 bytes per second, what perftest
+    /// calls MB/sec) in the table; JSON and CSV always carry both.
+    #[arg(long, visible_alias = "report_mib")]
+    report_mib: bool,
     /// Ask for the MPA CRC32C on every FPDU (on a server: require it).
     #[arg(long)]
     crc: bool,
@@ -259,10 +306,12 @@ struct PerfArgs {
     #[arg(long)]
     event: bool,
     /// Measure the same pattern over plain TCP sockets too and print the
-    /// ratio softrdma / TCP (bandwidth ratio in bw mode, latency ratio in
-    /// lat mode). In two-process mode over a TCP connection to the same
-    /// server (the client decides; ignored on a server).
-    #[arg(long, value_parser = ["tcp"], value_name = "tcp")]
+    /// ratio softrdma / TCP (bandwidth ratio in bw mode, mean-latency ratio
+    /// in lat mode). `tcp`: blocking sockets; `tcp-spin`: non-blocking
+    /// sockets polled in a loop, as softrdma busy-polls its CQ. In
+    /// two-process mode over a TCP connection to the same server (the
+    /// client decides; ignored on a server).
+    #[arg(long, value_parser = ["tcp", "tcp-spin"], value_name = "tcp|tcp-spin")]
     baseline: Option<String>,
     /// One JSON object per line.
     #[arg(long, conflicts_with = "csv")]
@@ -270,7 +319,8 @@ struct PerfArgs {
     /// Comma-separated values with a header.
     #[arg(long)]
     csv: bool,
-    /// Draw bandwidth and latency against message size into this SVG file.
+    /// Draw bandwidth and latency against message size into this SVG file
+    /// (checked before the run).
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
     /// Two-process mode: wait for a `--connect` client, serve its run, exit.
@@ -295,20 +345,63 @@ struct PerfArgs {
     /// Server: serve clients one after another until interrupted.
     #[arg(long, requires = "server")]
     persist: bool,
+    /// Server: most memory one client's run may make it allocate (buffers
+    /// of all QPs, the TCP baseline); larger requests are refused
+    /// (suffixes K, M, G) [default: 1G].
+    #[arg(long, value_name = "BYTES", requires = "server", value_parser = softrdma_cli::perf::parse_size)]
+    max_mem: Option<usize>,
     /// Seconds to wait for any step: a client to connect (server), the
     /// connections, control messages, and any progress during a run
     /// [default: 30 in two-process mode, 10 in loopback].
     #[arg(long, value_name = "SECS")]
     timeout: Option<f64>,
+    /// Log the steps on stderr: connections, negotiated parameters, each
+    /// test's start and end (-vv: more; RUST_LOG overrides).
+    #[arg(short = 'v', long, action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 /// Exit status of usage errors (as clap's).
 const USAGE: u8 = 2;
 
+/// Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
+const INTERRUPTED: u8 = 130;
+
+/// A flag that Ctrl-C (SIGINT) sets instead of ending the process, so a
+/// run can print what it has before it exits.
+fn interrupt_flag() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Err(e) = signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone()) {
+        eprintln!("softrdma: cannot handle Ctrl-C: {e}");
+    }
+    flag
+}
+
+/// Diagnostics on stderr: `RUST_LOG` when set (e.g.
+/// `RUST_LOG=softrdma_engine=debug`), else by `-v`/`-d` count: warnings,
+/// then info (1), debug (2), trace (3 and more).
+fn init_tracing(verbosity: u8) {
+    use tracing_subscriber::EnvFilter;
+    let level = match verbosity {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(io::stderr)
+        .with_ansi(io::IsTerminal::is_terminal(&io::stderr()))
+        .with_target(true)
+        .try_init();
+}
+
 fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
     use softrdma_cli::perf::{
         self, Constraints, Format, Mode, Params, PerfError, PerfOptions, Role, ServerOptions, Test,
     };
+    init_tracing(a.verbose);
     let usage = |m: &str| {
         eprintln!("softrdma perf: error: {m}");
         ExitCode::from(USAGE)
@@ -323,7 +416,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
         Ok(d) => d,
         Err(m) => return usage(&m),
     };
-    let two_process = a.server || a.connect.is_some();
+    let two_process = a.server || a.connect.is_some() || a.host.is_some();
     let timeout = match positive(a.timeout, "--timeout") {
         Ok(t) => t.unwrap_or(std::time::Duration::from_secs(if two_process {
             30
@@ -332,6 +425,19 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
         })),
         Err(m) => return usage(&m),
     };
+    if a.bidirectional {
+        return usage("bidirectional tests (-b) are not supported");
+    }
+    if let Some(d) = &a.device
+        && d != softrdma_engine::device::DEFAULT_DEVICE_NAME
+    {
+        return usage(&format!(
+            "no device '{d}': softrdma's device is '{}'",
+            softrdma_engine::device::DEFAULT_DEVICE_NAME
+        ));
+    }
+    let _ = a.rdma_cm;
+    let connect = a.connect.clone().or_else(|| a.host.clone());
     let test = a.test.unwrap_or(Test::Write);
     let mode = if a.lat { Mode::Lat } else { Mode::Bw };
     let sizes = if a.all {
@@ -359,8 +465,9 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
                 inline: a.inline_size,
                 crc: a.crc,
             },
+            max_mem: a.max_mem.map_or(perf::DEFAULT_MAX_MEM, |m| m as u64),
         })
-    } else if let Some(server) = &a.connect {
+    } else if let Some(server) = &connect {
         Role::Client {
             server: server.clone(),
             port: a.port,
@@ -382,9 +489,17 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
             force_datamover: a.force_datamover,
             event: a.event,
             timeout,
+            tcp_spin: false,
         },
         sizes,
-        baseline_tcp: a.baseline.is_some(),
+        baseline: a.baseline.as_deref().map(|b| {
+            if b == "tcp-spin" {
+                perf::Baseline::TcpSpin
+            } else {
+                perf::Baseline::Tcp
+            }
+        }),
+        mib: a.report_mib,
         format: if a.json {
             Format::Json
         } else if a.csv {
@@ -395,9 +510,14 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
         plot: a.plot.clone(),
         role,
     };
+    perf::set_interrupt(interrupt_flag());
     let stdout = io::stdout();
     let mut out = stdout.lock();
     match perf::run_perf(&opts, &mut out) {
+        Ok(_) if perf::interrupted() => {
+            eprintln!("softrdma perf: interrupted; the results above are those measured so far");
+            ExitCode::from(INTERRUPTED)
+        }
         Ok(_) => ExitCode::SUCCESS,
         Err(PerfError::Usage(m)) => usage(&m),
         Err(PerfError::Io { source, .. }) if source.kind() == ErrorKind::BrokenPipe => {
@@ -441,11 +561,15 @@ fn main() -> ExitCode {
             server,
             client: _,
             addr,
+            source,
             port,
             count,
             size,
+            persistent,
             verbose,
             validate: _,
+            debug,
+            self_created_qp: _,
             quiet,
             mpa_rev,
             crc,
@@ -453,8 +577,10 @@ fn main() -> ExitCode {
             timeout,
             start_delay_ms,
         } => {
-            use softrdma_cli::ping::{PingOptions, run_ping};
+            use softrdma_cli::ping::{PingError, PingOptions, run_ping};
             use softrdma_engine::proto::mpa::CrcPolicy;
+            // rping's -d: the debug messages.
+            init_tracing(if debug > 0 { debug + 1 } else { 0 });
             let opts = PingOptions {
                 server,
                 addr,
@@ -471,6 +597,9 @@ fn main() -> ExitCode {
                 p2p,
                 timeout: std::time::Duration::from_secs(timeout),
                 start_delay: std::time::Duration::from_millis(start_delay_ms),
+                persistent,
+                source,
+                stop: Some(interrupt_flag()),
             };
             let stdout = io::stdout();
             let mut out = stdout.lock();
@@ -486,6 +615,14 @@ fn main() -> ExitCode {
                         );
                     }
                     ExitCode::SUCCESS
+                }
+                Err(PingError::Interrupted { iterations }) => {
+                    println!("softrdma ping: interrupted; {iterations} iterations verified");
+                    ExitCode::from(INTERRUPTED)
+                }
+                Err(e @ PingError::Usage(_)) => {
+                    eprintln!("softrdma ping: error: {e}");
+                    ExitCode::from(USAGE)
                 }
                 Err(e) => {
                     eprintln!("softrdma ping: error: {e}");

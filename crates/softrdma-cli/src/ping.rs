@@ -22,7 +22,11 @@
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
+
+use crate::why;
 
 use softrdma_engine::connect::{ConnectError, mpa_accept, mpa_connect};
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig, RtrOffer};
@@ -35,9 +39,12 @@ use softrdma_engine::{
 /// rping's default port.
 pub const DEFAULT_PORT: u16 = 7174;
 /// rping's default buffer size.
-pub const DEFAULT_SIZE: usize = 64;
-/// Smallest buffer rping accepts: room for `rdma-ping-%d: ` with any count.
+pub const DEFAULT_SIZE: usize = 100;
+/// Smallest buffer accepted: room for `rdma-ping-%d: ` and a few letters
+/// (rping's own minimum, 26 bytes, is above it).
 pub const MIN_SIZE: usize = 24;
+/// Largest buffer (rping's `RPING_BUFSIZE`, 64 KiB).
+pub const MAX_SIZE: usize = 64 * 1024;
 /// Size of an advertisement.
 const INFO_LEN: usize = 16;
 
@@ -64,6 +71,13 @@ pub struct PingOptions {
     pub p2p: bool,
     /// How long to wait for any one step.
     pub timeout: Duration,
+    /// Server: serve clients one after another (rping's `-P`).
+    pub persistent: bool,
+    /// Client: the source address to bind to (rping's `-I`).
+    pub source: Option<String>,
+    /// Set (by a Ctrl-C handler) to stop: the run ends with
+    /// [`PingError::Interrupted`] and the verified iterations.
+    pub stop: Option<Arc<AtomicBool>>,
     /// Client: pause between connecting and the first Send. rping's server
     /// can miss a message that arrives before it has handled its own
     /// "established" event (a race in rping.c that shows on slow hosts);
@@ -85,6 +99,9 @@ impl Default for PingOptions {
             p2p: false,
             timeout: Duration::from_secs(30),
             start_delay: Duration::from_millis(200),
+            persistent: false,
+            source: None,
+            stop: None,
         }
     }
 }
@@ -146,6 +163,15 @@ pub enum PingError {
         /// What came back (text).
         got: String,
     },
+    /// The peer left or ended the connection (with the reason).
+    #[error("{0}")]
+    Peer(String),
+    /// Interrupted (Ctrl-C) after this many verified iterations.
+    #[error("interrupted after {iterations} verified iterations")]
+    Interrupted {
+        /// Iterations completed with verified data.
+        iterations: u64,
+    },
     /// The peer's advertisement is unusable.
     #[error("peer advertised {len} bytes, more than the local {size}-byte buffer")]
     TooLong {
@@ -182,6 +208,7 @@ struct Side {
     rdma_buf: MemoryRegion,
     size: usize,
     timeout: Duration,
+    stop: Option<Arc<AtomicBool>>,
 }
 
 impl Side {
@@ -207,8 +234,47 @@ impl Side {
             rcq,
             size: opts.size,
             timeout: opts.timeout,
+            stop: opts.stop.clone(),
         };
         Ok((side, pd))
+    }
+
+    /// Whether `e` is the peer having left (a flushed work request, or the
+    /// connection out of RTS) rather than a failure of a step.
+    fn peer_left(&self, e: &PingError) -> bool {
+        match e {
+            PingError::Completion { status, .. } => {
+                *status == WcStatus::WrFlush || self.qp.state() != QpState::Rts
+            }
+            PingError::Timeout(_) => self.qp.state() != QpState::Rts,
+            _ => false,
+        }
+    }
+
+    /// `e` with the reason the connection ended, when the engine reported
+    /// one (a Terminate received or sent, a close, a reset).
+    fn explain(&self, e: PingError, done: u64) -> PingError {
+        if let PingError::Interrupted { .. } = e {
+            return PingError::Interrupted { iterations: done };
+        }
+        if !self.peer_left(&e) {
+            return e;
+        }
+        match why::connection_end(self.qp.device(), self.qp.qp_num()) {
+            Some(why) => PingError::Peer(format!("{e}: {why} (after {done} iterations)")),
+            None => e,
+        }
+    }
+
+    /// A refused post: the peer left when the QP is no longer in RTS.
+    fn post_err(&self, e: impl std::fmt::Display) -> PingError {
+        if self.qp.state() == QpState::Rts {
+            return engine_err(e);
+        }
+        PingError::Peer(
+            why::connection_end(self.qp.device(), self.qp.qp_num())
+                .unwrap_or_else(|| "the peer closed the connection".into()),
+        )
     }
 
     fn post_recv(&self) -> Result<(), PingError> {
@@ -233,6 +299,14 @@ impl Side {
             }
             if Instant::now() > deadline {
                 return Err(PingError::Timeout(what));
+            }
+            if self
+                .stop
+                .as_ref()
+                .is_some_and(|s| s.load(Ordering::Relaxed))
+            {
+                // The caller knows the count.
+                return Err(PingError::Interrupted { iterations: 0 });
             }
             spins += 1;
             if spins > 1000 {
@@ -263,7 +337,7 @@ impl Side {
         let sge = [self.send_buf.sge(0, INFO_LEN as u32).map_err(engine_err)?];
         self.qp
             .post_send(&SendWr::new(1, SendOp::Send).sg_list(&sge).signaled())
-            .map_err(engine_err)?;
+            .map_err(|e| self.post_err(e))?;
         self.wait(&self.scq, what).map(|_| ())
     }
 
@@ -271,7 +345,7 @@ impl Side {
         let sge = [self.rdma_buf.sge(0, len).map_err(engine_err)?];
         self.qp
             .post_send(&SendWr::new(2, op).sg_list(&sge).signaled())
-            .map_err(engine_err)?;
+            .map_err(|e| self.post_err(e))?;
         self.wait(&self.scq, what).map(|_| ())
     }
 }
@@ -361,10 +435,23 @@ fn resolve(addr: &str, port: u16) -> Result<SocketAddr, PingError> {
 }
 
 /// Runs `softrdma ping` with `opts`, reporting progress to `out`.
+///
+/// # Errors
+///
+/// [`PingError`]: bad options, a connection that cannot be set up (the
+/// client; the server skips bad connections and waits for the next), a
+/// failed step, data that does not match, or an interruption
+/// ([`PingError::Interrupted`], with the verified iterations).
 pub fn run_ping(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, PingError> {
     if opts.size < MIN_SIZE {
         return Err(PingError::Usage(format!(
             "size {} is below the minimum of {MIN_SIZE} bytes",
+            opts.size
+        )));
+    }
+    if opts.size > MAX_SIZE {
+        return Err(PingError::Usage(format!(
+            "size {} is above the maximum of {MAX_SIZE} bytes",
             opts.size
         )));
     }
@@ -378,6 +465,36 @@ pub fn run_ping(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, 
     }
 }
 
+fn stopped(opts: &PingOptions) -> bool {
+    opts.stop
+        .as_ref()
+        .is_some_and(|s| s.load(Ordering::Relaxed))
+}
+
+/// Connects to `peer`, from `source` if given (rping's `-I`).
+fn tcp_connect(
+    peer: SocketAddr,
+    source: Option<&str>,
+    timeout: Duration,
+) -> Result<TcpStream, PingError> {
+    let Some(src) = source else {
+        return TcpStream::connect_timeout(&peer, timeout)
+            .map_err(io_err(format!("connecting to {peer}")));
+    };
+    let from = resolve(src, 0)?;
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(peer),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )
+    .map_err(io_err("creating the socket"))?;
+    sock.bind(&from.into())
+        .map_err(io_err(format!("binding to the source address {from}")))?;
+    sock.connect_timeout(&peer.into(), timeout)
+        .map_err(io_err(format!("connecting to {peer} from {from}")))?;
+    Ok(sock.into())
+}
+
 fn run_client(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, PingError> {
     let Some(addr) = opts.addr.as_deref() else {
         return Err(PingError::Usage("the client needs -a ADDRESS".into()));
@@ -385,11 +502,12 @@ fn run_client(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
     let peer = resolve(addr, opts.port)?;
     let (side, _pd) = Side::new(opts)?;
     side.post_recv()?;
-    let mut stream = TcpStream::connect_timeout(&peer, opts.timeout)
-        .map_err(io_err(format!("connecting to {peer}")))?;
+    let mut stream = tcp_connect(peer, opts.source.as_deref(), opts.timeout)?;
+    tracing::debug!(%peer, "TCP connected; MPA negotiation");
     let n = mpa_connect(&mut stream, &mpa_config(opts), &[], opts.timeout)?;
     let (crc, rev) = (n.crc, n.revision);
     side.qp.establish(stream, &LinkParams::from(&n))?;
+    tracing::debug!(?n, "connection established");
     report_connection(out, opts, peer, &n);
     std::thread::sleep(opts.start_delay);
     let count = if opts.count == 0 {
@@ -400,18 +518,25 @@ fn run_client(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
     let mut start = 65u8;
     let mut done = 0;
     for ping in 0..count {
+        if stopped(opts) {
+            let _ = side.qp.disconnect();
+            return Err(PingError::Interrupted { iterations: done });
+        }
         let data = rping_pattern(ping, start, opts.size);
         start += 1;
         if start > 122 {
             start = 65;
         }
-        side.start_buf.write(0, &data).map_err(engine_err)?;
-        side.rdma_buf.fill(0);
-        side.send_info(Some(&side.start_buf), "the start-buffer advertisement")?;
-        side.recv("the server's go-ahead after its RDMA Read")?;
-        side.send_info(Some(&side.rdma_buf), "the sink-buffer advertisement")?;
-        side.recv("the server's go-ahead after its RDMA Write")?;
-        let got = side.rdma_buf.to_vec();
+        let step = || -> Result<Vec<u8>, PingError> {
+            side.start_buf.write(0, &data).map_err(engine_err)?;
+            side.rdma_buf.fill(0);
+            side.send_info(Some(&side.start_buf), "the start-buffer advertisement")?;
+            side.recv("the server's go-ahead after its RDMA Read")?;
+            side.send_info(Some(&side.rdma_buf), "the sink-buffer advertisement")?;
+            side.recv("the server's go-ahead after its RDMA Write")?;
+            Ok(side.rdma_buf.to_vec())
+        };
+        let got = step().map_err(|e| side.explain(e, done))?;
         if got != data {
             return Err(PingError::Mismatch {
                 iteration: ping,
@@ -439,48 +564,180 @@ fn run_client(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
     })
 }
 
+/// A connection whose MPA negotiation finished (or failed).
+type Negotiation = (
+    TcpStream,
+    SocketAddr,
+    Result<softrdma_engine::proto::mpa::Negotiated, ConnectError>,
+);
+
+/// Accepts connections on a thread and negotiates MPA on one thread per
+/// connection, so that a silent or bad connection (a port scan) does not
+/// hold up the real client. Stops when `stop` is set.
+fn acceptor(
+    listener: TcpListener,
+    opts: &PingOptions,
+    stop: Arc<AtomicBool>,
+) -> Result<mpsc::Receiver<Negotiation>, PingError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(io_err("listening socket"))?;
+    let (tx, rx) = mpsc::channel();
+    let (config, timeout) = (mpa_config(opts), opts.timeout);
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((mut stream, peer)) => {
+                    tracing::debug!(%peer, "TCP connection accepted; MPA negotiation");
+                    let tx = tx.clone();
+                    let config = config.clone();
+                    std::thread::spawn(move || {
+                        let r = stream
+                            .set_nonblocking(false)
+                            .map_err(ConnectError::from)
+                            .and_then(|()| mpa_accept(&mut stream, &config, &[], timeout));
+                        let _ = tx.send((stream, peer, r));
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => {
+                    eprintln!("softrdma ping: accepting a connection: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    });
+    Ok(rx)
+}
+
 fn run_server(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, PingError> {
     let bind = match opts.addr.as_deref() {
         Some(a) => resolve(a, opts.port)?,
         None => SocketAddr::from(([0, 0, 0, 0], opts.port)),
     };
     let listener = TcpListener::bind(bind).map_err(io_err(format!("binding {bind}")))?;
-    let (side, _pd) = Side::new(opts)?;
-    side.post_recv()?;
-    let (mut stream, peer) = listener.accept().map_err(io_err("accepting"))?;
-    let n = mpa_accept(&mut stream, &mpa_config(opts), &[], opts.timeout)?;
-    let (crc, rev) = (n.crc, n.revision);
-    side.qp.establish(stream, &LinkParams::from(&n))?;
-    report_connection(out, opts, peer, &n);
-    let mut done = 0u64;
+    tracing::debug!(%bind, "listening");
+    let stop_acceptor = Arc::new(AtomicBool::new(false));
+    let conns = acceptor(listener, opts, stop_acceptor.clone())?;
+    let _stop = StopOnDrop(stop_acceptor);
+    let mut total = 0u64;
+    let mut last = None;
     loop {
-        // The client's start-buffer advertisement; a flush here is the
-        // client disconnecting: the end of the run (like rping's server, the
-        // server leaves the disconnect to the client; -C only says how many
-        // iterations to expect).
+        let (stream, peer, n) = loop {
+            if stopped(opts) {
+                return Err(PingError::Interrupted { iterations: total });
+            }
+            match conns.recv_timeout(Duration::from_millis(100)) {
+                Ok(c) => break c,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(PingError::Engine("the listening thread ended".into()));
+                }
+            }
+        };
+        let n = match n {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!(
+                    "softrdma ping: skipped the connection from {peer}: MPA negotiation failed: {e}"
+                );
+                continue;
+            }
+        };
+        let (side, _pd) = Side::new(opts)?;
+        side.post_recv()?;
+        if let Err(e) = side.qp.establish(stream, &LinkParams::from(&n)) {
+            eprintln!("softrdma ping: skipped the connection from {peer}: {e}");
+            continue;
+        }
+        tracing::debug!(%peer, ?n, "connection established");
+        report_connection(out, opts, peer, &n);
+        let summary = |iterations| PingSummary {
+            iterations,
+            peer,
+            crc: n.crc,
+            mpa_revision: n.revision,
+        };
+        match serve_pings(&side, opts, out) {
+            Ok(done) if opts.persistent => {
+                total += done;
+                let _ = writeln!(out, "client {peer}: {done} iterations verified");
+                last = Some(summary(done));
+            }
+            Ok(done) => return Ok(summary(total + done)),
+            Err((0, e)) => {
+                eprintln!("softrdma ping: skipped the connection from {peer}: {e}");
+            }
+            Err((done, e)) if opts.persistent => {
+                total += done;
+                eprintln!("softrdma ping: client {peer} after {done} iterations: {e}");
+            }
+            Err((_, e)) => return Err(e),
+        }
+        if stopped(opts) {
+            return match last {
+                Some(_) => Err(PingError::Interrupted { iterations: total }),
+                None => Err(PingError::Interrupted { iterations: 0 }),
+            };
+        }
+    }
+}
+
+/// Stops the acceptor thread when the server returns.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Serves one client's iterations until it leaves; returns how many were
+/// verified, or the failure with the count before it.
+fn serve_pings(
+    side: &Side,
+    opts: &PingOptions,
+    out: &mut dyn Write,
+) -> Result<u64, (u64, PingError)> {
+    let mut done = 0u64;
+    let fail = |done: u64, e: PingError| (done, side.explain(e, done));
+    loop {
+        if stopped(opts) {
+            return Err((done, PingError::Interrupted { iterations: done }));
+        }
+        // The client's start-buffer advertisement; its leaving here is the
+        // end of the run (like rping's server, the server leaves the
+        // disconnect to the client; -C only says how many iterations to
+        // expect).
         let info = match side.recv("the client's start-buffer advertisement") {
             Ok(i) => i,
-            Err(PingError::Completion {
-                status: WcStatus::WrFlush,
-                ..
-            }) if done > 0 && done >= opts.count => break,
-            Err(PingError::Completion {
-                status: WcStatus::WrFlush,
-                ..
-            }) => {
-                return Err(PingError::Engine(format!(
-                    "the client disconnected after {done} of {} iterations",
-                    opts.count.max(1)
-                )));
+            Err(e) if side.peer_left(&e) => {
+                if done > 0 && done >= opts.count {
+                    return Ok(done);
+                }
+                let why = why::connection_end(side.qp.device(), side.qp.qp_num())
+                    .unwrap_or_else(|| "the client disconnected".into());
+                return Err((
+                    done,
+                    PingError::Peer(format!(
+                        "{why} after {done} of {} iterations",
+                        opts.count.max(1)
+                    )),
+                ));
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(fail(done, e)),
         };
         let (addr, rkey, len) = parse_info(&info);
         if len as usize > side.size {
-            return Err(PingError::TooLong {
-                len,
-                size: side.size,
-            });
+            return Err((
+                done,
+                PingError::TooLong {
+                    len,
+                    size: side.size,
+                },
+            ));
         }
         side.rdma(
             SendOp::Read {
@@ -489,13 +746,17 @@ fn run_server(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
             },
             len,
             "the RDMA Read of the client's start buffer",
-        )?;
+        )
+        .map_err(|e| fail(done, e))?;
         let got = side.rdma_buf.to_vec();
         if opts.verbose {
             let _ = writeln!(out, "server ping data: {}", text(&got));
         }
-        side.send_info(None, "the go-ahead Send")?;
-        let info = side.recv("the client's sink-buffer advertisement")?;
+        side.send_info(None, "the go-ahead Send")
+            .map_err(|e| fail(done, e))?;
+        let info = side
+            .recv("the client's sink-buffer advertisement")
+            .map_err(|e| fail(done, e))?;
         let (addr, rkey, _len) = parse_info(&info);
         let wlen = got
             .iter()
@@ -508,16 +769,19 @@ fn run_server(opts: &PingOptions, out: &mut dyn Write) -> Result<PingSummary, Pi
             },
             wlen as u32,
             "the RDMA Write to the client's sink buffer",
-        )?;
-        side.send_info(None, "the write-done Send")?;
+        )
+        .map_err(|e| fail(done, e))?;
+        match side.send_info(None, "the write-done Send") {
+            Ok(()) => {}
+            // The client got it and left at once (its close may overtake
+            // this Send's completion): the iteration is complete.
+            Err(e) if side.peer_left(&e) && done + 1 >= opts.count.max(1) => {
+                return Ok(done + 1);
+            }
+            Err(e) => return Err(fail(done, e)),
+        }
         done += 1;
     }
-    Ok(PingSummary {
-        iterations: done,
-        peer,
-        crc,
-        mpa_revision: rev,
-    })
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
-use softrdma_engine::{Access, Device, DeviceConfig};
+use softrdma_engine::{Device, DeviceConfig};
 
 pub use output::svg;
 pub use rdma::measure_rdma;
@@ -112,6 +112,9 @@ pub struct Params {
     /// Fail when nothing progresses for this long (and, in two-process
     /// mode, the limit of each connection step and control message).
     pub timeout: Duration,
+    /// The TCP baseline busy-polls non-blocking sockets instead of
+    /// blocking in `read`.
+    pub tcp_spin: bool,
 }
 
 impl Params {
@@ -141,6 +144,7 @@ impl Default for Params {
             force_datamover: false,
             event: false,
             timeout: Duration::from_secs(10),
+            tcp_spin: false,
         }
     }
 }
@@ -173,12 +177,10 @@ impl Measurement {
     pub fn mmsg_s(&self) -> f64 {
         self.iters as f64 / self.secs.max(1e-9) / 1e6
     }
+    /// Percentile `p` (0..=1) by nearest rank: the smallest sample with
+    /// at least `p` of the samples at or below it (0 without samples).
     fn pct(&self, p: f64) -> f64 {
-        if self.lat_us.is_empty() {
-            return 0.0;
-        }
-        let i = ((self.lat_us.len() - 1) as f64 * p).round() as usize;
-        self.lat_us[i.min(self.lat_us.len() - 1)]
+        percentile(&self.lat_us, p)
     }
     /// Smallest latency, µs.
     pub fn lat_min(&self) -> f64 {
@@ -192,9 +194,30 @@ impl Measurement {
     pub fn lat_p99(&self) -> f64 {
         self.pct(0.99)
     }
+    /// 99.9th percentile latency, µs.
+    pub fn lat_p999(&self) -> f64 {
+        self.pct(0.999)
+    }
     /// Largest latency, µs.
     pub fn lat_max(&self) -> f64 {
         self.pct(1.0)
+    }
+    /// Mean latency, µs (0 without samples).
+    pub fn lat_mean(&self) -> f64 {
+        if self.lat_us.is_empty() {
+            return 0.0;
+        }
+        self.lat_us.iter().sum::<f64>() / self.lat_us.len() as f64
+    }
+    /// Sample standard deviation of the latencies, µs (0 with fewer than
+    /// two samples).
+    pub fn lat_stdev(&self) -> f64 {
+        let n = self.lat_us.len();
+        if n < 2 {
+            return 0.0;
+        }
+        let m = self.lat_mean();
+        (self.lat_us.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1) as f64).sqrt()
     }
     /// CPU µs per message.
     pub fn cpu_us_per_msg(&self) -> f64 {
@@ -207,13 +230,26 @@ impl Measurement {
             size: self.size,
             iters: self.iters,
             secs: self.secs,
+            lat_n: self.lat_us.len() as u64,
             lat_min_us: self.lat_min(),
-            lat_median_us: self.lat_median(),
+            lat_mean_us: self.lat_mean(),
+            lat_stdev_us: self.lat_stdev(),
+            lat_p50_us: self.lat_median(),
             lat_p99_us: self.lat_p99(),
+            lat_p999_us: self.lat_p999(),
             lat_max_us: self.lat_max(),
             cpu_secs: self.cpu_secs,
         }
     }
+}
+
+/// Percentile `p` (0..=1) of sorted `v` by nearest rank (0 if empty).
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let rank = (p * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
 }
 
 /// What a row shows of a [`Measurement`] (what the client of a two-process
@@ -226,12 +262,20 @@ pub struct Summary {
     pub iters: u64,
     /// Wall time, seconds.
     pub secs: f64,
+    /// Latency samples (0: the pattern has none, e.g. a TCP stream).
+    pub lat_n: u64,
     /// Latency minimum, µs.
     pub lat_min_us: f64,
+    /// Latency mean, µs.
+    pub lat_mean_us: f64,
+    /// Latency sample standard deviation, µs.
+    pub lat_stdev_us: f64,
     /// Latency median, µs.
-    pub lat_median_us: f64,
+    pub lat_p50_us: f64,
     /// Latency 99th percentile, µs.
     pub lat_p99_us: f64,
+    /// Latency 99.9th percentile, µs.
+    pub lat_p999_us: f64,
     /// Latency maximum, µs.
     pub lat_max_us: f64,
     /// CPU time (user + system) of this process during the run, seconds.
@@ -289,18 +333,13 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> PerfError + '_ {
 /// Operations completed so far, for the progress indicator.
 static PROGRESS: AtomicU64 = AtomicU64::new(0);
 
-/// Process CPU time (user + system), seconds.
+/// Process CPU time (user + system), seconds (0 if getrusage fails).
 pub fn cpu_time() -> f64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: `ru` is a valid, writable rusage; getrusage only writes it.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
-    if rc != 0 {
-        return 0.0;
-    }
-    // SAFETY: zero-initialised and filled by a successful getrusage.
-    let ru = unsafe { ru.assume_init() };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    use nix::sys::resource::{UsageWho, getrusage};
+    use nix::sys::time::TimeValLike;
+    getrusage(UsageWho::RUSAGE_SELF).map_or(0.0, |u| {
+        (u.user_time().num_microseconds() + u.system_time().num_microseconds()) as f64 / 1e6
+    })
 }
 
 /// Limit of a run: a count or a deadline.
@@ -322,7 +361,7 @@ impl Limit {
         }
     }
     fn more(&self, done: u64) -> bool {
-        done < self.iters && self.deadline.is_none_or(|d| Instant::now() < d)
+        done < self.iters && self.deadline.is_none_or(|d| Instant::now() < d) && !interrupted()
     }
 }
 
@@ -358,10 +397,6 @@ impl Watchdog {
     }
 }
 
-fn access() -> Access {
-    Access::LOCAL_WRITE | Access::REMOTE
-}
-
 fn device(p: &Params) -> Result<Device, PerfError> {
     let mut cfg = DeviceConfig::default();
     cfg.force_datamover = p.force_datamover;
@@ -381,6 +416,9 @@ fn mpa(p: &Params) -> MpaConfig {
 
 /// Largest message size.
 pub const MAX_SIZE: usize = 1 << 30;
+
+/// Largest `--inline` (the engine's inline limit).
+pub const MAX_INLINE: u32 = 256;
 
 /// Largest `--depth`.
 pub const MAX_DEPTH: usize = 4096;
@@ -405,6 +443,12 @@ fn validate(p: &Params) -> Result<(), PerfError> {
     if p.depth == 0 || p.depth > MAX_DEPTH || p.qps == 0 || p.qps > MAX_QPS {
         return Err(PerfError::Usage(format!(
             "--depth must be between 1 and {MAX_DEPTH} and --qps between 1 and {MAX_QPS}"
+        )));
+    }
+    if p.inline > MAX_INLINE {
+        return Err(PerfError::Usage(format!(
+            "--inline {} is above the largest inline size, {MAX_INLINE}",
+            p.inline
         )));
     }
     if p.duration.is_none() && p.iters == 0 {
@@ -443,8 +487,11 @@ pub enum Role {
     Server(ServerOptions),
 }
 
+/// Default of [`ServerOptions::max_mem`]: 1 GiB.
+pub const DEFAULT_MAX_MEM: u64 = 1 << 30;
+
 /// Settings of `softrdma perf --server`.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ServerOptions {
     /// Address to listen on (`0.0.0.0` for all).
     pub bind: String,
@@ -455,6 +502,22 @@ pub struct ServerOptions {
     /// Test settings given to the server: a client asking for something
     /// else is refused.
     pub require: Constraints,
+    /// Most bytes of buffers one client's run may make the server
+    /// allocate (all QPs, the TCP baseline, the control connection); a
+    /// client asking for more is refused.
+    pub max_mem: u64,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            bind: "0.0.0.0".into(),
+            port: DEFAULT_PORT,
+            persist: false,
+            require: Constraints::default(),
+            max_mem: DEFAULT_MAX_MEM,
+        }
+    }
 }
 
 /// Test settings given explicitly to the server; `None`/`false`: anything
@@ -490,14 +553,61 @@ pub struct PerfOptions {
     pub params: Params,
     /// Message sizes to run.
     pub sizes: Vec<usize>,
-    /// Also run the TCP baseline.
-    pub baseline_tcp: bool,
+    /// Also run this TCP baseline.
+    pub baseline: Option<Baseline>,
     /// Output format.
     pub format: Format,
     /// Write an SVG plot here.
     pub plot: Option<PathBuf>,
     /// Loopback, client or server.
     pub role: Role,
+    /// The human table's bandwidth in MiB/s (2^20 bytes/s, perftest's
+    /// "MB/sec") instead of MB/s (10^6).
+    pub mib: bool,
+}
+
+impl PerfOptions {
+    fn style(&self) -> output::Style {
+        output::Style {
+            format: self.format,
+            mib: self.mib,
+            baseline: self.baseline,
+        }
+    }
+}
+
+/// Set by Ctrl-C (see [`set_interrupt`]).
+static INTERRUPT: std::sync::OnceLock<std::sync::Arc<std::sync::atomic::AtomicBool>> =
+    std::sync::OnceLock::new();
+
+/// Makes `flag` (set by a Ctrl-C handler) end the runs early: the current
+/// measurement stops and prints what it measured, no further size runs, a
+/// server stops waiting for clients.
+pub fn set_interrupt(flag: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    let _ = INTERRUPT.set(flag);
+}
+
+/// Whether the run was interrupted.
+pub fn interrupted() -> bool {
+    INTERRUPT
+        .get()
+        .is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Server: waits for the next connection request (at most `limit`);
+/// false only when interrupted first (a timeout is left to the caller's
+/// own wait, which reports it).
+fn wait_for_request(l: &softrdma_engine::cm::Listener, limit: Option<Duration>) -> bool {
+    let start = Instant::now();
+    loop {
+        if interrupted() {
+            return false;
+        }
+        if l.pending_requests() > 0 || limit.is_some_and(|t| start.elapsed() > t) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// One output line.
@@ -513,29 +623,77 @@ pub struct Row {
     pub iters: u64,
     /// MB/s (10^6 bytes).
     pub mb_s: f64,
+    /// MiB/s (2^20 bytes, perftest's "MB").
+    pub mib_s: f64,
     /// Gbit/s.
     pub gbit_s: f64,
     /// Millions of messages per second.
     pub mmsg_s: f64,
+    /// What the latency columns measure: `one-way (RTT/2)`, `round trip`,
+    /// or (bandwidth mode) `post to completion, N outstanding`.
+    pub lat_kind: String,
     /// Latency minimum, µs.
     pub lat_min_us: f64,
+    /// Latency mean, µs.
+    pub lat_mean_us: f64,
+    /// Latency sample standard deviation, µs.
+    pub lat_stdev_us: f64,
     /// Latency median, µs.
-    pub lat_median_us: f64,
+    pub lat_p50_us: f64,
     /// Latency 99th percentile, µs.
     pub lat_p99_us: f64,
+    /// Latency 99.9th percentile, µs.
+    pub lat_p999_us: f64,
     /// Latency maximum, µs.
     pub lat_max_us: f64,
     /// Process CPU µs per message (both ends in loopback mode).
     pub cpu_us_per_msg: f64,
+    /// The baseline: `tcp` (blocking sockets) or `tcp-spin` (busy-polled
+    /// non-blocking sockets).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<&'static str>,
     /// TCP baseline MB/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_mb_s: Option<f64>,
+    /// TCP baseline latency mean, µs (none for a stream: it has no
+    /// per-message latency).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_lat_mean_us: Option<f64>,
+    /// TCP baseline latency standard deviation, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_lat_stdev_us: Option<f64>,
     /// TCP baseline median latency, µs.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub tcp_lat_median_us: Option<f64>,
-    /// softrdma / TCP: bandwidth ratio in bw mode, latency ratio in lat mode.
+    pub tcp_lat_p50_us: Option<f64>,
+    /// TCP baseline latency 99th percentile, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_lat_p99_us: Option<f64>,
+    /// TCP baseline latency 99.9th percentile, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_lat_p999_us: Option<f64>,
+    /// TCP baseline latency maximum, µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_lat_max_us: Option<f64>,
+    /// softrdma / TCP, see `ratio_of`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<f64>,
+    /// What `ratio` compares and which way is better.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_of: Option<&'static str>,
+}
+
+/// `ratio_of` in bandwidth mode.
+pub const RATIO_BW: &str = "bandwidth softrdma/TCP (above 1: softrdma faster)";
+/// `ratio_of` in latency mode.
+pub const RATIO_LAT: &str = "mean latency softrdma/TCP (below 1: softrdma faster)";
+
+/// What the latency columns of `p` measure.
+pub fn lat_kind(p: &Params) -> String {
+    match (p.mode, p.test) {
+        (Mode::Bw, _) => format!("post to completion, {} outstanding", p.depth),
+        (Mode::Lat, Test::Write | Test::Send) => "one-way (RTT/2)".into(),
+        (Mode::Lat, Test::Read | Test::Atomic) => "round trip".into(),
+    }
 }
 
 /// Rounds to 4 significant digits (small rates stay non-zero).
@@ -548,10 +706,12 @@ fn r3(x: f64) -> f64 {
 }
 
 impl Row {
-    fn new(p: &Params, m: &Summary, tcp: Option<&Summary>) -> Row {
-        let ratio = tcp.map(|t| match p.mode {
-            Mode::Bw => m.mb_s() / t.mb_s().max(1e-9),
-            Mode::Lat => m.lat_median_us / t.lat_median_us.max(1e-9),
+    fn new(p: &Params, m: &Summary, tcp: Option<&Summary>, baseline: Option<Baseline>) -> Row {
+        let tl = |f: fn(&Summary) -> f64| tcp.filter(|t| t.lat_n > 0).map(|t| r3(f(t)));
+        let ratio = tcp.and_then(|t| match p.mode {
+            Mode::Bw => Some(m.mb_s() / t.mb_s().max(1e-9)),
+            Mode::Lat if t.lat_n > 0 => Some(m.lat_mean_us / t.lat_mean_us.max(1e-9)),
+            Mode::Lat => None,
         });
         let mb_s = m.mb_s();
         Row {
@@ -560,16 +720,55 @@ impl Row {
             size: m.size,
             iters: m.iters,
             mb_s: r3(mb_s),
+            mib_s: r3(mb_s * 1e6 / f64::from(1u32 << 20)),
             gbit_s: r3(mb_s * 8.0 / 1000.0),
             mmsg_s: r3(m.iters as f64 / m.secs.max(1e-9) / 1e6),
+            lat_kind: lat_kind(p),
             lat_min_us: r3(m.lat_min_us),
-            lat_median_us: r3(m.lat_median_us),
+            lat_mean_us: r3(m.lat_mean_us),
+            lat_stdev_us: r3(m.lat_stdev_us),
+            lat_p50_us: r3(m.lat_p50_us),
             lat_p99_us: r3(m.lat_p99_us),
+            lat_p999_us: r3(m.lat_p999_us),
             lat_max_us: r3(m.lat_max_us),
             cpu_us_per_msg: r3(m.cpu_secs * 1e6 / (m.iters.max(1) as f64)),
+            baseline: tcp.and(baseline).map(Baseline::name),
             tcp_mb_s: tcp.map(|t| r3(t.mb_s())),
-            tcp_lat_median_us: tcp.map(|t| r3(t.lat_median_us)),
+            tcp_lat_mean_us: tl(|t| t.lat_mean_us),
+            tcp_lat_stdev_us: tl(|t| t.lat_stdev_us),
+            tcp_lat_p50_us: tl(|t| t.lat_p50_us),
+            tcp_lat_p99_us: tl(|t| t.lat_p99_us),
+            tcp_lat_p999_us: tl(|t| t.lat_p999_us),
+            tcp_lat_max_us: tl(|t| t.lat_max_us),
             ratio: ratio.map(r3),
+            ratio_of: ratio.map(|_| {
+                if p.mode == Mode::Bw {
+                    RATIO_BW
+                } else {
+                    RATIO_LAT
+                }
+            }),
+        }
+    }
+}
+
+/// The TCP baseline's flavour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Baseline {
+    /// Blocking sockets: the thread sleeps in `read` (`--baseline tcp`).
+    #[default]
+    Tcp,
+    /// Non-blocking sockets polled in a loop, as softrdma polls its CQ
+    /// (`--baseline tcp-spin`).
+    TcpSpin,
+}
+
+impl Baseline {
+    /// `tcp` or `tcp-spin`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Baseline::Tcp => "tcp",
+            Baseline::TcpSpin => "tcp-spin",
         }
     }
 }
@@ -606,13 +805,30 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 ///
 /// [`PerfError`] from a measurement, the peer, the output or the plot file.
 pub fn run_perf(o: &PerfOptions, out: &mut dyn Write) -> Result<Vec<Row>, PerfError> {
-    let rows = match &o.role {
-        Role::Loopback => run_loopback(o, out)?,
-        Role::Client { server, port } => remote::run_client(o, server, *port, out)?,
-        Role::Server(s) => remote::run_server(o, s, out)?,
+    // The plot's path is checked before the run, not after it.
+    let plot = match &o.plot {
+        Some(path) => Some(
+            std::fs::File::create(path)
+                .map_err(io(&format!("cannot write the plot to {}", path.display())))?,
+        ),
+        None => None,
     };
-    if let Some(path) = &o.plot {
-        std::fs::write(path, svg(&rows)).map_err(io("writing the plot"))?;
+    let (rows, place) = match &o.role {
+        Role::Loopback => (run_loopback(o, out)?, "loopback".to_string()),
+        Role::Client { server, port } => (
+            remote::run_client(o, server, *port, out)?,
+            format!("client of {server}"),
+        ),
+        Role::Server(s) => (remote::run_server(o, s, out)?, "server".to_string()),
+    };
+    if let Some(mut f) = plot {
+        let p = rows.first().map_or(o.params.clone(), |r| Params {
+            test: r.test,
+            mode: r.mode,
+            ..o.params.clone()
+        });
+        f.write_all(svg(&rows, &output::title(&p, &place)).as_bytes())
+            .map_err(io("writing the plot"))?;
     }
     Ok(rows)
 }
@@ -644,7 +860,7 @@ fn label(p: &Params) -> String {
 fn run_loopback(o: &PerfOptions, out: &mut dyn Write) -> Result<Vec<Row>, PerfError> {
     validate_all(o)?;
     let progress = Progress::start();
-    header(out, o.format, o.baseline_tcp, &o.params, "loopback").map_err(io("output"))?;
+    header(out, o.style(), &o.params, "loopback").map_err(io("output"))?;
     let mut rows = Vec::new();
     for &size in &o.sizes {
         let p = Params {
@@ -652,16 +868,23 @@ fn run_loopback(o: &PerfOptions, out: &mut dyn Write) -> Result<Vec<Row>, PerfEr
             ..o.params.clone()
         };
         progress.set(label(&p));
+        tracing::info!(test = p.test.name(), size, "loopback measurement");
         let m = measure_rdma(&p)?;
-        let tcp = if o.baseline_tcp {
+        tracing::info!(size, iters = m.iters, secs = m.secs, "measured");
+        let tcp = if o.baseline.is_some() {
             progress.set(format!("tcp baseline {}", human_size(size)));
             // Same number of messages as the softrdma run did.
-            Some(measure_tcp(&tcp_params(&p, &m))?)
+            Some(measure_tcp(&tcp_params(&p, &m, o.baseline))?)
         } else {
             None
         };
-        let r = Row::new(&p, &m.summary(), tcp.map(|t| t.summary()).as_ref());
-        line(out, o.format, &r).map_err(io("output"))?;
+        let r = Row::new(
+            &p,
+            &m.summary(),
+            tcp.map(|t| t.summary()).as_ref(),
+            o.baseline,
+        );
+        line(out, o.style(), &r).map_err(io("output"))?;
         out.flush().map_err(io("output"))?;
         rows.push(r);
     }
@@ -670,10 +893,11 @@ fn run_loopback(o: &PerfOptions, out: &mut dyn Write) -> Result<Vec<Row>, PerfEr
 
 /// The TCP baseline's parameters: the same number of messages as the
 /// softrdma run `m` did.
-fn tcp_params(p: &Params, m: &Measurement) -> Params {
+fn tcp_params(p: &Params, m: &Measurement, baseline: Option<Baseline>) -> Params {
     Params {
         iters: m.iters.max(1),
         duration: None,
+        tcp_spin: baseline == Some(Baseline::TcpSpin),
         ..p.clone()
     }
 }
@@ -695,5 +919,39 @@ pub fn sweep_to(test: Test, max: usize) -> Vec<usize> {
             .map(|e| 1usize << e)
             .take_while(|&s| s <= max)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statistics_of_known_samples() {
+        let m = Measurement {
+            size: 8,
+            iters: 1000,
+            secs: 1.0,
+            lat_us: (1..=1000).map(f64::from).collect(),
+            cpu_secs: 0.0,
+        };
+        assert_eq!(m.lat_min(), 1.0);
+        assert_eq!(m.lat_median(), 500.0);
+        assert_eq!(m.lat_p99(), 990.0);
+        assert_eq!(m.lat_p999(), 999.0);
+        assert_eq!(m.lat_max(), 1000.0);
+        assert_eq!(m.lat_mean(), 500.5);
+        // Sample standard deviation of 1..=n: sqrt(n (n + 1) / 12).
+        assert!((m.lat_stdev() - (1000.0f64 * 1001.0 / 12.0).sqrt()).abs() < 1e-9);
+        let one = Measurement {
+            lat_us: vec![3.0],
+            ..m.clone()
+        };
+        assert_eq!((one.lat_p999(), one.lat_stdev()), (3.0, 0.0));
+        let none = Measurement {
+            lat_us: vec![],
+            ..m
+        };
+        assert_eq!(none.summary().lat_n, 0);
     }
 }

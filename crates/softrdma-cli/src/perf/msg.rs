@@ -17,7 +17,8 @@
 //! Control messages: a tag octet, then
 //! `R` round: size:u64 n:u16 (addr:u64 rkey:u32 len:u64)*n — `Y` ready:
 //! n:u16 bufs — `N` end: receives:u64 — `O` done: receives:u64 — `S`
-//! result: summary [tcp summary] — `B` bye — `E` error: reason (UTF-8).
+//! result: summary [tcp summary] — `B` bye — `K` alive (the client's
+//! heartbeat during a run) — `E` error: reason (UTF-8).
 
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ use super::{MAX_DEPTH, MAX_QPS, MAX_SIZE, Mode, Summary, Test};
 const MAGIC: &[u8; 4] = b"SRPF";
 
 /// Version of the messages.
-pub(super) const VERSION: u8 = 1;
+pub(super) const VERSION: u8 = 2;
 
 /// Most sizes in one run (`-a` has 23).
 pub(super) const MAX_SIZES: usize = 48;
@@ -164,6 +165,8 @@ pub(super) struct Hello {
     pub(super) mode: Mode,
     pub(super) crc: bool,
     pub(super) baseline_tcp: bool,
+    /// The TCP baseline busy-polls.
+    pub(super) tcp_spin: bool,
     pub(super) iters: u64,
     pub(super) duration: Option<Duration>,
     pub(super) depth: usize,
@@ -187,7 +190,9 @@ impl Hello {
             Mode::Bw => 0,
             Mode::Lat => 1,
         });
-        w.u8(u8::from(self.crc) | (u8::from(self.baseline_tcp) << 1));
+        w.u8(u8::from(self.crc)
+            | (u8::from(self.baseline_tcp) << 1)
+            | (u8::from(self.tcp_spin) << 2));
         w.u64(self.iters)
             .u64(self.duration.map_or(0, |d| d.as_micros().max(1) as u64))
             .u32(self.depth as u32)
@@ -216,7 +221,7 @@ impl Hello {
             m => return bad(format!("unknown mode {m}")),
         };
         let flags = r.u8()?;
-        if flags & !3 != 0 {
+        if flags & !7 != 0 {
             return bad("unknown flags");
         }
         let iters = r.u64()?;
@@ -260,6 +265,7 @@ impl Hello {
             mode,
             crc: flags & 1 != 0,
             baseline_tcp: flags & 2 != 0,
+            tcp_spin: flags & 4 != 0,
             iters,
             duration,
             depth,
@@ -366,6 +372,9 @@ pub(super) enum Control {
     Result { rdma: Summary, tcp: Option<Summary> },
     /// Client: no more sizes.
     Bye,
+    /// Client: a heartbeat during a run (the server ends a run that hears
+    /// nothing for its timeout).
+    Alive,
     /// Either: a failure, with the reason.
     Error(String),
 }
@@ -397,9 +406,13 @@ fn put_summary(w: &mut W, s: &Summary) {
     w.u64(s.size as u64)
         .u64(s.iters)
         .f64(s.secs)
+        .u64(s.lat_n)
         .f64(s.lat_min_us)
-        .f64(s.lat_median_us)
+        .f64(s.lat_mean_us)
+        .f64(s.lat_stdev_us)
+        .f64(s.lat_p50_us)
         .f64(s.lat_p99_us)
+        .f64(s.lat_p999_us)
         .f64(s.lat_max_us)
         .f64(s.cpu_secs);
 }
@@ -413,9 +426,13 @@ fn get_summary(r: &mut R<'_>) -> Result<Summary, MsgError> {
         size: size as usize,
         iters: r.u64()?,
         secs: r.f64()?,
+        lat_n: r.u64()?,
         lat_min_us: r.f64()?,
-        lat_median_us: r.f64()?,
+        lat_mean_us: r.f64()?,
+        lat_stdev_us: r.f64()?,
+        lat_p50_us: r.f64()?,
         lat_p99_us: r.f64()?,
+        lat_p999_us: r.f64()?,
         lat_max_us: r.f64()?,
         cpu_secs: r.f64()?,
     })
@@ -448,6 +465,9 @@ impl Control {
             }
             Control::Bye => {
                 w.u8(b'B');
+            }
+            Control::Alive => {
+                w.u8(b'K');
             }
             Control::Error(m) => {
                 w.u8(b'E').text(m);
@@ -484,6 +504,7 @@ impl Control {
                 Control::Result { rdma, tcp }
             }
             b'B' => Control::Bye,
+            b'K' => Control::Alive,
             b'E' => return Ok(Control::Error(r.text())),
             t => return bad(format!("unknown control message '{}'", t.escape_ascii())),
         };
@@ -502,6 +523,7 @@ mod tests {
             mode: Mode::Lat,
             crc: true,
             baseline_tcp: true,
+            tcp_spin: true,
             iters: 1000,
             duration: None,
             depth: 16,
@@ -546,8 +568,12 @@ mod tests {
             size: 65536,
             iters: 10,
             secs: 0.5,
+            lat_n: 10,
             lat_min_us: 1.0,
-            lat_median_us: 2.0,
+            lat_mean_us: 2.5,
+            lat_stdev_us: 0.5,
+            lat_p50_us: 2.0,
+            lat_p999_us: 3.5,
             lat_p99_us: 3.0,
             lat_max_us: 4.0,
             cpu_secs: 0.25,
@@ -566,6 +592,7 @@ mod tests {
             },
             Control::Result { rdma: s, tcp: None },
             Control::Bye,
+            Control::Alive,
             Control::Error("out of memory".into()),
         ] {
             let b = m.encode();

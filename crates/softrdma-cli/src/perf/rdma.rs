@@ -20,13 +20,13 @@ use std::time::{Duration, Instant};
 
 use softrdma_engine::loopback::connect_pair;
 use softrdma_engine::{
-    CompletionChannel, CompletionQueue, Device, MemoryRegion, ProtectionDomain, QpInitAttr,
-    QueuePair, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    Access, CompletionChannel, CompletionQueue, Device, MemoryRegion, ProtectionDomain, QpInitAttr,
+    QpState, QueuePair, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 use super::{
-    Limit, Measurement, Mode, PROGRESS, Params, PerfError, Test, Watchdog, access, cpu_time,
-    device, eng, io, mpa, validate,
+    Limit, Measurement, Mode, PROGRESS, Params, PerfError, Test, Watchdog, cpu_time, device, eng,
+    io, mpa, validate,
 };
 
 /// A buffer of the peer: where Writes go, where Reads and atomics come
@@ -42,6 +42,14 @@ pub(super) struct RemoteBuf {
 }
 
 impl RemoteBuf {
+    /// No buffer: what a side advertises where the test gives the peer no
+    /// access.
+    pub(super) const NONE: RemoteBuf = RemoteBuf {
+        addr: 0,
+        rkey: 0,
+        len: 0,
+    };
+
     fn of(m: &MemoryRegion) -> RemoteBuf {
         RemoteBuf {
             addr: m.addr(),
@@ -49,6 +57,81 @@ impl RemoteBuf {
             len: m.len() as u64,
         }
     }
+}
+
+/// A buffer a side needs: its length and rights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Need {
+    len: usize,
+    access: Access,
+}
+
+/// Rounds up to whole pages (what registering `len` bytes allocates).
+fn pages(len: usize) -> u64 {
+    (len.max(1) as u64).div_ceil(4096) * 4096
+}
+
+/// The measuring side's buffers per QP: the source of Writes and Sends or
+/// the destination of Reads and atomics; and the sink of credits, echoes
+/// and (write latency) the peer's Writes, if the test has one.
+fn active_needs(p: &Params) -> (Need, Option<Need>) {
+    let local = Need {
+        len: p.size,
+        access: match p.test {
+            Test::Read | Test::Atomic => Access::LOCAL_WRITE,
+            Test::Write | Test::Send => Access::NONE,
+        },
+    };
+    let sink = match (p.mode, p.test) {
+        (Mode::Bw, Test::Send) => Some(Need {
+            len: 8,
+            access: Access::LOCAL_WRITE,
+        }),
+        (Mode::Lat, Test::Send) => Some(Need {
+            len: p.size,
+            access: Access::LOCAL_WRITE,
+        }),
+        (Mode::Lat, Test::Write) => Some(Need {
+            len: p.size,
+            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        }),
+        _ => None,
+    };
+    (local, sink)
+}
+
+/// The serving side's buffers per QP: the target of the peer's operation
+/// (only the right that operation needs; none in a Send stream), and the
+/// receive buffer (Sends; the fence of a Write stream).
+fn passive_needs(p: &Params) -> (Option<Need>, Option<Need>) {
+    let buf = match (p.mode, p.test) {
+        (Mode::Bw, Test::Send) => None,
+        (Mode::Lat, Test::Send) => Some(Access::NONE),
+        (_, Test::Write) => Some(Access::LOCAL_WRITE | Access::REMOTE_WRITE),
+        (_, Test::Read) => Some(Access::REMOTE_READ),
+        (_, Test::Atomic) => Some(Access::LOCAL_WRITE | Access::REMOTE_ATOMIC),
+    }
+    .map(|access| Need {
+        len: p.size,
+        access,
+    });
+    let rbuf = match (p.mode, p.test) {
+        (_, Test::Send) => Some(p.size),
+        (Mode::Bw, Test::Write) => Some(8),
+        _ => None,
+    }
+    .map(|len| Need {
+        len,
+        access: Access::LOCAL_WRITE,
+    });
+    (buf, rbuf)
+}
+
+/// Bytes of buffers the serving side registers for `p` (all QPs).
+pub(super) fn passive_bytes(p: &Params) -> u64 {
+    let (buf, rbuf) = passive_needs(p);
+    let per_qp: u64 = [buf, rbuf].iter().flatten().map(|n| pages(n.len)).sum();
+    per_qp * p.nqps() as u64
 }
 
 /// Receives the serving side keeps posted per QP in a Send stream.
@@ -103,10 +186,19 @@ impl End {
         QueuePair::new(&self.pd, &attr).map_err(eng)
     }
 
-    pub(super) fn mr(&self, len: usize) -> Result<MemoryRegion, PerfError> {
-        let m = self.pd.register(len.max(8), access()).map_err(eng)?;
-        m.fill(0);
-        Ok(m)
+    /// Registers `len` bytes (at least 8) with `access`, in memory that
+    /// the kernel backs only once touched (`vec![0; n]` is a `calloc`: fresh
+    /// zero pages), so a large buffer costs memory only as far as the test
+    /// uses it. (`ProtectionDomain::register` page-aligns its allocation,
+    /// and the allocator zero-fills aligned allocations by writing them.)
+    pub(super) fn mr(&self, len: usize, access: Access) -> Result<MemoryRegion, PerfError> {
+        self.pd
+            .register_vec(vec![0u8; len.max(8)], access)
+            .map_err(eng)
+    }
+
+    fn need(&self, n: Need) -> Result<MemoryRegion, PerfError> {
+        self.mr(n.len, n.access)
     }
 
     /// Polls; in event mode sleeps on the channel when the CQ is empty.
@@ -128,38 +220,58 @@ impl End {
     }
 }
 
-pub(super) fn check_wc(wc: &WorkCompletion) -> Result<(), PerfError> {
-    if wc.status == WcStatus::Success {
-        Ok(())
-    } else {
-        Err(PerfError::Engine(format!(
-            "completion error: {} ({:?}, wr_id {})",
-            wc.status, wc.opcode, wc.wr_id
-        )))
+impl End {
+    /// A failed completion as an error that says why: the peer closed the
+    /// connection or sent a Terminate, or this side sent one (from the
+    /// engine's asynchronous events of the QP), else the status.
+    pub(super) fn check(&self, wc: &WorkCompletion) -> Result<(), PerfError> {
+        if wc.status == WcStatus::Success {
+            return Ok(());
+        }
+        let why = crate::why::connection_end(self.cq.device(), wc.qp_num);
+        Err(match (wc.status, why) {
+            (WcStatus::WrFlush, Some(why)) => PerfError::Peer(why),
+            (WcStatus::WrFlush, None) => PerfError::Peer(
+                "the peer closed the connection (outstanding work requests were flushed)".into(),
+            ),
+            (status, Some(why)) => {
+                PerfError::Peer(format!("{:?} failed with {status}: {why}", wc.opcode))
+            }
+            (status, None) => PerfError::Engine(format!(
+                "completion error: {status} ({:?}, wr_id {})",
+                wc.opcode, wc.wr_id
+            )),
+        })
     }
+}
+
+/// A refused post: when the QP has left RTS, the peer left (with the
+/// reason the engine reported), else the engine's error.
+fn left(qp: &QueuePair, e: impl std::fmt::Display) -> PerfError {
+    if qp.state() == QpState::Rts {
+        return eng(e);
+    }
+    PerfError::Peer(
+        crate::why::connection_end(qp.device(), qp.qp_num())
+            .unwrap_or_else(|| "the peer closed the connection".into()),
+    )
 }
 
 fn wcs<const N: usize>() -> [WorkCompletion; N] {
     [WorkCompletion::success(0, WcOpcode::Send, 0); N]
 }
 
-/// QPs and per-QP buffer pairs of one side.
-type QpsWithBuffers = (Vec<QueuePair>, Vec<MemoryRegion>, Vec<MemoryRegion>);
+/// `p.nqps()` QPs of `end`.
+fn qps(end: &End, p: &Params) -> Result<Vec<QueuePair>, PerfError> {
+    (0..p.nqps()).map(|_| end.qp(p)).collect()
+}
 
-/// `p.nqps()` QPs of `end`, each with two buffers of `p.size` bytes.
-fn qps_with_buffers(end: &End, p: &Params) -> Result<QpsWithBuffers, PerfError> {
-    let n = p.nqps();
-    let mut out = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    for _ in 0..n {
-        out.0.push(end.qp(p)?);
-        out.1.push(end.mr(p.size)?);
-        out.2.push(end.mr(p.size)?);
+/// One buffer per QP of `p` if `n` names one, else none.
+fn bufs(end: &End, p: &Params, n: Option<Need>) -> Result<Vec<MemoryRegion>, PerfError> {
+    match n {
+        Some(n) => (0..p.nqps()).map(|_| end.need(n)).collect(),
+        None => Ok(Vec::new()),
     }
-    Ok(out)
 }
 
 /// The measuring side of one measurement.
@@ -169,7 +281,8 @@ pub(super) struct Active {
     pub(super) qps: Vec<QueuePair>,
     /// Source of Writes and Sends, destination of Reads and atomics.
     local: Vec<MemoryRegion>,
-    /// Receives (credits, echoes) and the peer's Writes (write latency).
+    /// Receives (credits, echoes) and the peer's Writes (write latency);
+    /// empty when the test has none.
     sink: Vec<MemoryRegion>,
     /// The peer's buffer per QP.
     pub(super) remote: Vec<RemoteBuf>,
@@ -180,7 +293,12 @@ impl Active {
     pub(super) fn new(p: &Params, dev: &Device) -> Result<Active, PerfError> {
         let polls_memory = p.mode == Mode::Lat && p.test == Test::Write;
         let end = End::new(dev, cqe(p), p.event && !polls_memory)?;
-        let (qps, local, sink) = qps_with_buffers(&end, p)?;
+        let (local, sink) = active_needs(p);
+        let (qps, local, sink) = (
+            qps(&end, p)?,
+            bufs(&end, p, Some(local))?,
+            bufs(&end, p, sink)?,
+        );
         Ok(Active {
             qps,
             local,
@@ -190,9 +308,17 @@ impl Active {
         })
     }
 
-    /// The buffers the peer writes into (write latency).
+    /// The buffers the peer writes into (write latency; none otherwise),
+    /// one per QP.
     pub(super) fn sinks(&self) -> Vec<RemoteBuf> {
-        self.sink.iter().map(RemoteBuf::of).collect()
+        self.qps
+            .iter()
+            .enumerate()
+            .map(|(i, _)| match self.sink.get(i) {
+                Some(m) if m.access().contains(Access::REMOTE_WRITE) => RemoteBuf::of(m),
+                _ => RemoteBuf::NONE,
+            })
+            .collect()
     }
 
     /// Posts the receives of this side; before the peer starts.
@@ -223,9 +349,10 @@ pub(super) struct Passive {
     end: End,
     /// The QPs (one in latency mode).
     pub(super) qps: Vec<QueuePair>,
-    /// Target of Writes, source of Reads, atomics and echoes.
+    /// Target of Writes, source of Reads, atomics and echoes; empty in a
+    /// Send stream.
     buf: Vec<MemoryRegion>,
-    /// Receives.
+    /// Receives; empty when the test has none.
     rbuf: Vec<MemoryRegion>,
     /// The measuring side's sinks (write latency writes back there).
     pub(super) remote: Vec<RemoteBuf>,
@@ -239,7 +366,8 @@ impl Passive {
             cqe(p),
             p.event && p.mode == Mode::Lat && p.test == Test::Send,
         )?;
-        let (qps, buf, rbuf) = qps_with_buffers(&end, p)?;
+        let (buf, rbuf) = passive_needs(p);
+        let (qps, buf, rbuf) = (qps(&end, p)?, bufs(&end, p, buf)?, bufs(&end, p, rbuf)?);
         Ok(Passive {
             qps,
             buf,
@@ -251,7 +379,14 @@ impl Passive {
 
     /// The buffers the measuring side writes, reads and updates.
     pub(super) fn targets(&self) -> Vec<RemoteBuf> {
-        self.buf.iter().map(RemoteBuf::of).collect()
+        self.qps
+            .iter()
+            .enumerate()
+            .map(|(i, _)| match self.buf.get(i) {
+                Some(m) if !m.access().intersection(Access::REMOTE).is_empty() => RemoteBuf::of(m),
+                _ => RemoteBuf::NONE,
+            })
+            .collect()
     }
 
     /// Posts the receives of this side; before the peer starts.
@@ -263,9 +398,8 @@ impl Passive {
             (Mode::Lat, Test::Send) => 8,
             _ => 0,
         };
-        let len = p.size.max(8) as u32;
         for (i, (qp, m)) in self.qps.iter().zip(&self.rbuf).enumerate() {
-            let s = [m.sge(0, len).map_err(eng)?];
+            let s = [m.sge(0, m.len() as u32).map_err(eng)?];
             for _ in 0..n {
                 qp.post_recv(&RecvWr::new(i as u64, &s)).map_err(eng)?;
             }
@@ -285,13 +419,15 @@ pub(super) type Control<'a> = dyn FnMut() -> Result<Option<u64>, PerfError> + 'a
 /// receives it names have arrived. Returns the receives completed.
 pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Result<u64, PerfError> {
     let size = p.size as u32;
-    let rlen = p.size.max(8) as u32;
     let rsges: Vec<Sge> = s
         .rbuf
         .iter()
-        .map(|m| m.sge(0, rlen).map_err(eng))
+        .map(|m| m.sge(0, m.len() as u32).map_err(eng))
         .collect::<Result<_, _>>()?;
-    let src = [s.buf[0].sge(0, size).map_err(eng)?];
+    let src = match s.buf.first() {
+        Some(b) => vec![b.sge(0, size).map_err(eng)?],
+        None => Vec::new(),
+    };
     let use_inline = size <= p.inline.min(256);
     let mut payload = vec![0x5au8; p.size];
     let last = p.size - 1;
@@ -308,7 +444,7 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
             s.end.poll(&mut buf)?
         };
         for wc in &buf[..k] {
-            check_wc(wc)?;
+            s.end.check(wc)?;
             if wc.opcode != WcOpcode::Recv {
                 continue;
             }
@@ -319,23 +455,25 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
             };
             match (p.mode, p.test) {
                 (Mode::Bw, Test::Send) => {
-                    qp.post_recv(&RecvWr::new(i as u64, &[*sge])).map_err(eng)?;
+                    qp.post_recv(&RecvWr::new(i as u64, &[*sge]))
+                        .map_err(|e| left(qp, e))?;
                     counts[i] += 1;
                     if counts[i].is_multiple_of(batch) {
                         let c = counts[i].to_le_bytes();
                         qp.post_send(&SendWr::new(u64::MAX, SendOp::Send).inline(&c).signaled())
-                            .map_err(eng)?;
+                            .map_err(|e| left(qp, e))?;
                     }
                 }
                 (Mode::Lat, Test::Send) => {
-                    qp.post_recv(&RecvWr::new(i as u64, &[*sge])).map_err(eng)?;
+                    qp.post_recv(&RecvWr::new(i as u64, &[*sge]))
+                        .map_err(|e| left(qp, e))?;
                     let wr = SendWr::new(1, SendOp::Send).signaled();
                     let wr = if use_inline {
                         wr.inline(&payload)
                     } else {
                         wr.sg_list(&src)
                     };
-                    qp.post_send(&wr).map_err(eng)?;
+                    qp.post_send(&wr).map_err(|e| left(qp, e))?;
                 }
                 _ => {}
             }
@@ -360,7 +498,7 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
                 } else {
                     wr.sg_list(&src)
                 };
-                s.qps[0].post_send(&wr).map_err(eng)?;
+                s.qps[0].post_send(&wr).map_err(|e| left(&s.qps[0], e))?;
                 expect = expect % 255 + 1;
             }
         }
@@ -382,6 +520,42 @@ pub(super) trait Peer {
     /// (the fences of a Write stream, the messages of a Send stream, 0
     /// otherwise). Returns once it has them.
     fn finish(&mut self, recvs: u64) -> Result<(), PerfError>;
+
+    /// Called often during the run: tells the serving side that the
+    /// measuring side is still there (a heartbeat every
+    /// [`HEARTBEAT`]), and fails if the serving side gave up.
+    fn alive(&mut self) -> Result<(), PerfError> {
+        Ok(())
+    }
+}
+
+/// Interval of the measuring side's heartbeats in two-process mode: a
+/// server that hears nothing from its client for its `--timeout` ends the
+/// run (a client that went silent, a network partition without a reset).
+pub(super) const HEARTBEAT: Duration = Duration::from_millis(250);
+
+/// Calls [`Peer::alive`] once per [`HEARTBEAT`], cheaply enough for the
+/// measuring loops.
+struct Beat {
+    last: Instant,
+    calls: u32,
+}
+
+impl Beat {
+    fn new() -> Beat {
+        Beat {
+            last: Instant::now(),
+            calls: 0,
+        }
+    }
+    fn tick(&mut self, peer: &mut dyn Peer) -> Result<(), PerfError> {
+        self.calls = self.calls.wrapping_add(1);
+        if self.calls.is_multiple_of(16) && self.last.elapsed() >= HEARTBEAT {
+            self.last = Instant::now();
+            peer.alive()?;
+        }
+        Ok(())
+    }
 }
 
 /// Runs the measuring side of `p`.
@@ -394,9 +568,9 @@ pub(super) fn run_active(
         Mode::Bw => active_bw(p, a, peer),
         Mode::Lat => {
             let m = match p.test {
-                Test::Send => send_lat(p, a)?,
-                Test::Write => write_lat(p, a)?,
-                Test::Read | Test::Atomic => rtt_lat(p, a)?,
+                Test::Send => send_lat(p, a, peer)?,
+                Test::Write => write_lat(p, a, peer)?,
+                Test::Read | Test::Atomic => rtt_lat(p, a, peer)?,
             };
             peer.finish(0)?;
             Ok(m)
@@ -449,7 +623,9 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
     let start = Instant::now();
     let limit = Limit::new(p);
     let (mut posted, mut done) = (0u64, 0u64);
+    let mut beat = Beat::new();
     loop {
+        beat.tick(peer)?;
         let mut more = limit.more(posted);
         if more {
             for (i, qp) in a.qps.iter().enumerate() {
@@ -464,7 +640,7 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
                         wr.sg_list(&sges[i])
                     };
                     post_time[(posted as usize) & (ring - 1)] = Instant::now();
-                    qp.post_send(&wr).map_err(eng)?;
+                    qp.post_send(&wr).map_err(|e| left(qp, e))?;
                     outstanding[i] += 1;
                     sent[i] += 1;
                     posted += 1;
@@ -476,13 +652,15 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
         if k > 0 {
             let now = Instant::now();
             for wc in &buf[..k] {
-                check_wc(wc)?;
+                a.end.check(wc)?;
                 if wc.opcode == WcOpcode::Recv {
                     // Credits from the serving side.
                     let i = wc.wr_id as usize;
                     if let (Some(c), Some(s)) = (credit.get_mut(i), credit_sges.get(i)) {
                         *c += batch;
-                        a.qps[i].post_recv(&RecvWr::new(i as u64, s)).map_err(eng)?;
+                        a.qps[i]
+                            .post_recv(&RecvWr::new(i as u64, s))
+                            .map_err(|e| left(&a.qps[i], e))?;
                     }
                     continue;
                 }
@@ -508,7 +686,7 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
             // Fence: the Writes are placed when the Send behind them arrives.
             for qp in &a.qps {
                 qp.post_send(&SendWr::new(u64::MAX, SendOp::Send).inline(b"end"))
-                    .map_err(eng)?;
+                    .map_err(|e| left(qp, e))?;
             }
             n as u64
         }
@@ -533,17 +711,20 @@ fn active_bw(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
 /// the limit of `p`, timing each.
 fn ping_pong(
     p: &Params,
-    mut one: impl FnMut(u64) -> Result<f64, PerfError>,
+    peer: &mut dyn Peer,
+    mut one: impl FnMut(u64, &mut dyn FnMut() -> Result<(), PerfError>) -> Result<f64, PerfError>,
 ) -> Result<Measurement, PerfError> {
     let limit = Limit::new(p);
+    let mut beat = Beat::new();
     let mut lat = Vec::new();
     let cpu0 = cpu_time();
     let start = Instant::now();
     let mut i = 0u64;
     while limit.more(i) {
         let t = Instant::now();
-        let div = one(i)?;
+        let div = one(i, &mut || beat.tick(peer))?;
         lat.push(t.elapsed().as_secs_f64() * 1e6 / div);
+        beat.tick(peer)?;
         i += 1;
         PROGRESS.fetch_add(1, Ordering::Relaxed);
     }
@@ -560,7 +741,7 @@ fn ping_pong(
 }
 
 /// Send/Recv ping-pong, RTT/2.
-fn send_lat(p: &Params, a: &Active) -> Result<Measurement, PerfError> {
+fn send_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement, PerfError> {
     let qp = &a.qps[0];
     let size = p.size as u32;
     let src = [a.local[0].sge(0, size).map_err(eng)?];
@@ -568,34 +749,36 @@ fn send_lat(p: &Params, a: &Active) -> Result<Measurement, PerfError> {
     let use_inline = size <= p.inline.min(256);
     let payload = vec![0x5au8; p.size];
     let mut buf = wcs::<16>();
-    ping_pong(p, |_| {
+    ping_pong(p, peer, |_, alive| {
         let wr = SendWr::new(1, SendOp::Send).signaled();
         let wr = if use_inline {
             wr.inline(&payload)
         } else {
             wr.sg_list(&src)
         };
-        qp.post_send(&wr).map_err(eng)?;
+        qp.post_send(&wr).map_err(|e| left(qp, e))?;
         let dog = Watchdog::new("the echo", p.timeout);
         loop {
             let k = a.end.poll(&mut buf)?;
             let mut got = false;
             for wc in &buf[..k] {
-                check_wc(wc)?;
+                a.end.check(wc)?;
                 got |= wc.opcode == WcOpcode::Recv;
             }
             if got {
-                qp.post_recv(&RecvWr::new(0, &sink)).map_err(eng)?;
+                qp.post_recv(&RecvWr::new(0, &sink))
+                    .map_err(|e| left(qp, e))?;
                 return Ok(2.0);
             }
             dog.check()?;
+            alive()?;
         }
     })
 }
 
 /// Write ping-pong: each side polls the last byte of its buffer for the
 /// iteration's mark, then writes back (perftest's `ib_write_lat`); RTT/2.
-fn write_lat(p: &Params, a: &Active) -> Result<Measurement, PerfError> {
+fn write_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement, PerfError> {
     let qp = &a.qps[0];
     let (local, sink, remote) = (&a.local[0], &a.sink[0], a.remote[0]);
     let size = p.size as u32;
@@ -604,7 +787,7 @@ fn write_lat(p: &Params, a: &Active) -> Result<Measurement, PerfError> {
     let mut payload = vec![0u8; p.size];
     let src = [local.sge(0, size).map_err(eng)?];
     let mut buf = wcs::<16>();
-    ping_pong(p, |i| {
+    ping_pong(p, peer, |i, alive| {
         let mark = (i % 255) as u8 + 1;
         let wr = SendWr::new(
             1,
@@ -621,41 +804,43 @@ fn write_lat(p: &Params, a: &Active) -> Result<Measurement, PerfError> {
             local.write(last, &[mark]).map_err(eng)?;
             wr.sg_list(&src)
         };
-        qp.post_send(&wr).map_err(eng)?;
+        qp.post_send(&wr).map_err(|e| left(qp, e))?;
         let dog = Watchdog::new("the peer's Write", p.timeout);
         let mut b1 = [0u8; 1];
         loop {
             let k = a.end.cq.poll(&mut buf);
             for wc in &buf[..k] {
-                check_wc(wc)?;
+                a.end.check(wc)?;
             }
             sink.read(last, &mut b1).map_err(eng)?;
             if b1[0] == mark {
                 return Ok(2.0);
             }
             dog.check()?;
+            alive()?;
         }
     })
 }
 
 /// Read / atomic latency: one operation at a time, full round trip.
-fn rtt_lat(p: &Params, a: &Active) -> Result<Measurement, PerfError> {
+fn rtt_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement, PerfError> {
     let qp = &a.qps[0];
     let src = [a.local[0].sge(0, p.size as u32).map_err(eng)?];
     let mut buf = wcs::<16>();
-    ping_pong(p, |_| {
+    ping_pong(p, peer, |_, alive| {
         qp.post_send(&SendWr::new(1, op(p, &a.remote[0])).sg_list(&src).signaled())
-            .map_err(eng)?;
+            .map_err(|e| left(qp, e))?;
         let dog = Watchdog::new("the response", p.timeout);
         loop {
             let k = a.end.poll(&mut buf)?;
             for wc in &buf[..k] {
-                check_wc(wc)?;
+                a.end.check(wc)?;
             }
             if k > 0 {
                 return Ok(1.0);
             }
             dog.check()?;
+            alive()?;
         }
     })
 }
@@ -742,4 +927,58 @@ pub fn measure_rdma(p: &Params) -> Result<Measurement, PerfError> {
         timeout: p.timeout,
     };
     run_active(p, &a, &mut peer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn receive_only_buffers_had_remote_access() {
+        let p = |test, mode| Params {
+            test,
+            mode,
+            size: 1 << 20,
+            ..Params::default()
+        };
+        // A Send stream: no target buffer, receives without remote rights.
+        let (buf, rbuf) = passive_needs(&p(Test::Send, Mode::Bw));
+        assert!(buf.is_none());
+        assert_eq!(rbuf.unwrap().access, Access::LOCAL_WRITE);
+        // Each one-sided test grants only its own right.
+        let right = |t| passive_needs(&p(t, Mode::Bw)).0.unwrap().access;
+        assert_eq!(
+            right(Test::Write),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE
+        );
+        assert_eq!(right(Test::Read), Access::REMOTE_READ);
+        assert_eq!(
+            right(Test::Atomic),
+            Access::LOCAL_WRITE | Access::REMOTE_ATOMIC
+        );
+        // The measuring side exposes a sink only for write latency.
+        assert!(active_needs(&p(Test::Write, Mode::Bw)).1.is_none());
+        assert!(active_needs(&p(Test::Read, Mode::Lat)).1.is_none());
+        let sink = active_needs(&p(Test::Write, Mode::Lat)).1.unwrap();
+        assert!(sink.access.contains(Access::REMOTE_WRITE));
+        let sink = active_needs(&p(Test::Send, Mode::Lat)).1.unwrap();
+        assert_eq!(sink.access, Access::LOCAL_WRITE);
+    }
+
+    #[test]
+    fn one_request_made_the_server_allocate_8_gib() {
+        // 4 QPs x 1 GiB write bandwidth: one 1 GiB target per QP and an
+        // 8-byte fence receive, not two 1 GiB buffers each.
+        let p = Params {
+            size: 1 << 30,
+            qps: 4,
+            ..Params::default()
+        };
+        assert_eq!(passive_bytes(&p), 4 * ((1 << 30) + 4096));
+        let send = Params {
+            test: Test::Send,
+            ..p
+        };
+        assert_eq!(passive_bytes(&send), 4 << 30);
+    }
 }

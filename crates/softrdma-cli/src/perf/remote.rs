@@ -38,16 +38,16 @@ use std::time::{Duration, Instant};
 use softrdma_engine::cm::{self, CmError, ConnectConfig, ListenConfig, Listener};
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
 use softrdma_engine::{
-    Device, MemoryRegion, QpInitAttr, QpState, QueuePair, RecvWr, SendOp, SendWr, WcOpcode,
+    Access, Device, MemoryRegion, QpInitAttr, QpState, QueuePair, RecvWr, SendOp, SendWr, WcOpcode,
     WcStatus, WorkCompletion,
 };
 
 use super::msg::{Control, DataConn, Hello, MAX_CONTROL, MAX_SIZES, Welcome, refusal};
-use super::output::{Progress, header, line};
-use super::rdma::{Active, End, Passive, Peer, run_active, serve};
+use super::output::{Progress, Style, header, line};
+use super::rdma::{Active, End, Passive, Peer, passive_bytes, run_active, serve};
 use super::{
-    Constraints, Mode, Params, PerfError, PerfOptions, Row, ServerOptions, Summary, cpu_time,
-    device, eng, io, label, msg, tcp, tcp_params, validate, validate_all,
+    Baseline, Constraints, Mode, Params, PerfError, PerfOptions, Row, ServerOptions, Summary, Test,
+    cpu_time, device, eng, io, label, msg, tcp, tcp_params, validate, validate_all,
 };
 
 /// Receives kept posted on the control QP (the exchange is strictly
@@ -56,6 +56,9 @@ const CONTROL_RECVS: usize = 4;
 
 /// `wr_id` of control Sends.
 const SEND_ID: u64 = u64::MAX;
+
+/// `wr_id` of heartbeats (not waited for).
+const ALIVE_ID: u64 = u64::MAX - 1;
 
 /// The control connection: small messages as Sends, one at a time.
 struct Ctl {
@@ -78,9 +81,10 @@ impl Ctl {
         let mut attr = QpInitAttr::new(&end.cq, &end.cq);
         attr.cap.max_send_wr = 16;
         attr.cap.max_recv_wr = 16;
+        attr.cap.max_inline_data = 16;
         let qp = QueuePair::new(&end.pd, &attr).map_err(eng)?;
-        let rbuf = end.mr(CONTROL_RECVS * MAX_CONTROL)?;
-        let sbuf = end.mr(MAX_CONTROL)?;
+        let rbuf = end.mr(CONTROL_RECVS * MAX_CONTROL, Access::LOCAL_WRITE)?;
+        let sbuf = end.mr(MAX_CONTROL, Access::NONE)?;
         let c = Ctl {
             end,
             qp,
@@ -194,6 +198,28 @@ impl Ctl {
         Ok(())
     }
 
+    /// A heartbeat: takes the completions (so the CQ never fills), fails
+    /// if the peer reported an error or left, and posts an `Alive`
+    /// without waiting for it.
+    fn heartbeat(&mut self) -> Result<(), PerfError> {
+        self.pump()?;
+        if let Some(b) = self.stash.front()
+            && let Ok(Control::Error(_)) = Control::decode(b)
+        {
+            self.try_recv()?;
+        }
+        let b = Control::Alive.encode();
+        self.qp
+            .post_send(&SendWr::new(ALIVE_ID, SendOp::Send).inline(&b).signaled())
+            .map_err(|e| {
+                if self.qp.state() == QpState::Rts {
+                    eng(e)
+                } else {
+                    self.gone()
+                }
+            })
+    }
+
     /// Tells the peer why this side gives up (best effort).
     fn send_error(&mut self, e: &PerfError) {
         if self.qp.state() == QpState::Rts {
@@ -228,6 +254,7 @@ impl Ctl {
         loop {
             let live = self.qp.state() == QpState::Rts;
             match self.try_recv() {
+                Ok(Some(Control::Alive)) => continue,
                 Ok(Some(m)) => return Ok(m),
                 Ok(None) => {}
                 Err(e) => return Err(gone(e, self.failed.is_some())),
@@ -238,13 +265,23 @@ impl Ctl {
             }
             if start.elapsed() > self.timeout {
                 return Err(PerfError::Timeout(format!(
-                    "no {what} from the {} within {:.0} s",
+                    "nothing from the {} for {} s (waiting for {what})",
                     self.peer,
-                    self.timeout.as_secs_f64()
+                    secs(self.timeout)
                 )));
             }
             Self::pause(start);
         }
+    }
+}
+
+/// Seconds for messages: `2`, `0.5`.
+fn secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0}")
+    } else {
+        format!("{s}")
     }
 }
 
@@ -264,6 +301,7 @@ impl Control {
             Control::Done { .. } => "done",
             Control::Result { .. } => "result",
             Control::Bye => "bye",
+            Control::Alive => "alive",
             Control::Error(_) => "error",
         }
     }
@@ -288,6 +326,30 @@ pub fn with_port(host: &str, port: u16) -> String {
         return host.to_string();
     }
     format!("{host}:{port}")
+}
+
+/// [`with_port`], refusing a port that is not one (`host:99999`,
+/// `host:abc`, `[::1]:x`, port 0).
+///
+/// # Errors
+///
+/// A message naming the bad port.
+pub fn checked_port(host: &str, port: u16) -> Result<String, String> {
+    let given = if let Some(rest) = host.strip_prefix('[') {
+        rest.split_once("]:").map(|(_, p)| p)
+    } else {
+        host.rsplit_once(':')
+            .filter(|(h, _)| !h.contains(':'))
+            .map(|(_, p)| p)
+    };
+    if let Some(p) = given
+        && !p.parse::<u16>().is_ok_and(|p| p > 0)
+    {
+        return Err(format!(
+            "invalid port '{p}' in '{host}' (a number from 1 to 65535)"
+        ));
+    }
+    Ok(with_port(host, port))
 }
 
 fn mpa_config(p: &Params, rd: u16) -> MpaConfig {
@@ -319,6 +381,10 @@ struct RemotePeer<'a> {
 }
 
 impl Peer for RemotePeer<'_> {
+    fn alive(&mut self) -> Result<(), PerfError> {
+        self.ctl.heartbeat()
+    }
+
     fn finish(&mut self, recvs: u64) -> Result<(), PerfError> {
         self.ctl.send(&Control::End { recvs })?;
         match self.ctl.recv("the end of the run")? {
@@ -347,14 +413,15 @@ pub fn run_client(
         )));
     }
     let p0 = &o.params;
-    let target = with_port(server, port);
+    let target = checked_port(server, port).map_err(PerfError::Usage)?;
     let dev = device(p0)?;
     let mut ctl = Ctl::new(&dev, p0.timeout, "server")?;
     let hello = Hello {
         test: p0.test,
         mode: p0.mode,
         crc: p0.crc,
-        baseline_tcp: o.baseline_tcp,
+        baseline_tcp: o.baseline.is_some(),
+        tcp_spin: o.baseline == Some(Baseline::TcpSpin),
         iters: p0.iters,
         duration: p0.duration,
         depth: p0.depth,
@@ -372,32 +439,45 @@ pub fn run_client(
         },
     )
     .map_err(|e| connect_error(&target, e))?;
-    let welcome = Welcome::decode(&conn.peer_private_data().unwrap_or_default())
-        .map_err(|e| PerfError::Peer(e.to_string()))?;
+    let welcome = Welcome::decode(&conn.peer_private_data().unwrap_or_default()).map_err(|e| {
+        PerfError::Peer(format!(
+            "the peer at {target} is not a softrdma perf server (a perftest server? \
+                 its answer to the connection request: {e})"
+        ))
+    })?;
     let addr = conn
         .peer_addr()
         .ok_or_else(|| PerfError::Peer("the server's address is unknown".into()))?;
+    tracing::info!(
+        server = %addr,
+        session = welcome.session,
+        tcp_baseline_port = welcome.tcp_port,
+        "connected: the server accepted the test"
+    );
+    tracing::debug!(negotiated = ?conn.negotiated(), "control connection");
     drop(conn);
-    if o.baseline_tcp && welcome.tcp_port == 0 {
+    if o.baseline.is_some() && welcome.tcp_port == 0 {
         return Err(PerfError::Peer(
             "the server offered no port for the TCP baseline".into(),
         ));
     }
     let progress = Progress::start();
-    header(
-        out,
-        o.format,
-        o.baseline_tcp,
-        p0,
-        &format!("client of {addr}"),
-    )
-    .map_err(io("output"))?;
+    header(out, o.style(), p0, &format!("client of {addr}")).map_err(io("output"))?;
     out.flush().map_err(io("output"))?;
     let mut rows = Vec::new();
     for (round, &size) in o.sizes.iter().enumerate() {
         let p = Params { size, ..p0.clone() };
         progress.set(label(&p));
-        let r = client_round(o, &p, round as u32, &dev, &mut ctl, addr, welcome);
+        let r = client_round(
+            o,
+            &p,
+            round as u32,
+            &dev,
+            &mut ctl,
+            addr,
+            welcome,
+            &progress,
+        );
         rows.push(round_done(&mut ctl, out, o, r)?);
     }
     // The server exits when the Bye arrives: its close may overtake the
@@ -416,11 +496,22 @@ fn round_done(
     r: Result<Row, PerfError>,
 ) -> Result<Row, PerfError> {
     let r = r.inspect_err(|e| ctl.send_error(e))?;
-    line(out, o.format, &r).map_err(io("output"))?;
+    let st = Style {
+        baseline: r.baseline.map(|b| {
+            if b == Baseline::TcpSpin.name() {
+                Baseline::TcpSpin
+            } else {
+                Baseline::Tcp
+            }
+        }),
+        ..o.style()
+    };
+    line(out, st, &r).map_err(io("output"))?;
     out.flush().map_err(io("output"))?;
     Ok(r)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn client_round(
     o: &PerfOptions,
     p: &Params,
@@ -429,6 +520,7 @@ fn client_round(
     ctl: &mut Ctl,
     addr: SocketAddr,
     welcome: Welcome,
+    progress: &Progress,
 ) -> Result<Row, PerfError> {
     let mut a = Active::new(p, dev)?;
     a.prepare(p)?;
@@ -457,25 +549,39 @@ fn client_round(
         Control::Ready { bufs } => bufs,
         m => return Err(unexpected("'ready'", &m)),
     };
-    if bufs.len() != a.qps.len() || bufs.iter().any(|b| b.len < p.size as u64) {
+    // Send tests use no buffer of the server's.
+    let need = if p.test == Test::Send {
+        0
+    } else {
+        p.size as u64
+    };
+    if bufs.len() != a.qps.len() || bufs.iter().any(|b| b.len < need) {
         return Err(PerfError::Peer(
             "the server's buffers do not match the test".into(),
         ));
     }
     a.remote = bufs;
+    tracing::info!(
+        round,
+        size = p.size,
+        qps = a.qps.len(),
+        "data connections up; measuring"
+    );
     let m = run_active(p, &a, &mut RemotePeer { ctl })?;
+    tracing::info!(round, iters = m.iters, secs = m.secs, "measured");
     drop(a);
-    let tcp = if o.baseline_tcp {
+    let tcp = if o.baseline.is_some() {
+        progress.set(format!("tcp baseline {}", super::human_size(p.size)));
         let to = SocketAddr::new(addr.ip(), welcome.tcp_port);
         let s = TcpStream::connect_timeout(&to, p.timeout)
             .map_err(io("connecting to the server's TCP baseline port"))?;
-        Some(tcp::active(&tcp_params(p, &m), s)?.summary())
+        Some(tcp::active(&tcp_params(p, &m, o.baseline), s)?.summary())
     } else {
         None
     };
     let rdma = m.summary();
     ctl.send(&Control::Result { rdma, tcp })?;
-    Ok(Row::new(p, &rdma, tcp.as_ref()))
+    Ok(Row::new(p, &rdma, tcp.as_ref(), o.baseline))
 }
 
 /// Why the server refuses `h`, if its own flags `c` ask for something
@@ -600,14 +706,33 @@ pub fn run_server(
         },
         e => PerfError::Peer(format!("cannot listen on {bind}: {e}")),
     })?;
-    writeln!(out, "listening on {}", listener.local_addr()).map_err(io("output"))?;
+    // A JSON stream stays JSON; CSV gets the line on stderr.
+    match o.format {
+        super::Format::Json => writeln!(
+            out,
+            "{}",
+            serde_json::json!({"listening": listener.local_addr().to_string()})
+        ),
+        super::Format::Csv => {
+            eprintln!("listening on {}", listener.local_addr());
+            Ok(())
+        }
+        super::Format::Human => writeln!(out, "listening on {}", listener.local_addr()),
+    }
+    .map_err(io("output"))?;
     out.flush().map_err(io("output"))?;
     let mut rows = Vec::new();
     loop {
         let wait = (!s.persist).then_some(local.timeout);
+        if !super::wait_for_request(&listener, wait) {
+            return Ok(rows);
+        }
         match serve_client(o, s, &listener, wait, out) {
             Ok(mut r) => rows.append(&mut r),
-            Err(e) if s.persist => eprintln!("softrdma perf: {e}"),
+            Err(e) if s.persist => {
+                eprintln!("softrdma perf: {e}");
+                eprintln!("softrdma perf: waiting for the next client");
+            }
             Err(e) => return Err(e),
         }
         if !s.persist {
@@ -661,6 +786,7 @@ fn serve_client(
         qps: hello.qps,
         inline: hello.inline,
         crc: hello.crc,
+        tcp_spin: hello.tcp_spin,
         ..local.clone()
     };
     for &size in &hello.sizes {
@@ -670,6 +796,18 @@ fn serve_client(
                 "refused the client at {peer}: {e}"
             )));
         }
+    }
+    let need = server_bytes(&p, &hello.sizes, hello.baseline_tcp);
+    if need > s.max_mem {
+        let why = format!(
+            "the test needs {} of memory on the server, more than its limit of {} (--max-mem)",
+            super::output::human_bytes(need),
+            super::output::human_bytes(s.max_mem)
+        );
+        let _ = req.reject(&refusal(&why));
+        return Err(PerfError::Refused(format!(
+            "refused the client at {peer}: {why}"
+        )));
     }
     let dev = device(&p)?;
     let mut ctl = Ctl::new(&dev, p.timeout, "client")?;
@@ -690,10 +828,31 @@ fn serve_client(
     };
     req.accept(&ctl.qp, &welcome.encode(), 16, 16)
         .map_err(|e| PerfError::Peer(format!("accepting the client at {peer}: {e}")))?;
+    let baseline = hello.baseline_tcp.then_some(if hello.tcp_spin {
+        Baseline::TcpSpin
+    } else {
+        Baseline::Tcp
+    });
+    tracing::info!(
+        client = %peer,
+        test = hello.test.name(),
+        mode = ?hello.mode,
+        sizes = ?hello.sizes,
+        iters = hello.iters,
+        duration = ?hello.duration,
+        depth = hello.depth,
+        qps = hello.qps,
+        inline = hello.inline,
+        crc = hello.crc,
+        tcp_baseline = hello.baseline_tcp,
+        "accepted a client's test"
+    );
     header(
         out,
-        o.format,
-        hello.baseline_tcp,
+        Style {
+            baseline,
+            ..o.style()
+        },
         &p,
         &format!("server, client {peer}"),
     )
@@ -717,6 +876,27 @@ fn serve_client(
         Control::Bye => Ok(rows),
         m => Err(unexpected("'bye'", &m)),
     }
+}
+
+/// Memory the server allocates for a run of `sizes` (the largest round:
+/// rounds run one after another, each freeing its buffers), with the TCP
+/// baseline's buffers and the control connection.
+fn server_bytes(p: &Params, sizes: &[usize], baseline_tcp: bool) -> u64 {
+    let control = ((CONTROL_RECVS + 1) * MAX_CONTROL) as u64;
+    sizes
+        .iter()
+        .map(|&size| {
+            let q = Params { size, ..p.clone() };
+            let tcp = if baseline_tcp {
+                tcp::passive_bytes(&q)
+            } else {
+                0
+            };
+            passive_bytes(&q) + tcp
+        })
+        .max()
+        .unwrap_or(0)
+        + control
 }
 
 /// Accepts the data connections of a round, in order; refuses others.
@@ -797,7 +977,12 @@ fn serve_round(
             p.size
         )));
     }
-    if bufs.len() != p.nqps() || bufs.iter().any(|b| b.len < p.size as u64) {
+    let need = if p.test == Test::Write && p.mode == Mode::Lat {
+        p.size as u64
+    } else {
+        0
+    };
+    if bufs.len() != p.nqps() || bufs.iter().any(|b| b.len < need) {
         return Err(PerfError::Peer(
             "the client's buffers do not match the test".into(),
         ));
@@ -807,16 +992,25 @@ fn serve_round(
     accept_data(p, listener, &s.qps, welcome.session, round)?;
     s.prepare(p)?;
     ctl.send(&Control::Ready { bufs: s.targets() })?;
+    tracing::info!(round, size = p.size, "data connections up; serving");
     let cpu0 = cpu_time();
     let data = s.qps.clone();
     let got = {
         let mut calls = 0u32;
         let mut ended: Option<Instant> = None;
+        let mut heard = Instant::now();
         let timeout = p.timeout;
         let mut control = || -> Result<Option<u64>, PerfError> {
             calls = calls.wrapping_add(1);
             if !calls.is_multiple_of(64) {
                 return Ok(None);
+            }
+            if ended.is_none() && heard.elapsed() > timeout {
+                return Err(PerfError::Timeout(format!(
+                    "the client went silent: nothing from it for {} s during the run \
+                     (stopped, or the network is partitioned)",
+                    secs(timeout)
+                )));
             }
             if data.iter().any(|q| q.state() != QpState::Rts) {
                 return Err(PerfError::Peer(
@@ -829,6 +1023,10 @@ fn serve_round(
                 ));
             }
             match ctl.try_recv()? {
+                Some(Control::Alive) => {
+                    heard = Instant::now();
+                    Ok(None)
+                }
                 Some(Control::End { recvs }) => {
                     ended = Some(Instant::now());
                     Ok(Some(recvs))
@@ -841,6 +1039,7 @@ fn serve_round(
         serve(p, &s, &mut control)?
     };
     ctl.send(&Control::Done { recvs: got })?;
+    tracing::info!(round, receives = got, "run ended");
     let cpu = cpu_time() - cpu0;
     drop(s);
     if let Some(l) = tcp {
@@ -853,7 +1052,12 @@ fn serve_round(
                 cpu_secs: cpu,
                 ..rdma
             };
-            Ok(Row::new(p, &mine, tcp.as_ref()))
+            let baseline = if p.tcp_spin {
+                Baseline::TcpSpin
+            } else {
+                Baseline::Tcp
+            };
+            Ok(Row::new(p, &mine, tcp.as_ref(), Some(baseline)))
         }
         m => Err(unexpected("'result'", &m)),
     }
@@ -863,6 +1067,23 @@ fn serve_round(
 mod tests {
     use super::super::Test;
     use super::*;
+
+    #[test]
+    fn connect_reported_cannot_resolve_for_an_invalid_port() {
+        for bad in [
+            "127.0.0.1:99999",
+            "127.0.0.1:abc",
+            "host:0",
+            "[::1]:x",
+            "h:",
+        ] {
+            let e = checked_port(bad, 7).unwrap_err();
+            assert!(e.contains("invalid port"), "{bad}: {e}");
+        }
+        assert_eq!(checked_port("h:80", 7).unwrap(), "h:80");
+        assert_eq!(checked_port("::1", 7).unwrap(), "[::1]:7");
+        assert_eq!(checked_port("[::1]:9", 7).unwrap(), "[::1]:9");
+    }
 
     #[test]
     fn ports() {
@@ -882,6 +1103,7 @@ mod tests {
             mode: Mode::Bw,
             crc: false,
             baseline_tcp: false,
+            tcp_spin: false,
             iters: 1000,
             duration: None,
             depth: 16,
