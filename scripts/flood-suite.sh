@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Flood and churn: hostile load against softrdma servers on loopback.
 #
-#   scripts/flood-suite.sh            one PASS/FAIL line per case; exit 1 if any failed
+#   scripts/flood-suite.sh [CASE...]  one PASS/FAIL line per case; exit 1 if any failed
 #
 # Cases:
 #   halfopen   1000 silent TCP connections against `softrdma perf --server`:
@@ -25,6 +25,10 @@ BIN=$ROOT/target/release/softrdma
 ECHO=$ROOT/target/release/examples/async_echo
 # 1000 connections on each side of loopback.
 ulimit -n 8192 2>/dev/null || ulimit -n 4096
+
+CASES=("$@")
+[ ${#CASES[@]} -eq 0 ] && CASES=(halfopen finclose silent)
+want() { [[ " ${CASES[*]} " == *" $1 "* ]]; }
 
 fails=0
 result() { # status name detail
@@ -56,6 +60,7 @@ port_of() { # log
 }
 
 # --- halfopen -------------------------------------------------------------
+if want halfopen; then
 log=$LOGS/halfopen-server.log
 timeout 120 "$BIN" perf --server --persist --bind 127.0.0.1 --port 0 --timeout 10 >"$log" 2>&1 &
 SPID=$!
@@ -88,7 +93,10 @@ fi
 kill "$SPID" 2>/dev/null
 wait "$SPID" 2>/dev/null
 
+fi
+
 # --- finclose -------------------------------------------------------------
+if want finclose; then
 log=$LOGS/finclose-server.log
 timeout 300 "$ECHO" server 127.0.0.1:0 >"$log" 2>&1 &
 SPID=$!
@@ -123,7 +131,10 @@ fi
 kill "$SPID" 2>/dev/null
 wait "$SPID" 2>/dev/null
 
+fi
+
 # --- silent ---------------------------------------------------------------
+if want silent; then
 log=$LOGS/silent-server.log
 timeout 120 "$BIN" perf --server --persist --bind 127.0.0.1 --port 0 --timeout 3 >"$log" 2>&1 &
 SPID=$!
@@ -133,12 +144,14 @@ if port=$(port_of "$log"); then
 	CPID=$!
 	PIDS+=("$CPID")
 	sleep 1.5
-	kill -STOP "$CPID"
+	# Stop the client itself (CPID is its `timeout`).
+	CCPID=$(child "$CPID")
+	kill -STOP "$CCPID"
 	start=$(now)
 	timeout 30 "$BIN" perf write --connect "127.0.0.1:$port" -n 200 -s 4K --timeout 20 >"$LOGS/silent-next.log" 2>&1
 	nrc=$?
 	took=$(since "$start")
-	kill -9 "$CPID" 2>/dev/null
+	kill -9 "$CCPID" "$CPID" 2>/dev/null
 	wait "$CPID" 2>/dev/null
 	alive=no
 	kill -0 "$SPID" 2>/dev/null && alive=yes
@@ -153,6 +166,8 @@ else
 fi
 kill "$SPID" 2>/dev/null
 wait "$SPID" 2>/dev/null
+
+fi
 
 echo "flood-suite: $fails case(s) failed; logs in $LOGS"
 [ $fails -eq 0 ]
