@@ -86,7 +86,7 @@ impl Reactor {
         *self.shared.ia.lock() = ia;
     }
 
-    fn wake(&self) {
+    pub(crate) fn wake(&self) {
         self.shared.wake.raise();
     }
 
@@ -167,14 +167,15 @@ fn run(s: &Arc<RShared>) {
             (sps, conns, timeout)
         };
         {
+            let listeners: Vec<_> = sps.iter().map(|sp| sp.listener.lock()).collect();
             let mut fds = Vec::with_capacity(2 + sps.len() + conns.len());
             fds.push(PollFd::new(&s.wake, PollFlags::IN));
             fds.push(PollFd::from_borrowed_fd(
                 s.device.async_events().fd(),
                 PollFlags::IN,
             ));
-            for sp in &sps {
-                fds.push(PollFd::from_borrowed_fd(sp.listener.fd(), PollFlags::IN));
+            for l in listeners.iter().filter_map(|g| g.as_ref()) {
+                fds.push(PollFd::from_borrowed_fd(l.fd(), PollFlags::IN));
             }
             for (_, c) in &conns {
                 fds.push(PollFd::from_borrowed_fd(c.fd(), PollFlags::IN));
@@ -215,10 +216,19 @@ fn run(s: &Arc<RShared>) {
             }
         }
         for sp in &sps {
-            while let Some(req) = sp.listener.try_get_request() {
-                SpInner::on_request(sp, req);
+            loop {
+                let req = match sp.listener.lock().as_ref() {
+                    Some(l) => {
+                        while l.try_event().is_some() {}
+                        l.try_get_request()
+                    }
+                    None => None,
+                };
+                match req {
+                    Some(req) => SpInner::on_request(sp, req),
+                    None => break,
+                }
             }
-            while sp.listener.try_event().is_some() {}
         }
         drop(sps);
         let mut done = HashSet::new();
@@ -350,9 +360,12 @@ pub(crate) struct SpInner {
     kind: SpKind,
     conn_qual: u64,
     evd: Evd,
-    listener: Listener,
+    local: SocketAddr,
+    /// Taken (closed) when the SP is freed.
+    listener: Mutex<Option<Listener>>,
     state: Mutex<SpState>,
-    ep: Option<Ep>,
+    ep: Mutex<Option<Ep>>,
+    closed: AtomicBool,
     flags: u32,
     user: AtomicUsize,
     ia: ObjRef,
@@ -360,17 +373,29 @@ pub(crate) struct SpInner {
 
 impl Drop for SpInner {
     fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl SpInner {
+    /// Stops listening and lets go of the EVD and the EP (once).
+    fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
         self.evd.inner.users.fetch_sub(1, Ordering::AcqRel);
-        if let Some(ep) = &self.ep {
+        if let Some(ep) = self.ep.lock().take() {
             let mut c = ep.inner.conn.lock();
             if c.state == EpState::Reserved {
                 c.state = EpState::Unconnected;
             }
         }
+        // The reactor holds the listener while it polls: wake it first.
+        self.ia.0.reactor.wake();
+        let l = self.listener.lock().take();
+        drop(l);
     }
-}
 
-impl SpInner {
     fn create(
         ia: &Ia,
         kind: SpKind,
@@ -401,8 +426,8 @@ impl SpInner {
                 }
                 _ => err(ErrorType::InsufficientResources, Subtype::None),
             })?;
-        let conn_qual =
-            conn_qual.unwrap_or_else(|| addr::conn_qual_of(listener.local_addr().port(), base));
+        let local = listener.local_addr();
+        let conn_qual = conn_qual.unwrap_or_else(|| addr::conn_qual_of(local.port(), base));
         if let Some(ep) = ep {
             ep.inner.local_event(EpEvent::Reserve)?;
         }
@@ -412,9 +437,11 @@ impl SpInner {
             kind,
             conn_qual,
             evd: evd.clone(),
-            listener,
+            local,
+            listener: Mutex::new(Some(listener)),
             state: Mutex::new(SpState::Listening),
-            ep: ep.cloned(),
+            ep: Mutex::new(ep.cloned()),
+            closed: AtomicBool::new(false),
             flags,
             user: AtomicUsize::new(0),
             ia: ObjRef::new(&ia.inner),
@@ -445,7 +472,8 @@ impl SpInner {
             let _ = req.reject(&[]);
             return;
         }
-        if let Some(ep) = &self.ep
+        let ep = self.ep.lock().clone();
+        if let Some(ep) = &ep
             && ep.inner.local_event(EpEvent::RequestArrived).is_err()
         {
             let _ = req.reject(&[]);
@@ -460,7 +488,7 @@ impl SpInner {
                 id: crate::next_id(),
                 peer: req.peer_addr(),
                 pdata: req.private_data().to_vec(),
-                local: self.listener.local_addr(),
+                local: self.local,
                 req: Mutex::new(Some(req)),
                 sp: self.handle(),
                 conn_qual: self.conn_qual,
@@ -532,7 +560,7 @@ macro_rules! sp_common {
 
             /// The TCP address listened on.
             pub fn local_addr(&self) -> SocketAddr {
-                self.inner.listener.local_addr()
+                self.inner.local
             }
 
             /// The CR EVD.
@@ -557,10 +585,10 @@ macro_rules! sp_common {
                 self.inner.user.store(v, Ordering::Release);
             }
 
-            /// Stops listening (`dat_*sp_free`); requests already delivered
-            /// stay usable.
+            /// Stops listening (`dat_*sp_free`) at once; requests already
+            /// delivered stay usable.
             pub fn free(self) {
-                drop(self);
+                self.inner.close();
             }
         }
 
@@ -615,9 +643,9 @@ impl Rsp {
             .map(|inner| Rsp { inner })
     }
 
-    /// The reserved EP.
+    /// The reserved EP (until the RSP is freed).
     pub fn ep(&self) -> Option<Ep> {
-        self.inner.ep.clone()
+        self.inner.ep.lock().clone()
     }
 }
 

@@ -240,7 +240,8 @@ pub(crate) struct EpInner {
     id: u64,
     pub(crate) ia: ObjRef,
     pub(crate) qp: QueuePair,
-    pz: PzRef,
+    pz: Mutex<Option<PzRef>>,
+    pz_handle: Pz,
     attr: EpAttr,
     pub(crate) recv_evd: Option<Evd>,
     pub(crate) request_evd: Option<Evd>,
@@ -253,11 +254,16 @@ pub(crate) struct EpInner {
     /// A fatal async event was seen for the QP: its end is BROKEN.
     pub(crate) fatal: AtomicBool,
     user: AtomicUsize,
+    detached: AtomicBool,
     self_weak: Weak<EpInner>,
 }
 
-impl Drop for EpInner {
-    fn drop(&mut self) {
+impl EpInner {
+    /// Lets go of the EVDs and the PZ (once): `dat_ep_free` or drop.
+    fn detach(&self) {
+        if self.detached.swap(true, Ordering::AcqRel) {
+            return;
+        }
         for e in [&self.recv_evd, &self.request_evd, &self.connect_evd]
             .into_iter()
             .flatten()
@@ -265,9 +271,16 @@ impl Drop for EpInner {
             e.inner.users.fetch_sub(1, Ordering::AcqRel);
             e.inner.eps.lock().remove(&self.qp.qp_num());
         }
+        self.pz.lock().take();
         if matches!(self.qp.state(), QpState::Rts | QpState::Closing) {
             self.qp.abort();
         }
+    }
+}
+
+impl Drop for EpInner {
+    fn drop(&mut self) {
+        self.detach();
     }
 }
 
@@ -396,7 +409,8 @@ impl Ep {
             id: crate::next_id(),
             ia: ObjRef::new(&ia.inner),
             qp,
-            pz: PzRef::new(pz),
+            pz: Mutex::new(Some(PzRef::new(pz))),
+            pz_handle: pz.clone(),
             attr: a,
             recv_evd: recv_evd.cloned(),
             request_evd: request_evd.cloned(),
@@ -417,6 +431,7 @@ impl Ep {
             next_wr: AtomicU64::new(1),
             fatal: AtomicBool::new(false),
             user: AtomicUsize::new(0),
+            detached: AtomicBool::new(false),
             self_weak: w.clone(),
         });
         let qpn = inner.qp.qp_num();
@@ -470,7 +485,7 @@ impl Ep {
             remote_addr: c.remote,
             conn_qual: c.conn_qual,
             attr: self.inner.attr,
-            pz: self.inner.pz.0.clone(),
+            pz: self.inner.pz_handle.clone(),
             recv_evd: self.inner.recv_evd.clone(),
             request_evd: self.inner.request_evd.clone(),
             connect_evd: self.inner.connect_evd.clone(),
@@ -578,13 +593,15 @@ impl Ep {
         Ok(())
     }
 
-    /// `dat_ep_free`: an open connection is reset.
+    /// `dat_ep_free`: an open connection is reset; the EVDs and the PZ are
+    /// free to go at once (events already queued still name the EP).
     pub fn free(self) {
         let c = self.inner.conn.lock().conn.take();
         if let Some(c) = c {
             c.abort();
         }
         self.inner.ia.0.reactor.remove_ep(&self.inner);
+        self.inner.detach();
     }
 
     fn wr_id(&self) -> u64 {

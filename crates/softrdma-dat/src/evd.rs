@@ -481,6 +481,16 @@ impl Evd {
         Ok(())
     }
 
+    /// Drops every queued event (they may hold EPs and CRs alive); used
+    /// when the EVD or its IA goes away.
+    pub fn drain(&self) {
+        let mut q = self.inner.q.lock();
+        let old = std::mem::take(&mut q.events);
+        self.inner.signal.clear();
+        drop(q);
+        drop(old);
+    }
+
     /// Pushes an event (crate use: connection, CR and async events).
     pub(crate) fn push(&self, ev: Event) -> bool {
         self.inner.push(ev)

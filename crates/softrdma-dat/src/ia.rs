@@ -200,8 +200,9 @@ impl Ia {
     }
 
     /// Closes the IA (`dat_ia_close`). Graceful: refused while objects of
-    /// the IA exist. Abrupt: connections of the IA's EPs are reset and
-    /// the IA is released when the caller's other handles go.
+    /// the IA exist. Abrupt: connections of the IA's EPs are reset. Either
+    /// way the reactor thread ends; the IA's memory is released when the
+    /// caller's other handles go.
     ///
     /// # Errors
     ///
@@ -214,9 +215,11 @@ impl Ia {
         if !graceful {
             self.inner.reactor.abort_all();
         }
-        if Arc::strong_count(&self.inner) == 1 {
-            // The last handle: stop the reactor thread now.
-            self.inner.reactor.stop();
+        // The IA is closed: its reactor thread ends now, even if clones
+        // of the handle are still around.
+        self.inner.reactor.stop();
+        if let Some(a) = self.inner.async_evd() {
+            a.drain();
         }
         Ok(())
     }

@@ -40,7 +40,7 @@ mod fd;
 mod ia;
 mod mem;
 
-pub use cm::{Cr, CrParam, Psp, Rsp};
+pub use cm::{Cr, CrParam, Psp, Rsp, ServicePoint};
 pub use ep::{CompletionFlags, DtoOp, DtoStatus, Ep, EpAttr, EpParam, LmrTriplet, RmrTriplet, Srq};
 pub use evd::{AsyncKind, Cno, Evd, EvdFlags, Event};
 pub use ia::{Ia, IaConfig};
