@@ -257,7 +257,7 @@ unsafe extern "C" fn ia_open(
 }
 
 /// A named attribute table that may be shared between threads.
-struct Attrs([DAT_NAMED_ATTR; 2]);
+struct Attrs([DAT_NAMED_ATTR; 3]);
 // SAFETY: the pointers are to static C strings.
 unsafe impl Sync for Attrs {}
 
@@ -265,6 +265,11 @@ static PROVIDER_ATTRS: Attrs = Attrs([
     DAT_NAMED_ATTR {
         name: c"DAT_IB_RDMA_READ".as_ptr(),
         value: c"TRUE".as_ptr(),
+    },
+    // dtestsrq sizes its messages from it.
+    DAT_NAMED_ATTR {
+        name: c"DAT_IB_TRANSPORT_MTU".as_ptr(),
+        value: c"4096".as_ptr(),
     },
     DAT_NAMED_ATTR {
         name: c"SOFTRDMA_TRANSPORT".as_ptr(),
@@ -1276,8 +1281,10 @@ unsafe extern "C" fn psp_query(psp: H, _mask: u32, p: *mut DAT_PSP_PARAM) -> u32
 
 unsafe extern "C" fn psp_free(psp: H) -> u32 {
     run(|| {
-        handles::get(psp, Kind::Psp)?;
+        let m = handles::get(psp, Kind::Psp)?;
+        let p = obj!(m, Psp, Subtype::HandlePsp);
         handles::remove(psp as usize);
+        p.free();
         Ok(())
     })
 }
@@ -1315,8 +1322,10 @@ unsafe extern "C" fn rsp_query(rsp: H, _mask: u32, p: *mut DAT_RSP_PARAM) -> u32
 
 unsafe extern "C" fn rsp_free(rsp: H) -> u32 {
     run(|| {
-        handles::get(rsp, Kind::Rsp)?;
+        let m = handles::get(rsp, Kind::Rsp)?;
+        let r = obj!(m, Rsp, Subtype::HandleRsp);
         handles::remove(rsp as usize);
+        r.free();
         Ok(())
     })
 }

@@ -167,14 +167,15 @@ fn run(s: &Arc<RShared>) {
             (sps, conns, timeout)
         };
         {
-            let listeners: Vec<_> = sps.iter().map(|sp| sp.listener.lock()).collect();
+            let listeners: Vec<Arc<Listener>> =
+                sps.iter().filter_map(|sp| sp.listener.lock().clone()).collect();
             let mut fds = Vec::with_capacity(2 + sps.len() + conns.len());
             fds.push(PollFd::new(&s.wake, PollFlags::IN));
             fds.push(PollFd::from_borrowed_fd(
                 s.device.async_events().fd(),
                 PollFlags::IN,
             ));
-            for l in listeners.iter().filter_map(|g| g.as_ref()) {
+            for l in &listeners {
                 fds.push(PollFd::from_borrowed_fd(l.fd(), PollFlags::IN));
             }
             for (_, c) in &conns {
@@ -217,9 +218,14 @@ fn run(s: &Arc<RShared>) {
         }
         for sp in &sps {
             loop {
-                let req = match sp.listener.lock().as_ref() {
+                let l = sp.listener.lock().clone();
+                let req = match l {
                     Some(l) => {
-                        while l.try_event().is_some() {}
+                        while let Some(e) = l.try_event() {
+                            if debug() {
+                                eprintln!("softrdma-dat: listener {}: {e:?}", sp.conn_qual);
+                            }
+                        }
                         l.try_get_request()
                     }
                     None => None,
@@ -277,12 +283,21 @@ fn run(s: &Arc<RShared>) {
     }
 }
 
+/// `SOFTRDMA_DAT_DEBUG=1` traces connection events on stderr.
+fn debug() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("SOFTRDMA_DAT_DEBUG").is_some())
+}
+
 fn same(a: &Connection, b: &Connection) -> bool {
     a.fd().as_raw_fd() == b.fd().as_raw_fd()
 }
 
 fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
     let ia = &ep.ia.0;
+    if debug() {
+        eprintln!("softrdma-dat: qp {} state {:?}: {ev:?}", ep.qp.qp_num(), ep.conn.lock().state);
+    }
     let policy = EpPolicy {
         retry_refused: ia.config.connect_retry.is_some(),
     };
@@ -362,7 +377,7 @@ pub(crate) struct SpInner {
     evd: Evd,
     local: SocketAddr,
     /// Taken (closed) when the SP is freed.
-    listener: Mutex<Option<Listener>>,
+    listener: Mutex<Option<Arc<Listener>>>,
     state: Mutex<SpState>,
     ep: Mutex<Option<Ep>>,
     closed: AtomicBool,
@@ -390,10 +405,24 @@ impl SpInner {
                 c.state = EpState::Unconnected;
             }
         }
-        // The reactor holds the listener while it polls: wake it first.
-        self.ia.0.reactor.wake();
+        // The reactor holds a clone while it polls: wake it, then wait
+        // (briefly) for it to let go, so the port is free when this returns.
         let l = self.listener.lock().take();
-        drop(l);
+        self.ia.0.reactor.wake();
+        if let Some(mut l) = l {
+            for _ in 0..1000 {
+                match Arc::try_unwrap(l) {
+                    Ok(x) => {
+                        drop(x);
+                        return;
+                    }
+                    Err(a) => {
+                        l = a;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
     }
 
     fn create(
@@ -438,7 +467,7 @@ impl SpInner {
             conn_qual,
             evd: evd.clone(),
             local,
-            listener: Mutex::new(Some(listener)),
+            listener: Mutex::new(Some(Arc::new(listener))),
             state: Mutex::new(SpState::Listening),
             ep: Mutex::new(ep.cloned()),
             closed: AtomicBool::new(false),

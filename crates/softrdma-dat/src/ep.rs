@@ -570,13 +570,18 @@ impl Ep {
         let mut c = self.inner.conn.lock();
         let st = rules::step(c.state, EpEvent::Reset, self.policy())?;
         let qp = &self.inner.qp;
+        // A QP that carried a connection is fully reset (through ERROR),
+        // whether it ended gracefully (IDLE) or not, so nothing of the old
+        // connection survives into the next.
+        if c.conn.is_some() || c.state == EpState::Disconnected {
+            if qp.state() != QpState::Error {
+                qp.abort();
+            }
+            let _ = qp.modify(QpState::Idle);
+        }
         if qp.state() == QpState::Error {
             qp.modify(QpState::Idle)
                 .map_err(|_| err(ErrorType::InternalError, Subtype::None))?;
-        }
-        if matches!(qp.state(), QpState::Rts | QpState::Closing) {
-            qp.abort();
-            let _ = qp.modify(QpState::Idle);
         }
         if qp.state() == QpState::Idle {
             qp.modify(QpState::Rtr)
