@@ -149,7 +149,7 @@ if want "dapltest"; then
             want "$name" || return 0
             local o="$T/$name.log"
             timeout 60 dapltest "$@" >"$o" 2>&1
-            if grep -qE "Stats|Test completed successfully|Total WQE" "$o" &&
+            if grep -qE "Stats|Test completed successfully|Total WQE|End of Work -- Client Exiting" "$o" &&
                 ! grep -qE "Test Error|error:|bad connection event|Warning: conn_event_wait|retrying connection" "$o"; then
                 result "$name" 1
             else

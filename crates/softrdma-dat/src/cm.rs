@@ -167,8 +167,10 @@ fn run(s: &Arc<RShared>) {
             (sps, conns, timeout)
         };
         {
-            let listeners: Vec<Arc<Listener>> =
-                sps.iter().filter_map(|sp| sp.listener.lock().clone()).collect();
+            let listeners: Vec<Arc<Listener>> = sps
+                .iter()
+                .filter_map(|sp| sp.listener.lock().clone())
+                .collect();
             let mut fds = Vec::with_capacity(2 + sps.len() + conns.len());
             fds.push(PollFd::new(&s.wake, PollFlags::IN));
             fds.push(PollFd::from_borrowed_fd(
@@ -296,7 +298,11 @@ fn same(a: &Connection, b: &Connection) -> bool {
 fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
     let ia = &ep.ia.0;
     if debug() {
-        eprintln!("softrdma-dat: qp {} state {:?}: {ev:?}", ep.qp.qp_num(), ep.conn.lock().state);
+        eprintln!(
+            "softrdma-dat: qp {} state {:?}: {ev:?}",
+            ep.qp.qp_num(),
+            ep.conn.lock().state
+        );
     }
     let policy = EpPolicy {
         retry_refused: ia.config.connect_retry.is_some(),
