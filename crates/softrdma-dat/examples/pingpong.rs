@@ -57,10 +57,10 @@ fn dto(evd: &Evd) -> Result<(u64, u32), Box<dyn std::error::Error>> {
     match evd.wait(T, 1)?.0 {
         Event::Dto {
             cookie,
-            status,
+            status: softrdma_dat::DtoStatus::Success,
             len,
             ..
-        } if status == softrdma_dat::DtoStatus::Success => Ok((cookie, len)),
+        } => Ok((cookie, len)),
         other => Err(format!("unexpected event {other:?}").into()),
     }
 }
