@@ -34,6 +34,16 @@ fn run(f: impl FnOnce() -> R) -> u32 {
     }
 }
 
+/// `SOFTRDMA_DAT_DEBUG=1` traces the data-path entry points on stderr.
+fn traced(name: &str, f: impl FnOnce() -> R) -> u32 {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let r = run(f);
+    if *ON.get_or_init(|| std::env::var_os("SOFTRDMA_DAT_DEBUG").is_some()) {
+        eprintln!("softrdma-dapl: {name} -> {r:#x}");
+    }
+    r
+}
+
 fn bad(ty: ErrorType, sub: Subtype) -> DatError {
     DatError::new(ty, sub)
 }
@@ -491,7 +501,7 @@ unsafe extern "C" fn cr_query(cr: H, _mask: u32, p: *mut DAT_CR_PARAM) -> u32 {
 }
 
 unsafe extern "C" fn cr_accept(cr: H, ep: H, n: DAT_COUNT, pd: *const c_void) -> u32 {
-    run(|| {
+    traced("cr_accept", || {
         let m = handles::get(cr, Kind::Cr)?;
         let c = obj!(m, Cr, Subtype::HandleCr);
         let data = pdata(n, pd)?;
@@ -529,7 +539,7 @@ unsafe extern "C" fn cr_handoff(cr: H, qual: u64) -> u32 {
 // ---------------------------------------------------------------- EVD
 
 unsafe extern "C" fn evd_create(ia: H, qlen: DAT_COUNT, cno: H, flags: u32, evd: *mut H) -> u32 {
-    run(|| {
+    traced("evd_create", || {
         let (m, i) = ia_h(ia)?;
         if evd.is_null() {
             return Err(param(Subtype::Arg5));
@@ -706,7 +716,7 @@ unsafe extern "C" fn evd_wait(
     ev: *mut DAT_EVENT,
     nmore: *mut DAT_COUNT,
 ) -> u32 {
-    run(|| {
+    traced("evd_wait", || {
         let (m, e) = evd_h(evd, Subtype::None)?;
         if ev.is_null() {
             return Err(param(Subtype::Arg4));
@@ -719,7 +729,7 @@ unsafe extern "C" fn evd_wait(
 }
 
 unsafe extern "C" fn evd_dequeue(evd: H, ev: *mut DAT_EVENT) -> u32 {
-    run(|| {
+    traced("evd_dequeue", || {
         let (m, e) = evd_h(evd, Subtype::None)?;
         if ev.is_null() {
             return Err(param(Subtype::Arg2));
@@ -836,7 +846,7 @@ unsafe extern "C" fn ep_create_with_srq(
     attr: *const DAT_EP_ATTR,
     ep: *mut H,
 ) -> u32 {
-    run(|| {
+    traced("ep_create_with_srq", || {
         if srq.is_null() {
             return Err(bad(ErrorType::InvalidHandle, Subtype::HandleSrq));
         }
@@ -906,7 +916,7 @@ unsafe extern "C" fn ep_connect(
     _qos: u32,
     _flags: u32,
 ) -> u32 {
-    run(|| {
+    traced("ep_connect", || {
         let (_, e) = ep_h(ep)?;
         let data = pdata(n, pd)?;
         let a = sockaddr(addr)?;
@@ -915,7 +925,7 @@ unsafe extern "C" fn ep_connect(
 }
 
 unsafe extern "C" fn ep_disconnect(ep: H, flags: u32) -> u32 {
-    run(|| {
+    traced("ep_disconnect", || {
         let (_, e) = ep_h(ep)?;
         match e.disconnect(flags == 1) {
             // Disconnecting an EP that never connected is a no-op in DAPL.
@@ -932,7 +942,7 @@ unsafe extern "C" fn ep_post_send(
     cookie: u64,
     flags: u32,
 ) -> u32 {
-    run(|| {
+    traced("ep_post_send", || {
         let (_, e) = ep_h(ep)?;
         e.post_send(&triplets(n, t)?, cookie, CompletionFlags(flags))
     })
@@ -945,7 +955,7 @@ unsafe extern "C" fn ep_post_recv(
     cookie: u64,
     flags: u32,
 ) -> u32 {
-    run(|| {
+    traced("ep_post_recv", || {
         let (_, e) = ep_h(ep)?;
         e.post_recv(&triplets(n, t)?, cookie, CompletionFlags(flags))
     })
@@ -959,7 +969,7 @@ unsafe extern "C" fn ep_post_rdma_read(
     r: *const DAT_RMR_TRIPLET,
     flags: u32,
 ) -> u32 {
-    run(|| {
+    traced("ep_post_rdma_read", || {
         let (_, e) = ep_h(ep)?;
         e.post_rdma_read(
             &triplets(n, t)?,
@@ -978,7 +988,7 @@ unsafe extern "C" fn ep_post_rdma_write(
     r: *const DAT_RMR_TRIPLET,
     flags: u32,
 ) -> u32 {
-    run(|| {
+    traced("ep_post_rdma_write", || {
         let (_, e) = ep_h(ep)?;
         e.post_rdma_write(
             &triplets(n, t)?,
@@ -1333,7 +1343,7 @@ unsafe extern "C" fn rsp_free(rsp: H) -> u32 {
 // ---------------------------------------------------------------- SRQ
 
 unsafe extern "C" fn srq_create(ia: H, pz: H, attr: *mut DAT_SRQ_ATTR, srq: *mut H) -> u32 {
-    run(|| {
+    traced("srq_create", || {
         let (m, i) = ia_h(ia)?;
         let pm = handles::get(pz, Kind::Pz)?;
         let p = obj!(pm, Pz, Subtype::HandlePz);
@@ -1370,7 +1380,7 @@ unsafe extern "C" fn srq_post_recv(
     t: *mut DAT_LMR_TRIPLET,
     cookie: u64,
 ) -> u32 {
-    run(|| {
+    traced("srq_post_recv", || {
         let m = handles::get(srq, Kind::Srq)?;
         let s = obj!(m, Srq, Subtype::HandleSrq);
         s.post_recv(&triplets(n, t)?, cookie)

@@ -200,6 +200,10 @@ fn run(s: &Arc<RShared>) {
                 | AsyncEventKind::QpRequestError
                 | AsyncEventKind::QpAccessError
                 | AsyncEventKind::TerminateReceived => AsyncKind::EpBroken,
+                // The last receive of an SRQ EP that left the connected
+                // state was consumed or flushed: DAT consumers (dtestsrq)
+                // wait for it on the async EVD before freeing the EP.
+                AsyncEventKind::QpLastWqeReached => AsyncKind::EpBroken,
                 AsyncEventKind::DeviceFatal => AsyncKind::IaCatastrophic,
                 AsyncEventKind::CqError => AsyncKind::EvdOverflow,
                 _ => continue,
@@ -207,7 +211,9 @@ fn run(s: &Arc<RShared>) {
             let ep = ev
                 .qp_num
                 .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
-            if let Some(ep) = &ep {
+            if let Some(ep) = &ep
+                && ev.kind != AsyncEventKind::QpLastWqeReached
+            {
                 ep.fatal.store(true, Ordering::Release);
             }
             if let Some(a) = ia.as_ref().and_then(|ia| ia.async_evd()) {
