@@ -34,11 +34,16 @@ fn run(f: impl FnOnce() -> R) -> u32 {
     }
 }
 
+/// Whether `SOFTRDMA_DAT_DEBUG` is set.
+fn debug_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("SOFTRDMA_DAT_DEBUG").is_some())
+}
+
 /// `SOFTRDMA_DAT_DEBUG=1` traces the data-path entry points on stderr.
 fn traced(name: &str, f: impl FnOnce() -> R) -> u32 {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let r = run(f);
-    if *ON.get_or_init(|| std::env::var_os("SOFTRDMA_DAT_DEBUG").is_some()) {
+    if debug_on() {
         eprintln!("softrdma-dapl: {name} -> {r:#x}");
     }
     r
@@ -724,6 +729,9 @@ unsafe extern "C" fn evd_wait(
         let th = usize::try_from(threshold).map_err(|_| param(Subtype::Arg3))?;
         let (x, more) = e.wait(timeout(t), th)?;
         out_opt(nmore, more as DAT_COUNT);
+        if debug_on() {
+            eprintln!("softrdma-dapl: evd {evd:?} event {:#x}", x.event_number());
+        }
         fill(&m, x, ev)
     })
 }
