@@ -26,6 +26,9 @@ type R<T = ()> = Result<T, DatError>;
 
 const INTERNAL_ERROR: u32 = 0x0004_0000;
 
+/// The smallest queue an EVD created through the C API gets.
+const MIN_EVD_QLEN: usize = 256;
+
 fn run(f: impl FnOnce() -> R) -> u32 {
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => 0,
@@ -556,7 +559,13 @@ unsafe extern "C" fn evd_create(ia: H, qlen: DAT_COUNT, cno: H, flags: u32, evd:
             Some(obj!(cm, Cno, Subtype::HandleCno))
         };
         let qlen = usize::try_from(qlen).map_err(|_| param(Subtype::Arg2))?;
-        let e = Evd::new(&i, qlen, EvdFlags(flags), c.as_ref())?;
+        if qlen == 0 {
+            return Err(param(Subtype::Arg2));
+        }
+        // DAT's qlen is a minimum (DAPL rounds it up to its CQ sizes too):
+        // consumers such as dtestcm size their connection EVD below the
+        // number of EPs whose events may be queued at once.
+        let e = Evd::new(&i, qlen.max(MIN_EVD_QLEN), EvdFlags(flags), c.as_ref())?;
         out(
             evd,
             as_h(handles::make(m.provider, Obj::Evd(e), ia as usize)),
