@@ -195,6 +195,21 @@ fn run(s: &Arc<RShared>) {
         }
         let ia = s.ia.lock().upgrade();
         while let Some(ev) = s.device.async_events().try_get() {
+            if matches!(
+                ev.kind,
+                AsyncEventKind::LlpClosed | AsyncEventKind::LlpReset | AsyncEventKind::BadClose
+            ) {
+                // The connection's end, in the order the data path saw
+                // it (the connection's own Disconnected event comes later,
+                // from a sampling thread, and is then a no-op).
+                let ep = ev
+                    .qp_num
+                    .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
+                if let Some(ep) = ep {
+                    on_llp_end(&ep);
+                }
+                continue;
+            }
             let kind = match ev.kind {
                 AsyncEventKind::QpFatal
                 | AsyncEventKind::QpRequestError
@@ -299,6 +314,33 @@ fn debug() -> bool {
 
 fn same(a: &Connection, b: &Connection) -> bool {
     a.fd().as_raw_fd() == b.fd().as_raw_fd()
+}
+
+/// The transport connection of a connected EP ended.
+fn on_llp_end(ep: &Arc<EpInner>) {
+    let mut c = ep.conn.lock();
+    if !matches!(c.state, EpState::Connected | EpState::DisconnectPending) {
+        return;
+    }
+    let e = if ep.fatal.load(Ordering::Acquire) {
+        EpEvent::Broken
+    } else {
+        EpEvent::Closed
+    };
+    if debug() {
+        eprintln!(
+            "softrdma-dat: qp {} state {:?}: LLP end",
+            ep.qp.qp_num(),
+            c.state
+        );
+    }
+    if let Ok(st) = rules::step(c.state, e, EpPolicy::default()) {
+        c.state = st.next;
+        drop(c);
+        if let Some(r) = st.report {
+            ep.report(r, Vec::new());
+        }
+    }
 }
 
 fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
