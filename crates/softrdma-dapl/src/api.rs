@@ -1385,8 +1385,10 @@ unsafe extern "C" fn srq_create(ia: H, pz: H, attr: *mut DAT_SRQ_ATTR, srq: *mut
 
 unsafe extern "C" fn srq_free(srq: H) -> u32 {
     run(|| {
-        handles::get(srq, Kind::Srq)?;
+        let m = handles::get(srq, Kind::Srq)?;
+        let s = obj!(m, Srq, Subtype::HandleSrq);
         handles::remove(srq as usize);
+        s.free();
         Ok(())
     })
 }

@@ -1024,7 +1024,7 @@ pub(crate) struct SrqInner {
     next: AtomicU64,
     max_iov: u32,
     user: AtomicUsize,
-    _pz: PzRef,
+    pz: Mutex<Option<PzRef>>,
     _ia: ObjRef,
 }
 
@@ -1052,7 +1052,7 @@ impl Srq {
                 next: AtomicU64::new(1 << 62),
                 max_iov: max_recv_iov.max(1),
                 user: AtomicUsize::new(0),
-                _pz: PzRef::new(pz),
+                pz: Mutex::new(Some(PzRef::new(pz))),
                 _ia: ObjRef::new(&ia.inner),
             }),
         })
@@ -1105,6 +1105,12 @@ impl Srq {
             return Err(post_err(&e.to_string()));
         }
         Ok(())
+    }
+
+    /// `dat_srq_free`: the PZ is free to go at once (EPs still using the
+    /// SRQ keep its receives).
+    pub fn free(&self) {
+        self.inner.pz.lock().take();
     }
 
     /// Sets the low watermark (`dat_srq_set_lw`).
