@@ -381,7 +381,13 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
         CmEvent::Unreachable => {
             let now = Instant::now();
             let budget_left = c.retry_until.is_some_and(|t| now + c.backoff < t);
-            EpEvent::Refused { budget_left }
+            let deadline = c.target.as_ref().map(|t| t.2);
+            if !budget_left && c.retry_until.is_some() && c.retry_until == deadline {
+                // Retrying until the connect timeout: the timeout ran out.
+                EpEvent::TimedOut
+            } else {
+                EpEvent::Refused { budget_left }
+            }
         }
         CmEvent::TimedOut => EpEvent::TimedOut,
         CmEvent::Disconnected { .. } => {

@@ -550,3 +550,65 @@ fn srq_feeds_two_endpoints() {
     }
     assert_eq!(srq.outstanding(), 2);
 }
+
+#[test]
+fn connect_timeout_while_retrying_is_timed_out() {
+    let c = side("cli", None, Some(ia("cli", true)));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    c.ep.connect(LO, u64::from(port), Some(Duration::from_millis(300)), &[])
+        .unwrap();
+    assert_eq!(conn_event(&c.conn_evd).0, ConnEvent::TimedOut);
+    assert_eq!(c.ep.state(), EpState::Disconnected);
+}
+
+#[test]
+fn handoff_moves_the_request_to_another_psp() {
+    let s = side("srv", None, None);
+    let c = side("cli", None, None);
+    let other_evd = Evd::new(&s.ia, 4, EvdFlags::CR, None).unwrap();
+    let a = Psp::new_any(&s.ia, &s.cr_evd, 0).unwrap();
+    let b = Psp::new_any(&s.ia, &other_evd, 0).unwrap();
+    c.ep.connect(LO, a.conn_qual(), T, b"x").unwrap();
+    let (cr, _) = cr_event(&s.cr_evd);
+    assert_eq!(cr.handoff(1).unwrap_err().ty, ErrorType::InvalidParameter);
+    cr.handoff(b.conn_qual()).unwrap();
+    assert_eq!(
+        cr.handoff(b.conn_qual()).unwrap_err().sub,
+        Subtype::HandleCr
+    );
+    let (cr2, qual) = cr_event(&other_evd);
+    assert_eq!(qual, b.conn_qual());
+    assert_eq!(cr2.param().private_data, b"x");
+    cr2.accept(Some(&s.ep), &[]).unwrap();
+    assert_eq!(conn_event(&c.conn_evd).0, ConnEvent::Established);
+}
+
+#[test]
+fn a_disabled_evd_queues_without_triggering_its_cno() {
+    let ia = ia("cno2", false);
+    let cno = Cno::new(&ia).unwrap();
+    let evd = Evd::new(&ia, 4, EvdFlags::SOFTWARE, Some(&cno)).unwrap();
+    evd.disable().unwrap();
+    evd.post_software(7).unwrap();
+    assert_eq!(
+        cno.wait(Some(Duration::from_millis(20))).unwrap_err().ty,
+        ErrorType::TimeoutExpired
+    );
+    evd.enable().unwrap();
+    evd.post_software(8).unwrap();
+    assert_eq!(cno.wait(T).unwrap(), Some(evd.clone()));
+    assert!(matches!(evd.dequeue().unwrap(), Event::Software(7)));
+    // A second waiter on a CNO is refused.
+    let c2 = cno.clone();
+    let h = std::thread::spawn(move || c2.wait(Some(Duration::from_millis(300))));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        cno.wait(Some(Duration::from_millis(1))).unwrap_err().sub,
+        Subtype::CnoInUse
+    );
+    let _ = h.join();
+}
