@@ -188,3 +188,38 @@ pub fn register_for_tests(name: &str, addr: IpAddr) -> &'static DAT_PROVIDER {
     PROVIDERS.lock().push(p);
     &p.table
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ia_params_name_the_address() {
+        assert_eq!(
+            parse_ia_params("127.0.0.1 0"),
+            Some(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+        );
+        assert_eq!(
+            parse_ia_params("10.1.2.3 0"),
+            Some(IpAddr::V4(std::net::Ipv4Addr::new(10, 1, 2, 3)))
+        );
+        assert_eq!(
+            parse_ia_params("::1 0"),
+            Some(IpAddr::V6(std::net::Ipv6Addr::LOCALHOST))
+        );
+        assert_eq!(
+            parse_ia_params("localhost 0"),
+            Some(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+        );
+        assert_eq!(
+            parse_ia_params(""),
+            Some(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+        );
+        assert_eq!(parse_ia_params("0.0.0.0 0"), None, "no valid IA address");
+        assert_eq!(
+            parse_ia_params("eth0 0"),
+            None,
+            "interface names are not resolved"
+        );
+    }
+}

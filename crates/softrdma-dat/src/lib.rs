@@ -43,7 +43,7 @@ mod mem;
 pub use cm::{Cr, CrParam, Psp, Rsp, ServicePoint};
 pub use ep::{CompletionFlags, DtoOp, DtoStatus, Ep, EpAttr, EpParam, LmrTriplet, RmrTriplet, Srq};
 pub use evd::{AsyncKind, Cno, Evd, EvdFlags, Event};
-pub use ia::{Ia, IaConfig};
+pub use ia::{Ia, IaAttr, IaConfig};
 pub use mem::{Lmr, MemPriv, Pz, Rmr};
 pub use softrdma_proto::dat::ep::{ConnEvent, EpState};
 pub use softrdma_proto::dat::{DatError, ErrorType, Subtype};
