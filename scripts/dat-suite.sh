@@ -137,6 +137,8 @@ pair dtestsrq "ready on port" "DAPL RC SRQ Test Complete" "" \
     dtestsrq -P $IA -s -c 4 -B 4 -t 3 -- dtestsrq -P $IA -h 127.0.0.1 -c 4 -B 4 -t 3
 pair dtestcm-100 "Conn server waiting" "DAPL Connection Test Complete" "ALL 100 CONNECTED on Client" \
     dtestcm -P $IA -s -c 100 -b 10 -- dtestcm -P $IA -h 127.0.0.1 -c 100 -b 10
+pair dtestcm-1000 "Conn server waiting" "DAPL Connection Test Complete" "ALL 1000 CONNECTED on Client" \
+    dtestcm -P $IA -s -c 1000 -b 100 -- dtestcm -P $IA -h 127.0.0.1 -c 1000 -b 100
 
 # ---- dapltest server with transaction, performance and quit clients
 if want "dapltest"; then

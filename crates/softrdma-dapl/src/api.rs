@@ -26,8 +26,12 @@ type R<T = ()> = Result<T, DatError>;
 
 const INTERNAL_ERROR: u32 = 0x0004_0000;
 
-/// The smallest queue an EVD created through the C API gets.
+/// The smallest queue a DTO EVD created through the C API gets.
 const MIN_EVD_QLEN: usize = 256;
+
+/// The smallest queue of other EVDs created through the C API (software
+/// queues: they cost memory only for the events actually queued).
+const MIN_CM_EVD_QLEN: usize = 4096;
 
 fn run(f: impl FnOnce() -> R) -> u32 {
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
@@ -565,7 +569,14 @@ unsafe extern "C" fn evd_create(ia: H, qlen: DAT_COUNT, cno: H, flags: u32, evd:
         // DAT's qlen is a minimum (DAPL rounds it up to its CQ sizes too):
         // consumers such as dtestcm size their connection EVD below the
         // number of EPs whose events may be queued at once.
-        let e = Evd::new(&i, qlen.max(MIN_EVD_QLEN), EvdFlags(flags), c.as_ref())?;
+        // Connection and CR EVDs may see an event per EP at once (dtestcm's
+        // 1000 disconnects): those queues start larger.
+        let min = if flags & (EvdFlags::DTO.0 | EvdFlags::RMR_BIND.0) == 0 {
+            MIN_CM_EVD_QLEN
+        } else {
+            MIN_EVD_QLEN
+        };
+        let e = Evd::new(&i, qlen.max(min), EvdFlags(flags), c.as_ref())?;
         out(
             evd,
             as_h(handles::make(m.provider, Obj::Evd(e), ia as usize)),

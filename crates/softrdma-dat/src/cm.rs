@@ -364,6 +364,10 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
         return;
     }
     let mut pdata = Vec::new();
+    if matches!(ev, CmEvent::Established { .. }) && c.state == EpState::Connected {
+        // The passive side reported it when the accept returned.
+        return;
+    }
     let e = match ev {
         CmEvent::Established { peer } => {
             c.remote = Some(peer);
@@ -852,8 +856,24 @@ impl Cr {
         );
         match r {
             Ok(conn) => {
-                ep.inner.conn.lock().conn = Some(conn.clone());
+                // The QP is in RTS when accept returns: report ESTABLISHED
+                // now, before this call returns, so it precedes any later
+                // event of the connection (a fast peer's disconnect).
+                let report = {
+                    let mut c = ep.inner.conn.lock();
+                    c.conn = Some(conn.clone());
+                    match rules::step(c.state, EpEvent::Established, EpPolicy::default()) {
+                        Ok(st) => {
+                            c.state = st.next;
+                            st.report
+                        }
+                        Err(_) => None,
+                    }
+                };
                 ep.inner.ia.0.reactor.add_conn(ep.inner.weak(), conn);
+                if let Some(r) = report {
+                    ep.inner.report(r, Vec::new());
+                }
             }
             Err(_) => {
                 let mut c = ep.inner.conn.lock();
