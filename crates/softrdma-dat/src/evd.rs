@@ -165,6 +165,9 @@ pub(crate) struct EvdInner {
     cv: Condvar,
     signal: Signal,
     pub(crate) cq: Option<CompletionQueue>,
+    /// Held while completions are taken from the CQ and queued, so the
+    /// callback thread and a polling consumer keep their order.
+    reap: Mutex<()>,
     ia: Weak<IaInner>,
     /// EPs whose completions arrive here, by QP number.
     pub(crate) eps: Mutex<HashMap<u32, Weak<EpInner>>>,
@@ -224,6 +227,7 @@ impl Evd {
                 let w = weak.clone();
                 CompletionQueue::with_callback(&ia.device, cqe, move |cq| {
                     if let Some(e) = w.upgrade() {
+                        let _g = e.reap.lock();
                         cq.drain_and_arm(false, |wc| e.on_completion(wc));
                     }
                 })
@@ -243,6 +247,7 @@ impl Evd {
                 cv: Condvar::new(),
                 signal,
                 cq,
+                reap: Mutex::new(()),
                 ia: Arc::downgrade(ia),
                 eps: Mutex::new(HashMap::new()),
                 users: AtomicUsize::new(0),
@@ -255,6 +260,7 @@ impl Evd {
                 return Err(err(ErrorType::InsufficientResources, Subtype::ResourceTevd));
             };
             let e = inner.clone();
+            let _g = e.reap.lock();
             cq.drain_and_arm(false, |wc| e.on_completion(wc));
         }
         Ok(Evd { inner })
@@ -361,6 +367,17 @@ impl Evd {
     ///
     /// `DAT_QUEUE_EMPTY`; `DAT_INVALID_STATE` while a thread waits.
     pub fn dequeue(&self) -> Result<Event> {
+        {
+            let q = self.inner.q.lock();
+            rules::apply(q.st, EvdOp::Dequeue)?;
+            if q.events.is_empty() {
+                drop(q);
+                // A polling consumer takes completions itself instead of
+                // waiting for the CQ's callback thread (which may hold the
+                // reap lock: then it is queueing them right now).
+                self.inner.reap_now();
+            }
+        }
         let mut q = self.inner.q.lock();
         rules::apply(q.st, EvdOp::Dequeue)?;
         let ev = q.events.pop_front();
@@ -527,6 +544,22 @@ impl EvdInner {
             c.trigger(self);
         }
         true
+    }
+
+    /// Takes what the CQ holds now, unless another thread is doing so.
+    fn reap_now(self: &Arc<Self>) {
+        let Some(cq) = &self.cq else { return };
+        let Some(_g) = self.reap.try_lock() else {
+            return;
+        };
+        let mut buf = [WorkCompletion::success(0, softrdma_engine::WcOpcode::Send, 0); 16];
+        loop {
+            let n = cq.poll(&mut buf);
+            buf[..n].iter().for_each(|wc| self.on_completion(wc));
+            if n < buf.len() {
+                break;
+            }
+        }
     }
 
     fn on_completion(self: &Arc<Self>, wc: &WorkCompletion) {
