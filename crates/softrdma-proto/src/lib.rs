@@ -25,6 +25,7 @@
 
 pub use softrdma_wire as wire;
 
+pub mod dat;
 pub mod mpa;
 pub mod proxy;
 pub mod qp_state;
