@@ -222,7 +222,7 @@ enum Served {
 }
 
 fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
-    let mut tx = qp.tx.lock();
+    let mut tx = qp.lock_tx();
     qp.drain_incoming(&mut tx);
     let outcome = tx.progress(qp, slice);
     // Acted on only once the FPDUs framed before the failed request are

@@ -25,6 +25,7 @@ use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
 use crate::cq::{CompletionQueue, Progress};
 use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind};
+use crate::handoff::{Guard, HandOff};
 use crate::pd::ProtectionDomain;
 use crate::rx::RxState;
 use crate::srq::SharedReceiveQueue;
@@ -403,7 +404,8 @@ pub(crate) struct QpInner {
     comp: Mutex<CompQueue>,
     ord_q: Mutex<VecDeque<OutRead>>,
     rq: ArrayQueue<RecvWqe>,
-    pub(crate) tx: Mutex<TxState>,
+    /// Transmit state behind the direct-send hand-off (see [`crate::handoff`]).
+    pub(crate) tx: HandOff<TxState>,
     pub(crate) rx: Mutex<RxState>,
     /// Set while the QP is registered with the receive threads.
     pub(crate) rx_registered: AtomicBool,
@@ -472,7 +474,7 @@ impl QueuePair {
             comp: Mutex::new(CompQueue::default()),
             ord_q: Mutex::new(VecDeque::new()),
             rq: ArrayQueue::new(attr.cap.max_recv_wr.max(1) as usize),
-            tx: Mutex::new(TxState::new()),
+            tx: HandOff::new(TxState::new()),
             rx: Mutex::new(RxState::new()),
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
@@ -510,7 +512,7 @@ impl QueuePair {
     /// The QP's attributes (`ibv_query_qp`).
     pub fn query(&self) -> QpAttr {
         let qp = self.qp();
-        let tx = qp.tx.lock();
+        let tx = qp.lock_tx();
         let link = tx.link;
         let bytes_sent = tx.bytes_sent;
         drop(tx);
@@ -681,6 +683,8 @@ impl QueuePair {
         let stream = Arc::new(stream);
         *qp.stream.lock() = Some(stream.clone());
         {
+            // Raw lock: no request is accepted in IDLE/RTR, nothing to hand off
+            // (and the state lock is held, which a hand-off kick must not be).
             let mut tx = qp.tx.lock();
             tx.link = Some(TxLink {
                 fd,
@@ -689,6 +693,7 @@ impl QueuePair {
             });
             tx.closed = false;
             tx.set_initial_msns(params.msns.send_tx, params.msns.read_tx);
+            let _ = qp.tx.release(tx);
         }
         qp.rx.lock().attach(
             stream,
@@ -762,7 +767,47 @@ impl QueuePair {
     }
 }
 
+/// The transmit lock taken for anything but claiming posted work: on drop
+/// it releases the lock and, if work was announced meanwhile (a poster's
+/// try-lock failed on us), claims it ([`QpInner::kick`]). Must not be dropped
+/// while the state lock is held.
+pub(crate) struct TxGuard<'a> {
+    qp: &'a QpInner,
+    guard: Option<Guard<'a, TxState>>,
+}
+
+impl std::ops::Deref for TxGuard<'_> {
+    type Target = TxState;
+    fn deref(&self) -> &TxState {
+        self.guard.as_deref().expect("guard held until drop")
+    }
+}
+
+impl std::ops::DerefMut for TxGuard<'_> {
+    fn deref_mut(&mut self) -> &mut TxState {
+        self.guard.as_deref_mut().expect("guard held until drop")
+    }
+}
+
+impl Drop for TxGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.guard.take()
+            && self.qp.tx.release(g)
+        {
+            self.qp.kick();
+        }
+    }
+}
+
 impl QpInner {
+    /// Takes the transmit lock (blocking); see [`TxGuard`].
+    pub(crate) fn lock_tx(&self) -> TxGuard<'_> {
+        TxGuard {
+            qp: self,
+            guard: Some(self.tx.lock()),
+        }
+    }
+
     pub(crate) fn state(&self) -> QpState {
         QpState::from_u8(self.state.load(Ordering::Acquire)).unwrap_or(QpState::Error)
     }
@@ -1291,9 +1336,10 @@ impl QpInner {
 
     /// Direct sending: transmit in the calling thread if no one else is.
     pub(crate) fn kick(&self) {
+        self.tx.announce();
         loop {
-            let Some(mut tx) = self.tx.try_lock() else {
-                // The holder re-checks the queue after unlocking.
+            let Some(mut tx) = self.tx.try_claim() else {
+                // The holder re-checks the announcement after unlocking.
                 return;
             };
             self.drain_incoming(&mut tx);
@@ -1307,10 +1353,9 @@ impl QpInner {
                     self.schedule_dm();
                     return;
                 }
-                drop(tx);
                 // A request pushed while we held the lock: its poster's
                 // try-lock failed, so it is ours to hand over.
-                if self.incoming.is_empty() {
+                if !self.tx.release(tx) {
                     return;
                 }
                 continue;
@@ -1343,14 +1388,14 @@ impl QpInner {
                     return;
                 }
             }
-            drop(tx);
+            let again = self.tx.release(tx);
             if fatal.is_some() {
                 // The failed request has its status already; the Reads and
                 // atomics still outstanding are flushed.
                 self.enter_error(None, Some(AsyncEventKind::QpFatal));
                 return;
             }
-            if self.incoming.is_empty() {
+            if !again {
                 return;
             }
         }
@@ -1387,7 +1432,7 @@ impl QpInner {
             if state == QpState::Rts {
                 self.begin_close(true);
             } else {
-                self.tx.lock().peer_closed = true;
+                self.lock_tx().peer_closed = true;
                 self.kick();
             }
             self.try_finish_close();
@@ -1411,7 +1456,7 @@ impl QpInner {
         }
         self.flush_rq();
         {
-            let mut tx = self.tx.lock();
+            let mut tx = self.lock_tx();
             tx.fin_pending = true;
             tx.peer_closed = by_peer;
         }
@@ -1449,7 +1494,7 @@ impl QpInner {
         if !self.peer_fin.load(Ordering::Acquire) {
             return;
         }
-        if !self.tx.lock().fin_sent {
+        if !self.lock_tx().fin_sent {
             return;
         }
         {
@@ -1466,7 +1511,7 @@ impl QpInner {
             self.complete_sq(r.seq, WcStatus::WrFlush, 0, 0);
         }
         let dropped = {
-            let mut tx = self.tx.lock();
+            let mut tx = self.lock_tx();
             let d = tx.clear();
             self.drain_incoming(&mut tx);
             d
@@ -1507,7 +1552,7 @@ impl QpInner {
         }
         self.set_state(QpState::Terminate);
         {
-            let mut tx = self.tx.lock();
+            let mut tx = self.lock_tx();
             let mut repr = softrdma_wire::rdmap::terminate::TerminateRepr::new(err);
             if let Some(h) = hdr {
                 repr.ddp = Some(softrdma_wire::rdmap::terminate::TerminatedDdp {
@@ -1579,7 +1624,7 @@ impl QpInner {
         }
         // Stop transmission; everything not completed is flushed.
         let dropped = {
-            let mut tx = self.tx.lock();
+            let mut tx = self.lock_tx();
             let d = tx.clear();
             self.drain_incoming(&mut tx);
             d
@@ -1653,7 +1698,7 @@ impl QpInner {
         // learns at once. The descriptor stays open until the QP is freed
         // or reconnected: a datamover may still watch it, and must see the
         // hang-up rather than a recycled descriptor.
-        let orderly = self.tx.lock().terminate_sent || self.orderly_close.load(Ordering::Acquire);
+        let orderly = self.lock_tx().terminate_sent || self.orderly_close.load(Ordering::Acquire);
         if let Some(s) = self.stream.lock().as_ref() {
             if orderly {
                 let _ = s.shutdown(Shutdown::Both);
@@ -1664,13 +1709,17 @@ impl QpInner {
         if let Some(mut rx) = self.rx.try_lock() {
             rx.detach();
         }
-        self.tx.lock().link = None;
+        self.lock_tx().link = None;
     }
 
     /// ERROR → IDLE: forget the connection, keep the queues' sizes.
     fn reset(&self) {
         let _g = self.state_lock.lock();
-        *self.tx.lock() = TxState::new();
+        // Raw lock: ERROR accepts no request (posts are flushed), nothing to
+        // hand off, and the state lock is held.
+        let mut tx = self.tx.lock();
+        *tx = TxState::new();
+        let _ = self.tx.release(tx);
         *self.rx.lock() = RxState::new();
         self.ird_used.store(0, Ordering::Relaxed);
         self.ord_limit

@@ -1064,7 +1064,7 @@ impl QpInner {
     /// free (direct sending from the receive context).
     fn queue_response(&self, resp: Response) {
         {
-            let mut tx = self.tx.lock();
+            let mut tx = self.lock_tx();
             tx.resp.push_back(resp);
         }
         self.kick();
