@@ -418,6 +418,9 @@ pub(crate) struct QpInner {
     /// Entering ERROR closes the connection in order instead of resetting
     /// it (QP destroyed by its owner).
     orderly_close: AtomicBool,
+    /// The QP reached IDLE through a graceful close: until it is connected,
+    /// moved to RTR or reset, posts are flushed as in ERROR.
+    closed: AtomicBool,
     /// How long a graceful close waits for the peer's FIN (ms).
     close_timeout_ms: AtomicU64,
     /// Proxy offload, once attached (IDLE only): filter, handler and the
@@ -481,6 +484,7 @@ impl QueuePair {
             last_poll: AtomicU64::new(0),
             peer_fin: AtomicBool::new(false),
             orderly_close: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
             proxy: std::sync::OnceLock::new(),
             self_weak: weak.clone(),
@@ -588,6 +592,20 @@ impl QueuePair {
             }
             QpState::Idle if from == QpState::Error => {
                 qp.reset();
+                Ok(())
+            }
+            QpState::Rtr => {
+                let _g = qp.state_lock.lock();
+                if !matches!(qp.state(), QpState::Idle | QpState::Rtr) {
+                    return Err(ModifyError::InvalidTransition {
+                        qp_num: qp.qp_num,
+                        from: qp.state(),
+                        to,
+                    });
+                }
+                // A closed QP becomes reusable: receives are queued again.
+                qp.closed.store(false, Ordering::SeqCst);
+                qp.set_state(to);
                 Ok(())
             }
             _ => {
@@ -703,6 +721,7 @@ impl QueuePair {
             already_read,
         );
         qp.peer_fin.store(false, Ordering::Release);
+        qp.closed.store(false, Ordering::SeqCst);
         qp.set_state(QpState::Rts);
         drop(_g);
         qp.device.threads().register_rx(qp, fd);
@@ -718,6 +737,10 @@ impl QueuePair {
     }
 
     /// Posts one send-queue request (`ibv_post_send`). Never blocks.
+    ///
+    /// Accepted in RTS; flushed at once ([`WcStatus::WrFlush`]) in ERROR
+    /// and in IDLE after a graceful close; refused in other states
+    /// ([`PostSendError::InvalidState`]). See [`post_recv`](Self::post_recv).
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
         self.post_send_list(std::slice::from_ref(wr))
             .map_err(|(_, e)| e)
@@ -747,6 +770,18 @@ impl QueuePair {
     }
 
     /// Posts a receive (`ibv_post_recv`). Never blocks.
+    ///
+    /// What happens by state (as kernel siw): IDLE, RTR and RTS queue the
+    /// receive; CLOSING and TERMINATE refuse it
+    /// ([`PostRecvError::InvalidState`], siw's `ENOTCONN`); ERROR accepts it
+    /// and completes it at once with [`WcStatus::WrFlush`]. A QP that
+    /// reached IDLE through a graceful close treats posts as ERROR does
+    /// (flushed at once, like siw, whose QP ends its LLP close in ERROR), so
+    /// the usual drain idiom works and nothing waits for a connection that
+    /// is gone; connecting it again, moving it to RTR or resetting it (ERROR
+    /// → IDLE) makes it queue receives again. Every accepted receive
+    /// completes: if a close or an error overtakes the post, the receive is
+    /// flushed.
     pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
         self.qp().post_recv(wr)
     }
@@ -813,7 +848,30 @@ impl QpInner {
     }
 
     fn set_state(&self, s: QpState) {
-        self.state.store(s.as_u8(), Ordering::Release);
+        self.state.store(s.as_u8(), Ordering::SeqCst);
+        // Pairs with the fence in `post_recv`: a poster that queued a
+        // receive and then reads the old state is seen by our flush.
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// What posting a send request does now.
+    fn send_policy(&self) -> PostPolicy {
+        let state = self.state();
+        if state == QpState::Idle && self.closed.load(Ordering::SeqCst) {
+            PostPolicy::Flush
+        } else {
+            state.send_policy()
+        }
+    }
+
+    /// What posting a receive does now.
+    fn recv_policy(&self) -> PostPolicy {
+        let state = self.state();
+        if state == QpState::Idle && self.closed.load(Ordering::SeqCst) {
+            PostPolicy::Flush
+        } else {
+            state.recv_policy()
+        }
     }
 
     pub(crate) fn ord_outstanding(&self) -> u32 {
@@ -959,11 +1017,10 @@ impl QpInner {
         &self,
         wr: &SendWr<'_>,
     ) -> Result<(WcOpcode, SendWqe), PostSendError> {
-        let state = self.state();
-        if state.send_policy() == PostPolicy::Reject {
+        if self.send_policy() == PostPolicy::Reject {
             return Err(PostSendError::InvalidState {
                 qp_num: self.qp_num,
-                state,
+                state: self.state(),
             });
         }
         if wr.sg_list.len() > self.cap.max_send_sge as usize {
@@ -992,7 +1049,7 @@ impl QpInner {
         proxy_owned: bool,
         wqe: SendWqe,
     ) -> Result<(), PostSendError> {
-        let policy = self.state().send_policy();
+        let policy = self.send_policy();
         if policy == PostPolicy::Reject {
             return Err(PostSendError::InvalidState {
                 qp_num: self.qp_num,
@@ -1023,7 +1080,7 @@ impl QpInner {
         });
         let mut wqe = wqe;
         wqe.seq = seq;
-        if policy == PostPolicy::Flush || self.state() == QpState::Error {
+        if policy == PostPolicy::Flush || self.send_policy() == PostPolicy::Flush {
             drop(c);
             self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
             return Ok(());
@@ -1241,21 +1298,25 @@ impl QpInner {
     /// proxy recycling the buffer of a message it served). False if the QP
     /// uses an SRQ, no longer accepts receives or its queue is full.
     pub(crate) fn repost_recv(&self, wqe: RecvWqe) -> bool {
-        self.srq.is_none()
-            && self.state().recv_policy() == PostPolicy::Accept
-            && self.rq.push(wqe).is_ok()
+        if self.srq.is_some()
+            || self.recv_policy() != PostPolicy::Accept
+            || self.rq.push(wqe).is_err()
+        {
+            return false;
+        }
+        self.recheck_rq();
+        true
     }
 
     fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
         if self.srq.is_some() {
             return Err(PostRecvError::HasSrq);
         }
-        let state = self.state();
-        let policy = state.recv_policy();
+        let policy = self.recv_policy();
         if policy == PostPolicy::Reject {
             return Err(PostRecvError::InvalidState {
                 qp_num: self.qp_num,
-                state,
+                state: self.state(),
             });
         }
         if wr.sg_list.len() > self.cap.max_recv_sge as usize {
@@ -1304,10 +1365,19 @@ impl QpInner {
                 depth: self.cap.max_recv_wr,
             });
         }
-        if self.state() == QpState::Error {
+        self.recheck_rq();
+        Ok(())
+    }
+
+    /// After queuing a receive: if the state stopped accepting receives
+    /// meanwhile (a close or an error flushed the queue between our state
+    /// check and our push), flush what is queued, ours included, so that
+    /// every accepted receive completes.
+    fn recheck_rq(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.recv_policy() != PostPolicy::Accept {
             self.flush_rq();
         }
-        Ok(())
     }
 
     fn flush_recv_one(&self, wr_id: u64) {
@@ -1502,6 +1572,7 @@ impl QpInner {
             if self.state() != QpState::Closing {
                 return;
             }
+            self.closed.store(true, Ordering::SeqCst);
             self.set_state(QpState::Idle);
         }
         // Reads and atomics the peer will never answer now, and anything
@@ -1724,6 +1795,7 @@ impl QpInner {
         self.ird_used.store(0, Ordering::Relaxed);
         self.ord_limit
             .store(self.ord.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.closed.store(false, Ordering::SeqCst);
         self.set_state(QpState::Idle);
     }
 

@@ -66,3 +66,88 @@ fn send_posted_during_query_is_not_left_unsent() {
     querier.join().unwrap();
     assert_eq!(p.a.qp.state(), QpState::Rts);
 }
+
+/// After a graceful close (both QPs in IDLE) a receive used to be accepted
+/// and never completed; a send was refused. Both now complete at once with
+/// a flush error (as in ERROR), so nothing waits for a gone connection.
+#[test]
+fn requests_posted_after_graceful_close_complete_with_flush() {
+    let p = pair(false);
+    p.a.qp.disconnect().unwrap();
+    until("both QPs in IDLE", || {
+        p.a.qp.state() == QpState::Idle && p.b.qp.state() == QpState::Idle
+    });
+    let buf = mr(&p.a, 64);
+    p.a.qp
+        .post_recv(&RecvWr::new(77, &[buf.sge(0, 64).unwrap()]))
+        .unwrap();
+    p.a.qp
+        .post_send(
+            &SendWr::new(78, SendOp::Send)
+                .sg_list(&[buf.sge(0, 8).unwrap()])
+                .signaled(),
+        )
+        .unwrap();
+    let mut ids: Vec<(u64, WcStatus)> = wait(&p.a.cq, 2)
+        .iter()
+        .map(|w| (w.wr_id, w.status))
+        .collect();
+    ids.sort_unstable_by_key(|x| x.0);
+    assert_eq!(ids, [(77, WcStatus::WrFlush), (78, WcStatus::WrFlush)]);
+    assert_eq!(p.a.qp.recv_queue_len(), 0);
+    // Moving the QP to RTR makes it queue receives again.
+    p.a.qp.modify(QpState::Rtr).unwrap();
+    p.a.qp
+        .post_recv(&RecvWr::new(79, &[buf.sge(0, 64).unwrap()]))
+        .unwrap();
+    assert_eq!(p.a.qp.recv_queue_len(), 1);
+}
+
+/// A receive posted while the peer's close is under way used to be lost:
+/// the state was read as RTS, the close flushed the queue and reached IDLE,
+/// then the receive was queued and never completed. Every receive accepted
+/// here must complete (success or flush).
+#[test]
+fn recv_posted_racing_the_peers_close_always_completes() {
+    for round in 0..40u64 {
+        let p = pair(false);
+        let buf = mr(&p.a, 64);
+        let stop = Arc::new(AtomicBool::new(false));
+        let poster = {
+            let qp = p.a.qp.clone();
+            let sge = buf.sge(0, 64).unwrap();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut accepted = 0usize;
+                let mut id = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    id += 1;
+                    match qp.post_recv(&RecvWr::new(id, &[sge])) {
+                        Ok(()) => accepted += 1,
+                        Err(_) => std::thread::yield_now(),
+                    }
+                    // Keep the queue from filling up while RTS.
+                    if qp.recv_queue_len() > 200 {
+                        std::thread::yield_now();
+                    }
+                    if qp.state() == QpState::Idle && id > 64 {
+                        break;
+                    }
+                }
+                accepted
+            })
+        };
+        std::thread::sleep(Duration::from_micros(200 * (round % 5)));
+        p.b.qp.disconnect().unwrap();
+        until("a in IDLE", || p.a.qp.state() == QpState::Idle);
+        stop.store(true, Ordering::Relaxed);
+        let accepted = poster.join().unwrap();
+        let done = wait(&p.a.cq, accepted);
+        assert!(
+            done.iter().all(|w| w.status == WcStatus::WrFlush),
+            "round {round}: {:?}",
+            done.iter().find(|w| w.status != WcStatus::WrFlush)
+        );
+        assert_eq!(p.a.qp.recv_queue_len(), 0, "round {round}");
+    }
+}
