@@ -331,9 +331,17 @@ impl TxState {
                 let sq_done = self.sq.is_empty() || (self.peer_closed && !self.cur_started);
                 if self.fin_pending && !self.fin_sent && sq_done && self.resp.is_empty() {
                     // Everything posted before the close is on the wire.
-                    self.fin_sent = crate::sys::io::shutdown_write(link.fd).is_ok();
                     self.fin_pending = false;
-                    return TxOutcome::FinSent;
+                    return match crate::sys::io::shutdown_write(link.fd) {
+                        Ok(()) => {
+                            self.fin_sent = true;
+                            TxOutcome::FinSent
+                        }
+                        // The connection is gone (the peer's RST after its
+                        // FIN: ENOTCONN): a reset, reported now rather than
+                        // by the close timer.
+                        Err(e) => TxOutcome::Failed(e),
+                    };
                 }
                 return TxOutcome::Idle;
             }

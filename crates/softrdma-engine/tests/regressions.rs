@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use softrdma_engine::{QpState, RecvWr, SendOp, SendWr, WcOpcode, WcStatus};
+use softrdma_engine::{
+    AsyncEventKind, LinkParams, QpState, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -150,4 +152,45 @@ fn recv_posted_racing_the_peers_close_always_completes() {
         );
         assert_eq!(p.a.qp.recv_queue_len(), 0, "round {round}");
     }
+}
+
+/// The peer's FIN followed by its RST (it closed with unread data): the
+/// close used to stall in CLOSING for the whole close timeout, because
+/// sending our FIN failed with ENOTCONN and nothing acted on it, and was
+/// then misreported as "the peer did not close in time". The reset is
+/// reported at once now (LLP reset, ERROR, flush).
+#[test]
+fn peer_rst_after_its_fin_is_reported_at_once() {
+    use std::io::Write;
+    use std::net::{Ipv4Addr, Shutdown, TcpListener, TcpStream};
+    let dev = device(false);
+    let s = side(&dev, |_| {});
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let mut ours = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (peer, _) = listener.accept().unwrap();
+    // Bytes the peer never reads: closing with them unread sends an RST.
+    ours.write_all(b"unread").unwrap();
+    peer.shutdown(Shutdown::Write).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    drop(peer);
+    // Both the FIN and the RST are in before the QP reads the socket.
+    std::thread::sleep(Duration::from_millis(100));
+    let buf = mr(&s, 64);
+    s.qp.post_recv(&RecvWr::new(9, &[buf.sge(0, 64).unwrap()]))
+        .unwrap();
+    s.qp.set_close_timeout(Duration::from_secs(120));
+    s.qp.establish(ours, &LinkParams::default()).unwrap();
+    until("ERROR after the peer's reset", || {
+        s.qp.state() == QpState::Error
+    });
+    let mut kinds = Vec::new();
+    while let Some(ev) = dev.async_events().try_get() {
+        if ev.qp_num == Some(s.qp.qp_num()) {
+            kinds.push(ev.kind);
+        }
+    }
+    assert!(kinds.contains(&AsyncEventKind::LlpReset), "{kinds:?}");
+    assert!(!kinds.contains(&AsyncEventKind::BadClose), "{kinds:?}");
+    let w = wait(&s.cq, 1);
+    assert_eq!((w[0].wr_id, w[0].status), (9, WcStatus::WrFlush));
 }
