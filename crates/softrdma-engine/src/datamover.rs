@@ -328,7 +328,7 @@ fn run_datamover(dm: &Datamover, slice: usize, pin: bool) {
 /// Nanoseconds since the engine's clock started.
 pub(crate) fn now_ns() -> u64 {
     static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    let start = START.get_or_init(std::time::Instant::now);
+    let start = START.get_or_init(crate::sys::clock::now);
     u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 

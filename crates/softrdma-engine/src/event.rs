@@ -20,7 +20,9 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::sys::clock;
 
 use parking_lot::Mutex;
 use softrdma_wire::errcode::TermCode;
@@ -247,14 +249,14 @@ impl<T> FdQueue<T> {
     ///
     /// The error of `poll(2)` on the fd.
     pub(crate) fn pop(&self, timeout: Option<Duration>) -> io::Result<Option<T>> {
-        let deadline = timeout.map(|t| Instant::now().checked_add(t));
+        let deadline = timeout.map(|t| clock::now().checked_add(t));
         loop {
             if let Some(item) = self.try_pop() {
                 return Ok(Some(item));
             }
             let left = match deadline {
                 None | Some(None) => None,
-                Some(Some(deadline)) => Some(deadline.saturating_duration_since(Instant::now())),
+                Some(Some(deadline)) => Some(deadline.saturating_duration_since(clock::now())),
             };
             if !self.fd.wait(left)? {
                 // Timed out; one last look (a push may have raced the wait).
@@ -352,6 +354,7 @@ impl AsFd for AsyncEventQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     #[test]
     fn fifo_and_fd_mirror_the_queue() {

@@ -79,6 +79,7 @@ pub mod qp;
 mod rx;
 pub mod srq;
 mod sys;
+mod timer;
 pub mod transition;
 mod tx;
 pub mod wc;

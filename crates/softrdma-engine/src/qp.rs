@@ -423,6 +423,10 @@ pub(crate) struct QpInner {
     closed: AtomicBool,
     /// How long a graceful close waits for the peer's FIN (ms).
     close_timeout_ms: AtomicU64,
+    /// The close timer armed by the current close, if any.
+    close_timer: Mutex<Option<crate::timer::TimerId>>,
+    /// Counts closes: a timer acts only on the close that armed it.
+    close_gen: AtomicU64,
     /// Proxy offload, once attached (IDLE only): filter, handler and the
     /// completion sequencer.
     pub(crate) proxy: std::sync::OnceLock<crate::proxy::ProxyLink>,
@@ -486,6 +490,8 @@ impl QueuePair {
             orderly_close: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
+            close_timer: Mutex::new(None),
+            close_gen: AtomicU64::new(0),
             proxy: std::sync::OnceLock::new(),
             self_weak: weak.clone(),
         });
@@ -1531,26 +1537,42 @@ impl QpInner {
             tx.peer_closed = by_peer;
         }
         self.kick();
+        // The close timer runs on the engine's timer thread.
         let weak = self.self_weak.clone();
         let timeout =
             std::time::Duration::from_millis(self.close_timeout_ms.load(Ordering::Relaxed));
-        let spawned = std::thread::Builder::new()
-            .name("softrdma-close".into())
-            .spawn(move || {
-                std::thread::sleep(timeout);
-                if let Some(qp) = weak.upgrade()
-                    && qp.state() == QpState::Closing
-                {
-                    qp.device.events().push(
-                        AsyncEvent::qp(AsyncEventKind::BadClose, qp.qp_num)
-                            .with_detail("the peer did not close in time; connection reset"),
-                    );
-                    qp.abort(true);
+        let generation = self.close_gen.fetch_add(1, Ordering::AcqRel) + 1;
+        let armed = crate::timer::arm(timeout, move || {
+            if let Some(qp) = weak.upgrade()
+                && qp.state() == QpState::Closing
+                && qp.close_gen.load(Ordering::Acquire) == generation
+            {
+                qp.device.events().push(
+                    AsyncEvent::qp(AsyncEventKind::BadClose, qp.qp_num)
+                        .with_detail("the peer did not close in time; connection reset"),
+                );
+                qp.abort(true);
+            }
+        });
+        match armed {
+            Ok(id) => {
+                if let Some(old) = self.close_timer.lock().replace(id) {
+                    crate::timer::cancel(old);
                 }
-            });
-        if spawned.is_err() {
+                // The close may have finished before the timer was stored.
+                if self.state() != QpState::Closing {
+                    self.cancel_close_timer();
+                }
+            }
             // No timer: close abortively at once rather than hang forever.
-            self.abort(true);
+            Err(_) => self.abort(true),
+        }
+    }
+
+    /// The close is over (IDLE or ERROR): its timer is not needed.
+    fn cancel_close_timer(&self) {
+        if let Some(id) = self.close_timer.lock().take() {
+            crate::timer::cancel(id);
         }
     }
 
@@ -1575,6 +1597,7 @@ impl QpInner {
             self.closed.store(true, Ordering::SeqCst);
             self.set_state(QpState::Idle);
         }
+        self.cancel_close_timer();
         // Reads and atomics the peer will never answer now, and anything
         // else still open, complete with flush errors, in order.
         let ord: Vec<OutRead> = self.ord_q.lock().drain(..).collect();
@@ -1690,6 +1713,7 @@ impl QpInner {
             }
             self.set_state(QpState::Error);
         }
+        self.cancel_close_timer();
         if let Some(kind) = event {
             self.device.events().push(AsyncEvent::qp(kind, self.qp_num));
         }
