@@ -194,3 +194,29 @@ fn peer_rst_after_its_fin_is_reported_at_once() {
     let w = wait(&s.cq, 1);
     assert_eq!((w[0].wr_id, w[0].status), (9, WcStatus::WrFlush));
 }
+
+/// STag indices used to be handed out in sequence (1, 2, 3, ...), so one
+/// STag told a peer the others' indices and left only the 8-bit key to
+/// guess. Indices are now drawn from the whole 24-bit space.
+#[test]
+fn stag_indices_are_not_sequential() {
+    use softrdma_engine::Access;
+    let dev = device(false);
+    let pd = dev.alloc_pd();
+    let regions: Vec<_> = (0..64)
+        .map(|_| {
+            pd.register(64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+                .unwrap()
+        })
+        .collect();
+    let idx: Vec<u32> = regions.iter().map(|r| r.rkey() >> 8).collect();
+    assert!(idx.iter().all(|&i| i != 0 && i <= 0x00ff_ffff));
+    let neighbours = idx.windows(2).filter(|w| w[0].abs_diff(w[1]) <= 1).count();
+    assert!(neighbours < 4, "indices in sequence: {idx:?}");
+    let spread = idx.iter().max().unwrap() - idx.iter().min().unwrap();
+    assert!(spread > 1 << 20, "indices bunched together: {idx:?}");
+    let mut unique = idx.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), idx.len());
+}
