@@ -220,3 +220,33 @@ fn stag_indices_are_not_sequential() {
     unique.dedup();
     assert_eq!(unique.len(), idx.len());
 }
+
+/// The async event queue used to keep every event nobody read (4 per
+/// closed connection pair: thousands after a few thousand connections). It
+/// is bounded now, and says so with an overflow event.
+#[test]
+fn unread_async_events_are_bounded() {
+    let mut cfg = softrdma_engine::DeviceConfig::default();
+    cfg.pin_threads = false;
+    cfg.async_event_capacity = 64;
+    let dev = softrdma_engine::Device::open_with(cfg).unwrap();
+    for _ in 0..40 {
+        let p = pair_with(dev.clone(), false, |_| {});
+        p.a.qp.disconnect().unwrap();
+        until("IDLE", || {
+            p.a.qp.state() == QpState::Idle && p.b.qp.state() == QpState::Idle
+        });
+    }
+    let q = dev.async_events();
+    assert_eq!(q.len(), 64);
+    assert!(q.lost() > 0);
+    let kinds: Vec<AsyncEventKind> = std::iter::from_fn(|| q.try_get()).map(|e| e.kind).collect();
+    assert_eq!(kinds.last(), Some(&AsyncEventKind::EventQueueOverflow));
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| **k == AsyncEventKind::EventQueueOverflow)
+            .count(),
+        1
+    );
+}
