@@ -92,7 +92,7 @@ pub use event::{AsyncEvent, AsyncEventKind, AsyncEventQueue};
 pub use handlers::{Binding, HandlerId, HandlerPolicy, HandlerStats};
 pub use mr::{Access, MemoryRegion, MemoryWindow};
 pub use pd::ProtectionDomain;
-pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair};
+pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair, TerminateDirection, TerminateInfo};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;
 pub use sys::io::{process_context_switches, thread_context_switches};

@@ -313,6 +313,46 @@ pub struct QpAttr {
     pub bytes_received: u64,
 }
 
+/// Which side sent a Terminate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TerminateDirection {
+    /// This QP sent it (it found an error in what the peer sent, or the
+    /// application moved it to TERMINATE).
+    Sent,
+    /// The peer sent it.
+    Received,
+}
+
+/// The Terminate message that ended a connection, kept on the QP
+/// ([`QueuePair::last_terminate`]) so that tools can say what happened
+/// beyond the flush errors of the work requests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TerminateInfo {
+    /// Sent or received.
+    pub direction: TerminateDirection,
+    /// Layer, error type and error code (RFC 5040 section 7.2 / 5041 / 5044).
+    pub code: TermCode,
+}
+
+impl TerminateInfo {
+    /// A readable description, e.g. "received Terminate: DDP Tagged Buffer
+    /// Error / Invalid Steering Tag (0x1/0x1/0x00, RFC 5041)".
+    pub fn description(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl std::fmt::Display for TerminateInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dir = match self.direction {
+            TerminateDirection::Sent => "sent",
+            TerminateDirection::Received => "received",
+        };
+        write!(f, "{dir} Terminate: {}", self.code)
+    }
+}
+
 /// An outstanding outbound Read or atomic (ORD entry).
 #[derive(Debug)]
 pub(crate) struct OutRead {
@@ -423,6 +463,9 @@ pub(crate) struct QpInner {
     closed: AtomicBool,
     /// How long a graceful close waits for the peer's FIN (ms).
     close_timeout_ms: AtomicU64,
+    /// The last Terminate sent or received (kept until the QP is connected
+    /// again).
+    last_terminate: Mutex<Option<TerminateInfo>>,
     /// The close timer armed by the current close, if any.
     close_timer: Mutex<Option<crate::timer::TimerId>>,
     /// Counts closes: a timer acts only on the close that armed it.
@@ -491,6 +534,7 @@ impl QueuePair {
             closed: AtomicBool::new(false),
             close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
             close_timer: Mutex::new(None),
+            last_terminate: Mutex::new(None),
             close_gen: AtomicU64::new(0),
             proxy: std::sync::OnceLock::new(),
             self_weak: weak.clone(),
@@ -641,6 +685,16 @@ impl QueuePair {
         Ok(())
     }
 
+    /// The Terminate message that ended the last connection, sent or
+    /// received, with its layer, type and code; `None` if the connection
+    /// did not end by a Terminate. Kept through ERROR and the reset to IDLE,
+    /// cleared when the QP is connected again. The async event of the
+    /// failure ([`AsyncEventKind::TerminateReceived`], or the access /
+    /// request error event for a sent one) carries the same code.
+    pub fn last_terminate(&self) -> Option<TerminateInfo> {
+        self.qp().last_terminate.lock().clone()
+    }
+
     /// Abortive disconnect: the connection is reset (RST), the QP enters
     /// ERROR and every outstanding request completes with a flush error;
     /// the device reports [`AsyncEventKind::LlpReset`].
@@ -728,6 +782,7 @@ impl QueuePair {
         );
         qp.peer_fin.store(false, Ordering::Release);
         qp.closed.store(false, Ordering::SeqCst);
+        *qp.last_terminate.lock() = None;
         qp.set_state(QpState::Rts);
         drop(_g);
         qp.device.threads().register_rx(qp, fd);
@@ -1645,6 +1700,10 @@ impl QpInner {
             return;
         }
         self.set_state(QpState::Terminate);
+        *self.last_terminate.lock() = Some(TerminateInfo {
+            direction: TerminateDirection::Sent,
+            code: err.code(),
+        });
         {
             let mut tx = self.lock_tx();
             let mut repr = softrdma_wire::rdmap::terminate::TerminateRepr::new(err);
@@ -1676,6 +1735,10 @@ impl QpInner {
 
     /// A Terminate arrived from the peer.
     pub(crate) fn terminated_by_peer(&self, code: TermCode) {
+        *self.last_terminate.lock() = Some(TerminateInfo {
+            direction: TerminateDirection::Received,
+            code,
+        });
         self.device
             .events()
             .push(AsyncEvent::qp(AsyncEventKind::TerminateReceived, self.qp_num).with_term(code));

@@ -250,3 +250,43 @@ fn unread_async_events_are_bounded() {
         1
     );
 }
+
+/// A remote failure used to surface only as flush / remote-access
+/// completions: the Terminate's reason (layer, type, code) was reported in
+/// an async event at most. Both QPs now keep the Terminate they sent or
+/// received.
+#[test]
+fn terminate_reason_is_kept_on_both_qps() {
+    use softrdma_engine::TerminateDirection;
+    use softrdma_engine::wire::errcode::TermError;
+    let p = pair(false);
+    let dst = mr(&p.b, 64);
+    let bad_rkey = dst.rkey() ^ 0x5a;
+    p.a.qp
+        .post_send(
+            &SendWr::new(
+                1,
+                SendOp::Write {
+                    remote_addr: dst.addr(),
+                    rkey: bad_rkey,
+                },
+            )
+            .inline(b"x")
+            .signaled(),
+        )
+        .unwrap();
+    until("both QPs in ERROR", || {
+        p.a.qp.state() == QpState::Error && p.b.qp.state() == QpState::Error
+    });
+    let got = p.a.qp.last_terminate().expect("a received a Terminate");
+    assert_eq!(got.direction, TerminateDirection::Received);
+    assert_eq!(got.code, TermError::DdpTaggedInvalidStag.code());
+    let sent = p.b.qp.last_terminate().expect("b sent a Terminate");
+    assert_eq!(sent.direction, TerminateDirection::Sent);
+    assert_eq!(sent.code, got.code);
+    assert!(
+        got.description().contains("Invalid Steering Tag"),
+        "{}",
+        got.description()
+    );
+}
