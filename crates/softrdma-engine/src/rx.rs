@@ -35,9 +35,10 @@ use crate::qp::{OutReadKind, QpInner};
 use crate::state::QpState;
 use crate::sys::io::{IoVecs, MAX_IOVECS, crc_update_mem, readv};
 use crate::sys::mem::Memory;
-use crate::tx::{QN_ARESP, QN_RREQ, QN_SEND, QN_TERM, Response, SEND_IMM_FOLLOWS};
+use crate::tx::{Response, SEND_IMM_FOLLOWS, qi};
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::RecvWqe;
+use softrdma_wire::ddp::{QN_ATOMIC_RESPONSE, QN_READ_REQUEST, QN_SEND, QN_TERMINATE};
 
 /// Staging buffer: headers, trailers, small payloads and read-ahead. Large
 /// payloads never pass through it, so it need not hold a whole FPDU.
@@ -205,8 +206,8 @@ impl RxState {
         already_read: &[u8],
     ) {
         self.stream = Some(stream);
-        self.expect[QN_SEND] = send_msn;
-        self.expect[QN_RREQ] = read_msn;
+        self.expect[qi(QN_SEND)] = send_msn;
+        self.expect[qi(QN_READ_REQUEST)] = read_msn;
         self.crc_on = crc;
         self.buf = vec![0u8; STAGING];
         let n = already_read.len().min(STAGING);
@@ -538,7 +539,7 @@ impl QpInner {
                         AsyncEventKind::QpRequestError,
                     ));
                 }
-                if msn != rx.expect[QN_SEND] {
+                if msn != rx.expect[qi(QN_SEND)] {
                     return Err(violation(
                         TermError::DdpUntaggedMsnRange,
                         AsyncEventKind::QpRequestError,
@@ -635,7 +636,7 @@ impl QpInner {
                 Opcode::ImmediateData | Opcode::ImmediateDataWithSolicitedEvent,
                 DdpAddress::Untagged { msn, .. },
             ) => {
-                if msn != rx.expect[QN_SEND] || rx.recv.is_some() {
+                if msn != rx.expect[qi(QN_SEND)] || rx.recv.is_some() {
                     return Err(violation(
                         TermError::DdpUntaggedMsnRange,
                         AsyncEventKind::QpRequestError,
@@ -716,7 +717,7 @@ impl QpInner {
                 }
             }
             (Opcode::AtomicResponse, DdpAddress::Untagged { msn, .. }) => {
-                if msn != rx.expect[QN_ARESP] {
+                if msn != rx.expect[qi(QN_ATOMIC_RESPONSE)] {
                     return Err(violation(
                         TermError::DdpUntaggedMsnRange,
                         AsyncEventKind::QpRequestError,
@@ -759,7 +760,7 @@ impl QpInner {
     /// (queue 1): its MSN is the next one, and an IRD slot is free (taken
     /// here; RFC 5041's "MSN out of range" when the peer exceeds our IRD).
     fn accept_inbound_request(&self, rx: &RxState, msn: Msn) -> Result<(), Stop> {
-        if msn != rx.expect[QN_RREQ] || !self.take_ird() {
+        if msn != rx.expect[qi(QN_READ_REQUEST)] || !self.take_ird() {
             return Err(Stop::Violation {
                 err: TermError::DdpUntaggedMsnRange,
                 event: AsyncEventKind::QpRequestError,
@@ -915,7 +916,7 @@ impl QpInner {
                 if !last {
                     return Ok(());
                 }
-                rx.expect[QN_SEND] = rx.expect[QN_SEND].next();
+                rx.expect[qi(QN_SEND)] = rx.expect[qi(QN_SEND)].next();
                 let Some(r) = rx.recv.take() else {
                     return Ok(());
                 };
@@ -959,7 +960,7 @@ impl QpInner {
                 }
             }
             Action::Immediate { imm, solicited } => {
-                rx.expect[QN_SEND] = rx.expect[QN_SEND].next();
+                rx.expect[qi(QN_SEND)] = rx.expect[qi(QN_SEND)].next();
                 let (wc, sol, meta) = match rx.imm_wait.take() {
                     Some((r, s)) => {
                         let mut wc =
@@ -1020,11 +1021,11 @@ impl QpInner {
                 }
             }
             Action::ReadRequest(resp) => {
-                rx.expect[QN_RREQ] = rx.expect[QN_RREQ].next();
+                rx.expect[qi(QN_READ_REQUEST)] = rx.expect[qi(QN_READ_REQUEST)].next();
                 self.queue_response(resp);
             }
             Action::AtomicRequest(req, target) => {
-                rx.expect[QN_RREQ] = rx.expect[QN_RREQ].next();
+                rx.expect[qi(QN_READ_REQUEST)] = rx.expect[qi(QN_READ_REQUEST)].next();
                 let Some(cell) = target.mem.atomic_u64(target.offset) else {
                     self.release_ird();
                     return Err(Stop::Violation {
@@ -1039,7 +1040,7 @@ impl QpInner {
                 }));
             }
             Action::AtomicResponse(resp) => {
-                rx.expect[QN_ARESP] = rx.expect[QN_ARESP].next();
+                rx.expect[qi(QN_ATOMIC_RESPONSE)] = rx.expect[qi(QN_ATOMIC_RESPONSE)].next();
                 if let Some(o) = self.pop_ord() {
                     if let OutReadKind::Atomic { sink, .. } = &o.kind {
                         sink.mem
@@ -1050,7 +1051,7 @@ impl QpInner {
                 self.kick();
             }
             Action::Terminate(code) => {
-                rx.expect[QN_TERM] = rx.expect[QN_TERM].next();
+                rx.expect[qi(QN_TERMINATE)] = rx.expect[qi(QN_TERMINATE)].next();
                 rx.stream = None;
                 self.flush_partial(rx);
                 self.terminated_by_peer(code);

@@ -21,7 +21,9 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use softrdma_wire::crc::Crc32c;
-use softrdma_wire::ddp::{Msn, Stag};
+use softrdma_wire::ddp::{
+    Msn, QN_ATOMIC_RESPONSE, QN_READ_REQUEST, QN_SEND, QN_TERMINATE, Qn, Stag,
+};
 use softrdma_wire::fpdu::{FpduTrailer, pad_len};
 use softrdma_wire::rdmap::Opcode;
 use softrdma_wire::rdmap::atomic::{AtomicRequestRepr, AtomicResponseRepr};
@@ -54,11 +56,11 @@ const MAX_OUT_BYTES: usize = 512 * 1024;
 /// Data message follows and completes the same receive (Send with Immediate).
 pub(crate) const SEND_IMM_FOLLOWS: u32 = 0x534e_4949;
 
-/// Queue numbers as array indices.
-pub(crate) const QN_SEND: usize = 0;
-pub(crate) const QN_RREQ: usize = 1;
-pub(crate) const QN_TERM: usize = 2;
-pub(crate) const QN_ARESP: usize = 3;
+/// A DDP queue number (the wire crate's `QN_*`) as an index of the
+/// per-queue MSN arrays.
+pub(crate) const fn qi(qn: Qn) -> usize {
+    qn.0 as usize
+}
 
 /// The payload of a send-queue request.
 #[derive(Debug)]
@@ -260,8 +262,8 @@ impl TxState {
 
     /// First MSNs of the Send and Read Request queues.
     pub(crate) fn set_initial_msns(&mut self, send: Msn, read: Msn) {
-        self.msn[QN_SEND] = send;
-        self.msn[QN_RREQ] = read;
+        self.msn[qi(QN_SEND)] = send;
+        self.msn[qi(QN_READ_REQUEST)] = read;
     }
 
     /// Whether there is anything to transmit (possibly blocked on credits).
@@ -295,8 +297,8 @@ impl TxState {
             self.out.pop_back();
         }
         self.out_bytes = self.out.iter().map(|f| f.total - f.written).sum();
-        let msn = self.msn[QN_TERM];
-        self.msn[QN_TERM] = msn.next();
+        let msn = self.msn[qi(QN_TERMINATE)];
+        self.msn[qi(QN_TERMINATE)] = msn.next();
         let ulpdu = UlpduRepr::terminate(msn, *term);
         let crc = self.link.is_some_and(|l| l.crc);
         if let Some(f) = frame_consumed(&ulpdu, crc, Done::Terminate) {
@@ -462,8 +464,8 @@ impl TxState {
         };
         match r {
             Response::Atomic(resp) => {
-                let msn = self.msn[QN_ARESP];
-                self.msn[QN_ARESP] = msn.next();
+                let msn = self.msn[qi(QN_ATOMIC_RESPONSE)];
+                self.msn[qi(QN_ATOMIC_RESPONSE)] = msn.next();
                 let ulpdu = UlpduRepr::atomic_response(msn, *resp);
                 if let Some(f) = frame_consumed(&ulpdu, link.crc, Done::Response) {
                     self.push_out(f);
@@ -558,8 +560,8 @@ impl TxState {
                     sink_stag,
                     sink_to,
                 } => {
-                    let msn = self.msn[QN_RREQ];
-                    self.msn[QN_RREQ] = msn.next();
+                    let msn = self.msn[qi(QN_READ_REQUEST)];
+                    self.msn[qi(QN_READ_REQUEST)] = msn.next();
                     let req = ReadRequestRepr {
                         sink_stag: Stag(*sink_stag),
                         sink_to: *sink_to,
@@ -584,8 +586,8 @@ impl TxState {
                     return true;
                 }
                 WqeKind::Atomic { req, sink } => {
-                    let msn = self.msn[QN_RREQ];
-                    self.msn[QN_RREQ] = msn.next();
+                    let msn = self.msn[qi(QN_READ_REQUEST)];
+                    self.msn[qi(QN_READ_REQUEST)] = msn.next();
                     qp.push_ord(OutRead {
                         seq,
                         kind: OutReadKind::Atomic {
@@ -621,8 +623,8 @@ impl TxState {
         let byte_len = u32::try_from(w.len).unwrap_or(u32::MAX);
         if self.cur_imm_next {
             // The Immediate Data message that ends this request.
-            let msn = self.msn[QN_SEND];
-            self.msn[QN_SEND] = msn.next();
+            let msn = self.msn[qi(QN_SEND)];
+            self.msn[qi(QN_SEND)] = msn.next();
             let data = ImmediateDataRepr::from_be_u64(u64::from(imm.unwrap_or(0)));
             let ulpdu = UlpduRepr::immediate(msn, data, w.solicited);
             let done = Done::SqMessage {
@@ -636,8 +638,8 @@ impl TxState {
             return;
         }
         if !self.cur_started && is_send {
-            self.cur_msn = self.msn[QN_SEND];
-            self.msn[QN_SEND] = self.cur_msn.next();
+            self.cur_msn = self.msn[qi(QN_SEND)];
+            self.msn[qi(QN_SEND)] = self.cur_msn.next();
         }
         self.cur_started = true;
         let off = self.cur_off;
