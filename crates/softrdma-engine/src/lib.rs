@@ -57,6 +57,8 @@
 //! `unsafe` call ([`ProtectionDomain::register_raw`]). STag keys are random
 //! and change on every re-registration, window bind and fast-register.
 
+#![deny(unsafe_code)]
+
 pub use softrdma_proto as proto;
 pub use softrdma_proto::qp_state as state;
 pub use softrdma_wire as wire;
@@ -78,6 +80,7 @@ pub mod proxy;
 pub mod qp;
 mod rx;
 pub mod srq;
+#[allow(unsafe_code)] // the one module with `unsafe`: see its docs
 mod sys;
 mod timer;
 pub mod transition;
