@@ -68,7 +68,7 @@ pub mod async_cq;
 pub mod cm;
 pub mod connect;
 pub mod cq;
-mod datamover;
+mod datapath;
 pub mod device;
 pub mod event;
 pub mod handlers;
@@ -78,15 +78,15 @@ pub mod mr;
 pub mod pd;
 pub mod proxy;
 pub mod qp;
-mod rx;
 pub mod srq;
 #[allow(unsafe_code)] // the one module with `unsafe`: see its docs
 mod sys;
 mod timer;
 pub mod transition;
-mod tx;
 pub mod wc;
 pub mod wr;
+
+pub(crate) use datapath::{datamover, rx, tx};
 
 pub use cq::{CompletionChannel, CompletionQueue, CqBuilder};
 pub use datamover::DatamoverStats;
