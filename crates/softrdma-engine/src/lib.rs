@@ -57,6 +57,22 @@
 //! `unsafe` call ([`ProtectionDomain::register_raw`]). STag keys are random
 //! and change on every re-registration, window bind and fast-register.
 
+//!
+//! ## Behaviour notes
+//!
+//! * Every accepted work request completes (success or flush) or the post
+//!   is refused; after a graceful close posts complete at once with a flush
+//!   error, as in ERROR (see [`QueuePair::post_recv`]).
+//! * Close timers share one engine timer thread; no thread per connection.
+//! * STag indices are random over 24 bits, keys random over 8 bits.
+//! * The async event queue is bounded
+//!   ([`DeviceConfig::async_event_capacity`]) and reports its overflow.
+//! * [`QueuePair::last_terminate`] keeps the Terminate that ended a
+//!   connection.
+//!
+//! The repository's `docs/engine.md` has the details, the lock order and
+//! the hand-off protocol.
+
 #![deny(unsafe_code)]
 
 pub use softrdma_proto as proto;

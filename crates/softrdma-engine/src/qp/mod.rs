@@ -420,6 +420,13 @@ impl Drop for QpHandle {
 }
 
 /// The shared state of a QP.
+///
+/// Lock order (never the reverse): `rx` → `state_lock` → `tx` (through the
+/// hand-off) → `comp` or `ord_q` (never both) → CQ/SRQ internals; `stream`,
+/// `peer`, `close_timer` and `last_terminate` are leaves. Exceptions:
+/// `establish` and the reset ERROR → IDLE take `state_lock` → `tx` → `rx`,
+/// when no receive path runs. A [`TxGuard`] is never dropped under
+/// `state_lock`. See `docs/engine.md`.
 #[derive(Debug)]
 pub(crate) struct QpInner {
     pub(crate) qp_num: u32,
