@@ -221,3 +221,79 @@ mod loom_tests {
         });
     }
 }
+
+#[cfg(all(test, loom))]
+mod loom_post_vs_close {
+    //! The receive-side rule of `QpInner::post_recv` against a close
+    //! (`begin_close` / `enter_error`): the poster checks the state, queues,
+    //! then re-checks (after a fence) and flushes if the state stopped
+    //! accepting; the closer changes the state, fences, then flushes. Every
+    //! accepted receive completes exactly once.
+    use loom::sync::atomic::{AtomicBool, Ordering, fence};
+    use loom::sync::{Arc, Mutex};
+    use loom::thread;
+
+    struct Qp {
+        closed: AtomicBool,
+        rq: Mutex<Vec<u32>>,
+        done: Mutex<Vec<u32>>,
+    }
+
+    fn flush(qp: &Qp) {
+        let items: Vec<u32> = qp.rq.lock().unwrap().drain(..).collect();
+        qp.done.lock().unwrap().extend(items);
+    }
+
+    /// `post_recv`: `true` if accepted.
+    fn post(qp: &Qp, id: u32, recheck: bool) -> bool {
+        if qp.closed.load(Ordering::SeqCst) {
+            return false;
+        }
+        qp.rq.lock().unwrap().push(id);
+        if recheck {
+            fence(Ordering::SeqCst);
+            if qp.closed.load(Ordering::SeqCst) {
+                flush(qp);
+            }
+        }
+        true
+    }
+
+    /// `begin_close`: state change, fence, flush.
+    fn close(qp: &Qp) {
+        qp.closed.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        flush(qp);
+    }
+
+    fn run(recheck: bool) {
+        loom::model(move || {
+            let qp = Arc::new(Qp {
+                closed: AtomicBool::new(false),
+                rq: Mutex::new(Vec::new()),
+                done: Mutex::new(Vec::new()),
+            });
+            let q = qp.clone();
+            let closer = thread::spawn(move || close(&q));
+            let accepted = post(&qp, 7, recheck);
+            closer.join().unwrap();
+            let done = qp.done.lock().unwrap().clone();
+            if accepted {
+                assert_eq!(done, vec![7], "an accepted receive never completed");
+            } else {
+                assert!(done.is_empty());
+            }
+        });
+    }
+
+    #[test]
+    fn accepted_receive_racing_a_close_completes() {
+        run(true);
+    }
+
+    #[test]
+    #[should_panic(expected = "an accepted receive never completed")]
+    fn without_recheck_a_receive_is_lost() {
+        run(false);
+    }
+}
