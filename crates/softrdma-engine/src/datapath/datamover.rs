@@ -224,7 +224,7 @@ enum Served {
 fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
     let mut tx = qp.lock_tx();
     qp.drain_incoming(&mut tx);
-    let outcome = tx.progress(qp, slice);
+    let outcome = tx.progress(&**qp, slice);
     // Acted on only once the FPDUs framed before the failed request are
     // written (Idle); until then it stays set.
     let fatal = if matches!(outcome, TxOutcome::Idle) {

@@ -32,8 +32,8 @@ use softrdma_wire::rdmap::read_request::ReadRequestRepr;
 use softrdma_wire::rdmap::terminate::TerminateRepr;
 use softrdma_wire::ulpdu::UlpduRepr;
 
+use crate::datapath::{OutRead, OutReadKind, TxHost};
 use crate::mr::Target;
-use crate::qp::{OutRead, OutReadKind, QpInner};
 use crate::sys::io::{IoVecs, crc_update_mem, writev};
 use crate::sys::mem::Memory;
 use crate::wc::WcStatus;
@@ -307,7 +307,7 @@ impl TxState {
     }
 
     /// Frames and writes until idle, blocked, or `budget` bytes are written.
-    pub(crate) fn progress(&mut self, qp: &QpInner, budget: usize) -> TxOutcome {
+    pub(crate) fn progress(&mut self, qp: &impl TxHost, budget: usize) -> TxOutcome {
         let Some(link) = self.link else {
             return TxOutcome::Idle;
         };
@@ -413,7 +413,7 @@ impl TxState {
     }
 
     /// Accounts `n` written bytes to the framed FPDUs, in order.
-    fn advance(&mut self, qp: &QpInner, mut n: usize) {
+    fn advance(&mut self, qp: &impl TxHost, mut n: usize) {
         while n > 0 {
             let Some(f) = self.out.front_mut() else {
                 return;
@@ -442,7 +442,7 @@ impl TxState {
     }
 
     /// Frames the next FPDU; `false` if nothing can be framed now.
-    fn frame_one(&mut self, qp: &QpInner, link: TxLink) -> bool {
+    fn frame_one(&mut self, qp: &impl TxHost, link: TxLink) -> bool {
         let resp_first = self.resp_turn;
         self.resp_turn = !self.resp_turn;
         let first = if resp_first {
@@ -510,7 +510,7 @@ impl TxState {
     }
 
     /// Frames the next FPDU of the send queue.
-    fn frame_sq(&mut self, qp: &QpInner, link: TxLink) -> bool {
+    fn frame_sq(&mut self, qp: &impl TxHost, link: TxLink) -> bool {
         if !matches!(
             qp.state(),
             crate::state::QpState::Rts | crate::state::QpState::Closing

@@ -355,27 +355,7 @@ impl std::fmt::Display for TerminateInfo {
     }
 }
 
-/// An outstanding outbound Read or atomic (ORD entry).
-#[derive(Debug)]
-pub(crate) struct OutRead {
-    pub(crate) seq: u64,
-    pub(crate) kind: OutReadKind,
-}
-
-/// Kind of an [`OutRead`].
-#[derive(Debug)]
-pub(crate) enum OutReadKind {
-    Read {
-        sink: LocalSeg,
-        sink_stag: u32,
-        sink_to: u64,
-        got: usize,
-    },
-    Atomic {
-        request_id: u32,
-        sink: LocalSeg,
-    },
-}
+pub(crate) use crate::datapath::{OutRead, OutReadKind};
 
 /// One send-queue request in completion order.
 #[derive(Debug, Clone, Copy)]
@@ -1576,5 +1556,31 @@ impl Progress for QpInner {
             return false;
         }
         self.rx_poll(!armed)
+    }
+}
+
+impl crate::datapath::TxHost for QpInner {
+    fn state(&self) -> QpState {
+        QpInner::state(self)
+    }
+
+    fn complete_sq(&self, seq: u64, status: WcStatus, byte_len: u32, vendor_err: u32) {
+        QpInner::complete_sq(self, seq, status, byte_len, vendor_err);
+    }
+
+    fn release_ird(&self) {
+        QpInner::release_ird(self);
+    }
+
+    fn ord_outstanding(&self) -> u32 {
+        QpInner::ord_outstanding(self)
+    }
+
+    fn ord_limit(&self) -> u32 {
+        QpInner::ord_limit(self)
+    }
+
+    fn push_ord(&self, r: OutRead) {
+        QpInner::push_ord(self, r);
     }
 }
