@@ -291,6 +291,7 @@ fn run_datamover(dm: &Datamover, slice: usize, pin: bool) {
             for k in &keys {
                 if let Some(qp) = paused.remove(k) {
                     dm.resumes.fetch_add(1, Ordering::Relaxed);
+                    tracing::trace!(qp = qp.qp_num, "datamover resumes a QP (socket writable)");
                     active.push_back(qp);
                 }
             }
@@ -314,6 +315,7 @@ fn run_datamover(dm: &Datamover, slice: usize, pin: bool) {
                     let key = qp.qp_num as usize;
                     if dm.reactor.arm(fd, key, Interest::Write).is_ok() {
                         dm.pauses.fetch_add(1, Ordering::Relaxed);
+                        tracing::trace!(qp = qp.qp_num, "datamover pauses a QP (socket full)");
                         paused.insert(key, qp);
                     } else {
                         active.push_back(qp);

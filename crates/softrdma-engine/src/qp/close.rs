@@ -170,6 +170,7 @@ impl QpInner {
             return;
         }
         self.set_state(QpState::Terminate);
+        tracing::info!(qp = self.qp_num, code = %err.code(), "Terminate sent");
         *self.last_terminate.lock() = Some(TerminateInfo {
             direction: TerminateDirection::Sent,
             code: err.code(),
@@ -205,6 +206,7 @@ impl QpInner {
 
     /// A Terminate arrived from the peer.
     pub(crate) fn terminated_by_peer(&self, code: TermCode) {
+        tracing::info!(qp = self.qp_num, %code, "Terminate received");
         *self.last_terminate.lock() = Some(TerminateInfo {
             direction: TerminateDirection::Received,
             code,

@@ -898,7 +898,15 @@ impl QpInner {
     }
 
     fn set_state(&self, s: QpState) {
-        self.state.store(s.as_u8(), Ordering::SeqCst);
+        let from = self.state.swap(s.as_u8(), Ordering::SeqCst);
+        if from != s.as_u8() {
+            tracing::debug!(
+                qp = self.qp_num,
+                from = %QpState::from_u8(from).unwrap_or(QpState::Error),
+                to = %s,
+                "QP state change"
+            );
+        }
         // Pairs with the fence in `post_recv`: a poster that queued a
         // receive and then reads the old state is seen by our flush.
         std::sync::atomic::fence(Ordering::SeqCst);
