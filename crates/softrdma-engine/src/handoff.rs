@@ -56,7 +56,9 @@ impl<T> HandOff<T> {
 
     /// Work was queued for whoever holds (or next claims) the lock.
     pub(crate) fn announce(&self) {
-        self.announced.store(true, Ordering::SeqCst);
+        // Release: a claimer whose clearing swap reads this store sees the
+        // work queued before it.
+        self.announced.store(true, Ordering::Release);
         // The store must be ordered before the try-lock that follows
         // (store-load), the mirror of the fence in `release`: of the two
         // fences one comes first, so either the announcer's try-lock sees
@@ -68,7 +70,10 @@ impl<T> HandOff<T> {
     /// announcement is cleared (the caller drains the queues next).
     pub(crate) fn try_claim(&self) -> Option<Guard<'_, T>> {
         let g = self.try_lock_raw()?;
-        self.announced.store(false, Ordering::SeqCst);
+        // A read-modify-write (acquire): if it overwrites an announcement,
+        // it reads it, so the work queued before that announcement is
+        // visible to the drain that follows.
+        self.announced.swap(false, Ordering::AcqRel);
         Some(g)
     }
 
@@ -104,7 +109,7 @@ impl<T> HandOff<T> {
         // The unlock must be ordered before the load (store-load): a
         // poster announces, then fails the try-lock; we unlock, then read.
         fence(Ordering::SeqCst);
-        self.announced.load(Ordering::SeqCst)
+        self.announced.load(Ordering::Acquire)
     }
 
     /// Whether work is announced and unclaimed (a hint).
