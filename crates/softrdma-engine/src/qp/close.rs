@@ -49,7 +49,7 @@ impl QpInner {
     /// then FIN; arm the close timer.
     pub(crate) fn begin_close(&self, by_peer: bool) {
         {
-            let _g = self.state_lock.lock();
+            let _g = self.lock_state();
             if self.state() != QpState::Rts {
                 return;
             }
@@ -115,7 +115,7 @@ impl QpInner {
             return;
         }
         {
-            let _g = self.state_lock.lock();
+            let _g = self.lock_state();
             if self.state() != QpState::Closing {
                 return;
             }
@@ -221,7 +221,7 @@ impl QpInner {
         // Stop framing before the ORD slot frees up: nothing behind the
         // answered request may reach the wire now.
         {
-            let _g = self.state_lock.lock();
+            let _g = self.lock_state();
             if self.state() == QpState::Error {
                 return;
             }
@@ -242,7 +242,7 @@ impl QpInner {
         event: Option<AsyncEventKind>,
     ) {
         {
-            let _g = self.state_lock.lock();
+            let _g = self.lock_state();
             if self.state() == QpState::Error {
                 return;
             }
@@ -344,7 +344,7 @@ impl QpInner {
 
     /// ERROR → IDLE: forget the connection, keep the queues' sizes.
     pub(super) fn reset(&self) {
-        let _g = self.state_lock.lock();
+        let _g = self.lock_state();
         // Raw lock: ERROR accepts no request (posts are flushed), nothing to
         // hand off, and the state lock is held.
         let mut tx = self.tx.lock();

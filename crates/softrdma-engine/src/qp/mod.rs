@@ -581,7 +581,7 @@ impl QueuePair {
     /// Changes the IRD and ORD the QP will negotiate (IDLE or RTR only).
     pub fn set_ird_ord(&self, ird: u16, ord: u16) -> Result<(), ModifyError> {
         let qp = self.qp();
-        let _g = qp.state_lock.lock();
+        let _g = qp.lock_state();
         if !matches!(qp.state(), QpState::Idle | QpState::Rtr) {
             return Err(ModifyError::IrdOrdFixed { qp_num: qp.qp_num });
         }
@@ -636,7 +636,7 @@ impl QueuePair {
                 Ok(())
             }
             QpState::Rtr => {
-                let _g = qp.state_lock.lock();
+                let _g = qp.lock_state();
                 if !matches!(qp.state(), QpState::Idle | QpState::Rtr) {
                     return Err(ModifyError::InvalidTransition {
                         qp_num: qp.qp_num,
@@ -727,7 +727,7 @@ impl QueuePair {
             )));
         }
         let qp = self.qp();
-        let _g = qp.state_lock.lock();
+        let _g = qp.lock_state();
         let state = qp.state();
         if !matches!(state, QpState::Idle | QpState::Rtr) {
             return Err(EstablishError::InvalidState {
@@ -863,6 +863,57 @@ pub(crate) struct TxGuard<'a> {
     guard: Option<Guard<'a, TxState>>,
 }
 
+/// Debug builds count the QP locks each thread holds and check the lock
+/// order: `state_lock` before `tx`, and no [`TxGuard`] dropped (which may
+/// claim work and take `state_lock`) under `state_lock`.
+#[cfg(debug_assertions)]
+mod lock_order {
+    use std::cell::Cell;
+
+    thread_local! {
+        static STATE: Cell<u32> = const { Cell::new(0) };
+        static TX: Cell<u32> = const { Cell::new(0) };
+    }
+
+    pub(super) fn state_acquired() {
+        debug_assert_eq!(
+            TX.with(Cell::get),
+            0,
+            "lock order: state_lock taken while holding the transmit lock"
+        );
+        STATE.with(|c| c.set(c.get() + 1));
+    }
+
+    pub(super) fn state_released() {
+        STATE.with(|c| c.set(c.get().saturating_sub(1)));
+    }
+
+    pub(super) fn tx_acquired() {
+        TX.with(|c| c.set(c.get() + 1));
+    }
+
+    pub(super) fn tx_released() {
+        debug_assert_eq!(
+            STATE.with(Cell::get),
+            0,
+            "lock order: a transmit guard dropped under state_lock"
+        );
+        TX.with(|c| c.set(c.get().saturating_sub(1)));
+    }
+}
+
+/// `state_lock` held (see [`QpInner::lock_state`]).
+pub(crate) struct StateGuard<'a> {
+    _guard: parking_lot::MutexGuard<'a, ()>,
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        #[cfg(debug_assertions)]
+        lock_order::state_released();
+    }
+}
+
 impl std::ops::Deref for TxGuard<'_> {
     type Target = TxState;
     fn deref(&self) -> &TxState {
@@ -878,6 +929,8 @@ impl std::ops::DerefMut for TxGuard<'_> {
 
 impl Drop for TxGuard<'_> {
     fn drop(&mut self) {
+        #[cfg(debug_assertions)]
+        lock_order::tx_released();
         if let Some(g) = self.guard.take()
             && self.qp.tx.release(g)
         {
@@ -889,10 +942,21 @@ impl Drop for TxGuard<'_> {
 impl QpInner {
     /// Takes the transmit lock (blocking); see [`TxGuard`].
     pub(crate) fn lock_tx(&self) -> TxGuard<'_> {
+        #[cfg(debug_assertions)]
+        lock_order::tx_acquired();
         TxGuard {
             qp: self,
             guard: Some(self.tx.lock()),
         }
+    }
+
+    /// Takes `state_lock` (state transitions); see the lock order on
+    /// [`QpInner`].
+    pub(crate) fn lock_state(&self) -> StateGuard<'_> {
+        let guard = self.state_lock.lock();
+        #[cfg(debug_assertions)]
+        lock_order::state_acquired();
+        StateGuard { _guard: guard }
     }
 
     pub(crate) fn state(&self) -> QpState {
@@ -1032,5 +1096,41 @@ impl crate::datapath::TxHost for QpInner {
 
     fn push_ord(&self, r: OutRead) {
         QpInner::push_ord(self, r);
+    }
+}
+
+#[cfg(all(test, debug_assertions))]
+mod lock_order_tests {
+    use crate::{CompletionQueue, Device, DeviceConfig, ProtectionDomain, QpInitAttr, QueuePair};
+
+    fn qp() -> QueuePair {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cq = CompletionQueue::new(&dev, 16, None).unwrap();
+        QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap()
+    }
+
+    #[test]
+    fn state_then_tx_is_the_order() {
+        let qp = qp();
+        let inner = qp.qp();
+        let s = inner.lock_state();
+        let t = inner.tx.lock();
+        let _ = inner.tx.release(t);
+        drop(s);
+        drop(inner.lock_tx());
+    }
+
+    #[test]
+    #[should_panic(expected = "lock order: state_lock taken while holding the transmit lock")]
+    fn state_lock_under_a_tx_guard_is_caught() {
+        let qp = qp();
+        let inner = qp.qp();
+        let _t = inner.lock_tx();
+        let _s = inner.lock_state();
     }
 }
