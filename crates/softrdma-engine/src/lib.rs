@@ -94,6 +94,7 @@ pub mod mr;
 pub mod pd;
 pub mod proxy;
 pub mod qp;
+mod slots;
 pub mod srq;
 #[allow(unsafe_code)] // the one module with `unsafe`: see its docs
 mod sys;

@@ -288,15 +288,7 @@ impl QpInner {
     /// Requests already written but whose completion waits for earlier ones
     /// are complete; anything else still open is flushed.
     fn flush_open_sq(&self) {
-        let open: Vec<u64> = {
-            let c = self.comp.lock();
-            c.slots
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.status.is_none())
-                .map(|(i, _)| c.base + i as u64)
-                .collect()
-        };
+        let open: Vec<u64> = self.comp.lock().open();
         for seq in open {
             self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
         }

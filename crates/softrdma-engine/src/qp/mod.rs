@@ -374,12 +374,7 @@ struct Slot {
 }
 
 /// Send-queue completion order.
-#[derive(Debug, Default)]
-struct CompQueue {
-    slots: VecDeque<Slot>,
-    /// Sequence number of `slots[0]`.
-    base: u64,
-}
+type CompQueue = crate::slots::InOrder<Slot>;
 
 /// A queue pair handle. Cloning gives another handle to the same QP; the QP
 /// is destroyed (its connection closed, outstanding work flushed) when the

@@ -11,23 +11,13 @@ impl QpInner {
         let mut overflow = false;
         {
             let mut c = self.comp.lock();
-            let Some(idx) = seq
-                .checked_sub(c.base)
-                .and_then(|i| usize::try_from(i).ok())
-            else {
-                return;
-            };
-            if let Some(s) = c.slots.get_mut(idx)
-                && s.status.is_none()
-            {
+            c.complete(seq, |s| {
                 s.status = Some(status);
                 s.byte_len = byte_len;
                 s.vendor_err = vendor_err;
-            }
-            while let Some(s) = c.slots.front().copied() {
-                let Some(st) = s.status else { break };
-                c.slots.pop_front();
-                c.base += 1;
+            });
+            while let Some(s) = c.pop_ready() {
+                let Some(st) = s.status else { continue };
                 self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
                 if s.proxy_owned {
                     if let Some(link) = self.proxy.get() {

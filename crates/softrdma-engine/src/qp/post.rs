@@ -68,8 +68,7 @@ impl QpInner {
             return Err(PostSendError::QueueFull { depth });
         }
         let mut c = self.comp.lock();
-        let seq = c.base + c.slots.len() as u64;
-        c.slots.push_back(Slot {
+        let seq = c.push(Slot {
             wr_id,
             opcode,
             signaled,
