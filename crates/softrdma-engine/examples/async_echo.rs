@@ -180,24 +180,28 @@ async fn client(dev: Device, addr: SocketAddr, id: usize, count: usize) -> Resul
 }
 
 /// Accepts connections and serves each in its own task; stops after
-/// `limit` connections if given.
+/// `limit` connections if given. Finished tasks are reaped at every accept,
+/// so a long-running server keeps only its live connections.
 async fn server(dev: Device, listener: TcpListener, limit: Option<usize>) -> Result<(), BoxError> {
     let listener = std::sync::Arc::new(listener);
-    let mut tasks = Vec::new();
+    let mut tasks = tokio::task::JoinSet::new();
     let mut accepted = 0;
     while limit.is_none_or(|l| accepted < l) {
         let l = std::sync::Arc::clone(&listener);
         let (stream, _) = tokio::task::spawn_blocking(move || l.accept()).await??;
         accepted += 1;
+        while let Some(done) = tasks.try_join_next() {
+            done?;
+        }
         let dev = dev.clone();
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             if let Err(e) = serve(dev, stream).await {
                 eprintln!("server: connection failed: {e}");
             }
-        }));
+        });
     }
-    for t in tasks {
-        t.await?;
+    while let Some(done) = tasks.join_next().await {
+        done?;
     }
     Ok(())
 }

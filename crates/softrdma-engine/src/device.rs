@@ -49,6 +49,9 @@ pub struct DeviceConfig {
     /// finds the CQ empty (busy-polling applications get data without a
     /// thread hand-off).
     pub poll_driven_receive: bool,
+    /// How many events the async event queue holds before it drops new ones
+    /// (see [`AsyncEventQueue`]).
+    pub async_event_capacity: usize,
 }
 
 impl Default for DeviceConfig {
@@ -63,6 +66,7 @@ impl Default for DeviceConfig {
             handler_cpus: Vec::new(),
             handler_policy: HandlerPolicy::default(),
             handler_spin: Duration::ZERO,
+            async_event_capacity: crate::event::ASYNC_EVENT_QUEUE_CAPACITY,
         }
     }
 }
@@ -219,7 +223,7 @@ impl Device {
             u32::try_from(datamovers).unwrap_or(u32::MAX),
             u32::try_from(handlers.table().len()).unwrap_or(u32::MAX),
         );
-        let events = AsyncEvents::new(AsyncEventQueue::new()?);
+        let events = AsyncEvents::new(AsyncEventQueue::with_capacity(config.async_event_capacity)?);
         Ok(Device {
             inner: Arc::new(DeviceInner {
                 config,

@@ -20,7 +20,9 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::sys::clock;
 
 use parking_lot::Mutex;
 use softrdma_wire::errcode::TermCode;
@@ -69,6 +71,10 @@ pub enum AsyncEventKind {
     BadClose,
     /// The peer sent a Terminate message; [`AsyncEvent::term`] has its code.
     TerminateReceived,
+    /// softrdma: the async event queue was full (nobody read it): events
+    /// were dropped. [`AsyncEventQueue::lost`] counts them; this event is
+    /// queued once each time the queue fills up.
+    EventQueueOverflow,
     /// softrdma: a message for a proxy QP's proxy reached a proxy that no
     /// longer runs; the message was discarded (its receive completed with
     /// [`WcStatus::ProxyDiscarded`](crate::WcStatus::ProxyDiscarded)).
@@ -95,6 +101,7 @@ impl AsyncEventKind {
             AsyncEventKind::BadClose => "BAD_CLOSE",
             AsyncEventKind::TerminateReceived => "TERMINATE_RECEIVED",
             AsyncEventKind::ProxyMismatch => "PROXY_MISMATCH",
+            AsyncEventKind::EventQueueOverflow => "EVENT_QUEUE_OVERFLOW",
         }
     }
 }
@@ -247,20 +254,39 @@ impl<T> FdQueue<T> {
     ///
     /// The error of `poll(2)` on the fd.
     pub(crate) fn pop(&self, timeout: Option<Duration>) -> io::Result<Option<T>> {
-        let deadline = timeout.map(|t| Instant::now().checked_add(t));
+        let deadline = timeout.map(|t| clock::now().checked_add(t));
         loop {
             if let Some(item) = self.try_pop() {
                 return Ok(Some(item));
             }
             let left = match deadline {
                 None | Some(None) => None,
-                Some(Some(deadline)) => Some(deadline.saturating_duration_since(Instant::now())),
+                Some(Some(deadline)) => Some(deadline.saturating_duration_since(clock::now())),
             };
             if !self.fd.wait(left)? {
                 // Timed out; one last look (a push may have raced the wait).
                 return Ok(self.try_pop());
             }
         }
+    }
+
+    /// Appends an item if fewer than `cap` are queued. With `cap - 1`
+    /// queued, the last slot takes `overflow()` instead (the item is
+    /// dropped); with `cap` queued the item is dropped. `false` if the item
+    /// was dropped.
+    pub(crate) fn push_bounded(&self, item: T, cap: usize, overflow: impl FnOnce() -> T) -> bool {
+        let mut items = self.items.lock();
+        if items.len() + 1 >= cap {
+            if items.len() + 1 == cap {
+                items.push_back(overflow());
+            }
+            return false;
+        }
+        if items.is_empty() {
+            self.fd.signal();
+        }
+        items.push_back(item);
+        true
     }
 
     /// Number of queued items.
@@ -279,12 +305,21 @@ impl<T> FdQueue<T> {
 /// [`try_get`](AsyncEventQueue::try_get) or by watching
 /// [`fd`](AsyncEventQueue::fd).
 ///
-/// The queue is unbounded: events are rare (one per failed QP, overflowed
-/// CQ, SRQ limit) and each names a resource the application created.
+/// The queue holds at most [`ASYNC_EVENT_QUEUE_CAPACITY`] events: an
+/// application that never reads it (every connection adds an event or two)
+/// does not grow without bound. When it is full, new events are dropped and
+/// counted ([`lost`](AsyncEventQueue::lost)); the last slot holds an
+/// [`AsyncEventKind::EventQueueOverflow`] event saying so.
 #[derive(Debug)]
 pub struct AsyncEventQueue {
     queue: FdQueue<AsyncEvent>,
+    capacity: usize,
+    lost: std::sync::atomic::AtomicU64,
 }
+
+/// How many events an [`AsyncEventQueue`] holds (the last slot is kept for
+/// the overflow event).
+pub const ASYNC_EVENT_QUEUE_CAPACITY: usize = 4096;
 
 impl AsyncEventQueue {
     /// An empty queue.
@@ -292,16 +327,43 @@ impl AsyncEventQueue {
     /// # Errors
     ///
     /// The event fd could not be created (descriptor limit).
+    #[cfg(test)]
     pub(crate) fn new() -> io::Result<AsyncEventQueue> {
+        Self::with_capacity(ASYNC_EVENT_QUEUE_CAPACITY)
+    }
+
+    /// An empty queue holding at most `capacity` (at least 2) events.
+    pub(crate) fn with_capacity(capacity: usize) -> io::Result<AsyncEventQueue> {
         Ok(AsyncEventQueue {
             queue: FdQueue::new()?,
+            capacity: capacity.max(2),
+            lost: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
-    /// Queues an event for the application.
+    /// Queues an event for the application (dropped and counted if the
+    /// queue is full).
     #[allow(dead_code)] // used by the data path
     pub(crate) fn push(&self, event: AsyncEvent) {
-        self.queue.push(event);
+        let capacity = self.capacity;
+        let kept = self.queue.push_bounded(event, capacity, || {
+            AsyncEvent::device(AsyncEventKind::EventQueueOverflow).with_detail(format!(
+                "the async event queue is full ({capacity} events): newer events are dropped until it is read"
+            ))
+        });
+        if !kept {
+            self.lost.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Events dropped so far because the queue was full.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The most events the queue holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// The next event, waiting up to `timeout` for one (`None`: no limit),
@@ -352,6 +414,7 @@ impl AsFd for AsyncEventQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     #[test]
     fn fifo_and_fd_mirror_the_queue() {
@@ -370,6 +433,29 @@ mod tests {
         assert_eq!(e.to_string(), "IBV_EVENT_CQ_ERR cq 3: overflow");
         assert!(q.is_empty());
         assert!(!q.queue.fd.wait(Some(Duration::ZERO)).unwrap());
+    }
+
+    #[test]
+    fn full_queue_drops_events_and_reports_the_overflow_once() {
+        let q = AsyncEventQueue::with_capacity(4).unwrap();
+        for i in 0..10 {
+            q.push(AsyncEvent::qp(AsyncEventKind::LlpClosed, i));
+        }
+        assert_eq!(q.len(), 4);
+        assert_eq!(q.lost(), 7);
+        let kinds: Vec<_> = std::iter::from_fn(|| q.try_get()).map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                AsyncEventKind::LlpClosed,
+                AsyncEventKind::LlpClosed,
+                AsyncEventKind::LlpClosed,
+                AsyncEventKind::EventQueueOverflow
+            ]
+        );
+        // Read: room again.
+        q.push(AsyncEvent::qp(AsyncEventKind::LlpClosed, 99));
+        assert_eq!(q.try_get().and_then(|e| e.qp_num), Some(99));
     }
 
     #[test]

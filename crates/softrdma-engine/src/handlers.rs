@@ -114,6 +114,8 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
+use crate::sys::clock;
+
 use crossbeam_queue::SegQueue;
 use parking_lot::Mutex;
 
@@ -390,7 +392,7 @@ impl Handler {
     fn load(&self) -> HandlerLoad {
         let mut c = self.counters.lock();
         let total = Self::completions(&c);
-        let now = Instant::now();
+        let now = clock::now();
         let rate = match c.sample {
             None => {
                 c.sample = Some((now, total, 0.0));
@@ -451,10 +453,10 @@ impl Handler {
                 return;
             }
             if !self.spin.is_zero() {
-                let until = Instant::now() + self.spin;
+                let until = clock::now() + self.spin;
                 while self.queue.is_empty()
                     && !self.stop.load(Ordering::Relaxed)
-                    && Instant::now() < until
+                    && clock::now() < until
                 {
                     std::hint::spin_loop();
                 }

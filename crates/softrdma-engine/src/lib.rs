@@ -57,6 +57,24 @@
 //! `unsafe` call ([`ProtectionDomain::register_raw`]). STag keys are random
 //! and change on every re-registration, window bind and fast-register.
 
+//!
+//! ## Behaviour notes
+//!
+//! * Every accepted work request completes (success or flush) or the post
+//!   is refused; after a graceful close posts complete at once with a flush
+//!   error, as in ERROR (see [`QueuePair::post_recv`]).
+//! * Close timers share one engine timer thread; no thread per connection.
+//! * STag indices are random over 24 bits, keys random over 8 bits.
+//! * The async event queue is bounded
+//!   ([`DeviceConfig::async_event_capacity`]) and reports its overflow.
+//! * [`QueuePair::last_terminate`] keeps the Terminate that ended a
+//!   connection.
+//!
+//! The repository's `docs/engine.md` has the details, the lock order and
+//! the hand-off protocol.
+
+#![deny(unsafe_code)]
+
 pub use softrdma_proto as proto;
 pub use softrdma_proto::qp_state as state;
 pub use softrdma_wire as wire;
@@ -66,23 +84,27 @@ pub mod async_cq;
 pub mod cm;
 pub mod connect;
 pub mod cq;
-mod datamover;
+mod datapath;
 pub mod device;
 pub mod event;
 pub mod handlers;
+mod handoff;
 pub mod loopback;
 pub mod mr;
 pub mod pd;
 pub mod proxy;
 pub mod qp;
 pub mod remote;
-mod rx;
+mod slots;
 pub mod srq;
+#[allow(unsafe_code)] // the one module with `unsafe`: see its docs
 mod sys;
+mod timer;
 pub mod transition;
-mod tx;
 pub mod wc;
 pub mod wr;
+
+pub(crate) use datapath::{datamover, rx, tx};
 
 pub use cq::{CompletionChannel, CompletionQueue, CqBuilder};
 pub use datamover::DatamoverStats;
@@ -91,7 +113,7 @@ pub use event::{AsyncEvent, AsyncEventKind, AsyncEventQueue};
 pub use handlers::{Binding, HandlerId, HandlerPolicy, HandlerStats};
 pub use mr::{Access, MemoryRegion, MemoryWindow};
 pub use pd::ProtectionDomain;
-pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair};
+pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair, TerminateDirection, TerminateInfo};
 pub use remote::{RemoteBuf, RemoteBufError};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;

@@ -11,9 +11,13 @@
 //! +-----------------------------------+------------+
 //! ```
 //!
-//! The index selects an entry of the device's registration table; the key is
-//! random and changes on every re-registration, window bind and
-//! fast-register, so a stale or guessed STag fails with "Invalid STag".
+//! The index selects an entry of the device's registration table and is
+//! drawn at random from the whole 24-bit space (Linux siw likewise starts
+//! each index allocation at a random value), so one STag says nothing about
+//! the others; the key is random too and changes on every re-registration,
+//! window bind and fast-register, so a stale or guessed STag fails with
+//! "Invalid STag". A guess must find both (32 random bits), and each wrong
+//! guess costs the peer its connection (a Terminate).
 //! Index 0 is never used: STags 0 to 255 (among them the STag 1 used by
 //! peer-to-peer RTR messages) are never valid. On iWARP the local key and the
 //! remote key of a region are the same STag.
@@ -462,22 +466,58 @@ impl Entry {
     }
 }
 
+/// Hashes an STag index (already random) with one multiplication.
+#[derive(Debug, Default, Clone, Copy)]
+struct IndexHasher(u64);
+
+impl std::hash::Hasher for IndexHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8 | u64::from(*b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u32(&mut self, i: u32) {
+        self.0 = u64::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type IndexMap = std::collections::HashMap<u32, Entry, std::hash::BuildHasherDefault<IndexHasher>>;
+
 #[derive(Debug, Default)]
 struct Slots {
-    /// Entry `i` has STag index `i`; entry 0 is always `None`.
-    entries: Vec<Option<Entry>>,
-    /// Unused indices (never 0) with the last key each had, so a reused
-    /// index never gets the key of its previous registration.
-    free: Vec<(u32, u8)>,
+    /// The entries by STag index. Indices are drawn at random from the
+    /// whole 24-bit space (never 0), so an STag cannot be guessed from
+    /// another one (like Linux siw, which starts each allocation at a random
+    /// index).
+    entries: IndexMap,
 }
 
 impl Slots {
     fn get(&self, index: u32) -> Option<&Entry> {
-        self.entries.get(index as usize)?.as_ref()
+        self.entries.get(&index)
     }
 
     fn get_mut(&mut self, index: u32) -> Option<&mut Entry> {
-        self.entries.get_mut(index as usize)?.as_mut()
+        self.entries.get_mut(&index)
+    }
+
+    /// A random unused index: random draws, then (if the table is very
+    /// full) the next unused index after a random start.
+    fn free_index(&self) -> Option<u32> {
+        let mut rng = rand::rng();
+        for _ in 0..64 {
+            let i = rng.random_range(1..=MAX_INDEX);
+            if !self.entries.contains_key(&i) {
+                return Some(i);
+            }
+        }
+        let start = rng.random_range(1..=MAX_INDEX);
+        (start..=MAX_INDEX)
+            .chain(1..start)
+            .find(|i| !self.entries.contains_key(i))
     }
 }
 
@@ -527,10 +567,7 @@ impl StagTable {
     /// An empty table.
     pub(crate) fn new() -> Self {
         StagTable {
-            slots: RwLock::new(Slots {
-                entries: vec![None],
-                free: Vec::new(),
-            }),
+            slots: RwLock::new(Slots::default()),
         }
     }
 
@@ -555,30 +592,16 @@ impl StagTable {
             kind,
         };
         let mut slots = self.slots.write();
-        let (index, previous_key) = if slots.free.is_empty() {
-            let index = u32::try_from(slots.entries.len()).map_err(|_| RegError::TableFull)?;
-            if index > MAX_INDEX {
-                return Err(RegError::TableFull);
-            }
-            slots.entries.push(None);
-            (index, None)
-        } else {
-            // A random free index, so reuse order is not predictable.
-            let pick = rand::rng().random_range(0..slots.free.len());
-            let (index, key) = slots.free.swap_remove(pick);
-            (index, Some(key))
-        };
-        entry.key = fresh_key(previous_key);
-        if let Some(slot) = slots.entries.get_mut(index as usize) {
-            *slot = Some(entry);
-        }
+        let index = slots.free_index().ok_or(RegError::TableFull)?;
+        entry.key = fresh_key(None);
+        slots.entries.insert(index, entry);
         Ok(index)
     }
 
     /// Removes the entry at `index`. A bound window releases its region.
     pub(crate) fn remove(&self, index: u32) {
         let mut slots = self.slots.write();
-        let Some(entry) = slots.entries.get_mut(index as usize).and_then(Option::take) else {
+        let Some(entry) = slots.entries.remove(&index) else {
             return;
         };
         if let Kind::Window {
@@ -587,7 +610,6 @@ impl StagTable {
         {
             count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         }
-        slots.free.push((index, entry.key));
     }
 
     /// The current STag of the entry at `index` (0 if there is none).

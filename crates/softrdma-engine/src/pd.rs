@@ -100,37 +100,6 @@ impl ProtectionDomain {
         MemoryRegion::new(self, Memory::from_vec(buf), access, false)
     }
 
-    /// Registers `len` bytes at `ptr` owned by the caller (`ibv_reg_mr` on
-    /// application memory).
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be valid for reads and writes of `len` bytes and stay
-    /// valid (not freed, not reused) until the region is dropped **and**
-    /// every work request that names it and every window bound to it are
-    /// gone (they keep the memory registered). Remote peers and the engine
-    /// write these bytes at any time, so the caller must not hold Rust
-    /// references over them while remote access is possible.
-    ///
-    /// # Errors
-    ///
-    /// As [`ProtectionDomain::register`].
-    pub unsafe fn register_raw(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<MemoryRegion, RegError> {
-        if !access.is_valid() {
-            return Err(RegError::InvalidAccess(access));
-        }
-        self.check_len(len)?;
-        // SAFETY: the caller's contract above is the one of
-        // `Memory::external` (valid for `len` bytes while it lives).
-        let mem = unsafe { Memory::external(ptr, len) };
-        MemoryRegion::new(self, mem, access, false)
-    }
-
     /// Allocates a fast-register region of up to `max_len` bytes
     /// (`ib_alloc_mr` with `IB_MR_TYPE_MEM_REG`): zeroed memory owned by
     /// the region, STag invalid until a fast-register work request gives it
@@ -155,7 +124,7 @@ impl ProtectionDomain {
         MemoryWindow::new(self)
     }
 
-    fn check_len(&self, len: usize) -> Result<(), RegError> {
+    pub(crate) fn check_len(&self, len: usize) -> Result<(), RegError> {
         let max = self.device().attr().max_mr_size;
         let len = len as u64;
         if len > max {

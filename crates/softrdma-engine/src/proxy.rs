@@ -365,7 +365,7 @@ impl ProxyShared {
             }
             Admission::NoOffload { entered } => {
                 if entered {
-                    g.since = Some(Instant::now());
+                    g.since = Some(crate::sys::clock::now());
                     self.no_offload.store(true, Ordering::Release);
                 }
                 false
@@ -1181,8 +1181,8 @@ fn next_job(rx: &mpsc::Receiver<Job>, spin: Duration) -> Option<Job> {
         Err(mpsc::TryRecvError::Empty) => {}
     }
     if !spin.is_zero() {
-        let until = Instant::now() + spin;
-        while Instant::now() < until {
+        let until = crate::sys::clock::now() + spin;
+        while crate::sys::clock::now() < until {
             match rx.try_recv() {
                 Ok(job) => return Some(job),
                 Err(mpsc::TryRecvError::Disconnected) => return None,

@@ -244,10 +244,12 @@ fn callback_driven_receive_loop() {
                     let slot = wc.wr_id % SLOTS;
                     let mut msg = vec![0; wc.byte_len as usize];
                     buf.read(slot as usize * 64, &mut msg).unwrap();
-                    got.lock().unwrap().push(String::from_utf8(msg).unwrap());
-                    // Post the buffer again, as the next use of this slot.
+                    // Post the buffer again, as the next use of this slot,
+                    // before counting the message: the sender sends again
+                    // as soon as it is counted.
                     let sge = [buf.sge(slot as usize * 64, 64).unwrap()];
                     qp.post_recv(&RecvWr::new(wc.wr_id + SLOTS, &sge)).unwrap();
+                    got.lock().unwrap().push(String::from_utf8(msg).unwrap());
                 });
             })
             .build()

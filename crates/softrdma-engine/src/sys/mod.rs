@@ -4,6 +4,7 @@
 
 #[cfg(feature = "tokio")]
 pub(crate) mod async_fd;
+pub(crate) mod clock;
 pub(crate) mod fd;
 pub(crate) mod io;
 pub(crate) mod mem;

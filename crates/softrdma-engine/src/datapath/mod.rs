@@ -1,0 +1,62 @@
+//! The data path: what moves bytes between registered memory and the
+//! connection.
+//!
+//! * [`tx`]: framing send-queue work and responses into FPDUs and writing
+//!   them (direct sending by the posting thread, or by a datamover);
+//! * [`rx`]: reading FPDUs, validating them and placing their data (direct
+//!   placement), producing receive completions and responses;
+//! * [`datamover`]: the per-CPU transmit threads and receive threads.
+//!
+//! The transmit path reaches its QP only through the narrow [`TxHost`]
+//! trait (completion order, ORD/IRD accounting, the state), so `tx` does
+//! not depend on the QP layer. The receive path still calls into
+//! [`crate::qp`] directly (placement, receive queues, state changes); the
+//! QP layer calls the data path through the transmit hand-off
+//! ([`crate::handoff`]) and the receive threads. The modules stay importable as `crate::tx`, `crate::rx` and
+//! `crate::datamover`.
+
+pub(crate) mod datamover;
+pub(crate) mod rx;
+pub(crate) mod tx;
+
+use crate::state::QpState;
+use crate::wc::WcStatus;
+use crate::wr::LocalSeg;
+
+/// What the transmit path needs from the QP it transmits for.
+pub(crate) trait TxHost {
+    /// The QP's state.
+    fn state(&self) -> QpState;
+    /// Records the outcome of send-queue request `seq` (completion order).
+    fn complete_sq(&self, seq: u64, status: WcStatus, byte_len: u32, vendor_err: u32);
+    /// An inbound Read or atomic was fully answered: its IRD slot is free.
+    fn release_ird(&self);
+    /// Outbound Reads and atomics outstanding.
+    fn ord_outstanding(&self) -> u32;
+    /// The most outbound Reads and atomics the peer accepts at once.
+    fn ord_limit(&self) -> u32;
+    /// A Read or atomic request went out: it waits for its response.
+    fn push_ord(&self, r: OutRead);
+}
+
+/// An outstanding outbound Read or atomic (ORD entry).
+#[derive(Debug)]
+pub(crate) struct OutRead {
+    pub(crate) seq: u64,
+    pub(crate) kind: OutReadKind,
+}
+
+/// Kind of an [`OutRead`].
+#[derive(Debug)]
+pub(crate) enum OutReadKind {
+    Read {
+        sink: LocalSeg,
+        sink_stag: u32,
+        sink_to: u64,
+        got: usize,
+    },
+    Atomic {
+        request_id: u32,
+        sink: LocalSeg,
+    },
+}

@@ -1,0 +1,1175 @@
+//! Receive: direct placement.
+//!
+//! For each FPDU the receive path reads the length field and the DDP/RDMAP
+//! header, validates them (RFC 5040 / RFC 5041: STag, protection domain,
+//! bounds, access rights, MSN, MO, Read Response matching, a posted receive
+//! for a Send), then reads the payload from the socket straight into its
+//! destination — the tagged buffer of a Write or Read Response, the posted
+//! receive of a Send — with one `readv` that also takes the bytes after it
+//! (trailer, next header) into a small staging buffer. Payload bytes that
+//! arrived in the staging buffer together with a header (small messages) are
+//! copied from there: fewer system calls beat avoiding a copy of a few
+//! hundred bytes.
+//!
+//! Any violation sends a Terminate with the RFC's error code and puts the QP
+//! in ERROR; no byte is ever placed outside a region the peer was granted.
+
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use softrdma_wire::crc::{self, Crc32c};
+use softrdma_wire::ddp::{self, Msn};
+use softrdma_wire::errcode::TermError;
+use softrdma_wire::fpdu::pad_len;
+use softrdma_wire::rdmap::atomic::{AtomicOpcode, AtomicRequestRepr, AtomicResponseRepr};
+use softrdma_wire::rdmap::{Opcode, PayloadPlacement, parse_control};
+use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduRepr};
+
+use crate::event::AsyncEventKind;
+use crate::mr::Access;
+use crate::proxy::MsgMeta;
+use crate::qp::{OutReadKind, QpInner};
+use crate::state::QpState;
+use crate::sys::io::{IoVecs, MAX_IOVECS, crc_update_mem, readv};
+use crate::sys::mem::Memory;
+use crate::tx::{Response, SEND_IMM_FOLLOWS, qi};
+use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::RecvWqe;
+use softrdma_wire::ddp::{QN_ATOMIC_RESPONSE, QN_READ_REQUEST, QN_SEND, QN_TERMINATE};
+
+/// Staging buffer: headers, trailers, small payloads and read-ahead. Large
+/// payloads never pass through it, so it need not hold a whole FPDU.
+const STAGING: usize = 32 * 1024;
+/// Payload remainders at least this long are read straight into their
+/// destination; shorter ones go through the staging buffer.
+const DIRECT_MIN: usize = 1024;
+/// Bytes read ahead of a large payload (its trailer and the next header).
+const READAHEAD_LARGE: usize = 256;
+/// Longest ULPDU header or consumed ULPDU (Atomic Request: 18 + 52 bytes;
+/// Terminate: 18 + 52 at most).
+const MAX_HEAD: usize = 128;
+/// Largest DDP header copied into a Terminate.
+const MAX_COPIED_HDR: usize = 18;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Header,
+    Payload,
+    Trailer,
+}
+
+/// What to do once the current FPDU is complete and its CRC checked.
+#[derive(Debug)]
+enum Action {
+    None,
+    /// A Send segment was placed into the current receive.
+    SendSegment {
+        last: bool,
+        solicited: bool,
+        inv: Option<u32>,
+        imm_follows: bool,
+    },
+    /// Immediate Data arrived.
+    Immediate {
+        imm: u32,
+        solicited: bool,
+    },
+    /// A Read Response segment was placed.
+    ReadResponse {
+        last: bool,
+    },
+    /// A Read Request was accepted.
+    ReadRequest(Response),
+    /// An Atomic Request.
+    AtomicRequest(AtomicRequestRepr, crate::mr::Target),
+    /// An Atomic Response.
+    AtomicResponse(AtomicResponseRepr),
+    /// A Terminate arrived.
+    Terminate(softrdma_wire::errcode::TermCode),
+}
+
+/// A receive being filled by a (multi-segment) Send.
+#[derive(Debug)]
+struct RecvProgress {
+    wqe: RecvWqe,
+    msn: Msn,
+    received: usize,
+    /// RDMAP opcode and DDP/RDMAP header of the first segment (for proxy
+    /// filters).
+    opcode: Opcode,
+    header: [u8; MAX_COPIED_HDR],
+}
+
+/// An RDMA Write being received on a proxy QP: what a following Immediate
+/// Data message (Write with Immediate) reports to the proxy filter.
+#[derive(Debug, Clone, Copy)]
+struct WriteTrack {
+    stag: u32,
+    to: u64,
+    len: u64,
+    header: [u8; MAX_COPIED_HDR],
+    header_len: usize,
+}
+
+/// Why processing stopped.
+#[derive(Debug)]
+enum Stop {
+    /// No more bytes for now.
+    Drained,
+    /// The peer closed the stream (at an FPDU boundary or not).
+    Closed { at_boundary: bool },
+    /// The socket failed.
+    Failed(io::Error),
+    /// The peer violated the protocol.
+    Violation {
+        err: TermError,
+        event: AsyncEventKind,
+    },
+    /// The QP is no longer receiving.
+    Dead,
+}
+
+/// The receive state of a QP (behind its receive lock).
+#[derive(Debug)]
+pub(crate) struct RxState {
+    stream: Option<Arc<TcpStream>>,
+    crc_on: bool,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    phase: Phase,
+    crc: Crc32c,
+    ulpdu_len: usize,
+    payload_left: usize,
+    dest: Vec<(Arc<Memory>, usize, usize)>,
+    dest_idx: usize,
+    dest_off: usize,
+    action: Action,
+    hdr_copy: [u8; MAX_COPIED_HDR],
+    hdr_copy_len: usize,
+    /// Next MSN expected per queue.
+    expect: [Msn; 4],
+    recv: Option<RecvProgress>,
+    /// A completed Send with Immediate waiting for its Immediate Data.
+    imm_wait: Option<(RecvProgress, bool)>,
+    /// Proxy QPs only: the RDMA Write being received, and the last one
+    /// received completely.
+    write_open: Option<WriteTrack>,
+    last_write: Option<WriteTrack>,
+    iov: IoVecs,
+    /// The last FPDU had a small payload: read as much as is available.
+    small: bool,
+    /// The last read returned less than asked for.
+    drained_hint: bool,
+    pub(crate) bytes_received: u64,
+}
+
+impl RxState {
+    pub(crate) fn new() -> Self {
+        RxState {
+            stream: None,
+            crc_on: false,
+            buf: Vec::new(),
+            start: 0,
+            end: 0,
+            phase: Phase::Header,
+            crc: Crc32c::new(),
+            ulpdu_len: 0,
+            payload_left: 0,
+            dest: Vec::new(),
+            dest_idx: 0,
+            dest_off: 0,
+            action: Action::None,
+            hdr_copy: [0; MAX_COPIED_HDR],
+            hdr_copy_len: 0,
+            expect: [Msn::INITIAL; 4],
+            recv: None,
+            imm_wait: None,
+            write_open: None,
+            last_write: None,
+            iov: IoVecs::new(),
+            small: true,
+            drained_hint: false,
+            bytes_received: 0,
+        }
+    }
+
+    pub(crate) fn attach(
+        &mut self,
+        stream: Arc<TcpStream>,
+        crc: bool,
+        send_msn: Msn,
+        read_msn: Msn,
+        already_read: &[u8],
+    ) {
+        self.stream = Some(stream);
+        self.expect[qi(QN_SEND)] = send_msn;
+        self.expect[qi(QN_READ_REQUEST)] = read_msn;
+        self.crc_on = crc;
+        self.buf = vec![0u8; STAGING];
+        let n = already_read.len().min(STAGING);
+        self.buf[..n].copy_from_slice(&already_read[..n]);
+        self.start = 0;
+        self.end = n;
+    }
+
+    pub(crate) fn detach(&mut self) {
+        self.stream = None;
+    }
+
+    /// The receives taken from the queue and not completed (flushed on
+    /// error).
+    pub(crate) fn take_partial(&mut self) -> Vec<u64> {
+        let mut v = Vec::new();
+        if let Some(r) = self.recv.take() {
+            v.push(r.wqe.wr_id);
+        }
+        if let Some((r, _)) = self.imm_wait.take() {
+            v.push(r.wqe.wr_id);
+        }
+        v
+    }
+
+    fn avail(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Reads more bytes into the staging buffer.
+    fn fill(&mut self) -> Result<(), Stop> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.start > STAGING / 2 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.drained_hint {
+            // The last read came back short: the socket is (very likely)
+            // empty. Skip the read that would say EAGAIN; a watcher re-arms
+            // level-triggered, so bytes still there are not missed.
+            return Err(Stop::Drained);
+        }
+        let Some(stream) = self.stream.as_ref() else {
+            return Err(Stop::Dead);
+        };
+        let mut s: &TcpStream = stream;
+        // After a large FPDU, read little ahead: the next FPDU is probably
+        // large too, and its payload should go straight to its destination,
+        // not through this buffer.
+        let limit = if self.small {
+            self.buf.len()
+        } else {
+            (self.end + READAHEAD_LARGE).min(self.buf.len())
+        };
+        match s.read(&mut self.buf[self.end..limit]) {
+            Ok(0) => Err(Stop::Closed {
+                at_boundary: self.phase == Phase::Header && self.avail() == 0,
+            }),
+            Ok(n) => {
+                self.drained_hint = self.end + n < limit;
+                self.end += n;
+                self.bytes_received += n as u64;
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(Stop::Drained),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+            Err(e) => Err(Stop::Failed(e)),
+        }
+    }
+
+    /// Ensures `n` bytes are staged (n ≤ STAGING / 2).
+    fn need(&mut self, n: usize) -> Result<(), Stop> {
+        if n > self.buf.len() {
+            return Err(Stop::Violation {
+                err: TermError::DdpLocalCatastrophic,
+                event: AsyncEventKind::QpRequestError,
+            });
+        }
+        while self.avail() < n {
+            if self.buf.len() - self.start < n {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            }
+            self.fill()?;
+        }
+        Ok(())
+    }
+}
+
+impl QpInner {
+    /// Receive progress from a CQ poll: only if nobody else is receiving.
+    /// `busy`: the caller busy-polls (the receive thread may leave the
+    /// socket to it for a while).
+    pub(crate) fn rx_poll(&self, busy: bool) -> bool {
+        if busy {
+            self.last_poll
+                .store(crate::datamover::now_ns(), Ordering::Relaxed);
+        }
+        let Some(mut rx) = self.rx.try_lock() else {
+            return false;
+        };
+        if rx.stream.is_none() {
+            return false;
+        }
+        let before = rx.bytes_received;
+        self.rx_run(&mut rx);
+        rx.bytes_received != before
+    }
+
+    /// Receive progress from a receive thread. Returns `false` once the QP
+    /// no longer receives (no need to wait for the socket again).
+    pub(crate) fn rx_thread_progress(&self) -> bool {
+        let mut rx = self.rx.lock();
+        if rx.stream.is_none() {
+            return false;
+        }
+        self.rx_run(&mut rx)
+    }
+
+    /// Processes FPDUs until the socket has no more bytes. Returns whether
+    /// the QP still receives.
+    fn rx_run(&self, rx: &mut RxState) -> bool {
+        rx.drained_hint = false;
+        let stop = loop {
+            if !matches!(self.state(), QpState::Rts | QpState::Closing) {
+                break Stop::Dead;
+            }
+            match self.rx_step(rx) {
+                Ok(()) => {}
+                Err(s) => break s,
+            }
+        };
+        match stop {
+            Stop::Drained => return true,
+            Stop::Dead => {}
+            Stop::Closed { at_boundary } => {
+                rx.stream = None;
+                self.flush_partial(rx);
+                self.link_closed(at_boundary);
+            }
+            Stop::Failed(e) => {
+                rx.stream = None;
+                self.flush_partial(rx);
+                self.link_failed(&e);
+            }
+            Stop::Violation { err, event } => {
+                rx.stream = None;
+                self.flush_partial(rx);
+                let hdr = rx.hdr_copy;
+                let n = rx.hdr_copy_len;
+                self.fail(err, (n > 0).then_some(&hdr[..n]), event);
+            }
+        }
+        // Whoever moved the QP out of RTS could not take the receive lock
+        // (held here): flush what the receive path holds and let go of the
+        // socket.
+        rx.stream = None;
+        self.flush_partial(rx);
+        false
+    }
+
+    /// Flushes the receives the receive path has taken and not completed.
+    fn flush_partial(&self, rx: &mut RxState) {
+        for wr_id in rx.take_partial() {
+            self.complete_recv(
+                WorkCompletion::error(wr_id, WcOpcode::Recv, self.qp_num, WcStatus::WrFlush),
+                false,
+            );
+        }
+    }
+
+    /// One step: finish the phase in progress.
+    fn rx_step(&self, rx: &mut RxState) -> Result<(), Stop> {
+        match rx.phase {
+            Phase::Header => self.rx_header(rx),
+            Phase::Payload => self.rx_payload(rx),
+            Phase::Trailer => self.rx_trailer(rx),
+        }
+    }
+
+    fn rx_header(&self, rx: &mut RxState) -> Result<(), Stop> {
+        rx.need(4)?;
+        let s = rx.start;
+        let ulpdu_len = usize::from(u16::from_be_bytes([rx.buf[s], rx.buf[s + 1]]));
+        let ddp_ctrl = rx.buf[s + 2];
+        let rdmap_ctrl = rx.buf[s + 3];
+        let hdr_len = ddp::header_len(ddp_ctrl);
+        let opcode = parse_control(rdmap_ctrl).ok();
+        let consumed = opcode.is_some_and(|o| o.payload_placement() == PayloadPlacement::Consumed);
+        let head = if consumed || ulpdu_len < hdr_len {
+            ulpdu_len
+        } else {
+            hdr_len
+        };
+        if head > MAX_HEAD {
+            // No header or consumed message is this long: answer at once,
+            // without waiting for (or trying to stage) bytes never used.
+            rx.need(2 + hdr_len)?;
+            let s = rx.start;
+            rx.hdr_copy[..hdr_len].copy_from_slice(&rx.buf[s + 2..s + 2 + hdr_len]);
+            rx.hdr_copy_len = hdr_len;
+            return Err(Stop::Violation {
+                err: TermError::DdpLocalCatastrophic,
+                event: AsyncEventKind::QpRequestError,
+            });
+        }
+        rx.need(2 + head)?;
+        let s = rx.start;
+        let copy = head.min(MAX_COPIED_HDR);
+        rx.hdr_copy[..copy].copy_from_slice(&rx.buf[s + 2..s + 2 + copy]);
+        rx.hdr_copy_len = copy;
+        if rx.crc_on {
+            rx.crc = Crc32c::new();
+            rx.crc.update(&rx.buf[s..s + 2 + head]);
+        }
+        let mut local = [0u8; MAX_HEAD];
+        local[..head].copy_from_slice(&rx.buf[s + 2..s + 2 + head]);
+        let parsed = UlpduRepr::parse(&local[..head]);
+        let repr = match parsed {
+            Ok(r) => r,
+            Err(e) => {
+                return Err(Stop::Violation {
+                    err: e.term_error().unwrap_or(TermError::DdpLocalCatastrophic),
+                    event: AsyncEventKind::QpRequestError,
+                });
+            }
+        };
+        let payload_len = ulpdu_len - head;
+        rx.small = payload_len < DIRECT_MIN;
+        rx.ulpdu_len = ulpdu_len;
+        rx.payload_left = payload_len;
+        rx.dest.clear();
+        rx.dest_idx = 0;
+        rx.dest_off = 0;
+        let action = self.validate(rx, &repr, payload_len)?;
+        rx.action = action;
+        rx.start += 2 + head;
+        rx.phase = Phase::Payload;
+        Ok(())
+    }
+
+    /// Checks a segment and says where its payload goes.
+    fn validate(
+        &self,
+        rx: &mut RxState,
+        repr: &UlpduRepr<'_>,
+        payload_len: usize,
+    ) -> Result<Action, Stop> {
+        let stags = self.device.stags();
+        let pd = self.pd.id();
+        let violation = |err: TermError, event| Stop::Violation { err, event };
+        match (repr.opcode, repr.address) {
+            (Opcode::RdmaWrite, DdpAddress::Tagged { stag, to }) => {
+                if self.proxy.get().is_some() {
+                    let w = rx.write_open.get_or_insert(WriteTrack {
+                        stag: stag.0,
+                        to,
+                        len: 0,
+                        header: rx.hdr_copy,
+                        header_len: rx.hdr_copy_len,
+                    });
+                    w.len += payload_len as u64;
+                    if repr.last {
+                        rx.last_write = rx.write_open.take();
+                    }
+                }
+                if payload_len == 0 {
+                    // A zero-length Write places nothing (RTR uses one).
+                    return Ok(Action::None);
+                }
+                match stags.remote(stag.0, pd, Access::REMOTE_WRITE, to, payload_len as u64) {
+                    Ok(t) => {
+                        rx.dest.push((t.mem, t.offset, t.len));
+                        Ok(Action::None)
+                    }
+                    Err(e) => Err(violation(e.term_error(true), AsyncEventKind::QpAccessError)),
+                }
+            }
+            (Opcode::RdmaReadResponse, DdpAddress::Tagged { stag, to }) => {
+                let r = self.with_ord_front(|front| match front {
+                    Some(o) => match &mut o.kind {
+                        OutReadKind::Read {
+                            sink,
+                            sink_stag,
+                            sink_to,
+                            got,
+                        } => {
+                            if stag.0 != *sink_stag {
+                                return Err(TermError::DdpTaggedInvalidStag);
+                            }
+                            if to != sink_to.wrapping_add(*got as u64)
+                                || *got + payload_len > sink.len
+                            {
+                                return Err(TermError::DdpTaggedBaseOrBounds);
+                            }
+                            if repr.last && *got + payload_len != sink.len {
+                                return Err(TermError::DdpTaggedBaseOrBounds);
+                            }
+                            let piece = (sink.mem.clone(), sink.offset + *got, payload_len);
+                            *got += payload_len;
+                            Ok(piece)
+                        }
+                        OutReadKind::Atomic { .. } => Err(TermError::RdmapUnexpectedOpcode),
+                    },
+                    None => Err(TermError::RdmapUnexpectedOpcode),
+                });
+                match r {
+                    Ok(piece) => {
+                        rx.dest.push(piece);
+                        Ok(Action::ReadResponse { last: repr.last })
+                    }
+                    Err(e) => Err(violation(e, AsyncEventKind::QpRequestError)),
+                }
+            }
+            (
+                Opcode::Send
+                | Opcode::SendWithInvalidate
+                | Opcode::SendWithSolicitedEvent
+                | Opcode::SendWithSolicitedEventAndInvalidate,
+                DdpAddress::Untagged { qn, msn, mo },
+            ) => {
+                if qn.0 != 0 {
+                    return Err(violation(
+                        TermError::DdpUntaggedInvalidQn,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                }
+                if msn != rx.expect[qi(QN_SEND)] {
+                    return Err(violation(
+                        TermError::DdpUntaggedMsnRange,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                }
+                if rx.recv.is_none() {
+                    if mo != 0 {
+                        return Err(violation(
+                            TermError::DdpUntaggedInvalidMo,
+                            AsyncEventKind::QpRequestError,
+                        ));
+                    }
+                    if rx.imm_wait.is_some() {
+                        return Err(violation(
+                            TermError::RdmapUnexpectedOpcode,
+                            AsyncEventKind::QpRequestError,
+                        ));
+                    }
+                    let Some(wqe) = self.pop_recv() else {
+                        return Err(violation(
+                            TermError::DdpUntaggedNoBuffer,
+                            AsyncEventKind::QpRequestError,
+                        ));
+                    };
+                    rx.recv = Some(RecvProgress {
+                        wqe,
+                        msn,
+                        received: 0,
+                        opcode: repr.opcode,
+                        header: rx.hdr_copy,
+                    });
+                }
+                let Some(r) = rx.recv.as_mut() else {
+                    return Err(local_catastrophe());
+                };
+                if r.msn != msn || mo as usize != r.received {
+                    return Err(violation(
+                        TermError::DdpUntaggedInvalidMo,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                }
+                if r.received + payload_len > r.wqe.total_len {
+                    // The receive is too small: it completes with a length
+                    // error (not a flush), then the Terminate goes out.
+                    let wr_id = r.wqe.wr_id;
+                    rx.recv = None;
+                    self.complete_recv(
+                        WorkCompletion::error(
+                            wr_id,
+                            WcOpcode::Recv,
+                            self.qp_num,
+                            WcStatus::LocalLength,
+                        ),
+                        false,
+                    );
+                    return Err(violation(
+                        TermError::DdpUntaggedMessageTooLong,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                }
+                let pieces = &mut rx.dest;
+                let mut off = r.received;
+                let mut left = payload_len;
+                for s in &r.wqe.segs {
+                    if left == 0 {
+                        break;
+                    }
+                    if off >= s.len {
+                        off -= s.len;
+                        continue;
+                    }
+                    let k = (s.len - off).min(left);
+                    pieces.push((s.mem.clone(), s.offset + off, k));
+                    left -= k;
+                    off = 0;
+                }
+                r.received += payload_len;
+                let imm_follows = rx.hdr_copy_len >= 6
+                    && u32::from_be_bytes([
+                        rx.hdr_copy[2],
+                        rx.hdr_copy[3],
+                        rx.hdr_copy[4],
+                        rx.hdr_copy[5],
+                    ]) == SEND_IMM_FOLLOWS
+                    && !repr.opcode.has_invalidate_stag();
+                Ok(Action::SendSegment {
+                    last: repr.last,
+                    solicited: repr.opcode.is_solicited(),
+                    inv: repr.invalidate_stag.map(|s| s.0),
+                    imm_follows,
+                })
+            }
+            (
+                Opcode::ImmediateData | Opcode::ImmediateDataWithSolicitedEvent,
+                DdpAddress::Untagged { msn, .. },
+            ) => {
+                if msn != rx.expect[qi(QN_SEND)] || rx.recv.is_some() {
+                    return Err(violation(
+                        TermError::DdpUntaggedMsnRange,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                }
+                let UlpduBody::Immediate(d) = repr.body else {
+                    return Err(violation(
+                        TermError::RdmapUnexpectedOpcode,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                };
+                let imm = u32::try_from(d.as_be_u64() & 0xffff_ffff).unwrap_or(0);
+                if rx.imm_wait.is_none() && self.srq.is_none() && self.rq_is_empty() {
+                    return Err(violation(
+                        TermError::DdpUntaggedNoBuffer,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                }
+                Ok(Action::Immediate {
+                    imm,
+                    solicited: repr.opcode.is_solicited(),
+                })
+            }
+            (Opcode::RdmaReadRequest, DdpAddress::Untagged { msn, .. }) => {
+                let UlpduBody::ReadRequest(req) = repr.body else {
+                    return Err(violation(
+                        TermError::RdmapUnexpectedOpcode,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                };
+                self.accept_inbound_request(rx, msn)?;
+                let src = stags.remote(
+                    req.src_stag.0,
+                    pd,
+                    Access::REMOTE_READ,
+                    req.src_to,
+                    u64::from(req.read_size),
+                );
+                match src {
+                    Ok(t) => Ok(Action::ReadRequest(Response::Read {
+                        src: t,
+                        sink_stag: req.sink_stag.0,
+                        sink_to: req.sink_to,
+                    })),
+                    Err(e) => {
+                        self.release_ird();
+                        Err(violation(
+                            e.term_error(false),
+                            AsyncEventKind::QpAccessError,
+                        ))
+                    }
+                }
+            }
+            (Opcode::AtomicRequest, DdpAddress::Untagged { msn, .. }) => {
+                let UlpduBody::AtomicRequest(req) = repr.body else {
+                    return Err(violation(
+                        TermError::RdmapUnexpectedOpcode,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                };
+                self.accept_inbound_request(rx, msn)?;
+                if req.to % 8 != 0 {
+                    self.release_ird();
+                    return Err(violation(
+                        TermError::RdmapBaseOrBounds,
+                        AsyncEventKind::QpAccessError,
+                    ));
+                }
+                match stags.remote(req.stag.0, pd, Access::REMOTE_ATOMIC, req.to, 8) {
+                    Ok(t) => Ok(Action::AtomicRequest(req, t)),
+                    Err(e) => {
+                        self.release_ird();
+                        Err(violation(
+                            e.term_error(false),
+                            AsyncEventKind::QpAccessError,
+                        ))
+                    }
+                }
+            }
+            (Opcode::AtomicResponse, DdpAddress::Untagged { msn, .. }) => {
+                if msn != rx.expect[qi(QN_ATOMIC_RESPONSE)] {
+                    return Err(violation(
+                        TermError::DdpUntaggedMsnRange,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                }
+                let UlpduBody::AtomicResponse(resp) = repr.body else {
+                    return Err(violation(
+                        TermError::RdmapUnexpectedOpcode,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                };
+                let matches = self.with_ord_front(|f| {
+                    matches!(f, Some(o) if matches!(o.kind, OutReadKind::Atomic { request_id, .. } if request_id == resp.request_id))
+                });
+                if !matches {
+                    return Err(violation(
+                        TermError::RdmapUnexpectedOpcode,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                }
+                Ok(Action::AtomicResponse(resp))
+            }
+            (Opcode::Terminate, DdpAddress::Untagged { .. }) => {
+                let UlpduBody::Terminate(t) = repr.body else {
+                    return Err(violation(
+                        TermError::RdmapUnexpectedOpcode,
+                        AsyncEventKind::QpRequestError,
+                    ));
+                };
+                Ok(Action::Terminate(t.code))
+            }
+            _ => Err(violation(
+                TermError::RdmapUnexpectedOpcode,
+                AsyncEventKind::QpRequestError,
+            )),
+        }
+    }
+
+    /// The checks every inbound Read Request or Atomic Request passes
+    /// (queue 1): its MSN is the next one, and an IRD slot is free (taken
+    /// here; RFC 5041's "MSN out of range" when the peer exceeds our IRD).
+    fn accept_inbound_request(&self, rx: &RxState, msn: Msn) -> Result<(), Stop> {
+        if msn != rx.expect[qi(QN_READ_REQUEST)] || !self.take_ird() {
+            return Err(Stop::Violation {
+                err: TermError::DdpUntaggedMsnRange,
+                event: AsyncEventKind::QpRequestError,
+            });
+        }
+        Ok(())
+    }
+
+    fn rx_payload(&self, rx: &mut RxState) -> Result<(), Stop> {
+        while rx.payload_left > 0 {
+            let avail = rx.avail();
+            if avail > 0 {
+                let n = avail.min(rx.payload_left);
+                let (s, e) = (rx.start, rx.start + n);
+                if rx.crc_on {
+                    rx.crc.update(&rx.buf[s..e]);
+                }
+                let mut at = s;
+                while at < e {
+                    let Some((mem, off, len)) = rx.dest.get(rx.dest_idx).cloned() else {
+                        return Err(local_catastrophe());
+                    };
+                    let k = (len - rx.dest_off).min(e - at);
+                    if !mem.copy_in(off + rx.dest_off, &rx.buf[at..at + k]) {
+                        return Err(local_catastrophe());
+                    }
+                    at += k;
+                    rx.dest_off += k;
+                    if rx.dest_off == len {
+                        rx.dest_idx += 1;
+                        rx.dest_off = 0;
+                    }
+                }
+                rx.start = e;
+                rx.payload_left -= n;
+                continue;
+            }
+            if rx.payload_left >= DIRECT_MIN {
+                self.read_direct(rx)?;
+            } else {
+                rx.fill()?;
+            }
+        }
+        rx.phase = Phase::Trailer;
+        Ok(())
+    }
+
+    /// One `readv` of the rest of the payload straight into its destination
+    /// plus read-ahead into the staging buffer.
+    fn read_direct(&self, rx: &mut RxState) -> Result<(), Stop> {
+        rx.start = 0;
+        rx.end = 0;
+        rx.iov.clear();
+        let mut covered = 0usize;
+        let mut idx = rx.dest_idx;
+        let mut off = rx.dest_off;
+        let mut pieces: [(usize, usize, usize); MAX_IOVECS] = [(0, 0, 0); MAX_IOVECS];
+        let mut np = 0usize;
+        while covered < rx.payload_left && np < MAX_IOVECS - 1 {
+            let Some((mem, moff, len)) = rx.dest.get(idx) else {
+                return Err(local_catastrophe());
+            };
+            let k = (len - off).min(rx.payload_left - covered);
+            if !rx.iov.push_mem(mem, moff + off, k) {
+                return Err(local_catastrophe());
+            }
+            pieces[np] = (idx, moff + off, k);
+            np += 1;
+            covered += k;
+            off += k;
+            if off == *len {
+                idx += 1;
+                off = 0;
+            }
+        }
+        rx.iov.push_slice_mut(&mut rx.buf[..READAHEAD_LARGE]);
+        let Some(stream) = rx.stream.as_ref() else {
+            return Err(Stop::Dead);
+        };
+        let r = readv(stream.as_raw_fd(), &rx.iov);
+        rx.iov.clear();
+        let n = match r {
+            Ok(0) => return Err(Stop::Closed { at_boundary: false }),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(Stop::Drained),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(Stop::Failed(e)),
+        };
+        rx.bytes_received += n as u64;
+        let placed = n.min(covered);
+        let mut left = placed;
+        for &(idx, moff, k) in &pieces[..np] {
+            if left == 0 {
+                break;
+            }
+            let t = k.min(left);
+            if rx.crc_on
+                && let Some((mem, _, _)) = rx.dest.get(idx)
+            {
+                crc_update_mem(&mut rx.crc, mem, moff, t);
+            }
+            left -= t;
+            // Advance the destination cursor.
+            rx.dest_off += t;
+            if let Some((_, _, len)) = rx.dest.get(rx.dest_idx)
+                && rx.dest_off == *len
+            {
+                rx.dest_idx += 1;
+                rx.dest_off = 0;
+            }
+        }
+        rx.payload_left -= placed;
+        rx.end = n - placed;
+        Ok(())
+    }
+
+    fn rx_trailer(&self, rx: &mut RxState) -> Result<(), Stop> {
+        let pad = pad_len(rx.ulpdu_len);
+        rx.need(pad + 4)?;
+        let s = rx.start;
+        if rx.crc_on {
+            rx.crc.update(&rx.buf[s..s + pad]);
+            let got = crc::from_wire([
+                rx.buf[s + pad],
+                rx.buf[s + pad + 1],
+                rx.buf[s + pad + 2],
+                rx.buf[s + pad + 3],
+            ]);
+            let want = rx.crc.finish();
+            if got != want {
+                return Err(Stop::Violation {
+                    err: TermError::MpaCrcError,
+                    event: AsyncEventKind::QpFatal,
+                });
+            }
+        }
+        rx.start += pad + 4;
+        rx.phase = Phase::Header;
+        let action = std::mem::replace(&mut rx.action, Action::None);
+        self.apply(rx, action)
+    }
+
+    /// Message-level effects of a complete, checked FPDU.
+    fn apply(&self, rx: &mut RxState, action: Action) -> Result<(), Stop> {
+        match action {
+            Action::None => {}
+            Action::SendSegment {
+                last,
+                solicited,
+                inv,
+                imm_follows,
+            } => {
+                if !last {
+                    return Ok(());
+                }
+                rx.expect[qi(QN_SEND)] = rx.expect[qi(QN_SEND)].next();
+                let Some(r) = rx.recv.take() else {
+                    return Ok(());
+                };
+                if imm_follows {
+                    rx.imm_wait = Some((r, solicited));
+                    return Ok(());
+                }
+                let mut wc = WorkCompletion::success(r.wqe.wr_id, WcOpcode::Recv, self.qp_num);
+                wc.byte_len = u32::try_from(r.received).unwrap_or(u32::MAX);
+                if solicited {
+                    wc.flags = wc.flags | WcFlags::SOLICITED;
+                }
+                if let Some(stag) = inv {
+                    if let Err(e) = self.device.stags().invalidate(stag, self.pd.id(), true) {
+                        // Like siw: the receive reports the failure, and an
+                        // STag of another PD is a protection error.
+                        wc.status = WcStatus::RemoteInvalidRequest;
+                        self.complete_recv(wc, solicited);
+                        let err = match e {
+                            crate::mr::InvalidateError::PdMismatch => {
+                                TermError::RdmapProtectionCannotInvalidate
+                            }
+                            _ => TermError::RdmapOperationCannotInvalidate,
+                        };
+                        return Err(Stop::Violation {
+                            err,
+                            event: AsyncEventKind::QpAccessError,
+                        });
+                    }
+                    wc.flags = wc.flags | WcFlags::WITH_INV;
+                    wc.invalidated_rkey = stag;
+                }
+                match self.proxy.get() {
+                    Some(link) => link.on_message(
+                        self,
+                        wc,
+                        solicited,
+                        MsgMeta::send(r.opcode, r.header, r.wqe.segs, inv),
+                    ),
+                    None => self.complete_recv(wc, solicited),
+                }
+            }
+            Action::Immediate { imm, solicited } => {
+                rx.expect[qi(QN_SEND)] = rx.expect[qi(QN_SEND)].next();
+                let (wc, sol, meta) = match rx.imm_wait.take() {
+                    Some((r, s)) => {
+                        let mut wc =
+                            WorkCompletion::success(r.wqe.wr_id, WcOpcode::Recv, self.qp_num);
+                        wc.byte_len = u32::try_from(r.received).unwrap_or(u32::MAX);
+                        (
+                            wc,
+                            s || solicited,
+                            MsgMeta::send(r.opcode, r.header, r.wqe.segs, None),
+                        )
+                    }
+                    None => match self.pop_recv() {
+                        Some(w) => {
+                            let wc = WorkCompletion::success(
+                                w.wr_id,
+                                WcOpcode::RecvRdmaWithImm,
+                                self.qp_num,
+                            );
+                            let meta = rx.last_write.take().map(|t| {
+                                MsgMeta::write(t.stag, t.to, t.len, &t.header[..t.header_len])
+                            });
+                            (wc, solicited, meta.unwrap_or_else(MsgMeta::empty_write))
+                        }
+                        None => {
+                            return Err(Stop::Violation {
+                                err: TermError::DdpUntaggedNoBuffer,
+                                event: AsyncEventKind::QpRequestError,
+                            });
+                        }
+                    },
+                };
+                let mut wc = wc;
+                wc.imm_data = imm;
+                wc.flags = WcFlags::WITH_IMM;
+                if sol {
+                    wc.flags = wc.flags | WcFlags::SOLICITED;
+                }
+                match self.proxy.get() {
+                    Some(link) => link.on_message(self, wc, sol, meta.with_imm(imm)),
+                    None => self.complete_recv(wc, sol),
+                }
+            }
+            Action::ReadResponse { last } => {
+                if last {
+                    if let Some(o) = self.pop_ord() {
+                        let len = match &o.kind {
+                            OutReadKind::Read { got, .. } => *got,
+                            OutReadKind::Atomic { .. } => 0,
+                        };
+                        self.complete_sq(
+                            o.seq,
+                            WcStatus::Success,
+                            u32::try_from(len).unwrap_or(u32::MAX),
+                            0,
+                        );
+                    }
+                    self.kick();
+                }
+            }
+            Action::ReadRequest(resp) => {
+                rx.expect[qi(QN_READ_REQUEST)] = rx.expect[qi(QN_READ_REQUEST)].next();
+                self.queue_response(resp);
+            }
+            Action::AtomicRequest(req, target) => {
+                rx.expect[qi(QN_READ_REQUEST)] = rx.expect[qi(QN_READ_REQUEST)].next();
+                let Some(cell) = target.mem.atomic_u64(target.offset) else {
+                    self.release_ird();
+                    return Err(Stop::Violation {
+                        err: TermError::RdmapBaseOrBounds,
+                        event: AsyncEventKind::QpAccessError,
+                    });
+                };
+                let original = execute_atomic(cell, &req);
+                self.queue_response(Response::Atomic(AtomicResponseRepr {
+                    request_id: req.request_id,
+                    original_value: original,
+                }));
+            }
+            Action::AtomicResponse(resp) => {
+                rx.expect[qi(QN_ATOMIC_RESPONSE)] = rx.expect[qi(QN_ATOMIC_RESPONSE)].next();
+                if let Some(o) = self.pop_ord() {
+                    if let OutReadKind::Atomic { sink, .. } = &o.kind {
+                        sink.mem
+                            .copy_in(sink.offset, &resp.original_value.to_ne_bytes());
+                    }
+                    self.complete_sq(o.seq, WcStatus::Success, 8, 0);
+                }
+                self.kick();
+            }
+            Action::Terminate(code) => {
+                rx.expect[qi(QN_TERMINATE)] = rx.expect[qi(QN_TERMINATE)].next();
+                rx.stream = None;
+                self.flush_partial(rx);
+                self.terminated_by_peer(code);
+                return Err(Stop::Dead);
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues a response and sends it from here if the transmit path is
+    /// free (direct sending from the receive context).
+    fn queue_response(&self, resp: Response) {
+        {
+            let mut tx = self.lock_tx();
+            tx.resp.push_back(resp);
+        }
+        self.kick();
+    }
+
+    /// Bytes counted so far by the receive path.
+    #[allow(dead_code)]
+    pub(crate) fn rx_bytes(&self) -> u64 {
+        self.rx.lock().bytes_received
+    }
+
+    /// Whether the QP is receiving.
+    #[allow(dead_code)]
+    pub(crate) fn rx_active(&self) -> bool {
+        self.rx_registered.load(Ordering::Relaxed)
+    }
+}
+
+/// A destination checked at header time turned out unusable: cannot happen
+/// unless the engine's own bookkeeping is wrong; the QP is failed rather
+/// than touching memory.
+fn local_catastrophe() -> Stop {
+    Stop::Violation {
+        err: TermError::DdpLocalCatastrophic,
+        event: AsyncEventKind::QpFatal,
+    }
+}
+
+/// Executes an atomic request on a 64-bit cell; returns the original value.
+pub(crate) fn execute_atomic(cell: &std::sync::atomic::AtomicU64, req: &AtomicRequestRepr) -> u64 {
+    match req.opcode {
+        AtomicOpcode::FetchAdd if req.add_or_swap_mask == 0 => {
+            cell.fetch_add(req.add_or_swap_data, Ordering::SeqCst)
+        }
+        AtomicOpcode::FetchAdd => {
+            let mask = req.add_or_swap_mask;
+            let add = req.add_or_swap_data;
+            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                Some(masked_add(v, add, mask))
+            })
+            .unwrap_or_else(|v| v)
+        }
+        AtomicOpcode::Swap => {
+            let mask = req.add_or_swap_mask;
+            let data = req.add_or_swap_data;
+            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                Some((v & !mask) | (data & mask))
+            })
+            .unwrap_or_else(|v| v)
+        }
+        AtomicOpcode::CmpSwap => {
+            let cmask = req.compare_mask;
+            let smask = req.add_or_swap_mask;
+            let cmp = req.compare_data;
+            let data = req.add_or_swap_data;
+            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                if (v ^ cmp) & cmask == 0 {
+                    Some((v & !smask) | (data & smask))
+                } else {
+                    None
+                }
+            })
+            .unwrap_or_else(|v| v)
+        }
+    }
+}
+
+/// Masked fetch-and-add (RFC 7306): a set bit in `mask` marks the most
+/// significant bit of a field; carries do not cross field boundaries.
+pub(crate) fn masked_add(value: u64, add: u64, mask: u64) -> u64 {
+    let mut result = 0u64;
+    let mut start = 0u32;
+    for bit in 0..64u32 {
+        let end_of_field = bit == 63 || (mask >> bit) & 1 == 1;
+        if end_of_field {
+            let width = bit - start + 1;
+            let fmask = if width == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << width) - 1) << start
+            };
+            let sum = ((value & fmask) >> start).wrapping_add((add & fmask) >> start);
+            result |= (sum << start) & fmask;
+            start = bit + 1;
+        }
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masked_add_without_mask_is_a_plain_add() {
+        assert_eq!(masked_add(5, 7, 0), 12);
+        assert_eq!(masked_add(u64::MAX, 1, 0), 0);
+    }
+
+    #[test]
+    fn masked_add_keeps_carries_inside_fields() {
+        // Two 32-bit fields: the low field wraps without carrying.
+        let mask = 1u64 << 31 | 1u64 << 63;
+        let v = 0x0000_0001_ffff_ffff;
+        assert_eq!(masked_add(v, 1 | 1 << 32, mask), 0x0000_0002_0000_0000);
+    }
+}

@@ -1,0 +1,368 @@
+//! Closing: graceful close (FIN exchange, close timer), abortive close,
+//! Terminates sent and received, entering ERROR (flushing everything in
+//! completion order), and tearing the QP down.
+
+use std::net::Shutdown;
+use std::os::fd::AsRawFd;
+
+use super::*;
+
+impl QpInner {
+    /// The connection failed (reset, lost).
+    pub(crate) fn link_failed(&self, e: &io::Error) {
+        if matches!(self.state(), QpState::Error | QpState::Idle) {
+            return;
+        }
+        let detail = format!("connection failed: {e}");
+        self.device
+            .events()
+            .push(AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail(detail));
+        self.enter_error(None, None);
+    }
+
+    /// The peer closed the connection.
+    pub(crate) fn link_closed(&self, at_boundary: bool) {
+        let state = self.state();
+        if matches!(state, QpState::Error | QpState::Idle) {
+            return;
+        }
+        if at_boundary && matches!(state, QpState::Rts | QpState::Closing) {
+            // The peer's FIN: a graceful close (started by the peer if we
+            // are still in RTS).
+            self.peer_fin.store(true, Ordering::Release);
+            if state == QpState::Rts {
+                self.begin_close(true);
+            } else {
+                self.lock_tx().peer_closed = true;
+                self.kick();
+            }
+            self.try_finish_close();
+            return;
+        }
+        self.device
+            .events()
+            .push(AsyncEvent::qp(AsyncEventKind::BadClose, self.qp_num));
+        self.enter_error(None, None);
+    }
+
+    /// RTS → CLOSING: flush the posted receives, let the send queue drain,
+    /// then FIN; arm the close timer.
+    pub(crate) fn begin_close(&self, by_peer: bool) {
+        {
+            let _g = self.lock_state();
+            if self.state() != QpState::Rts {
+                return;
+            }
+            self.set_state(QpState::Closing);
+        }
+        self.flush_rq();
+        {
+            let mut tx = self.lock_tx();
+            tx.fin_pending = true;
+            tx.peer_closed = by_peer;
+        }
+        self.kick();
+        // The close timer runs on the engine's timer thread.
+        let weak = self.self_weak.clone();
+        let timeout =
+            std::time::Duration::from_millis(self.close_timeout_ms.load(Ordering::Relaxed));
+        let generation = self.close_gen.fetch_add(1, Ordering::AcqRel) + 1;
+        let armed = crate::timer::arm(timeout, move || {
+            if let Some(qp) = weak.upgrade()
+                && qp.state() == QpState::Closing
+                && qp.close_gen.load(Ordering::Acquire) == generation
+            {
+                qp.device.events().push(
+                    AsyncEvent::qp(AsyncEventKind::BadClose, qp.qp_num)
+                        .with_detail("the peer did not close in time; connection reset"),
+                );
+                qp.abort(true);
+            }
+        });
+        match armed {
+            Ok(id) => {
+                if let Some(old) = self.close_timer.lock().replace(id) {
+                    crate::timer::cancel(old);
+                }
+                // The close may have finished before the timer was stored.
+                if self.state() != QpState::Closing {
+                    self.cancel_close_timer();
+                }
+            }
+            // No timer: close abortively at once rather than hang forever.
+            Err(_) => self.abort(true),
+        }
+    }
+
+    /// The close is over (IDLE or ERROR): its timer is not needed.
+    fn cancel_close_timer(&self) {
+        if let Some(id) = self.close_timer.lock().take() {
+            crate::timer::cancel(id);
+        }
+    }
+
+    /// The FIN went out (transmit path).
+    pub(crate) fn fin_sent(&self) {
+        self.try_finish_close();
+    }
+
+    /// CLOSING → IDLE once both FINs are exchanged.
+    fn try_finish_close(&self) {
+        if !self.peer_fin.load(Ordering::Acquire) {
+            return;
+        }
+        if !self.lock_tx().fin_sent {
+            return;
+        }
+        {
+            let _g = self.lock_state();
+            if self.state() != QpState::Closing {
+                return;
+            }
+            self.closed.store(true, Ordering::SeqCst);
+            self.set_state(QpState::Idle);
+        }
+        self.cancel_close_timer();
+        // Reads and atomics the peer will never answer now, and anything
+        // else still open, complete with flush errors, in order.
+        let ord: Vec<OutRead> = self.ord_q.lock().drain(..).collect();
+        for r in ord {
+            self.complete_sq(r.seq, WcStatus::WrFlush, 0, 0);
+        }
+        let dropped = {
+            let mut tx = self.lock_tx();
+            let d = tx.clear();
+            self.drain_incoming(&mut tx);
+            d
+        };
+        for w in dropped {
+            self.complete_sq(w.seq, WcStatus::WrFlush, 0, 0);
+        }
+        self.flush_open_sq();
+        self.flush_partial_recv();
+        self.flush_rq();
+        self.device.threads().unregister(self);
+        self.device
+            .events()
+            .push(AsyncEvent::qp(AsyncEventKind::LlpClosed, self.qp_num));
+    }
+
+    /// Abortive close: reset the connection, then ERROR.
+    pub(crate) fn abort(&self, timer: bool) {
+        if matches!(self.state(), QpState::Error) {
+            return;
+        }
+        if let Some(s) = self.stream.lock().as_ref() {
+            let _ = crate::sys::io::reset_connection(s.as_raw_fd());
+        }
+        if !timer && !matches!(self.state(), QpState::Idle) {
+            self.device.events().push(
+                AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail("local abort"),
+            );
+        }
+        self.enter_error(None, None);
+    }
+
+    /// A local error found on the connection: send a Terminate (if the
+    /// connection still works), then ERROR.
+    pub(crate) fn fail(&self, err: TermError, hdr: Option<&[u8]>, event: AsyncEventKind) {
+        if matches!(self.state(), QpState::Error | QpState::Terminate) {
+            return;
+        }
+        self.set_state(QpState::Terminate);
+        tracing::info!(qp = self.qp_num, code = %err.code(), "Terminate sent");
+        *self.last_terminate.lock() = Some(TerminateInfo {
+            direction: TerminateDirection::Sent,
+            code: err.code(),
+        });
+        {
+            let mut tx = self.lock_tx();
+            let mut repr = softrdma_wire::rdmap::terminate::TerminateRepr::new(err);
+            if let Some(h) = hdr {
+                repr.ddp = Some(softrdma_wire::rdmap::terminate::TerminatedDdp {
+                    segment_length: 0,
+                    header: h,
+                });
+            }
+            tx.queue_terminate(&repr);
+            // Best effort: a few non-blocking attempts.
+            for _ in 0..64 {
+                match tx.progress(self, usize::MAX) {
+                    TxOutcome::WouldBlock => std::thread::yield_now(),
+                    _ => break,
+                }
+                if !tx.has_work() {
+                    break;
+                }
+            }
+        }
+        self.device.events().push(
+            AsyncEvent::qp(event, self.qp_num)
+                .with_term(err.code())
+                .with_detail(format!("sent Terminate: {}", err.name())),
+        );
+        self.enter_error(None, None);
+    }
+
+    /// A Terminate arrived from the peer.
+    pub(crate) fn terminated_by_peer(&self, code: TermCode) {
+        tracing::info!(qp = self.qp_num, %code, "Terminate received");
+        *self.last_terminate.lock() = Some(TerminateInfo {
+            direction: TerminateDirection::Received,
+            code,
+        });
+        self.device
+            .events()
+            .push(AsyncEvent::qp(AsyncEventKind::TerminateReceived, self.qp_num).with_term(code));
+        // The oldest outstanding Read or atomic is the request the
+        // Terminate answered; its completion carries the raw code.
+        let status = term_status(code);
+        let vendor = u32::from(u16::from_be_bytes(code.to_bytes()));
+        // Stop framing before the ORD slot frees up: nothing behind the
+        // answered request may reach the wire now.
+        {
+            let _g = self.lock_state();
+            if self.state() == QpState::Error {
+                return;
+            }
+            self.set_state(QpState::Terminate);
+        }
+        if let Some(r) = self.pop_ord() {
+            self.complete_sq(r.seq, status, 0, vendor);
+        }
+        self.enter_error(None, None);
+    }
+
+    /// Enters ERROR: flushes every outstanding request in order and closes
+    /// the connection. `first_status`: status of the oldest outstanding
+    /// Read/atomic (the request a remote error answered), if any.
+    pub(crate) fn enter_error(
+        &self,
+        first_status: Option<WcStatus>,
+        event: Option<AsyncEventKind>,
+    ) {
+        {
+            let _g = self.lock_state();
+            if self.state() == QpState::Error {
+                return;
+            }
+            self.set_state(QpState::Error);
+        }
+        self.cancel_close_timer();
+        if let Some(kind) = event {
+            self.device.events().push(AsyncEvent::qp(kind, self.qp_num));
+        }
+        // Stop transmission; everything not completed is flushed.
+        let dropped = {
+            let mut tx = self.lock_tx();
+            let d = tx.clear();
+            self.drain_incoming(&mut tx);
+            d
+        };
+        let mut ord: Vec<OutRead> = self.ord_q.lock().drain(..).collect();
+        if let Some(st) = first_status
+            && !ord.is_empty()
+        {
+            let r = ord.remove(0);
+            self.complete_sq(r.seq, st, 0, 0);
+        }
+        for r in ord {
+            self.complete_sq(r.seq, WcStatus::WrFlush, 0, 0);
+        }
+        for w in dropped {
+            self.complete_sq(w.seq, WcStatus::WrFlush, 0, 0);
+        }
+        self.flush_open_sq();
+        self.flush_partial_recv();
+        self.flush_rq();
+        if let Some(srq) = &self.srq {
+            let _ = srq;
+            self.device.events().push(AsyncEvent::qp(
+                AsyncEventKind::QpLastWqeReached,
+                self.qp_num,
+            ));
+        }
+        self.close_link();
+    }
+
+    /// Requests already written but whose completion waits for earlier ones
+    /// are complete; anything else still open is flushed.
+    fn flush_open_sq(&self) {
+        let open: Vec<u64> = self.comp.lock().open();
+        for seq in open {
+            self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
+        }
+    }
+
+    /// Flushes the receives the receive path holds, if it is not running
+    /// (if it is, it flushes them itself when it sees the state).
+    fn flush_partial_recv(&self) {
+        let partial = match self.rx.try_lock() {
+            Some(mut rx) => {
+                rx.detach();
+                rx.take_partial()
+            }
+            None => Vec::new(),
+        };
+        for wr_id in partial {
+            self.flush_recv_one(wr_id);
+        }
+    }
+
+    pub(crate) fn rq_is_empty(&self) -> bool {
+        self.rq.is_empty()
+    }
+
+    fn close_link(&self) {
+        self.device.threads().unregister(self);
+        // After a Terminate the connection closes in order (so the Terminate
+        // is delivered); any other way into ERROR resets it, so the peer
+        // learns at once. The descriptor stays open until the QP is freed
+        // or reconnected: a datamover may still watch it, and must see the
+        // hang-up rather than a recycled descriptor.
+        let orderly = self.lock_tx().terminate_sent || self.orderly_close.load(Ordering::Acquire);
+        if let Some(s) = self.stream.lock().as_ref() {
+            if orderly {
+                let _ = s.shutdown(Shutdown::Both);
+            } else {
+                let _ = crate::sys::io::reset_connection(s.as_raw_fd());
+            }
+        }
+        if let Some(mut rx) = self.rx.try_lock() {
+            rx.detach();
+        }
+        self.lock_tx().link = None;
+    }
+
+    /// ERROR → IDLE: forget the connection, keep the queues' sizes.
+    pub(super) fn reset(&self) {
+        let _g = self.lock_state();
+        // Raw lock: ERROR accepts no request (posts are flushed), nothing to
+        // hand off, and the state lock is held.
+        let mut tx = self.tx.lock();
+        *tx = TxState::new();
+        let _ = self.tx.release(tx);
+        *self.rx.lock() = RxState::new();
+        self.ird_used.store(0, Ordering::Relaxed);
+        self.ord_limit
+            .store(self.ord.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.closed.store(false, Ordering::SeqCst);
+        self.set_state(QpState::Idle);
+    }
+
+    /// The last handle is gone: flush and close.
+    pub(super) fn destroy(&self) {
+        if self.state() != QpState::Error {
+            // Destroying a connected QP closes its connection in order (FIN
+            // after what is already in the socket), like closing a socket;
+            // use `abort` first for a reset.
+            self.orderly_close.store(true, Ordering::Release);
+            self.enter_error(None, None);
+        }
+        self.device.threads().unregister(self);
+        let hook: Weak<dyn Progress> = self.self_weak.clone() as Weak<dyn Progress>;
+        self.recv_cq.detach_progress(&hook);
+        self.send_cq.detach_progress(&hook);
+        self.device.threads().release(self.datamover);
+    }
+}

@@ -1,0 +1,1131 @@
+//! Queue pairs (reliable connected, iWARP): creation, states, posting, and the
+//! glue between the transmit path ([`crate::tx`]), the receive path
+//! ([`crate::rx`]), the datamovers and the completion queues.
+//!
+//! Posting never blocks: a send request is validated, given its place in the
+//! completion order and pushed on a lock-free queue; then the posting thread
+//! tries the QP's transmit lock and, if it gets it and no datamover owns the
+//! QP, frames and writes the FPDUs itself (direct sending). If the socket
+//! would block, the QP is handed to its datamover.
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use crossbeam_queue::{ArrayQueue, SegQueue};
+use parking_lot::Mutex;
+use softrdma_proto::mpa::{InitialMsns, Negotiated};
+use softrdma_wire::ddp::{Msn, Stag};
+use softrdma_wire::errcode::{TermCode, TermError};
+use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
+
+use crate::cq::{CompletionQueue, Progress};
+use crate::device::Device;
+use crate::event::{AsyncEvent, AsyncEventKind};
+use crate::handoff::{Guard, HandOff};
+use crate::pd::ProtectionDomain;
+use crate::rx::RxState;
+use crate::srq::SharedReceiveQueue;
+use crate::state::{PostPolicy, QpState};
+use crate::sys::io::tcp_maxseg;
+use crate::tx::{Payload, SendWqe, TxLink, TxOutcome, TxState, WqeKind};
+use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{LocalSeg, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
+
+mod close;
+mod order;
+mod post;
+
+/// How long a graceful close waits for the peer's FIN before it resets the
+/// connection, unless changed with [`QueuePair::set_close_timeout`].
+pub const DEFAULT_CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Requested sizes of a QP's queues (`ibv_qp_cap`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCap {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth (ignored with an SRQ).
+    pub max_recv_wr: u32,
+    /// SGEs per send request.
+    pub max_send_sge: u32,
+    /// SGEs per receive request.
+    pub max_recv_sge: u32,
+    /// Inline payload bytes per send request.
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCap {
+    fn default() -> Self {
+        QpCap {
+            max_send_wr: 256,
+            max_recv_wr: 256,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: 64,
+        }
+    }
+}
+
+/// What a QP is created with (`ibv_qp_init_attr`).
+#[derive(Debug, Clone)]
+pub struct QpInitAttr {
+    /// CQ of send-queue completions.
+    pub send_cq: CompletionQueue,
+    /// CQ of receive completions.
+    pub recv_cq: CompletionQueue,
+    /// Shared receive queue instead of the QP's own.
+    pub srq: Option<SharedReceiveQueue>,
+    /// Queue sizes.
+    pub cap: QpCap,
+    /// Every send request is signaled, whatever its flags.
+    pub sq_sig_all: bool,
+    /// Inbound RDMA Read / atomic requests the QP accepts outstanding (IRD).
+    pub ird: u16,
+    /// Outbound RDMA Read / atomic requests the QP keeps outstanding (ORD).
+    pub ord: u16,
+}
+
+impl QpInitAttr {
+    /// Default capabilities with these CQs, IRD = ORD = 16.
+    pub fn new(send_cq: &CompletionQueue, recv_cq: &CompletionQueue) -> Self {
+        QpInitAttr {
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            srq: None,
+            cap: QpCap::default(),
+            sq_sig_all: false,
+            ird: 16,
+            ord: 16,
+        }
+    }
+}
+
+/// What the connection settled, given to [`QueuePair::establish`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkParams {
+    /// MPA CRC is used in both directions.
+    pub crc: bool,
+    /// The peer's IRD: this QP keeps at most `min(ord, peer_ird)` Reads and
+    /// atomics outstanding.
+    pub peer_ird: u16,
+    /// The peer's ORD (informational: the QP's own IRD is what it enforces).
+    pub peer_ord: u16,
+    /// First MSNs of full operation (an RTR may have used MSN 1 of a queue).
+    pub msns: InitialMsns,
+}
+
+impl Default for LinkParams {
+    fn default() -> Self {
+        LinkParams {
+            crc: false,
+            peer_ird: u16::MAX,
+            peer_ord: u16::MAX,
+            msns: InitialMsns {
+                send_tx: Msn::INITIAL,
+                read_tx: Msn::INITIAL,
+                send_rx: Msn::INITIAL,
+                read_rx: Msn::INITIAL,
+            },
+        }
+    }
+}
+
+impl From<&Negotiated> for LinkParams {
+    fn from(n: &Negotiated) -> Self {
+        LinkParams {
+            crc: n.crc,
+            peer_ird: n.peer_ird.unwrap_or(u16::MAX),
+            peer_ord: n.peer_ord.unwrap_or(u16::MAX),
+            msns: n.initial_msns(),
+        }
+    }
+}
+
+/// Why a QP could not be created.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CreateQpError {
+    /// A capability exceeds the device limit.
+    #[error("{what} = {value} exceeds the device limit {max}")]
+    Capability {
+        /// Which capability.
+        what: &'static str,
+        /// Requested.
+        value: u32,
+        /// Device limit.
+        max: u32,
+    },
+    /// A CQ, the SRQ or the PD belong to another device.
+    #[error("the CQs, SRQ and PD of a QP must belong to the same device")]
+    WrongDevice,
+    /// The QP could not become a proxy QP.
+    #[error(transparent)]
+    Proxy(#[from] crate::proxy::ProxySetupError),
+}
+
+/// Why a send request was refused (nothing was queued).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PostSendError {
+    /// The QP state does not accept send requests.
+    #[error("QP {qp_num} is in state {state}: send requests need RTS")]
+    InvalidState {
+        /// The QP.
+        qp_num: u32,
+        /// Its state.
+        state: QpState,
+    },
+    /// The send queue is full.
+    #[error("send queue full ({depth} requests outstanding)")]
+    QueueFull {
+        /// The queue depth.
+        depth: u32,
+    },
+    /// More SGEs than the QP was created for.
+    #[error("{count} SGEs, the QP allows {max}")]
+    TooManySges {
+        /// SGEs in the request.
+        count: usize,
+        /// Limit.
+        max: u32,
+    },
+    /// Inline payload larger than the QP allows.
+    #[error("inline payload of {len} bytes, the QP allows {max}")]
+    InlineTooLarge {
+        /// Payload length.
+        len: usize,
+        /// Limit.
+        max: u32,
+    },
+    /// The request's shape is invalid for its operation.
+    #[error("invalid {op} request: {why}")]
+    Invalid {
+        /// Operation.
+        op: &'static str,
+        /// Reason.
+        why: &'static str,
+    },
+}
+
+/// Why a receive request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PostRecvError {
+    /// The QP state does not accept receives.
+    #[error("QP {qp_num} is in state {state}: receives are not accepted")]
+    InvalidState {
+        /// The QP.
+        qp_num: u32,
+        /// Its state.
+        state: QpState,
+    },
+    /// The receive queue is full.
+    #[error("receive queue full ({depth} requests posted)")]
+    QueueFull {
+        /// Queue depth.
+        depth: u32,
+    },
+    /// More SGEs than the QP was created for.
+    #[error("{count} SGEs, the QP allows {max}")]
+    TooManySges {
+        /// SGEs in the request.
+        count: usize,
+        /// Limit.
+        max: u32,
+    },
+    /// The QP uses a shared receive queue: post to the SRQ.
+    #[error("the QP uses a shared receive queue; post receives to it")]
+    HasSrq,
+}
+
+/// Why a state change was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModifyError {
+    /// The transition is not one an application may request.
+    #[error("QP {qp_num}: {from} -> {to} is not a valid transition")]
+    InvalidTransition {
+        /// The QP.
+        qp_num: u32,
+        /// Current state.
+        from: QpState,
+        /// Requested state.
+        to: QpState,
+    },
+    /// RTS needs a connection.
+    #[error("QP {qp_num} has no connection: RTS is reached by connecting")]
+    NotConnected {
+        /// The QP.
+        qp_num: u32,
+    },
+    /// IRD/ORD may change only before the connection is established.
+    #[error("QP {qp_num}: IRD/ORD can change only in IDLE or RTR")]
+    IrdOrdFixed {
+        /// The QP.
+        qp_num: u32,
+    },
+}
+
+/// Why [`QueuePair::establish`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EstablishError {
+    /// The QP is not in IDLE or RTR.
+    #[error("QP {qp_num} is in state {state}; a connection needs IDLE or RTR")]
+    InvalidState {
+        /// The QP.
+        qp_num: u32,
+        /// Its state.
+        state: QpState,
+    },
+    /// The socket could not be set up.
+    #[error("socket setup failed: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// What [`QueuePair::query`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QpAttr {
+    /// QP number.
+    pub qp_num: u32,
+    /// Current state.
+    pub state: QpState,
+    /// Capabilities.
+    pub cap: QpCap,
+    /// Inbound Read/atomic limit.
+    pub ird: u16,
+    /// Outbound Read/atomic limit (the effective one once connected).
+    pub ord: u16,
+    /// Every send request signaled.
+    pub sq_sig_all: bool,
+    /// CRC in use (once connected).
+    pub crc: bool,
+    /// Largest ULPDU payload per FPDU (once connected).
+    pub max_fpdu_payload: usize,
+    /// The datamover the QP is assigned to.
+    pub datamover: usize,
+    /// Peer address (once connected).
+    pub peer: Option<SocketAddr>,
+    /// Bytes written to the connection.
+    pub bytes_sent: u64,
+    /// Bytes read from the connection.
+    pub bytes_received: u64,
+}
+
+/// Which side sent a Terminate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TerminateDirection {
+    /// This QP sent it (it found an error in what the peer sent, or the
+    /// application moved it to TERMINATE).
+    Sent,
+    /// The peer sent it.
+    Received,
+}
+
+/// The Terminate message that ended a connection, kept on the QP
+/// ([`QueuePair::last_terminate`]) so that tools can say what happened
+/// beyond the flush errors of the work requests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TerminateInfo {
+    /// Sent or received.
+    pub direction: TerminateDirection,
+    /// Layer, error type and error code (RFC 5040 section 7.2 / 5041 / 5044).
+    pub code: TermCode,
+}
+
+impl TerminateInfo {
+    /// A readable description, e.g. "received Terminate: DDP Tagged Buffer
+    /// Error / Invalid Steering Tag (0x1/0x1/0x00, RFC 5041)".
+    pub fn description(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl std::fmt::Display for TerminateInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dir = match self.direction {
+            TerminateDirection::Sent => "sent",
+            TerminateDirection::Received => "received",
+        };
+        write!(f, "{dir} Terminate: {}", self.code)
+    }
+}
+
+pub(crate) use crate::datapath::{OutRead, OutReadKind};
+
+/// One send-queue request in completion order.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    wr_id: u64,
+    opcode: WcOpcode,
+    signaled: bool,
+    status: Option<WcStatus>,
+    byte_len: u32,
+    vendor_err: u32,
+    /// Posted by a proxy handler: its completion is the proxy's, never the
+    /// application's.
+    proxy_owned: bool,
+}
+
+/// Send-queue completion order.
+type CompQueue = crate::slots::InOrder<Slot>;
+
+/// A queue pair handle. Cloning gives another handle to the same QP; the QP
+/// is destroyed (its connection closed, outstanding work flushed) when the
+/// last handle is dropped.
+#[derive(Debug, Clone)]
+pub struct QueuePair {
+    pub(crate) inner: Arc<QpHandle>,
+}
+
+/// Owner of a QP: destroying it tears the QP down.
+#[derive(Debug)]
+pub(crate) struct QpHandle {
+    pub(crate) qp: Arc<QpInner>,
+}
+
+impl Drop for QpHandle {
+    fn drop(&mut self) {
+        self.qp.destroy();
+    }
+}
+
+/// The shared state of a QP.
+///
+/// Lock order (never the reverse): `rx` → `state_lock` → `tx` (through the
+/// hand-off) → `comp` or `ord_q` (never both) → CQ/SRQ internals; `stream`,
+/// `peer`, `close_timer` and `last_terminate` are leaves. Exceptions:
+/// `establish` and the reset ERROR → IDLE take `state_lock` → `tx` → `rx`,
+/// when no receive path runs. A [`TxGuard`] is never dropped under
+/// `state_lock`. See `docs/engine.md`.
+#[derive(Debug)]
+pub(crate) struct QpInner {
+    pub(crate) qp_num: u32,
+    pub(crate) device: Device,
+    pub(crate) pd: ProtectionDomain,
+    pub(crate) send_cq: CompletionQueue,
+    pub(crate) recv_cq: CompletionQueue,
+    pub(crate) srq: Option<SharedReceiveQueue>,
+    pub(crate) cap: QpCap,
+    sq_sig_all: bool,
+    state: AtomicU8,
+    state_lock: Mutex<()>,
+    ird: AtomicU32,
+    ord: AtomicU32,
+    /// Effective ORD once connected: min(ord, peer IRD).
+    ord_limit: AtomicU32,
+    /// Inbound Reads/atomics accepted and not yet fully answered.
+    ird_used: AtomicU32,
+    pub(crate) datamover: usize,
+    stream: Mutex<Option<Arc<TcpStream>>>,
+    peer: Mutex<Option<SocketAddr>>,
+    incoming: SegQueue<SendWqe>,
+    sq_outstanding: AtomicU32,
+    comp: Mutex<CompQueue>,
+    ord_q: Mutex<VecDeque<OutRead>>,
+    rq: ArrayQueue<RecvWqe>,
+    /// Transmit state behind the direct-send hand-off (see [`crate::handoff`]).
+    pub(crate) tx: HandOff<TxState>,
+    pub(crate) rx: Mutex<RxState>,
+    /// Set while the QP is registered with the receive threads.
+    pub(crate) rx_registered: AtomicBool,
+    /// Set while a datamover lists the QP (active or paused).
+    pub(crate) dm_listed: AtomicBool,
+    /// When a CQ poll last drove this QP's receive path (engine clock, ns).
+    pub(crate) last_poll: AtomicU64,
+    /// The peer's FIN arrived (at an FPDU boundary).
+    peer_fin: AtomicBool,
+    /// Entering ERROR closes the connection in order instead of resetting
+    /// it (QP destroyed by its owner).
+    orderly_close: AtomicBool,
+    /// The QP reached IDLE through a graceful close: until it is connected,
+    /// moved to RTR or reset, posts are flushed as in ERROR.
+    closed: AtomicBool,
+    /// How long a graceful close waits for the peer's FIN (ms).
+    close_timeout_ms: AtomicU64,
+    /// The last Terminate sent or received (kept until the QP is connected
+    /// again).
+    last_terminate: Mutex<Option<TerminateInfo>>,
+    /// The close timer armed by the current close, if any.
+    close_timer: Mutex<Option<crate::timer::TimerId>>,
+    /// Counts closes: a timer acts only on the close that armed it.
+    close_gen: AtomicU64,
+    /// Proxy offload, once attached (IDLE only): filter, handler and the
+    /// completion sequencer.
+    pub(crate) proxy: std::sync::OnceLock<crate::proxy::ProxyLink>,
+    pub(crate) self_weak: Weak<QpInner>,
+}
+
+impl QueuePair {
+    /// Creates a QP in IDLE.
+    pub fn new(pd: &ProtectionDomain, attr: &QpInitAttr) -> Result<QueuePair, CreateQpError> {
+        let device = pd.device().clone();
+        let a = device.attr();
+        let check = |what, value: u32, max: u32| {
+            if value > max {
+                Err(CreateQpError::Capability { what, value, max })
+            } else {
+                Ok(())
+            }
+        };
+        check("max_send_wr", attr.cap.max_send_wr, a.max_qp_wr)?;
+        check("max_recv_wr", attr.cap.max_recv_wr, a.max_qp_wr)?;
+        check("max_send_sge", attr.cap.max_send_sge, a.max_sge)?;
+        check("max_recv_sge", attr.cap.max_recv_sge, a.max_sge)?;
+        check(
+            "max_inline_data",
+            attr.cap.max_inline_data,
+            a.max_inline_data,
+        )?;
+        check("ird", u32::from(attr.ird), a.max_qp_rd_atom)?;
+        check("ord", u32::from(attr.ord), a.max_qp_init_rd_atom)?;
+        let qp_num = device.alloc_qp_num();
+        let datamover = device.threads().assign();
+        let inner = Arc::new_cyclic(|weak| QpInner {
+            qp_num,
+            device: device.clone(),
+            pd: pd.clone(),
+            send_cq: attr.send_cq.clone(),
+            recv_cq: attr.recv_cq.clone(),
+            srq: attr.srq.clone(),
+            cap: attr.cap,
+            sq_sig_all: attr.sq_sig_all,
+            state: AtomicU8::new(QpState::Idle.as_u8()),
+            state_lock: Mutex::new(()),
+            ird: AtomicU32::new(u32::from(attr.ird)),
+            ord: AtomicU32::new(u32::from(attr.ord)),
+            ord_limit: AtomicU32::new(u32::from(attr.ord)),
+            ird_used: AtomicU32::new(0),
+            datamover,
+            stream: Mutex::new(None),
+            peer: Mutex::new(None),
+            incoming: SegQueue::new(),
+            sq_outstanding: AtomicU32::new(0),
+            comp: Mutex::new(CompQueue::default()),
+            ord_q: Mutex::new(VecDeque::new()),
+            rq: ArrayQueue::new(attr.cap.max_recv_wr.max(1) as usize),
+            tx: HandOff::new(TxState::new()),
+            rx: Mutex::new(RxState::new()),
+            rx_registered: AtomicBool::new(false),
+            dm_listed: AtomicBool::new(false),
+            last_poll: AtomicU64::new(0),
+            peer_fin: AtomicBool::new(false),
+            orderly_close: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
+            close_timer: Mutex::new(None),
+            last_terminate: Mutex::new(None),
+            close_gen: AtomicU64::new(0),
+            proxy: std::sync::OnceLock::new(),
+            self_weak: weak.clone(),
+        });
+        let hook: Weak<dyn Progress> = Arc::downgrade(&inner) as Weak<dyn Progress>;
+        inner.recv_cq.attach_progress(hook.clone());
+        if !inner.send_cq.same_as(&inner.recv_cq) {
+            inner.send_cq.attach_progress(hook);
+        }
+        Ok(QueuePair {
+            inner: Arc::new(QpHandle { qp: inner }),
+        })
+    }
+
+    fn qp(&self) -> &Arc<QpInner> {
+        &self.inner.qp
+    }
+
+    /// The QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.qp().qp_num
+    }
+
+    /// The current state.
+    pub fn state(&self) -> QpState {
+        self.qp().state()
+    }
+
+    /// The QP's attributes (`ibv_query_qp`).
+    pub fn query(&self) -> QpAttr {
+        let qp = self.qp();
+        let tx = qp.lock_tx();
+        let link = tx.link;
+        let bytes_sent = tx.bytes_sent;
+        drop(tx);
+        let bytes_received = qp.rx.lock().bytes_received;
+        QpAttr {
+            qp_num: qp.qp_num,
+            state: qp.state(),
+            cap: qp.cap,
+            ird: u16::try_from(qp.ird.load(Ordering::Relaxed)).unwrap_or(u16::MAX),
+            ord: u16::try_from(qp.ord_limit.load(Ordering::Relaxed)).unwrap_or(u16::MAX),
+            sq_sig_all: qp.sq_sig_all,
+            crc: link.is_some_and(|l| l.crc),
+            max_fpdu_payload: link.map_or(0, |l| l.max_payload),
+            datamover: qp.datamover,
+            peer: *qp.peer.lock(),
+            bytes_sent,
+            bytes_received,
+        }
+    }
+
+    /// Changes the IRD and ORD the QP will negotiate (IDLE or RTR only).
+    pub fn set_ird_ord(&self, ird: u16, ord: u16) -> Result<(), ModifyError> {
+        let qp = self.qp();
+        let _g = qp.lock_state();
+        if !matches!(qp.state(), QpState::Idle | QpState::Rtr) {
+            return Err(ModifyError::IrdOrdFixed { qp_num: qp.qp_num });
+        }
+        qp.ird.store(u32::from(ird), Ordering::Relaxed);
+        qp.ord.store(u32::from(ord), Ordering::Relaxed);
+        qp.ord_limit.store(u32::from(ord), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Requests a state change (`ibv_modify_qp` with `IBV_QP_STATE`).
+    ///
+    /// * IDLE → RTR: receives may be posted before the connection exists.
+    /// * → ERROR: outstanding work completes with flush errors, the
+    ///   connection is closed abortively.
+    /// * RTS → TERMINATE: a Terminate (RDMAP local catastrophic) is sent,
+    ///   then the QP enters ERROR.
+    /// * RTS → CLOSING: graceful disconnect, as [`QueuePair::disconnect`].
+    /// * → ERROR from RTS: abortive disconnect (the connection is reset).
+    /// * ERROR → IDLE: the QP is reset and can be connected again.
+    pub fn modify(&self, to: QpState) -> Result<(), ModifyError> {
+        let qp = self.qp();
+        let from = qp.state();
+        if !from.user_may_modify(to) {
+            return Err(ModifyError::InvalidTransition {
+                qp_num: qp.qp_num,
+                from,
+                to,
+            });
+        }
+        match to {
+            QpState::Rts if from != QpState::Rts => {
+                Err(ModifyError::NotConnected { qp_num: qp.qp_num })
+            }
+            QpState::Error => {
+                qp.abort(false);
+                Ok(())
+            }
+            QpState::Terminate => {
+                qp.fail(
+                    TermError::RdmapLocalCatastrophic,
+                    None,
+                    AsyncEventKind::QpFatal,
+                );
+                Ok(())
+            }
+            QpState::Closing => {
+                qp.begin_close(false);
+                Ok(())
+            }
+            QpState::Idle if from == QpState::Error => {
+                qp.reset();
+                Ok(())
+            }
+            QpState::Rtr => {
+                let _g = qp.lock_state();
+                if !matches!(qp.state(), QpState::Idle | QpState::Rtr) {
+                    return Err(ModifyError::InvalidTransition {
+                        qp_num: qp.qp_num,
+                        from: qp.state(),
+                        to,
+                    });
+                }
+                // A closed QP becomes reusable: receives are queued again.
+                qp.closed.store(false, Ordering::SeqCst);
+                qp.set_state(to);
+                Ok(())
+            }
+            _ => {
+                qp.set_state(to);
+                Ok(())
+            }
+        }
+    }
+
+    /// Graceful disconnect: RTS → CLOSING. Posted receives are flushed, the
+    /// send requests posted before the call still go out, then FIN is sent;
+    /// when the peer's FIN has arrived too the QP reaches IDLE and the device
+    /// reports [`AsyncEventKind::LlpClosed`]. If the peer's FIN does not come
+    /// within the close timeout, the connection is reset: ERROR,
+    /// everything flushed, [`AsyncEventKind::BadClose`].
+    pub fn disconnect(&self) -> Result<(), ModifyError> {
+        let qp = self.qp();
+        let from = qp.state();
+        if from != QpState::Rts {
+            return Err(ModifyError::InvalidTransition {
+                qp_num: qp.qp_num,
+                from,
+                to: QpState::Closing,
+            });
+        }
+        qp.begin_close(false);
+        Ok(())
+    }
+
+    /// The Terminate message that ended the last connection, sent or
+    /// received, with its layer, type and code; `None` if the connection
+    /// did not end by a Terminate. Kept through ERROR and the reset to IDLE,
+    /// cleared when the QP is connected again. The async event of the
+    /// failure ([`AsyncEventKind::TerminateReceived`], or the access /
+    /// request error event for a sent one) carries the same code.
+    pub fn last_terminate(&self) -> Option<TerminateInfo> {
+        self.qp().last_terminate.lock().clone()
+    }
+
+    /// Abortive disconnect: the connection is reset (RST), the QP enters
+    /// ERROR and every outstanding request completes with a flush error;
+    /// the device reports [`AsyncEventKind::LlpReset`].
+    pub fn abort(&self) {
+        self.qp().abort(false);
+    }
+
+    /// How long a graceful close waits for the peer's FIN
+    /// ([`DEFAULT_CLOSE_TIMEOUT`] unless set).
+    pub fn set_close_timeout(&self, timeout: std::time::Duration) {
+        self.qp().close_timeout_ms.store(
+            u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Moves the QP to RTS over a connected TCP stream positioned at the
+    /// first FPDU of full operation (the MPA exchange is done), with what
+    /// the negotiation settled.
+    pub fn establish(&self, stream: TcpStream, params: &LinkParams) -> Result<(), EstablishError> {
+        self.establish_with_prefix(stream, params, &[])
+    }
+
+    /// Like [`establish`](Self::establish), for a stream from which the
+    /// caller has already read the first bytes of full operation (read-ahead
+    /// of a stream-to-RDMA transition, or of an MPA exchange that read past
+    /// the handshake): `already_read` is processed as FPDUs before anything
+    /// read from the socket. At most 16 KiB.
+    pub fn establish_with_prefix(
+        &self,
+        stream: TcpStream,
+        params: &LinkParams,
+        already_read: &[u8],
+    ) -> Result<(), EstablishError> {
+        if already_read.len() > 16 * 1024 {
+            return Err(EstablishError::Io(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "more than 16 KiB of read-ahead",
+            )));
+        }
+        let qp = self.qp();
+        let _g = qp.lock_state();
+        let state = qp.state();
+        if !matches!(state, QpState::Idle | QpState::Rtr) {
+            return Err(EstablishError::InvalidState {
+                qp_num: qp.qp_num,
+                state,
+            });
+        }
+        stream.set_nodelay(true)?;
+        stream.set_nonblocking(true)?;
+        let fd = stream.as_raw_fd();
+        let mss = tcp_maxseg(fd).unwrap_or(1460);
+        let max_payload = softrdma_wire::fpdu::mulpdu(mss, false)
+            .saturating_sub(18)
+            .max(64)
+            & !3;
+        let ord = qp
+            .ord
+            .load(Ordering::Relaxed)
+            .min(u32::from(params.peer_ird));
+        qp.ord_limit.store(ord, Ordering::Relaxed);
+        *qp.peer.lock() = stream.peer_addr().ok();
+        let stream = Arc::new(stream);
+        *qp.stream.lock() = Some(stream.clone());
+        {
+            // Raw lock: no request is accepted in IDLE/RTR, nothing to hand off
+            // (and the state lock is held, which a hand-off kick must not be).
+            let mut tx = qp.tx.lock();
+            tx.link = Some(TxLink {
+                fd,
+                crc: params.crc,
+                max_payload,
+            });
+            tx.closed = false;
+            tx.set_initial_msns(params.msns.send_tx, params.msns.read_tx);
+            let _ = qp.tx.release(tx);
+        }
+        qp.rx.lock().attach(
+            stream,
+            params.crc,
+            params.msns.send_rx,
+            params.msns.read_rx,
+            already_read,
+        );
+        qp.peer_fin.store(false, Ordering::Release);
+        qp.closed.store(false, Ordering::SeqCst);
+        *qp.last_terminate.lock() = None;
+        qp.set_state(QpState::Rts);
+        drop(_g);
+        qp.device.threads().register_rx(qp, fd);
+        if !already_read.is_empty() {
+            // Bytes already here: the socket may never become readable for
+            // them, so process them now.
+            qp.rx_thread_progress();
+        }
+        qp.device
+            .events()
+            .push(AsyncEvent::qp(AsyncEventKind::CommEstablished, qp.qp_num));
+        Ok(())
+    }
+
+    /// Posts one send-queue request (`ibv_post_send`). Never blocks.
+    ///
+    /// Accepted in RTS; flushed at once ([`WcStatus::WrFlush`]) in ERROR
+    /// and in IDLE after a graceful close; refused in other states
+    /// ([`PostSendError::InvalidState`]). See [`post_recv`](Self::post_recv).
+    pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        self.post_send_list(std::slice::from_ref(wr))
+            .map_err(|(_, e)| e)
+    }
+
+    /// Posts several send-queue requests in order; they are framed and
+    /// written together (one vectored write for many small messages). On
+    /// error, returns the index of the first request not posted (the earlier
+    /// ones are posted), like ibverbs' `bad_wr`.
+    pub fn post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostSendError)> {
+        let qp = self.qp();
+        let mut posted = 0usize;
+        let mut result = Ok(());
+        for (i, wr) in wrs.iter().enumerate() {
+            match qp.post_one(wr) {
+                Ok(()) => posted += 1,
+                Err(e) => {
+                    result = Err((i, e));
+                    break;
+                }
+            }
+        }
+        if posted > 0 {
+            qp.kick();
+        }
+        result
+    }
+
+    /// Posts a receive (`ibv_post_recv`). Never blocks.
+    ///
+    /// What happens by state (as kernel siw): IDLE, RTR and RTS queue the
+    /// receive; CLOSING and TERMINATE refuse it
+    /// ([`PostRecvError::InvalidState`], siw's `ENOTCONN`); ERROR accepts it
+    /// and completes it at once with [`WcStatus::WrFlush`]. A QP that
+    /// reached IDLE through a graceful close treats posts as ERROR does
+    /// (flushed at once, like siw, whose QP ends its LLP close in ERROR), so
+    /// the usual drain idiom works and nothing waits for a connection that
+    /// is gone; connecting it again, moving it to RTR or resetting it (ERROR
+    /// → IDLE) makes it queue receives again. Every accepted receive
+    /// completes: if a close or an error overtakes the post, the receive is
+    /// flushed.
+    pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
+        self.qp().post_recv(wr)
+    }
+
+    /// The device of the QP.
+    pub fn device(&self) -> &Device {
+        &self.qp().device
+    }
+
+    /// Number of send requests posted and not yet completed.
+    pub fn send_queue_len(&self) -> u32 {
+        self.qp().sq_outstanding.load(Ordering::Relaxed)
+    }
+
+    /// Number of receives posted and not yet consumed.
+    pub fn recv_queue_len(&self) -> usize {
+        self.qp().rq.len()
+    }
+}
+
+/// The transmit lock taken for anything but claiming posted work: on drop
+/// it releases the lock and, if work was announced meanwhile (a poster's
+/// try-lock failed on us), claims it ([`QpInner::kick`]). Must not be dropped
+/// while the state lock is held.
+pub(crate) struct TxGuard<'a> {
+    qp: &'a QpInner,
+    guard: Option<Guard<'a, TxState>>,
+}
+
+/// Debug builds count the QP locks each thread holds and check the lock
+/// order: `state_lock` before `tx`, and no [`TxGuard`] dropped (which may
+/// claim work and take `state_lock`) under `state_lock`.
+#[cfg(debug_assertions)]
+mod lock_order {
+    use std::cell::Cell;
+
+    thread_local! {
+        static STATE: Cell<u32> = const { Cell::new(0) };
+        static TX: Cell<u32> = const { Cell::new(0) };
+    }
+
+    pub(super) fn state_acquired() {
+        debug_assert_eq!(
+            TX.with(Cell::get),
+            0,
+            "lock order: state_lock taken while holding the transmit lock"
+        );
+        STATE.with(|c| c.set(c.get() + 1));
+    }
+
+    pub(super) fn state_released() {
+        STATE.with(|c| c.set(c.get().saturating_sub(1)));
+    }
+
+    pub(super) fn tx_acquired() {
+        TX.with(|c| c.set(c.get() + 1));
+    }
+
+    pub(super) fn tx_released() {
+        debug_assert_eq!(
+            STATE.with(Cell::get),
+            0,
+            "lock order: a transmit guard dropped under state_lock"
+        );
+        TX.with(|c| c.set(c.get().saturating_sub(1)));
+    }
+}
+
+/// `state_lock` held (see [`QpInner::lock_state`]).
+pub(crate) struct StateGuard<'a> {
+    _guard: parking_lot::MutexGuard<'a, ()>,
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        #[cfg(debug_assertions)]
+        lock_order::state_released();
+    }
+}
+
+impl std::ops::Deref for TxGuard<'_> {
+    type Target = TxState;
+    fn deref(&self) -> &TxState {
+        self.guard.as_deref().expect("guard held until drop")
+    }
+}
+
+impl std::ops::DerefMut for TxGuard<'_> {
+    fn deref_mut(&mut self) -> &mut TxState {
+        self.guard.as_deref_mut().expect("guard held until drop")
+    }
+}
+
+impl Drop for TxGuard<'_> {
+    fn drop(&mut self) {
+        #[cfg(debug_assertions)]
+        lock_order::tx_released();
+        if let Some(g) = self.guard.take()
+            && self.qp.tx.release(g)
+        {
+            self.qp.kick();
+        }
+    }
+}
+
+impl QpInner {
+    /// Takes the transmit lock (blocking); see [`TxGuard`].
+    pub(crate) fn lock_tx(&self) -> TxGuard<'_> {
+        #[cfg(debug_assertions)]
+        lock_order::tx_acquired();
+        TxGuard {
+            qp: self,
+            guard: Some(self.tx.lock()),
+        }
+    }
+
+    /// Takes `state_lock` (state transitions); see the lock order on
+    /// [`QpInner`].
+    pub(crate) fn lock_state(&self) -> StateGuard<'_> {
+        let guard = self.state_lock.lock();
+        #[cfg(debug_assertions)]
+        lock_order::state_acquired();
+        StateGuard { _guard: guard }
+    }
+
+    pub(crate) fn state(&self) -> QpState {
+        QpState::from_u8(self.state.load(Ordering::Acquire)).unwrap_or(QpState::Error)
+    }
+
+    fn set_state(&self, s: QpState) {
+        let from = self.state.swap(s.as_u8(), Ordering::SeqCst);
+        if from != s.as_u8() {
+            tracing::debug!(
+                qp = self.qp_num,
+                from = %QpState::from_u8(from).unwrap_or(QpState::Error),
+                to = %s,
+                "QP state change"
+            );
+        }
+        // Pairs with the fence in `post_recv`: a poster that queued a
+        // receive and then reads the old state is seen by our flush.
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// What posting a send request does now.
+    fn send_policy(&self) -> PostPolicy {
+        let state = self.state();
+        if state == QpState::Idle && self.closed.load(Ordering::SeqCst) {
+            PostPolicy::Flush
+        } else {
+            state.send_policy()
+        }
+    }
+
+    /// What posting a receive does now.
+    fn recv_policy(&self) -> PostPolicy {
+        let state = self.state();
+        if state == QpState::Idle && self.closed.load(Ordering::SeqCst) {
+            PostPolicy::Flush
+        } else {
+            state.recv_policy()
+        }
+    }
+
+    pub(crate) fn ord_outstanding(&self) -> u32 {
+        u32::try_from(self.ord_q.lock().len()).unwrap_or(u32::MAX)
+    }
+
+    pub(crate) fn ord_limit(&self) -> u32 {
+        self.ord_limit.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn push_ord(&self, r: OutRead) {
+        self.ord_q.lock().push_back(r);
+    }
+
+    /// Runs `f` on the oldest outstanding Read/atomic.
+    pub(crate) fn with_ord_front<R>(&self, f: impl FnOnce(Option<&mut OutRead>) -> R) -> R {
+        let mut q = self.ord_q.lock();
+        f(q.front_mut())
+    }
+
+    /// Removes the oldest outstanding Read/atomic.
+    pub(crate) fn pop_ord(&self) -> Option<OutRead> {
+        self.ord_q.lock().pop_front()
+    }
+
+    pub(crate) fn ird_limit(&self) -> u32 {
+        self.ird.load(Ordering::Relaxed)
+    }
+
+    /// Takes an IRD slot; `false` if all are in use.
+    pub(crate) fn take_ird(&self) -> bool {
+        let limit = self.ird_limit();
+        self.ird_used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                (u < limit).then_some(u + 1)
+            })
+            .is_ok()
+    }
+
+    pub(crate) fn release_ird(&self) {
+        let _ = self
+            .ird_used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| u.checked_sub(1));
+    }
+}
+
+/// The completion status of the request that a Terminate with `code`
+/// answered.
+pub(crate) fn term_status(code: TermCode) -> WcStatus {
+    use softrdma_wire::errcode::ErrorType;
+    match code.error_type() {
+        Some(ErrorType::RdmapRemoteProtection | ErrorType::DdpTaggedBuffer) => {
+            WcStatus::RemoteAccess
+        }
+        Some(ErrorType::RdmapRemoteOperation) => WcStatus::RemoteOperation,
+        Some(ErrorType::DdpUntaggedBuffer) => WcStatus::RemoteInvalidRequest,
+        _ => WcStatus::Fatal,
+    }
+}
+
+impl Progress for QpInner {
+    fn armed(&self) {
+        // Not busy-polled any more: let the receive thread watch the socket
+        // now, not after the quiet period.
+        if self.last_poll.swap(0, Ordering::Relaxed) != 0 {
+            self.device.threads().wake_rx(self.datamover);
+        }
+    }
+
+    fn progress(&self, armed: bool) -> bool {
+        if !self.device.config().poll_driven_receive {
+            return false;
+        }
+        self.rx_poll(!armed)
+    }
+}
+
+impl crate::datapath::TxHost for QpInner {
+    fn state(&self) -> QpState {
+        QpInner::state(self)
+    }
+
+    fn complete_sq(&self, seq: u64, status: WcStatus, byte_len: u32, vendor_err: u32) {
+        QpInner::complete_sq(self, seq, status, byte_len, vendor_err);
+    }
+
+    fn release_ird(&self) {
+        QpInner::release_ird(self);
+    }
+
+    fn ord_outstanding(&self) -> u32 {
+        QpInner::ord_outstanding(self)
+    }
+
+    fn ord_limit(&self) -> u32 {
+        QpInner::ord_limit(self)
+    }
+
+    fn push_ord(&self, r: OutRead) {
+        QpInner::push_ord(self, r);
+    }
+}
+
+#[cfg(all(test, debug_assertions))]
+mod lock_order_tests {
+    use crate::{CompletionQueue, Device, DeviceConfig, ProtectionDomain, QpInitAttr, QueuePair};
+
+    fn qp() -> QueuePair {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cq = CompletionQueue::new(&dev, 16, None).unwrap();
+        QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap()
+    }
+
+    #[test]
+    fn state_then_tx_is_the_order() {
+        let qp = qp();
+        let inner = qp.qp();
+        let s = inner.lock_state();
+        let t = inner.tx.lock();
+        let _ = inner.tx.release(t);
+        drop(s);
+        drop(inner.lock_tx());
+    }
+
+    #[test]
+    #[should_panic(expected = "lock order: state_lock taken while holding the transmit lock")]
+    fn state_lock_under_a_tx_guard_is_caught() {
+        let qp = qp();
+        let inner = qp.qp();
+        let _t = inner.lock_tx();
+        let _s = inner.lock_state();
+    }
+}

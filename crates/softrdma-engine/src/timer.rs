@@ -1,0 +1,160 @@
+//! The engine's timers: one thread for every timer of every device (the
+//! graceful close timer today), instead of one sleeping thread per timer.
+//!
+//! Timers are kept in a binary heap ordered by deadline; the thread sleeps
+//! on a condition variable until the earliest deadline or until a sooner
+//! timer is armed, runs the callbacks that are due (outside the lock), and
+//! sleeps without deadline when no timer is armed. A cancelled timer is
+//! removed from the callback table and skipped when its deadline comes.
+//! The thread is started on first use and lives as long as the process; it
+//! costs nothing while idle.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::sys::clock;
+
+type Callback = Box<dyn FnOnce() + Send>;
+
+/// Identifies an armed timer (for [`cancel`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct TimerId(u64);
+
+#[derive(Default)]
+struct Table {
+    heap: BinaryHeap<Reverse<(Instant, u64)>>,
+    callbacks: HashMap<u64, Callback>,
+    next_id: u64,
+    thread_started: bool,
+}
+
+struct Timers {
+    table: Mutex<Table>,
+    wake: Condvar,
+}
+
+fn timers() -> &'static Timers {
+    static TIMERS: OnceLock<Timers> = OnceLock::new();
+    TIMERS.get_or_init(|| Timers {
+        table: Mutex::new(Table::default()),
+        wake: Condvar::new(),
+    })
+}
+
+/// Runs `f` on the timer thread once `after` has passed, unless cancelled.
+/// `Err` if the timer thread could not be started (the caller acts at once
+/// instead).
+pub(crate) fn arm(after: Duration, f: impl FnOnce() + Send + 'static) -> std::io::Result<TimerId> {
+    let t = timers();
+    let deadline = clock::now()
+        .checked_add(after)
+        .unwrap_or_else(|| clock::now() + Duration::from_secs(365 * 24 * 3600));
+    let mut table = t.table.lock();
+    if !table.thread_started {
+        std::thread::Builder::new()
+            .name("softrdma-timer".into())
+            .spawn(run)?;
+        table.thread_started = true;
+    }
+    let id = table.next_id;
+    table.next_id += 1;
+    let earliest = table.heap.peek().map(|Reverse((d, _))| *d);
+    table.heap.push(Reverse((deadline, id)));
+    table.callbacks.insert(id, Box::new(f));
+    drop(table);
+    if earliest.is_none_or(|e| deadline < e) {
+        t.wake.notify_one();
+    }
+    Ok(TimerId(id))
+}
+
+/// Cancels a timer; `false` if it already ran (or is running).
+pub(crate) fn cancel(id: TimerId) -> bool {
+    let t = timers();
+    let mut table = t.table.lock();
+    let removed = table.callbacks.remove(&id.0).is_some();
+    // Drop cancelled entries at the top of the heap now; the others go
+    // when their deadline comes.
+    while let Some(Reverse((_, top))) = table.heap.peek() {
+        if table.callbacks.contains_key(top) {
+            break;
+        }
+        table.heap.pop();
+    }
+    removed
+}
+
+/// Timers armed and not yet run or cancelled.
+#[allow(dead_code)]
+pub(crate) fn armed() -> usize {
+    timers().table.lock().callbacks.len()
+}
+
+fn run() {
+    let t = timers();
+    let mut due: Vec<Callback> = Vec::new();
+    let mut table = t.table.lock();
+    loop {
+        let now = clock::now();
+        while let Some(Reverse((deadline, id))) = table.heap.peek().copied() {
+            if deadline > now {
+                break;
+            }
+            table.heap.pop();
+            if let Some(f) = table.callbacks.remove(&id) {
+                due.push(f);
+            }
+        }
+        if !due.is_empty() {
+            drop(table);
+            for f in due.drain(..) {
+                // A panicking callback must not stop every other timer.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+            }
+            table = t.table.lock();
+            continue;
+        }
+        match table.heap.peek().map(|Reverse((d, _))| *d) {
+            Some(deadline) => {
+                let _ = t.wake.wait_until(&mut table, deadline);
+            }
+            None => t.wake.wait(&mut table),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn timers_fire_in_deadline_order_and_cancelled_ones_do_not() {
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut ids = Vec::new();
+        for (i, ms) in [(0u32, 60u64), (1, 20), (2, 40)] {
+            let order = order.clone();
+            ids.push(arm(Duration::from_millis(ms), move || order.lock().push(i)).unwrap());
+        }
+        let fired = Arc::new(AtomicUsize::new(0));
+        let f2 = fired.clone();
+        let c = arm(Duration::from_millis(30), move || {
+            f2.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        assert!(cancel(c));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while order.lock().len() < 3 {
+            assert!(std::time::Instant::now() < deadline, "timers did not fire");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(*order.lock(), vec![1, 2, 0]);
+        assert_eq!(fired.load(Ordering::SeqCst), 0);
+        assert!(!cancel(ids[0]), "already ran");
+    }
+}
