@@ -810,20 +810,26 @@ impl QpInner {
 
     /// One `readv` of the rest of the payload straight into its destination
     /// plus read-ahead into the staging buffer.
+    ///
+    /// The payload's last byte is left to the read-ahead and placed by the
+    /// staging copy once the `readv` has returned, so it lands after every
+    /// other byte of the FPDU (the kernel's copy does not promise an order;
+    /// see `Memory::copy_in`).
     fn read_direct(&self, rx: &mut RxState) -> Result<(), Stop> {
         rx.start = 0;
         rx.end = 0;
         rx.iov.clear();
+        let direct = rx.payload_left - 1;
         let mut covered = 0usize;
         let mut idx = rx.dest_idx;
         let mut off = rx.dest_off;
         let mut pieces: [(usize, usize, usize); MAX_IOVECS] = [(0, 0, 0); MAX_IOVECS];
         let mut np = 0usize;
-        while covered < rx.payload_left && np < MAX_IOVECS - 1 {
+        while covered < direct && np < MAX_IOVECS - 1 {
             let Some((mem, moff, len)) = rx.dest.get(idx) else {
                 return Err(local_catastrophe());
             };
-            let k = (len - off).min(rx.payload_left - covered);
+            let k = (len - off).min(direct - covered);
             if !rx.iov.push_mem(mem, moff + off, k) {
                 return Err(local_catastrophe());
             }

@@ -194,15 +194,29 @@ impl Memory {
     /// Copies `src` into the memory starting at `offset`. Returns `false`
     /// (and copies nothing) if the range is outside the memory.
     ///
-    /// Races with remote placement like a DMA write.
+    /// Races with remote placement like a DMA write. The last byte is
+    /// written last, after a full fence: a program that polls the last byte
+    /// of a buffer for an RDMA Write to land (as DAPL's `dtest` and many
+    /// MPI libraries do with hardware RNICs, which place in order) sees
+    /// every earlier byte once it sees that one. A plain `memcpy` gives no
+    /// such order: it may store the tail of a block before its middle, and
+    /// large copies may use non-temporal stores.
     pub(crate) fn copy_in(&self, offset: usize, src: &[u8]) -> bool {
         let Some(dst) = self.ptr_at(offset, src.len()) else {
             return false;
         };
+        let Some((last, body)) = src.split_last() else {
+            return true;
+        };
         // SAFETY: `dst` is valid for `src.len()` bytes (checked by `ptr_at`
-        // and the struct invariant); `src` cannot overlap registered memory
-        // (no references to it are ever handed out).
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        // and the struct invariant), so for `body.len()` bytes and at
+        // `body.len()`; `src` cannot overlap registered memory (no
+        // references to it are ever handed out).
+        unsafe {
+            std::ptr::copy_nonoverlapping(body.as_ptr(), dst, body.len());
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            dst.add(body.len()).write_volatile(*last);
+        }
         true
     }
 
