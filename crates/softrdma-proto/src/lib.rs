@@ -25,7 +25,12 @@
 
 pub use softrdma_wire as wire;
 
+pub mod conn;
+pub mod mem;
 pub mod mpa;
 pub mod proxy;
 pub mod qp_state;
 pub mod rtr;
+pub mod sim;
+pub mod term;
+pub mod types;
