@@ -627,10 +627,62 @@ impl Node {
     }
 }
 
+/// What a run did (to see that the workload reaches every feature).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Successful send-queue completions by opcode: Send, Write, Read,
+    /// atomics, local operations.
+    pub sends: u64,
+    /// Successful RDMA Writes.
+    pub writes: u64,
+    /// Successful RDMA Reads.
+    pub reads: u64,
+    /// Successful atomics.
+    pub atomics: u64,
+    /// Successful memory window binds.
+    pub binds: u64,
+    /// Successful receives (Send).
+    pub recvs: u64,
+    /// Successful receives with immediate data.
+    pub imms: u64,
+    /// Receives taken from an SRQ that completed successfully.
+    pub srq_recvs: u64,
+    /// Receives that reported an invalidated STag.
+    pub invalidations: u64,
+    /// Flushed requests.
+    pub flushed: u64,
+    /// Terminates sent.
+    pub terminates: u64,
+    /// Graceful closes completed (LLP closed).
+    pub graceful_closes: u64,
+    /// Posts refused (e.g. a Send in CLOSING).
+    pub rejected: u64,
+}
+
+impl core::ops::AddAssign for Stats {
+    fn add_assign(&mut self, o: Stats) {
+        self.sends += o.sends;
+        self.writes += o.writes;
+        self.reads += o.reads;
+        self.atomics += o.atomics;
+        self.binds += o.binds;
+        self.recvs += o.recvs;
+        self.imms += o.imms;
+        self.srq_recvs += o.srq_recvs;
+        self.invalidations += o.invalidations;
+        self.flushed += o.flushed;
+        self.terminates += o.terminates;
+        self.graceful_closes += o.graceful_closes;
+        self.rejected += o.rejected;
+    }
+}
+
 /// Two connections joined by a simulated stream, with the checks of the
 /// [module docs](self).
 #[derive(Debug)]
 pub struct Pair {
+    /// What the run did so far.
+    pub stats: Stats,
     /// The two sides.
     pub nodes: [Node; 2],
     /// `pipes[i]`: the stream towards side `i`.
@@ -659,6 +711,7 @@ impl Pair {
             pipes: [Pipe::default(), Pipe::default()],
             faults,
             crc,
+            stats: Stats::default(),
             log: String::new(),
             tx: TxFpdu::new(),
             steps: 0,
@@ -760,6 +813,7 @@ impl Pair {
             .is_err()
         {
             node.rejected += 1;
+            self.stats.rejected += 1;
             return;
         }
         node.rq.push(RecvRec {
@@ -942,6 +996,7 @@ impl Pair {
             }),
             Err(_) => {
                 node.rejected += 1;
+                self.stats.rejected += 1;
                 if matches!(op, SendOp::FetchAdd { .. } | SendOp::CmpSwap { .. }) {
                     // Not posted: undo the expectation.
                     let add = match op {
@@ -1034,10 +1089,15 @@ impl Pair {
                             )
                         {
                             self.nodes[side].terminates.push(code);
+                            self.stats.terminates += 1;
                             self.check_terminate(side, code)?;
                         }
                     }
-                    Output::State { .. } => {}
+                    Output::State { to, .. } => {
+                        if to == QpState::Idle {
+                            self.stats.graceful_closes += 1;
+                        }
+                    }
                 }
             }
             self.check_completions(side)?;
@@ -1075,6 +1135,27 @@ impl Pair {
         let data_ok = self.crc || !(self.pipes[0].flipped || self.pipes[1].flipped);
         while let Some(c) = self.nodes[side].conn.poll_completion() {
             let _ = writeln!(self.log, "      side {side}: {c:?}");
+            let st = &mut self.stats;
+            if c.status == WcStatus::WrFlush {
+                st.flushed += 1;
+            } else if c.status.is_success() {
+                match c.opcode {
+                    WcOpcode::Send => st.sends += 1,
+                    WcOpcode::RdmaWrite => st.writes += 1,
+                    WcOpcode::RdmaRead => st.reads += 1,
+                    WcOpcode::CompSwap | WcOpcode::FetchAdd => st.atomics += 1,
+                    WcOpcode::BindMw => st.binds += 1,
+                    WcOpcode::Recv => st.recvs += 1,
+                    WcOpcode::RecvRdmaWithImm => st.imms += 1,
+                    WcOpcode::LocalInv | WcOpcode::RegMr => {}
+                }
+                if c.invalidated.is_some() {
+                    st.invalidations += 1;
+                }
+                if c.cq == CqKind::Recv && self.nodes[side].srq {
+                    st.srq_recvs += 1;
+                }
+            }
             match c.cq {
                 CqKind::Send => self.check_sq_completion(side, &c, data_ok)?,
                 CqKind::Recv => self.check_rq_completion(side, &c, data_ok)?,
