@@ -103,7 +103,7 @@ impl RemoteAccessError {
 }
 
 /// Why an SGE was refused at post time (the request completes with
-/// [`crate::conn::WcStatus::LocalProtection`]).
+/// [`crate::types::WcStatus::LocalProtection`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 pub enum LocalAccessError {
     /// No such lkey, or wrong key.
