@@ -171,3 +171,134 @@ fn simulated_pairs_keep_every_invariant() {
         }
     }
 }
+
+/// Scripted interleavings the random runs reach only by chance.
+mod scenarios {
+    use softrdma_proto::qp_state::QpState;
+    use softrdma_proto::sim::{Action, Faults, Pair};
+
+    fn pair() -> Pair {
+        Pair::new(true, 512, 2, false, Faults::default())
+    }
+
+    fn run(p: &mut Pair, actions: &[Action]) {
+        for a in actions {
+            if let Err(e) = p.step(*a) {
+                panic!("{}\n{e}", p.log);
+            }
+        }
+    }
+
+    const SEND: u8 = 0; // kind 0: a signaled Send when flags = 0
+    use Action::*;
+
+    #[test]
+    fn signaled_send_whose_peer_answers_and_closes_at_once() {
+        let mut p = pair();
+        run(
+            &mut p,
+            &[
+                PostRecv { side: 0, len: 4096 },
+                PostRecv { side: 1, len: 4096 },
+                Post {
+                    side: 0,
+                    kind: SEND,
+                    len: 100,
+                    flags: 0,
+                },
+                Transmit { side: 0, n: 8 },
+                Deliver { side: 1, n: 4096 },
+                // The peer answers and closes in the same breath.
+                Post {
+                    side: 1,
+                    kind: SEND,
+                    len: 50,
+                    flags: 0,
+                },
+                Close { side: 1 },
+                Transmit { side: 1, n: 8 },
+                Deliver { side: 0, n: 4096 },
+                Deliver { side: 0, n: 1 }, // the FIN
+                // Our Send's write is acknowledged only now.
+                Ack { side: 0, n: 8 },
+                Ack { side: 1, n: 8 },
+                Transmit { side: 0, n: 8 }, // our FIN
+                Deliver { side: 1, n: 1 },
+            ],
+        );
+        assert_eq!(p.nodes[0].conn.state(), QpState::Idle, "{}", p.log);
+        assert_eq!(p.nodes[1].conn.state(), QpState::Idle, "{}", p.log);
+        assert_eq!(p.stats.sends, 2);
+        assert_eq!(p.stats.recvs, 2);
+        assert_eq!(p.stats.graceful_closes, 2);
+        p.finish().unwrap_or_else(|e| panic!("{}\n{e}", p.log));
+    }
+
+    #[test]
+    fn receives_posted_while_the_peer_closes() {
+        let mut p = pair();
+        run(
+            &mut p,
+            &[
+                PostRecv { side: 0, len: 4096 },
+                Close { side: 1 },
+                Transmit { side: 1, n: 1 },
+                // A receive posted before the FIN arrives is kept...
+                PostRecv { side: 0, len: 4096 },
+                Deliver { side: 0, n: 1 },
+                // ...one posted after it is refused (CLOSING), not lost.
+                PostRecv { side: 0, len: 4096 },
+                Transmit { side: 0, n: 1 },
+                Deliver { side: 1, n: 1 },
+            ],
+        );
+        assert_eq!(p.stats.rejected, 1);
+        assert_eq!(p.nodes[0].conn.state(), QpState::Idle);
+        // Both receives posted in time completed (flushed at the close).
+        p.finish().unwrap_or_else(|e| panic!("{}\n{e}", p.log));
+        assert_eq!(p.stats.flushed, 2);
+    }
+
+    #[test]
+    fn send_posted_while_half_closed_is_refused_and_the_close_completes() {
+        let mut p = pair();
+        run(
+            &mut p,
+            &[
+                PostRecv { side: 1, len: 4096 },
+                Post {
+                    side: 0,
+                    kind: SEND,
+                    len: 10,
+                    flags: 0,
+                },
+                Close { side: 0 },
+                // Posted after the close: refused; the one before still goes.
+                Post {
+                    side: 0,
+                    kind: SEND,
+                    len: 10,
+                    flags: 0,
+                },
+                Transmit { side: 0, n: 8 },
+                Ack { side: 0, n: 8 },
+                Deliver { side: 1, n: 4096 },
+                Deliver { side: 1, n: 1 }, // FIN: side 1 half-closed
+                Post {
+                    side: 1,
+                    kind: SEND,
+                    len: 10,
+                    flags: 0,
+                },
+                Transmit { side: 1, n: 8 },
+                Deliver { side: 0, n: 1 },
+            ],
+        );
+        assert_eq!(p.stats.rejected, 2);
+        assert_eq!(p.stats.sends, 1);
+        assert_eq!(p.stats.recvs, 1);
+        assert_eq!(p.nodes[0].conn.state(), QpState::Idle);
+        assert_eq!(p.nodes[1].conn.state(), QpState::Idle);
+        p.finish().unwrap_or_else(|e| panic!("{}\n{e}", p.log));
+    }
+}
