@@ -1022,6 +1022,10 @@ impl Pair {
                 self.log.push_str("transmit: payload unreadable\n");
             }
             node.unacked += 1;
+            if let Err(e) = check_terminate_shape(&bytes, self.crc, &node.terminates) {
+                self.log.push_str(&e);
+                node.mem.violations.push(e);
+            }
             let h = self.tx.head();
             let _ = writeln!(
                 self.log,
@@ -1547,4 +1551,48 @@ pub fn fuzz_pair(data: &[u8]) -> Result<(), String> {
             .map_err(|e| format!("{}\n{e}", p.log))?;
     }
     p.finish().map_err(|e| format!("{}\n{e}", p.log))
+}
+
+/// A Terminate FPDU on the wire carries the code its sender reported, and
+/// its shape follows siw: the DDP header copied (D) always with a valid
+/// segment length (M), never for LLP errors.
+fn check_terminate_shape(
+    fpdu_bytes: &[u8],
+    crc: bool,
+    reported: &[TermCode],
+) -> Result<(), String> {
+    use softrdma_wire::rdmap::Opcode;
+    use softrdma_wire::ulpdu::{UlpduBody, UlpduRepr};
+    let Ok(d) = softrdma_wire::fpdu::decode(fpdu_bytes, crc) else {
+        return Err("transmitted an undecodable FPDU".into());
+    };
+    let Ok(u) = UlpduRepr::parse(d.ulpdu) else {
+        return Err("transmitted an unparsable ULPDU".into());
+    };
+    if u.opcode != Opcode::Terminate {
+        return Ok(());
+    }
+    let UlpduBody::Terminate(t) = u.body else {
+        return Err("Terminate without its header".into());
+    };
+    if reported.last() != Some(&t.code) {
+        return Err(format!(
+            "Terminate {} on the wire, {:?} reported",
+            t.code,
+            reported.last()
+        ));
+    }
+    if t.ddp.is_some() != t.segment_length_valid {
+        return Err(format!("Terminate {}: D without M or M without D", t.code));
+    }
+    if let Some(e) = t.error()
+        && !crate::term::copies_ddp_header(e)
+        && t.ddp.is_some()
+    {
+        return Err(format!(
+            "Terminate {}: copied a header for an error without one",
+            t.code
+        ));
+    }
+    Ok(())
 }
