@@ -766,9 +766,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         self.rx.dead = true;
         self.close_deadline = None;
         self.flush_all();
-        if cfg!(debug_assertions) {
-            debug_assert!(n > 0, "Terminate always fits");
-        }
+        debug_assert!(n > 0, "a Terminate always fits its buffer");
         self.sq.clear();
         self.tx.term = Some((buf, n));
     }
