@@ -468,6 +468,15 @@ pub enum Action {
         /// 0 or 1.
         side: usize,
     },
+    /// A hostile peer: append a crafted, well-framed FPDU (see
+    /// [`hostile`]) to the stream towards `side`; the Terminate `side` sends
+    /// about it must carry exactly the expected code.
+    Inject {
+        /// Receiving side.
+        side: usize,
+        /// Which violation.
+        kind: u8,
+    },
     /// Time passes.
     Tick {
         /// Time units.
@@ -506,7 +515,8 @@ impl Action {
                 1 => Action::Abort { side },
                 _ => Action::Close { side },
             },
-            _ => Action::Tick { dt: w },
+            14 => Action::Tick { dt: w },
+            _ => Action::Inject { side, kind: b[4] },
         }
     }
 }
@@ -534,6 +544,10 @@ struct Pipe {
     delivered: u64,
     /// Bytes written into this direction so far.
     written: u64,
+    /// Bytes the receiver consumed so far.
+    consumed: u64,
+    /// A hostile FPDU starts at this stream offset; its expected Terminate.
+    injected: Option<(u64, TermError)>,
 }
 
 /// A send-queue request the driver posted.
@@ -657,6 +671,8 @@ pub struct Stats {
     pub graceful_closes: u64,
     /// Posts refused (e.g. a Send in CLOSING).
     pub rejected: u64,
+    /// Hostile FPDUs answered with exactly their Terminate code.
+    pub hostile_answered: u64,
 }
 
 impl core::ops::AddAssign for Stats {
@@ -674,6 +690,7 @@ impl core::ops::AddAssign for Stats {
         self.terminates += o.terminates;
         self.graceful_closes += o.graceful_closes;
         self.rejected += o.rejected;
+        self.hostile_answered += o.hostile_answered;
     }
 }
 
@@ -778,6 +795,22 @@ impl Pair {
             Action::Abort { side } => {
                 if self.faults.breaks {
                     self.nodes[side].conn.abort();
+                }
+            }
+            Action::Inject { side, kind } => {
+                let p = &mut self.pipes[side];
+                if !p.fin && !p.reset && p.injected.is_none() {
+                    let (ulpdu, code) = hostile(kind);
+                    let mut buf = vec![0u8; ulpdu.len() + 8];
+                    if let Ok(n) = softrdma_wire::fpdu::emit(
+                        &ulpdu,
+                        self.nodes[side].conn.config().crc,
+                        &mut buf,
+                    ) {
+                        p.injected = Some((p.written, code));
+                        p.written += n as u64;
+                        p.bytes.extend(buf.get(..n).unwrap_or_default());
+                    }
                 }
             }
             Action::Tick { dt } => {
@@ -1060,6 +1093,7 @@ impl Pair {
             let chunk: Vec<u8> = p.bytes.drain(..k).collect();
             let was = node.conn.rx_want() != crate::conn::RxWant::Closed;
             let used = node.conn.handle_rx_stream(&chunk, &mut node.mem);
+            p.consumed += used as u64;
             if was && node.conn.rx_want() != crate::conn::RxWant::Closed {
                 p.delivered += used as u64;
             }
@@ -1098,6 +1132,12 @@ impl Pair {
                             self.nodes[side].terminates.push(code);
                             self.stats.terminates += 1;
                             self.check_terminate(side, code)?;
+                            let p = &self.pipes[side];
+                            if p.injected.is_some_and(|(at, want)| {
+                                p.consumed > at && code.known() == Some(want)
+                            }) {
+                                self.stats.hostile_answered += 1;
+                            }
                         }
                     }
                     Output::State { to, .. } => {
@@ -1123,6 +1163,20 @@ impl Pair {
             return Ok(());
         }
         let e = code.known();
+        if let Some((at, want)) = incoming.injected
+            && incoming.consumed > at
+        {
+            // The Terminate is about the hostile FPDU: exactly its code
+            // (or, if bits were flipped too, what the flip explains).
+            if e == Some(want) {
+                return Ok(());
+            }
+            if !incoming.flipped {
+                return Err(format!(
+                    "side {side} answered a hostile FPDU ({want:?}) with {code}"
+                ));
+            }
+        }
         let ok = match e {
             Some(TermError::DdpUntaggedNoBuffer | TermError::DdpUntaggedMessageTooLong) => true,
             Some(TermError::DdpTaggedInvalidStag | TermError::RdmapInvalidStag) => true,
@@ -1598,4 +1652,84 @@ fn check_terminate_shape(
         ));
     }
     Ok(())
+}
+
+/// A crafted ULPDU violating one rule, and the Terminate error it must get
+/// (whatever state the receiver is in, as long as it receives).
+#[must_use]
+pub fn hostile(kind: u8) -> (Vec<u8>, TermError) {
+    fn untagged(ctrl: u8, rdmap: u8, qn: u32, msn: u32, mo: u32) -> Vec<u8> {
+        let mut v = vec![ctrl, rdmap, 0, 0, 0, 0];
+        v.extend_from_slice(&qn.to_be_bytes());
+        v.extend_from_slice(&msn.to_be_bytes());
+        v.extend_from_slice(&mo.to_be_bytes());
+        v
+    }
+    fn tagged(stag: u32, to: u64) -> Vec<u8> {
+        let mut v = vec![0xc1, 0x40];
+        v.extend_from_slice(&stag.to_be_bytes());
+        v.extend_from_slice(&to.to_be_bytes());
+        v
+    }
+    let read_body = [0u8; 28];
+    match kind % 12 {
+        0 => {
+            let mut v = untagged(0x41, 0x41, 0, 1, 0);
+            v.extend_from_slice(&read_body);
+            (v, TermError::DdpUntaggedInvalidQn)
+        }
+        1 => {
+            let mut v = untagged(0x41, 0x41, 1, 1, 4);
+            v.extend_from_slice(&read_body);
+            (v, TermError::DdpUntaggedInvalidMo)
+        }
+        2 => {
+            let mut v = untagged(0x41, 0x4a, 1, 1, 0);
+            let mut body = [0u8; 52];
+            body[3] = 0x0f; // undefined atomic opcode
+            v.extend_from_slice(&body);
+            (v, crate::term::UNSUPPORTED_ATOMIC)
+        }
+        3 => {
+            let mut v = untagged(0x41, 0x48, 1, 1, 0);
+            v.extend_from_slice(&[0u8; 8]);
+            (v, TermError::DdpUntaggedInvalidQn)
+        }
+        4 => {
+            let mut v = untagged(0x41, 0x43, 1, 1, 0);
+            v.extend_from_slice(b"hostile");
+            (v, TermError::DdpUntaggedInvalidQn)
+        }
+        5 => {
+            let mut v = tagged(1, u64::MAX - 2);
+            v.extend_from_slice(&[0u8; 10]);
+            (v, TermError::DdpTaggedToWrap)
+        }
+        6 => {
+            let mut v = tagged(0xdead_0000, 0);
+            v.extend_from_slice(&[0u8; 8]);
+            (v, TermError::DdpTaggedInvalidStag)
+        }
+        7 => {
+            let mut v = untagged(0x42, 0x43, 0, 1, 0);
+            v.extend_from_slice(b"v2");
+            (v, TermError::DdpUntaggedInvalidVersion)
+        }
+        8 => {
+            let mut v = untagged(0x41, 0x03, 0, 1, 0);
+            v.extend_from_slice(b"v0");
+            (v, TermError::RdmapInvalidVersion)
+        }
+        9 => {
+            let mut v = untagged(0x41, 0x4c, 0, 1, 0);
+            v.extend_from_slice(b"op12");
+            (v, TermError::RdmapUnexpectedOpcode)
+        }
+        10 => (vec![0x41, 0x43, 0, 0], crate::term::MALFORMED_HEADER),
+        _ => {
+            let mut v = untagged(0x01, 0x41, 1, 1, 0);
+            v.extend_from_slice(&read_body);
+            (v, crate::term::MALFORMED_HEADER)
+        }
+    }
 }

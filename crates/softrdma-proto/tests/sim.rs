@@ -71,6 +71,10 @@ fn action(rng: &mut fastrand::Rng, faults: Faults) -> Action {
             }
         }
         94 if rng.u8(0..3) == 0 => Action::Close { side },
+        95 if rng.u8(0..3) == 0 => Action::Inject {
+            side,
+            kind: rng.u8(..),
+        },
         _ => Action::Tick {
             dt: rng.u16(0..300),
         },
@@ -166,6 +170,7 @@ fn simulated_pairs_keep_every_invariant() {
             ("Terminates", total.terminates),
             ("graceful closes", total.graceful_closes),
             ("refused posts", total.rejected),
+            ("hostile FPDUs answered", total.hostile_answered),
         ] {
             assert!(n > 0, "no {what} in {seeds} seeds");
         }

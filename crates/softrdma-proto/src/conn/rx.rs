@@ -98,6 +98,8 @@ pub(super) struct RxState<R> {
     pub(super) expect: [Msn; 4],
     pub(super) recv: Option<RecvProgress<R>>,
     pub(super) imm_wait: Option<(RecvProgress<R>, bool)>,
+    /// Length of the last want (bytes a failing call looked at).
+    deframer_last_want: usize,
     /// The violation found at header time, raised once the CRC is checked.
     deferred: Option<TermError>,
     /// A receive too small for the Send being received: it completes with
@@ -124,6 +126,7 @@ impl<R> RxState<R> {
             expect: [Msn::INITIAL; 4],
             recv: None,
             imm_wait: None,
+            deframer_last_want: 0,
             deferred: None,
             too_long: None,
             dead: false,
@@ -172,6 +175,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if !self.receiving() {
             return 0;
         }
+        self.rx.deframer_last_want = self.rx.deframer.next_read().len();
         let r = match self.rx.deframer.next_read() {
             Want::Payload { len } => {
                 if self.rx.mode == Mode::Place {
@@ -190,7 +194,8 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             }
             _ => self.rx.deframer.handle_bytes(bytes),
         };
-        self.after_deframer(r, mem)
+        let attempted = self.rx.deframer_last_want.min(bytes.len());
+        self.after_deframer(r, attempted, mem)
     }
 
     /// Reports payload bytes placed into the [`RxWant::Place`] span (the
@@ -214,7 +219,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 self.rx.dest_off = 0;
             }
         }
-        self.after_deframer(r, mem)
+        self.after_deframer(r, n, mem)
     }
 
     /// Copying convenience: handles a chunk of the stream, placing payload
@@ -253,6 +258,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     fn after_deframer<M: Memory<Region = R>>(
         &mut self,
         r: Result<Handled, DeframeError>,
+        attempted: usize,
         mem: &mut M,
     ) -> usize {
         match r {
@@ -276,8 +282,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     _ => TermError::DdpLocalCatastrophic,
                 };
                 self.violate(err, false, mem);
-                // The bytes were looked at; nothing after them is.
-                0
+                // The bytes were looked at (and count as consumed); nothing
+                // after them is.
+                attempted
             }
         }
     }
