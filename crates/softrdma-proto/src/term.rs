@@ -138,19 +138,28 @@ pub fn status_for_received(code: TermCode) -> WcStatus {
 }
 
 /// Whether a Terminate for `error` copies the terminated segment's DDP
-/// header (D and M set, with the segment length). Like siw, every error
-/// tied to a received segment does, except the LLP errors (no segment) and
-/// the local catastrophic ones.
+/// header (D and M set, with the segment length). Like siw
+/// (`siw_send_terminate`), every error tied to a received segment does,
+/// except the LLP errors (no segment), the local catastrophic ones, and the
+/// errors that mean the header layout is unknown: DDP and RDMAP version
+/// errors and RDMAP "Unexpected OpCode".
 #[must_use]
 pub const fn copies_ddp_header(error: TermError) -> bool {
     !matches!(
         error.error_type(),
         ErrorType::LlpMpa | ErrorType::RdmapLocalCatastrophic | ErrorType::DdpLocalCatastrophic
+    ) && !matches!(
+        error,
+        TermError::DdpTaggedInvalidVersion
+            | TermError::DdpUntaggedInvalidVersion
+            | TermError::RdmapInvalidVersion
+            | TermError::RdmapUnexpectedOpcode
     )
 }
 
 /// Whether a Terminate for `error` about a Read Request also copies its
-/// RDMAP header (R set): RDMAP Remote Protection errors, like siw.
+/// RDMAP header (R set, the 28-byte Read Request header after the DDP
+/// header): RDMAP Remote Protection errors, like siw.
 #[must_use]
 pub const fn copies_rdmap_header(error: TermError) -> bool {
     matches!(error.error_type(), ErrorType::RdmapRemoteProtection)
@@ -208,7 +217,32 @@ mod tests {
     fn chosen_codes_are_not_local_catastrophes() {
         for e in [MALFORMED_HEADER, UNSUPPORTED_ATOMIC] {
             assert_eq!(e.error_type(), ErrorType::RdmapRemoteOperation);
-            assert!(copies_ddp_header(e));
         }
+        assert!(copies_ddp_header(MALFORMED_HEADER));
+    }
+
+    #[test]
+    fn header_copies_follow_siw() {
+        // Layout unknown: nothing copied.
+        for e in [
+            TermError::DdpTaggedInvalidVersion,
+            TermError::DdpUntaggedInvalidVersion,
+            TermError::RdmapInvalidVersion,
+            TermError::RdmapUnexpectedOpcode,
+            TermError::MpaCrcError,
+            TermError::DdpLocalCatastrophic,
+        ] {
+            assert!(!copies_ddp_header(e), "{e:?}");
+        }
+        for e in [
+            TermError::DdpUntaggedNoBuffer,
+            TermError::DdpTaggedInvalidStag,
+            TermError::RdmapInvalidStag,
+            TermError::DdpUntaggedInvalidQn,
+        ] {
+            assert!(copies_ddp_header(e), "{e:?}");
+        }
+        assert!(copies_rdmap_header(TermError::RdmapAccessRights));
+        assert!(!copies_rdmap_header(TermError::DdpUntaggedInvalidMo));
     }
 }
