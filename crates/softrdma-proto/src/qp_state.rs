@@ -119,6 +119,85 @@ impl fmt::Display for QpState {
     }
 }
 
+/// A connection-driven event: what happens to the QP's connection, as
+/// opposed to an application's `modify`. [`QpState::on_conn_event`] gives
+/// the transition each causes in each state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConnEvent {
+    /// The connection reached full operation (MPA and RTR done).
+    Established,
+    /// The application asked for a graceful close.
+    LocalClose,
+    /// The peer's FIN arrived at an FPDU boundary.
+    PeerFin,
+    /// Our FIN is out and the peer's arrived: the graceful close is done.
+    FinsExchanged,
+    /// We found a protocol violation: a Terminate goes out.
+    LocalViolation,
+    /// Our Terminate is out (or cannot be sent).
+    TerminateDone,
+    /// A Terminate arrived from the peer.
+    TerminateReceived,
+    /// The connection was reset or lost.
+    PeerReset,
+    /// The peer closed in the middle of an FPDU (or with work pending).
+    BadClose,
+    /// The application aborted the connection.
+    LocalAbort,
+    /// A graceful close did not finish in time.
+    CloseTimeout,
+}
+
+impl ConnEvent {
+    /// Every event.
+    pub const ALL: [ConnEvent; 11] = [
+        ConnEvent::Established,
+        ConnEvent::LocalClose,
+        ConnEvent::PeerFin,
+        ConnEvent::FinsExchanged,
+        ConnEvent::LocalViolation,
+        ConnEvent::TerminateDone,
+        ConnEvent::TerminateReceived,
+        ConnEvent::PeerReset,
+        ConnEvent::BadClose,
+        ConnEvent::LocalAbort,
+        ConnEvent::CloseTimeout,
+    ];
+}
+
+impl QpState {
+    /// Every state.
+    pub const ALL: [QpState; 6] = [
+        QpState::Idle,
+        QpState::Rtr,
+        QpState::Rts,
+        QpState::Closing,
+        QpState::Terminate,
+        QpState::Error,
+    ];
+
+    /// The state a connection-driven event moves the QP to, or `None` if the
+    /// event changes nothing in this state. This is the whole table of
+    /// connection-driven transitions (the engine and
+    /// [`crate::conn::Connection`] use nothing else).
+    pub const fn on_conn_event(self, ev: ConnEvent) -> Option<QpState> {
+        use ConnEvent as E;
+        use QpState::*;
+        match (self, ev) {
+            (Idle | Rtr, E::Established) => Some(Rts),
+            (Rts, E::LocalClose | E::PeerFin) => Some(Closing),
+            (Closing, E::FinsExchanged) => Some(Idle),
+            (Rts | Closing, E::LocalViolation) => Some(Terminate),
+            (Terminate, E::TerminateDone) => Some(Error),
+            (Rts | Closing | Terminate, E::TerminateReceived) => Some(Error),
+            (Rtr | Rts | Closing | Terminate, E::PeerReset | E::BadClose) => Some(Error),
+            (Idle | Rtr | Rts | Closing | Terminate, E::LocalAbort) => Some(Error),
+            (Closing, E::CloseTimeout) => Some(Error),
+            _ => None,
+        }
+    }
+}
+
 /// What posting a work request does in a given state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PostPolicy {
@@ -171,5 +250,38 @@ mod tests {
         assert_eq!(QpState::Rtr.recv_policy(), PostPolicy::Accept);
         assert_eq!(QpState::Error.recv_policy(), PostPolicy::Flush);
         assert_eq!(QpState::Closing.recv_policy(), PostPolicy::Reject);
+    }
+    #[test]
+    fn every_state_event_pair() {
+        use ConnEvent as E;
+        use QpState::*;
+        // The expected table, written out pair by pair.
+        let expect = |s: QpState, e: ConnEvent| -> Option<QpState> {
+            match e {
+                E::Established => matches!(s, Idle | Rtr).then_some(Rts),
+                E::LocalClose | E::PeerFin => (s == Rts).then_some(Closing),
+                E::FinsExchanged => (s == Closing).then_some(Idle),
+                E::LocalViolation => matches!(s, Rts | Closing).then_some(Terminate),
+                E::TerminateDone => (s == Terminate).then_some(Error),
+                E::TerminateReceived => matches!(s, Rts | Closing | Terminate).then_some(Error),
+                E::PeerReset | E::BadClose => {
+                    matches!(s, Rtr | Rts | Closing | Terminate).then_some(Error)
+                }
+                E::LocalAbort => (s != Error).then_some(Error),
+                E::CloseTimeout => (s == Closing).then_some(Error),
+            }
+        };
+        let mut n = 0;
+        for s in QpState::ALL {
+            for e in ConnEvent::ALL {
+                assert_eq!(s.on_conn_event(e), expect(s, e), "{s} on {e:?}");
+                n += 1;
+            }
+        }
+        assert_eq!(n, 66);
+        // ERROR is left only by the application's reset to IDLE.
+        for e in ConnEvent::ALL {
+            assert_eq!(Error.on_conn_event(e), None);
+        }
     }
 }

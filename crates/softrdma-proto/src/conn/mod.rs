@@ -1,0 +1,813 @@
+//! The per-connection DDP/RDMAP state machine (RFC 5040, 5041, 5044/6581
+//! framing, 7306), sans IO.
+//!
+//! A [`Connection`] is created once MPA negotiation (and RTR) is done; it
+//! owns the QP's send queue, receive queue, ORD/IRD accounting, MSNs and
+//! completion order. The engine feeds it (`handle_*`, `post_*`) and drains
+//! it (`poll_*`):
+//!
+//! * **receive**, zero copy: [`Connection::rx_want`] says what to read next:
+//!   [`RxWant::Bytes`] (framing bytes and consumed RDMAP headers: pass them to
+//!   [`Connection::handle_rx_bytes`]) or [`RxWant::Place`] (read up to `len`
+//!   payload bytes from the socket straight into the given [`Span`], then
+//!   report them with [`Connection::handle_rx_placed`]). The one deframer is
+//!   `softrdma_wire::deframer::Deframer` in direct-placement mode. A copying
+//!   convenience, [`Connection::handle_rx_stream`], does the same from a
+//!   byte slice (tests, simulation, fuzzing).
+//! * **transmit**, zero copy: [`Connection::poll_transmit`] fills a reusable
+//!   [`TxFpdu`]: header bytes, payload [`Span`]s into registered memory and
+//!   the trailer (pad, CRC). The engine writes them (`writev`) and reports
+//!   whole FPDUs written with [`Connection::handle_sent`].
+//! * **completions and events**: [`Connection::poll_completion`] (in posting
+//!   order per queue) and [`Connection::poll_output`] (state changes, async
+//!   events, link actions: FIN, orderly shutdown, reset).
+
+mod rx;
+mod tx;
+
+use std::collections::VecDeque;
+
+use softrdma_wire::ddp::Msn;
+use softrdma_wire::deframer::{Deframer, DeframerConfig};
+use softrdma_wire::errcode::TermError;
+use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
+
+use crate::mem::{LocalOp, Memory, Span};
+use crate::qp_state::{ConnEvent, PostPolicy, QpState};
+use crate::types::{
+    AsyncEvent, AsyncKind, Completion, CqKind, LinkAction, Output, PostError, RecvWr, SendOp,
+    SendWr, WcOpcode, WcStatus,
+};
+
+pub use rx::RxWant;
+pub use tx::{HEAD_CAP, TxFpdu};
+
+/// The value a softrdma sender puts in the (reserved, ignored by other
+/// implementations) Invalidate STag field of a Send to say that an
+/// Immediate Data message follows and completes the same receive (Send with
+/// Immediate) — the engine's encoding.
+pub const SEND_IMM_FOLLOWS: u32 = 0x534e_4949;
+
+/// Queue numbers as indices.
+const QN_SEND: usize = 0;
+const QN_RREQ: usize = 1;
+const QN_TERM: usize = 2;
+const QN_ARESP: usize = 3;
+
+/// What the connection was set up with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// CRC negotiated (markers are always declined).
+    pub crc: bool,
+    /// Inbound Reads/atomics we accept at once (our IRD).
+    pub ird: u32,
+    /// Outbound Reads/atomics outstanding at once (min of our ORD and the
+    /// peer's IRD).
+    pub ord: u32,
+    /// Largest payload per FPDU (MULPDU minus the DDP/RDMAP header).
+    pub max_payload: usize,
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// Receives come from a shared receive queue ([`Memory::srq_pop`]).
+    pub srq: bool,
+    /// How long a graceful close waits for the peer's FIN (same unit as
+    /// the `now` values passed in).
+    pub close_timeout: u64,
+    /// First MSN sent and expected on queues 0 (Send) and 1 (Read Request);
+    /// RTR messages may have used the first ones.
+    pub tx_msn: [u32; 2],
+    /// First MSN expected on queues 0 and 1.
+    pub rx_msn: [u32; 2],
+}
+
+impl Config {
+    /// A configuration with CRC as given and common defaults.
+    #[must_use]
+    pub const fn new(crc: bool) -> Self {
+        Config {
+            crc,
+            ird: 8,
+            ord: 8,
+            max_payload: 1024,
+            max_send_wr: 128,
+            max_recv_wr: 128,
+            srq: false,
+            close_timeout: 5_000,
+            tx_msn: [1, 1],
+            rx_msn: [1, 1],
+        }
+    }
+}
+
+/// One send-queue request in completion order.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    wr_id: u64,
+    opcode: WcOpcode,
+    signaled: bool,
+    status: Option<WcStatus>,
+    byte_len: u32,
+    vendor_err: u32,
+}
+
+/// What a queued send-queue request does on the wire.
+#[derive(Debug, Clone)]
+enum Kind<R> {
+    Send {
+        inv: Option<u32>,
+        imm: Option<u32>,
+    },
+    Write {
+        stag: u32,
+        to: u64,
+        imm: Option<u32>,
+    },
+    Read {
+        stag: u32,
+        to: u64,
+        sink: Span<R>,
+        sink_stag: u32,
+        sink_to: u64,
+    },
+    Atomic {
+        req: AtomicRequestRepr,
+        sink: Span<R>,
+    },
+    /// Executed at post; completes in order without touching the wire.
+    Local,
+}
+
+/// A validated send-queue request.
+#[derive(Debug, Clone)]
+struct SqEntry<R> {
+    seq: u64,
+    kind: Kind<R>,
+    segs: Vec<Span<R>>,
+    len: usize,
+    fence: bool,
+    solicited: bool,
+    failed: Option<WcStatus>,
+}
+
+/// A posted receive.
+#[derive(Debug, Clone)]
+struct RecvEntry<R> {
+    wr_id: u64,
+    segs: Vec<Span<R>>,
+    total: usize,
+}
+
+/// An outstanding outbound Read or atomic (ORD entry).
+#[derive(Debug, Clone)]
+struct OutRead<R> {
+    seq: u64,
+    kind: OutKind<R>,
+}
+
+#[derive(Debug, Clone)]
+enum OutKind<R> {
+    Read {
+        sink: Span<R>,
+        sink_stag: u32,
+        sink_to: u64,
+        got: usize,
+    },
+    Atomic {
+        request_id: u32,
+        sink: Span<R>,
+    },
+}
+
+/// A response owed to the peer.
+#[derive(Debug, Clone)]
+enum Response<R> {
+    Read {
+        src: Span<R>,
+        sink_stag: u32,
+        sink_to: u64,
+    },
+    Atomic {
+        request_id: u32,
+        original: u64,
+    },
+}
+
+/// What to do when an FPDU handed out is completely written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Done {
+    Nothing,
+    SqMessage { seq: u64, byte_len: u32 },
+    Terminate,
+}
+
+/// The DDP/RDMAP connection state machine. See the [module docs](self).
+#[derive(Debug)]
+pub struct Connection<R> {
+    cfg: Config,
+    state: QpState,
+    now: u64,
+    // ---- receive ----
+    rx: rx::RxState<R>,
+    rq: VecDeque<RecvEntry<R>>,
+    // ---- transmit ----
+    tx: tx::TxState,
+    sq: VecDeque<SqEntry<R>>,
+    resp: VecDeque<Response<R>>,
+    inflight: VecDeque<Done>,
+    // ---- ORD / IRD ----
+    ord: VecDeque<OutRead<R>>,
+    ird_used: u32,
+    next_request_id: u32,
+    // ---- completion order ----
+    slots: VecDeque<Slot>,
+    base: u64,
+    completions: VecDeque<Completion>,
+    outputs: VecDeque<Output>,
+    // ---- close ----
+    fin_pending: bool,
+    fin_sent: bool,
+    peer_fin: bool,
+    peer_closed: bool,
+    close_deadline: Option<u64>,
+}
+
+impl<R: Clone + core::fmt::Debug> Connection<R> {
+    /// A connection in full operation (RTS), right after MPA negotiation.
+    #[must_use]
+    pub fn new(cfg: Config) -> Self {
+        let mut rx = rx::RxState::new(Deframer::new(DeframerConfig::new(cfg.crc, false)));
+        rx.expect[QN_SEND] = Msn(cfg.rx_msn[0]);
+        rx.expect[QN_RREQ] = Msn(cfg.rx_msn[1]);
+        let mut tx = tx::TxState::new();
+        tx.msn[QN_SEND] = Msn(cfg.tx_msn[0]);
+        tx.msn[QN_RREQ] = Msn(cfg.tx_msn[1]);
+        Connection {
+            cfg,
+            state: QpState::Rts,
+            now: 0,
+            rx,
+            rq: VecDeque::new(),
+            tx,
+            sq: VecDeque::new(),
+            resp: VecDeque::new(),
+            inflight: VecDeque::new(),
+            ord: VecDeque::new(),
+            ird_used: 0,
+            next_request_id: 1,
+            slots: VecDeque::new(),
+            base: 0,
+            completions: VecDeque::new(),
+            outputs: VecDeque::new(),
+            fin_pending: false,
+            fin_sent: false,
+            peer_fin: false,
+            peer_closed: false,
+            close_deadline: None,
+        }
+    }
+
+    /// The QP state.
+    #[must_use]
+    pub const fn state(&self) -> QpState {
+        self.state
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub const fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Outbound Reads/atomics outstanding.
+    #[must_use]
+    pub fn ord_outstanding(&self) -> usize {
+        self.ord.len()
+    }
+
+    /// Inbound Reads/atomics accepted and not yet answered.
+    #[must_use]
+    pub const fn ird_used(&self) -> u32 {
+        self.ird_used
+    }
+
+    /// Send-queue requests posted and not yet completed.
+    #[must_use]
+    pub fn send_queue_len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Receives posted and not yet consumed (the QP's own queue).
+    #[must_use]
+    pub fn recv_queue_len(&self) -> usize {
+        self.rq.len()
+    }
+
+    /// The next completion, in posting order per queue.
+    pub fn poll_completion(&mut self) -> Option<Completion> {
+        self.completions.pop_front()
+    }
+
+    /// The next state change, event or link action.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.outputs.pop_front()
+    }
+
+    // ------------------------------------------------------------------
+    // Posting
+    // ------------------------------------------------------------------
+
+    /// Posts a send-queue work request. SGEs are checked with
+    /// [`Memory::local`] now; local operations (invalidate, bind,
+    /// fast-register) execute now and complete in order. A request that
+    /// fails its checks is accepted and completes with an error when its
+    /// turn comes (then the QP enters ERROR), like the engine.
+    ///
+    /// # Errors
+    ///
+    /// [`PostError`] if the state refuses posts, the queue is full or the
+    /// request is malformed; nothing is queued then.
+    pub fn post_send<M: Memory<Region = R>>(
+        &mut self,
+        wr: &SendWr<'_>,
+        mem: &mut M,
+    ) -> Result<(), PostError> {
+        let policy = self.state.send_policy();
+        if policy == PostPolicy::Reject {
+            return Err(PostError::InvalidState(self.state));
+        }
+        if self.slots.len() >= self.cfg.max_send_wr as usize {
+            return Err(PostError::QueueFull(self.cfg.max_send_wr));
+        }
+        let sge_len: u64 = wr.sgl.iter().map(|s| u64::from(s.len)).sum();
+        let Ok(len) = usize::try_from(sge_len) else {
+            return Err(PostError::Invalid("message too long"));
+        };
+        if sge_len > u64::from(u32::MAX) {
+            return Err(PostError::Invalid("message longer than 4 GiB"));
+        }
+        let mut failed = None;
+        let mut segs_for = |mem: &mut M, write: bool| -> Vec<Span<R>> {
+            let mut v = Vec::with_capacity(wr.sgl.len());
+            for s in wr.sgl {
+                match mem.local(s.lkey, s.addr, s.len, write) {
+                    Ok(sp) => v.push(sp),
+                    Err(_) => {
+                        failed = Some(WcStatus::LocalProtection);
+                        return Vec::new();
+                    }
+                }
+            }
+            v
+        };
+        let mut entry = SqEntry {
+            seq: 0,
+            kind: Kind::Local,
+            segs: Vec::new(),
+            len,
+            fence: wr.fence,
+            solicited: wr.solicited,
+            failed: None,
+        };
+        let opcode = match wr.op {
+            SendOp::Send { inv, imm } => {
+                if inv.is_some() && imm.is_some() {
+                    return Err(PostError::Invalid(
+                        "Send with both Invalidate and Immediate",
+                    ));
+                }
+                entry.segs = segs_for(mem, false);
+                entry.kind = Kind::Send { inv, imm };
+                WcOpcode::Send
+            }
+            SendOp::Write {
+                rkey,
+                remote_addr,
+                imm,
+            } => {
+                entry.segs = segs_for(mem, false);
+                entry.kind = Kind::Write {
+                    stag: rkey,
+                    to: remote_addr,
+                    imm,
+                };
+                WcOpcode::RdmaWrite
+            }
+            SendOp::Read { rkey, remote_addr } => {
+                let [sge] = wr.sgl else {
+                    return Err(PostError::Invalid("RDMA Read needs exactly one SGE"));
+                };
+                let mut segs = segs_for(mem, true);
+                if let Some(sink) = segs.pop() {
+                    entry.kind = Kind::Read {
+                        stag: rkey,
+                        to: remote_addr,
+                        sink,
+                        sink_stag: sge.lkey,
+                        sink_to: sge.addr,
+                    };
+                }
+                WcOpcode::RdmaRead
+            }
+            SendOp::FetchAdd {
+                rkey, remote_addr, ..
+            }
+            | SendOp::CmpSwap {
+                rkey, remote_addr, ..
+            } => {
+                if !matches!(wr.sgl, [s] if s.len == 8) {
+                    return Err(PostError::Invalid("an atomic needs one 8-byte SGE"));
+                }
+                if remote_addr % 8 != 0 {
+                    return Err(PostError::Invalid(
+                        "atomic remote address not 8-byte aligned",
+                    ));
+                }
+                let mut segs = segs_for(mem, true);
+                entry.len = 8;
+                let id = self.next_request_id;
+                self.next_request_id = self.next_request_id.wrapping_add(1);
+                let (req, op) = match wr.op {
+                    SendOp::CmpSwap { compare, swap, .. } => (
+                        AtomicRequestRepr::cmp_swap(
+                            id,
+                            softrdma_wire::ddp::Stag(rkey),
+                            remote_addr,
+                            compare,
+                            swap,
+                        ),
+                        WcOpcode::CompSwap,
+                    ),
+                    SendOp::FetchAdd { add, .. } => (
+                        AtomicRequestRepr::fetch_add(
+                            id,
+                            softrdma_wire::ddp::Stag(rkey),
+                            remote_addr,
+                            add,
+                        ),
+                        WcOpcode::FetchAdd,
+                    ),
+                    _ => return Err(PostError::Invalid("atomic")),
+                };
+                if let Some(sink) = segs.pop() {
+                    entry.kind = Kind::Atomic { req, sink };
+                }
+                op
+            }
+            SendOp::Local(op) => {
+                entry.len = 0;
+                match op {
+                    LocalOp::Invalidate { rkey } => {
+                        if mem.invalidate(rkey, false).is_err() {
+                            failed = Some(WcStatus::LocalProtection);
+                        }
+                        WcOpcode::LocalInv
+                    }
+                    LocalOp::BindMw { .. } => {
+                        if mem.local_op(&op).is_err() {
+                            failed = Some(WcStatus::MwBind);
+                        }
+                        WcOpcode::BindMw
+                    }
+                    LocalOp::FastReg { .. } => {
+                        if mem.local_op(&op).is_err() {
+                            failed = Some(WcStatus::LocalProtection);
+                        }
+                        WcOpcode::RegMr
+                    }
+                }
+            }
+        };
+        entry.failed = failed;
+        let seq = self.base + self.slots.len() as u64;
+        self.slots.push_back(Slot {
+            wr_id: wr.wr_id,
+            opcode,
+            signaled: wr.signaled,
+            status: None,
+            byte_len: 0,
+            vendor_err: 0,
+        });
+        entry.seq = seq;
+        if policy == PostPolicy::Flush {
+            self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
+            return Ok(());
+        }
+        self.sq.push_back(entry);
+        Ok(())
+    }
+
+    /// Posts a receive. A receive whose SGE fails its checks puts the QP in
+    /// ERROR and completes with the error after the earlier receives are
+    /// flushed (the engine's behaviour).
+    ///
+    /// # Errors
+    ///
+    /// [`PostError`] if the QP uses an SRQ, the state refuses receives or
+    /// the queue is full.
+    pub fn post_recv<M: Memory<Region = R>>(
+        &mut self,
+        wr: &RecvWr<'_>,
+        mem: &mut M,
+    ) -> Result<(), PostError> {
+        if self.cfg.srq {
+            return Err(PostError::HasSrq);
+        }
+        let policy = self.state.recv_policy();
+        if policy == PostPolicy::Reject {
+            return Err(PostError::InvalidState(self.state));
+        }
+        if self.rq.len() >= self.cfg.max_recv_wr as usize {
+            return Err(PostError::QueueFull(self.cfg.max_recv_wr));
+        }
+        let mut segs = Vec::with_capacity(wr.sgl.len());
+        for s in wr.sgl {
+            match mem.local(s.lkey, s.addr, s.len, true) {
+                Ok(sp) => segs.push(sp),
+                Err(_) => {
+                    self.push_event(AsyncKind::QpFatal, None);
+                    self.enter_error(ConnEvent::LocalAbort, Some(LinkAction::Reset));
+                    self.complete_recv(wr.wr_id, WcStatus::LocalProtection);
+                    return Ok(());
+                }
+            }
+        }
+        if policy == PostPolicy::Flush {
+            self.complete_recv(wr.wr_id, WcStatus::WrFlush);
+            return Ok(());
+        }
+        let total = segs.iter().map(|s| s.len).sum();
+        self.rq.push_back(RecvEntry {
+            wr_id: wr.wr_id,
+            segs,
+            total,
+        });
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------
+    // Close, abort, time
+    // ------------------------------------------------------------------
+
+    /// Graceful close (RTS → CLOSING): the send queue drains, then FIN ([`LinkAction::SendFin`]); the close is done
+    /// (→ IDLE) once the peer's FIN arrived too, or fails at the close
+    /// timeout. Posted receives keep taking the peer's Sends until then and
+    /// are flushed when the close ends.
+    pub fn close(&mut self, now: u64) {
+        self.now = now;
+        self.begin_close(false);
+    }
+
+    /// Abortive close: reset, ERROR, everything flushed.
+    pub fn abort(&mut self) {
+        if self.state == QpState::Error {
+            return;
+        }
+        if self.state != QpState::Idle {
+            self.push_event(AsyncKind::LlpReset, None);
+        }
+        self.enter_error(ConnEvent::LocalAbort, Some(LinkAction::Reset));
+    }
+
+    /// Time passed: fails a graceful close that waited too long.
+    pub fn handle_timeout(&mut self, now: u64) {
+        self.now = now;
+        if self.state == QpState::Closing
+            && let Some(d) = self.close_deadline
+            && now >= d
+        {
+            self.push_event(AsyncKind::BadClose, None);
+            self.enter_error(ConnEvent::CloseTimeout, Some(LinkAction::Reset));
+        }
+    }
+
+    /// When the pending close times out, if one is under way.
+    #[must_use]
+    pub const fn next_timeout(&self) -> Option<u64> {
+        self.close_deadline
+    }
+
+    /// The peer's FIN arrived (the stream ended).
+    pub fn handle_fin(&mut self, now: u64) {
+        self.now = now;
+        if matches!(self.state, QpState::Error | QpState::Idle) {
+            return;
+        }
+        let at_boundary = self.rx.at_fpdu_boundary();
+        self.rx.dead = true;
+        self.flush_partial_recv();
+        if at_boundary && matches!(self.state, QpState::Rts | QpState::Closing) {
+            self.peer_fin = true;
+            if self.state == QpState::Rts {
+                self.begin_close(true);
+            } else {
+                self.peer_closed = true;
+            }
+            self.try_finish_close();
+            return;
+        }
+        self.push_event(AsyncKind::BadClose, None);
+        self.enter_error(ConnEvent::BadClose, Some(LinkAction::Reset));
+    }
+
+    /// The connection was reset or failed.
+    pub fn handle_reset(&mut self) {
+        if matches!(self.state, QpState::Error | QpState::Idle) {
+            return;
+        }
+        self.push_event(AsyncKind::LlpReset, None);
+        self.enter_error(ConnEvent::PeerReset, None);
+    }
+
+    fn begin_close(&mut self, by_peer: bool) {
+        if self.state != QpState::Rts {
+            return;
+        }
+        self.transition(if by_peer {
+            ConnEvent::PeerFin
+        } else {
+            ConnEvent::LocalClose
+        });
+        // The posted receives stay: Sends the peer transmitted before it saw
+        // our FIN still need them, and a receive the receive path is filling
+        // must complete before the later ones are flushed. They are flushed
+        // when the close completes (or fails). (The engine's `begin_close`
+        // flushes them here: out-of-order receive completions and a
+        // "no buffer" Terminate for the peer's in-flight Sends.)
+        self.fin_pending = true;
+        self.peer_closed = by_peer;
+        self.close_deadline = Some(self.now.saturating_add(self.cfg.close_timeout));
+    }
+
+    fn try_finish_close(&mut self) {
+        if !(self.peer_fin && self.fin_sent && self.state == QpState::Closing) {
+            return;
+        }
+        self.transition(ConnEvent::FinsExchanged);
+        self.close_deadline = None;
+        self.flush_all();
+        self.push_event(AsyncKind::LlpClosed, None);
+    }
+
+    // ------------------------------------------------------------------
+    // Completions, errors
+    // ------------------------------------------------------------------
+
+    fn transition(&mut self, ev: ConnEvent) {
+        if let Some(to) = self.state.on_conn_event(ev)
+            && to != self.state
+        {
+            self.outputs.push_back(Output::State {
+                from: self.state,
+                to,
+            });
+            self.state = to;
+        }
+    }
+
+    fn set_error(&mut self) {
+        if self.state != QpState::Error {
+            self.outputs.push_back(Output::State {
+                from: self.state,
+                to: QpState::Error,
+            });
+            self.state = QpState::Error;
+        }
+    }
+
+    fn push_event(&mut self, kind: AsyncKind, term: Option<TermError>) {
+        self.outputs.push_back(Output::Event(AsyncEvent {
+            kind,
+            term: term.map(Into::into),
+        }));
+    }
+
+    /// Records the outcome of send-queue request `seq` and delivers the
+    /// completions that are now in order.
+    fn complete_sq(&mut self, seq: u64, status: WcStatus, byte_len: u32, vendor_err: u32) {
+        let Some(idx) = seq
+            .checked_sub(self.base)
+            .and_then(|i| usize::try_from(i).ok())
+        else {
+            return;
+        };
+        if let Some(s) = self.slots.get_mut(idx)
+            && s.status.is_none()
+        {
+            s.status = Some(status);
+            s.byte_len = byte_len;
+            s.vendor_err = vendor_err;
+        }
+        while let Some(s) = self.slots.front().copied() {
+            let Some(st) = s.status else { break };
+            self.slots.pop_front();
+            self.base += 1;
+            if s.signaled || !st.is_success() {
+                self.completions.push_back(Completion {
+                    cq: CqKind::Send,
+                    wr_id: s.wr_id,
+                    status: st,
+                    opcode: s.opcode,
+                    byte_len: s.byte_len,
+                    imm: None,
+                    invalidated: None,
+                    solicited: false,
+                    vendor_err: s.vendor_err,
+                });
+            }
+        }
+    }
+
+    fn complete_recv(&mut self, wr_id: u64, status: WcStatus) {
+        self.completions.push_back(Completion {
+            cq: CqKind::Recv,
+            wr_id,
+            status,
+            opcode: WcOpcode::Recv,
+            byte_len: 0,
+            imm: None,
+            invalidated: None,
+            solicited: false,
+            vendor_err: 0,
+        });
+    }
+
+    fn flush_rq(&mut self) {
+        while let Some(r) = self.rq.pop_front() {
+            self.complete_recv(r.wr_id, WcStatus::WrFlush);
+        }
+    }
+
+    fn flush_partial_recv(&mut self) {
+        if let Some(wr_id) = self.rx.too_long.take() {
+            self.complete_recv(wr_id, WcStatus::WrFlush);
+        }
+        if let Some(r) = self.rx.recv.take() {
+            self.complete_recv(r.wr_id, WcStatus::WrFlush);
+        }
+        if let Some((r, _)) = self.rx.imm_wait.take() {
+            self.complete_recv(r.wr_id, WcStatus::WrFlush);
+        }
+    }
+
+    /// Flushes every outstanding request, in order: outstanding Reads and
+    /// atomics, queued requests, requests written whose completion waited,
+    /// receives the receive path holds, then the receive queue.
+    fn flush_all(&mut self) {
+        while let Some(r) = self.ord.pop_front() {
+            self.complete_sq(r.seq, WcStatus::WrFlush, 0, 0);
+        }
+        while let Some(w) = self.sq.pop_front() {
+            self.complete_sq(w.seq, WcStatus::WrFlush, 0, 0);
+        }
+        let open: Vec<u64> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.status.is_none())
+            .map(|(i, _)| self.base + i as u64)
+            .collect();
+        for seq in open {
+            self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
+        }
+        self.flush_partial_recv();
+        self.flush_rq();
+        self.resp.clear();
+        self.ird_used = 0;
+        self.tx.reset_current();
+        self.fin_pending = false;
+    }
+
+    /// Enters ERROR on `ev` (a row of [`QpState::on_conn_event`] leading
+    /// to ERROR): flushes everything, stops receiving and transmitting.
+    fn enter_error(&mut self, ev: ConnEvent, link: Option<LinkAction>) {
+        if self.state == QpState::Error {
+            return;
+        }
+        match self.state.on_conn_event(ev) {
+            Some(QpState::Error) => self.transition(ev),
+            _ => self.set_error(),
+        }
+        self.rx.dead = true;
+        self.close_deadline = None;
+        self.flush_all();
+        self.tx.term = None;
+        if self.cfg.srq {
+            self.push_event(AsyncKind::QpLastWqeReached, None);
+        }
+        if let Some(l) = link {
+            self.outputs.push_back(Output::Link(l));
+        }
+    }
+
+    /// Whether the connection is finished (ERROR or closed to IDLE): no
+    /// more input is processed, no more output produced.
+    #[must_use]
+    pub fn is_done(&self) -> bool {
+        matches!(self.state, QpState::Error | QpState::Idle)
+    }
+}
+
+#[cfg(test)]
+mod tests;

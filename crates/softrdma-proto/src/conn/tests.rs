@@ -1,0 +1,355 @@
+//! Scripted exchanges: one [`Connection`] fed hand-made FPDUs.
+
+use softrdma_wire::ddp::{Msn, Stag};
+use softrdma_wire::errcode::TermError;
+use softrdma_wire::fpdu;
+use softrdma_wire::rdmap::Opcode;
+use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
+use softrdma_wire::rdmap::immediate::ImmediateDataRepr;
+use softrdma_wire::rdmap::read_request::ReadRequestRepr;
+use softrdma_wire::rdmap::terminate::TerminateRepr;
+use softrdma_wire::ulpdu::{UlpduBody, UlpduRepr};
+
+use super::*;
+use crate::sim::{LOCAL_WRITE, REMOTE_ATOMIC, REMOTE_READ, REMOTE_WRITE, SimMemory};
+use crate::types::{RecvWr, Sge};
+
+struct T {
+    c: Connection<usize>,
+    m: SimMemory,
+    crc: bool,
+    read: (usize, u32, u64),
+    cell: (usize, u32, u64),
+}
+
+fn setup(crc: bool) -> T {
+    let mut m = SimMemory::new(0x10);
+    let read = m.add_region(256, REMOTE_READ, |i| i as u8);
+    let cell = m.add_region(8, REMOTE_ATOMIC, |_| 0);
+    let mut cfg = Config::new(crc);
+    cfg.ird = 1;
+    T {
+        c: Connection::new(cfg),
+        m,
+        crc,
+        read,
+        cell,
+    }
+}
+
+impl T {
+    fn feed_ulpdu(&mut self, ulpdu: &[u8]) -> usize {
+        let mut buf = vec![0u8; ulpdu.len() + 16];
+        let n = fpdu::emit(ulpdu, self.crc, &mut buf).unwrap();
+        self.c.handle_rx_stream(&buf[..n], &mut self.m)
+    }
+
+    fn feed(&mut self, u: &UlpduRepr<'_>, patch: impl FnOnce(&mut Vec<u8>)) -> usize {
+        let mut b = vec![0u8; u.buffer_len()];
+        u.emit(&mut b).unwrap();
+        patch(&mut b);
+        self.feed_ulpdu(&b)
+    }
+
+    fn read_req(&self, msn: u32) -> UlpduRepr<'static> {
+        UlpduRepr::read_request(
+            Msn(msn),
+            ReadRequestRepr {
+                sink_stag: Stag(7),
+                sink_to: 0x1000,
+                read_size: 16,
+                src_stag: Stag(self.read.1),
+                src_to: self.read.2,
+            },
+        )
+    }
+
+    /// The next FPDU sent, as bytes.
+    fn sent(&mut self) -> Option<Vec<u8>> {
+        let mut f = TxFpdu::new();
+        if !self.c.poll_transmit(&mut self.m, &mut f) {
+            return None;
+        }
+        let mut v = Vec::new();
+        assert!(f.write_to(&mut self.m, &mut v));
+        Some(v)
+    }
+
+    /// The Terminate this side sent, decoded: (error, M, D header len,
+    /// segment length, R header len).
+    fn terminate(&mut self) -> (Option<TermError>, bool, usize, u16, usize) {
+        let f = self.sent().expect("a Terminate is sent");
+        let d = fpdu::decode(&f, self.crc).unwrap();
+        let u = UlpduRepr::parse(d.ulpdu).unwrap();
+        assert_eq!(u.opcode, Opcode::Terminate);
+        let UlpduBody::Terminate(t) = u.body else {
+            panic!("not a Terminate body")
+        };
+        let hdr = t.ddp.map_or(0, |x| x.header.len());
+        let seg = t.ddp.map_or(0, |x| x.segment_length);
+        (
+            t.error(),
+            t.segment_length_valid,
+            hdr,
+            seg,
+            t.rdmap_header.map_or(0, <[u8]>::len),
+        )
+    }
+
+    fn outputs(&mut self) -> Vec<Output> {
+        std::iter::from_fn(|| self.c.poll_output()).collect()
+    }
+}
+
+/// Byte offsets inside an untagged DDP header.
+const QN: usize = 6;
+const MO: usize = 14;
+
+fn set_u32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+}
+
+#[test]
+fn read_request_is_answered_from_local_memory() {
+    let mut t = setup(true);
+    let rr = t.read_req(1);
+    t.feed(&rr, |_| {});
+    assert_eq!(t.c.ird_used(), 1);
+    let mut f = TxFpdu::new();
+    assert!(t.c.poll_transmit(&mut t.m, &mut f));
+    // Zero copy: the payload is a span into the read region.
+    assert_eq!(f.payload().len(), 1);
+    assert_eq!(f.payload()[0].region, t.read.0);
+    let mut v = Vec::new();
+    f.write_to(&mut t.m, &mut v);
+    let d = fpdu::decode(&v, true).unwrap();
+    let u = UlpduRepr::parse(d.ulpdu).unwrap();
+    assert_eq!(u.opcode, Opcode::RdmaReadResponse);
+    assert_eq!(u.body, UlpduBody::Payload(&(0u8..16).collect::<Vec<_>>()));
+}
+
+#[test]
+fn read_request_on_the_send_queue_gets_invalid_qn() {
+    let mut t = setup(true);
+    let rr = t.read_req(1);
+    t.feed(&rr, |b| set_u32(b, QN, 0));
+    let (e, m, hdr, seg, _) = t.terminate();
+    assert_eq!(e, Some(TermError::DdpUntaggedInvalidQn));
+    // D and M set, the segment's header and payload length, like siw.
+    assert!(m);
+    assert_eq!((hdr, seg), (18, 28));
+    assert_eq!(t.c.state(), QpState::Terminate);
+}
+
+#[test]
+fn read_request_with_nonzero_mo_or_without_last_flag_is_refused() {
+    let mut t = setup(false);
+    let rr = t.read_req(1);
+    t.feed(&rr, |b| set_u32(b, MO, 4));
+    assert_eq!(t.terminate().0, Some(TermError::DdpUntaggedInvalidMo));
+
+    let mut t = setup(false);
+    t.feed(&rr, |b| b[0] &= !0x40);
+    assert_eq!(t.terminate().0, Some(crate::term::MALFORMED_HEADER));
+}
+
+#[test]
+fn protection_error_on_read_request_copies_its_rdmap_header() {
+    let mut t = setup(true);
+    let mut rr = t.read_req(1);
+    if let UlpduBody::ReadRequest(ref mut r) = rr.body {
+        r.src_stag = Stag(0xdead);
+    }
+    t.feed(&rr, |_| {});
+    let (e, m, hdr, seg, r) = t.terminate();
+    assert_eq!(e, Some(TermError::RdmapInvalidStag));
+    assert!(m);
+    assert_eq!((hdr, seg, r), (18, 28, 28));
+    let ev = t.outputs();
+    assert!(ev.iter().any(|o| matches!(
+        o,
+        Output::Event(AsyncEvent {
+            kind: AsyncKind::QpAccessError,
+            ..
+        })
+    )));
+}
+
+#[test]
+fn atomic_immediate_and_terminate_on_wrong_queues_get_invalid_qn() {
+    let mut t = setup(true);
+    let a = UlpduRepr::atomic_request(
+        Msn(1),
+        AtomicRequestRepr::fetch_add(1, Stag(t.cell.1), t.cell.2, 1),
+    );
+    t.feed(&a, |b| set_u32(b, QN, 0));
+    assert_eq!(t.terminate().0, Some(TermError::DdpUntaggedInvalidQn));
+
+    let mut t = setup(true);
+    let i = UlpduRepr::immediate(Msn(1), ImmediateDataRepr::from_be_u64(5), false);
+    t.feed(&i, |b| set_u32(b, QN, 1));
+    assert_eq!(t.terminate().0, Some(TermError::DdpUntaggedInvalidQn));
+
+    let mut t = setup(true);
+    let term = UlpduRepr::terminate(Msn(1), TerminateRepr::new(TermError::RdmapInvalidStag));
+    t.feed(&term, |b| set_u32(b, QN, 0));
+    assert_eq!(t.terminate().0, Some(TermError::DdpUntaggedInvalidQn));
+}
+
+#[test]
+fn unknown_atomic_opcode_gets_the_remote_operation_code() {
+    let mut t = setup(true);
+    let a = UlpduRepr::atomic_request(
+        Msn(1),
+        AtomicRequestRepr::fetch_add(1, Stag(t.cell.1), t.cell.2, 1),
+    );
+    // AOpCode is the low nibble of the first body word.
+    t.feed(&a, |b| b[18 + 3] = 0x0f);
+    let e = t.terminate().0;
+    assert_eq!(e, Some(crate::term::UNSUPPORTED_ATOMIC));
+    assert_ne!(e, Some(TermError::DdpLocalCatastrophic));
+}
+
+#[test]
+fn ulpdu_shorter_than_its_ddp_header_gets_a_terminate() {
+    let mut t = setup(false);
+    // ULPDU length 4: cannot hold any DDP header.
+    t.c.handle_rx_stream(&[0, 4, 0x41, 0x43, 0, 0, 0, 0, 0, 0], &mut t.m);
+    let (e, m, hdr, _, _) = t.terminate();
+    assert_eq!(e, Some(crate::term::MALFORMED_HEADER));
+    assert!(!m && hdr == 0, "no complete header to copy");
+    assert!(!t.outputs().contains(&Output::Link(LinkAction::Reset)));
+    t.c.handle_sent(1);
+    assert_eq!(t.c.state(), QpState::Error);
+    assert!(t.outputs().contains(&Output::Link(LinkAction::Shutdown)));
+}
+
+#[test]
+fn corrupted_header_with_crc_is_a_crc_error_not_a_peer_violation() {
+    let mut t = setup(true);
+    let send = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"hello");
+    let mut b = vec![0u8; send.buffer_len()];
+    send.emit(&mut b).unwrap();
+    let mut w = vec![0u8; 64];
+    let n = fpdu::emit(&b, true, &mut w).unwrap();
+    w[2 + 12] ^= 0x10; // a bit of the MSN
+    t.c.handle_rx_stream(&w[..n], &mut t.m);
+    assert_eq!(t.terminate().0, Some(TermError::MpaCrcError));
+}
+
+#[test]
+fn ird_slot_is_free_once_the_response_is_handed_out() {
+    let mut t = setup(true);
+    let r1 = t.read_req(1);
+    t.feed(&r1, |_| {});
+    assert!(t.sent().is_some()); // the Read Response, not yet written
+    assert_eq!(t.c.ird_used(), 0);
+    // The peer got the response and asks again before our write returns.
+    let r2 = t.read_req(2);
+    t.feed(&r2, |_| {});
+    assert_eq!(t.c.state(), QpState::Rts);
+    assert!(t.sent().is_some());
+}
+
+#[test]
+fn graceful_close_keeps_receive_completion_order() {
+    let mut t = setup(false);
+    let mut regs = Vec::new();
+    for wr_id in 1..=2 {
+        let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+        regs.push((key, addr));
+        let sge = [Sge {
+            lkey: key,
+            addr,
+            len: 64,
+        }];
+        t.c.post_recv(&RecvWr { wr_id, sgl: &sge }, &mut t.m)
+            .unwrap();
+    }
+    // First segment of a two-segment Send, then a local close.
+    let s1 = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, false, b"abcd");
+    t.feed(&s1, |_| {});
+    t.c.close(0);
+    let s2 = UlpduRepr::send(Opcode::Send, None, Msn(1), 4, true, b"efgh");
+    t.feed(&s2, |_| {});
+    assert!(t.sent().is_none()); // nothing queued: FIN
+    t.c.handle_fin(1);
+    let c: Vec<(u64, WcStatus)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(c, [(1, WcStatus::Success), (2, WcStatus::WrFlush)]);
+    assert_eq!(t.c.state(), QpState::Idle);
+}
+
+#[test]
+fn terminate_received_fails_the_outstanding_read_with_its_code() {
+    let mut t = setup(true);
+    let (_, key, addr) = t.m.add_region(16, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 16,
+    }];
+    let wr = SendWr::new(
+        9,
+        SendOp::Read {
+            rkey: 0x77,
+            remote_addr: 0,
+        },
+        &sge,
+    );
+    t.c.post_send(&wr, &mut t.m).unwrap();
+    assert!(t.sent().is_some());
+    let term = UlpduRepr::terminate(Msn(1), TerminateRepr::new(TermError::RdmapInvalidStag));
+    t.feed(&term, |_| {});
+    let c = t.c.poll_completion().unwrap();
+    assert_eq!((c.wr_id, c.status), (9, WcStatus::RemoteAccess));
+    assert_eq!(c.vendor_err, 0x0100);
+    assert_eq!(t.c.state(), QpState::Error);
+    assert!(t.outputs().contains(&Output::Link(LinkAction::Reset)));
+}
+
+#[test]
+fn send_with_immediate_marks_the_reserved_field() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(4, 0, |_| 1);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 4,
+    }];
+    let wr = SendWr::new(
+        1,
+        SendOp::Send {
+            inv: None,
+            imm: Some(0xabcd),
+        },
+        &sge,
+    );
+    t.c.post_send(&wr, &mut t.m).unwrap();
+    let f = t.sent().unwrap();
+    assert_eq!(&f[4..8], &SEND_IMM_FOLLOWS.to_be_bytes());
+    let g = t.sent().unwrap();
+    let u = UlpduRepr::parse(fpdu::decode(&g, false).unwrap().ulpdu).unwrap();
+    assert_eq!(u.opcode, Opcode::ImmediateData);
+    assert_eq!(
+        u.body,
+        UlpduBody::Immediate(ImmediateDataRepr::from_be_u64(0xabcd))
+    );
+    // Completes when both FPDUs are written.
+    t.c.handle_sent(1);
+    assert!(t.c.poll_completion().is_none());
+    t.c.handle_sent(1);
+    assert_eq!(t.c.poll_completion().unwrap().status, WcStatus::Success);
+}
+
+#[test]
+fn write_outside_the_granted_range_is_refused_before_placement() {
+    let mut t = setup(true);
+    let (r, key, addr) = t.m.add_region(8, REMOTE_WRITE, |_| 0);
+    let w = UlpduRepr::tagged(Opcode::RdmaWrite, Stag(key), addr + 4, true, b"12345678");
+    t.feed(&w, |_| {});
+    assert_eq!(t.terminate().0, Some(TermError::DdpTaggedBaseOrBounds));
+    assert_eq!(t.m.region(r), &[0; 8]);
+    t.m.check_canaries().unwrap();
+}
