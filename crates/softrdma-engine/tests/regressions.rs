@@ -290,3 +290,49 @@ fn terminate_reason_is_kept_on_both_qps() {
         got.description()
     );
 }
+
+/// With the responder's IRD equal to the requester's ORD (1 and 1, as
+/// rping runs against kernel siw), the responder freed its IRD slot only
+/// after `writev` returned for the last Read Response FPDU; the requester
+/// could receive that response and send its next Read Request first, which
+/// the responder then refused with a Terminate ("MSN range is not valid").
+#[test]
+fn read_request_right_after_the_last_response_is_within_ird() {
+    let p = pair_with(device(false), false, |a| {
+        a.ird = 1;
+        a.ord = 1;
+    });
+    let n = 3000usize;
+    let remote = mr(&p.b, 8 * n);
+    let local = mr(&p.a, 8 * n);
+    let sges: Vec<[softrdma_engine::Sge; 1]> =
+        (0..n).map(|i| [local.sge(8 * i, 8).unwrap()]).collect();
+    for chunk in sges.chunks(100) {
+        let base = (chunk.as_ptr() as usize - sges.as_ptr() as usize)
+            / std::mem::size_of::<[softrdma_engine::Sge; 1]>();
+        let wrs: Vec<SendWr<'_>> = chunk
+            .iter()
+            .enumerate()
+            .map(|(k, s)| {
+                let i = base + k;
+                SendWr::new(
+                    i as u64,
+                    SendOp::Read {
+                        remote_addr: remote.addr() + 8 * i as u64,
+                        rkey: remote.rkey(),
+                    },
+                )
+                .sg_list(s)
+                .signaled()
+            })
+            .collect();
+        p.a.qp.post_send_list(&wrs).unwrap();
+        let c = wait(&p.a.cq, wrs.len());
+        assert!(
+            c.iter().all(|c| c.status == WcStatus::Success),
+            "a Read failed: {:?}; Terminate: {:?}",
+            c.iter().find(|c| c.status != WcStatus::Success),
+            p.b.qp.last_terminate()
+        );
+    }
+}

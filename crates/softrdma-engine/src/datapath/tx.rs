@@ -145,8 +145,6 @@ enum Done {
         seq: u64,
         byte_len: u32,
     },
-    /// The last FPDU of a response: one IRD slot is free again.
-    Response,
     /// The Terminate message.
     Terminate,
 }
@@ -431,7 +429,6 @@ impl TxState {
                     Done::SqMessage { seq, byte_len } => {
                         qp.complete_sq(seq, WcStatus::Success, byte_len, 0);
                     }
-                    Done::Response => qp.release_ird(),
                     Done::Terminate => {
                         self.closed = true;
                         self.terminate_sent = true;
@@ -446,7 +443,7 @@ impl TxState {
         let resp_first = self.resp_turn;
         self.resp_turn = !self.resp_turn;
         let first = if resp_first {
-            self.frame_response(link)
+            self.frame_response(qp, link)
         } else {
             self.frame_sq(qp, link)
         };
@@ -454,11 +451,15 @@ impl TxState {
             || if resp_first {
                 self.frame_sq(qp, link)
             } else {
-                self.frame_response(link)
+                self.frame_response(qp, link)
             }
     }
 
-    fn frame_response(&mut self, link: TxLink) -> bool {
+    /// Frames the next response FPDU. The IRD slot of a response is freed
+    /// when its last FPDU is framed, not when it has been written: the
+    /// requester may receive that FPDU and send its next Read Request before
+    /// `writev` returns here, and that request must find the slot free.
+    fn frame_response(&mut self, qp: &impl TxHost, link: TxLink) -> bool {
         let Some(r) = self.resp.front() else {
             return false;
         };
@@ -467,10 +468,11 @@ impl TxState {
                 let msn = self.msn[qi(QN_ATOMIC_RESPONSE)];
                 self.msn[qi(QN_ATOMIC_RESPONSE)] = msn.next();
                 let ulpdu = UlpduRepr::atomic_response(msn, *resp);
-                if let Some(f) = frame_consumed(&ulpdu, link.crc, Done::Response) {
+                if let Some(f) = frame_consumed(&ulpdu, link.crc, Done::Nothing) {
                     self.push_out(f);
                 }
                 self.resp.pop_front();
+                qp.release_ird();
                 true
             }
             Response::Read {
@@ -489,13 +491,13 @@ impl TxState {
                     &[],
                 );
                 let pieces = vec![(src.mem.clone(), src.offset + off, chunk)];
-                let done = if last { Done::Response } else { Done::Nothing };
-                if let Some(f) = frame_data(&ulpdu, None, pieces, chunk, link.crc, done) {
+                if let Some(f) = frame_data(&ulpdu, None, pieces, chunk, link.crc, Done::Nothing) {
                     self.push_out(f);
                 }
                 if last {
                     self.resp.pop_front();
                     self.resp_off = 0;
+                    qp.release_ird();
                 } else {
                     self.resp_off += chunk;
                 }
