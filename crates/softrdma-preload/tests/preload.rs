@@ -7,11 +7,28 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-/// `target/<profile>/libsoftrdma_preload.so`, next to this test's `deps/`.
+/// `target/<profile>/libsoftrdma_preload.so`, next to this test's `deps/`;
+/// built here if `cargo test` did not build it (it builds no cdylib for
+/// integration tests).
 fn library() -> PathBuf {
+    static BUILT: std::sync::Once = std::sync::Once::new();
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap().parent().unwrap();
     let lib = dir.join("libsoftrdma_preload.so");
+    BUILT.call_once(|| {
+        if lib.exists() {
+            return;
+        }
+        let release = dir.file_name().is_some_and(|n| n == "release");
+        let mut c = Command::new(env!("CARGO"));
+        c.args(["build", "-p", "softrdma-preload"])
+            .env("CARGO_TARGET_DIR", dir.parent().unwrap());
+        if release {
+            c.arg("--release");
+        }
+        let st = c.status().expect("run cargo build");
+        assert!(st.success(), "cargo build -p softrdma-preload failed");
+    });
     assert!(lib.exists(), "{} not built", lib.display());
     lib
 }
