@@ -2,13 +2,13 @@
 //! (`fuzz/fuzz_targets/core_rx.rs`, `core_pair.rs`) through the same
 //! functions, on the stable toolchain, so CI runs them without cargo-fuzz.
 //! A crash the fuzzer finds becomes a regression test by adding its input
-//! to `tests/fuzz_seeds/<target>/`.
+//! to `fuzz/seeds/<target>/` (where every fuzz target keeps its seeds).
 
 use std::path::Path;
 
 fn replay(target: &str, f: fn(&[u8]) -> Result<(), String>) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fuzz_seeds")
+        .join("../../fuzz/seeds")
         .join(target);
     let mut n = 0;
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
