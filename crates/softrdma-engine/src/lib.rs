@@ -70,6 +70,7 @@ mod datamover;
 pub mod device;
 pub mod event;
 pub mod handlers;
+pub mod handshake;
 pub mod loopback;
 pub mod mr;
 pub mod pd;

@@ -422,6 +422,8 @@ pub(crate) struct QpInner {
     /// completion sequencer.
     pub(crate) proxy: std::sync::OnceLock<crate::proxy::ProxyLink>,
     pub(crate) self_weak: Weak<QpInner>,
+    /// The connection manager's watch: told of every state change.
+    state_watch: Mutex<Option<crate::cm::StateWatch>>,
 }
 
 impl QueuePair {
@@ -482,6 +484,7 @@ impl QueuePair {
             close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
             proxy: std::sync::OnceLock::new(),
             self_weak: weak.clone(),
+            state_watch: Mutex::new(None),
         });
         let hook: Weak<dyn Progress> = Arc::downgrade(&inner) as Weak<dyn Progress>;
         inner.recv_cq.attach_progress(hook.clone());
@@ -712,6 +715,11 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Installs (or removes) the connection manager's state watch.
+    pub(crate) fn set_state_watch(&self, w: Option<crate::cm::StateWatch>) {
+        *self.qp().state_watch.lock() = w;
+    }
+
     /// Posts one send-queue request (`ibv_post_send`). Never blocks.
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
         self.post_send_list(std::slice::from_ref(wr))
@@ -769,6 +777,9 @@ impl QpInner {
 
     fn set_state(&self, s: QpState) {
         self.state.store(s.as_u8(), Ordering::Release);
+        if let Some(w) = self.state_watch.lock().as_ref() {
+            w.notify(s);
+        }
     }
 
     pub(crate) fn ord_outstanding(&self) -> u32 {

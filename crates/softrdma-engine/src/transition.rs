@@ -74,11 +74,12 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use softrdma_proto::mpa::{
-    ConfigError, Initiator, InitiatorEvent, MpaConfig, MpaNegotiationError, Negotiated, Responder,
-    ResponderEvent,
-};
+use softrdma_proto::mpa::{ConfigError, MpaConfig, MpaNegotiationError, Negotiated};
 
+use crate::handshake::{
+    Answer, Handshake, HandshakeError, Outcome, describe_negotiation, describe_reject,
+    drive_blocking,
+};
 use crate::qp::{EstablishError, LinkParams, ModifyError, PostRecvError, QueuePair};
 use crate::srq::SharedReceiveQueue;
 use crate::state::QpState;
@@ -210,7 +211,7 @@ pub enum TransitionError {
     #[error("an earlier streaming write was incomplete; the stream cannot be switched")]
     IncompleteWrite,
     /// The peer closed the connection.
-    #[error("peer closed the connection")]
+    #[error("the peer closed the connection")]
     PeerClosed,
     /// The switch did not complete in time.
     #[error("switch to RDMA mode timed out")]
@@ -219,10 +220,10 @@ pub enum TransitionError {
     #[error("MPA settings: {0}")]
     MpaConfig(#[from] ConfigError),
     /// The peer's MPA exchange is wrong (garbage, refusal of the terms).
-    #[error("MPA exchange at the switch: {0}")]
+    #[error("MPA exchange at the switch: {}", describe_negotiation(.0))]
     Mpa(#[from] MpaNegotiationError),
     /// The peer rejected the MPA Request.
-    #[error("peer rejected the switch ({} octets of private data)", private_data.len())]
+    #[error("the peer rejected the switch: {}", describe_reject(private_data))]
     Rejected {
         /// The peer's private data.
         private_data: Vec<u8>,
@@ -233,6 +234,19 @@ pub enum TransitionError {
     /// A socket error.
     #[error("socket: {0}")]
     Io(#[from] io::Error),
+}
+
+impl From<HandshakeError> for TransitionError {
+    fn from(e: HandshakeError) -> Self {
+        match e {
+            HandshakeError::Config(e) => TransitionError::MpaConfig(e),
+            HandshakeError::Negotiation(e) => TransitionError::Mpa(e),
+            HandshakeError::Rejected { private_data } => TransitionError::Rejected { private_data },
+            HandshakeError::TimedOut { .. } => TransitionError::TimedOut,
+            HandshakeError::PeerClosed { .. } => TransitionError::PeerClosed,
+            HandshakeError::Io(e) => io_error(e),
+        }
+    }
 }
 
 fn io_error(e: io::Error) -> TransitionError {
@@ -581,8 +595,9 @@ impl StreamConnection {
         Ok(())
     }
 
-    /// Runs the MPA exchange over the read-ahead buffer then the socket;
-    /// octets past the handshake stay in the read-ahead buffer.
+    /// Runs the MPA exchange (the shared handshake driver) over the
+    /// read-ahead buffer then the socket; octets past the handshake stay in
+    /// the read-ahead buffer.
     fn mpa(
         &mut self,
         stream: &mut TcpStream,
@@ -592,78 +607,40 @@ impl StreamConnection {
         deadline: Instant,
     ) -> Result<Negotiated, TransitionError> {
         stream.set_nodelay(true)?;
-        let (ird, ord) = (config.ird, config.ord);
-        let mut m = match role {
-            MpaRole::Initiator => Machine::I(Initiator::new(config, private_data)?),
-            MpaRole::Responder => Machine::R(Responder::new(config)?),
-        };
-        loop {
-            send(stream, &mut m, deadline)?;
-            match &mut m {
-                Machine::I(i) => match i.poll() {
-                    Some(InitiatorEvent::Established(n)) => {
-                        send(stream, &mut m, deadline)?;
-                        return Ok(n);
-                    }
-                    Some(InitiatorEvent::Rejected { private_data, .. }) => {
-                        return Err(TransitionError::Rejected { private_data });
-                    }
-                    _ => {}
-                },
-                Machine::R(r) => match r.poll() {
-                    Some(ResponderEvent::Request(_)) => {
-                        r.accept(private_data, ird, ord)?;
-                        continue;
-                    }
-                    Some(ResponderEvent::Established(n)) => {
-                        send(stream, &mut m, deadline)?;
-                        return Ok(n);
-                    }
-                    _ => {}
-                },
-            }
-            if m.want() == 0 {
-                return Err(MpaNegotiationError::Over.into());
-            }
-            if self.buffered() == 0 {
-                self.fill(stream, deadline)?;
-            }
-            let avail = self.rbuf.get(self.rpos..).unwrap_or_default();
-            match m.receive(avail) {
-                Ok(0) => return Err(MpaNegotiationError::Over.into()),
-                Ok(n) => self.rpos += n,
-                Err(e) => {
-                    if let Machine::R(r) = &mut m
-                        && r.request().is_some()
-                        && r.reject(&[]).is_ok()
-                    {
-                        // Best effort: the error is what the caller needs.
-                        let _ = send(stream, &mut m, deadline);
-                    }
-                    return Err(e.into());
-                }
-            }
+        let mut hs = self.handshake(role, config, private_data)?;
+        let r = drive_blocking(&mut hs, stream, remaining(deadline)?);
+        self.rbuf = hs.take_prefix_rest();
+        self.rpos = 0;
+        stream.set_nonblocking(false)?;
+        match r? {
+            Outcome::Established(n) => Ok(n),
+            _ => Err(MpaNegotiationError::Over.into()),
         }
     }
 
-    /// Reads more octets into the (empty) read-ahead buffer.
-    fn fill(&mut self, stream: &mut TcpStream, deadline: Instant) -> Result<(), TransitionError> {
-        self.rbuf.clear();
+    /// The handshake of the switch, fed first with the read-ahead octets.
+    fn handshake(
+        &mut self,
+        role: MpaRole,
+        config: MpaConfig,
+        private_data: &[u8],
+    ) -> Result<Handshake, TransitionError> {
+        let (ird, ord) = (config.ird, config.ord);
+        let hs = match role {
+            MpaRole::Initiator => Handshake::initiator(config, private_data)?,
+            MpaRole::Responder => Handshake::responder(
+                config,
+                Answer::Accept {
+                    private_data: private_data.to_vec(),
+                    ird,
+                    ord,
+                },
+            )?,
+        };
+        let prefix = self.rbuf.get(self.rpos..).unwrap_or_default().to_vec();
+        self.rbuf = Vec::new();
         self.rpos = 0;
-        let mut chunk = [0u8; READ_AHEAD];
-        loop {
-            stream.set_read_timeout(Some(remaining(deadline)?))?;
-            match stream.read(&mut chunk) {
-                Ok(0) => return Err(TransitionError::PeerClosed),
-                Ok(n) => {
-                    self.rbuf
-                        .extend_from_slice(chunk.get(..n).unwrap_or_default());
-                    return Ok(());
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(io_error(e)),
-            }
-        }
+        Ok(hs.with_prefix(prefix))
     }
 }
 
@@ -673,54 +650,5 @@ fn remaining(deadline: Instant) -> Result<Duration, TransitionError> {
         Err(TransitionError::TimedOut)
     } else {
         Ok(left)
-    }
-}
-
-enum Machine {
-    I(Initiator),
-    R(Responder),
-}
-
-impl Machine {
-    fn transmit(&self) -> &[u8] {
-        match self {
-            Machine::I(m) => m.transmit(),
-            Machine::R(m) => m.transmit(),
-        }
-    }
-    fn consumed(&mut self, n: usize) {
-        match self {
-            Machine::I(m) => m.consumed(n),
-            Machine::R(m) => m.consumed(n),
-        }
-    }
-    fn want(&self) -> usize {
-        match self {
-            Machine::I(m) => m.want(),
-            Machine::R(m) => m.want(),
-        }
-    }
-    fn receive(&mut self, bytes: &[u8]) -> Result<usize, MpaNegotiationError> {
-        match self {
-            Machine::I(m) => m.receive(bytes),
-            Machine::R(m) => m.receive(bytes),
-        }
-    }
-}
-
-/// Writes what the machine has to send.
-fn send(stream: &mut TcpStream, m: &mut Machine, deadline: Instant) -> Result<(), TransitionError> {
-    loop {
-        let out = m.transmit();
-        if out.is_empty() {
-            return Ok(());
-        }
-        stream.set_write_timeout(Some(remaining(deadline)?))?;
-        match stream.write(out) {
-            Ok(0) => return Err(TransitionError::PeerClosed),
-            Ok(n) => m.consumed(n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_error(e)),
-        }
     }
 }

@@ -8,3 +8,4 @@ pub(crate) mod fd;
 pub(crate) mod io;
 pub(crate) mod mem;
 pub(crate) mod poll;
+pub(crate) mod wait;
