@@ -85,7 +85,7 @@ fn listener_dos_half_open_flood_serves_real_client_without_threads() {
     let bytes = request.transmit().to_vec();
     request.consumed(bytes.len());
     let mut flood = Vec::new();
-    for i in 0..200 {
+    for i in 0..200u32 {
         let mut s = TcpStream::connect(l.local_addr()).unwrap();
         if i.is_multiple_of(10) {
             s.write_all(&bytes[..10]).unwrap();
