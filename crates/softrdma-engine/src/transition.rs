@@ -31,6 +31,12 @@
 //!    streaming writes are blocking and complete (the octets are in the
 //!    socket, in order) before the switch starts, so no RDMA frame can
 //!    overtake or interleave with streaming octets.
+//! 4. Or, from an event loop: [`StreamConnection::post_recv_and_begin_switch`]
+//!    starts the same switch without blocking, and
+//!    [`StreamConnection::poll_switch`] advances it whenever
+//!    [`StreamConnection::switch_fd`] is ready (and at the switch timeout).
+//!    Both forms run the one handshake driver of [`crate::handshake`] that
+//!    the connection manager uses.
 //!
 //! ## Protocol at the switch
 //!
@@ -72,17 +78,18 @@
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use softrdma_proto::mpa::{ConfigError, MpaConfig, MpaNegotiationError, Negotiated};
 
 use crate::handshake::{
-    Answer, Handshake, HandshakeError, Outcome, describe_negotiation, describe_reject,
-    drive_blocking,
+    Answer, Handshake, HandshakeError, Outcome, Step, describe_negotiation, describe_reject,
 };
 use crate::qp::{EstablishError, LinkParams, ModifyError, PostRecvError, QueuePair};
 use crate::srq::SharedReceiveQueue;
 use crate::state::QpState;
+use crate::sys::wait::{Readiness, wait_ready};
 use crate::wr::RecvWr;
 
 /// Octets read from the socket at a time in streaming mode; also the most
@@ -274,6 +281,19 @@ pub struct StreamConnection {
     timeout: Duration,
     write_broken: bool,
     negotiated: Option<Negotiated>,
+    /// The switch in progress.
+    pending: Option<PendingSwitch>,
+}
+
+/// A switch in progress: the stream (non-blocking), the handshake (MPA
+/// mode) or the parameters (direct mode, or once negotiated).
+#[derive(Debug)]
+struct PendingSwitch {
+    stream: TcpStream,
+    hs: Option<Handshake>,
+    params: Option<LinkParams>,
+    deadline: Instant,
+    wait: Readiness,
 }
 
 impl StreamConnection {
@@ -290,6 +310,7 @@ impl StreamConnection {
             timeout: DEFAULT_SWITCH_TIMEOUT,
             write_broken: false,
             negotiated: None,
+            pending: None,
         }
     }
 
@@ -504,7 +525,8 @@ impl StreamConnection {
     /// connection down ([`ConnState::Failed`]). On success the QP is in RTS
     /// and the connection is in [`ConnState::Rdma`].
     pub fn post_recv_and_switch(&mut self, wr: &RecvWr<'_>) -> Result<(), TransitionError> {
-        self.start_switch("post_recv_and_switch", |qp| Ok(qp.post_recv(wr)?))
+        self.start_switch("post_recv_and_switch", true, |qp| Ok(qp.post_recv(wr)?))
+            .map(|_| ())
     }
 
     /// As [`post_recv_and_switch`](Self::post_recv_and_switch), for a QP
@@ -515,14 +537,71 @@ impl StreamConnection {
         srq: &SharedReceiveQueue,
         wr: &RecvWr<'_>,
     ) -> Result<(), TransitionError> {
-        self.start_switch("post_srq_recv_and_switch", |_| Ok(srq.post_recv(wr)?))
+        self.start_switch("post_srq_recv_and_switch", true, |_| Ok(srq.post_recv(wr)?))
+            .map(|_| ())
+    }
+
+    /// Posts the first receive on the reserved QP and starts the switch
+    /// without blocking (for event loops; the sockets-direct library uses
+    /// it). Returns `true` if the connection is already in RDMA mode (a
+    /// [`SwitchMode::Direct`] switch, or an MPA exchange whose peer was
+    /// quick); otherwise call [`poll_switch`](Self::poll_switch) whenever
+    /// [`switch_fd`](Self::switch_fd) is readable (or writable, if
+    /// [`switch_wants_write`](Self::switch_wants_write)) and at the switch
+    /// timeout. Failures tear the connection down as with
+    /// [`post_recv_and_switch`](Self::post_recv_and_switch).
+    pub fn post_recv_and_begin_switch(&mut self, wr: &RecvWr<'_>) -> Result<bool, TransitionError> {
+        self.start_switch("post_recv_and_begin_switch", false, |qp| {
+            Ok(qp.post_recv(wr)?)
+        })
+    }
+
+    /// As [`post_recv_and_begin_switch`](Self::post_recv_and_begin_switch),
+    /// posting the first receive to `srq`.
+    pub fn post_srq_recv_and_begin_switch(
+        &mut self,
+        srq: &SharedReceiveQueue,
+        wr: &RecvWr<'_>,
+    ) -> Result<bool, TransitionError> {
+        self.start_switch("post_srq_recv_and_begin_switch", false, |_| {
+            Ok(srq.post_recv(wr)?)
+        })
+    }
+
+    /// Advances a switch started with
+    /// [`post_recv_and_begin_switch`](Self::post_recv_and_begin_switch)
+    /// without blocking: `true` once in RDMA mode, `false` while it waits
+    /// for the socket. After the switch timeout it fails with
+    /// [`TransitionError::TimedOut`] (and the connection is torn down).
+    pub fn poll_switch(&mut self) -> Result<bool, TransitionError> {
+        if self.state == ConnState::Rdma {
+            return Ok(true);
+        }
+        if self.state != ConnState::Transitioning || self.pending.is_none() {
+            return Err(self.not_allowed("poll_switch"));
+        }
+        self.drive_switch(false)
+    }
+
+    /// The socket of a switch in progress, for `poll(2)`/`epoll(7)`.
+    pub fn switch_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.pending.as_ref().map(|p| p.stream.as_fd())
+    }
+
+    /// Whether the switch in progress waits for room to write (else for
+    /// octets to read).
+    pub fn switch_wants_write(&self) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|p| p.wait == Readiness::Write)
     }
 
     fn start_switch(
         &mut self,
         op: &'static str,
+        blocking: bool,
         post: impl FnOnce(&QueuePair) -> Result<(), TransitionError>,
-    ) -> Result<(), TransitionError> {
+    ) -> Result<bool, TransitionError> {
         if self.state != ConnState::SwitchRequested {
             return Err(self.not_allowed(op));
         }
@@ -536,12 +615,26 @@ impl StreamConnection {
         }
         post(&qp)?;
         self.state = ConnState::Transitioning;
-        match self.switch(&qp) {
-            Ok(()) => {
+        if let Err(e) = self.begin(&qp) {
+            self.tear_down(&qp);
+            return Err(e);
+        }
+        self.drive_switch(blocking)
+    }
+
+    /// Runs the switch as far as it goes (to the end if `blocking`).
+    fn drive_switch(&mut self, blocking: bool) -> Result<bool, TransitionError> {
+        let Some(qp) = self.qp.clone() else {
+            return Err(TransitionError::NoQpReserved);
+        };
+        match self.step(&qp, blocking) {
+            Ok(true) => {
                 self.state = ConnState::Rdma;
-                Ok(())
+                Ok(true)
             }
+            Ok(false) => Ok(false),
             Err(e) => {
+                self.pending = None;
                 self.tear_down(&qp);
                 Err(e)
             }
@@ -560,7 +653,9 @@ impl StreamConnection {
         self.state = ConnState::Failed;
     }
 
-    fn switch(&mut self, qp: &QueuePair) -> Result<(), TransitionError> {
+    /// Prepares the switch: the stream goes non-blocking into `pending`,
+    /// with the handshake (fed first with the read-ahead) in MPA mode.
+    fn begin(&mut self, qp: &QueuePair) -> Result<(), TransitionError> {
         if self.write_broken {
             return Err(TransitionError::IncompleteWrite);
         }
@@ -569,9 +664,12 @@ impl StreamConnection {
         // Streaming writes were blocking: every streaming octet is in the
         // socket before anything of RDMA mode.
         stream.flush()?;
-        stream.set_nonblocking(false)?;
-        let params = match self.mode.clone() {
-            SwitchMode::Direct(params) => params,
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        stream.set_nodelay(true)?;
+        stream.set_nonblocking(true)?;
+        let (hs, params) = match self.mode.clone() {
+            SwitchMode::Direct(params) => (None, Some(params)),
             SwitchMode::Mpa {
                 role,
                 mut config,
@@ -580,42 +678,54 @@ impl StreamConnection {
                 let a = qp.query();
                 config.ird = a.ird;
                 config.ord = a.ord;
-                let n = self.mpa(&mut stream, role, config, &private_data, deadline)?;
-                let params = LinkParams::from(&n);
-                self.negotiated = Some(n);
-                params
+                (Some(self.handshake(role, config, &private_data)?), None)
             }
         };
-        stream.set_read_timeout(None)?;
-        stream.set_write_timeout(None)?;
-        let prefix = self.rbuf.get(self.rpos..).unwrap_or_default();
-        qp.establish_with_prefix(stream, &params, prefix)?;
-        self.rbuf = Vec::new();
-        self.rpos = 0;
+        self.pending = Some(PendingSwitch {
+            stream,
+            hs,
+            params,
+            deadline,
+            wait: Readiness::Read,
+        });
         Ok(())
     }
 
-    /// Runs the MPA exchange (the shared handshake driver) over the
-    /// read-ahead buffer then the socket; octets past the handshake stay in
-    /// the read-ahead buffer.
-    fn mpa(
-        &mut self,
-        stream: &mut TcpStream,
-        role: MpaRole,
-        config: MpaConfig,
-        private_data: &[u8],
-        deadline: Instant,
-    ) -> Result<Negotiated, TransitionError> {
-        stream.set_nodelay(true)?;
-        let mut hs = self.handshake(role, config, private_data)?;
-        let r = drive_blocking(&mut hs, stream, remaining(deadline)?);
-        self.rbuf = hs.take_prefix_rest();
-        self.rpos = 0;
-        stream.set_nonblocking(false)?;
-        match r? {
-            Outcome::Established(n) => Ok(n),
-            _ => Err(MpaNegotiationError::Over.into()),
+    /// Advances the pending switch; `true` once the QP is in RTS.
+    fn step(&mut self, qp: &QueuePair, blocking: bool) -> Result<bool, TransitionError> {
+        let Some(p) = self.pending.as_mut() else {
+            return Err(TransitionError::PeerClosed);
+        };
+        while let Some(hs) = p.hs.as_mut() {
+            match hs.advance(&mut p.stream) {
+                Ok(Step::Wait(r)) => {
+                    p.wait = r;
+                    let left = remaining(p.deadline)?;
+                    if !blocking {
+                        return Ok(false);
+                    }
+                    wait_ready(p.stream.as_fd(), r, left)?;
+                }
+                Ok(Step::Done(Outcome::Established(n))) => {
+                    p.params = Some(LinkParams::from(&n));
+                    self.negotiated = Some(n);
+                    self.rbuf = hs.take_prefix_rest();
+                    self.rpos = 0;
+                    p.hs = None;
+                }
+                Ok(Step::Done(_)) => return Err(MpaNegotiationError::Over.into()),
+                Err(e) => return Err(e.into()),
+            }
         }
+        let Some(p) = self.pending.take() else {
+            return Err(TransitionError::PeerClosed);
+        };
+        let params = p.params.ok_or(TransitionError::PeerClosed)?;
+        let prefix = self.rbuf.get(self.rpos..).unwrap_or_default();
+        qp.establish_with_prefix(p.stream, &params, prefix)?;
+        self.rbuf = Vec::new();
+        self.rpos = 0;
+        Ok(true)
     }
 
     /// The handshake of the switch, fed first with the read-ahead octets.
