@@ -42,7 +42,12 @@
 //! tells the connection manager of its state changes as they happen (no
 //! polling thread).
 
+#[cfg(feature = "tokio")]
+mod async_cm;
 mod reactor;
+
+#[cfg(feature = "tokio")]
+pub use async_cm::connect_async;
 
 use std::collections::VecDeque;
 use std::io;
@@ -694,18 +699,6 @@ fn failure_event(e: &CmError, peer: Option<SocketAddr>) -> CmEvent {
     }
 }
 
-/// The event a failed handshake reports (with the driver's exact text).
-fn handshake_failure_event(e: HandshakeError, peer: Option<SocketAddr>) -> CmEvent {
-    match e {
-        HandshakeError::Rejected { private_data } => CmEvent::Rejected { private_data },
-        HandshakeError::TimedOut { .. } => CmEvent::TimedOut,
-        other => CmEvent::Error {
-            peer,
-            reason: other.to_string(),
-        },
-    }
-}
-
 #[derive(Debug)]
 struct ConnShared {
     qp: QueuePair,
@@ -714,6 +707,8 @@ struct ConnShared {
     peer: Mutex<Option<SocketAddr>>,
     /// Why the last connect/accept failed, in the driver's words.
     failure: Mutex<Option<String>>,
+    /// The same failure, typed (taken by the async calls).
+    failure_err: Mutex<Option<CmError>>,
 }
 
 /// The connection manager's watch on a connected QP: told of each state
@@ -760,6 +755,7 @@ impl Connection {
                 negotiated: Mutex::new(None),
                 peer: Mutex::new(None),
                 failure: Mutex::new(None),
+                failure_err: Mutex::new(None),
             }),
         })
     }
@@ -801,14 +797,35 @@ impl Connection {
     }
 
     /// Records a failed setup and reports it as the connection's event.
-    fn on_failure(&self, e: HandshakeError, peer: Option<SocketAddr>) {
-        *self.shared.failure.lock() = Some(e.to_string());
-        self.shared.events.push(handshake_failure_event(e, peer));
+    fn fail(&self, event: CmEvent, text: String, err: CmError) {
+        *self.shared.failure.lock() = Some(text);
+        *self.shared.failure_err.lock() = Some(err);
+        self.shared.events.push(event);
     }
 
-    fn on_setup_error(&self, e: &CmError, peer: Option<SocketAddr>) {
-        *self.shared.failure.lock() = Some(e.to_string());
-        self.shared.events.push(failure_event(e, peer));
+    fn on_failure(&self, e: HandshakeError, peer: Option<SocketAddr>) {
+        let text = e.to_string();
+        let event = match &e {
+            HandshakeError::Rejected { private_data } => CmEvent::Rejected {
+                private_data: private_data.clone(),
+            },
+            HandshakeError::TimedOut { .. } => CmEvent::TimedOut,
+            _ => CmEvent::Error {
+                peer,
+                reason: text.clone(),
+            },
+        };
+        self.fail(event, text, e.into());
+    }
+
+    fn on_setup_error(&self, e: CmError, peer: Option<SocketAddr>) {
+        self.fail(failure_event(&e, peer), e.to_string(), e);
+    }
+
+    /// The typed error of a failed setup (once).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    fn take_failure(&self) -> Option<CmError> {
+        self.shared.failure_err.lock().take()
     }
 
     /// Starts connecting `qp` to `addr` and returns at once (after name
@@ -845,7 +862,7 @@ impl Connection {
                 conn: c.clone(),
                 timeout: config.timeout,
             })?,
-            Err(e) => c.on_setup_error(&e, None),
+            Err(e) => c.on_setup_error(e, None),
         }
         Ok(c)
     }

@@ -5,17 +5,17 @@
 //! connection manager's connects and accepts ([`crate::cm`], driven by its
 //! reactor thread or, for the blocking calls, by the caller's thread), the
 //! stream helpers of [`crate::connect`], and the stream-to-RDMA switch of
-//! [`crate::transition`]. The driver never blocks: [`Handshake::advance`]
+//! [`crate::transition`]. The driver never blocks: `Handshake::advance`
 //! does all it can with what the socket has and says which readiness it
-//! waits for; [`drive_blocking`] loops over it with `poll(2)` and a
+//! waits for; `drive_blocking` loops over it with `poll(2)` and a
 //! deadline for the blocking calls.
 //!
 //! It reads exactly the octets of the handshake (the machines say how many
 //! they want), so when it finishes the next octet read from the socket is
 //! the first octet of full operation. Octets already read from the socket
 //! by the caller (a read-ahead buffer) are given with
-//! [`Handshake::with_prefix`] and consumed first; what the handshake does
-//! not use is handed back by [`Handshake::take_prefix_rest`].
+//! `Handshake::with_prefix` and consumed first; what the handshake does
+//! not use is handed back by `Handshake::take_prefix_rest`.
 
 use std::fmt;
 use std::io::{self, Read, Write};
@@ -217,7 +217,7 @@ pub(crate) enum Outcome {
     RejectSent(Option<Request>),
 }
 
-/// What [`Handshake::advance`] says.
+/// What `Handshake::advance` says.
 #[derive(Debug)]
 pub(crate) enum Step {
     /// Call again once the socket has this readiness.

@@ -345,7 +345,7 @@ impl State {
     ) {
         let Some(addr) = rest.pop() else {
             let e = connect_error(last.unwrap_or_else(|| io::Error::other("no address")));
-            conn.on_setup_error(&e, None);
+            conn.on_setup_error(e, None);
             return;
         };
         match start_tcp(addr) {
@@ -629,7 +629,7 @@ impl State {
                 match (conn, peer) {
                     (Some(conn), Some(peer)) => {
                         if let Err(e) = conn.on_established(stream, n, peer) {
-                            conn.on_setup_error(&e, Some(peer));
+                            conn.on_setup_error(e, Some(peer));
                         }
                     }
                     _ => {
@@ -699,8 +699,7 @@ impl State {
                     }) = self.take(key)
                     {
                         drop(stream);
-                        *conn.shared.failure.lock() = Some(text);
-                        conn.shared.events.push(CmEvent::TimedOut);
+                        conn.fail(CmEvent::TimedOut, text, CmError::TimedOut);
                     }
                 } else {
                     let e = hs.timed_out(*timeout);

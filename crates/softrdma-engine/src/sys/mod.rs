@@ -4,6 +4,8 @@
 
 #[cfg(feature = "tokio")]
 pub(crate) mod async_fd;
+#[cfg(feature = "tokio")]
+pub(crate) mod async_wait;
 pub(crate) mod fd;
 pub(crate) mod io;
 pub(crate) mod mem;
