@@ -158,7 +158,7 @@ pub(crate) fn describe_negotiation(e: &MpaNegotiationError) -> String {
                 describe_not_mpa(key.get(..n).unwrap_or_default())
             )
         }
-        other => format!("MPA negotiation failed: {other}"),
+        other => other.to_string(),
     }
 }
 
