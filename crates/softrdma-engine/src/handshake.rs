@@ -521,3 +521,101 @@ pub(crate) fn drive_blocking(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, TcpListener};
+
+    use super::*;
+
+    fn tcp_pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        a.set_nonblocking(true).unwrap();
+        b.set_nonblocking(true).unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn texts_name_the_cause() {
+        assert_eq!(Secs(Duration::from_secs(30)).to_string(), "30 s");
+        assert_eq!(Secs(Duration::from_millis(200)).to_string(), "0.2 s");
+        assert_eq!(describe_reject(b"server full"), "\"server full\"");
+        assert_eq!(describe_reject(&[0xff, 0, 1]), "3 octets of private data");
+        assert!(describe_reject(b"").contains("no reason"));
+        let mut key = [0u8; 16];
+        key.copy_from_slice(b"HTTP/1.0 200 OK\r");
+        let e = MpaNegotiationError::Frame(MpaError::BadKey { key });
+        assert_eq!(
+            describe_negotiation(&e),
+            "the peer is not an iWARP/MPA endpoint: it answered with text starting `HTTP/1.0 200 OK`"
+        );
+        let e = HandshakeError::Negotiation(MpaNegotiationError::Frame(MpaError::BadKey {
+            key: [0xa5; 16],
+        }));
+        assert!(e.is_not_mpa());
+        assert!(e.to_string().contains("binary octets a5 a5"), "{e}");
+        let e = HandshakeError::TimedOut {
+            stage: Stage::Reply,
+            after: Duration::from_secs(30),
+        };
+        assert_eq!(e.to_string(), "TCP connected but no MPA reply within 30 s");
+    }
+
+    #[test]
+    fn prefix_is_consumed_first_and_the_rest_handed_back() {
+        let (mut a, mut b) = tcp_pair();
+        let mut init = Initiator::new(MpaConfig::default(), b"hi").unwrap();
+        let mut prefix = init.transmit().to_vec();
+        init.consumed(prefix.len());
+        prefix.extend_from_slice(b"FPDU");
+        let mut hs = Handshake::responder(MpaConfig::default(), Answer::Hold)
+            .unwrap()
+            .with_prefix(prefix);
+        // The whole Request is in the prefix: no socket read needed.
+        let Ok(Step::Done(Outcome::Request(r))) = hs.advance(&mut b) else {
+            panic!("no request");
+        };
+        assert_eq!(r.private_data, b"hi");
+        assert_eq!(hs.stage(), Stage::Answer);
+        hs.answer(Answer::Accept {
+            private_data: b"ok".to_vec(),
+            ird: 4,
+            ord: 4,
+        })
+        .unwrap();
+        let Ok(Step::Done(Outcome::Established(n))) = hs.advance(&mut b) else {
+            panic!("not established");
+        };
+        assert_eq!(n.peer_private_data, b"hi");
+        assert_eq!(hs.take_prefix_rest(), b"FPDU");
+        // The Reply went out on the socket.
+        let mut reply = [0u8; 64];
+        let got = drive_read(&mut a, &mut reply);
+        assert!(got >= 20);
+        assert_eq!(&reply[..16], b"MPA ID Rep Frame");
+    }
+
+    #[test]
+    fn a_silent_peer_leaves_the_driver_waiting_to_read() {
+        let (mut a, _b) = tcp_pair();
+        let mut hs = Handshake::initiator(MpaConfig::default(), b"").unwrap();
+        assert!(matches!(
+            hs.advance(&mut a),
+            Ok(Step::Wait(Readiness::Read))
+        ));
+        assert_eq!(hs.received(), 0);
+        let e = drive_blocking(&mut hs, &mut a, Duration::from_millis(50)).unwrap_err();
+        assert!(e.is_timeout(), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "TCP connected but no MPA reply within 0.05 s"
+        );
+    }
+
+    fn drive_read(s: &mut TcpStream, buf: &mut [u8]) -> usize {
+        wait_ready(s.as_fd(), Readiness::Read, Duration::from_secs(5)).unwrap();
+        s.read(buf).unwrap()
+    }
+}
