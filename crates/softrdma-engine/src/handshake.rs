@@ -66,7 +66,7 @@ impl fmt::Display for Stage {
 }
 
 /// Seconds for error texts: "30 s", "0.2 s".
-struct Secs(Duration);
+pub(crate) struct Secs(pub(crate) Duration);
 
 impl fmt::Display for Secs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use polling::Events;
 
 use super::{CmError, CmEvent, ConnRequest, Connection, ListenerShared, connect_error};
-use crate::handshake::{Answer, Handshake, HandshakeError, Outcome, Step};
+use crate::handshake::{Answer, Handshake, HandshakeError, Outcome, Secs, Step};
 use crate::sys::poll::{Interest, Reactor};
 use crate::sys::wait::Readiness;
 
