@@ -688,9 +688,12 @@ impl State {
                 if connecting.is_some() {
                     let text = match peer {
                         Some(p) => {
-                            format!("timed out: no TCP connection to {p} within {timeout:?}")
+                            format!(
+                                "timed out: no TCP connection to {p} within {}",
+                                Secs(*timeout)
+                            )
                         }
-                        None => format!("timed out: no TCP connection within {timeout:?}"),
+                        None => format!("timed out: no TCP connection within {}", Secs(*timeout)),
                     };
                     if let Some(Entry::Setup {
                         stream,
