@@ -351,3 +351,77 @@ fn error_text_names_a_silent_peer_and_a_closing_peer() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn nonblocking_peer_to_peer_with_read_rtr_on_the_reactor() {
+    use softrdma_engine::proto::mpa::RtrOffer;
+    let dev = device(false);
+    let a = side(&dev, |_| {});
+    let b = side(&dev, |_| {});
+    let mut lc = ListenConfig::default();
+    lc.mpa.peer_to_peer = Some(RtrOffer::only(softrdma_engine::proto::rtr::RtrKind::Read));
+    let l = Listener::bind("127.0.0.1:0", 4, lc).unwrap();
+    let mut c = cfg(b"p2p");
+    c.mpa.peer_to_peer = Some(RtrOffer::only(softrdma_engine::proto::rtr::RtrKind::Read));
+    // Both sides on the reactor: the client's RTR Read and the server's
+    // zero-length Read Response.
+    let client = Connection::start(&a.qp, l.local_addr(), c).unwrap();
+    let req = l.get_request(Some(T)).unwrap();
+    assert_eq!(
+        req.rtr_offer(),
+        Some(RtrOffer::only(softrdma_engine::proto::rtr::RtrKind::Read))
+    );
+    let server = req.accept_nonblocking(&b.qp, b"", 4, 4).unwrap();
+    assert!(matches!(
+        server.wait_event(Some(T)),
+        Some(CmEvent::Established { .. })
+    ));
+    assert!(matches!(
+        client.wait_event(Some(T)),
+        Some(CmEvent::Established { .. })
+    ));
+    assert_eq!(
+        client.negotiated().unwrap().rtr,
+        Some(softrdma_engine::proto::rtr::RtrKind::Read)
+    );
+    send_recv(&a, &b, b"after a Read RTR");
+    send_recv(&b, &a, b"and back");
+}
+
+#[test]
+fn nonblocking_accept_times_out_waiting_for_the_rtr() {
+    use softrdma_engine::proto::mpa::RtrOffer;
+    let dev = device(false);
+    let b = side(&dev, |_| {});
+    let mut lc = ListenConfig::default();
+    lc.handshake_timeout = Duration::from_millis(200);
+    let l = Listener::bind("127.0.0.1:0", 4, lc).unwrap();
+    // A client that asks for peer-to-peer mode and never sends its RTR.
+    let request = Initiator::new(
+        MpaConfig {
+            peer_to_peer: Some(RtrOffer::only(softrdma_engine::proto::rtr::RtrKind::Write)),
+            ..MpaConfig::default()
+        },
+        b"",
+    )
+    .unwrap();
+    let mut s = TcpStream::connect(l.local_addr()).unwrap();
+    s.write_all(request.transmit()).unwrap();
+    let req = l.get_request(Some(T)).unwrap();
+    let server = req.accept_nonblocking(&b.qp, b"", 4, 4).unwrap();
+    assert_eq!(server.wait_event(Some(T)), Some(CmEvent::TimedOut));
+    assert_eq!(
+        server.failure().as_deref(),
+        Some("TCP connected but no RTR (ready-to-receive) message within 0.2 s")
+    );
+    assert_eq!(b.qp.state(), QpState::Idle);
+    assert!(
+        closed_within(&mut s, T) || {
+            // The Reply may still be unread in front of the close.
+            let mut rest = Vec::new();
+            s.set_read_timeout(Some(T)).unwrap();
+            let _ = s.read_to_end(&mut rest);
+            true
+        }
+    );
+}
