@@ -63,7 +63,7 @@ use softrdma_proto::mpa::{
 };
 
 use crate::handshake::{
-    Answer, Handshake, HandshakeError, Outcome, describe_negotiation, describe_reject,
+    Answer, Handshake, HandshakeError, Outcome, Secs, describe_negotiation, describe_reject,
     drive_blocking,
 };
 use crate::qp::LinkParams;
@@ -92,11 +92,16 @@ pub enum CmError {
     #[error("cannot resolve address: {0}")]
     Resolve(io::Error),
     /// Nobody listens there, or no route (connection refused, host or
-    /// network unreachable).
+    /// network unreachable, or no TCP connection within the timeout: the
+    /// error's kind is then `TimedOut` and its text names the address and
+    /// the time).
     #[error("peer unreachable: {0}")]
     Unreachable(io::Error),
-    /// The TCP connection or the MPA handshake did not complete in time.
-    #[error("timed out: no TCP connection, or TCP connected but no MPA reply, within the timeout")]
+    /// TCP connected but the MPA handshake did not complete in time (no
+    /// Reply, or no RTR). [`Connection::failure`] and the CM events name
+    /// the stage and the time ("TCP connected but no MPA reply within
+    /// 30 s").
+    #[error("timed out: TCP connected but no MPA reply (or RTR) within the timeout")]
     TimedOut,
     /// The peer rejected the connection.
     #[error("rejected: {}", describe_reject(private_data))]
@@ -154,7 +159,8 @@ pub enum CmEvent {
     },
     /// Nobody listens at the address, or it cannot be reached.
     Unreachable,
-    /// The connection or its handshake did not complete in time.
+    /// TCP connected but the handshake did not complete in time
+    /// ([`Connection::failure`] names the stage and the time).
     TimedOut,
     /// The connection ended: its QP left RTS for IDLE (graceful close,
     /// `graceful` set) or ERROR (reset, lost connection, error).
@@ -626,21 +632,42 @@ fn connect_error(e: io::Error) -> CmError {
         io::ErrorKind::ConnectionRefused
         | io::ErrorKind::HostUnreachable
         | io::ErrorKind::NetworkUnreachable
-        | io::ErrorKind::AddrNotAvailable => CmError::Unreachable(e),
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => CmError::TimedOut,
+        | io::ErrorKind::AddrNotAvailable
+        | io::ErrorKind::TimedOut => CmError::Unreachable(e),
         _ => CmError::Io(e),
     }
 }
 
-fn tcp_connect(addrs: &[SocketAddr], deadline: Instant) -> Result<TcpStream, CmError> {
+/// No TCP connection to `addr` within `timeout`.
+fn tcp_timeout(addr: Option<SocketAddr>, timeout: Duration) -> io::Error {
+    let text = match addr {
+        Some(a) => format!("no TCP connection to {a} within {}", Secs(timeout)),
+        None => format!("no TCP connection within {}", Secs(timeout)),
+    };
+    io::Error::new(io::ErrorKind::TimedOut, text)
+}
+
+fn tcp_connect(
+    addrs: &[SocketAddr],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<TcpStream, CmError> {
     let mut last = None;
     for a in addrs {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(CmError::TimedOut);
+            return Err(CmError::Unreachable(tcp_timeout(Some(*a), timeout)));
         }
         match TcpStream::connect_timeout(a, left) {
             Ok(s) => return Ok(s),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                last = Some(tcp_timeout(Some(*a), timeout));
+            }
             Err(e) => last = Some(e),
         }
     }
@@ -673,7 +700,7 @@ pub fn connect(
         .checked_add(config.timeout)
         .unwrap_or(start + Duration::from_secs(86_400 * 365));
     let addrs = resolve(addr)?;
-    let mut stream = tcp_connect(&addrs, deadline)?;
+    let mut stream = tcp_connect(&addrs, deadline, config.timeout)?;
     stream.set_nodelay(true)?;
     let peer = stream.peer_addr()?;
     let left = deadline.saturating_duration_since(Instant::now());

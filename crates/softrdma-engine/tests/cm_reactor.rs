@@ -430,3 +430,58 @@ fn nonblocking_accept_times_out_waiting_for_the_rtr() {
         );
     }
 }
+
+/// A listener whose accept queue is full: the kernel drops further SYNs,
+/// so a connect to it gets no TCP connection at all.
+fn full_listener() -> (socket2::Socket, Vec<TcpStream>) {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(
+        &"127.0.0.1:0"
+            .parse::<std::net::SocketAddr>()
+            .unwrap()
+            .into(),
+    )
+    .unwrap();
+    s.listen(0).unwrap();
+    let addr = s.local_addr().unwrap().as_socket().unwrap();
+    let mut fill = Vec::new();
+    for _ in 0..2 {
+        let c = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        c.set_nonblocking(true).unwrap();
+        let _ = c.connect(&addr.into());
+        fill.push(TcpStream::from(c));
+    }
+    thread::sleep(Duration::from_millis(50));
+    (s, fill)
+}
+
+#[test]
+fn tcp_connect_timeout_names_the_address_and_time() {
+    let dev = device(false);
+    let a = side(&dev, |_| {});
+    let (l, _fill) = full_listener();
+    let addr = l.local_addr().unwrap().as_socket().unwrap();
+    let mut c = cfg(b"");
+    c.timeout = Duration::from_millis(300);
+    let e = connect(&a.qp, addr, &c).unwrap_err();
+    let text = e.to_string();
+    if !matches!(e, CmError::Unreachable(_)) {
+        eprintln!("fallback: {text}");
+        // The kernel accepted the SYN after all (backlog handling varies):
+        // then it is the MPA timeout.
+        assert!(matches!(e, CmError::TimedOut), "{e:?}");
+        return;
+    }
+    assert_eq!(
+        text,
+        format!("peer unreachable: no TCP connection to {addr} within 0.3 s")
+    );
+    let conn = Connection::start(&a.qp, addr, c).unwrap();
+    assert_eq!(conn.wait_event(Some(T)), Some(CmEvent::Unreachable));
+    assert_eq!(
+        conn.failure(),
+        Some(format!(
+            "peer unreachable: no TCP connection to {addr} within 0.3 s"
+        ))
+    );
+}

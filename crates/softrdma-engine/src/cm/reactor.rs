@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use polling::Events;
 
 use super::{CmError, CmEvent, ConnRequest, Connection, ListenerShared, connect_error};
-use crate::handshake::{Answer, Handshake, HandshakeError, Outcome, Secs, Step};
+use crate::handshake::{Answer, Handshake, HandshakeError, Outcome, Step};
 use crate::sys::poll::{Interest, Reactor};
 use crate::sys::wait::Readiness;
 
@@ -686,15 +686,7 @@ impl State {
                 ..
             }) => {
                 if connecting.is_some() {
-                    let text = match peer {
-                        Some(p) => {
-                            format!(
-                                "timed out: no TCP connection to {p} within {}",
-                                Secs(*timeout)
-                            )
-                        }
-                        None => format!("timed out: no TCP connection within {}", Secs(*timeout)),
-                    };
+                    let e = CmError::Unreachable(super::tcp_timeout(*peer, *timeout));
                     if let Some(Entry::Setup {
                         stream,
                         conn: Some(conn),
@@ -702,7 +694,7 @@ impl State {
                     }) = self.take(key)
                     {
                         drop(stream);
-                        conn.fail(CmEvent::TimedOut, text, CmError::TimedOut);
+                        conn.on_setup_error(e, None);
                     }
                 } else {
                     let e = hs.timed_out(*timeout);
