@@ -117,10 +117,10 @@ pub enum CmError {
     #[error("the peer closed the connection")]
     PeerClosed,
     /// The QP cannot take the connection (not in IDLE or RTR).
-    #[error("QP: {0}")]
+    #[error("{0}")]
     Qp(#[from] ModifyError),
     /// The QP could not be moved to RTS over the connection.
-    #[error("establish: {0}")]
+    #[error("cannot move the QP to RTS: {0}")]
     Establish(#[from] EstablishError),
     /// The listener was dropped during the handshake.
     #[error("listener closed")]

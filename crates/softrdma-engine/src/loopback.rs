@@ -21,7 +21,7 @@ pub enum ConnectPairError {
     #[error("MPA exchange: {0}")]
     Mpa(#[from] ConnectError),
     /// A QP refused the connection.
-    #[error("QP: {0}")]
+    #[error("{0}")]
     Establish(#[from] EstablishError),
     /// The accepting thread panicked.
     #[error("the accepting side failed")]

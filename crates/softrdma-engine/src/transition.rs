@@ -198,7 +198,7 @@ pub enum TransitionError {
         state: QpState,
     },
     /// IRD/ORD could not be changed (fixed once the switch started).
-    #[error("IRD/ORD: {0}")]
+    #[error("{0}")]
     IrdOrd(#[from] ModifyError),
     /// The first receive could not be posted (the switch did not start).
     #[error("posting the first receive: {0}")]
@@ -236,7 +236,7 @@ pub enum TransitionError {
         private_data: Vec<u8>,
     },
     /// The QP refused the connection.
-    #[error("QP: {0}")]
+    #[error("{0}")]
     Establish(#[from] EstablishError),
     /// A socket error.
     #[error("socket: {0}")]
