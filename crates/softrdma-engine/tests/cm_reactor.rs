@@ -485,3 +485,60 @@ fn tcp_connect_timeout_names_the_address_and_time() {
         ))
     );
 }
+
+#[test]
+fn garbage_and_slow_drip_clients_in_numbers_leave_real_clients_served() {
+    let dev = device(false);
+    let l = Listener::bind("127.0.0.1:0", 8, ListenConfig::default()).unwrap();
+    let addr = l.local_addr();
+    let mut request = Initiator::new(MpaConfig::default(), b"drip").unwrap();
+    let bytes = request.transmit().to_vec();
+    request.consumed(bytes.len());
+    // 30 garbage senders, 30 text (HTTP) senders, 30 slow drippers.
+    let mut bad: Vec<TcpStream> = Vec::new();
+    for i in 0..60 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        if i < 30 {
+            s.write_all(&[0xA5; 64]).unwrap();
+        } else {
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        }
+        bad.push(s);
+    }
+    let mut drip: Vec<TcpStream> = (0..30)
+        .map(|_| {
+            let s = TcpStream::connect(addr).unwrap();
+            s.set_nodelay(true).unwrap();
+            s
+        })
+        .collect();
+    let a = side(&dev, |_| {});
+    let b = side(&dev, |_| {});
+    let qp = a.qp.clone();
+    let h = thread::spawn(move || connect(&qp, addr, &cfg(b"real")));
+    // The drippers send a few octets each while the real client connects.
+    for k in 0..5 {
+        for s in &mut drip {
+            s.write_all(&bytes[k..k + 1]).unwrap();
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    let req = l.get_request(Some(T)).expect("real client served");
+    assert_eq!(req.private_data(), b"real");
+    let _server = req.accept(&b.qp, b"", 4, 4).unwrap();
+    h.join().unwrap().expect("connect");
+    // Every garbage and text sender was refused with a reason naming it.
+    let mut not_mpa = 0;
+    while not_mpa < 60 {
+        let reason = listener_error(&l);
+        assert!(reason.contains("not an iWARP/MPA endpoint"), "{reason}");
+        not_mpa += 1;
+    }
+    for s in &mut bad {
+        assert!(closed_within(s, T));
+    }
+    // The drippers are still in their handshakes, and end when they close.
+    assert_eq!(l.handshakes_in_progress(), 30);
+    drop(drip);
+    wait_until("drippers gone", || l.handshakes_in_progress() == 0);
+}
