@@ -7,8 +7,10 @@
 //! ```
 //!
 //! Each side posts a ring of receives before it connects (a Send that finds
-//! no posted receive is fatal on iWARP), then negotiates MPA on a plain TCP
-//! connection and hands the socket to its QP. The server echoes each message
+//! no posted receive is fatal on iWARP), then connects through the
+//! connection manager's async calls (`connect_async`, `next_request`,
+//! `accept_async`): the CM reactor thread runs every handshake, no task
+//! blocks and no thread is started per connection. The server echoes each message
 //! straight from the buffer it was received into and re-posts that buffer;
 //! a zero-length message ends the session. Every operation is an `.await`
 //! on the async adapter; the buffers move into the operations and come back
@@ -16,15 +18,13 @@
 
 use std::collections::VecDeque;
 use std::error::Error;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use softrdma_engine::async_cq::{AsyncCq, AsyncQp, Op, OpError};
-use softrdma_engine::connect::{mpa_accept, mpa_connect};
+use softrdma_engine::cm::{ConnRequest, ConnectConfig, ListenConfig, Listener, connect_async};
 use softrdma_engine::proto::mpa::MpaConfig;
-use softrdma_engine::{
-    Access, Device, LinkParams, MemoryRegion, ProtectionDomain, QpInitAttr, WcStatus,
-};
+use softrdma_engine::{Access, Device, MemoryRegion, ProtectionDomain, QpInitAttr, WcStatus};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -98,18 +98,14 @@ impl Endpoint {
 }
 
 /// Serves one connection: echoes until the client's empty message.
-async fn serve(dev: Device, mut stream: TcpStream) -> Result<(usize, usize), BoxError> {
-    let peer = stream.peer_addr()?;
+async fn serve(dev: Device, request: ConnRequest) -> Result<(usize, usize), BoxError> {
+    let peer = request.peer_addr();
     let mut ep = Endpoint::new(&dev)?;
     let cfg = ep.mpa_config();
-    let (stream, negotiated) = tokio::task::spawn_blocking(move || {
-        let n = mpa_accept(&mut stream, &cfg, b"softrdma async echo", MPA_TIMEOUT);
-        n.map(|n| (stream, n))
-    })
-    .await??;
-    ep.qp
-        .qp()
-        .establish(stream, &LinkParams::from(&negotiated))?;
+    let conn = request
+        .accept_async(ep.qp.qp(), b"softrdma async echo", cfg.ird, cfg.ord)
+        .await?;
+    let negotiated = conn.negotiated().ok_or("no negotiation")?;
     println!(
         "server: {peer} connected (MPA rev {}, CRC {}), QP {}",
         negotiated.revision,
@@ -134,16 +130,13 @@ async fn serve(dev: Device, mut stream: TcpStream) -> Result<(usize, usize), Box
 /// Connects to `addr`, sends `count` messages and checks every echo.
 async fn client(dev: Device, addr: SocketAddr, id: usize, count: usize) -> Result<(), BoxError> {
     let mut ep = Endpoint::new(&dev)?;
-    let cfg = ep.mpa_config();
-    let (stream, negotiated) = tokio::task::spawn_blocking(move || {
-        let mut s = TcpStream::connect(addr)?;
-        let n = mpa_connect(&mut s, &cfg, b"", MPA_TIMEOUT)?;
-        Ok::<_, BoxError>((s, n))
-    })
-    .await??;
-    ep.qp
-        .qp()
-        .establish(stream, &LinkParams::from(&negotiated))?;
+    let config = ConnectConfig {
+        mpa: ep.mpa_config(),
+        private_data: Vec::new(),
+        timeout: MPA_TIMEOUT,
+    };
+    let conn = connect_async(ep.qp.qp(), addr, config).await?;
+    let negotiated = conn.negotiated().ok_or("no negotiation")?;
     let greeting = String::from_utf8_lossy(&negotiated.peer_private_data).into_owned();
     println!("client {id}: connected to {addr} (server says {greeting:?})");
 
@@ -182,20 +175,18 @@ async fn client(dev: Device, addr: SocketAddr, id: usize, count: usize) -> Resul
 /// Accepts connections and serves each in its own task; stops after
 /// `limit` connections if given. Finished tasks are reaped at every accept,
 /// so a long-running server keeps only its live connections.
-async fn server(dev: Device, listener: TcpListener, limit: Option<usize>) -> Result<(), BoxError> {
-    let listener = std::sync::Arc::new(listener);
+async fn server(dev: Device, listener: Listener, limit: Option<usize>) -> Result<(), BoxError> {
     let mut tasks = tokio::task::JoinSet::new();
     let mut accepted = 0;
     while limit.is_none_or(|l| accepted < l) {
-        let l = std::sync::Arc::clone(&listener);
-        let (stream, _) = tokio::task::spawn_blocking(move || l.accept()).await??;
+        let request = listener.next_request().await?;
         accepted += 1;
         while let Some(done) = tasks.try_join_next() {
             done?;
         }
         let dev = dev.clone();
         tasks.spawn(async move {
-            if let Err(e) = serve(dev, stream).await {
+            if let Err(e) = serve(dev, request).await {
                 eprintln!("server: connection failed: {e}");
             }
         });
@@ -213,8 +204,8 @@ async fn main() -> Result<(), BoxError> {
     match args.first().map(String::as_str) {
         Some("server") => {
             let addr = args.get(1).map_or("0.0.0.0:7471", String::as_str);
-            let listener = TcpListener::bind(addr)?;
-            println!("server: listening on {}", listener.local_addr()?);
+            let listener = Listener::bind(addr, 128, ListenConfig::default())?;
+            println!("server: listening on {}", listener.local_addr());
             server(dev, listener, None).await
         }
         Some("client") => {
@@ -223,8 +214,8 @@ async fn main() -> Result<(), BoxError> {
             client(dev, addr, 0, count).await
         }
         None => {
-            let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-            let addr = listener.local_addr()?;
+            let listener = Listener::bind((Ipv4Addr::LOCALHOST, 0), 128, ListenConfig::default())?;
+            let addr = listener.local_addr();
             println!(
                 "async echo on loopback: server on {addr}, {DEMO_CLIENTS} clients, {DEMO_MESSAGES} messages each"
             );

@@ -1,77 +1,85 @@
 //! Connection manager: listen, connect, accept and reject iWARP
 //! connections, with events.
 //!
-//! The MPA negotiation (RFC 5044 section 7.1, RFC 6581) is run by the
-//! sans-IO machines of [`softrdma_proto::mpa`]; this module does the
-//! sockets, the threads, the timeouts and the events:
+//! The MPA negotiation (RFC 5044 section 7.1, RFC 6581) is run by the one
+//! handshake driver of [`crate::handshake`] over the sans-IO machines of
+//! [`softrdma_proto::mpa`]. One engine thread, the CM reactor (`epoll`),
+//! drives every listening socket's accepts and every handshake in progress
+//! (incoming, outgoing, non-blocking accepts and rejects), each with its
+//! deadline in a timer set; no thread is started per connection:
 //!
 //! ```text
-//!  connect()                                  Listener (acceptor thread)
-//!  TCP connect ───────────────────────────────▶ accept, worker thread
-//!  ── MPA Request (private data, IRD/ORD) ────▶ ConnRequest (get_request)
-//!                                               accept(qp, pd, ird, ord)
-//!  ◀──────────────────────── MPA Reply / reject ┘ or reject(pd)
+//!  connect() / Connection::start()            Listener (CM reactor)
+//!  TCP connect ───────────────────────────────▶ accept (non-blocking)
+//!  ── MPA Request (private data, IRD/ORD) ────▶ handshake in progress
+//!                                               (bounded: max_handshakes)
+//!                                               ConnRequest queued (backlog)
+//!                                               get_request → accept / reject
+//!  ◀──────────────────────── MPA Reply / reject ┘
 //!  peer-to-peer: ── RTR ──▶ (◀── Read Response)
 //!  QP in RTS: Established                       QP in RTS: Established
 //! ```
 //!
-//! Each accepted TCP connection's Request is read on a worker thread within
-//! [`ListenConfig::handshake_timeout`] (for the whole Request, so
-//! slow-dripping bytes run out of time too); a connection that sends
-//! garbage, closes, is too slow or asks for terms this side refuses (too much
-//! private data, CRC when it is off, markers) is ended (refused Requests are
-//! answered with a reject) and reported as [`CmEvent::Error`] on the
-//! listener's event channel, while the listener keeps serving the others.
+//! Each accepted TCP connection must deliver its whole Request within
+//! [`ListenConfig::handshake_timeout`] (so slow-dripping bytes run out of
+//! time too); a connection that sends garbage, closes, is too slow or asks
+//! for terms this side refuses (too much private data, CRC when it is off,
+//! markers) is ended (refused Requests are answered with a reject) and
+//! reported as [`CmEvent::Error`] on the listener's event channel, while the
+//! listener keeps serving the others. At most
+//! [`ListenConfig::max_handshakes`] handshakes are in progress per listener:
+//! when a new connection arrives at the limit, the oldest one that has sent
+//! nothing (else the oldest) is dropped, so a flood of silent connections
+//! cannot keep real clients out. The backlog counts only connections whose
+//! Request arrived and waits for [`Listener::get_request`].
 //!
 //! Events ([`CmEvent`]) are queued per listener and per connection, and can
 //! be taken blocking ([`Connection::wait_event`]), by polling
 //! ([`Connection::try_event`]) or from an event loop: the descriptor of
 //! [`Connection::fd`] (an `eventfd`) is readable exactly while an event is
 //! queued. A connection reports [`CmEvent::Disconnected`] when its QP
-//! leaves RTS for good (graceful close finished in IDLE, or ERROR); the
-//! QP's state is sampled every [`MONITOR_INTERVAL`] by a small thread per
-//! connection.
+//! leaves RTS for good (graceful close finished in IDLE, or ERROR): the QP
+//! tells the connection manager of its state changes as they happen (no
+//! polling thread).
+
+#[cfg(feature = "tokio")]
+mod async_cm;
+mod reactor;
+
+#[cfg(feature = "tokio")]
+pub use async_cm::connect_async;
 
 use std::collections::VecDeque;
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use softrdma_proto::mpa::{
-    ConfigError, Initiator, InitiatorEvent, MpaConfig, MpaNegotiationError, Negotiated, Request,
-    Responder, ResponderEvent, RtrOffer,
+    ConfigError, MpaConfig, MpaNegotiationError, Negotiated, Request, Responder, RtrOffer,
 };
 
-use crate::connect::{Deadline, HandshakeIoError, RX_CHUNK, never, recv_some, send_all};
-use crate::qp::{EstablishError, LinkParams, ModifyError, QueuePair};
+use crate::handshake::{
+    Answer, Handshake, HandshakeError, Outcome, Secs, describe_negotiation, describe_reject,
+    drive_blocking,
+};
+use crate::qp::LinkParams;
+use crate::qp::{EstablishError, ModifyError, QueuePair};
 use crate::state::QpState;
 use crate::sys::fd::EventFd;
-
-/// How often a connection's QP state is sampled to report
-/// [`CmEvent::Disconnected`].
-pub const MONITOR_INTERVAL: Duration = Duration::from_millis(10);
 
 /// Default handshake timeout of listeners and connects.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How often the acceptor thread checks whether its listener was dropped.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// Default bound on a listener's handshakes in progress.
+pub const DEFAULT_MAX_HANDSHAKES: usize = 1024;
 
-impl From<HandshakeIoError> for CmError {
-    fn from(e: HandshakeIoError) -> Self {
-        match e {
-            HandshakeIoError::TimedOut => CmError::TimedOut,
-            HandshakeIoError::PeerClosed => CmError::PeerClosed,
-            HandshakeIoError::Cancelled => CmError::ListenerClosed,
-            HandshakeIoError::Io(e) => CmError::Io(e),
-        }
-    }
-}
+/// Most listener events kept queued; later ones are counted
+/// ([`Listener::dropped_events`]) and discarded.
+pub const MAX_LISTENER_EVENTS: usize = 1024;
 
 /// Why a connection could not be set up or answered.
 #[derive(Debug, thiserror::Error)]
@@ -84,29 +92,35 @@ pub enum CmError {
     #[error("cannot resolve address: {0}")]
     Resolve(io::Error),
     /// Nobody listens there, or no route (connection refused, host or
-    /// network unreachable).
+    /// network unreachable, or no TCP connection within the timeout: the
+    /// error's kind is then `TimedOut` and its text names the address and
+    /// the time).
     #[error("peer unreachable: {0}")]
     Unreachable(io::Error),
-    /// The TCP connection or the MPA handshake did not complete in time.
-    #[error("connection setup timed out")]
+    /// TCP connected but the MPA handshake did not complete in time (no
+    /// Reply, or no RTR). [`Connection::failure`] and the CM events name
+    /// the stage and the time ("TCP connected but no MPA reply within
+    /// 30 s").
+    #[error("timed out: TCP connected but no MPA reply (or RTR) within the timeout")]
     TimedOut,
     /// The peer rejected the connection.
-    #[error("connection rejected by the peer ({} octets of private data)", private_data.len())]
+    #[error("rejected: {}", describe_reject(private_data))]
     Rejected {
         /// The peer's private data.
         private_data: Vec<u8>,
     },
-    /// The peer sent something unacceptable during the handshake.
-    #[error("MPA negotiation: {0}")]
+    /// The peer sent something unacceptable during the handshake (or is
+    /// not an MPA endpoint at all).
+    #[error("{}", describe_negotiation(.0))]
     Negotiation(#[from] MpaNegotiationError),
     /// The peer closed the connection during the handshake.
-    #[error("peer closed the connection during the handshake")]
+    #[error("the peer closed the connection")]
     PeerClosed,
     /// The QP cannot take the connection (not in IDLE or RTR).
-    #[error("QP: {0}")]
+    #[error("{0}")]
     Qp(#[from] ModifyError),
     /// The QP could not be moved to RTS over the connection.
-    #[error("establish: {0}")]
+    #[error("cannot move the QP to RTS: {0}")]
     Establish(#[from] EstablishError),
     /// The listener was dropped during the handshake.
     #[error("listener closed")]
@@ -114,6 +128,19 @@ pub enum CmError {
     /// A socket error.
     #[error("socket: {0}")]
     Io(#[from] io::Error),
+}
+
+impl From<HandshakeError> for CmError {
+    fn from(e: HandshakeError) -> Self {
+        match e {
+            HandshakeError::Config(e) => CmError::Config(e),
+            HandshakeError::Negotiation(e) => CmError::Negotiation(e),
+            HandshakeError::Rejected { private_data } => CmError::Rejected { private_data },
+            HandshakeError::TimedOut { .. } => CmError::TimedOut,
+            HandshakeError::PeerClosed { .. } => CmError::PeerClosed,
+            HandshakeError::Io(e) => CmError::Io(e),
+        }
+    }
 }
 
 /// What happened to a listener or a connection.
@@ -132,7 +159,8 @@ pub enum CmEvent {
     },
     /// Nobody listens at the address, or it cannot be reached.
     Unreachable,
-    /// The connection or its handshake did not complete in time.
+    /// TCP connected but the handshake did not complete in time
+    /// ([`Connection::failure`] names the stage and the time).
     TimedOut,
     /// The connection ended: its QP left RTS for IDLE (graceful close,
     /// `graceful` set) or ERROR (reset, lost connection, error).
@@ -209,39 +237,23 @@ impl<T> Queue<T> {
     }
 }
 
-/// Writes what the responder has to send.
-fn flush_responder(m: &mut Responder, stream: &mut TcpStream, d: &Deadline) -> Result<(), CmError> {
-    let out = m.transmit().to_vec();
-    send_all(stream, &out, d)?;
-    m.consumed(out.len());
-    Ok(())
-}
+impl<T> Queue<T> {
+    /// Pushes unless `cap` entries are queued; returns whether it did.
+    fn push_capped(&self, item: T, cap: usize) -> bool {
+        let mut q = self.items.lock();
+        if q.len() >= cap {
+            return false;
+        }
+        q.push_back(item);
+        self.efd.signal();
+        true
+    }
 
-/// Reads the Request: `Ok` once it is there and acceptable. A refused
-/// Request is answered with a reject before the error is returned.
-fn read_request(
-    m: &mut Responder,
-    stream: &mut TcpStream,
-    d: &Deadline,
-    cancelled: &dyn Fn() -> bool,
-) -> Result<Request, CmError> {
-    let mut buf = [0u8; RX_CHUNK];
-    loop {
-        if let Some(ResponderEvent::Request(r)) = m.poll() {
-            return Ok(r);
-        }
-        let want = m.want();
-        if want == 0 {
-            return Err(MpaNegotiationError::Over.into());
-        }
-        let got = recv_some(stream, &mut buf, want, d, cancelled)?;
-        if let Err(e) = m.receive(got) {
-            if m.request().is_some() && m.reject(&[]).is_ok() {
-                // Best effort: the error is what matters.
-                let _ = flush_responder(m, stream, d);
-            }
-            return Err(e.into());
-        }
+    /// Drops everything queued.
+    fn clear(&self) -> Vec<T> {
+        let mut q = self.items.lock();
+        self.efd.drain();
+        q.drain(..).collect()
     }
 }
 
@@ -258,6 +270,10 @@ pub struct ListenConfig {
     /// Time for an incoming connection to deliver its whole Request, and
     /// for the RTR after an accept in peer-to-peer mode.
     pub handshake_timeout: Duration,
+    /// Most handshakes in progress (TCP accepted, Request not complete);
+    /// at the limit a new connection displaces the oldest silent one (or
+    /// the oldest). Default [`DEFAULT_MAX_HANDSHAKES`].
+    pub max_handshakes: usize,
 }
 
 impl Default for ListenConfig {
@@ -267,47 +283,48 @@ impl Default for ListenConfig {
             private_data_cap: mpa.max_private_data,
             mpa,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
         }
     }
 }
 
 #[derive(Debug)]
-struct ListenerShared {
+pub(crate) struct ListenerShared {
     requests: Queue<ConnRequest>,
     events: Queue<CmEvent>,
-    closed: AtomicBool,
-    /// Connections in handshake or waiting for an answer.
-    pending: Arc<AtomicUsize>,
+    dropped_events: AtomicU64,
+    /// Handshakes in progress (kept by the reactor).
+    handshakes: AtomicUsize,
     backlog: usize,
     config: ListenConfig,
 }
 
-/// A listening endpoint (`rdma_listen`): accepts TCP connections, reads
-/// their MPA Requests on worker threads and queues them as
-/// [`ConnRequest`]s. Dropping it stops accepting; requests already taken
-/// stay usable.
+impl ListenerShared {
+    fn event(&self, e: CmEvent) {
+        if !self.events.push_capped(e, MAX_LISTENER_EVENTS) {
+            self.dropped_events.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A listening endpoint (`rdma_listen`): the CM reactor accepts its TCP
+/// connections, reads their MPA Requests and queues them as
+/// [`ConnRequest`]s. Dropping it stops accepting and closes the
+/// connections it holds; requests already taken stay usable.
 #[derive(Debug)]
 pub struct Listener {
     shared: Arc<ListenerShared>,
     local: SocketAddr,
-    acceptor: Option<JoinHandle<()>>,
-}
-
-/// Decrements the pending count when a request is answered or dropped.
-#[derive(Debug)]
-struct PendingGuard(Arc<AtomicUsize>);
-
-impl Drop for PendingGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
+    id: u64,
 }
 
 impl Listener {
     /// Listens on `addr` (port 0: any free port, see
     /// [`local_addr`](Self::local_addr)). `backlog` bounds the connections
-    /// that are in their handshake or wait for [`get_request`]'s caller to
-    /// answer; connections beyond it are closed at once.
+    /// whose Request arrived and that wait for [`get_request`]'s caller;
+    /// connections completing their Request beyond it are closed at once.
+    /// Handshakes in progress are bounded separately by
+    /// [`ListenConfig::max_handshakes`].
     ///
     /// [`get_request`]: Self::get_request
     ///
@@ -322,28 +339,22 @@ impl Listener {
     ) -> Result<Listener, CmError> {
         let mut config = config;
         config.mpa.max_private_data = config.private_data_cap;
+        config.max_handshakes = config.max_handshakes.max(1);
         // Validates the settings once, here.
         Responder::new(config.mpa.clone())?;
-        let listener = TcpListener::bind(addr)?;
+        let listener = std::net::TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let local = listener.local_addr()?;
         let shared = Arc::new(ListenerShared {
             requests: Queue::new()?,
             events: Queue::new()?,
-            closed: AtomicBool::new(false),
-            pending: Arc::new(AtomicUsize::new(0)),
+            dropped_events: AtomicU64::new(0),
+            handshakes: AtomicUsize::new(0),
             backlog: backlog.max(1),
             config,
         });
-        let s = shared.clone();
-        let acceptor = std::thread::Builder::new()
-            .name("softrdma-cm-listen".into())
-            .spawn(move || accept_loop(&listener, &s))?;
-        Ok(Listener {
-            shared,
-            local,
-            acceptor: Some(acceptor),
-        })
+        let id = reactor::listen(listener, shared.clone())?;
+        Ok(Listener { shared, local, id })
     }
 
     /// The address the listener is bound to.
@@ -365,6 +376,17 @@ impl Listener {
     /// How many requests are queued.
     pub fn pending_requests(&self) -> usize {
         self.shared.requests.len()
+    }
+
+    /// How many handshakes of this listener are in progress.
+    pub fn handshakes_in_progress(&self) -> usize {
+        self.shared.handshakes.load(Ordering::Relaxed)
+    }
+
+    /// How many listener events were discarded because
+    /// [`MAX_LISTENER_EVENTS`] were queued.
+    pub fn dropped_events(&self) -> u64 {
+        self.shared.dropped_events.load(Ordering::Relaxed)
     }
 
     /// A descriptor readable exactly while a request is queued (for
@@ -398,103 +420,24 @@ impl AsFd for Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.shared.closed.store(true, Ordering::Release);
-        if let Some(h) = self.acceptor.take() {
-            let _ = h.join();
-        }
-    }
-}
-
-fn accept_loop(listener: &TcpListener, shared: &Arc<ListenerShared>) {
-    while !shared.closed.load(Ordering::Acquire) {
-        match listener.accept() {
-            Ok((stream, peer)) => {
-                if shared.pending.load(Ordering::Acquire) >= shared.backlog {
-                    // Over the backlog: refuse by closing at once.
-                    drop(stream);
-                    continue;
-                }
-                shared.pending.fetch_add(1, Ordering::AcqRel);
-                let guard = PendingGuard(shared.pending.clone());
-                let weak = Arc::downgrade(shared);
-                let spawned = std::thread::Builder::new()
-                    .name("softrdma-cm-handshake".into())
-                    .spawn(move || handshake(stream, peer, guard, &weak));
-                if let Err(e) = spawned {
-                    shared.events.push(CmEvent::Error {
-                        peer: Some(peer),
-                        reason: format!("cannot start a handshake thread: {e}"),
-                    });
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                let _ = crate::sys::fd::wait_readable(listener.as_fd(), Some(ACCEPT_POLL));
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => {
-                // Transient (EMFILE, ECONNABORTED, ...): back off a little.
-                std::thread::sleep(ACCEPT_POLL);
-            }
-        }
-    }
-}
-
-/// Worker of one incoming connection: reads its Request and queues it.
-fn handshake(
-    mut stream: TcpStream,
-    peer: SocketAddr,
-    guard: PendingGuard,
-    shared: &Weak<ListenerShared>,
-) {
-    let Some(s) = shared.upgrade() else { return };
-    let config = s.config.clone();
-    drop(s);
-    let result = (|| -> Result<(Responder, Request), CmError> {
-        stream.set_nodelay(true)?;
-        let mut m = Responder::new(config.mpa.clone())?;
-        let d = Deadline::after(config.handshake_timeout);
-        let cancelled = || {
-            shared
-                .upgrade()
-                .is_none_or(|s| s.closed.load(Ordering::Acquire))
-        };
-        let r = read_request(&mut m, &mut stream, &d, &cancelled)?;
-        Ok((m, r))
-    })();
-    let Some(s) = shared.upgrade() else { return };
-    match result {
-        Ok((responder, request)) => s.requests.push(ConnRequest {
-            peer,
-            request,
-            responder,
-            stream,
-            config,
-            _guard: guard,
-        }),
-        Err(e) => {
-            let _ = stream.shutdown(Shutdown::Both);
-            drop(stream);
-            // The slot is free before the failure is reported.
-            drop(guard);
-            s.events.push(CmEvent::Error {
-                peer: Some(peer),
-                reason: format!("incoming connection from {peer}: {e}"),
-            });
-        }
+        // Closes the listening socket and the handshakes in progress before
+        // returning; then the queued requests.
+        reactor::unlisten(self.id);
+        drop(self.shared.requests.clear());
     }
 }
 
 /// An incoming connection whose MPA Request arrived (`rdma_cm_event`
 /// CONNECT_REQUEST): inspect it, then [`accept`](Self::accept) or
-/// [`reject`](Self::reject) it. Dropping it closes the TCP connection.
+/// [`reject`](Self::reject) it (or their non-blocking forms). Dropping it
+/// closes the TCP connection.
 #[derive(Debug)]
 pub struct ConnRequest {
     peer: SocketAddr,
     request: Request,
-    responder: Responder,
+    hs: Handshake,
     stream: TcpStream,
     config: ListenConfig,
-    _guard: PendingGuard,
 }
 
 impl ConnRequest {
@@ -535,9 +478,9 @@ impl ConnRequest {
 
     /// Accepts with `private_data` and this side's `ird`/`ord` (the ORD is
     /// lowered to the initiator's IRD): sets the QP's IRD/ORD, sends the
-    /// Reply, takes the RTR in peer-to-peer mode, and moves `qp` (in IDLE
-    /// or RTR) to RTS. The returned connection has
-    /// [`CmEvent::Established`] queued.
+    /// Reply, takes the RTR in peer-to-peer mode (blocking the caller up
+    /// to the handshake timeout), and moves `qp` (in IDLE or RTR) to RTS.
+    /// The returned connection has [`CmEvent::Established`] queued.
     ///
     /// # Errors
     ///
@@ -550,34 +493,60 @@ impl ConnRequest {
         ird: u16,
         ord: u16,
     ) -> Result<Connection, CmError> {
-        qp.set_ird_ord(ird, ord)?;
-        self.responder.accept(private_data, ird, ord)?;
-        let d = Deadline::after(self.config.handshake_timeout);
-        let n = self.finish(&d)?;
-        let peer = self.peer;
-        Connection::established(qp, self.stream, n, peer)
+        self.answer_accept(qp, private_data, ird, ord)?;
+        let out = drive_blocking(
+            &mut self.hs,
+            &mut self.stream,
+            self.config.handshake_timeout,
+        )?;
+        let Outcome::Established(n) = out else {
+            return Err(MpaNegotiationError::Over.into());
+        };
+        Connection::established(qp, self.stream, n, self.peer)
     }
 
-    fn finish(&mut self, d: &Deadline) -> Result<Negotiated, CmError> {
-        let m = &mut self.responder;
-        let stream = &mut self.stream;
-        let mut buf = [0u8; RX_CHUNK];
-        loop {
-            flush_responder(m, stream, d)?;
-            if let Some(ResponderEvent::Established(n)) = m.poll() {
-                // A Read RTR's response may have been queued with it.
-                flush_responder(m, stream, d)?;
-                stream.set_read_timeout(None)?;
-                stream.set_write_timeout(None)?;
-                return Ok(n);
-            }
-            let want = m.want();
-            if want == 0 {
-                return Err(MpaNegotiationError::Over.into());
-            }
-            let got = recv_some(stream, &mut buf, want, d, &never)?;
-            m.receive(got)?;
-        }
+    fn answer_accept(
+        &mut self,
+        qp: &QueuePair,
+        private_data: &[u8],
+        ird: u16,
+        ord: u16,
+    ) -> Result<(), CmError> {
+        qp.set_ird_ord(ird, ord)?;
+        self.hs.answer(Answer::Accept {
+            private_data: private_data.to_vec(),
+            ird,
+            ord,
+        })?;
+        Ok(())
+    }
+
+    /// Accepts without blocking: as [`accept`](Self::accept), but the
+    /// Reply, the RTR and the move to RTS are done by the CM reactor. The
+    /// returned connection's first event is [`CmEvent::Established`] or,
+    /// if the handshake fails, [`CmEvent::Error`] / [`CmEvent::TimedOut`].
+    ///
+    /// # Errors
+    ///
+    /// The QP is not in IDLE/RTR or the private data is over the cap
+    /// (checked at once; the TCP connection is closed then).
+    pub fn accept_nonblocking(
+        mut self,
+        qp: &QueuePair,
+        private_data: &[u8],
+        ird: u16,
+        ord: u16,
+    ) -> Result<Connection, CmError> {
+        self.answer_accept(qp, private_data, ird, ord)?;
+        let conn = Connection::new(qp)?;
+        reactor::drive(reactor::Job {
+            stream: self.stream,
+            hs: self.hs,
+            conn: Some(conn.clone()),
+            peer: Some(self.peer),
+            timeout: self.config.handshake_timeout,
+        })?;
+        Ok(conn)
     }
 
     /// Rejects with `private_data` (at most the cap) and closes the TCP
@@ -588,14 +557,38 @@ impl ConnRequest {
     /// The private data is over the cap (nothing was sent; the connection
     /// is closed), or writing failed.
     pub fn reject(mut self, private_data: &[u8]) -> Result<(), CmError> {
-        let r = self.responder.reject(private_data);
-        if let Err(e) = r {
+        if let Err(e) = self.hs.answer(Answer::Reject(private_data.to_vec())) {
             let _ = self.stream.shutdown(Shutdown::Both);
             return Err(e.into());
         }
-        let d = Deadline::after(self.config.handshake_timeout);
-        flush_responder(&mut self.responder, &mut self.stream, &d)?;
+        drive_blocking(
+            &mut self.hs,
+            &mut self.stream,
+            self.config.handshake_timeout,
+        )?;
         let _ = self.stream.shutdown(Shutdown::Write);
+        Ok(())
+    }
+
+    /// Rejects without blocking: the reject is written (and the connection
+    /// closed) by the CM reactor.
+    ///
+    /// # Errors
+    ///
+    /// The private data is over the cap (nothing was sent; the connection
+    /// is closed).
+    pub fn reject_nonblocking(mut self, private_data: &[u8]) -> Result<(), CmError> {
+        if let Err(e) = self.hs.answer(Answer::Reject(private_data.to_vec())) {
+            let _ = self.stream.shutdown(Shutdown::Both);
+            return Err(e.into());
+        }
+        reactor::drive(reactor::Job {
+            stream: self.stream,
+            hs: self.hs,
+            conn: None,
+            peer: Some(self.peer),
+            timeout: self.config.handshake_timeout,
+        })?;
         Ok(())
     }
 }
@@ -622,7 +615,7 @@ impl Default for ConnectConfig {
     }
 }
 
-fn tcp_connect(addr: impl ToSocketAddrs, d: &Deadline) -> Result<TcpStream, CmError> {
+fn resolve(addr: impl ToSocketAddrs) -> Result<Vec<SocketAddr>, CmError> {
     let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(CmError::Resolve)?.collect();
     if addrs.is_empty() {
         return Err(CmError::Resolve(io::Error::new(
@@ -630,67 +623,65 @@ fn tcp_connect(addr: impl ToSocketAddrs, d: &Deadline) -> Result<TcpStream, CmEr
             "no address",
         )));
     }
-    let mut last = None;
-    for a in addrs {
-        let left = d.remaining()?;
-        match TcpStream::connect_timeout(&a, left) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = Some(e),
-        }
-    }
-    let e = last.unwrap_or_else(|| io::Error::other("no address"));
-    Err(match e.kind() {
+    Ok(addrs)
+}
+
+/// The error of a failed TCP connect.
+fn connect_error(e: io::Error) -> CmError {
+    match e.kind() {
         io::ErrorKind::ConnectionRefused
         | io::ErrorKind::HostUnreachable
         | io::ErrorKind::NetworkUnreachable
-        | io::ErrorKind::AddrNotAvailable => CmError::Unreachable(e),
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => CmError::TimedOut,
+        | io::ErrorKind::AddrNotAvailable
+        | io::ErrorKind::TimedOut => CmError::Unreachable(e),
         _ => CmError::Io(e),
-    })
+    }
 }
 
-/// The initiator's handshake; returns the stream in full operation.
-fn run_connect(
-    qp: &QueuePair,
-    addr: impl ToSocketAddrs,
-    config: &ConnectConfig,
-) -> Result<(TcpStream, Negotiated, SocketAddr), CmError> {
-    let mut m = Initiator::new(config.mpa.clone(), &config.private_data)?;
-    qp.set_ird_ord(config.mpa.ird, config.mpa.ord)?;
-    let d = Deadline::after(config.timeout);
-    let mut stream = tcp_connect(addr, &d)?;
-    stream.set_nodelay(true)?;
-    let peer = stream.peer_addr()?;
-    let mut buf = [0u8; RX_CHUNK];
-    let n = loop {
-        let out = m.transmit().to_vec();
-        send_all(&mut stream, &out, &d)?;
-        m.consumed(out.len());
-        match m.poll() {
-            Some(InitiatorEvent::Established(n)) => break n,
-            Some(InitiatorEvent::Rejected { private_data, .. }) => {
-                return Err(CmError::Rejected { private_data });
-            }
-            _ => {}
-        }
-        let want = m.want();
-        if want == 0 {
-            return Err(MpaNegotiationError::Over.into());
-        }
-        let got = recv_some(&mut stream, &mut buf, want, &d, &never)?;
-        m.receive(got)?;
+/// No TCP connection to `addr` within `timeout`.
+fn tcp_timeout(addr: Option<SocketAddr>, timeout: Duration) -> io::Error {
+    let text = match addr {
+        Some(a) => format!("no TCP connection to {a} within {}", Secs(timeout)),
+        None => format!("no TCP connection within {}", Secs(timeout)),
     };
-    stream.set_read_timeout(None)?;
-    stream.set_write_timeout(None)?;
-    Ok((stream, n, peer))
+    io::Error::new(io::ErrorKind::TimedOut, text)
+}
+
+fn tcp_connect(
+    addrs: &[SocketAddr],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<TcpStream, CmError> {
+    let mut last = None;
+    for a in addrs {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(CmError::Unreachable(tcp_timeout(Some(*a), timeout)));
+        }
+        match TcpStream::connect_timeout(a, left) {
+            Ok(s) => return Ok(s),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+                ) =>
+            {
+                last = Some(tcp_timeout(Some(*a), timeout));
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(connect_error(
+        last.unwrap_or_else(|| io::Error::other("no address")),
+    ))
 }
 
 /// Connects `qp` (in IDLE or RTR) to a listener at `addr` (a
 /// [`SocketAddr`], `"host:port"` with a host name or address, ...): TCP
 /// connect, MPA Request with the private data, Reply, RTR in peer-to-peer
 /// mode; on success the QP is in RTS and the connection has
-/// [`CmEvent::Established`] queued. Blocks for at most about
-/// `config.timeout` (plus name resolution).
+/// [`CmEvent::Established`] queued. Blocks the calling thread (and no
+/// other) for at most about `config.timeout` (plus name resolution).
 ///
 /// # Errors
 ///
@@ -702,12 +693,26 @@ pub fn connect(
     addr: impl ToSocketAddrs,
     config: &ConnectConfig,
 ) -> Result<Connection, CmError> {
-    let (stream, n, peer) = run_connect(qp, addr, config)?;
+    let mut hs = Handshake::initiator(config.mpa.clone(), &config.private_data)?;
+    qp.set_ird_ord(config.mpa.ird, config.mpa.ord)?;
+    let start = Instant::now();
+    let deadline = start
+        .checked_add(config.timeout)
+        .unwrap_or(start + Duration::from_secs(86_400 * 365));
+    let addrs = resolve(addr)?;
+    let mut stream = tcp_connect(&addrs, deadline, config.timeout)?;
+    stream.set_nodelay(true)?;
+    let peer = stream.peer_addr()?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    let out = drive_blocking(&mut hs, &mut stream, left)?;
+    let Outcome::Established(n) = out else {
+        return Err(MpaNegotiationError::Over.into());
+    };
     Connection::established(qp, stream, n, peer)
 }
 
 /// The event a failed connect reports.
-fn failure_event(e: &CmError) -> CmEvent {
+fn failure_event(e: &CmError, peer: Option<SocketAddr>) -> CmEvent {
     match e {
         CmError::Rejected { private_data } => CmEvent::Rejected {
             private_data: private_data.clone(),
@@ -715,7 +720,7 @@ fn failure_event(e: &CmError) -> CmEvent {
         CmError::Unreachable(_) => CmEvent::Unreachable,
         CmError::TimedOut => CmEvent::TimedOut,
         other => CmEvent::Error {
-            peer: None,
+            peer,
             reason: other.to_string(),
         },
     }
@@ -727,6 +732,37 @@ struct ConnShared {
     events: Queue<CmEvent>,
     negotiated: Mutex<Option<Negotiated>>,
     peer: Mutex<Option<SocketAddr>>,
+    /// Why the last connect/accept failed, in the driver's words.
+    failure: Mutex<Option<String>>,
+    /// The same failure, typed (taken by the async calls).
+    failure_err: Mutex<Option<CmError>>,
+}
+
+/// The connection manager's watch on a connected QP: told of each state
+/// change by the QP itself; reports the first move to IDLE or ERROR as
+/// [`CmEvent::Disconnected`].
+#[derive(Debug)]
+pub(crate) struct StateWatch {
+    conn: Weak<ConnShared>,
+    fired: Arc<AtomicBool>,
+}
+
+impl StateWatch {
+    /// Called by the QP with its new state (under the QP's own locks: only
+    /// queues an event).
+    pub(crate) fn notify(&self, s: QpState) {
+        let graceful = match s {
+            QpState::Idle => true,
+            QpState::Error => false,
+            _ => return,
+        };
+        if self.fired.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(c) = self.conn.upgrade() {
+            c.events.push(CmEvent::Disconnected { graceful });
+        }
+    }
 }
 
 /// A connection of a QP (`rdma_cm_id`): its events, what was negotiated,
@@ -745,6 +781,8 @@ impl Connection {
                 events: Queue::new()?,
                 negotiated: Mutex::new(None),
                 peer: Mutex::new(None),
+                failure: Mutex::new(None),
+                failure_err: Mutex::new(None),
             }),
         })
     }
@@ -770,21 +808,66 @@ impl Connection {
         *self.shared.negotiated.lock() = Some(n);
         *self.shared.peer.lock() = Some(peer);
         self.shared.events.push(CmEvent::Established { peer });
-        let weak = Arc::downgrade(&self.shared);
-        std::thread::Builder::new()
-            .name("softrdma-cm-monitor".into())
-            .spawn(move || monitor(&weak))?;
+        let watch = StateWatch {
+            conn: Arc::downgrade(&self.shared),
+            fired: Arc::new(AtomicBool::new(false)),
+        };
+        let check = StateWatch {
+            conn: watch.conn.clone(),
+            fired: watch.fired.clone(),
+        };
+        self.shared.qp.set_state_watch(Some(watch));
+        // The QP may have left RTS before the watch was there (the shared
+        // flag reports it once either way).
+        check.notify(self.shared.qp.state());
         Ok(())
     }
 
-    /// Starts connecting `qp` to `addr` on a thread and returns at once;
-    /// the outcome is the connection's first event: [`CmEvent::Established`],
+    /// Records a failed setup and reports it as the connection's event.
+    fn fail(&self, event: CmEvent, text: String, err: CmError) {
+        *self.shared.failure.lock() = Some(text);
+        *self.shared.failure_err.lock() = Some(err);
+        self.shared.events.push(event);
+    }
+
+    fn on_failure(&self, e: HandshakeError, peer: Option<SocketAddr>) {
+        let text = e.to_string();
+        let event = match &e {
+            HandshakeError::Rejected { private_data } => CmEvent::Rejected {
+                private_data: private_data.clone(),
+            },
+            HandshakeError::TimedOut { .. } => CmEvent::TimedOut,
+            _ => CmEvent::Error {
+                peer,
+                reason: text.clone(),
+            },
+        };
+        self.fail(event, text, e.into());
+    }
+
+    fn on_setup_error(&self, e: CmError, peer: Option<SocketAddr>) {
+        self.fail(failure_event(&e, peer), e.to_string(), e);
+    }
+
+    /// The typed error of a failed setup (once).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    fn take_failure(&self) -> Option<CmError> {
+        self.shared.failure_err.lock().take()
+    }
+
+    /// Starts connecting `qp` to `addr` and returns at once (after name
+    /// resolution, which blocks for host names); the CM reactor does the
+    /// TCP connect and the handshake, no thread is started. The outcome is
+    /// the connection's first event: [`CmEvent::Established`],
     /// [`CmEvent::Rejected`], [`CmEvent::Unreachable`],
-    /// [`CmEvent::TimedOut`] or [`CmEvent::Error`].
+    /// [`CmEvent::TimedOut`] or [`CmEvent::Error`]; its descriptor
+    /// ([`fd`](Self::fd)) becomes readable then, and
+    /// [`failure`](Self::failure) names the cause of a failure.
     ///
     /// # Errors
     ///
-    /// The event descriptor or the thread could not be created.
+    /// The event descriptor could not be created, or the CM reactor could
+    /// not be started.
     pub fn start(
         qp: &QueuePair,
         addr: impl ToSocketAddrs + Send + 'static,
@@ -794,16 +877,20 @@ impl Connection {
             CmError::Io(e) => e,
             other => io::Error::other(other.to_string()),
         })?;
-        let this = c.clone();
-        std::thread::Builder::new()
-            .name("softrdma-cm-connect".into())
-            .spawn(move || {
-                let r = run_connect(&this.shared.qp, addr, &config)
-                    .and_then(|(stream, n, peer)| this.on_established(stream, n, peer));
-                if let Err(e) = r {
-                    this.shared.events.push(failure_event(&e));
-                }
-            })?;
+        let prepared = (|| -> Result<(Handshake, Vec<SocketAddr>), CmError> {
+            let hs = Handshake::initiator(config.mpa.clone(), &config.private_data)?;
+            qp.set_ird_ord(config.mpa.ird, config.mpa.ord)?;
+            Ok((hs, resolve(addr)?))
+        })();
+        match prepared {
+            Ok((hs, addrs)) => reactor::connect(reactor::Outgoing {
+                addrs,
+                hs,
+                conn: c.clone(),
+                timeout: config.timeout,
+            })?,
+            Err(e) => c.on_setup_error(e, None),
+        }
         Ok(c)
     }
 
@@ -820,6 +907,14 @@ impl Connection {
     /// What the MPA negotiation settled, once established.
     pub fn negotiated(&self) -> Option<Negotiated> {
         self.shared.negotiated.lock().clone()
+    }
+
+    /// Why the connection could not be set up, in words naming the cause
+    /// ("TCP connected but no MPA reply within 30 s", "the peer is not an
+    /// iWARP/MPA endpoint: ...", "rejected: ...", "the peer closed the
+    /// connection ..."), once a failure event was queued.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure.lock().clone()
     }
 
     /// The peer's private data (from its Request or Reply), once
@@ -870,26 +965,5 @@ impl Connection {
 impl AsFd for Connection {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd()
-    }
-}
-
-/// Samples the QP's state until it leaves RTS/CLOSING/TERMINATE, then
-/// reports the disconnect; ends when the connection is dropped.
-fn monitor(shared: &Weak<ConnShared>) {
-    loop {
-        let Some(s) = shared.upgrade() else { return };
-        match s.qp.state() {
-            QpState::Idle => {
-                s.events.push(CmEvent::Disconnected { graceful: true });
-                return;
-            }
-            QpState::Error => {
-                s.events.push(CmEvent::Disconnected { graceful: false });
-                return;
-            }
-            _ => {}
-        }
-        drop(s);
-        std::thread::sleep(MONITOR_INTERVAL);
     }
 }

@@ -89,6 +89,7 @@ pub mod device;
 pub mod event;
 pub mod handlers;
 mod handoff;
+pub mod handshake;
 pub mod loopback;
 pub mod mr;
 pub mod pd;

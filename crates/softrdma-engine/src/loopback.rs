@@ -1,14 +1,17 @@
 //! Connecting two local QPs over a loopback TCP connection, with the MPA
-//! exchange done by [`crate::connect`]. For tests, benchmarks and the demo;
+//! exchange done by the shared handshake driver ([`crate::handshake`]). For tests, benchmarks and the demo;
 //! applications use the connection manager.
 
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
-use std::time::Duration;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
 
 use softrdma_proto::mpa::MpaConfig;
 
-use crate::connect::{ConnectError, mpa_accept, mpa_connect};
+use crate::connect::ConnectError;
+use crate::handshake::{Answer, Handshake, Outcome, Step};
 use crate::qp::{EstablishError, LinkParams, QueuePair};
+use crate::sys::wait::wait_ready;
 
 /// Why [`connect_pair`] failed.
 #[derive(Debug, thiserror::Error)]
@@ -21,15 +24,19 @@ pub enum ConnectPairError {
     #[error("MPA exchange: {0}")]
     Mpa(#[from] ConnectError),
     /// A QP refused the connection.
-    #[error("QP: {0}")]
+    #[error("{0}")]
     Establish(#[from] EstablishError),
-    /// The accepting thread panicked.
+    /// The accepting side failed (kept for compatibility: the accepting
+    /// side no longer runs on a thread of its own).
     #[error("the accepting side failed")]
     Accept,
 }
 
 /// Connects `initiator` to `responder` over 127.0.0.1 with `config` (its
-/// IRD/ORD are replaced by each QP's own) and moves both to RTS.
+/// IRD/ORD are replaced by each QP's own) and moves both to RTS. Both
+/// handshakes run in the calling thread (the shared non-blocking driver of
+/// [`crate::handshake`], both ends advanced in turn); no thread is
+/// started.
 pub fn connect_pair(
     initiator: &QueuePair,
     responder: &QueuePair,
@@ -42,19 +49,55 @@ pub fn connect_pair(
     let ra = responder.query();
     rcfg.ird = ra.ird;
     rcfg.ord = ra.ord;
-    let accept = std::thread::spawn(move || -> Result<(TcpStream, _), ConnectPairError> {
-        let (mut s, _) = listener.accept()?;
-        let n = mpa_accept(&mut s, &rcfg, &[], timeout)?;
-        Ok((s, n))
-    });
     let mut icfg = config.clone();
     let ia = initiator.query();
     icfg.ird = ia.ird;
     icfg.ord = ia.ord;
+    let mut hi = Handshake::initiator(icfg, &[]).map_err(ConnectError::from)?;
+    let answer = Answer::Accept {
+        private_data: Vec::new(),
+        ird: rcfg.ird,
+        ord: rcfg.ord,
+    };
+    let mut hr = Handshake::responder(rcfg, answer).map_err(ConnectError::from)?;
     let mut s = TcpStream::connect(addr)?;
-    let n = mpa_connect(&mut s, &icfg, &[], timeout);
-    let (rs, rn) = accept.join().map_err(|_| ConnectPairError::Accept)??;
-    let n = n?;
+    let (mut rs, _) = listener.accept()?;
+    for st in [&s, &rs] {
+        st.set_nodelay(true)?;
+        st.set_nonblocking(true)?;
+    }
+    let deadline = Instant::now() + timeout;
+    let (mut n, mut rn) = (None, None);
+    while n.is_none() || rn.is_none() {
+        let mut waiting = None;
+        if n.is_none() {
+            match hi.advance(&mut s).map_err(ConnectError::from)? {
+                Step::Done(Outcome::Established(x)) => n = Some(x),
+                Step::Done(_) => return Err(ConnectError::PeerClosed.into()),
+                Step::Wait(r) => waiting = Some((s.as_fd(), r)),
+            }
+        }
+        if rn.is_none() {
+            match hr.advance(&mut rs).map_err(ConnectError::from)? {
+                Step::Done(Outcome::Established(x)) => rn = Some(x),
+                Step::Done(_) => return Err(ConnectError::PeerClosed.into()),
+                Step::Wait(r) => waiting = waiting.or(Some((rs.as_fd(), r))),
+            }
+        }
+        if n.is_some() && rn.is_some() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(ConnectError::TimedOut.into());
+        }
+        if let Some((fd, r)) = waiting {
+            // Short waits: the other end may be the one with news.
+            wait_ready(fd, r, Duration::from_millis(1))?;
+        }
+    }
+    let (Some(n), Some(rn)) = (n, rn) else {
+        return Err(ConnectError::TimedOut.into());
+    };
     initiator.establish(s, &LinkParams::from(&n))?;
     responder.establish(rs, &LinkParams::from(&rn))?;
     Ok(())

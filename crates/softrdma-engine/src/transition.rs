@@ -31,6 +31,12 @@
 //!    streaming writes are blocking and complete (the octets are in the
 //!    socket, in order) before the switch starts, so no RDMA frame can
 //!    overtake or interleave with streaming octets.
+//! 4. Or, from an event loop: [`StreamConnection::post_recv_and_begin_switch`]
+//!    starts the same switch without blocking, and
+//!    [`StreamConnection::poll_switch`] advances it whenever
+//!    [`StreamConnection::switch_fd`] is ready (and at the switch timeout).
+//!    Both forms run the one handshake driver of [`crate::handshake`] that
+//!    the connection manager uses.
 //!
 //! ## Protocol at the switch
 //!
@@ -72,16 +78,18 @@
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
-use softrdma_proto::mpa::{
-    ConfigError, Initiator, InitiatorEvent, MpaConfig, MpaNegotiationError, Negotiated, Responder,
-    ResponderEvent,
-};
+use softrdma_proto::mpa::{ConfigError, MpaConfig, MpaNegotiationError, Negotiated};
 
+use crate::handshake::{
+    Answer, Handshake, HandshakeError, Outcome, Step, describe_negotiation, describe_reject,
+};
 use crate::qp::{EstablishError, LinkParams, ModifyError, PostRecvError, QueuePair};
 use crate::srq::SharedReceiveQueue;
 use crate::state::QpState;
+use crate::sys::wait::{Readiness, wait_ready};
 use crate::wr::RecvWr;
 
 /// Octets read from the socket at a time in streaming mode; also the most
@@ -190,7 +198,7 @@ pub enum TransitionError {
         state: QpState,
     },
     /// IRD/ORD could not be changed (fixed once the switch started).
-    #[error("IRD/ORD: {0}")]
+    #[error("{0}")]
     IrdOrd(#[from] ModifyError),
     /// The first receive could not be posted (the switch did not start).
     #[error("posting the first receive: {0}")]
@@ -210,7 +218,7 @@ pub enum TransitionError {
     #[error("an earlier streaming write was incomplete; the stream cannot be switched")]
     IncompleteWrite,
     /// The peer closed the connection.
-    #[error("peer closed the connection")]
+    #[error("the peer closed the connection")]
     PeerClosed,
     /// The switch did not complete in time.
     #[error("switch to RDMA mode timed out")]
@@ -219,20 +227,33 @@ pub enum TransitionError {
     #[error("MPA settings: {0}")]
     MpaConfig(#[from] ConfigError),
     /// The peer's MPA exchange is wrong (garbage, refusal of the terms).
-    #[error("MPA exchange at the switch: {0}")]
+    #[error("MPA exchange at the switch: {}", describe_negotiation(.0))]
     Mpa(#[from] MpaNegotiationError),
     /// The peer rejected the MPA Request.
-    #[error("peer rejected the switch ({} octets of private data)", private_data.len())]
+    #[error("the peer rejected the switch: {}", describe_reject(private_data))]
     Rejected {
         /// The peer's private data.
         private_data: Vec<u8>,
     },
     /// The QP refused the connection.
-    #[error("QP: {0}")]
+    #[error("{0}")]
     Establish(#[from] EstablishError),
     /// A socket error.
     #[error("socket: {0}")]
     Io(#[from] io::Error),
+}
+
+impl From<HandshakeError> for TransitionError {
+    fn from(e: HandshakeError) -> Self {
+        match e {
+            HandshakeError::Config(e) => TransitionError::MpaConfig(e),
+            HandshakeError::Negotiation(e) => TransitionError::Mpa(e),
+            HandshakeError::Rejected { private_data } => TransitionError::Rejected { private_data },
+            HandshakeError::TimedOut { .. } => TransitionError::TimedOut,
+            HandshakeError::PeerClosed { .. } => TransitionError::PeerClosed,
+            HandshakeError::Io(e) => io_error(e),
+        }
+    }
 }
 
 fn io_error(e: io::Error) -> TransitionError {
@@ -260,6 +281,19 @@ pub struct StreamConnection {
     timeout: Duration,
     write_broken: bool,
     negotiated: Option<Negotiated>,
+    /// The switch in progress.
+    pending: Option<PendingSwitch>,
+}
+
+/// A switch in progress: the stream (non-blocking), the handshake (MPA
+/// mode) or the parameters (direct mode, or once negotiated).
+#[derive(Debug)]
+struct PendingSwitch {
+    stream: TcpStream,
+    hs: Option<Handshake>,
+    params: Option<LinkParams>,
+    deadline: Instant,
+    wait: Readiness,
 }
 
 impl StreamConnection {
@@ -276,6 +310,7 @@ impl StreamConnection {
             timeout: DEFAULT_SWITCH_TIMEOUT,
             write_broken: false,
             negotiated: None,
+            pending: None,
         }
     }
 
@@ -490,7 +525,8 @@ impl StreamConnection {
     /// connection down ([`ConnState::Failed`]). On success the QP is in RTS
     /// and the connection is in [`ConnState::Rdma`].
     pub fn post_recv_and_switch(&mut self, wr: &RecvWr<'_>) -> Result<(), TransitionError> {
-        self.start_switch("post_recv_and_switch", |qp| Ok(qp.post_recv(wr)?))
+        self.start_switch("post_recv_and_switch", true, |qp| Ok(qp.post_recv(wr)?))
+            .map(|_| ())
     }
 
     /// As [`post_recv_and_switch`](Self::post_recv_and_switch), for a QP
@@ -501,14 +537,71 @@ impl StreamConnection {
         srq: &SharedReceiveQueue,
         wr: &RecvWr<'_>,
     ) -> Result<(), TransitionError> {
-        self.start_switch("post_srq_recv_and_switch", |_| Ok(srq.post_recv(wr)?))
+        self.start_switch("post_srq_recv_and_switch", true, |_| Ok(srq.post_recv(wr)?))
+            .map(|_| ())
+    }
+
+    /// Posts the first receive on the reserved QP and starts the switch
+    /// without blocking (for event loops; the sockets-direct library uses
+    /// it). Returns `true` if the connection is already in RDMA mode (a
+    /// [`SwitchMode::Direct`] switch, or an MPA exchange whose peer was
+    /// quick); otherwise call [`poll_switch`](Self::poll_switch) whenever
+    /// [`switch_fd`](Self::switch_fd) is readable (or writable, if
+    /// [`switch_wants_write`](Self::switch_wants_write)) and at the switch
+    /// timeout. Failures tear the connection down as with
+    /// [`post_recv_and_switch`](Self::post_recv_and_switch).
+    pub fn post_recv_and_begin_switch(&mut self, wr: &RecvWr<'_>) -> Result<bool, TransitionError> {
+        self.start_switch("post_recv_and_begin_switch", false, |qp| {
+            Ok(qp.post_recv(wr)?)
+        })
+    }
+
+    /// As [`post_recv_and_begin_switch`](Self::post_recv_and_begin_switch),
+    /// posting the first receive to `srq`.
+    pub fn post_srq_recv_and_begin_switch(
+        &mut self,
+        srq: &SharedReceiveQueue,
+        wr: &RecvWr<'_>,
+    ) -> Result<bool, TransitionError> {
+        self.start_switch("post_srq_recv_and_begin_switch", false, |_| {
+            Ok(srq.post_recv(wr)?)
+        })
+    }
+
+    /// Advances a switch started with
+    /// [`post_recv_and_begin_switch`](Self::post_recv_and_begin_switch)
+    /// without blocking: `true` once in RDMA mode, `false` while it waits
+    /// for the socket. After the switch timeout it fails with
+    /// [`TransitionError::TimedOut`] (and the connection is torn down).
+    pub fn poll_switch(&mut self) -> Result<bool, TransitionError> {
+        if self.state == ConnState::Rdma {
+            return Ok(true);
+        }
+        if self.state != ConnState::Transitioning || self.pending.is_none() {
+            return Err(self.not_allowed("poll_switch"));
+        }
+        self.drive_switch(false)
+    }
+
+    /// The socket of a switch in progress, for `poll(2)`/`epoll(7)`.
+    pub fn switch_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.pending.as_ref().map(|p| p.stream.as_fd())
+    }
+
+    /// Whether the switch in progress waits for room to write (else for
+    /// octets to read).
+    pub fn switch_wants_write(&self) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|p| p.wait == Readiness::Write)
     }
 
     fn start_switch(
         &mut self,
         op: &'static str,
+        blocking: bool,
         post: impl FnOnce(&QueuePair) -> Result<(), TransitionError>,
-    ) -> Result<(), TransitionError> {
+    ) -> Result<bool, TransitionError> {
         if self.state != ConnState::SwitchRequested {
             return Err(self.not_allowed(op));
         }
@@ -522,12 +615,26 @@ impl StreamConnection {
         }
         post(&qp)?;
         self.state = ConnState::Transitioning;
-        match self.switch(&qp) {
-            Ok(()) => {
+        if let Err(e) = self.begin(&qp) {
+            self.tear_down(&qp);
+            return Err(e);
+        }
+        self.drive_switch(blocking)
+    }
+
+    /// Runs the switch as far as it goes (to the end if `blocking`).
+    fn drive_switch(&mut self, blocking: bool) -> Result<bool, TransitionError> {
+        let Some(qp) = self.qp.clone() else {
+            return Err(TransitionError::NoQpReserved);
+        };
+        match self.step(&qp, blocking) {
+            Ok(true) => {
                 self.state = ConnState::Rdma;
-                Ok(())
+                Ok(true)
             }
+            Ok(false) => Ok(false),
             Err(e) => {
+                self.pending = None;
                 self.tear_down(&qp);
                 Err(e)
             }
@@ -546,7 +653,9 @@ impl StreamConnection {
         self.state = ConnState::Failed;
     }
 
-    fn switch(&mut self, qp: &QueuePair) -> Result<(), TransitionError> {
+    /// Prepares the switch: the stream goes non-blocking into `pending`,
+    /// with the handshake (fed first with the read-ahead) in MPA mode.
+    fn begin(&mut self, qp: &QueuePair) -> Result<(), TransitionError> {
         if self.write_broken {
             return Err(TransitionError::IncompleteWrite);
         }
@@ -555,9 +664,12 @@ impl StreamConnection {
         // Streaming writes were blocking: every streaming octet is in the
         // socket before anything of RDMA mode.
         stream.flush()?;
-        stream.set_nonblocking(false)?;
-        let params = match self.mode.clone() {
-            SwitchMode::Direct(params) => params,
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        stream.set_nodelay(true)?;
+        stream.set_nonblocking(true)?;
+        let (hs, params) = match self.mode.clone() {
+            SwitchMode::Direct(params) => (None, Some(params)),
             SwitchMode::Mpa {
                 role,
                 mut config,
@@ -566,104 +678,79 @@ impl StreamConnection {
                 let a = qp.query();
                 config.ird = a.ird;
                 config.ord = a.ord;
-                let n = self.mpa(&mut stream, role, config, &private_data, deadline)?;
-                let params = LinkParams::from(&n);
-                self.negotiated = Some(n);
-                params
+                (Some(self.handshake(role, config, &private_data)?), None)
             }
         };
-        stream.set_read_timeout(None)?;
-        stream.set_write_timeout(None)?;
-        let prefix = self.rbuf.get(self.rpos..).unwrap_or_default();
-        qp.establish_with_prefix(stream, &params, prefix)?;
-        self.rbuf = Vec::new();
-        self.rpos = 0;
+        self.pending = Some(PendingSwitch {
+            stream,
+            hs,
+            params,
+            deadline,
+            wait: Readiness::Read,
+        });
         Ok(())
     }
 
-    /// Runs the MPA exchange over the read-ahead buffer then the socket;
-    /// octets past the handshake stay in the read-ahead buffer.
-    fn mpa(
+    /// Advances the pending switch; `true` once the QP is in RTS.
+    fn step(&mut self, qp: &QueuePair, blocking: bool) -> Result<bool, TransitionError> {
+        let Some(p) = self.pending.as_mut() else {
+            return Err(TransitionError::PeerClosed);
+        };
+        while let Some(hs) = p.hs.as_mut() {
+            match hs.advance(&mut p.stream) {
+                Ok(Step::Wait(r)) => {
+                    p.wait = r;
+                    let left = remaining(p.deadline)?;
+                    if !blocking {
+                        return Ok(false);
+                    }
+                    wait_ready(p.stream.as_fd(), r, left)?;
+                }
+                Ok(Step::Done(Outcome::Established(n))) => {
+                    p.params = Some(LinkParams::from(&n));
+                    self.negotiated = Some(n);
+                    self.rbuf = hs.take_prefix_rest();
+                    self.rpos = 0;
+                    p.hs = None;
+                }
+                Ok(Step::Done(_)) => return Err(MpaNegotiationError::Over.into()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let Some(p) = self.pending.take() else {
+            return Err(TransitionError::PeerClosed);
+        };
+        let params = p.params.ok_or(TransitionError::PeerClosed)?;
+        let prefix = self.rbuf.get(self.rpos..).unwrap_or_default();
+        qp.establish_with_prefix(p.stream, &params, prefix)?;
+        self.rbuf = Vec::new();
+        self.rpos = 0;
+        Ok(true)
+    }
+
+    /// The handshake of the switch, fed first with the read-ahead octets.
+    fn handshake(
         &mut self,
-        stream: &mut TcpStream,
         role: MpaRole,
         config: MpaConfig,
         private_data: &[u8],
-        deadline: Instant,
-    ) -> Result<Negotiated, TransitionError> {
-        stream.set_nodelay(true)?;
+    ) -> Result<Handshake, TransitionError> {
         let (ird, ord) = (config.ird, config.ord);
-        let mut m = match role {
-            MpaRole::Initiator => Machine::I(Initiator::new(config, private_data)?),
-            MpaRole::Responder => Machine::R(Responder::new(config)?),
+        let hs = match role {
+            MpaRole::Initiator => Handshake::initiator(config, private_data)?,
+            MpaRole::Responder => Handshake::responder(
+                config,
+                Answer::Accept {
+                    private_data: private_data.to_vec(),
+                    ird,
+                    ord,
+                },
+            )?,
         };
-        loop {
-            send(stream, &mut m, deadline)?;
-            match &mut m {
-                Machine::I(i) => match i.poll() {
-                    Some(InitiatorEvent::Established(n)) => {
-                        send(stream, &mut m, deadline)?;
-                        return Ok(n);
-                    }
-                    Some(InitiatorEvent::Rejected { private_data, .. }) => {
-                        return Err(TransitionError::Rejected { private_data });
-                    }
-                    _ => {}
-                },
-                Machine::R(r) => match r.poll() {
-                    Some(ResponderEvent::Request(_)) => {
-                        r.accept(private_data, ird, ord)?;
-                        continue;
-                    }
-                    Some(ResponderEvent::Established(n)) => {
-                        send(stream, &mut m, deadline)?;
-                        return Ok(n);
-                    }
-                    _ => {}
-                },
-            }
-            if m.want() == 0 {
-                return Err(MpaNegotiationError::Over.into());
-            }
-            if self.buffered() == 0 {
-                self.fill(stream, deadline)?;
-            }
-            let avail = self.rbuf.get(self.rpos..).unwrap_or_default();
-            match m.receive(avail) {
-                Ok(0) => return Err(MpaNegotiationError::Over.into()),
-                Ok(n) => self.rpos += n,
-                Err(e) => {
-                    if let Machine::R(r) = &mut m
-                        && r.request().is_some()
-                        && r.reject(&[]).is_ok()
-                    {
-                        // Best effort: the error is what the caller needs.
-                        let _ = send(stream, &mut m, deadline);
-                    }
-                    return Err(e.into());
-                }
-            }
-        }
-    }
-
-    /// Reads more octets into the (empty) read-ahead buffer.
-    fn fill(&mut self, stream: &mut TcpStream, deadline: Instant) -> Result<(), TransitionError> {
-        self.rbuf.clear();
+        let prefix = self.rbuf.get(self.rpos..).unwrap_or_default().to_vec();
+        self.rbuf = Vec::new();
         self.rpos = 0;
-        let mut chunk = [0u8; READ_AHEAD];
-        loop {
-            stream.set_read_timeout(Some(remaining(deadline)?))?;
-            match stream.read(&mut chunk) {
-                Ok(0) => return Err(TransitionError::PeerClosed),
-                Ok(n) => {
-                    self.rbuf
-                        .extend_from_slice(chunk.get(..n).unwrap_or_default());
-                    return Ok(());
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(io_error(e)),
-            }
-        }
+        Ok(hs.with_prefix(prefix))
     }
 }
 
@@ -673,54 +760,5 @@ fn remaining(deadline: Instant) -> Result<Duration, TransitionError> {
         Err(TransitionError::TimedOut)
     } else {
         Ok(left)
-    }
-}
-
-enum Machine {
-    I(Initiator),
-    R(Responder),
-}
-
-impl Machine {
-    fn transmit(&self) -> &[u8] {
-        match self {
-            Machine::I(m) => m.transmit(),
-            Machine::R(m) => m.transmit(),
-        }
-    }
-    fn consumed(&mut self, n: usize) {
-        match self {
-            Machine::I(m) => m.consumed(n),
-            Machine::R(m) => m.consumed(n),
-        }
-    }
-    fn want(&self) -> usize {
-        match self {
-            Machine::I(m) => m.want(),
-            Machine::R(m) => m.want(),
-        }
-    }
-    fn receive(&mut self, bytes: &[u8]) -> Result<usize, MpaNegotiationError> {
-        match self {
-            Machine::I(m) => m.receive(bytes),
-            Machine::R(m) => m.receive(bytes),
-        }
-    }
-}
-
-/// Writes what the machine has to send.
-fn send(stream: &mut TcpStream, m: &mut Machine, deadline: Instant) -> Result<(), TransitionError> {
-    loop {
-        let out = m.transmit();
-        if out.is_empty() {
-            return Ok(());
-        }
-        stream.set_write_timeout(Some(remaining(deadline)?))?;
-        match stream.write(out) {
-            Ok(0) => return Err(TransitionError::PeerClosed),
-            Ok(n) => m.consumed(n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_error(e)),
-        }
     }
 }

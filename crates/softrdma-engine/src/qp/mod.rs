@@ -460,6 +460,8 @@ pub(crate) struct QpInner {
     /// completion sequencer.
     pub(crate) proxy: std::sync::OnceLock<crate::proxy::ProxyLink>,
     pub(crate) self_weak: Weak<QpInner>,
+    /// The connection manager's watch: told of every state change.
+    state_watch: Mutex<Option<crate::cm::StateWatch>>,
 }
 
 impl QueuePair {
@@ -524,6 +526,7 @@ impl QueuePair {
             close_gen: AtomicU64::new(0),
             proxy: std::sync::OnceLock::new(),
             self_weak: weak.clone(),
+            state_watch: Mutex::new(None),
         });
         let hook: Weak<dyn Progress> = Arc::downgrade(&inner) as Weak<dyn Progress>;
         inner.recv_cq.attach_progress(hook.clone());
@@ -783,6 +786,11 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Installs (or removes) the connection manager's state watch.
+    pub(crate) fn set_state_watch(&self, w: Option<crate::cm::StateWatch>) {
+        *self.qp().state_watch.lock() = w;
+    }
+
     /// Posts one send-queue request (`ibv_post_send`). Never blocks.
     ///
     /// Accepted in RTS; flushed at once ([`WcStatus::WrFlush`]) in ERROR
@@ -971,6 +979,9 @@ impl QpInner {
         // Pairs with the fence in `post_recv`: a poster that queued a
         // receive and then reads the old state is seen by our flush.
         std::sync::atomic::fence(Ordering::SeqCst);
+        if let Some(w) = self.state_watch.lock().as_ref() {
+            w.notify(s);
+        }
     }
 
     /// What posting a send request does now.

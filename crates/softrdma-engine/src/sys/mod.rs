@@ -4,8 +4,11 @@
 
 #[cfg(feature = "tokio")]
 pub(crate) mod async_fd;
+#[cfg(feature = "tokio")]
+pub(crate) mod async_wait;
 pub(crate) mod clock;
 pub(crate) mod fd;
 pub(crate) mod io;
 pub(crate) mod mem;
 pub(crate) mod poll;
+pub(crate) mod wait;
