@@ -9,8 +9,19 @@ use softrdma_dat::{
     CompletionFlags, Ep, Evd, EvdFlags, Event, Ia, IaConfig, Lmr, MemPriv, Psp, Pz,
 };
 
+/// Threads of this process, without the engine's connection-manager
+/// reactor: one process-wide thread, started on first use and kept for the
+/// life of the process (the provider is linked `-z nodelete`, so its code
+/// stays mapped for that thread after libdat2's dlclose).
 fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| {
+        d.filter_map(Result::ok)
+            .filter(|t| {
+                std::fs::read_to_string(t.path().join("comm"))
+                    .map_or(true, |c| c.trim() != "softrdma-cm")
+            })
+            .count()
+    })
 }
 
 #[test]
