@@ -24,6 +24,10 @@ use crate::abi::*;
 use crate::ffi::{self, guard, guard_neg, set_errno};
 use crate::verbs::{self, EventQueue, Qp};
 
+/// How long an active connect is retried while the peer refuses the TCP
+/// connection (see `watch`).
+pub const REFUSED_RETRY: Duration = Duration::from_secs(2);
+
 /// How often CM threads look at their id's `closed` flag.
 pub const POLL: Duration = Duration::from_millis(20);
 
@@ -392,7 +396,16 @@ pub extern "C" fn rdma_bind_addr(id: *mut rdma_cm_id, addr: *mut libc::sockaddr)
             return Err(libc::EINVAL);
         }
         // SAFETY: the application's sockaddr.
-        let a = unsafe { from_sockaddr(addr) }.ok_or(libc::EAFNOSUPPORT)?;
+        let mut a = unsafe { from_sockaddr(addr) }.ok_or(libc::EAFNOSUPPORT)?;
+        if a.port() == 0 {
+            // Applications read the port (rdma_get_src_port) between bind
+            // and listen: pick a free one now. The listener binds it again
+            // in rdma_listen (another process could take it in between;
+            // rdma_listen then fails with EADDRINUSE).
+            let l = std::net::TcpListener::bind(a)
+                .map_err(|e| e.raw_os_error().unwrap_or(libc::EADDRINUSE))?;
+            a = l.local_addr().map_err(|_| libc::EADDRINUSE)?;
+        }
         // SAFETY: an id of ours.
         let i = unsafe { id_ref(id) };
         i.id.route.addr.src = to_storage(&a);
@@ -687,17 +700,41 @@ pub extern "C" fn rdma_destroy_qp(id: *mut rdma_cm_id) {
 }
 
 /// Starts the thread turning a connection's events into CM events.
-fn watch(i: &Id, id: *mut rdma_cm_id, conn: Connection) -> Result<(), i32> {
+///
+/// `retry`: for an active connect, what to connect again with when the
+/// peer refuses the TCP connection within [`REFUSED_RETRY`] (an
+/// application may tell its peer the port between `rdma_bind_addr` and
+/// `rdma_listen`; a kernel listener would queue the SYN in that window).
+fn watch(
+    i: &Id,
+    id: *mut rdma_cm_id,
+    conn: Connection,
+    retry: Option<(softrdma_engine::QueuePair, SocketAddr, ConnectConfig)>,
+) -> Result<(), i32> {
     let st = i.st.clone();
     let q = i.q.clone();
     let me = SendPtr(id as usize);
     spawn(&i.st, "softrdma-rdmacm-conn", move || {
         let me = me;
         let id = me.0 as *mut rdma_cm_id;
+        let mut conn = conn;
+        let started = std::time::Instant::now();
         while !st.closed.load(Ordering::Acquire) {
             let Some(ev) = conn.wait_event(Some(POLL)) else {
                 continue;
             };
+            ffi::debug(|| format!("connection event {ev:?}"));
+            if ev == CmEvent::Unreachable
+                && started.elapsed() < REFUSED_RETRY
+                && let Some((qp, dst, config)) = &retry
+            {
+                std::thread::sleep(Duration::from_millis(10));
+                if let Ok(c) = Connection::start(qp, *dst, config.clone()) {
+                    *st.conn.lock() = Some(c.clone());
+                    conn = c;
+                    continue;
+                }
+            }
             let (ty, status, data, end) = match ev {
                 CmEvent::Established { .. } => (
                     EV_ESTABLISHED,
@@ -780,10 +817,10 @@ pub extern "C" fn rdma_connect(id: *mut rdma_cm_id, param: *mut rdma_conn_param)
         };
         // SAFETY: a QP of ours.
         let qp = unsafe { &(*i.id.qp.cast::<Qp>()).inner };
-        let conn = ffi::with_signals_blocked(|| Connection::start(qp, dst, config))
+        let conn = ffi::with_signals_blocked(|| Connection::start(qp, dst, config.clone()))
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         *i.st.conn.lock() = Some(conn.clone());
-        watch(i, id, conn)
+        watch(i, id, conn, Some((qp.clone(), dst, config)))
     })
 }
 
@@ -810,14 +847,16 @@ pub extern "C" fn rdma_accept(id: *mut rdma_cm_id, param: *mut rdma_conn_param) 
         let data = private_data(p);
         // SAFETY: a QP of ours.
         let qp = unsafe { &(*i.id.qp.cast::<Qp>()).inner };
-        let conn =
-            ffi::with_signals_blocked(|| req.accept(qp, &data, ird, ord)).map_err(|e| match e {
+        let conn = ffi::with_signals_blocked(|| req.accept(qp, &data, ird, ord)).map_err(|e| {
+            ffi::debug(|| format!("rdma_accept (ird {ird}, ord {ord}): {e}"));
+            match e {
                 softrdma_engine::cm::CmError::TimedOut => libc::ETIMEDOUT,
                 softrdma_engine::cm::CmError::PeerClosed => libc::ECONNRESET,
                 _ => libc::EINVAL,
-            })?;
+            }
+        })?;
         *i.st.conn.lock() = Some(conn.clone());
-        watch(i, id, conn)
+        watch(i, id, conn, None)
     })
 }
 

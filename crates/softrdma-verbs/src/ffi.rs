@@ -180,3 +180,25 @@ pub fn errno() -> i32 {
         .raw_os_error()
         .unwrap_or(libc::EIO)
 }
+
+/// Writes `f()` to stderr when `SOFTRDMA_VERBS_DEBUG` is set.
+pub fn debug(f: impl FnOnce() -> String) {
+    static ON: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let Some(to) = ON.get_or_init(|| std::env::var("SOFTRDMA_VERBS_DEBUG").ok()) else {
+        return;
+    };
+    let line = format!("softrdma-verbs[{}]: {}\n", std::process::id(), f());
+    // A path: append there (some programs close stderr); else stderr.
+    if to.starts_with('/') {
+        use std::io::Write as _;
+        if let Ok(mut file) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(to)
+        {
+            let _ = file.write_all(line.as_bytes());
+        }
+    } else {
+        eprint!("{line}");
+    }
+}
