@@ -40,12 +40,31 @@ result() { # name status detail
 	[ "$2" = PASS ] || fails=$((fails + 1))
 }
 
-# Extra client options of softrdma for a variant.
+# Extra client options of softrdma for a variant (the crc variants require
+# CRC, so a run without it fails instead of passing unchecked).
 client_opts() {
 	case "$1" in
-	p2p | crc-p2p) echo "--p2p" ;;
+	p2p) echo "--p2p" ;;
+	crc) echo "--crc required" ;;
+	crc-p2p) echo "--p2p --crc required" ;;
 	mpav1) echo "--mpa-rev 1" ;;
 	*) echo "" ;;
+	esac
+}
+
+# Extra server options of softrdma for a variant.
+server_opts() {
+	case "$1" in
+	crc | crc-p2p) echo "--crc required" ;;
+	*) echo "" ;;
+	esac
+}
+
+# A crc variant passes only if softrdma reports CRC on.
+crc_ok() { # variant log
+	case "$1" in
+	crc | crc-p2p) grep -q 'CRC on' "$2" ;;
+	*) true ;;
 	esac
 }
 
@@ -59,7 +78,8 @@ trap cleanup EXIT
 for v in "${VARIANTS[@]}"; do
 	# 1. guest rping client (kernel siw) -> softrdma ping server on the host.
 	log=$LOGS/$v-rping-client.log
-	"$VM/netns.sh" exec "$BIN" ping -s -a "$HOST_IP" -C "$COUNT" -v --timeout 60 >"$log.softrdma" 2>&1 &
+	# shellcheck disable=SC2046
+	"$VM/netns.sh" exec "$BIN" ping -s -a "$HOST_IP" -C "$COUNT" -v --timeout 60 $(server_opts "$v") >"$log.softrdma" 2>&1 &
 	SPID=$!
 	sleep 0.5
 	"$VM/run.sh" --siw "$v" --timeout 180 "rping -c -a \$SIWVM_HOST_IP -C $COUNT -v" >"$log" 2>&1
@@ -67,7 +87,7 @@ for v in "${VARIANTS[@]}"; do
 	wait "$SPID"
 	src=$?
 	SPID=
-	if [ $grc -eq 0 ] && [ $src -eq 0 ]; then
+	if [ $grc -eq 0 ] && [ $src -eq 0 ] && crc_ok "$v" "$log.softrdma"; then
 		result "$v: guest rping -c -> softrdma -s" PASS "$(grep -c 'ping data' "$log") pings"
 	else
 		result "$v: guest rping -c -> softrdma -s" FAIL "rping exit $grc, softrdma exit $src ($log)"
@@ -91,7 +111,7 @@ for v in "${VARIANTS[@]}"; do
 	wait "$vpid"
 	grc=$?
 	rm -rf "$out"
-	if [ $grc -eq 0 ] && [ $src -eq 0 ]; then
+	if [ $grc -eq 0 ] && [ $src -eq 0 ] && crc_ok "$v" "$log.softrdma"; then
 		result "$v: softrdma -c -> guest rping -s" PASS "$(grep -c 'ping data' "$log.softrdma") pings"
 	elif [ "$v" = mpav1 ] && grep -q 'MPA rev 1' "$log.softrdma" && grep -q 'post send error' "$log"; then
 		# With MPA revision 1 siw negotiates no ORD, so rping's server cannot

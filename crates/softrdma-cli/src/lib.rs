@@ -21,6 +21,7 @@ pub mod output;
 pub mod perf;
 pub mod ping;
 pub mod reassembly;
+pub mod run;
 
 use std::io::Write;
 use std::path::Path;

@@ -97,6 +97,108 @@ enum Command {
         #[arg(long, default_value_t = 200)]
         start_delay_ms: u64,
     },
+    /// Run an unmodified program over softrdma: the drop-in libibverbs /
+    /// librdmacm first on the library path, a generated dat.conf for DAT
+    /// programs (IAs `softrdma-lo` and `softrdma0`), and with --sockets the
+    /// sockets preload library. The program replaces this process.
+    Run(RunArgs),
+}
+
+/// Arguments of `softrdma run`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:\n  \
+    softrdma run -- ibv_devinfo -v\n  \
+    softrdma run -- rping -s -a 127.0.0.1 -C 10\n  \
+    softrdma run -- dtest -P softrdma-lo -s\n  \
+    softrdma run --sockets -- iperf3 -c 127.0.0.1\n  \
+    eval \"$(softrdma run --print-env)\"        # the same settings for a shell\n\
+The libraries are found in --lib-dir, else $SOFTRDMA_LIB_DIR, else next to the softrdma \
+executable (target/release after `cargo build --release`).")]
+struct RunArgs {
+    /// Require the drop-in verbs libraries (default: used when built).
+    #[arg(long, conflicts_with = "no_verbs")]
+    verbs: bool,
+    /// Leave the drop-in verbs libraries out.
+    #[arg(long)]
+    no_verbs: bool,
+    /// Require the DAT provider (default: used when built).
+    #[arg(long, conflicts_with = "no_dat")]
+    dat: bool,
+    /// Leave the DAT provider out.
+    #[arg(long)]
+    no_dat: bool,
+    /// Preload the sockets library (sockets direct for unmodified socket
+    /// programs).
+    #[arg(long)]
+    sockets: bool,
+    /// Directory holding the softrdma libraries.
+    #[arg(long, value_name = "DIR")]
+    lib_dir: Option<PathBuf>,
+    /// IPv4 address of the `softrdma0` DAT IA (default: $SOFTRDMA_IA_ADDR,
+    /// else the first non-loopback IPv4 address, else 127.0.0.1).
+    #[arg(long, value_name = "IPV4")]
+    ia_addr: Option<std::net::Ipv4Addr>,
+    /// Print the environment as shell assignments instead of running a
+    /// program.
+    #[arg(long)]
+    print_env: bool,
+    /// The program and its arguments.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    command: Vec<std::ffi::OsString>,
+}
+
+fn run_run_cmd(a: &RunArgs) -> ExitCode {
+    use softrdma_cli::run::{RunOptions, Use, prepare, shell_quote};
+    use std::os::unix::process::CommandExt;
+    let pick = |on: bool, off: bool| match (on, off) {
+        (true, _) => Use::Required,
+        (_, true) => Use::Off,
+        _ => Use::IfPresent,
+    };
+    if a.command.is_empty() && !a.print_env {
+        eprintln!("softrdma run: error: no program given (softrdma run -- CMD ARGS...)");
+        return ExitCode::from(USAGE);
+    }
+    let opts = RunOptions {
+        verbs: pick(a.verbs, a.no_verbs),
+        dat: pick(a.dat, a.no_dat),
+        sockets: a.sockets,
+        lib_dir: a.lib_dir.clone(),
+        ia_addr: a.ia_addr,
+    };
+    let prepared = match prepare(&opts, |k| std::env::var_os(k)) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("softrdma run: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if a.print_env {
+        for (k, v) in &prepared.vars {
+            println!("export {k}={}", shell_quote(v));
+        }
+        return ExitCode::SUCCESS;
+    }
+    let mut cmd = std::process::Command::new(&a.command[0]);
+    cmd.args(&a.command[1..]);
+    for (k, v) in &prepared.vars {
+        cmd.env(k, v);
+    }
+    let err = cmd.exec();
+    eprintln!(
+        "softrdma run: error: cannot run {}: {err}",
+        a.command[0].to_string_lossy()
+    );
+    // As a shell does: 127 not found, 126 found but not runnable.
+    ExitCode::from(if err.kind() == ErrorKind::NotFound {
+        127
+    } else {
+        126
+    })
 }
 
 /// Arguments of `softrdma perf`.
@@ -328,6 +430,7 @@ fn main() -> ExitCode {
             }
         }
         Command::Perf(a) => run_perf_cmd(&a),
+        Command::Run(a) => run_run_cmd(&a),
         Command::Ping {
             server,
             client: _,

@@ -1,0 +1,507 @@
+//! `softrdma run -- CMD ARGS...`: run an unmodified program over softrdma.
+//!
+//! Three C libraries let programs that were never written for softrdma use
+//! it; this subcommand puts them in front of the program and then `exec`s
+//! it (same PID, signals and exit status pass straight through):
+//!
+//! | layer | artifact (next to `softrdma`) | how the program finds it |
+//! | --- | --- | --- |
+//! | drop-in verbs | `libsoftrdma_verbs.so` | symlinked as `libibverbs.so.1`, `librdmacm.so.1` (and the vendor stubs perftest links) into a private directory put first in `LD_LIBRARY_PATH` |
+//! | DAT provider | `libsoftrdma_dapl.so` | a generated `dat.conf` naming the IAs `softrdma-lo` (127.0.0.1) and `softrdma0`, selected with `DAT_OVERRIDE` |
+//! | sockets preload | `libsoftrdma_preload.so` | `LD_PRELOAD` (only with `--sockets`) |
+//!
+//! The libraries are looked for in `--lib-dir`, else `$SOFTRDMA_LIB_DIR`,
+//! else the directory of the `softrdma` executable itself, so the command
+//! works right after `cargo build --release` (`target/release/softrdma run
+//! -- ...`). Verbs and DAT are on by default when their library is there
+//! (`--verbs` / `--dat` insist on it, `--no-verbs` / `--no-dat` leave it
+//! out); the preload is only used with `--sockets`.
+//!
+//! The private directory is `<lib dir>/softrdma-run/` when that is writable,
+//! else a per-user directory under the system temporary directory. Links and
+//! files in it are replaced atomically (rename), so concurrent runs are safe.
+
+use std::ffi::{OsStr, OsString};
+use std::fmt::Write as _;
+use std::io;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+/// The drop-in verbs libraries: (name the program loads, artifact it is).
+pub const VERBS_LINKS: &[(&str, &str)] = &[
+    ("libibverbs.so.1", VERBS_ARTIFACT),
+    ("librdmacm.so.1", VERBS_ARTIFACT),
+    ("libmlx5.so.1", VERBS_ARTIFACT),
+    ("libefa.so.1", VERBS_ARTIFACT),
+];
+/// The cargo artifact of the drop-in verbs libraries.
+pub const VERBS_ARTIFACT: &str = "libsoftrdma_verbs.so";
+/// The cargo artifact of the DAT provider that `libdat2` loads.
+pub const DAT_ARTIFACT: &str = "libsoftrdma_dapl.so";
+/// The cargo artifact of the sockets preload library.
+pub const PRELOAD_ARTIFACT: &str = "libsoftrdma_preload.so";
+/// The DAT IA name bound to 127.0.0.1.
+pub const DAT_IA_LOOPBACK: &str = "softrdma-lo";
+/// The DAT IA name bound to `SOFTRDMA_IA_ADDR` (or the host's address).
+pub const DAT_IA_HOST: &str = "softrdma0";
+/// Environment variable naming the host IA's IPv4 address.
+pub const IA_ADDR_VAR: &str = "SOFTRDMA_IA_ADDR";
+/// Environment variable naming the directory holding the libraries.
+pub const LIB_DIR_VAR: &str = "SOFTRDMA_LIB_DIR";
+
+/// Whether a layer is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Use {
+    /// When its library is present.
+    #[default]
+    IfPresent,
+    /// Required: an error if its library is missing.
+    Required,
+    /// Not used.
+    Off,
+}
+
+/// What `softrdma run` was asked to do.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// The drop-in verbs libraries.
+    pub verbs: Use,
+    /// The DAT provider.
+    pub dat: Use,
+    /// The sockets preload library (off unless asked for).
+    pub sockets: bool,
+    /// Where the libraries are (default: `$SOFTRDMA_LIB_DIR`, then the
+    /// executable's directory).
+    pub lib_dir: Option<PathBuf>,
+    /// The address of the `softrdma0` IA (default: `$SOFTRDMA_IA_ADDR`, then
+    /// the first non-loopback IPv4 address, then 127.0.0.1).
+    pub ia_addr: Option<Ipv4Addr>,
+}
+
+/// Why `softrdma run` could not prepare the environment.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// A layer asked for explicitly has no library.
+    #[error(
+        "{what} requested but {artifact} is not in {dir} (build it with `cargo build --release`, or point --lib-dir / {LIB_DIR_VAR} at it)"
+    )]
+    Missing {
+        /// The layer.
+        what: &'static str,
+        /// The file looked for.
+        artifact: &'static str,
+        /// Where.
+        dir: PathBuf,
+    },
+    /// Nothing to put in front of the program.
+    #[error(
+        "no softrdma libraries in {0} ({VERBS_ARTIFACT}, {DAT_ARTIFACT}, {PRELOAD_ARTIFACT}): build them with `cargo build --release`, or point --lib-dir / {LIB_DIR_VAR} at them"
+    )]
+    NothingFound(PathBuf),
+    /// `SOFTRDMA_IA_ADDR` is not an IPv4 address.
+    #[error("{IA_ADDR_VAR}={0:?} is not an IPv4 address")]
+    BadIaAddr(String),
+    /// The library directory could not be determined.
+    #[error("cannot find the directory of the softrdma executable: {0}")]
+    NoExeDir(#[source] io::Error),
+    /// The private directory or a file in it could not be written.
+    #[error("preparing {path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The prepared environment: variables to set for the program.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prepared {
+    /// Variables to set, in order.
+    pub vars: Vec<(&'static str, OsString)>,
+    /// The private directory (links and `dat.conf`).
+    pub run_dir: PathBuf,
+    /// Which layers are in: verbs, DAT, sockets.
+    pub layers: Vec<&'static str>,
+}
+
+/// Resolve the library directory: the option, `$SOFTRDMA_LIB_DIR`, the
+/// executable's directory.
+pub fn lib_dir(opt: Option<&Path>) -> Result<PathBuf, RunError> {
+    if let Some(d) = opt {
+        return Ok(d.to_path_buf());
+    }
+    if let Some(d) = std::env::var_os(LIB_DIR_VAR).filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d));
+    }
+    let exe = std::env::current_exe().map_err(RunError::NoExeDir)?;
+    let exe = exe.canonicalize().unwrap_or(exe);
+    exe.parent()
+        .map(Path::to_path_buf)
+        .ok_or_else(|| RunError::NoExeDir(io::Error::other("the executable has no parent")))
+}
+
+/// The `softrdma0` IA's address: the option, `$SOFTRDMA_IA_ADDR`, the first
+/// non-loopback IPv4 address of the host, 127.0.0.1.
+pub fn ia_addr(opt: Option<Ipv4Addr>) -> Result<Ipv4Addr, RunError> {
+    if let Some(a) = opt {
+        return Ok(a);
+    }
+    if let Some(v) = std::env::var_os(IA_ADDR_VAR).filter(|v| !v.is_empty()) {
+        let s = v.to_string_lossy().into_owned();
+        return s.trim().parse().map_err(|_| RunError::BadIaAddr(s));
+    }
+    Ok(first_host_ipv4().unwrap_or(Ipv4Addr::LOCALHOST))
+}
+
+/// The first non-loopback IPv4 address of an interface that is up.
+pub fn first_host_ipv4() -> Option<Ipv4Addr> {
+    let mut addrs: Vec<(String, Ipv4Addr)> = if_addrs::get_if_addrs()
+        .ok()?
+        .into_iter()
+        .filter_map(|i| match i.ip() {
+            std::net::IpAddr::V4(a) if !a.is_loopback() && !a.is_unspecified() => Some((i.name, a)),
+            _ => None,
+        })
+        .collect();
+    // Stable choice: by interface name, then address.
+    addrs.sort();
+    addrs.first().map(|(_, a)| *a)
+}
+
+/// The `dat.conf` naming the softrdma IAs for `provider` (an absolute path).
+/// Format of each line (libdat2's static registry): IA name, API version,
+/// thread safety, default, library, provider version, IA parameters
+/// (`"<IPv4 address> 0"`), platform parameters.
+pub fn dat_conf(provider: &Path, host: Ipv4Addr) -> String {
+    let lib = quote_dat(&provider.to_string_lossy());
+    let mut s = String::from("# Generated by `softrdma run`: the softrdma DAT IAs.\n");
+    for (name, addr) in [(DAT_IA_LOOPBACK, Ipv4Addr::LOCALHOST), (DAT_IA_HOST, host)] {
+        let _ = writeln!(
+            s,
+            "{name} u2.0 nonthreadsafe default {lib} dapl.2.0 \"{addr} 0\" \"\""
+        );
+    }
+    s
+}
+
+/// Quote a `dat.conf` field if it has whitespace or quotes (the parser's
+/// escapes are `\\` and `\"` inside double quotes).
+fn quote_dat(field: &str) -> String {
+    if field
+        .chars()
+        .any(|c| c.is_whitespace() || c == '"' || c == '\\')
+    {
+        let esc = field.replace('\\', "\\\\").replace('"', "\\\"");
+        format!("\"{esc}\"")
+    } else {
+        field.to_string()
+    }
+}
+
+/// Prepend `dir` to a colon-separated search path variable's old value.
+fn prepend_path(dir: &Path, old: Option<OsString>) -> OsString {
+    let mut v = dir.as_os_str().to_os_string();
+    if let Some(old) = old.filter(|o| !o.is_empty()) {
+        v.push(":");
+        v.push(old);
+    }
+    v
+}
+
+/// The private directory for links and generated files.
+fn run_dir(lib_dir: &Path) -> Result<PathBuf, RunError> {
+    let preferred = lib_dir.join("softrdma-run");
+    if std::fs::create_dir_all(&preferred).is_ok() && writable(&preferred) {
+        return Ok(preferred);
+    }
+    // The library directory is read-only (an installed tree): one directory
+    // per user and library directory under the temporary directory.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in lib_dir.as_os_str().as_encoded_bytes() {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let user = std::env::var("USER").unwrap_or_else(|_| "user".into());
+    let dir = std::env::temp_dir().join(format!("softrdma-run-{user}-{h:016x}"));
+    std::fs::create_dir_all(&dir).map_err(|source| RunError::Io {
+        path: dir.clone(),
+        source,
+    })?;
+    Ok(dir)
+}
+
+fn writable(dir: &Path) -> bool {
+    let probe = dir.join(format!(".probe-{}", std::process::id()));
+    let ok = std::fs::write(&probe, b"").is_ok();
+    let _ = std::fs::remove_file(&probe);
+    ok
+}
+
+/// Make `dir/name` a symlink to `target`, atomically replacing what is there
+/// unless it already points at `target`.
+fn link(dir: &Path, name: &str, target: &Path) -> Result<(), RunError> {
+    let path = dir.join(name);
+    if std::fs::read_link(&path).is_ok_and(|t| t == target) {
+        return Ok(());
+    }
+    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+    let io = |source| RunError::Io {
+        path: path.clone(),
+        source,
+    };
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp).map_err(io)?;
+    std::fs::rename(&tmp, &path).map_err(io)
+}
+
+/// Write `dir/name` atomically unless it already has `contents`.
+fn write_file(dir: &Path, name: &str, contents: &str) -> Result<PathBuf, RunError> {
+    let path = dir.join(name);
+    if std::fs::read_to_string(&path).is_ok_and(|c| c == contents) {
+        return Ok(path);
+    }
+    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+    let io = |source| RunError::Io {
+        path: path.clone(),
+        source,
+    };
+    std::fs::write(&tmp, contents).map_err(io)?;
+    std::fs::rename(&tmp, &path).map_err(io)?;
+    Ok(path)
+}
+
+/// Whether a layer is in, given its library's presence.
+fn wanted(
+    u: Use,
+    what: &'static str,
+    artifact: &'static str,
+    dir: &Path,
+) -> Result<bool, RunError> {
+    let present = dir.join(artifact).is_file();
+    match u {
+        Use::Off => Ok(false),
+        Use::IfPresent => Ok(present),
+        Use::Required if present => Ok(true),
+        Use::Required => Err(RunError::Missing {
+            what,
+            artifact,
+            dir: dir.to_path_buf(),
+        }),
+    }
+}
+
+/// Prepare the private directory and the variables for the program.
+/// `env` reads the current value of a variable (so tests can pass their own).
+pub fn prepare(
+    opts: &RunOptions,
+    env: impl Fn(&str) -> Option<OsString>,
+) -> Result<Prepared, RunError> {
+    let dir = lib_dir(opts.lib_dir.as_deref())?;
+    let dir = dir.canonicalize().unwrap_or(dir);
+    let verbs = wanted(opts.verbs, "--verbs", VERBS_ARTIFACT, &dir)?;
+    let dat = wanted(opts.dat, "--dat", DAT_ARTIFACT, &dir)?;
+    let sockets = wanted(
+        if opts.sockets {
+            Use::Required
+        } else {
+            Use::Off
+        },
+        "--sockets",
+        PRELOAD_ARTIFACT,
+        &dir,
+    )?;
+    if !(verbs || dat || sockets) {
+        return Err(RunError::NothingFound(dir));
+    }
+    let rd = run_dir(&dir)?;
+    let mut vars = Vec::new();
+    let mut layers = Vec::new();
+    if verbs {
+        for (name, artifact) in VERBS_LINKS {
+            link(&rd, name, &dir.join(artifact))?;
+        }
+        vars.push(("LD_LIBRARY_PATH", prepend_path(&rd, env("LD_LIBRARY_PATH"))));
+        layers.push("verbs");
+    }
+    if dat {
+        let addr = ia_addr(opts.ia_addr)?;
+        let conf = write_file(
+            &rd,
+            &format!("dat-{addr}.conf"),
+            &dat_conf(&dir.join(DAT_ARTIFACT), addr),
+        )?;
+        vars.push(("DAT_OVERRIDE", conf.into_os_string()));
+        vars.push((IA_ADDR_VAR, OsString::from(addr.to_string())));
+        layers.push("dat");
+    }
+    if sockets {
+        let lib = dir.join(PRELOAD_ARTIFACT);
+        let mut v = lib.into_os_string();
+        if let Some(old) = env("LD_PRELOAD").filter(|o| !o.is_empty()) {
+            v.push(":");
+            v.push(old);
+        }
+        vars.push(("LD_PRELOAD", v));
+        layers.push("sockets");
+    }
+    Ok(Prepared {
+        vars,
+        run_dir: rd,
+        layers,
+    })
+}
+
+/// Shell-quote a value for `--print-env` (single quotes).
+pub fn shell_quote(v: &OsStr) -> String {
+    let s = v.to_string_lossy();
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-:=,+@%".contains(c))
+    {
+        s.into_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake_libs(names: &[&str]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        for n in names {
+            std::fs::write(d.path().join(n), b"not really a library").unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn dat_conf_has_both_ias_in_libdat2_format() {
+        let c = dat_conf(
+            Path::new("/x/libsoftrdma_dapl.so"),
+            Ipv4Addr::new(10, 1, 2, 3),
+        );
+        let lines: Vec<&str> = c.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            lines,
+            [
+                "softrdma-lo u2.0 nonthreadsafe default /x/libsoftrdma_dapl.so dapl.2.0 \"127.0.0.1 0\" \"\"",
+                "softrdma0 u2.0 nonthreadsafe default /x/libsoftrdma_dapl.so dapl.2.0 \"10.1.2.3 0\" \"\"",
+            ]
+        );
+    }
+
+    #[test]
+    fn dat_conf_quotes_a_path_with_spaces() {
+        let c = dat_conf(Path::new("/my libs/a\"b.so"), Ipv4Addr::LOCALHOST);
+        assert!(c.contains(" \"/my libs/a\\\"b.so\" dapl.2.0"), "{c}");
+    }
+
+    #[test]
+    fn verbs_links_point_at_the_artifact_and_path_comes_first() {
+        let d = fake_libs(&[VERBS_ARTIFACT]);
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            ..Default::default()
+        };
+        let p = prepare(&opts, |k| {
+            (k == "LD_LIBRARY_PATH").then(|| OsString::from("/old"))
+        })
+        .unwrap();
+        assert_eq!(p.layers, ["verbs"]);
+        let dir = d.path().canonicalize().unwrap();
+        assert_eq!(p.run_dir, dir.join("softrdma-run"));
+        for (name, artifact) in VERBS_LINKS {
+            assert_eq!(
+                std::fs::read_link(p.run_dir.join(name)).unwrap(),
+                dir.join(artifact)
+            );
+        }
+        let want = format!("{}:/old", p.run_dir.display());
+        assert_eq!(p.vars, [("LD_LIBRARY_PATH", OsString::from(want))]);
+        // A second run reuses the links.
+        let again = prepare(&opts, |_| None).unwrap();
+        assert_eq!(again.run_dir, p.run_dir);
+    }
+
+    #[test]
+    fn dat_layer_writes_the_conf_and_sets_dat_override() {
+        let d = fake_libs(&[DAT_ARTIFACT]);
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            ia_addr: Some(Ipv4Addr::new(192, 0, 2, 7)),
+            ..Default::default()
+        };
+        let p = prepare(&opts, |_| None).unwrap();
+        assert_eq!(p.layers, ["dat"]);
+        let conf = &p.vars[0];
+        assert_eq!(conf.0, "DAT_OVERRIDE");
+        let text = std::fs::read_to_string(&conf.1).unwrap();
+        assert!(text.contains("softrdma0 u2.0 nonthreadsafe default"));
+        assert!(text.contains("\"192.0.2.7 0\""));
+        assert_eq!(p.vars[1], (IA_ADDR_VAR, OsString::from("192.0.2.7")));
+    }
+
+    #[test]
+    fn a_required_layer_without_its_library_is_an_error() {
+        let d = fake_libs(&[DAT_ARTIFACT]);
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            verbs: Use::Required,
+            ..Default::default()
+        };
+        let e = prepare(&opts, |_| None).unwrap_err();
+        assert!(matches!(
+            e,
+            RunError::Missing {
+                artifact: VERBS_ARTIFACT,
+                ..
+            }
+        ));
+        assert!(e.to_string().contains("cargo build --release"));
+    }
+
+    #[test]
+    fn nothing_present_is_an_error_and_sockets_is_opt_in() {
+        let d = fake_libs(&[PRELOAD_ARTIFACT]);
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            ..Default::default()
+        };
+        assert!(matches!(
+            prepare(&opts, |_| None),
+            Err(RunError::NothingFound(_))
+        ));
+        let opts = RunOptions {
+            sockets: true,
+            ..opts
+        };
+        let p = prepare(&opts, |k| (k == "LD_PRELOAD").then(|| "/a.so".into())).unwrap();
+        assert_eq!(p.layers, ["sockets"]);
+        let v = p.vars[0].1.to_string_lossy().into_owned();
+        assert!(v.ends_with("libsoftrdma_preload.so:/a.so"), "{v}");
+    }
+
+    #[test]
+    fn off_leaves_a_present_layer_out() {
+        let d = fake_libs(&[VERBS_ARTIFACT, DAT_ARTIFACT]);
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            verbs: Use::Off,
+            ia_addr: Some(Ipv4Addr::LOCALHOST),
+            ..Default::default()
+        };
+        let p = prepare(&opts, |_| None).unwrap();
+        assert_eq!(p.layers, ["dat"]);
+    }
+
+    #[test]
+    fn shell_quote_quotes_only_when_needed() {
+        assert_eq!(shell_quote(OsStr::new("/a/b:c")), "/a/b:c");
+        assert_eq!(shell_quote(OsStr::new("a b")), "'a b'");
+        assert_eq!(shell_quote(OsStr::new("it's")), "'it'\\''s'");
+    }
+}

@@ -1,0 +1,115 @@
+//! End to end: `softrdma run` prepares the environment and execs the program.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn softrdma(lib_dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("run")
+        .arg("--lib-dir")
+        .arg(lib_dir)
+        .args(args)
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("LD_PRELOAD")
+        .env_remove("SOFTRDMA_IA_ADDR")
+        .output()
+        .expect("run softrdma")
+}
+
+fn fake_libs(names: &[&str]) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    for n in names {
+        std::fs::write(d.path().join(n), b"stand-in").unwrap();
+    }
+    d
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn the_program_sees_the_private_dir_first_and_the_dat_conf() {
+    let d = fake_libs(&["libsoftrdma_verbs.so", "libsoftrdma_dapl.so"]);
+    let o = softrdma(
+        d.path(),
+        &[
+            "--ia-addr",
+            "192.0.2.9",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$LD_LIBRARY_PATH\"; cat \"$DAT_OVERRIDE\"; readlink \"${LD_LIBRARY_PATH%%:*}/libibverbs.so.1\"",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    let dir = d.path().canonicalize().unwrap();
+    let mut lines = out.lines();
+    assert_eq!(
+        lines.next().unwrap(),
+        dir.join("softrdma-run").to_str().unwrap()
+    );
+    assert!(
+        out.contains("softrdma-lo u2.0 nonthreadsafe default"),
+        "{out}"
+    );
+    assert!(out.contains("\"192.0.2.9 0\""), "{out}");
+    assert!(
+        out.lines()
+            .last()
+            .unwrap()
+            .ends_with("/libsoftrdma_verbs.so"),
+        "{out}"
+    );
+}
+
+#[test]
+fn exit_status_and_arguments_pass_through() {
+    let d = fake_libs(&["libsoftrdma_verbs.so"]);
+    let o = softrdma(d.path(), &["--", "sh", "-c", "exit 7"]);
+    assert_eq!(o.status.code(), Some(7));
+    // Hyphenated arguments belong to the program, not to `softrdma run`.
+    let o = softrdma(d.path(), &["--", "echo", "-n", "--verbs"]);
+    assert_eq!(text(&o.stdout), "--verbs");
+}
+
+#[test]
+fn a_missing_program_is_127_with_a_message() {
+    let d = fake_libs(&["libsoftrdma_verbs.so"]);
+    let o = softrdma(d.path(), &["--", "/nonexistent/program"]);
+    assert_eq!(o.status.code(), Some(127));
+    assert!(text(&o.stderr).contains("cannot run /nonexistent/program"));
+}
+
+#[test]
+fn no_libraries_is_an_error_that_says_how_to_build_them() {
+    let d = fake_libs(&[]);
+    let o = softrdma(d.path(), &["--", "true"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o.stderr).contains("cargo build --release"),
+        "{}",
+        text(&o.stderr)
+    );
+    let o = softrdma(d.path(), &["--sockets", "--", "true"]);
+    assert!(text(&o.stderr).contains("libsoftrdma_preload.so"));
+}
+
+#[test]
+fn print_env_gives_shell_assignments() {
+    let d = fake_libs(&["libsoftrdma_verbs.so", "libsoftrdma_preload.so"]);
+    let o = softrdma(d.path(), &["--sockets", "--print-env"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    assert!(out.contains("export LD_LIBRARY_PATH="), "{out}");
+    assert!(out.contains("export LD_PRELOAD="), "{out}");
+    assert!(!out.contains("DAT_OVERRIDE"), "{out}");
+}
+
+#[test]
+fn no_command_is_a_usage_error() {
+    let d = fake_libs(&["libsoftrdma_verbs.so"]);
+    let o = softrdma(d.path(), &[]);
+    assert_eq!(o.status.code(), Some(2));
+}
