@@ -170,6 +170,7 @@ unsafe fn id_ref<'a>(id: *mut rdma_cm_id) -> &'a mut Id {
     unsafe { &mut *id.cast::<Id>() }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn push_event(
     q: &EventQueue<usize>,
     st: &IdState,

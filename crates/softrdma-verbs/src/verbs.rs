@@ -1286,6 +1286,7 @@ fn qp_state_of(q: &Qp) -> c_int {
 /// # Safety
 ///
 /// Pointers in `a` are NULL or objects of this library.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn create_qp_common(
     pd: *mut ibv_pd,
     qp_context: *mut c_void,
@@ -1363,7 +1364,7 @@ pub unsafe fn create_qp_common(
         idle_state: AtomicI32::new(QPS_RESET),
         wr: std::cell::UnsafeCell::new(WrBuilder::default()),
         sq_sig_all: sq_sig_all != 0,
-        max_inline: max_inline.min(cap.max_inline_data.max(0)),
+        max_inline: max_inline.min(cap.max_inline_data),
     });
     let qp_num = q.inner.qp_num();
     let raw = Box::into_raw(q);
