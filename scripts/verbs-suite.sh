@@ -123,6 +123,10 @@ perf "ib_write_lat" ib_write_lat -s 8 -n 500
 perf "ib_read_lat" ib_read_lat -s 8 -n 500
 perf "ib_send_lat" ib_send_lat -s 8 -n 500
 perf "ib_atomic_bw" ib_atomic_bw -n 200
+perf "ib_write_bw -q 4" ib_write_bw -s 65536 -n 200 -q 4
+perf "ib_send_bw -e (completion events)" ib_send_bw -s 65536 -n 200 -e
+perf "ib_send_lat -e (completion events)" ib_send_lat -s 8 -n 200 -e
+perf "ib_send_bw --use-srq" ib_send_bw -s 4096 -n 200 --use-srq
 perf "ib_write_bw -a" ib_write_bw -a -n 20
 perf "ib_read_bw -a" ib_read_bw -a -n 20
 perf "ib_send_bw -a" ib_send_bw -a -n 20
