@@ -1,0 +1,3 @@
+//! softrdma sockets direct (in progress).
+#![forbid(unsafe_code)]
+pub mod sdp;
