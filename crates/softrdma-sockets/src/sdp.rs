@@ -534,11 +534,18 @@ pub fn encode_header(msg: &Message, mut hdr: Bsdh, out: &mut [u8; AVAIL_LEN]) ->
 /// Decodes a message of the data phase (`b` is the whole received
 /// message); returns the BSDH, the message and the payload offset.
 pub fn decode(b: &[u8]) -> Result<(Bsdh, Message, usize), ProtocolError> {
+    decode_parts(b, b.len())
+}
+
+/// Like [`decode`], from the first octets of a message (`head`: at least
+/// the fixed part, at most [`AVAIL_LEN`] are looked at) and its total
+/// length, so the payload need not be copied to decode it.
+pub fn decode_parts(b: &[u8], total: usize) -> Result<(Bsdh, Message, usize), ProtocolError> {
     let h = Bsdh::decode(b)?;
-    if h.len as usize != b.len() {
+    if h.len as usize != total {
         return Err(ProtocolError::LengthMismatch {
             bsdh: h.len,
-            got: b.len(),
+            got: total,
         });
     }
     if h.flags != 0 {
@@ -546,10 +553,10 @@ pub fn decode(b: &[u8]) -> Result<(Bsdh, Message, usize), ProtocolError> {
     }
     let mid = h.mid()?;
     let fixed = |n: usize| -> Result<(), ProtocolError> {
-        if b.len() != n {
+        if total != n {
             Err(ProtocolError::LengthMismatch {
                 bsdh: h.len,
-                got: n,
+                got: total,
             })
         } else {
             Ok(())
@@ -557,7 +564,7 @@ pub fn decode(b: &[u8]) -> Result<(Bsdh, Message, usize), ProtocolError> {
     };
     let msg = match mid {
         Mid::Data => Message::Data {
-            payload_len: b.len() - BSDH_LEN,
+            payload_len: total - BSDH_LEN,
         },
         Mid::DisConn => {
             fixed(BSDH_LEN)?;
@@ -583,7 +590,7 @@ pub fn decode(b: &[u8]) -> Result<(Bsdh, Message, usize), ProtocolError> {
             }
             Message::SrcAvail {
                 avail,
-                payload_len: b.len() - AVAIL_LEN,
+                payload_len: total - AVAIL_LEN,
             }
         }
         Mid::RdmaRdCompl => {
@@ -818,13 +825,19 @@ impl Session {
     /// Checks and accounts a received message (`msg` is the whole receive).
     /// An error means the connection must be reset.
     pub fn receive(&mut self, msg: &[u8]) -> Result<Action, ProtocolError> {
-        if msg.len() > self.rcv_size as usize {
+        self.receive_parts(msg, msg.len())
+    }
+
+    /// Like [`receive`](Self::receive), from the message's first octets
+    /// (up to [`AVAIL_LEN`]) and its total length.
+    pub fn receive_parts(&mut self, head: &[u8], total: usize) -> Result<Action, ProtocolError> {
+        if total > self.rcv_size as usize {
             return Err(ProtocolError::TooLong {
-                len: u32::try_from(msg.len()).unwrap_or(u32::MAX),
+                len: u32::try_from(total).unwrap_or(u32::MAX),
                 max: self.rcv_size,
             });
         }
-        let (h, m, off) = decode(msg)?;
+        let (h, m, off) = decode_parts(head, total)?;
         self.credits.on_receive(&h)?;
         if self.close.peer_disconn && !matches!(m, Message::AbortConn | Message::RdmaRdCompl { .. })
         {
