@@ -151,6 +151,9 @@ struct State {
     tx_queue: VecDeque<(u32, usize)>,
     tx_inflight: u32,
     disconn_wanted: bool,
+    /// Link lost (flushed work, QP no longer accepting work): messages
+    /// that completed before are still delivered; then calls fail.
+    link: Option<String>,
     /// First error: later calls report it.
     err: Option<(io::ErrorKind, String)>,
     rd_shut: bool,
@@ -160,6 +163,29 @@ struct State {
     push: bool,
     waiters: u32,
     ready: Option<Readiness>,
+}
+
+impl State {
+    fn failed(&self) -> bool {
+        self.err.is_some() || self.link.is_some()
+    }
+
+    fn link_lost(&mut self, why: impl Into<String>) {
+        if self.link.is_none() {
+            self.link = Some(why.into());
+        }
+    }
+
+    /// The error a call reports: a protocol error or reset first, else a
+    /// lost link.
+    fn error(&self) -> Option<io::Error> {
+        if let Some((k, m)) = &self.err {
+            return Some(io::Error::new(*k, m.clone()));
+        }
+        self.link
+            .as_ref()
+            .map(|m| io::Error::new(io::ErrorKind::ConnectionReset, m.clone()))
+    }
 }
 
 /// An offloaded (SDP) connection. Clones share it.
@@ -333,6 +359,7 @@ impl Offload {
                 tx_inflight: 0,
                 disconn_wanted: false,
                 err: None,
+                link: None,
                 rd_shut: false,
                 wr_shut: false,
                 nodelay: false,
@@ -388,8 +415,8 @@ impl Offload {
             if st.sdp.close.peer_disconn {
                 return Ok(0);
             }
-            if let Some((kind, msg)) = &st.err {
-                return Err(io::Error::new(*kind, msg.clone()));
+            if let Some(e) = st.error() {
+                return Err(e);
             }
             sh.wait(&mut st, nonblocking, deadline)?;
         }
@@ -412,8 +439,8 @@ impl Offload {
                     "connection shut down for writing",
                 ));
             }
-            if let Some((kind, msg)) = &st.err {
-                return Err(io::Error::new(*kind, msg.clone()));
+            if let Some(e) = st.error() {
+                return Err(e);
             }
             if buf.is_empty() {
                 return Ok(0);
@@ -437,8 +464,8 @@ impl Offload {
         sh.flush_tx(&mut st);
         loop {
             sh.progress(&mut st);
-            if let Some((kind, msg)) = &st.err {
-                return Err(io::Error::new(*kind, msg.clone()));
+            if let Some(e) = st.error() {
+                return Err(e);
             }
             if st.tx_queue.is_empty() {
                 return Ok(());
@@ -488,7 +515,7 @@ impl Offload {
 
     pub(crate) fn take_error(&self) -> Option<io::Error> {
         let st = self.sh.st.lock();
-        st.err.as_ref().map(|(k, m)| io::Error::new(*k, m.clone()))
+        st.error()
     }
 
     /// The readiness descriptor (created on first use and kept in sync from
@@ -524,7 +551,7 @@ impl Shared {
     }
 
     fn wants_events(&self, st: &State) -> bool {
-        st.err.is_none()
+        !st.failed()
             && (st.waiters > 0
                 || st.ready.is_some()
                 || !st.tx_queue.is_empty()
@@ -542,9 +569,8 @@ impl Shared {
     }
 
     fn sync_ready(&self, st: &mut State) {
-        let readable =
-            !st.rx.is_empty() || st.sdp.close.peer_disconn || st.err.is_some() || st.rd_shut;
-        let writable = st.err.is_some()
+        let readable = !st.rx.is_empty() || st.sdp.close.peer_disconn || st.failed() || st.rd_shut;
+        let writable = st.failed()
             || st.wr_shut
             || !st.tx_free.is_empty()
             || st
@@ -568,14 +594,7 @@ impl Shared {
                 if wc.opcode == WcOpcode::Send {
                     st.tx_inflight = st.tx_inflight.saturating_sub(1);
                 }
-                if st.err.is_none() {
-                    let kind = if st.sdp.close.peer_disconn && st.sdp.close.local_disconn {
-                        io::ErrorKind::NotConnected
-                    } else {
-                        io::ErrorKind::ConnectionReset
-                    };
-                    st.err = Some((kind, format!("connection lost ({})", wc.status.name())));
-                }
+                st.link_lost(format!("connection lost ({})", wc.status.name()));
                 continue;
             }
             match wc.opcode {
@@ -645,11 +664,7 @@ impl Shared {
             });
         match res {
             Ok(()) => st.sdp.credits.on_repost(1),
-            Err(e) => {
-                if st.err.is_none() {
-                    st.err = Some((io::ErrorKind::ConnectionReset, e));
-                }
-            }
+            Err(e) => st.link_lost(e),
         }
     }
 
@@ -741,7 +756,7 @@ impl Shared {
     /// Sends queued buffers as credits allow; corks a small last buffer
     /// while earlier sends are still queued in the engine (unless NODELAY).
     fn flush_tx(&self, st: &mut State) {
-        if st.err.is_some() {
+        if st.failed() {
             return;
         }
         let max = st.sdp.max_payload();
@@ -775,7 +790,7 @@ impl Shared {
                         .map_err(|e| e.to_string())
                 });
             if let Err(e) = res {
-                st.err = Some((io::ErrorKind::ConnectionReset, e));
+                st.link_lost(e);
                 return;
             }
             st.tx_queue.pop_front();
@@ -801,7 +816,7 @@ impl Shared {
                     .signaled(),
             ) {
                 Ok(()) => st.tx_inflight += 1,
-                Err(e) => st.err = Some((io::ErrorKind::ConnectionReset, e.to_string())),
+                Err(e) => st.link_lost(e.to_string()),
             }
         }
     }
@@ -890,14 +905,14 @@ impl Drop for Shared {
         self.flush_tx(&mut st);
         let deadline = Instant::now() + self.linger;
         while (!st.tx_queue.is_empty() || !st.sdp.close.local_disconn || st.tx_inflight > 0)
-            && st.err.is_none()
+            && !st.failed()
             && Instant::now() < deadline
         {
             if !self.progress(&mut st) {
                 MutexGuard::unlocked(&mut st, || std::thread::sleep(Duration::from_micros(50)));
             }
         }
-        if st.err.is_some() || !st.sdp.close.local_disconn || st.tx_inflight > 0 {
+        if st.failed() || !st.sdp.close.local_disconn || st.tx_inflight > 0 {
             self.qp.abort();
         } else {
             let _ = self.qp.disconnect();
