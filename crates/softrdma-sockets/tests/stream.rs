@@ -253,3 +253,107 @@ fn tcp_mode_is_plain() {
     assert_eq!(c.transport(), Transport::Plain(PlainReason::Policy));
     assert_eq!(s.transport(), Transport::Plain(PlainReason::Policy));
 }
+
+fn poll_fd(fd: i32, events: i16, timeout_ms: i32) -> i16 {
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd on the stack, count 1.
+    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+    assert!(n >= 0);
+    p.revents
+}
+
+#[test]
+fn readiness_fd_follows_data_space_and_eof() {
+    let (mut c, mut s) = offload_pair();
+    let rfd = s.readiness_fd().unwrap();
+    assert_eq!(poll_fd(rfd, libc::POLLIN, 0) & libc::POLLIN, 0);
+    c.write_all(b"wake up").unwrap();
+    c.flush().unwrap();
+    assert_ne!(poll_fd(rfd, libc::POLLIN, 5000) & libc::POLLIN, 0);
+    let mut b = [0u8; 7];
+    s.read_exact(&mut b).unwrap();
+    assert_eq!(poll_fd(rfd, libc::POLLIN, 0) & libc::POLLIN, 0);
+
+    // Writable until the buffers are full, then not; space comes back when
+    // the peer reads.
+    let wfd = c.readiness_fd().unwrap();
+    assert_ne!(poll_fd(wfd, libc::POLLOUT, 0) & libc::POLLOUT, 0);
+    c.set_nonblocking(true).unwrap();
+    let chunk = vec![3u8; 65536];
+    let mut written = 0;
+    while let Ok(n) = c.write(&chunk) {
+        written += n;
+    }
+    assert_eq!(poll_fd(wfd, libc::POLLOUT, 0) & libc::POLLOUT, 0);
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = vec![0u8; written];
+    s.read_exact(&mut got).unwrap();
+    assert_ne!(poll_fd(wfd, libc::POLLOUT, 5000) & libc::POLLOUT, 0);
+
+    // EOF makes it readable.
+    c.shutdown(Shutdown::Write).unwrap();
+    assert_ne!(poll_fd(rfd, libc::POLLIN, 5000) & libc::POLLIN, 0);
+    assert_eq!(s.read(&mut b).unwrap(), 0);
+}
+
+/// Small rings, random sizes and random pauses on both sides, both
+/// directions at once: every byte arrives, no connection error (a Send
+/// without a posted receive would end the connection with a Terminate).
+#[test]
+fn credits_under_random_pacing_never_terminate() {
+    let mut cfg = Config::with_mode(Mode::Offload);
+    cfg.rx_bufs = 4;
+    cfg.tx_bufs = 2;
+    cfg.buf_size = 4096;
+    for round in 0..3u64 {
+        let (c, s) = pair(&cfg, &cfg);
+        assert!(c.transport().is_offloaded());
+        let mut handles = Vec::new();
+        for (dir, (mut w, mut r)) in [(c.try_clone().unwrap(), s.try_clone().unwrap()), (s, c)]
+            .into_iter()
+            .enumerate()
+        {
+            let seed = round * 10 + dir as u64;
+            let data = random_bytes(seed, 400_000);
+            let d = data.clone();
+            handles.push(thread::spawn(move || {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+                let mut off = 0;
+                while off < d.len() {
+                    let n = rng.random_range(1..9000usize).min(d.len() - off);
+                    w.write_all(&d[off..off + n]).unwrap();
+                    off += n;
+                    if rng.random_range(0..20) == 0 {
+                        thread::sleep(Duration::from_micros(rng.random_range(0..2000)));
+                    }
+                }
+                w.flush().unwrap();
+                w
+            }));
+            handles.push(thread::spawn(move || {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed + 5);
+                let mut got = vec![0u8; data.len()];
+                let mut off = 0;
+                while off < got.len() {
+                    let n = rng.random_range(1..7000usize).min(got.len() - off);
+                    let k = r.read(&mut got[off..off + n]).unwrap();
+                    assert!(k > 0);
+                    off += k;
+                    if rng.random_range(0..20) == 0 {
+                        thread::sleep(Duration::from_micros(rng.random_range(0..2000)));
+                    }
+                }
+                assert!(got == data);
+                r
+            }));
+        }
+        let ends: Vec<TcpStream> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for e in &ends {
+            assert!(e.take_error().unwrap().is_none());
+        }
+    }
+}
