@@ -57,7 +57,7 @@ impl Default for Config {
             crc: false,
             probe_timeout: Duration::from_millis(50),
             setup_timeout: Duration::from_secs(5),
-            spin: Duration::from_micros(50),
+            spin: Duration::ZERO,
             linger: Duration::from_secs(5),
         }
     }

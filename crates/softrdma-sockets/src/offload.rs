@@ -25,7 +25,7 @@ use std::os::unix::net::UnixDatagram;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard};
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
 use softrdma_engine::transition::{MpaRole, StreamConnection, SwitchMode, TransitionError};
 use softrdma_engine::{
@@ -162,6 +162,8 @@ struct State {
     /// Send a corked buffer now (flush requested).
     push: bool,
     waiters: u32,
+    /// The CQ is armed (a completion will run the callback).
+    armed: bool,
     ready: Option<Readiness>,
 }
 
@@ -207,7 +209,8 @@ struct Shared {
     /// Duplicate of the kernel socket (the QP owns the original).
     sock: TcpStream,
     st: Mutex<State>,
-    cond: Condvar,
+    /// Wakes sleeping calls: (receiving end polled by them, sending end).
+    waker: (UnixDatagram, UnixDatagram),
 }
 
 impl Offload {
@@ -257,6 +260,9 @@ impl Offload {
                 .map_err(local)?;
         }
         let dup = stream.try_clone().map_err(local)?;
+        let waker = UnixDatagram::pair().map_err(local)?;
+        waker.0.set_nonblocking(true).map_err(local)?;
+        waker.1.set_nonblocking(true).map_err(local)?;
         let ipv = if stream.peer_addr().map(|a| a.is_ipv6()).unwrap_or(false) {
             0x60
         } else {
@@ -365,9 +371,10 @@ impl Offload {
                 nodelay: false,
                 push: false,
                 waiters: 0,
+                armed: false,
                 ready: None,
             }),
-            cond: Condvar::new(),
+            waker,
         });
         let _ = slot.set(Arc::downgrade(&sh));
         {
@@ -399,7 +406,9 @@ impl Offload {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = sh.st.lock();
         loop {
-            sh.progress(&mut st);
+            if st.rx.is_empty() {
+                sh.progress(&mut st);
+            }
             if st.rd_shut || buf.is_empty() {
                 return Ok(0);
             }
@@ -431,8 +440,10 @@ impl Offload {
         let sh = &*self.sh;
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = sh.st.lock();
+        // Completions are only looked at when the buffers are full: the
+        // fast path is a copy and a post.
+        let mut polled = false;
         loop {
-            sh.progress(&mut st);
             if st.wr_shut || st.sdp.close.local_disconn || st.disconn_wanted {
                 return Err(io::Error::new(
                     io::ErrorKind::BrokenPipe,
@@ -451,6 +462,12 @@ impl Offload {
                 sh.after(&mut st);
                 return Ok(n);
             }
+            if !polled {
+                polled = true;
+                sh.progress(&mut st);
+                continue;
+            }
+            polled = false;
             sh.wait(&mut st, nonblocking, deadline)?;
         }
     }
@@ -541,13 +558,24 @@ impl Shared {
     /// Completion callback (engine handler thread).
     fn on_event(&self, cq: &CompletionQueue) {
         let mut st = self.st.lock();
+        st.armed = false;
         self.progress(&mut st);
         if self.wants_events(&st) {
-            let _ = cq.req_notify(false);
-            self.progress(&mut st);
+            self.arm(&mut st, cq);
         }
         self.sync_ready(&mut st);
-        self.cond.notify_all();
+        for _ in 0..st.waiters {
+            let _ = self.waker.1.send(&[1]);
+        }
+    }
+
+    /// Arms the CQ unless it is armed, then looks at the CQ once more
+    /// (completions that came before the arm raise no event).
+    fn arm(&self, st: &mut State, cq: &CompletionQueue) {
+        if !st.armed {
+            st.armed = cq.req_notify(false).is_ok();
+            self.progress(st);
+        }
     }
 
     fn wants_events(&self, st: &State) -> bool {
@@ -562,8 +590,7 @@ impl Shared {
     /// events without calling in, and update the readiness descriptor.
     fn after(&self, st: &mut State) {
         if self.wants_events(st) {
-            let _ = self.cq.req_notify(false);
-            self.progress(st);
+            self.arm(st, &self.cq);
         }
         self.sync_ready(st);
     }
@@ -802,7 +829,8 @@ impl Shared {
         if st.tx_queue.is_empty() && st.disconn_wanted && !st.sdp.close.local_disconn {
             self.send_ctrl(st, &Message::DisConn);
         }
-        if st.sdp.credits.wants_update() && !st.sdp.close.aborted {
+        // After the peer's DisConn it sends no more data: no updates.
+        if st.sdp.credits.wants_update() && !st.sdp.close.aborted && !st.sdp.close.peer_disconn {
             self.send_ctrl(st, &Message::Data { payload_len: 0 });
         }
     }
@@ -839,23 +867,67 @@ impl Shared {
                 return Ok(());
             }
         }
+        // Then sleep on the socket unarmed for a while: this thread keeps
+        // driving the receive path (the engine's receive thread stays away
+        // from a QP whose CQ was polled within the last millisecond), so a
+        // reply needs no thread hand-off.
+        if !st.armed {
+            let passive_until = Instant::now() + PASSIVE;
+            while Instant::now() < passive_until {
+                let ts = rustix::time::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: 900_000,
+                };
+                let fd = &self.sock;
+                MutexGuard::unlocked(st, || {
+                    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+                    let _ = rustix::event::poll(&mut fds, Some(&ts));
+                });
+                if self.progress(st) {
+                    return Ok(());
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
+                }
+            }
+        }
         st.waiters += 1;
-        let _ = self.cq.req_notify(false);
+        if !st.armed {
+            st.armed = self.cq.req_notify(false).is_ok();
+        }
         if self.progress(st) {
             st.waiters -= 1;
             return Ok(());
         }
-        // Sleep until the completion callback wakes us; re-poll at least
-        // every REPOLL as a safety net against a lost completion event
-        // (observed under parallel load: see the crate's README).
+        // Sleep on the kernel socket (new bytes: this thread drives the
+        // receive path itself, no hand-off) and on the waker (the
+        // completion callback saw progress made elsewhere), at most REPOLL
+        // as a safety net against a lost event.
         let now = Instant::now();
         let until = match deadline {
             Some(d) => d.min(now + REPOLL),
             None => now + REPOLL,
         };
-        let woke = !self.cond.wait_until(st, until).timed_out();
-        let timed_out = !woke && deadline.is_some_and(|d| Instant::now() >= d);
-        if !woke && !timed_out && self.progress(st) {
+        let left = until.saturating_duration_since(now);
+        let ts = rustix::time::Timespec {
+            tv_sec: left.as_secs() as i64,
+            tv_nsec: i64::from(left.subsec_nanos()),
+        };
+        let n = MutexGuard::unlocked(st, || {
+            let mut fds = [
+                rustix::event::PollFd::new(&self.sock, rustix::event::PollFlags::IN),
+                rustix::event::PollFd::new(&self.waker.0, rustix::event::PollFlags::IN),
+            ];
+            let n = rustix::event::poll(&mut fds, Some(&ts)).unwrap_or(0);
+            if !fds[1].revents().is_empty() {
+                let mut b = [0u8; 1];
+                let _ = self.waker.0.recv(&mut b);
+            }
+            n
+        });
+        let timed_out = n == 0 && deadline.is_some_and(|d| Instant::now() >= d);
+        let found = self.progress(st);
+        if n == 0 && !timed_out && found {
             LOST_WAKEUPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         st.waiters -= 1;
@@ -865,6 +937,10 @@ impl Shared {
         Ok(())
     }
 }
+
+/// How long a blocked call sleeps on the socket driving the receive path
+/// itself before it hands over to the engine's threads and callback.
+const PASSIVE: Duration = Duration::from_millis(5);
 
 /// Longest sleep of a blocked call before it looks at the CQ again.
 const REPOLL: Duration = Duration::from_millis(10);
@@ -914,8 +990,19 @@ impl Drop for Shared {
         }
         if st.failed() || !st.sdp.close.local_disconn || st.tx_inflight > 0 {
             self.qp.abort();
-        } else {
-            let _ = self.qp.disconnect();
+        } else if self.qp.disconnect().is_ok() {
+            // Wait for the peer's FIN (bounded): if the process exited now,
+            // the kernel would reset a connection whose last octets (a
+            // credit update) were not read, and the peer could lose data.
+            drop(st);
+            while Instant::now() < deadline
+                && !matches!(
+                    self.qp.state(),
+                    softrdma_engine::QpState::Idle | softrdma_engine::QpState::Error
+                )
+            {
+                std::thread::sleep(Duration::from_micros(200));
+            }
         }
     }
 }
