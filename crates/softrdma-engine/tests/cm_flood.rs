@@ -18,31 +18,6 @@ use softrdma_engine::proto::mpa::{Initiator, MpaConfig};
 
 const T: Duration = Duration::from_secs(20);
 
-/// Threads of the process (/proc/self/task) less the data path's close
-/// timers (`softrdma-close`: one sleeping thread per graceful close for up
-/// to the close timeout; not the CM's) and other short-lived threads of
-/// the data path that are already exiting.
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .filter(|c| c.trim() != "softrdma-close")
-        .count()
-}
-
-/// The thread count once transient threads are gone (at most 5 s).
-fn settled_threads(at_most: usize) -> usize {
-    let mut t = threads();
-    for _ in 0..100 {
-        if t <= at_most {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        t = threads();
-    }
-    t
-}
-
 fn serve_one(l: &Listener, dev: &softrdma_engine::Device) -> Duration {
     let a = side(dev, |_| {});
     let b = side(dev, |_| {});
@@ -104,7 +79,8 @@ fn listener_dos_half_open_flood_serves_real_client_without_threads() {
     let during = settled_threads(before);
     assert!(
         during <= before,
-        "threads grew with half-open connections: {before} -> {during}"
+        "threads grew with half-open connections: {before} -> {during}: {:?}",
+        thread_names()
     );
 
     // Real clients are served while the flood holds on (more than the
@@ -115,6 +91,10 @@ fn listener_dos_half_open_flood_serves_real_client_without_threads() {
     }
     assert_eq!(l.handshakes_in_progress(), 200);
     let after = settled_threads(before);
-    assert!(after <= before, "threads grew: {before} -> {after}");
+    assert!(
+        after <= before,
+        "threads grew: {before} -> {after}: {:?}",
+        thread_names()
+    );
     drop(flood);
 }

@@ -97,3 +97,39 @@ pub(crate) fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
 }
+
+/// Threads of the process (/proc/self/task) less the process-wide
+/// singletons that start on first use and then live for good
+/// (`softrdma-timer`, the close timers of every QP; `softrdma-cm`, the
+/// reactor): whether the first one starts before or after the baseline
+/// depends on which side of a warm-up connection closes first, and
+/// neither grows with load.
+pub(crate) fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| !matches!(c.trim(), "softrdma-timer" | "softrdma-cm"))
+        .count()
+}
+
+/// Names of the threads, for failure messages.
+pub(crate) fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect()
+}
+
+/// The thread count once transient threads are gone (at most 5 s).
+pub(crate) fn settled_threads(at_most: usize) -> usize {
+    let mut t = threads();
+    for _ in 0..100 {
+        if t <= at_most {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        t = threads();
+    }
+    t
+}
