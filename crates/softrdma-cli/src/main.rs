@@ -328,7 +328,7 @@ struct PerfArgs {
     #[arg(long, conflicts_with = "connect")]
     server: bool,
     /// Two-process mode: run the test against the `--server` at HOST
-    /// (HOST, HOST:PORT, [IPv6]:PORT).
+    /// (HOST, HOST:PORT, IPV6 in brackets:PORT).
     #[arg(long, value_name = "HOST[:PORT]")]
     connect: Option<String>,
     /// TCP port of the two-process mode (0 on a server: any free port).

@@ -89,7 +89,7 @@
 //! # Asynchronous events
 //!
 //! Errors of QPs, CQs and the device go to the device's
-//! [`AsyncEventQueue`](crate::AsyncEventQueue)
+//! [`AsyncEventQueue`]
 //! ([`Device::async_events`]). With a callback registered
 //! ([`Device::set_async_event_handler`]) they are instead delivered, in
 //! order, to the callback, which runs on the device's asynchronous event

@@ -3,7 +3,7 @@
 //! The RDMA "device" in software: protection domains, memory regions and
 //! windows, completion queues, shared receive queues, queue pairs, and the
 //! data path (direct sending, datamovers, direct placement). All IO and all
-//! `unsafe` of softrdma live here, in the [`sys`] module, each block with a
+//! `unsafe` of softrdma live here, in the private `sys` module, each block with a
 //! `// SAFETY:` comment.
 //!
 //! The protocol rules come from [`softrdma_proto`] and the wire formats from

@@ -1,6 +1,6 @@
 //! Queue pairs (reliable connected, iWARP): creation, states, posting, and the
-//! glue between the transmit path ([`crate::tx`]), the receive path
-//! ([`crate::rx`]), the datamovers and the completion queues.
+//! glue between the transmit path (`datapath::tx`), the receive path
+//! (`datapath::rx`), the datamovers and the completion queues.
 //!
 //! Posting never blocks: a send request is validated, given its place in the
 //! completion order and pushed on a lock-free queue; then the posting thread
