@@ -641,9 +641,9 @@ impl Ep {
         let mut sq = self.inner.sq.lock();
         let n = sq.len();
         sq.extend(entries);
-        if let Err((i, e)) = self.inner.qp.post_send_list(wrs) {
-            sq.truncate(n + i);
-            return Err(post_err(&e.to_string()));
+        if let Err(e) = self.inner.qp.post_send_list(wrs) {
+            sq.truncate(n + e.index);
+            return Err(post_err(&e.error.to_string()));
         }
         Ok(())
     }

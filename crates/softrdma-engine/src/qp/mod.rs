@@ -211,6 +211,18 @@ pub enum PostSendError {
     },
 }
 
+/// Why [`QueuePair::post_send_list`] stopped: the request at `index` was
+/// refused; the ones before it are posted (ibverbs' `bad_wr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("send request {index} of the list not posted (the {index} before it are): {error}")]
+pub struct PostSendListError {
+    /// Index of the first request not posted.
+    pub index: usize,
+    /// Why it was refused.
+    #[source]
+    pub error: PostSendError,
+}
+
 /// Why a receive request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -798,14 +810,14 @@ impl QueuePair {
     /// ([`PostSendError::InvalidState`]). See [`post_recv`](Self::post_recv).
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
         self.post_send_list(std::slice::from_ref(wr))
-            .map_err(|(_, e)| e)
+            .map_err(|e| e.error)
     }
 
     /// Posts several send-queue requests in order; they are framed and
     /// written together (one vectored write for many small messages). On
-    /// error, returns the index of the first request not posted (the earlier
-    /// ones are posted), like ibverbs' `bad_wr`.
-    pub fn post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostSendError)> {
+    /// error, says which request was not posted (the earlier ones are),
+    /// like ibverbs' `bad_wr`.
+    pub fn post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), PostSendListError> {
         let qp = self.qp();
         let mut posted = 0usize;
         let mut result = Ok(());
@@ -813,7 +825,7 @@ impl QueuePair {
             match qp.post_one(wr) {
                 Ok(()) => posted += 1,
                 Err(e) => {
-                    result = Err((i, e));
+                    result = Err(PostSendListError { index: i, error: e });
                     break;
                 }
             }
