@@ -101,6 +101,10 @@ pub enum CreateCqError {
     /// A CQ delivers its events either to a channel or to a callback.
     #[error("a completion queue takes a completion channel or a callback, not both")]
     ChannelAndCallback,
+    /// The thread of the CQ's completion event handler could not be
+    /// started (handler threads start with the first CQ with a callback).
+    #[error("cannot start the completion event handler thread: {0}")]
+    Thread(#[source] io::Error),
 }
 
 impl From<BindError> for CreateCqError {
@@ -329,6 +333,9 @@ impl<'a> CqBuilder<'a> {
             return Err(CreateCqError::ChannelAndCallback);
         }
         let handler = device.handlers().choose(self.binding)?;
+        if self.callback.is_some() {
+            handler.start().map_err(CreateCqError::Thread)?;
+        }
         let polled = Arc::new(PollCounter::default());
         handler.bind(&polled);
         Ok(CompletionQueue {
@@ -591,6 +598,9 @@ impl CompletionQueue {
             ARM_NEXT
         };
         self.shared.arm.fetch_max(want, Ordering::SeqCst);
+        // The application's next poll (an Acquire load in the ring) must not
+        // be satisfied before the arm is visible: see `push`.
+        std::sync::atomic::fence(Ordering::SeqCst);
         self.notify_armed();
         Ok(())
     }
@@ -680,8 +690,14 @@ impl CompletionQueue {
             }
             return Err(CqOverflow { cq_id: shared.id });
         }
-        // SeqCst pairs with req_notify: either this load sees the arm, or the
-        // application's poll after arming sees the completion.
+        // Pairs with the fence in req_notify: either this load sees the arm,
+        // or the application's poll after arming sees the completion. The
+        // fence is needed: the ring publishes the completion with a Release
+        // store, and a Release store followed by a SeqCst load may be
+        // reordered (on x86 the store waits in the store buffer while the
+        // load reads the old arm), so both sides could miss each other and
+        // the event was lost (an armed, empty-looking CQ that never woke).
+        std::sync::atomic::fence(Ordering::SeqCst);
         let arm = shared.arm.load(Ordering::SeqCst);
         let wakes = match arm {
             ARM_NONE => false,

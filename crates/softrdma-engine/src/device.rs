@@ -23,15 +23,19 @@ pub const DEFAULT_DEVICE_NAME: &str = "softrdma0";
 pub struct DeviceConfig {
     /// Device name (reported by [`Device::name`]).
     pub name: String,
-    /// CPUs that run a datamover (transmit) thread each. Empty: one per CPU
-    /// the process may run on.
+    /// CPUs that run a datamover (transmit) thread each. Empty: one per
+    /// usable CPU (the CPUs of the affinity mask, at most as many as the
+    /// cgroup CPU quota lets the process keep busy).
     pub datamover_cpus: Vec<usize>,
     /// Pin datamover, receive and completion event handler threads to their
-    /// CPU.
+    /// CPU. Off by default: on a machine shared with other work, a pinned
+    /// thread waits for its CPU even when another one is idle (the
+    /// scheduler cannot move it), which turns a busy neighbour into
+    /// millisecond stalls.
     pub pin_threads: bool,
     /// CPUs that run a completion event handler thread each (handler `i`
     /// runs on `handler_cpus[i]`; a CPU may appear twice). Empty: one per
-    /// CPU the process may run on. See [`crate::handlers`].
+    /// usable CPU (as for `datamover_cpus`). See [`crate::handlers`].
     pub handler_cpus: Vec<usize>,
     /// How CQs created without an explicit binding choose their handler.
     pub handler_policy: HandlerPolicy,
@@ -59,7 +63,7 @@ impl Default for DeviceConfig {
         DeviceConfig {
             name: DEFAULT_DEVICE_NAME.to_string(),
             datamover_cpus: Vec::new(),
-            pin_threads: true,
+            pin_threads: false,
             slice_size: 4096,
             force_datamover: false,
             poll_driven_receive: true,
@@ -213,7 +217,7 @@ impl Device {
             ));
         }
         let datamovers = if config.datamover_cpus.is_empty() {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
+            crate::sys::io::usable_cpus().len()
         } else {
             config.datamover_cpus.len()
         };

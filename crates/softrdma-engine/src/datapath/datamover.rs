@@ -27,7 +27,7 @@ use polling::Events;
 
 use crate::device::DeviceConfig;
 use crate::qp::QpInner;
-use crate::sys::io::{allowed_cpus, pin_current_thread};
+use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
 use crate::sys::poll::{Interest, Reactor};
 use crate::tx::TxOutcome;
 
@@ -76,7 +76,7 @@ impl Threads {
     /// Starts the threads for `config`.
     pub(crate) fn start(config: &DeviceConfig) -> std::io::Result<Threads> {
         let cpus = if config.datamover_cpus.is_empty() {
-            allowed_cpus()
+            usable_cpus()
         } else {
             config.datamover_cpus.clone()
         };
@@ -102,15 +102,13 @@ impl Threads {
             let pin = config.pin_threads;
             {
                 let dm = dm.clone();
-                std::thread::Builder::new()
-                    .name(format!("softrdma-dm{i}"))
-                    .spawn(move || run_datamover(&dm, slice, pin))?;
+                spawn_engine_thread(format!("softrdma-dm{i}"), move || {
+                    run_datamover(&dm, slice, pin);
+                })?;
             }
             {
                 let rx = rx.clone();
-                std::thread::Builder::new()
-                    .name(format!("softrdma-rx{i}"))
-                    .spawn(move || run_rx(&rx, cpu, pin))?;
+                spawn_engine_thread(format!("softrdma-rx{i}"), move || run_rx(&rx, cpu, pin))?;
             }
             dms.push(dm);
             rxs.push(rx);
