@@ -42,12 +42,15 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
 use crate::handlers::{BindError, Binding, Handler, HandlerId, PollCounter};
 use crate::wc::WorkCompletion;
+
+/// Longest single sleep of [`CompletionQueue::wait`] before it looks again.
+const SLEEP_MAX: Duration = Duration::from_millis(50);
 
 /// Identifiers of completion queues, unique in the process.
 static NEXT_CQ_ID: AtomicU32 = AtomicU32::new(1);
@@ -215,6 +218,11 @@ struct CqShared {
     polled: Arc<PollCounter>,
     /// The proxy this CQ belongs to ([`CqBuilder::proxy`]), by id.
     proxy: Option<u32>,
+    /// Threads asleep in [`CompletionQueue::wait`]; a push wakes them.
+    sleepers: AtomicU32,
+    /// What sleepers in `wait` sleep on (the lock closes the window between
+    /// their last look at the ring and the sleep).
+    sleep: (Mutex<()>, Condvar),
 }
 
 impl Drop for CqShared {
@@ -352,6 +360,8 @@ impl<'a> CqBuilder<'a> {
                 callback: self.callback.map(Mutex::new),
                 polled,
                 proxy: self.proxy,
+                sleepers: AtomicU32::new(0),
+                sleep: (Mutex::new(()), Condvar::new()),
             }),
         })
     }
@@ -541,6 +551,86 @@ impl CompletionQueue {
         (self.poll(&mut one) == 1).then_some(one[0])
     }
 
+    /// Polls until a completion comes or `timeout` has passed (`None`: no
+    /// limit); returns how many were taken (0: timed out). Made for
+    /// applications that would otherwise busy-poll [`poll`](Self::poll) in
+    /// a loop, and for shared machines:
+    ///
+    /// 1. it busy-polls for
+    ///    [`DeviceConfig::poll_spin`](crate::DeviceConfig::poll_spin)
+    ///    (driving the receive path itself, no thread hand-off), yielding
+    ///    the CPU every
+    ///    [`DeviceConfig::poll_yield_every`](crate::DeviceConfig::poll_yield_every)
+    ///    empty polls so that a thread it waits for can run on the same CPU;
+    /// 2. then it sleeps until a completion is pushed: the QPs' receive
+    ///    threads watch their sockets again, and the push wakes the sleeper
+    ///    (the wake-up of a sleeping thread is what a blocking TCP receive
+    ///    gets too, and the scheduler favours it on a busy CPU).
+    ///
+    /// Needs no completion channel and does not arm the CQ (an armed CQ
+    /// still raises its event).
+    pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
+        if out.is_empty() {
+            return 0;
+        }
+        let start = crate::sys::clock::now();
+        let deadline = timeout.and_then(|t| start.checked_add(t));
+        let config = self.shared.device.config();
+        let spin_until = start + config.poll_spin.min(timeout.unwrap_or(Duration::MAX));
+        let yield_every = config.poll_yield_every;
+        let mut empty = 0u32;
+        loop {
+            let n = self.poll(out);
+            if n > 0 {
+                return n;
+            }
+            let now = crate::sys::clock::now();
+            if now >= spin_until {
+                break;
+            }
+            empty = empty.wrapping_add(1);
+            if yield_every > 0 && empty.is_multiple_of(yield_every) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        let shared = &*self.shared;
+        loop {
+            let now = crate::sys::clock::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return 0;
+            }
+            shared.sleepers.fetch_add(1, Ordering::SeqCst);
+            // From here a push wakes us: hand the sockets back to the
+            // receive threads, then look once more (receive progress as an
+            // armed waiter: it does not claim the sockets for polling).
+            self.notify_armed();
+            let mut n = self.poll_ring(out);
+            if n == 0 && config.poll_driven_receive && self.run_progress_as(true) {
+                n = self.poll_ring(out);
+            }
+            if n == 0 {
+                let mut g = shared.sleep.0.lock();
+                if shared.ring.read().is_empty() {
+                    // Bounded sleep: a completion produced without a push
+                    // (never, today) costs at most this long.
+                    let nap = deadline
+                        .map_or(SLEEP_MAX, |d| d.saturating_duration_since(now))
+                        .min(SLEEP_MAX);
+                    shared.sleep.1.wait_for(&mut g, nap);
+                }
+                drop(g);
+                n = self.poll_ring(out);
+            }
+            shared.sleepers.fetch_sub(1, Ordering::SeqCst);
+            if n > 0 {
+                self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+                return n;
+            }
+        }
+    }
+
     fn poll_ring(&self, out: &mut [WorkCompletion]) -> usize {
         let ring = self.shared.ring.read();
         let mut n = 0;
@@ -557,6 +647,11 @@ impl CompletionQueue {
     }
 
     fn run_progress(&self) -> bool {
+        let armed = self.shared.arm.load(Ordering::Relaxed) != 0;
+        self.run_progress_as(armed)
+    }
+
+    fn run_progress_as(&self, armed: bool) -> bool {
         let hooks = {
             let hooks = self.shared.progress.read();
             if hooks.is_empty() {
@@ -564,7 +659,6 @@ impl CompletionQueue {
             }
             Arc::clone(&hooks)
         };
-        let armed = self.shared.arm.load(Ordering::Relaxed) != 0;
         let mut any = false;
         for hook in hooks.iter() {
             if let Some(hook) = hook.upgrade() {
@@ -699,6 +793,12 @@ impl CompletionQueue {
         // the event was lost (an armed, empty-looking CQ that never woke).
         std::sync::atomic::fence(Ordering::SeqCst);
         let arm = shared.arm.load(Ordering::SeqCst);
+        if shared.sleepers.load(Ordering::SeqCst) > 0 {
+            // Taking the lock waits for a sleeper between its last look at
+            // the ring and its sleep.
+            let _g = shared.sleep.0.lock();
+            shared.sleep.1.notify_all();
+        }
         let wakes = match arm {
             ARM_NONE => false,
             ARM_SOLICITED => solicited || !wc.status.is_success(),

@@ -53,6 +53,16 @@ pub struct DeviceConfig {
     /// finds the CQ empty (busy-polling applications get data without a
     /// thread hand-off).
     pub poll_driven_receive: bool,
+    /// How long [`CompletionQueue::wait`](crate::CompletionQueue::wait)
+    /// busy-polls before it sleeps until a completion is pushed. Default
+    /// 50 µs: long enough that a ping-pong partner on another CPU answers
+    /// while we spin, short enough that a waiter on a busy machine gives
+    /// its CPU back quickly. `Duration::MAX`: spin until the timeout.
+    pub poll_spin: Duration,
+    /// While busy-polling in `wait`, yield the CPU (`sched_yield`) every
+    /// this many empty polls, so a thread the poller waits for (its peer,
+    /// a datamover) can run on the same CPU. 0: never yield.
+    pub poll_yield_every: u32,
     /// How many events the async event queue holds before it drops new ones
     /// (see [`AsyncEventQueue`]).
     pub async_event_capacity: usize,
@@ -67,6 +77,8 @@ impl Default for DeviceConfig {
             slice_size: 4096,
             force_datamover: false,
             poll_driven_receive: true,
+            poll_spin: Duration::from_micros(50),
+            poll_yield_every: 64,
             handler_cpus: Vec::new(),
             handler_policy: HandlerPolicy::default(),
             handler_spin: Duration::ZERO,
