@@ -203,8 +203,12 @@ impl End {
 
     /// Polls; in event mode sleeps on the channel when the CQ is empty.
     fn poll(&self, buf: &mut [WorkCompletion]) -> Result<usize, PerfError> {
+        let Some(ch) = &self.ch else {
+            // Busy-polls for the device's `poll_spin`, then sleeps until a
+            // completion comes (at most 1 ms, so callers' watchdogs run).
+            return Ok(self.cq.wait(buf, Some(Duration::from_millis(1))));
+        };
         let k = self.cq.poll(buf);
-        let Some(ch) = &self.ch else { return Ok(k) };
         if k > 0 {
             return Ok(k);
         }
