@@ -42,15 +42,16 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 
 use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
 use crate::handlers::{BindError, Binding, Handler, HandlerId, PollCounter};
+use crate::sys::fd::EventFd;
 use crate::wc::WorkCompletion;
 
 /// Longest single sleep of [`CompletionQueue::wait`] before it looks again.
-const SLEEP_MAX: Duration = Duration::from_millis(50);
+const SLEEP_MAX: Duration = Duration::from_millis(10);
 
 /// Identifiers of completion queues, unique in the process.
 static NEXT_CQ_ID: AtomicU32 = AtomicU32::new(1);
@@ -78,6 +79,12 @@ pub(crate) trait Progress: Send + Sync {
     /// The CQ was armed: its owner is about to wait for an event instead of
     /// polling, so receive threads must watch the QP's socket again.
     fn armed(&self) {}
+
+    /// The socket a waiter may sleep on for this QP's incoming bytes (see
+    /// [`CompletionQueue::wait`]); `None` if there is none to watch.
+    fn fd(&self) -> Option<RawFd> {
+        None
+    }
 }
 
 /// Why a completion queue could not be created.
@@ -220,9 +227,9 @@ struct CqShared {
     proxy: Option<u32>,
     /// Threads asleep in [`CompletionQueue::wait`]; a push wakes them.
     sleepers: AtomicU32,
-    /// What sleepers in `wait` sleep on (the lock closes the window between
-    /// their last look at the ring and the sleep).
-    sleep: (Mutex<()>, Condvar),
+    /// Signalled by a push while someone sleeps in `wait` (created by the
+    /// first wait that sleeps).
+    wake: std::sync::OnceLock<Option<EventFd>>,
 }
 
 impl Drop for CqShared {
@@ -361,7 +368,7 @@ impl<'a> CqBuilder<'a> {
                 polled,
                 proxy: self.proxy,
                 sleepers: AtomicU32::new(0),
-                sleep: (Mutex::new(()), Condvar::new()),
+                wake: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -562,10 +569,14 @@ impl CompletionQueue {
     ///    the CPU every
     ///    [`DeviceConfig::poll_yield_every`](crate::DeviceConfig::poll_yield_every)
     ///    empty polls so that a thread it waits for can run on the same CPU;
-    /// 2. then it sleeps until a completion is pushed: the QPs' receive
-    ///    threads watch their sockets again, and the push wakes the sleeper
-    ///    (the wake-up of a sleeping thread is what a blocking TCP receive
-    ///    gets too, and the scheduler favours it on a busy CPU).
+    /// 2. then it sleeps in `poll(2)` on the sockets of the CQ's QPs and on
+    ///    an event fd that pushes from other threads signal (send
+    ///    completions written by a datamover). Bytes arriving wake this
+    ///    thread, which runs the receive path itself: no receive-thread
+    ///    hand-off, one wake-up, as a blocking TCP `read` has (and the
+    ///    scheduler favours a woken thread on a busy CPU). Without
+    ///    [`DeviceConfig::poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
+    ///    the receive threads watch the sockets and the push wakes it.
     ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
@@ -596,36 +607,58 @@ impl CompletionQueue {
             }
         }
         let shared = &*self.shared;
+        let wake = shared.wake.get_or_init(|| EventFd::new().ok());
         loop {
             let now = crate::sys::clock::now();
             if deadline.is_some_and(|d| now >= d) {
                 return 0;
             }
-            shared.sleepers.fetch_add(1, Ordering::SeqCst);
-            // From here a push wakes us: hand the sockets back to the
-            // receive threads, then look once more (receive progress as an
-            // armed waiter: it does not claim the sockets for polling).
-            self.notify_armed();
-            let mut n = self.poll_ring(out);
-            if n == 0 && config.poll_driven_receive && self.run_progress_as(true) {
-                n = self.poll_ring(out);
+            let nap = deadline
+                .map_or(SLEEP_MAX, |d| d.saturating_duration_since(now))
+                .min(SLEEP_MAX);
+            if let Some(wake) = wake {
+                wake.drain();
             }
+            // From here a push signals `wake`.
+            shared.sleepers.fetch_add(1, Ordering::SeqCst);
+            let mut n = self.poll(out);
             if n == 0 {
-                let mut g = shared.sleep.0.lock();
-                if shared.ring.read().is_empty() {
-                    // Bounded sleep: a completion produced without a push
-                    // (never, today) costs at most this long.
-                    let nap = deadline
-                        .map_or(SLEEP_MAX, |d| d.saturating_duration_since(now))
-                        .min(SLEEP_MAX);
-                    shared.sleep.1.wait_for(&mut g, nap);
+                // Sleep on the QPs' sockets and on `wake`: bytes arriving
+                // wake this thread, which then runs the receive path itself
+                // (no receive-thread hand-off); completions pushed by other
+                // threads (send completions, another poller) signal `wake`.
+                // The receive threads leave these sockets to us while we
+                // poll (`last_poll`).
+                let hooks: Vec<Arc<dyn Progress>> = shared
+                    .progress
+                    .read()
+                    .iter()
+                    .filter_map(Weak::upgrade)
+                    .collect();
+                let mut fds: Vec<RawFd> = Vec::with_capacity(hooks.len() + 1);
+                if config.poll_driven_receive && wake.is_some() {
+                    // QPs without a socket to watch receive nothing.
+                    fds.extend(hooks.iter().filter_map(|h| h.fd()));
+                } else {
+                    // This thread will not run the receive path: hand the
+                    // sockets to the receive threads.
+                    self.notify_armed();
                 }
-                drop(g);
-                n = self.poll_ring(out);
+                if let Some(wake) = wake {
+                    fds.push(wake.as_raw_fd());
+                }
+                if fds.is_empty() {
+                    std::thread::sleep(nap.min(Duration::from_micros(100)));
+                } else {
+                    // The hooks (and so the QPs owning the sockets) stay
+                    // alive until after the wait.
+                    let _ = crate::sys::poll::wait_readable(&fds, nap);
+                }
+                drop(hooks);
+                n = self.poll(out);
             }
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
             if n > 0 {
-                self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
                 return n;
             }
         }
@@ -793,11 +826,10 @@ impl CompletionQueue {
         // the event was lost (an armed, empty-looking CQ that never woke).
         std::sync::atomic::fence(Ordering::SeqCst);
         let arm = shared.arm.load(Ordering::SeqCst);
-        if shared.sleepers.load(Ordering::SeqCst) > 0 {
-            // Taking the lock waits for a sleeper between its last look at
-            // the ring and its sleep.
-            let _g = shared.sleep.0.lock();
-            shared.sleep.1.notify_all();
+        if shared.sleepers.load(Ordering::SeqCst) > 0
+            && let Some(Some(wake)) = shared.wake.get()
+        {
+            wake.signal();
         }
         let wakes = match arm {
             ARM_NONE => false,

@@ -159,6 +159,16 @@ impl Threads {
         let _ = rx.reactor.arm(fd, key, Interest::Read);
     }
 
+    /// The socket of a connected QP whose receive path is watched (for a
+    /// CQ waiter that sleeps on it).
+    pub(crate) fn rx_fd(&self, qp: &QpInner) -> Option<RawFd> {
+        if !qp.rx_registered.load(Ordering::Acquire) {
+            return None;
+        }
+        let rx = self.rxs.get(qp.datamover)?;
+        rx.qps.lock().get(&(qp.qp_num as usize)).map(|(_, fd)| *fd)
+    }
+
     /// Wakes receive thread `idx` so it re-checks the QPs it left to CQ
     /// pollers.
     pub(crate) fn wake_rx(&self, idx: usize) {

@@ -1071,6 +1071,10 @@ impl Progress for QpInner {
         }
     }
 
+    fn fd(&self) -> Option<std::os::fd::RawFd> {
+        self.device.threads().rx_fd(self)
+    }
+
     fn progress(&self, armed: bool) -> bool {
         if !self.device.config().poll_driven_receive {
             return false;
