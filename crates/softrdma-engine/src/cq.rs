@@ -80,9 +80,11 @@ pub(crate) trait Progress: Send + Sync {
     /// polling, so receive threads must watch the QP's socket again.
     fn armed(&self) {}
 
-    /// The socket a waiter may sleep on for this QP's incoming bytes (see
-    /// [`CompletionQueue::wait`]); `None` if there is none to watch.
-    fn fd(&self) -> Option<RawFd> {
+    /// The socket a waiter sleeps on for this QP's incoming bytes until
+    /// `until_ns` (see [`CompletionQueue::wait`]; the receive thread leaves
+    /// it alone meanwhile); `None` if there is none to watch. Called with
+    /// `None` when the waiter woke up.
+    fn sleep_on(&self, _until_ns: Option<u64>) -> Option<RawFd> {
         None
     }
 }
@@ -636,9 +638,12 @@ impl CompletionQueue {
                     .filter_map(Weak::upgrade)
                     .collect();
                 let mut fds: Vec<RawFd> = Vec::with_capacity(hooks.len() + 1);
-                if config.poll_driven_receive && wake.is_some() {
+                let on_sockets = config.poll_driven_receive && wake.is_some();
+                if on_sockets {
                     // QPs without a socket to watch receive nothing.
-                    fds.extend(hooks.iter().filter_map(|h| h.fd()));
+                    let until = crate::datamover::now_ns()
+                        .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX));
+                    fds.extend(hooks.iter().filter_map(|h| h.sleep_on(Some(until))));
                 } else {
                     // This thread will not run the receive path: hand the
                     // sockets to the receive threads.
@@ -653,6 +658,11 @@ impl CompletionQueue {
                     // The hooks (and so the QPs owning the sockets) stay
                     // alive until after the wait.
                     let _ = crate::sys::poll::wait_readable(&fds, nap);
+                }
+                if on_sockets {
+                    for h in &hooks {
+                        let _ = h.sleep_on(None);
+                    }
                 }
                 drop(hooks);
                 n = self.poll(out);

@@ -159,14 +159,24 @@ impl Threads {
         let _ = rx.reactor.arm(fd, key, Interest::Read);
     }
 
-    /// The socket of a connected QP whose receive path is watched (for a
-    /// CQ waiter that sleeps on it).
-    pub(crate) fn rx_fd(&self, qp: &QpInner) -> Option<RawFd> {
+    /// The socket of a connected QP, for a CQ waiter that sleeps on it
+    /// until `until_ns` (on the [`now_ns`] clock): meanwhile the receive
+    /// thread leaves the socket to the waiter (two threads woken by the
+    /// same bytes would fight for the receive lock). `None`: the waiter is
+    /// awake again and polls (the usual quiet period applies).
+    pub(crate) fn claim_rx(&self, qp: &QpInner, until_ns: Option<u64>) -> Option<RawFd> {
         if !qp.rx_registered.load(Ordering::Acquire) {
             return None;
         }
         let rx = self.rxs.get(qp.datamover)?;
-        rx.qps.lock().get(&(qp.qp_num as usize)).map(|(_, fd)| *fd)
+        let fd = rx
+            .qps
+            .lock()
+            .get(&(qp.qp_num as usize))
+            .map(|(_, fd)| *fd)?;
+        qp.last_poll
+            .store(until_ns.unwrap_or_else(now_ns), Ordering::Relaxed);
+        Some(fd)
     }
 
     /// Wakes receive thread `idx` so it re-checks the QPs it left to CQ

@@ -1071,8 +1071,8 @@ impl Progress for QpInner {
         }
     }
 
-    fn fd(&self) -> Option<std::os::fd::RawFd> {
-        self.device.threads().rx_fd(self)
+    fn sleep_on(&self, until_ns: Option<u64>) -> Option<std::os::fd::RawFd> {
+        self.device.threads().claim_rx(self, until_ns)
     }
 
     fn progress(&self, armed: bool) -> bool {
