@@ -541,17 +541,33 @@ impl CompletionQueue {
     /// the calling thread first processes whatever the QPs using this CQ
     /// have received (without blocking), then looks again.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
+        self.poll_progress(out).0
+    }
+
+    /// `poll`, and whether the receive path took in bytes.
+    fn poll_progress(&self, out: &mut [WorkCompletion]) -> (usize, bool) {
         if out.is_empty() {
-            return 0;
+            return (0, false);
         }
         let mut n = self.poll_ring(out);
+        let mut progressed = false;
         if n == 0 && self.shared.device.config().poll_driven_receive && self.run_progress() {
+            progressed = true;
             n = self.poll_ring(out);
         }
         if n > 0 {
             self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
         }
-        n
+        (n, progressed)
+    }
+
+    /// Like [`wait`](Self::wait), but also returns (0) as soon as the
+    /// receive path took in bytes from a QP of this CQ, completion or not:
+    /// for applications that poll memory for a peer's RDMA Write (which
+    /// raises no completion at the target), so they can look at the memory
+    /// and still sleep instead of spinning when nothing comes.
+    pub fn wait_progress(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
+        self.wait_inner(out, timeout, true)
     }
 
     /// The oldest completion, if any (see [`poll`](Self::poll)).
@@ -583,6 +599,15 @@ impl CompletionQueue {
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
+        self.wait_inner(out, timeout, false)
+    }
+
+    fn wait_inner(
+        &self,
+        out: &mut [WorkCompletion],
+        timeout: Option<Duration>,
+        on_progress: bool,
+    ) -> usize {
         if out.is_empty() {
             return 0;
         }
@@ -593,8 +618,8 @@ impl CompletionQueue {
         let yield_every = config.poll_yield_every;
         let mut empty = 0u32;
         loop {
-            let n = self.poll(out);
-            if n > 0 {
+            let (n, progressed) = self.poll_progress(out);
+            if n > 0 || (on_progress && progressed) {
                 return n;
             }
             let now = crate::sys::clock::now();
@@ -623,8 +648,8 @@ impl CompletionQueue {
             }
             // From here a push signals `wake`.
             shared.sleepers.fetch_add(1, Ordering::SeqCst);
-            let mut n = self.poll(out);
-            if n == 0 {
+            let (mut n, mut progressed) = self.poll_progress(out);
+            if n == 0 && !(on_progress && progressed) {
                 // Sleep on the QPs' sockets and on `wake`: bytes arriving
                 // wake this thread, which then runs the receive path itself
                 // (no receive-thread hand-off); completions pushed by other
@@ -665,10 +690,10 @@ impl CompletionQueue {
                     }
                 }
                 drop(hooks);
-                n = self.poll(out);
+                (n, progressed) = self.poll_progress(out);
             }
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
-            if n > 0 {
+            if n > 0 || (on_progress && progressed) {
                 return n;
             }
         }

@@ -75,3 +75,47 @@ fn a_sleeping_waiter_is_woken_by_each_completion() {
         assert_eq!(got, want, "poll-driven receive {poll_driven}");
     }
 }
+
+/// `wait_progress` returns when a peer's RDMA Write was placed (no
+/// completion at the target), so a memory poller can sleep.
+#[test]
+fn wait_progress_returns_when_a_write_lands() {
+    let p = common::pair_with(device(Duration::ZERO, true), false, |_| {});
+    let src = common::mr(&p.a, 64);
+    let dst = common::mr(&p.b, 64);
+    for round in 1..=50u8 {
+        src.write(0, &[round; 8]).unwrap();
+        p.a.qp
+            .post_send(
+                &SendWr::new(
+                    u64::from(round),
+                    SendOp::Write {
+                        remote_addr: dst.addr(),
+                        rkey: dst.rkey(),
+                    },
+                )
+                .sg_list(&[src.sge(0, 8).unwrap()])
+                .signaled(),
+            )
+            .unwrap();
+        let mut b = [0u8; 8];
+        let mut calls = 0;
+        loop {
+            dst.read(0, &mut b).unwrap();
+            if b == [round; 8] {
+                break;
+            }
+            calls += 1;
+            assert!(calls < 1000, "round {round}: the Write never landed");
+            // Returns once bytes came in (or, if the receive thread took
+            // them first, after the timeout): never with a completion, the
+            // target of a Write gets none.
+            assert_eq!(
+                p.b.cq
+                    .wait_progress(&mut wcs(), Some(Duration::from_secs(2))),
+                0
+            );
+        }
+        assert_eq!(p.a.cq.wait(&mut wcs(), Some(Duration::from_secs(10))), 1);
+    }
+}

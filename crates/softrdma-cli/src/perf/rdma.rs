@@ -201,6 +201,13 @@ impl End {
         self.mr(n.len, n.access)
     }
 
+    /// Polls while the peer's Writes are polled for in memory: returns on a
+    /// completion or as soon as bytes came in, busy-polling for the
+    /// device's `poll_spin`, then sleeping on the sockets (at most 1 ms).
+    fn poll_mem(&self, buf: &mut [WorkCompletion]) -> usize {
+        self.cq.wait_progress(buf, Some(Duration::from_millis(1)))
+    }
+
     /// Polls; in event mode sleeps on the channel when the CQ is empty.
     fn poll(&self, buf: &mut [WorkCompletion]) -> Result<usize, PerfError> {
         let Some(ch) = &self.ch else {
@@ -443,7 +450,7 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
     let (mut got, mut target) = (0u64, u64::MAX);
     loop {
         let k = if p.mode == Mode::Lat && p.test == Test::Write {
-            s.end.cq.poll(&mut buf)
+            s.end.poll_mem(&mut buf)
         } else {
             s.end.poll(&mut buf)?
         };
@@ -511,9 +518,6 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
         }
         if got >= target {
             return Ok(got);
-        }
-        if k == 0 {
-            std::hint::spin_loop();
         }
     }
 }
@@ -812,7 +816,7 @@ fn write_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
         let dog = Watchdog::new("the peer's Write", p.timeout);
         let mut b1 = [0u8; 1];
         loop {
-            let k = a.end.cq.poll(&mut buf);
+            let k = a.end.poll_mem(&mut buf);
             for wc in &buf[..k] {
                 a.end.check(wc)?;
             }
