@@ -407,6 +407,7 @@ fn device(p: &Params) -> Result<Device, PerfError> {
     cfg.force_datamover = p.force_datamover;
     if p.spin {
         cfg.poll_spin = Duration::MAX;
+        cfg.poll_yield_every = 0;
     }
     Device::open_with(cfg).map_err(eng)
 }
