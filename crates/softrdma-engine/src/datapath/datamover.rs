@@ -165,7 +165,15 @@ impl Threads {
     /// same bytes would fight for the receive lock). `None`: the waiter is
     /// awake again and polls (the usual quiet period applies).
     pub(crate) fn claim_rx(&self, qp: &QpInner, until_ns: Option<u64>) -> Option<RawFd> {
-        if !qp.rx_registered.load(Ordering::Acquire) {
+        // A QP that no longer receives (closed, in error) may have a socket
+        // at end of file: always readable, it would wake the waiter at once,
+        // again and again.
+        if !qp.rx_registered.load(Ordering::Acquire)
+            || !matches!(
+                qp.state(),
+                crate::state::QpState::Rts | crate::state::QpState::Closing
+            )
+        {
             return None;
         }
         let rx = self.rxs.get(qp.datamover)?;
