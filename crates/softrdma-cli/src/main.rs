@@ -305,6 +305,11 @@ struct PerfArgs {
     /// Wait on a completion channel instead of busy polling.
     #[arg(long)]
     event: bool,
+    /// Busy-poll the CQ without ever sleeping. By default a wait busy-polls
+    /// for 50 µs, then sleeps until a completion comes, which keeps
+    /// latency low on a machine with other work on it.
+    #[arg(long, conflicts_with = "event")]
+    spin: bool,
     /// Measure the same pattern over plain TCP sockets too and print the
     /// ratio softrdma / TCP (bandwidth ratio in bw mode, mean-latency ratio
     /// in lat mode). `tcp`: blocking sockets; `tcp-spin`: non-blocking
@@ -488,6 +493,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
             crc: a.crc,
             force_datamover: a.force_datamover,
             event: a.event,
+            spin: a.spin,
             timeout,
             tcp_spin: false,
         },

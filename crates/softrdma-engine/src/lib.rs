@@ -120,6 +120,6 @@ pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair, TerminateDirectio
 pub use remote::{RemoteBuf, RemoteBufError};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;
-pub use sys::io::{process_context_switches, thread_context_switches};
+pub use sys::io::{process_context_switches, signal_blocked, thread_context_switches};
 pub use wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 pub use wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};

@@ -1083,6 +1083,10 @@ impl Progress for QpInner {
         }
     }
 
+    fn sleep_on(&self, until_ns: Option<u64>) -> Option<std::os::fd::RawFd> {
+        self.device.threads().claim_rx(self, until_ns)
+    }
+
     fn progress(&self, armed: bool) -> bool {
         if !self.device.config().poll_driven_receive {
             return false;
