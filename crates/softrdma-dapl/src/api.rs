@@ -259,7 +259,7 @@ unsafe extern "C" fn ia_open(
         let p = crate::provider_by_name(&name)
             .ok_or_else(|| bad(ErrorType::ProviderNotFound, Subtype::NameNotRegistered))?;
         let mut cfg = IaConfig::new(name, p.addr);
-        cfg.async_qlen = usize::try_from(qlen).unwrap_or(8).max(8);
+        cfg.async_qlen = usize::try_from(qlen).unwrap_or(8).max(MIN_CM_EVD_QLEN);
         let i = Ia::open(cfg)?;
         let prov = ProvPtr(&p.table);
         let ih = handles::make(prov, Obj::Ia(i.clone()), 0);

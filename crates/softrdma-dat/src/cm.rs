@@ -206,7 +206,12 @@ fn run(s: &Arc<RShared>) {
                     .qp_num
                     .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
                 if let Some(ep) = ep {
-                    on_llp_end(&ep);
+                    // A failed connection (reset, bad close) of an SRQ EP
+                    // enters ERROR, and LAST_WQE_REACHED follows: its end
+                    // is reported together with that (below).
+                    if !(ep.has_srq() && ev.kind != AsyncEventKind::LlpClosed) {
+                        on_llp_end(&ep);
+                    }
                 }
                 continue;
             }
@@ -226,10 +231,18 @@ fn run(s: &Arc<RShared>) {
             let ep = ev
                 .qp_num
                 .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
-            if let Some(ep) = &ep
-                && ev.kind != AsyncEventKind::QpLastWqeReached
-            {
-                ep.fatal.store(true, Ordering::Release);
+            if let Some(ep) = &ep {
+                if ev.kind == AsyncEventKind::QpLastWqeReached {
+                    // The connection's end first, then the async event, both
+                    // from here: consumers (dtestsrq) take a connection event
+                    // and then an async event and expect the same EP. The
+                    // data path pushes "link reset" and LAST_WQE_REACHED of
+                    // two QPs from two threads, so reporting the end at the
+                    // reset could order the two queues differently.
+                    on_llp_end(ep);
+                } else {
+                    ep.fatal.store(true, Ordering::Release);
+                }
             }
             if let Some(a) = ia.as_ref().and_then(|ia| ia.async_evd()) {
                 a.push(Event::Async {
@@ -394,6 +407,12 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
             }
         }
         CmEvent::TimedOut => EpEvent::TimedOut,
+        CmEvent::Disconnected { .. } if ep.has_srq() => {
+            // Reported from the device's events: LLP_CLOSED (graceful) or
+            // LAST_WQE_REACHED (ERROR), see `run`. The connection manager
+            // can see the end before the data path has entered ERROR.
+            return;
+        }
         CmEvent::Disconnected { .. } => {
             if ep.fatal.load(Ordering::Acquire) {
                 EpEvent::Broken

@@ -259,6 +259,11 @@ pub(crate) struct EpInner {
 }
 
 impl EpInner {
+    /// Whether the EP takes its receives from an SRQ.
+    pub(crate) fn has_srq(&self) -> bool {
+        self.srq.is_some()
+    }
+
     /// Lets go of the EVDs and the PZ (once): `dat_ep_free` or drop.
     fn detach(&self) {
         if self.detached.swap(true, Ordering::AcqRel) {

@@ -612,3 +612,99 @@ fn a_disabled_evd_queues_without_triggering_its_cno() {
     );
     let _ = h.join();
 }
+
+/// Regression: with several SRQ EPs reset by their peers at once, the
+/// connection EVD and the async EVD named the EPs in different orders
+/// (DISCONNECTED was reported at the data path's "link reset" event,
+/// EP_BROKEN at its LAST_WQE_REACHED, and two QPs' threads interleave
+/// those). dtestsrq takes one of each per EP and failed with
+/// `disconnect_eps: DAT_INVALID_HANDLE`.
+#[test]
+fn srq_disconnect_and_last_wqe_name_the_eps_in_the_same_order() {
+    const N: usize = 12;
+    let mut cfg = IaConfig::loopback("srqdisc");
+    cfg.connect_retry = None;
+    cfg.async_qlen = 64;
+    let s_ia = Ia::open(cfg).unwrap();
+    let pz = Pz::new(&s_ia);
+    let cr_evd = Evd::new(&s_ia, 64, EvdFlags::CR, None).unwrap();
+    let conn_evd = Evd::new(&s_ia, 64, EvdFlags::CONNECTION, None).unwrap();
+    let rcv = Evd::new(&s_ia, 64, EvdFlags::DTO, None).unwrap();
+    let req = Evd::new(&s_ia, 64, EvdFlags::DTO, None).unwrap();
+    let srq = Srq::new(&s_ia, &pz, 8, 1).unwrap();
+    let lmr = Lmr::alloc(&pz, 4096, MemPriv::ALL).unwrap();
+    for i in 0..4u64 {
+        srq.post_recv(&[seg(&lmr, i * 512, 512)], i).unwrap();
+    }
+    let psp = Psp::new_any(&s_ia, &cr_evd, 0).unwrap();
+    let c = side("srqdisc-c", None, None);
+    let c_conn = Evd::new(&c.ia, 64, EvdFlags::CONNECTION, None).unwrap();
+    for round in 0..3 {
+        let mut eps = Vec::new();
+        let mut ceps = Vec::new();
+        for _ in 0..N {
+            let ep = Ep::with_srq(
+                &s_ia,
+                &pz,
+                Some(&rcv),
+                Some(&req),
+                Some(&conn_evd),
+                &srq,
+                None,
+            )
+            .unwrap();
+            let cep = Ep::new(
+                &c.ia,
+                &c.pz,
+                Some(&c.rcv_evd),
+                Some(&c.req_evd),
+                Some(&c_conn),
+                None,
+            )
+            .unwrap();
+            cep.connect(LO, psp.conn_qual(), T, &[]).unwrap();
+            let (cr, _) = cr_event(&cr_evd);
+            cr.accept(Some(&ep), &[]).unwrap();
+            assert_eq!(
+                conn_event(&conn_evd),
+                (ConnEvent::Established, vec![], ep.clone())
+            );
+            assert_eq!(conn_event(&c_conn).0, ConnEvent::Established);
+            eps.push(ep);
+            ceps.push(cep);
+        }
+        // The peer resets every connection at once.
+        for cep in &ceps {
+            cep.disconnect(false).unwrap();
+        }
+        let mut by_conn = Vec::new();
+        let mut by_async = Vec::new();
+        for _ in 0..N {
+            let (k, _, ep) = conn_event(&conn_evd);
+            assert_eq!(k, ConnEvent::Disconnected, "round {round}");
+            by_conn.push(eps.iter().position(|e| *e == ep).unwrap());
+            let (a, _) = s_ia
+                .async_evd()
+                .wait(T, 1)
+                .unwrap_or_else(|e| panic!("round {round}: {by_conn:?} {by_async:?}: {e:?}"));
+            match a {
+                Event::Async {
+                    kind: softrdma_dat::AsyncKind::EpBroken,
+                    ep: Some(ep),
+                    ..
+                } => by_async.push(eps.iter().position(|e| *e == ep).unwrap()),
+                other => panic!("not EP_BROKEN: {other:?}"),
+            }
+        }
+        assert_eq!(by_conn, by_async, "round {round}");
+        for _ in 0..N {
+            assert_eq!(conn_event(&c_conn).0, ConnEvent::Disconnected);
+        }
+        for ep in eps {
+            ep.free();
+        }
+        for cep in ceps {
+            cep.free();
+        }
+    }
+}
