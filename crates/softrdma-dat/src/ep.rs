@@ -249,6 +249,8 @@ pub(crate) struct EpInner {
     srq: Option<Srq>,
     pub(crate) conn: Mutex<Conn>,
     sq: Mutex<VecDeque<SqEntry>>,
+    /// Serializes posters (see `Ep::post`).
+    post_order: Mutex<()>,
     rq: Mutex<HashMap<u64, u64>>,
     next_wr: AtomicU64,
     /// A fatal async event was seen for the QP: its end is BROKEN.
@@ -432,6 +434,7 @@ impl Ep {
                 backoff: Duration::ZERO,
             }),
             sq: Mutex::new(VecDeque::new()),
+            post_order: Mutex::new(()),
             rq: Mutex::new(HashMap::new()),
             next_wr: AtomicU64::new(1),
             fatal: AtomicBool::new(false),
@@ -641,13 +644,23 @@ impl Ep {
         Ok(())
     }
 
+    /// Posts `wrs`, whose events `entries` describe (one each, in order).
+    ///
+    /// Posters are serialized by `post_order`, so the send queue's order is
+    /// the QP's; the `sq` lock is held only to queue the entries, not while
+    /// the engine sends (it may write the data in this thread): completions
+    /// of earlier requests become events meanwhile.
     fn post(&self, wrs: &[SendWr<'_>], entries: Vec<SqEntry>) -> Result<()> {
         self.state().may_post_send()?;
-        let mut sq = self.inner.sq.lock();
-        let n = sq.len();
-        sq.extend(entries);
+        let _order = self.inner.post_order.lock();
+        let ids: Vec<u64> = entries.iter().map(|e| e.wr_id).collect();
+        self.inner.sq.lock().extend(entries);
         if let Err((i, e)) = self.inner.qp.post_send_list(wrs) {
-            sq.truncate(n + i);
+            let failed = &ids[i.min(ids.len())..];
+            self.inner
+                .sq
+                .lock()
+                .retain(|entry| !failed.contains(&entry.wr_id));
             return Err(post_err(&e.to_string()));
         }
         Ok(())

@@ -329,6 +329,11 @@ impl Evd {
     /// unwaitable EVD (also if it becomes unwaitable during the wait).
     pub fn wait(&self, timeout: Option<Duration>, threshold: usize) -> Result<(Event, usize)> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        // Completions already in the CQ are taken here rather than after a
+        // round trip through the CQ's callback thread (a wake-up each).
+        if self.inner.q.lock().events.len() < threshold {
+            self.inner.reap_now();
+        }
         let mut q = self.inner.q.lock();
         rules::check_threshold(threshold, q.qlen)?;
         q.st = rules::apply(q.st, EvdOp::WaitBegin)?;
