@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use rustix::event::{PollFd, PollFlags};
 use softrdma_engine::cm::{CmEvent, ConnRequest, Connection, ListenConfig, Listener};
-use softrdma_engine::{AsyncEventKind, Device};
+use softrdma_engine::{AsyncEventKind, Device, QpState};
 use softrdma_proto::dat::addr;
 use softrdma_proto::dat::ep::{self as rules, EpEvent, EpPolicy, EpState};
 use softrdma_proto::dat::sp::{OnRequest, SpKind, SpState, on_request};
@@ -206,6 +206,9 @@ fn run(s: &Arc<RShared>) {
                     .qp_num
                     .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
                 if let Some(ep) = ep {
+                    // Its ESTABLISHED first, if the connection manager has
+                    // it queued still (a peer that closes at once).
+                    drain_conn_events(&ep);
                     // A failed connection (reset, bad close) of an SRQ EP
                     // enters ERROR, and LAST_WQE_REACHED follows: its end
                     // is reported together with that (below).
@@ -233,6 +236,7 @@ fn run(s: &Arc<RShared>) {
                 .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
             if let Some(ep) = &ep {
                 if ev.kind == AsyncEventKind::QpLastWqeReached {
+                    drain_conn_events(ep);
                     // The connection's end first, then the async event, both
                     // from here: consumers (dtestsrq) take a connection event
                     // and then an async event and expect the same EP. The
@@ -329,10 +333,27 @@ fn same(a: &Connection, b: &Connection) -> bool {
     a.fd().as_raw_fd() == b.fd().as_raw_fd()
 }
 
+/// Handles the events the EP's connection has queued now.
+fn drain_conn_events(ep: &Arc<EpInner>) {
+    let conn = ep.conn.lock().conn.clone();
+    if let Some(conn) = conn {
+        while let Some(ev) = conn.try_event() {
+            on_cm_event(ep, &conn, ev);
+        }
+    }
+}
+
 /// The transport connection of a connected EP ended.
 fn on_llp_end(ep: &Arc<EpInner>) {
     let mut c = ep.conn.lock();
     if !matches!(c.state, EpState::Connected | EpState::DisconnectPending) {
+        return;
+    }
+    if ep.qp.state() == QpState::Rts {
+        // The event is older than the connection: the EP was reset and
+        // connected again before this thread saw it. (A "link reset" event
+        // can also come just before its QP leaves RTS: the connection
+        // manager's Disconnected then reports the end.)
         return;
     }
     let e = if ep.fatal.load(Ordering::Acquire) {
@@ -381,12 +402,17 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
         // The passive side reported it when the accept returned.
         return;
     }
+    let passive = c.state == EpState::PassiveConnectionPending;
     let e = match ev {
         CmEvent::Established { peer } => {
             c.remote = Some(peer);
-            pdata = conn.peer_private_data().unwrap_or_default();
+            if !passive {
+                pdata = conn.peer_private_data().unwrap_or_default();
+            }
             EpEvent::Established
         }
+        // The handshake of an accepted request failed.
+        _ if passive => EpEvent::AcceptFailed,
         CmEvent::Rejected { private_data } => {
             if private_data.starts_with(&REJECT_MAGIC) {
                 pdata = private_data[REJECT_MAGIC.len()..].to_vec();
@@ -867,7 +893,11 @@ impl Cr {
             c.remote = Some(self.inner.peer);
         }
         let q = ep.query().attr;
-        let r = req.accept(
+        // The Reply, the initiator's RTR and the move to RTS are done by the
+        // connection manager's reactor: the accept does not wait for a round
+        // trip, and ESTABLISHED (or ACCEPT_COMPLETION_ERROR) is reported by
+        // the IA's reactor from the connection's events.
+        let r = req.accept_nonblocking(
             &ep.inner.qp,
             private_data,
             q.max_rdma_read_in as u16,
@@ -875,24 +905,8 @@ impl Cr {
         );
         match r {
             Ok(conn) => {
-                // The QP is in RTS when accept returns: report ESTABLISHED
-                // now, before this call returns, so it precedes any later
-                // event of the connection (a fast peer's disconnect).
-                let report = {
-                    let mut c = ep.inner.conn.lock();
-                    c.conn = Some(conn.clone());
-                    match rules::step(c.state, EpEvent::Established, EpPolicy::default()) {
-                        Ok(st) => {
-                            c.state = st.next;
-                            st.report
-                        }
-                        Err(_) => None,
-                    }
-                };
+                ep.inner.conn.lock().conn = Some(conn.clone());
                 ep.inner.ia.0.reactor.add_conn(ep.inner.weak(), conn);
-                if let Some(r) = report {
-                    ep.inner.report(r, Vec::new());
-                }
             }
             Err(_) => {
                 let mut c = ep.inner.conn.lock();
