@@ -389,7 +389,15 @@ impl Evd {
         if q.events.is_empty() {
             self.inner.signal.clear();
         }
-        ev.ok_or_else(|| err(ErrorType::QueueEmpty, Subtype::None))
+        drop(q);
+        ev.ok_or_else(|| {
+            // Consumers poll an empty EVD in a loop (dtestcm, dapltest -m p);
+            // what fills it runs on other threads (the IA's and the
+            // connection manager's reactors, the data path), which a
+            // spinning consumer would starve on a machine with few cores.
+            std::thread::yield_now();
+            err(ErrorType::QueueEmpty, Subtype::None)
+        })
     }
 
     /// Queues a software event (`dat_evd_post_se`).
