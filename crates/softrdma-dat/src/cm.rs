@@ -333,6 +333,16 @@ fn same(a: &Connection, b: &Connection) -> bool {
     a.fd().as_raw_fd() == b.fd().as_raw_fd()
 }
 
+/// What a connect that found no route or no answer reports: TIMED_OUT if
+/// the connect timeout (`deadline`) is what ended it, else UNREACHABLE.
+fn unreachable_event(now: Instant, deadline: Option<Instant>) -> EpEvent {
+    if deadline.is_some_and(|d| now >= d) {
+        EpEvent::TimedOut
+    } else {
+        EpEvent::Unreachable
+    }
+}
+
 /// Handles the events the EP's connection has queued now.
 fn drain_conn_events(ep: &Arc<EpInner>) {
     let conn = ep.conn.lock().conn.clone();
@@ -421,7 +431,8 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
                 EpEvent::NonPeerRejected
             }
         }
-        CmEvent::Unreachable => {
+        CmEvent::Unreachable => unreachable_event(Instant::now(), c.target.as_ref().map(|t| t.2)),
+        CmEvent::Refused => {
             let now = Instant::now();
             let budget_left = c.retry_until.is_some_and(|t| now + c.backoff < t);
             let deadline = c.target.as_ref().map(|t| t.2);
@@ -966,5 +977,23 @@ impl Cr {
 impl PartialEq for Cr {
     fn eq(&self, other: &Cr) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_route_is_unreachable_and_an_expired_connect_timeout_timed_out() {
+        let t = Instant::now();
+        let later = t + Duration::from_secs(5);
+        assert_eq!(unreachable_event(t, Some(later)), EpEvent::Unreachable);
+        assert_eq!(unreachable_event(t, None), EpEvent::Unreachable);
+        assert_eq!(unreachable_event(later, Some(later)), EpEvent::TimedOut);
+        assert_eq!(
+            unreachable_event(later + Duration::from_millis(1), Some(later)),
+            EpEvent::TimedOut
+        );
     }
 }
