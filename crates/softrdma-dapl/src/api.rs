@@ -13,8 +13,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use softrdma_dat::{
-    Cno, CompletionFlags, Cr, DatError, Ep, EpAttr, ErrorType, Evd, EvdFlags, Event, Ia, IaConfig,
-    Lmr, LmrTriplet, MAX_PRIVATE_DATA, MemPriv, Psp, Pz, Rmr, RmrTriplet, Rsp, Srq, Subtype,
+    Cno, CompletionFlags, Cr, DatError, Ep, EpAttr, EpAttrChange, ErrorType, Evd, EvdFlags, Event,
+    Ia, IaConfig, Lmr, LmrTriplet, MAX_PRIVATE_DATA, MemPriv, Psp, Pz, Rmr, RmrTriplet, Rsp, Srq,
+    Subtype,
 };
 
 use crate::handles::{self, HandleMem, Kind, Obj, ProvPtr};
@@ -1035,6 +1036,64 @@ unsafe extern "C" fn ep_free(ep: H) -> u32 {
     })
 }
 
+/// `DAT_EP_FIELD_*` bits no EP can change (IA, state, communicator,
+/// addresses, qualifiers).
+const EP_FIELDS_FIXED: u64 = 0x7f;
+/// The attribute bits `dat_ep_modify` changes here, with their fields.
+const EP_FIELDS_MODIFIABLE: u64 = EP_FIELD_RDMA_READ_IN
+    | EP_FIELD_RDMA_READ_OUT
+    | EP_FIELD_RECV_DTOS
+    | EP_FIELD_REQUEST_DTOS
+    | EP_FIELD_RECV_IOV
+    | EP_FIELD_REQUEST_IOV
+    | EP_FIELD_RDMA_READ_IOV
+    | EP_FIELD_RDMA_WRITE_IOV;
+const EP_FIELD_RECV_DTOS: u64 = 0x0004_0000;
+const EP_FIELD_REQUEST_DTOS: u64 = 0x0008_0000;
+const EP_FIELD_RECV_IOV: u64 = 0x0010_0000;
+const EP_FIELD_REQUEST_IOV: u64 = 0x0020_0000;
+const EP_FIELD_RDMA_READ_IN: u64 = 0x0040_0000;
+const EP_FIELD_RDMA_READ_OUT: u64 = 0x0080_0000;
+const EP_FIELD_RDMA_READ_IOV: u64 = 0x0200_0000;
+const EP_FIELD_RDMA_WRITE_IOV: u64 = 0x0400_0000;
+
+/// `dat_ep_modify`: the attributes of [`EP_FIELDS_MODIFIABLE`] (see
+/// `Ep::modify`); a fixed field is `DAT_INVALID_PARAMETER`, a changeable
+/// one softrdma does not change (EVDs, PZ, SRQ, service type, QoS,
+/// completion flags, provider attributes) `DAT_NOT_IMPLEMENTED`.
+unsafe extern "C" fn ep_modify(ep: H, mask: u64, p: *const DAT_EP_PARAM) -> u32 {
+    traced("ep_modify", || {
+        let (_, e) = ep_h(ep)?;
+        if mask & EP_FIELDS_FIXED != 0 || mask & !0x7fff_ffff != 0 {
+            return Err(param(Subtype::Arg2));
+        }
+        if mask & !EP_FIELDS_MODIFIABLE != 0 {
+            return Err(DatError::of(ErrorType::NotImplemented));
+        }
+        if p.is_null() {
+            return Err(param(Subtype::Arg3));
+        }
+        // SAFETY: non-null parameter block from the caller.
+        let a = unsafe { (*p).ep_attr };
+        let f = |bit: u64, v: DAT_COUNT| -> R<Option<u32>> {
+            if mask & bit == 0 {
+                return Ok(None);
+            }
+            u32::try_from(v).map(Some).map_err(|_| param(Subtype::Arg3))
+        };
+        e.modify(&EpAttrChange {
+            max_rdma_read_in: f(EP_FIELD_RDMA_READ_IN, a.max_rdma_read_in)?,
+            max_rdma_read_out: f(EP_FIELD_RDMA_READ_OUT, a.max_rdma_read_out)?,
+            max_recv_dtos: f(EP_FIELD_RECV_DTOS, a.max_recv_dtos)?,
+            max_request_dtos: f(EP_FIELD_REQUEST_DTOS, a.max_request_dtos)?,
+            max_recv_iov: f(EP_FIELD_RECV_IOV, a.max_recv_iov)?,
+            max_request_iov: f(EP_FIELD_REQUEST_IOV, a.max_request_iov)?,
+            max_rdma_read_iov: f(EP_FIELD_RDMA_READ_IOV, a.max_rdma_read_iov)?,
+            max_rdma_write_iov: f(EP_FIELD_RDMA_WRITE_IOV, a.max_rdma_write_iov)?,
+        })
+    })
+}
+
 unsafe extern "C" fn ep_reset(ep: H) -> u32 {
     run(|| ep_h(ep)?.1.reset())
 }
@@ -1386,7 +1445,7 @@ pub(crate) fn table() -> [*const c_void; SLOTS] {
         13 => cr_reject, 14 => cr_handoff, 15 => evd_create, 16 => evd_query,
         17 => evd_modify_cno, 18 => evd_enable, 19 => evd_disable, 20 => evd_wait,
         21 => evd_resize, 22 => evd_post_se, 23 => evd_dequeue, 24 => evd_free,
-        25 => ep_create, 26 => ep_query, 28 => ep_connect, 30 => ep_disconnect,
+        25 => ep_create, 26 => ep_query, 27 => ep_modify, 28 => ep_connect, 30 => ep_disconnect,
         31 => ep_post_send, 32 => ep_post_recv, 33 => ep_post_rdma_read,
         34 => ep_post_rdma_write, 35 => ep_get_status, 36 => ep_free, 37 => lmr_create,
         38 => lmr_query, 39 => lmr_free, 40 => rmr_create, 41 => rmr_query, 42 => rmr_bind,

@@ -185,6 +185,27 @@ impl Default for EpAttr {
     }
 }
 
+/// What [`Ep::modify`] changes; `None` keeps a field.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EpAttrChange {
+    /// IRD.
+    pub max_rdma_read_in: Option<u32>,
+    /// ORD.
+    pub max_rdma_read_out: Option<u32>,
+    /// Receives outstanding.
+    pub max_recv_dtos: Option<u32>,
+    /// Send-queue requests outstanding.
+    pub max_request_dtos: Option<u32>,
+    /// Segments per receive.
+    pub max_recv_iov: Option<u32>,
+    /// Segments per send-queue request.
+    pub max_request_iov: Option<u32>,
+    /// Segments of an RDMA Read.
+    pub max_rdma_read_iov: Option<u32>,
+    /// Segments of an RDMA Write.
+    pub max_rdma_write_iov: Option<u32>,
+}
+
 /// What [`Ep::query`] reports (`DAT_EP_PARAM`).
 #[derive(Debug, Clone)]
 pub struct EpParam {
@@ -242,7 +263,11 @@ pub(crate) struct EpInner {
     pub(crate) qp: QueuePair,
     pz: Mutex<Option<PzRef>>,
     pz_handle: Pz,
-    attr: EpAttr,
+    /// The attributes now (`dat_ep_modify` may lower them, or change
+    /// IRD/ORD before a connection).
+    attr: Mutex<EpAttr>,
+    /// The attributes the QP was made with: the limits of `attr`.
+    cap: EpAttr,
     pub(crate) recv_evd: Option<Evd>,
     pub(crate) request_evd: Option<Evd>,
     pub(crate) connect_evd: Option<Evd>,
@@ -418,7 +443,8 @@ impl Ep {
             qp,
             pz: Mutex::new(Some(PzRef::new(pz))),
             pz_handle: pz.clone(),
-            attr: a,
+            attr: Mutex::new(a),
+            cap: a,
             recv_evd: recv_evd.cloned(),
             request_evd: request_evd.cloned(),
             connect_evd: connect_evd.cloned(),
@@ -492,7 +518,7 @@ impl Ep {
             local_addr: SocketAddr::new(ia.config.addr, 0),
             remote_addr: c.remote,
             conn_qual: c.conn_qual,
-            attr: self.inner.attr,
+            attr: *self.inner.attr.lock(),
             pz: self.inner.pz_handle.clone(),
             recv_evd: self.inner.recv_evd.clone(),
             request_evd: self.inner.request_evd.clone(),
@@ -566,6 +592,74 @@ impl Ep {
     /// `DAT_INVALID_STATE` in UNCONNECTED, RESERVED or TENTATIVE.
     pub fn disconnect(&self, graceful: bool) -> Result<()> {
         self.inner.local_event(EpEvent::Disconnect { graceful })
+    }
+
+    /// `dat_ep_modify` of the attributes, while the EP has no connection
+    /// (UNCONNECTED or RESERVED): IRD and ORD (what the next connect or
+    /// accept negotiates) up to the device's limits; the queue depths and
+    /// segment counts up to what the EP was created with. Fields left
+    /// `None` keep their value.
+    ///
+    /// # Errors
+    ///
+    /// `DAT_INVALID_STATE` in another state; `DAT_INVALID_PARAMETER`
+    /// (`ARG2`) for a value of 0 or above its limit.
+    pub fn modify(&self, change: &EpAttrChange) -> Result<()> {
+        let c = self.inner.conn.lock();
+        if !matches!(c.state, EpState::Unconnected | EpState::Reserved) {
+            return Err(err(ErrorType::InvalidState, c.state.subtype()));
+        }
+        let dev = self.inner.ia.0.device.attr();
+        let cap = &self.inner.cap;
+        let mut a = *self.inner.attr.lock();
+        let fields = [
+            (
+                change.max_rdma_read_in,
+                dev.max_qp_rd_atom,
+                &mut a.max_rdma_read_in,
+            ),
+            (
+                change.max_rdma_read_out,
+                dev.max_qp_init_rd_atom,
+                &mut a.max_rdma_read_out,
+            ),
+            (
+                change.max_recv_dtos,
+                cap.max_recv_dtos,
+                &mut a.max_recv_dtos,
+            ),
+            (
+                change.max_request_dtos,
+                cap.max_request_dtos,
+                &mut a.max_request_dtos,
+            ),
+            (change.max_recv_iov, cap.max_recv_iov, &mut a.max_recv_iov),
+            (
+                change.max_request_iov,
+                cap.max_request_iov,
+                &mut a.max_request_iov,
+            ),
+            (
+                change.max_rdma_read_iov,
+                cap.max_rdma_read_iov,
+                &mut a.max_rdma_read_iov,
+            ),
+            (
+                change.max_rdma_write_iov,
+                cap.max_rdma_write_iov,
+                &mut a.max_rdma_write_iov,
+            ),
+        ];
+        for (new, limit, field) in fields {
+            if let Some(v) = new {
+                if v == 0 || v > limit {
+                    return Err(err(ErrorType::InvalidParameter, Subtype::Arg2));
+                }
+                *field = v;
+            }
+        }
+        *self.inner.attr.lock() = a;
+        Ok(())
     }
 
     /// `dat_ep_reset`: DISCONNECTED → UNCONNECTED; the QP is reset so the
@@ -678,7 +772,7 @@ impl Ep {
         cookie: u64,
         flags: CompletionFlags,
     ) -> Result<()> {
-        Ep::check_iov(local, self.inner.attr.max_request_iov)?;
+        Ep::check_iov(local, self.inner.attr.lock().max_request_iov)?;
         let (sg, len) = Ep::sges(local);
         let wr_id = self.wr_id();
         let wr = SendWr::new(wr_id, SendOp::Send)
@@ -709,7 +803,7 @@ impl Ep {
         remote: &RmrTriplet,
         flags: CompletionFlags,
     ) -> Result<()> {
-        Ep::check_iov(local, self.inner.attr.max_rdma_write_iov)?;
+        Ep::check_iov(local, self.inner.attr.lock().max_rdma_write_iov)?;
         let (sg, len) = Ep::sges(local);
         let wr_id = self.wr_id();
         let wr = SendWr::new(
@@ -747,7 +841,7 @@ impl Ep {
         remote: &RmrTriplet,
         flags: CompletionFlags,
     ) -> Result<()> {
-        Ep::check_iov(local, self.inner.attr.max_rdma_read_iov)?;
+        Ep::check_iov(local, self.inner.attr.lock().max_rdma_read_iov)?;
         if local.is_empty() {
             return Err(err(ErrorType::InvalidParameter, Subtype::Arg2));
         }
@@ -803,7 +897,7 @@ impl Ep {
         if self.inner.srq.is_some() {
             return Err(err(ErrorType::InvalidState, Subtype::None));
         }
-        Ep::check_iov(local, self.inner.attr.max_recv_iov)?;
+        Ep::check_iov(local, self.inner.attr.lock().max_recv_iov)?;
         let (sg, _) = Ep::sges(local);
         let wr_id = self.wr_id();
         let mut rq = self.inner.rq.lock();
@@ -998,9 +1092,13 @@ impl EpInner {
         };
         let left = deadline.saturating_duration_since(Instant::now());
         let ia = &self.ia.0;
+        let (ird, ord) = {
+            let a = self.attr.lock();
+            (a.max_rdma_read_in, a.max_rdma_read_out)
+        };
         let mut mpa = softrdma_proto::mpa::MpaConfig {
-            ird: self.attr.max_rdma_read_in as u16,
-            ord: self.attr.max_rdma_read_out as u16,
+            ird: ird as u16,
+            ord: ord as u16,
             peer_to_peer: Some(softrdma_proto::mpa::RtrOffer::WRITE_READ),
             ..Default::default()
         };

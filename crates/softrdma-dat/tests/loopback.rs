@@ -6,8 +6,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use softrdma_dat::{
-    Cno, CompletionFlags, ConnEvent, Cr, DtoOp, DtoStatus, Ep, EpState, ErrorType, Evd, EvdFlags,
-    Event, Ia, IaConfig, Lmr, LmrTriplet, MemPriv, Psp, Pz, Rmr, RmrTriplet, Rsp, Srq, Subtype,
+    Cno, CompletionFlags, ConnEvent, Cr, DtoOp, DtoStatus, Ep, EpAttrChange, EpState, ErrorType,
+    Evd, EvdFlags, Event, Ia, IaConfig, Lmr, LmrTriplet, MemPriv, Psp, Pz, Rmr, RmrTriplet, Rsp,
+    Srq, Subtype,
 };
 
 const T: Option<Duration> = Some(Duration::from_secs(10));
@@ -718,4 +719,64 @@ fn srq_disconnect_and_last_wqe_name_the_eps_in_the_same_order() {
             cep.free();
         }
     }
+}
+
+#[test]
+fn ep_modify_changes_ird_ord_and_limits_before_connecting_only() {
+    let s = side("srv", None, None);
+    let c = side("cli", None, None);
+    let created = c.ep.query().attr;
+    // Above what the EP was created with, or 0: refused, nothing changed.
+    let too_deep = EpAttrChange {
+        max_recv_dtos: Some(created.max_recv_dtos + 1),
+        ..Default::default()
+    };
+    assert_eq!(
+        c.ep.modify(&too_deep).unwrap_err().ty,
+        ErrorType::InvalidParameter
+    );
+    let zero = EpAttrChange {
+        max_rdma_read_out: Some(0),
+        ..Default::default()
+    };
+    assert_eq!(
+        c.ep.modify(&zero).unwrap_err().ty,
+        ErrorType::InvalidParameter
+    );
+    assert_eq!(c.ep.query().attr, created);
+    // One segment per RDMA Read, ORD 1.
+    c.ep.modify(&EpAttrChange {
+        max_rdma_read_out: Some(1),
+        max_rdma_read_iov: Some(1),
+        ..Default::default()
+    })
+    .unwrap();
+    let a = c.ep.query().attr;
+    assert_eq!((a.max_rdma_read_out, a.max_rdma_read_iov), (1, 1));
+    let _psp = connect(&s, &c);
+    let remote = RmrTriplet {
+        rmr_context: s.lmr.rmr_context(),
+        virtual_address: s.lmr.address(),
+        segment_length: 100,
+    };
+    assert_eq!(
+        c.ep.post_rdma_read(
+            &[seg(&c.lmr, 0, 50), seg(&c.lmr, 100, 50)],
+            1,
+            &remote,
+            CompletionFlags::DEFAULT,
+        )
+        .unwrap_err()
+        .ty,
+        ErrorType::InvalidParameter,
+        "two segments after the limit was lowered to one"
+    );
+    c.ep.post_rdma_read(&[seg(&c.lmr, 0, 100)], 2, &remote, CompletionFlags::DEFAULT)
+        .unwrap();
+    assert_eq!(dto(&c.req_evd).1, 2);
+    // Connected: no more changes.
+    assert_eq!(
+        c.ep.modify(&EpAttrChange::default()).unwrap_err().ty,
+        ErrorType::InvalidState
+    );
 }
