@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -19,6 +19,9 @@ use crate::fd::Signal;
 use crate::ia::{Ia, IaInner};
 use crate::mem::Rmr;
 use crate::{ErrorType, Result, Subtype, err};
+
+/// Empty dequeues in a row after which each further one yields the CPU.
+const SPIN_BEFORE_YIELD: u32 = 64;
 
 /// Kinds of events an EVD takes (`DAT_EVD_FLAGS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -173,6 +176,8 @@ pub(crate) struct EvdInner {
     pub(crate) eps: Mutex<HashMap<u32, Weak<EpInner>>>,
     /// EPs and service points using the EVD.
     pub(crate) users: AtomicUsize,
+    /// Dequeues in a row that found the EVD empty.
+    empty_polls: AtomicU32,
     user: AtomicUsize,
     _ia_ref: Option<crate::ia::ObjRef>,
 }
@@ -251,6 +256,7 @@ impl Evd {
                 ia: Arc::downgrade(ia),
                 eps: Mutex::new(HashMap::new()),
                 users: AtomicUsize::new(0),
+                empty_polls: AtomicU32::new(0),
                 user: AtomicUsize::new(0),
                 _ia_ref: counted.then(|| crate::ia::ObjRef::new(ia)),
             }
@@ -390,14 +396,25 @@ impl Evd {
             self.inner.signal.clear();
         }
         drop(q);
-        ev.ok_or_else(|| {
-            // Consumers poll an empty EVD in a loop (dtestcm, dapltest -m p);
-            // what fills it runs on other threads (the IA's and the
-            // connection manager's reactors, the data path), which a
-            // spinning consumer would starve on a machine with few cores.
-            std::thread::yield_now();
-            err(ErrorType::QueueEmpty, Subtype::None)
-        })
+        match ev {
+            Some(ev) => {
+                self.inner.empty_polls.store(0, Ordering::Relaxed);
+                Ok(ev)
+            }
+            None => {
+                // Consumers poll an empty EVD in a loop (dtestcm, dapltest
+                // -m p); what fills it runs on other threads (the IA's and
+                // the connection manager's reactors, the data path), which
+                // a spinning consumer would starve on a machine with few
+                // cores. A consumer that looks once before it waits
+                // (dapltest -m b) is not slowed down.
+                let n = self.inner.empty_polls.fetch_add(1, Ordering::Relaxed);
+                if n >= SPIN_BEFORE_YIELD {
+                    std::thread::yield_now();
+                }
+                Err(err(ErrorType::QueueEmpty, Subtype::None))
+            }
+        }
     }
 
     /// Queues a software event (`dat_evd_post_se`).
