@@ -1094,6 +1094,23 @@ unsafe extern "C" fn ep_modify(ep: H, mask: u64, p: *const DAT_EP_PARAM) -> u32 
     })
 }
 
+/// `DAT_VALUE_UNKNOWN`.
+const VALUE_UNKNOWN: DAT_COUNT = -2;
+
+/// `dat_ep_recv_query`: receives posted and not completed; the span (and
+/// the count of an EP on an SRQ) is `DAT_VALUE_UNKNOWN`.
+unsafe extern "C" fn ep_recv_query(ep: H, nbufs: *mut DAT_COUNT, span: *mut DAT_COUNT) -> u32 {
+    run(|| {
+        let (_, e) = ep_h(ep)?;
+        let n = e
+            .recv_query()
+            .map_or(VALUE_UNKNOWN, |n| n.min(i32::MAX as usize) as DAT_COUNT);
+        out_opt(nbufs, n);
+        out_opt(span, VALUE_UNKNOWN);
+        Ok(())
+    })
+}
+
 unsafe extern "C" fn ep_reset(ep: H) -> u32 {
     run(|| ep_h(ep)?.1.reset())
 }
@@ -1453,7 +1470,7 @@ pub(crate) fn table() -> [*const c_void; SLOTS] {
         48 => rsp_query, 49 => rsp_free, 50 => pz_create, 51 => pz_query, 52 => pz_free,
         53 => psp_create_any, 54 => ep_reset, 55 => evd_set_unwaitable,
         56 => evd_clear_unwaitable, 57 => lmr_sync, 58 => lmr_sync,
-        59 => ep_create_with_srq, 62 => srq_create, 63 => srq_free, 64 => srq_post_recv,
+        59 => ep_create_with_srq, 60 => ep_recv_query, 62 => srq_create, 63 => srq_free, 64 => srq_post_recv,
         65 => srq_query, 67 => srq_set_lw, 75 => cno_fd_create,
     }
     t

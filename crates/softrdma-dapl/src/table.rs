@@ -90,7 +90,6 @@ pub const NAMES: [&str; SLOTS] = [
 pub const NOT_IMPLEMENTED: &[&str] = &[
     "cno_modify_agent",
     "ep_dup_connect",
-    "ep_recv_query",
     "ep_set_watermark",
     "srq_resize",
     "csp_create",

@@ -190,6 +190,20 @@ fn handles_states_parameters_through_the_table() {
     );
     assert_eq!(st, 0, "UNCONNECTED");
 
+    let (mut nbufs, mut span) = (7, 7);
+    assert_eq!(
+        call!(
+            t,
+            "ep_recv_query",
+            fn(H, *mut i32, *mut i32),
+            ep,
+            &mut nbufs,
+            &mut span
+        ),
+        0
+    );
+    assert_eq!((nbufs, span), (0, -2), "no receive posted; span unknown");
+
     // dat_ep_modify: IRD/ORD and limits of an unconnected EP.
     // SAFETY: DAT_EP_PARAM is plain data; all-zero is valid.
     let mut prm: DAT_EP_PARAM = unsafe { std::mem::zeroed() };

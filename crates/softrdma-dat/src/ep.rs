@@ -594,6 +594,16 @@ impl Ep {
         self.inner.local_event(EpEvent::Disconnect { graceful })
     }
 
+    /// `dat_ep_recv_query`: the receives posted to the EP whose
+    /// completions have not been generated yet. `None` for an EP on an
+    /// SRQ (its receives belong to the SRQ; see [`Srq::outstanding`]).
+    pub fn recv_query(&self) -> Option<usize> {
+        if self.inner.srq.is_some() {
+            return None;
+        }
+        Some(self.inner.rq.lock().len())
+    }
+
     /// `dat_ep_modify` of the attributes, while the EP has no connection
     /// (UNCONNECTED or RESERVED): IRD and ORD (what the next connect or
     /// accept negotiates) up to the device's limits; the queue depths and

@@ -134,6 +134,7 @@ fn dtest_flow_send_write_read_disconnect_reset_reconnect() {
         .unwrap();
     c.ep.post_recv(&[seg(&c.lmr, 0, 4096)], 21, CompletionFlags::DEFAULT)
         .unwrap();
+    assert_eq!(s.ep.recv_query(), Some(1));
     let _psp = connect(&s, &c);
 
     // The passive side sends first (peer-to-peer RTR made that legal).
@@ -148,6 +149,7 @@ fn dtest_flow_send_write_read_disconnect_reset_reconnect() {
         dto(&c.rcv_evd),
         (c.ep.clone(), 21, DtoStatus::Success, 21, DtoOp::Receive)
     );
+    assert_eq!(c.ep.recv_query(), Some(0), "its one receive completed");
     let mut got = [0u8; 21];
     c.lmr.region().read(0, &mut got).unwrap();
     assert_eq!(&got, b"hello from the server");
@@ -529,6 +531,7 @@ fn srq_feeds_two_endpoints() {
                 .ty,
             ErrorType::InvalidState
         );
+        assert_eq!(ep.recv_query(), None, "the receives are the SRQ's");
         let c = side(&format!("c{n}"), None, None);
         c.ep.connect(LO, psp.conn_qual(), T, &[]).unwrap();
         let (cr, _) = cr_event(&cr_evd);
