@@ -236,6 +236,7 @@ fn run(s: &Arc<RShared>) {
                 .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
             if let Some(ep) = &ep {
                 if ev.kind == AsyncEventKind::QpLastWqeReached {
+                    ep.last_wqe.store(true, Ordering::Release);
                     drain_conn_events(ep);
                     // The connection's end first, then the async event, both
                     // from here: consumers (dtestsrq) take a connection event
@@ -444,10 +445,12 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
             }
         }
         CmEvent::TimedOut => EpEvent::TimedOut,
-        CmEvent::Disconnected { .. } if ep.has_srq() => {
+        CmEvent::Disconnected { .. } if ep.has_srq() && !ep.last_wqe.load(Ordering::Acquire) => {
             // Reported from the device's events: LLP_CLOSED (graceful) or
             // LAST_WQE_REACHED (ERROR), see `run`. The connection manager
             // can see the end before the data path has entered ERROR.
+            // (If LAST_WQE_REACHED came while the EP was still waiting for
+            // its ESTABLISHED, this event reports the end.)
             return;
         }
         CmEvent::Disconnected { .. } => {
@@ -904,11 +907,12 @@ impl Cr {
             c.remote = Some(self.inner.peer);
         }
         let q = ep.query().attr;
-        // The Reply, the initiator's RTR and the move to RTS are done by the
-        // connection manager's reactor: the accept does not wait for a round
-        // trip, and ESTABLISHED (or ACCEPT_COMPLETION_ERROR) is reported by
-        // the IA's reactor from the connection's events.
-        let r = req.accept_nonblocking(
+        // Blocking until the initiator's RTR: ESTABLISHED is queued before
+        // this call returns. (Reporting it later, from the reactor, lets a
+        // fast peer's disconnect of another EP overtake it, and dtestcm
+        // counts any connection event after its accepts as an
+        // establishment.)
+        let r = req.accept(
             &ep.inner.qp,
             private_data,
             q.max_rdma_read_in as u16,
@@ -916,8 +920,21 @@ impl Cr {
         );
         match r {
             Ok(conn) => {
-                ep.inner.conn.lock().conn = Some(conn.clone());
+                let report = {
+                    let mut c = ep.inner.conn.lock();
+                    c.conn = Some(conn.clone());
+                    match rules::step(c.state, EpEvent::Established, EpPolicy::default()) {
+                        Ok(st) => {
+                            c.state = st.next;
+                            st.report
+                        }
+                        Err(_) => None,
+                    }
+                };
                 ep.inner.ia.0.reactor.add_conn(ep.inner.weak(), conn);
+                if let Some(r) = report {
+                    ep.inner.report(r, Vec::new());
+                }
             }
             Err(_) => {
                 let mut c = ep.inner.conn.lock();

@@ -280,6 +280,8 @@ pub(crate) struct EpInner {
     next_wr: AtomicU64,
     /// A fatal async event was seen for the QP: its end is BROKEN.
     pub(crate) fatal: AtomicBool,
+    /// LAST_WQE_REACHED of the current connection was handled (SRQ EPs).
+    pub(crate) last_wqe: AtomicBool,
     user: AtomicUsize,
     detached: AtomicBool,
     self_weak: Weak<EpInner>,
@@ -464,6 +466,7 @@ impl Ep {
             rq: Mutex::new(HashMap::new()),
             next_wr: AtomicU64::new(1),
             fatal: AtomicBool::new(false),
+            last_wqe: AtomicBool::new(false),
             user: AtomicUsize::new(0),
             detached: AtomicBool::new(false),
             self_weak: w.clone(),
@@ -705,6 +708,7 @@ impl Ep {
         c.target = None;
         c.broken = false;
         self.inner.fatal.store(false, Ordering::Release);
+        self.inner.last_wqe.store(false, Ordering::Release);
         self.inner.sq.lock().clear();
         self.inner.rq.lock().clear();
         Ok(())
