@@ -783,3 +783,51 @@ fn ep_modify_changes_ird_ord_and_limits_before_connecting_only() {
         ErrorType::InvalidState
     );
 }
+
+/// A DTO EVD whose descriptor is in use turns completions into events
+/// without any consumer call (its CQ stays armed); one without a CNO,
+/// descriptor or waiter leaves them in the CQ until a dequeue or wait
+/// takes them, and loses none.
+#[test]
+fn dto_evd_descriptor_becomes_readable_without_a_consumer_call() {
+    let s = side("srv", None, None);
+    let c = side("cli", None, None);
+    let _psp = connect(&s, &c);
+    let fd = c.req_evd.fd();
+    s.ep.post_recv(&[seg(&s.lmr, 0, 64)], 1, CompletionFlags::DEFAULT)
+        .unwrap();
+    c.ep.post_send(&[seg(&c.lmr, 0, 8)], 2, CompletionFlags::DEFAULT)
+        .unwrap();
+    let ten_s = rustix::time::Timespec {
+        tv_sec: 10,
+        tv_nsec: 0,
+    };
+    let n = rustix::event::poll(
+        &mut [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN,
+        )],
+        Some(&ten_s),
+    )
+    .unwrap();
+    assert_eq!(n, 1, "readable once the send completed");
+    assert_eq!(c.req_evd.len(), 1, "queued by the CQ's callback");
+    assert_eq!(dto(&c.req_evd).1, 2);
+    // The receive EVD (no descriptor, CNO or waiter): a dequeue finds it.
+    let mut got = None;
+    for _ in 0..10_000 {
+        if let Ok(ev) = s.rcv_evd.dequeue() {
+            got = Some(ev);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(matches!(
+        got,
+        Some(Event::Dto {
+            cookie: 1,
+            len: 8,
+            ..
+        })
+    ));
+}
