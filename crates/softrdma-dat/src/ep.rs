@@ -761,14 +761,17 @@ impl Ep {
     fn post(&self, wrs: &[SendWr<'_>], entries: Vec<SqEntry>) -> Result<()> {
         self.state().may_post_send()?;
         let _order = self.inner.post_order.lock();
-        let ids: Vec<u64> = entries.iter().map(|e| e.wr_id).collect();
+        let count = entries.len();
         self.inner.sq.lock().extend(entries);
         if let Err(e) = self.inner.qp.post_send_list(wrs) {
-            let failed = &ids[e.index.min(ids.len())..];
-            self.inner
-                .sq
-                .lock()
-                .retain(|entry| !failed.contains(&entry.wr_id));
+            // The entries of the requests not posted are the last ones
+            // queued (posters are serialized; completions only take from
+            // the front, and these never complete). Cookies may repeat, so
+            // they are dropped by position, not by cookie.
+            let unposted = count - e.index.min(count);
+            let mut sq = self.inner.sq.lock();
+            let keep = sq.len() - unposted.min(sq.len());
+            sq.truncate(keep);
             return Err(post_err(&e.error.to_string()));
         }
         Ok(())
