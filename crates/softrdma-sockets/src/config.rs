@@ -36,6 +36,11 @@ pub struct Config {
     /// How long a client waits for the capability answer of a host it has
     /// not asked before (a plain host usually answers at once with ICMP
     /// port unreachable; silence costs this long once, then it is cached).
+    /// When offload is required the client waits up to
+    /// [`setup_timeout`](Self::setup_timeout) instead, on loopback at
+    /// least [`LOOPBACK_PROBE_WAIT`](crate::detect::LOOPBACK_PROBE_WAIT)
+    /// (a plain peer answers at once there, and a busy listener must not
+    /// turn into a wrong answer).
     pub probe_timeout: Duration,
     /// How long the switch of an accepted or connected stream into RDMA
     /// mode may take before it counts as failed.

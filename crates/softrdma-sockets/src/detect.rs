@@ -48,6 +48,9 @@ pub const MAGIC: [u8; 4] = *b"SRSD";
 pub const VERSION: u8 = 1;
 /// How long a negative answer (no twin) is remembered per destination.
 pub const NEGATIVE_TTL: Duration = Duration::from_secs(60);
+/// Least wait for an answer on loopback, where a host without a twin
+/// answers at once (ICMP port unreachable) and silence means a busy twin.
+pub const LOOPBACK_PROBE_WAIT: Duration = Duration::from_secs(1);
 /// How long a listener keeps a query's record waiting for its connection.
 pub const RECORD_TTL: Duration = Duration::from_secs(10);
 

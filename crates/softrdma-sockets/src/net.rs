@@ -166,7 +166,18 @@ impl TcpStream {
             .as_socket()
             .map(|a| a.port())
             .unwrap_or(0);
-        match detect::query(addr, port, cfg.probe_timeout) {
+        // Waiting longer costs a plain peer nothing where its answer is an
+        // immediate ICMP port unreachable (loopback), nor where offload is
+        // required anyway; a short wait there only turns a busy twin
+        // thread into a wrong answer.
+        let wait = if required {
+            cfg.probe_timeout.max(cfg.setup_timeout)
+        } else if addr.ip().is_loopback() {
+            cfg.probe_timeout.max(detect::LOOPBACK_PROBE_WAIT)
+        } else {
+            cfg.probe_timeout
+        };
+        match detect::query(addr, port, wait) {
             Answer::Accept => {}
             Answer::Decline => {
                 if required {
@@ -184,8 +195,12 @@ impl TcpStream {
                 if required {
                     return Err(not_capable());
                 }
+                // A fresh socket (another port): if the query was only
+                // slow, the listener's record of it names the bound port
+                // and must not match this plain connection.
+                drop(sock);
                 return Ok(Self::plain(
-                    plain_connect(Some(sock), addr, timeout)?,
+                    plain_connect(None, addr, timeout)?,
                     PlainReason::PeerNotCapable,
                 ));
             }

@@ -194,6 +194,26 @@ impl State {
 #[derive(Debug, Clone)]
 pub(crate) struct Offload {
     sh: Arc<Shared>,
+    /// Held by the application's handles only: the last one closes the
+    /// connection, in the application's thread.
+    _close: Arc<CloseOnDrop>,
+}
+
+/// Closes the connection when the application's last handle goes.
+///
+/// Not `Drop` of [`Shared`]: the completion callback upgrades its weak
+/// reference while it runs, so the last strong reference can be the
+/// engine's handler thread's. A close there ran (DisConn, lingering)
+/// while the application's thread went on, and a process exiting right
+/// after closing its stream killed it halfway: the peer saw the TCP
+/// connection end without a DisConn, and lost the data still queued.
+#[derive(Debug)]
+struct CloseOnDrop(Arc<Shared>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }
 
 #[derive(Debug)]
@@ -382,7 +402,10 @@ impl Offload {
             let mut st = sh.st.lock();
             sh.progress(&mut st);
         }
-        Ok(Offload { sh })
+        Ok(Offload {
+            _close: Arc::new(CloseOnDrop(sh.clone())),
+            sh,
+        })
     }
 
     /// MPA CRC in use.
@@ -829,8 +852,9 @@ impl Shared {
         if st.tx_queue.is_empty() && st.disconn_wanted && !st.sdp.close.local_disconn {
             self.send_ctrl(st, &Message::DisConn);
         }
-        // After the peer's DisConn it sends no more data: no updates.
-        if st.sdp.credits.wants_update() && !st.sdp.close.aborted && !st.sdp.close.peer_disconn {
+        // Also after the peer's DisConn: it needs credits for its own
+        // updates while our data still flows (see `sdp`'s credit rules).
+        if st.sdp.wants_credit_update() {
             self.send_ctrl(st, &Message::Data { payload_len: 0 });
         }
     }
@@ -959,8 +983,10 @@ fn slot_base(size: usize, slot: u32) -> usize {
     slot as usize * size
 }
 
-impl Drop for Shared {
-    fn drop(&mut self) {
+impl Shared {
+    /// Closes gracefully (queued data, DisConn, FIN; bounded by the
+    /// linger time), or resets with unread data or after an error.
+    fn close(&self) {
         let mut st = self.st.lock();
         if st.err.is_some() || st.sdp.close.aborted {
             self.qp.abort();
@@ -988,7 +1014,11 @@ impl Drop for Shared {
                 MutexGuard::unlocked(&mut st, || std::thread::sleep(Duration::from_micros(50)));
             }
         }
-        if st.failed() || !st.sdp.close.local_disconn || st.tx_inflight > 0 {
+        let sent_all = st.err.is_none() && st.sdp.close.local_disconn && st.tx_inflight == 0;
+        if st.link.is_some() && sent_all && st.sdp.close.peer_disconn {
+            // Both DisConns were exchanged and the peer closed its TCP side
+            // first: the engine answers its FIN; nothing to reset.
+        } else if st.failed() || !sent_all {
             self.qp.abort();
         } else if self.qp.disconnect().is_ok() {
             // Wait for the peer's FIN (bounded): if the process exited now,

@@ -37,13 +37,23 @@
 //! iWARP has no receiver-not-ready retry: a Send that meets no posted
 //! receive ends the connection with a Terminate. [`Credits`] therefore
 //! counts exactly: from a message with `bufs = b` and `mseq_ack = a`, the
-//! sender may still send `b - (tx_mseq - a)` messages. Data and SrcAvail
-//! need two credits (the last one is kept for a control message, as
-//! `SDP_MIN_TX_CREDITS`); control messages need one. Every message carries
-//! the advertisement, so any message is also a credit update; a pure
-//! credit update (a Data message with no payload) is sent when the peer's
-//! view of our posted buffers lags the truth by half the ring or is down
-//! to one.
+//! sender may still send `b - (tx_mseq - a)` messages. Data, SrcAvail and
+//! DisConn need two credits (the last one is kept for a credit update, as
+//! `SDP_MIN_TX_CREDITS`); other control messages need one. Every message
+//! carries the advertisement, so any message is also a credit update; a
+//! pure credit update (a Data message with no payload) is sent when the
+//! peer's view of our posted buffers lags the truth by half the ring or is
+//! down to one ([`Session::wants_credit_update`]).
+//!
+//! Two rules keep both directions live to the end of the connection:
+//!
+//! - a DisConn never takes the reserve credit: the side that ended its
+//!   data still has to tell the peer about buffers its application frees
+//!   later, or the peer's remaining data could never be sent;
+//! - the peer's DisConn does not stop our credit updates: the peer sends
+//!   no more data, but it still needs credits for its own updates (a side
+//!   with no credit cannot advertise the buffers it reposts, so the two
+//!   ends would wait for each other with data queued).
 
 use thiserror::Error;
 
@@ -867,11 +877,22 @@ impl Session {
         })
     }
 
+    /// Whether a pure credit update should be sent now
+    /// ([`Credits::wants_update`]), unless the connection was reset or both
+    /// sides have sent their DisConn (nobody sends data any more). The
+    /// peer's DisConn alone does not stop updates: see the module docs.
+    pub fn wants_credit_update(&self) -> bool {
+        self.credits.wants_update()
+            && !self.close.aborted
+            && !(self.close.local_disconn && self.close.peer_disconn)
+    }
+
     /// Builds the header of the next message, taking a credit; `None`
-    /// without credit (data needs [`MIN_DATA_CREDITS`] unless `control`).
+    /// without credit (Data with payload, SrcAvail and DisConn need
+    /// [`MIN_DATA_CREDITS`], other control messages one).
     pub fn header(&mut self, msg: &Message, out: &mut [u8; AVAIL_LEN]) -> Option<usize> {
         let control = !matches!(msg, Message::Data { payload_len } if *payload_len > 0)
-            && !matches!(msg, Message::SrcAvail { .. });
+            && !matches!(msg, Message::SrcAvail { .. } | Message::DisConn);
         if !control && !self.credits.can_send_data() {
             return None;
         }
@@ -1128,7 +1149,8 @@ mod tests {
 
     #[test]
     fn credits_reject_overrun_and_bad_sequence() {
-        let mut a = Session::new(2, 1024, 2, 1024);
+        // a may send three (its DisConn keeps the reserve credit).
+        let mut a = Session::new(2, 1024, 3, 1024);
         let mut b = Session::new(2, 1024, 2, 1024);
         let m1 = msg(&mut a, Message::Data { payload_len: 1 }, 1);
         let m2 = msg(&mut a, Message::DisConn, 0);
@@ -1164,6 +1186,205 @@ mod tests {
         adv[3] = 2;
         assert_eq!(d.receive(&adv).unwrap(), Action::Repost);
         assert_eq!(d.credits.tx_credits(), 0);
+    }
+
+    /// One end of a modelled connection, sending as the connection code
+    /// does (`offload.rs` `flush_tx`): queued data while credits allow,
+    /// then DisConn once the queue is empty, then a credit update if one is
+    /// wanted.
+    #[derive(Debug)]
+    struct End {
+        s: Session,
+        /// Data messages queued by the application, not yet sent.
+        pending: u32,
+        disconn_wanted: bool,
+        /// Delivered, not yet read by the application.
+        unread: u32,
+        /// Data messages received.
+        got: u32,
+        eof: bool,
+        inbox: std::collections::VecDeque<Vec<u8>>,
+    }
+
+    impl End {
+        fn new(ring: u16, peer_ring: u16) -> End {
+            End {
+                s: Session::new(ring, 256, peer_ring, 256),
+                pending: 0,
+                disconn_wanted: false,
+                unread: 0,
+                got: 0,
+                eof: false,
+                inbox: Default::default(),
+            }
+        }
+    }
+
+    fn flush(e: &mut [End; 2], side: usize) {
+        let mut out = [0u8; AVAIL_LEN];
+        while e[side].pending > 0 {
+            let Some(h) = e[side]
+                .s
+                .header(&Message::Data { payload_len: 8 }, &mut out)
+            else {
+                break;
+            };
+            let mut v = out[..h].to_vec();
+            v.resize(h + 8, 7);
+            e[1 - side].inbox.push_back(v);
+            e[side].pending -= 1;
+        }
+        if e[side].pending == 0
+            && e[side].disconn_wanted
+            && !e[side].s.close.local_disconn
+            && let Some(h) = e[side].s.header(&Message::DisConn, &mut out)
+        {
+            e[1 - side].inbox.push_back(out[..h].to_vec());
+        }
+        if e[side].s.wants_credit_update() {
+            let h = e[side]
+                .s
+                .header(&Message::Data { payload_len: 0 }, &mut out)
+                .unwrap();
+            e[1 - side].inbox.push_back(out[..h].to_vec());
+        }
+    }
+
+    /// Takes one message off `side`'s wire; false if there was none.
+    fn deliver(e: &mut [End; 2], side: usize) -> bool {
+        let Some(m) = e[side].inbox.pop_front() else {
+            return false;
+        };
+        assert!(e[side].s.credits.posted() > 0, "Send without a receive");
+        match e[side].s.receive(&m).expect("no protocol error") {
+            Action::Deliver { .. } => {
+                e[side].unread += 1;
+                e[side].got += 1;
+            }
+            Action::Repost => e[side].s.credits.on_repost(1),
+            Action::PeerDisConn => {
+                e[side].s.credits.on_repost(1);
+                e[side].eof = true;
+            }
+            a => panic!("{a:?}"),
+        }
+        flush(e, side);
+        true
+    }
+
+    fn read(e: &mut [End; 2], side: usize, k: u32) {
+        let k = k.min(e[side].unread);
+        e[side].unread -= k;
+        e[side].s.credits.on_repost(k);
+        flush(e, side);
+    }
+
+    /// Both applications read everything until nothing moves; panics if
+    /// data or a DisConn is left behind (a credit deadlock).
+    fn settle(e: &mut [End; 2], sent: [u32; 2]) {
+        for _ in 0..10_000 {
+            let mut moved = false;
+            for side in 0..2 {
+                moved |= deliver(e, side);
+                if e[side].unread > 0 {
+                    read(e, side, u32::MAX);
+                    moved = true;
+                }
+            }
+            if !moved {
+                break;
+            }
+        }
+        for side in 0..2 {
+            assert_eq!(e[side].pending, 0, "side {side} cannot send: {e:?}");
+            assert_eq!(e[1 - side].got, sent[side], "{e:?}");
+            if e[side].disconn_wanted {
+                assert!(e[1 - side].eof, "side {side}'s DisConn never sent: {e:?}");
+            }
+        }
+    }
+
+    /// Regression: a DisConn sent with the last credit, while the peer
+    /// stopped its credit updates after that DisConn, left the peer's data
+    /// queued forever (both ends sleeping with data queued, about one
+    /// bidirectional transfer in three; the cross-namespace close test's
+    /// server never sent its DisConn for the same reason).
+    #[test]
+    fn credit_deadlock_after_disconn() {
+        let mut e = [End::new(4, 4), End::new(4, 4)];
+        // A sends three messages: 4 → 1 credit; B's application reads none.
+        e[0].pending = 3;
+        flush(&mut e, 0);
+        assert_eq!(e[0].s.credits.tx_credits(), 1);
+        for _ in 0..3 {
+            deliver(&mut e, 1);
+        }
+        // A ends its data: the DisConn waits, the reserve credit stays.
+        e[0].disconn_wanted = true;
+        flush(&mut e, 0);
+        assert!(!e[0].s.close.local_disconn);
+        assert_eq!(e[0].s.credits.tx_credits(), 1);
+        // B writes until its credits run out; A's application reads none.
+        e[1].pending = 10;
+        flush(&mut e, 1);
+        while deliver(&mut e, 0) {}
+        assert!(e[1].pending > 0);
+        // Now both applications read everything: all of B's data and A's
+        // DisConn get through.
+        settle(&mut e, [3, 10]);
+        // And with the DisConn already sent (peer DisConn first): B keeps
+        // sending updates, so A (still reading) keeps B's data flowing.
+        let mut e = [End::new(4, 4), End::new(4, 4)];
+        e[0].disconn_wanted = true;
+        flush(&mut e, 0);
+        deliver(&mut e, 1);
+        assert!(e[1].eof);
+        e[1].pending = 40;
+        flush(&mut e, 1);
+        settle(&mut e, [0, 40]);
+    }
+
+    /// Random writes, reads, pacing and DisConns on both sides: everything
+    /// queued is eventually sent and every DisConn arrives once both
+    /// applications read, and no message ever meets a missing receive.
+    #[test]
+    fn credits_with_disconn_never_deadlock() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for _ in 0..500 {
+            let ra: u16 = rng.random_range(MIN_RING..10);
+            let rb: u16 = rng.random_range(MIN_RING..10);
+            let mut e = [End::new(ra, rb), End::new(rb, ra)];
+            let mut sent = [0u32; 2];
+            for _ in 0..rng.random_range(10..400) {
+                let side = rng.random_range(0..2usize);
+                match rng.random_range(0..6) {
+                    0 | 1 if !e[side].disconn_wanted => {
+                        let n = rng.random_range(1..6);
+                        e[side].pending += n;
+                        sent[side] += n;
+                        flush(&mut e, side);
+                    }
+                    2 => {
+                        deliver(&mut e, side);
+                    }
+                    3 => {
+                        let k = rng.random_range(0..3);
+                        read(&mut e, side, k);
+                    }
+                    4 if rng.random_range(0..20) == 0 => {
+                        e[side].disconn_wanted = true;
+                        flush(&mut e, side);
+                    }
+                    _ => {}
+                }
+            }
+            if rng.random_range(0..2) == 0 {
+                e[0].disconn_wanted = true;
+                flush(&mut e, 0);
+            }
+            settle(&mut e, sent);
+        }
     }
 
     /// Two sessions exchanging messages with random sizes and random

@@ -159,7 +159,8 @@ fn offload_listener_drops_plain_clients() {
 }
 
 /// A host whose firewall swallows the query: the client waits the probe
-/// time once, then remembers the host as plain and never asks again.
+/// time once (on loopback at least `LOOPBACK_PROBE_WAIT`), then remembers
+/// the host as plain and never asks again.
 #[test]
 fn silent_host_costs_one_probe_then_cached() {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

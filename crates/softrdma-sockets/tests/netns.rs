@@ -42,6 +42,12 @@ fn session<S: Read + Write>(mut s: S, shut: impl FnOnce(&S)) {
     assert!(rest.is_empty() && echo == data);
 }
 
+fn close_reply() -> Vec<u8> {
+    (0..3_000_000u32)
+        .map(|i| (i * 7 + (i >> 11)) as u8)
+        .collect()
+}
+
 fn mode(s: &str) -> Mode {
     match s {
         "offload" => Mode::Offload,
@@ -66,6 +72,32 @@ fn netns_child() {
             println!("READY");
             std::io::stdout().flush().unwrap();
             serve(l.accept().unwrap().0);
+        }
+        "server" if m == "close" => {
+            // Closes right after writing a bulk reply (the client has
+            // already sent its DisConn): our DisConn must follow the data.
+            let l = TcpListener::bind_with(&addr, &Config::with_mode(Mode::Offload)).unwrap();
+            println!("READY");
+            std::io::stdout().flush().unwrap();
+            let (mut s, _) = l.accept().unwrap();
+            let mut req = [0u8; 8];
+            s.read_exact(&mut req).unwrap();
+            s.write_all(&close_reply()).unwrap();
+            drop(s);
+        }
+        "client" if m == "close" => {
+            let mut c = TcpStream::connect_with(&addr, &Config::with_mode(Mode::Offload)).unwrap();
+            c.write_all(b"request!").unwrap();
+            // Our DisConn right after the request, then the reply to EOF.
+            c.shutdown(Shutdown::Write).unwrap();
+            let mut rest = Vec::new();
+            c.read_to_end(&mut rest).unwrap();
+            assert!(rest == close_reply(), "{} octets", rest.len());
+            println!(
+                "client transport: {} EOF after {} octets",
+                c.transport(),
+                rest.len()
+            );
         }
         "server" => {
             let l = TcpListener::bind_with(&addr, &Config::with_mode(mode(&m))).unwrap();
@@ -164,6 +196,10 @@ fn across_namespaces() {
         ("std", "auto", "plain"),
         ("auto", "std", "plain"),
         ("tcp", "auto", "plain"),
+        // The server closes right after a bulk reply: EOF after all of it.
+        ("close", "close", "offloaded"),
+        ("close", "close", "offloaded"),
+        ("close", "close", "offloaded"),
     ];
     for (i, (sm, cm, expect)) in cases.into_iter().enumerate() {
         let addr = format!("{ipb}:{}", 7100 + i);

@@ -357,3 +357,55 @@ fn credits_under_random_pacing_never_terminate() {
         }
     }
 }
+
+fn exit_reply() -> Vec<u8> {
+    (0..2_000_000u32)
+        .map(|i| (i * 13 + (i >> 7)) as u8)
+        .collect()
+}
+
+/// Server side of `process_exiting_right_after_close_still_sends_disconn`
+/// (a child process of this test binary; does nothing when run alone).
+#[test]
+#[ignore = "child process of process_exiting_right_after_close_still_sends_disconn"]
+fn exit_after_close_child() {
+    let Ok(addr) = std::env::var("SD_EXIT_ADDR") else {
+        return;
+    };
+    let mut s = TcpStream::connect_with(&addr, &Config::with_mode(Mode::Offload)).unwrap();
+    let mut req = [0u8; 4];
+    s.read_exact(&mut req).unwrap();
+    s.write_all(&exit_reply()).unwrap();
+    drop(s);
+    // The process exits at once.
+}
+
+/// Regression: the last reference to a connection could be the engine's
+/// completion callback thread's (it holds one while it runs), so closing
+/// the stream ran the graceful close there while the application went on;
+/// a process exiting right after closing cut it off: the peer saw the TCP
+/// connection end without a DisConn and lost queued data (a flush error
+/// instead of EOF after all of it).
+#[test]
+fn process_exiting_right_after_close_still_sends_disconn() {
+    for _ in 0..4 {
+        let l = TcpListener::bind_with("127.0.0.1:0", &Config::with_mode(Mode::Offload)).unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut child = std::process::Command::new("timeout")
+            .arg("60")
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "exit_after_close_child", "--include-ignored"])
+            .env("SD_EXIT_ADDR", addr.to_string())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        assert!(s.transport().is_offloaded());
+        s.write_all(b"go!!").unwrap();
+        s.shutdown(Shutdown::Write).unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).unwrap();
+        assert!(got == exit_reply(), "{} octets", got.len());
+        assert!(child.wait().unwrap().success());
+    }
+}
