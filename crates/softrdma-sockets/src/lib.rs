@@ -86,7 +86,10 @@
 //! threads. Each listener that may offload has one thread answering
 //! capability queries. A blocking call busy-polls for [`Config::spin`]
 //! (so request/response traffic needs no thread hand-off), then sleeps
-//! until the completion callback wakes it.
+//! until the completion callback wakes it. The callback runs on one of the
+//! engine's handler threads, which serve many connections in turn, so it
+//! never waits for a connection's lock: if an application thread holds
+//! it, that thread handles the event when it lets go.
 #![forbid(unsafe_code)]
 
 mod config;

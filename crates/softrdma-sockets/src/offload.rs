@@ -25,6 +25,8 @@ use std::os::unix::net::UnixDatagram;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use parking_lot::{Mutex, MutexGuard};
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
 use softrdma_engine::transition::{MpaRole, StreamConnection, SwitchMode, TransitionError};
@@ -229,8 +231,72 @@ struct Shared {
     /// Duplicate of the kernel socket (the QP owns the original).
     sock: TcpStream,
     st: Mutex<State>,
+    /// A completion event whose callback found the state locked: the
+    /// thread holding the lock handles it when it lets go.
+    event_pending: AtomicBool,
     /// Wakes sleeping calls: (receiving end polled by them, sending end).
     waker: (UnixDatagram, UnixDatagram),
+}
+
+/// The locked state of a connection. Letting go of it (dropping it, or
+/// [`unlocked`](Self::unlocked)) handles a completion event whose
+/// callback found the lock taken (see [`Shared::on_event`]).
+struct Locked<'a> {
+    sh: &'a Shared,
+    g: Option<MutexGuard<'a, State>>,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.g.as_ref().expect("locked")
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.g.as_mut().expect("locked")
+    }
+}
+
+impl Locked<'_> {
+    /// Handles pending events (the lock is held).
+    fn settle(&mut self) {
+        let sh = self.sh;
+        while sh.event_pending.swap(false, Ordering::SeqCst) {
+            sh.handle_event(self);
+        }
+    }
+
+    /// Runs `f` without the lock.
+    fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        self.settle();
+        let g = self.g.as_mut().expect("locked");
+        let r = MutexGuard::unlocked(g, f);
+        self.settle();
+        r
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        // Settle, let go, then look again: a callback that failed to take
+        // the lock before it was released set the flag before trying, so
+        // it is seen here.
+        self.settle();
+        self.g = None;
+        while self.sh.event_pending.load(Ordering::SeqCst) {
+            match self.sh.st.try_lock() {
+                Some(g) => {
+                    self.g = Some(g);
+                    self.settle();
+                    self.g = None;
+                }
+                // Another thread holds it and will look when it lets go.
+                None => break,
+            }
+        }
+    }
 }
 
 impl Offload {
@@ -394,12 +460,13 @@ impl Offload {
                 armed: false,
                 ready: None,
             }),
+            event_pending: AtomicBool::new(false),
             waker,
         });
         let _ = slot.set(Arc::downgrade(&sh));
         {
             // Messages may have arrived with the switch.
-            let mut st = sh.st.lock();
+            let mut st = sh.lock();
             sh.progress(&mut st);
         }
         Ok(Offload {
@@ -427,7 +494,7 @@ impl Offload {
     ) -> io::Result<usize> {
         let sh = &*self.sh;
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut st = sh.st.lock();
+        let mut st = sh.lock();
         loop {
             if st.rx.is_empty() {
                 sh.progress(&mut st);
@@ -462,7 +529,7 @@ impl Offload {
     ) -> io::Result<usize> {
         let sh = &*self.sh;
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut st = sh.st.lock();
+        let mut st = sh.lock();
         // Completions are only looked at when the buffers are full: the
         // fast path is a copy and a post.
         let mut polled = false;
@@ -499,7 +566,7 @@ impl Offload {
     pub(crate) fn flush(&self, timeout: Option<Duration>) -> io::Result<()> {
         let sh = &*self.sh;
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut st = sh.st.lock();
+        let mut st = sh.lock();
         st.push = true;
         sh.flush_tx(&mut st);
         loop {
@@ -516,7 +583,7 @@ impl Offload {
 
     pub(crate) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         let sh = &*self.sh;
-        let mut st = sh.st.lock();
+        let mut st = sh.lock();
         if matches!(how, Shutdown::Read | Shutdown::Both) {
             st.rd_shut = true;
         }
@@ -532,7 +599,7 @@ impl Offload {
     /// Resets the connection: AbortConn, then the QP is aborted (RST).
     pub(crate) fn abort(&self) {
         let sh = &*self.sh;
-        let mut st = sh.st.lock();
+        let mut st = sh.lock();
         sh.reset(
             &mut st,
             io::ErrorKind::ConnectionAborted,
@@ -542,7 +609,7 @@ impl Offload {
 
     pub(crate) fn set_nodelay(&self, on: bool) {
         let sh = &*self.sh;
-        let mut st = sh.st.lock();
+        let mut st = sh.lock();
         st.nodelay = on;
         if on {
             sh.flush_tx(&mut st);
@@ -550,11 +617,11 @@ impl Offload {
     }
 
     pub(crate) fn nodelay(&self) -> bool {
-        self.sh.st.lock().nodelay
+        self.sh.lock().nodelay
     }
 
     pub(crate) fn take_error(&self) -> Option<io::Error> {
-        let st = self.sh.st.lock();
+        let st = self.sh.lock();
         st.error()
     }
 
@@ -563,7 +630,7 @@ impl Offload {
     pub(crate) fn readiness_fd(&self) -> io::Result<std::os::fd::RawFd> {
         use std::os::fd::AsRawFd;
         let sh = &*self.sh;
-        let mut st = sh.st.lock();
+        let mut st = sh.lock();
         if st.ready.is_none() {
             st.ready = Some(Readiness::new()?);
         }
@@ -578,15 +645,40 @@ impl Shared {
         slot as usize * self.buf_size
     }
 
-    /// Completion callback (engine handler thread).
-    fn on_event(&self, cq: &CompletionQueue) {
-        let mut st = self.st.lock();
-        st.armed = false;
-        self.progress(&mut st);
-        if self.wants_events(&st) {
-            self.arm(&mut st, cq);
+    /// Locks the connection state; see [`Locked`].
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            sh: self,
+            g: Some(self.st.lock()),
         }
-        self.sync_ready(&mut st);
+    }
+
+    /// Completion callback (engine handler thread). Never waits for the
+    /// state lock: the handler thread runs the callbacks of every CQ bound
+    /// to it one after the other, so a callback waiting for a lock an
+    /// application thread holds for a while (copying 64 KiB buffers,
+    /// sending) delayed the wake-ups of other connections by as long.
+    /// If the lock is taken, its holder handles the event when it lets go.
+    fn on_event(&self, _cq: &CompletionQueue) {
+        self.event_pending.store(true, Ordering::SeqCst);
+        if let Some(g) = self.st.try_lock() {
+            let mut st = Locked {
+                sh: self,
+                g: Some(g),
+            };
+            st.settle();
+        }
+    }
+
+    /// Handles a completion event: the CQ is disarmed; process what it
+    /// holds, re-arm if someone needs events, wake sleepers.
+    fn handle_event(&self, st: &mut State) {
+        st.armed = false;
+        self.progress(st);
+        if self.wants_events(st) {
+            self.arm(st, &self.cq);
+        }
+        self.sync_ready(st);
         for _ in 0..st.waiters {
             let _ = self.waker.1.send(&[1]);
         }
@@ -877,7 +969,7 @@ impl Shared {
     /// the completion callback wakes it or the deadline passes.
     fn wait(
         &self,
-        st: &mut MutexGuard<'_, State>,
+        st: &mut Locked<'_>,
         nonblocking: bool,
         deadline: Option<Instant>,
     ) -> io::Result<()> {
@@ -886,7 +978,7 @@ impl Shared {
         }
         let spin_until = Instant::now() + self.spin;
         while Instant::now() < spin_until {
-            MutexGuard::unlocked(st, std::hint::spin_loop);
+            st.unlocked(std::hint::spin_loop);
             if self.progress(st) {
                 return Ok(());
             }
@@ -903,7 +995,7 @@ impl Shared {
                     tv_nsec: 900_000,
                 };
                 let fd = &self.sock;
-                MutexGuard::unlocked(st, || {
+                st.unlocked(|| {
                     let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
                     let _ = rustix::event::poll(&mut fds, Some(&ts));
                 });
@@ -937,7 +1029,7 @@ impl Shared {
             tv_sec: left.as_secs() as i64,
             tv_nsec: i64::from(left.subsec_nanos()),
         };
-        let n = MutexGuard::unlocked(st, || {
+        let n = st.unlocked(|| {
             let mut fds = [
                 rustix::event::PollFd::new(&self.sock, rustix::event::PollFlags::IN),
                 rustix::event::PollFd::new(&self.waker.0, rustix::event::PollFlags::IN),
@@ -966,15 +1058,22 @@ impl Shared {
 /// itself before it hands over to the engine's threads and callback.
 const PASSIVE: Duration = Duration::from_millis(5);
 
-/// Longest sleep of a blocked call before it looks at the CQ again.
-const REPOLL: Duration = Duration::from_millis(10);
+/// Longest sleep of a blocked call before it looks at the CQ again: a
+/// safety net, not a wake-up mechanism. Every completion event is
+/// delivered (the engine's handler counts them) and its callback wakes
+/// sleepers; the net only bounds the delay when the handler thread is
+/// late (CPU contention).
+const REPOLL: Duration = Duration::from_millis(50);
 
-/// Sleeps that ended by the re-poll timer and found completions (lost
-/// wake-ups); see [`lost_wakeups`].
+/// Sleeps that ended by the re-poll timer and found completions; see
+/// [`lost_wakeups`].
 static LOST_WAKEUPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Number of times a blocked call found completions only through its
-/// periodic re-poll (a completion event that did not wake it).
+/// periodic re-poll, before the completion callback woke it (the
+/// callback ran late: the engine's handler thread was not scheduled, or,
+/// before the callback stopped waiting for busy connections, was held up
+/// by another connection). Kept under its old name; ideally 0.
 pub fn lost_wakeups() -> u64 {
     LOST_WAKEUPS.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -987,7 +1086,7 @@ impl Shared {
     /// Closes gracefully (queued data, DisConn, FIN; bounded by the
     /// linger time), or resets with unread data or after an error.
     fn close(&self) {
-        let mut st = self.st.lock();
+        let mut st = self.lock();
         if st.err.is_some() || st.sdp.close.aborted {
             self.qp.abort();
             return;
@@ -1011,7 +1110,7 @@ impl Shared {
             && Instant::now() < deadline
         {
             if !self.progress(&mut st) {
-                MutexGuard::unlocked(&mut st, || std::thread::sleep(Duration::from_micros(50)));
+                st.unlocked(|| std::thread::sleep(Duration::from_micros(50)));
             }
         }
         let sent_all = st.err.is_none() && st.sdp.close.local_disconn && st.tx_inflight == 0;
@@ -1034,5 +1133,60 @@ impl Shared {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (Offload, Offload) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let cfg = Config::default();
+        let c = cfg.clone();
+        let t = std::thread::spawn(move || {
+            Offload::establish(TcpStream::connect(addr).unwrap(), true, &c).unwrap()
+        });
+        let s = Offload::establish(l.accept().unwrap().0, false, &cfg).unwrap();
+        (t.join().unwrap(), s)
+    }
+
+    /// Regression: the completion callback waited for the connection's
+    /// state lock; one engine handler thread runs the callbacks of all the
+    /// CQs bound to it in turn, so while an application thread held one
+    /// connection's lock (tens of ms in a debug build, copying and
+    /// sending 64 KiB buffers) other connections' wake-ups waited too, and
+    /// sleepers only saw their completions on the periodic re-poll (the
+    /// "lost wake-ups"). The callback now returns at once and the lock's
+    /// holder handles the event when it lets go.
+    #[test]
+    fn callback_never_waits_for_the_state_lock() {
+        let (c, s) = pair();
+        let held = s.sh.lock();
+        let sh = s.sh.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            sh.on_event(&sh.cq);
+            let _ = tx.send(());
+        });
+        // Generous: this fails only if the callback blocks on the lock.
+        rx.recv_timeout(Duration::from_secs(20))
+            .expect("the callback waited for the state lock");
+        assert!(s.sh.event_pending.load(Ordering::SeqCst));
+        // Letting go handles it: the CQ is re-armed for whoever needs it.
+        drop(held);
+        assert!(!s.sh.event_pending.load(Ordering::SeqCst));
+        // Data still flows both ways.
+        assert_eq!(c.write(b"ping", false, None).unwrap(), 4);
+        c.flush(None).unwrap();
+        let mut b = [0u8; 4];
+        let mut n = 0;
+        while n < 4 {
+            n += s
+                .read(&mut b[n..], false, false, Some(Duration::from_secs(20)))
+                .unwrap();
+        }
+        assert_eq!(&b, b"ping");
     }
 }
