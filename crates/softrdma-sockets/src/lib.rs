@@ -97,6 +97,8 @@ pub mod detect;
 mod net;
 mod offload;
 pub mod sdp;
+#[cfg(feature = "tokio")]
+pub mod tokio;
 
 pub use config::{Config, Mode, PlainReason, Transport};
 pub use net::{TcpListener, TcpStream};

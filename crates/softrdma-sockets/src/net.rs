@@ -29,6 +29,16 @@ struct Opts {
     write_timeout: Mutex<Option<Duration>>,
 }
 
+/// What an async reactor watches for a stream.
+#[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+pub(crate) enum ReadinessClone {
+    /// Plain: a duplicate of the kernel socket.
+    Tcp(std::net::TcpStream),
+    /// Offloaded: wakers left with the library
+    /// ([`TcpStream::poll_offload_ready`]).
+    Offload,
+}
+
 /// A TCP connection that is offloaded (SDP over a softrdma queue pair on
 /// the same TCP connection) when both ends can, and plain kernel TCP
 /// otherwise. Mirrors [`std::net::TcpStream`].
@@ -396,6 +406,35 @@ impl TcpStream {
         }
     }
 
+    /// What an async reactor watches (plain: another descriptor of the
+    /// kernel socket).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn readiness_clone(&self) -> io::Result<ReadinessClone> {
+        match &self.inner {
+            Inner::Plain(s) => Ok(ReadinessClone::Tcp(s.try_clone()?)),
+            Inner::Offload(_) => Ok(ReadinessClone::Offload),
+        }
+    }
+
+    /// Offloaded: whether a read (`write`: a write) would not block now,
+    /// else `waker` is woken when it would. `None` for a plain stream.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn poll_offload_ready(&self, write: bool, waker: &std::task::Waker) -> Option<bool> {
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Offload(o) => Some(o.poll_ready(write, waker)),
+        }
+    }
+
+    /// Lets corked data go out as soon as credits allow, without waiting.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn push(&self) -> io::Result<()> {
+        match &self.inner {
+            Inner::Plain(_) => Ok(()),
+            Inner::Offload(o) => o.push(),
+        }
+    }
+
     /// Sends everything queued now (a corked small write included).
     fn flush_inner(&self) -> io::Result<()> {
         match &self.inner {
@@ -537,29 +576,40 @@ impl TcpListener {
     pub fn accept(&self) -> io::Result<(TcpStream, SocketAddr)> {
         loop {
             let (s, peer) = self.inner.accept()?;
-            let asked = self.twin.as_ref().is_some_and(|t| t.take(peer));
-            if asked {
-                if s.set_nonblocking(false).is_err() {
-                    continue;
-                }
-                match Offload::establish(s, false, &self.cfg) {
-                    Ok(o) => return Ok((TcpStream::offloaded(o), peer)),
-                    Err(_) => continue,
-                }
+            if let Some(t) = self.decide(s, peer) {
+                return Ok((t, peer));
             }
-            if self.cfg.mode == Mode::Offload {
-                drop(s);
-                continue;
-            }
-            let why = if self.cfg.mode == Mode::Tcp {
-                PlainReason::Policy
-            } else if self.twin.is_none() {
-                PlainReason::LocalResources
-            } else {
-                PlainReason::ClientPlain
-            };
-            return Ok((TcpStream::plain(s, why), peer));
         }
+    }
+
+    /// Decides an accepted kernel connection: switched if its client asked
+    /// (blocks for the switch), plain otherwise; `None` if it was dropped
+    /// (failed switch, or a plain client of an offload-only listener).
+    pub(crate) fn decide(&self, s: std::net::TcpStream, peer: SocketAddr) -> Option<TcpStream> {
+        let asked = self.twin.as_ref().is_some_and(|t| t.take(peer));
+        if asked {
+            s.set_nonblocking(false).ok()?;
+            return Offload::establish(s, false, &self.cfg)
+                .ok()
+                .map(TcpStream::offloaded);
+        }
+        if self.cfg.mode == Mode::Offload {
+            return None;
+        }
+        let why = if self.cfg.mode == Mode::Tcp {
+            PlainReason::Policy
+        } else if self.twin.is_none() {
+            PlainReason::LocalResources
+        } else {
+            PlainReason::ClientPlain
+        };
+        Some(TcpStream::plain(s, why))
+    }
+
+    /// Another descriptor of the kernel listener.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn kernel_clone(&self) -> io::Result<std::net::TcpListener> {
+        self.inner.try_clone()
     }
 
     /// An iterator over accepted connections.

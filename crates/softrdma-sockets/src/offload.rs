@@ -167,6 +167,9 @@ struct State {
     /// The CQ is armed (a completion will run the callback).
     armed: bool,
     ready: Option<Readiness>,
+    /// Async tasks waiting to read / to write (woken when that becomes
+    /// possible; see [`Offload::poll_ready`]).
+    wakers: [Option<std::task::Waker>; 2],
 }
 
 impl State {
@@ -280,10 +283,15 @@ impl Locked<'_> {
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        // Settle, let go, then look again: a callback that failed to take
-        // the lock before it was released set the flag before trying, so
-        // it is seen here.
+        // Settle, bring the readiness descriptor (and the arm it needs) up
+        // to date with whatever this holder changed, let go, then look
+        // again: a callback that failed to take the lock before it was
+        // released set the flag before trying, so it is seen here.
         self.settle();
+        if self.ready.is_some() {
+            let sh = self.sh;
+            sh.after(self);
+        }
         self.g = None;
         while self.sh.event_pending.load(Ordering::SeqCst) {
             match self.sh.st.try_lock() {
@@ -459,6 +467,7 @@ impl Offload {
                 waiters: 0,
                 armed: false,
                 ready: None,
+                wakers: [None, None],
             }),
             event_pending: AtomicBool::new(false),
             waker,
@@ -562,6 +571,21 @@ impl Offload {
         }
     }
 
+    /// Lets corked data go out as soon as credits allow (the completion
+    /// callback sends it), without waiting.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn push(&self) -> io::Result<()> {
+        let sh = &*self.sh;
+        let mut st = sh.lock();
+        if let Some(e) = st.error() {
+            return Err(e);
+        }
+        st.push = true;
+        sh.flush_tx(&mut st);
+        sh.after(&mut st);
+        Ok(())
+    }
+
     /// Waits until every queued octet has been handed to the QP.
     pub(crate) fn flush(&self, timeout: Option<Duration>) -> io::Result<()> {
         let sh = &*self.sh;
@@ -623,6 +647,27 @@ impl Offload {
     pub(crate) fn take_error(&self) -> Option<io::Error> {
         let st = self.sh.lock();
         st.error()
+    }
+
+    /// Whether a read (`write`: a write) would not block now; if not,
+    /// `waker` is woken when it would (the completion callback wakes it,
+    /// as it updates the readiness descriptor).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn poll_ready(&self, write: bool, waker: &std::task::Waker) -> bool {
+        let sh = &*self.sh;
+        let mut st = sh.lock();
+        if st.rx.is_empty() {
+            sh.progress(&mut st);
+        }
+        let (r, w) = Shared::readiness(&st);
+        if (write && w) || (!write && r) {
+            return true;
+        }
+        st.wakers[usize::from(write)] = Some(waker.clone());
+        sh.after(&mut st);
+        // The arm's poll may have changed things.
+        let (r, w) = Shared::readiness(&st);
+        (write && w) || (!write && r)
     }
 
     /// The readiness descriptor (created on first use and kept in sync from
@@ -697,6 +742,7 @@ impl Shared {
         !st.failed()
             && (st.waiters > 0
                 || st.ready.is_some()
+                || st.wakers.iter().any(Option::is_some)
                 || !st.tx_queue.is_empty()
                 || (st.disconn_wanted && !st.sdp.close.local_disconn))
     }
@@ -710,7 +756,8 @@ impl Shared {
         self.sync_ready(st);
     }
 
-    fn sync_ready(&self, st: &mut State) {
+    /// Whether a read, and a write, would not block now.
+    fn readiness(st: &State) -> (bool, bool) {
         let readable = !st.rx.is_empty() || st.sdp.close.peer_disconn || st.failed() || st.rd_shut;
         let writable = st.failed()
             || st.wr_shut
@@ -719,8 +766,18 @@ impl Shared {
                 .tx_queue
                 .back()
                 .is_some_and(|&(_, len)| len < st.sdp.max_payload());
+        (readable, writable)
+    }
+
+    fn sync_ready(&self, st: &mut State) {
+        let (readable, writable) = Self::readiness(st);
         if let Some(r) = st.ready.as_mut() {
             r.set(readable, writable);
+        }
+        for (i, now) in [readable, writable].into_iter().enumerate() {
+            if now && let Some(w) = st.wakers[i].take() {
+                w.wake();
+            }
         }
     }
 
