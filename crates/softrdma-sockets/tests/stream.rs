@@ -409,3 +409,65 @@ fn process_exiting_right_after_close_still_sends_disconn() {
         assert!(child.wait().unwrap().success());
     }
 }
+
+/// The readiness descriptor under edge-triggered epoll (how an event loop
+/// uses it): read until `WouldBlock`, then wait for the next edge; every
+/// write of the peer is seen, none is left waiting for an edge.
+#[test]
+fn readiness_fd_edge_triggered_epoll_sees_every_write() {
+    let (mut c, mut s) = offload_pair();
+    s.set_nonblocking(true).unwrap();
+    let rfd = s.readiness_fd().unwrap();
+    // SAFETY: plain epoll calls on descriptors this test owns.
+    let ep = unsafe { libc::epoll_create1(0) };
+    assert!(ep >= 0);
+    let mut ev = libc::epoll_event {
+        events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+        u64: 1,
+    };
+    // SAFETY: valid epoll descriptor, event on the stack.
+    let added = unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, rfd, &mut ev) };
+    assert_eq!(added, 0);
+    let total = 3000usize;
+    let t = thread::spawn(move || {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for i in 0..total {
+            c.write_all(&(i as u32).to_be_bytes()).unwrap();
+            c.flush().unwrap();
+            if rng.random_range(0..4) == 0 {
+                thread::sleep(Duration::from_micros(rng.random_range(0..300)));
+            }
+        }
+        c
+    });
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while got.len() < total * 4 {
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => panic!("EOF"),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        if got.len() == total * 4 {
+            break;
+        }
+        let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: valid epoll descriptor, buffer of 4 events.
+        let n = unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), 4, 20_000) };
+        assert!(
+            n > 0,
+            "no edge for 20 s with {} of {} octets read",
+            got.len(),
+            total * 4
+        );
+    }
+    for (i, ch) in got.chunks(4).enumerate() {
+        assert_eq!(u32::from_be_bytes(ch.try_into().unwrap()), i as u32);
+    }
+    drop(t.join().unwrap());
+    // SAFETY: closing the epoll descriptor this test created.
+    unsafe { libc::close(ep) };
+}
