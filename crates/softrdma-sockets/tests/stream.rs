@@ -285,8 +285,20 @@ fn readiness_fd_follows_data_space_and_eof() {
     c.set_nonblocking(true).unwrap();
     let chunk = vec![3u8; 65536];
     let mut written = 0;
-    while let Ok(n) = c.write(&chunk) {
-        written += n;
+    // Until the peer's credits are used up: a WouldBlock while sends are
+    // still completing is followed by space again (the descriptor turns
+    // writable then, which is right); once the unread peer has no buffer
+    // left, nothing frees space.
+    loop {
+        match c.write(&chunk) {
+            Ok(n) => written += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if poll_fd(wfd, libc::POLLOUT, 200) & libc::POLLOUT == 0 {
+                    break;
+                }
+            }
+            Err(e) => panic!("{e}"),
+        }
     }
     assert_eq!(poll_fd(wfd, libc::POLLOUT, 0) & libc::POLLOUT, 0);
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
