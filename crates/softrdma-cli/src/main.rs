@@ -537,6 +537,11 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    // `softrdma perf stream ...` has its own options (sockets direct).
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).is_some_and(|a| a == "perf") && argv.get(2).is_some_and(|a| a == "stream") {
+        return softrdma_cli::perf::stream::main_with_args(&argv[2..]);
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Info { json } => {

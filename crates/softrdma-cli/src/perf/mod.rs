@@ -28,6 +28,7 @@ mod msg;
 mod output;
 mod rdma;
 pub mod remote;
+pub mod stream;
 mod tcp;
 
 use std::io::Write;
