@@ -31,6 +31,15 @@
 
 mod policy;
 mod stats;
+mod twin;
 
 #[cfg(not(test))]
+mod conn;
+#[cfg(not(test))]
+pub mod data;
+#[cfg(not(test))]
+pub mod events;
+#[cfg(not(test))]
 pub mod interpose;
+#[cfg(not(test))]
+mod real;

@@ -91,6 +91,7 @@
 
 mod config;
 pub mod detect;
+pub mod external;
 mod net;
 mod offload;
 pub mod sdp;
