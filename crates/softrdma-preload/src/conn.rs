@@ -142,6 +142,65 @@ fn release(c: Arc<Conn>) {
     }
 }
 
+thread_local! {
+    /// Set while this library sets up a connection: descriptors made then
+    /// (by the sockets-direct library and the engine) are moved to high
+    /// numbers.
+    static INTERNAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Lowest number for the library's own descriptors: they stay out of the
+/// range programs size their tables by (wrk sizes its event loop for 3
+/// descriptors per connection) and below `FD_SETSIZE` where the limit
+/// allows (select).
+pub(crate) fn high_base() -> c_int {
+    static BASE: OnceLock<c_int> = OnceLock::new();
+    *BASE.get_or_init(|| {
+        // SAFETY: rlimit is plain data; getrlimit writes it.
+        let mut rl: libc::rlimit = unsafe { std::mem::zeroed() };
+        // SAFETY: valid resource and pointer.
+        let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut rl) } == 0 {
+            rl.rlim_cur.min(1 << 20) as c_int
+        } else {
+            1024
+        };
+        (soft / 2).min(512)
+    })
+}
+
+/// Moves `fd`, made by this library while setting up a connection, to a
+/// high number (close-on-exec); unchanged outside of that or if none is
+/// free.
+pub(crate) fn move_high(fd: c_int) -> c_int {
+    if fd < 0 || fd >= high_base() || !INTERNAL.with(|i| i.get()) {
+        return fd;
+    }
+    let (Some(fcntl), Some(close)) = (REAL_FCNTL.get(), crate::real::REAL_CLOSE.get()) else {
+        return fd;
+    };
+    // SAFETY: duplicating a descriptor this library just made.
+    let h = unsafe { fcntl(fd, libc::F_DUPFD_CLOEXEC, high_base() as usize) };
+    if h < 0 {
+        return fd;
+    }
+    // SAFETY: the original is ours and replaced by `h`.
+    unsafe { close(fd) };
+    h
+}
+
+/// Whether this thread is setting up a connection.
+pub(crate) fn internal() -> bool {
+    INTERNAL.with(|i| i.get())
+}
+
+/// Runs `f` as connection set-up (see [`move_high`]).
+fn as_internal<T>(f: impl FnOnce() -> T) -> T {
+    let was = INTERNAL.with(|i| i.replace(true));
+    let r = f();
+    INTERNAL.with(|i| i.set(was));
+    r
+}
+
 /// Runs `f` with every signal blocked in this thread, so threads it starts
 /// (the engine's, a twin) never run the application's signal handlers.
 pub(crate) fn signals_blocked<T>(f: impl FnOnce() -> T) -> T {
@@ -172,7 +231,7 @@ fn switch(dup: std::net::TcpStream, initiator: bool) -> Result<SdStream, c_int> 
     }
     ENGINE_PID.store(me, Ordering::Relaxed);
     let nodelay = dup.nodelay().unwrap_or(false);
-    let s = signals_blocked(|| SdStream::upgrade(dup, initiator, &config()))
+    let s = signals_blocked(|| as_internal(|| SdStream::upgrade(dup, initiator, &config())))
         .map_err(|_| libc::ECONNRESET)?;
     let _ = s.set_nonblocking(true);
     if nodelay {
@@ -186,7 +245,11 @@ fn switch(dup: std::net::TcpStream, initiator: bool) -> Result<SdStream, c_int> 
 pub(crate) fn dup_stream(fd: c_int) -> Option<std::net::TcpStream> {
     let f = REAL_FCNTL.get()?;
     // SAFETY: F_DUPFD_CLOEXEC on the caller's descriptor.
-    let d = unsafe { f(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    let mut d = unsafe { f(fd, libc::F_DUPFD_CLOEXEC, high_base() as usize) };
+    if d < 0 {
+        // SAFETY: as above, any number.
+        d = unsafe { f(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    }
     if d < 0 {
         return None;
     }
@@ -237,7 +300,7 @@ impl Conn {
 
     fn adopt(&self, s: SdStream) {
         self.owner.store(pid(), Ordering::Relaxed);
-        let rfd = s.readiness_fd().unwrap_or(-1);
+        let rfd = as_internal(|| s.readiness_fd()).unwrap_or(-1);
         self.rfd.store(rfd, Ordering::Relaxed);
         let _ = self.sw.set(Ok(s));
     }

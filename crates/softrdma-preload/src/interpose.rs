@@ -239,7 +239,7 @@ pub(crate) fn guard<T: From<i8>>(f: impl FnOnce() -> Result<T, c_int>) -> T {
 /// How long a capability query waits for the twin of a host not asked
 /// before (a host without sockets direct answers at once with ICMP port
 /// unreachable on loopback and LANs; the answer is cached).
-const PROBE_TIMEOUT: Duration = Duration::from_millis(50);
+const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
 /// How long `connect` waits for a non-blocking connection to be made
 /// before it is switched.
 const CONNECT_WAIT_MS: c_int = 5000;
@@ -682,6 +682,14 @@ fn fcntl_common(
     cmd: c_int,
     arg: usize,
 ) -> c_int {
+    if (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) && conn::internal() {
+        // A duplicate made while setting up a connection: high numbers.
+        // SAFETY: F_DUPFD* with an int argument.
+        let r = unsafe { real(fd, cmd, arg.max(conn::high_base() as usize)) };
+        if r >= 0 {
+            return r;
+        }
+    }
     let Some(slot) = conn::slot(fd) else {
         // SAFETY: forwarding the caller's arguments unchanged.
         return unsafe { real(fd, cmd, arg) };
@@ -881,4 +889,45 @@ pub unsafe extern "C" fn getsockopt(
     };
     // SAFETY: forwarding the caller's arguments unchanged.
     unsafe { real(fd, level, name, val, len) }
+}
+
+/// `socketpair(2)`: pairs made while setting up an offloaded connection
+/// (its readiness and wake-up sockets) get high descriptor numbers.
+///
+/// # Safety
+/// As `socketpair(2)`: `sv` points to two ints.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn socketpair(
+    domain: c_int,
+    ty: c_int,
+    proto: c_int,
+    sv: *mut c_int,
+) -> c_int {
+    let Some(real) = REAL_SOCKETPAIR.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let r = unsafe { real(domain, ty, proto, sv) };
+    if r == 0 && !sv.is_null() && conn::internal() {
+        // SAFETY: the kernel filled both ints.
+        unsafe {
+            *sv = conn::move_high(*sv);
+            *sv.add(1) = conn::move_high(*sv.add(1));
+        }
+    }
+    r
+}
+
+/// `eventfd(2)`: as [`socketpair`], high numbers during a set-up.
+///
+/// # Safety
+/// As `eventfd(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eventfd(init: libc::c_uint, flags: c_int) -> c_int {
+    let Some(real) = REAL_EVENTFD.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let r = unsafe { real(init, flags) };
+    conn::move_high(r)
 }

@@ -92,6 +92,8 @@ reals! {
     REAL_PPOLL = c"ppoll": fn(*mut libc::pollfd, libc::nfds_t, *const libc::timespec, *const libc::sigset_t) -> c_int;
     REAL_SELECT = c"select": fn(c_int, *mut libc::fd_set, *mut libc::fd_set, *mut libc::fd_set, *mut libc::timeval) -> c_int;
     REAL_PSELECT = c"pselect": fn(c_int, *mut libc::fd_set, *mut libc::fd_set, *mut libc::fd_set, *const libc::timespec, *const libc::sigset_t) -> c_int;
+    REAL_SOCKETPAIR = c"socketpair": fn(c_int, c_int, c_int, *mut c_int) -> c_int;
+    REAL_EVENTFD = c"eventfd": fn(c_uint, c_int) -> c_int;
     REAL_EPOLL_CTL = c"epoll_ctl": fn(c_int, c_int, c_int, *mut libc::epoll_event) -> c_int;
 }
 
