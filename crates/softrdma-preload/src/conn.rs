@@ -44,6 +44,9 @@ pub(crate) struct Conn {
     pub(crate) rcvtimeo: AtomicU64,
     pub(crate) sndtimeo: AtomicU64,
     rfd: AtomicI32,
+    /// A reset was reported once: later writes fail with `EPIPE` (and
+    /// `SIGPIPE`), as the kernel's do after `ECONNRESET`.
+    pub(crate) reset_seen: AtomicBool,
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -275,6 +278,7 @@ impl Conn {
             rcvtimeo: AtomicU64::new(0),
             sndtimeo: AtomicU64::new(0),
             rfd: AtomicI32::new(-1),
+            reset_seen: AtomicBool::new(false),
         }
     }
 

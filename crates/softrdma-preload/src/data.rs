@@ -12,6 +12,7 @@
 
 use std::io::{Read, Write};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use libc::{c_int, c_uint, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
 
@@ -51,7 +52,7 @@ fn send_conn(c: &Conn, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
         return Err(libc::EOPNOTSUPP);
     }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
-    let nb = dontwait || c.nonblock.load(std::sync::atomic::Ordering::Relaxed);
+    let nb = dontwait || c.nonblock.load(Ordering::Relaxed);
     let mut sent = 0;
     let r = loop {
         match c.blocking(dontwait, true, |mut s| s.write(&buf[sent..])) {
@@ -65,6 +66,14 @@ fn send_conn(c: &Conn, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
             Err(e) if sent > 0 && e != libc::EPIPE => break Ok(sent),
             Err(e) => break Err(e),
         }
+    };
+    let r = match r {
+        Err(libc::ECONNRESET | libc::ECONNABORTED)
+            if c.reset_seen.swap(true, Ordering::Relaxed) =>
+        {
+            Err(libc::EPIPE)
+        }
+        r => r,
     };
     if r == Err(libc::EPIPE) && flags & libc::MSG_NOSIGNAL == 0 {
         conn::raise_sigpipe();

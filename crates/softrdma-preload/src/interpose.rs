@@ -765,7 +765,8 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
 }
 
 /// `ioctl(2)`: `FIONBIO` sets the application's view of non-blocking mode;
-/// `FIONREAD` reports the octets readable now.
+/// `FIONREAD` reports the octets readable now; `FIOCLEX`/`FIONCLEX` set the
+/// application's view of close-on-exec.
 ///
 /// # Safety
 /// As `ioctl(2)`; `arg` is the optional third argument.
@@ -780,6 +781,11 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
             // SAFETY: FIONBIO's argument points to an int.
             let on = unsafe { *p } != 0;
             c.nonblock.store(on, Ordering::Relaxed);
+            return 0;
+        }
+        if req == libc::FIOCLEX || req == libc::FIONCLEX {
+            // Close-on-exec stays on in the kernel (see the crate docs).
+            let _ = catch_unwind(|| conn::set_cloexec(fd, req == libc::FIOCLEX));
             return 0;
         }
         if req == libc::FIONREAD {
