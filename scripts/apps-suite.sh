@@ -8,8 +8,7 @@
 # case prints one PASS/FAIL line: bytes checked with sha256 (or the program's
 # own success output), and for "both" the stats of the preloaded processes
 # must show the connections offloaded (SOFTRDMA_APPS_EXPECT=offloaded, the
-# default) or plain (SOFTRDMA_APPS_EXPECT=plain, while no offload protocol is
-# wired into the library). Speed lines compare each placement with "none" in
+# default) or plain (SOFTRDMA_APPS_EXPECT=plain). Speed lines compare each placement with "none" in
 # the same run.
 #
 # Programs (Debian packages, installed with apt when missing): nc
@@ -58,7 +57,8 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 
-PORT=$((20000 + RANDOM % 20000))
+# Below the ephemeral range (32768-60999): no client port can take it.
+PORT=$((20000 + RANDOM % 10000))
 next_port() { PORT=$((PORT + 1)); }
 
 # wrap PLACEMENT SIDE STATS: the prefix that runs SIDE (client|server).
