@@ -62,9 +62,29 @@ static COUNT: AtomicUsize = AtomicUsize::new(0);
 /// a started engine's memory without its threads: it cannot switch.
 pub(crate) static ENGINE_PID: AtomicI32 = AtomicI32::new(0);
 
-fn pid() -> i32 {
+/// This process's id, cached (getpid is a system call, and the data calls
+/// ask on every call); a forked child clears it.
+static MY_PID: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn clear_pid() {
+    MY_PID.store(0, Ordering::Relaxed);
+}
+
+pub(crate) fn pid() -> i32 {
+    let p = MY_PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    static ATFORK: std::sync::Once = std::sync::Once::new();
+    ATFORK.call_once(|| {
+        // SAFETY: registering a plain `extern "C" fn()` that stores to an
+        // atomic, run in the child after fork.
+        unsafe { libc::pthread_atfork(None, None, Some(clear_pid)) };
+    });
     // SAFETY: getpid has no preconditions.
-    unsafe { libc::getpid() }
+    let p = unsafe { libc::getpid() };
+    MY_PID.store(p, Ordering::Relaxed);
+    p
 }
 
 /// The connection behind `fd`, if it is offloaded (cheap when none is).

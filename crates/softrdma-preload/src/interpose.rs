@@ -297,8 +297,7 @@ fn client_plan(fd: c_int, target: Option<(IpAddr, u16)>) -> ClientPlan {
         }
     };
     let started = ENGINE_PID.load(Ordering::Relaxed);
-    // SAFETY: getpid has no preconditions.
-    if started != 0 && started != unsafe { libc::getpid() } {
+    if started != 0 && started != conn::pid() {
         return plain(
             PlainReason::EngineInherited,
             "this process was forked from one whose engine runs",
