@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
@@ -47,6 +47,9 @@ pub(crate) struct Conn {
     /// A reset was reported once: later writes fail with `EPIPE` (and
     /// `SIGPIPE`), as the kernel's do after `ECONNRESET`.
     pub(crate) reset_seen: AtomicBool,
+    /// epoll instances the kernel socket of a descriptor of this
+    /// connection was registered in: (epfd, fd), removed at its close.
+    pub(crate) epolls: Mutex<Vec<(c_int, c_int)>>,
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -299,6 +302,7 @@ impl Conn {
             sndtimeo: AtomicU64::new(0),
             rfd: AtomicI32::new(-1),
             reset_seen: AtomicBool::new(false),
+            epolls: Mutex::new(Vec::new()),
         }
     }
 
@@ -402,16 +406,28 @@ impl Conn {
                         }
                         ms = ms.min(left.as_millis() as i32 + 1);
                     }
-                    let mut p = libc::pollfd {
-                        fd: self.rfd.load(Ordering::Relaxed),
-                        events: if out { libc::POLLOUT } else { libc::POLLIN },
-                        revents: 0,
-                    };
+                    // The readiness descriptor, and the kernel socket: new
+                    // bytes on it wake this thread, whose next attempt
+                    // drives the receive path itself (credits for a
+                    // writer come in the same way), without waiting for
+                    // the engine's thread to hand them over.
+                    let mut p = [
+                        libc::pollfd {
+                            fd: self.rfd.load(Ordering::Relaxed),
+                            events: if out { libc::POLLOUT } else { libc::POLLIN },
+                            revents: 0,
+                        },
+                        libc::pollfd {
+                            fd: s.as_raw_fd(),
+                            events: libc::POLLIN,
+                            revents: 0,
+                        },
+                    ];
                     let Some(poll) = REAL_POLL.get() else {
                         return Err(libc::ENOSYS);
                     };
-                    // SAFETY: one valid pollfd.
-                    let r = unsafe { poll(&raw mut p, 1, ms) };
+                    // SAFETY: two valid pollfds.
+                    let r = unsafe { poll(p.as_mut_ptr(), 2, ms) };
                     if r < 0 && errno() == libc::EINTR && !restart_after_signal() {
                         return Err(libc::EINTR);
                     }

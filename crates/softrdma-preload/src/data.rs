@@ -608,9 +608,11 @@ pub unsafe extern "C" fn splice(
                 return Err(errno());
             }
             let n = n as usize;
+            // What was taken out of the pipe is sent whatever the socket's
+            // mode (it cannot be put back).
             let mut sent = 0;
             while sent < n {
-                sent += send_conn(&c, &tmp[sent..n], 0)?;
+                sent += c.blocking(false, true, |mut s| s.write(&tmp[sent..n]))?;
             }
             Ok(n as ssize_t)
         });

@@ -302,7 +302,77 @@ pub unsafe extern "C" fn epoll_ctl(
     let Some(real) = REAL_EPOLL_CTL.get() else {
         return fail(libc::ENOSYS);
     };
-    let fd = if conn::any() { target(fd) } else { fd };
-    // SAFETY: forwarding the caller's arguments (descriptor mapped).
-    unsafe { real(epfd, op, fd, ev) }
+    let Some(c) = conn::lookup(fd) else {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        return unsafe { real(epfd, op, fd, ev) };
+    };
+    let rfd = c.readiness();
+    if rfd < 0 {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        return unsafe { real(epfd, op, fd, ev) };
+    }
+    // SAFETY: the caller's event, registered for the readiness descriptor.
+    let r = unsafe { real(epfd, op, rfd, ev) };
+    if r != 0 {
+        return r;
+    }
+    // The kernel socket too, for input only: new bytes wake the
+    // application, whose read then drives the receive path itself. At
+    // worst an extra wake-up whose read finds nothing (EAGAIN).
+    let e = errno();
+    let want = if ev.is_null() || op == libc::EPOLL_CTL_DEL {
+        None
+    } else {
+        // SAFETY: the caller's event.
+        let mut k = unsafe { *ev };
+        let flags = (libc::EPOLLET | libc::EPOLLONESHOT) as u32;
+        k.events = if k.events & libc::EPOLLIN as u32 != 0 {
+            libc::EPOLLIN as u32 | (k.events & flags)
+        } else {
+            0
+        };
+        (k.events != 0).then_some(k)
+    };
+    let mut list = c.epolls.lock().unwrap_or_else(|p| p.into_inner());
+    let known = list.contains(&(epfd, fd));
+    match want {
+        Some(mut k) => {
+            let kop = if known {
+                libc::EPOLL_CTL_MOD
+            } else {
+                libc::EPOLL_CTL_ADD
+            };
+            // SAFETY: our copy of the event.
+            if unsafe { real(epfd, kop, fd, &raw mut k) } == 0 && !known {
+                list.push((epfd, fd));
+            }
+        }
+        None if known => {
+            // SAFETY: removing our own registration.
+            unsafe { real(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+            list.retain(|x| *x != (epfd, fd));
+        }
+        None => {}
+    }
+    set_errno(e);
+    0
+}
+
+/// Removes the kernel-socket registrations of descriptor `fd` of `c`
+/// (before it is closed: the library's duplicate keeps the socket open,
+/// so the kernel would not remove them).
+pub(crate) fn forget_epolls(c: &conn::Conn, fd: c_int) {
+    let Some(real) = REAL_EPOLL_CTL.get() else {
+        return;
+    };
+    let mut list = c.epolls.lock().unwrap_or_else(|p| p.into_inner());
+    list.retain(|&(ep, f)| {
+        if f == fd {
+            // SAFETY: removing our own registration.
+            unsafe { real(ep, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+            false
+        } else {
+            true
+        }
+    });
 }

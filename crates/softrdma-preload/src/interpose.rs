@@ -574,6 +574,9 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     };
     if conn::any() || LISTENER_COUNT.load(Ordering::Relaxed) != 0 {
         let _ = catch_unwind(|| {
+            if let Some(c) = conn::lookup(fd) {
+                crate::events::forget_epolls(&c, fd);
+            }
             conn::remove(fd);
             drop_listener(fd);
         });
@@ -647,7 +650,12 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
         return fail(libc::ENOSYS);
     };
     if old != new && conn::any() {
-        let _ = catch_unwind(|| conn::remove(new));
+        let _ = catch_unwind(|| {
+            if let Some(c) = conn::lookup(new) {
+                crate::events::forget_epolls(&c, new);
+            }
+            conn::remove(new);
+        });
     }
     // SAFETY: forwarding the caller's arguments unchanged.
     let r = unsafe { real(old, new) };
@@ -667,7 +675,12 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
         return fail(libc::ENOSYS);
     };
     if old != new && conn::any() {
-        let _ = catch_unwind(|| conn::remove(new));
+        let _ = catch_unwind(|| {
+            if let Some(c) = conn::lookup(new) {
+                crate::events::forget_epolls(&c, new);
+            }
+            conn::remove(new);
+        });
     }
     // SAFETY: forwarding the caller's arguments unchanged.
     let r = unsafe { real(old, new, flags) };
