@@ -383,6 +383,11 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                 // SO_ERROR as usual.
                 return;
             }
+            let app_nonblock = REAL_FCNTL.get().is_some_and(|f| {
+                // SAFETY: F_GETFL has no argument.
+                let fl = unsafe { f(fd, libc::F_GETFL, 0) };
+                fl >= 0 && fl & libc::O_NONBLOCK != 0
+            });
             match Conn::connect_switch(fd) {
                 Ok(c) => {
                     state().stats.offloaded();
@@ -391,12 +396,18 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                 }
                 Err(_) => {
                     state().stats.plain(PlainReason::SetupFailed);
-                    eprintln!(
-                        "softrdma-preload: switching a connection into sockets direct failed; it is reset"
-                    );
-                    // SAFETY: the switch's bytes may be on the stream: the
-                    // connection must not carry application data.
-                    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                    // The switch's bytes may be on the stream: it must not
+                    // carry application data. A fresh plain connection
+                    // takes its place (it asks no twin, so the server keeps
+                    // it plain).
+                    // SAFETY: the caller's address, as for the real call.
+                    if !unsafe { reconnect_plain(fd, addr, len, app_nonblock) } {
+                        eprintln!(
+                            "softrdma-preload: switching a connection into sockets direct failed, and a plain reconnect too; it is reset"
+                        );
+                        // SAFETY: shutting down the caller's socket.
+                        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                    }
                 }
             }
         }
@@ -404,6 +415,76 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     }));
     set_errno(e);
     r
+}
+
+/// Replaces the connection of `fd` (whose switch failed) by a new plain
+/// one to the same address, with the application's non-blocking mode
+/// (`nonblock`, as it was before the switch made the socket non-blocking),
+/// close-on-exec flag and `TCP_NODELAY`.
+///
+/// # Safety
+/// `addr` points to `len` readable bytes.
+unsafe fn reconnect_plain(
+    fd: c_int,
+    addr: *const sockaddr,
+    len: socklen_t,
+    nonblock: bool,
+) -> bool {
+    let (Some(connect), Some(dup3), Some(close), Some(fcntl)) = (
+        REAL_CONNECT.get(),
+        REAL_DUP3.get(),
+        REAL_CLOSE.get(),
+        REAL_FCNTL.get(),
+    ) else {
+        return false;
+    };
+    // SAFETY: the caller's address; the family is its first field.
+    let family = c_int::from(unsafe { (*addr).sa_family });
+    // SAFETY: a new socket.
+    let ns = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if ns < 0 {
+        return false;
+    }
+    // SAFETY: a blocking connect of our new socket to the caller's address.
+    if unsafe { connect(ns, addr, len) } != 0 {
+        // SAFETY: our socket.
+        unsafe { close(ns) };
+        return false;
+    }
+    let mut nodelay: c_int = 0;
+    let mut l = size_of::<c_int>() as socklen_t;
+    // SAFETY: reading an int option of the caller's socket.
+    unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&raw mut nodelay).cast(),
+            &raw mut l,
+        );
+        if nodelay != 0 {
+            libc::setsockopt(
+                ns,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                (&raw const nodelay).cast(),
+                size_of::<c_int>() as socklen_t,
+            );
+        }
+    }
+    if nonblock {
+        // SAFETY: F_GETFL/F_SETFL on our socket.
+        unsafe {
+            let nfl = fcntl(ns, libc::F_GETFL, 0);
+            fcntl(ns, libc::F_SETFL, (nfl | libc::O_NONBLOCK) as usize);
+        }
+    }
+    let flags = if fd_cloexec(fd) { libc::O_CLOEXEC } else { 0 };
+    // SAFETY: the new connection takes the caller's descriptor number.
+    let r = unsafe { dup3(ns, fd, flags) };
+    // SAFETY: our socket (a copy now lives at `fd`).
+    unsafe { close(ns) };
+    r == fd
 }
 
 fn fd_cloexec(fd: c_int) -> bool {
@@ -464,6 +545,12 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
         };
         let s = state();
         if s.policy.decide(&s.program, Role::Server, ip, port) == Mode::Tcp {
+            return;
+        }
+        let started = ENGINE_PID.load(Ordering::Relaxed);
+        if started != 0 && started != conn::pid() {
+            // Forked from a process whose engine runs: this one cannot
+            // switch, so its listener does not offer it.
             return;
         }
         if let Ok(t) = conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port))) {

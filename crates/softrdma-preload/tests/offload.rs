@@ -210,3 +210,43 @@ fn an_exec_never_inherits_an_offloaded_stream() {
         assert out==str(errno.EBADF), out\n\
         c.sendall(b'parent still works'); assert s.recv(18, socket.MSG_WAITALL)==b'parent still works'\n");
 }
+
+#[test]
+fn a_failed_switch_reconnects_plain_before_any_byte() {
+    if !have_python() {
+        return;
+    }
+    // The listener (and its twin) exist before this process starts its
+    // engine (the offloaded pair of the prelude); a child forked after
+    // that cannot switch: the connection it accepts fails at its first
+    // use, and the client, still inside connect, makes a plain one in its
+    // place, which carries the bytes.
+    let script = "import socket,os,sys,subprocess,select,threading\n\
+        l2=socket.socket(); l2.bind(('127.0.0.1',0)); l2.listen(8)\n\
+        l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',l.getsockname()[1])))); t.start()\n\
+        s,_=l.accept(); select.select([],[s],[],5); t.join(); r[0].sendall(b'p'); assert s.recv(1)==b'p'\n\
+        pid=os.fork()\n\
+        if pid==0:\n\
+        \x20   a,_=l2.accept()\n\
+        \x20   try:\n\
+        \x20       a.recv(1); os._exit(3)\n\
+        \x20   except ConnectionResetError: a.close()\n\
+        \x20   b,_=l2.accept(); x=b.recv(5, socket.MSG_WAITALL); b.sendall(x.upper()); b.close(); os._exit(0)\n\
+        code='import socket,sys\\nc=socket.create_connection((\"127.0.0.1\",int(sys.argv[1])))\\nc.sendall(b\"plain\")\\nassert c.recv(5, socket.MSG_WAITALL)==b\"PLAIN\"\\nprint(\"CLIENT OK\")'\n\
+        out=subprocess.run([sys.executable,'-c',code,str(l2.getsockname()[1])], capture_output=True, text=True, timeout=30).stdout.strip()\n\
+        assert out=='CLIENT OK', out\n\
+        assert os.waitpid(pid,0)[1]==0\n\
+        print('DONE')\n";
+    let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("DONE"),
+        "{out:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("\"offload setup failed\":1")),
+        "the client counted the failed switch: {lines:?}"
+    );
+}
