@@ -108,6 +108,18 @@ pub(crate) fn slot(fd: c_int) -> Option<Slot> {
     t.get(&fd).cloned()
 }
 
+/// The offloaded descriptors in `first..=last`.
+pub(crate) fn fds_in(first: c_int, last: c_int) -> Vec<c_int> {
+    if !any() {
+        return Vec::new();
+    }
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    t.keys()
+        .copied()
+        .filter(|&f| f >= first && f <= last)
+        .collect()
+}
+
 /// Whether any descriptor is offloaded.
 pub(crate) fn any() -> bool {
     COUNT.load(Ordering::Relaxed) != 0

@@ -672,6 +672,67 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     unsafe { real(fd) }
 }
 
+/// Forgets every offloaded descriptor and listener in `first..=last`
+/// (they are about to be closed together).
+fn forget_range(first: c_int, last: c_int) {
+    if !conn::any() && LISTENER_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let _ = catch_unwind(|| {
+        for fd in conn::fds_in(first, last) {
+            if let Some(c) = conn::lookup(fd) {
+                crate::events::forget_epolls(&c, fd);
+            }
+            conn::remove(fd);
+        }
+        let ls: Vec<c_int> = {
+            let l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+            l.keys()
+                .copied()
+                .filter(|&f| f >= first && f <= last)
+                .collect()
+        };
+        for fd in ls {
+            drop_listener(fd);
+        }
+    });
+}
+
+/// `close_range(2)`: offloaded descriptors in the range end as with
+/// `close` (unless only close-on-exec is set: they always have it).
+///
+/// # Safety
+/// As `close_range(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn close_range(
+    first: libc::c_uint,
+    last: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    let Some(real) = REAL_CLOSE_RANGE.get() else {
+        return fail(libc::ENOSYS);
+    };
+    if flags & libc::CLOSE_RANGE_CLOEXEC as c_int == 0 {
+        let last = c_int::try_from(last).unwrap_or(c_int::MAX);
+        forget_range(c_int::try_from(first).unwrap_or(c_int::MAX), last);
+    }
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(first, last, flags) }
+}
+
+/// `closefrom(3)`.
+///
+/// # Safety
+/// As `closefrom(3)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn closefrom(low: c_int) {
+    forget_range(low.max(0), c_int::MAX);
+    if let Some(real) = REAL_CLOSEFROM.get() {
+        // SAFETY: forwarding the caller's argument unchanged.
+        unsafe { real(low) };
+    }
+}
+
 /// `shutdown(2)`: offloaded, writing ends with an SDP DisConn after the
 /// queued data (the kernel socket is left alone).
 ///

@@ -94,6 +94,8 @@ reals! {
     REAL_PSELECT = c"pselect": fn(c_int, *mut libc::fd_set, *mut libc::fd_set, *mut libc::fd_set, *const libc::timespec, *const libc::sigset_t) -> c_int;
     REAL_SOCKETPAIR = c"socketpair": fn(c_int, c_int, c_int, *mut c_int) -> c_int;
     REAL_EVENTFD = c"eventfd": fn(c_uint, c_int) -> c_int;
+    REAL_CLOSE_RANGE = c"close_range": fn(c_uint, c_uint, c_int) -> c_int;
+    REAL_CLOSEFROM = c"closefrom": fn(c_int) -> ();
     REAL_EPOLL_CTL = c"epoll_ctl": fn(c_int, c_int, c_int, *mut libc::epoll_event) -> c_int;
 }
 

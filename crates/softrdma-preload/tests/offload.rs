@@ -250,3 +250,15 @@ fn a_failed_switch_reconnects_plain_before_any_byte() {
         "the client counted the failed switch: {lines:?}"
     );
 }
+
+#[test]
+fn close_range_forgets_offloaded_descriptors_whose_numbers_are_reused() {
+    if !have_python() {
+        return;
+    }
+    run("c.sendall(b'x'); assert s.recv(1)==b'x'\n\
+        fd=s.fileno(); s.detach(); os.closerange(fd, fd+1)\n\
+        u=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(('127.0.0.1',0))\n\
+        v=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); v.sendto(b'plain', u.getsockname())\n\
+        assert u.fileno()==fd and u.recv(10)==b'plain'\n");
+}
