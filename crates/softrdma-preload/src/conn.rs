@@ -47,9 +47,6 @@ pub(crate) struct Conn {
     /// A reset was reported once: later writes fail with `EPIPE` (and
     /// `SIGPIPE`), as the kernel's do after `ECONNRESET`.
     pub(crate) reset_seen: AtomicBool,
-    /// epoll instances the kernel socket of a descriptor of this
-    /// connection was registered in: (epfd, fd), removed at its close.
-    pub(crate) epolls: Mutex<Vec<(c_int, c_int)>>,
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -66,11 +63,13 @@ static COUNT: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static ENGINE_PID: AtomicI32 = AtomicI32::new(0);
 
 /// This process's id, cached (getpid is a system call, and the data calls
-/// ask on every call); a forked child clears it.
+/// ask on every call); a forked child sets its own. It is set before
+/// anything a `vfork` child must not touch exists (see [`in_vfork_child`]).
 static MY_PID: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn clear_pid() {
-    MY_PID.store(0, Ordering::Relaxed);
+    // SAFETY: getpid has no preconditions (and is async-signal-safe).
+    MY_PID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
 }
 
 pub(crate) fn pid() -> i32 {
@@ -88,6 +87,15 @@ pub(crate) fn pid() -> i32 {
     let p = unsafe { libc::getpid() };
     MY_PID.store(p, Ordering::Relaxed);
     p
+}
+
+/// Whether this is the child of a `vfork` (Python's subprocess uses it):
+/// it shares the parent's memory until it calls exec, so it must leave the
+/// table alone (a close there would end the parent's connection).
+pub(crate) fn in_vfork_child() -> bool {
+    let cached = MY_PID.load(Ordering::Relaxed);
+    // SAFETY: getpid has no preconditions.
+    cached != 0 && cached != unsafe { libc::getpid() }
 }
 
 /// The connection behind `fd`, if it is offloaded (cheap when none is).
@@ -128,6 +136,7 @@ pub(crate) fn any() -> bool {
 /// Records `fd` as a descriptor of `conn`; the kernel descriptor is made
 /// close-on-exec (the application's view is `cloexec`).
 pub(crate) fn insert(fd: c_int, conn: Arc<Conn>, cloexec: bool) {
+    pid();
     if let Some(f) = REAL_FCNTL.get() {
         // SAFETY: F_SETFD with an int argument on a descriptor we were given.
         unsafe { f(fd, libc::F_SETFD, libc::FD_CLOEXEC as usize) };
@@ -145,6 +154,9 @@ pub(crate) fn insert(fd: c_int, conn: Arc<Conn>, cloexec: bool) {
 
 /// Sets the application's `FD_CLOEXEC` view of `fd`.
 pub(crate) fn set_cloexec(fd: c_int, on: bool) {
+    if in_vfork_child() {
+        return;
+    }
     let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
     if let Some(s) = t.get_mut(&fd) {
         s.cloexec = on;
@@ -314,7 +326,6 @@ impl Conn {
             sndtimeo: AtomicU64::new(0),
             rfd: AtomicI32::new(-1),
             reset_seen: AtomicBool::new(false),
-            epolls: Mutex::new(Vec::new()),
         }
     }
 

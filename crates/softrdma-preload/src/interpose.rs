@@ -553,6 +553,7 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
             // switch, so its listener does not offer it.
             return;
         }
+        conn::pid();
         if let Ok(t) = conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port))) {
             let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
             l.insert(fd, Arc::new(t));
@@ -659,11 +660,8 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     let Some(real) = REAL_CLOSE.get() else {
         return fail(libc::ENOSYS);
     };
-    if conn::any() || LISTENER_COUNT.load(Ordering::Relaxed) != 0 {
+    if (conn::any() || LISTENER_COUNT.load(Ordering::Relaxed) != 0) && !conn::in_vfork_child() {
         let _ = catch_unwind(|| {
-            if let Some(c) = conn::lookup(fd) {
-                crate::events::forget_epolls(&c, fd);
-            }
             conn::remove(fd);
             drop_listener(fd);
         });
@@ -675,14 +673,11 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 /// Forgets every offloaded descriptor and listener in `first..=last`
 /// (they are about to be closed together).
 fn forget_range(first: c_int, last: c_int) {
-    if !conn::any() && LISTENER_COUNT.load(Ordering::Relaxed) == 0 {
+    if (!conn::any() && LISTENER_COUNT.load(Ordering::Relaxed) == 0) || conn::in_vfork_child() {
         return;
     }
     let _ = catch_unwind(|| {
         for fd in conn::fds_in(first, last) {
-            if let Some(c) = conn::lookup(fd) {
-                crate::events::forget_epolls(&c, fd);
-            }
             conn::remove(fd);
         }
         let ls: Vec<c_int> = {
@@ -767,7 +762,16 @@ fn duplicated(old: c_int, new: c_int, cloexec: bool) {
     let e = errno();
     let _ = catch_unwind(|| {
         if let Some(c) = conn::lookup(old) {
-            conn::insert(new, c, cloexec);
+            if conn::in_vfork_child() {
+                // The parent's memory: only the kernel's close-on-exec
+                // (the program about to be started must not get it).
+                if let Some(f) = REAL_FCNTL.get() {
+                    // SAFETY: F_SETFD with an int argument.
+                    unsafe { f(new, libc::F_SETFD, libc::FD_CLOEXEC as usize) };
+                }
+            } else {
+                conn::insert(new, c, cloexec);
+            }
         }
     });
     set_errno(e);
@@ -797,11 +801,8 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
     let Some(real) = REAL_DUP2.get() else {
         return fail(libc::ENOSYS);
     };
-    if old != new && conn::any() {
+    if old != new && conn::any() && !conn::in_vfork_child() {
         let _ = catch_unwind(|| {
-            if let Some(c) = conn::lookup(new) {
-                crate::events::forget_epolls(&c, new);
-            }
             conn::remove(new);
         });
     }
@@ -822,11 +823,8 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     let Some(real) = REAL_DUP3.get() else {
         return fail(libc::ENOSYS);
     };
-    if old != new && conn::any() {
+    if old != new && conn::any() && !conn::in_vfork_child() {
         let _ = catch_unwind(|| {
-            if let Some(c) = conn::lookup(new) {
-                crate::events::forget_epolls(&c, new);
-            }
             conn::remove(new);
         });
     }
