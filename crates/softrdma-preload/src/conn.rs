@@ -187,6 +187,10 @@ fn release(c: Arc<Conn>) {
     let owner = c.owner.load(Ordering::Relaxed);
     if owner != 0 && owner != pid() {
         std::mem::forget(c);
+    } else if Arc::strong_count(&c) == 1 {
+        // The last reference: the close may start an engine thread (a
+        // close timer), which must not inherit the application's mask.
+        signals_blocked(|| drop(c));
     } else {
         drop(c);
     }
