@@ -262,3 +262,21 @@ fn close_range_forgets_offloaded_descriptors_whose_numbers_are_reused() {
         v=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); v.sendto(b'plain', u.getsockname())\n\
         assert u.fileno()==fd and u.recv(10)==b'plain'\n");
 }
+
+#[test]
+fn the_librarys_threads_block_every_signal() {
+    if !have_python() {
+        return;
+    }
+    // Twin and engine threads (started by the listener and the switch)
+    // never run the application's signal handlers.
+    run("import glob\n\
+        c.sendall(b'x'); assert s.recv(1)==b'x'\n\
+        others=[t for t in glob.glob('/proc/self/task/*') if int(t.split('/')[-1])!=os.getpid()]\n\
+        assert others, 'the library started threads'\n\
+        for t in others:\n\
+        \x20   blk=[l for l in open(t+'/status') if l.startswith('SigBlk:')][0].split()[1]\n\
+        \x20   blk=int(blk,16)\n\
+        \x20   name=open(t+'/comm').read().strip()\n\
+        \x20   assert all(blk>>(n-1)&1 for n in range(1,32) if n not in (9,19)), (name, hex(blk))\n");
+}
