@@ -621,3 +621,95 @@ pub unsafe extern "C" fn splice(
     // SAFETY: forwarding the caller's arguments unchanged.
     unsafe { real(fd_in, off_in, fd_out, off_out, len, flags) }
 }
+
+/// `recvmmsg(2)`: offloaded, one message per stream read: the first waits
+/// as the socket's mode says, the rest only take what is there (the
+/// timeout is not used).
+///
+/// # Safety
+/// As `recvmmsg(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recvmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: c_uint,
+    flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    if let Some(c) = on(fd) {
+        if msgs.is_null() {
+            return crate::real::fail(libc::EFAULT);
+        }
+        return guard(|| {
+            let mut done = 0u32;
+            while done < n {
+                // SAFETY: the caller's array of `n` messages.
+                let m = unsafe { &mut *msgs.add(done as usize) };
+                // SAFETY: its iovecs.
+                let iov = unsafe { iovecs(m.msg_hdr.msg_iov, m.msg_hdr.msg_iovlen as c_int) }?;
+                let f = if done == 0 {
+                    flags
+                } else {
+                    flags | libc::MSG_DONTWAIT
+                };
+                match readv_conn(&c, iov, f & !libc::MSG_WAITFORONE) {
+                    Ok(k) => {
+                        m.msg_len = k as c_uint;
+                        m.msg_hdr.msg_namelen = 0;
+                        m.msg_hdr.msg_controllen = 0;
+                        m.msg_hdr.msg_flags = 0;
+                        done += 1;
+                        if k == 0 {
+                            break;
+                        }
+                    }
+                    Err(e) if done == 0 => return Err(e),
+                    Err(_) => break,
+                }
+            }
+            Ok(done as c_int)
+        });
+    }
+    let real = real_or_enosys!(REAL_RECVMMSG);
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(fd, msgs, n, flags, timeout) }
+}
+
+/// `sendmmsg(2)`: offloaded, each message is written as `sendmsg` would.
+///
+/// # Safety
+/// As `sendmmsg(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: c_uint,
+    flags: c_int,
+) -> c_int {
+    if let Some(c) = on(fd) {
+        if msgs.is_null() {
+            return crate::real::fail(libc::EFAULT);
+        }
+        return guard(|| {
+            let mut done = 0u32;
+            while done < n {
+                // SAFETY: the caller's array of `n` messages.
+                let m = unsafe { &mut *msgs.add(done as usize) };
+                // SAFETY: its iovecs.
+                let iov = unsafe { iovecs(m.msg_hdr.msg_iov, m.msg_hdr.msg_iovlen as c_int) }?;
+                match writev_conn(&c, iov, flags) {
+                    Ok(k) => {
+                        m.msg_len = k as c_uint;
+                        done += 1;
+                    }
+                    Err(e) if done == 0 => return Err(e),
+                    Err(_) => break,
+                }
+            }
+            Ok(done as c_int)
+        });
+    }
+    let real = real_or_enosys!(REAL_SENDMMSG);
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(fd, msgs, n, flags) }
+}

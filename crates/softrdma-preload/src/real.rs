@@ -96,6 +96,8 @@ reals! {
     REAL_EVENTFD = c"eventfd": fn(c_uint, c_int) -> c_int;
     REAL_CLOSE_RANGE = c"close_range": fn(c_uint, c_uint, c_int) -> c_int;
     REAL_CLOSEFROM = c"closefrom": fn(c_int) -> ();
+    REAL_RECVMMSG = c"recvmmsg": fn(c_int, *mut libc::mmsghdr, c_uint, c_int, *mut libc::timespec) -> c_int;
+    REAL_SENDMMSG = c"sendmmsg": fn(c_int, *mut libc::mmsghdr, c_uint, c_int) -> c_int;
     REAL_EPOLL_CTL = c"epoll_ctl": fn(c_int, c_int, c_int, *mut libc::epoll_event) -> c_int;
 }
 

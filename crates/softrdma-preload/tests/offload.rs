@@ -280,3 +280,24 @@ fn the_librarys_threads_block_every_signal() {
         \x20   name=open(t+'/comm').read().strip()\n\
         \x20   assert all(blk>>(n-1)&1 for n in range(1,32) if n not in (9,19)), (name, hex(blk))\n");
 }
+
+#[test]
+fn sendmmsg_and_recvmmsg_go_through_the_offloaded_stream() {
+    if !have_python() {
+        return;
+    }
+    run("import ctypes\n\
+        class IOV(ctypes.Structure): _fields_=[('base',ctypes.c_void_p),('len',ctypes.c_size_t)]\n\
+        class MH(ctypes.Structure): _fields_=[('name',ctypes.c_void_p),('namelen',ctypes.c_uint32),('iov',ctypes.POINTER(IOV)),('iovlen',ctypes.c_size_t),('control',ctypes.c_void_p),('controllen',ctypes.c_size_t),('flags',ctypes.c_int)]\n\
+        class MMH(ctypes.Structure): _fields_=[('hdr',MH),('len',ctypes.c_uint)]\n\
+        libc=ctypes.CDLL(None, use_errno=True)\n\
+        bufs=[ctypes.create_string_buffer(b'first'), ctypes.create_string_buffer(b'second')]\n\
+        iovs=[IOV(ctypes.cast(b,ctypes.c_void_p), len(b.value)) for b in bufs]\n\
+        msgs=(MMH*2)(); msgs[0].hdr.iov=ctypes.pointer(iovs[0]); msgs[0].hdr.iovlen=1; msgs[1].hdr.iov=ctypes.pointer(iovs[1]); msgs[1].hdr.iovlen=1\n\
+        assert libc.sendmmsg(c.fileno(), msgs, 2, 0)==2 and msgs[1].len==6\n\
+        assert s.recv(11, socket.MSG_WAITALL)==b'firstsecond'\n\
+        c.sendall(b'abc')\n\
+        rb=ctypes.create_string_buffer(16); riov=IOV(ctypes.cast(rb,ctypes.c_void_p), 16)\n\
+        r=(MMH*1)(); r[0].hdr.iov=ctypes.pointer(riov); r[0].hdr.iovlen=1\n\
+        assert libc.recvmmsg(s.fileno(), r, 1, 0, None)==1 and rb.raw[:r[0].len]==b'abc', r[0].len\n");
+}
