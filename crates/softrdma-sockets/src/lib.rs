@@ -94,6 +94,7 @@
 
 mod config;
 pub mod detect;
+pub mod external;
 mod net;
 mod offload;
 pub mod sdp;
