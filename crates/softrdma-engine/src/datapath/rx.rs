@@ -33,7 +33,7 @@ use softrdma_wire::crc::{self, Crc32c};
 use softrdma_wire::ddp::{self, Msn};
 use softrdma_wire::errcode::TermError;
 use softrdma_wire::fpdu::pad_len;
-use softrdma_wire::rdmap::atomic::{AtomicOpcode, AtomicRequestRepr, AtomicResponseRepr};
+use softrdma_wire::rdmap::atomic::{AtomicRequestRepr, AtomicResponseRepr};
 use softrdma_wire::rdmap::{Opcode, PayloadPlacement, parse_control};
 use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduError, UlpduRepr};
 
@@ -1040,7 +1040,7 @@ impl QpInner {
                     self.release_ird();
                     return Err(Stop::Violation(TermError::RdmapBaseOrBounds));
                 };
-                let original = execute_atomic(cell, &req);
+                let original = crate::mr::execute_atomic(cell, &req);
                 self.queue_response(Response::Atomic(AtomicResponseRepr {
                     request_id: req.request_id,
                     original_value: original,
@@ -1115,84 +1115,4 @@ fn whole_message(repr: &UlpduRepr<'_>) -> Result<(), TermError> {
 /// than touching memory.
 fn local_catastrophe() -> Stop {
     Stop::Violation(TermError::DdpLocalCatastrophic)
-}
-
-/// Executes an atomic request on a 64-bit cell; returns the original value.
-pub(crate) fn execute_atomic(cell: &std::sync::atomic::AtomicU64, req: &AtomicRequestRepr) -> u64 {
-    match req.opcode {
-        AtomicOpcode::FetchAdd if req.add_or_swap_mask == 0 => {
-            cell.fetch_add(req.add_or_swap_data, Ordering::SeqCst)
-        }
-        AtomicOpcode::FetchAdd => {
-            let mask = req.add_or_swap_mask;
-            let add = req.add_or_swap_data;
-            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-                Some(masked_add(v, add, mask))
-            })
-            .unwrap_or_else(|v| v)
-        }
-        AtomicOpcode::Swap => {
-            let mask = req.add_or_swap_mask;
-            let data = req.add_or_swap_data;
-            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-                Some((v & !mask) | (data & mask))
-            })
-            .unwrap_or_else(|v| v)
-        }
-        AtomicOpcode::CmpSwap => {
-            let cmask = req.compare_mask;
-            let smask = req.add_or_swap_mask;
-            let cmp = req.compare_data;
-            let data = req.add_or_swap_data;
-            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-                if (v ^ cmp) & cmask == 0 {
-                    Some((v & !smask) | (data & smask))
-                } else {
-                    None
-                }
-            })
-            .unwrap_or_else(|v| v)
-        }
-    }
-}
-
-/// Masked fetch-and-add (RFC 7306): a set bit in `mask` marks the most
-/// significant bit of a field; carries do not cross field boundaries.
-pub(crate) fn masked_add(value: u64, add: u64, mask: u64) -> u64 {
-    let mut result = 0u64;
-    let mut start = 0u32;
-    for bit in 0..64u32 {
-        let end_of_field = bit == 63 || (mask >> bit) & 1 == 1;
-        if end_of_field {
-            let width = bit - start + 1;
-            let fmask = if width == 64 {
-                u64::MAX
-            } else {
-                ((1u64 << width) - 1) << start
-            };
-            let sum = ((value & fmask) >> start).wrapping_add((add & fmask) >> start);
-            result |= (sum << start) & fmask;
-            start = bit + 1;
-        }
-    }
-    result
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn masked_add_without_mask_is_a_plain_add() {
-        assert_eq!(masked_add(5, 7, 0), 12);
-        assert_eq!(masked_add(u64::MAX, 1, 0), 0);
-    }
-
-    #[test]
-    fn masked_add_keeps_carries_inside_fields() {
-        // Two 32-bit fields: the low field wraps without carrying.
-        let mask = 1u64 << 31 | 1u64 << 63;
-        let v = 0x0000_0001_ffff_ffff;
-        assert_eq!(masked_add(v, 1 | 1 << 32, mask), 0x0000_0002_0000_0000);
-    }
 }
