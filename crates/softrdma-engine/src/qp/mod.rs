@@ -36,6 +36,7 @@ use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::{LocalSeg, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
 
 mod close;
+pub(crate) use close::TermHeader;
 mod order;
 mod post;
 
@@ -630,11 +631,7 @@ impl QueuePair {
                 Ok(())
             }
             QpState::Terminate => {
-                qp.fail(
-                    TermError::RdmapLocalCatastrophic,
-                    None,
-                    AsyncEventKind::QpFatal,
-                );
+                qp.fail(TermError::RdmapLocalCatastrophic, None);
                 Ok(())
             }
             QpState::Closing => {
@@ -1062,14 +1059,13 @@ impl QpInner {
 
 /// The completion status of the request that a Terminate with `code`
 /// answered.
+/// (From the one table, `softrdma_proto::term`.)
 pub(crate) fn term_status(code: TermCode) -> WcStatus {
-    use softrdma_wire::errcode::ErrorType;
-    match code.error_type() {
-        Some(ErrorType::RdmapRemoteProtection | ErrorType::DdpTaggedBuffer) => {
-            WcStatus::RemoteAccess
-        }
-        Some(ErrorType::RdmapRemoteOperation) => WcStatus::RemoteOperation,
-        Some(ErrorType::DdpUntaggedBuffer) => WcStatus::RemoteInvalidRequest,
+    use softrdma_proto::types::WcStatus as S;
+    match softrdma_proto::term::status_for_received(code) {
+        S::RemoteAccess => WcStatus::RemoteAccess,
+        S::RemoteOperation => WcStatus::RemoteOperation,
+        S::RemoteInvalidRequest => WcStatus::RemoteInvalidRequest,
         _ => WcStatus::Fatal,
     }
 }
