@@ -79,7 +79,7 @@ enum Command {
         #[arg(short = 'C', long, default_value_t = 0)]
         count: u64,
         /// Buffer size in bytes (suffixes K, M as for perf; 24 .. 64K).
-        #[arg(short = 'S', long, default_value = "100", value_parser = softrdma_cli::perf::parse_size)]
+        #[arg(short = 'S', long, default_value = "64", value_parser = softrdma_cli::perf::parse_size)]
         size: usize,
         /// Server: serve clients one after another until interrupted
         /// (rping's persistent server mode).
