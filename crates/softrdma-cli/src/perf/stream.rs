@@ -83,7 +83,7 @@ pub struct StreamArgs {
     /// Two-process mode: serve clients (prints `listening on ADDR:PORT`).
     #[arg(long, conflicts_with = "connect")]
     pub server: bool,
-    /// Two-process mode: measure against the server at HOST[:PORT].
+    /// Two-process mode: measure against the server at HOST or HOST:PORT.
     #[arg(long, value_name = "HOST[:PORT]")]
     pub connect: Option<String>,
     /// TCP port of the two-process mode (0 on a server: any free port).
