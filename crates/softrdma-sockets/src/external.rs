@@ -3,7 +3,7 @@
 //! server's UDP twin about a connection before the SYN, as
 //! [`TcpStream::connect`](crate::TcpStream::connect) does, then switch the
 //! connected stream with [`TcpStream::upgrade`](crate::TcpStream::upgrade).
-//! The listener half (a twin answering queries) is the [`detect`](crate::detect)
+//! The listener half (a twin answering queries) is the [`detect`]
 //! wire format, which such a library can serve itself.
 
 use std::net::SocketAddr;
