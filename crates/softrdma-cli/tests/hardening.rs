@@ -393,7 +393,7 @@ fn ping_server_exit_status_depended_on_timing_when_the_client_left() {
 #[test]
 fn ping_q_meant_quiet_and_size_took_no_suffix() {
     // rping's -q (a self-created QP) is accepted; -S takes perf's suffixes;
-    // the default size is rping's 100.
+    // the default size is rping's 64 (`cb->size = 64` in rping.c).
     let o = run(&[
         "ping",
         "-q",
@@ -417,7 +417,7 @@ fn ping_q_meant_quiet_and_size_took_no_suffix() {
     assert!(stderr(&o).contains("maximum of 65536"), "{}", stderr(&o));
     let o = run(&["ping", "--help"]);
     let help = String::from_utf8_lossy(&o.stdout);
-    assert!(help.contains("[default: 100]"), "{help}");
+    assert!(help.contains("[default: 64]"), "{help}");
 }
 
 #[test]
