@@ -120,10 +120,19 @@ else fail "softrdma ping client -> rping server"; fi
 # ---- perftest (-R: connections through rdma_cm, as iWARP needs) ----
 results() { grep -qE '^\s*[0-9]+\s+[0-9]+\s+[0-9.]+\s+[0-9.]+' "$1"; }
 port=18515
+# perf NAME [--server-only "ARGS"] [--client-only "ARGS"] PROGRAM ARGS...:
+# both sides run PROGRAM ARGS (line-buffered, so a hang still shows how far
+# it got); the --*-only arguments go to one side.
 perf() {
-    local name=$1; shift
+    local name=$1 sonly="" conly=""
+    shift
+    while [[ $1 == --server-only || $1 == --client-only ]]; do
+        if [[ $1 == --server-only ]]; then sonly=$2; else conly=$2; fi
+        shift 2
+    done
     port=$((port + 1))
-    run_pair "$name" 60 "$port" "${RUN[*]} $* -R -d softrdma0 -p $port" "${RUN[*]} $* -R -d softrdma0 -p $port 127.0.0.1"
+    run_pair "$name" 60 "$port" "${RUN[*]} stdbuf -oL $* $sonly -R -d softrdma0 -p $port" \
+        "${RUN[*]} stdbuf -oL $* $conly -R -d softrdma0 -p $port 127.0.0.1"
     # Both sides print the table, except the server of ib_read_lat (which
     # only serves the reads): there, no error line is enough.
     if results "$T/cli.out" && { results "$T/srv.out" || ! grep -qiE "fail|error|couldn't|unable" "$T/srv.out"; }; then
@@ -138,7 +147,13 @@ perf "ib_read_lat" ib_read_lat -s 8 -n 500
 perf "ib_send_lat" ib_send_lat -s 8 -n 500
 perf "ib_atomic_bw" ib_atomic_bw -n 200
 perf "ib_write_bw -q 4" ib_write_bw -s 65536 -n 200 -q 4
-perf "ib_send_bw -e (completion events)" ib_send_bw -s 65536 -n 200 -e
+# Completion channels at bandwidth. ib_send_bw -e on the client hangs by
+# design on iWARP (see docs/verbs.md: it waits for a send completion event
+# while only the receiver's credit, an RDMA Write that raises no event, can
+# unblock it), so there the receiving server takes the events and the client
+# polls; ib_read_bw -e takes send-queue events on the client.
+perf "ib_send_bw, server on completion events" --server-only -e ib_send_bw -s 65536 -n 200
+perf "ib_read_bw -e (completion events)" ib_read_bw -s 65536 -n 200 -e
 perf "ib_send_lat -e (completion events)" ib_send_lat -s 8 -n 200 -e
 perf "ib_send_bw --use-srq" ib_send_bw -s 4096 -n 200 --use-srq
 perf "ib_write_bw -a" ib_write_bw -a -n 20
@@ -146,15 +161,26 @@ perf "ib_read_bw -a" ib_read_bw -a -n 20
 perf "ib_send_bw -a" ib_send_bw -a -n 20
 
 # ---- qperf (-cm1: the RDMA CM, as iWARP needs) ----
-timeout 120 "${RUN[@]}" qperf -lp 19765 >"$T/qsrv.out" 2>&1 &
+# qperf's rc_bw and rc_rdma_write_bw count on InfiniBand's receiver-not-ready
+# retry: the server re-posts its 1024 receives only after polling, and stops
+# re-posting when its own timer ends the test while the client may still
+# send. iWARP has no such retry: a Send or Write-with-Immediate that finds no
+# receive posted ends the connection with a Terminate (kernel siw and iWARP
+# NICs do the same), and qperf then reports "WR flush failure". With 8 MiB
+# messages a 1 s test sends far fewer than 1024 messages, so the server's
+# first receives cover the whole test however late it re-posts.
+: >"$T/srv.out"
+: >"$T/cli.out"
+SOFTRDMA_VERBS_DEBUG=$T/qsrv.dbg timeout 120 "${RUN[@]}" qperf -lp 19765 >"$T/qsrv.out" 2>&1 &
 qpid=$!
 wait_listen 19765 || echo "(suite: qperf server not listening after 15 s)"
-for t in rc_bw rc_lat rc_rdma_write_bw rc_rdma_read_bw; do
-    out=$(timeout 30 "${RUN[@]}" qperf -lp 19765 -cm1 -t 1 127.0.0.1 "$t" 2>&1)
+for t in "rc_bw -m 8M" rc_lat "rc_rdma_write_bw -m 8M" rc_rdma_read_bw; do
+    # shellcheck disable=SC2086
+    out=$(timeout 30 "${RUN[@]}" qperf -lp 19765 -cm1 -t 1 127.0.0.1 $t 2>&1)
     if grep -qE '^\s+(bw|latency)\s+=\s+[0-9.]+ ' <<<"$out"; then
         pass "qperf $t ($(grep -oE '(bw|latency)\s+=\s+[0-9.]+ \S+' <<<"$out" | tr -s ' '))"
     else
-        fail "qperf $t" "$(tr '\n' ' ' <<<"$out")"
+        fail "qperf $t" "$(tr '\n' ' ' <<<"$out") $(grep -h 'async event' "$T/qsrv.dbg" 2>/dev/null | grep -v CommEstablished | tail -n 2 | tr '\n' ' ')"
     fi
 done
 kill "$qpid" 2>/dev/null

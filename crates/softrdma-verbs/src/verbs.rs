@@ -173,6 +173,20 @@ fn async_type(k: AsyncEventKind) -> Option<c_int> {
 }
 
 fn on_async(ev: &AsyncEvent) {
+    ffi::debug(|| {
+        format!(
+            "async event {:?} (QP {:?}, CQ {:?}, SRQ {:?}, terminate {:?}){}",
+            ev.kind,
+            ev.qp_num,
+            ev.cq_id,
+            ev.srq_id,
+            ev.term,
+            ev.detail
+                .as_deref()
+                .map(|d| format!(": {d}"))
+                .unwrap_or_default()
+        )
+    });
     let Some(t) = async_type(ev.kind) else { return };
     if let Some(n) = ev.qp_num {
         let found = QPS.lock().as_ref().and_then(|m| m.get(&n).copied());
