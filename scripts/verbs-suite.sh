@@ -168,15 +168,17 @@ perf "ib_send_bw -a" ib_send_bw -a -n 20
 # receive posted ends the connection with a Terminate (kernel siw and iWARP
 # NICs do the same), and qperf then reports "WR flush failure". With 8 MiB
 # messages a 1 s test sends far fewer than 1024 messages, so the server's
-# first receives cover the whole test however late it re-posts.
+# first receives cover the whole test however late it re-posts. (qperf
+# options go before the host: after a test name they are ignored.)
 : >"$T/srv.out"
 : >"$T/cli.out"
 SOFTRDMA_VERBS_DEBUG=$T/qsrv.dbg timeout 120 "${RUN[@]}" qperf -lp 19765 >"$T/qsrv.out" 2>&1 &
 qpid=$!
 wait_listen 19765 || echo "(suite: qperf server not listening after 15 s)"
-for t in "rc_bw -m 8M" rc_lat "rc_rdma_write_bw -m 8M" rc_rdma_read_bw; do
-    # shellcheck disable=SC2086
-    out=$(timeout 30 "${RUN[@]}" qperf -lp 19765 -cm1 -t 1 127.0.0.1 $t 2>&1)
+for t in rc_bw rc_lat rc_rdma_write_bw rc_rdma_read_bw; do
+    opts=()
+    [[ $t == rc_bw || $t == rc_rdma_write_bw ]] && opts=(-m 8M)
+    out=$(timeout 30 "${RUN[@]}" qperf -lp 19765 -cm1 -t 1 "${opts[@]}" 127.0.0.1 "$t" 2>&1)
     if grep -qE '^\s+(bw|latency)\s+=\s+[0-9.]+ ' <<<"$out"; then
         pass "qperf $t ($(grep -oE '(bw|latency)\s+=\s+[0-9.]+ \S+' <<<"$out" | tr -s ' '))"
     else

@@ -1653,7 +1653,10 @@ fn post_one(q: &Qp, r: &ibv_send_wr) -> Result<(), i32> {
     } else {
         wr = wr.sg_list(sg);
     }
-    q.inner.post_send(&wr).map_err(post_send_errno)
+    q.inner.post_send(&wr).map_err(|e| {
+        ffi::debug(|| format!("ibv_post_send: {e}"));
+        post_send_errno(e)
+    })
 }
 
 /// Send flags of `ibv_send_wr`/`ibv_qp_ex` to the engine's.
@@ -1724,13 +1727,13 @@ extern "C" fn post_recv(
             // SAFETY: the caller's list.
             let r = unsafe { &*w };
             let e = match sges(r.sg_list, r.num_sge) {
-                Ok(sg) => q
-                    .inner
-                    .post_recv(&RecvWr::new(r.wr_id, sg))
-                    .map_err(|e| match e {
+                Ok(sg) => q.inner.post_recv(&RecvWr::new(r.wr_id, sg)).map_err(|e| {
+                    ffi::debug(|| format!("ibv_post_recv: {e}"));
+                    match e {
                         softrdma_engine::qp::PostRecvError::QueueFull { .. } => libc::ENOMEM,
                         _ => libc::EINVAL,
-                    }),
+                    }
+                }),
                 Err(e) => Err(e),
             };
             if let Err(e) = e {
