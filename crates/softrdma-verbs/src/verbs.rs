@@ -1065,21 +1065,29 @@ extern "C" fn poll_cq(cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
         // SAFETY: a CQ of ours.
         let c = unsafe { &*cq.cast::<Cq>() };
         let n = n as usize;
-        let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 32];
-        let mut done = 0;
-        while done < n {
-            let want = (n - done).min(buf.len());
-            let got = c.inner.poll(&mut buf[..want]);
-            for (i, w) in buf[..got].iter().enumerate() {
-                // SAFETY: the caller's array holds n entries.
-                unsafe { *wc.add(done + i) = to_wc(w) };
+        // The engine's completions land in this thread's buffer first (set
+        // up once: busy-polling applications call this millions of times).
+        thread_local!(static WCS: std::cell::RefCell<[WorkCompletion; 32]> =
+            const { std::cell::RefCell::new([WorkCompletion::success(0, WcOpcode::Send, 0); 32]) });
+        WCS.with(|b| {
+            let Ok(mut buf) = b.try_borrow_mut() else {
+                return -1;
+            };
+            let mut done = 0;
+            while done < n {
+                let want = (n - done).min(buf.len());
+                let got = c.inner.poll(&mut buf[..want]);
+                for (i, w) in buf[..got].iter().enumerate() {
+                    // SAFETY: the caller's array holds n entries.
+                    unsafe { *wc.add(done + i) = to_wc(w) };
+                }
+                done += got;
+                if got < want {
+                    break;
+                }
             }
-            done += got;
-            if got < want {
-                break;
-            }
-        }
-        done as c_int
+            done as c_int
+        })
     })
 }
 
@@ -1633,29 +1641,42 @@ fn post_one(q: &Qp, r: &ibv_send_wr) -> Result<(), i32> {
         _ => return Err(libc::EINVAL),
     };
     let flags = send_flags(r.send_flags);
-    let inline_buf;
-    let mut wr = SendWr::new(r.wr_id, op).flags(flags);
-    if r.send_flags & 8 != 0 && !matches!(op, SendOp::Read { .. }) {
-        let total: usize = sg.iter().map(|s| s.length as usize).sum();
-        if total > q.max_inline.max(q.inner.device().attr().max_inline_data) as usize {
-            return Err(libc::EINVAL);
-        }
-        let mut v = Vec::with_capacity(total);
+    let wr = SendWr::new(r.wr_id, op).flags(flags);
+    let post = |wr: &SendWr<'_>| {
+        q.inner.post_send(wr).map_err(|e| {
+            ffi::debug(|| format!("ibv_post_send: {e}"));
+            post_send_errno(e)
+        })
+    };
+    if r.send_flags & 8 == 0 || matches!(op, SendOp::Read { .. }) {
+        return post(&wr.sg_list(sg));
+    }
+    let total: usize = sg.iter().map(|s| s.length as usize).sum();
+    if total > q.max_inline.max(q.inner.device().attr().max_inline_data) as usize {
+        return Err(libc::EINVAL);
+    }
+    // Inline data is read from the application's buffers at post time (the
+    // IBV_SEND_INLINE contract: the buffers may be reused as soon as the post
+    // returns, and their lkeys are not checked); the engine copies inline
+    // data before post_send returns.
+    if let [s] = sg {
+        // SAFETY: the application's buffer of `length` bytes (see above).
+        let data = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
+        return post(&wr.inline(data));
+    }
+    // Several pieces: gathered into this thread's buffer (no allocation per
+    // post once it has grown).
+    thread_local!(static GATHER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) });
+    GATHER.with(|g| {
+        let mut v = g.try_borrow_mut().map_err(|_| libc::EAGAIN)?;
+        v.clear();
         for s in sg {
-            // SAFETY: inline data is read from the application's buffers at
-            // post time (IBV_SEND_INLINE contract); lkeys are not checked.
+            // SAFETY: the application's buffer of `length` bytes (see above).
             v.extend_from_slice(unsafe {
                 std::slice::from_raw_parts(s.addr as *const u8, s.length as usize)
             });
         }
-        inline_buf = v;
-        wr = wr.inline(&inline_buf);
-    } else {
-        wr = wr.sg_list(sg);
-    }
-    q.inner.post_send(&wr).map_err(|e| {
-        ffi::debug(|| format!("ibv_post_send: {e}"));
-        post_send_errno(e)
+        post(&wr.inline(&v))
     })
 }
 
