@@ -153,6 +153,9 @@ pub struct Qp {
 // ---- registries for async events (engine ids -> C objects) ----
 
 static QPS: Mutex<Option<HashMap<u32, (usize, usize)>>> = Mutex::new(None);
+/// Engine SRQ id -> (the `ibv_srq`, its context's async queue).
+type SrqMap = HashMap<u32, (usize, Arc<EventQueue<ibv_async_event>>)>;
+static SRQS: Mutex<Option<SrqMap>> = Mutex::new(None);
 static CTXS: Mutex<Vec<std::sync::Weak<EventQueue<ibv_async_event>>>> = Mutex::new(Vec::new());
 static ASYNC_HANDLER: Mutex<u64> = Mutex::new(u64::MAX);
 
@@ -188,6 +191,16 @@ fn on_async(ev: &AsyncEvent) {
         )
     });
     let Some(t) = async_type(ev.kind) else { return };
+    if let Some(id) = ev.srq_id {
+        let found = SRQS.lock().as_ref().and_then(|m| m.get(&id).cloned());
+        if let Some((srq, q)) = found {
+            q.push(ibv_async_event {
+                element: srq as *mut c_void,
+                event_type: t,
+            });
+        }
+        return;
+    }
     if let Some(n) = ev.qp_num {
         let found = QPS.lock().as_ref().and_then(|m| m.get(&n).copied());
         if let Some((qp, q)) = found {
@@ -1182,7 +1195,14 @@ pub extern "C" fn ibv_create_srq(pd: *mut ibv_pd, attr: *mut ibv_srq_init_attr) 
             },
             inner,
         });
-        Ok(Box::into_raw(s).cast())
+        let id = s.inner.id();
+        let p = Box::into_raw(s);
+        // SAFETY: the PD's context is a context of ours.
+        let q = unsafe { ctx_of((*pd).context) }.async_q.clone();
+        SRQS.lock()
+            .get_or_insert_with(HashMap::new)
+            .insert(id, (p as usize, q));
+        Ok(p.cast())
     })
 }
 
@@ -1235,7 +1255,12 @@ pub extern "C" fn ibv_destroy_srq(srq: *mut ibv_srq) -> c_int {
             return Err(libc::EINVAL);
         }
         // SAFETY: freed once.
-        drop(unsafe { Box::from_raw(srq.cast::<Srq>()) });
+        let b = unsafe { Box::from_raw(srq.cast::<Srq>()) };
+        // Its events not yet taken are withdrawn (the pointer dies here).
+        if let Some((_, q)) = SRQS.lock().as_mut().and_then(|m| m.remove(&b.inner.id())) {
+            q.retain(|e| e.element != srq.cast::<c_void>());
+        }
+        drop(b);
         Ok(())
     })
 }

@@ -52,3 +52,8 @@ fn error_paths_behave_like_libibverbs() {
 fn wr_api_and_rdma_cm_over_loopback() {
     run("wr_api", &["-libverbs", "-lrdmacm"]);
 }
+
+#[test]
+fn srq_limit_event_reaches_the_async_fd() {
+    run("srq_events", &["-libverbs", "-lrdmacm"]);
+}
