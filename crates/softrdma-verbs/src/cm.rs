@@ -1,5 +1,9 @@
-//! The `rdma_*` entry points of librdmacm (asynchronous mode: ids with an
-//! event channel), on the engine's connection manager.
+//! The `rdma_*` entry points of librdmacm, on the engine's connection
+//! manager: asynchronous ids (on an application's event channel) and
+//! synchronous ones (created with a NULL channel: each has a channel of its
+//! own, and `rdma_resolve_addr`/`route`, `rdma_connect`, `rdma_accept` and
+//! `rdma_get_request` return once the outcome's event arrived, as in
+//! librdmacm).
 //!
 //! Each listening id has a thread taking connection requests from its
 //! [`Listener`]; each connected id a thread turning its [`Connection`]'s
@@ -71,6 +75,9 @@ struct Id {
     id: rdma_cm_id,
     st: Arc<IdState>,
     q: Arc<EventQueue<usize>>,
+    /// A synchronous id (created without an event channel): `id.channel`
+    /// is its own, and the calls wait for their outcome.
+    sync: bool,
 }
 
 /// Addresses of objects handed to CM threads (they outlive the threads:
@@ -311,6 +318,7 @@ fn new_id(
     ch: *mut rdma_event_channel,
     context: *mut c_void,
     ps: c_int,
+    sync: bool,
 ) -> *mut Id {
     // SAFETY: rdma_cm_id is plain data.
     let mut id: rdma_cm_id = unsafe { std::mem::zeroed() };
@@ -322,11 +330,42 @@ fn new_id(
         id,
         st: Arc::new(IdState::default()),
         q: chan.clone(),
+        sync,
     }))
 }
 
-/// `rdma_create_id`: `RDMA_PS_TCP` on an event channel (synchronous ids
-/// and UDP/IB port spaces: EOPNOTSUPP).
+/// A new channel for a synchronous id (freed with the id).
+fn own_channel() -> Result<(*mut rdma_event_channel, Arc<EventQueue<usize>>), i32> {
+    let ch = rdma_create_event_channel();
+    if ch.is_null() {
+        return Err(ffi::errno());
+    }
+    // SAFETY: just created by us.
+    let q = unsafe { (*ch.cast::<Chan>()).q.clone() };
+    Ok((ch, q))
+}
+
+/// For a synchronous id: takes the id's next event and acknowledges it;
+/// an error unless it is `want` (its status as the errno, as librdmacm).
+fn wait_sync(i: &Id, want: c_int) -> Result<(), i32> {
+    if !i.sync {
+        return Ok(());
+    }
+    let p = i.q.pop()? as *mut Ev;
+    // SAFETY: an event of ours, alive until acknowledged below.
+    let (ty, status) = unsafe { ((*p).e.event, (*p).e.status) };
+    rdma_ack_cm_event(p.cast());
+    if ty == want {
+        Ok(())
+    } else if status < 0 {
+        Err(-status)
+    } else {
+        Err(libc::ECONNREFUSED)
+    }
+}
+
+/// `rdma_create_id`: `RDMA_PS_TCP`, on an event channel or, with a NULL
+/// channel, synchronous (UDP/IB port spaces: EOPNOTSUPP).
 #[unsafe(no_mangle)]
 pub extern "C" fn rdma_create_id(
     ch: *mut rdma_event_channel,
@@ -338,12 +377,18 @@ pub extern "C" fn rdma_create_id(
         if id.is_null() {
             return Err(libc::EINVAL);
         }
-        if ch.is_null() || ps != PS_TCP {
+        if ps != PS_TCP {
             return Err(libc::EOPNOTSUPP);
         }
-        // SAFETY: a channel of ours.
-        let q = unsafe { &(*ch.cast::<Chan>()).q };
-        let p = new_id(q, ch, context, ps);
+        let p = if ch.is_null() {
+            // Synchronous: a channel of its own; the calls wait.
+            let (ch, q) = own_channel()?;
+            new_id(&q, ch, context, ps, true)
+        } else {
+            // SAFETY: a channel of ours.
+            let q = unsafe { &(*ch.cast::<Chan>()).q };
+            new_id(q, ch, context, ps, false)
+        };
         // SAFETY: caller's out pointer.
         unsafe { *id = p.cast() };
         Ok(())
@@ -385,6 +430,9 @@ pub extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
         drop(b.st.request.lock().take());
         drop(b.st.listener.lock().take());
         drop(b.st.conn.lock().take());
+        if b.sync {
+            rdma_destroy_event_channel(b.id.channel);
+        }
         Ok(())
     })
 }
@@ -456,7 +504,23 @@ pub extern "C" fn rdma_listen(id: *mut rdma_cm_id, backlog: c_int) -> c_int {
                 };
                 // SAFETY: the listening id is alive while this thread runs.
                 let parent = unsafe { id_ref(me.0 as *mut rdma_cm_id) };
-                let child = new_id(&q, parent.id.channel, parent.id.context, parent.id.ps);
+                // The request goes to the listener's channel; a synchronous
+                // listener's new ids are synchronous with a channel each.
+                let child = if parent.sync {
+                    let Ok((ch, cq)) = own_channel() else {
+                        drop(req.reject(&[]));
+                        continue;
+                    };
+                    new_id(&cq, ch, parent.id.context, parent.id.ps, true)
+                } else {
+                    new_id(
+                        &q,
+                        parent.id.channel,
+                        parent.id.context,
+                        parent.id.ps,
+                        false,
+                    )
+                };
                 // SAFETY: just created.
                 let c = unsafe { &mut *child };
                 c.id.verbs = ctx.0 as *mut ibv_context;
@@ -537,7 +601,7 @@ pub extern "C" fn rdma_resolve_addr(
             Vec::new(),
             (0, 0),
         );
-        Ok(())
+        wait_sync(i, EV_ADDR_RESOLVED)
     })
 }
 
@@ -564,7 +628,7 @@ pub extern "C" fn rdma_resolve_route(id: *mut rdma_cm_id, _timeout_ms: c_int) ->
             Vec::new(),
             (0, 0),
         );
-        Ok(())
+        wait_sync(i, EV_ROUTE_RESOLVED)
     })
 }
 
@@ -821,7 +885,8 @@ pub extern "C" fn rdma_connect(id: *mut rdma_cm_id, param: *mut rdma_conn_param)
         let conn = ffi::with_signals_blocked(|| Connection::start(qp, dst, config.clone()))
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         *i.st.conn.lock() = Some(conn.clone());
-        watch(i, id, conn, Some((qp.clone(), dst, config)))
+        watch(i, id, conn, Some((qp.clone(), dst, config)))?;
+        wait_sync(i, EV_ESTABLISHED)
     })
 }
 
@@ -857,7 +922,8 @@ pub extern "C" fn rdma_accept(id: *mut rdma_cm_id, param: *mut rdma_conn_param) 
             }
         })?;
         *i.st.conn.lock() = Some(conn.clone());
-        watch(i, id, conn, None)
+        watch(i, id, conn, None)?;
+        wait_sync(i, EV_ESTABLISHED)
     })
 }
 
@@ -1106,4 +1172,31 @@ pub extern "C" fn rdma_freeaddrinfo(res: *mut rdma_addrinfo) {
             r = next;
         }
     }
+}
+
+/// `rdma_get_request`: the next connection request of a synchronous
+/// listening id (blocks); the new id is synchronous too.
+#[unsafe(no_mangle)]
+pub extern "C" fn rdma_get_request(listen: *mut rdma_cm_id, id: *mut *mut rdma_cm_id) -> c_int {
+    guard_neg(|| {
+        if listen.is_null() || id.is_null() {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: an id of ours.
+        let l = unsafe { id_ref(listen) };
+        if !l.sync || l.st.listener.lock().is_none() {
+            return Err(libc::EINVAL);
+        }
+        loop {
+            let p = l.q.pop()? as *mut Ev;
+            // SAFETY: an event of ours, alive until acknowledged below.
+            let (ty, new) = unsafe { ((*p).e.event, (*p).e.id) };
+            rdma_ack_cm_event(p.cast());
+            if ty == EV_CONNECT_REQUEST {
+                // SAFETY: caller's out pointer.
+                unsafe { *id = new };
+                return Ok(());
+            }
+        }
+    })
 }

@@ -57,3 +57,8 @@ fn wr_api_and_rdma_cm_over_loopback() {
 fn srq_limit_event_reaches_the_async_fd() {
     run("srq_events", &["-libverbs", "-lrdmacm"]);
 }
+
+#[test]
+fn synchronous_ids_wait_for_their_outcome() {
+    run("sync_cm", &["-libverbs", "-lrdmacm", "-lpthread"]);
+}
