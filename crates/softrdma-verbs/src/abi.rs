@@ -78,6 +78,16 @@ pub struct ibv_mr {
 }
 
 #[repr(C)]
+pub struct ibv_mw {
+    pub context: *mut ibv_context,
+    pub pd: *mut ibv_pd,
+    pub rkey: u32,
+    pub handle: u32,
+    /// `enum ibv_mw_type`.
+    pub type_: c_int,
+}
+
+#[repr(C)]
 pub struct ibv_comp_channel {
     pub context: *mut ibv_context,
     pub fd: c_int,

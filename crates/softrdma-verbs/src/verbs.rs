@@ -9,9 +9,9 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::{Condvar, Mutex};
 use softrdma_engine::cq::CompletionQueue;
 use softrdma_engine::{
-    Access, AsyncEvent, AsyncEventKind, Device, MemoryRegion, ProtectionDomain, QpCap, QpInitAttr,
-    QpState, QueuePair, RecvWr, SendFlags, SendOp, SendWr, Sge, SharedReceiveQueue, WcFlags,
-    WcOpcode, WcStatus, WorkCompletion,
+    Access, AsyncEvent, AsyncEventKind, Device, MemoryRegion, MemoryWindow, ProtectionDomain,
+    QpCap, QpInitAttr, QpState, QueuePair, RecvWr, SendFlags, SendOp, SendWr, Sge,
+    SharedReceiveQueue, WcFlags, WcOpcode, WcStatus, WorkCompletion,
 };
 
 use crate::abi::*;
@@ -808,16 +808,60 @@ pub extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
     })
 }
 
-// Memory windows are not offered through this library yet.
-extern "C" fn alloc_mw(_pd: *mut ibv_pd, _ty: c_int) -> *mut c_void {
-    set_errno(libc::EOPNOTSUPP);
-    null_mut()
+/// A memory window: `struct ibv_mw` first.
+#[repr(C)]
+struct Mw {
+    mw: ibv_mw,
+    inner: MemoryWindow,
 }
-extern "C" fn bind_mw(_qp: *mut ibv_qp, _mw: *mut c_void, _bind: *mut c_void) -> c_int {
+
+/// `IBV_MW_TYPE_2`.
+const MW_TYPE_2: c_int = 2;
+
+/// `ibv_alloc_mw` (ops table): type 2 windows, bound by posting
+/// `IBV_WR_BIND_MW`; type 1: EOPNOTSUPP (the engine binds windows only
+/// through work requests).
+extern "C" fn alloc_mw(pd: *mut ibv_pd, ty: c_int) -> *mut ibv_mw {
+    guard_ptr(|| {
+        if pd.is_null() {
+            return Err(libc::EINVAL);
+        }
+        if ty != MW_TYPE_2 {
+            return Err(libc::EOPNOTSUPP);
+        }
+        // SAFETY: a PD of ours.
+        let p = unsafe { &*pd.cast::<Pd>() };
+        let inner = p.inner.alloc_mw().map_err(|_| libc::ENOMEM)?;
+        let m = Box::new(Mw {
+            mw: ibv_mw {
+                context: p.pd.context,
+                pd,
+                rkey: inner.rkey(),
+                handle: inner.rkey() >> 8,
+                type_: ty,
+            },
+            inner,
+        });
+        Ok(Box::into_raw(m).cast())
+    })
+}
+
+/// The ops table's `bind_mw` (`ibv_bind_mw`, type 1 windows only, which
+/// this library does not allocate).
+extern "C" fn bind_mw(_qp: *mut ibv_qp, _mw: *mut ibv_mw, _bind: *mut c_void) -> c_int {
     libc::EOPNOTSUPP
 }
-extern "C" fn dealloc_mw(_mw: *mut c_void) -> c_int {
-    libc::EOPNOTSUPP
+
+/// `ibv_dealloc_mw` (ops table).
+extern "C" fn dealloc_mw(mw: *mut ibv_mw) -> c_int {
+    guard_errno(|| {
+        if mw.is_null() {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: a window of ours, freed once.
+        drop(unsafe { Box::from_raw(mw.cast::<Mw>()) });
+        Ok(())
+    })
 }
 
 // ---- completion channel / CQ ----
@@ -1660,6 +1704,7 @@ fn post_one(q: &Qp, r: &ibv_send_wr) -> Result<(), i32> {
             add: r.compare_add,
         },
         7 => SendOp::LocalInv { rkey: r.imm_data },
+        8 => return post_bind_mw(q, r),
         9 => SendOp::SendWithInv {
             invalidate_rkey: r.imm_data,
         },
@@ -1703,6 +1748,42 @@ fn post_one(q: &Qp, r: &ibv_send_wr) -> Result<(), i32> {
         }
         post(&wr.inline(&v))
     })
+}
+
+/// `IBV_WR_BIND_MW`: binds a type 2 window (`wr.bind_mw`: the window, the
+/// new rkey, then `bind_info` = region, address, length, access). The
+/// engine picks the new key itself, so `mw->rkey` is set to the window's
+/// new rkey when the post returns (the bind takes effect at post); an rkey
+/// the application computed with `ibv_inc_rkey` is not used.
+fn post_bind_mw(q: &Qp, r: &ibv_send_wr) -> Result<(), i32> {
+    let [mw, _rkey, mr, addr, length, access] = r.bind_mw;
+    let (mw, mr) = (mw as *mut Mw, mr as *mut Mr);
+    if mw.is_null() || mr.is_null() {
+        return Err(libc::EINVAL);
+    }
+    // `mw_access_flags` is an unsigned int in the low half of the word.
+    let access = Access::from_bits(access as u32).ok_or(libc::EINVAL)?;
+    // SAFETY: a window and a region of this library (the application's
+    // objects, alive while it posts with them).
+    let (w, m) = unsafe { (&*mw, &*mr) };
+    let wr = SendWr::new(
+        r.wr_id,
+        SendOp::BindMw {
+            mw: &w.inner,
+            mr: &m.inner,
+            addr,
+            length,
+            access,
+        },
+    )
+    .flags(send_flags(r.send_flags));
+    q.inner.post_send(&wr).map_err(|e| {
+        ffi::debug(|| format!("ibv_post_send (bind MW): {e}"));
+        post_send_errno(e)
+    })?;
+    // SAFETY: as above; the C view is the application's to read.
+    unsafe { (*mw).mw.rkey = w.inner.rkey() };
+    Ok(())
 }
 
 /// Send flags of `ibv_send_wr`/`ibv_qp_ex` to the engine's.

@@ -62,3 +62,8 @@ fn srq_limit_event_reaches_the_async_fd() {
 fn synchronous_ids_wait_for_their_outcome() {
     run("sync_cm", &["-libverbs", "-lrdmacm", "-lpthread"]);
 }
+
+#[test]
+fn type_2_memory_window_grants_remote_write() {
+    run("mw", &["-libverbs", "-lrdmacm"]);
+}

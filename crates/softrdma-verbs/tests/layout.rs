@@ -62,6 +62,11 @@ fn rust_layout() -> HashMap<&'static str, usize> {
     o!(ibv_mr, length);
     o!(ibv_mr, lkey);
     o!(ibv_mr, rkey);
+    s!(ibv_mw);
+    o!(ibv_mw, pd);
+    o!(ibv_mw, rkey);
+    o!(ibv_mw, handle);
+    o!("ibv_mw.type", ibv_mw, type_);
     s!(ibv_comp_channel);
     o!(ibv_comp_channel, fd);
     o!(ibv_comp_channel, refcnt);

@@ -26,6 +26,7 @@ int main(void)
 	O(verbs_context, query_device_ex); O(verbs_context, create_qp_ex); O(verbs_context, sz);
 	O(verbs_context, context);
 	S(ibv_pd); S(ibv_mr); O(ibv_mr, addr); O(ibv_mr, length); O(ibv_mr, lkey); O(ibv_mr, rkey);
+	S(ibv_mw); O(ibv_mw, pd); O(ibv_mw, rkey); O(ibv_mw, handle); O(ibv_mw, type);
 	S(ibv_comp_channel); O(ibv_comp_channel, fd); O(ibv_comp_channel, refcnt);
 	S(ibv_cq); O(ibv_cq, channel); O(ibv_cq, cq_context); O(ibv_cq, cqe); O(ibv_cq, mutex);
 	O(ibv_cq, cond); O(ibv_cq, comp_events_completed); O(ibv_cq, async_events_completed);
