@@ -112,7 +112,9 @@ pub fn engine() -> Result<Device, i32> {
         std::mem::forget(old);
     }
     let mut config = softrdma_engine::DeviceConfig::default();
-    config.pin_threads = false;
+    // Not pinned unless asked: the engine's threads share the CPUs of a
+    // process that has its own plans for them.
+    config.pin_threads = std::env::var("SOFTRDMA_PIN_THREADS").is_ok_and(|v| v == "1");
     if let Ok(n) = std::env::var("SOFTRDMA_THREADS")
         && let Ok(n) = n.parse::<usize>()
         && n > 0
