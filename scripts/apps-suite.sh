@@ -2,14 +2,14 @@
 # Unmodified socket programs with the sockets preload (softrdma run --sockets).
 #
 #   scripts/apps-suite.sh [--quick]
+#   scripts/apps-suite.sh --bench [RUNS]   (speed ratios, medians of RUNS, default 3)
 #
 # Every program pair runs in four placements: none (no preload: the
 # reference), both ends preloaded, only the client, only the server. Each
 # case prints one PASS/FAIL line: bytes checked with sha256 (or the program's
 # own success output), and for "both" the stats of the preloaded processes
 # must show the connections offloaded (SOFTRDMA_APPS_EXPECT=offloaded, the
-# default) or plain (SOFTRDMA_APPS_EXPECT=plain, while no offload protocol is
-# wired into the library). Speed lines compare each placement with "none" in
+# default) or plain (SOFTRDMA_APPS_EXPECT=plain). Speed lines compare each placement with "none" in
 # the same run.
 #
 # Programs (Debian packages, installed with apt when missing): nc
@@ -19,7 +19,9 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 QUICK=0
+BENCH=0
 [ "${1:-}" = --quick ] && QUICK=1
+if [ "${1:-}" = --bench ]; then BENCH=${2:-3}; fi
 EXPECT=${SOFTRDMA_APPS_EXPECT:-offloaded}
 LOGS=${SOFTRDMA_APPS_LOGS:-$(mktemp -d /tmp/softrdma-apps.XXXXXX)}
 mkdir -p "$LOGS" && chmod 755 "$LOGS"
@@ -58,7 +60,8 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 
-PORT=$((20000 + RANDOM % 20000))
+# Below the ephemeral range (32768-60999): no client port can take it.
+PORT=$((20000 + RANDOM % 10000))
 next_port() { PORT=$((PORT + 1)); }
 
 # wrap PLACEMENT SIDE STATS: the prefix that runs SIDE (client|server).
@@ -115,6 +118,91 @@ wait_port() { # port
 	done
 	return 1
 }
+
+# --- --bench [RUNS]: speed ratios, medians of RUNS runs ---------------------
+# Placements: none (no preload), both (both ends preloaded, offloaded), tcp
+# (both ends preloaded with policy tcp: the preload's pass-through cost).
+# Runs interleave the placements so that drift of a busy machine spreads
+# over all of them.
+if [ "$BENCH" -gt 0 ]; then
+	bwrap() { # placement
+		case "$1" in
+		both) echo "$BIN run --no-verbs --no-dat --sockets --" ;;
+		tcp) echo "$BIN run --no-verbs --no-dat --sockets --sockets-policy tcp --" ;;
+		*) echo "" ;;
+		esac
+	}
+	median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print ""; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+	declare -A B
+	www=$LOGS/www
+	mkdir -p "$www" && head -c 1024 /dev/urandom >"$www/1K" && chmod -R a+rX "$www" "$LOGS"
+	for run in $(seq 1 "$BENCH"); do
+		for pl in none both tcp; do
+			W=$(bwrap "$pl")
+			next_port
+			# shellcheck disable=SC2086
+			timeout 40 $W iperf3 -s -1 -B 127.0.0.1 -p "$PORT" >/dev/null 2>&1 &
+			spid=$!
+			wait_port "$PORT"
+			# shellcheck disable=SC2086
+			v=$(timeout 40 $W iperf3 -c 127.0.0.1 -p "$PORT" -t 5 -f m 2>&1 | grep receiver | tail -1 | grep -oE '[0-9.]+ Mbits/sec' | cut -d' ' -f1)
+			wait "$spid"
+			B[iperf3,$pl]+="$v "
+			next_port
+			# shellcheck disable=SC2086
+			timeout 120 $W redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$LOGS" >/dev/null 2>&1 &
+			spid=$!
+			wait_port "$PORT"
+			for pipe in 1 16; do
+				# shellcheck disable=SC2086
+				v=$(timeout 60 $W redis-benchmark -h 127.0.0.1 -p "$PORT" -q -n 100000 -c 50 -t get -P $pipe 2>&1 | tr '\r' '\n' | grep -E '^GET:' | tail -1 | grep -oE '[0-9.]+ requests' | cut -d' ' -f1)
+				B[redis-P$pipe,$pl]+="$v "
+			done
+			kill "$spid" 2>/dev/null
+			wait "$spid" 2>/dev/null
+			next_port
+			d=$LOGS/bench-nginx-$pl
+			mkdir -p "$d"
+			cat >"$d/nginx.conf" <<EOC
+worker_processes 2;
+daemon off;
+pid $d/nginx.pid;
+error_log $d/error.log;
+events { worker_connections 256; }
+http {
+    access_log off;
+    sendfile on;
+    client_body_temp_path $d/body;
+    proxy_temp_path $d/proxy;
+    fastcgi_temp_path $d/fastcgi;
+    uwsgi_temp_path $d/uwsgi;
+    scgi_temp_path $d/scgi;
+    server { listen 127.0.0.1:$PORT; root $www; }
+}
+EOC
+			# shellcheck disable=SC2086
+			timeout 60 $W nginx -c "$d/nginx.conf" -p "$d" >/dev/null 2>&1 &
+			spid=$!
+			wait_port "$PORT"
+			# shellcheck disable=SC2086
+			v=$(timeout 30 $W wrk -t1 -c20 -d5s "http://127.0.0.1:$PORT/1K" 2>&1 | awk '/^Requests\/sec/ { print $2 }')
+			B[nginx-wrk,$pl]+="$v "
+			kill "$spid" 2>/dev/null
+			wait "$spid" 2>/dev/null
+		done
+		echo "apps-suite: bench run $run of $BENCH done"
+	done
+	printf '%-10s %-6s %14s %8s   %s\n' case placement median "x none" "runs"
+	for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
+		base=$(echo "${B[$c,none]}" | tr ' ' '\n' | grep . | median)
+		for pl in none both tcp; do
+			m=$(echo "${B[$c,$pl]}" | tr ' ' '\n' | grep . | median)
+			r=$(awk -v a="$m" -v b="$base" 'BEGIN { if (a == "" || b == "" || b == 0) print "-"; else printf "%.2f", a / b }')
+			printf '%-10s %-6s %14s %8s   %s\n' "$c" "$pl" "$m" "$r" "${B[$c,$pl]}"
+		done
+	done
+	exit 0
+fi
 
 # --- nc: random bytes each way, sha256 on both ends ------------------------
 head -c $((NC_MB * 1024 * 1024)) /dev/urandom >"$LOGS/nc.in"

@@ -135,6 +135,9 @@ pair dtest-S1 "$DREADY" "$DPASS" "RDMA READ DATA" \
 # ---- dtestsrq and dtestcm
 pair dtestsrq "ready on port" "DAPL RC SRQ Test Complete" "" \
     dtestsrq -P $IA -s -c 4 -B 4 -t 3 -- dtestsrq -P $IA -h 127.0.0.1 -c 4 -B 4 -t 3
+# 20 EPs torn down at once: connection and async events must pair up.
+pair dtestsrq-c20 "ready on port" "DAPL RC SRQ Test Complete" "" \
+    dtestsrq -P $IA -s -c 20 -B 4 -t 3 -- dtestsrq -P $IA -h 127.0.0.1 -c 20 -B 4 -t 3
 pair dtestcm-100 "Conn server waiting" "DAPL Connection Test Complete" "ALL 100 CONNECTED on Client" \
     dtestcm -P $IA -s -c 100 -b 10 -- dtestcm -P $IA -h 127.0.0.1 -c 100 -b 10
 pair dtestcm-1000 "Conn server waiting" "DAPL Connection Test Complete" "ALL 1000 CONNECTED on Client" \

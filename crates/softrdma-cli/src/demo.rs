@@ -394,7 +394,7 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     let ts = tryd!("latency", perf::measure_tcp(&spin));
     say(format!(
         "[9/9] latency     8-byte Send/Recv ping-pong x 2000, one way, mean (p50, p99) in µs:\n\
-         \x20                 softrdma, busy-polled CQ      {:>8.2} ({:.2}, {:.2})\n\
+         \x20                 softrdma, CQ spin 50 µs, sleep{:>8.2} ({:.2}, {:.2})\n\
          \x20                 TCP, busy-polled sockets      {:>8.2} ({:.2}, {:.2})  softrdma/TCP {:.2} (below 1: softrdma faster)\n\
          \x20                 TCP, blocking sockets         {:>8.2} ({:.2}, {:.2})  softrdma/TCP {:.2}",
         r.lat_mean(),

@@ -79,7 +79,7 @@ enum Command {
         #[arg(short = 'C', long, default_value_t = 0)]
         count: u64,
         /// Buffer size in bytes (suffixes K, M as for perf; 24 .. 64K).
-        #[arg(short = 'S', long, default_value = "100", value_parser = softrdma_cli::perf::parse_size)]
+        #[arg(short = 'S', long, default_value = "64", value_parser = softrdma_cli::perf::parse_size)]
         size: usize,
         /// Server: serve clients one after another until interrupted
         /// (rping's persistent server mode).
@@ -305,6 +305,11 @@ struct PerfArgs {
     /// Wait on a completion channel instead of busy polling.
     #[arg(long)]
     event: bool,
+    /// Busy-poll the CQ without ever sleeping. By default a wait busy-polls
+    /// for 50 µs, then sleeps until a completion comes, which keeps
+    /// latency low on a machine with other work on it.
+    #[arg(long, conflicts_with = "event")]
+    spin: bool,
     /// Measure the same pattern over plain TCP sockets too and print the
     /// ratio softrdma / TCP (bandwidth ratio in bw mode, mean-latency ratio
     /// in lat mode). `tcp`: blocking sockets; `tcp-spin`: non-blocking
@@ -328,7 +333,7 @@ struct PerfArgs {
     #[arg(long, conflicts_with = "connect")]
     server: bool,
     /// Two-process mode: run the test against the `--server` at HOST
-    /// (HOST, HOST:PORT, [IPv6]:PORT).
+    /// (HOST, HOST:PORT, IPV6 in brackets:PORT).
     #[arg(long, value_name = "HOST[:PORT]")]
     connect: Option<String>,
     /// TCP port of the two-process mode (0 on a server: any free port).
@@ -488,6 +493,7 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
             crc: a.crc,
             force_datamover: a.force_datamover,
             event: a.event,
+            spin: a.spin,
             timeout,
             tcp_spin: false,
         },
@@ -531,6 +537,11 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    // `softrdma perf stream ...` has its own options (sockets direct).
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).is_some_and(|a| a == "perf") && argv.get(2).is_some_and(|a| a == "stream") {
+        return softrdma_cli::perf::stream::main_with_args(&argv[2..]);
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Info { json } => {

@@ -38,8 +38,9 @@ use softrdma_engine::{
 
 /// rping's default port.
 pub const DEFAULT_PORT: u16 = 7174;
-/// rping's default buffer size.
-pub const DEFAULT_SIZE: usize = 100;
+/// rping's default buffer size (`cb->size = 64` in rdma-core's rping.c):
+/// a larger client buffer than the peer rping's fails its RDMA Read.
+pub const DEFAULT_SIZE: usize = 64;
 /// Smallest buffer accepted: room for `rdma-ping-%d: ` and a few letters
 /// (rping's own minimum, 26 bytes, is above it).
 pub const MIN_SIZE: usize = 24;

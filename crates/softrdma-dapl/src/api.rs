@@ -13,8 +13,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use softrdma_dat::{
-    Cno, CompletionFlags, DatError, Ep, EpAttr, ErrorType, Evd, EvdFlags, Event, Ia, IaConfig, Lmr,
-    LmrTriplet, MAX_PRIVATE_DATA, MemPriv, Psp, Pz, Rmr, RmrTriplet, Rsp, Srq, Subtype,
+    Cno, CompletionFlags, Cr, DatError, Ep, EpAttr, EpAttrChange, ErrorType, Evd, EvdFlags, Event,
+    Ia, IaConfig, Lmr, LmrTriplet, MAX_PRIVATE_DATA, MemPriv, Psp, Pz, Rmr, RmrTriplet, Rsp, Srq,
+    Subtype,
 };
 
 use crate::handles::{self, HandleMem, Kind, Obj, ProvPtr};
@@ -74,6 +75,12 @@ fn out<T>(p: *mut T, v: T, sub: Subtype) -> R {
     Ok(())
 }
 
+/// Makes a handle for `obj`, owned by IA handle `ia`, and writes it to
+/// `p`.
+fn out_handle(p: *mut H, provider: ProvPtr, obj: Obj, ia: H, sub: Subtype) -> R {
+    out(p, as_h(handles::make(provider, obj, ia as usize)), sub)
+}
+
 /// Writes `v` to `p` if it is not NULL.
 fn out_opt<T>(p: *mut T, v: T) {
     if !p.is_null() {
@@ -90,13 +97,6 @@ fn as_h(v: usize) -> H {
     v as H
 }
 
-fn ia_obj(m: &HandleMem) -> R<Ia> {
-    match &m.obj {
-        Obj::Ia(i) => Ok(i.clone()),
-        _ => Err(bad(ErrorType::InvalidHandle, Subtype::HandleIa)),
-    }
-}
-
 macro_rules! obj {
     ($m:expr, $v:ident, $sub:expr) => {
         match &$m.obj {
@@ -106,10 +106,58 @@ macro_rules! obj {
     };
 }
 
+/// A Rust object type a handle can stand for.
+trait Typed: Sized {
+    const KIND: Kind;
+    fn of(o: &Obj) -> Option<Self>;
+}
+
+macro_rules! typed {
+    ($($v:ident),*) => {
+        $(impl Typed for $v {
+            const KIND: Kind = Kind::$v;
+            fn of(o: &Obj) -> Option<Self> {
+                match o {
+                    Obj::$v(x) => Some(x.clone()),
+                    _ => None,
+                }
+            }
+        })*
+    };
+}
+typed!(Ia, Pz, Lmr, Rmr, Evd, Cno, Ep, Psp, Rsp, Cr, Srq);
+
+/// Looks `h` up as a live `T`: `DAT_INVALID_HANDLE` with the kind's
+/// subtype for a freed handle or one of another kind.
+fn lookup<T: Typed>(h: H) -> R<(Arc<HandleMem>, T)> {
+    let m = handles::get(h, T::KIND)?;
+    let x = T::of(&m.obj).ok_or_else(|| bad(ErrorType::InvalidHandle, T::KIND.subtype()))?;
+    Ok((m, x))
+}
+
+/// A `dat_*_free` whose free can refuse (object in use): the handle
+/// stays valid then.
+fn free_checked<T: Typed>(h: H, free: impl FnOnce(T) -> R) -> u32 {
+    run(|| {
+        let (_, x) = lookup::<T>(h)?;
+        free(x)?;
+        handles::remove(h as usize);
+        Ok(())
+    })
+}
+
+/// A `dat_*_free` that always succeeds: the handle goes first.
+fn free_now<T: Typed>(h: H, free: impl FnOnce(T)) -> u32 {
+    run(|| {
+        let (_, x) = lookup::<T>(h)?;
+        handles::remove(h as usize);
+        free(x);
+        Ok(())
+    })
+}
+
 fn ia_h(h: H) -> R<(Arc<HandleMem>, Ia)> {
-    let m = handles::get(h, Kind::Ia)?;
-    let ia = ia_obj(&m)?;
-    Ok((m, ia))
+    lookup(h)
 }
 
 fn evd_h(h: H, sub: Subtype) -> R<(Arc<HandleMem>, Evd)> {
@@ -126,9 +174,7 @@ fn opt_evd(h: H, sub: Subtype) -> R<Option<Evd>> {
 }
 
 fn ep_h(h: H) -> R<(Arc<HandleMem>, Ep)> {
-    let m = handles::get(h, Kind::Ep)?;
-    let e = obj!(m, Ep, Subtype::HandleEp);
-    Ok((m, e))
+    lookup(h)
 }
 
 /// The consumer's IA handle for our IA handle `ia` (libdat2 gives
@@ -259,7 +305,7 @@ unsafe extern "C" fn ia_open(
         let p = crate::provider_by_name(&name)
             .ok_or_else(|| bad(ErrorType::ProviderNotFound, Subtype::NameNotRegistered))?;
         let mut cfg = IaConfig::new(name, p.addr);
-        cfg.async_qlen = usize::try_from(qlen).unwrap_or(8).max(8);
+        cfg.async_qlen = usize::try_from(qlen).unwrap_or(8).max(MIN_CM_EVD_QLEN);
         let i = Ia::open(cfg)?;
         let prov = ProvPtr(&p.table);
         let ih = handles::make(prov, Obj::Ia(i.clone()), 0);
@@ -435,11 +481,7 @@ unsafe extern "C" fn cno_create(ia: H, _agent: DAT_OS_WAIT_PROXY_AGENT, cno: *mu
             return Err(param(Subtype::Arg3));
         }
         let c = Cno::new(&i)?;
-        out(
-            cno,
-            as_h(handles::make(m.provider, Obj::Cno(c), ia as usize)),
-            Subtype::Arg3,
-        )
+        out_handle(cno, m.provider, Obj::Cno(c), ia, Subtype::Arg3)
     })
 }
 
@@ -454,19 +496,12 @@ unsafe extern "C" fn cno_query(cno: H, _mask: u32, p: *mut DAT_CNO_PARAM) -> u32
 }
 
 unsafe extern "C" fn cno_free(cno: H) -> u32 {
-    run(|| {
-        let m = handles::get(cno, Kind::Cno)?;
-        let c = obj!(m, Cno, Subtype::HandleCno);
-        c.free()?;
-        handles::remove(cno as usize);
-        Ok(())
-    })
+    free_checked(cno, Cno::free)
 }
 
 unsafe extern "C" fn cno_wait(cno: H, t: DAT_TIMEOUT, evd: *mut H) -> u32 {
     run(|| {
-        let m = handles::get(cno, Kind::Cno)?;
-        let c = obj!(m, Cno, Subtype::HandleCno);
+        let (_, c) = lookup::<Cno>(cno)?;
         let e = c.wait(timeout(t))?;
         out(evd, as_h(e.map_or(0, |e| e.user_data())), Subtype::Arg3)
     })
@@ -481,11 +516,7 @@ unsafe extern "C" fn cno_fd_create(ia: H, fd: *mut c_int, cno: *mut H) -> u32 {
         }
         let c = Cno::new(&i)?;
         out(fd, c.fd().as_raw_fd(), Subtype::Arg2)?;
-        out(
-            cno,
-            as_h(handles::make(m.provider, Obj::Cno(c), ia as usize)),
-            Subtype::Arg3,
-        )
+        out_handle(cno, m.provider, Obj::Cno(c), ia, Subtype::Arg3)
     })
 }
 
@@ -493,8 +524,7 @@ unsafe extern "C" fn cno_fd_create(ia: H, fd: *mut c_int, cno: *mut H) -> u32 {
 
 unsafe extern "C" fn cr_query(cr: H, _mask: u32, p: *mut DAT_CR_PARAM) -> u32 {
     run(|| {
-        let m = handles::get(cr, Kind::Cr)?;
-        let c = obj!(m, Cr, Subtype::HandleCr);
+        let (m, c) = lookup::<Cr>(cr)?;
         let prm = c.param();
         let local_ep = match &prm.sp {
             softrdma_dat::ServicePoint::Rsp(r) => r.ep().map_or(0, |e| e.user_data()),
@@ -514,8 +544,7 @@ unsafe extern "C" fn cr_query(cr: H, _mask: u32, p: *mut DAT_CR_PARAM) -> u32 {
 
 unsafe extern "C" fn cr_accept(cr: H, ep: H, n: DAT_COUNT, pd: *const c_void) -> u32 {
     traced("cr_accept", || {
-        let m = handles::get(cr, Kind::Cr)?;
-        let c = obj!(m, Cr, Subtype::HandleCr);
+        let (_, c) = lookup::<Cr>(cr)?;
         let data = pdata(n, pd)?;
         let e = if ep.is_null() {
             None
@@ -530,8 +559,7 @@ unsafe extern "C" fn cr_accept(cr: H, ep: H, n: DAT_COUNT, pd: *const c_void) ->
 
 unsafe extern "C" fn cr_reject(cr: H, n: DAT_COUNT, pd: *const c_void) -> u32 {
     run(|| {
-        let m = handles::get(cr, Kind::Cr)?;
-        let c = obj!(m, Cr, Subtype::HandleCr);
+        let (_, c) = lookup::<Cr>(cr)?;
         c.reject(pdata(n, pd)?)?;
         handles::remove(cr as usize);
         Ok(())
@@ -540,8 +568,7 @@ unsafe extern "C" fn cr_reject(cr: H, n: DAT_COUNT, pd: *const c_void) -> u32 {
 
 unsafe extern "C" fn cr_handoff(cr: H, qual: u64) -> u32 {
     run(|| {
-        let m = handles::get(cr, Kind::Cr)?;
-        let c = obj!(m, Cr, Subtype::HandleCr);
+        let (_, c) = lookup::<Cr>(cr)?;
         c.handoff(qual)?;
         handles::remove(cr as usize);
         Ok(())
@@ -559,8 +586,7 @@ unsafe extern "C" fn evd_create(ia: H, qlen: DAT_COUNT, cno: H, flags: u32, evd:
         let c = if cno.is_null() {
             None
         } else {
-            let cm = handles::get(cno, Kind::Cno)?;
-            Some(obj!(cm, Cno, Subtype::HandleCno))
+            Some(lookup::<Cno>(cno)?.1)
         };
         let qlen = usize::try_from(qlen).map_err(|_| param(Subtype::Arg2))?;
         if qlen == 0 {
@@ -577,11 +603,7 @@ unsafe extern "C" fn evd_create(ia: H, qlen: DAT_COUNT, cno: H, flags: u32, evd:
             MIN_EVD_QLEN
         };
         let e = Evd::new(&i, qlen.max(min), EvdFlags(flags), c.as_ref())?;
-        out(
-            evd,
-            as_h(handles::make(m.provider, Obj::Evd(e), ia as usize)),
-            Subtype::Arg5,
-        )
+        out_handle(evd, m.provider, Obj::Evd(e), ia, Subtype::Arg5)
     })
 }
 
@@ -607,8 +629,7 @@ unsafe extern "C" fn evd_modify_cno(evd: H, cno: H) -> u32 {
         let c = if cno.is_null() {
             None
         } else {
-            let cm = handles::get(cno, Kind::Cno)?;
-            Some(obj!(cm, Cno, Subtype::HandleCno))
+            Some(lookup::<Cno>(cno)?.1)
         };
         e.modify_cno(c.as_ref())
     })
@@ -831,8 +852,7 @@ fn ep_create_common(
     if ep.is_null() {
         return Err(param(Subtype::Arg7));
     }
-    let pm = handles::get(pz, Kind::Pz)?;
-    let p = obj!(pm, Pz, Subtype::HandlePz);
+    let (_, p) = lookup::<Pz>(pz)?;
     let recv = opt_evd(recv, Subtype::HandleEvdRecv)?;
     let req = opt_evd(req, Subtype::HandleEvdRequest)?;
     let conn = opt_evd(conn, Subtype::HandleEvdConn)?;
@@ -840,15 +860,10 @@ fn ep_create_common(
     let e = if srq.is_null() {
         Ep::new(&i, &p, recv.as_ref(), req.as_ref(), conn.as_ref(), a)?
     } else {
-        let sm = handles::get(srq, Kind::Srq)?;
-        let s = obj!(sm, Srq, Subtype::HandleSrq);
+        let (_, s) = lookup::<Srq>(srq)?;
         Ep::with_srq(&i, &p, recv.as_ref(), req.as_ref(), conn.as_ref(), &s, a)?
     };
-    out(
-        ep,
-        as_h(handles::make(m.provider, Obj::Ep(e), ia as usize)),
-        Subtype::Arg7,
-    )
+    out_handle(ep, m.provider, Obj::Ep(e), ia, Subtype::Arg7)
 }
 
 unsafe extern "C" fn ep_create(
@@ -963,69 +978,44 @@ unsafe extern "C" fn ep_disconnect(ep: H, flags: u32) -> u32 {
     })
 }
 
-unsafe extern "C" fn ep_post_send(
-    ep: H,
-    n: DAT_COUNT,
-    t: *mut DAT_LMR_TRIPLET,
-    cookie: u64,
-    flags: u32,
-) -> u32 {
-    traced("ep_post_send", || {
-        let (_, e) = ep_h(ep)?;
-        e.post_send(&triplets(n, t)?, cookie, CompletionFlags(flags))
-    })
+/// The data-transfer posts of an EP: the local triplets (and for RDMA the
+/// remote one) converted, the EP looked up, the call traced.
+macro_rules! post_entry {
+    ($name:ident, $method:ident) => {
+        unsafe extern "C" fn $name(
+            ep: H,
+            n: DAT_COUNT,
+            t: *mut DAT_LMR_TRIPLET,
+            cookie: u64,
+            flags: u32,
+        ) -> u32 {
+            traced(stringify!($name), || {
+                let (_, e) = ep_h(ep)?;
+                e.$method(&triplets(n, t)?, cookie, CompletionFlags(flags))
+            })
+        }
+    };
+    ($name:ident, $method:ident, remote) => {
+        unsafe extern "C" fn $name(
+            ep: H,
+            n: DAT_COUNT,
+            t: *mut DAT_LMR_TRIPLET,
+            cookie: u64,
+            r: *const DAT_RMR_TRIPLET,
+            flags: u32,
+        ) -> u32 {
+            traced(stringify!($name), || {
+                let (_, e) = ep_h(ep)?;
+                let local = triplets(n, t)?;
+                e.$method(&local, cookie, &rmr_triplet(r)?, CompletionFlags(flags))
+            })
+        }
+    };
 }
-
-unsafe extern "C" fn ep_post_recv(
-    ep: H,
-    n: DAT_COUNT,
-    t: *mut DAT_LMR_TRIPLET,
-    cookie: u64,
-    flags: u32,
-) -> u32 {
-    traced("ep_post_recv", || {
-        let (_, e) = ep_h(ep)?;
-        e.post_recv(&triplets(n, t)?, cookie, CompletionFlags(flags))
-    })
-}
-
-unsafe extern "C" fn ep_post_rdma_read(
-    ep: H,
-    n: DAT_COUNT,
-    t: *mut DAT_LMR_TRIPLET,
-    cookie: u64,
-    r: *const DAT_RMR_TRIPLET,
-    flags: u32,
-) -> u32 {
-    traced("ep_post_rdma_read", || {
-        let (_, e) = ep_h(ep)?;
-        e.post_rdma_read(
-            &triplets(n, t)?,
-            cookie,
-            &rmr_triplet(r)?,
-            CompletionFlags(flags),
-        )
-    })
-}
-
-unsafe extern "C" fn ep_post_rdma_write(
-    ep: H,
-    n: DAT_COUNT,
-    t: *mut DAT_LMR_TRIPLET,
-    cookie: u64,
-    r: *const DAT_RMR_TRIPLET,
-    flags: u32,
-) -> u32 {
-    traced("ep_post_rdma_write", || {
-        let (_, e) = ep_h(ep)?;
-        e.post_rdma_write(
-            &triplets(n, t)?,
-            cookie,
-            &rmr_triplet(r)?,
-            CompletionFlags(flags),
-        )
-    })
-}
+post_entry!(ep_post_send, post_send);
+post_entry!(ep_post_recv, post_recv);
+post_entry!(ep_post_rdma_read, post_rdma_read, remote);
+post_entry!(ep_post_rdma_write, post_rdma_write, remote);
 
 unsafe extern "C" fn ep_get_status(ep: H, st: *mut u32, rq: *mut u32, sq: *mut u32) -> u32 {
     run(|| {
@@ -1042,6 +1032,81 @@ unsafe extern "C" fn ep_free(ep: H) -> u32 {
     run(|| {
         ep_h(ep)?;
         release(ep as usize);
+        Ok(())
+    })
+}
+
+/// `DAT_EP_FIELD_*` bits no EP can change (IA, state, communicator,
+/// addresses, qualifiers).
+const EP_FIELDS_FIXED: u64 = 0x7f;
+/// The attribute bits `dat_ep_modify` changes here, with their fields.
+const EP_FIELDS_MODIFIABLE: u64 = EP_FIELD_RDMA_READ_IN
+    | EP_FIELD_RDMA_READ_OUT
+    | EP_FIELD_RECV_DTOS
+    | EP_FIELD_REQUEST_DTOS
+    | EP_FIELD_RECV_IOV
+    | EP_FIELD_REQUEST_IOV
+    | EP_FIELD_RDMA_READ_IOV
+    | EP_FIELD_RDMA_WRITE_IOV;
+const EP_FIELD_RECV_DTOS: u64 = 0x0004_0000;
+const EP_FIELD_REQUEST_DTOS: u64 = 0x0008_0000;
+const EP_FIELD_RECV_IOV: u64 = 0x0010_0000;
+const EP_FIELD_REQUEST_IOV: u64 = 0x0020_0000;
+const EP_FIELD_RDMA_READ_IN: u64 = 0x0040_0000;
+const EP_FIELD_RDMA_READ_OUT: u64 = 0x0080_0000;
+const EP_FIELD_RDMA_READ_IOV: u64 = 0x0200_0000;
+const EP_FIELD_RDMA_WRITE_IOV: u64 = 0x0400_0000;
+
+/// `dat_ep_modify`: the attributes of [`EP_FIELDS_MODIFIABLE`] (see
+/// `Ep::modify`); a fixed field is `DAT_INVALID_PARAMETER`, a changeable
+/// one softrdma does not change (EVDs, PZ, SRQ, service type, QoS,
+/// completion flags, provider attributes) `DAT_NOT_IMPLEMENTED`.
+unsafe extern "C" fn ep_modify(ep: H, mask: u64, p: *const DAT_EP_PARAM) -> u32 {
+    traced("ep_modify", || {
+        let (_, e) = ep_h(ep)?;
+        if mask & EP_FIELDS_FIXED != 0 || mask & !0x7fff_ffff != 0 {
+            return Err(param(Subtype::Arg2));
+        }
+        if mask & !EP_FIELDS_MODIFIABLE != 0 {
+            return Err(DatError::of(ErrorType::NotImplemented));
+        }
+        if p.is_null() {
+            return Err(param(Subtype::Arg3));
+        }
+        // SAFETY: non-null parameter block from the caller.
+        let a = unsafe { (*p).ep_attr };
+        let f = |bit: u64, v: DAT_COUNT| -> R<Option<u32>> {
+            if mask & bit == 0 {
+                return Ok(None);
+            }
+            u32::try_from(v).map(Some).map_err(|_| param(Subtype::Arg3))
+        };
+        e.modify(&EpAttrChange {
+            max_rdma_read_in: f(EP_FIELD_RDMA_READ_IN, a.max_rdma_read_in)?,
+            max_rdma_read_out: f(EP_FIELD_RDMA_READ_OUT, a.max_rdma_read_out)?,
+            max_recv_dtos: f(EP_FIELD_RECV_DTOS, a.max_recv_dtos)?,
+            max_request_dtos: f(EP_FIELD_REQUEST_DTOS, a.max_request_dtos)?,
+            max_recv_iov: f(EP_FIELD_RECV_IOV, a.max_recv_iov)?,
+            max_request_iov: f(EP_FIELD_REQUEST_IOV, a.max_request_iov)?,
+            max_rdma_read_iov: f(EP_FIELD_RDMA_READ_IOV, a.max_rdma_read_iov)?,
+            max_rdma_write_iov: f(EP_FIELD_RDMA_WRITE_IOV, a.max_rdma_write_iov)?,
+        })
+    })
+}
+
+/// `DAT_VALUE_UNKNOWN`.
+const VALUE_UNKNOWN: DAT_COUNT = -2;
+
+/// `dat_ep_recv_query`: receives posted and not completed; the span (and
+/// the count of an EP on an SRQ) is `DAT_VALUE_UNKNOWN`.
+unsafe extern "C" fn ep_recv_query(ep: H, nbufs: *mut DAT_COUNT, span: *mut DAT_COUNT) -> u32 {
+    run(|| {
+        let (_, e) = ep_h(ep)?;
+        let n = e
+            .recv_query()
+            .map_or(VALUE_UNKNOWN, |n| n.min(i32::MAX as usize) as DAT_COUNT);
+        out_opt(nbufs, n);
+        out_opt(span, VALUE_UNKNOWN);
         Ok(())
     })
 }
@@ -1072,16 +1137,14 @@ unsafe extern "C" fn lmr_create(
         if lmr.is_null() {
             return Err(param(Subtype::Arg8));
         }
-        let pm = handles::get(pz, Kind::Pz)?;
-        let p = obj!(pm, Pz, Subtype::HandlePz);
+        let (_, p) = lookup::<Pz>(pz)?;
         let len = usize::try_from(len).map_err(|_| bad(ErrorType::LengthError, Subtype::None))?;
         let ptr: *mut u8 = match mem_type {
             // SAFETY: the member a virtual or shared region uses.
             0 | 2 => unsafe { region.for_va }.cast(),
             1 => {
                 // SAFETY: the member an LMR-type region uses.
-                let other = handles::get(unsafe { region.for_lmr_handle }, Kind::Lmr)?;
-                let o = obj!(other, Lmr, Subtype::HandleLmr);
+                let (_, o) = lookup::<Lmr>(unsafe { region.for_lmr_handle })?;
                 o.address() as *mut u8
             }
             _ => return Err(param(Subtype::Arg2)),
@@ -1093,18 +1156,13 @@ unsafe extern "C" fn lmr_create(
         out_opt(rmr_ctx, l.rmr_context());
         out_opt(reg_len, l.len() as u64);
         out_opt(reg_addr, l.address());
-        out(
-            lmr,
-            as_h(handles::make(m.provider, Obj::Lmr(l), ia as usize)),
-            Subtype::Arg8,
-        )
+        out_handle(lmr, m.provider, Obj::Lmr(l), ia, Subtype::Arg8)
     })
 }
 
 unsafe extern "C" fn lmr_query(lmr: H, _mask: u32, p: *mut DAT_LMR_PARAM) -> u32 {
     run(|| {
-        let m = handles::get(lmr, Kind::Lmr)?;
-        let l = obj!(m, Lmr, Subtype::HandleLmr);
+        let (m, l) = lookup::<Lmr>(lmr)?;
         let v = DAT_LMR_PARAM {
             ia_handle: consumer_ia(m.ia),
             mem_type: 0,
@@ -1125,11 +1183,7 @@ unsafe extern "C" fn lmr_query(lmr: H, _mask: u32, p: *mut DAT_LMR_PARAM) -> u32
 }
 
 unsafe extern "C" fn lmr_free(lmr: H) -> u32 {
-    run(|| {
-        handles::get(lmr, Kind::Lmr)?;
-        handles::remove(lmr as usize);
-        Ok(())
-    })
+    free_now(lmr, drop::<Lmr>)
 }
 
 unsafe extern "C" fn lmr_sync(ia: H, t: *const DAT_LMR_TRIPLET, _n: u64) -> u32 {
@@ -1146,8 +1200,7 @@ unsafe extern "C" fn lmr_sync(ia: H, t: *const DAT_LMR_TRIPLET, _n: u64) -> u32 
 
 unsafe extern "C" fn rmr_create(pz: H, rmr: *mut H) -> u32 {
     run(|| {
-        let pm = handles::get(pz, Kind::Pz)?;
-        let p = obj!(pm, Pz, Subtype::HandlePz);
+        let (pm, p) = lookup::<Pz>(pz)?;
         if rmr.is_null() {
             return Err(param(Subtype::Arg2));
         }
@@ -1162,8 +1215,7 @@ unsafe extern "C" fn rmr_create(pz: H, rmr: *mut H) -> u32 {
 
 unsafe extern "C" fn rmr_query(rmr: H, _mask: u32, p: *mut DAT_RMR_PARAM) -> u32 {
     run(|| {
-        let m = handles::get(rmr, Kind::Rmr)?;
-        let r = obj!(m, Rmr, Subtype::HandleRmr);
+        let (m, r) = lookup::<Rmr>(rmr)?;
         let b = r.binding();
         let v = DAT_RMR_PARAM {
             ia_handle: consumer_ia(m.ia),
@@ -1195,14 +1247,12 @@ unsafe extern "C" fn rmr_bind(
     ctx: *mut u32,
 ) -> u32 {
     run(|| {
-        let m = handles::get(rmr, Kind::Rmr)?;
-        let r = obj!(m, Rmr, Subtype::HandleRmr);
+        let (_, r) = lookup::<Rmr>(rmr)?;
         let (_, e) = ep_h(ep)?;
         let target = if lmr.is_null() {
             None
         } else {
-            let lm = handles::get(lmr, Kind::Lmr)?;
-            let l = obj!(lm, Lmr, Subtype::HandleLmr);
+            let (_, l) = lookup::<Lmr>(lmr)?;
             if t.is_null() {
                 return Err(param(Subtype::Arg3));
             }
@@ -1223,11 +1273,7 @@ unsafe extern "C" fn rmr_bind(
 }
 
 unsafe extern "C" fn rmr_free(rmr: H) -> u32 {
-    run(|| {
-        handles::get(rmr, Kind::Rmr)?;
-        handles::remove(rmr as usize);
-        Ok(())
-    })
+    free_now(rmr, drop::<Rmr>)
 }
 
 unsafe extern "C" fn pz_create(ia: H, pz: *mut H) -> u32 {
@@ -1237,11 +1283,7 @@ unsafe extern "C" fn pz_create(ia: H, pz: *mut H) -> u32 {
             return Err(param(Subtype::Arg2));
         }
         let p = Pz::new(&i);
-        out(
-            pz,
-            as_h(handles::make(m.provider, Obj::Pz(p), ia as usize)),
-            Subtype::Arg2,
-        )
+        out_handle(pz, m.provider, Obj::Pz(p), ia, Subtype::Arg2)
     })
 }
 
@@ -1259,13 +1301,7 @@ unsafe extern "C" fn pz_query(pz: H, _mask: u32, p: *mut DAT_PZ_PARAM) -> u32 {
 }
 
 unsafe extern "C" fn pz_free(pz: H) -> u32 {
-    run(|| {
-        let m = handles::get(pz, Kind::Pz)?;
-        let p = obj!(m, Pz, Subtype::HandlePz);
-        p.free()?;
-        handles::remove(pz as usize);
-        Ok(())
-    })
+    free_checked(pz, Pz::free)
 }
 
 // ---------------------------------------------------------------- SPs
@@ -1278,11 +1314,7 @@ unsafe extern "C" fn psp_create(ia: H, qual: u64, evd: H, flags: u32, psp: *mut 
             return Err(param(Subtype::Arg5));
         }
         let p = Psp::new(&i, qual, &e, flags)?;
-        out(
-            psp,
-            as_h(handles::make(m.provider, Obj::Psp(p), ia as usize)),
-            Subtype::Arg5,
-        )
+        out_handle(psp, m.provider, Obj::Psp(p), ia, Subtype::Arg5)
     })
 }
 
@@ -1295,18 +1327,13 @@ unsafe extern "C" fn psp_create_any(ia: H, qual: *mut u64, evd: H, flags: u32, p
         }
         let p = Psp::new_any(&i, &e, flags)?;
         out(qual, p.conn_qual(), Subtype::Arg2)?;
-        out(
-            psp,
-            as_h(handles::make(m.provider, Obj::Psp(p), ia as usize)),
-            Subtype::Arg5,
-        )
+        out_handle(psp, m.provider, Obj::Psp(p), ia, Subtype::Arg5)
     })
 }
 
 unsafe extern "C" fn psp_query(psp: H, _mask: u32, p: *mut DAT_PSP_PARAM) -> u32 {
     run(|| {
-        let m = handles::get(psp, Kind::Psp)?;
-        let s = obj!(m, Psp, Subtype::HandlePsp);
+        let (m, s) = lookup::<Psp>(psp)?;
         let v = DAT_PSP_PARAM {
             ia_handle: consumer_ia(m.ia),
             conn_qual: s.conn_qual(),
@@ -1318,13 +1345,7 @@ unsafe extern "C" fn psp_query(psp: H, _mask: u32, p: *mut DAT_PSP_PARAM) -> u32
 }
 
 unsafe extern "C" fn psp_free(psp: H) -> u32 {
-    run(|| {
-        let m = handles::get(psp, Kind::Psp)?;
-        let p = obj!(m, Psp, Subtype::HandlePsp);
-        handles::remove(psp as usize);
-        p.free();
-        Ok(())
-    })
+    free_now(psp, Psp::free)
 }
 
 unsafe extern "C" fn rsp_create(ia: H, qual: u64, ep: H, evd: H, rsp: *mut H) -> u32 {
@@ -1336,18 +1357,13 @@ unsafe extern "C" fn rsp_create(ia: H, qual: u64, ep: H, evd: H, rsp: *mut H) ->
             return Err(param(Subtype::Arg5));
         }
         let r = Rsp::new(&i, qual, &e, &v)?;
-        out(
-            rsp,
-            as_h(handles::make(m.provider, Obj::Rsp(r), ia as usize)),
-            Subtype::Arg5,
-        )
+        out_handle(rsp, m.provider, Obj::Rsp(r), ia, Subtype::Arg5)
     })
 }
 
 unsafe extern "C" fn rsp_query(rsp: H, _mask: u32, p: *mut DAT_RSP_PARAM) -> u32 {
     run(|| {
-        let m = handles::get(rsp, Kind::Rsp)?;
-        let s = obj!(m, Rsp, Subtype::HandleRsp);
+        let (m, s) = lookup::<Rsp>(rsp)?;
         let v = DAT_RSP_PARAM {
             ia_handle: consumer_ia(m.ia),
             conn_qual: s.conn_qual(),
@@ -1359,13 +1375,7 @@ unsafe extern "C" fn rsp_query(rsp: H, _mask: u32, p: *mut DAT_RSP_PARAM) -> u32
 }
 
 unsafe extern "C" fn rsp_free(rsp: H) -> u32 {
-    run(|| {
-        let m = handles::get(rsp, Kind::Rsp)?;
-        let r = obj!(m, Rsp, Subtype::HandleRsp);
-        handles::remove(rsp as usize);
-        r.free();
-        Ok(())
-    })
+    free_now(rsp, Rsp::free)
 }
 
 // ---------------------------------------------------------------- SRQ
@@ -1373,8 +1383,7 @@ unsafe extern "C" fn rsp_free(rsp: H) -> u32 {
 unsafe extern "C" fn srq_create(ia: H, pz: H, attr: *mut DAT_SRQ_ATTR, srq: *mut H) -> u32 {
     traced("srq_create", || {
         let (m, i) = ia_h(ia)?;
-        let pm = handles::get(pz, Kind::Pz)?;
-        let p = obj!(pm, Pz, Subtype::HandlePz);
+        let (_, p) = lookup::<Pz>(pz)?;
         if attr.is_null() || srq.is_null() {
             return Err(param(Subtype::Arg3));
         }
@@ -1386,22 +1395,12 @@ unsafe extern "C" fn srq_create(ia: H, pz: H, attr: *mut DAT_SRQ_ATTR, srq: *mut
         if a.low_watermark > 0 {
             s.set_low_watermark(a.low_watermark as u32)?;
         }
-        out(
-            srq,
-            as_h(handles::make(m.provider, Obj::Srq(s), ia as usize)),
-            Subtype::Arg4,
-        )
+        out_handle(srq, m.provider, Obj::Srq(s), ia, Subtype::Arg4)
     })
 }
 
 unsafe extern "C" fn srq_free(srq: H) -> u32 {
-    run(|| {
-        let m = handles::get(srq, Kind::Srq)?;
-        let s = obj!(m, Srq, Subtype::HandleSrq);
-        handles::remove(srq as usize);
-        s.free();
-        Ok(())
-    })
+    free_now(srq, |s: Srq| s.free())
 }
 
 unsafe extern "C" fn srq_post_recv(
@@ -1411,16 +1410,14 @@ unsafe extern "C" fn srq_post_recv(
     cookie: u64,
 ) -> u32 {
     traced("srq_post_recv", || {
-        let m = handles::get(srq, Kind::Srq)?;
-        let s = obj!(m, Srq, Subtype::HandleSrq);
+        let (_, s) = lookup::<Srq>(srq)?;
         s.post_recv(&triplets(n, t)?, cookie)
     })
 }
 
 unsafe extern "C" fn srq_query(srq: H, _mask: u32, p: *mut DAT_SRQ_PARAM) -> u32 {
     run(|| {
-        let m = handles::get(srq, Kind::Srq)?;
-        let s = obj!(m, Srq, Subtype::HandleSrq);
+        let (m, s) = lookup::<Srq>(srq)?;
         let out_n = s.outstanding() as DAT_COUNT;
         let v = DAT_SRQ_PARAM {
             ia_handle: consumer_ia(m.ia),
@@ -1438,8 +1435,7 @@ unsafe extern "C" fn srq_query(srq: H, _mask: u32, p: *mut DAT_SRQ_PARAM) -> u32
 
 unsafe extern "C" fn srq_set_lw(srq: H, lw: DAT_COUNT) -> u32 {
     run(|| {
-        let m = handles::get(srq, Kind::Srq)?;
-        let s = obj!(m, Srq, Subtype::HandleSrq);
+        let (_, s) = lookup::<Srq>(srq)?;
         s.set_low_watermark(u32::try_from(lw).map_err(|_| param(Subtype::Arg2))?)
     })
 }
@@ -1466,7 +1462,7 @@ pub(crate) fn table() -> [*const c_void; SLOTS] {
         13 => cr_reject, 14 => cr_handoff, 15 => evd_create, 16 => evd_query,
         17 => evd_modify_cno, 18 => evd_enable, 19 => evd_disable, 20 => evd_wait,
         21 => evd_resize, 22 => evd_post_se, 23 => evd_dequeue, 24 => evd_free,
-        25 => ep_create, 26 => ep_query, 28 => ep_connect, 30 => ep_disconnect,
+        25 => ep_create, 26 => ep_query, 27 => ep_modify, 28 => ep_connect, 30 => ep_disconnect,
         31 => ep_post_send, 32 => ep_post_recv, 33 => ep_post_rdma_read,
         34 => ep_post_rdma_write, 35 => ep_get_status, 36 => ep_free, 37 => lmr_create,
         38 => lmr_query, 39 => lmr_free, 40 => rmr_create, 41 => rmr_query, 42 => rmr_bind,
@@ -1474,7 +1470,7 @@ pub(crate) fn table() -> [*const c_void; SLOTS] {
         48 => rsp_query, 49 => rsp_free, 50 => pz_create, 51 => pz_query, 52 => pz_free,
         53 => psp_create_any, 54 => ep_reset, 55 => evd_set_unwaitable,
         56 => evd_clear_unwaitable, 57 => lmr_sync, 58 => lmr_sync,
-        59 => ep_create_with_srq, 62 => srq_create, 63 => srq_free, 64 => srq_post_recv,
+        59 => ep_create_with_srq, 60 => ep_recv_query, 62 => srq_create, 63 => srq_free, 64 => srq_post_recv,
         65 => srq_query, 67 => srq_set_lw, 75 => cno_fd_create,
     }
     t

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, LazyLock};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use softrdma_dat::{
     Cno, Cr, DatError, Ep, ErrorType, Evd, Ia, Lmr, Psp, Pz, Rmr, Rsp, Srq, Subtype,
 };
@@ -183,8 +183,9 @@ pub struct HandleMem {
     pub consumer_ia: AtomicUsize,
 }
 
-static HANDLES: LazyLock<Mutex<HashMap<usize, Arc<HandleMem>>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
+/// Read on every call, written when objects come and go.
+static HANDLES: LazyLock<RwLock<HashMap<usize, Arc<HandleMem>>>> =
+    LazyLock::new(|| RwLock::new(HashMap::new()));
 
 /// Makes a handle for `obj` owned by IA handle `ia` (0: itself).
 pub fn make(provider: ProvPtr, obj: Obj, ia: usize) -> usize {
@@ -201,7 +202,7 @@ pub fn make(provider: ProvPtr, obj: Obj, ia: usize) -> usize {
     });
     let p = Arc::as_ptr(&h) as usize;
     set_user(&h.obj, p);
-    HANDLES.lock().insert(p, h);
+    HANDLES.write().insert(p, h);
     p
 }
 
@@ -241,7 +242,7 @@ pub fn get_sub(
     kind: Kind,
     sub: Subtype,
 ) -> Result<Arc<HandleMem>, DatError> {
-    let m = HANDLES.lock().get(&(h as usize)).cloned();
+    let m = HANDLES.read().get(&(h as usize)).cloned();
     match m {
         Some(m) if m.obj.kind() == kind => Ok(m),
         _ => Err(DatError::new(ErrorType::InvalidHandle, sub)),
@@ -255,7 +256,7 @@ pub fn get_sub(
 /// `DAT_INVALID_HANDLE`.
 pub fn get_any(h: *mut std::ffi::c_void) -> Result<Arc<HandleMem>, DatError> {
     HANDLES
-        .lock()
+        .read()
         .get(&(h as usize))
         .cloned()
         .ok_or_else(|| DatError::of(ErrorType::InvalidHandle))
@@ -268,13 +269,13 @@ pub fn kind_of(m: &HandleMem) -> Kind {
 
 /// Forgets handle `h` (the object goes when its last user does).
 pub fn remove(h: usize) -> Option<Arc<HandleMem>> {
-    HANDLES.lock().remove(&h)
+    HANDLES.write().remove(&h)
 }
 
 /// Handles owned by IA handle `ia` (not the IA itself).
 pub fn owned_by(ia: usize) -> Vec<usize> {
     HANDLES
-        .lock()
+        .read()
         .iter()
         .filter(|(k, m)| m.ia == ia && **k != ia)
         .map(|(k, _)| *k)

@@ -89,9 +89,7 @@ pub const NAMES: [&str; SLOTS] = [
 /// Slots that answer `DAT_NOT_IMPLEMENTED`.
 pub const NOT_IMPLEMENTED: &[&str] = &[
     "cno_modify_agent",
-    "ep_modify",
     "ep_dup_connect",
-    "ep_recv_query",
     "ep_set_watermark",
     "srq_resize",
     "csp_create",

@@ -189,6 +189,54 @@ fn handles_states_parameters_through_the_table() {
         0
     );
     assert_eq!(st, 0, "UNCONNECTED");
+
+    let (mut nbufs, mut span) = (7, 7);
+    assert_eq!(
+        call!(
+            t,
+            "ep_recv_query",
+            fn(H, *mut i32, *mut i32),
+            ep,
+            &mut nbufs,
+            &mut span
+        ),
+        0
+    );
+    assert_eq!((nbufs, span), (0, -2), "no receive posted; span unknown");
+
+    // dat_ep_modify: IRD/ORD and limits of an unconnected EP.
+    // SAFETY: DAT_EP_PARAM is plain data; all-zero is valid.
+    let mut prm: DAT_EP_PARAM = unsafe { std::mem::zeroed() };
+    prm.ep_attr.max_rdma_read_out = 1;
+    prm.ep_attr.max_rdma_read_iov = 1;
+    let modify = |mask: u64, p: *const DAT_EP_PARAM| {
+        call!(t, "ep_modify", fn(H, u64, *const DAT_EP_PARAM), ep, mask, p)
+    };
+    assert_eq!(modify(0x0080_0000 | 0x0200_0000, &prm), 0);
+    // SAFETY: as above.
+    let mut q: DAT_EP_PARAM = unsafe { std::mem::zeroed() };
+    assert_eq!(
+        call!(
+            t,
+            "ep_query",
+            fn(H, u64, *mut DAT_EP_PARAM),
+            ep,
+            u64::MAX,
+            &mut q
+        ),
+        0
+    );
+    assert_eq!(
+        (q.ep_attr.max_rdma_read_out, q.ep_attr.max_rdma_read_iov),
+        (1, 1)
+    );
+    assert_eq!(ty(modify(0x1, &prm)), INVALID_PARAMETER, "the IA is fixed");
+    assert_eq!(modify(0x100, &prm), NOT_IMPLEMENTED_RET, "EVDs stay");
+    assert_eq!(ty(modify(0x0080_0000, std::ptr::null())), INVALID_PARAMETER);
+    prm.ep_attr.max_rdma_read_out = 0;
+    assert_eq!(ty(modify(0x0080_0000, &prm)), INVALID_PARAMETER);
+    prm.ep_attr.max_rdma_read_out = -1;
+    assert_eq!(ty(modify(0x0080_0000, &prm)), INVALID_PARAMETER);
     assert_eq!(
         call!(t, "ia_close", fn(H, u32), ia, 1),
         0x7_0050,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use rustix::event::{PollFd, PollFlags};
 use softrdma_engine::cm::{CmEvent, ConnRequest, Connection, ListenConfig, Listener};
-use softrdma_engine::{AsyncEventKind, Device};
+use softrdma_engine::{AsyncEventKind, Device, QpState};
 use softrdma_proto::dat::addr;
 use softrdma_proto::dat::ep::{self as rules, EpEvent, EpPolicy, EpState};
 use softrdma_proto::dat::sp::{OnRequest, SpKind, SpState, on_request};
@@ -206,7 +206,15 @@ fn run(s: &Arc<RShared>) {
                     .qp_num
                     .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
                 if let Some(ep) = ep {
-                    on_llp_end(&ep);
+                    // Its ESTABLISHED first, if the connection manager has
+                    // it queued still (a peer that closes at once).
+                    drain_conn_events(&ep);
+                    // A failed connection (reset, bad close) of an SRQ EP
+                    // enters ERROR, and LAST_WQE_REACHED follows: its end
+                    // is reported together with that (below).
+                    if !(ep.has_srq() && ev.kind != AsyncEventKind::LlpClosed) {
+                        on_llp_end(&ep);
+                    }
                 }
                 continue;
             }
@@ -226,10 +234,20 @@ fn run(s: &Arc<RShared>) {
             let ep = ev
                 .qp_num
                 .and_then(|q| s.reg.lock().eps.get(&q).and_then(Weak::upgrade));
-            if let Some(ep) = &ep
-                && ev.kind != AsyncEventKind::QpLastWqeReached
-            {
-                ep.fatal.store(true, Ordering::Release);
+            if let Some(ep) = &ep {
+                if ev.kind == AsyncEventKind::QpLastWqeReached {
+                    ep.last_wqe.store(true, Ordering::Release);
+                    drain_conn_events(ep);
+                    // The connection's end first, then the async event, both
+                    // from here: consumers (dtestsrq) take a connection event
+                    // and then an async event and expect the same EP. The
+                    // data path pushes "link reset" and LAST_WQE_REACHED of
+                    // two QPs from two threads, so reporting the end at the
+                    // reset could order the two queues differently.
+                    on_llp_end(ep);
+                } else {
+                    ep.fatal.store(true, Ordering::Release);
+                }
             }
             if let Some(a) = ia.as_ref().and_then(|ia| ia.async_evd()) {
                 a.push(Event::Async {
@@ -316,10 +334,37 @@ fn same(a: &Connection, b: &Connection) -> bool {
     a.fd().as_raw_fd() == b.fd().as_raw_fd()
 }
 
+/// What a connect that found no route or no answer reports: TIMED_OUT if
+/// the connect timeout (`deadline`) is what ended it, else UNREACHABLE.
+fn unreachable_event(now: Instant, deadline: Option<Instant>) -> EpEvent {
+    if deadline.is_some_and(|d| now >= d) {
+        EpEvent::TimedOut
+    } else {
+        EpEvent::Unreachable
+    }
+}
+
+/// Handles the events the EP's connection has queued now.
+fn drain_conn_events(ep: &Arc<EpInner>) {
+    let conn = ep.conn.lock().conn.clone();
+    if let Some(conn) = conn {
+        while let Some(ev) = conn.try_event() {
+            on_cm_event(ep, &conn, ev);
+        }
+    }
+}
+
 /// The transport connection of a connected EP ended.
 fn on_llp_end(ep: &Arc<EpInner>) {
     let mut c = ep.conn.lock();
     if !matches!(c.state, EpState::Connected | EpState::DisconnectPending) {
+        return;
+    }
+    if ep.qp.state() == QpState::Rts {
+        // The event is older than the connection: the EP was reset and
+        // connected again before this thread saw it. (A "link reset" event
+        // can also come just before its QP leaves RTS: the connection
+        // manager's Disconnected then reports the end.)
         return;
     }
     let e = if ep.fatal.load(Ordering::Acquire) {
@@ -368,12 +413,17 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
         // The passive side reported it when the accept returned.
         return;
     }
+    let passive = c.state == EpState::PassiveConnectionPending;
     let e = match ev {
         CmEvent::Established { peer } => {
             c.remote = Some(peer);
-            pdata = conn.peer_private_data().unwrap_or_default();
+            if !passive {
+                pdata = conn.peer_private_data().unwrap_or_default();
+            }
             EpEvent::Established
         }
+        // The handshake of an accepted request failed.
+        _ if passive => EpEvent::AcceptFailed,
         CmEvent::Rejected { private_data } => {
             if private_data.starts_with(&REJECT_MAGIC) {
                 pdata = private_data[REJECT_MAGIC.len()..].to_vec();
@@ -382,7 +432,8 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
                 EpEvent::NonPeerRejected
             }
         }
-        CmEvent::Unreachable => {
+        CmEvent::Unreachable => unreachable_event(Instant::now(), c.target.as_ref().map(|t| t.2)),
+        CmEvent::Refused => {
             let now = Instant::now();
             let budget_left = c.retry_until.is_some_and(|t| now + c.backoff < t);
             let deadline = c.target.as_ref().map(|t| t.2);
@@ -394,6 +445,14 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
             }
         }
         CmEvent::TimedOut => EpEvent::TimedOut,
+        CmEvent::Disconnected { .. } if ep.has_srq() && !ep.last_wqe.load(Ordering::Acquire) => {
+            // Reported from the device's events: LLP_CLOSED (graceful) or
+            // LAST_WQE_REACHED (ERROR), see `run`. The connection manager
+            // can see the end before the data path has entered ERROR.
+            // (If LAST_WQE_REACHED came while the EP was still waiting for
+            // its ESTABLISHED, this event reports the end.)
+            return;
+        }
         CmEvent::Disconnected { .. } => {
             if ep.fatal.load(Ordering::Acquire) {
                 EpEvent::Broken
@@ -848,6 +907,11 @@ impl Cr {
             c.remote = Some(self.inner.peer);
         }
         let q = ep.query().attr;
+        // Blocking until the initiator's RTR: ESTABLISHED is queued before
+        // this call returns. (Reporting it later, from the reactor, lets a
+        // fast peer's disconnect of another EP overtake it, and dtestcm
+        // counts any connection event after its accepts as an
+        // establishment.)
         let r = req.accept(
             &ep.inner.qp,
             private_data,
@@ -856,9 +920,6 @@ impl Cr {
         );
         match r {
             Ok(conn) => {
-                // The QP is in RTS when accept returns: report ESTABLISHED
-                // now, before this call returns, so it precedes any later
-                // event of the connection (a fast peer's disconnect).
                 let report = {
                     let mut c = ep.inner.conn.lock();
                     c.conn = Some(conn.clone());
@@ -933,5 +994,23 @@ impl Cr {
 impl PartialEq for Cr {
     fn eq(&self, other: &Cr) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_route_is_unreachable_and_an_expired_connect_timeout_timed_out() {
+        let t = Instant::now();
+        let later = t + Duration::from_secs(5);
+        assert_eq!(unreachable_event(t, Some(later)), EpEvent::Unreachable);
+        assert_eq!(unreachable_event(t, None), EpEvent::Unreachable);
+        assert_eq!(unreachable_event(later, Some(later)), EpEvent::TimedOut);
+        assert_eq!(
+            unreachable_event(later + Duration::from_millis(1), Some(later)),
+            EpEvent::TimedOut
+        );
     }
 }

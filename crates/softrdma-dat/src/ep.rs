@@ -185,6 +185,27 @@ impl Default for EpAttr {
     }
 }
 
+/// What [`Ep::modify`] changes; `None` keeps a field.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EpAttrChange {
+    /// IRD.
+    pub max_rdma_read_in: Option<u32>,
+    /// ORD.
+    pub max_rdma_read_out: Option<u32>,
+    /// Receives outstanding.
+    pub max_recv_dtos: Option<u32>,
+    /// Send-queue requests outstanding.
+    pub max_request_dtos: Option<u32>,
+    /// Segments per receive.
+    pub max_recv_iov: Option<u32>,
+    /// Segments per send-queue request.
+    pub max_request_iov: Option<u32>,
+    /// Segments of an RDMA Read.
+    pub max_rdma_read_iov: Option<u32>,
+    /// Segments of an RDMA Write.
+    pub max_rdma_write_iov: Option<u32>,
+}
+
 /// What [`Ep::query`] reports (`DAT_EP_PARAM`).
 #[derive(Debug, Clone)]
 pub struct EpParam {
@@ -242,23 +263,36 @@ pub(crate) struct EpInner {
     pub(crate) qp: QueuePair,
     pz: Mutex<Option<PzRef>>,
     pz_handle: Pz,
-    attr: EpAttr,
+    /// The attributes now (`dat_ep_modify` may lower them, or change
+    /// IRD/ORD before a connection).
+    attr: Mutex<EpAttr>,
+    /// The attributes the QP was made with: the limits of `attr`.
+    cap: EpAttr,
     pub(crate) recv_evd: Option<Evd>,
     pub(crate) request_evd: Option<Evd>,
     pub(crate) connect_evd: Option<Evd>,
     srq: Option<Srq>,
     pub(crate) conn: Mutex<Conn>,
     sq: Mutex<VecDeque<SqEntry>>,
+    /// Serializes posters (see `Ep::post`).
+    post_order: Mutex<()>,
     rq: Mutex<HashMap<u64, u64>>,
     next_wr: AtomicU64,
     /// A fatal async event was seen for the QP: its end is BROKEN.
     pub(crate) fatal: AtomicBool,
+    /// LAST_WQE_REACHED of the current connection was handled (SRQ EPs).
+    pub(crate) last_wqe: AtomicBool,
     user: AtomicUsize,
     detached: AtomicBool,
     self_weak: Weak<EpInner>,
 }
 
 impl EpInner {
+    /// Whether the EP takes its receives from an SRQ.
+    pub(crate) fn has_srq(&self) -> bool {
+        self.srq.is_some()
+    }
+
     /// Lets go of the EVDs and the PZ (once): `dat_ep_free` or drop.
     fn detach(&self) {
         if self.detached.swap(true, Ordering::AcqRel) {
@@ -411,7 +445,8 @@ impl Ep {
             qp,
             pz: Mutex::new(Some(PzRef::new(pz))),
             pz_handle: pz.clone(),
-            attr: a,
+            attr: Mutex::new(a),
+            cap: a,
             recv_evd: recv_evd.cloned(),
             request_evd: request_evd.cloned(),
             connect_evd: connect_evd.cloned(),
@@ -427,9 +462,11 @@ impl Ep {
                 backoff: Duration::ZERO,
             }),
             sq: Mutex::new(VecDeque::new()),
+            post_order: Mutex::new(()),
             rq: Mutex::new(HashMap::new()),
             next_wr: AtomicU64::new(1),
             fatal: AtomicBool::new(false),
+            last_wqe: AtomicBool::new(false),
             user: AtomicUsize::new(0),
             detached: AtomicBool::new(false),
             self_weak: w.clone(),
@@ -484,7 +521,7 @@ impl Ep {
             local_addr: SocketAddr::new(ia.config.addr, 0),
             remote_addr: c.remote,
             conn_qual: c.conn_qual,
-            attr: self.inner.attr,
+            attr: *self.inner.attr.lock(),
             pz: self.inner.pz_handle.clone(),
             recv_evd: self.inner.recv_evd.clone(),
             request_evd: self.inner.request_evd.clone(),
@@ -560,6 +597,84 @@ impl Ep {
         self.inner.local_event(EpEvent::Disconnect { graceful })
     }
 
+    /// `dat_ep_recv_query`: the receives posted to the EP whose
+    /// completions have not been generated yet. `None` for an EP on an
+    /// SRQ (its receives belong to the SRQ; see [`Srq::outstanding`]).
+    pub fn recv_query(&self) -> Option<usize> {
+        if self.inner.srq.is_some() {
+            return None;
+        }
+        Some(self.inner.rq.lock().len())
+    }
+
+    /// `dat_ep_modify` of the attributes, while the EP has no connection
+    /// (UNCONNECTED or RESERVED): IRD and ORD (what the next connect or
+    /// accept negotiates) up to the device's limits; the queue depths and
+    /// segment counts up to what the EP was created with. Fields left
+    /// `None` keep their value.
+    ///
+    /// # Errors
+    ///
+    /// `DAT_INVALID_STATE` in another state; `DAT_INVALID_PARAMETER`
+    /// (`ARG2`) for a value of 0 or above its limit.
+    pub fn modify(&self, change: &EpAttrChange) -> Result<()> {
+        let c = self.inner.conn.lock();
+        if !matches!(c.state, EpState::Unconnected | EpState::Reserved) {
+            return Err(err(ErrorType::InvalidState, c.state.subtype()));
+        }
+        let dev = self.inner.ia.0.device.attr();
+        let cap = &self.inner.cap;
+        let mut a = *self.inner.attr.lock();
+        let fields = [
+            (
+                change.max_rdma_read_in,
+                dev.max_qp_rd_atom,
+                &mut a.max_rdma_read_in,
+            ),
+            (
+                change.max_rdma_read_out,
+                dev.max_qp_init_rd_atom,
+                &mut a.max_rdma_read_out,
+            ),
+            (
+                change.max_recv_dtos,
+                cap.max_recv_dtos,
+                &mut a.max_recv_dtos,
+            ),
+            (
+                change.max_request_dtos,
+                cap.max_request_dtos,
+                &mut a.max_request_dtos,
+            ),
+            (change.max_recv_iov, cap.max_recv_iov, &mut a.max_recv_iov),
+            (
+                change.max_request_iov,
+                cap.max_request_iov,
+                &mut a.max_request_iov,
+            ),
+            (
+                change.max_rdma_read_iov,
+                cap.max_rdma_read_iov,
+                &mut a.max_rdma_read_iov,
+            ),
+            (
+                change.max_rdma_write_iov,
+                cap.max_rdma_write_iov,
+                &mut a.max_rdma_write_iov,
+            ),
+        ];
+        for (new, limit, field) in fields {
+            if let Some(v) = new {
+                if v == 0 || v > limit {
+                    return Err(err(ErrorType::InvalidParameter, Subtype::Arg2));
+                }
+                *field = v;
+            }
+        }
+        *self.inner.attr.lock() = a;
+        Ok(())
+    }
+
     /// `dat_ep_reset`: DISCONNECTED → UNCONNECTED; the QP is reset so the
     /// EP can connect or accept again (receives must be posted again).
     ///
@@ -593,6 +708,7 @@ impl Ep {
         c.target = None;
         c.broken = false;
         self.inner.fatal.store(false, Ordering::Release);
+        self.inner.last_wqe.store(false, Ordering::Release);
         self.inner.sq.lock().clear();
         self.inner.rq.lock().clear();
         Ok(())
@@ -636,14 +752,27 @@ impl Ep {
         Ok(())
     }
 
+    /// Posts `wrs`, whose events `entries` describe (one each, in order).
+    ///
+    /// Posters are serialized by `post_order`, so the send queue's order is
+    /// the QP's; the `sq` lock is held only to queue the entries, not while
+    /// the engine sends (it may write the data in this thread): completions
+    /// of earlier requests become events meanwhile.
     fn post(&self, wrs: &[SendWr<'_>], entries: Vec<SqEntry>) -> Result<()> {
         self.state().may_post_send()?;
-        let mut sq = self.inner.sq.lock();
-        let n = sq.len();
-        sq.extend(entries);
-        if let Err((i, e)) = self.inner.qp.post_send_list(wrs) {
-            sq.truncate(n + i);
-            return Err(post_err(&e.to_string()));
+        let _order = self.inner.post_order.lock();
+        let count = entries.len();
+        self.inner.sq.lock().extend(entries);
+        if let Err(e) = self.inner.qp.post_send_list(wrs) {
+            // The entries of the requests not posted are the last ones
+            // queued (posters are serialized; completions only take from
+            // the front, and these never complete). Cookies may repeat, so
+            // they are dropped by position, not by cookie.
+            let unposted = count - e.index.min(count);
+            let mut sq = self.inner.sq.lock();
+            let keep = sq.len() - unposted.min(sq.len());
+            sq.truncate(keep);
+            return Err(post_err(&e.error.to_string()));
         }
         Ok(())
     }
@@ -660,7 +789,7 @@ impl Ep {
         cookie: u64,
         flags: CompletionFlags,
     ) -> Result<()> {
-        Ep::check_iov(local, self.inner.attr.max_request_iov)?;
+        Ep::check_iov(local, self.inner.attr.lock().max_request_iov)?;
         let (sg, len) = Ep::sges(local);
         let wr_id = self.wr_id();
         let wr = SendWr::new(wr_id, SendOp::Send)
@@ -691,7 +820,7 @@ impl Ep {
         remote: &RmrTriplet,
         flags: CompletionFlags,
     ) -> Result<()> {
-        Ep::check_iov(local, self.inner.attr.max_rdma_write_iov)?;
+        Ep::check_iov(local, self.inner.attr.lock().max_rdma_write_iov)?;
         let (sg, len) = Ep::sges(local);
         let wr_id = self.wr_id();
         let wr = SendWr::new(
@@ -729,7 +858,7 @@ impl Ep {
         remote: &RmrTriplet,
         flags: CompletionFlags,
     ) -> Result<()> {
-        Ep::check_iov(local, self.inner.attr.max_rdma_read_iov)?;
+        Ep::check_iov(local, self.inner.attr.lock().max_rdma_read_iov)?;
         if local.is_empty() {
             return Err(err(ErrorType::InvalidParameter, Subtype::Arg2));
         }
@@ -785,7 +914,7 @@ impl Ep {
         if self.inner.srq.is_some() {
             return Err(err(ErrorType::InvalidState, Subtype::None));
         }
-        Ep::check_iov(local, self.inner.attr.max_recv_iov)?;
+        Ep::check_iov(local, self.inner.attr.lock().max_recv_iov)?;
         let (sg, _) = Ep::sges(local);
         let wr_id = self.wr_id();
         let mut rq = self.inner.rq.lock();
@@ -980,9 +1109,13 @@ impl EpInner {
         };
         let left = deadline.saturating_duration_since(Instant::now());
         let ia = &self.ia.0;
+        let (ird, ord) = {
+            let a = self.attr.lock();
+            (a.max_rdma_read_in, a.max_rdma_read_out)
+        };
         let mut mpa = softrdma_proto::mpa::MpaConfig {
-            ird: self.attr.max_rdma_read_in as u16,
-            ord: self.attr.max_rdma_read_out as u16,
+            ird: ird as u16,
+            ord: ord as u16,
             peer_to_peer: Some(softrdma_proto::mpa::RtrOffer::WRITE_READ),
             ..Default::default()
         };

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -19,6 +19,9 @@ use crate::fd::Signal;
 use crate::ia::{Ia, IaInner};
 use crate::mem::Rmr;
 use crate::{ErrorType, Result, Subtype, err};
+
+/// Empty dequeues in a row after which each further one yields the CPU.
+const SPIN_BEFORE_YIELD: u32 = 64;
 
 /// Kinds of events an EVD takes (`DAT_EVD_FLAGS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -173,6 +176,13 @@ pub(crate) struct EvdInner {
     pub(crate) eps: Mutex<HashMap<u32, Weak<EpInner>>>,
     /// EPs and service points using the EVD.
     pub(crate) users: AtomicUsize,
+    /// Dequeues in a row that found the EVD empty.
+    empty_polls: AtomicU32,
+    /// Completions must become events without a consumer call: the EVD
+    /// has a CNO or its descriptor was handed out.
+    notify_always: AtomicBool,
+    /// Threads in `wait`.
+    waiters: AtomicUsize,
     user: AtomicUsize,
     _ia_ref: Option<crate::ia::ObjRef>,
 }
@@ -228,7 +238,11 @@ impl Evd {
                 CompletionQueue::with_callback(&ia.device, cqe, move |cq| {
                     if let Some(e) = w.upgrade() {
                         let _g = e.reap.lock();
-                        cq.drain_and_arm(false, |wc| e.on_completion(wc));
+                        if e.must_arm() {
+                            cq.drain_and_arm(false, |wc| e.on_completion(wc));
+                        } else {
+                            e.drain_cq(cq);
+                        }
                     }
                 })
                 .ok()
@@ -251,6 +265,9 @@ impl Evd {
                 ia: Arc::downgrade(ia),
                 eps: Mutex::new(HashMap::new()),
                 users: AtomicUsize::new(0),
+                empty_polls: AtomicU32::new(0),
+                notify_always: AtomicBool::new(cno.is_some()),
+                waiters: AtomicUsize::new(0),
                 user: AtomicUsize::new(0),
                 _ia_ref: counted.then(|| crate::ia::ObjRef::new(ia)),
             }
@@ -315,6 +332,8 @@ impl Evd {
     /// A descriptor readable exactly while an event is queued (for
     /// `poll(2)`/`epoll(7)`).
     pub fn fd(&self) -> BorrowedFd<'_> {
+        self.inner.notify_always.store(true, Ordering::Release);
+        self.inner.arm_and_reap();
         self.inner.signal.as_fd()
     }
 
@@ -329,6 +348,14 @@ impl Evd {
     /// unwaitable EVD (also if it becomes unwaitable during the wait).
     pub fn wait(&self, timeout: Option<Duration>, threshold: usize) -> Result<(Event, usize)> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        // While a thread waits, the CQ's callback turns completions into
+        // events (and re-arms the CQ); completions already in the CQ are
+        // taken here, then the CQ is armed and looked at once more.
+        self.inner.waiters.fetch_add(1, Ordering::AcqRel);
+        let _waiting = WaiterGuard(&self.inner);
+        if self.inner.q.lock().events.len() < threshold {
+            self.inner.arm_and_reap();
+        }
         let mut q = self.inner.q.lock();
         rules::check_threshold(threshold, q.qlen)?;
         q.st = rules::apply(q.st, EvdOp::WaitBegin)?;
@@ -384,7 +411,26 @@ impl Evd {
         if q.events.is_empty() {
             self.inner.signal.clear();
         }
-        ev.ok_or_else(|| err(ErrorType::QueueEmpty, Subtype::None))
+        drop(q);
+        match ev {
+            Some(ev) => {
+                self.inner.empty_polls.store(0, Ordering::Relaxed);
+                Ok(ev)
+            }
+            None => {
+                // Consumers poll an empty EVD in a loop (dtestcm, dapltest
+                // -m p); what fills it runs on other threads (the IA's and
+                // the connection manager's reactors, the data path), which
+                // a spinning consumer would starve on a machine with few
+                // cores. A consumer that looks once before it waits
+                // (dapltest -m b) is not slowed down.
+                let n = self.inner.empty_polls.fetch_add(1, Ordering::Relaxed);
+                if n >= SPIN_BEFORE_YIELD {
+                    std::thread::yield_now();
+                }
+                Err(err(ErrorType::QueueEmpty, Subtype::None))
+            }
+        }
     }
 
     /// Queues a software event (`dat_evd_post_se`).
@@ -459,6 +505,11 @@ impl Evd {
         let mut q = self.inner.q.lock();
         rules::apply(q.st, EvdOp::ModifyCno)?;
         q.cno = cno.cloned();
+        drop(q);
+        if cno.is_some() {
+            self.inner.notify_always.store(true, Ordering::Release);
+            self.inner.arm_and_reap();
+        }
         Ok(())
     }
 
@@ -546,6 +597,33 @@ impl EvdInner {
         true
     }
 
+    /// Whether the CQ's callback must re-arm the CQ: without a CNO, a
+    /// descriptor in use or a waiting thread, completions stay in the CQ
+    /// until a consumer call takes them (as in DAPL), and the callback
+    /// thread is not woken for each one.
+    fn must_arm(&self) -> bool {
+        self.notify_always.load(Ordering::Acquire) || self.waiters.load(Ordering::Acquire) > 0
+    }
+
+    /// Takes every completion (callback thread; the reap lock is held).
+    fn drain_cq(self: &Arc<Self>, cq: &CompletionQueue) {
+        let mut buf = [WorkCompletion::success(0, softrdma_engine::WcOpcode::Send, 0); 16];
+        loop {
+            let n = cq.poll(&mut buf);
+            buf[..n].iter().for_each(|wc| self.on_completion(wc));
+            if n < buf.len() {
+                break;
+            }
+        }
+    }
+
+    /// Takes what the CQ holds and arms it (looking again after arming).
+    fn arm_and_reap(self: &Arc<Self>) {
+        let Some(cq) = &self.cq else { return };
+        let _g = self.reap.lock();
+        cq.drain_and_arm(false, |wc| self.on_completion(wc));
+    }
+
     /// Takes what the CQ holds now, unless another thread is doing so.
     fn reap_now(self: &Arc<Self>) {
         let Some(cq) = &self.cq else { return };
@@ -569,6 +647,15 @@ impl EvdInner {
         {
             self.push(ev);
         }
+    }
+}
+
+/// Counts a thread out of `Evd::wait` however it leaves.
+struct WaiterGuard<'a>(&'a Arc<EvdInner>);
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -41,7 +41,10 @@ mod ia;
 mod mem;
 
 pub use cm::{Cr, CrParam, Psp, Rsp, ServicePoint};
-pub use ep::{CompletionFlags, DtoOp, DtoStatus, Ep, EpAttr, EpParam, LmrTriplet, RmrTriplet, Srq};
+pub use ep::{
+    CompletionFlags, DtoOp, DtoStatus, Ep, EpAttr, EpAttrChange, EpParam, LmrTriplet, RmrTriplet,
+    Srq,
+};
 pub use evd::{AsyncKind, Cno, Evd, EvdFlags, Event};
 pub use ia::{Ia, IaAttr, IaConfig};
 pub use mem::{Lmr, MemPriv, Pz, Rmr};

@@ -6,8 +6,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use softrdma_dat::{
-    Cno, CompletionFlags, ConnEvent, Cr, DtoOp, DtoStatus, Ep, EpState, ErrorType, Evd, EvdFlags,
-    Event, Ia, IaConfig, Lmr, LmrTriplet, MemPriv, Psp, Pz, Rmr, RmrTriplet, Rsp, Srq, Subtype,
+    Cno, CompletionFlags, ConnEvent, Cr, DtoOp, DtoStatus, Ep, EpAttrChange, EpState, ErrorType,
+    Evd, EvdFlags, Event, Ia, IaConfig, Lmr, LmrTriplet, MemPriv, Psp, Pz, Rmr, RmrTriplet, Rsp,
+    Srq, Subtype,
 };
 
 const T: Option<Duration> = Some(Duration::from_secs(10));
@@ -133,6 +134,7 @@ fn dtest_flow_send_write_read_disconnect_reset_reconnect() {
         .unwrap();
     c.ep.post_recv(&[seg(&c.lmr, 0, 4096)], 21, CompletionFlags::DEFAULT)
         .unwrap();
+    assert_eq!(s.ep.recv_query(), Some(1));
     let _psp = connect(&s, &c);
 
     // The passive side sends first (peer-to-peer RTR made that legal).
@@ -147,6 +149,7 @@ fn dtest_flow_send_write_read_disconnect_reset_reconnect() {
         dto(&c.rcv_evd),
         (c.ep.clone(), 21, DtoStatus::Success, 21, DtoOp::Receive)
     );
+    assert_eq!(c.ep.recv_query(), Some(0), "its one receive completed");
     let mut got = [0u8; 21];
     c.lmr.region().read(0, &mut got).unwrap();
     assert_eq!(&got, b"hello from the server");
@@ -278,21 +281,15 @@ fn connect_retry_waits_for_the_server_to_come_online() {
         .port();
     c.ep.connect(LO, u64::from(port), T, &[]).unwrap();
     std::thread::sleep(Duration::from_millis(150));
-    assert_eq!(c.ep.state(), EpState::ConnectRetry.min_state());
+    // Waiting for the next try, or trying again: "connection pending".
+    assert!(matches!(
+        c.ep.state(),
+        EpState::ConnectRetry | EpState::ActiveConnectionPending
+    ));
     let _psp = Psp::new(&s.ia, u64::from(port), &s.cr_evd, 0).unwrap();
     let (cr, _) = cr_event(&s.cr_evd);
     cr.accept(Some(&s.ep), &[]).unwrap();
     assert_eq!(conn_event(&c.conn_evd).0, ConnEvent::Established);
-}
-
-trait MinState {
-    fn min_state(self) -> EpState;
-}
-impl MinState for EpState {
-    /// Retry or a new attempt: both are "connection pending" to DAT.
-    fn min_state(self) -> EpState {
-        self
-    }
 }
 
 #[test]
@@ -534,6 +531,7 @@ fn srq_feeds_two_endpoints() {
                 .ty,
             ErrorType::InvalidState
         );
+        assert_eq!(ep.recv_query(), None, "the receives are the SRQ's");
         let c = side(&format!("c{n}"), None, None);
         c.ep.connect(LO, psp.conn_qual(), T, &[]).unwrap();
         let (cr, _) = cr_event(&cr_evd);
@@ -604,11 +602,232 @@ fn a_disabled_evd_queues_without_triggering_its_cno() {
     assert!(matches!(evd.dequeue().unwrap(), Event::Software(7)));
     // A second waiter on a CNO is refused.
     let c2 = cno.clone();
-    let h = std::thread::spawn(move || c2.wait(Some(Duration::from_millis(300))));
-    std::thread::sleep(Duration::from_millis(50));
+    let h = std::thread::spawn(move || {
+        loop {
+            match c2.wait(Some(Duration::from_secs(2))) {
+                // This thread came second (the check below held the CNO).
+                Err(e) if e.sub == Subtype::CnoInUse => continue,
+                r => return r,
+            }
+        }
+    });
+    // Until the other thread waits (no sleep is long enough on a busy
+    // machine).
+    let mut refused = false;
+    for _ in 0..1000 {
+        match cno.wait(Some(Duration::from_micros(100))) {
+            Err(e) if e.sub == Subtype::CnoInUse => {
+                refused = true;
+                break;
+            }
+            _ => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+    assert!(refused, "a second waiter is refused");
+    cno.trigger_empty();
+    assert_eq!(h.join().unwrap().unwrap(), None);
+}
+
+/// Regression: with several SRQ EPs reset by their peers at once, the
+/// connection EVD and the async EVD named the EPs in different orders
+/// (DISCONNECTED was reported at the data path's "link reset" event,
+/// EP_BROKEN at its LAST_WQE_REACHED, and two QPs' threads interleave
+/// those). dtestsrq takes one of each per EP and failed with
+/// `disconnect_eps: DAT_INVALID_HANDLE`.
+#[test]
+fn srq_disconnect_and_last_wqe_name_the_eps_in_the_same_order() {
+    const N: usize = 12;
+    let mut cfg = IaConfig::loopback("srqdisc");
+    cfg.connect_retry = None;
+    cfg.async_qlen = 64;
+    let s_ia = Ia::open(cfg).unwrap();
+    let pz = Pz::new(&s_ia);
+    let cr_evd = Evd::new(&s_ia, 64, EvdFlags::CR, None).unwrap();
+    let conn_evd = Evd::new(&s_ia, 64, EvdFlags::CONNECTION, None).unwrap();
+    let rcv = Evd::new(&s_ia, 64, EvdFlags::DTO, None).unwrap();
+    let req = Evd::new(&s_ia, 64, EvdFlags::DTO, None).unwrap();
+    let srq = Srq::new(&s_ia, &pz, 8, 1).unwrap();
+    let lmr = Lmr::alloc(&pz, 4096, MemPriv::ALL).unwrap();
+    for i in 0..4u64 {
+        srq.post_recv(&[seg(&lmr, i * 512, 512)], i).unwrap();
+    }
+    let psp = Psp::new_any(&s_ia, &cr_evd, 0).unwrap();
+    let c = side("srqdisc-c", None, None);
+    let c_conn = Evd::new(&c.ia, 64, EvdFlags::CONNECTION, None).unwrap();
+    for round in 0..3 {
+        let mut eps = Vec::new();
+        let mut ceps = Vec::new();
+        for _ in 0..N {
+            let ep = Ep::with_srq(
+                &s_ia,
+                &pz,
+                Some(&rcv),
+                Some(&req),
+                Some(&conn_evd),
+                &srq,
+                None,
+            )
+            .unwrap();
+            let cep = Ep::new(
+                &c.ia,
+                &c.pz,
+                Some(&c.rcv_evd),
+                Some(&c.req_evd),
+                Some(&c_conn),
+                None,
+            )
+            .unwrap();
+            cep.connect(LO, psp.conn_qual(), T, &[]).unwrap();
+            let (cr, _) = cr_event(&cr_evd);
+            cr.accept(Some(&ep), &[]).unwrap();
+            assert_eq!(
+                conn_event(&conn_evd),
+                (ConnEvent::Established, vec![], ep.clone())
+            );
+            assert_eq!(conn_event(&c_conn).0, ConnEvent::Established);
+            eps.push(ep);
+            ceps.push(cep);
+        }
+        // The peer resets every connection at once.
+        for cep in &ceps {
+            cep.disconnect(false).unwrap();
+        }
+        let mut by_conn = Vec::new();
+        let mut by_async = Vec::new();
+        for _ in 0..N {
+            let (k, _, ep) = conn_event(&conn_evd);
+            assert_eq!(k, ConnEvent::Disconnected, "round {round}");
+            by_conn.push(eps.iter().position(|e| *e == ep).unwrap());
+            let (a, _) = s_ia
+                .async_evd()
+                .wait(T, 1)
+                .unwrap_or_else(|e| panic!("round {round}: {by_conn:?} {by_async:?}: {e:?}"));
+            match a {
+                Event::Async {
+                    kind: softrdma_dat::AsyncKind::EpBroken,
+                    ep: Some(ep),
+                    ..
+                } => by_async.push(eps.iter().position(|e| *e == ep).unwrap()),
+                other => panic!("not EP_BROKEN: {other:?}"),
+            }
+        }
+        assert_eq!(by_conn, by_async, "round {round}");
+        for _ in 0..N {
+            assert_eq!(conn_event(&c_conn).0, ConnEvent::Disconnected);
+        }
+        for ep in eps {
+            ep.free();
+        }
+        for cep in ceps {
+            cep.free();
+        }
+    }
+}
+
+#[test]
+fn ep_modify_changes_ird_ord_and_limits_before_connecting_only() {
+    let s = side("srv", None, None);
+    let c = side("cli", None, None);
+    let created = c.ep.query().attr;
+    // Above what the EP was created with, or 0: refused, nothing changed.
+    let too_deep = EpAttrChange {
+        max_recv_dtos: Some(created.max_recv_dtos + 1),
+        ..Default::default()
+    };
     assert_eq!(
-        cno.wait(Some(Duration::from_millis(1))).unwrap_err().sub,
-        Subtype::CnoInUse
+        c.ep.modify(&too_deep).unwrap_err().ty,
+        ErrorType::InvalidParameter
     );
-    let _ = h.join();
+    let zero = EpAttrChange {
+        max_rdma_read_out: Some(0),
+        ..Default::default()
+    };
+    assert_eq!(
+        c.ep.modify(&zero).unwrap_err().ty,
+        ErrorType::InvalidParameter
+    );
+    assert_eq!(c.ep.query().attr, created);
+    // One segment per RDMA Read, ORD 1.
+    c.ep.modify(&EpAttrChange {
+        max_rdma_read_out: Some(1),
+        max_rdma_read_iov: Some(1),
+        ..Default::default()
+    })
+    .unwrap();
+    let a = c.ep.query().attr;
+    assert_eq!((a.max_rdma_read_out, a.max_rdma_read_iov), (1, 1));
+    let _psp = connect(&s, &c);
+    let remote = RmrTriplet {
+        rmr_context: s.lmr.rmr_context(),
+        virtual_address: s.lmr.address(),
+        segment_length: 100,
+    };
+    assert_eq!(
+        c.ep.post_rdma_read(
+            &[seg(&c.lmr, 0, 50), seg(&c.lmr, 100, 50)],
+            1,
+            &remote,
+            CompletionFlags::DEFAULT,
+        )
+        .unwrap_err()
+        .ty,
+        ErrorType::InvalidParameter,
+        "two segments after the limit was lowered to one"
+    );
+    c.ep.post_rdma_read(&[seg(&c.lmr, 0, 100)], 2, &remote, CompletionFlags::DEFAULT)
+        .unwrap();
+    assert_eq!(dto(&c.req_evd).1, 2);
+    // Connected: no more changes.
+    assert_eq!(
+        c.ep.modify(&EpAttrChange::default()).unwrap_err().ty,
+        ErrorType::InvalidState
+    );
+}
+
+/// A DTO EVD whose descriptor is in use turns completions into events
+/// without any consumer call (its CQ stays armed); one without a CNO,
+/// descriptor or waiter leaves them in the CQ until a dequeue or wait
+/// takes them, and loses none.
+#[test]
+fn dto_evd_descriptor_becomes_readable_without_a_consumer_call() {
+    let s = side("srv", None, None);
+    let c = side("cli", None, None);
+    let _psp = connect(&s, &c);
+    let fd = c.req_evd.fd();
+    s.ep.post_recv(&[seg(&s.lmr, 0, 64)], 1, CompletionFlags::DEFAULT)
+        .unwrap();
+    c.ep.post_send(&[seg(&c.lmr, 0, 8)], 2, CompletionFlags::DEFAULT)
+        .unwrap();
+    let ten_s = rustix::time::Timespec {
+        tv_sec: 10,
+        tv_nsec: 0,
+    };
+    let n = rustix::event::poll(
+        &mut [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN,
+        )],
+        Some(&ten_s),
+    )
+    .unwrap();
+    assert_eq!(n, 1, "readable once the send completed");
+    assert_eq!(c.req_evd.len(), 1, "queued by the CQ's callback");
+    assert_eq!(dto(&c.req_evd).1, 2);
+    // The receive EVD (no descriptor, CNO or waiter): a dequeue finds it.
+    let mut got = None;
+    for _ in 0..10_000 {
+        if let Ok(ev) = s.rcv_evd.dequeue() {
+            got = Some(ev);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(matches!(
+        got,
+        Some(Event::Dto {
+            cookie: 1,
+            len: 8,
+            ..
+        })
+    ));
 }

@@ -157,7 +157,11 @@ pub enum CmEvent {
         /// The peer's private data.
         private_data: Vec<u8>,
     },
-    /// Nobody listens at the address, or it cannot be reached.
+    /// Nobody listens at the address: the TCP connection was refused
+    /// (a server that is not up yet; worth retrying).
+    Refused,
+    /// The address cannot be reached (no route, no such address), or no
+    /// TCP connection came within the timeout.
     Unreachable,
     /// TCP connected but the handshake did not complete in time
     /// ([`Connection::failure`] names the stage and the time).
@@ -717,6 +721,7 @@ fn failure_event(e: &CmError, peer: Option<SocketAddr>) -> CmEvent {
         CmError::Rejected { private_data } => CmEvent::Rejected {
             private_data: private_data.clone(),
         },
+        CmError::Unreachable(e) if e.kind() == io::ErrorKind::ConnectionRefused => CmEvent::Refused,
         CmError::Unreachable(_) => CmEvent::Unreachable,
         CmError::TimedOut => CmEvent::TimedOut,
         other => CmEvent::Error {
@@ -859,7 +864,7 @@ impl Connection {
     /// resolution, which blocks for host names); the CM reactor does the
     /// TCP connect and the handshake, no thread is started. The outcome is
     /// the connection's first event: [`CmEvent::Established`],
-    /// [`CmEvent::Rejected`], [`CmEvent::Unreachable`],
+    /// [`CmEvent::Rejected`], [`CmEvent::Refused`], [`CmEvent::Unreachable`],
     /// [`CmEvent::TimedOut`] or [`CmEvent::Error`]; its descriptor
     /// ([`fd`](Self::fd)) becomes readable then, and
     /// [`failure`](Self::failure) names the cause of a failure.

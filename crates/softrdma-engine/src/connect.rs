@@ -30,7 +30,7 @@ use std::time::Duration;
 use softrdma_proto::mpa::{ConfigError, MpaConfig, MpaNegotiationError, Negotiated, Request};
 
 use crate::handshake::{
-    Answer, Handshake, HandshakeError, Outcome, describe_negotiation, describe_reject,
+    Answer, Handshake, HandshakeError, Outcome, Secs, Stage, describe_negotiation, describe_reject,
     drive_blocking,
 };
 
@@ -53,11 +53,19 @@ pub enum ConnectError {
         private_data: Vec<u8>,
     },
     /// The handshake did not complete within the timeout.
-    #[error("no complete MPA handshake from the peer within the timeout")]
-    TimedOut,
+    #[error("TCP connected but no {stage} within {} (is the peer an iWARP/MPA endpoint?)", Secs(*after))]
+    TimedOut {
+        /// What was missing.
+        stage: Stage,
+        /// The time allowed.
+        after: Duration,
+    },
     /// The peer closed the connection during the handshake.
-    #[error("the peer closed the connection during the MPA handshake")]
-    PeerClosed,
+    #[error("the peer closed the connection (while waiting for the {stage})")]
+    PeerClosed {
+        /// What was expected.
+        stage: Stage,
+    },
     /// A socket error.
     #[error("socket: {0}")]
     Io(#[from] io::Error),
@@ -69,8 +77,8 @@ impl From<HandshakeError> for ConnectError {
             HandshakeError::Config(e) => ConnectError::Config(e),
             HandshakeError::Negotiation(e) => ConnectError::Negotiation(e),
             HandshakeError::Rejected { private_data } => ConnectError::Rejected { private_data },
-            HandshakeError::TimedOut { .. } => ConnectError::TimedOut,
-            HandshakeError::PeerClosed { .. } => ConnectError::PeerClosed,
+            HandshakeError::TimedOut { stage, after } => ConnectError::TimedOut { stage, after },
+            HandshakeError::PeerClosed { stage } => ConnectError::PeerClosed { stage },
             HandshakeError::Io(e) => ConnectError::Io(e),
         }
     }

@@ -47,7 +47,11 @@ use parking_lot::{Mutex, RwLock};
 use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
 use crate::handlers::{BindError, Binding, Handler, HandlerId, PollCounter};
+use crate::sys::fd::EventFd;
 use crate::wc::WorkCompletion;
+
+/// Longest single sleep of [`CompletionQueue::wait`] before it looks again.
+const SLEEP_MAX: Duration = Duration::from_millis(10);
 
 /// Identifiers of completion queues, unique in the process.
 static NEXT_CQ_ID: AtomicU32 = AtomicU32::new(1);
@@ -75,6 +79,14 @@ pub(crate) trait Progress: Send + Sync {
     /// The CQ was armed: its owner is about to wait for an event instead of
     /// polling, so receive threads must watch the QP's socket again.
     fn armed(&self) {}
+
+    /// The socket a waiter sleeps on for this QP's incoming bytes until
+    /// `until_ns` (see [`CompletionQueue::wait`]; the receive thread leaves
+    /// it alone meanwhile); `None` if there is none to watch. Called with
+    /// `None` when the waiter woke up.
+    fn sleep_on(&self, _until_ns: Option<u64>) -> Option<RawFd> {
+        None
+    }
 }
 
 /// Why a completion queue could not be created.
@@ -101,6 +113,10 @@ pub enum CreateCqError {
     /// A CQ delivers its events either to a channel or to a callback.
     #[error("a completion queue takes a completion channel or a callback, not both")]
     ChannelAndCallback,
+    /// The thread of the CQ's completion event handler could not be
+    /// started (handler threads start with the first CQ with a callback).
+    #[error("cannot start the completion event handler thread: {0}")]
+    Thread(#[source] io::Error),
 }
 
 impl From<BindError> for CreateCqError {
@@ -211,6 +227,11 @@ struct CqShared {
     polled: Arc<PollCounter>,
     /// The proxy this CQ belongs to ([`CqBuilder::proxy`]), by id.
     proxy: Option<u32>,
+    /// Threads asleep in [`CompletionQueue::wait`]; a push wakes them.
+    sleepers: AtomicU32,
+    /// Signalled by a push while someone sleeps in `wait` (created by the
+    /// first wait that sleeps).
+    wake: std::sync::OnceLock<Option<EventFd>>,
 }
 
 impl Drop for CqShared {
@@ -329,6 +350,9 @@ impl<'a> CqBuilder<'a> {
             return Err(CreateCqError::ChannelAndCallback);
         }
         let handler = device.handlers().choose(self.binding)?;
+        if self.callback.is_some() {
+            handler.start().map_err(CreateCqError::Thread)?;
+        }
         let polled = Arc::new(PollCounter::default());
         handler.bind(&polled);
         Ok(CompletionQueue {
@@ -345,6 +369,8 @@ impl<'a> CqBuilder<'a> {
                 callback: self.callback.map(Mutex::new),
                 polled,
                 proxy: self.proxy,
+                sleepers: AtomicU32::new(0),
+                wake: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -515,23 +541,162 @@ impl CompletionQueue {
     /// the calling thread first processes whatever the QPs using this CQ
     /// have received (without blocking), then looks again.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
+        self.poll_progress(out).0
+    }
+
+    /// `poll`, and whether the receive path took in bytes.
+    fn poll_progress(&self, out: &mut [WorkCompletion]) -> (usize, bool) {
         if out.is_empty() {
-            return 0;
+            return (0, false);
         }
         let mut n = self.poll_ring(out);
+        let mut progressed = false;
         if n == 0 && self.shared.device.config().poll_driven_receive && self.run_progress() {
+            progressed = true;
             n = self.poll_ring(out);
         }
         if n > 0 {
             self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
         }
-        n
+        (n, progressed)
+    }
+
+    /// Like [`wait`](Self::wait), but also returns (0) as soon as the
+    /// receive path took in bytes from a QP of this CQ, completion or not:
+    /// for applications that poll memory for a peer's RDMA Write (which
+    /// raises no completion at the target), so they can look at the memory
+    /// and still sleep instead of spinning when nothing comes.
+    pub fn wait_progress(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
+        self.wait_inner(out, timeout, true)
     }
 
     /// The oldest completion, if any (see [`poll`](Self::poll)).
     pub fn poll_one(&self) -> Option<WorkCompletion> {
         let mut one = [WorkCompletion::success(0, crate::wc::WcOpcode::Send, 0)];
         (self.poll(&mut one) == 1).then_some(one[0])
+    }
+
+    /// Polls until a completion comes or `timeout` has passed (`None`: no
+    /// limit); returns how many were taken (0: timed out). Made for
+    /// applications that would otherwise busy-poll [`poll`](Self::poll) in
+    /// a loop, and for shared machines:
+    ///
+    /// 1. it busy-polls for
+    ///    [`DeviceConfig::poll_spin`](crate::DeviceConfig::poll_spin)
+    ///    (driving the receive path itself, no thread hand-off), yielding
+    ///    the CPU every
+    ///    [`DeviceConfig::poll_yield_every`](crate::DeviceConfig::poll_yield_every)
+    ///    empty polls so that a thread it waits for can run on the same CPU;
+    /// 2. then it sleeps in `poll(2)` on the sockets of the CQ's QPs and on
+    ///    an event fd that pushes from other threads signal (send
+    ///    completions written by a datamover). Bytes arriving wake this
+    ///    thread, which runs the receive path itself: no receive-thread
+    ///    hand-off, one wake-up, as a blocking TCP `read` has (and the
+    ///    scheduler favours a woken thread on a busy CPU). Without
+    ///    [`DeviceConfig::poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
+    ///    the receive threads watch the sockets and the push wakes it.
+    ///
+    /// Needs no completion channel and does not arm the CQ (an armed CQ
+    /// still raises its event).
+    pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
+        self.wait_inner(out, timeout, false)
+    }
+
+    fn wait_inner(
+        &self,
+        out: &mut [WorkCompletion],
+        timeout: Option<Duration>,
+        on_progress: bool,
+    ) -> usize {
+        if out.is_empty() {
+            return 0;
+        }
+        let start = crate::sys::clock::now();
+        let deadline = timeout.and_then(|t| start.checked_add(t));
+        let config = self.shared.device.config();
+        let spin_until = start + config.poll_spin.min(timeout.unwrap_or(Duration::MAX));
+        let yield_every = config.poll_yield_every;
+        let mut empty = 0u32;
+        loop {
+            let (n, progressed) = self.poll_progress(out);
+            if n > 0 || (on_progress && progressed) {
+                return n;
+            }
+            let now = crate::sys::clock::now();
+            if now >= spin_until {
+                break;
+            }
+            empty = empty.wrapping_add(1);
+            if yield_every > 0 && empty.is_multiple_of(yield_every) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        let shared = &*self.shared;
+        let wake = shared.wake.get_or_init(|| EventFd::new().ok());
+        loop {
+            let now = crate::sys::clock::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return 0;
+            }
+            let nap = deadline
+                .map_or(SLEEP_MAX, |d| d.saturating_duration_since(now))
+                .min(SLEEP_MAX);
+            if let Some(wake) = wake {
+                wake.drain();
+            }
+            // From here a push signals `wake`.
+            shared.sleepers.fetch_add(1, Ordering::SeqCst);
+            let (mut n, mut progressed) = self.poll_progress(out);
+            if n == 0 && !(on_progress && progressed) {
+                // Sleep on the QPs' sockets and on `wake`: bytes arriving
+                // wake this thread, which then runs the receive path itself
+                // (no receive-thread hand-off); completions pushed by other
+                // threads (send completions, another poller) signal `wake`.
+                // The receive threads leave these sockets to us while we
+                // poll (`last_poll`).
+                let hooks: Vec<Arc<dyn Progress>> = shared
+                    .progress
+                    .read()
+                    .iter()
+                    .filter_map(Weak::upgrade)
+                    .collect();
+                let mut fds: Vec<RawFd> = Vec::with_capacity(hooks.len() + 1);
+                let on_sockets = config.poll_driven_receive && wake.is_some();
+                if on_sockets {
+                    // QPs without a socket to watch receive nothing.
+                    let until = crate::datamover::now_ns()
+                        .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX));
+                    fds.extend(hooks.iter().filter_map(|h| h.sleep_on(Some(until))));
+                } else {
+                    // This thread will not run the receive path: hand the
+                    // sockets to the receive threads.
+                    self.notify_armed();
+                }
+                if let Some(wake) = wake {
+                    fds.push(wake.as_raw_fd());
+                }
+                if fds.is_empty() {
+                    std::thread::sleep(nap.min(Duration::from_micros(100)));
+                } else {
+                    // The hooks (and so the QPs owning the sockets) stay
+                    // alive until after the wait.
+                    let _ = crate::sys::poll::wait_readable(&fds, nap);
+                }
+                if on_sockets {
+                    for h in &hooks {
+                        let _ = h.sleep_on(None);
+                    }
+                }
+                drop(hooks);
+                (n, progressed) = self.poll_progress(out);
+            }
+            shared.sleepers.fetch_sub(1, Ordering::SeqCst);
+            if n > 0 || (on_progress && progressed) {
+                return n;
+            }
+        }
     }
 
     fn poll_ring(&self, out: &mut [WorkCompletion]) -> usize {
@@ -550,6 +715,11 @@ impl CompletionQueue {
     }
 
     fn run_progress(&self) -> bool {
+        let armed = self.shared.arm.load(Ordering::Relaxed) != 0;
+        self.run_progress_as(armed)
+    }
+
+    fn run_progress_as(&self, armed: bool) -> bool {
         let hooks = {
             let hooks = self.shared.progress.read();
             if hooks.is_empty() {
@@ -557,7 +727,6 @@ impl CompletionQueue {
             }
             Arc::clone(&hooks)
         };
-        let armed = self.shared.arm.load(Ordering::Relaxed) != 0;
         let mut any = false;
         for hook in hooks.iter() {
             if let Some(hook) = hook.upgrade() {
@@ -591,6 +760,9 @@ impl CompletionQueue {
             ARM_NEXT
         };
         self.shared.arm.fetch_max(want, Ordering::SeqCst);
+        // The application's next poll (an Acquire load in the ring) must not
+        // be satisfied before the arm is visible: see `push`.
+        std::sync::atomic::fence(Ordering::SeqCst);
         self.notify_armed();
         Ok(())
     }
@@ -680,9 +852,20 @@ impl CompletionQueue {
             }
             return Err(CqOverflow { cq_id: shared.id });
         }
-        // SeqCst pairs with req_notify: either this load sees the arm, or the
-        // application's poll after arming sees the completion.
+        // Pairs with the fence in req_notify: either this load sees the arm,
+        // or the application's poll after arming sees the completion. The
+        // fence is needed: the ring publishes the completion with a Release
+        // store, and a Release store followed by a SeqCst load may be
+        // reordered (on x86 the store waits in the store buffer while the
+        // load reads the old arm), so both sides could miss each other and
+        // the event was lost (an armed, empty-looking CQ that never woke).
+        std::sync::atomic::fence(Ordering::SeqCst);
         let arm = shared.arm.load(Ordering::SeqCst);
+        if shared.sleepers.load(Ordering::SeqCst) > 0
+            && let Some(Some(wake)) = shared.wake.get()
+        {
+            wake.signal();
+        }
         let wakes = match arm {
             ARM_NONE => false,
             ARM_SOLICITED => solicited || !wc.status.is_success(),

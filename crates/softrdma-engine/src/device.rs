@@ -23,15 +23,19 @@ pub const DEFAULT_DEVICE_NAME: &str = "softrdma0";
 pub struct DeviceConfig {
     /// Device name (reported by [`Device::name`]).
     pub name: String,
-    /// CPUs that run a datamover (transmit) thread each. Empty: one per CPU
-    /// the process may run on.
+    /// CPUs that run a datamover (transmit) thread each. Empty: one per
+    /// usable CPU (the CPUs of the affinity mask, at most as many as the
+    /// cgroup CPU quota lets the process keep busy).
     pub datamover_cpus: Vec<usize>,
     /// Pin datamover, receive and completion event handler threads to their
-    /// CPU.
+    /// CPU. Off by default: on a machine shared with other work, a pinned
+    /// thread waits for its CPU even when another one is idle (the
+    /// scheduler cannot move it), which turns a busy neighbour into
+    /// millisecond stalls.
     pub pin_threads: bool,
     /// CPUs that run a completion event handler thread each (handler `i`
     /// runs on `handler_cpus[i]`; a CPU may appear twice). Empty: one per
-    /// CPU the process may run on. See [`crate::handlers`].
+    /// usable CPU (as for `datamover_cpus`). See [`crate::handlers`].
     pub handler_cpus: Vec<usize>,
     /// How CQs created without an explicit binding choose their handler.
     pub handler_policy: HandlerPolicy,
@@ -49,6 +53,16 @@ pub struct DeviceConfig {
     /// finds the CQ empty (busy-polling applications get data without a
     /// thread hand-off).
     pub poll_driven_receive: bool,
+    /// How long [`CompletionQueue::wait`](crate::CompletionQueue::wait)
+    /// busy-polls before it sleeps until a completion is pushed. Default
+    /// 50 µs: long enough that a ping-pong partner on another CPU answers
+    /// while we spin, short enough that a waiter on a busy machine gives
+    /// its CPU back quickly. `Duration::MAX`: spin until the timeout.
+    pub poll_spin: Duration,
+    /// While busy-polling in `wait`, yield the CPU (`sched_yield`) every
+    /// this many empty polls, so a thread the poller waits for (its peer,
+    /// a datamover) can run on the same CPU. 0: never yield.
+    pub poll_yield_every: u32,
     /// How many events the async event queue holds before it drops new ones
     /// (see [`AsyncEventQueue`]).
     pub async_event_capacity: usize,
@@ -59,10 +73,12 @@ impl Default for DeviceConfig {
         DeviceConfig {
             name: DEFAULT_DEVICE_NAME.to_string(),
             datamover_cpus: Vec::new(),
-            pin_threads: true,
+            pin_threads: false,
             slice_size: 4096,
             force_datamover: false,
             poll_driven_receive: true,
+            poll_spin: Duration::from_micros(50),
+            poll_yield_every: 64,
             handler_cpus: Vec::new(),
             handler_policy: HandlerPolicy::default(),
             handler_spin: Duration::ZERO,
@@ -213,7 +229,7 @@ impl Device {
             ));
         }
         let datamovers = if config.datamover_cpus.is_empty() {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
+            crate::sys::io::usable_cpus().len()
         } else {
             config.datamover_cpus.len()
         };

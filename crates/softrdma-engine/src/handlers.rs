@@ -10,11 +10,13 @@
 //!           └─ async event handler ──▶ registered callback (QP/CQ/device errors)
 //! ```
 //!
-//! When a device is opened it starts one completion event handler per
-//! participating CPU ([`DeviceConfig::handler_cpus`]; all CPUs the process
-//! may run on by default), each a thread pinned to its CPU when
-//! [`DeviceConfig::pin_threads`] is set, each with a [`HandlerId`]
-//! (`0..n`). [`Device::handler_table`] maps identifiers to CPUs.
+//! A device has one completion event handler per participating CPU
+//! ([`DeviceConfig::handler_cpus`]; by default every usable CPU: the
+//! affinity mask, capped by the cgroup CPU quota), each with a
+//! [`HandlerId`] (`0..n`). A handler's thread starts when the first CQ with
+//! a callback is bound to it (devices whose CQs use channels or polling run
+//! no handler threads), is pinned to its CPU only when
+//! [`DeviceConfig::pin_threads`] is set, and blocks every signal. [`Device::handler_table`] maps identifiers to CPUs.
 //!
 //! Every CQ is bound to one handler when it is created: explicitly
 //! ([`Binding::Handler`], [`Binding::Cpu`]) or by the device's
@@ -89,7 +91,7 @@
 //! # Asynchronous events
 //!
 //! Errors of QPs, CQs and the device go to the device's
-//! [`AsyncEventQueue`](crate::AsyncEventQueue)
+//! [`AsyncEventQueue`]
 //! ([`Device::async_events`]). With a callback registered
 //! ([`Device::set_async_event_handler`]) they are instead delivered, in
 //! order, to the callback, which runs on the device's asynchronous event
@@ -122,7 +124,7 @@ use parking_lot::Mutex;
 use crate::cq::CqEvent;
 use crate::device::DeviceConfig;
 use crate::event::{AsyncEvent, AsyncEventQueue};
-use crate::sys::io::{allowed_cpus, pin_current_thread};
+use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
 
 /// Identifier of a completion event handler of a device (`0..n`, in the
 /// order of [`DeviceConfig::handler_cpus`](crate::DeviceConfig::handler_cpus)).
@@ -283,6 +285,9 @@ pub struct HandlerStats {
     pub cpu: usize,
     /// Whether its thread is pinned to the CPU.
     pub pinned: bool,
+    /// Whether its thread runs (it starts with the first CQ with a callback
+    /// bound to the handler).
+    pub running: bool,
     /// Completion events delivered to it (armed CQs with a callback that
     /// got a matching completion).
     pub events: u64,
@@ -306,6 +311,11 @@ pub(crate) struct Handler {
     /// Events to run, in arrival order.
     queue: SegQueue<CqEvent>,
     thread: OnceLock<Thread>,
+    /// The thread, once started (by the first CQ with a callback bound to
+    /// this handler).
+    join: Mutex<Option<JoinHandle<()>>>,
+    /// Pin the thread to `cpu` when it starts.
+    pin: bool,
     stop: AtomicBool,
     /// Spin this long for more events before parking.
     spin: Duration,
@@ -360,6 +370,26 @@ impl Handler {
             // An atomic swap unless the thread is parked.
             t.unpark();
         }
+    }
+
+    /// Starts the handler's thread if it is not running yet (called when a
+    /// CQ with a callback is bound to it). The thread blocks every signal.
+    pub(crate) fn start(self: &Arc<Self>) -> io::Result<()> {
+        let mut join = self.join.lock();
+        if join.is_some() || self.stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let h = Arc::clone(self);
+        let pin = self.pin;
+        let jh = spawn_engine_thread(format!("softrdma-cq{}", self.id.0), move || h.run(pin))?;
+        let _ = self.thread.set(jh.thread().clone());
+        *join = Some(jh);
+        Ok(())
+    }
+
+    /// Whether the handler's thread is running.
+    pub(crate) fn started(&self) -> bool {
+        self.join.lock().is_some()
     }
 
     /// A CQ was bound; `counter` counts the completions polled from it.
@@ -422,6 +452,7 @@ impl Handler {
             id: self.id,
             cpu: self.cpu,
             pinned: self.pinned.load(Ordering::Relaxed),
+            running: self.started(),
             events: self.events.load(Ordering::Relaxed),
             callbacks: self.callbacks.load(Ordering::Relaxed),
             callback_panics: self.panics.load(Ordering::Relaxed),
@@ -482,7 +513,6 @@ pub(crate) enum BindError {
 /// device.
 pub(crate) struct Handlers {
     handlers: Vec<Arc<Handler>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
     policy: Arc<dyn BalancePolicy>,
 }
 
@@ -496,17 +526,18 @@ impl fmt::Debug for Handlers {
 }
 
 impl Handlers {
-    /// Starts one handler thread per CPU of `config.handler_cpus` (all
-    /// allowed CPUs if empty).
+    /// Sets up one handler per CPU of `config.handler_cpus` (all usable
+    /// CPUs if empty). A handler's thread starts when the first CQ with a
+    /// callback is bound to it ([`Handler::start`]): a device whose CQs use
+    /// channels or polling has no handler threads.
     pub(crate) fn start(config: &DeviceConfig) -> io::Result<Handlers> {
         let cpus = if config.handler_cpus.is_empty() {
-            allowed_cpus()
+            usable_cpus()
         } else {
             config.handler_cpus.clone()
         };
         let mut handlers = Handlers {
             handlers: Vec::with_capacity(cpus.len()),
-            threads: Mutex::new(Vec::with_capacity(cpus.len())),
             policy: config.handler_policy.build(),
         };
         for (i, cpu) in cpus.into_iter().enumerate() {
@@ -516,6 +547,8 @@ impl Handlers {
                 pinned: AtomicBool::new(false),
                 queue: SegQueue::new(),
                 thread: OnceLock::new(),
+                join: Mutex::new(None),
+                pin: config.pin_threads,
                 stop: AtomicBool::new(false),
                 spin: config.handler_spin,
                 events: AtomicU64::new(0),
@@ -524,14 +557,6 @@ impl Handlers {
                 cqs_bound: AtomicUsize::new(0),
                 counters: Mutex::new(Counters::default()),
             });
-            let pin = config.pin_threads;
-            let thread_h = Arc::clone(&h);
-            // On error, `handlers` drops and stops the threads started so far.
-            let jh = std::thread::Builder::new()
-                .name(format!("softrdma-cq{i}"))
-                .spawn(move || thread_h.run(pin))?;
-            let _ = h.thread.set(jh.thread().clone());
-            handlers.threads.get_mut().push(jh);
             handlers.handlers.push(h);
         }
         Ok(handlers)
@@ -585,7 +610,7 @@ impl Drop for Handlers {
             }
         }
         let me = std::thread::current().id();
-        for jh in self.threads.get_mut().drain(..) {
+        for jh in self.handlers.iter().filter_map(|h| h.join.lock().take()) {
             // The last device handle may be dropped by a callback on a
             // handler thread: that thread ends on its own.
             if jh.thread().id() != me {
@@ -678,11 +703,12 @@ impl AsyncEvents {
             let mut thread = h.thread.lock();
             if thread.is_none() {
                 let shared = Arc::clone(&h.shared);
-                *thread = Some(
-                    std::thread::Builder::new()
-                        .name("softrdma-async".to_string())
-                        .spawn(move || run_async(&shared))?,
-                );
+                *thread = Some(spawn_engine_thread(
+                    "softrdma-async".to_string(),
+                    move || {
+                        run_async(&shared);
+                    },
+                )?);
             }
         }
         self.active.store(true, Ordering::Release);

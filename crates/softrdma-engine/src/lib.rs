@@ -3,7 +3,7 @@
 //! The RDMA "device" in software: protection domains, memory regions and
 //! windows, completion queues, shared receive queues, queue pairs, and the
 //! data path (direct sending, datamovers, direct placement). All IO and all
-//! `unsafe` of softrdma live here, in the [`sys`] module, each block with a
+//! `unsafe` of softrdma live here, in the private `sys` module, each block with a
 //! `// SAFETY:` comment.
 //!
 //! The protocol rules come from [`softrdma_proto`] and the wire formats from
@@ -86,6 +86,7 @@ pub mod connect;
 pub mod cq;
 mod datapath;
 pub mod device;
+mod error;
 pub mod event;
 pub mod handlers;
 mod handoff;
@@ -110,6 +111,7 @@ pub(crate) use datapath::{datamover, rx, tx};
 pub use cq::{CompletionChannel, CompletionQueue, CqBuilder};
 pub use datamover::DatamoverStats;
 pub use device::{Device, DeviceAttr, DeviceConfig, OpenError};
+pub use error::Error;
 pub use event::{AsyncEvent, AsyncEventKind, AsyncEventQueue};
 pub use handlers::{Binding, HandlerId, HandlerPolicy, HandlerStats};
 pub use mr::{Access, MemoryRegion, MemoryWindow};
@@ -118,6 +120,6 @@ pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair, TerminateDirectio
 pub use remote::{RemoteBuf, RemoteBufError};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;
-pub use sys::io::{process_context_switches, thread_context_switches};
+pub use sys::io::{process_context_switches, signal_blocked, thread_context_switches};
 pub use wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 pub use wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};

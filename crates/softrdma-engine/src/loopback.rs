@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use softrdma_proto::mpa::MpaConfig;
 
 use crate::connect::ConnectError;
-use crate::handshake::{Answer, Handshake, Outcome, Step};
+use crate::handshake::{Answer, Handshake, Outcome, Stage, Step};
 use crate::qp::{EstablishError, LinkParams, QueuePair};
 use crate::sys::wait::wait_ready;
 
@@ -73,14 +73,24 @@ pub fn connect_pair(
         if n.is_none() {
             match hi.advance(&mut s).map_err(ConnectError::from)? {
                 Step::Done(Outcome::Established(x)) => n = Some(x),
-                Step::Done(_) => return Err(ConnectError::PeerClosed.into()),
+                Step::Done(_) => {
+                    return Err(ConnectError::PeerClosed {
+                        stage: Stage::Reply,
+                    }
+                    .into());
+                }
                 Step::Wait(r) => waiting = Some((s.as_fd(), r)),
             }
         }
         if rn.is_none() {
             match hr.advance(&mut rs).map_err(ConnectError::from)? {
                 Step::Done(Outcome::Established(x)) => rn = Some(x),
-                Step::Done(_) => return Err(ConnectError::PeerClosed.into()),
+                Step::Done(_) => {
+                    return Err(ConnectError::PeerClosed {
+                        stage: Stage::Request,
+                    }
+                    .into());
+                }
                 Step::Wait(r) => waiting = waiting.or(Some((rs.as_fd(), r))),
             }
         }
@@ -88,7 +98,11 @@ pub fn connect_pair(
             break;
         }
         if Instant::now() >= deadline {
-            return Err(ConnectError::TimedOut.into());
+            return Err(ConnectError::TimedOut {
+                stage: Stage::Reply,
+                after: timeout,
+            }
+            .into());
         }
         if let Some((fd, r)) = waiting {
             // Short waits: the other end may be the one with news.
@@ -96,7 +110,11 @@ pub fn connect_pair(
         }
     }
     let (Some(n), Some(rn)) = (n, rn) else {
-        return Err(ConnectError::TimedOut.into());
+        return Err(ConnectError::TimedOut {
+            stage: Stage::Reply,
+            after: timeout,
+        }
+        .into());
     };
     initiator.establish(s, &LinkParams::from(&n))?;
     responder.establish(rs, &LinkParams::from(&rn))?;

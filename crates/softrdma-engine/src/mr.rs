@@ -32,6 +32,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use rand::Rng;
 use softrdma_wire::errcode::TermError;
+use softrdma_wire::rdmap::atomic::{AtomicOpcode, AtomicRequestRepr};
 
 use crate::pd::ProtectionDomain;
 use crate::sys::mem::Memory;
@@ -830,13 +831,55 @@ impl StagTable {
         if mw.pd.id() != mr.pd.id() {
             return Err(BindError::PdMismatch);
         }
+        self.bind_at(mw.pd.id(), mw.index, mr.index, addr, len, access)
+    }
+
+    #[cfg_attr(not(test), allow(dead_code))] // see `PdMemory`
+    /// [`StagTable::bind_mw`] by STag: window `mw_stag` (its index; the key
+    /// is replaced) and region `mr_lkey` (index and key), both of `pd`.
+    pub(crate) fn bind_mw_by_key(
+        &self,
+        pd: u32,
+        mw_stag: u32,
+        mr_lkey: u32,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<u32, BindError> {
+        {
+            let slots = self.slots.read();
+            let key_ok = slots
+                .get(mr_lkey >> 8)
+                .is_some_and(|e| e.key == (mr_lkey & 0xff) as u8);
+            if !key_ok {
+                return Err(BindError::InvalidRegion);
+            }
+        }
+        self.bind_at(pd, mw_stag >> 8, mr_lkey >> 8, addr, len, access)
+    }
+
+    /// The bind itself: both entries must belong to `pd`.
+    fn bind_at(
+        &self,
+        pd: u32,
+        mw_index: u32,
+        mr_index: u32,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<u32, BindError> {
         if !Access::REMOTE.contains(access) {
             return Err(BindError::InvalidAccess(access));
         }
         let mut slots = self.slots.write();
+        if slots.get(mw_index).is_some_and(|e| e.pd != pd)
+            || slots.get(mr_index).is_some_and(|e| e.pd != pd)
+        {
+            return Err(BindError::PdMismatch);
+        }
         let (mem, mem_offset, windows) = {
             let region = slots
-                .get(mr.index)
+                .get(mr_index)
                 .filter(|e| e.valid)
                 .ok_or(BindError::InvalidRegion)?;
             let Kind::Region { windows, .. } = &region.kind else {
@@ -854,7 +897,7 @@ impl StagTable {
             let mem = region.mem.clone().ok_or(BindError::InvalidRegion)?;
             (mem, offset, Arc::clone(windows))
         };
-        let window = slots.get_mut(mw.index).ok_or(BindError::OtherDevice)?;
+        let window = slots.get_mut(mw_index).ok_or(BindError::OtherDevice)?;
         let Kind::Window { bound_to } = &mut window.kind else {
             return Err(BindError::OtherDevice);
         };
@@ -870,7 +913,7 @@ impl StagTable {
         window.len = len;
         window.mem = Some(mem);
         window.mem_offset = mem_offset;
-        Ok(stag(mw.index, window.key))
+        Ok(stag(mw_index, window.key))
     }
 
     /// Fast-registers region `mr` (from `alloc_mr`): it answers to `[iova,
@@ -888,10 +931,43 @@ impl StagTable {
         if !std::ptr::eq(self, mr.pd.device().stags()) {
             return Err(FastRegError::OtherDevice);
         }
+        self.fast_reg_at(None, mr.index, mr.mem.len(), iova, len, access)
+    }
+
+    #[cfg_attr(not(test), allow(dead_code))] // see `PdMemory`
+    /// [`StagTable::fast_reg`] by key: region `mr_key` (its index; the key
+    /// is replaced) of `pd`.
+    pub(crate) fn fast_reg_by_key(
+        &self,
+        pd: u32,
+        mr_key: u32,
+        iova: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<u32, FastRegError> {
+        let capacity = {
+            let slots = self.slots.read();
+            slots
+                .get(mr_key >> 8)
+                .and_then(|e| e.mem.as_ref().map(|m| m.len()))
+                .ok_or(FastRegError::NotFastReg)?
+        };
+        self.fast_reg_at(Some(pd), mr_key >> 8, capacity, iova, len, access)
+    }
+
+    /// The fast-register itself (`pd`: the entry must belong to it).
+    fn fast_reg_at(
+        &self,
+        pd: Option<u32>,
+        index: u32,
+        capacity: usize,
+        iova: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<u32, FastRegError> {
         if !access.is_valid() {
             return Err(FastRegError::InvalidAccess(access));
         }
-        let capacity = mr.mem.len();
         if usize::try_from(len).map_or(true, |l| l > capacity) {
             return Err(FastRegError::TooLong { len, capacity });
         }
@@ -899,7 +975,10 @@ impl StagTable {
             return Err(FastRegError::Wrap);
         }
         let mut slots = self.slots.write();
-        let entry = slots.get_mut(mr.index).ok_or(FastRegError::OtherDevice)?;
+        let entry = slots
+            .get_mut(index)
+            .filter(|e| pd.is_none_or(|pd| e.pd == pd))
+            .ok_or(FastRegError::OtherDevice)?;
         if !matches!(entry.kind, Kind::Region { fast_reg: true, .. }) {
             return Err(FastRegError::NotFastReg);
         }
@@ -912,7 +991,7 @@ impl StagTable {
         entry.len = len;
         entry.access = access;
         entry.mem_offset = 0;
-        Ok(stag(mr.index, entry.key))
+        Ok(stag(index, entry.key))
     }
 
     /// Re-registration: new access and a fresh key for the region at
@@ -1265,6 +1344,261 @@ impl Drop for MemoryWindow {
     fn drop(&mut self) {
         self.pd.device().stags().remove(self.index);
     }
+}
+
+// ---------------------------------------------------------------------------
+// The protocol core's view of memory
+// ---------------------------------------------------------------------------
+
+/// A QP's memory as the sans-IO protocol core
+/// (`softrdma_proto::conn::Connection`) sees it: lookups in the device's
+/// STag table for the QP's protection domain, atomics, invalidation, binds
+/// and fast-registers by key, the SRQ, and the copies and CRC over
+/// registered memory. Regions are `Arc<Memory>`: a span keeps its memory
+/// alive however long the core holds it.
+#[cfg_attr(not(test), allow(dead_code))] // the protocol core's memory (the data path's next step)
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PdMemory<'a> {
+    stags: &'a StagTable,
+    pd: u32,
+    srq: Option<&'a crate::srq::SharedReceiveQueue>,
+}
+
+#[cfg_attr(not(test), allow(dead_code))] // the protocol core's memory (the data path's next step)
+impl<'a> PdMemory<'a> {
+    /// The memory of protection domain `pd` in `stags`, with the SRQ the QP
+    /// takes its receives from, if any.
+    pub(crate) fn new(
+        stags: &'a StagTable,
+        pd: u32,
+        srq: Option<&'a crate::srq::SharedReceiveQueue>,
+    ) -> Self {
+        PdMemory { stags, pd, srq }
+    }
+}
+
+#[cfg_attr(not(test), allow(dead_code))] // the protocol core's memory (the data path's next step)
+fn span(mem: Arc<Memory>, offset: usize, len: usize) -> softrdma_proto::mem::Span<Arc<Memory>> {
+    softrdma_proto::mem::Span {
+        region: mem,
+        offset,
+        len,
+    }
+}
+
+#[cfg_attr(not(test), allow(dead_code))] // the protocol core's memory (the data path's next step)
+/// Whether `[at, at + n)` lies inside `s`.
+fn inside<R>(s: &softrdma_proto::mem::Span<R>, at: usize, n: usize) -> bool {
+    at.checked_add(n).is_some_and(|end| end <= s.len)
+}
+
+impl softrdma_proto::mem::Memory for PdMemory<'_> {
+    type Region = Arc<Memory>;
+
+    fn remote(
+        &mut self,
+        stag: u32,
+        access: softrdma_proto::mem::RemoteAccess,
+        to: u64,
+        len: u64,
+    ) -> Result<softrdma_proto::mem::Span<Arc<Memory>>, softrdma_proto::mem::RemoteAccessError>
+    {
+        use softrdma_proto::mem::{RemoteAccess as A, RemoteAccessError as E};
+        let need = match access {
+            A::Write => Access::REMOTE_WRITE,
+            A::Read => Access::REMOTE_READ,
+            A::Atomic => Access::REMOTE_ATOMIC,
+        };
+        match self.stags.remote(stag, self.pd, need, to, len) {
+            Ok(t) => Ok(span(t.mem, t.offset, t.len)),
+            Err(RemoteAccessError::InvalidStag) => Err(E::InvalidStag),
+            Err(RemoteAccessError::StagNotAssociated) => Err(E::StagNotAssociated),
+            Err(RemoteAccessError::AccessRights) => Err(E::AccessRights),
+            Err(RemoteAccessError::BaseOrBounds) => Err(E::BaseOrBounds),
+            Err(RemoteAccessError::ToWrap) => Err(E::ToWrap),
+        }
+    }
+
+    fn local(
+        &mut self,
+        lkey: u32,
+        addr: u64,
+        len: u32,
+        write: bool,
+    ) -> Result<softrdma_proto::mem::Span<Arc<Memory>>, softrdma_proto::mem::LocalAccessError> {
+        use softrdma_proto::mem::LocalAccessError as E;
+        match self.stags.local(lkey, self.pd, addr, len, write) {
+            Ok(seg) => Ok(span(seg.mem, seg.offset, seg.len)),
+            Err(LocalAccessError::InvalidLkey(_)) => Err(E::InvalidLkey),
+            Err(LocalAccessError::PdMismatch(_)) => Err(E::PdMismatch),
+            Err(LocalAccessError::OutOfBounds { .. }) => Err(E::OutOfBounds),
+            Err(LocalAccessError::NoLocalWrite(_)) => Err(E::NoLocalWrite),
+        }
+    }
+
+    fn atomic(
+        &mut self,
+        target: &softrdma_proto::mem::Span<Arc<Memory>>,
+        req: &AtomicRequestRepr,
+    ) -> Option<u64> {
+        if target.len < 8 {
+            return None;
+        }
+        let cell = target.region.atomic_u64(target.offset)?;
+        Some(execute_atomic(cell, req))
+    }
+
+    fn invalidate(
+        &mut self,
+        stag: u32,
+        remote: bool,
+    ) -> Result<(), softrdma_proto::mem::InvalidateError> {
+        use softrdma_proto::mem::InvalidateError as E;
+        self.stags
+            .invalidate(stag, self.pd, remote)
+            .map_err(|e| match e {
+                InvalidateError::InvalidStag => E::InvalidStag,
+                InvalidateError::PdMismatch => E::PdMismatch,
+                InvalidateError::CannotInvalidate => E::CannotInvalidate,
+            })
+    }
+
+    fn local_op(&mut self, op: &softrdma_proto::mem::LocalOp) -> Result<(), ()> {
+        use softrdma_proto::mem::LocalOp;
+        match *op {
+            LocalOp::Invalidate { rkey } => {
+                self.stags.invalidate(rkey, self.pd, false).map_err(|_| ())
+            }
+            LocalOp::BindMw {
+                mw,
+                mr,
+                addr,
+                len,
+                access,
+            } => self
+                .stags
+                .bind_mw_by_key(self.pd, mw, mr, addr, len, Access(access))
+                .map(|_| ())
+                .map_err(|_| ()),
+            LocalOp::FastReg {
+                mr,
+                iova,
+                len,
+                access,
+            } => self
+                .stags
+                .fast_reg_by_key(self.pd, mr, iova, len, Access(access))
+                .map(|_| ())
+                .map_err(|_| ()),
+        }
+    }
+
+    fn srq_pop(&mut self) -> Option<softrdma_proto::mem::SharedRecv<Arc<Memory>>> {
+        let w = self.srq?.pop()?;
+        Some(softrdma_proto::mem::SharedRecv {
+            wr_id: w.wr_id,
+            segs: w
+                .segs
+                .into_iter()
+                .map(|s| span(s.mem, s.offset, s.len))
+                .collect(),
+        })
+    }
+
+    fn copy_in(
+        &mut self,
+        dst: &softrdma_proto::mem::Span<Arc<Memory>>,
+        at: usize,
+        bytes: &[u8],
+    ) -> bool {
+        inside(dst, at, bytes.len()) && dst.region.copy_in(dst.offset + at, bytes)
+    }
+
+    fn copy_out(
+        &mut self,
+        src: &softrdma_proto::mem::Span<Arc<Memory>>,
+        at: usize,
+        out: &mut [u8],
+    ) -> bool {
+        inside(src, at, out.len()) && src.region.copy_out(src.offset + at, out)
+    }
+
+    fn crc_update(
+        &mut self,
+        src: &softrdma_proto::mem::Span<Arc<Memory>>,
+        crc: &mut softrdma_wire::crc::Crc32c,
+    ) -> bool {
+        crate::sys::io::crc_update_mem(crc, &src.region, src.offset, src.len)
+    }
+}
+
+/// Executes an atomic request on a 64-bit cell; returns the original value.
+pub(crate) fn execute_atomic(cell: &std::sync::atomic::AtomicU64, req: &AtomicRequestRepr) -> u64 {
+    match req.opcode {
+        AtomicOpcode::FetchAdd if req.add_or_swap_mask == 0 => {
+            cell.fetch_add(req.add_or_swap_data, std::sync::atomic::Ordering::SeqCst)
+        }
+        AtomicOpcode::FetchAdd => {
+            let mask = req.add_or_swap_mask;
+            let add = req.add_or_swap_data;
+            cell.fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |v| Some(masked_add(v, add, mask)),
+            )
+            .unwrap_or_else(|v| v)
+        }
+        AtomicOpcode::Swap => {
+            let mask = req.add_or_swap_mask;
+            let data = req.add_or_swap_data;
+            cell.fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |v| Some((v & !mask) | (data & mask)),
+            )
+            .unwrap_or_else(|v| v)
+        }
+        AtomicOpcode::CmpSwap => {
+            let cmask = req.compare_mask;
+            let smask = req.add_or_swap_mask;
+            let cmp = req.compare_data;
+            let data = req.add_or_swap_data;
+            cell.fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |v| {
+                    if (v ^ cmp) & cmask == 0 {
+                        Some((v & !smask) | (data & smask))
+                    } else {
+                        None
+                    }
+                },
+            )
+            .unwrap_or_else(|v| v)
+        }
+    }
+}
+
+/// Masked fetch-and-add (RFC 7306): a set bit in `mask` marks the most
+/// significant bit of a field; carries do not cross field boundaries.
+pub(crate) fn masked_add(value: u64, add: u64, mask: u64) -> u64 {
+    let mut result = 0u64;
+    let mut start = 0u32;
+    for bit in 0..64u32 {
+        let end_of_field = bit == 63 || (mask >> bit) & 1 == 1;
+        if end_of_field {
+            let width = bit - start + 1;
+            let fmask = if width == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << width) - 1) << start
+            };
+            let sum = ((value & fmask) >> start).wrapping_add((add & fmask) >> start);
+            result |= (sum << start) & fmask;
+            start = bit + 1;
+        }
+    }
+    result
 }
 
 #[cfg(test)]
@@ -1926,6 +2260,270 @@ mod tests {
         assert_eq!(stag(MAX_INDEX, 0xff), u32::MAX);
         for prev in 0..=255u8 {
             assert_ne!(fresh_key(Some(prev)), prev);
+        }
+    }
+
+    #[test]
+    fn masked_add_without_mask_is_a_plain_add() {
+        assert_eq!(masked_add(5, 7, 0), 12);
+        assert_eq!(masked_add(u64::MAX, 1, 0), 0);
+    }
+
+    #[test]
+    fn masked_add_keeps_carries_inside_fields() {
+        // Two 32-bit fields: the low field wraps without carrying.
+        let mask = 1u64 << 31 | 1u64 << 63;
+        let v = 0x0000_0001_ffff_ffff;
+        assert_eq!(masked_add(v, 1 | 1 << 32, mask), 0x0000_0002_0000_0000);
+    }
+
+    // -- PdMemory: the protocol core over the STag table ------------------
+
+    mod core_memory {
+        use super::*;
+        use softrdma_proto::conn::{Config, Connection};
+        use softrdma_proto::mem::{Memory as _, RemoteAccess, RemoteAccessError as E};
+        use softrdma_proto::types::{
+            RecvWr as CRecv, SendOp as COp, SendWr as CSend, Sge as CSge, WcStatus as CSt,
+        };
+
+        /// Moves every FPDU `from` has to `to` (whole stream, copying mode).
+        fn pump(
+            from: &mut Connection<Arc<Memory>>,
+            fm: &mut PdMemory<'_>,
+            to: &mut Connection<Arc<Memory>>,
+            tm: &mut PdMemory<'_>,
+        ) -> usize {
+            let mut fpdu = softrdma_proto::conn::TxFpdu::new();
+            let mut bytes = Vec::new();
+            let mut n = 0;
+            while from.poll_transmit(fm, &mut fpdu) {
+                assert!(fpdu.write_to(fm, &mut bytes));
+                n += 1;
+            }
+            from.handle_sent(n);
+            assert_eq!(to.handle_rx_stream(&bytes, tm), bytes.len());
+            n
+        }
+
+        #[test]
+        fn core_pair_runs_over_the_stag_table() {
+            let dev = Device::open_default().unwrap();
+            let pa = ProtectionDomain::new(&dev);
+            let pb = ProtectionDomain::new(&dev);
+            let all = Access::LOCAL_WRITE
+                | Access::REMOTE_WRITE
+                | Access::REMOTE_READ
+                | Access::REMOTE_ATOMIC;
+            let src = pa.register(4096, all).unwrap();
+            let dst = pb.register(4096, all).unwrap();
+            let rbuf = pb.register(64, Access::LOCAL_WRITE).unwrap();
+            let data: Vec<u8> = (0..3000u32).map(|i| (i * 7) as u8).collect();
+            src.write(0, &data).unwrap();
+            dst.write(0, &42u64.to_ne_bytes()).unwrap();
+            let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+            let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+            let mut a: Connection<Arc<Memory>> = Connection::new(Config::new(true));
+            let mut b: Connection<Arc<Memory>> = Connection::new(Config::new(true));
+
+            // A Write of 3000 bytes (three FPDUs), a Send into a posted
+            // receive, a Read back and a Fetch-and-Add.
+            let sge = [CSge {
+                lkey: src.lkey(),
+                addr: src.addr(),
+                len: 3000,
+            }];
+            let w = CSend::new(
+                1,
+                COp::Write {
+                    rkey: dst.rkey(),
+                    remote_addr: dst.addr() + 8,
+                    imm: None,
+                },
+                &sge,
+            );
+            a.post_send(&w, &mut ma).unwrap();
+            let rsge = [CSge {
+                lkey: rbuf.lkey(),
+                addr: rbuf.addr(),
+                len: 64,
+            }];
+            b.post_recv(
+                &CRecv {
+                    wr_id: 9,
+                    sgl: &rsge,
+                },
+                &mut mb,
+            )
+            .unwrap();
+            let ssge = [CSge {
+                lkey: src.lkey(),
+                addr: src.addr(),
+                len: 16,
+            }];
+            a.post_send(
+                &CSend::new(
+                    2,
+                    COp::Send {
+                        inv: None,
+                        imm: None,
+                    },
+                    &ssge,
+                ),
+                &mut ma,
+            )
+            .unwrap();
+            let sink = [CSge {
+                lkey: src.lkey(),
+                addr: src.addr() + 3008,
+                len: 100,
+            }];
+            a.post_send(
+                &CSend::new(
+                    3,
+                    COp::Read {
+                        rkey: dst.rkey(),
+                        remote_addr: dst.addr() + 8,
+                    },
+                    &sink,
+                ),
+                &mut ma,
+            )
+            .unwrap();
+            let asink = [CSge {
+                lkey: src.lkey(),
+                addr: src.addr() + 4088,
+                len: 8,
+            }];
+            a.post_send(
+                &CSend::new(
+                    4,
+                    COp::FetchAdd {
+                        rkey: dst.rkey(),
+                        remote_addr: dst.addr(),
+                        add: 5,
+                    },
+                    &asink,
+                ),
+                &mut ma,
+            )
+            .unwrap();
+
+            for _ in 0..4 {
+                pump(&mut a, &mut ma, &mut b, &mut mb);
+                pump(&mut b, &mut mb, &mut a, &mut ma);
+            }
+            let done: Vec<(u64, CSt)> = std::iter::from_fn(|| a.poll_completion())
+                .map(|c| (c.wr_id, c.status))
+                .collect();
+            assert_eq!(
+                done,
+                [
+                    (1, CSt::Success),
+                    (2, CSt::Success),
+                    (3, CSt::Success),
+                    (4, CSt::Success)
+                ]
+            );
+            let r = b.poll_completion().unwrap();
+            assert_eq!((r.wr_id, r.status, r.byte_len), (9, CSt::Success, 16));
+            assert_eq!(dst.to_vec()[8..3008], data[..]);
+            assert_eq!(rbuf.to_vec()[..16], data[..16]);
+            assert_eq!(src.to_vec()[3008..3108], data[..100]);
+            assert_eq!(src.to_vec()[4088..4096], 42u64.to_ne_bytes());
+            assert_eq!(dst.to_vec()[..8], 47u64.to_ne_bytes());
+        }
+
+        #[test]
+        fn lookups_keep_the_protection_rules() {
+            let dev = Device::open_default().unwrap();
+            let pa = ProtectionDomain::new(&dev);
+            let pb = ProtectionDomain::new(&dev);
+            let ro = pa.register(100, Access::REMOTE_READ).unwrap();
+            let mut m = PdMemory::new(dev.stags(), pa.id(), None);
+            assert!(
+                m.remote(ro.rkey(), RemoteAccess::Read, ro.addr(), 100)
+                    .is_ok()
+            );
+            assert_eq!(
+                m.remote(ro.rkey(), RemoteAccess::Write, ro.addr(), 1).err(),
+                Some(E::AccessRights)
+            );
+            assert_eq!(
+                m.remote(ro.rkey(), RemoteAccess::Read, ro.addr() + 1, 100)
+                    .err(),
+                Some(E::BaseOrBounds)
+            );
+            assert_eq!(
+                m.remote(ro.rkey() ^ 1, RemoteAccess::Read, ro.addr(), 1)
+                    .err(),
+                Some(E::InvalidStag)
+            );
+            let mut other = PdMemory::new(dev.stags(), pb.id(), None);
+            assert_eq!(
+                other
+                    .remote(ro.rkey(), RemoteAccess::Read, ro.addr(), 1)
+                    .err(),
+                Some(E::StagNotAssociated)
+            );
+            // Copies stay inside their span.
+            let s = m
+                .remote(ro.rkey(), RemoteAccess::Read, ro.addr() + 10, 20)
+                .unwrap();
+            assert!(m.copy_in(&s, 0, &[1; 20]));
+            assert!(!m.copy_in(&s, 1, &[1; 20]));
+            let mut out = [0u8; 21];
+            assert!(!m.copy_out(&s, 0, &mut out));
+            assert!(m.copy_out(&s, 0, &mut out[..20]));
+            assert_eq!(out[..20], [1; 20]);
+            assert_eq!(
+                ro.to_vec()[9..31],
+                [[0].as_slice(), &[1; 20], &[0]].concat()[..]
+            );
+        }
+
+        #[test]
+        fn binds_and_fast_registers_by_key() {
+            use softrdma_proto::mem::LocalOp;
+            let dev = Device::open_default().unwrap();
+            let pd = ProtectionDomain::new(&dev);
+            let mr = pd
+                .register(4096, Access::LOCAL_WRITE | Access::MW_BIND)
+                .unwrap();
+            let mw = pd.alloc_mw().unwrap();
+            let mut m = PdMemory::new(dev.stags(), pd.id(), None);
+            let bind = LocalOp::BindMw {
+                mw: mw.rkey(),
+                mr: mr.lkey(),
+                addr: mr.addr() + 100,
+                len: 50,
+                access: Access::REMOTE_WRITE.bits(),
+            };
+            assert_eq!(m.local_op(&bind), Ok(()));
+            assert!(mw.is_bound());
+            let s = m
+                .remote(mw.rkey(), RemoteAccess::Write, mr.addr() + 100, 50)
+                .unwrap();
+            assert_eq!((s.offset, s.len), (100, 50));
+            assert_eq!(m.local_op(&bind), Err(()), "already bound");
+            assert_eq!(m.local_op(&LocalOp::Invalidate { rkey: mw.rkey() }), Ok(()));
+            assert!(!mw.is_bound());
+            let fr = pd.alloc_mr(256).unwrap();
+            let reg = LocalOp::FastReg {
+                mr: fr.rkey(),
+                iova: 0x1000,
+                len: 128,
+                access: Access::REMOTE_READ.bits(),
+            };
+            assert_eq!(m.local_op(&reg), Ok(()));
+            assert!(fr.is_valid());
+            let too_long = LocalOp::FastReg {
+                mr: fr.rkey(),
+                iova: 0,
+                len: 4096,
+                access: 0,
+            };
+            assert_eq!(m.local_op(&too_long), Err(()));
         }
     }
 }

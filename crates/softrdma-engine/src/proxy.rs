@@ -443,8 +443,8 @@ impl Drop for ProxyOwner {
 }
 
 /// A proxy: a thread that serves the messages proxy QPs offload to it.
-/// Cloning gives another handle; the thread stops when [`shutdown`]
-/// (Self::shutdown) is called or the last handle is dropped.
+/// Cloning gives another handle; the thread stops when
+/// [`shutdown`](Self::shutdown) is called or the last handle is dropped.
 #[derive(Clone)]
 pub struct Proxy {
     owner: Arc<ProxyOwner>,

@@ -55,9 +55,7 @@ pub(crate) fn arm(after: Duration, f: impl FnOnce() + Send + 'static) -> std::io
         .unwrap_or_else(|| clock::now() + Duration::from_secs(365 * 24 * 3600));
     let mut table = t.table.lock();
     if !table.thread_started {
-        std::thread::Builder::new()
-            .name("softrdma-timer".into())
-            .spawn(run)?;
+        crate::sys::io::spawn_engine_thread("softrdma-timer".into(), run)?;
         table.thread_started = true;
     }
     let id = table.next_id;

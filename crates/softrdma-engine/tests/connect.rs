@@ -159,7 +159,7 @@ fn crc_combinations() {
     ));
     // The responder considers itself established; the initiator has gone.
     assert!(
-        r.is_ok() || matches!(r, Err(ConnectError::PeerClosed)),
+        r.is_ok() || matches!(r, Err(ConnectError::PeerClosed { .. })),
         "{r:?}"
     );
 }
@@ -237,7 +237,7 @@ fn oversized_private_data() {
     assert!(
         matches!(
             i,
-            Err(ConnectError::Rejected { .. } | ConnectError::PeerClosed)
+            Err(ConnectError::Rejected { .. } | ConnectError::PeerClosed { .. })
         ),
         "{i:?}"
     );
@@ -287,7 +287,7 @@ fn timeout_when_the_peer_is_silent() {
             drop(s);
         },
     );
-    assert!(matches!(r, Err(ConnectError::TimedOut)), "{r:?}");
+    assert!(matches!(r, Err(ConnectError::TimedOut { .. })), "{r:?}");
     let (_, i) = run(
         |s| {
             thread::sleep(Duration::from_millis(600));
@@ -295,7 +295,7 @@ fn timeout_when_the_peer_is_silent() {
         },
         move |mut s| mpa_connect(&mut s, &MpaConfig::default(), &[], short),
     );
-    assert!(matches!(i, Err(ConnectError::TimedOut)), "{i:?}");
+    assert!(matches!(i, Err(ConnectError::TimedOut { .. })), "{i:?}");
 }
 
 #[test]
@@ -303,13 +303,13 @@ fn peer_closes() {
     let (_, i) = run(drop, |mut s| {
         mpa_connect(&mut s, &MpaConfig::default(), &[], T)
     });
-    assert!(matches!(i, Err(ConnectError::PeerClosed)), "{i:?}");
+    assert!(matches!(i, Err(ConnectError::PeerClosed { .. })), "{i:?}");
     // Closing halfway through a Request.
     let (r, _) = run(
         |mut s| mpa_accept(&mut s, &MpaConfig::default(), &[], T),
         |mut s| s.write_all(b"MPA ID Req Fr").unwrap(),
     );
-    assert!(matches!(r, Err(ConnectError::PeerClosed)), "{r:?}");
+    assert!(matches!(r, Err(ConnectError::PeerClosed { .. })), "{r:?}");
     // The responder waits for the RTR and the initiator leaves instead.
     let (r, _) = run(
         |mut s| mpa_accept(&mut s, &MpaConfig::default(), &[], T),
@@ -328,5 +328,5 @@ fn peer_closes() {
             i.consumed(24);
         },
     );
-    assert!(matches!(r, Err(ConnectError::PeerClosed)), "{r:?}");
+    assert!(matches!(r, Err(ConnectError::PeerClosed { .. })), "{r:?}");
 }

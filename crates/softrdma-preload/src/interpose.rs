@@ -4,68 +4,29 @@
 //! first use, makes its decision in Rust under `catch_unwind`, and restores
 //! `errno` to what the real call set before returning.
 
-use std::ffi::CStr;
+use std::collections::HashMap;
 use std::io::Write as _;
-use std::marker::PhantomData;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::time::Duration;
 
-use libc::{c_int, sockaddr, socklen_t};
+use libc::{c_int, c_ulong, c_void, sockaddr, socklen_t};
+use softrdma_sockets::external::{self, PeerAnswer};
 
+use crate::conn::{self, Conn, ENGINE_PID};
 use crate::policy::{Mode, Policy, Role};
+pub(crate) use crate::real::*;
 use crate::stats::{PlainReason, Stats, json_line};
-
-/// A real libc function, found with `dlsym(RTLD_NEXT)` on first use.
-struct Real<F> {
-    addr: AtomicUsize,
-    name: &'static CStr,
-    _f: PhantomData<F>,
-}
-
-impl<F: Copy> Real<F> {
-    const fn new(name: &'static CStr) -> Real<F> {
-        Real {
-            addr: AtomicUsize::new(0),
-            name,
-            _f: PhantomData,
-        }
-    }
-
-    fn get(&self) -> Option<F> {
-        const { assert!(size_of::<F>() == size_of::<usize>()) };
-        let mut a = self.addr.load(Ordering::Relaxed);
-        if a == 0 {
-            // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT finds the
-            // definition after this library's (libc's).
-            a = unsafe { libc::dlsym(libc::RTLD_NEXT, self.name.as_ptr()) } as usize;
-            if a == 0 {
-                return None;
-            }
-            self.addr.store(a, Ordering::Relaxed);
-        }
-        // SAFETY: `F` is the `extern "C" fn` type of the symbol named
-        // `self.name` (each `Real` is declared with its C prototype below),
-        // and the assertion above checks it is pointer-sized.
-        Some(unsafe { std::mem::transmute_copy::<usize, F>(&a) })
-    }
-}
-
-type ConnectFn = unsafe extern "C" fn(c_int, *const sockaddr, socklen_t) -> c_int;
-type AcceptFn = unsafe extern "C" fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int;
-type Accept4Fn = unsafe extern "C" fn(c_int, *mut sockaddr, *mut socklen_t, c_int) -> c_int;
-
-static REAL_CONNECT: Real<ConnectFn> = Real::new(c"connect");
-static REAL_ACCEPT: Real<AcceptFn> = Real::new(c"accept");
-static REAL_ACCEPT4: Real<Accept4Fn> = Real::new(c"accept4");
+use crate::twin::Twin;
 
 /// Process-wide state, made on the first interposed call.
-struct State {
+pub(crate) struct State {
     policy: Policy,
     program: String,
     exe: String,
-    stats: Stats,
+    pub(crate) stats: Stats,
     stats_file: Option<std::path::PathBuf>,
 }
 
@@ -101,7 +62,7 @@ extern "C" fn capture_env() {
 #[unsafe(link_section = ".init_array")]
 static CAPTURE_ENV: extern "C" fn() = capture_env;
 
-fn state() -> &'static State {
+pub(crate) fn state() -> &'static State {
     STATE.get_or_init(|| {
         let env = ENV.get_or_init(read_env);
         let default = env
@@ -184,15 +145,6 @@ extern "C" fn write_stats() {
     });
 }
 
-fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
-
-fn set_errno(e: c_int) {
-    // SAFETY: __errno_location returns this thread's errno slot.
-    unsafe { *libc::__errno_location() = e };
-}
-
 /// The IP address and port of a socket address (AF_INET / AF_INET6 only).
 ///
 /// # Safety
@@ -260,91 +212,406 @@ fn local_ip_port(fd: c_int) -> Option<(IpAddr, u16)> {
     unsafe { ip_port((&raw const ss).cast(), len) }
 }
 
-/// What to do with a new connection.
-enum Verdict {
-    /// Not a TCP connection over IP: not ours to count.
-    NotTcp,
-    /// Stays plain TCP.
-    Plain(PlainReason),
-    /// Offload required but not possible: refuse.
-    Refuse,
+/// The peer address of `fd`.
+fn peer_ip_port(fd: c_int) -> Option<(IpAddr, u16)> {
+    // SAFETY: sockaddr_storage is plain data; all-zero is a valid value.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::sockaddr_storage>() as socklen_t;
+    // SAFETY: getpeername writes at most `len` bytes into `ss`.
+    let r = unsafe { libc::getpeername(fd, (&raw mut ss).cast(), &raw mut len) };
+    if r != 0 {
+        return None;
+    }
+    // SAFETY: `ss` holds `len` bytes written by the kernel.
+    unsafe { ip_port((&raw const ss).cast(), len) }
 }
 
-fn verdict(role: Role, fd: c_int, target: Option<(IpAddr, u16)>) -> Verdict {
-    let Some((ip, port)) = target else {
-        return Verdict::NotTcp;
+/// Runs an entry point's Rust part: a panic never unwinds into C; it
+/// fails the call with `EIO`.
+pub(crate) fn guard<T: From<i8>>(f: impl FnOnce() -> Result<T, c_int>) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => fail(e),
+        Err(_) => fail(libc::EIO),
+    }
+}
+
+/// How long a capability query waits for the twin of a host not asked
+/// before (a host without sockets direct answers at once with ICMP port
+/// unreachable on loopback and LANs; the answer is cached).
+const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
+/// How long `connect` waits for a non-blocking connection to be made
+/// before it is switched.
+const CONNECT_WAIT_MS: c_int = 5000;
+
+/// The decision for a new client connection.
+enum ClientPlan {
+    /// Not ours (not TCP over IP, or already connected): the real call.
+    Pass,
+    /// Plain TCP, counted with this reason.
+    Plain(PlainReason),
+    /// Offload required and impossible: refuse before any byte.
+    Refuse(&'static str),
+    /// The peer's twin agreed: connect and switch.
+    Switch,
+}
+
+fn bind_any_port(fd: c_int, v6: bool) -> Option<u16> {
+    if let Some((_, p)) = local_ip_port(fd)
+        && p != 0
+    {
+        return Some(p);
+    }
+    let any: SocketAddr = if v6 {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    } else {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
     };
-    if !is_stream(fd) {
-        return Verdict::NotTcp;
+    let sa = socket2::SockAddr::from(any);
+    // SAFETY: binding the caller's socket to a valid address of its family.
+    let r = unsafe { libc::bind(fd, sa.as_ptr().cast(), sa.len()) };
+    if r != 0 {
+        return None;
+    }
+    local_ip_port(fd).map(|(_, p)| p)
+}
+
+fn client_plan(fd: c_int, target: Option<(IpAddr, u16)>) -> ClientPlan {
+    let Some((ip, port)) = target else {
+        return ClientPlan::Pass;
+    };
+    if !is_stream(fd) || peer_ip_port(fd).is_some() || conn::lookup(fd).is_some() {
+        return ClientPlan::Pass;
     }
     let s = state();
-    match s.policy.decide(&s.program, role, ip, port) {
-        Mode::Tcp => Verdict::Plain(PlainReason::Policy),
-        Mode::Auto => Verdict::Plain(PlainReason::NoOffloadProtocol),
-        Mode::Offload => Verdict::Refuse,
+    let mode = s.policy.decide(&s.program, Role::Client, ip, port);
+    if mode == Mode::Tcp {
+        return ClientPlan::Plain(PlainReason::Policy);
+    }
+    let required = mode == Mode::Offload;
+    let plain = |why: PlainReason, msg: &'static str| {
+        if required {
+            ClientPlan::Refuse(msg)
+        } else {
+            ClientPlan::Plain(why)
+        }
+    };
+    let started = ENGINE_PID.load(Ordering::Relaxed);
+    if started != 0 && started != conn::pid() {
+        return plain(
+            PlainReason::EngineInherited,
+            "this process was forked from one whose engine runs",
+        );
+    }
+    let dest = SocketAddr::new(ip, port);
+    let not_capable = "the peer does not run sockets direct";
+    if external::known_plain(dest) {
+        return plain(PlainReason::PeerNotCapable, not_capable);
+    }
+    let Some(local_port) = bind_any_port(fd, local_ip_port(fd).is_some_and(|(a, _)| a.is_ipv6()))
+    else {
+        return plain(PlainReason::PeerNotCapable, not_capable);
+    };
+    match external::query(dest, local_port, PROBE_TIMEOUT) {
+        PeerAnswer::Accept => ClientPlan::Switch,
+        PeerAnswer::Decline => plain(PlainReason::PeerDeclined, "the peer declined offload"),
+        PeerAnswer::NotCapable => plain(PlainReason::PeerNotCapable, not_capable),
     }
 }
 
-fn count(v: &Verdict) {
-    match v {
-        Verdict::NotTcp => {}
-        Verdict::Plain(why) => state().stats.plain(*why),
-        Verdict::Refuse => state().stats.refused(),
+/// Waits until a non-blocking connect completes; whether it connected
+/// (without consuming `SO_ERROR`, which the application reads).
+fn wait_connected(fd: c_int) -> bool {
+    let Some(poll) = REAL_POLL.get() else {
+        return false;
+    };
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd.
+        let r = unsafe { poll(&raw mut p, 1, CONNECT_WAIT_MS) };
+        if r < 0 && errno() == libc::EINTR {
+            continue;
+        }
+        return r > 0 && peer_ip_port(fd).is_some();
     }
 }
 
-/// `connect(2)`: the policy decides before the real connect; a connection
-/// that must be offloaded but cannot is refused with `EOPNOTSUPP`.
+/// `connect(2)`: a TCP connection whose policy allows offload asks the
+/// server's UDP twin first; if it agrees, the connection is made (a
+/// non-blocking one is waited for) and switched into sockets direct before
+/// `connect` returns, with the result the real call gave. Otherwise it
+/// stays plain TCP; a connection that must be offloaded but cannot is
+/// refused with `EOPNOTSUPP` before any byte.
 ///
 /// # Safety
 /// As `connect(2)`: `addr` points to `len` readable bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
     let Some(real) = REAL_CONNECT.get() else {
-        set_errno(libc::ENOSYS);
-        return -1;
+        return fail(libc::ENOSYS);
     };
-    let v = catch_unwind(AssertUnwindSafe(|| {
+    let plan = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: the caller's guarantee for `addr`/`len`.
-        verdict(Role::Client, fd, unsafe { ip_port(addr, len) })
+        client_plan(fd, unsafe { ip_port(addr, len) })
     }))
-    .unwrap_or(Verdict::NotTcp);
-    if matches!(v, Verdict::Refuse) {
+    .unwrap_or(ClientPlan::Pass);
+    if let ClientPlan::Refuse(why) = plan {
         let _ = catch_unwind(|| {
-            count(&v);
+            state().stats.refused();
             eprintln!(
-                "softrdma-preload: connection refused: the policy requires offload, and no offload protocol is available"
+                "softrdma-preload: connection refused: the policy requires offload, and {why}"
             );
         });
-        set_errno(libc::EOPNOTSUPP);
-        return -1;
+        return fail(libc::EOPNOTSUPP);
     }
     // SAFETY: forwarding the caller's arguments unchanged.
     let r = unsafe { real(fd, addr, len) };
     let e = errno();
-    if r == 0 || e == libc::EINPROGRESS {
-        let _ = catch_unwind(AssertUnwindSafe(|| count(&v)));
+    if r != 0 && e != libc::EINPROGRESS {
+        set_errno(e);
+        return r;
     }
+    let _ = catch_unwind(AssertUnwindSafe(|| match plan {
+        ClientPlan::Plain(why) => state().stats.plain(why),
+        ClientPlan::Switch => {
+            if r != 0 && !wait_connected(fd) {
+                // The connection failed: the application learns it from
+                // SO_ERROR as usual.
+                return;
+            }
+            let app_nonblock = REAL_FCNTL.get().is_some_and(|f| {
+                // SAFETY: F_GETFL has no argument.
+                let fl = unsafe { f(fd, libc::F_GETFL, 0) };
+                fl >= 0 && fl & libc::O_NONBLOCK != 0
+            });
+            match Conn::connect_switch(fd) {
+                Ok(c) => {
+                    state().stats.offloaded();
+                    let cloexec = fd_cloexec(fd);
+                    conn::insert(fd, c, cloexec);
+                }
+                Err(_) => {
+                    state().stats.plain(PlainReason::SetupFailed);
+                    // The switch's bytes may be on the stream: it must not
+                    // carry application data. A fresh plain connection
+                    // takes its place (it asks no twin, so the server keeps
+                    // it plain).
+                    // SAFETY: the caller's address, as for the real call.
+                    if !unsafe { reconnect_plain(fd, addr, len, app_nonblock) } {
+                        eprintln!(
+                            "softrdma-preload: switching a connection into sockets direct failed, and a plain reconnect too; it is reset"
+                        );
+                        // SAFETY: shutting down the caller's socket.
+                        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                    }
+                }
+            }
+        }
+        ClientPlan::Pass | ClientPlan::Refuse(_) => {}
+    }));
     set_errno(e);
     r
 }
 
-/// Bookkeeping for an accepted connection `fd` (when it is one).
-fn on_accepted(fd: c_int) -> c_int {
+/// Replaces the connection of `fd` (whose switch failed) by a new plain
+/// one to the same address, with the application's non-blocking mode
+/// (`nonblock`, as it was before the switch made the socket non-blocking),
+/// close-on-exec flag and `TCP_NODELAY`.
+///
+/// # Safety
+/// `addr` points to `len` readable bytes.
+unsafe fn reconnect_plain(
+    fd: c_int,
+    addr: *const sockaddr,
+    len: socklen_t,
+    nonblock: bool,
+) -> bool {
+    let (Some(connect), Some(dup3), Some(close), Some(fcntl)) = (
+        REAL_CONNECT.get(),
+        REAL_DUP3.get(),
+        REAL_CLOSE.get(),
+        REAL_FCNTL.get(),
+    ) else {
+        return false;
+    };
+    // SAFETY: the caller's address; the family is its first field.
+    let family = c_int::from(unsafe { (*addr).sa_family });
+    // SAFETY: a new socket.
+    let ns = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if ns < 0 {
+        return false;
+    }
+    // SAFETY: a blocking connect of our new socket to the caller's address.
+    if unsafe { connect(ns, addr, len) } != 0 {
+        // SAFETY: our socket.
+        unsafe { close(ns) };
+        return false;
+    }
+    let mut nodelay: c_int = 0;
+    let mut l = size_of::<c_int>() as socklen_t;
+    // SAFETY: reading an int option of the caller's socket.
+    unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&raw mut nodelay).cast(),
+            &raw mut l,
+        );
+        if nodelay != 0 {
+            libc::setsockopt(
+                ns,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                (&raw const nodelay).cast(),
+                size_of::<c_int>() as socklen_t,
+            );
+        }
+    }
+    if nonblock {
+        // SAFETY: F_GETFL/F_SETFL on our socket.
+        unsafe {
+            let nfl = fcntl(ns, libc::F_GETFL, 0);
+            fcntl(ns, libc::F_SETFL, (nfl | libc::O_NONBLOCK) as usize);
+        }
+    }
+    let flags = if fd_cloexec(fd) { libc::O_CLOEXEC } else { 0 };
+    // SAFETY: the new connection takes the caller's descriptor number.
+    let r = unsafe { dup3(ns, fd, flags) };
+    // SAFETY: our socket (a copy now lives at `fd`).
+    unsafe { close(ns) };
+    r == fd
+}
+
+fn fd_cloexec(fd: c_int) -> bool {
+    REAL_FCNTL.get().is_some_and(|f| {
+        // SAFETY: F_GETFD has no argument.
+        let fl = unsafe { f(fd, libc::F_GETFD, 0) };
+        fl >= 0 && fl & libc::FD_CLOEXEC != 0
+    })
+}
+
+/// Listening sockets with a capability twin.
+static LISTENERS: LazyLock<Mutex<HashMap<c_int, Arc<Twin>>>> = LazyLock::new(Mutex::default);
+static LISTENER_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn listener_twin(fd: c_int) -> Option<Arc<Twin>> {
+    if LISTENER_COUNT.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    let l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+    l.get(&fd).cloned()
+}
+
+fn drop_listener(fd: c_int) {
+    if LISTENER_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let t = {
+        let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+        let t = l.remove(&fd);
+        LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
+        t
+    };
+    drop(t);
+}
+
+/// `listen(2)`: a TCP listener whose policy allows offload gets a UDP twin
+/// on the same address and port answering clients' capability queries.
+///
+/// # Safety
+/// As `listen(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    let Some(real) = REAL_LISTEN.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let r = unsafe { real(fd, backlog) };
+    if r != 0 {
+        return r;
+    }
+    let e = errno();
+    let _ = catch_unwind(|| {
+        if listener_twin(fd).is_some() || !is_stream(fd) {
+            return;
+        }
+        let Some((ip, port)) = local_ip_port(fd) else {
+            return;
+        };
+        let s = state();
+        if s.policy.decide(&s.program, Role::Server, ip, port) == Mode::Tcp {
+            return;
+        }
+        let started = ENGINE_PID.load(Ordering::Relaxed);
+        if started != 0 && started != conn::pid() {
+            // Forked from a process whose engine runs: this one cannot
+            // switch, so its listener does not offer it.
+            return;
+        }
+        conn::pid();
+        if let Ok(t) = conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port))) {
+            let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+            l.insert(fd, Arc::new(t));
+            LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
+        }
+    });
+    set_errno(e);
+    0
+}
+
+/// Bookkeeping for a connection `fd` accepted on `lfd`: pending switch if
+/// its client asked the twin, plain otherwise (or refused when offload is
+/// required).
+fn on_accepted(lfd: c_int, fd: c_int, flags: c_int) -> c_int {
     if fd < 0 {
         return fd;
     }
     let e = errno();
     let refused = catch_unwind(|| {
-        let v = verdict(Role::Server, fd, local_ip_port(fd));
-        count(&v);
-        matches!(v, Verdict::Refuse)
+        let Some((ip, port)) = local_ip_port(fd) else {
+            return false;
+        };
+        if !is_stream(fd) {
+            return false;
+        }
+        let s = state();
+        let mode = s.policy.decide(&s.program, Role::Server, ip, port);
+        let why = if mode == Mode::Tcp {
+            PlainReason::Policy
+        } else {
+            match listener_twin(lfd) {
+                None => PlainReason::NoTwin,
+                Some(t) => {
+                    let asked = peer_ip_port(fd)
+                        .is_some_and(|(pip, pport)| t.records.take(SocketAddr::new(pip, pport)));
+                    if asked && let Some(c) = Conn::accepted(fd) {
+                        // Counted when it is switched (first use).
+                        conn::insert(fd, c, flags & libc::SOCK_CLOEXEC != 0);
+                        return false;
+                    }
+                    PlainReason::ClientPlain
+                }
+            }
+        };
+        if mode == Mode::Offload {
+            s.stats.refused();
+            return true;
+        }
+        s.stats.plain(why);
+        false
     })
     .unwrap_or(false);
     if refused {
         // The client is told by a reset; the application never sees it.
-        // SAFETY: closing the descriptor the real accept just returned.
-        unsafe { libc::close(fd) };
+        if let Some(close) = REAL_CLOSE.get() {
+            // SAFETY: closing the descriptor the real accept just returned.
+            unsafe { close(fd) };
+        }
         set_errno(libc::ECONNABORTED);
         return -1;
     }
@@ -359,11 +626,10 @@ fn on_accepted(fd: c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
     let Some(real) = REAL_ACCEPT.get() else {
-        set_errno(libc::ENOSYS);
-        return -1;
+        return fail(libc::ENOSYS);
     };
     // SAFETY: forwarding the caller's arguments unchanged.
-    on_accepted(unsafe { real(fd, addr, len) })
+    on_accepted(fd, unsafe { real(fd, addr, len) }, 0)
 }
 
 /// `accept4(2)`.
@@ -378,9 +644,454 @@ pub unsafe extern "C" fn accept4(
     flags: c_int,
 ) -> c_int {
     let Some(real) = REAL_ACCEPT4.get() else {
-        set_errno(libc::ENOSYS);
-        return -1;
+        return fail(libc::ENOSYS);
     };
     // SAFETY: forwarding the caller's arguments unchanged.
-    on_accepted(unsafe { real(fd, addr, len, flags) })
+    on_accepted(fd, unsafe { real(fd, addr, len, flags) }, flags)
+}
+
+/// `close(2)`: an offloaded connection ends with its last descriptor; a
+/// listener's twin stops.
+///
+/// # Safety
+/// As `close(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    let Some(real) = REAL_CLOSE.get() else {
+        return fail(libc::ENOSYS);
+    };
+    if (conn::any() || LISTENER_COUNT.load(Ordering::Relaxed) != 0) && !conn::in_vfork_child() {
+        let _ = catch_unwind(|| {
+            conn::remove(fd);
+            drop_listener(fd);
+        });
+    }
+    // SAFETY: forwarding the caller's argument unchanged.
+    unsafe { real(fd) }
+}
+
+/// Forgets every offloaded descriptor and listener in `first..=last`
+/// (they are about to be closed together).
+fn forget_range(first: c_int, last: c_int) {
+    if (!conn::any() && LISTENER_COUNT.load(Ordering::Relaxed) == 0) || conn::in_vfork_child() {
+        return;
+    }
+    let _ = catch_unwind(|| {
+        for fd in conn::fds_in(first, last) {
+            conn::remove(fd);
+        }
+        let ls: Vec<c_int> = {
+            let l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+            l.keys()
+                .copied()
+                .filter(|&f| f >= first && f <= last)
+                .collect()
+        };
+        for fd in ls {
+            drop_listener(fd);
+        }
+    });
+}
+
+/// `close_range(2)`: offloaded descriptors in the range end as with
+/// `close` (unless only close-on-exec is set: they always have it).
+///
+/// # Safety
+/// As `close_range(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn close_range(
+    first: libc::c_uint,
+    last: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    let Some(real) = REAL_CLOSE_RANGE.get() else {
+        return fail(libc::ENOSYS);
+    };
+    if flags & libc::CLOSE_RANGE_CLOEXEC as c_int == 0 {
+        let last = c_int::try_from(last).unwrap_or(c_int::MAX);
+        forget_range(c_int::try_from(first).unwrap_or(c_int::MAX), last);
+    }
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(first, last, flags) }
+}
+
+/// `closefrom(3)`.
+///
+/// # Safety
+/// As `closefrom(3)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn closefrom(low: c_int) {
+    forget_range(low.max(0), c_int::MAX);
+    if let Some(real) = REAL_CLOSEFROM.get() {
+        // SAFETY: forwarding the caller's argument unchanged.
+        unsafe { real(low) };
+    }
+}
+
+/// `shutdown(2)`: offloaded, writing ends with an SDP DisConn after the
+/// queued data (the kernel socket is left alone).
+///
+/// # Safety
+/// As `shutdown(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    if let Some(c) = conn::lookup(fd) {
+        return guard(|| {
+            let how = match how {
+                libc::SHUT_RD => std::net::Shutdown::Read,
+                libc::SHUT_WR => std::net::Shutdown::Write,
+                libc::SHUT_RDWR => std::net::Shutdown::Both,
+                _ => return Err(libc::EINVAL),
+            };
+            c.stream()?.shutdown(how).map_err(|e| conn::errno_of(&e))?;
+            Ok(0)
+        });
+    }
+    let Some(real) = REAL_SHUTDOWN.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(fd, how) }
+}
+
+/// A new descriptor `new` of `old` (from dup, dup2, dup3, F_DUPFD).
+fn duplicated(old: c_int, new: c_int, cloexec: bool) {
+    if new < 0 {
+        return;
+    }
+    let e = errno();
+    let _ = catch_unwind(|| {
+        if let Some(c) = conn::lookup(old) {
+            if conn::in_vfork_child() {
+                // The parent's memory: only the kernel's close-on-exec
+                // (the program about to be started must not get it).
+                if let Some(f) = REAL_FCNTL.get() {
+                    // SAFETY: F_SETFD with an int argument.
+                    unsafe { f(new, libc::F_SETFD, libc::FD_CLOEXEC as usize) };
+                }
+            } else {
+                conn::insert(new, c, cloexec);
+            }
+        }
+    });
+    set_errno(e);
+}
+
+/// `dup(2)`.
+///
+/// # Safety
+/// As `dup(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    let Some(real) = REAL_DUP.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's argument unchanged.
+    let r = unsafe { real(fd) };
+    duplicated(fd, r, false);
+    r
+}
+
+/// `dup2(2)`: the descriptor replaced is forgotten first.
+///
+/// # Safety
+/// As `dup2(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    let Some(real) = REAL_DUP2.get() else {
+        return fail(libc::ENOSYS);
+    };
+    if old != new && conn::any() && !conn::in_vfork_child() {
+        let _ = catch_unwind(|| {
+            conn::remove(new);
+        });
+    }
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let r = unsafe { real(old, new) };
+    if old != new {
+        duplicated(old, r, false);
+    }
+    r
+}
+
+/// `dup3(2)`.
+///
+/// # Safety
+/// As `dup3(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    let Some(real) = REAL_DUP3.get() else {
+        return fail(libc::ENOSYS);
+    };
+    if old != new && conn::any() && !conn::in_vfork_child() {
+        let _ = catch_unwind(|| {
+            conn::remove(new);
+        });
+    }
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let r = unsafe { real(old, new, flags) };
+    duplicated(old, r, flags & libc::O_CLOEXEC != 0);
+    r
+}
+
+fn fcntl_common(
+    real: unsafe extern "C" fn(c_int, c_int, usize) -> c_int,
+    fd: c_int,
+    cmd: c_int,
+    arg: usize,
+) -> c_int {
+    if (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) && conn::internal() {
+        // A duplicate made while setting up a connection: high numbers.
+        // SAFETY: F_DUPFD* with an int argument.
+        let r = unsafe { real(fd, cmd, arg.max(conn::high_base() as usize)) };
+        if r >= 0 {
+            return r;
+        }
+    }
+    let Some(slot) = conn::slot(fd) else {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        return unsafe { real(fd, cmd, arg) };
+    };
+    let c = &slot.conn;
+    match cmd {
+        libc::F_GETFL => {
+            // SAFETY: F_GETFL has no argument.
+            let fl = unsafe { real(fd, cmd, 0) };
+            if fl < 0 {
+                return fl;
+            }
+            let nb = c.nonblock.load(Ordering::Relaxed);
+            (fl & !libc::O_NONBLOCK) | if nb { libc::O_NONBLOCK } else { 0 }
+        }
+        libc::F_SETFL => {
+            let fl = arg as c_int;
+            c.nonblock
+                .store(fl & libc::O_NONBLOCK != 0, Ordering::Relaxed);
+            // The kernel socket stays non-blocking for the engine.
+            // SAFETY: F_SETFL with an int argument.
+            unsafe { real(fd, cmd, (fl | libc::O_NONBLOCK) as usize) }
+        }
+        libc::F_GETFD => {
+            // SAFETY: F_GETFD has no argument.
+            let fl = unsafe { real(fd, cmd, 0) };
+            if fl < 0 {
+                return fl;
+            }
+            (fl & !libc::FD_CLOEXEC) | if slot.cloexec { libc::FD_CLOEXEC } else { 0 }
+        }
+        libc::F_SETFD => {
+            let fl = arg as c_int;
+            let _ = catch_unwind(|| conn::set_cloexec(fd, fl & libc::FD_CLOEXEC != 0));
+            // Close-on-exec stays on in the kernel (see the crate docs).
+            // SAFETY: F_SETFD with an int argument.
+            unsafe { real(fd, cmd, (fl | libc::FD_CLOEXEC) as usize) }
+        }
+        libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => {
+            // SAFETY: forwarding the caller's arguments unchanged.
+            let r = unsafe { real(fd, cmd, arg) };
+            duplicated(fd, r, cmd == libc::F_DUPFD_CLOEXEC);
+            r
+        }
+        // SAFETY: forwarding the caller's arguments unchanged.
+        _ => unsafe { real(fd, cmd, arg) },
+    }
+}
+
+/// `fcntl(2)`: `O_NONBLOCK` and `FD_CLOEXEC` of an offloaded descriptor
+/// are the application's view; `F_DUPFD` duplicates the connection.
+///
+/// # Safety
+/// As `fcntl(2)`; `arg` is the optional third argument.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    let Some(real) = REAL_FCNTL.get() else {
+        return fail(libc::ENOSYS);
+    };
+    fcntl_common(real, fd, cmd, arg)
+}
+
+/// `fcntl64`: as [`fcntl`].
+///
+/// # Safety
+/// As `fcntl(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    let Some(real) = REAL_FCNTL64.get().or(REAL_FCNTL.get()) else {
+        return fail(libc::ENOSYS);
+    };
+    fcntl_common(real, fd, cmd, arg)
+}
+
+/// `ioctl(2)`: `FIONBIO` sets the application's view of non-blocking mode;
+/// `FIONREAD` reports the octets readable now; `FIOCLEX`/`FIONCLEX` set the
+/// application's view of close-on-exec.
+///
+/// # Safety
+/// As `ioctl(2)`; `arg` is the optional third argument.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
+    if let Some(c) = conn::lookup(fd) {
+        if req == libc::FIONBIO {
+            let p = arg as *const c_int;
+            if p.is_null() {
+                return fail(libc::EFAULT);
+            }
+            // SAFETY: FIONBIO's argument points to an int.
+            let on = unsafe { *p } != 0;
+            c.nonblock.store(on, Ordering::Relaxed);
+            return 0;
+        }
+        if req == libc::FIOCLEX || req == libc::FIONCLEX {
+            // Close-on-exec stays on in the kernel (see the crate docs).
+            let _ = catch_unwind(|| conn::set_cloexec(fd, req == libc::FIOCLEX));
+            return 0;
+        }
+        if req == libc::FIONREAD {
+            let p = arg as *mut c_int;
+            if p.is_null() {
+                return fail(libc::EFAULT);
+            }
+            return guard(|| {
+                let mut buf = vec![0u8; 256 * 1024];
+                let n = match c.stream()?.peek(&mut buf) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+                    Err(e) => return Err(conn::errno_of(&e)),
+                };
+                // SAFETY: FIONREAD's argument points to an int.
+                unsafe { *p = c_int::try_from(n).unwrap_or(c_int::MAX) };
+                Ok(0)
+            });
+        }
+    }
+    let Some(real) = REAL_IOCTL.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(fd, req, arg) }
+}
+
+/// `setsockopt(2)`: on an offloaded socket `TCP_ULP` fails with
+/// `ENOPROTOOPT` (TLS libraries then stay in user space), `TCP_NODELAY`,
+/// `SO_RCVTIMEO` and `SO_SNDTIMEO` also apply to the offloaded stream;
+/// everything goes to the kernel socket as well.
+///
+/// # Safety
+/// As `setsockopt(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    let Some(real) = REAL_SETSOCKOPT.get() else {
+        return fail(libc::ENOSYS);
+    };
+    if let Some(c) = conn::lookup(fd) {
+        if level == libc::IPPROTO_TCP && name == libc::TCP_ULP {
+            return fail(libc::ENOPROTOOPT);
+        }
+        // SAFETY: forwarding the caller's arguments unchanged.
+        let r = unsafe { real(fd, level, name, val, len) };
+        if r == 0 && !val.is_null() {
+            let e = errno();
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                if level == libc::IPPROTO_TCP
+                    && name == libc::TCP_NODELAY
+                    && len as usize >= size_of::<c_int>()
+                {
+                    // SAFETY: TCP_NODELAY's value is an int, `len` checked.
+                    let on = unsafe { *val.cast::<c_int>() } != 0;
+                    if let Ok(s) = c.stream() {
+                        let _ = s.set_nodelay(on);
+                    }
+                }
+                if level == libc::SOL_SOCKET
+                    && (name == libc::SO_RCVTIMEO || name == libc::SO_SNDTIMEO)
+                    && len as usize >= size_of::<libc::timeval>()
+                {
+                    // SAFETY: the value is a timeval, `len` checked.
+                    let tv = unsafe { *val.cast::<libc::timeval>() };
+                    let us = (tv.tv_sec.max(0) as u64) * 1_000_000 + tv.tv_usec.max(0) as u64;
+                    let slot = if name == libc::SO_RCVTIMEO {
+                        &c.rcvtimeo
+                    } else {
+                        &c.sndtimeo
+                    };
+                    slot.store(us, Ordering::Relaxed);
+                }
+            }));
+            set_errno(e);
+        }
+        return r;
+    }
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(fd, level, name, val, len) }
+}
+
+/// `getsockopt(2)`: the kernel socket's options (names, buffers,
+/// `SO_ERROR` of the TCP connection); `TCP_ULP` on an offloaded socket
+/// fails with `ENOPROTOOPT`.
+///
+/// # Safety
+/// As `getsockopt(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    if level == libc::IPPROTO_TCP && name == libc::TCP_ULP && conn::lookup(fd).is_some() {
+        return fail(libc::ENOPROTOOPT);
+    }
+    let Some(real) = REAL_GETSOCKOPT.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(fd, level, name, val, len) }
+}
+
+/// `socketpair(2)`: pairs made while setting up an offloaded connection
+/// (its readiness and wake-up sockets) get high descriptor numbers.
+///
+/// # Safety
+/// As `socketpair(2)`: `sv` points to two ints.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn socketpair(
+    domain: c_int,
+    ty: c_int,
+    proto: c_int,
+    sv: *mut c_int,
+) -> c_int {
+    let Some(real) = REAL_SOCKETPAIR.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let r = unsafe { real(domain, ty, proto, sv) };
+    if r == 0 && !sv.is_null() && conn::internal() {
+        // SAFETY: the kernel filled both ints.
+        unsafe {
+            *sv = conn::move_high(*sv);
+            *sv.add(1) = conn::move_high(*sv.add(1));
+        }
+    }
+    r
+}
+
+/// `eventfd(2)`: as [`socketpair`], high numbers during a set-up.
+///
+/// # Safety
+/// As `eventfd(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eventfd(init: libc::c_uint, flags: c_int) -> c_int {
+    let Some(real) = REAL_EVENTFD.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let r = unsafe { real(init, flags) };
+    conn::move_high(r)
 }

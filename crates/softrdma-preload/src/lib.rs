@@ -1,36 +1,50 @@
 //! # softrdma-preload: sockets direct for unmodified programs
 //!
-//! An `LD_PRELOAD` library (`softrdma run --sockets -- CMD ARGS...`) that is
-//! to give an unmodified socket program sockets direct over softrdma when
+//! An `LD_PRELOAD` library (`softrdma run --sockets -- CMD ARGS...`) that
+//! gives an unmodified socket program sockets direct over softrdma when
 //! both ends can, and plain TCP otherwise. The application's file descriptor
 //! always stays the kernel TCP socket.
 //!
-//! What this build does: it interposes on the connection calls (`connect`,
-//! `accept`, `accept4`), decides each TCP connection's mode from the policy
-//! (`SOFTRDMA_SOCKETS=auto|offload|tcp`, rules in `SOFTRDMA_SOCKETS_CONF`;
-//! see the `policy` module), counts connections by outcome and reason, and
-//! appends one JSON line per process at exit to `SOFTRDMA_SOCKETS_STATS`:
+//! A client's `connect` asks the server's UDP twin (a UDP socket on the
+//! listener's address and port, started by the interposed `listen`) whether
+//! the connection may be offloaded; if so, the connection is made and the
+//! engine's stream-to-RDMA switch runs on it (SDP over a softrdma queue
+//! pair, `softrdma-sockets`); the accepted end switches on its first use. A
+//! peer without the library never asks or answers, so its connection stays
+//! plain TCP carrying exactly the program's bytes. The data calls, `dup`,
+//! `fcntl`, `ioctl`, socket options, poll/select and `epoll_ctl` act on the
+//! offloaded stream for offloaded descriptors and pass everything else
+//! straight through. See `README.md` for the interposed calls, fork, exec
+//! and signals.
+//!
+//! The policy is `SOFTRDMA_SOCKETS=auto|offload|tcp` with rules in
+//! `SOFTRDMA_SOCKETS_CONF` (see the `policy` module); connections are
+//! counted by outcome and reason, and one JSON line per process is appended
+//! at exit to `SOFTRDMA_SOCKETS_STATS`:
 //!
 //! ```text
-//! {"pid":1234,"exe":"/usr/bin/iperf3","offloaded":0,"plain":2,"refused":0,"reasons":{"no offload protocol":2}}
+//! {"pid":1234,"exe":"/usr/bin/iperf3","offloaded":2,"plain":0,"refused":0,"reasons":{}}
 //! ```
-//!
-//! No offload protocol is wired in yet: every connection stays plain TCP,
-//! byte for byte as the program sent it (reason `no offload protocol`), and
-//! a connection whose policy is `offload` (required) is refused with
-//! `EOPNOTSUPP` and a message on standard error. The data calls (`read`,
-//! `write`, `poll`, `epoll_*`, ...) are not interposed until offloaded
-//! connections exist, so they cost nothing.
 //!
 //! Safe inside someone else's process: at load time the library only copies
 //! its three environment variables (servers such as nginx clear the
 //! environment of the worker processes that accept connections); its state
-//! is made on the first interposed call; every entry point catches panics and
-//! keeps `errno` as the real call left it, and a forked child reports only
-//! its own connections.
+//! is made on the first interposed call, the engine on the first switch
+//! (its threads, and the twins', start with every signal blocked); every
+//! entry point catches panics and sets `errno` as the kernel would, and a
+//! forked child reports only its own connections.
 
 mod policy;
 mod stats;
+mod twin;
 
 #[cfg(not(test))]
+mod conn;
+#[cfg(not(test))]
+pub mod data;
+#[cfg(not(test))]
+pub mod events;
+#[cfg(not(test))]
 pub mod interpose;
+#[cfg(not(test))]
+mod real;

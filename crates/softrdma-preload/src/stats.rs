@@ -9,21 +9,44 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub(crate) enum PlainReason {
     /// The policy said `tcp`.
     Policy,
-    /// No offload protocol is available in this build of the library.
-    NoOffloadProtocol,
+    /// The peer does not run sockets direct (no UDP twin answered).
+    PeerNotCapable,
+    /// The peer's listener runs sockets direct but declined.
+    PeerDeclined,
+    /// Accepted: the client did not ask for offload.
+    ClientPlain,
+    /// The listener has no capability twin (its UDP port was taken).
+    NoTwin,
+    /// The switch into sockets direct failed.
+    SetupFailed,
+    /// A forked child of a process whose engine runs: it cannot switch.
+    EngineInherited,
 }
 
 impl PlainReason {
     pub(crate) fn key(self) -> &'static str {
         match self {
             PlainReason::Policy => "policy",
-            PlainReason::NoOffloadProtocol => "no offload protocol",
+            PlainReason::PeerNotCapable => "peer not capable",
+            PlainReason::PeerDeclined => "peer declined",
+            PlainReason::ClientPlain => "client did not ask for offload",
+            PlainReason::NoTwin => "no capability twin",
+            PlainReason::SetupFailed => "offload setup failed",
+            PlainReason::EngineInherited => "engine inherited across fork",
         }
     }
 }
 
 /// Every reason, in the order of their slots.
-const REASONS: [PlainReason; 2] = [PlainReason::Policy, PlainReason::NoOffloadProtocol];
+const REASONS: [PlainReason; 7] = [
+    PlainReason::Policy,
+    PlainReason::PeerNotCapable,
+    PlainReason::PeerDeclined,
+    PlainReason::ClientPlain,
+    PlainReason::NoTwin,
+    PlainReason::SetupFailed,
+    PlainReason::EngineInherited,
+];
 
 /// The counts of one process. Atomics only: a forked child resets them
 /// while a lock could be held by a thread that does not exist there.
@@ -49,6 +72,11 @@ impl Stats {
         self.plain.fetch_add(1, Ordering::Relaxed);
         let slot = REASONS.iter().position(|r| *r == why).unwrap_or(0);
         self.reasons[slot].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection switched into sockets direct.
+    pub(crate) fn offloaded(&self) {
+        self.offloaded.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A connection refused because the policy required offload.
@@ -121,13 +149,14 @@ mod tests {
     fn json_line_counts_and_escapes() {
         let s = Stats::default();
         s.plain(PlainReason::Policy);
-        s.plain(PlainReason::NoOffloadProtocol);
+        s.plain(PlainReason::PeerNotCapable);
+        s.offloaded();
         s.plain(PlainReason::Policy);
         s.refused();
         let line = json_line(42, "/usr/bin/a \"b\"", &s.snapshot());
         assert_eq!(
             line,
-            "{\"pid\":42,\"exe\":\"/usr/bin/a \\\"b\\\"\",\"offloaded\":0,\"plain\":3,\"refused\":1,\"reasons\":{\"no offload protocol\":1,\"policy\":2}}"
+            "{\"pid\":42,\"exe\":\"/usr/bin/a \\\"b\\\"\",\"offloaded\":1,\"plain\":3,\"refused\":1,\"reasons\":{\"peer not capable\":1,\"policy\":2}}"
         );
         s.reset();
         assert_eq!(s.snapshot(), Counts::default());

@@ -1,64 +1,13 @@
 //! The built library preloaded into real processes (Python socket programs):
 //! policy decisions, bytes unchanged, the stats line at exit, fork.
 
+mod common;
+
 use std::io::Read;
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Command, Output};
 use std::time::Duration;
 
-/// `target/<profile>/libsoftrdma_preload.so`, next to this test's `deps/`;
-/// built here if `cargo test` did not build it (it builds no cdylib for
-/// integration tests).
-fn library() -> PathBuf {
-    static BUILT: std::sync::Once = std::sync::Once::new();
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let lib = dir.join("libsoftrdma_preload.so");
-    BUILT.call_once(|| {
-        if lib.exists() {
-            return;
-        }
-        let release = dir.file_name().is_some_and(|n| n == "release");
-        let mut c = Command::new(env!("CARGO"));
-        c.args(["build", "-p", "softrdma-preload"])
-            .env("CARGO_TARGET_DIR", dir.parent().unwrap());
-        if release {
-            c.arg("--release");
-        }
-        let st = c.status().expect("run cargo build");
-        assert!(st.success(), "cargo build -p softrdma-preload failed");
-    });
-    assert!(lib.exists(), "{} not built", lib.display());
-    lib
-}
-
-fn have_python() -> bool {
-    Command::new("python3").arg("-V").output().is_ok()
-}
-
-/// Runs `script` under python3 with the library preloaded.
-fn python(script: &str, env: &[(&str, &str)]) -> (Output, Vec<String>) {
-    let dir = tempfile::tempdir().unwrap();
-    let stats = dir.path().join("stats.jsonl");
-    let mut c = Command::new("python3");
-    c.arg("-c")
-        .arg(script)
-        .env("LD_PRELOAD", library())
-        .env("SOFTRDMA_SOCKETS_STATS", &stats)
-        .env_remove("SOFTRDMA_SOCKETS")
-        .env_remove("SOFTRDMA_SOCKETS_CONF");
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    let out = c.output().unwrap();
-    let lines = std::fs::read_to_string(&stats)
-        .unwrap_or_default()
-        .lines()
-        .map(String::from)
-        .collect();
-    (out, lines)
-}
+use common::{field, have_python, python};
 
 fn client_script(port: u16) -> String {
     format!(
@@ -77,18 +26,8 @@ fn received(l: &TcpListener) -> Vec<u8> {
     v
 }
 
-fn field(line: &str, key: &str) -> String {
-    let at = line.find(&format!("\"{key}\":")).unwrap() + key.len() + 3;
-    line[at..]
-        .split([',', '}'])
-        .next()
-        .unwrap()
-        .trim_matches('"')
-        .to_string()
-}
-
 #[test]
-fn auto_connection_stays_plain_byte_exact_and_is_counted() {
+fn auto_connection_to_a_plain_server_stays_plain_byte_exact_and_is_counted() {
     if !have_python() {
         println!("SKIPPED: no python3");
         return;
@@ -105,7 +44,7 @@ fn auto_connection_stays_plain_byte_exact_and_is_counted() {
     assert!(field(l, "exe").contains("python3"), "{l}");
     assert_eq!(field(l, "offloaded"), "0");
     assert_eq!(field(l, "plain"), "1");
-    assert!(l.contains("\"reasons\":{\"no offload protocol\":1}"), "{l}");
+    assert!(l.contains("\"reasons\":{\"peer not capable\":1}"), "{l}");
 }
 
 #[test]
@@ -182,8 +121,10 @@ fn accepted_connections_are_counted_on_the_server() {
         s,_=l.accept(); assert s.recv(1)==b'x'\n";
     let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
     assert!(out.status.success(), "{out:?}");
-    // One connect (client role) and one accept (server role).
-    assert_eq!(field(&lines[0], "plain"), "2", "{lines:?}");
+    // One connect (client role) and one accept (server role), both ends
+    // preloaded: offloaded.
+    assert_eq!(field(&lines[0], "offloaded"), "2", "{lines:?}");
+    assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
 }
 
 #[test]

@@ -28,6 +28,7 @@ mod msg;
 mod output;
 mod rdma;
 pub mod remote;
+pub mod stream;
 mod tcp;
 
 use std::io::Write;
@@ -109,6 +110,10 @@ pub struct Params {
     pub force_datamover: bool,
     /// Wait on a completion channel instead of busy polling.
     pub event: bool,
+    /// Busy-poll without ever sleeping (`--spin`). By default a wait for
+    /// completions busy-polls for the device's `poll_spin` (50 µs), then
+    /// sleeps until a completion comes (`CompletionQueue::wait`).
+    pub spin: bool,
     /// Fail when nothing progresses for this long (and, in two-process
     /// mode, the limit of each connection step and control message).
     pub timeout: Duration,
@@ -143,6 +148,7 @@ impl Default for Params {
             crc: false,
             force_datamover: false,
             event: false,
+            spin: false,
             timeout: Duration::from_secs(10),
             tcp_spin: false,
         }
@@ -400,6 +406,10 @@ impl Watchdog {
 fn device(p: &Params) -> Result<Device, PerfError> {
     let mut cfg = DeviceConfig::default();
     cfg.force_datamover = p.force_datamover;
+    if p.spin {
+        cfg.poll_spin = Duration::MAX;
+        cfg.poll_yield_every = 0;
+    }
     Device::open_with(cfg).map_err(eng)
 }
 

@@ -136,8 +136,10 @@ pub(super) fn title(p: &Params, place: &str) -> String {
         if p.crc { "on" } else { "off" },
         if p.event {
             "event-driven"
+        } else if p.spin {
+            "busy polling (--spin)"
         } else {
-            "busy polling"
+            "busy polling 50 µs, then sleeping"
         },
         if p.force_datamover {
             ", datamover forced"

@@ -201,10 +201,21 @@ impl End {
         self.mr(n.len, n.access)
     }
 
+    /// Polls while the peer's Writes are polled for in memory: returns on a
+    /// completion or as soon as bytes came in, busy-polling for the
+    /// device's `poll_spin`, then sleeping on the sockets (at most 1 ms).
+    fn poll_mem(&self, buf: &mut [WorkCompletion]) -> usize {
+        self.cq.wait_progress(buf, Some(Duration::from_millis(1)))
+    }
+
     /// Polls; in event mode sleeps on the channel when the CQ is empty.
     fn poll(&self, buf: &mut [WorkCompletion]) -> Result<usize, PerfError> {
+        let Some(ch) = &self.ch else {
+            // Busy-polls for the device's `poll_spin`, then sleeps until a
+            // completion comes (at most 1 ms, so callers' watchdogs run).
+            return Ok(self.cq.wait(buf, Some(Duration::from_millis(1))));
+        };
         let k = self.cq.poll(buf);
-        let Some(ch) = &self.ch else { return Ok(k) };
         if k > 0 {
             return Ok(k);
         }
@@ -439,7 +450,7 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
     let (mut got, mut target) = (0u64, u64::MAX);
     loop {
         let k = if p.mode == Mode::Lat && p.test == Test::Write {
-            s.end.cq.poll(&mut buf)
+            s.end.poll_mem(&mut buf)
         } else {
             s.end.poll(&mut buf)?
         };
@@ -507,9 +518,6 @@ pub(super) fn serve(p: &Params, s: &Passive, control: &mut Control<'_>) -> Resul
         }
         if got >= target {
             return Ok(got);
-        }
-        if k == 0 {
-            std::hint::spin_loop();
         }
     }
 }
@@ -808,7 +816,7 @@ fn write_lat(p: &Params, a: &Active, peer: &mut dyn Peer) -> Result<Measurement,
         let dog = Watchdog::new("the peer's Write", p.timeout);
         let mut b1 = [0u8; 1];
         loop {
-            let k = a.end.cq.poll(&mut buf);
+            let k = a.end.poll_mem(&mut buf);
             for wc in &buf[..k] {
                 a.end.check(wc)?;
             }

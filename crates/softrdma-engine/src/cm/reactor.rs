@@ -88,9 +88,7 @@ fn handle() -> io::Result<&'static Handle> {
         cmds: Mutex::new(Vec::new()),
         next_listener: std::sync::atomic::AtomicU64::new(1),
     }));
-    std::thread::Builder::new()
-        .name("softrdma-cm".into())
-        .spawn(move || run(h))?;
+    crate::sys::io::spawn_engine_thread("softrdma-cm".into(), move || run(h))?;
     let _ = HANDLE.set(h);
     Ok(h)
 }

@@ -27,7 +27,7 @@ use polling::Events;
 
 use crate::device::DeviceConfig;
 use crate::qp::QpInner;
-use crate::sys::io::{allowed_cpus, pin_current_thread};
+use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
 use crate::sys::poll::{Interest, Reactor};
 use crate::tx::TxOutcome;
 
@@ -76,7 +76,7 @@ impl Threads {
     /// Starts the threads for `config`.
     pub(crate) fn start(config: &DeviceConfig) -> std::io::Result<Threads> {
         let cpus = if config.datamover_cpus.is_empty() {
-            allowed_cpus()
+            usable_cpus()
         } else {
             config.datamover_cpus.clone()
         };
@@ -102,15 +102,13 @@ impl Threads {
             let pin = config.pin_threads;
             {
                 let dm = dm.clone();
-                std::thread::Builder::new()
-                    .name(format!("softrdma-dm{i}"))
-                    .spawn(move || run_datamover(&dm, slice, pin))?;
+                spawn_engine_thread(format!("softrdma-dm{i}"), move || {
+                    run_datamover(&dm, slice, pin);
+                })?;
             }
             {
                 let rx = rx.clone();
-                std::thread::Builder::new()
-                    .name(format!("softrdma-rx{i}"))
-                    .spawn(move || run_rx(&rx, cpu, pin))?;
+                spawn_engine_thread(format!("softrdma-rx{i}"), move || run_rx(&rx, cpu, pin))?;
             }
             dms.push(dm);
             rxs.push(rx);
@@ -159,6 +157,34 @@ impl Threads {
         rx.qps.lock().insert(key, (Arc::downgrade(qp), fd));
         qp.rx_registered.store(true, Ordering::Release);
         let _ = rx.reactor.arm(fd, key, Interest::Read);
+    }
+
+    /// The socket of a connected QP, for a CQ waiter that sleeps on it
+    /// until `until_ns` (on the [`now_ns`] clock): meanwhile the receive
+    /// thread leaves the socket to the waiter (two threads woken by the
+    /// same bytes would fight for the receive lock). `None`: the waiter is
+    /// awake again and polls (the usual quiet period applies).
+    pub(crate) fn claim_rx(&self, qp: &QpInner, until_ns: Option<u64>) -> Option<RawFd> {
+        // A QP that no longer receives (closed, in error) may have a socket
+        // at end of file: always readable, it would wake the waiter at once,
+        // again and again.
+        if !qp.rx_registered.load(Ordering::Acquire)
+            || !matches!(
+                qp.state(),
+                crate::state::QpState::Rts | crate::state::QpState::Closing
+            )
+        {
+            return None;
+        }
+        let rx = self.rxs.get(qp.datamover)?;
+        let fd = rx
+            .qps
+            .lock()
+            .get(&(qp.qp_num as usize))
+            .map(|(_, fd)| *fd)?;
+        qp.last_poll
+            .store(until_ns.unwrap_or_else(now_ns), Ordering::Relaxed);
+        Some(fd)
     }
 
     /// Wakes receive thread `idx` so it re-checks the QPs it left to CQ

@@ -13,6 +13,15 @@
 //!
 //! Any violation sends a Terminate with the RFC's error code and puts the QP
 //! in ERROR; no byte is ever placed outside a region the peer was granted.
+//! The codes and the event each one raises come from the protocol core's
+//! one table (`softrdma_proto::term`). A verdict on a consumed message
+//! (Read Request, atomics, Immediate Data, Terminate) or on a ULPDU shorter
+//! than its DDP header waits for the FPDU's CRC (all of it is staged
+//! anyway): a header damaged in transit is a CRC error, not the peer's
+//! protocol violation. Exceptions: a consumed message longer than any valid
+//! one is answered at once rather than after up to 64 KiB never used, and
+//! a placed segment's header (Write, Read Response, Send) is refused before
+//! its payload is read, as Linux siw does.
 
 use std::io::{self, Read};
 use std::net::TcpStream;
@@ -24,20 +33,20 @@ use softrdma_wire::crc::{self, Crc32c};
 use softrdma_wire::ddp::{self, Msn};
 use softrdma_wire::errcode::TermError;
 use softrdma_wire::fpdu::pad_len;
-use softrdma_wire::rdmap::atomic::{AtomicOpcode, AtomicRequestRepr, AtomicResponseRepr};
+use softrdma_wire::rdmap::atomic::{AtomicRequestRepr, AtomicResponseRepr};
 use softrdma_wire::rdmap::{Opcode, PayloadPlacement, parse_control};
-use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduRepr};
+use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduError, UlpduRepr};
 
-use crate::event::AsyncEventKind;
 use crate::mr::Access;
 use crate::proxy::MsgMeta;
-use crate::qp::{OutReadKind, QpInner};
+use crate::qp::{OutReadKind, QpInner, TermHeader};
 use crate::state::QpState;
 use crate::sys::io::{IoVecs, MAX_IOVECS, crc_update_mem, readv};
 use crate::sys::mem::Memory;
 use crate::tx::{Response, SEND_IMM_FOLLOWS, qi};
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::RecvWqe;
+use softrdma_proto::term::{MALFORMED_HEADER, UNSUPPORTED_ATOMIC};
 use softrdma_wire::ddp::{QN_ATOMIC_RESPONSE, QN_READ_REQUEST, QN_SEND, QN_TERMINATE};
 
 /// Staging buffer: headers, trailers, small payloads and read-ahead. Large
@@ -53,6 +62,9 @@ const READAHEAD_LARGE: usize = 256;
 const MAX_HEAD: usize = 128;
 /// Largest DDP header copied into a Terminate.
 const MAX_COPIED_HDR: usize = 18;
+/// The RDMAP header of a Read Request, copied into a Terminate for a
+/// protection error on it.
+const READ_REQUEST_HDR: usize = 28;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -123,11 +135,9 @@ enum Stop {
     Closed { at_boundary: bool },
     /// The socket failed.
     Failed(io::Error),
-    /// The peer violated the protocol.
-    Violation {
-        err: TermError,
-        event: AsyncEventKind,
-    },
+    /// The peer violated the protocol (the event it raises comes from
+    /// `softrdma_proto::term::TABLE`).
+    Violation(TermError),
     /// The QP is no longer receiving.
     Dead,
 }
@@ -150,6 +160,19 @@ pub(crate) struct RxState {
     action: Action,
     hdr_copy: [u8; MAX_COPIED_HDR],
     hdr_copy_len: usize,
+    /// The current segment's payload length (after its DDP header), for a
+    /// Terminate's DDP Segment Length.
+    seg_len: usize,
+    /// A Read Request's RDMAP header (copied into a Terminate for a
+    /// protection error).
+    rdmap_copy: [u8; READ_REQUEST_HDR],
+    rdmap_copy_len: usize,
+    /// The verdict on the current FPDU's header, raised once its CRC is
+    /// checked; its payload is read and dropped.
+    deferred: Option<TermError>,
+    /// A receive too small for the Send being received: completes with a
+    /// length error once the CRC is checked good (else it is flushed).
+    too_long: Option<u64>,
     /// Next MSN expected per queue.
     expect: [Msn; 4],
     recv: Option<RecvProgress>,
@@ -185,6 +208,11 @@ impl RxState {
             action: Action::None,
             hdr_copy: [0; MAX_COPIED_HDR],
             hdr_copy_len: 0,
+            seg_len: 0,
+            rdmap_copy: [0; READ_REQUEST_HDR],
+            rdmap_copy_len: 0,
+            deferred: None,
+            too_long: None,
             expect: [Msn::INITIAL; 4],
             recv: None,
             imm_wait: None,
@@ -224,6 +252,9 @@ impl RxState {
     /// error).
     pub(crate) fn take_partial(&mut self) -> Vec<u64> {
         let mut v = Vec::new();
+        if let Some(wr_id) = self.too_long.take() {
+            v.push(wr_id);
+        }
         if let Some(r) = self.recv.take() {
             v.push(r.wqe.wr_id);
         }
@@ -284,10 +315,7 @@ impl RxState {
     /// Ensures `n` bytes are staged (n ≤ STAGING / 2).
     fn need(&mut self, n: usize) -> Result<(), Stop> {
         if n > self.buf.len() {
-            return Err(Stop::Violation {
-                err: TermError::DdpLocalCatastrophic,
-                event: AsyncEventKind::QpRequestError,
-            });
+            return Err(Stop::Violation(TermError::DdpLocalCatastrophic));
         }
         while self.avail() < n {
             if self.buf.len() - self.start < n {
@@ -357,12 +385,17 @@ impl QpInner {
                 self.flush_partial(rx);
                 self.link_failed(&e);
             }
-            Stop::Violation { err, event } => {
+            Stop::Violation(err) => {
                 rx.stream = None;
                 self.flush_partial(rx);
                 let hdr = rx.hdr_copy;
-                let n = rx.hdr_copy_len;
-                self.fail(err, (n > 0).then_some(&hdr[..n]), event);
+                let rdmap = rx.rdmap_copy;
+                let copied = TermHeader {
+                    ddp: &hdr[..rx.hdr_copy_len],
+                    segment_length: u16::try_from(rx.seg_len).unwrap_or(u16::MAX),
+                    rdmap: (rx.rdmap_copy_len == READ_REQUEST_HDR).then_some(&rdmap[..]),
+                };
+                self.fail(err, (rx.hdr_copy_len > 0).then_some(copied));
             }
         }
         // Whoever moved the QP out of RTS could not take the receive lock
@@ -401,53 +434,81 @@ impl QpInner {
         let hdr_len = ddp::header_len(ddp_ctrl);
         let opcode = parse_control(rdmap_ctrl).ok();
         let consumed = opcode.is_some_and(|o| o.payload_placement() == PayloadPlacement::Consumed);
-        let head = if consumed || ulpdu_len < hdr_len {
+        rx.hdr_copy_len = 0;
+        rx.rdmap_copy_len = 0;
+        rx.deferred = None;
+        rx.ulpdu_len = ulpdu_len;
+        rx.seg_len = ulpdu_len.saturating_sub(hdr_len);
+        rx.dest.clear();
+        rx.dest_idx = 0;
+        rx.dest_off = 0;
+        let short = ulpdu_len < hdr_len;
+        let head = if consumed || short {
             ulpdu_len
         } else {
             hdr_len
         };
         if head > MAX_HEAD {
-            // No header or consumed message is this long: answer at once,
-            // without waiting for (or trying to stage) bytes never used.
+            // No consumed message is this long: answer at once, without
+            // waiting for (or trying to stage) bytes never used.
             rx.need(2 + hdr_len)?;
             let s = rx.start;
             rx.hdr_copy[..hdr_len].copy_from_slice(&rx.buf[s + 2..s + 2 + hdr_len]);
             rx.hdr_copy_len = hdr_len;
-            return Err(Stop::Violation {
-                err: TermError::DdpLocalCatastrophic,
-                event: AsyncEventKind::QpRequestError,
-            });
+            return Err(Stop::Violation(MALFORMED_HEADER));
         }
         rx.need(2 + head)?;
         let s = rx.start;
-        let copy = head.min(MAX_COPIED_HDR);
-        rx.hdr_copy[..copy].copy_from_slice(&rx.buf[s + 2..s + 2 + copy]);
-        rx.hdr_copy_len = copy;
+        if !short {
+            rx.hdr_copy[..hdr_len].copy_from_slice(&rx.buf[s + 2..s + 2 + hdr_len]);
+            rx.hdr_copy_len = hdr_len;
+            if opcode == Some(Opcode::RdmaReadRequest) && head >= hdr_len + READ_REQUEST_HDR {
+                let at = s + 2 + hdr_len;
+                rx.rdmap_copy
+                    .copy_from_slice(&rx.buf[at..at + READ_REQUEST_HDR]);
+                rx.rdmap_copy_len = READ_REQUEST_HDR;
+            }
+        }
         if rx.crc_on {
             rx.crc = Crc32c::new();
             rx.crc.update(&rx.buf[s..s + 2 + head]);
         }
         let mut local = [0u8; MAX_HEAD];
         local[..head].copy_from_slice(&rx.buf[s + 2..s + 2 + head]);
-        let parsed = UlpduRepr::parse(&local[..head]);
-        let repr = match parsed {
-            Ok(r) => r,
-            Err(e) => {
-                return Err(Stop::Violation {
-                    err: e.term_error().unwrap_or(TermError::DdpLocalCatastrophic),
-                    event: AsyncEventKind::QpRequestError,
-                });
-            }
-        };
         let payload_len = ulpdu_len - head;
         rx.small = payload_len < DIRECT_MIN;
-        rx.ulpdu_len = ulpdu_len;
         rx.payload_left = payload_len;
-        rx.dest.clear();
-        rx.dest_idx = 0;
-        rx.dest_off = 0;
-        let action = self.validate(rx, &repr, payload_len)?;
-        rx.action = action;
+        let verdict = if short {
+            // The ULPDU cannot hold its DDP header: a Terminate, not a
+            // bare reset.
+            Err(MALFORMED_HEADER)
+        } else {
+            match UlpduRepr::parse(&local[..head]) {
+                Ok(repr) => self.validate(rx, &repr, payload_len),
+                Err(UlpduError::Body(_)) if opcode == Some(Opcode::AtomicRequest) => {
+                    Err(UNSUPPORTED_ATOMIC)
+                }
+                Err(e) => Err(e.term_error().unwrap_or(MALFORMED_HEADER)),
+            }
+        };
+        match verdict {
+            Ok(action) => rx.action = action,
+            Err(err) if !consumed && !short => {
+                // A placed segment's header is refused before its payload
+                // is read, as Linux siw does (a corrupted STag is reported
+                // as such: tests/faults.rs).
+                self.finish_too_long(rx);
+                return Err(Stop::Violation(err));
+            }
+            Err(err) => {
+                // Raised at the end of the FPDU, once its CRC is known good;
+                // the payload is read and dropped.
+                rx.action = Action::None;
+                rx.dest.clear();
+                rx.deferred = Some(err);
+                rx.small = true;
+            }
+        }
         rx.start += 2 + head;
         rx.phase = Phase::Payload;
         Ok(())
@@ -459,10 +520,12 @@ impl QpInner {
         rx: &mut RxState,
         repr: &UlpduRepr<'_>,
         payload_len: usize,
-    ) -> Result<Action, Stop> {
+    ) -> Result<Action, TermError> {
         let stags = self.device.stags();
         let pd = self.pd.id();
-        let violation = |err: TermError, event| Stop::Violation { err, event };
+        if repr.opcode.payload_placement() == PayloadPlacement::Consumed {
+            whole_message(repr)?;
+        }
         match (repr.opcode, repr.address) {
             (Opcode::RdmaWrite, DdpAddress::Tagged { stag, to }) => {
                 if self.proxy.get().is_some() {
@@ -487,7 +550,7 @@ impl QpInner {
                         rx.dest.push((t.mem, t.offset, t.len));
                         Ok(Action::None)
                     }
-                    Err(e) => Err(violation(e.term_error(true), AsyncEventKind::QpAccessError)),
+                    Err(e) => Err(e.term_error(true)),
                 }
             }
             (Opcode::RdmaReadResponse, DdpAddress::Tagged { stag, to }) => {
@@ -523,7 +586,7 @@ impl QpInner {
                         rx.dest.push(piece);
                         Ok(Action::ReadResponse { last: repr.last })
                     }
-                    Err(e) => Err(violation(e, AsyncEventKind::QpRequestError)),
+                    Err(e) => Err(e),
                 }
             }
             (
@@ -534,35 +597,20 @@ impl QpInner {
                 DdpAddress::Untagged { qn, msn, mo },
             ) => {
                 if qn.0 != 0 {
-                    return Err(violation(
-                        TermError::DdpUntaggedInvalidQn,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::DdpUntaggedInvalidQn);
                 }
                 if msn != rx.expect[qi(QN_SEND)] {
-                    return Err(violation(
-                        TermError::DdpUntaggedMsnRange,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::DdpUntaggedMsnRange);
                 }
                 if rx.recv.is_none() {
                     if mo != 0 {
-                        return Err(violation(
-                            TermError::DdpUntaggedInvalidMo,
-                            AsyncEventKind::QpRequestError,
-                        ));
+                        return Err(TermError::DdpUntaggedInvalidMo);
                     }
                     if rx.imm_wait.is_some() {
-                        return Err(violation(
-                            TermError::RdmapUnexpectedOpcode,
-                            AsyncEventKind::QpRequestError,
-                        ));
+                        return Err(TermError::RdmapUnexpectedOpcode);
                     }
                     let Some(wqe) = self.pop_recv() else {
-                        return Err(violation(
-                            TermError::DdpUntaggedNoBuffer,
-                            AsyncEventKind::QpRequestError,
-                        ));
+                        return Err(TermError::DdpUntaggedNoBuffer);
                     };
                     rx.recv = Some(RecvProgress {
                         wqe,
@@ -573,32 +621,18 @@ impl QpInner {
                     });
                 }
                 let Some(r) = rx.recv.as_mut() else {
-                    return Err(local_catastrophe());
+                    return Err(TermError::DdpLocalCatastrophic);
                 };
                 if r.msn != msn || mo as usize != r.received {
-                    return Err(violation(
-                        TermError::DdpUntaggedInvalidMo,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::DdpUntaggedInvalidMo);
                 }
                 if r.received + payload_len > r.wqe.total_len {
-                    // The receive is too small: it completes with a length
-                    // error (not a flush), then the Terminate goes out.
-                    let wr_id = r.wqe.wr_id;
+                    // The receive is too small: once the CRC is checked it
+                    // completes with a length error (not a flush), then the
+                    // Terminate goes out.
+                    rx.too_long = Some(r.wqe.wr_id);
                     rx.recv = None;
-                    self.complete_recv(
-                        WorkCompletion::error(
-                            wr_id,
-                            WcOpcode::Recv,
-                            self.qp_num,
-                            WcStatus::LocalLength,
-                        ),
-                        false,
-                    );
-                    return Err(violation(
-                        TermError::DdpUntaggedMessageTooLong,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::DdpUntaggedMessageTooLong);
                 }
                 let pieces = &mut rx.dest;
                 let mut off = r.received;
@@ -637,23 +671,14 @@ impl QpInner {
                 DdpAddress::Untagged { msn, .. },
             ) => {
                 if msn != rx.expect[qi(QN_SEND)] || rx.recv.is_some() {
-                    return Err(violation(
-                        TermError::DdpUntaggedMsnRange,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::DdpUntaggedMsnRange);
                 }
                 let UlpduBody::Immediate(d) = repr.body else {
-                    return Err(violation(
-                        TermError::RdmapUnexpectedOpcode,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::RdmapUnexpectedOpcode);
                 };
                 let imm = u32::try_from(d.as_be_u64() & 0xffff_ffff).unwrap_or(0);
                 if rx.imm_wait.is_none() && self.srq.is_none() && self.rq_is_empty() {
-                    return Err(violation(
-                        TermError::DdpUntaggedNoBuffer,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::DdpUntaggedNoBuffer);
                 }
                 Ok(Action::Immediate {
                     imm,
@@ -662,10 +687,7 @@ impl QpInner {
             }
             (Opcode::RdmaReadRequest, DdpAddress::Untagged { msn, .. }) => {
                 let UlpduBody::ReadRequest(req) = repr.body else {
-                    return Err(violation(
-                        TermError::RdmapUnexpectedOpcode,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::RdmapUnexpectedOpcode);
                 };
                 self.accept_inbound_request(rx, msn)?;
                 let src = stags.remote(
@@ -683,88 +705,58 @@ impl QpInner {
                     })),
                     Err(e) => {
                         self.release_ird();
-                        Err(violation(
-                            e.term_error(false),
-                            AsyncEventKind::QpAccessError,
-                        ))
+                        Err(e.term_error(false))
                     }
                 }
             }
             (Opcode::AtomicRequest, DdpAddress::Untagged { msn, .. }) => {
                 let UlpduBody::AtomicRequest(req) = repr.body else {
-                    return Err(violation(
-                        TermError::RdmapUnexpectedOpcode,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::RdmapUnexpectedOpcode);
                 };
                 self.accept_inbound_request(rx, msn)?;
                 if req.to % 8 != 0 {
                     self.release_ird();
-                    return Err(violation(
-                        TermError::RdmapBaseOrBounds,
-                        AsyncEventKind::QpAccessError,
-                    ));
+                    return Err(TermError::RdmapBaseOrBounds);
                 }
                 match stags.remote(req.stag.0, pd, Access::REMOTE_ATOMIC, req.to, 8) {
                     Ok(t) => Ok(Action::AtomicRequest(req, t)),
                     Err(e) => {
                         self.release_ird();
-                        Err(violation(
-                            e.term_error(false),
-                            AsyncEventKind::QpAccessError,
-                        ))
+                        Err(e.term_error(false))
                     }
                 }
             }
             (Opcode::AtomicResponse, DdpAddress::Untagged { msn, .. }) => {
                 if msn != rx.expect[qi(QN_ATOMIC_RESPONSE)] {
-                    return Err(violation(
-                        TermError::DdpUntaggedMsnRange,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::DdpUntaggedMsnRange);
                 }
                 let UlpduBody::AtomicResponse(resp) = repr.body else {
-                    return Err(violation(
-                        TermError::RdmapUnexpectedOpcode,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::RdmapUnexpectedOpcode);
                 };
                 let matches = self.with_ord_front(|f| {
                     matches!(f, Some(o) if matches!(o.kind, OutReadKind::Atomic { request_id, .. } if request_id == resp.request_id))
                 });
                 if !matches {
-                    return Err(violation(
-                        TermError::RdmapUnexpectedOpcode,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::RdmapUnexpectedOpcode);
                 }
                 Ok(Action::AtomicResponse(resp))
             }
             (Opcode::Terminate, DdpAddress::Untagged { .. }) => {
                 let UlpduBody::Terminate(t) = repr.body else {
-                    return Err(violation(
-                        TermError::RdmapUnexpectedOpcode,
-                        AsyncEventKind::QpRequestError,
-                    ));
+                    return Err(TermError::RdmapUnexpectedOpcode);
                 };
                 Ok(Action::Terminate(t.code))
             }
-            _ => Err(violation(
-                TermError::RdmapUnexpectedOpcode,
-                AsyncEventKind::QpRequestError,
-            )),
+            _ => Err(TermError::RdmapUnexpectedOpcode),
         }
     }
 
     /// The checks every inbound Read Request or Atomic Request passes
     /// (queue 1): its MSN is the next one, and an IRD slot is free (taken
     /// here; RFC 5041's "MSN out of range" when the peer exceeds our IRD).
-    fn accept_inbound_request(&self, rx: &RxState, msn: Msn) -> Result<(), Stop> {
+    fn accept_inbound_request(&self, rx: &RxState, msn: Msn) -> Result<(), TermError> {
         if msn != rx.expect[qi(QN_READ_REQUEST)] || !self.take_ird() {
-            return Err(Stop::Violation {
-                err: TermError::DdpUntaggedMsnRange,
-                event: AsyncEventKind::QpRequestError,
-            });
+            return Err(TermError::DdpUntaggedMsnRange);
         }
         Ok(())
     }
@@ -777,6 +769,12 @@ impl QpInner {
                 let (s, e) = (rx.start, rx.start + n);
                 if rx.crc_on {
                     rx.crc.update(&rx.buf[s..e]);
+                }
+                if rx.deferred.is_some() {
+                    // A refused header: the payload is dropped.
+                    rx.start = e;
+                    rx.payload_left -= n;
+                    continue;
                 }
                 let mut at = s;
                 while at < e {
@@ -798,7 +796,7 @@ impl QpInner {
                 rx.payload_left -= n;
                 continue;
             }
-            if rx.payload_left >= DIRECT_MIN {
+            if rx.payload_left >= DIRECT_MIN && rx.deferred.is_none() {
                 self.read_direct(rx)?;
             } else {
                 rx.fill()?;
@@ -897,16 +895,28 @@ impl QpInner {
             ]);
             let want = rx.crc.finish();
             if got != want {
-                return Err(Stop::Violation {
-                    err: TermError::MpaCrcError,
-                    event: AsyncEventKind::QpFatal,
-                });
+                return Err(Stop::Violation(TermError::MpaCrcError));
             }
         }
         rx.start += pad + 4;
         rx.phase = Phase::Header;
+        if let Some(err) = rx.deferred.take() {
+            self.finish_too_long(rx);
+            return Err(Stop::Violation(err));
+        }
         let action = std::mem::replace(&mut rx.action, Action::None);
         self.apply(rx, action)
+    }
+
+    /// A receive too small for its Send completes with a length error (not
+    /// a flush) before the Terminate goes out.
+    fn finish_too_long(&self, rx: &mut RxState) {
+        if let Some(wr_id) = rx.too_long.take() {
+            self.complete_recv(
+                WorkCompletion::error(wr_id, WcOpcode::Recv, self.qp_num, WcStatus::LocalLength),
+                false,
+            );
+        }
     }
 
     /// Message-level effects of a complete, checked FPDU.
@@ -947,10 +957,7 @@ impl QpInner {
                             }
                             _ => TermError::RdmapOperationCannotInvalidate,
                         };
-                        return Err(Stop::Violation {
-                            err,
-                            event: AsyncEventKind::QpAccessError,
-                        });
+                        return Err(Stop::Violation(err));
                     }
                     wc.flags = wc.flags | WcFlags::WITH_INV;
                     wc.invalidated_rkey = stag;
@@ -991,10 +998,7 @@ impl QpInner {
                             (wc, solicited, meta.unwrap_or_else(MsgMeta::empty_write))
                         }
                         None => {
-                            return Err(Stop::Violation {
-                                err: TermError::DdpUntaggedNoBuffer,
-                                event: AsyncEventKind::QpRequestError,
-                            });
+                            return Err(Stop::Violation(TermError::DdpUntaggedNoBuffer));
                         }
                     },
                 };
@@ -1034,12 +1038,9 @@ impl QpInner {
                 rx.expect[qi(QN_READ_REQUEST)] = rx.expect[qi(QN_READ_REQUEST)].next();
                 let Some(cell) = target.mem.atomic_u64(target.offset) else {
                     self.release_ird();
-                    return Err(Stop::Violation {
-                        err: TermError::RdmapBaseOrBounds,
-                        event: AsyncEventKind::QpAccessError,
-                    });
+                    return Err(Stop::Violation(TermError::RdmapBaseOrBounds));
                 };
-                let original = execute_atomic(cell, &req);
+                let original = crate::mr::execute_atomic(cell, &req);
                 self.queue_response(Response::Atomic(AtomicResponseRepr {
                     request_id: req.request_id,
                     original_value: original,
@@ -1090,92 +1091,28 @@ impl QpInner {
     }
 }
 
+/// RFC 5040 section 5 / RFC 7306: a Read Request, an Atomic Request or
+/// Response, Immediate Data and a Terminate are each one whole DDP message
+/// on their own queue: the right QN, MO 0 and the Last flag set.
+fn whole_message(repr: &UlpduRepr<'_>) -> Result<(), TermError> {
+    let DdpAddress::Untagged { qn, mo, .. } = repr.address else {
+        return Err(TermError::RdmapUnexpectedOpcode);
+    };
+    if repr.opcode.queue_number() != Some(qn) {
+        return Err(TermError::DdpUntaggedInvalidQn);
+    }
+    if mo != 0 {
+        return Err(TermError::DdpUntaggedInvalidMo);
+    }
+    if !repr.last {
+        return Err(MALFORMED_HEADER);
+    }
+    Ok(())
+}
+
 /// A destination checked at header time turned out unusable: cannot happen
 /// unless the engine's own bookkeeping is wrong; the QP is failed rather
 /// than touching memory.
 fn local_catastrophe() -> Stop {
-    Stop::Violation {
-        err: TermError::DdpLocalCatastrophic,
-        event: AsyncEventKind::QpFatal,
-    }
-}
-
-/// Executes an atomic request on a 64-bit cell; returns the original value.
-pub(crate) fn execute_atomic(cell: &std::sync::atomic::AtomicU64, req: &AtomicRequestRepr) -> u64 {
-    match req.opcode {
-        AtomicOpcode::FetchAdd if req.add_or_swap_mask == 0 => {
-            cell.fetch_add(req.add_or_swap_data, Ordering::SeqCst)
-        }
-        AtomicOpcode::FetchAdd => {
-            let mask = req.add_or_swap_mask;
-            let add = req.add_or_swap_data;
-            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-                Some(masked_add(v, add, mask))
-            })
-            .unwrap_or_else(|v| v)
-        }
-        AtomicOpcode::Swap => {
-            let mask = req.add_or_swap_mask;
-            let data = req.add_or_swap_data;
-            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-                Some((v & !mask) | (data & mask))
-            })
-            .unwrap_or_else(|v| v)
-        }
-        AtomicOpcode::CmpSwap => {
-            let cmask = req.compare_mask;
-            let smask = req.add_or_swap_mask;
-            let cmp = req.compare_data;
-            let data = req.add_or_swap_data;
-            cell.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-                if (v ^ cmp) & cmask == 0 {
-                    Some((v & !smask) | (data & smask))
-                } else {
-                    None
-                }
-            })
-            .unwrap_or_else(|v| v)
-        }
-    }
-}
-
-/// Masked fetch-and-add (RFC 7306): a set bit in `mask` marks the most
-/// significant bit of a field; carries do not cross field boundaries.
-pub(crate) fn masked_add(value: u64, add: u64, mask: u64) -> u64 {
-    let mut result = 0u64;
-    let mut start = 0u32;
-    for bit in 0..64u32 {
-        let end_of_field = bit == 63 || (mask >> bit) & 1 == 1;
-        if end_of_field {
-            let width = bit - start + 1;
-            let fmask = if width == 64 {
-                u64::MAX
-            } else {
-                ((1u64 << width) - 1) << start
-            };
-            let sum = ((value & fmask) >> start).wrapping_add((add & fmask) >> start);
-            result |= (sum << start) & fmask;
-            start = bit + 1;
-        }
-    }
-    result
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn masked_add_without_mask_is_a_plain_add() {
-        assert_eq!(masked_add(5, 7, 0), 12);
-        assert_eq!(masked_add(u64::MAX, 1, 0), 0);
-    }
-
-    #[test]
-    fn masked_add_keeps_carries_inside_fields() {
-        // Two 32-bit fields: the low field wraps without carrying.
-        let mask = 1u64 << 31 | 1u64 << 63;
-        let v = 0x0000_0001_ffff_ffff;
-        assert_eq!(masked_add(v, 1 | 1 << 32, mask), 0x0000_0002_0000_0000);
-    }
+    Stop::Violation(TermError::DdpLocalCatastrophic)
 }

@@ -51,10 +51,8 @@ const MAX_OUT: usize = 32;
 /// Framed bytes kept ahead of the socket.
 const MAX_OUT_BYTES: usize = 512 * 1024;
 
-/// The value a softrdma sender puts in the (reserved, ignored by other
-/// implementations) Invalidate STag field of a Send to say that an Immediate
-/// Data message follows and completes the same receive (Send with Immediate).
-pub(crate) const SEND_IMM_FOLLOWS: u32 = 0x534e_4949;
+/// The Send-with-Immediate marker, defined once in the protocol core.
+pub(crate) use softrdma_proto::conn::SEND_IMM_FOLLOWS;
 
 /// A DDP queue number (the wire crate's `QN_*`) as an index of the
 /// per-queue MSN arrays.

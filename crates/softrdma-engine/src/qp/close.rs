@@ -5,7 +5,54 @@
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 
+use softrdma_proto::term;
+use softrdma_proto::types::AsyncKind;
+use softrdma_wire::rdmap::terminate::{TerminateRepr, TerminatedDdp};
+
 use super::*;
+
+/// The headers of the segment a Terminate answers, as received.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TermHeader<'a> {
+    /// Its DDP header (14 or 18 bytes).
+    pub(crate) ddp: &'a [u8],
+    /// Its DDP Segment Length (payload after the DDP header).
+    pub(crate) segment_length: u16,
+    /// A Read Request's 28-byte RDMAP header, if the segment was one.
+    pub(crate) rdmap: Option<&'a [u8]>,
+}
+
+/// The Terminate for `err` about `hdr`, shaped like siw's: D=1 and M=1 with
+/// the segment's length and DDP header when `term::copies_ddp_header`
+/// says the error is tied to a segment whose layout is known, plus R=1 and
+/// a Read Request's header for a protection error on one.
+pub(crate) fn terminate_repr<'a>(err: TermError, hdr: Option<TermHeader<'a>>) -> TerminateRepr<'a> {
+    let mut repr = TerminateRepr::new(err);
+    if let Some(h) = hdr
+        && !h.ddp.is_empty()
+        && term::copies_ddp_header(err)
+    {
+        repr.segment_length_valid = true;
+        repr.ddp = Some(TerminatedDdp {
+            segment_length: h.segment_length,
+            header: h.ddp,
+        });
+        if term::copies_rdmap_header(err) {
+            repr.rdmap_header = h.rdmap;
+        }
+    }
+    repr
+}
+
+/// The event a Terminate sent for `err` raises (from the one table,
+/// `softrdma_proto::term::TABLE`).
+pub(crate) fn term_event(err: TermError) -> AsyncEventKind {
+    match term::class(err).event {
+        AsyncKind::QpRequestError => AsyncEventKind::QpRequestError,
+        AsyncKind::QpAccessError => AsyncEventKind::QpAccessError,
+        _ => AsyncEventKind::QpFatal,
+    }
+}
 
 impl QpInner {
     /// The connection failed (reset, lost).
@@ -45,8 +92,10 @@ impl QpInner {
         self.enter_error(None, None);
     }
 
-    /// RTS → CLOSING: flush the posted receives, let the send queue drain,
-    /// then FIN; arm the close timer.
+    /// RTS → CLOSING: let the send queue drain, then FIN; arm the close
+    /// timer. The posted receives stay until the close ends (IDLE) or fails
+    /// (ERROR): a multi-segment Send being received completes first, and
+    /// Sends the peer sent before it saw our FIN find their buffers.
     pub(crate) fn begin_close(&self, by_peer: bool) {
         {
             let _g = self.lock_state();
@@ -55,7 +104,6 @@ impl QpInner {
             }
             self.set_state(QpState::Closing);
         }
-        self.flush_rq();
         {
             let mut tx = self.lock_tx();
             tx.fin_pending = true;
@@ -123,6 +171,10 @@ impl QpInner {
             self.set_state(QpState::Idle);
         }
         self.cancel_close_timer();
+        // The event first: whoever has seen the flushes below can see it.
+        self.device
+            .events()
+            .push(AsyncEvent::qp(AsyncEventKind::LlpClosed, self.qp_num));
         // Reads and atomics the peer will never answer now, and anything
         // else still open, complete with flush errors, in order.
         let ord: Vec<OutRead> = self.ord_q.lock().drain(..).collect();
@@ -142,9 +194,6 @@ impl QpInner {
         self.flush_partial_recv();
         self.flush_rq();
         self.device.threads().unregister(self);
-        self.device
-            .events()
-            .push(AsyncEvent::qp(AsyncEventKind::LlpClosed, self.qp_num));
     }
 
     /// Abortive close: reset the connection, then ERROR.
@@ -165,7 +214,7 @@ impl QpInner {
 
     /// A local error found on the connection: send a Terminate (if the
     /// connection still works), then ERROR.
-    pub(crate) fn fail(&self, err: TermError, hdr: Option<&[u8]>, event: AsyncEventKind) {
+    pub(crate) fn fail(&self, err: TermError, hdr: Option<TermHeader<'_>>) {
         if matches!(self.state(), QpState::Error | QpState::Terminate) {
             return;
         }
@@ -177,13 +226,7 @@ impl QpInner {
         });
         {
             let mut tx = self.lock_tx();
-            let mut repr = softrdma_wire::rdmap::terminate::TerminateRepr::new(err);
-            if let Some(h) = hdr {
-                repr.ddp = Some(softrdma_wire::rdmap::terminate::TerminatedDdp {
-                    segment_length: 0,
-                    header: h,
-                });
-            }
+            let repr = terminate_repr(err, hdr);
             tx.queue_terminate(&repr);
             // Best effort: a few non-blocking attempts.
             for _ in 0..64 {
@@ -197,7 +240,7 @@ impl QpInner {
             }
         }
         self.device.events().push(
-            AsyncEvent::qp(event, self.qp_num)
+            AsyncEvent::qp(term_event(err), self.qp_num)
                 .with_term(err.code())
                 .with_detail(format!("sent Terminate: {}", err.name())),
         );

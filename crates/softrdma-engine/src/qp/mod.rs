@@ -1,6 +1,6 @@
 //! Queue pairs (reliable connected, iWARP): creation, states, posting, and the
-//! glue between the transmit path ([`crate::tx`]), the receive path
-//! ([`crate::rx`]), the datamovers and the completion queues.
+//! glue between the transmit path (`datapath::tx`), the receive path
+//! (`datapath::rx`), the datamovers and the completion queues.
 //!
 //! Posting never blocks: a send request is validated, given its place in the
 //! completion order and pushed on a lock-free queue; then the posting thread
@@ -36,6 +36,7 @@ use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::{LocalSeg, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
 
 mod close;
+pub(crate) use close::TermHeader;
 mod order;
 mod post;
 
@@ -209,6 +210,18 @@ pub enum PostSendError {
         /// Reason.
         why: &'static str,
     },
+}
+
+/// Why [`QueuePair::post_send_list`] stopped: the request at `index` was
+/// refused; the ones before it are posted (ibverbs' `bad_wr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("send request {index} of the list not posted (the {index} before it are): {error}")]
+pub struct PostSendListError {
+    /// Index of the first request not posted.
+    pub index: usize,
+    /// Why it was refused.
+    #[source]
+    pub error: PostSendError,
 }
 
 /// Why a receive request was refused.
@@ -618,11 +631,7 @@ impl QueuePair {
                 Ok(())
             }
             QpState::Terminate => {
-                qp.fail(
-                    TermError::RdmapLocalCatastrophic,
-                    None,
-                    AsyncEventKind::QpFatal,
-                );
+                qp.fail(TermError::RdmapLocalCatastrophic, None);
                 Ok(())
             }
             QpState::Closing => {
@@ -798,14 +807,14 @@ impl QueuePair {
     /// ([`PostSendError::InvalidState`]). See [`post_recv`](Self::post_recv).
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
         self.post_send_list(std::slice::from_ref(wr))
-            .map_err(|(_, e)| e)
+            .map_err(|e| e.error)
     }
 
     /// Posts several send-queue requests in order; they are framed and
     /// written together (one vectored write for many small messages). On
-    /// error, returns the index of the first request not posted (the earlier
-    /// ones are posted), like ibverbs' `bad_wr`.
-    pub fn post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostSendError)> {
+    /// error, says which request was not posted (the earlier ones are),
+    /// like ibverbs' `bad_wr`.
+    pub fn post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), PostSendListError> {
         let qp = self.qp();
         let mut posted = 0usize;
         let mut result = Ok(());
@@ -813,7 +822,7 @@ impl QueuePair {
             match qp.post_one(wr) {
                 Ok(()) => posted += 1,
                 Err(e) => {
-                    result = Err((i, e));
+                    result = Err(PostSendListError { index: i, error: e });
                     break;
                 }
             }
@@ -1050,14 +1059,13 @@ impl QpInner {
 
 /// The completion status of the request that a Terminate with `code`
 /// answered.
+/// (From the one table, `softrdma_proto::term`.)
 pub(crate) fn term_status(code: TermCode) -> WcStatus {
-    use softrdma_wire::errcode::ErrorType;
-    match code.error_type() {
-        Some(ErrorType::RdmapRemoteProtection | ErrorType::DdpTaggedBuffer) => {
-            WcStatus::RemoteAccess
-        }
-        Some(ErrorType::RdmapRemoteOperation) => WcStatus::RemoteOperation,
-        Some(ErrorType::DdpUntaggedBuffer) => WcStatus::RemoteInvalidRequest,
+    use softrdma_proto::types::WcStatus as S;
+    match softrdma_proto::term::status_for_received(code) {
+        S::RemoteAccess => WcStatus::RemoteAccess,
+        S::RemoteOperation => WcStatus::RemoteOperation,
+        S::RemoteInvalidRequest => WcStatus::RemoteInvalidRequest,
         _ => WcStatus::Fatal,
     }
 }
@@ -1069,6 +1077,10 @@ impl Progress for QpInner {
         if self.last_poll.swap(0, Ordering::Relaxed) != 0 {
             self.device.threads().wake_rx(self.datamover);
         }
+    }
+
+    fn sleep_on(&self, until_ns: Option<u64>) -> Option<std::os::fd::RawFd> {
+        self.device.threads().claim_rx(self, until_ns)
     }
 
     fn progress(&self, armed: bool) -> bool {

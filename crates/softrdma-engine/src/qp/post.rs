@@ -369,12 +369,15 @@ impl QpInner {
     }
 
     /// After queuing a receive: if the state stopped accepting receives
-    /// meanwhile (a close or an error flushed the queue between our state
-    /// check and our push), flush what is queued, ours included, so that
-    /// every accepted receive completes.
+    /// meanwhile (an error or the end of a close flushed the queue between
+    /// our state check and our push), flush what is queued, ours included,
+    /// so that every accepted receive completes. In CLOSING the queue is
+    /// kept: Sends still arriving use it, and the close flushes it when it
+    /// ends (IDLE or ERROR, both after their state change).
     fn recheck_rq(&self) {
         std::sync::atomic::fence(Ordering::SeqCst);
-        if self.recv_policy() != PostPolicy::Accept {
+        let policy = self.recv_policy();
+        if policy != PostPolicy::Accept && self.state() != QpState::Closing {
             self.flush_rq();
         }
     }

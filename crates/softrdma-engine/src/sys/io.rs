@@ -298,3 +298,54 @@ fn context_switches(who: libc::c_int) -> (u64, u64) {
         u64::try_from(ru.ru_nivcsw).unwrap_or(0),
     )
 }
+
+/// The CPUs the engine's threads may use: the CPUs of the affinity mask, at
+/// most as many as the process can keep busy at once under its cgroup CPU
+/// quota (`std::thread::available_parallelism` reads both the mask and
+/// `cpu.max` / `cpu.cfs_quota_us`). A process limited to 1.5 CPUs of a
+/// 2-CPU mask gets one CPU here.
+pub(crate) fn usable_cpus() -> Vec<usize> {
+    let mut cpus = allowed_cpus();
+    let limit = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    cpus.truncate(limit.max(1));
+    cpus
+}
+
+/// Starts an engine thread with every signal blocked, so that signals sent
+/// to the process (`SIGINT`, `SIGALRM`, `SIGCHLD`, a profiler's `SIGPROF`)
+/// are delivered to the application's own threads and never interrupt or
+/// run handlers on an engine thread inside another program. The mask is
+/// set in the spawning thread around `spawn` (a new thread inherits it), so
+/// there is no window in which the new thread accepts signals.
+pub(crate) fn spawn_engine_thread<F>(name: String, f: F) -> io::Result<std::thread::JoinHandle<()>>
+where
+    F: FnOnce() + Send + 'static,
+{
+    // SAFETY: `sigset_t` is plain data; `sigfillset` initialises it.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above, filled by `pthread_sigmask` below.
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `all` is valid for writes.
+    unsafe { libc::sigfillset(&mut all) };
+    // SAFETY: both sets are valid; this changes the calling thread's mask
+    // only, and it is restored below before returning.
+    let blocked = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old) } == 0;
+    let r = std::thread::Builder::new().name(name).spawn(f);
+    if blocked {
+        // SAFETY: `old` holds the mask saved above.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    }
+    r
+}
+
+/// Whether `signal` is blocked in the calling thread.
+pub fn signal_blocked(signal: i32) -> bool {
+    // SAFETY: plain data, filled by `pthread_sigmask`.
+    let mut cur: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: a null new set only reads the mask into `cur`.
+    if unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut cur) } != 0 {
+        return false;
+    }
+    // SAFETY: `cur` was filled by the kernel.
+    unsafe { libc::sigismember(&cur, signal) == 1 }
+}

@@ -23,11 +23,17 @@ use std::sync::atomic::AtomicU64;
 /// Alignment of memory allocated by [`Memory::alloc_zeroed`].
 pub(crate) const PAGE_SIZE: usize = 4096;
 
+/// Allocations of at least this many bytes are anonymous mappings (zeroed
+/// lazily by the kernel) instead of allocator memory.
+const MAP_MIN: usize = 64 * 1024;
+
 /// Who frees the buffer when the [`Memory`] is dropped.
 #[derive(Debug)]
 enum Owner {
     /// Allocated with the global allocator with this layout (size > 0).
     Alloc(Layout),
+    /// An anonymous private mapping of this many bytes (`mmap`).
+    Map(usize),
     /// The buffer of a `Vec<u8>` taken apart: its capacity (its length is
     /// `Memory::len`).
     Vec { capacity: usize },
@@ -99,6 +105,36 @@ impl Memory {
         }
         let layout =
             Layout::from_size_align(len, PAGE_SIZE).map_err(|_| MemError::TooLarge(len))?;
+        if len >= MAP_MIN {
+            // Page-aligned `alloc_zeroed` is an aligned allocation plus a
+            // memset: every page becomes resident at once. An anonymous
+            // mapping is zeroed lazily by the kernel, page by page, when
+            // first touched, so a large region costs memory only where it
+            // is used.
+            // SAFETY: a new anonymous private mapping: no address hint, no
+            // descriptor; it returns MAP_FAILED or a fresh, page-aligned
+            // range of `len` bytes that nothing else uses.
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if ptr != libc::MAP_FAILED
+                && let Some(base) = NonNull::new(ptr.cast::<u8>())
+            {
+                return Ok(Arc::new(Memory {
+                    base,
+                    len,
+                    owner: Owner::Map(len),
+                }));
+            }
+            // Out of mappings: fall back to the allocator.
+        }
         // SAFETY: the layout has a non-zero size (len > 0 checked above).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let base = NonNull::new(ptr).ok_or(MemError::OutOfMemory(len))?;
@@ -267,6 +303,11 @@ impl Drop for Memory {
                 // freed only here, once.
                 unsafe { std::alloc::dealloc(self.base.as_ptr(), layout) };
             }
+            Owner::Map(len) => {
+                // SAFETY: `base` and `len` are the range returned by `mmap`
+                // in `alloc_zeroed`, unmapped only here, once.
+                unsafe { libc::munmap(self.base.as_ptr().cast(), len) };
+            }
             Owner::Vec { capacity } => {
                 // SAFETY: `base`, `len` and `capacity` are the parts of a
                 // `Vec<u8>` taken apart in `from_vec` and never used to build
@@ -317,6 +358,33 @@ impl crate::pd::ProtectionDomain {
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering;
+
+    #[test]
+    fn large_allocations_are_mapped_lazily() {
+        let len = 64 << 20;
+        let m = Memory::alloc_zeroed(len).unwrap();
+        assert!(matches!(m.owner, Owner::Map(l) if l == len));
+        assert_eq!(m.base.as_ptr() as usize % PAGE_SIZE, 0);
+        // Zero where never touched, and usable.
+        assert_eq!(m.to_vec(len - 16, 16).unwrap(), vec![0u8; 16]);
+        assert!(m.copy_in(len - 3, b"end"));
+        assert_eq!(m.to_vec(len - 3, 3).unwrap(), b"end");
+        // Not resident: a 64 MiB region touched in two pages adds far less
+        // than 64 MiB to the resident set (VmRSS, kB).
+        let rss = || -> usize {
+            std::fs::read_to_string("/proc/self/status")
+                .unwrap()
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .unwrap()
+        };
+        let before = rss();
+        let m2 = Memory::alloc_zeroed(len).unwrap();
+        assert!(m2.copy_in(0, b"x"));
+        assert!(rss() < before + 32 * 1024, "64 MiB became resident");
+        drop((m, m2));
+    }
 
     #[test]
     fn alloc_is_zeroed_and_page_aligned() {

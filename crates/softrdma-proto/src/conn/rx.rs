@@ -223,6 +223,34 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         self.after_deframer(r, n, mem)
     }
 
+    /// Reports that the engine placed `n` payload bytes at the start of the
+    /// [`RxWant::Place`] span without handing them over: the core reads
+    /// them back through [`Memory::copy_out`] for the CRC (only when CRC is
+    /// negotiated), so the engine never forms a slice over registered
+    /// memory. Returns how many were accepted.
+    pub fn handle_rx_placed_in<M: Memory<Region = R>>(&mut self, n: usize, mem: &mut M) -> usize {
+        const CHUNK: usize = 4096;
+        let mut buf = [0u8; CHUNK];
+        let mut done = 0;
+        while done < n {
+            let RxWant::Place { dst } = self.rx_want() else {
+                break;
+            };
+            let k = (n - done).min(dst.len).min(CHUNK);
+            let Some(chunk) = buf.get_mut(..k) else { break };
+            if self.cfg.crc && !mem.copy_out(&dst, 0, chunk) {
+                self.violate(TermError::DdpLocalCatastrophic, false, mem);
+                break;
+            }
+            let got = self.handle_rx_placed(chunk, mem);
+            done += got;
+            if got < k {
+                break;
+            }
+        }
+        done
+    }
+
     /// Copying convenience: handles a chunk of the stream, placing payload
     /// with [`Memory::copy_in`]. Returns the bytes consumed; fewer than
     /// given only once the connection stopped receiving.

@@ -353,3 +353,62 @@ fn write_outside_the_granted_range_is_refused_before_placement() {
     assert_eq!(t.m.region(r), &[0; 8]);
     t.m.check_canaries().unwrap();
 }
+
+/// The engine's placement mode: payload read straight into the span
+/// `rx_want` names, reported by length only; the core reads it back for the
+/// CRC. A byte that differs from what was sent (placed wrong, or changed in
+/// transit) is a CRC error.
+fn placed_in_place(corrupt: bool) -> (Connection<usize>, SimMemory, usize, Vec<u8>) {
+    let mut m = SimMemory::new(0x10);
+    let (r, stag, to) = m.add_region(10_000, REMOTE_WRITE, |_| 0);
+    let mut c: Connection<usize> = Connection::new(Config::new(true));
+    let data: Vec<u8> = (0..9000u32).map(|i| (i % 251) as u8).collect();
+    let u = UlpduRepr::tagged(Opcode::RdmaWrite, Stag(stag), to + 500, true, &data);
+    let mut b = vec![0u8; u.buffer_len()];
+    u.emit(&mut b).unwrap();
+    let mut f = vec![0u8; b.len() + 16];
+    let n = fpdu::emit(&b, true, &mut f).unwrap();
+    f.truncate(n);
+    let mut at = 0;
+    while at < f.len() {
+        match c.rx_want() {
+            RxWant::Bytes { len } => {
+                let k = len.min(f.len() - at).min(7);
+                at += c.handle_rx_bytes(&f[at..at + k], &mut m);
+            }
+            RxWant::Place { dst } => {
+                let k = dst.len.min(f.len() - at).min(3000);
+                let mut chunk = f[at..at + k].to_vec();
+                if corrupt && at < 5000 && 5000 <= at + k {
+                    chunk[5000 - at] ^= 0x10;
+                }
+                assert!(m.copy_in(&dst, 0, &chunk));
+                assert_eq!(c.handle_rx_placed_in(k, &mut m), k);
+                at += k;
+            }
+            RxWant::Closed => break,
+        }
+    }
+    (c, m, r, data)
+}
+
+#[test]
+fn placement_reported_by_length_is_checked_by_the_crc() {
+    let (c, m, r, data) = placed_in_place(false);
+    assert_eq!(c.state(), QpState::Rts);
+    let region = m.region(r);
+    assert_eq!(&region[500..9500], &data[..]);
+    assert!(region[..500].iter().all(|&b| b == 0));
+
+    let (mut c, mut m, _, _) = placed_in_place(true);
+    assert_eq!(c.state(), QpState::Terminate);
+    let mut t = TxFpdu::new();
+    assert!(c.poll_transmit(&mut m, &mut t));
+    let mut v = Vec::new();
+    assert!(t.write_to(&mut m, &mut v));
+    let f = fpdu::decode(&v, true).unwrap();
+    let UlpduBody::Terminate(term) = UlpduRepr::parse(f.ulpdu).unwrap().body else {
+        panic!("not a Terminate");
+    };
+    assert_eq!(term.code.known(), Some(TermError::MpaCrcError));
+}

@@ -1,0 +1,641 @@
+//! `softrdma perf stream`: byte-stream bandwidth and latency of sockets
+//! direct (SDP over softrdma, `softrdma-sockets`) against plain kernel TCP
+//! in the same run.
+//!
+//! ```text
+//! softrdma perf stream [--lat] [-s SIZE | -a] [-n N | -D SECS] [--nodelay]
+//!                      [--baseline tcp] [--mode offload|auto|tcp]
+//!                      [--server [--bind ADDR] [--persist] | --connect HOST[:PORT]]
+//!                      [-p PORT] [--json | --csv]
+//! ```
+//!
+//! Bandwidth: the client writes `size`-byte writes for `-D` seconds (or
+//! `-n` writes), shuts down writing and waits for the server's count of
+//! the octets it read: bandwidth = octets / (first write .. count). Latency:
+//! `size`-byte ping-pong, one-way latency = round trip / 2 (median, mean
+//! and 99th percentile over `-n` round trips after 10% warm-up).
+//!
+//! The server is one dual listener: it accepts offloaded and plain clients
+//! on the same port, so `--baseline tcp` measures plain TCP against the
+//! very same server (in two-process mode too). Each connection starts with
+//! a 24-octet request (`"SPS1"`, kind, nodelay, size, count); kind 0 ends
+//! the server (unless `--persist`).
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::process::ExitCode;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use softrdma_sockets::{Config, Mode, TcpListener, TcpStream};
+
+/// Default TCP port of `perf stream`'s two-process mode.
+pub const DEFAULT_STREAM_PORT: u16 = 18516;
+
+const MAGIC: &[u8; 4] = b"SPS1";
+const KIND_END: u8 = 0;
+const KIND_BW: u8 = 1;
+const KIND_LAT: u8 = 2;
+
+/// Arguments of `softrdma perf stream`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "softrdma perf stream",
+    about = "Byte-stream bandwidth / latency of sockets direct (SDP over softrdma) against plain TCP",
+    after_help = "Two-process mode:\n  \
+    softrdma perf stream --server                      # serves until the client ends it\n  \
+    softrdma perf stream --connect HOST --baseline tcp # measures SDP, then TCP, same server"
+)]
+pub struct StreamArgs {
+    /// Latency (ping-pong) instead of bandwidth.
+    #[arg(long)]
+    pub lat: bool,
+    /// Write size in bytes (suffixes K, M) [default: 128K bw, 64 lat].
+    #[arg(short = 's', long, value_parser = super::parse_size)]
+    pub size: Option<usize>,
+    /// Sweep sizes 64 B .. the -s size (default 1M) in powers of four.
+    #[arg(short = 'a', long)]
+    pub all: bool,
+    /// Writes (bw) or round trips (lat) per size [default: bw by time, lat 10000].
+    #[arg(short = 'n', long, conflicts_with = "duration")]
+    pub iters: Option<u64>,
+    /// Seconds per size (bandwidth) [default: 2].
+    #[arg(short = 'D', long, value_name = "SECS")]
+    pub duration: Option<f64>,
+    /// Set TCP_NODELAY (no corking of small writes).
+    #[arg(long)]
+    pub nodelay: bool,
+    /// Also measure plain TCP (same pattern, same server) and print the
+    /// ratio sockets direct / TCP.
+    #[arg(long, value_parser = ["tcp"], value_name = "tcp")]
+    pub baseline: Option<String>,
+    /// What the measured connection asks for: offload (required), auto,
+    /// tcp.
+    #[arg(long, default_value = "offload", value_parser = ["offload", "auto", "tcp"])]
+    pub mode: String,
+    /// Busy-poll this many microseconds before sleeping (Config::spin).
+    #[arg(long, value_name = "US")]
+    pub spin_us: Option<u64>,
+    /// Runs per size; the median is reported [default: 1].
+    #[arg(short = 'r', long, default_value_t = 1)]
+    pub runs: usize,
+    /// Two-process mode: serve clients (prints `listening on ADDR:PORT`).
+    #[arg(long, conflicts_with = "connect")]
+    pub server: bool,
+    /// Two-process mode: measure against the server at HOST or HOST:PORT.
+    #[arg(long, value_name = "HOST[:PORT]")]
+    pub connect: Option<String>,
+    /// TCP port of the two-process mode (0 on a server: any free port).
+    #[arg(short = 'p', long, default_value_t = DEFAULT_STREAM_PORT)]
+    pub port: u16,
+    /// Server: the address to listen on.
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0")]
+    pub bind: String,
+    /// Server: keep serving after a client ends its run.
+    #[arg(long)]
+    pub persist: bool,
+    /// One JSON object per line.
+    #[arg(long, conflicts_with = "csv")]
+    pub json: bool,
+    /// Comma-separated values with a header.
+    #[arg(long)]
+    pub csv: bool,
+}
+
+/// One measured size on one transport.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StreamRow {
+    /// Always `"stream"`.
+    pub test: &'static str,
+    /// `"bw"` or `"lat"`.
+    pub mode: &'static str,
+    /// What carried the connection (`offloaded (sdp, ...)`, `plain TCP (...)`).
+    pub transport: String,
+    /// `"sdp"` or `"tcp"` (the baseline).
+    pub kind: &'static str,
+    /// Write size in bytes.
+    pub size: usize,
+    /// Octets moved (bw) or round trips (lat).
+    pub count: u64,
+    /// Seconds measured.
+    pub secs: f64,
+    /// Bandwidth, 10^6 bytes per second (bw).
+    pub mb_s: Option<f64>,
+    /// One-way latency (RTT/2), median, µs (lat).
+    pub lat_us: Option<f64>,
+    /// One-way latency, mean, µs (lat).
+    pub lat_mean_us: Option<f64>,
+    /// One-way latency, 99th percentile, µs (lat).
+    pub lat_p99_us: Option<f64>,
+    /// This row / the TCP row of the same size (bandwidth ratio, or latency
+    /// ratio: lower is better), on the sockets-direct row.
+    pub ratio_to_tcp: Option<f64>,
+}
+
+fn cfg(args: &StreamArgs, mode: Mode) -> Config {
+    let mut c = Config::with_mode(mode);
+    if let Some(us) = args.spin_us {
+        c.spin = Duration::from_micros(us);
+    }
+    c
+}
+
+fn measured_mode(args: &StreamArgs) -> Mode {
+    match args.mode.as_str() {
+        "auto" => Mode::Auto,
+        "tcp" => Mode::Tcp,
+        _ => Mode::Offload,
+    }
+}
+
+fn request(kind: u8, nodelay: bool, size: usize, count: u64) -> [u8; 24] {
+    let mut b = [0u8; 24];
+    b[..4].copy_from_slice(MAGIC);
+    b[4] = kind;
+    b[5] = u8::from(nodelay);
+    b[8..12].copy_from_slice(&u32::try_from(size).unwrap_or(u32::MAX).to_be_bytes());
+    b[12..20].copy_from_slice(&count.to_be_bytes());
+    b
+}
+
+/// Serves one connection; returns false when the client ended the server.
+fn serve_one(mut s: TcpStream) -> io::Result<bool> {
+    let mut req = [0u8; 24];
+    s.read_exact(&mut req)?;
+    if &req[..4] != MAGIC {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a perf stream client",
+        ));
+    }
+    let size = u32::from_be_bytes([req[8], req[9], req[10], req[11]]) as usize;
+    if size == 0 || size > 64 << 20 {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "bad size"));
+    }
+    s.set_nodelay(req[5] != 0)?;
+    match req[4] {
+        KIND_END => Ok(false),
+        KIND_BW => {
+            let mut buf = vec![0u8; size.max(64 << 10)];
+            let mut total = 0u64;
+            loop {
+                match s.read(&mut buf)? {
+                    0 => break,
+                    n => total += n as u64,
+                }
+            }
+            s.write_all(&total.to_be_bytes())?;
+            s.flush()?;
+            Ok(true)
+        }
+        KIND_LAT => {
+            let mut buf = vec![0u8; size];
+            loop {
+                match s.read_exact(&mut buf) {
+                    Ok(()) => s.write_all(&buf)?,
+                    Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(true)
+        }
+        k => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("unknown request kind {k}"),
+        )),
+    }
+}
+
+fn serve(l: &TcpListener, persist: bool) {
+    loop {
+        let s = match l.accept() {
+            Ok((s, _)) => s,
+            Err(e) => {
+                eprintln!("softrdma perf stream: accept: {e}");
+                continue;
+            }
+        };
+        match serve_one(s) {
+            Ok(false) if !persist => return,
+            Ok(_) => {}
+            Err(e) => eprintln!("softrdma perf stream: client: {e}"),
+        }
+    }
+}
+
+fn bw(addr: SocketAddr, c: &Config, a: &StreamArgs, size: usize) -> io::Result<(String, u64, f64)> {
+    let mut s = TcpStream::connect_with(addr, c)?;
+    let transport = s.transport().to_string();
+    s.set_nodelay(a.nodelay)?;
+    s.write_all(&request(KIND_BW, a.nodelay, size, a.iters.unwrap_or(0)))?;
+    let buf = vec![0x5Au8; size];
+    let limit = Duration::from_secs_f64(a.duration.unwrap_or(2.0));
+    let t0 = Instant::now();
+    let mut writes = 0u64;
+    loop {
+        s.write_all(&buf)?;
+        writes += 1;
+        let done = match a.iters {
+            Some(n) => writes >= n,
+            None => writes.is_multiple_of(16) && t0.elapsed() >= limit,
+        };
+        if done {
+            break;
+        }
+    }
+    s.shutdown(Shutdown::Write)?;
+    let mut cnt = [0u8; 8];
+    s.read_exact(&mut cnt)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let got = u64::from_be_bytes(cnt);
+    if got != writes * size as u64 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("server read {got} octets of {}", writes * size as u64),
+        ));
+    }
+    Ok((transport, got, secs))
+}
+
+fn lat(
+    addr: SocketAddr,
+    c: &Config,
+    a: &StreamArgs,
+    size: usize,
+) -> io::Result<(String, Vec<f64>)> {
+    let mut s = TcpStream::connect_with(addr, c)?;
+    let transport = s.transport().to_string();
+    s.set_nodelay(true)?;
+    let n = a.iters.unwrap_or(10_000).max(1);
+    s.write_all(&request(KIND_LAT, true, size, n))?;
+    let out = vec![0xA5u8; size];
+    let mut back = vec![0u8; size];
+    let warm = n / 10;
+    let mut rtts = Vec::with_capacity(n as usize);
+    for i in 0..warm + n {
+        let t = Instant::now();
+        s.write_all(&out)?;
+        s.read_exact(&mut back)?;
+        if i >= warm {
+            rtts.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    s.shutdown(Shutdown::Write)?;
+    let mut end = [0u8; 1];
+    let _ = s.read(&mut end);
+    Ok((transport, rtts))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+fn measure(
+    addr: SocketAddr,
+    a: &StreamArgs,
+    size: usize,
+    mode: Mode,
+    kind: &'static str,
+) -> io::Result<StreamRow> {
+    let c = cfg(a, mode);
+    let mut row = StreamRow {
+        test: "stream",
+        mode: if a.lat { "lat" } else { "bw" },
+        transport: String::new(),
+        kind,
+        size,
+        count: 0,
+        secs: 0.0,
+        mb_s: None,
+        lat_us: None,
+        lat_mean_us: None,
+        lat_p99_us: None,
+        ratio_to_tcp: None,
+    };
+    let runs = a.runs.max(1);
+    if a.lat {
+        let mut med = Vec::new();
+        let mut mean = Vec::new();
+        let mut p99 = Vec::new();
+        for _ in 0..runs {
+            let (t, mut rtts) = lat(addr, &c, a, size)?;
+            row.transport = t;
+            row.count = rtts.len() as u64;
+            row.secs = rtts.iter().sum::<f64>() / 1e6;
+            mean.push(rtts.iter().sum::<f64>() / rtts.len().max(1) as f64 / 2.0);
+            let m = median(&mut rtts);
+            med.push(m / 2.0);
+            p99.push(rtts[(rtts.len() * 99 / 100).min(rtts.len() - 1)] / 2.0);
+        }
+        row.lat_us = Some(median(&mut med));
+        row.lat_mean_us = Some(median(&mut mean));
+        row.lat_p99_us = Some(median(&mut p99));
+    } else {
+        let mut rates = Vec::new();
+        for _ in 0..runs {
+            let (t, bytes, secs) = bw(addr, &c, a, size)?;
+            row.transport = t;
+            row.count = bytes;
+            row.secs = secs;
+            rates.push(bytes as f64 / secs / 1e6);
+        }
+        row.mb_s = Some(median(&mut rates));
+    }
+    Ok(row)
+}
+
+fn print_row(r: &StreamRow, a: &StreamArgs, first: bool, out: &mut dyn Write) -> io::Result<()> {
+    let f = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.2}"));
+    if a.json {
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_string(r).map_err(io::Error::other)?
+        )
+    } else if a.csv {
+        if first {
+            writeln!(
+                out,
+                "test,mode,kind,transport,size,count,secs,mb_s,lat_us,lat_mean_us,lat_p99_us,ratio_to_tcp"
+            )?;
+        }
+        writeln!(
+            out,
+            "{},{},{},\"{}\",{},{},{:.6},{},{},{},{},{}",
+            r.test,
+            r.mode,
+            r.kind,
+            r.transport,
+            r.size,
+            r.count,
+            r.secs,
+            f(r.mb_s),
+            f(r.lat_us),
+            f(r.lat_mean_us),
+            f(r.lat_p99_us),
+            f(r.ratio_to_tcp)
+        )
+    } else {
+        if first {
+            if a.lat {
+                writeln!(
+                    out,
+                    "{:>9} {:<4} {:>10} {:>10} {:>10} {:>8}  transport",
+                    "size", "kind", "lat µs", "mean µs", "p99 µs", "vs TCP"
+                )?;
+            } else {
+                writeln!(
+                    out,
+                    "{:>9} {:<4} {:>12} {:>8}  transport",
+                    "size", "kind", "MB/s", "vs TCP"
+                )?;
+            }
+        }
+        let ratio = r.ratio_to_tcp.map_or(String::new(), |x| format!("{x:.2}×"));
+        if a.lat {
+            writeln!(
+                out,
+                "{:>9} {:<4} {:>10} {:>10} {:>10} {:>8}  {}",
+                r.size,
+                r.kind,
+                f(r.lat_us),
+                f(r.lat_mean_us),
+                f(r.lat_p99_us),
+                ratio,
+                r.transport
+            )
+        } else {
+            writeln!(
+                out,
+                "{:>9} {:<4} {:>12} {:>8}  {}",
+                r.size,
+                r.kind,
+                f(r.mb_s),
+                ratio,
+                r.transport
+            )
+        }
+    }
+}
+
+fn sizes(a: &StreamArgs) -> Vec<usize> {
+    let top = a.size.unwrap_or(if a.all {
+        1 << 20
+    } else if a.lat {
+        64
+    } else {
+        128 << 10
+    });
+    if !a.all {
+        return vec![top];
+    }
+    let mut v = Vec::new();
+    let mut s = 64usize;
+    while s < top {
+        v.push(s);
+        s *= 4;
+    }
+    v.push(top);
+    v
+}
+
+fn resolve(host: &str, port: u16) -> io::Result<SocketAddr> {
+    let with_port = if host.parse::<SocketAddr>().is_ok()
+        || host
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.contains(':') && p.parse::<u16>().is_ok())
+    {
+        host.to_string()
+    } else if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    with_port
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no address for {host}")))
+}
+
+/// Runs the client side against `addr`: every size, the measured mode and,
+/// with a baseline, plain TCP right after it. Returns the rows.
+pub fn run_client(
+    addr: SocketAddr,
+    a: &StreamArgs,
+    out: &mut dyn Write,
+) -> io::Result<Vec<StreamRow>> {
+    let mut rows = Vec::new();
+    let mut first = true;
+    for size in sizes(a) {
+        let mut sd = measure(addr, a, size, measured_mode(a), "sdp")?;
+        if a.baseline.is_some() {
+            let tcp = measure(addr, a, size, Mode::Tcp, "tcp")?;
+            sd.ratio_to_tcp = match (a.lat, sd.mb_s, tcp.mb_s, sd.lat_us, tcp.lat_us) {
+                (false, Some(x), Some(y), _, _) if y > 0.0 => Some(x / y),
+                (true, _, _, Some(x), Some(y)) if y > 0.0 => Some(x / y),
+                _ => None,
+            };
+            print_row(&sd, a, first, out)?;
+            print_row(&tcp, a, false, out)?;
+            rows.push(sd);
+            rows.push(tcp);
+        } else {
+            print_row(&sd, a, first, out)?;
+            rows.push(sd);
+        }
+        first = false;
+    }
+    Ok(rows)
+}
+
+fn end_server(addr: SocketAddr) {
+    if let Ok(mut s) = TcpStream::connect_with(addr, &Config::with_mode(Mode::Tcp)) {
+        let _ = s.write_all(&request(KIND_END, false, 1, 0));
+    }
+}
+
+/// Entry point of `softrdma perf stream` (`argv` starts with `stream`).
+pub fn main_with_args(argv: &[String]) -> ExitCode {
+    let a = match StreamArgs::try_parse_from(argv) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    if let Some(d) = a.duration
+        && !(d.is_finite() && d > 0.0)
+    {
+        eprintln!("softrdma perf stream: error: --duration must be a positive number of seconds");
+        return ExitCode::from(2);
+    }
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    let listen_cfg = cfg(&a, Mode::Auto);
+    if a.server {
+        let l = match TcpListener::bind_with((a.bind.as_str(), a.port), &listen_cfg) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!(
+                    "softrdma perf stream: error: cannot listen on {}:{}: {e}",
+                    a.bind, a.port
+                );
+                return ExitCode::FAILURE;
+            }
+        };
+        match l.local_addr() {
+            Ok(addr) => {
+                let _ = writeln!(out, "listening on {addr}");
+                let _ = out.flush();
+            }
+            Err(e) => eprintln!("softrdma perf stream: {e}"),
+        }
+        drop(out);
+        serve(&l, a.persist);
+        return ExitCode::SUCCESS;
+    }
+    let (addr, server) = match &a.connect {
+        Some(host) => match resolve(host, a.port) {
+            Ok(addr) => (addr, None),
+            Err(e) => {
+                eprintln!("softrdma perf stream: error: {host}: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        None => {
+            let l = match TcpListener::bind_with("127.0.0.1:0", &listen_cfg) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("softrdma perf stream: error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let addr = match l.local_addr() {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("softrdma perf stream: error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            (addr, Some(thread::spawn(move || serve(&l, false))))
+        }
+    };
+    let res = run_client(addr, &a, &mut out);
+    if server.is_some() || a.connect.is_some() {
+        end_server(addr);
+    }
+    if let Some(t) = server {
+        let _ = t.join();
+    }
+    match res {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("softrdma perf stream: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> StreamArgs {
+        let mut v = vec!["stream"];
+        v.extend_from_slice(extra);
+        StreamArgs::try_parse_from(v).unwrap()
+    }
+
+    /// Both patterns against one dual listener: the measured row is
+    /// offloaded, the baseline row plain, every octet is counted by the
+    /// server, and the CSV has a header and one line per row.
+    #[test]
+    fn loopback_bw_and_lat_with_tcp_baseline() {
+        let l = TcpListener::bind_with("127.0.0.1:0", &Config::default()).unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = thread::spawn(move || serve(&l, false));
+        let bw_args = args(&["-s", "4K", "-n", "300", "--baseline", "tcp", "--csv"]);
+        let mut out = Vec::new();
+        let rows = run_client(addr, &bw_args, &mut out).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert!(
+            rows[0].transport.starts_with("offloaded"),
+            "{}",
+            rows[0].transport
+        );
+        assert!(
+            rows[1].transport.starts_with("plain"),
+            "{}",
+            rows[1].transport
+        );
+        for r in &rows {
+            assert_eq!(r.count, 300 * 4096);
+            assert!(r.mb_s.unwrap() > 0.0);
+        }
+        assert!(rows[0].ratio_to_tcp.is_some());
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        assert!(text.starts_with("test,mode,kind,"));
+        let lat_args = args(&["--lat", "-s", "100", "-n", "200", "--json"]);
+        let mut out = Vec::new();
+        let rows = run_client(addr, &lat_args, &mut out).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].count, 200);
+        assert!(rows[0].lat_us.unwrap() > 0.0);
+        let v: serde_json::Value =
+            serde_json::from_str(String::from_utf8(out).unwrap().trim()).unwrap();
+        assert_eq!(v["mode"], "lat");
+        end_server(addr);
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn sweep_sizes() {
+        assert_eq!(sizes(&args(&["-a", "-s", "4K"])), vec![64, 256, 1024, 4096]);
+        assert_eq!(sizes(&args(&["--lat"])), vec![64]);
+        assert_eq!(sizes(&args(&[])), vec![128 << 10]);
+    }
+}

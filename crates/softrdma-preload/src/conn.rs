@@ -1,0 +1,516 @@
+//! The table of offloaded connections (application descriptor →
+//! connection), the switch of a connected kernel socket into sockets direct,
+//! and the blocking rules of the data calls.
+//!
+//! The application's descriptor stays the kernel TCP socket; the switched
+//! connection (a `softrdma_sockets::TcpStream`) uses a duplicate of it. The
+//! kernel socket stays non-blocking underneath (the engine needs it); the
+//! application's view of `O_NONBLOCK` is kept here, as is its view of
+//! `FD_CLOEXEC`: an offloaded descriptor is always close-on-exec in the
+//! kernel, so a program started with `exec` never reads the RDMA framing as
+//! its data (see the crate docs).
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
+use std::time::{Duration, Instant};
+
+use libc::c_int;
+use softrdma_sockets::{Config, Mode as SdMode, TcpStream as SdStream};
+
+use crate::interpose::{REAL_FCNTL, REAL_POLL, errno, state};
+use crate::stats::PlainReason;
+
+/// One connection switched (or about to be switched) into sockets direct;
+/// shared by every descriptor of it (`dup`).
+#[derive(Debug)]
+pub(crate) struct Conn {
+    /// The switched stream, or the errno every call reports.
+    sw: OnceLock<Result<SdStream, c_int>>,
+    /// Server side, until the first call that needs the stream: the
+    /// duplicate descriptor to switch (as responder). The switch is made
+    /// by whichever process touches the connection first, so a server that
+    /// forks after accept serves it from the child.
+    pending: Mutex<Option<std::net::TcpStream>>,
+    /// The process that switched it (0 while pending). Another process (a
+    /// forked child) has the memory but not the engine threads behind it.
+    owner: AtomicI32,
+    /// The application's view of `O_NONBLOCK` (shared, as by the kernel's
+    /// open file description).
+    pub(crate) nonblock: AtomicBool,
+    /// `SO_RCVTIMEO` / `SO_SNDTIMEO` in microseconds (0: none).
+    pub(crate) rcvtimeo: AtomicU64,
+    pub(crate) sndtimeo: AtomicU64,
+    rfd: AtomicI32,
+    /// A reset was reported once: later writes fail with `EPIPE` (and
+    /// `SIGPIPE`), as the kernel's do after `ECONNRESET`.
+    pub(crate) reset_seen: AtomicBool,
+}
+
+/// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
+#[derive(Debug, Clone)]
+pub(crate) struct Slot {
+    pub(crate) conn: Arc<Conn>,
+    pub(crate) cloexec: bool,
+}
+
+static TABLE: LazyLock<RwLock<HashMap<c_int, Slot>>> = LazyLock::new(RwLock::default);
+static COUNT: AtomicUsize = AtomicUsize::new(0);
+/// The process whose engine was started (0: none yet). A forked child has
+/// a started engine's memory without its threads: it cannot switch.
+pub(crate) static ENGINE_PID: AtomicI32 = AtomicI32::new(0);
+
+/// This process's id, cached (getpid is a system call, and the data calls
+/// ask on every call); a forked child sets its own. It is set before
+/// anything a `vfork` child must not touch exists (see [`in_vfork_child`]).
+static MY_PID: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn clear_pid() {
+    // SAFETY: getpid has no preconditions (and is async-signal-safe).
+    MY_PID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
+}
+
+pub(crate) fn pid() -> i32 {
+    let p = MY_PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    static ATFORK: std::sync::Once = std::sync::Once::new();
+    ATFORK.call_once(|| {
+        // SAFETY: registering a plain `extern "C" fn()` that stores to an
+        // atomic, run in the child after fork.
+        unsafe { libc::pthread_atfork(None, None, Some(clear_pid)) };
+    });
+    // SAFETY: getpid has no preconditions.
+    let p = unsafe { libc::getpid() };
+    MY_PID.store(p, Ordering::Relaxed);
+    p
+}
+
+/// Whether this is the child of a `vfork` (Python's subprocess uses it):
+/// it shares the parent's memory until it calls exec, so it must leave the
+/// table alone (a close there would end the parent's connection).
+pub(crate) fn in_vfork_child() -> bool {
+    let cached = MY_PID.load(Ordering::Relaxed);
+    // SAFETY: getpid has no preconditions.
+    cached != 0 && cached != unsafe { libc::getpid() }
+}
+
+/// The connection behind `fd`, if it is offloaded (cheap when none is).
+pub(crate) fn lookup(fd: c_int) -> Option<Arc<Conn>> {
+    if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
+        return None;
+    }
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    t.get(&fd).map(|s| s.conn.clone())
+}
+
+/// The slot of `fd`.
+pub(crate) fn slot(fd: c_int) -> Option<Slot> {
+    if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
+        return None;
+    }
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    t.get(&fd).cloned()
+}
+
+/// The offloaded descriptors in `first..=last`.
+pub(crate) fn fds_in(first: c_int, last: c_int) -> Vec<c_int> {
+    if !any() {
+        return Vec::new();
+    }
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    t.keys()
+        .copied()
+        .filter(|&f| f >= first && f <= last)
+        .collect()
+}
+
+/// Whether any descriptor is offloaded.
+pub(crate) fn any() -> bool {
+    COUNT.load(Ordering::Relaxed) != 0
+}
+
+/// Records `fd` as a descriptor of `conn`; the kernel descriptor is made
+/// close-on-exec (the application's view is `cloexec`).
+pub(crate) fn insert(fd: c_int, conn: Arc<Conn>, cloexec: bool) {
+    pid();
+    if let Some(f) = REAL_FCNTL.get() {
+        // SAFETY: F_SETFD with an int argument on a descriptor we were given.
+        unsafe { f(fd, libc::F_SETFD, libc::FD_CLOEXEC as usize) };
+    }
+    let old = {
+        let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
+        let old = t.insert(fd, Slot { conn, cloexec });
+        COUNT.store(t.len(), Ordering::Relaxed);
+        old
+    };
+    if let Some(s) = old {
+        release(s.conn);
+    }
+}
+
+/// Sets the application's `FD_CLOEXEC` view of `fd`.
+pub(crate) fn set_cloexec(fd: c_int, on: bool) {
+    if in_vfork_child() {
+        return;
+    }
+    let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
+    if let Some(s) = t.get_mut(&fd) {
+        s.cloexec = on;
+    }
+}
+
+/// Forgets `fd` (closed, or replaced by `dup2`); the connection ends with
+/// its last descriptor.
+pub(crate) fn remove(fd: c_int) {
+    if lookup(fd).is_none() {
+        return;
+    }
+    let old = {
+        let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
+        let old = t.remove(&fd);
+        COUNT.store(t.len(), Ordering::Relaxed);
+        old
+    };
+    if let Some(s) = old {
+        release(s.conn);
+    }
+}
+
+/// Drops a reference: in a forked child the memory of a connection the
+/// parent switched is never torn down (that would run the parent's
+/// protocol on a socket the parent still uses); it is left as it is.
+fn release(c: Arc<Conn>) {
+    let owner = c.owner.load(Ordering::Relaxed);
+    if owner != 0 && owner != pid() {
+        std::mem::forget(c);
+    } else if Arc::strong_count(&c) == 1 {
+        // The last reference: the close may start an engine thread (a
+        // close timer), which must not inherit the application's mask.
+        signals_blocked(|| drop(c));
+    } else {
+        drop(c);
+    }
+}
+
+thread_local! {
+    /// Set while this library sets up a connection: descriptors made then
+    /// (by the sockets-direct library and the engine) are moved to high
+    /// numbers.
+    static INTERNAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Lowest number for the library's own descriptors: they stay out of the
+/// range programs size their tables by (wrk sizes its event loop for 3
+/// descriptors per connection) and below `FD_SETSIZE` where the limit
+/// allows (select).
+pub(crate) fn high_base() -> c_int {
+    static BASE: OnceLock<c_int> = OnceLock::new();
+    *BASE.get_or_init(|| {
+        // SAFETY: rlimit is plain data; getrlimit writes it.
+        let mut rl: libc::rlimit = unsafe { std::mem::zeroed() };
+        // SAFETY: valid resource and pointer.
+        let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut rl) } == 0 {
+            rl.rlim_cur.min(1 << 20) as c_int
+        } else {
+            1024
+        };
+        (soft / 2).min(512)
+    })
+}
+
+/// Moves `fd`, made by this library while setting up a connection, to a
+/// high number (close-on-exec); unchanged outside of that or if none is
+/// free.
+pub(crate) fn move_high(fd: c_int) -> c_int {
+    if fd < 0 || fd >= high_base() || !INTERNAL.with(|i| i.get()) {
+        return fd;
+    }
+    let (Some(fcntl), Some(close)) = (REAL_FCNTL.get(), crate::real::REAL_CLOSE.get()) else {
+        return fd;
+    };
+    // SAFETY: duplicating a descriptor this library just made.
+    let h = unsafe { fcntl(fd, libc::F_DUPFD_CLOEXEC, high_base() as usize) };
+    if h < 0 {
+        return fd;
+    }
+    // SAFETY: the original is ours and replaced by `h`.
+    unsafe { close(fd) };
+    h
+}
+
+/// Whether this thread is setting up a connection.
+pub(crate) fn internal() -> bool {
+    INTERNAL.with(|i| i.get())
+}
+
+/// Runs `f` as connection set-up (see [`move_high`]).
+fn as_internal<T>(f: impl FnOnce() -> T) -> T {
+    let was = INTERNAL.with(|i| i.replace(true));
+    let r = f();
+    INTERNAL.with(|i| i.set(was));
+    r
+}
+
+/// Runs `f` with every signal blocked in this thread, so threads it starts
+/// (the engine's, a twin) never run the application's signal handlers.
+pub(crate) fn signals_blocked<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: sigset_t is plain data, filled by sigfillset; the old mask
+    // is restored below.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&raw mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &raw const all, &raw mut old);
+        let r = f();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &raw const old, std::ptr::null_mut());
+        r
+    }
+}
+
+fn config() -> Config {
+    Config::with_mode(SdMode::Auto)
+}
+
+/// Why a switch could not be made (the connection is unusable: bytes of
+/// the switch may already be on it).
+fn switch(dup: std::net::TcpStream, initiator: bool) -> Result<SdStream, c_int> {
+    let me = pid();
+    let started = ENGINE_PID.load(Ordering::Relaxed);
+    if started != 0 && started != me {
+        return Err(libc::ECONNRESET);
+    }
+    ENGINE_PID.store(me, Ordering::Relaxed);
+    let nodelay = dup.nodelay().unwrap_or(false);
+    let s = signals_blocked(|| as_internal(|| SdStream::upgrade(dup, initiator, &config())))
+        .map_err(|_| libc::ECONNRESET)?;
+    let _ = s.set_nonblocking(true);
+    if nodelay {
+        let _ = s.set_nodelay(true);
+    }
+    Ok(s)
+}
+
+/// A duplicate of the application's descriptor (close-on-exec), as a
+/// std stream the switch can own.
+pub(crate) fn dup_stream(fd: c_int) -> Option<std::net::TcpStream> {
+    let f = REAL_FCNTL.get()?;
+    // SAFETY: F_DUPFD_CLOEXEC on the caller's descriptor.
+    let mut d = unsafe { f(fd, libc::F_DUPFD_CLOEXEC, high_base() as usize) };
+    if d < 0 {
+        // SAFETY: as above, any number.
+        d = unsafe { f(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    }
+    if d < 0 {
+        return None;
+    }
+    // SAFETY: `d` is a fresh descriptor owned by nobody else.
+    Some(unsafe { std::net::TcpStream::from_raw_fd(d) })
+}
+
+fn nonblocking_now(fd: c_int) -> bool {
+    REAL_FCNTL.get().is_some_and(|f| {
+        // SAFETY: F_GETFL has no argument.
+        let fl = unsafe { f(fd, libc::F_GETFL, 0) };
+        fl >= 0 && fl & libc::O_NONBLOCK != 0
+    })
+}
+
+impl Conn {
+    fn new(nonblock: bool) -> Conn {
+        Conn {
+            sw: OnceLock::new(),
+            pending: Mutex::new(None),
+            owner: AtomicI32::new(0),
+            nonblock: AtomicBool::new(nonblock),
+            rcvtimeo: AtomicU64::new(0),
+            sndtimeo: AtomicU64::new(0),
+            rfd: AtomicI32::new(-1),
+            reset_seen: AtomicBool::new(false),
+        }
+    }
+
+    /// Client side: switches `fd` now (it is connected); `Err` if the
+    /// switch failed (the connection is then unusable).
+    pub(crate) fn connect_switch(fd: c_int) -> Result<Arc<Conn>, c_int> {
+        let nb = nonblocking_now(fd);
+        let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
+        let c = Conn::new(nb);
+        let s = switch(dup, true)?;
+        c.adopt(s);
+        Ok(Arc::new(c))
+    }
+
+    /// Server side: `fd` will be switched on first use.
+    pub(crate) fn accepted(fd: c_int) -> Option<Arc<Conn>> {
+        let nb = nonblocking_now(fd);
+        let dup = dup_stream(fd)?;
+        let c = Conn::new(nb);
+        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(dup);
+        Some(Arc::new(c))
+    }
+
+    fn adopt(&self, s: SdStream) {
+        self.owner.store(pid(), Ordering::Relaxed);
+        let rfd = as_internal(|| s.readiness_fd()).unwrap_or(-1);
+        self.rfd.store(rfd, Ordering::Relaxed);
+        let _ = self.sw.set(Ok(s));
+    }
+
+    /// The switched stream (switching a pending one now), or the errno of
+    /// a connection that cannot be used in this process.
+    pub(crate) fn stream(&self) -> Result<&SdStream, c_int> {
+        if self.sw.get().is_none() {
+            // Held during the switch: other threads' calls wait for it.
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(dup) = pending.take() {
+                let r = switch(dup, false);
+                match &r {
+                    Ok(_) => state().stats.offloaded(),
+                    Err(_) => state().stats.plain(PlainReason::SetupFailed),
+                }
+                match r {
+                    Ok(s) => self.adopt(s),
+                    Err(e) => {
+                        let _ = self.sw.set(Err(e));
+                    }
+                }
+            }
+        }
+        let owner = self.owner.load(Ordering::Relaxed);
+        if owner != 0 && owner != pid() {
+            // A forked child: the parent's connection, not ours to use.
+            return Err(libc::EIO);
+        }
+        match self.sw.get() {
+            Some(Ok(s)) => Ok(s),
+            Some(Err(e)) => Err(*e),
+            // Another thread is switching it.
+            None => Err(libc::EAGAIN),
+        }
+    }
+
+    /// The readiness descriptor (-1 if not switched).
+    pub(crate) fn readiness(&self) -> c_int {
+        let _ = self.stream();
+        self.rfd.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f` (a non-blocking attempt) until it does not report
+    /// `WouldBlock`, waiting on the readiness descriptor in between unless
+    /// the call is non-blocking; `out` says which readiness is awaited.
+    pub(crate) fn blocking<T>(
+        &self,
+        dontwait: bool,
+        out: bool,
+        mut f: impl FnMut(&SdStream) -> io::Result<T>,
+    ) -> Result<T, c_int> {
+        let s = self.stream()?;
+        let nb = dontwait || self.nonblock.load(Ordering::Relaxed);
+        let us = if out {
+            self.sndtimeo.load(Ordering::Relaxed)
+        } else {
+            self.rcvtimeo.load(Ordering::Relaxed)
+        };
+        let deadline = (us > 0).then(|| Instant::now() + Duration::from_micros(us));
+        loop {
+            match f(s) {
+                Ok(v) => return Ok(v),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if nb {
+                        return Err(libc::EAGAIN);
+                    }
+                    // At most 50 ms per sleep: a safety net against a lost
+                    // readiness change.
+                    let mut ms = 50;
+                    if let Some(d) = deadline {
+                        let left = d.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return Err(libc::EAGAIN);
+                        }
+                        ms = ms.min(left.as_millis() as i32 + 1);
+                    }
+                    // The readiness descriptor, and the kernel socket: new
+                    // bytes on it wake this thread, whose next attempt
+                    // drives the receive path itself (credits for a
+                    // writer come in the same way), without waiting for
+                    // the engine's thread to hand them over.
+                    let mut p = [
+                        libc::pollfd {
+                            fd: self.rfd.load(Ordering::Relaxed),
+                            events: if out { libc::POLLOUT } else { libc::POLLIN },
+                            revents: 0,
+                        },
+                        libc::pollfd {
+                            fd: s.as_raw_fd(),
+                            events: libc::POLLIN,
+                            revents: 0,
+                        },
+                    ];
+                    let Some(poll) = REAL_POLL.get() else {
+                        return Err(libc::ENOSYS);
+                    };
+                    // SAFETY: two valid pollfds.
+                    let r = unsafe { poll(p.as_mut_ptr(), 2, ms) };
+                    if r < 0 && errno() == libc::EINTR && !restart_after_signal() {
+                        return Err(libc::EINTR);
+                    }
+                }
+                Err(e) => return Err(errno_of(&e)),
+            }
+        }
+    }
+}
+
+/// The errno for an error of the sockets-direct stream.
+pub(crate) fn errno_of(e: &io::Error) -> c_int {
+    if let Some(n) = e.raw_os_error() {
+        return n;
+    }
+    use io::ErrorKind as K;
+    match e.kind() {
+        K::BrokenPipe => libc::EPIPE,
+        K::ConnectionReset => libc::ECONNRESET,
+        K::ConnectionAborted => libc::ECONNABORTED,
+        K::NotConnected => libc::ENOTCONN,
+        K::WouldBlock => libc::EAGAIN,
+        K::TimedOut => libc::ETIMEDOUT,
+        K::Interrupted => libc::EINTR,
+        K::InvalidInput => libc::EINVAL,
+        _ => libc::EIO,
+    }
+}
+
+/// Whether a blocking call interrupted by a signal handler is restarted,
+/// as the kernel does when the handler was installed with `SA_RESTART`.
+/// The signal that ran is not known here: the call is restarted only when
+/// every caught signal has `SA_RESTART` (otherwise `EINTR`, as the kernel
+/// returns for a handler without it).
+fn restart_after_signal() -> bool {
+    for sig in 1..=libc::SIGRTMAX() {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: sigaction with a null new action only reads the current one.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; `old` is writable.
+        if unsafe { libc::sigaction(sig, std::ptr::null(), &raw mut old) } != 0 {
+            continue;
+        }
+        let h = old.sa_sigaction;
+        if h != libc::SIG_DFL && h != libc::SIG_IGN && old.sa_flags & libc::SA_RESTART == 0 {
+            return false;
+        }
+    }
+    true
+}
+
+/// Raises `SIGPIPE` in the calling thread, as the kernel does for a write
+/// to a closed connection without `MSG_NOSIGNAL`.
+pub(crate) fn raise_sigpipe() {
+    // SAFETY: signalling the calling thread.
+    unsafe { libc::pthread_kill(libc::pthread_self(), libc::SIGPIPE) };
+}

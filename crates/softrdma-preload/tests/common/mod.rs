@@ -1,0 +1,67 @@
+//! Shared helpers: the built library and Python programs run with it.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// `target/<profile>/libsoftrdma_preload.so`, next to this test's `deps/`;
+/// built here if `cargo test` did not build it (it builds no cdylib for
+/// integration tests).
+pub(crate) fn library() -> PathBuf {
+    static BUILT: std::sync::Once = std::sync::Once::new();
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let lib = dir.join("libsoftrdma_preload.so");
+    BUILT.call_once(|| {
+        // Always (a no-op when it is up to date): a stale library would
+        // test old code.
+        let release = dir.file_name().is_some_and(|n| n == "release");
+        let mut c = Command::new(env!("CARGO"));
+        c.args(["build", "-p", "softrdma-preload"])
+            .env("CARGO_TARGET_DIR", dir.parent().unwrap());
+        if release {
+            c.arg("--release");
+        }
+        let st = c.status().expect("run cargo build");
+        assert!(st.success(), "cargo build -p softrdma-preload failed");
+    });
+    assert!(lib.exists(), "{} not built", lib.display());
+    lib
+}
+
+pub(crate) fn have_python() -> bool {
+    Command::new("python3").arg("-V").output().is_ok()
+}
+
+/// Runs `script` under python3 with the library preloaded.
+pub(crate) fn python(script: &str, env: &[(&str, &str)]) -> (Output, Vec<String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = dir.path().join("stats.jsonl");
+    let mut c = Command::new("python3");
+    c.arg("-c")
+        .arg(script)
+        .env("LD_PRELOAD", library())
+        .env("SOFTRDMA_SOCKETS_STATS", &stats)
+        .env_remove("SOFTRDMA_SOCKETS")
+        .env_remove("SOFTRDMA_SOCKETS_CONF");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().unwrap();
+    let lines = std::fs::read_to_string(&stats)
+        .unwrap_or_default()
+        .lines()
+        .map(String::from)
+        .collect();
+    (out, lines)
+}
+
+pub(crate) fn field(line: &str, key: &str) -> String {
+    let at = line.find(&format!("\"{key}\":")).unwrap() + key.len() + 3;
+    line[at..]
+        .split([',', '}'])
+        .next()
+        .unwrap()
+        .trim_matches('"')
+        .to_string()
+}

@@ -1,0 +1,303 @@
+//! Both ends preloaded: connections are switched into sockets direct and
+//! the interposed calls behave as the kernel's would (Python socket
+//! programs, one process or a forked pair).
+
+mod common;
+
+use common::{field, have_python, python};
+
+/// Common prelude: a listener and a connected, offloaded pair (c: client,
+/// s: server side). The client connects from a thread: its `connect`
+/// returns once the server has switched too, which it does on its first
+/// use of the accepted socket (here a select).
+const PAIR: &str = "import socket,os,sys,select,fcntl,termios,struct,signal,time,errno,threading\n\
+l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
+def connect():\n    r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',l.getsockname()[1])))); t.start()\n    s,_=l.accept(); select.select([],[s],[],5); t.join(); return r[0],s\n\
+c,s=connect()\n";
+
+fn run(body: &str) -> Vec<String> {
+    let script = format!("{PAIR}{body}\nprint('DONE')\n");
+    let (out, lines) = python(&script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("DONE"),
+        "status {:?}\nstdout {stdout}\nstderr {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    lines
+}
+
+#[test]
+fn both_ends_preloaded_are_offloaded_and_byte_exact_each_way() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("data=os.urandom(3_000_000)\n\
+        def tx(): c.sendall(data); c.shutdown(socket.SHUT_WR)\n\
+        t=threading.Thread(target=tx); t.start()\n\
+        b=bytearray()\n\
+        while True:\n    x=s.recv(70000)\n    if not x: break\n    b+=x\n\
+        t.join(); assert bytes(b)==data\n\
+        def back(): s.sendall(data[::-1]); s.close()\n\
+        t=threading.Thread(target=back); t.start()\n\
+        b=bytearray()\n\
+        while True:\n    x=c.recv(1<<20)\n    if not x: break\n    b+=x\n\
+        t.join(); assert bytes(b)==data[::-1]\n");
+    assert_eq!(field(&lines[0], "offloaded"), "2", "{lines:?}");
+}
+
+#[test]
+fn poll_select_and_epoll_see_offloaded_data_level_edge_and_oneshot() {
+    if !have_python() {
+        return;
+    }
+    run("s.setblocking(False)\n\
+        p=select.poll(); p.register(s, select.POLLIN)\n\
+        assert p.poll(100)==[], 'nothing yet'\n\
+        c.sendall(b'0123456789')\n\
+        assert p.poll(2000)==[(s.fileno(), select.POLLIN)]\n\
+        r,w,_=select.select([s],[s],[],2); assert r==[s] and w==[s], (r,w)\n\
+        e=select.epoll(); e.register(s.fileno(), select.EPOLLIN|select.EPOLLET)\n\
+        assert e.poll(2)==[(s.fileno(), select.EPOLLIN)]\n\
+        assert s.recv(5)==b'01234'\n\
+        assert e.poll(0.2)==[], 'edge-triggered: no new edge'\n\
+        assert s.recv(100)==b'56789'\n\
+        try:\n    s.recv(1); raise SystemExit('expected EAGAIN')\n\
+        except BlockingIOError: pass\n\
+        c.sendall(b'ab')\n\
+        assert e.poll(2)==[(s.fileno(), select.EPOLLIN)], 'a new edge once drained'\n\
+        assert s.recv(100)==b'ab'\n\
+        e.modify(s.fileno(), select.EPOLLIN|select.EPOLLONESHOT)\n\
+        c.sendall(b'x'); assert e.poll(2)==[(s.fileno(), select.EPOLLIN)]\n\
+        c.sendall(b'y'); assert e.poll(0.2)==[], 'one-shot: disarmed'\n\
+        e.modify(s.fileno(), select.EPOLLIN|select.EPOLLONESHOT)\n\
+        assert e.poll(2)==[(s.fileno(), select.EPOLLIN)]\n\
+        assert s.recv(10)==b'xy'\n\
+        e.unregister(s.fileno())\n\
+        c.close(); assert p.poll(2)[0][1] & select.POLLIN; assert s.recv(10)==b''\n");
+}
+
+#[test]
+fn descriptor_calls_keep_the_application_view() {
+    if !have_python() {
+        return;
+    }
+    run(
+        "fl=fcntl.fcntl(s, fcntl.F_GETFL); assert not fl & os.O_NONBLOCK\n\
+        s.setblocking(False); assert fcntl.fcntl(s, fcntl.F_GETFL) & os.O_NONBLOCK\n\
+        s.setblocking(True); assert not fcntl.fcntl(s, fcntl.F_GETFL) & os.O_NONBLOCK\n\
+        c.sendall(b'hello')\n\
+        time.sleep(0.2)\n\
+        n=struct.unpack('i', fcntl.ioctl(s, termios.FIONREAD, b'\\0\\0\\0\\0'))[0]; assert n==5, n\n\
+        assert s.recv(5, socket.MSG_PEEK)==b'hello'\n\
+        d=os.dup(s.fileno()); d2=fcntl.fcntl(s, fcntl.F_DUPFD, 0)\n\
+        assert os.read(d, 2)==b'he'; assert os.read(d2, 3)==b'llo'\n\
+        os.close(d); os.close(d2)\n\
+        c.sendall(b'still'); assert s.recv(5)==b'still', 'alive after closing duplicates'\n\
+        try:\n    s.setsockopt(socket.IPPROTO_TCP, 31, b'tls'); raise SystemExit('TCP_ULP accepted')\n\
+        except OSError as x: assert x.errno==errno.ENOPROTOOPT, x\n\
+        assert s.getpeername()==c.getsockname() and os.fstat(s.fileno()).st_mode & 0o170000 == 0o140000\n\
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n\
+        os.writev(c.fileno(), [b'ab', b'cd', b'ef'])\n\
+        b1=bytearray(3); b2=bytearray(3); assert os.readv(s.fileno(), [b1,b2])==6 and b1+b2==b'abcdef'\n\
+        c.sendmsg([b'msg', b'!']); assert s.recvmsg(10)[0]==b'msg!'\n",
+    );
+}
+
+#[test]
+fn sendfile_and_splice_copy_through_user_space() {
+    if !have_python() {
+        return;
+    }
+    run("import tempfile\n\
+        f=tempfile.TemporaryFile(); data=os.urandom(300_000); f.write(data); f.flush()\n\
+        n=0\n\
+        while n<len(data): n+=os.sendfile(c.fileno(), f.fileno(), n, len(data)-n)\n\
+        b=bytearray()\n\
+        while len(b)<len(data): b+=s.recv(65536)\n\
+        assert bytes(b)==data\n\
+        f.seek(0); assert os.sendfile(c.fileno(), f.fileno(), None, 1000)==1000 and f.tell()==1000\n\
+        assert s.recv(1000, socket.MSG_WAITALL)==data[:1000]\n\
+        r,w=os.pipe(); os.write(w, b'through a pipe')\n\
+        assert os.splice(r, c.fileno(), 14)==14\n\
+        assert s.recv(14, socket.MSG_WAITALL)==b'through a pipe'\n\
+        c.sendall(b'back'); time.sleep(0.1)\n\
+        assert os.splice(s.fileno(), w, 4)==4 and os.read(r, 4)==b'back'\n");
+}
+
+#[test]
+fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
+    if !have_python() {
+        return;
+    }
+    // Fork after accept: a forking server whose parent only accepts (the
+    // client is another preloaded process); the child switches and serves
+    // the connection on its first use, the parent closes its descriptor.
+    let script = "import socket,os,sys,subprocess\n\
+        l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
+        code='import socket,sys\\nc=socket.create_connection((\"127.0.0.1\",int(sys.argv[1])))\\nc.sendall(b\"abcd\")\\nassert c.recv(4, socket.MSG_WAITALL)==b\"dcba\"\\nprint(\"CLIENT OK\")'\n\
+        cl=subprocess.Popen([sys.executable,'-c',code,str(l.getsockname()[1])], stdout=subprocess.PIPE, text=True)\n\
+        s,_=l.accept()\n\
+        pid=os.fork()\n\
+        if pid==0:\n    x=s.recv(4, socket.MSG_WAITALL); s.sendall(x[::-1]); s.close(); os._exit(0)\n\
+        s.close()\n\
+        assert cl.communicate()[0].strip()=='CLIENT OK'\n\
+        assert os.waitpid(pid,0)[1]==0\n\
+        print('DONE')\n";
+    let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("DONE"),
+        "{out:?}"
+    );
+    // The client process (offloaded: the child switched the server end)
+    // and the parent (0: it only accepted); the child leaves with _exit
+    // (no stats line).
+    let mut offloaded: Vec<String> = lines.iter().map(|l| field(l, "offloaded")).collect();
+    offloaded.sort();
+    assert_eq!(offloaded, ["0", "1"], "{lines:?}");
+
+    // Fork for work: the parent keeps the connection, the child never
+    // uses it (it only closes its copy).
+    run("c.sendall(b'1'); assert s.recv(1)==b'1'\n\
+        pid=os.fork()\n\
+        if pid==0:\n    s.close(); c.close(); os._exit(0)\n\
+        assert os.waitpid(pid,0)[1]==0\n\
+        c.sendall(b'after fork'); assert s.recv(10, socket.MSG_WAITALL)==b'after fork'\n\
+        s.sendall(b'ok'); assert c.recv(2, socket.MSG_WAITALL)==b'ok'\n");
+}
+
+#[test]
+fn blocking_calls_return_eintr_and_sigpipe_is_raised_unless_suppressed() {
+    if !have_python() {
+        return;
+    }
+    run("class Alarm(Exception): pass\n\
+        def on_alarm(n, f): raise Alarm()\n\
+        signal.signal(signal.SIGALRM, on_alarm)\n\
+        signal.setitimer(signal.ITIMER_REAL, 0.3)\n\
+        try:\n    s.recv(10); raise SystemExit('recv returned')\n\
+        except Alarm: pass\n\
+        c.sendall(b'z'); assert s.recv(1)==b'z', 'usable after EINTR'\n\
+        pipes=[]\n\
+        signal.signal(signal.SIGPIPE, lambda n,f: pipes.append(n))\n\
+        s.close(); time.sleep(0.3)\n\
+        err=None\n\
+        for i in range(50):\n\
+        \x20   try:\n\
+        \x20       c.send(b'x'*1000, socket.MSG_NOSIGNAL)\n\
+        \x20   except OSError as x:\n\
+        \x20       err=x; break\n\
+        \x20   time.sleep(0.02)\n\
+        assert err is not None and pipes==[], (err, pipes)\n\
+        try:\n    c.send(b'x')\n\
+        except OSError as x: assert x.errno==errno.EPIPE, x\n\
+        time.sleep(0.05); assert pipes==[signal.SIGPIPE], pipes\n");
+}
+
+#[test]
+fn an_exec_never_inherits_an_offloaded_stream() {
+    if !have_python() {
+        return;
+    }
+    // The new program finds the descriptor closed (EBADF), never the RDMA
+    // framing as data; the peer's connection ends.
+    run("import subprocess\n\
+        assert not os.get_inheritable(s.fileno())\n\
+        os.set_inheritable(s.fileno(), True); assert os.get_inheritable(s.fileno())\n\
+        code='import os,sys\\ntry:\\n    os.read(int(sys.argv[1]),1); print(\"READ\")\\nexcept OSError as e: print(e.errno)'\n\
+        out=subprocess.run([sys.executable,'-c',code,str(s.fileno())], pass_fds=[s.fileno()], capture_output=True, text=True).stdout.strip()\n\
+        assert out==str(errno.EBADF), out\n\
+        c.sendall(b'parent still works'); assert s.recv(18, socket.MSG_WAITALL)==b'parent still works'\n");
+}
+
+#[test]
+fn a_failed_switch_reconnects_plain_before_any_byte() {
+    if !have_python() {
+        return;
+    }
+    // The listener (and its twin) exist before this process starts its
+    // engine (the offloaded pair of the prelude); a child forked after
+    // that cannot switch: the connection it accepts fails at its first
+    // use, and the client, still inside connect, makes a plain one in its
+    // place, which carries the bytes.
+    let script = "import socket,os,sys,subprocess,select,threading\n\
+        l2=socket.socket(); l2.bind(('127.0.0.1',0)); l2.listen(8)\n\
+        l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',l.getsockname()[1])))); t.start()\n\
+        s,_=l.accept(); select.select([],[s],[],5); t.join(); r[0].sendall(b'p'); assert s.recv(1)==b'p'\n\
+        pid=os.fork()\n\
+        if pid==0:\n\
+        \x20   a,_=l2.accept()\n\
+        \x20   try:\n\
+        \x20       a.recv(1); os._exit(3)\n\
+        \x20   except ConnectionResetError: a.close()\n\
+        \x20   b,_=l2.accept(); x=b.recv(5, socket.MSG_WAITALL); b.sendall(x.upper()); b.close(); os._exit(0)\n\
+        code='import socket,sys\\nc=socket.create_connection((\"127.0.0.1\",int(sys.argv[1])))\\nc.sendall(b\"plain\")\\nassert c.recv(5, socket.MSG_WAITALL)==b\"PLAIN\"\\nprint(\"CLIENT OK\")'\n\
+        out=subprocess.run([sys.executable,'-c',code,str(l2.getsockname()[1])], capture_output=True, text=True, timeout=30).stdout.strip()\n\
+        assert out=='CLIENT OK', out\n\
+        assert os.waitpid(pid,0)[1]==0\n\
+        print('DONE')\n";
+    let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("DONE"),
+        "{out:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("\"offload setup failed\":1")),
+        "the client counted the failed switch: {lines:?}"
+    );
+}
+
+#[test]
+fn close_range_forgets_offloaded_descriptors_whose_numbers_are_reused() {
+    if !have_python() {
+        return;
+    }
+    run("c.sendall(b'x'); assert s.recv(1)==b'x'\n\
+        fd=s.fileno(); s.detach(); os.closerange(fd, fd+1)\n\
+        u=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(('127.0.0.1',0))\n\
+        v=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); v.sendto(b'plain', u.getsockname())\n\
+        assert u.fileno()==fd and u.recv(10)==b'plain'\n");
+}
+
+#[test]
+fn the_librarys_threads_block_every_signal() {
+    if !have_python() {
+        return;
+    }
+    // Twin and engine threads (started by the listener and the switch)
+    // never run the application's signal handlers.
+    run("import glob\n\
+        c.sendall(b'x'); assert s.recv(1)==b'x'\n\
+        others=[t for t in glob.glob('/proc/self/task/*') if int(t.split('/')[-1])!=os.getpid()]\n\
+        assert others, 'the library started threads'\n\
+        for t in others:\n\
+        \x20   blk=[l for l in open(t+'/status') if l.startswith('SigBlk:')][0].split()[1]\n\
+        \x20   blk=int(blk,16)\n\
+        \x20   name=open(t+'/comm').read().strip()\n\
+        \x20   assert all(blk>>(n-1)&1 for n in range(1,32) if n not in (9,19)), (name, hex(blk))\n");
+}
+
+#[test]
+fn sendmmsg_and_recvmmsg_go_through_the_offloaded_stream() {
+    if !have_python() {
+        return;
+    }
+    run("import ctypes\n\
+        class IOV(ctypes.Structure): _fields_=[('base',ctypes.c_void_p),('len',ctypes.c_size_t)]\n\
+        class MH(ctypes.Structure): _fields_=[('name',ctypes.c_void_p),('namelen',ctypes.c_uint32),('iov',ctypes.POINTER(IOV)),('iovlen',ctypes.c_size_t),('control',ctypes.c_void_p),('controllen',ctypes.c_size_t),('flags',ctypes.c_int)]\n\
+        class MMH(ctypes.Structure): _fields_=[('hdr',MH),('len',ctypes.c_uint)]\n\
+        libc=ctypes.CDLL(None, use_errno=True)\n\
+        bufs=[ctypes.create_string_buffer(b'first'), ctypes.create_string_buffer(b'second')]\n\
+        iovs=[IOV(ctypes.cast(b,ctypes.c_void_p), len(b.value)) for b in bufs]\n\
+        msgs=(MMH*2)(); msgs[0].hdr.iov=ctypes.pointer(iovs[0]); msgs[0].hdr.iovlen=1; msgs[1].hdr.iov=ctypes.pointer(iovs[1]); msgs[1].hdr.iovlen=1\n\
+        assert libc.sendmmsg(c.fileno(), msgs, 2, 0)==2 and msgs[1].len==6\n\
+        assert s.recv(11, socket.MSG_WAITALL)==b'firstsecond'\n\
+        c.sendall(b'abc')\n\
+        rb=ctypes.create_string_buffer(16); riov=IOV(ctypes.cast(rb,ctypes.c_void_p), 16)\n\
+        r=(MMH*1)(); r[0].hdr.iov=ctypes.pointer(riov); r[0].hdr.iovlen=1\n\
+        assert libc.recvmmsg(s.fileno(), r, 1, 0, None)==1 and rb.raw[:r[0].len]==b'abc', r[0].len\n");
+}

@@ -1,0 +1,655 @@
+//! `TcpStream` and `TcpListener`: the offload protocol switch behind
+//! `std::net`-like types.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use socket2::{Domain, SockAddr, Socket, Type};
+
+use crate::config::{Config, Mode, PlainReason, Transport};
+use crate::detect::{self, Answer, Twin};
+use crate::offload::Offload;
+
+#[derive(Debug)]
+enum Inner {
+    Plain(std::net::TcpStream),
+    Offload(Offload),
+}
+
+/// Options shared by clones (as a socket's file description shares them).
+#[derive(Debug, Default)]
+struct Opts {
+    nonblocking: AtomicBool,
+    read_timeout: Mutex<Option<Duration>>,
+    write_timeout: Mutex<Option<Duration>>,
+}
+
+/// What an async reactor watches for a stream.
+#[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+pub(crate) enum ReadinessClone {
+    /// Plain: a duplicate of the kernel socket.
+    Tcp(std::net::TcpStream),
+    /// Offloaded: wakers left with the library
+    /// ([`TcpStream::poll_offload_ready`]).
+    Offload,
+}
+
+/// A TCP connection that is offloaded (SDP over a softrdma queue pair on
+/// the same TCP connection) when both ends can, and plain kernel TCP
+/// otherwise. Mirrors [`std::net::TcpStream`].
+#[derive(Debug)]
+pub struct TcpStream {
+    inner: Inner,
+    transport: Transport,
+    opts: Arc<Opts>,
+}
+
+fn not_capable() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionRefused,
+        "offload required but the peer does not run sockets direct",
+    )
+}
+
+fn each_addr<A: ToSocketAddrs, T>(
+    addr: A,
+    mut f: impl FnMut(SocketAddr) -> io::Result<T>,
+) -> io::Result<T> {
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        match f(a) {
+            Ok(t) => return Ok(t),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, "no addresses to connect to")
+    }))
+}
+
+fn plain_connect(
+    sock: Option<Socket>,
+    addr: SocketAddr,
+    timeout: Option<Duration>,
+) -> io::Result<std::net::TcpStream> {
+    let sock = match sock {
+        Some(s) => s,
+        None => Socket::new(Domain::for_address(addr), Type::STREAM, None)?,
+    };
+    let sa = SockAddr::from(addr);
+    match timeout {
+        Some(t) => sock.connect_timeout(&sa, t)?,
+        None => sock.connect(&sa)?,
+    }
+    Ok(sock.into())
+}
+
+impl TcpStream {
+    /// Connects with the default [`Config`] ([`Mode::Auto`]).
+    pub fn connect<A: ToSocketAddrs>(addr: A) -> io::Result<TcpStream> {
+        Self::connect_with(addr, &Config::default())
+    }
+
+    /// Connects with `cfg`.
+    pub fn connect_with<A: ToSocketAddrs>(addr: A, cfg: &Config) -> io::Result<TcpStream> {
+        each_addr(addr, |a| Self::connect_one(a, cfg, None))
+    }
+
+    /// Connects with a time limit on the TCP connect (the capability query
+    /// and the switch have their own limits in [`Config`]).
+    pub fn connect_timeout(addr: &SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+        Self::connect_timeout_with(addr, timeout, &Config::default())
+    }
+
+    /// [`connect_timeout`](Self::connect_timeout) with `cfg`.
+    pub fn connect_timeout_with(
+        addr: &SocketAddr,
+        timeout: Duration,
+        cfg: &Config,
+    ) -> io::Result<TcpStream> {
+        if timeout.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot set a 0 duration timeout",
+            ));
+        }
+        Self::connect_one(*addr, cfg, Some(timeout))
+    }
+
+    fn plain(s: std::net::TcpStream, why: PlainReason) -> TcpStream {
+        TcpStream {
+            inner: Inner::Plain(s),
+            transport: Transport::Plain(why),
+            opts: Arc::default(),
+        }
+    }
+
+    fn offloaded(o: Offload) -> TcpStream {
+        TcpStream {
+            transport: Transport::Offloaded {
+                protocol: "sdp",
+                crc: o.crc(),
+                zero_copy: false,
+            },
+            inner: Inner::Offload(o),
+            opts: Arc::default(),
+        }
+    }
+
+    fn connect_one(
+        addr: SocketAddr,
+        cfg: &Config,
+        timeout: Option<Duration>,
+    ) -> io::Result<TcpStream> {
+        if cfg.mode == Mode::Tcp {
+            return Ok(Self::plain(
+                plain_connect(None, addr, timeout)?,
+                PlainReason::Policy,
+            ));
+        }
+        cfg.checked()?;
+        let required = cfg.mode == Mode::Offload;
+        if detect::known_plain(addr) {
+            if required {
+                return Err(not_capable());
+            }
+            return Ok(Self::plain(
+                plain_connect(None, addr, timeout)?,
+                PlainReason::PeerNotCapable,
+            ));
+        }
+        // Bind first: the query names our port.
+        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+        let any: SocketAddr = if addr.is_ipv4() {
+            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        };
+        sock.bind(&any.into())?;
+        let port = sock
+            .local_addr()?
+            .as_socket()
+            .map(|a| a.port())
+            .unwrap_or(0);
+        // Waiting longer costs a plain peer nothing where its answer is an
+        // immediate ICMP port unreachable (loopback), nor where offload is
+        // required anyway; a short wait there only turns a busy twin
+        // thread into a wrong answer.
+        let wait = if required {
+            cfg.probe_timeout.max(cfg.setup_timeout)
+        } else if addr.ip().is_loopback() {
+            cfg.probe_timeout.max(detect::LOOPBACK_PROBE_WAIT)
+        } else {
+            cfg.probe_timeout
+        };
+        match detect::query(addr, port, wait) {
+            Answer::Accept => {}
+            Answer::Decline => {
+                if required {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionRefused,
+                        "offload required but the peer declined it",
+                    ));
+                }
+                return Ok(Self::plain(
+                    plain_connect(Some(sock), addr, timeout)?,
+                    PlainReason::PeerDeclined,
+                ));
+            }
+            Answer::NotCapable => {
+                if required {
+                    return Err(not_capable());
+                }
+                // A fresh socket (another port): if the query was only
+                // slow, the listener's record of it names the bound port
+                // and must not match this plain connection.
+                drop(sock);
+                return Ok(Self::plain(
+                    plain_connect(None, addr, timeout)?,
+                    PlainReason::PeerNotCapable,
+                ));
+            }
+        }
+        let stream = plain_connect(Some(sock), addr, timeout)?;
+        match Offload::establish(stream, true, cfg) {
+            Ok(o) => Ok(Self::offloaded(o)),
+            Err(e) => {
+                if required {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionRefused,
+                        format!("offload setup failed: {e}"),
+                    ));
+                }
+                // The switch failed before any application data: a fresh
+                // plain connection (no query, so the listener keeps it
+                // plain).
+                Ok(Self::plain(
+                    plain_connect(None, addr, timeout)?,
+                    PlainReason::SetupFailed,
+                ))
+            }
+        }
+    }
+
+    /// Switches an application's own connected kernel TCP stream into
+    /// offloaded mode (both ends must call this at the same point of their
+    /// byte stream, one with `initiator` true; see the crate docs). The
+    /// ports, names and socket options stay those of `stream`.
+    pub fn upgrade(stream: std::net::TcpStream, initiator: bool, cfg: &Config) -> io::Result<Self> {
+        stream.set_nonblocking(false)?;
+        Offload::establish(stream, initiator, cfg)
+            .map(Self::offloaded)
+            .map_err(|e| io::Error::other(format!("offload setup failed: {e}")))
+    }
+
+    /// What carries the connection, and why.
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    fn kernel(&self) -> &std::net::TcpStream {
+        match &self.inner {
+            Inner::Plain(s) => s,
+            Inner::Offload(o) => o.socket(),
+        }
+    }
+
+    /// The peer's address (of the kernel TCP connection either way).
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        self.kernel().peer_addr()
+    }
+
+    /// The local address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.kernel().local_addr()
+    }
+
+    /// Shuts down reading, writing or both. Offloaded: writing ends with
+    /// an SDP DisConn after the queued data (the peer reads EOF after it).
+    pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match &self.inner {
+            Inner::Plain(s) => s.shutdown(how),
+            Inner::Offload(o) => o.shutdown(how),
+        }
+    }
+
+    /// Resets the connection (offloaded: SDP AbortConn then RST; plain:
+    /// `SO_LINGER` 0 and close). The peer's calls fail with
+    /// `ConnectionReset`.
+    pub fn abort(self) {
+        match &self.inner {
+            Inner::Plain(s) => {
+                let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+            }
+            Inner::Offload(o) => o.abort(),
+        }
+    }
+
+    /// Reads without consuming.
+    pub fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match &self.inner {
+            Inner::Plain(s) => s.peek(buf),
+            Inner::Offload(o) => o.read(buf, true, self.nonblocking(), self.read_timeout()?),
+        }
+    }
+
+    fn nonblocking(&self) -> bool {
+        self.opts.nonblocking.load(Ordering::Relaxed)
+    }
+
+    /// Non-blocking mode: calls that would wait fail with `WouldBlock`.
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match &self.inner {
+            Inner::Plain(s) => s.set_nonblocking(on)?,
+            // The kernel socket stays non-blocking for the engine.
+            Inner::Offload(_) => {}
+        }
+        self.opts.nonblocking.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Read time limit (`None`: wait forever). A timed-out read fails with
+    /// `WouldBlock`, as `std` does on Unix.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot set a 0 duration timeout",
+            ));
+        }
+        if let Inner::Plain(s) = &self.inner {
+            s.set_read_timeout(t)?;
+        }
+        *self.opts.read_timeout.lock() = t;
+        Ok(())
+    }
+
+    /// Write time limit.
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot set a 0 duration timeout",
+            ));
+        }
+        if let Inner::Plain(s) = &self.inner {
+            s.set_write_timeout(t)?;
+        }
+        *self.opts.write_timeout.lock() = t;
+        Ok(())
+    }
+
+    /// The read time limit.
+    pub fn read_timeout(&self) -> io::Result<Option<Duration>> {
+        Ok(*self.opts.read_timeout.lock())
+    }
+
+    /// The write time limit.
+    pub fn write_timeout(&self) -> io::Result<Option<Duration>> {
+        Ok(*self.opts.write_timeout.lock())
+    }
+
+    /// `TCP_NODELAY`: offloaded, small writes are no longer corked while
+    /// earlier data is queued.
+    pub fn set_nodelay(&self, on: bool) -> io::Result<()> {
+        match &self.inner {
+            Inner::Plain(s) => s.set_nodelay(on),
+            Inner::Offload(o) => {
+                o.set_nodelay(on);
+                Ok(())
+            }
+        }
+    }
+
+    /// The `TCP_NODELAY` setting.
+    pub fn nodelay(&self) -> io::Result<bool> {
+        match &self.inner {
+            Inner::Plain(s) => s.nodelay(),
+            Inner::Offload(o) => Ok(o.nodelay()),
+        }
+    }
+
+    /// Another handle to the same connection.
+    pub fn try_clone(&self) -> io::Result<TcpStream> {
+        Ok(TcpStream {
+            inner: match &self.inner {
+                Inner::Plain(s) => Inner::Plain(s.try_clone()?),
+                Inner::Offload(o) => Inner::Offload(o.clone()),
+            },
+            transport: self.transport,
+            opts: self.opts.clone(),
+        })
+    }
+
+    /// The pending error, if any (cleared for plain sockets as
+    /// `SO_ERROR`; offloaded connections keep reporting it).
+    pub fn take_error(&self) -> io::Result<Option<io::Error>> {
+        match &self.inner {
+            Inner::Plain(s) => s.take_error(),
+            Inner::Offload(o) => Ok(o.take_error()),
+        }
+    }
+
+    /// A descriptor for poll/epoll: readable when data, end of stream or an
+    /// error is there, writable when a write would not block. Plain: the
+    /// kernel socket. Offloaded: a socket the library keeps in sync (from
+    /// the first call of this method on; it must not be read or written).
+    pub fn readiness_fd(&self) -> io::Result<RawFd> {
+        match &self.inner {
+            Inner::Plain(s) => Ok(s.as_raw_fd()),
+            Inner::Offload(o) => o.readiness_fd(),
+        }
+    }
+
+    /// What an async reactor watches (plain: another descriptor of the
+    /// kernel socket).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn readiness_clone(&self) -> io::Result<ReadinessClone> {
+        match &self.inner {
+            Inner::Plain(s) => Ok(ReadinessClone::Tcp(s.try_clone()?)),
+            Inner::Offload(_) => Ok(ReadinessClone::Offload),
+        }
+    }
+
+    /// Offloaded: whether a read (`write`: a write) would not block now,
+    /// else `waker` is woken when it would. `None` for a plain stream.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn poll_offload_ready(&self, write: bool, waker: &std::task::Waker) -> Option<bool> {
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Offload(o) => Some(o.poll_ready(write, waker)),
+        }
+    }
+
+    /// Lets corked data go out as soon as credits allow, without waiting.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn push(&self) -> io::Result<()> {
+        match &self.inner {
+            Inner::Plain(_) => Ok(()),
+            Inner::Offload(o) => o.push(),
+        }
+    }
+
+    /// Sends everything queued now (a corked small write included).
+    fn flush_inner(&self) -> io::Result<()> {
+        match &self.inner {
+            Inner::Plain(_) => Ok(()),
+            Inner::Offload(o) => o.flush(*self.opts.write_timeout.lock()),
+        }
+    }
+
+    fn read_inner(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match &self.inner {
+            Inner::Plain(s) => (&*s).read(buf),
+            Inner::Offload(o) => o.read(buf, false, self.nonblocking(), self.read_timeout()?),
+        }
+    }
+
+    fn write_inner(&self, buf: &[u8]) -> io::Result<usize> {
+        match &self.inner {
+            Inner::Plain(s) => (&*s).write(buf),
+            Inner::Offload(o) => o.write(buf, self.nonblocking(), self.write_timeout()?),
+        }
+    }
+}
+
+impl Read for TcpStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_inner(buf)
+    }
+}
+
+impl Read for &TcpStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_inner(buf)
+    }
+}
+
+impl Write for TcpStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_inner(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.flush_inner()
+    }
+}
+
+impl Write for &TcpStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_inner(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.flush_inner()
+    }
+}
+
+impl AsRawFd for TcpStream {
+    /// The kernel TCP socket (offloaded: a duplicate of the one the queue
+    /// pair uses; for names and options only, never for reading/writing).
+    fn as_raw_fd(&self) -> RawFd {
+        self.kernel().as_raw_fd()
+    }
+}
+
+impl AsFd for TcpStream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.kernel().as_fd()
+    }
+}
+
+/// A listener accepting plain TCP clients and offloaded clients alike on
+/// one port. Mirrors [`std::net::TcpListener`].
+#[derive(Debug)]
+pub struct TcpListener {
+    inner: std::net::TcpListener,
+    cfg: Config,
+    twin: Option<Arc<Twin>>,
+}
+
+impl TcpListener {
+    /// Binds with the default [`Config`] ([`Mode::Auto`]).
+    pub fn bind<A: ToSocketAddrs>(addr: A) -> io::Result<TcpListener> {
+        Self::bind_with(addr, &Config::default())
+    }
+
+    /// Binds with `cfg`. Unless the mode is [`Mode::Tcp`], a UDP twin on
+    /// the same address and port answers clients' capability queries (for
+    /// port 0 a port free for both is picked).
+    pub fn bind_with<A: ToSocketAddrs>(addr: A, cfg: &Config) -> io::Result<TcpListener> {
+        if cfg.mode != Mode::Tcp {
+            cfg.checked()?;
+        }
+        each_addr(addr, |a| {
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                let inner = std::net::TcpListener::bind(a)?;
+                if cfg.mode == Mode::Tcp {
+                    return Ok(TcpListener {
+                        inner,
+                        cfg: cfg.clone(),
+                        twin: None,
+                    });
+                }
+                let local = inner.local_addr()?;
+                match Twin::start(local, true) {
+                    Ok(t) => {
+                        return Ok(TcpListener {
+                            inner,
+                            cfg: cfg.clone(),
+                            twin: Some(Arc::new(t)),
+                        });
+                    }
+                    Err(e) if a.port() == 0 && tries < 16 => {
+                        let _ = e;
+                    }
+                    Err(e) => {
+                        if cfg.mode == Mode::Offload {
+                            return Err(e);
+                        }
+                        // Plain only: clients' queries go unanswered.
+                        return Ok(TcpListener {
+                            inner,
+                            cfg: cfg.clone(),
+                            twin: None,
+                        });
+                    }
+                }
+            }
+        })
+    }
+
+    /// Whether this listener can accept offloaded clients.
+    pub fn offload_capable(&self) -> bool {
+        self.twin.is_some()
+    }
+
+    /// Accepts a connection: offloaded if the client asked for it (the
+    /// switch runs here, bounded by [`Config::setup_timeout`]), plain
+    /// otherwise. With [`Mode::Offload`], plain clients are dropped; a
+    /// client whose switch fails is dropped (it reconnects plain).
+    pub fn accept(&self) -> io::Result<(TcpStream, SocketAddr)> {
+        loop {
+            let (s, peer) = self.inner.accept()?;
+            if let Some(t) = self.decide(s, peer) {
+                return Ok((t, peer));
+            }
+        }
+    }
+
+    /// Decides an accepted kernel connection: switched if its client asked
+    /// (blocks for the switch), plain otherwise; `None` if it was dropped
+    /// (failed switch, or a plain client of an offload-only listener).
+    pub(crate) fn decide(&self, s: std::net::TcpStream, peer: SocketAddr) -> Option<TcpStream> {
+        let asked = self.twin.as_ref().is_some_and(|t| t.take(peer));
+        if asked {
+            s.set_nonblocking(false).ok()?;
+            return Offload::establish(s, false, &self.cfg)
+                .ok()
+                .map(TcpStream::offloaded);
+        }
+        if self.cfg.mode == Mode::Offload {
+            return None;
+        }
+        let why = if self.cfg.mode == Mode::Tcp {
+            PlainReason::Policy
+        } else if self.twin.is_none() {
+            PlainReason::LocalResources
+        } else {
+            PlainReason::ClientPlain
+        };
+        Some(TcpStream::plain(s, why))
+    }
+
+    /// Another descriptor of the kernel listener.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn kernel_clone(&self) -> io::Result<std::net::TcpListener> {
+        self.inner.try_clone()
+    }
+
+    /// An iterator over accepted connections.
+    pub fn incoming(&self) -> impl Iterator<Item = io::Result<TcpStream>> + '_ {
+        std::iter::from_fn(move || Some(self.accept().map(|(s, _)| s)))
+    }
+
+    /// The local address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    /// Non-blocking accept (`WouldBlock` when no client waits).
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        self.inner.set_nonblocking(on)
+    }
+
+    /// Another handle to the same listener.
+    pub fn try_clone(&self) -> io::Result<TcpListener> {
+        Ok(TcpListener {
+            inner: self.inner.try_clone()?,
+            cfg: self.cfg.clone(),
+            twin: self.twin.clone(),
+        })
+    }
+
+    /// The pending error, if any.
+    pub fn take_error(&self) -> io::Result<Option<io::Error>> {
+        self.inner.take_error()
+    }
+}
+
+impl AsRawFd for TcpListener {
+    fn as_raw_fd(&self) -> RawFd {
+        self.inner.as_raw_fd()
+    }
+}
+
+impl AsFd for TcpListener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.as_fd()
+    }
+}

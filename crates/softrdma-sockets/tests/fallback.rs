@@ -1,0 +1,343 @@
+//! The switch: detection, fallback matrix, dual listen, malformed peers.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, UdpSocket};
+use std::thread;
+use std::time::Duration;
+
+use softrdma_sockets::detect::{Kind, Probe};
+use softrdma_sockets::{Config, Mode, PlainReason, TcpListener, TcpStream, Transport};
+
+const BANNER: &[u8] = b"220 server speaks first\r\n";
+
+/// Server side of a session: banner first, then echo until EOF.
+fn serve<S: Read + Write>(mut s: S) {
+    s.write_all(BANNER).unwrap();
+    let mut buf = vec![0u8; 70_000];
+    loop {
+        let n = s.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        s.write_all(&buf[..n]).unwrap();
+    }
+}
+
+/// Client side: read the banner, send data, half-close, read the echo.
+fn session<S: Read + Write>(mut s: S, half_close: impl FnOnce(&S)) {
+    let mut banner = vec![0u8; BANNER.len()];
+    s.read_exact(&mut banner).unwrap();
+    assert_eq!(banner, BANNER);
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    let mut echo = Vec::new();
+    // Writes and reads interleaved (the echo must not back up).
+    for ch in data.chunks(50_000) {
+        s.write_all(ch).unwrap();
+        let mut got = vec![0u8; ch.len()];
+        s.read_exact(&mut got).unwrap();
+        echo.extend_from_slice(&got);
+    }
+    half_close(&s);
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
+    assert!(echo == data, "echo differs");
+}
+
+#[test]
+fn offload_client_offload_server() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        assert!(s.transport().is_offloaded(), "{}", s.transport());
+        serve(s);
+    });
+    let c = TcpStream::connect(addr).unwrap();
+    assert!(c.transport().is_offloaded(), "{}", c.transport());
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    t.join().unwrap();
+}
+
+#[test]
+fn offload_client_plain_server_speaks_first() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        // Exactly the client's bytes arrive (echo compares them).
+        serve(s);
+    });
+    let c = TcpStream::connect(addr).unwrap();
+    assert_eq!(c.transport(), Transport::Plain(PlainReason::PeerNotCapable));
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    t.join().unwrap();
+}
+
+#[test]
+fn plain_client_dual_listener_speaks_first() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || {
+        // A plain client and an offloaded one on the same listener.
+        for _ in 0..2 {
+            let (s, _) = l.accept().unwrap();
+            let tr = s.transport();
+            thread::spawn(move || serve(s));
+            eprintln!("accepted: {tr}");
+        }
+    });
+    let plain = thread::spawn(move || {
+        let c = std::net::TcpStream::connect(addr).unwrap();
+        session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    });
+    let off = thread::spawn(move || {
+        let c = TcpStream::connect_with(addr, &Config::with_mode(Mode::Offload)).unwrap();
+        assert!(c.transport().is_offloaded());
+        session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    });
+    plain.join().unwrap();
+    off.join().unwrap();
+    t.join().unwrap();
+}
+
+#[test]
+fn plain_client_sees_plain_transport_on_server() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let c = std::net::TcpStream::connect(addr).unwrap();
+    let (s, peer) = l.accept().unwrap();
+    assert_eq!(peer, c.local_addr().unwrap());
+    assert_eq!(s.transport(), Transport::Plain(PlainReason::ClientPlain));
+}
+
+#[test]
+fn offload_required_against_plain_server_fails_cleanly() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap();
+    let e = TcpStream::connect_with(addr, &Config::with_mode(Mode::Offload)).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+    // No TCP connection was even made.
+    assert_eq!(
+        l.accept().unwrap_err().kind(),
+        std::io::ErrorKind::WouldBlock
+    );
+}
+
+#[test]
+fn tcp_mode_listener_declines() {
+    let l = TcpListener::bind_with("127.0.0.1:0", &Config::with_mode(Mode::Tcp)).unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || l.accept().unwrap().0.transport());
+    let c = TcpStream::connect(addr).unwrap();
+    assert_eq!(c.transport(), Transport::Plain(PlainReason::PeerNotCapable));
+    assert_eq!(t.join().unwrap(), Transport::Plain(PlainReason::Policy));
+}
+
+#[test]
+fn offload_listener_drops_plain_clients() {
+    let l = TcpListener::bind_with("127.0.0.1:0", &Config::with_mode(Mode::Offload)).unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        assert!(s.transport().is_offloaded());
+        s.write_all(b"ok").unwrap();
+    });
+    let mut plain = std::net::TcpStream::connect(addr).unwrap();
+    plain
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut b = [0u8; 4];
+    // Dropped: EOF (or reset), never data.
+    assert!(matches!(plain.read(&mut b), Ok(0) | Err(_)));
+    let mut c = TcpStream::connect(addr).unwrap();
+    let mut ok = [0u8; 2];
+    c.read_exact(&mut ok).unwrap();
+    assert_eq!(&ok, b"ok");
+    t.join().unwrap();
+}
+
+/// A host whose firewall swallows the query: the client waits the probe
+/// time once (on loopback at least `LOOPBACK_PROBE_WAIT`), then remembers
+/// the host as plain and never asks again.
+#[test]
+fn silent_host_costs_one_probe_then_cached() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let sink = UdpSocket::bind(addr).unwrap();
+    sink.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let t = thread::spawn(move || {
+        for _ in 0..2 {
+            let (s, _) = l.accept().unwrap();
+            serve(s);
+        }
+    });
+    let mut cfg = Config::default();
+    cfg.probe_timeout = Duration::from_millis(40);
+    let c = TcpStream::connect_with(addr, &cfg).unwrap();
+    assert_eq!(c.transport(), Transport::Plain(PlainReason::PeerNotCapable));
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    let mut b = [0u8; 64];
+    let mut queries = 0;
+    while let Ok(n) = sink.recv(&mut b) {
+        assert!(Probe::decode(&b[..n]).is_some());
+        queries += 1;
+    }
+    assert!((1..=2).contains(&queries), "{queries} queries");
+    let c = TcpStream::connect_with(addr, &cfg).unwrap();
+    assert_eq!(c.transport(), Transport::Plain(PlainReason::PeerNotCapable));
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    assert!(sink.recv(&mut b).is_err(), "asked again");
+    t.join().unwrap();
+}
+
+/// A twin that accepts, but a TCP side that cannot switch (it closes the
+/// first connection): the client reconnects plain before any data.
+#[test]
+fn failed_setup_falls_back_before_data() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let twin = UdpSocket::bind(addr).unwrap();
+    let tw = thread::spawn(move || {
+        let mut b = [0u8; 64];
+        let (n, from) = twin.recv_from(&mut b).unwrap();
+        let q = Probe::decode(&b[..n]).unwrap();
+        let a = Probe {
+            kind: Kind::Accept,
+            ..q
+        };
+        twin.send_to(&a.encode(), from).unwrap();
+    });
+    let t = thread::spawn(move || {
+        // First connection: garbage instead of an MPA Reply.
+        let (mut s, _) = l.accept().unwrap();
+        let _ = s.write_all(b"this is not MPA at all, sorry\r\n");
+        drop(s);
+        // Second: a plain server speaking first.
+        let (s, _) = l.accept().unwrap();
+        serve(s);
+    });
+    let mut cfg = Config::default();
+    cfg.setup_timeout = Duration::from_secs(2);
+    let c = TcpStream::connect_with(addr, &cfg).unwrap();
+    assert_eq!(c.transport(), Transport::Plain(PlainReason::SetupFailed));
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    tw.join().unwrap();
+    t.join().unwrap();
+}
+
+/// A peer that passes the Hello exchange and then sends malformed SDP
+/// messages: that connection is reset, another one is untouched, nothing
+/// panics.
+#[test]
+fn malformed_sdp_resets_only_that_connection() {
+    use softrdma_engine::proto::mpa::MpaConfig;
+    use softrdma_engine::transition::{MpaRole, StreamConnection, SwitchMode};
+    use softrdma_engine::*;
+    use softrdma_sockets::sdp::HelloAck;
+
+    // A healthy offloaded pair, in use throughout.
+    let good_l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let good_addr = good_l.local_addr().unwrap();
+    let good_srv = thread::spawn(move || {
+        for s in good_l.incoming() {
+            let s = s.unwrap();
+            thread::spawn(move || serve(s));
+        }
+    });
+
+    let bad_cases: Vec<Vec<u8>> = vec![
+        // Unknown MID.
+        vec![0x77, 0, 0, 8, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0],
+        // Length field lies.
+        vec![0xFF, 0, 0, 8, 0, 0, 0, 99, 0, 0, 0, 1, 0, 0, 0, 0, 1, 2, 3],
+        // Wrong sequence number.
+        vec![0xFF, 0, 0, 8, 0, 0, 0, 17, 0, 0, 0, 5, 0, 0, 0, 0, 1],
+        // Acknowledges messages never sent.
+        vec![0xFF, 0, 0, 8, 0, 0, 0, 17, 0, 0, 0, 1, 0, 0, 0, 9, 1],
+        // Hello in the data phase.
+        vec![0x00, 0, 0, 8, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0],
+        // Too short for a BSDH.
+        vec![0xFF, 0, 0],
+        // SrcAvail although zero copy was not offered.
+        vec![
+            0xFE, 0, 0, 8, 0, 0, 0, 32, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0,
+            0, 0, 0, 0,
+        ],
+    ];
+    for bad in bad_cases {
+        let good = TcpStream::connect(good_addr).unwrap();
+        assert!(good.transport().is_offloaded());
+        // Fake SDP server: twin accepts, then an engine QP answers with a
+        // valid HelloAck and sends `bad`.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr: SocketAddr = l.local_addr().unwrap();
+        let twin = UdpSocket::bind(addr).unwrap();
+        let bad2 = bad.clone();
+        let fake = thread::spawn(move || {
+            let mut b = [0u8; 64];
+            let (n, from) = twin.recv_from(&mut b).unwrap();
+            let q = Probe::decode(&b[..n]).unwrap();
+            twin.send_to(
+                &Probe {
+                    kind: Kind::Accept,
+                    ..q
+                }
+                .encode(),
+                from,
+            )
+            .unwrap();
+            let (s, _) = l.accept().unwrap();
+            let dev = Device::open_default().unwrap();
+            let pd = dev.alloc_pd();
+            let cq = dev.create_cq(64).unwrap();
+            let qp = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+            let mr = pd.register(4096, Access::LOCAL_WRITE).unwrap();
+            let ack = HelloAck {
+                bufs: 8,
+                ipv_cap: 0x40,
+                ext_max_adverts: 0,
+                actrcvsz: 4096,
+            };
+            let mut sc = StreamConnection::new(
+                s,
+                SwitchMode::Mpa {
+                    role: MpaRole::Responder,
+                    config: MpaConfig::default(),
+                    private_data: ack.encode().to_vec(),
+                },
+            );
+            sc.reserve(&qp).unwrap();
+            sc.request_switch().unwrap();
+            sc.post_recv_and_switch(&RecvWr::new(0, &[mr.sge(0, 4096).unwrap()]))
+                .unwrap();
+            mr.write(1024, &bad2).unwrap();
+            qp.post_send(
+                &SendWr::new(1, SendOp::Send)
+                    .sg_list(&[mr.sge(1024, bad2.len() as u32).unwrap()])
+                    .signaled(),
+            )
+            .unwrap();
+            // Keep the QP until the client has reacted.
+            thread::sleep(Duration::from_millis(300));
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        assert!(c.transport().is_offloaded(), "{}", c.transport());
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 16];
+        let e = c.read(&mut b).expect_err("malformed message must reset");
+        assert!(
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::InvalidData | std::io::ErrorKind::ConnectionReset
+            ),
+            "{bad:?}: {e}"
+        );
+        fake.join().unwrap();
+        // The other connection still works.
+        session(good, |s| s.shutdown(Shutdown::Write).unwrap());
+    }
+    drop(good_srv);
+}
