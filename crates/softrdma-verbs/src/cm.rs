@@ -789,7 +789,7 @@ fn watch(
                 continue;
             };
             ffi::debug(|| format!("connection event {ev:?}"));
-            if ev == CmEvent::Unreachable
+            if ev == CmEvent::Refused
                 && started.elapsed() < REFUSED_RETRY
                 && let Some((qp, dst, config)) = &retry
             {
@@ -810,7 +810,10 @@ fn watch(
                 CmEvent::Rejected { private_data } => {
                     (EV_REJECTED, -libc::ECONNREFUSED, private_data, true)
                 }
-                CmEvent::Unreachable => (EV_REJECTED, -libc::ECONNREFUSED, Vec::new(), true),
+                // As the kernel's iWARP CM: a refused TCP connection is
+                // REJECTED, an unreachable peer UNREACHABLE.
+                CmEvent::Refused => (EV_REJECTED, -libc::ECONNREFUSED, Vec::new(), true),
+                CmEvent::Unreachable => (EV_UNREACHABLE, -libc::EHOSTUNREACH, Vec::new(), true),
                 CmEvent::TimedOut => (EV_UNREACHABLE, -libc::ETIMEDOUT, Vec::new(), true),
                 CmEvent::Disconnected { .. } => (EV_DISCONNECTED, 0, Vec::new(), true),
                 _ => (EV_CONNECT_ERROR, -libc::ECONNRESET, Vec::new(), true),
