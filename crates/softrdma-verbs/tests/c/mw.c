@@ -1,0 +1,163 @@
+/* Type 2 memory windows, in one process over loopback: a server region
+ * registered with MW_BIND only (no remote access of its own), a window
+ * bound over 256 bytes of it by posting IBV_WR_BIND_MW on the server's QP;
+ * the client's RDMA Write through the window's rkey lands, one that runs
+ * past the window's end is refused. Type 1 windows: EOPNOTSUPP. Prints
+ * "ok <case>" lines; exits 1 at the first failure. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+
+#define CHECK(cond, name, ...) do { \
+	if (!(cond)) { printf("FAIL %s: ", name); printf(__VA_ARGS__); printf(" (errno %d)\n", errno); exit(1); } \
+	printf("ok %s\n", name); } while (0)
+
+static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
+{
+	struct rdma_cm_event *ev;
+	struct pollfd p = { .fd = ch->fd, .events = POLLIN };
+	if (poll(&p, 1, 10000) != 1) { printf("FAIL no event (wanted %s)\n", rdma_event_str(t)); exit(1); }
+	if (rdma_get_cm_event(ch, &ev)) { printf("FAIL rdma_get_cm_event %d\n", errno); exit(1); }
+	if (ev->event != t) {
+		printf("FAIL got %s (status %d), wanted %s\n", rdma_event_str(ev->event), ev->status, rdma_event_str(t));
+		exit(1);
+	}
+	return ev;
+}
+
+static struct ibv_wc wait_wc(struct ibv_cq *cq)
+{
+	struct ibv_wc wc;
+	for (int i = 0; i < 5000000; i++) {
+		int n = ibv_poll_cq(cq, 1, &wc);
+		if (n == 1)
+			return wc;
+		if (n < 0)
+			break;
+		if (i > 1000)
+			usleep(10);
+	}
+	printf("FAIL no completion\n");
+	exit(1);
+}
+
+/* The next async event other than COMM_EST, or type -1 after `ms`. */
+static struct ibv_async_event next_event(struct ibv_context *ctx, int ms)
+{
+	struct ibv_async_event e;
+	for (;;) {
+		struct pollfd p = { .fd = ctx->async_fd, .events = POLLIN };
+		if (poll(&p, 1, ms) != 1) {
+			e.event_type = -1;
+			return e;
+		}
+		if (ibv_get_async_event(ctx, &e)) { printf("FAIL ibv_get_async_event %d\n", errno); exit(1); }
+		if (e.event_type != IBV_EVENT_COMM_EST)
+			return e;
+		ibv_ack_async_event(&e);
+	}
+}
+
+int main(void)
+{
+	struct rdma_event_channel *ch = rdma_create_event_channel();
+	struct rdma_cm_id *lid, *cid, *sid;
+	struct rdma_cm_event *ev;
+	CHECK(ch && rdma_create_id(ch, &lid, NULL, RDMA_PS_TCP) == 0, "listen id", "-");
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	CHECK(rdma_bind_addr(lid, (struct sockaddr *)&a) == 0 && rdma_listen(lid, 4) == 0, "bind and listen", "-");
+	a.sin_port = rdma_get_src_port(lid);
+	CHECK(rdma_create_id(ch, &cid, NULL, RDMA_PS_TCP) == 0, "connect id", "-");
+	CHECK(rdma_resolve_addr(cid, NULL, (struct sockaddr *)&a, 2000) == 0, "resolve_addr", "-");
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED));
+	CHECK(rdma_resolve_route(cid, 2000) == 0, "resolve_route", "-");
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
+
+	struct ibv_context *ctx = cid->verbs;
+	struct ibv_pd *pd = ibv_alloc_pd(ctx);
+	struct ibv_cq *ccq = ibv_create_cq(ctx, 64, NULL, NULL, 0), *scq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
+	enum { LEN = 4096 };
+	char *cbuf = calloc(1, LEN), *sbuf = calloc(1, LEN);
+	struct ibv_mr *cmr = ibv_reg_mr(pd, cbuf, LEN, IBV_ACCESS_LOCAL_WRITE);
+	/* The server's region grants no remote access itself: only windows. */
+	struct ibv_mr *smr = ibv_reg_mr(pd, sbuf, LEN, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+	CHECK(pd && ccq && scq && cmr && smr, "pd, cqs, mrs", "-");
+
+	errno = 0;
+	CHECK(ibv_alloc_mw(pd, IBV_MW_TYPE_1) == NULL && errno == EOPNOTSUPP, "type 1 window: EOPNOTSUPP", "-");
+	struct ibv_mw *mw = ibv_alloc_mw(pd, IBV_MW_TYPE_2);
+	CHECK(mw && mw->type == IBV_MW_TYPE_2 && mw->pd == pd, "alloc type 2 window", "-");
+
+	struct ibv_qp_init_attr qa = { .send_cq = ccq, .recv_cq = ccq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 } };
+	CHECK(rdma_create_qp(cid, pd, &qa) == 0, "client qp", "-");
+	struct rdma_conn_param cp = { .responder_resources = 1, .initiator_depth = 1 };
+	CHECK(rdma_connect(cid, &cp) == 0, "connect", "-");
+	ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	sid = ev->id;
+	rdma_ack_cm_event(ev);
+	struct ibv_qp_init_attr sa = { .send_cq = scq, .recv_cq = scq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 } };
+	CHECK(rdma_create_qp(sid, pd, &sa) == 0, "server qp", "-");
+	CHECK(rdma_accept(sid, &cp) == 0, "accept", "-");
+	for (int i = 0; i < 2; i++)
+		rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+
+	/* Bind the window to sbuf[1024, 1024+256) for remote write. */
+	uint32_t before = mw->rkey;
+	struct ibv_send_wr bw = { .wr_id = 42, .opcode = IBV_WR_BIND_MW, .send_flags = IBV_SEND_SIGNALED }, *bad;
+	bw.bind_mw.mw = mw;
+	bw.bind_mw.rkey = ibv_inc_rkey(mw->rkey);
+	bw.bind_mw.bind_info.mr = smr;
+	bw.bind_mw.bind_info.addr = (uintptr_t)sbuf + 1024;
+	bw.bind_mw.bind_info.length = 256;
+	bw.bind_mw.bind_info.mw_access_flags = IBV_ACCESS_REMOTE_WRITE;
+	CHECK(ibv_post_send(sid->qp, &bw, &bad) == 0, "post IBV_WR_BIND_MW", "-");
+	struct ibv_wc wc = wait_wc(scq);
+	CHECK(wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 42,
+	      "bind completion", "status %d opcode %d", wc.status, wc.opcode);
+	CHECK(mw->rkey != before, "window has a new rkey", "-");
+
+	/* The client writes through the window. */
+	strcpy(cbuf, "through the window");
+	struct ibv_sge sge = { .addr = (uintptr_t)cbuf, .length = 19, .lkey = cmr->lkey };
+	struct ibv_send_wr w = { .wr_id = 1, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+				 .send_flags = IBV_SEND_SIGNALED };
+	w.wr.rdma.remote_addr = (uintptr_t)sbuf + 1024 + 16;
+	w.wr.rdma.rkey = mw->rkey;
+	CHECK(ibv_post_send(cid->qp, &w, &bad) == 0, "write through the window", "-");
+	wc = wait_wc(ccq);
+	CHECK(wc.status == IBV_WC_SUCCESS, "write completed", "status %d", wc.status);
+	for (int i = 0; i < 100000 && strcmp(sbuf + 1024 + 16, "through the window"); i++)
+		usleep(10);
+	CHECK(strcmp(sbuf + 1024 + 16, "through the window") == 0, "data placed in the window", "'%s'", sbuf + 1040);
+
+	/* Past the window's end: the server refuses it with a Terminate (an
+	 * iWARP Write has completed for its sender once sent, so the refusal
+	 * shows as the server QP's access error event). */
+	w.wr_id = 2;
+	w.wr.rdma.remote_addr = (uintptr_t)sbuf + 1024 + 250;
+	CHECK(ibv_post_send(cid->qp, &w, &bad) == 0, "write past the window", "-");
+	int seen = 0;
+	for (int i = 0; i < 4 && !seen; i++) {
+		struct ibv_async_event e = next_event(ctx, 5000);
+		if (e.event_type == -1)
+			break;
+		seen = e.event_type == IBV_EVENT_QP_ACCESS_ERR && e.element.qp == sid->qp;
+		ibv_ack_async_event(&e);
+	}
+	CHECK(seen, "write past the window: access error on the server QP", "-");
+	CHECK(memcmp(sbuf + 1024 + 250, "through", 6) != 0, "nothing placed past the window", "-");
+
+	rdma_destroy_qp(cid);
+	rdma_destroy_qp(sid);
+	CHECK(ibv_dealloc_mw(mw) == 0, "dealloc_mw", "-");
+	printf("all ok\n");
+	return 0;
+}
