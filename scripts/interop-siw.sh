@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Interoperability matrix: `softrdma ping` against rdma-core's `rping` on the
-# Linux kernel's Soft-iWARP (siw), in both directions, for each siw variant.
+# Linux kernel's Soft-iWARP (siw), in both directions, for each siw variant;
+# then unmodified rping and ib_write_bw on the drop-in verbs library against
+# the same programs on siw, both directions (SOFTRDMA_INTEROP_VERBS=0 skips).
 #
-#   scripts/interop-siw.sh [VARIANT...]     default: default crc p2p crc-p2p mpav1
+#   scripts/interop-siw.sh [VARIANT...]     default: default crc p2p crc-p2p mpav1 dropin
+#
+# (`dropin`: the drop-in verbs cases below, on siw's default variant.)
 #
 # Needs root (network namespace, tap, QEMU) and the siw VM harness in
 # ../shared/interop/siw-vm (built on first use: ~2 min, Debian packages).
@@ -23,13 +27,18 @@ COUNT=${SOFTRDMA_INTEROP_COUNT:-10}
 HOST_IP=10.99.0.1
 GUEST_IP=10.99.0.2
 VARIANTS=("$@")
-[ ${#VARIANTS[@]} -eq 0 ] && VARIANTS=(default crc p2p crc-p2p mpav1)
+[ ${#VARIANTS[@]} -eq 0 ] && VARIANTS=(default crc p2p crc-p2p mpav1 dropin)
 
 [ "$(id -u)" = 0 ] || { echo "interop-siw: needs root (netns, tap, QEMU)" >&2; exit 2; }
 [ -x "$VM/run.sh" ] || { echo "interop-siw: no siw VM harness at $VM" >&2; exit 2; }
 
-(cd "$ROOT" && cargo build --release -q -p softrdma-cli) || exit 2
+(cd "$ROOT" && cargo build --release -q -p softrdma-cli -p softrdma-verbs) || exit 2
 BIN=$ROOT/target/release/softrdma
+# The drop-in verbs cases need rdma-core's programs on the host too.
+VERBS=${SOFTRDMA_INTEROP_VERBS:-1}
+if [ "$VERBS" = 1 ] && ! { command -v rping && command -v ib_write_bw; } >/dev/null 2>&1; then
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q rdmacm-utils perftest >/dev/null 2>&1 || VERBS=0
+fi
 [ -f "$CACHE/rootfs.ext4" ] || "$VM/build.sh" || exit 2
 mkdir -p "$LOGS"
 "$VM/netns.sh" up
@@ -76,6 +85,7 @@ cleanup() {
 trap cleanup EXIT
 
 for v in "${VARIANTS[@]}"; do
+	[ "$v" = dropin ] && continue
 	# 1. guest rping client (kernel siw) -> softrdma ping server on the host.
 	log=$LOGS/$v-rping-client.log
 	# shellcheck disable=SC2046
@@ -121,6 +131,70 @@ for v in "${VARIANTS[@]}"; do
 		result "$v: softrdma -c -> guest rping -s" FAIL "rping exit $grc, softrdma exit $src ($log)"
 	fi
 done
+
+# The drop-in verbs library: unmodified rdma-core programs on the host
+# (`softrdma run --`) against the same programs on kernel siw in the guest,
+# stock siw variant.
+# Starts CMD in the guest and waits until it has had a second to listen;
+# sets VPID and OUT.
+guest_server() {
+	OUT=$(mktemp -d)
+	"$VM/run.sh" --siw default --timeout 180 --out "$OUT" "(sleep 1; touch /out/ready) & $1" >"$2" 2>&1 &
+	VPID=$!
+	for _ in $(seq 1 1200); do
+		[ -e "$OUT/ready" ] && break
+		kill -0 "$VPID" 2>/dev/null || break
+		sleep 0.1
+	done
+}
+
+# A host server under the drop-in, then the guest client.
+host_server_case() { # name log host-cmd guest-cmd check
+	local name=$1 log=$2 hcmd=$3 gcmd=$4 check=$5
+	# shellcheck disable=SC2086
+	timeout 200 "$VM/netns.sh" exec "$BIN" run --verbs --no-dat -- $hcmd >"$log.softrdma" 2>&1 &
+	SPID=$!
+	sleep 1
+	"$VM/run.sh" --siw default --timeout 180 "$gcmd" >"$log" 2>&1
+	grc=$?
+	wait "$SPID"
+	src=$?
+	SPID=
+	if [ $grc -eq 0 ] && [ $src -eq 0 ] && grep -q "$check" "$log" && grep -q "$check" "$log.softrdma"; then
+		result "$name" PASS "both exit 0, both print '$check'"
+	else
+		result "$name" FAIL "guest exit $grc, drop-in exit $src ($log)"
+	fi
+}
+
+# A guest server, then the host client under the drop-in.
+guest_server_case() { # name log guest-cmd host-cmd check
+	local name=$1 log=$2 gcmd=$3 hcmd=$4 check=$5
+	guest_server "$gcmd" "$log"
+	# shellcheck disable=SC2086
+	timeout 200 "$VM/netns.sh" exec "$BIN" run --verbs --no-dat -- $hcmd >"$log.softrdma" 2>&1
+	src=$?
+	wait "$VPID"
+	grc=$?
+	rm -rf "$OUT"
+	if [ $grc -eq 0 ] && [ $src -eq 0 ] && grep -q "$check" "$log" && grep -q "$check" "$log.softrdma"; then
+		result "$name" PASS "both exit 0, both print '$check'"
+	else
+		result "$name" FAIL "guest exit $grc, drop-in exit $src ($log)"
+	fi
+}
+
+case " ${VARIANTS[*]} " in *" dropin "*) ;; *) VERBS=0 ;; esac
+if [ "$VERBS" = 1 ]; then
+	host_server_case "drop-in: guest rping -c -> drop-in rping -s" "$LOGS/dropin-rping-s.log" \
+		"rping -s -a $HOST_IP -C $COUNT -v -V" "rping -c -a \$SIWVM_HOST_IP -C $COUNT -v -V" "ping data"
+	guest_server_case "drop-in: drop-in rping -c -> guest rping -s" "$LOGS/dropin-rping-c.log" \
+		"rping -s -a \$SIWVM_GUEST_IP -C $COUNT -v -V" "rping -c -a $GUEST_IP -C $COUNT -v -V" "ping data"
+	guest_server_case "drop-in: drop-in ib_write_bw -> guest" "$LOGS/dropin-write-bw-c.log" \
+		"ib_write_bw -R -d siw0 -s 65536 -n 200" "ib_write_bw -R -d softrdma0 -s 65536 -n 200 $GUEST_IP" "65536 *200"
+	host_server_case "drop-in: guest ib_write_bw -> drop-in" "$LOGS/dropin-write-bw-s.log" \
+		"ib_write_bw -R -d softrdma0 -s 65536 -n 200" "ib_write_bw -R -d siw0 -s 65536 -n 200 \$SIWVM_HOST_IP" "65536 *200"
+fi
 
 echo "interop-siw: $fails case(s) failed; logs in $LOGS"
 [ $fails -eq 0 ]
