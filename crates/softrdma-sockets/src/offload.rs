@@ -1149,32 +1149,6 @@ impl Shared {
                 return Ok(());
             }
         }
-        // First a plain sleep on the socket for a while (cheaper per
-        // wake-up than the CQ wait: 64 B ping-pong 9 µs against 11 µs):
-        // this thread keeps driving the receive path (the engine's receive
-        // thread stays away from a QP whose CQ was polled within the last
-        // millisecond), so a reply needs no thread hand-off.
-        if !st.armed {
-            let passive_until = Instant::now() + PASSIVE;
-            while Instant::now() < passive_until {
-                let ts = rustix::time::Timespec {
-                    tv_sec: 0,
-                    tv_nsec: 900_000,
-                };
-                let fd = &self.sock;
-                st.unlocked(|| {
-                    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
-                    let _ = rustix::event::poll(&mut fds, Some(&ts));
-                });
-                self.progress(st);
-                if st.handled != seen {
-                    return Ok(());
-                }
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
-                }
-            }
-        }
         let now = Instant::now();
         let until = match deadline {
             Some(d) => d.min(now + repoll()),
@@ -1262,10 +1236,6 @@ impl Shared {
         Ok(())
     }
 }
-
-/// How long a blocked call sleeps on the socket (and runs the receive path
-/// when bytes come) before it waits in the CQ.
-const PASSIVE: Duration = Duration::from_millis(5);
 
 /// Longest sleep of a blocked call before it looks at the CQ again: a
 /// safety net, not a wake-up mechanism (the thread driving the connection
