@@ -12,11 +12,18 @@
 //! application reads straight out of the receive buffers, which are
 //! reposted once read (they are the socket receive buffer).
 //!
-//! Progress: completions are processed by whichever thread calls in
-//! (busy-polling a short while first, so a request/response exchange needs
-//! no thread hand-off), or, when a caller sleeps, a readiness descriptor
-//! is registered or data waits for credits, by the CQ's completion callback
-//! on the engine's handler thread, which wakes sleepers.
+//! Progress: completions are processed by whichever thread calls in. A
+//! blocked call (after `Config::spin` of busy polling) waits in the CQ
+//! itself ([`CompletionQueue::wait`]) if no other thread does: the engine
+//! then sleeps in `poll(2)` on the QP's socket and runs the receive path
+//! in this thread when bytes come, so a message reaches a blocked reader
+//! with one wake-up and no thread hand-off. That thread holds the
+//! connection's `poller` gate while it waits, handles what it took out of
+//! the CQ, updates the readiness descriptor and async wakers, and wakes
+//! the calls that sleep meanwhile (a `try_clone`d writer, say); one of
+//! them drives next. When a readiness descriptor is registered, an async
+//! task waits, or data waits for credits, and no call is blocked, the
+//! CQ's completion callback on the engine's handler thread does the same.
 
 use std::collections::VecDeque;
 use std::io;
