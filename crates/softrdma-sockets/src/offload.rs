@@ -12,11 +12,18 @@
 //! application reads straight out of the receive buffers, which are
 //! reposted once read (they are the socket receive buffer).
 //!
-//! Progress: completions are processed by whichever thread calls in
-//! (busy-polling a short while first, so a request/response exchange needs
-//! no thread hand-off), or, when a caller sleeps, a readiness descriptor
-//! is registered or data waits for credits, by the CQ's completion callback
-//! on the engine's handler thread, which wakes sleepers.
+//! Progress: completions are processed by whichever thread calls in. A
+//! blocked call (after `Config::spin` of busy polling) waits in the CQ
+//! itself ([`CompletionQueue::wait`]) if no other thread does: the engine
+//! then sleeps in `poll(2)` on the QP's socket and runs the receive path
+//! in this thread when bytes come, so a message reaches a blocked reader
+//! with one wake-up and no thread hand-off. That thread holds the
+//! connection's `poller` gate while it waits, handles what it took out of
+//! the CQ, updates the readiness descriptor and async wakers, and wakes
+//! the calls that sleep meanwhile (a `try_clone`d writer, say); one of
+//! them drives next. When a readiness descriptor is registered, an async
+//! task waits, or data waits for credits, and no call is blocked, the
+//! CQ's completion callback on the engine's handler thread does the same.
 
 use std::collections::VecDeque;
 use std::io;
@@ -54,6 +61,12 @@ fn engine() -> io::Result<&'static Engine> {
         let mut cfg = DeviceConfig::default();
         cfg.pin_threads = false;
         cfg.name = "softrdma-sd".to_string();
+        // A blocked call busy-polls for `Config::spin` itself (none by
+        // default) before it waits in the CQ: the engine's wait must not
+        // add its own busy poll (on a busy machine it took the CPU from
+        // the thread that would send the answer: 64 B ping-pong 38 µs
+        // instead of 9 µs).
+        cfg.poll_spin = Duration::ZERO;
         match Device::open_with(cfg) {
             Ok(dev) => Ok(Engine { pd: dev.alloc_pd() }),
             Err(e) => Err(e.to_string()),
@@ -234,6 +247,10 @@ struct State {
     /// Send a corked buffer now (flush requested).
     push: bool,
     waiters: u32,
+    /// Completions handled so far: a call that let go of the lock while
+    /// waiting sees from it that another thread (the one driving the
+    /// connection, or the callback) handled some, and looks again.
+    handled: u64,
     /// The CQ is armed (a completion will run the callback).
     armed: bool,
     ready: Option<Readiness>,
@@ -311,6 +328,14 @@ struct Shared {
     event_pending: AtomicBool,
     /// Wakes sleeping calls: (receiving end polled by them, sending end).
     waker: (UnixDatagram, UnixDatagram),
+    /// Held by whoever takes completions out of the CQ, from the poll until
+    /// they are handled under the state lock (so they are handled in
+    /// order). A blocked call holds it while it waits in the CQ
+    /// ([`CompletionQueue::wait`]), driving the receive path in its own
+    /// thread; the others (state lock held) only try it: if it is taken,
+    /// its holder handles the completions, syncs the readiness descriptor
+    /// and wakes sleepers. Lock order: `poller`, then `st`.
+    poller: Mutex<()>,
 }
 
 /// The locked state of a connection. Letting go of it (dropping it, or
@@ -531,12 +556,14 @@ impl Offload {
                 nodelay: false,
                 push: false,
                 waiters: 0,
+                handled: 0,
                 armed: false,
                 ready: None,
                 wakers: [None, None],
             }),
             event_pending: AtomicBool::new(false),
             waker,
+            poller: Mutex::new(()),
         });
         let _ = slot.set(Arc::downgrade(&sh));
         {
@@ -805,9 +832,11 @@ impl Shared {
     }
 
     fn wants_events(&self, st: &State) -> bool {
+        // Not for calls sleeping while another drives the connection: the
+        // driving thread wakes them, and an armed CQ would hand the socket
+        // back to the engine's receive thread.
         !st.failed()
-            && (st.waiters > 0
-                || st.ready.is_some()
+            && (st.ready.is_some()
                 || st.wakers.iter().any(Option::is_some)
                 || !st.tx_queue.is_empty()
                 || (st.disconn_wanted && !st.sdp.close.local_disconn))
@@ -847,11 +876,28 @@ impl Shared {
         }
     }
 
-    /// Processes completions; returns whether any was found.
+    /// Processes completions; returns whether any was found. Does nothing
+    /// while a blocked call waits in the CQ (see [`Shared::poller`]): that
+    /// call handles them.
     fn progress(&self, st: &mut State) -> bool {
+        let Some(_gate) = self.poller.try_lock() else {
+            return false;
+        };
         let mut any = false;
         while let Some(wc) = self.cq.poll_one() {
             any = true;
+            self.on_wc(st, &wc);
+        }
+        if any {
+            self.flush_tx(st);
+        }
+        any
+    }
+
+    /// Handles one completion (the `poller` gate is held).
+    fn on_wc(&self, st: &mut State, wc: &softrdma_engine::WorkCompletion) {
+        st.handled = st.handled.wrapping_add(1);
+        {
             if wc.status != WcStatus::Success {
                 if wc.opcode == WcOpcode::Send && wc.wr_id & SEND_DATA != 0 {
                     st.tx_free.push(wc.wr_id as u32);
@@ -860,7 +906,7 @@ impl Shared {
                     st.tx_inflight = st.tx_inflight.saturating_sub(1);
                 }
                 st.link_lost(format!("connection lost ({})", wc.status.name()));
-                continue;
+                return;
             }
             match wc.opcode {
                 WcOpcode::Recv => self.on_recv(st, wc.wr_id as u32, wc.byte_len as usize),
@@ -872,10 +918,6 @@ impl Shared {
                 }
             }
         }
-        if any {
-            self.flush_tx(st);
-        }
-        any
     }
 
     fn on_recv(&self, st: &mut State, slot: u32, len: usize) {
@@ -1088,8 +1130,12 @@ impl Shared {
         }
     }
 
-    /// Waits for progress: busy-polls for the spin time, then sleeps until
-    /// the completion callback wakes it or the deadline passes.
+    /// Waits for progress: busy-polls for the spin time, then, if no
+    /// other thread drives the connection, waits in the CQ in this thread
+    /// ([`CompletionQueue::wait`]: a short busy poll, then `poll(2)` on the
+    /// QP's socket, the receive path run by this thread when bytes come, so
+    /// a message needs no receive-thread and handler-thread hand-off);
+    /// else sleeps until the thread that drives it wakes this one.
     fn wait(
         &self,
         st: &mut Locked<'_>,
@@ -1099,94 +1145,119 @@ impl Shared {
         if nonblocking {
             return Err(io::ErrorKind::WouldBlock.into());
         }
+        // The caller looked at the state under the lock just now: whatever
+        // is handled from here on may be what it waits for.
+        let seen = st.handled;
         let spin_until = Instant::now() + self.spin;
         while Instant::now() < spin_until {
             st.unlocked(std::hint::spin_loop);
-            if self.progress(st) {
+            self.progress(st);
+            if st.handled != seen {
                 return Ok(());
             }
         }
-        // Then sleep on the socket unarmed for a while: this thread keeps
-        // driving the receive path (the engine's receive thread stays away
-        // from a QP whose CQ was polled within the last millisecond), so a
-        // reply needs no thread hand-off.
-        if !st.armed {
-            let passive_until = Instant::now() + PASSIVE;
-            while Instant::now() < passive_until {
-                let ts = rustix::time::Timespec {
-                    tv_sec: 0,
-                    tv_nsec: 900_000,
-                };
-                let fd = &self.sock;
-                st.unlocked(|| {
-                    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
-                    let _ = rustix::event::poll(&mut fds, Some(&ts));
-                });
-                if self.progress(st) {
-                    return Ok(());
-                }
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
-                }
-            }
-        }
-        st.waiters += 1;
-        if !st.armed {
-            st.armed = self.cq.req_notify(false).is_ok();
-        }
-        if self.progress(st) {
-            st.waiters -= 1;
-            return Ok(());
-        }
-        // Sleep on the kernel socket (new bytes: this thread drives the
-        // receive path itself, no hand-off) and on the waker (the
-        // completion callback saw progress made elsewhere), at most REPOLL
-        // as a safety net against a lost event.
         let now = Instant::now();
         let until = match deadline {
-            Some(d) => d.min(now + REPOLL),
-            None => now + REPOLL,
+            Some(d) => d.min(now + repoll()),
+            None => now + repoll(),
         };
-        let left = until.saturating_duration_since(now);
+        let nap = until.saturating_duration_since(now);
+        // Taken with the state lock held (try only), held while waiting
+        // without it, and while the state lock is taken again: the order
+        // `poller` then `st` (see the field).
+        if st.handled != seen {
+            return Ok(());
+        }
+        let Some(gate) = self.poller.try_lock() else {
+            return self.sleep(st, nap, deadline, seen);
+        };
+        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        let n = st.unlocked(|| self.cq.wait(&mut out, Some(nap)));
+        for wc in &out[..n] {
+            self.on_wc(st, wc);
+        }
+        drop(gate);
+        let more = self.progress(st);
+        if n > 0 {
+            self.flush_tx(st);
+        }
+        // Completions handled here are nobody else's to see: bring the
+        // readiness descriptor and async tasks up to date, and wake the
+        // calls that sleep because this one drove (one of them drives
+        // next if this call returns).
+        self.after(st);
+        self.wake_sleepers(st);
+        if n == 0 && !more && deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
+        }
+        Ok(())
+    }
+
+    fn wake_sleepers(&self, st: &State) {
+        for _ in 0..st.waiters {
+            let _ = self.waker.1.send(&[1]);
+        }
+    }
+
+    /// Sleeps while another thread drives the connection (waits in the
+    /// CQ): that thread wakes this one after it handled completions and
+    /// when it stops driving; at most `nap`, as a safety net.
+    fn sleep(
+        &self,
+        st: &mut Locked<'_>,
+        nap: Duration,
+        deadline: Option<Instant>,
+        seen: u64,
+    ) -> io::Result<()> {
+        if st.handled != seen {
+            // Handled while this call had let go of the lock (before it
+            // counted as a sleeper, so nobody wakes it): look again.
+            return Ok(());
+        }
+        st.waiters += 1;
         let ts = rustix::time::Timespec {
-            tv_sec: left.as_secs() as i64,
-            tv_nsec: i64::from(left.subsec_nanos()),
+            tv_sec: nap.as_secs() as i64,
+            tv_nsec: i64::from(nap.subsec_nanos()),
         };
         let n = st.unlocked(|| {
-            let mut fds = [
-                rustix::event::PollFd::new(&self.sock, rustix::event::PollFlags::IN),
-                rustix::event::PollFd::new(&self.waker.0, rustix::event::PollFlags::IN),
-            ];
+            let mut fds = [rustix::event::PollFd::new(
+                &self.waker.0,
+                rustix::event::PollFlags::IN,
+            )];
             let n = rustix::event::poll(&mut fds, Some(&ts)).unwrap_or(0);
-            if !fds[1].revents().is_empty() {
+            if !fds[0].revents().is_empty() {
                 let mut b = [0u8; 1];
                 let _ = self.waker.0.recv(&mut b);
             }
             n
         });
-        let timed_out = n == 0 && deadline.is_some_and(|d| Instant::now() >= d);
+        st.waiters -= 1;
         let found = self.progress(st);
+        let timed_out = n == 0 && deadline.is_some_and(|d| Instant::now() >= d);
         if n == 0 && !timed_out && found {
             LOST_WAKEUPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        st.waiters -= 1;
-        if timed_out && !self.progress(st) {
+        if timed_out && !found {
             return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
         }
         Ok(())
     }
 }
 
-/// How long a blocked call sleeps on the socket driving the receive path
-/// itself before it hands over to the engine's threads and callback.
-const PASSIVE: Duration = Duration::from_millis(5);
-
 /// Longest sleep of a blocked call before it looks at the CQ again: a
-/// safety net, not a wake-up mechanism. Every completion event is
-/// delivered (the engine's handler counts them) and its callback wakes
-/// sleepers; the net only bounds the delay when the handler thread is
-/// late (CPU contention).
+/// safety net, not a wake-up mechanism (the thread driving the connection
+/// wakes sleepers). Tests raise it so that a lost wake-up hangs.
 const REPOLL: Duration = Duration::from_millis(50);
+
+/// A [`REPOLL`] override in milliseconds (0: none), for tests.
+static REPOLL_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn repoll() -> Duration {
+    match REPOLL_MS.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => REPOLL,
+        ms => Duration::from_millis(ms),
+    }
+}
 
 /// Sleeps that ended by the re-poll timer and found completions; see
 /// [`lost_wakeups`].
@@ -1263,7 +1334,7 @@ impl Shared {
 mod tests {
     use super::*;
 
-    fn pair() -> (Offload, Offload) {
+    pub(super) fn pair() -> (Offload, Offload) {
         pair_with(&Config::default())
     }
 
@@ -1315,6 +1386,142 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(&b, b"ping");
+    }
+}
+
+/// Tests of blocked calls driving the connection from their own thread.
+#[cfg(test)]
+mod drive_tests {
+    use super::*;
+
+    /// Makes the safety-net re-poll of sleeping calls 10 minutes: a
+    /// wake-up the driving thread fails to give then hangs the test
+    /// instead of costing 50 ms.
+    fn no_safety_net() {
+        REPOLL_MS.store(600_000, Ordering::Relaxed);
+    }
+
+    fn pattern(i: usize) -> u8 {
+        (i.wrapping_mul(31) ^ (i >> 9)) as u8
+    }
+
+    fn send_all(o: &Offload, total: usize) {
+        let mut sent = 0;
+        let mut chunk = vec![0u8; 3000];
+        while sent < total {
+            let n = chunk.len().min(total - sent);
+            for (k, b) in chunk[..n].iter_mut().enumerate() {
+                *b = pattern(sent + k);
+            }
+            let mut off = 0;
+            while off < n {
+                off += o.write(&chunk[off..n], false, None).unwrap();
+            }
+            sent += n;
+        }
+        o.flush(None).unwrap();
+    }
+
+    fn recv_all(o: &Offload, total: usize) {
+        let mut got = 0;
+        let mut buf = vec![0u8; 5000];
+        while got < total {
+            let n = o.read(&mut buf, false, false, None).unwrap();
+            assert!(n > 0, "early end after {got} octets");
+            for (k, &b) in buf[..n].iter().enumerate() {
+                assert_eq!(b, pattern(got + k), "octet {}", got + k);
+            }
+            got += n;
+        }
+    }
+
+    /// Regression for the hand-off of the blocked call driving the
+    /// connection: a reader and a writer thread on each end of one
+    /// connection (a `try_clone` pair), all calls blocking without
+    /// timeout, small buffers so that writers wait for send completions
+    /// and credits that the reader, waiting in the CQ, takes out. A
+    /// wake-up lost between them hangs a thread (the safety net is off).
+    #[test]
+    fn reader_and_writer_threads_wake_each_other() {
+        no_safety_net();
+        let cfg = Config {
+            rx_bufs: crate::sdp::MIN_RING,
+            tx_bufs: 2,
+            buf_size: 4096,
+            ..Config::default()
+        };
+        let (c, s) = super::tests::pair_with(&cfg);
+        const TOTAL: usize = 3 << 20;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut threads = Vec::new();
+        for (o, write) in [(c.clone(), true), (c, false), (s.clone(), true), (s, false)] {
+            let tx = tx.clone();
+            threads.push(std::thread::spawn(move || {
+                if write {
+                    send_all(&o, TOTAL);
+                } else {
+                    recv_all(&o, TOTAL);
+                }
+                let _ = tx.send(write);
+                o
+            }));
+        }
+        for _ in 0..4 {
+            rx.recv_timeout(Duration::from_secs(300))
+                .expect("a blocked call was never woken");
+        }
+        // Close from this thread, both ends at once.
+        let ends: Vec<Offload> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let closer = std::thread::spawn(move || drop(ends));
+        closer.join().unwrap();
+    }
+
+    /// A blocked read that drives the connection takes the completions
+    /// out of the CQ itself: what it leaves unread must still make the
+    /// readiness descriptor readable (no completion event is left for the
+    /// callback to do it).
+    #[test]
+    fn readiness_follows_data_taken_in_by_a_blocked_read() {
+        no_safety_net();
+        let (c, s) = super::tests::pair();
+        s.readiness_fd().unwrap();
+        let reader = s.clone();
+        let t = std::thread::spawn(move || {
+            let mut one = [0u8; 1];
+            reader.read(&mut one, false, false, None).unwrap();
+            one[0]
+        });
+        // Let the reader block (not needed for correctness: either way one
+        // octet is left unread).
+        std::thread::sleep(Duration::from_millis(20));
+        c.set_nodelay(true);
+        assert_eq!(c.write(b"ab", false, None).unwrap(), 2);
+        assert_eq!(t.join().unwrap(), b'a');
+        let fd =
+            s.sh.st
+                .lock()
+                .ready
+                .as_ref()
+                .unwrap()
+                .app
+                .try_clone()
+                .unwrap();
+        let mut fds = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN,
+        )];
+        let limit = rustix::time::Timespec {
+            tv_sec: 20,
+            tv_nsec: 0,
+        };
+        let n = rustix::event::poll(&mut fds, Some(&limit)).unwrap();
+        assert_eq!(n, 1, "readiness descriptor not readable with data unread");
+        let mut b = [0u8; 4];
+        assert_eq!(s.read(&mut b, false, true, None).unwrap(), 1);
+        assert_eq!(b[0], b'b');
+        let t = std::thread::spawn(move || drop(c));
+        drop(s);
+        t.join().unwrap();
     }
 }
 
