@@ -1332,31 +1332,37 @@ extern "C" fn post_srq_recv(
         }
         // SAFETY: ours.
         let s = unsafe { &*srq.cast::<Srq>() };
-        let mut w = wr;
-        while !w.is_null() {
-            // SAFETY: the caller's list.
-            let r = unsafe { &*w };
-            let e = match sges(r.sg_list, r.num_sge) {
-                Ok(sg) => s
-                    .inner
-                    .post_recv(&RecvWr::new(r.wr_id, sg))
-                    .map_err(|e| match e {
-                        softrdma_engine::srq::PostRecvError::Full => libc::ENOMEM,
-                        _ => libc::EINVAL,
-                    }),
-                Err(e) => Err(e),
-            };
-            if let Err(e) = e {
-                if !bad.is_null() {
-                    // SAFETY: caller's out pointer.
-                    unsafe { *bad = w };
-                }
-                return e;
-            }
-            w = r.next;
-        }
-        0
+        post_recv_list(wr, bad, |r| {
+            s.inner.post_recv(r).map_err(|e| match e {
+                softrdma_engine::srq::PostRecvError::Full => libc::ENOMEM,
+                _ => libc::EINVAL,
+            })
+        })
     })
+}
+
+/// Posts the caller's receive list with `post`, one request at a time; on
+/// the first error sets `*bad` to that request and returns the errno.
+fn post_recv_list(
+    wr: *mut ibv_recv_wr,
+    bad: *mut *mut ibv_recv_wr,
+    post: impl Fn(&RecvWr<'_>) -> Result<(), c_int>,
+) -> c_int {
+    let mut w = wr;
+    while !w.is_null() {
+        // SAFETY: the caller's list.
+        let r = unsafe { &*w };
+        let e = sges(r.sg_list, r.num_sge).and_then(|sg| post(&RecvWr::new(r.wr_id, sg)));
+        if let Err(e) = e {
+            if !bad.is_null() {
+                // SAFETY: caller's out pointer.
+                unsafe { *bad = w };
+            }
+            return e;
+        }
+        w = r.next;
+    }
+    0
 }
 
 // ---- QP ----
@@ -1849,30 +1855,15 @@ extern "C" fn post_recv(
         }
         // SAFETY: ours.
         let q = unsafe { &*qp.cast::<Qp>() };
-        let mut w = wr;
-        while !w.is_null() {
-            // SAFETY: the caller's list.
-            let r = unsafe { &*w };
-            let e = match sges(r.sg_list, r.num_sge) {
-                Ok(sg) => q.inner.post_recv(&RecvWr::new(r.wr_id, sg)).map_err(|e| {
-                    ffi::debug(|| format!("ibv_post_recv: {e}"));
-                    match e {
-                        softrdma_engine::qp::PostRecvError::QueueFull { .. } => libc::ENOMEM,
-                        _ => libc::EINVAL,
-                    }
-                }),
-                Err(e) => Err(e),
-            };
-            if let Err(e) = e {
-                if !bad.is_null() {
-                    // SAFETY: caller's out pointer.
-                    unsafe { *bad = w };
+        post_recv_list(wr, bad, |r| {
+            q.inner.post_recv(r).map_err(|e| {
+                ffi::debug(|| format!("ibv_post_recv: {e}"));
+                match e {
+                    softrdma_engine::qp::PostRecvError::QueueFull { .. } => libc::ENOMEM,
+                    _ => libc::EINVAL,
                 }
-                return e;
-            }
-            w = r.next;
-        }
-        0
+            })
+        })
     })
 }
 
