@@ -701,17 +701,29 @@ pub extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
     })
 }
 
+/// Frees the object of this library behind `p` (its C view), as the
+/// `ibv_dealloc_*`/`ibv_dereg_*` calls do: 0, or EINVAL for NULL.
+///
+/// # Safety
+///
+/// `p` is NULL or the C view at the start of a boxed `T` of this library
+/// that is freed once.
+unsafe fn free_ours<C, T>(p: *mut C) -> c_int {
+    guard_errno(|| {
+        if p.is_null() {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: the caller's promise: a `T` of ours, freed once.
+        drop(unsafe { Box::from_raw(p.cast::<T>()) });
+        Ok(())
+    })
+}
+
 /// `ibv_dealloc_pd`.
 #[unsafe(no_mangle)]
 pub extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
-    guard_errno(|| {
-        if pd.is_null() {
-            return Err(libc::EINVAL);
-        }
-        // SAFETY: a PD of ours, freed once.
-        drop(unsafe { Box::from_raw(pd.cast::<Pd>()) });
-        Ok(())
-    })
+    // SAFETY: `Pd` starts with the C view the application holds.
+    unsafe { free_ours::<_, Pd>(pd) }
 }
 
 const ACCESS_OPTIONAL_RANGE: c_int = 0x3ff0_0000;
@@ -798,14 +810,8 @@ pub extern "C" fn ibv_reg_mr_iova2(
 /// `ibv_dereg_mr`.
 #[unsafe(no_mangle)]
 pub extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
-    guard_errno(|| {
-        if mr.is_null() {
-            return Err(libc::EINVAL);
-        }
-        // SAFETY: an MR of ours, freed once.
-        drop(unsafe { Box::from_raw(mr.cast::<Mr>()) });
-        Ok(())
-    })
+    // SAFETY: `Mr` starts with the C view the application holds.
+    unsafe { free_ours::<_, Mr>(mr) }
 }
 
 /// A memory window: `struct ibv_mw` first.
@@ -854,14 +860,8 @@ extern "C" fn bind_mw(_qp: *mut ibv_qp, _mw: *mut ibv_mw, _bind: *mut c_void) ->
 
 /// `ibv_dealloc_mw` (ops table).
 extern "C" fn dealloc_mw(mw: *mut ibv_mw) -> c_int {
-    guard_errno(|| {
-        if mw.is_null() {
-            return Err(libc::EINVAL);
-        }
-        // SAFETY: a window of ours, freed once.
-        drop(unsafe { Box::from_raw(mw.cast::<Mw>()) });
-        Ok(())
-    })
+    // SAFETY: `Mw` starts with the C view the application holds.
+    unsafe { free_ours::<_, Mw>(mw) }
 }
 
 // ---- completion channel / CQ ----
