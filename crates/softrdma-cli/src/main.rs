@@ -115,8 +115,8 @@ enum Command {
         #[arg(long, default_value_t = 30)]
         timeout: u64,
         /// Client: milliseconds to wait after connecting before the first
-        /// Send (rping's server can lose a message that arrives before it has
-        /// handled its connection-established event).
+        /// Send (kernel siw as the server can leave an FPDU that arrives
+        /// right after its MPA Reply unread).
         #[arg(long, default_value_t = 200)]
         start_delay_ms: u64,
     },

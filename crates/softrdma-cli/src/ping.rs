@@ -79,10 +79,11 @@ pub struct PingOptions {
     /// Set (by a Ctrl-C handler) to stop: the run ends with
     /// [`PingError::Interrupted`] and the verified iterations.
     pub stop: Option<Arc<AtomicBool>>,
-    /// Client: pause between connecting and the first Send. rping's server
-    /// can miss a message that arrives before it has handled its own
-    /// "established" event (a race in rping.c that shows on slow hosts);
-    /// a short pause avoids it.
+    /// Client: pause between connecting and the first Send. Kernel siw as
+    /// the responder installs its receive callback only after sending the
+    /// MPA Reply (`siw_accept`), so a first FPDU that arrives in between
+    /// stays unread until more bytes come; on a slow siw host (an emulated
+    /// VM) that window lasts milliseconds. A short pause avoids it.
     pub start_delay: Duration,
 }
 

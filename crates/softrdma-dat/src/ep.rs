@@ -965,6 +965,7 @@ impl Ep {
                         addr,
                         length: len,
                         access: priv_.access(false),
+                        key: None,
                     },
                 )
                 .flags(flags.send_flags());

@@ -420,6 +420,16 @@ fn fresh_key(previous: Option<u8>) -> u8 {
     }
 }
 
+/// What a window bind asks for: the range of the region, the rights, and
+/// the key byte of the new STag (`None`: a fresh one).
+#[derive(Debug, Clone, Copy)]
+struct WindowBind {
+    addr: u64,
+    len: u64,
+    access: Access,
+    key: Option<u8>,
+}
+
 /// What an entry is.
 #[derive(Debug)]
 enum Kind {
@@ -823,6 +833,21 @@ impl StagTable {
         len: u64,
         access: Access,
     ) -> Result<u32, BindError> {
+        self.bind_mw_with_key(mw, mr, addr, len, access, None)
+    }
+
+    /// [`StagTable::bind_mw`] with the key byte of the window's new STag
+    /// chosen by the caller (`Some`; as `ibv_inc_rkey` does in verbs) or
+    /// fresh (`None`).
+    pub(crate) fn bind_mw_with_key(
+        &self,
+        mw: &MemoryWindow,
+        mr: &MemoryRegion,
+        addr: u64,
+        len: u64,
+        access: Access,
+        key: Option<u8>,
+    ) -> Result<u32, BindError> {
         if !std::ptr::eq(self, mw.pd.device().stags())
             || !std::ptr::eq(self, mr.pd.device().stags())
         {
@@ -831,7 +856,17 @@ impl StagTable {
         if mw.pd.id() != mr.pd.id() {
             return Err(BindError::PdMismatch);
         }
-        self.bind_at(mw.pd.id(), mw.index, mr.index, addr, len, access)
+        self.bind_at(
+            mw.pd.id(),
+            mw.index,
+            mr.index,
+            WindowBind {
+                addr,
+                len,
+                access,
+                key,
+            },
+        )
     }
 
     #[cfg_attr(not(test), allow(dead_code))] // see `PdMemory`
@@ -855,7 +890,17 @@ impl StagTable {
                 return Err(BindError::InvalidRegion);
             }
         }
-        self.bind_at(pd, mw_stag >> 8, mr_lkey >> 8, addr, len, access)
+        self.bind_at(
+            pd,
+            mw_stag >> 8,
+            mr_lkey >> 8,
+            WindowBind {
+                addr,
+                len,
+                access,
+                key: None,
+            },
+        )
     }
 
     /// The bind itself: both entries must belong to `pd`.
@@ -864,10 +909,14 @@ impl StagTable {
         pd: u32,
         mw_index: u32,
         mr_index: u32,
-        addr: u64,
-        len: u64,
-        access: Access,
+        bind: WindowBind,
     ) -> Result<u32, BindError> {
+        let WindowBind {
+            addr,
+            len,
+            access,
+            key,
+        } = bind;
         if !Access::REMOTE.contains(access) {
             return Err(BindError::InvalidAccess(access));
         }
@@ -906,7 +955,7 @@ impl StagTable {
         }
         windows.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         *bound_to = Some(windows);
-        window.key = fresh_key(Some(window.key));
+        window.key = key.unwrap_or_else(|| fresh_key(Some(window.key)));
         window.valid = true;
         window.access = access;
         window.iova = addr;

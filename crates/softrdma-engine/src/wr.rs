@@ -143,6 +143,11 @@ pub enum SendOp<'a> {
         length: u64,
         /// Remote access the window grants.
         access: Access,
+        /// The key byte (low 8 bits) of the window's new STag: `Some` to
+        /// choose it, as a verbs application does with `ibv_inc_rkey`;
+        /// `None` lets the engine pick a fresh one. Read the new STag with
+        /// [`MemoryWindow::rkey`](crate::MemoryWindow::rkey) after posting.
+        key: Option<u8>,
     },
     /// Fast-register a region allocated with
     /// [`ProtectionDomain::alloc_mr`](crate::ProtectionDomain::alloc_mr):

@@ -148,6 +148,12 @@ fn a_small_transfer_is_not_starved_by_a_large_one() {
         }
     }
     assert_eq!(first, Some(2), "the 4 KiB Write waited for the 64 MiB one");
+    // A Write completes for its sender once sent; the target places it
+    // when its receive path gets to it.
+    let deadline = Instant::now() + TIMEOUT;
+    while dst2.to_vec() != pattern(4096, 9) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(dst2.to_vec(), pattern(4096, 9));
     let slices = dev.datamover_stats()[0].slices - before;
     assert!(slices > 2, "{slices} turns");

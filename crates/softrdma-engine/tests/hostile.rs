@@ -285,6 +285,7 @@ fn victim(dev: &Device, rng: &mut Rng) -> Victim {
                     addr: arena.addr() + r.start as u64,
                     length: r.len() as u64,
                     access,
+                    key: None,
                 },
             )
             .signaled(),

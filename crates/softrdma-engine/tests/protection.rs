@@ -890,6 +890,7 @@ fn bind(p: &Pair, mw: &MemoryWindow, region: &MemoryRegion, off: u64, len: u64, 
                     addr: region.addr() + off,
                     length: len,
                     access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+                    key: None,
                 },
             )
             .signaled(),
@@ -1096,6 +1097,47 @@ fn send_with_invalidate_invalidates_the_window() {
 }
 
 #[test]
+fn bind_with_a_chosen_key_gives_the_window_that_key() {
+    let p = pair(false);
+    let region =
+        p.b.pd
+            .register(4096, Access::LOCAL_WRITE | Access::MW_BIND)
+            .unwrap();
+    let mw = p.b.pd.alloc_mw().unwrap();
+    let want = (mw.rkey() as u8).wrapping_add(1);
+    p.b.qp
+        .post_send(
+            &SendWr::new(
+                1,
+                SendOp::BindMw {
+                    mw: &mw,
+                    mr: &region,
+                    addr: region.addr(),
+                    length: 64,
+                    access: Access::REMOTE_WRITE,
+                    key: Some(want),
+                },
+            )
+            .signaled(),
+        )
+        .unwrap();
+    let c = wait(&p.b.cq, 1);
+    assert_eq!((c[0].wr_id, c[0].status), (1, WcStatus::Success));
+    assert_eq!(mw.rkey() & 0xff, u32::from(want), "the chosen key byte");
+    let rkey = mw.rkey();
+    p.a.qp
+        .post_send(&write_wr(2, region.addr(), rkey, b"by chosen key"))
+        .unwrap();
+    let c = wait(&p.a.cq, 1);
+    assert_eq!((c[0].wr_id, c[0].status), (2, WcStatus::Success));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while &region.to_vec()[..13] != b"by chosen key" && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(&region.to_vec()[..13], b"by chosen key");
+}
+
+#[test]
 fn bind_without_mw_bind_right_fails() {
     let p = pair(false);
     let region = mr(&p.b, 4096);
@@ -1110,6 +1152,7 @@ fn bind_without_mw_bind_right_fails() {
                     addr: region.addr(),
                     length: 64,
                     access: Access::REMOTE_READ,
+                    key: None,
                 },
             )
             .signaled(),

@@ -764,6 +764,27 @@ pub extern "C" fn rdma_destroy_qp(id: *mut rdma_cm_id) {
     });
 }
 
+/// How long an active side holds its ESTABLISHED event after the MPA
+/// Reply: `SOFTRDMA_CONNECT_SETTLE_MS` (default 0).
+///
+/// For peers that cannot take an FPDU right after their Reply: kernel siw
+/// (Linux 6.1) as the responder sends the Reply and only then installs
+/// its receive callback on the socket (`siw_accept` in
+/// `drivers/infiniband/sw/siw/siw_cm.c`); a first message that arrives in
+/// between stays unread until more bytes come, and an application that
+/// sends one message and waits for the answer (rping) hangs. On real
+/// hardware that window lasts microseconds; on a slow (emulated) siw host
+/// it can last milliseconds.
+fn connect_settle() -> Duration {
+    static SETTLE: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SETTLE.get_or_init(|| {
+        std::env::var("SOFTRDMA_CONNECT_SETTLE_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(Duration::ZERO, Duration::from_millis)
+    })
+}
+
 /// Starts the thread turning a connection's events into CM events.
 ///
 /// `retry`: for an active connect, what to connect again with when the
@@ -798,6 +819,12 @@ fn watch(
                     *st.conn.lock() = Some(c.clone());
                     conn = c;
                     continue;
+                }
+            }
+            if matches!(ev, CmEvent::Established { .. }) && retry.is_some() {
+                let settle = connect_settle();
+                if !settle.is_zero() {
+                    std::thread::sleep(settle);
                 }
             }
             let (ty, status, data, end) = match ev {

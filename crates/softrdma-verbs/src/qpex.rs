@@ -10,13 +10,14 @@ use std::ffi::{c_int, c_uint, c_void};
 
 use softrdma_engine::{SendOp, SendWr, Sge};
 
-use crate::abi::{Fp, ibv_qp_ex, ibv_sge};
+use crate::abi::{Fp, ibv_mr, ibv_mw, ibv_qp_ex, ibv_sge};
 use crate::ffi::guard;
-use crate::verbs::{Qp, post_send_errno, send_flags};
+use crate::verbs::{BindMw, Qp, post_send_errno, send_flags};
 
 /// `send_ops_flags` this library implements: RDMA Write (+imm), Send
-/// (+imm, +inv), RDMA Read, both atomics, local invalidate.
-pub const SUPPORTED_SEND_OPS: u64 = 0x2ff;
+/// (+imm, +inv), RDMA Read, both atomics, local invalidate, bind of a type
+/// 2 memory window.
+pub const SUPPORTED_SEND_OPS: u64 = 0x3ff;
 
 const MAX_SGE: usize = 16;
 
@@ -31,6 +32,7 @@ enum Op {
     Cas(u64, u32, u64, u64),
     Faa(u64, u32, u64),
     LocalInv(u32),
+    Bind(BindMw),
 }
 
 #[derive(Debug)]
@@ -54,7 +56,7 @@ pub struct WrBuilder {
 pub fn fill(q: &mut ibv_qp_ex) {
     q.wr_atomic_cmp_swp = wr_atomic_cmp_swp as *const () as Fp;
     q.wr_atomic_fetch_add = wr_atomic_fetch_add as *const () as Fp;
-    q.wr_bind_mw = wr_unsupported4 as *const () as Fp;
+    q.wr_bind_mw = wr_bind_mw as *const () as Fp;
     q.wr_local_inv = wr_local_inv as *const () as Fp;
     q.wr_rdma_read = wr_rdma_read as *const () as Fp;
     q.wr_rdma_write = wr_rdma_write as *const () as Fp;
@@ -196,6 +198,12 @@ extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
                     add,
                 },
                 Op::LocalInv(k) => SendOp::LocalInv { rkey: k },
+                Op::Bind(bind) => {
+                    if let Err(e) = bind.post(q, p.wr_id, p.flags) {
+                        rc = e;
+                    }
+                    continue;
+                }
             };
             let mut wr = SendWr::new(p.wr_id, op).flags(send_flags(p.flags));
             wr = match &p.inline {
@@ -238,7 +246,48 @@ extern "C" fn wr_local_inv(qp: *mut ibv_qp_ex, rkey: u32) {
     push(qp, Op::LocalInv(rkey));
 }
 
-/// Bind MW, TSO, UD address, XRC, atomic write, flush: not supported; the
+/// `struct ibv_mw_bind_info`.
+#[repr(C)]
+struct MwBindInfo {
+    mr: *mut ibv_mr,
+    addr: u64,
+    length: u64,
+    mw_access_flags: c_uint,
+}
+
+extern "C" fn wr_bind_mw(qp: *mut ibv_qp_ex, mw: *mut ibv_mw, rkey: u32, info: *const c_void) {
+    let info = info.cast::<MwBindInfo>();
+    if info.is_null() {
+        // Pushed so that the sequence fails at `wr_complete`.
+        push(
+            qp,
+            Op::Bind(BindMw {
+                mw: std::ptr::null_mut(),
+                rkey,
+                mr: std::ptr::null_mut(),
+                addr: 0,
+                length: 0,
+                access: 0,
+            }),
+        );
+        return;
+    }
+    // SAFETY: the caller's bind info, read now (the API copies it).
+    let i = unsafe { &*info };
+    push(
+        qp,
+        Op::Bind(BindMw {
+            mw,
+            rkey,
+            mr: i.mr,
+            addr: i.addr,
+            length: i.length,
+            access: i.mw_access_flags,
+        }),
+    );
+}
+
+/// TSO, UD address, XRC, atomic write, flush: not supported; the
 /// sequence's `wr_complete` fails with EOPNOTSUPP.
 extern "C" fn wr_unsupported4(qp: *mut ibv_qp_ex, _a: usize, _b: usize, _c: usize) {
     guard((), || {

@@ -701,17 +701,29 @@ pub extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
     })
 }
 
+/// Frees the object of this library behind `p` (its C view), as the
+/// `ibv_dealloc_*`/`ibv_dereg_*` calls do: 0, or EINVAL for NULL.
+///
+/// # Safety
+///
+/// `p` is NULL or the C view at the start of a boxed `T` of this library
+/// that is freed once.
+unsafe fn free_ours<C, T>(p: *mut C) -> c_int {
+    guard_errno(|| {
+        if p.is_null() {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: the caller's promise: a `T` of ours, freed once.
+        drop(unsafe { Box::from_raw(p.cast::<T>()) });
+        Ok(())
+    })
+}
+
 /// `ibv_dealloc_pd`.
 #[unsafe(no_mangle)]
 pub extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
-    guard_errno(|| {
-        if pd.is_null() {
-            return Err(libc::EINVAL);
-        }
-        // SAFETY: a PD of ours, freed once.
-        drop(unsafe { Box::from_raw(pd.cast::<Pd>()) });
-        Ok(())
-    })
+    // SAFETY: `Pd` starts with the C view the application holds.
+    unsafe { free_ours::<_, Pd>(pd) }
 }
 
 const ACCESS_OPTIONAL_RANGE: c_int = 0x3ff0_0000;
@@ -798,14 +810,8 @@ pub extern "C" fn ibv_reg_mr_iova2(
 /// `ibv_dereg_mr`.
 #[unsafe(no_mangle)]
 pub extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
-    guard_errno(|| {
-        if mr.is_null() {
-            return Err(libc::EINVAL);
-        }
-        // SAFETY: an MR of ours, freed once.
-        drop(unsafe { Box::from_raw(mr.cast::<Mr>()) });
-        Ok(())
-    })
+    // SAFETY: `Mr` starts with the C view the application holds.
+    unsafe { free_ours::<_, Mr>(mr) }
 }
 
 /// A memory window: `struct ibv_mw` first.
@@ -854,14 +860,8 @@ extern "C" fn bind_mw(_qp: *mut ibv_qp, _mw: *mut ibv_mw, _bind: *mut c_void) ->
 
 /// `ibv_dealloc_mw` (ops table).
 extern "C" fn dealloc_mw(mw: *mut ibv_mw) -> c_int {
-    guard_errno(|| {
-        if mw.is_null() {
-            return Err(libc::EINVAL);
-        }
-        // SAFETY: a window of ours, freed once.
-        drop(unsafe { Box::from_raw(mw.cast::<Mw>()) });
-        Ok(())
-    })
+    // SAFETY: `Mw` starts with the C view the application holds.
+    unsafe { free_ours::<_, Mw>(mw) }
 }
 
 // ---- completion channel / CQ ----
@@ -1757,39 +1757,84 @@ fn post_one(q: &Qp, r: &ibv_send_wr) -> Result<(), i32> {
 }
 
 /// `IBV_WR_BIND_MW`: binds a type 2 window (`wr.bind_mw`: the window, the
-/// new rkey, then `bind_info` = region, address, length, access). The
-/// engine picks the new key itself, so `mw->rkey` is set to the window's
-/// new rkey when the post returns (the bind takes effect at post); an rkey
-/// the application computed with `ibv_inc_rkey` is not used.
+/// new rkey, then `bind_info` = region, address, length, access).
 fn post_bind_mw(q: &Qp, r: &ibv_send_wr) -> Result<(), i32> {
-    let [mw, _rkey, mr, addr, length, access] = r.bind_mw;
-    let (mw, mr) = (mw as *mut Mw, mr as *mut Mr);
-    if mw.is_null() || mr.is_null() {
-        return Err(libc::EINVAL);
+    let [mw, rkey, mr, addr, length, access] = r.bind_mw;
+    // `rkey` is a uint32_t and `mw_access_flags` an unsigned int, each in the
+    // low half of its word.
+    let bind = BindMw {
+        mw: mw as *mut ibv_mw,
+        rkey: rkey as u32,
+        mr: mr as *mut ibv_mr,
+        addr,
+        length,
+        access: access as u32,
+    };
+    bind.post(q, r.wr_id, r.send_flags)
+}
+
+/// A type 2 window bind as verbs describes it (`ibv_post_send` with
+/// `IBV_WR_BIND_MW`, or `ibv_wr_bind_mw`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BindMw {
+    /// The window (`struct ibv_mw *` of this library).
+    pub(crate) mw: *mut ibv_mw,
+    /// The window's new rkey: its index bits must be the window's (as
+    /// `ibv_inc_rkey(mw->rkey)` computes), its low byte is the new key.
+    pub(crate) rkey: u32,
+    /// `bind_info.mr`.
+    pub(crate) mr: *mut ibv_mr,
+    /// `bind_info.addr`.
+    pub(crate) addr: u64,
+    /// `bind_info.length`.
+    pub(crate) length: u64,
+    /// `bind_info.mw_access_flags`.
+    pub(crate) access: u32,
+}
+
+impl BindMw {
+    /// Posts the bind on `q`. The bind takes effect at post, so `mw->rkey`
+    /// holds the new rkey when this returns. An rkey whose index bits are
+    /// not the window's is refused with EINVAL.
+    pub(crate) fn post(&self, q: &Qp, wr_id: u64, flags: c_uint) -> Result<(), i32> {
+        let (mw, mr) = (self.mw.cast::<Mw>(), self.mr.cast::<Mr>());
+        if mw.is_null() || mr.is_null() {
+            return Err(libc::EINVAL);
+        }
+        let access = Access::from_bits(self.access).ok_or(libc::EINVAL)?;
+        // SAFETY: a window and a region of this library (the application's
+        // objects, alive while it posts with them).
+        let (w, m) = unsafe { (&*mw, &*mr) };
+        if self.rkey >> 8 != w.inner.rkey() >> 8 {
+            ffi::debug(|| {
+                format!(
+                    "ibv_post_send (bind MW): rkey {:#x} does not name window {:#x}",
+                    self.rkey,
+                    w.inner.rkey()
+                )
+            });
+            return Err(libc::EINVAL);
+        }
+        let wr = SendWr::new(
+            wr_id,
+            SendOp::BindMw {
+                mw: &w.inner,
+                mr: &m.inner,
+                addr: self.addr,
+                length: self.length,
+                access,
+                key: Some(self.rkey as u8),
+            },
+        )
+        .flags(send_flags(flags));
+        q.inner.post_send(&wr).map_err(|e| {
+            ffi::debug(|| format!("ibv_post_send (bind MW): {e}"));
+            post_send_errno(e)
+        })?;
+        // SAFETY: as above; the C view is the application's to read.
+        unsafe { (*mw).mw.rkey = w.inner.rkey() };
+        Ok(())
     }
-    // `mw_access_flags` is an unsigned int in the low half of the word.
-    let access = Access::from_bits(access as u32).ok_or(libc::EINVAL)?;
-    // SAFETY: a window and a region of this library (the application's
-    // objects, alive while it posts with them).
-    let (w, m) = unsafe { (&*mw, &*mr) };
-    let wr = SendWr::new(
-        r.wr_id,
-        SendOp::BindMw {
-            mw: &w.inner,
-            mr: &m.inner,
-            addr,
-            length,
-            access,
-        },
-    )
-    .flags(send_flags(r.send_flags));
-    q.inner.post_send(&wr).map_err(|e| {
-        ffi::debug(|| format!("ibv_post_send (bind MW): {e}"));
-        post_send_errno(e)
-    })?;
-    // SAFETY: as above; the C view is the application's to read.
-    unsafe { (*mw).mw.rkey = w.inner.rkey() };
-    Ok(())
 }
 
 /// Send flags of `ibv_send_wr`/`ibv_qp_ex` to the engine's.

@@ -264,9 +264,13 @@ impl QpInner {
                 addr,
                 length,
                 access,
+                key,
             } => {
                 wqe.payload = Payload::None;
-                if stags.bind_mw(mw, mr, addr, length, access).is_err() {
+                if stags
+                    .bind_mw_with_key(mw, mr, addr, length, access, key)
+                    .is_err()
+                {
                     failed = Some(WcStatus::MwBind);
                 }
                 WcOpcode::BindMw

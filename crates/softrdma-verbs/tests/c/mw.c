@@ -1,9 +1,12 @@
 /* Type 2 memory windows, in one process over loopback: a server region
  * registered with MW_BIND only (no remote access of its own), a window
- * bound over 256 bytes of it by posting IBV_WR_BIND_MW on the server's QP;
- * the client's RDMA Write through the window's rkey lands, one that runs
- * past the window's end is refused. Type 1 windows: EOPNOTSUPP. Prints
- * "ok <case>" lines; exits 1 at the first failure. */
+ * bound over 256 bytes of it by posting IBV_WR_BIND_MW on the server's QP
+ * with the rkey the application chose (ibv_inc_rkey); an rkey naming
+ * another window is refused; the client's RDMA Write through the window's
+ * rkey lands; the window invalidated and bound again through ibv_wr_bind_mw
+ * (ibv_qp_ex) answers to its new rkey only; a Write that runs past the
+ * window's end is refused. Type 1 windows: EOPNOTSUPP. Prints "ok <case>"
+ * lines; exits 1 at the first failure. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <poll.h>
@@ -21,15 +24,7 @@ int main(void)
 	struct rdma_event_channel *ch = rdma_create_event_channel();
 	struct rdma_cm_id *lid, *cid, *sid;
 	struct rdma_cm_event *ev;
-	CHECK(ch && rdma_create_id(ch, &lid, NULL, RDMA_PS_TCP) == 0, "listen id", "-");
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	CHECK(rdma_bind_addr(lid, (struct sockaddr *)&a) == 0 && rdma_listen(lid, 4) == 0, "bind and listen", "-");
-	a.sin_port = rdma_get_src_port(lid);
-	CHECK(rdma_create_id(ch, &cid, NULL, RDMA_PS_TCP) == 0, "connect id", "-");
-	CHECK(rdma_resolve_addr(cid, NULL, (struct sockaddr *)&a, 2000) == 0, "resolve_addr", "-");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED));
-	CHECK(rdma_resolve_route(cid, 2000) == 0, "resolve_route", "-");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
+	listen_and_resolve(ch, &lid, &cid);
 
 	struct ibv_context *ctx = cid->verbs;
 	struct ibv_pd *pd = ibv_alloc_pd(ctx);
@@ -54,9 +49,13 @@ int main(void)
 	ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
 	sid = ev->id;
 	rdma_ack_cm_event(ev);
-	struct ibv_qp_init_attr sa = { .send_cq = scq, .recv_cq = scq, .qp_type = IBV_QPT_RC,
-		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 } };
-	CHECK(rdma_create_qp(sid, pd, &sa) == 0, "server qp", "-");
+	struct ibv_qp_init_attr_ex sa = { .send_cq = scq, .recv_cq = scq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
+		.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS, .pd = pd,
+		.send_ops_flags = IBV_QP_EX_WITH_BIND_MW | IBV_QP_EX_WITH_LOCAL_INV };
+	CHECK(rdma_create_qp_ex(sid, &sa) == 0, "server qp (ibv_qp_ex with BIND_MW)", "-");
+	struct ibv_qp_ex *sqx = ibv_qp_to_qp_ex(sid->qp);
+	CHECK(sqx, "ibv_qp_to_qp_ex", "-");
 	CHECK(rdma_accept(sid, &cp) == 0, "accept", "-");
 	for (int i = 0; i < 2; i++)
 		rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
@@ -74,7 +73,13 @@ int main(void)
 	struct ibv_wc wc = wait_wc(scq);
 	CHECK(wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 42,
 	      "bind completion", "status %d opcode %d", wc.status, wc.opcode);
-	CHECK(mw->rkey != before, "window has a new rkey", "-");
+	CHECK(mw->rkey == ibv_inc_rkey(before), "window has the rkey the application chose",
+	      "before %#x after %#x", before, mw->rkey);
+
+	/* An rkey whose index is not the window's is refused at post. */
+	struct ibv_send_wr bad_bw = bw;
+	bad_bw.bind_mw.rkey = ibv_inc_rkey(mw->rkey) ^ 0x100;
+	CHECK(ibv_post_send(sid->qp, &bad_bw, &bad) == EINVAL && bad == &bad_bw, "bind with another window's rkey: EINVAL", "-");
 
 	/* The client writes through the window. */
 	strcpy(cbuf, "through the window");
@@ -90,10 +95,41 @@ int main(void)
 		usleep(10);
 	CHECK(strcmp(sbuf + 1024 + 16, "through the window") == 0, "data placed in the window", "'%s'", sbuf + 1040);
 
+	/* Invalidate the window, bind it again through ibv_wr_bind_mw with the
+	 * next rkey: the new rkey works, the old one no longer does. */
+	uint32_t old_rkey = mw->rkey;
+	struct ibv_send_wr inv = { .wr_id = 43, .opcode = IBV_WR_LOCAL_INV, .send_flags = IBV_SEND_SIGNALED };
+	inv.invalidate_rkey = mw->rkey;
+	CHECK(ibv_post_send(sid->qp, &inv, &bad) == 0, "post IBV_WR_LOCAL_INV of the window", "-");
+	wc = wait_wc(scq);
+	CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 43, "invalidate completion", "status %d", wc.status);
+	struct ibv_mw_bind_info bi = { .mr = smr, .addr = (uintptr_t)sbuf + 1024, .length = 256,
+				       .mw_access_flags = IBV_ACCESS_REMOTE_WRITE };
+	ibv_wr_start(sqx);
+	sqx->wr_id = 44;
+	sqx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_bind_mw(sqx, mw, ibv_inc_rkey(old_rkey), &bi);
+	CHECK(ibv_wr_complete(sqx) == 0, "ibv_wr_bind_mw", "-");
+	wc = wait_wc(scq);
+	CHECK(wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 44,
+	      "ibv_wr_bind_mw completion", "status %d opcode %d", wc.status, wc.opcode);
+	CHECK(mw->rkey == ibv_inc_rkey(old_rkey), "rebound window has the chosen rkey", "%#x", mw->rkey);
+	strcpy(cbuf, "second bind");
+	w.wr_id = 3;
+	w.wr.rdma.rkey = mw->rkey;
+	w.wr.rdma.remote_addr = (uintptr_t)sbuf + 1024 + 64;
+	CHECK(ibv_post_send(cid->qp, &w, &bad) == 0, "write through the rebound window", "-");
+	wc = wait_wc(ccq);
+	CHECK(wc.status == IBV_WC_SUCCESS, "write completed", "status %d", wc.status);
+	for (int i = 0; i < 100000 && strcmp(sbuf + 1024 + 64, "second bind"); i++)
+		usleep(10);
+	CHECK(strcmp(sbuf + 1024 + 64, "second bind") == 0, "data placed through the new rkey", "'%s'", sbuf + 1088);
+
 	/* Past the window's end: the server refuses it with a Terminate (an
 	 * iWARP Write has completed for its sender once sent, so the refusal
 	 * shows as the server QP's access error event). */
 	w.wr_id = 2;
+	w.wr.rdma.rkey = mw->rkey;
 	w.wr.rdma.remote_addr = (uintptr_t)sbuf + 1024 + 250;
 	CHECK(ibv_post_send(cid->qp, &w, &bad) == 0, "write past the window", "-");
 	int seen = 0;

@@ -21,15 +21,7 @@ int main(void)
 	struct rdma_event_channel *ch = rdma_create_event_channel();
 	struct rdma_cm_id *lid, *cid, *sid;
 	struct rdma_cm_event *ev;
-	CHECK(ch && rdma_create_id(ch, &lid, NULL, RDMA_PS_TCP) == 0, "listen id", "-");
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	CHECK(rdma_bind_addr(lid, (struct sockaddr *)&a) == 0 && rdma_listen(lid, 4) == 0, "bind and listen", "-");
-	a.sin_port = rdma_get_src_port(lid);
-	CHECK(rdma_create_id(ch, &cid, NULL, RDMA_PS_TCP) == 0, "connect id", "-");
-	CHECK(rdma_resolve_addr(cid, NULL, (struct sockaddr *)&a, 2000) == 0, "resolve_addr", "-");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED));
-	CHECK(rdma_resolve_route(cid, 2000) == 0, "resolve_route", "-");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
+	listen_and_resolve(ch, &lid, &cid);
 
 	struct ibv_context *ctx = cid->verbs;
 	struct ibv_pd *pd = ibv_alloc_pd(ctx);

@@ -3,7 +3,9 @@
  * request with rdma_get_request and accepts (returning when established);
  * the client resolves, connects (returning when established) and sends one
  * message the server receives. A connect to a port nobody listens on fails
- * with ECONNREFUSED. Prints "ok <case>" lines; exits 1 at the first
+ * with ECONNREFUSED. With SOFTRDMA_CONNECT_SETTLE_MS=N in the environment,
+ * rdma_connect must take at least N ms (the active side holds its
+ * ESTABLISHED event). Prints "ok <case>" lines; exits 1 at the first
  * failure. */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -11,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
@@ -76,7 +79,15 @@ int main(void)
 		.cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 } };
 	struct ibv_pd *pd = ibv_alloc_pd(cid->verbs);
 	CHECK(pd && rdma_create_qp(cid, pd, &ca) == 0, "client qp", "-");
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
 	CHECK(rdma_connect(cid, NULL) == 0, "rdma_connect returns established", "-");
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	const char *settle = getenv("SOFTRDMA_CONNECT_SETTLE_MS");
+	if (settle) {
+		long ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+		CHECK(ms >= atol(settle), "connect held for SOFTRDMA_CONNECT_SETTLE_MS", "%ld ms < %s ms", ms, settle);
+	}
 	static char cbuf[64] = "synchronous";
 	struct ibv_mr *mr = ibv_reg_mr(pd, cbuf, sizeof(cbuf), IBV_ACCESS_LOCAL_WRITE);
 	struct ibv_sge sge = { .addr = (uintptr_t)cbuf, .length = 12, .lkey = mr->lkey };

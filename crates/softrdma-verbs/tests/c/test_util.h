@@ -1,8 +1,10 @@
 /* Shared by the C test programs that connect two ids over loopback in one
  * process: CHECK (prints "ok <name>" or "FAIL <name>: ..." and exits 1),
- * the next CM event of a type, the next completion, the next async event. */
+ * the next CM event of a type, a listening id plus a connecting id resolved
+ * to it, the next completion, the next async event. */
 #ifndef SOFTRDMA_VERBS_TEST_UTIL_H
 #define SOFTRDMA_VERBS_TEST_UTIL_H
+#include <arpa/inet.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -15,7 +17,7 @@
 	if (!(cond)) { printf("FAIL %s: ", name); printf(__VA_ARGS__); printf(" (errno %d)\n", errno); exit(1); } \
 	printf("ok %s\n", name); } while (0)
 
-static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
+static inline struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
 {
 	struct rdma_cm_event *ev;
 	struct pollfd p = { .fd = ch->fd, .events = POLLIN };
@@ -25,10 +27,26 @@ static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_
 		printf("FAIL got %s (status %d), wanted %s\n", rdma_event_str(ev->event), ev->status, rdma_event_str(t));
 		exit(1);
 	}
+	printf("ok event %s\n", rdma_event_str(t));
 	return ev;
 }
 
-static struct ibv_wc wait_wc(struct ibv_cq *cq)
+/* On channel `ch`: a listening id on 127.0.0.1 (any port) and a connecting
+ * id whose address and route are resolved to it. */
+static inline void listen_and_resolve(struct rdma_event_channel *ch, struct rdma_cm_id **lid, struct rdma_cm_id **cid)
+{
+	CHECK(ch && rdma_create_id(ch, lid, NULL, RDMA_PS_TCP) == 0, "listen id", "-");
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	CHECK(rdma_bind_addr(*lid, (struct sockaddr *)&a) == 0 && rdma_listen(*lid, 4) == 0, "bind and listen", "-");
+	a.sin_port = rdma_get_src_port(*lid);
+	CHECK(rdma_create_id(ch, cid, NULL, RDMA_PS_TCP) == 0, "connect id", "-");
+	CHECK(rdma_resolve_addr(*cid, NULL, (struct sockaddr *)&a, 2000) == 0, "resolve_addr", "-");
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED));
+	CHECK(rdma_resolve_route(*cid, 2000) == 0, "resolve_route", "-");
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
+}
+
+static inline struct ibv_wc wait_wc(struct ibv_cq *cq)
 {
 	struct ibv_wc wc;
 	for (int i = 0; i < 5000000; i++) {
@@ -45,7 +63,7 @@ static struct ibv_wc wait_wc(struct ibv_cq *cq)
 }
 
 /* The next async event other than COMM_EST, or type -1 after `ms`. */
-static struct ibv_async_event next_event(struct ibv_context *ctx, int ms)
+static inline struct ibv_async_event next_event(struct ibv_context *ctx, int ms)
 {
 	struct ibv_async_event e;
 	for (;;) {

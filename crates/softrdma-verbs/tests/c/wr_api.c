@@ -15,39 +15,7 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
-#define CHECK(cond, name, ...) do { \
-	if (!(cond)) { printf("FAIL %s: ", name); printf(__VA_ARGS__); printf(" (errno %d)\n", errno); exit(1); } \
-	printf("ok %s\n", name); } while (0)
-
-static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
-{
-	struct rdma_cm_event *ev;
-	struct pollfd p = { .fd = ch->fd, .events = POLLIN };
-	if (poll(&p, 1, 10000) != 1) { printf("FAIL no event (wanted %s)\n", rdma_event_str(t)); exit(1); }
-	if (rdma_get_cm_event(ch, &ev)) { printf("FAIL rdma_get_cm_event %d\n", errno); exit(1); }
-	if (ev->event != t) {
-		printf("FAIL got %s (status %d), wanted %s\n", rdma_event_str(ev->event), ev->status, rdma_event_str(t));
-		exit(1);
-	}
-	printf("ok event %s\n", rdma_event_str(t));
-	return ev;
-}
-
-static struct ibv_wc wait_wc(struct ibv_cq *cq)
-{
-	struct ibv_wc wc;
-	for (int i = 0; i < 5000000; i++) {
-		int n = ibv_poll_cq(cq, 1, &wc);
-		if (n == 1)
-			return wc;
-		if (n < 0)
-			break;
-		if (i > 1000)
-			usleep(10);
-	}
-	printf("FAIL no completion\n");
-	exit(1);
-}
+#include "test_util.h"
 
 int main(void)
 {

@@ -115,8 +115,15 @@ pub fn have_headers() -> bool {
 /// Compiles `tests/c/<name>.c` with `cc` (extra arguments after the
 /// source) into the target directory; the executable's path.
 pub fn compile(name: &str, extra: &[&str]) -> PathBuf {
+    compile_as(name, name, extra)
+}
+
+/// [`compile`] into an executable named after `tag`, so that two tests
+/// can run the same program at once.
+#[allow(dead_code)]
+pub fn compile_as(name: &str, tag: &str, extra: &[&str]) -> PathBuf {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
-    let out = target_dir().join(format!("verbs-c-{name}-{}", std::process::id()));
+    let out = target_dir().join(format!("verbs-c-{tag}-{}", std::process::id()));
     let st = Command::new("cc")
         .args(["-O1", "-g", "-Wall", "-o"])
         .arg(&out)
