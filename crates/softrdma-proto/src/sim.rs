@@ -1183,6 +1183,11 @@ impl Pair {
             Some(TermError::DdpTaggedBaseOrBounds) => true, // window bound shorter
             Some(TermError::RdmapOperationCannotInvalidate) => true, // window already gone
             Some(TermError::MpaCrcError) | Some(crate::term::MALFORMED_HEADER) => incoming.flipped,
+            // A placed segment's header is judged before its CRC (as siw
+            // does): a bit flipped in it gives that header's verdict, any
+            // DDP or RDMAP one. Never a local catastrophe.
+            Some(TermError::DdpLocalCatastrophic) => false,
+            Some(_) => incoming.flipped,
             _ => false,
         };
         if ok {

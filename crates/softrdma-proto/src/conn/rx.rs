@@ -356,8 +356,23 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             Err(e) => Err(e.term_error().unwrap_or(MALFORMED_HEADER)),
         };
         if let Err(e) = verdict {
-            // Raised at the end of the FPDU, once its CRC is known good.
             self.rx.dest.clear();
+            if !consumed {
+                // A placed segment's header (Write, Read Response, Send, or
+                // an unknown opcode) is refused before its payload and CRC
+                // are read, as Linux siw does: a corrupted STag in a Write
+                // is reported as "Invalid STag" (see "Rule 6" in
+                // docs/protocol-core.md).
+                if let Some(wr_id) = self.rx.too_long.take() {
+                    // The receive is too small: it completes with a length
+                    // error (not a flush), then the Terminate goes out.
+                    self.complete_recv(wr_id, WcStatus::LocalLength);
+                }
+                self.violate(e, true, mem);
+                return;
+            }
+            // A consumed message's verdict is raised at the end of the
+            // FPDU, once its CRC is known good.
             self.rx.mode = Mode::Discard;
             self.rx.deferred = Some(e);
         }

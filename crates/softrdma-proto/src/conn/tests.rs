@@ -225,16 +225,58 @@ fn ulpdu_shorter_than_its_ddp_header_gets_a_terminate() {
 }
 
 #[test]
-fn corrupted_header_with_crc_is_a_crc_error_not_a_peer_violation() {
+fn corrupted_consumed_header_with_crc_is_a_crc_error_not_a_peer_violation() {
     let mut t = setup(true);
+    let rr = t.read_req(1);
+    let mut b = vec![0u8; rr.buffer_len()];
+    rr.emit(&mut b).unwrap();
+    let mut w = vec![0u8; 96];
+    let n = fpdu::emit(&b, true, &mut w).unwrap();
+    w[2 + 10] ^= 0x10; // a bit of the MSN
+    t.c.handle_rx_stream(&w[..n], &mut t.m);
+    assert_eq!(t.terminate().0, Some(TermError::MpaCrcError));
+    assert_eq!(t.c.ird_used(), 0);
+}
+
+/// Like Linux siw: a placed segment's header is refused before its payload
+/// and CRC are read, so a bit flipped in transit in a Send's MSN (or a
+/// Write's STag) is answered with the header's verdict, not "MPA CRC
+/// Error", and nothing of the payload is placed.
+#[test]
+fn corrupted_placed_header_with_crc_gets_its_header_verdict_like_siw() {
+    let mut t = setup(true);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 64,
+    }];
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 9,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
     let send = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"hello");
     let mut b = vec![0u8; send.buffer_len()];
     send.emit(&mut b).unwrap();
     let mut w = vec![0u8; 64];
     let n = fpdu::emit(&b, true, &mut w).unwrap();
     w[2 + 12] ^= 0x10; // a bit of the MSN
-    t.c.handle_rx_stream(&w[..n], &mut t.m);
-    assert_eq!(t.terminate().0, Some(TermError::MpaCrcError));
+    // Only the header is taken: the rest of the FPDU is never read.
+    let used = t.c.handle_rx_stream(&w[..n], &mut t.m);
+    assert_eq!(used, 2 + 18);
+    let (e, m, hdr, seg, _) = t.terminate();
+    assert_eq!(e, Some(TermError::DdpUntaggedMsnRange));
+    assert!(m && hdr == 18 && seg == 5);
+    let c = t.c.poll_completion().expect("the receive is flushed");
+    assert_eq!((c.wr_id, c.status), (9, WcStatus::WrFlush));
+    let mut placed = [0u8; 5];
+    let span = t.m.local(key, addr, 5, false).unwrap();
+    assert!(t.m.copy_out(&span, 0, &mut placed));
+    assert_eq!(placed, [0; 5]);
 }
 
 #[test]
