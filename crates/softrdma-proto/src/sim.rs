@@ -673,6 +673,8 @@ pub struct Stats {
     pub rejected: u64,
     /// Hostile FPDUs answered with exactly their Terminate code.
     pub hostile_answered: u64,
+    /// Sends and Writes posted with an inline payload.
+    pub inline: u64,
 }
 
 impl core::ops::AddAssign for Stats {
@@ -691,6 +693,7 @@ impl core::ops::AddAssign for Stats {
         self.graceful_closes += o.graceful_closes;
         self.rejected += o.rejected;
         self.hostile_answered += o.hostile_answered;
+        self.inline += o.inline;
     }
 }
 
@@ -1010,14 +1013,23 @@ impl Pair {
         } else {
             &sge
         };
+        // Sometimes the same bytes go inline (copied at post, no SGE).
+        let inline_data: Option<Vec<u8>> = (flags & 16 != 0
+            && matches!(op, SendOp::Send { .. } | SendOp::Write { .. })
+            && sgl_len <= node.conn.config().max_inline)
+            .then(|| (0..sgl_len).map(|i| pattern(side, wr_id, i)).collect());
         let wr = SendWr {
             wr_id,
             op,
-            sgl,
+            sgl: if inline_data.is_some() { &[] } else { sgl },
             signaled: flags & 1 == 0,
             fence: flags & 4 != 0,
             solicited: flags & 2 != 0,
+            inline: inline_data.as_deref(),
         };
+        if inline_data.is_some() {
+            self.stats.inline += 1;
+        }
         node.next_wr += 1;
         match node.conn.post_send(&wr, &mut node.mem) {
             Ok(()) => node.sq.push(SqRec {

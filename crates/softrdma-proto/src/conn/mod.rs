@@ -80,6 +80,8 @@ pub struct Config {
     pub tx_msn: [u32; 2],
     /// First MSN expected on queues 0 and 1.
     pub rx_msn: [u32; 2],
+    /// Longest inline payload accepted at post ([`SendWr::inline`]).
+    pub max_inline: usize,
 }
 
 impl Config {
@@ -97,6 +99,7 @@ impl Config {
             close_timeout: 5_000,
             tx_msn: [1, 1],
             rx_msn: [1, 1],
+            max_inline: 64,
         }
     }
 }
@@ -145,6 +148,8 @@ struct SqEntry<R> {
     seq: u64,
     kind: Kind<R>,
     segs: Vec<Span<R>>,
+    /// Inline payload, copied at post (then `segs` is empty).
+    inline: Option<Box<[u8]>>,
     len: usize,
     fence: bool,
     solicited: bool,
@@ -340,7 +345,23 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if self.slots.len() >= self.cfg.max_send_wr as usize {
             return Err(PostError::QueueFull(self.cfg.max_send_wr));
         }
-        let sge_len: u64 = wr.sgl.iter().map(|s| u64::from(s.len)).sum();
+        if let Some(data) = wr.inline {
+            if !matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
+                return Err(PostError::Invalid(
+                    "inline payload on an operation other than Send or Write",
+                ));
+            }
+            if data.len() > self.cfg.max_inline {
+                return Err(PostError::InlineTooLarge {
+                    len: data.len(),
+                    max: self.cfg.max_inline,
+                });
+            }
+        }
+        let sge_len: u64 = match wr.inline {
+            Some(data) => data.len() as u64,
+            None => wr.sgl.iter().map(|s| u64::from(s.len)).sum(),
+        };
         let Ok(len) = usize::try_from(sge_len) else {
             return Err(PostError::Invalid("message too long"));
         };
@@ -349,6 +370,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         }
         let mut failed = None;
         let mut segs_for = |mem: &mut M, write: bool| -> Vec<Span<R>> {
+            if wr.inline.is_some() {
+                return Vec::new();
+            }
             let mut v = Vec::with_capacity(wr.sgl.len());
             for s in wr.sgl {
                 match mem.local(s.lkey, s.addr, s.len, write) {
@@ -365,6 +389,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             seq: 0,
             kind: Kind::Local,
             segs: Vec::new(),
+            inline: wr.inline.map(Box::from),
             len,
             fence: wr.fence,
             solicited: wr.solicited,

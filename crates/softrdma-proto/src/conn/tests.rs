@@ -454,3 +454,104 @@ fn placement_reported_by_length_is_checked_by_the_crc() {
     };
     assert_eq!(term.code.known(), Some(TermError::MpaCrcError));
 }
+
+#[test]
+fn inline_send_is_copied_at_post_and_framed_from_the_copy() {
+    let mut t = setup(true);
+    let data: Vec<u8> = (0..40u8).collect();
+    let wr = SendWr::new(
+        5,
+        SendOp::Send {
+            inv: None,
+            imm: None,
+        },
+        &[],
+    )
+    .with_inline(&data);
+    t.c.post_send(&wr, &mut t.m).unwrap();
+    drop(data); // the caller's buffer is free at once
+    let mut f = TxFpdu::new();
+    assert!(t.c.poll_transmit(&mut t.m, &mut f));
+    assert!(
+        f.payload().is_empty(),
+        "no span: the bytes are the core's copy"
+    );
+    let mut v = Vec::new();
+    assert!(f.write_to(&mut t.m, &mut v));
+    let d = fpdu::decode(&v, true).unwrap();
+    let u = UlpduRepr::parse(d.ulpdu).unwrap();
+    assert_eq!(u.opcode, Opcode::Send);
+    assert!(u.last);
+    let UlpduBody::Payload(p) = u.body else {
+        panic!("no payload")
+    };
+    assert_eq!(p, (0..40u8).collect::<Vec<_>>().as_slice());
+    t.c.handle_sent(1);
+    let c = t.c.poll_completion().expect("the Send completes");
+    assert_eq!((c.wr_id, c.status, c.byte_len), (5, WcStatus::Success, 40));
+}
+
+#[test]
+fn inline_write_longer_than_one_head_buffer_is_segmented() {
+    let mut t = setup(false);
+    let mut cfg = *t.c.config();
+    cfg.max_inline = 600;
+    cfg.max_payload = 4096;
+    t.c = Connection::new(cfg);
+    let data: Vec<u8> = (0..600).map(|i| (i * 7) as u8).collect();
+    let op = SendOp::Write {
+        rkey: 0x77,
+        remote_addr: 0x1000,
+        imm: None,
+    };
+    t.c.post_send(&SendWr::new(6, op, &[]).with_inline(&data), &mut t.m)
+        .unwrap();
+    let mut got = Vec::new();
+    let mut fpdus = 0;
+    while let Some(v) = t.sent() {
+        let d = fpdu::decode(&v, false).unwrap();
+        let u = UlpduRepr::parse(d.ulpdu).unwrap();
+        assert_eq!(u.opcode, Opcode::RdmaWrite);
+        match u.address {
+            softrdma_wire::ulpdu::DdpAddress::Tagged { stag, to } => {
+                assert_eq!(stag, Stag(0x77));
+                assert_eq!(to, 0x1000 + got.len() as u64);
+            }
+            a => panic!("untagged {a:?}"),
+        }
+        let UlpduBody::Payload(p) = u.body else {
+            panic!("no payload")
+        };
+        got.extend_from_slice(p);
+        fpdus += 1;
+        assert_eq!(u.last, got.len() == data.len());
+    }
+    assert_eq!(got, data);
+    assert_eq!(fpdus, 3, "256 + 256 + 88 bytes");
+    t.c.handle_sent(fpdus);
+    let c = t.c.poll_completion().expect("the Write completes");
+    assert_eq!((c.wr_id, c.status, c.byte_len), (6, WcStatus::Success, 600));
+}
+
+#[test]
+fn inline_payload_is_refused_when_too_long_or_on_a_read() {
+    let mut t = setup(false);
+    let data = [0u8; 65];
+    let send = SendOp::Send {
+        inv: None,
+        imm: None,
+    };
+    assert_eq!(
+        t.c.post_send(&SendWr::new(1, send, &[]).with_inline(&data), &mut t.m),
+        Err(PostError::InlineTooLarge { len: 65, max: 64 })
+    );
+    let read = SendOp::Read {
+        rkey: 1,
+        remote_addr: 0,
+    };
+    assert!(matches!(
+        t.c.post_send(&SendWr::new(2, read, &[]).with_inline(&data[..8]), &mut t.m),
+        Err(PostError::Invalid(_))
+    ));
+    assert_eq!(t.c.send_queue_len(), 0);
+}
