@@ -224,25 +224,39 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     }
 
     /// Reports that the engine placed `n` payload bytes at the start of the
-    /// [`RxWant::Place`] span without handing them over: the core reads
-    /// them back through [`Memory::copy_out`] for the CRC (only when CRC is
-    /// negotiated), so the engine never forms a slice over registered
-    /// memory. Returns how many were accepted.
+    /// [`RxWant::Place`] span without handing them over: when CRC is
+    /// negotiated the core feeds them to the CRC through
+    /// [`Memory::crc_update`] (no copy), so the engine never forms a slice
+    /// over registered memory. Returns how many were accepted.
     pub fn handle_rx_placed_in<M: Memory<Region = R>>(&mut self, n: usize, mem: &mut M) -> usize {
-        const CHUNK: usize = 4096;
-        let mut buf = [0u8; CHUNK];
         let mut done = 0;
         while done < n {
             let RxWant::Place { dst } = self.rx_want() else {
                 break;
             };
-            let k = (n - done).min(dst.len).min(CHUNK);
-            let Some(chunk) = buf.get_mut(..k) else { break };
-            if self.cfg.crc && !mem.copy_out(&dst, 0, chunk) {
+            let k = (n - done).min(dst.len);
+            let mut readable = true;
+            let r = self.rx.deframer.handle_payload_by(k, |crc, got| {
+                readable = mem.crc_update(&dst.slice(0, got), crc);
+            });
+            if !readable {
                 self.violate(TermError::DdpLocalCatastrophic, false, mem);
                 break;
             }
-            let got = self.handle_rx_placed(chunk, mem);
+            let got = match &r {
+                Ok(h) => h.consumed,
+                Err(_) => 0,
+            };
+            if let Ok(h) = r {
+                self.rx.dest_off += h.consumed;
+                if let Some(d) = self.rx.dest.get(self.rx.dest_idx)
+                    && self.rx.dest_off >= d.len
+                {
+                    self.rx.dest_idx += 1;
+                    self.rx.dest_off = 0;
+                }
+            }
+            self.after_deframer(r, k, mem);
             done += got;
             if got < k {
                 break;

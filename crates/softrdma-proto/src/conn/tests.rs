@@ -397,8 +397,8 @@ fn write_outside_the_granted_range_is_refused_before_placement() {
 }
 
 /// The engine's placement mode: payload read straight into the span
-/// `rx_want` names, reported by length only; the core reads it back for the
-/// CRC. A byte that differs from what was sent (placed wrong, or changed in
+/// `rx_want` names, reported by length only; the core feeds it to the CRC
+/// through `Memory::crc_update` (no copy). A byte that differs from what was sent (placed wrong, or changed in
 /// transit) is a CRC error.
 fn placed_in_place(corrupt: bool) -> (Connection<usize>, SimMemory, usize, Vec<u8>) {
     let mut m = SimMemory::new(0x10);
