@@ -292,6 +292,14 @@ pub enum PostError {
     /// A receive posted to a QP that uses a shared receive queue.
     #[error("the QP uses a shared receive queue")]
     HasSrq,
+    /// More scatter/gather elements than the QP accepts.
+    #[error("{count} SGEs exceed the maximum of {max}")]
+    TooManySges {
+        /// SGEs given.
+        count: usize,
+        /// [`crate::conn::Config::max_send_sge`] or `max_recv_sge`.
+        max: usize,
+    },
     /// Inline payload longer than the QP accepts.
     #[error("inline payload of {len} bytes exceeds the maximum of {max}")]
     InlineTooLarge {

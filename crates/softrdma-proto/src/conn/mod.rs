@@ -82,6 +82,10 @@ pub struct Config {
     pub rx_msn: [u32; 2],
     /// Longest inline payload accepted at post ([`SendWr::inline`]).
     pub max_inline: usize,
+    /// Most SGEs per send request (the engine's `QpCap::max_send_sge`).
+    pub max_send_sge: usize,
+    /// Most SGEs per receive request (`QpCap::max_recv_sge`).
+    pub max_recv_sge: usize,
 }
 
 impl Config {
@@ -100,6 +104,8 @@ impl Config {
             tx_msn: [1, 1],
             rx_msn: [1, 1],
             max_inline: 64,
+            max_send_sge: 4,
+            max_recv_sge: 4,
         }
     }
 }
@@ -342,6 +348,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
         }
+        if wr.sgl.len() > self.cfg.max_send_sge {
+            return Err(PostError::TooManySges {
+                count: wr.sgl.len(),
+                max: self.cfg.max_send_sge,
+            });
+        }
         if self.slots.len() >= self.cfg.max_send_wr as usize {
             return Err(PostError::QueueFull(self.cfg.max_send_wr));
         }
@@ -542,6 +554,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         let policy = self.state.recv_policy();
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
+        }
+        if wr.sgl.len() > self.cfg.max_recv_sge {
+            return Err(PostError::TooManySges {
+                count: wr.sgl.len(),
+                max: self.cfg.max_recv_sge,
+            });
         }
         if self.rq.len() >= self.cfg.max_recv_wr as usize {
             return Err(PostError::QueueFull(self.cfg.max_recv_wr));

@@ -555,3 +555,48 @@ fn inline_payload_is_refused_when_too_long_or_on_a_read() {
     ));
     assert_eq!(t.c.send_queue_len(), 0);
 }
+
+#[test]
+fn more_sges_than_the_caps_are_refused_at_post() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = Sge {
+        lkey: key,
+        addr,
+        len: 8,
+    };
+    let five = [sge; 5];
+    let send = SendOp::Send {
+        inv: None,
+        imm: None,
+    };
+    assert_eq!(
+        t.c.post_send(&SendWr::new(1, send, &five), &mut t.m),
+        Err(PostError::TooManySges { count: 5, max: 4 })
+    );
+    assert_eq!(
+        t.c.post_recv(
+            &RecvWr {
+                wr_id: 2,
+                sgl: &five
+            },
+            &mut t.m
+        ),
+        Err(PostError::TooManySges { count: 5, max: 4 })
+    );
+    assert!(
+        t.c.post_send(&SendWr::new(3, send, &five[..4]), &mut t.m)
+            .is_ok()
+    );
+    assert!(
+        t.c.post_recv(
+            &RecvWr {
+                wr_id: 4,
+                sgl: &five[..4]
+            },
+            &mut t.m
+        )
+        .is_ok()
+    );
+    assert_eq!((t.c.send_queue_len(), t.c.recv_queue_len()), (1, 1));
+}
