@@ -721,6 +721,7 @@ impl Pair {
     pub fn new(crc: bool, max_payload: usize, ird_ord: u32, srq: bool, faults: Faults) -> Self {
         let mut c = Config::new(crc);
         c.max_payload = max_payload.max(1);
+        c.message_info = true;
         c.ird = ird_ord;
         c.ord = ird_ord;
         c.close_timeout = 1000;
@@ -1211,7 +1212,26 @@ impl Pair {
 
     fn check_completions(&mut self, side: usize) -> Result<(), String> {
         let data_ok = self.crc || !(self.pipes[0].flipped || self.pipes[1].flipped);
-        while let Some(c) = self.nodes[side].conn.poll_completion() {
+        while let Some((c, info)) = self.nodes[side].conn.poll_completion_with_info() {
+            // Every successful receive reports what it carried (proxy
+            // offload), nothing else does.
+            let info_ok = match (&info, c.cq, c.status, c.opcode) {
+                (None, CqKind::Recv, WcStatus::Success, _) => false,
+                (Some(_), CqKind::Send, _, _) => false,
+                (Some(_), CqKind::Recv, s, _) if s != WcStatus::Success => false,
+                (Some(crate::conn::MsgInfo::Send { segs, inv, .. }), _, _, op) => {
+                    op == WcOpcode::Recv
+                        && *inv == c.invalidated
+                        && segs.iter().map(|x| x.len).sum::<usize>() >= c.byte_len as usize
+                }
+                (Some(crate::conn::MsgInfo::Write { .. }), _, _, op) => {
+                    op == WcOpcode::RecvRdmaWithImm
+                }
+                _ => true,
+            };
+            if !info_ok {
+                return Err(format!("side {side}: {c:?} reported message info {info:?}"));
+            }
             let _ = writeln!(self.log, "      side {side}: {c:?}");
             let st = &mut self.stats;
             if c.status == WcStatus::WrFlush {

@@ -86,6 +86,10 @@ pub struct Config {
     pub max_send_sge: usize,
     /// Most SGEs per receive request (`QpCap::max_recv_sge`).
     pub max_recv_sge: usize,
+    /// Report what each successful receive carried
+    /// ([`Connection::poll_completion_with_info`]): the engine's proxy
+    /// offload needs it.
+    pub message_info: bool,
 }
 
 impl Config {
@@ -106,8 +110,47 @@ impl Config {
             max_inline: 64,
             max_send_sge: 4,
             max_recv_sge: 4,
+            message_info: false,
         }
     }
+}
+
+/// What a successful receive carried, for a proxy filter
+/// ([`Config::message_info`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MsgInfo<R> {
+    /// A Send (any variant; with Immediate too): the first segment's
+    /// opcode and DDP header, the receive's buffers, the STag a Send with
+    /// Invalidate named.
+    Send {
+        /// RDMAP opcode of the first segment.
+        opcode: softrdma_wire::rdmap::Opcode,
+        /// DDP header of the first segment (untagged: 18 bytes).
+        header: [u8; softrdma_wire::ddp::UNTAGGED_HEADER_LEN],
+        /// The receive's buffers.
+        segs: Vec<Span<R>>,
+        /// Send with Invalidate: the STag.
+        inv: Option<u32>,
+    },
+    /// Immediate Data of a Write with Immediate: the last RDMA Write
+    /// received completely before it (`None` if there was none).
+    Write {
+        /// The Write.
+        write: Option<WriteInfo>,
+    },
+}
+
+/// An RDMA Write received completely ([`MsgInfo::Write`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteInfo {
+    /// Its STag.
+    pub stag: u32,
+    /// Tagged offset of its first byte.
+    pub to: u64,
+    /// Bytes it placed (all segments).
+    pub len: u64,
+    /// DDP header of its first segment (tagged: 14 bytes).
+    pub header: [u8; softrdma_wire::ddp::TAGGED_HEADER_LEN],
 }
 
 /// One send-queue request in completion order.
@@ -235,6 +278,9 @@ pub struct Connection<R> {
     slots: VecDeque<Slot>,
     base: u64,
     completions: VecDeque<Completion>,
+    /// With `Config::message_info`: one per successful receive completion,
+    /// in the same order.
+    msg_infos: VecDeque<MsgInfo<R>>,
     outputs: VecDeque<Output>,
     // ---- close ----
     fin_pending: bool,
@@ -270,6 +316,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             slots: VecDeque::new(),
             base: 0,
             completions: VecDeque::new(),
+            msg_infos: VecDeque::new(),
             outputs: VecDeque::new(),
             fin_pending: false,
             fin_sent: false,
@@ -317,7 +364,18 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
 
     /// The next completion, in posting order per queue.
     pub fn poll_completion(&mut self) -> Option<Completion> {
-        self.completions.pop_front()
+        self.poll_completion_with_info().map(|(c, _)| c)
+    }
+
+    /// The next completion and, with [`Config::message_info`], what a
+    /// successful receive carried ([`MsgInfo`]; `None` for every other
+    /// completion).
+    pub fn poll_completion_with_info(&mut self) -> Option<(Completion, Option<MsgInfo<R>>)> {
+        let c = self.completions.pop_front()?;
+        let info = (self.cfg.message_info && c.cq == CqKind::Recv && c.status == WcStatus::Success)
+            .then(|| self.msg_infos.pop_front())
+            .flatten();
+        Some((c, info))
     }
 
     /// The next state change, event or link action.

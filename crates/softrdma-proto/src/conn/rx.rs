@@ -10,8 +10,8 @@ use softrdma_wire::rdmap::{Opcode, PayloadPlacement, parse_control};
 use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduError, UlpduRepr};
 
 use super::{
-    Connection, OutKind, QN_ARESP, QN_RREQ, QN_SEND as QS, QN_TERM, RecvEntry, Response,
-    SEND_IMM_FOLLOWS,
+    Connection, MsgInfo, OutKind, QN_ARESP, QN_RREQ, QN_SEND as QS, QN_TERM, RecvEntry, Response,
+    SEND_IMM_FOLLOWS, WriteInfo,
 };
 use crate::mem::{InvalidateError, Memory, RemoteAccess, Span};
 use crate::qp_state::{ConnEvent, QpState};
@@ -51,6 +51,9 @@ pub(super) struct RecvProgress<R> {
     total: usize,
     msn: Msn,
     received: usize,
+    /// Opcode and DDP header of the first segment ([`super::MsgInfo`]).
+    opcode: Opcode,
+    header: [u8; HDR_MAX],
 }
 
 /// How the payload of the current FPDU is handled.
@@ -107,6 +110,10 @@ pub(super) struct RxState<R> {
     pub(super) too_long: Option<u64>,
     /// No more bytes are processed.
     pub(super) dead: bool,
+    /// With `Config::message_info`: the RDMA Write being received, and the
+    /// last one received completely.
+    write_open: Option<WriteInfo>,
+    last_write: Option<WriteInfo>,
 }
 
 impl<R> RxState<R> {
@@ -130,6 +137,8 @@ impl<R> RxState<R> {
             deferred: None,
             too_long: None,
             dead: false,
+            write_open: None,
+            last_write: None,
         }
     }
 
@@ -403,6 +412,22 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 if to.checked_add(len as u64).is_none() {
                     return Err(TermError::DdpTaggedToWrap);
                 }
+                if self.cfg.message_info {
+                    let mut header = [0u8; ddp::TAGGED_HEADER_LEN];
+                    if let Some(h) = self.rx.hdr.get(..ddp::TAGGED_HEADER_LEN) {
+                        header.copy_from_slice(h);
+                    }
+                    let w = self.rx.write_open.get_or_insert(WriteInfo {
+                        stag: stag.0,
+                        to,
+                        len: 0,
+                        header,
+                    });
+                    w.len += len as u64;
+                    if repr.last {
+                        self.rx.last_write = self.rx.write_open.take();
+                    }
+                }
                 if len == 0 {
                     // A zero-length Write places nothing (RTR uses one).
                     return Ok(());
@@ -499,6 +524,8 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 total: w.total,
                 msn,
                 received: 0,
+                opcode: repr.opcode,
+                header: self.rx.hdr,
             });
         }
         let Some(r) = self.rx.recv.as_mut() else {
@@ -620,6 +647,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     }
                     wc.invalidated = Some(stag);
                 }
+                self.push_recv_info(&r, inv);
                 self.completions.push_back(wc);
                 Ok(())
             }
@@ -727,10 +755,17 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 let solicited = repr.opcode.is_solicited();
                 let mut wc = match self.rx.imm_wait.take() {
                     Some((r, s)) => {
+                        self.push_recv_info(&r, None);
                         recv_success(r.wr_id, WcOpcode::Recv, r.received, s || solicited)
                     }
                     None => match self.pop_recv(mem) {
-                        Some(w) => recv_success(w.wr_id, WcOpcode::RecvRdmaWithImm, 0, solicited),
+                        Some(w) => {
+                            if self.cfg.message_info {
+                                let write = self.rx.last_write.take();
+                                self.msg_infos.push_back(MsgInfo::Write { write });
+                            }
+                            recv_success(w.wr_id, WcOpcode::RecvRdmaWithImm, 0, solicited)
+                        }
                         None => return Err(TermError::DdpUntaggedNoBuffer),
                     },
                 };
@@ -745,6 +780,18 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 Ok(())
             }
             UlpduBody::Payload(_) => Err(TermError::RdmapUnexpectedOpcode),
+        }
+    }
+
+    /// With `Config::message_info`: what a completed Send tells a proxy.
+    fn push_recv_info(&mut self, r: &RecvProgress<R>, inv: Option<u32>) {
+        if self.cfg.message_info {
+            self.msg_infos.push_back(MsgInfo::Send {
+                opcode: r.opcode,
+                header: r.header,
+                segs: r.segs.clone(),
+                inv,
+            });
         }
     }
 

@@ -600,3 +600,114 @@ fn more_sges_than_the_caps_are_refused_at_post() {
     );
     assert_eq!((t.c.send_queue_len(), t.c.recv_queue_len()), (1, 1));
 }
+
+/// The proxy offload's view of a receive: with `Config::message_info` a
+/// Send reports its first segment's opcode and header and the receive's
+/// buffers, a Write with Immediate the Write before it.
+#[test]
+fn message_info_reports_a_sends_first_segment_and_the_write_before_an_immediate() {
+    let mut t = setup(false);
+    let mut cfg = *t.c.config();
+    cfg.message_info = true;
+    t.c = Connection::new(cfg);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 64,
+    }];
+    for wr_id in [1, 2] {
+        t.c.post_recv(&RecvWr { wr_id, sgl: &sge }, &mut t.m)
+            .unwrap();
+    }
+    let first = UlpduRepr::send(
+        Opcode::SendWithSolicitedEvent,
+        None,
+        Msn(1),
+        0,
+        false,
+        b"hello",
+    );
+    let mut first_hdr = vec![0u8; first.buffer_len()];
+    first.emit(&mut first_hdr).unwrap();
+    t.feed(&first, |_| {});
+    t.feed(
+        &UlpduRepr::send(
+            Opcode::SendWithSolicitedEvent,
+            None,
+            Msn(1),
+            5,
+            true,
+            b"!!!",
+        ),
+        |_| {},
+    );
+    let (c, info) = t.c.poll_completion_with_info().expect("the Send completes");
+    assert_eq!((c.wr_id, c.status, c.byte_len), (1, WcStatus::Success, 8));
+    let Some(MsgInfo::Send {
+        opcode,
+        header,
+        segs,
+        inv,
+    }) = info
+    else {
+        panic!("no Send info: {info:?}")
+    };
+    assert_eq!(opcode, Opcode::SendWithSolicitedEvent);
+    assert_eq!(header[..], first_hdr[..18]);
+    assert_eq!(segs, vec![t.m.local(key, addr, 64, true).unwrap()]);
+    assert_eq!(inv, None);
+
+    // A Write in two segments, then Immediate Data (Write with Immediate).
+    let (_, wkey, waddr) = t.m.add_region(16, REMOTE_WRITE, |_| 0);
+    let w1 = UlpduRepr::tagged(Opcode::RdmaWrite, Stag(wkey), waddr, false, b"abcd");
+    let mut w1_hdr = vec![0u8; w1.buffer_len()];
+    w1.emit(&mut w1_hdr).unwrap();
+    t.feed(&w1, |_| {});
+    t.feed(
+        &UlpduRepr::tagged(Opcode::RdmaWrite, Stag(wkey), waddr + 4, true, b"efgh"),
+        |_| {},
+    );
+    t.feed(
+        &UlpduRepr::immediate(Msn(2), ImmediateDataRepr::from_be_u64(77), false),
+        |_| {},
+    );
+    let (c, info) =
+        t.c.poll_completion_with_info()
+            .expect("the Write with Immediate");
+    assert_eq!(
+        (c.wr_id, c.opcode, c.imm),
+        (2, WcOpcode::RecvRdmaWithImm, Some(77))
+    );
+    let Some(MsgInfo::Write { write: Some(w) }) = info else {
+        panic!("no Write info: {info:?}")
+    };
+    assert_eq!((w.stag, w.to, w.len), (wkey, waddr, 8));
+    assert_eq!(w.header[..], w1_hdr[..14]);
+}
+
+#[test]
+fn without_message_info_nothing_is_reported() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 64,
+    }];
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 1,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
+    t.feed(
+        &UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"x"),
+        |_| {},
+    );
+    let (c, info) = t.c.poll_completion_with_info().unwrap();
+    assert_eq!(c.status, WcStatus::Success);
+    assert_eq!(info, None);
+}
