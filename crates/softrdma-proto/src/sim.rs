@@ -673,7 +673,7 @@ pub struct Stats {
     pub rejected: u64,
     /// Hostile FPDUs answered with exactly their Terminate code.
     pub hostile_answered: u64,
-    /// Sends and Writes posted with an inline payload.
+    /// Sends and Writes posted (accepted) with an inline payload.
     pub inline: u64,
 }
 
@@ -1028,21 +1028,24 @@ impl Pair {
             solicited: flags & 2 != 0,
             inline: inline_data.as_deref(),
         };
-        if inline_data.is_some() {
-            self.stats.inline += 1;
-        }
+
         node.next_wr += 1;
         match node.conn.post_send(&wr, &mut node.mem) {
-            Ok(()) => node.sq.push(SqRec {
-                wr_id,
-                op,
-                signaled: wr.signaled,
-                len: sgl.iter().map(|s| s.len as usize).sum(),
-                local,
-                remote,
-                atomic_expect,
-                completed: false,
-            }),
+            Ok(()) => {
+                if inline_data.is_some() {
+                    self.stats.inline += 1;
+                }
+                node.sq.push(SqRec {
+                    wr_id,
+                    op,
+                    signaled: wr.signaled,
+                    len: sgl.iter().map(|s| s.len as usize).sum(),
+                    local,
+                    remote,
+                    atomic_expect,
+                    completed: false,
+                });
+            }
             Err(_) => {
                 node.rejected += 1;
                 self.stats.rejected += 1;
