@@ -302,3 +302,150 @@ mod loom_post_vs_close {
         run(false);
     }
 }
+
+#[cfg(all(test, loom))]
+mod loom_one_connection_lock {
+    //! The shape the data path takes once receive and transmit share one
+    //! protocol core per connection (`docs/protocol-core.md`, "Switching
+    //! the engine over"): the whole connection behind one [`HandOff`].
+    //! Posters queue a request on a lock-free queue, announce and try to
+    //! claim; a claimer drains the queue into the connection (posting
+    //! checks the state under the lock: an accepted request is queued, one
+    //! that arrives after the close is flushed at once) and transmits. The
+    //! receive path takes the lock blocking, handles input that makes the
+    //! connection owe a response, or closes it (flushing what is queued),
+    //! transmits, releases and re-checks. Checked: every post completes
+    //! exactly once (sent or flushed), the response is sent exactly once,
+    //! nothing stays in the post queue.
+    use super::*;
+    use loom::sync::Arc;
+    use loom::sync::Mutex;
+    use loom::thread;
+
+    /// A stand-in for the core's `Connection`: its send queue, the
+    /// responses it owes, its state, and what it produced.
+    #[derive(Default)]
+    struct Conn {
+        closed: bool,
+        sq: Vec<u32>,
+        resp: Vec<u32>,
+        /// Requests and responses handed to the socket.
+        wire: Vec<u32>,
+        /// Completions: (id, flushed).
+        done: Vec<(u32, bool)>,
+    }
+
+    impl Conn {
+        fn post(&mut self, id: u32) {
+            if self.closed {
+                self.done.push((id, true));
+            } else {
+                self.sq.push(id);
+            }
+        }
+
+        /// `poll_transmit` until nothing is left, then `handle_sent`.
+        fn transmit(&mut self) {
+            for r in self.resp.drain(..) {
+                self.wire.push(r);
+            }
+            for id in std::mem::take(&mut self.sq) {
+                self.wire.push(id);
+                self.done.push((id, false));
+            }
+        }
+
+        fn close(&mut self) {
+            self.closed = true;
+            for id in self.sq.drain(..) {
+                self.done.push((id, true));
+            }
+        }
+    }
+
+    struct Qp {
+        conn: HandOff<Conn>,
+        incoming: Mutex<Vec<u32>>,
+    }
+
+    /// Drains posted requests into the connection and transmits; loops
+    /// while work was announced during the hold.
+    fn claim(qp: &Qp, recheck: bool) {
+        loop {
+            let Some(mut c) = qp.conn.try_claim() else {
+                return;
+            };
+            let posted: Vec<u32> = qp.incoming.lock().unwrap().drain(..).collect();
+            for id in posted {
+                c.post(id);
+            }
+            c.transmit();
+            if !qp.conn.release(c) || !recheck {
+                return;
+            }
+        }
+    }
+
+    fn post(qp: &Qp, id: u32) {
+        qp.incoming.lock().unwrap().push(id);
+        qp.conn.announce();
+        claim(qp, true);
+    }
+
+    /// The receive path: bytes arrived that make the connection owe a
+    /// response (`close`: the peer's FIN instead), handled under the lock.
+    fn receive(qp: &Qp, close: bool, recheck: bool) {
+        let mut c = qp.conn.lock();
+        if close {
+            c.close();
+        } else {
+            c.resp.push(100);
+        }
+        thread::yield_now();
+        c.transmit();
+        if qp.conn.release(c) && recheck {
+            claim(qp, true);
+        }
+    }
+
+    fn run(close: bool, recheck: bool) {
+        loom::model(move || {
+            let qp = Arc::new(Qp {
+                conn: HandOff::new(Conn::default()),
+                incoming: Mutex::new(Vec::new()),
+            });
+            let q = qp.clone();
+            let poster = thread::spawn(move || post(&q, 1));
+            receive(&qp, close, recheck);
+            poster.join().unwrap();
+            assert!(
+                qp.incoming.lock().unwrap().is_empty(),
+                "a post stayed in the queue"
+            );
+            let c = qp.conn.lock();
+            assert_eq!(c.done.len(), 1, "post completed {} times", c.done.len());
+            let sent = c.wire.iter().filter(|&&x| x == 1).count();
+            assert_eq!(sent, usize::from(!c.done[0].1), "sent iff not flushed");
+            if !close {
+                assert_eq!(c.wire.iter().filter(|&&x| x == 100).count(), 1);
+            }
+        });
+    }
+
+    #[test]
+    fn post_against_receive_under_one_lock() {
+        run(false, true);
+    }
+
+    #[test]
+    fn post_against_close_under_one_lock() {
+        run(true, true);
+    }
+
+    /// The receive path must re-check after releasing, like every holder.
+    #[test]
+    #[should_panic(expected = "a post stayed in the queue")]
+    fn receive_without_recheck_loses_a_post() {
+        run(false, false);
+    }
+}

@@ -7,7 +7,10 @@
 //! `// SAFETY:` comment.
 //!
 //! The protocol rules come from [`softrdma_proto`] and the wire formats from
-//! [`softrdma_wire`].
+//! [`softrdma_wire`]; the receive path frames FPDUs with the wire crate's
+//! deframer (`softrdma_wire::deframer`) and places payload straight from
+//! the socket into registered memory (`docs/engine.md`, "The receive
+//! path").
 //!
 //! ## Example: two QPs over loopback, a Send and an RDMA Write
 //!

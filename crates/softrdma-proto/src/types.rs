@@ -84,6 +84,10 @@ pub struct SendWr<'a> {
     pub fence: bool,
     /// Ask for a solicited event at the peer (Send, Immediate Data).
     pub solicited: bool,
+    /// Inline payload (Send and Write only): copied when posted, so the
+    /// caller may reuse the buffer at once; `sgl` is then ignored. At most
+    /// [`crate::conn::Config::max_inline`] bytes.
+    pub inline: Option<&'a [u8]>,
 }
 
 impl<'a> SendWr<'a> {
@@ -97,7 +101,15 @@ impl<'a> SendWr<'a> {
             signaled: true,
             fence: false,
             solicited: false,
+            inline: None,
         }
+    }
+
+    /// The same request with an inline payload (see [`SendWr::inline`]).
+    #[must_use]
+    pub const fn with_inline(mut self, data: &'a [u8]) -> Self {
+        self.inline = Some(data);
+        self
     }
 }
 
@@ -280,4 +292,20 @@ pub enum PostError {
     /// A receive posted to a QP that uses a shared receive queue.
     #[error("the QP uses a shared receive queue")]
     HasSrq,
+    /// More scatter/gather elements than the QP accepts.
+    #[error("{count} SGEs exceed the maximum of {max}")]
+    TooManySges {
+        /// SGEs given.
+        count: usize,
+        /// [`crate::conn::Config::max_send_sge`] or `max_recv_sge`.
+        max: usize,
+    },
+    /// Inline payload longer than the QP accepts.
+    #[error("inline payload of {len} bytes exceeds the maximum of {max}")]
+    InlineTooLarge {
+        /// Bytes given.
+        len: usize,
+        /// [`crate::conn::Config::max_inline`].
+        max: usize,
+    },
 }

@@ -171,6 +171,7 @@ fn simulated_pairs_keep_every_invariant() {
             ("graceful closes", total.graceful_closes),
             ("refused posts", total.rejected),
             ("hostile FPDUs answered", total.hostile_answered),
+            ("inline posts", total.inline),
         ] {
             assert!(n > 0, "no {what} in {seeds} seeds");
         }

@@ -26,8 +26,11 @@
 //!   to read next and how much; the engine reads the ULPDU length field and
 //!   DDP header into the deframer, then reads the payload straight from the
 //!   socket into its destination and only *reports* it
-//!   ([`Deframer::handle_payload`]), then the deframer consumes pad and CRC
-//!   and checks the CRC. See [`Deframer`] for the order of calls.
+//!   ([`Deframer::handle_payload`] with the placed bytes, or
+//!   [`Deframer::handle_payload_by`] with their length when the caller
+//!   cannot form a slice of the destination and updates the CRC itself),
+//!   then the deframer consumes pad and CRC and checks the CRC. See
+//!   [`Deframer`] for the order of calls.
 //!
 //! Both modes share one state machine, and the tests check they give the same
 //! results on the same streams, at every split point.
@@ -591,6 +594,46 @@ impl Deframer {
         })
     }
 
+    /// Reports `n` payload bytes of [`Want::Payload`] that the caller placed
+    /// in their destination without handing them over (memory it may not
+    /// form a slice of, e.g. registered memory other threads may write).
+    /// When CRC is negotiated, `update` is called once with the running CRC
+    /// and the number of bytes accepted (at most the wanted length), and
+    /// must feed it exactly those bytes, in order; it is not called when
+    /// CRC is off or nothing is accepted.
+    ///
+    /// # Errors
+    ///
+    /// The earlier [`DeframeError`] if the deframer already failed.
+    pub fn handle_payload_by(
+        &mut self,
+        n: usize,
+        update: impl FnOnce(&mut Crc32c, usize),
+    ) -> Result<Handled, DeframeError> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        let Want::Payload { len } = self.next_read() else {
+            return Ok(Handled {
+                consumed: 0,
+                event: None,
+            });
+        };
+        let n = len.min(n);
+        if self.config.crc && n > 0 {
+            update(&mut self.crc, n);
+        }
+        self.pos += n as u64;
+        self.payload_left -= n;
+        if self.payload_left == 0 {
+            self.enter_trailer();
+        }
+        Ok(Handled {
+            consumed: n,
+            event: None,
+        })
+    }
+
     /// Slice mode: deframes the next FPDU from `input`, the next bytes of the
     /// stream. Returns the number of bytes of `input` consumed and:
     ///
@@ -969,6 +1012,13 @@ mod tests {
     /// Direct-placement mode over `wire`, the socket returning at most up
     /// to the next cut per read.
     fn run_direct(cfg: DeframerConfig, wire: &[u8], cuts: &[usize]) -> Outcome {
+        run_direct_mode(cfg, wire, cuts, false)
+    }
+
+    /// [`run_direct`], payload reported either as a slice or by length
+    /// (`by_len`: [`Deframer::handle_payload_by`], the CRC fed by the
+    /// caller).
+    fn run_direct_mode(cfg: DeframerConfig, wire: &[u8], cuts: &[usize], by_len: bool) -> Outcome {
         let mut d = Deframer::new(cfg);
         let mut out = Vec::new();
         let mut ulpdu = Vec::new();
@@ -986,7 +1036,14 @@ mod tests {
             let r = match want {
                 Want::Payload { .. } => {
                     ulpdu.extend_from_slice(bytes);
-                    d.handle_payload(bytes)
+                    if by_len {
+                        d.handle_payload_by(n, |c, k| {
+                            assert_eq!(k, n);
+                            c.update(&bytes[..k]);
+                        })
+                    } else {
+                        d.handle_payload(bytes)
+                    }
                 }
                 _ => d.handle_bytes(bytes),
             };
@@ -1057,12 +1114,38 @@ mod tests {
                     for cut in 0..=wire.len() {
                         let a = run_slice(cfg, &wire, &[cut]);
                         let b = run_direct(cfg, &wire, &[cut]);
+                        let c = run_direct_mode(cfg, &wire, &[cut], true);
                         assert_eq!(a, whole, "slice, cut {cut}");
                         assert_eq!(b, whole, "direct, cut {cut}");
+                        assert_eq!(c, whole, "direct by length, cut {cut}");
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn payload_reported_by_length_with_a_wrong_crc_update_is_a_crc_mismatch() {
+        let u = tagged(100, 9);
+        let wire = stream(std::slice::from_ref(&u), true, false, 0);
+        let mut d = Deframer::new(DeframerConfig::new(true, false));
+        let h = d.handle_bytes(&wire[..16]).unwrap();
+        assert_eq!(h.event, Some(Event::Header));
+        assert_eq!(d.next_read(), Want::Payload { len: 100 });
+        // The caller fed the CRC with bytes that are not the payload.
+        let h = d
+            .handle_payload_by(150, |c, k| c.update(&vec![0u8; k]))
+            .unwrap();
+        assert_eq!(h.consumed, 100);
+        let r = d.handle_bytes(&wire[116..]);
+        assert!(matches!(r, Err(DeframeError::CrcMismatch { .. })), "{r:?}");
+        // CRC off: the update is never called.
+        let wire = stream(std::slice::from_ref(&u), false, false, 0);
+        let mut d = Deframer::new(DeframerConfig::new(false, false));
+        d.handle_bytes(&wire[..16]).unwrap();
+        d.handle_payload_by(100, |_, _| panic!("CRC off")).unwrap();
+        let h = d.handle_bytes(&wire[116..]).unwrap();
+        assert!(matches!(h.event, Some(Event::FpduEnd { .. })));
     }
 
     #[test]

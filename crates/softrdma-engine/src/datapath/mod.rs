@@ -4,7 +4,10 @@
 //! * [`tx`]: framing send-queue work and responses into FPDUs and writing
 //!   them (direct sending by the posting thread, or by a datamover);
 //! * [`rx`]: reading FPDUs, validating them and placing their data (direct
-//!   placement), producing receive completions and responses;
+//!   placement), producing receive completions and responses; the FPDU
+//!   framing is the wire crate's deframer
+//!   (`softrdma_wire::deframer::Deframer`, direct-placement mode), the one
+//!   framer of the project;
 //! * [`datamover`]: the per-CPU transmit threads and receive threads.
 //!
 //! The transmit path reaches its QP only through the narrow [`TxHost`]

@@ -1,27 +1,35 @@
-//! Receive: direct placement.
+//! Receive: direct placement over the wire crate's deframer.
 //!
-//! For each FPDU the receive path reads the length field and the DDP/RDMAP
-//! header, validates them (RFC 5040 / RFC 5041: STag, protection domain,
-//! bounds, access rights, MSN, MO, Read Response matching, a posted receive
-//! for a Send), then reads the payload from the socket straight into its
-//! destination — the tagged buffer of a Write or Read Response, the posted
-//! receive of a Send — with one `readv` that also takes the bytes after it
-//! (trailer, next header) into a small staging buffer. Payload bytes that
-//! arrived in the staging buffer together with a header (small messages) are
-//! copied from there: fewer system calls beat avoiding a copy of a few
-//! hundred bytes.
+//! The one FPDU framer is `softrdma_wire::deframer::Deframer` in its
+//! direct-placement mode: it says what to read next (header, payload,
+//! trailer), checks lengths and the CRC, and reports the FPDU's header and
+//! end. This file feeds it bytes from the socket and applies the rules
+//! (RFC 5040 / RFC 5041: STag, protection domain, bounds, access rights,
+//! MSN, MO, Read Response matching, a posted receive for a Send) at the two
+//! events it reports:
+//!
+//! * **header** (`on_header`): a placed segment (Write, Read Response, Send)
+//!   is validated and its destination picked — the tagged buffer of a Write
+//!   or Read Response, the posted receive of a Send; a refused header gets
+//!   its Terminate at once, before the payload is read, as Linux siw does.
+//!   A consumed message (Read Request, atomics, Immediate Data, Terminate)
+//!   only has its RDMAP header collected.
+//! * **FPDU end** (`on_fpdu_end`, the CRC checked good): a consumed message
+//!   is validated (so a header damaged in transit is a CRC error, not the
+//!   peer's protocol violation), then the message's effects are applied.
+//!
+//! The payload is read from the socket straight into its destination with
+//! one `readv` that also takes the bytes after it (trailer, next header)
+//! into a small staging buffer, and reported to the deframer by length
+//! (`Deframer::handle_payload_by`; the CRC is updated from the placed
+//! memory through `sys`). Payload bytes that arrived in the staging buffer
+//! together with a header (small messages) are copied from there: fewer
+//! system calls beat avoiding a copy of a few hundred bytes.
 //!
 //! Any violation sends a Terminate with the RFC's error code and puts the QP
 //! in ERROR; no byte is ever placed outside a region the peer was granted.
 //! The codes and the event each one raises come from the protocol core's
-//! one table (`softrdma_proto::term`). A verdict on a consumed message
-//! (Read Request, atomics, Immediate Data, Terminate) or on a ULPDU shorter
-//! than its DDP header waits for the FPDU's CRC (all of it is staged
-//! anyway): a header damaged in transit is a CRC error, not the peer's
-//! protocol violation. Exceptions: a consumed message longer than any valid
-//! one is answered at once rather than after up to 64 KiB never used, and
-//! a placed segment's header (Write, Read Response, Send) is refused before
-//! its payload is read, as Linux siw does.
+//! one table (`softrdma_proto::term`).
 
 use std::io::{self, Read};
 use std::net::TcpStream;
@@ -29,10 +37,9 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use softrdma_wire::crc::{self, Crc32c};
-use softrdma_wire::ddp::{self, Msn};
+use softrdma_wire::ddp::Msn;
+use softrdma_wire::deframer::{DeframeError, Deframer, DeframerConfig, Event, Want};
 use softrdma_wire::errcode::TermError;
-use softrdma_wire::fpdu::pad_len;
 use softrdma_wire::rdmap::atomic::{AtomicRequestRepr, AtomicResponseRepr};
 use softrdma_wire::rdmap::{Opcode, PayloadPlacement, parse_control};
 use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduError, UlpduRepr};
@@ -57,8 +64,8 @@ const STAGING: usize = 32 * 1024;
 const DIRECT_MIN: usize = 1024;
 /// Bytes read ahead of a large payload (its trailer and the next header).
 const READAHEAD_LARGE: usize = 256;
-/// Longest ULPDU header or consumed ULPDU (Atomic Request: 18 + 52 bytes;
-/// Terminate: 18 + 52 at most).
+/// Longest consumed ULPDU (Atomic Request: 18 + 52 bytes; Terminate: 18 +
+/// 52 at most); a longer one is refused at its header.
 const MAX_HEAD: usize = 128;
 /// Largest DDP header copied into a Terminate.
 const MAX_COPIED_HDR: usize = 18;
@@ -66,11 +73,14 @@ const MAX_COPIED_HDR: usize = 18;
 /// protection error on it.
 const READ_REQUEST_HDR: usize = 28;
 
+/// How the payload of the current FPDU is handled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Header,
-    Payload,
-    Trailer,
+enum Mode {
+    /// Placed into `dest`.
+    Place,
+    /// Collected in `consumed` (an RDMAP header the protocol consumes),
+    /// judged at the FPDU's end.
+    Consume,
 }
 
 /// What to do once the current FPDU is complete and its CRC checked.
@@ -146,18 +156,20 @@ enum Stop {
 #[derive(Debug)]
 pub(crate) struct RxState {
     stream: Option<Arc<TcpStream>>,
-    crc_on: bool,
+    /// The FPDU framer (lengths, pad, CRC).
+    deframer: Deframer,
     buf: Vec<u8>,
     start: usize,
     end: usize,
-    phase: Phase,
-    crc: Crc32c,
-    ulpdu_len: usize,
-    payload_left: usize,
+    mode: Mode,
+    /// A consumed message's RDMAP header (after the DDP header).
+    consumed: [u8; MAX_HEAD],
+    consumed_len: usize,
     dest: Vec<(Arc<Memory>, usize, usize)>,
     dest_idx: usize,
     dest_off: usize,
     action: Action,
+    /// The current FPDU's DDP header (also copied into a Terminate).
     hdr_copy: [u8; MAX_COPIED_HDR],
     hdr_copy_len: usize,
     /// The current segment's payload length (after its DDP header), for a
@@ -167,11 +179,8 @@ pub(crate) struct RxState {
     /// protection error).
     rdmap_copy: [u8; READ_REQUEST_HDR],
     rdmap_copy_len: usize,
-    /// The verdict on the current FPDU's header, raised once its CRC is
-    /// checked; its payload is read and dropped.
-    deferred: Option<TermError>,
     /// A receive too small for the Send being received: completes with a
-    /// length error once the CRC is checked good (else it is flushed).
+    /// length error before the Terminate (else it is flushed).
     too_long: Option<u64>,
     /// Next MSN expected per queue.
     expect: [Msn; 4],
@@ -194,14 +203,13 @@ impl RxState {
     pub(crate) fn new() -> Self {
         RxState {
             stream: None,
-            crc_on: false,
+            deframer: Deframer::new(DeframerConfig::new(false, false)),
             buf: Vec::new(),
             start: 0,
             end: 0,
-            phase: Phase::Header,
-            crc: Crc32c::new(),
-            ulpdu_len: 0,
-            payload_left: 0,
+            mode: Mode::Place,
+            consumed: [0; MAX_HEAD],
+            consumed_len: 0,
             dest: Vec::new(),
             dest_idx: 0,
             dest_off: 0,
@@ -211,7 +219,6 @@ impl RxState {
             seg_len: 0,
             rdmap_copy: [0; READ_REQUEST_HDR],
             rdmap_copy_len: 0,
-            deferred: None,
             too_long: None,
             expect: [Msn::INITIAL; 4],
             recv: None,
@@ -236,7 +243,8 @@ impl RxState {
         self.stream = Some(stream);
         self.expect[qi(QN_SEND)] = send_msn;
         self.expect[qi(QN_READ_REQUEST)] = read_msn;
-        self.crc_on = crc;
+        // Markers are always declined in the MPA negotiation.
+        self.deframer = Deframer::new(DeframerConfig::new(crc, false));
         self.buf = vec![0u8; STAGING];
         let n = already_read.len().min(STAGING);
         self.buf[..n].copy_from_slice(&already_read[..n]);
@@ -273,7 +281,7 @@ impl RxState {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
-        } else if self.start > STAGING / 2 {
+        } else if self.start > STAGING / 2 || self.end == self.buf.len() {
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
@@ -298,7 +306,7 @@ impl RxState {
         };
         match s.read(&mut self.buf[self.end..limit]) {
             Ok(0) => Err(Stop::Closed {
-                at_boundary: self.phase == Phase::Header && self.avail() == 0,
+                at_boundary: self.deframer.is_at_fpdu_boundary() && self.avail() == 0,
             }),
             Ok(n) => {
                 self.drained_hint = self.end + n < limit;
@@ -310,22 +318,6 @@ impl RxState {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
             Err(e) => Err(Stop::Failed(e)),
         }
-    }
-
-    /// Ensures `n` bytes are staged (n ≤ STAGING / 2).
-    fn need(&mut self, n: usize) -> Result<(), Stop> {
-        if n > self.buf.len() {
-            return Err(Stop::Violation(TermError::DdpLocalCatastrophic));
-        }
-        while self.avail() < n {
-            if self.buf.len() - self.start < n {
-                self.buf.copy_within(self.start..self.end, 0);
-                self.end -= self.start;
-                self.start = 0;
-            }
-            self.fill()?;
-        }
-        Ok(())
     }
 }
 
@@ -416,102 +408,114 @@ impl QpInner {
         }
     }
 
-    /// One step: finish the phase in progress.
+    /// One step: what the deframer wants next, from the staging buffer or
+    /// the socket.
     fn rx_step(&self, rx: &mut RxState) -> Result<(), Stop> {
-        match rx.phase {
-            Phase::Header => self.rx_header(rx),
-            Phase::Payload => self.rx_payload(rx),
-            Phase::Trailer => self.rx_trailer(rx),
+        let len = match rx.deframer.next_read() {
+            Want::Payload { len } => return self.rx_payload(rx, len),
+            w => w.len(),
+        };
+        if rx.avail() == 0 {
+            return rx.fill();
+        }
+        let (s, n) = (rx.start, len.min(rx.avail()));
+        let h = rx
+            .deframer
+            .handle_bytes(&rx.buf[s..s + n])
+            .map_err(|e| deframe_stop(rx, e))?;
+        rx.start += h.consumed;
+        match h.event {
+            Some(Event::Header) => self.on_header(rx),
+            Some(Event::FpduEnd { .. }) => self.on_fpdu_end(rx),
+            None => Ok(()),
         }
     }
 
-    fn rx_header(&self, rx: &mut RxState) -> Result<(), Stop> {
-        rx.need(4)?;
-        let s = rx.start;
-        let ulpdu_len = usize::from(u16::from_be_bytes([rx.buf[s], rx.buf[s + 1]]));
-        let ddp_ctrl = rx.buf[s + 2];
-        let rdmap_ctrl = rx.buf[s + 3];
-        let hdr_len = ddp::header_len(ddp_ctrl);
-        let opcode = parse_control(rdmap_ctrl).ok();
-        let consumed = opcode.is_some_and(|o| o.payload_placement() == PayloadPlacement::Consumed);
-        rx.hdr_copy_len = 0;
+    /// The DDP header of a new FPDU is in: a placed segment is judged now
+    /// and its destination picked; a consumed message waits for its end.
+    fn on_header(&self, rx: &mut RxState) -> Result<(), Stop> {
+        let Some(h) = rx.deframer.header() else {
+            return Err(local_catastrophe());
+        };
+        let hdr_len = h.ddp_header.len().min(MAX_COPIED_HDR);
+        let ulpdu_len = usize::from(h.ulpdu_len);
+        let payload_len = h.payload_len();
+        rx.hdr_copy[..hdr_len].copy_from_slice(&h.ddp_header[..hdr_len]);
+        rx.hdr_copy_len = hdr_len;
+        rx.seg_len = payload_len;
         rx.rdmap_copy_len = 0;
-        rx.deferred = None;
-        rx.ulpdu_len = ulpdu_len;
-        rx.seg_len = ulpdu_len.saturating_sub(hdr_len);
+        rx.consumed_len = 0;
+        rx.action = Action::None;
         rx.dest.clear();
         rx.dest_idx = 0;
         rx.dest_off = 0;
-        let short = ulpdu_len < hdr_len;
-        let head = if consumed || short {
-            ulpdu_len
-        } else {
-            hdr_len
-        };
-        if head > MAX_HEAD {
-            // No consumed message is this long: answer at once, without
-            // waiting for (or trying to stage) bytes never used.
-            rx.need(2 + hdr_len)?;
-            let s = rx.start;
-            rx.hdr_copy[..hdr_len].copy_from_slice(&rx.buf[s + 2..s + 2 + hdr_len]);
-            rx.hdr_copy_len = hdr_len;
-            return Err(Stop::Violation(MALFORMED_HEADER));
-        }
-        rx.need(2 + head)?;
-        let s = rx.start;
-        if !short {
-            rx.hdr_copy[..hdr_len].copy_from_slice(&rx.buf[s + 2..s + 2 + hdr_len]);
-            rx.hdr_copy_len = hdr_len;
-            if opcode == Some(Opcode::RdmaReadRequest) && head >= hdr_len + READ_REQUEST_HDR {
-                let at = s + 2 + hdr_len;
-                rx.rdmap_copy
-                    .copy_from_slice(&rx.buf[at..at + READ_REQUEST_HDR]);
-                rx.rdmap_copy_len = READ_REQUEST_HDR;
+        let opcode = parse_control(rx.hdr_copy[1]).ok();
+        if opcode.is_some_and(|o| o.payload_placement() == PayloadPlacement::Consumed) {
+            rx.mode = Mode::Consume;
+            rx.small = true;
+            if ulpdu_len > MAX_HEAD {
+                // No consumed message is this long: answer at once, without
+                // waiting for (or staging) bytes never used.
+                return Err(Stop::Violation(MALFORMED_HEADER));
             }
+            return Ok(());
         }
-        if rx.crc_on {
-            rx.crc = Crc32c::new();
-            rx.crc.update(&rx.buf[s..s + 2 + head]);
-        }
-        let mut local = [0u8; MAX_HEAD];
-        local[..head].copy_from_slice(&rx.buf[s + 2..s + 2 + head]);
-        let payload_len = ulpdu_len - head;
+        rx.mode = Mode::Place;
         rx.small = payload_len < DIRECT_MIN;
-        rx.payload_left = payload_len;
-        let verdict = if short {
-            // The ULPDU cannot hold its DDP header: a Terminate, not a
-            // bare reset.
-            Err(MALFORMED_HEADER)
-        } else {
-            match UlpduRepr::parse(&local[..head]) {
-                Ok(repr) => self.validate(rx, &repr, payload_len),
-                Err(UlpduError::Body(_)) if opcode == Some(Opcode::AtomicRequest) => {
-                    Err(UNSUPPORTED_ATOMIC)
-                }
-                Err(e) => Err(e.term_error().unwrap_or(MALFORMED_HEADER)),
-            }
+        let hdr = rx.hdr_copy;
+        let verdict = match UlpduRepr::parse(&hdr[..hdr_len]) {
+            Ok(repr) => self.validate(rx, &repr, payload_len),
+            Err(e) => Err(e.term_error().unwrap_or(MALFORMED_HEADER)),
         };
         match verdict {
-            Ok(action) => rx.action = action,
-            Err(err) if !consumed && !short => {
+            Ok(action) => {
+                rx.action = action;
+                Ok(())
+            }
+            Err(err) => {
                 // A placed segment's header is refused before its payload
                 // is read, as Linux siw does (a corrupted STag is reported
                 // as such: tests/faults.rs).
                 self.finish_too_long(rx);
-                return Err(Stop::Violation(err));
-            }
-            Err(err) => {
-                // Raised at the end of the FPDU, once its CRC is known good;
-                // the payload is read and dropped.
-                rx.action = Action::None;
-                rx.dest.clear();
-                rx.deferred = Some(err);
-                rx.small = true;
+                Err(Stop::Violation(err))
             }
         }
-        rx.start += 2 + head;
-        rx.phase = Phase::Payload;
+    }
+
+    /// The FPDU is complete and its CRC checked good: a consumed message is
+    /// judged, then the message's effects are applied.
+    fn on_fpdu_end(&self, rx: &mut RxState) -> Result<(), Stop> {
+        let action = match rx.mode {
+            Mode::Consume => self.check_consumed(rx).map_err(Stop::Violation)?,
+            Mode::Place => std::mem::replace(&mut rx.action, Action::None),
+        };
+        self.apply(rx, action)?;
+        rx.hdr_copy_len = 0;
+        rx.rdmap_copy_len = 0;
+        rx.seg_len = 0;
         Ok(())
+    }
+
+    /// Parses and checks a consumed message (Read Request, atomics,
+    /// Immediate Data, Terminate).
+    fn check_consumed(&self, rx: &mut RxState) -> Result<Action, TermError> {
+        let (h, n) = (rx.hdr_copy_len, rx.consumed_len);
+        let mut local = [0u8; MAX_COPIED_HDR + MAX_HEAD];
+        local[..h].copy_from_slice(&rx.hdr_copy[..h]);
+        local[h..h + n].copy_from_slice(&rx.consumed[..n]);
+        let opcode = parse_control(rx.hdr_copy[1]).ok();
+        if opcode == Some(Opcode::RdmaReadRequest) && n >= READ_REQUEST_HDR {
+            rx.rdmap_copy
+                .copy_from_slice(&rx.consumed[..READ_REQUEST_HDR]);
+            rx.rdmap_copy_len = READ_REQUEST_HDR;
+        }
+        match UlpduRepr::parse(&local[..h + n]) {
+            Ok(repr) => self.validate(rx, &repr, 0),
+            Err(UlpduError::Body(_)) if opcode == Some(Opcode::AtomicRequest) => {
+                Err(UNSUPPORTED_ATOMIC)
+            }
+            Err(e) => Err(e.term_error().unwrap_or(MALFORMED_HEADER)),
+        }
     }
 
     /// Checks a segment and says where its payload goes.
@@ -761,21 +765,27 @@ impl QpInner {
         Ok(())
     }
 
-    fn rx_payload(&self, rx: &mut RxState) -> Result<(), Stop> {
-        while rx.payload_left > 0 {
-            let avail = rx.avail();
-            if avail > 0 {
-                let n = avail.min(rx.payload_left);
-                let (s, e) = (rx.start, rx.start + n);
-                if rx.crc_on {
-                    rx.crc.update(&rx.buf[s..e]);
-                }
-                if rx.deferred.is_some() {
-                    // A refused header: the payload is dropped.
-                    rx.start = e;
-                    rx.payload_left -= n;
-                    continue;
-                }
+    /// Payload of the current FPDU (`len` bytes, or fewer, wanted now).
+    fn rx_payload(&self, rx: &mut RxState, len: usize) -> Result<(), Stop> {
+        let avail = rx.avail();
+        if avail == 0 {
+            if len >= DIRECT_MIN && rx.mode == Mode::Place {
+                return self.read_direct(rx, len);
+            }
+            return rx.fill();
+        }
+        let n = avail.min(len);
+        let (s, e) = (rx.start, rx.start + n);
+        match rx.mode {
+            Mode::Consume => {
+                let at = rx.consumed_len;
+                let Some(dst) = rx.consumed.get_mut(at..at + n) else {
+                    return Err(local_catastrophe());
+                };
+                dst.copy_from_slice(&rx.buf[s..e]);
+                rx.consumed_len += n;
+            }
+            Mode::Place => {
                 let mut at = s;
                 while at < e {
                     let Some((mem, off, len)) = rx.dest.get(rx.dest_idx).cloned() else {
@@ -792,32 +802,28 @@ impl QpInner {
                         rx.dest_off = 0;
                     }
                 }
-                rx.start = e;
-                rx.payload_left -= n;
-                continue;
-            }
-            if rx.payload_left >= DIRECT_MIN && rx.deferred.is_none() {
-                self.read_direct(rx)?;
-            } else {
-                rx.fill()?;
             }
         }
-        rx.phase = Phase::Trailer;
+        let h = rx
+            .deframer
+            .handle_payload(&rx.buf[s..e])
+            .map_err(|e| deframe_stop(rx, e))?;
+        rx.start += h.consumed;
         Ok(())
     }
 
-    /// One `readv` of the rest of the payload straight into its destination
-    /// plus read-ahead into the staging buffer.
+    /// One `readv` of the rest of the payload (`left` bytes) straight into
+    /// its destination plus read-ahead into the staging buffer.
     ///
     /// The payload's last byte is left to the read-ahead and placed by the
     /// staging copy once the `readv` has returned, so it lands after every
     /// other byte of the FPDU (the kernel's copy does not promise an order;
     /// see `Memory::copy_in`).
-    fn read_direct(&self, rx: &mut RxState) -> Result<(), Stop> {
+    fn read_direct(&self, rx: &mut RxState, left: usize) -> Result<(), Stop> {
         rx.start = 0;
         rx.end = 0;
         rx.iov.clear();
-        let direct = rx.payload_left - 1;
+        let direct = left - 1;
         let mut covered = 0usize;
         let mut idx = rx.dest_idx;
         let mut off = rx.dest_off;
@@ -855,57 +861,42 @@ impl QpInner {
         };
         rx.bytes_received += n as u64;
         let placed = n.min(covered);
-        let mut left = placed;
-        for &(idx, moff, k) in &pieces[..np] {
-            if left == 0 {
-                break;
-            }
-            let t = k.min(left);
-            if rx.crc_on
-                && let Some((mem, _, _)) = rx.dest.get(idx)
-            {
-                crc_update_mem(&mut rx.crc, mem, moff, t);
-            }
-            left -= t;
-            // Advance the destination cursor.
+        // Report the placed bytes by length; the CRC reads them from the
+        // registered memory (through `sys`), never as a slice.
+        let pieces = &pieces[..np];
+        let dest = &rx.dest;
+        let h = rx
+            .deframer
+            .handle_payload_by(placed, |crc, k| {
+                let mut left = k;
+                for &(idx, moff, len) in pieces {
+                    if left == 0 {
+                        break;
+                    }
+                    let t = len.min(left);
+                    if let Some((mem, _, _)) = dest.get(idx) {
+                        crc_update_mem(crc, mem, moff, t);
+                    }
+                    left -= t;
+                }
+            })
+            .map_err(|e| deframe_stop(rx, e))?;
+        // Advance the destination cursor.
+        let mut left = h.consumed;
+        while left > 0 {
+            let Some((_, _, len)) = rx.dest.get(rx.dest_idx) else {
+                return Err(local_catastrophe());
+            };
+            let t = (len - rx.dest_off).min(left);
             rx.dest_off += t;
-            if let Some((_, _, len)) = rx.dest.get(rx.dest_idx)
-                && rx.dest_off == *len
-            {
+            left -= t;
+            if rx.dest_off == *len {
                 rx.dest_idx += 1;
                 rx.dest_off = 0;
             }
         }
-        rx.payload_left -= placed;
         rx.end = n - placed;
         Ok(())
-    }
-
-    fn rx_trailer(&self, rx: &mut RxState) -> Result<(), Stop> {
-        let pad = pad_len(rx.ulpdu_len);
-        rx.need(pad + 4)?;
-        let s = rx.start;
-        if rx.crc_on {
-            rx.crc.update(&rx.buf[s..s + pad]);
-            let got = crc::from_wire([
-                rx.buf[s + pad],
-                rx.buf[s + pad + 1],
-                rx.buf[s + pad + 2],
-                rx.buf[s + pad + 3],
-            ]);
-            let want = rx.crc.finish();
-            if got != want {
-                return Err(Stop::Violation(TermError::MpaCrcError));
-            }
-        }
-        rx.start += pad + 4;
-        rx.phase = Phase::Header;
-        if let Some(err) = rx.deferred.take() {
-            self.finish_too_long(rx);
-            return Err(Stop::Violation(err));
-        }
-        let action = std::mem::replace(&mut rx.action, Action::None);
-        self.apply(rx, action)
     }
 
     /// A receive too small for its Send completes with a length error (not
@@ -1115,4 +1106,21 @@ fn whole_message(repr: &UlpduRepr<'_>) -> Result<(), TermError> {
 /// than touching memory.
 fn local_catastrophe() -> Stop {
     Stop::Violation(TermError::DdpLocalCatastrophic)
+}
+
+/// The deframer refused the stream: a CRC error, or a ULPDU length that
+/// cannot be framed (nothing of its header is copied into the Terminate).
+fn deframe_stop(rx: &mut RxState, e: DeframeError) -> Stop {
+    match e {
+        DeframeError::CrcMismatch { .. } => Stop::Violation(TermError::MpaCrcError),
+        DeframeError::BadMarker { .. } => Stop::Violation(TermError::MpaMarkerMismatch),
+        // The ULPDU cannot hold its DDP header: a Terminate, not a bare
+        // reset.
+        DeframeError::UlpduTooShort { .. } | DeframeError::UlpduTooLong { .. } => {
+            rx.hdr_copy_len = 0;
+            rx.rdmap_copy_len = 0;
+            Stop::Violation(MALFORMED_HEADER)
+        }
+        _ => local_catastrophe(),
+    }
 }

@@ -80,6 +80,16 @@ pub struct Config {
     pub tx_msn: [u32; 2],
     /// First MSN expected on queues 0 and 1.
     pub rx_msn: [u32; 2],
+    /// Longest inline payload accepted at post ([`SendWr::inline`]).
+    pub max_inline: usize,
+    /// Most SGEs per send request (the engine's `QpCap::max_send_sge`).
+    pub max_send_sge: usize,
+    /// Most SGEs per receive request (`QpCap::max_recv_sge`).
+    pub max_recv_sge: usize,
+    /// Report what each successful receive carried
+    /// ([`Connection::poll_completion_with_info`]): the engine's proxy
+    /// offload needs it.
+    pub message_info: bool,
 }
 
 impl Config {
@@ -97,8 +107,50 @@ impl Config {
             close_timeout: 5_000,
             tx_msn: [1, 1],
             rx_msn: [1, 1],
+            max_inline: 64,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            message_info: false,
         }
     }
+}
+
+/// What a successful receive carried, for a proxy filter
+/// ([`Config::message_info`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MsgInfo<R> {
+    /// A Send (any variant; with Immediate too): the first segment's
+    /// opcode and DDP header, the receive's buffers, the STag a Send with
+    /// Invalidate named.
+    Send {
+        /// RDMAP opcode of the first segment.
+        opcode: softrdma_wire::rdmap::Opcode,
+        /// DDP header of the first segment (untagged: 18 bytes).
+        header: [u8; softrdma_wire::ddp::UNTAGGED_HEADER_LEN],
+        /// The receive's buffers.
+        segs: Vec<Span<R>>,
+        /// Send with Invalidate: the STag.
+        inv: Option<u32>,
+    },
+    /// Immediate Data of a Write with Immediate: the last RDMA Write
+    /// received completely before it (`None` if there was none).
+    Write {
+        /// The Write.
+        write: Option<WriteInfo>,
+    },
+}
+
+/// An RDMA Write received completely ([`MsgInfo::Write`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteInfo {
+    /// Its STag.
+    pub stag: u32,
+    /// Tagged offset of its first byte.
+    pub to: u64,
+    /// Bytes it placed (all segments).
+    pub len: u64,
+    /// DDP header of its first segment (tagged: 14 bytes).
+    pub header: [u8; softrdma_wire::ddp::TAGGED_HEADER_LEN],
 }
 
 /// One send-queue request in completion order.
@@ -145,6 +197,8 @@ struct SqEntry<R> {
     seq: u64,
     kind: Kind<R>,
     segs: Vec<Span<R>>,
+    /// Inline payload, copied at post (then `segs` is empty).
+    inline: Option<Box<[u8]>>,
     len: usize,
     fence: bool,
     solicited: bool,
@@ -224,6 +278,9 @@ pub struct Connection<R> {
     slots: VecDeque<Slot>,
     base: u64,
     completions: VecDeque<Completion>,
+    /// With `Config::message_info`: one per successful receive completion,
+    /// in the same order.
+    msg_infos: VecDeque<MsgInfo<R>>,
     outputs: VecDeque<Output>,
     // ---- close ----
     fin_pending: bool,
@@ -259,6 +316,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             slots: VecDeque::new(),
             base: 0,
             completions: VecDeque::new(),
+            msg_infos: VecDeque::new(),
             outputs: VecDeque::new(),
             fin_pending: false,
             fin_sent: false,
@@ -306,7 +364,18 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
 
     /// The next completion, in posting order per queue.
     pub fn poll_completion(&mut self) -> Option<Completion> {
-        self.completions.pop_front()
+        self.poll_completion_with_info().map(|(c, _)| c)
+    }
+
+    /// The next completion and, with [`Config::message_info`], what a
+    /// successful receive carried ([`MsgInfo`]; `None` for every other
+    /// completion).
+    pub fn poll_completion_with_info(&mut self) -> Option<(Completion, Option<MsgInfo<R>>)> {
+        let c = self.completions.pop_front()?;
+        let info = (self.cfg.message_info && c.cq == CqKind::Recv && c.status == WcStatus::Success)
+            .then(|| self.msg_infos.pop_front())
+            .flatten();
+        Some((c, info))
     }
 
     /// The next state change, event or link action.
@@ -337,10 +406,32 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
         }
+        if wr.sgl.len() > self.cfg.max_send_sge {
+            return Err(PostError::TooManySges {
+                count: wr.sgl.len(),
+                max: self.cfg.max_send_sge,
+            });
+        }
         if self.slots.len() >= self.cfg.max_send_wr as usize {
             return Err(PostError::QueueFull(self.cfg.max_send_wr));
         }
-        let sge_len: u64 = wr.sgl.iter().map(|s| u64::from(s.len)).sum();
+        if let Some(data) = wr.inline {
+            if !matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
+                return Err(PostError::Invalid(
+                    "inline payload on an operation other than Send or Write",
+                ));
+            }
+            if data.len() > self.cfg.max_inline {
+                return Err(PostError::InlineTooLarge {
+                    len: data.len(),
+                    max: self.cfg.max_inline,
+                });
+            }
+        }
+        let sge_len: u64 = match wr.inline {
+            Some(data) => data.len() as u64,
+            None => wr.sgl.iter().map(|s| u64::from(s.len)).sum(),
+        };
         let Ok(len) = usize::try_from(sge_len) else {
             return Err(PostError::Invalid("message too long"));
         };
@@ -349,6 +440,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         }
         let mut failed = None;
         let mut segs_for = |mem: &mut M, write: bool| -> Vec<Span<R>> {
+            if wr.inline.is_some() {
+                return Vec::new();
+            }
             let mut v = Vec::with_capacity(wr.sgl.len());
             for s in wr.sgl {
                 match mem.local(s.lkey, s.addr, s.len, write) {
@@ -365,6 +459,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             seq: 0,
             kind: Kind::Local,
             segs: Vec::new(),
+            inline: wr.inline.map(Box::from),
             len,
             fence: wr.fence,
             solicited: wr.solicited,
@@ -517,6 +612,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         let policy = self.state.recv_policy();
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
+        }
+        if wr.sgl.len() > self.cfg.max_recv_sge {
+            return Err(PostError::TooManySges {
+                count: wr.sgl.len(),
+                max: self.cfg.max_recv_sge,
+            });
         }
         if self.rq.len() >= self.cfg.max_recv_wr as usize {
             return Err(PostError::QueueFull(self.cfg.max_recv_wr));

@@ -10,8 +10,8 @@ use softrdma_wire::rdmap::{Opcode, PayloadPlacement, parse_control};
 use softrdma_wire::ulpdu::{DdpAddress, UlpduBody, UlpduError, UlpduRepr};
 
 use super::{
-    Connection, OutKind, QN_ARESP, QN_RREQ, QN_SEND as QS, QN_TERM, RecvEntry, Response,
-    SEND_IMM_FOLLOWS,
+    Connection, MsgInfo, OutKind, QN_ARESP, QN_RREQ, QN_SEND as QS, QN_TERM, RecvEntry, Response,
+    SEND_IMM_FOLLOWS, WriteInfo,
 };
 use crate::mem::{InvalidateError, Memory, RemoteAccess, Span};
 use crate::qp_state::{ConnEvent, QpState};
@@ -51,6 +51,9 @@ pub(super) struct RecvProgress<R> {
     total: usize,
     msn: Msn,
     received: usize,
+    /// Opcode and DDP header of the first segment ([`super::MsgInfo`]).
+    opcode: Opcode,
+    header: [u8; HDR_MAX],
 }
 
 /// How the payload of the current FPDU is handled.
@@ -107,6 +110,10 @@ pub(super) struct RxState<R> {
     pub(super) too_long: Option<u64>,
     /// No more bytes are processed.
     pub(super) dead: bool,
+    /// With `Config::message_info`: the RDMA Write being received, and the
+    /// last one received completely.
+    write_open: Option<WriteInfo>,
+    last_write: Option<WriteInfo>,
 }
 
 impl<R> RxState<R> {
@@ -130,6 +137,8 @@ impl<R> RxState<R> {
             deferred: None,
             too_long: None,
             dead: false,
+            write_open: None,
+            last_write: None,
         }
     }
 
@@ -224,25 +233,39 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     }
 
     /// Reports that the engine placed `n` payload bytes at the start of the
-    /// [`RxWant::Place`] span without handing them over: the core reads
-    /// them back through [`Memory::copy_out`] for the CRC (only when CRC is
-    /// negotiated), so the engine never forms a slice over registered
-    /// memory. Returns how many were accepted.
+    /// [`RxWant::Place`] span without handing them over: when CRC is
+    /// negotiated the core feeds them to the CRC through
+    /// [`Memory::crc_update`] (no copy), so the engine never forms a slice
+    /// over registered memory. Returns how many were accepted.
     pub fn handle_rx_placed_in<M: Memory<Region = R>>(&mut self, n: usize, mem: &mut M) -> usize {
-        const CHUNK: usize = 4096;
-        let mut buf = [0u8; CHUNK];
         let mut done = 0;
         while done < n {
             let RxWant::Place { dst } = self.rx_want() else {
                 break;
             };
-            let k = (n - done).min(dst.len).min(CHUNK);
-            let Some(chunk) = buf.get_mut(..k) else { break };
-            if self.cfg.crc && !mem.copy_out(&dst, 0, chunk) {
+            let k = (n - done).min(dst.len);
+            let mut readable = true;
+            let r = self.rx.deframer.handle_payload_by(k, |crc, got| {
+                readable = mem.crc_update(&dst.slice(0, got), crc);
+            });
+            if !readable {
                 self.violate(TermError::DdpLocalCatastrophic, false, mem);
                 break;
             }
-            let got = self.handle_rx_placed(chunk, mem);
+            let got = match &r {
+                Ok(h) => h.consumed,
+                Err(_) => 0,
+            };
+            if let Ok(h) = r {
+                self.rx.dest_off += h.consumed;
+                if let Some(d) = self.rx.dest.get(self.rx.dest_idx)
+                    && self.rx.dest_off >= d.len
+                {
+                    self.rx.dest_idx += 1;
+                    self.rx.dest_off = 0;
+                }
+            }
+            self.after_deframer(r, k, mem);
             done += got;
             if got < k {
                 break;
@@ -356,8 +379,23 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             Err(e) => Err(e.term_error().unwrap_or(MALFORMED_HEADER)),
         };
         if let Err(e) = verdict {
-            // Raised at the end of the FPDU, once its CRC is known good.
             self.rx.dest.clear();
+            if !consumed {
+                // A placed segment's header (Write, Read Response, Send, or
+                // an unknown opcode) is refused before its payload and CRC
+                // are read, as Linux siw does: a corrupted STag in a Write
+                // is reported as "Invalid STag" (see "Rule 6" in
+                // docs/protocol-core.md).
+                if let Some(wr_id) = self.rx.too_long.take() {
+                    // The receive is too small: it completes with a length
+                    // error (not a flush), then the Terminate goes out.
+                    self.complete_recv(wr_id, WcStatus::LocalLength);
+                }
+                self.violate(e, true, mem);
+                return;
+            }
+            // A consumed message's verdict is raised at the end of the
+            // FPDU, once its CRC is known good.
             self.rx.mode = Mode::Discard;
             self.rx.deferred = Some(e);
         }
@@ -373,6 +411,22 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             (Opcode::RdmaWrite, DdpAddress::Tagged { stag, to }) => {
                 if to.checked_add(len as u64).is_none() {
                     return Err(TermError::DdpTaggedToWrap);
+                }
+                if self.cfg.message_info {
+                    let mut header = [0u8; ddp::TAGGED_HEADER_LEN];
+                    if let Some(h) = self.rx.hdr.get(..ddp::TAGGED_HEADER_LEN) {
+                        header.copy_from_slice(h);
+                    }
+                    let w = self.rx.write_open.get_or_insert(WriteInfo {
+                        stag: stag.0,
+                        to,
+                        len: 0,
+                        header,
+                    });
+                    w.len += len as u64;
+                    if repr.last {
+                        self.rx.last_write = self.rx.write_open.take();
+                    }
                 }
                 if len == 0 {
                     // A zero-length Write places nothing (RTR uses one).
@@ -470,6 +524,8 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 total: w.total,
                 msn,
                 received: 0,
+                opcode: repr.opcode,
+                header: self.rx.hdr,
             });
         }
         let Some(r) = self.rx.recv.as_mut() else {
@@ -591,6 +647,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     }
                     wc.invalidated = Some(stag);
                 }
+                self.push_recv_info(&r, inv);
                 self.completions.push_back(wc);
                 Ok(())
             }
@@ -698,10 +755,17 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 let solicited = repr.opcode.is_solicited();
                 let mut wc = match self.rx.imm_wait.take() {
                     Some((r, s)) => {
+                        self.push_recv_info(&r, None);
                         recv_success(r.wr_id, WcOpcode::Recv, r.received, s || solicited)
                     }
                     None => match self.pop_recv(mem) {
-                        Some(w) => recv_success(w.wr_id, WcOpcode::RecvRdmaWithImm, 0, solicited),
+                        Some(w) => {
+                            if self.cfg.message_info {
+                                let write = self.rx.last_write.take();
+                                self.msg_infos.push_back(MsgInfo::Write { write });
+                            }
+                            recv_success(w.wr_id, WcOpcode::RecvRdmaWithImm, 0, solicited)
+                        }
                         None => return Err(TermError::DdpUntaggedNoBuffer),
                     },
                 };
@@ -716,6 +780,18 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 Ok(())
             }
             UlpduBody::Payload(_) => Err(TermError::RdmapUnexpectedOpcode),
+        }
+    }
+
+    /// With `Config::message_info`: what a completed Send tells a proxy.
+    fn push_recv_info(&mut self, r: &RecvProgress<R>, inv: Option<u32>) {
+        if self.cfg.message_info {
+            self.msg_infos.push_back(MsgInfo::Send {
+                opcode: r.opcode,
+                header: r.header,
+                segs: r.segs.clone(),
+                inv,
+            });
         }
     }
 

@@ -225,16 +225,58 @@ fn ulpdu_shorter_than_its_ddp_header_gets_a_terminate() {
 }
 
 #[test]
-fn corrupted_header_with_crc_is_a_crc_error_not_a_peer_violation() {
+fn corrupted_consumed_header_with_crc_is_a_crc_error_not_a_peer_violation() {
     let mut t = setup(true);
+    let rr = t.read_req(1);
+    let mut b = vec![0u8; rr.buffer_len()];
+    rr.emit(&mut b).unwrap();
+    let mut w = vec![0u8; 96];
+    let n = fpdu::emit(&b, true, &mut w).unwrap();
+    w[2 + 10] ^= 0x10; // a bit of the MSN
+    t.c.handle_rx_stream(&w[..n], &mut t.m);
+    assert_eq!(t.terminate().0, Some(TermError::MpaCrcError));
+    assert_eq!(t.c.ird_used(), 0);
+}
+
+/// Like Linux siw: a placed segment's header is refused before its payload
+/// and CRC are read, so a bit flipped in transit in a Send's MSN (or a
+/// Write's STag) is answered with the header's verdict, not "MPA CRC
+/// Error", and nothing of the payload is placed.
+#[test]
+fn corrupted_placed_header_with_crc_gets_its_header_verdict_like_siw() {
+    let mut t = setup(true);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 64,
+    }];
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 9,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
     let send = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"hello");
     let mut b = vec![0u8; send.buffer_len()];
     send.emit(&mut b).unwrap();
     let mut w = vec![0u8; 64];
     let n = fpdu::emit(&b, true, &mut w).unwrap();
     w[2 + 12] ^= 0x10; // a bit of the MSN
-    t.c.handle_rx_stream(&w[..n], &mut t.m);
-    assert_eq!(t.terminate().0, Some(TermError::MpaCrcError));
+    // Only the header is taken: the rest of the FPDU is never read.
+    let used = t.c.handle_rx_stream(&w[..n], &mut t.m);
+    assert_eq!(used, 2 + 18);
+    let (e, m, hdr, seg, _) = t.terminate();
+    assert_eq!(e, Some(TermError::DdpUntaggedMsnRange));
+    assert!(m && hdr == 18 && seg == 5);
+    let c = t.c.poll_completion().expect("the receive is flushed");
+    assert_eq!((c.wr_id, c.status), (9, WcStatus::WrFlush));
+    let mut placed = [0u8; 5];
+    let span = t.m.local(key, addr, 5, false).unwrap();
+    assert!(t.m.copy_out(&span, 0, &mut placed));
+    assert_eq!(placed, [0; 5]);
 }
 
 #[test]
@@ -355,8 +397,8 @@ fn write_outside_the_granted_range_is_refused_before_placement() {
 }
 
 /// The engine's placement mode: payload read straight into the span
-/// `rx_want` names, reported by length only; the core reads it back for the
-/// CRC. A byte that differs from what was sent (placed wrong, or changed in
+/// `rx_want` names, reported by length only; the core feeds it to the CRC
+/// through `Memory::crc_update` (no copy). A byte that differs from what was sent (placed wrong, or changed in
 /// transit) is a CRC error.
 fn placed_in_place(corrupt: bool) -> (Connection<usize>, SimMemory, usize, Vec<u8>) {
     let mut m = SimMemory::new(0x10);
@@ -411,4 +453,261 @@ fn placement_reported_by_length_is_checked_by_the_crc() {
         panic!("not a Terminate");
     };
     assert_eq!(term.code.known(), Some(TermError::MpaCrcError));
+}
+
+#[test]
+fn inline_send_is_copied_at_post_and_framed_from_the_copy() {
+    let mut t = setup(true);
+    let data: Vec<u8> = (0..40u8).collect();
+    let wr = SendWr::new(
+        5,
+        SendOp::Send {
+            inv: None,
+            imm: None,
+        },
+        &[],
+    )
+    .with_inline(&data);
+    t.c.post_send(&wr, &mut t.m).unwrap();
+    drop(data); // the caller's buffer is free at once
+    let mut f = TxFpdu::new();
+    assert!(t.c.poll_transmit(&mut t.m, &mut f));
+    assert!(
+        f.payload().is_empty(),
+        "no span: the bytes are the core's copy"
+    );
+    let mut v = Vec::new();
+    assert!(f.write_to(&mut t.m, &mut v));
+    let d = fpdu::decode(&v, true).unwrap();
+    let u = UlpduRepr::parse(d.ulpdu).unwrap();
+    assert_eq!(u.opcode, Opcode::Send);
+    assert!(u.last);
+    let UlpduBody::Payload(p) = u.body else {
+        panic!("no payload")
+    };
+    assert_eq!(p, (0..40u8).collect::<Vec<_>>().as_slice());
+    t.c.handle_sent(1);
+    let c = t.c.poll_completion().expect("the Send completes");
+    assert_eq!((c.wr_id, c.status, c.byte_len), (5, WcStatus::Success, 40));
+}
+
+#[test]
+fn inline_write_longer_than_one_head_buffer_is_segmented() {
+    let mut t = setup(false);
+    let mut cfg = *t.c.config();
+    cfg.max_inline = 600;
+    cfg.max_payload = 4096;
+    t.c = Connection::new(cfg);
+    let data: Vec<u8> = (0..600).map(|i| (i * 7) as u8).collect();
+    let op = SendOp::Write {
+        rkey: 0x77,
+        remote_addr: 0x1000,
+        imm: None,
+    };
+    t.c.post_send(&SendWr::new(6, op, &[]).with_inline(&data), &mut t.m)
+        .unwrap();
+    let mut got = Vec::new();
+    let mut fpdus = 0;
+    while let Some(v) = t.sent() {
+        let d = fpdu::decode(&v, false).unwrap();
+        let u = UlpduRepr::parse(d.ulpdu).unwrap();
+        assert_eq!(u.opcode, Opcode::RdmaWrite);
+        match u.address {
+            softrdma_wire::ulpdu::DdpAddress::Tagged { stag, to } => {
+                assert_eq!(stag, Stag(0x77));
+                assert_eq!(to, 0x1000 + got.len() as u64);
+            }
+            a => panic!("untagged {a:?}"),
+        }
+        let UlpduBody::Payload(p) = u.body else {
+            panic!("no payload")
+        };
+        got.extend_from_slice(p);
+        fpdus += 1;
+        assert_eq!(u.last, got.len() == data.len());
+    }
+    assert_eq!(got, data);
+    assert_eq!(fpdus, 3, "256 + 256 + 88 bytes");
+    t.c.handle_sent(fpdus);
+    let c = t.c.poll_completion().expect("the Write completes");
+    assert_eq!((c.wr_id, c.status, c.byte_len), (6, WcStatus::Success, 600));
+}
+
+#[test]
+fn inline_payload_is_refused_when_too_long_or_on_a_read() {
+    let mut t = setup(false);
+    let data = [0u8; 65];
+    let send = SendOp::Send {
+        inv: None,
+        imm: None,
+    };
+    assert_eq!(
+        t.c.post_send(&SendWr::new(1, send, &[]).with_inline(&data), &mut t.m),
+        Err(PostError::InlineTooLarge { len: 65, max: 64 })
+    );
+    let read = SendOp::Read {
+        rkey: 1,
+        remote_addr: 0,
+    };
+    assert!(matches!(
+        t.c.post_send(&SendWr::new(2, read, &[]).with_inline(&data[..8]), &mut t.m),
+        Err(PostError::Invalid(_))
+    ));
+    assert_eq!(t.c.send_queue_len(), 0);
+}
+
+#[test]
+fn more_sges_than_the_caps_are_refused_at_post() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = Sge {
+        lkey: key,
+        addr,
+        len: 8,
+    };
+    let five = [sge; 5];
+    let send = SendOp::Send {
+        inv: None,
+        imm: None,
+    };
+    assert_eq!(
+        t.c.post_send(&SendWr::new(1, send, &five), &mut t.m),
+        Err(PostError::TooManySges { count: 5, max: 4 })
+    );
+    assert_eq!(
+        t.c.post_recv(
+            &RecvWr {
+                wr_id: 2,
+                sgl: &five
+            },
+            &mut t.m
+        ),
+        Err(PostError::TooManySges { count: 5, max: 4 })
+    );
+    assert!(
+        t.c.post_send(&SendWr::new(3, send, &five[..4]), &mut t.m)
+            .is_ok()
+    );
+    assert!(
+        t.c.post_recv(
+            &RecvWr {
+                wr_id: 4,
+                sgl: &five[..4]
+            },
+            &mut t.m
+        )
+        .is_ok()
+    );
+    assert_eq!((t.c.send_queue_len(), t.c.recv_queue_len()), (1, 1));
+}
+
+/// The proxy offload's view of a receive: with `Config::message_info` a
+/// Send reports its first segment's opcode and header and the receive's
+/// buffers, a Write with Immediate the Write before it.
+#[test]
+fn message_info_reports_a_sends_first_segment_and_the_write_before_an_immediate() {
+    let mut t = setup(false);
+    let mut cfg = *t.c.config();
+    cfg.message_info = true;
+    t.c = Connection::new(cfg);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 64,
+    }];
+    for wr_id in [1, 2] {
+        t.c.post_recv(&RecvWr { wr_id, sgl: &sge }, &mut t.m)
+            .unwrap();
+    }
+    let first = UlpduRepr::send(
+        Opcode::SendWithSolicitedEvent,
+        None,
+        Msn(1),
+        0,
+        false,
+        b"hello",
+    );
+    let mut first_hdr = vec![0u8; first.buffer_len()];
+    first.emit(&mut first_hdr).unwrap();
+    t.feed(&first, |_| {});
+    t.feed(
+        &UlpduRepr::send(
+            Opcode::SendWithSolicitedEvent,
+            None,
+            Msn(1),
+            5,
+            true,
+            b"!!!",
+        ),
+        |_| {},
+    );
+    let (c, info) = t.c.poll_completion_with_info().expect("the Send completes");
+    assert_eq!((c.wr_id, c.status, c.byte_len), (1, WcStatus::Success, 8));
+    let Some(MsgInfo::Send {
+        opcode,
+        header,
+        segs,
+        inv,
+    }) = info
+    else {
+        panic!("no Send info: {info:?}")
+    };
+    assert_eq!(opcode, Opcode::SendWithSolicitedEvent);
+    assert_eq!(header[..], first_hdr[..18]);
+    assert_eq!(segs, vec![t.m.local(key, addr, 64, true).unwrap()]);
+    assert_eq!(inv, None);
+
+    // A Write in two segments, then Immediate Data (Write with Immediate).
+    let (_, wkey, waddr) = t.m.add_region(16, REMOTE_WRITE, |_| 0);
+    let w1 = UlpduRepr::tagged(Opcode::RdmaWrite, Stag(wkey), waddr, false, b"abcd");
+    let mut w1_hdr = vec![0u8; w1.buffer_len()];
+    w1.emit(&mut w1_hdr).unwrap();
+    t.feed(&w1, |_| {});
+    t.feed(
+        &UlpduRepr::tagged(Opcode::RdmaWrite, Stag(wkey), waddr + 4, true, b"efgh"),
+        |_| {},
+    );
+    t.feed(
+        &UlpduRepr::immediate(Msn(2), ImmediateDataRepr::from_be_u64(77), false),
+        |_| {},
+    );
+    let (c, info) =
+        t.c.poll_completion_with_info()
+            .expect("the Write with Immediate");
+    assert_eq!(
+        (c.wr_id, c.opcode, c.imm),
+        (2, WcOpcode::RecvRdmaWithImm, Some(77))
+    );
+    let Some(MsgInfo::Write { write: Some(w) }) = info else {
+        panic!("no Write info: {info:?}")
+    };
+    assert_eq!((w.stag, w.to, w.len), (wkey, waddr, 8));
+    assert_eq!(w.header[..], w1_hdr[..14]);
+}
+
+#[test]
+fn without_message_info_nothing_is_reported() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 64,
+    }];
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 1,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
+    t.feed(
+        &UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"x"),
+        |_| {},
+    );
+    let (c, info) = t.c.poll_completion_with_info().unwrap();
+    assert_eq!(c.status, WcStatus::Success);
+    assert_eq!(info, None);
 }

@@ -21,9 +21,17 @@ use crate::types::{AsyncKind, LinkAction, Output, WcStatus};
 /// Longest Terminate ULPDU: untagged header + Terminate header.
 pub(super) const TERM_CAP: usize = 18 + softrdma_wire::rdmap::terminate::MAX_LEN;
 
+/// Inline payload bytes carried per FPDU (in the header buffer).
+pub(super) const INLINE_FPDU: usize = 256;
+
 /// Header buffer of a [`TxFpdu`]: ULPDU length field and the longest
-/// header or consumed ULPDU (a Terminate).
-pub const HEAD_CAP: usize = 2 + TERM_CAP;
+/// header or consumed ULPDU (a Terminate), or an untagged header with up to
+/// 256 bytes of inline payload.
+pub const HEAD_CAP: usize = 2 + if TERM_CAP > 18 + INLINE_FPDU {
+    TERM_CAP
+} else {
+    18 + INLINE_FPDU
+};
 
 /// One FPDU to transmit: `head()`, then the bytes of every `payload()` span
 /// (gathered from registered memory, in order), then `trailer()`.
@@ -449,6 +457,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         }
         self.tx.cur_started = true;
         let off = self.tx.cur_off;
+        let max = if w.inline.is_some() {
+            max.min(INLINE_FPDU)
+        } else {
+            max
+        };
         let chunk = (w.len - off).min(max);
         let last = off + chunk == w.len;
         let mut patch_imm = false;
@@ -480,16 +493,20 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             _ => return false,
         };
         out.clear();
-        collect_pieces(&w.segs, off, chunk, &mut out.payload);
-        let ok = frame_data(
-            out,
-            &ulpdu,
-            patch_imm.then_some(SEND_IMM_FOLLOWS),
-            None,
-            chunk,
-            crc,
-            mem,
-        );
+        let patch = patch_imm.then_some(SEND_IMM_FOLLOWS);
+        let ok = match &w.inline {
+            Some(data) => frame_inline(
+                out,
+                &ulpdu,
+                patch,
+                data.get(off..off + chunk).unwrap_or_default(),
+                crc,
+            ),
+            None => {
+                collect_pieces(&w.segs, off, chunk, &mut out.payload);
+                frame_data(out, &ulpdu, patch, None, chunk, crc, mem)
+            }
+        };
         self.inflight.push_back(if last && imm.is_none() {
             Done::SqMessage { seq, byte_len }
         } else {
@@ -535,6 +552,33 @@ fn collect_pieces<R: Clone>(
         len -= k;
         off = 0;
     }
+}
+
+/// Frames a data FPDU whose payload (inline data) is copied into the
+/// header buffer after the header.
+fn frame_inline<R: Clone>(
+    out: &mut TxFpdu<R>,
+    ulpdu: &UlpduRepr<'_>,
+    patch_rsvd: Option<u32>,
+    bytes: &[u8],
+    crc: bool,
+) -> bool {
+    let Some(dst) = out.head.get_mut(2..) else {
+        return false;
+    };
+    let Ok(hdr) = ulpdu.emit_header(dst) else {
+        return false;
+    };
+    let Some(d) = out.head.get_mut(2 + hdr..2 + hdr + bytes.len()) else {
+        return false;
+    };
+    d.copy_from_slice(bytes);
+    if let Some(v) = patch_rsvd
+        && let Some(d) = out.head.get_mut(4..8)
+    {
+        d.copy_from_slice(&v.to_be_bytes());
+    }
+    out.set_len_and_trailer(hdr + bytes.len(), hdr + bytes.len(), crc, None)
 }
 
 /// Frames a data FPDU: header, then the payload spans already in
