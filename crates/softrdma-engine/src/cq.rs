@@ -77,11 +77,11 @@ pub(crate) trait Progress: Send + Sync {
     fn progress(&self, armed: bool) -> bool;
 
     /// The CQ was armed: its owner is about to wait for an event instead of
-    /// polling, so receive threads must watch the QP's socket again.
+    /// polling, so the engine thread must watch the QP's socket again.
     fn armed(&self) {}
 
     /// The socket a waiter sleeps on for this QP's incoming bytes until
-    /// `until_ns` (see [`CompletionQueue::wait`]; the receive thread leaves
+    /// `until_ns` (see [`CompletionQueue::wait`]; the engine thread leaves
     /// it alone meanwhile); `None` if there is none to watch. Called with
     /// `None` when the waiter woke up.
     fn sleep_on(&self, _until_ns: Option<u64>) -> Option<RawFd> {
@@ -594,7 +594,7 @@ impl CompletionQueue {
     ///    hand-off, one wake-up, as a blocking TCP `read` has (and the
     ///    scheduler favours a woken thread on a busy CPU). Without
     ///    [`DeviceConfig::poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
-    ///    the receive threads watch the sockets and the push wakes it.
+    ///    the engine threads watch the sockets and the push wakes it.
     ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
@@ -654,7 +654,7 @@ impl CompletionQueue {
                 // wake this thread, which then runs the receive path itself
                 // (no receive-thread hand-off); completions pushed by other
                 // threads (send completions, another poller) signal `wake`.
-                // The receive threads leave these sockets to us while we
+                // The engine threads leave these sockets to us while we
                 // poll (`last_poll`).
                 let hooks: Vec<Arc<dyn Progress>> = shared
                     .progress
@@ -671,7 +671,7 @@ impl CompletionQueue {
                     fds.extend(hooks.iter().filter_map(|h| h.sleep_on(Some(until))));
                 } else {
                     // This thread will not run the receive path: hand the
-                    // sockets to the receive threads.
+                    // sockets to the engine threads.
                     self.notify_armed();
                 }
                 if let Some(wake) = wake {

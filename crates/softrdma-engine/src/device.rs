@@ -1,6 +1,6 @@
 //! The software RDMA device: its configuration, attributes (like
 //! `ibv_query_device`) and the per-device shared state (registration table,
-//! async events, completion event handlers, datamover and receive threads).
+//! async events, completion event handlers, engine threads).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -23,11 +23,12 @@ pub const DEFAULT_DEVICE_NAME: &str = "softrdma0";
 pub struct DeviceConfig {
     /// Device name (reported by [`Device::name`]).
     pub name: String,
-    /// CPUs that run a datamover (transmit) thread each. Empty: one per
-    /// usable CPU (the CPUs of the affinity mask, at most as many as the
-    /// cgroup CPU quota lets the process keep busy).
+    /// CPUs that run an engine thread each (the datamover and receiver of
+    /// its QPs). Empty: one per usable CPU (the CPUs of the affinity mask,
+    /// at most as many as the cgroup CPU quota lets the process keep busy).
+    /// Never more threads than usable CPUs: extra entries are ignored.
     pub datamover_cpus: Vec<usize>,
-    /// Pin datamover, receive and completion event handler threads to their
+    /// Pin engine and completion event handler threads to their
     /// CPU. Off by default: on a machine shared with other work, a pinned
     /// thread waits for its CPU even when another one is idle (the
     /// scheduler cannot move it), which turns a busy neighbour into
@@ -134,7 +135,8 @@ pub struct DeviceAttr {
     pub atomic_cap: bool,
     /// Max pages of a fast-register region.
     pub max_fast_reg_page_list_len: u32,
-    /// Number of datamover threads.
+    /// Number of engine threads (each the datamover and receiver of its
+    /// QPs).
     pub datamovers: u32,
     /// Number of completion event handlers.
     pub completion_handlers: u32,
@@ -228,11 +230,7 @@ impl Device {
                 "slice_size must be a power of two of at least 512",
             ));
         }
-        let datamovers = if config.datamover_cpus.is_empty() {
-            crate::sys::io::usable_cpus().len()
-        } else {
-            config.datamover_cpus.len()
-        };
+        let datamovers = crate::datamover::engine_cpus(&config).len();
         let handlers = Handlers::start(&config)?;
         let attr = DeviceAttr::new(
             &config,
@@ -354,7 +352,7 @@ impl Device {
             .unwrap_or_default()
     }
 
-    /// The datamover and receive threads, started with the first QP.
+    /// The engine threads, started with the first QP.
     pub(crate) fn threads(&self) -> &Threads {
         self.inner
             .threads
