@@ -60,6 +60,14 @@ pub struct DeviceConfig {
     /// while we spin, short enough that a waiter on a busy machine gives
     /// its CPU back quickly. `Duration::MAX`: spin until the timeout.
     pub poll_spin: Duration,
+    /// Let each CQ choose per wait between spinning for `poll_spin` and
+    /// sleeping at once, by which gave the shorter waits lately (trying the
+    /// other way now and then). On a machine where the CPUs are busy, the
+    /// thread a waiter waits for often cannot run while the waiter spins,
+    /// and sleeping at once is several times faster; on a quiet machine
+    /// spinning wins and is kept. Default on; off: always spin for
+    /// `poll_spin` first. (No effect with `poll_spin = Duration::MAX`.)
+    pub poll_spin_adaptive: bool,
     /// While busy-polling in `wait`, yield the CPU (`sched_yield`) every
     /// this many empty polls, so a thread the poller waits for (its peer,
     /// a datamover) can run on the same CPU. 0: never yield.
@@ -79,6 +87,7 @@ impl Default for DeviceConfig {
             force_datamover: false,
             poll_driven_receive: true,
             poll_spin: Duration::from_micros(50),
+            poll_spin_adaptive: true,
             poll_yield_every: 64,
             handler_cpus: Vec::new(),
             handler_policy: HandlerPolicy::default(),

@@ -578,12 +578,12 @@ fn run_engine(e: &Engine, slice: usize, pin: bool) {
                 let Some(w) = l.watches.get_mut(&r.key) else {
                     continue;
                 };
-                if r.writable {
-                    if let Some(qp) = w.paused.take() {
-                        e.resumes.fetch_add(1, Ordering::Relaxed);
-                        tracing::trace!(qp = qp.qp_num, "datamover resumes a QP (socket writable)");
-                        l.active.push_back(qp);
-                    }
+                if r.writable
+                    && let Some(qp) = w.paused.take()
+                {
+                    e.resumes.fetch_add(1, Ordering::Relaxed);
+                    tracing::trace!(qp = qp.qp_num, "datamover resumes a QP (socket writable)");
+                    l.active.push_back(qp);
                 }
                 if r.readable && w.read && w.deferred.is_none() {
                     l.receive(e, r.key, now);

@@ -17,28 +17,9 @@ use super::fd::EventFd;
 /// most `timeout`; `Ok(false)` when the time is up. For a CQ waiter that
 /// sleeps on its QPs' sockets and its wake-up event fd. The caller keeps
 /// the descriptors open for the duration of the call.
+#[allow(dead_code)] // the CQ waiter uses `wait_readable_last`
 pub(crate) fn wait_readable(fds: &[RawFd], timeout: Duration) -> io::Result<bool> {
-    let mut pfds: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    let ms = libc::c_int::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
-    let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(libc::nfds_t::MAX);
-    // SAFETY: `pfds` is a valid array of `n` pollfd entries that lives
-    // across the call; the kernel writes only their `revents`.
-    let r = unsafe { libc::poll(pfds.as_mut_ptr(), n, ms) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::Interrupted {
-            return Ok(true);
-        }
-        return Err(e);
-    }
-    Ok(r > 0)
+    wait_readable_last(fds, timeout).map(|(any, _)| any)
 }
 
 /// Interest in a socket.
@@ -283,4 +264,31 @@ impl EpollSet {
             self.wake.signal();
         }
     }
+}
+
+/// [`wait_readable`], returning also whether the last of `fds` (a wake-up
+/// event fd, which is then to be drained) is readable: `(any, last)`.
+pub(crate) fn wait_readable_last(fds: &[RawFd], timeout: Duration) -> io::Result<(bool, bool)> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = libc::c_int::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
+    let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(libc::nfds_t::MAX);
+    // SAFETY: `pfds` is a valid array of `n` pollfd entries that lives
+    // across the call; the kernel writes only their `revents`.
+    let r = unsafe { libc::poll(pfds.as_mut_ptr(), n, ms) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok((true, false));
+        }
+        return Err(e);
+    }
+    let last = pfds.last().is_some_and(|p| p.revents != 0);
+    Ok((r > 0, last))
 }
