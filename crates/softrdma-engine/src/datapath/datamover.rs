@@ -337,12 +337,29 @@ const POLL_QUIET_NS: u64 = 1_000_000;
 /// transmits for other QPs.
 const RX_BUSY_RETRY_NS: u64 = 1_000_000;
 
+/// The longest a thread waits before it looks again whether a CQ poller
+/// still drives a QP it left to it.
+const RECHECK_MAX_NS: u64 = 16_000_000;
+
+/// Reading left to a poller that polled at `polled`.
+fn poller_defer(polled: u64) -> Defer {
+    Defer::Poller {
+        recheck: polled.saturating_add(POLL_QUIET_NS),
+        step: POLL_QUIET_NS,
+    }
+}
+
 /// Why an engine thread does not watch a socket for reading for now.
 #[derive(Clone, Copy)]
 enum Defer {
     /// A CQ poller drives the QP: until it has been quiet for
-    /// [`POLL_QUIET_NS`].
-    Poller,
+    /// [`POLL_QUIET_NS`] (or the CQ is armed: [`Threads::wake_rx`]). The
+    /// thread looks again at `recheck`, backing off (`step` doubles up to
+    /// [`RECHECK_MAX_NS`]) while the poller keeps polling: a thread woken
+    /// a thousand times a second for nothing loses its place with the
+    /// scheduler on a busy machine, where it must preempt the pollers to
+    /// transmit.
+    Poller { recheck: u64, step: u64 },
     /// Another thread held the receive lock: until then.
     Busy(u64),
 }
@@ -462,15 +479,11 @@ impl Local {
             }
             return;
         };
-        if qp
-            .last_poll
-            .load(Ordering::Relaxed)
-            .saturating_add(POLL_QUIET_NS)
-            > now
-        {
+        let polled = qp.last_poll.load(Ordering::Relaxed);
+        if polled.saturating_add(POLL_QUIET_NS) > now {
             // A CQ poller drives this QP (it may sleep on this very
             // socket and is woken by the same bytes): leave them to it.
-            self.set_deferred(key, Some(Defer::Poller));
+            self.set_deferred(key, Some(poller_defer(polled)));
             return;
         }
         e.receives.fetch_add(1, Ordering::Relaxed);
@@ -489,13 +502,11 @@ impl Local {
         } else if qp.rx.is_locked() {
             // Another thread is receiving for it right now.
             self.set_deferred(key, Some(Defer::Busy(now.saturating_add(RX_BUSY_RETRY_NS))));
-        } else if qp
-            .last_poll
-            .load(Ordering::Relaxed)
-            .saturating_add(POLL_QUIET_NS)
-            > now
-        {
-            self.set_deferred(key, Some(Defer::Poller));
+        } else {
+            let polled = qp.last_poll.load(Ordering::Relaxed);
+            if polled.saturating_add(POLL_QUIET_NS) > now {
+                self.set_deferred(key, Some(poller_defer(polled)));
+            }
         }
     }
 
@@ -509,25 +520,40 @@ impl Local {
         let mut due = Vec::new();
         {
             let table = e.qps.lock();
-            for (&key, w) in &self.watches {
-                let until =
-                    match w.deferred {
-                        None => continue,
-                        Some(Defer::Busy(t)) => t,
-                        Some(Defer::Poller) => table
-                            .get(&key)
-                            .and_then(|(q, _)| q.upgrade())
-                            .map_or(0, |qp| {
-                                qp.last_poll
-                                    .load(Ordering::Relaxed)
-                                    .saturating_add(POLL_QUIET_NS)
-                            }),
-                    };
-                if until > now {
-                    next = Some(next.map_or(until, |n: u64| n.min(until)));
-                } else {
-                    due.push(key);
-                }
+            for (&key, w) in &mut self.watches {
+                let wake_at = match &mut w.deferred {
+                    None => continue,
+                    Some(Defer::Busy(t)) => {
+                        if *t <= now {
+                            due.push(key);
+                            continue;
+                        }
+                        *t
+                    }
+                    Some(Defer::Poller { recheck, step }) => {
+                        let quiet_at =
+                            table
+                                .get(&key)
+                                .and_then(|(q, _)| q.upgrade())
+                                .map_or(0, |qp| {
+                                    qp.last_poll
+                                        .load(Ordering::Relaxed)
+                                        .saturating_add(POLL_QUIET_NS)
+                                });
+                        if quiet_at <= now {
+                            due.push(key);
+                            continue;
+                        }
+                        if *recheck <= now {
+                            // Still polled: look again later, each time
+                            // later.
+                            *step = step.saturating_mul(2).min(RECHECK_MAX_NS);
+                            *recheck = now.saturating_add(*step).max(quiet_at);
+                        }
+                        *recheck
+                    }
+                };
+                next = Some(next.map_or(wake_at, |n: u64| n.min(wake_at)));
             }
         }
         for key in due {
