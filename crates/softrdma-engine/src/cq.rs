@@ -691,14 +691,20 @@ impl CompletionQueue {
         } else {
             Duration::ZERO
         };
-        let n = self.wait_for(out, start, deadline, budget, on_progress);
-        if adaptive && n > 0 {
-            choice.record(spin, start.elapsed());
+        match self.wait_for(out, start, deadline, budget, on_progress) {
+            Some(n) => {
+                // Completions, or (`wait_progress`) bytes received.
+                if adaptive {
+                    choice.record(spin, start.elapsed());
+                }
+                n
+            }
+            None => 0,
         }
-        n
     }
 
     /// Busy-polls for `spin`, then sleeps (see [`wait`](Self::wait)).
+    /// `None`: the deadline passed first.
     fn wait_for(
         &self,
         out: &mut [WorkCompletion],
@@ -706,7 +712,7 @@ impl CompletionQueue {
         deadline: Option<std::time::Instant>,
         spin: Duration,
         on_progress: bool,
-    ) -> usize {
+    ) -> Option<usize> {
         let config = self.shared.device.config();
         // `None`: spin until the deadline, or for good.
         let spin_until = match (start.checked_add(spin), deadline) {
@@ -719,7 +725,7 @@ impl CompletionQueue {
         while spin_until.is_none_or(|u| crate::sys::clock::now() < u) {
             let (n, progressed) = self.poll_progress(out);
             if n > 0 || (on_progress && progressed) {
-                return n;
+                return Some(n);
             }
             empty = empty.wrapping_add(1);
             if yield_every > 0 && empty.is_multiple_of(yield_every) {
@@ -737,13 +743,13 @@ impl CompletionQueue {
             if look {
                 let (n, progressed) = self.poll_progress(out);
                 if n > 0 || (on_progress && progressed) {
-                    return n;
+                    return Some(n);
                 }
             }
             look = true;
             let now = crate::sys::clock::now();
             if deadline.is_some_and(|d| now >= d) {
-                return 0;
+                return None;
             }
             let nap = deadline
                 .map_or(SLEEP_MAX, |d| d.saturating_duration_since(now))
@@ -803,7 +809,7 @@ impl CompletionQueue {
             }
             if n > 0 {
                 shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
-                return n;
+                return Some(n);
             }
         }
     }
