@@ -1,20 +1,3 @@
-//! Datamovers (one transmit thread per CPU) and receive threads.
-//!
-//! A datamover keeps a list of *active* QPs (work ready, socket writable) and
-//! a set of *paused* QPs (socket full). It serves active QPs round robin, one
-//! slice of [`DeviceConfig::slice_size`](crate::DeviceConfig::slice_size)
-//! bytes each per turn, so one large transfer or one congested peer never
-//! starves the others. A QP that is the only active one gets turns of 64
-//! slices (fewer, larger writes; new QPs join the round at the next turn). A QP whose socket would block is paused: its socket
-//! is armed for writability, and the kernel reports it only once the socket
-//! has a useful amount of free space (for TCP, at least a third of the send
-//! buffer — the resume threshold that avoids unproductive wake-ups); then
-//! the QP becomes active again.
-//!
-//! Each QP is assigned at creation to the datamover with the fewest QPs, and
-//! to the receive thread of the same index, which reads its socket whenever
-//! it is readable and no CQ poller is already doing so.
-
 //! Engine threads: one per usable CPU, each both the *datamover* of its
 //! QPs (transmitting what direct sending left) and their *receiver*
 //! (reading their sockets when no CQ poller does), over one epoll set.
@@ -37,8 +20,9 @@
 //! CQ poller drives that QP (it polled recently, or sleeps on the socket in
 //! [`CompletionQueue::wait`](crate::CompletionQueue::wait)): then the
 //! thread leaves the socket alone until the poller has been quiet for
-//! [`POLL_QUIET_NS`]. A socket has one registration, armed one-shot for
-//! reading, writing or both.
+//! [`POLL_QUIET_NS`] (re-checking with a back-off while it keeps polling).
+//! A socket has one registration, armed one-shot for reading, writing or
+//! both (see [`EpollSet`]).
 //!
 //! Each QP is assigned at creation to the thread with the fewest QPs. There
 //! are never more engine threads than usable CPUs (affinity mask and cgroup

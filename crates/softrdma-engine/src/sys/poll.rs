@@ -25,9 +25,9 @@ pub(crate) fn wait_readable(fds: &[RawFd], timeout: Duration) -> io::Result<bool
 /// Interest in a socket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Interest {
-    /// Readable (receive threads).
+    /// Readable.
     Read,
-    /// Writable (datamovers: send space).
+    /// Writable (send space, or a connect that finished).
     Write,
 }
 
