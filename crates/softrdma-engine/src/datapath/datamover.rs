@@ -359,6 +359,11 @@ struct Watch {
     read: bool,
     /// Reading left to someone else for now.
     deferred: Option<Defer>,
+    /// How long the last [`Defer::Busy`] was (0: the last look found the
+    /// receive lock free): doubles, up to [`RECHECK_MAX_NS`], while
+    /// another thread keeps receiving (a CQ poller reading a long stream
+    /// in one go does not update its poll time meanwhile).
+    busy_step: u64,
     /// Paused for lack of send space: watched for writing.
     paused: Option<Arc<QpInner>>,
 }
@@ -369,6 +374,7 @@ impl Watch {
             fd,
             read: false,
             deferred: None,
+            busy_step: 0,
             paused: None,
         }
     }
@@ -489,8 +495,19 @@ impl Local {
             }
         } else if qp.rx.is_locked() {
             // Another thread is receiving for it right now.
-            self.set_deferred(key, Some(Defer::Busy(now.saturating_add(RX_BUSY_RETRY_NS))));
+            let step = self.watches.get_mut(&key).map_or(RX_BUSY_RETRY_NS, |w| {
+                w.busy_step = if w.busy_step == 0 {
+                    RX_BUSY_RETRY_NS
+                } else {
+                    w.busy_step.saturating_mul(2).min(RECHECK_MAX_NS)
+                };
+                w.busy_step
+            });
+            self.set_deferred(key, Some(Defer::Busy(now.saturating_add(step))));
         } else {
+            if let Some(w) = self.watches.get_mut(&key) {
+                w.busy_step = 0;
+            }
             let polled = qp.last_poll.load(Ordering::Relaxed);
             if polled.saturating_add(POLL_QUIET_NS) > now {
                 self.set_deferred(key, Some(poller_defer(polled)));
