@@ -37,7 +37,7 @@
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -77,11 +77,11 @@ pub(crate) trait Progress: Send + Sync {
     fn progress(&self, armed: bool) -> bool;
 
     /// The CQ was armed: its owner is about to wait for an event instead of
-    /// polling, so receive threads must watch the QP's socket again.
+    /// polling, so the engine thread must watch the QP's socket again.
     fn armed(&self) {}
 
     /// The socket a waiter sleeps on for this QP's incoming bytes until
-    /// `until_ns` (see [`CompletionQueue::wait`]; the receive thread leaves
+    /// `until_ns` (see [`CompletionQueue::wait`]; the engine thread leaves
     /// it alone meanwhile); `None` if there is none to watch. Called with
     /// `None` when the waiter woke up.
     fn sleep_on(&self, _until_ns: Option<u64>) -> Option<RawFd> {
@@ -232,6 +232,70 @@ struct CqShared {
     /// Signalled by a push while someone sleeps in `wait` (created by the
     /// first wait that sleeps).
     wake: std::sync::OnceLock<Option<EventFd>>,
+    /// Whether `wait` busy-polls first or sleeps at once.
+    spin_choice: SpinChoice,
+}
+
+/// Per CQ, whether [`CompletionQueue::wait`] busy-polls for
+/// [`DeviceConfig::poll_spin`](crate::DeviceConfig::poll_spin) first or
+/// sleeps at once: whichever gave the shorter waits lately (a moving
+/// average of each), trying the other way every [`SPIN_EXPLORE`]-th wait.
+///
+/// Spinning pays off when the answer comes from a thread running on
+/// another CPU. When the CPUs are busy (a neighbour keeps one busy, more
+/// runnable threads than CPUs), the thread the waiter waits for often
+/// cannot run *because* the waiter spins: it queues behind the spinner or
+/// behind the neighbour, and the idle CPU it could be moved to is not idle
+/// while the waiter spins. There a 50 µs spin made every hop of a
+/// ping-pong take about 40 µs where sleeping at once takes about 10 µs.
+#[derive(Debug, Default)]
+struct SpinChoice {
+    /// Moving average of waits that spun first, in ns (0: none yet).
+    spin_ns: AtomicU64,
+    /// Moving average of waits that slept at once, in ns (0: none yet).
+    sleep_ns: AtomicU64,
+    waits: AtomicU32,
+}
+
+/// One wait in this many tries the way that is not preferred, so the
+/// choice follows when the machine gets quiet or busy again.
+const SPIN_EXPLORE: u32 = 32;
+
+impl SpinChoice {
+    /// Whether this wait spins first.
+    fn spin_now(&self) -> bool {
+        let n = self.waits.fetch_add(1, Ordering::Relaxed);
+        let spin = self.spin_ns.load(Ordering::Relaxed);
+        let sleep = self.sleep_ns.load(Ordering::Relaxed);
+        let prefer_spin = spin == 0 || sleep == 0 || spin <= sleep;
+        if n % SPIN_EXPLORE == SPIN_EXPLORE - 1 {
+            !prefer_spin
+        } else {
+            prefer_spin
+        }
+    }
+
+    /// A wait that spun first (`spin`) or slept at once took `took`.
+    fn record(&self, spin: bool, took: Duration) {
+        let avg = if spin { &self.spin_ns } else { &self.sleep_ns };
+        let old = avg.load(Ordering::Relaxed);
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        let new = if old == 0 {
+            ns.max(1)
+        } else {
+            // Quick to follow a faster way (the other way is tried only
+            // now and then), slow to give it up: one stall (the
+            // scheduler, a page fault) moves the average by at most half
+            // of itself.
+            if ns < old {
+                (old / 2 + ns / 2).max(1)
+            } else {
+                let ns = ns.min(old.saturating_mul(4).max(100_000));
+                old - old / 8 + ns / 8
+            }
+        };
+        avg.store(new, Ordering::Relaxed);
+    }
 }
 
 impl Drop for CqShared {
@@ -371,6 +435,7 @@ impl<'a> CqBuilder<'a> {
                 proxy: self.proxy,
                 sleepers: AtomicU32::new(0),
                 wake: std::sync::OnceLock::new(),
+                spin_choice: SpinChoice::default(),
             }),
         })
     }
@@ -594,7 +659,7 @@ impl CompletionQueue {
     ///    hand-off, one wake-up, as a blocking TCP `read` has (and the
     ///    scheduler favours a woken thread on a busy CPU). Without
     ///    [`DeviceConfig::poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
-    ///    the receive threads watch the sockets and the push wakes it.
+    ///    the engine threads watch the sockets and the push wakes it.
     ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
@@ -611,20 +676,56 @@ impl CompletionQueue {
         if out.is_empty() {
             return 0;
         }
+        let (n, progressed) = self.poll_progress(out);
+        if n > 0 || (on_progress && progressed) {
+            return n;
+        }
         let start = crate::sys::clock::now();
         let deadline = timeout.and_then(|t| start.checked_add(t));
         let config = self.shared.device.config();
-        let spin_until = start + config.poll_spin.min(timeout.unwrap_or(Duration::MAX));
+        let choice = &self.shared.spin_choice;
+        let adaptive = config.poll_spin_adaptive && config.poll_spin != Duration::MAX;
+        let spin = !adaptive || choice.spin_now();
+        let budget = if spin {
+            config.poll_spin
+        } else {
+            Duration::ZERO
+        };
+        match self.wait_for(out, start, deadline, budget, on_progress) {
+            Some(n) => {
+                // Completions, or (`wait_progress`) bytes received.
+                if adaptive {
+                    choice.record(spin, start.elapsed());
+                }
+                n
+            }
+            None => 0,
+        }
+    }
+
+    /// Busy-polls for `spin`, then sleeps (see [`wait`](Self::wait)).
+    /// `None`: the deadline passed first.
+    fn wait_for(
+        &self,
+        out: &mut [WorkCompletion],
+        start: std::time::Instant,
+        deadline: Option<std::time::Instant>,
+        spin: Duration,
+        on_progress: bool,
+    ) -> Option<usize> {
+        let config = self.shared.device.config();
+        // `None`: spin until the deadline, or for good.
+        let spin_until = match (start.checked_add(spin), deadline) {
+            (Some(s), Some(d)) => Some(s.min(d)),
+            (Some(s), None) => Some(s),
+            (None, d) => d,
+        };
         let yield_every = config.poll_yield_every;
         let mut empty = 0u32;
-        loop {
+        while spin_until.is_none_or(|u| crate::sys::clock::now() < u) {
             let (n, progressed) = self.poll_progress(out);
             if n > 0 || (on_progress && progressed) {
-                return n;
-            }
-            let now = crate::sys::clock::now();
-            if now >= spin_until {
-                break;
+                return Some(n);
             }
             empty = empty.wrapping_add(1);
             if yield_every > 0 && empty.is_multiple_of(yield_every) {
@@ -635,66 +736,80 @@ impl CompletionQueue {
         }
         let shared = &*self.shared;
         let wake = shared.wake.get_or_init(|| EventFd::new().ok());
+        // The caller has just looked if there was no spinning.
+        let mut look = !spin.is_zero();
         loop {
+            // Receive and look once more before sleeping.
+            if look {
+                let (n, progressed) = self.poll_progress(out);
+                if n > 0 || (on_progress && progressed) {
+                    return Some(n);
+                }
+            }
+            look = true;
             let now = crate::sys::clock::now();
             if deadline.is_some_and(|d| now >= d) {
-                return 0;
+                return None;
             }
             let nap = deadline
                 .map_or(SLEEP_MAX, |d| d.saturating_duration_since(now))
                 .min(SLEEP_MAX);
-            if let Some(wake) = wake {
-                wake.drain();
+            // Sleep on the QPs' sockets and on `wake`: bytes arriving wake
+            // this thread, which then runs the receive path itself (no
+            // hand-off to an engine thread); completions pushed by other
+            // threads (send completions, another poller) signal `wake`. The
+            // engine threads leave these sockets to us while we sleep
+            // (`sleep_on`).
+            let hooks: Vec<Arc<dyn Progress>> = shared
+                .progress
+                .read()
+                .iter()
+                .filter_map(Weak::upgrade)
+                .collect();
+            let mut fds: Vec<RawFd> = Vec::with_capacity(hooks.len() + 1);
+            let on_sockets = config.poll_driven_receive && wake.is_some();
+            if on_sockets {
+                // QPs without a socket to watch receive nothing.
+                let until = crate::datamover::now_ns()
+                    .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX));
+                fds.extend(hooks.iter().filter_map(|h| h.sleep_on(Some(until))));
+            } else {
+                // This thread will not run the receive path: hand the
+                // sockets to the engine threads.
+                self.notify_armed();
             }
-            // From here a push signals `wake`.
+            if let Some(wake) = wake {
+                fds.push(wake.as_raw_fd());
+            }
+            // From here a push signals `wake`. A push before it is in the
+            // ring: look there (without receiving, which could push to this
+            // CQ and signal this very thread) before sleeping.
             shared.sleepers.fetch_add(1, Ordering::SeqCst);
-            let (mut n, mut progressed) = self.poll_progress(out);
-            if n == 0 && !(on_progress && progressed) {
-                // Sleep on the QPs' sockets and on `wake`: bytes arriving
-                // wake this thread, which then runs the receive path itself
-                // (no receive-thread hand-off); completions pushed by other
-                // threads (send completions, another poller) signal `wake`.
-                // The receive threads leave these sockets to us while we
-                // poll (`last_poll`).
-                let hooks: Vec<Arc<dyn Progress>> = shared
-                    .progress
-                    .read()
-                    .iter()
-                    .filter_map(Weak::upgrade)
-                    .collect();
-                let mut fds: Vec<RawFd> = Vec::with_capacity(hooks.len() + 1);
-                let on_sockets = config.poll_driven_receive && wake.is_some();
-                if on_sockets {
-                    // QPs without a socket to watch receive nothing.
-                    let until = crate::datamover::now_ns()
-                        .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX));
-                    fds.extend(hooks.iter().filter_map(|h| h.sleep_on(Some(until))));
-                } else {
-                    // This thread will not run the receive path: hand the
-                    // sockets to the receive threads.
-                    self.notify_armed();
-                }
-                if let Some(wake) = wake {
-                    fds.push(wake.as_raw_fd());
-                }
+            let n = self.poll_ring(out);
+            let mut woken = false;
+            if n == 0 {
                 if fds.is_empty() {
                     std::thread::sleep(nap.min(Duration::from_micros(100)));
                 } else {
                     // The hooks (and so the QPs owning the sockets) stay
                     // alive until after the wait.
-                    let _ = crate::sys::poll::wait_readable(&fds, nap);
+                    woken = crate::sys::poll::wait_readable_last(&fds, nap)
+                        .is_ok_and(|r| r.1 && wake.is_some());
                 }
-                if on_sockets {
-                    for h in &hooks {
-                        let _ = h.sleep_on(None);
-                    }
-                }
-                drop(hooks);
-                (n, progressed) = self.poll_progress(out);
             }
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
-            if n > 0 || (on_progress && progressed) {
-                return n;
+            if on_sockets {
+                for h in &hooks {
+                    let _ = h.sleep_on(None);
+                }
+            }
+            drop(hooks);
+            if woken && let Some(wake) = wake {
+                wake.drain();
+            }
+            if n > 0 {
+                shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+                return Some(n);
             }
         }
     }
@@ -1029,6 +1144,44 @@ mod tests {
 
     fn wc(wr_id: u64) -> WorkCompletion {
         WorkCompletion::success(wr_id, WcOpcode::Recv, 1)
+    }
+
+    /// Runs `waits` waits through `c`, each taking `spin` or `sleep` as
+    /// chosen; returns how many spun.
+    fn choose(c: &SpinChoice, waits: u32, spin: Duration, sleep: Duration) -> u32 {
+        let mut spun = 0;
+        for _ in 0..waits {
+            let s = c.spin_now();
+            spun += u32::from(s);
+            c.record(s, if s { spin } else { sleep });
+        }
+        spun
+    }
+
+    #[test]
+    fn wait_sleeps_at_once_when_spinning_made_waits_longer() {
+        // A busy machine: a hop takes 40 µs when the waiter spins, 10 µs
+        // when it sleeps at once.
+        let c = SpinChoice::default();
+        let (spin, sleep) = (Duration::from_micros(40), Duration::from_micros(10));
+        choose(&c, 64, spin, sleep);
+        // From then on it spins only to check, one wait in SPIN_EXPLORE.
+        assert_eq!(choose(&c, 320, spin, sleep), 320 / SPIN_EXPLORE);
+        // The machine gets quiet: spinning answers in 5 µs; it comes back.
+        let quiet = Duration::from_micros(5);
+        choose(&c, 320, quiet, sleep);
+        assert_eq!(choose(&c, 320, quiet, sleep), 320 - 320 / SPIN_EXPLORE);
+    }
+
+    #[test]
+    fn one_stall_does_not_flip_the_choice_for_long() {
+        let c = SpinChoice::default();
+        let (spin, sleep) = (Duration::from_micros(5), Duration::from_micros(12));
+        choose(&c, 64, spin, sleep);
+        // A 50 ms scheduler stall in one spinning wait.
+        c.record(true, Duration::from_millis(50));
+        choose(&c, 32, spin, sleep);
+        assert_eq!(choose(&c, 320, spin, sleep), 320 - 320 / SPIN_EXPLORE);
     }
 
     #[test]

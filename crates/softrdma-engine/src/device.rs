@@ -1,6 +1,6 @@
 //! The software RDMA device: its configuration, attributes (like
 //! `ibv_query_device`) and the per-device shared state (registration table,
-//! async events, completion event handlers, datamover and receive threads).
+//! async events, completion event handlers, engine threads).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -23,11 +23,12 @@ pub const DEFAULT_DEVICE_NAME: &str = "softrdma0";
 pub struct DeviceConfig {
     /// Device name (reported by [`Device::name`]).
     pub name: String,
-    /// CPUs that run a datamover (transmit) thread each. Empty: one per
-    /// usable CPU (the CPUs of the affinity mask, at most as many as the
-    /// cgroup CPU quota lets the process keep busy).
+    /// CPUs that run an engine thread each (the datamover and receiver of
+    /// its QPs). Empty: one per usable CPU (the CPUs of the affinity mask,
+    /// at most as many as the cgroup CPU quota lets the process keep busy).
+    /// Never more threads than usable CPUs: extra entries are ignored.
     pub datamover_cpus: Vec<usize>,
-    /// Pin datamover, receive and completion event handler threads to their
+    /// Pin engine and completion event handler threads to their
     /// CPU. Off by default: on a machine shared with other work, a pinned
     /// thread waits for its CPU even when another one is idle (the
     /// scheduler cannot move it), which turns a busy neighbour into
@@ -59,6 +60,14 @@ pub struct DeviceConfig {
     /// while we spin, short enough that a waiter on a busy machine gives
     /// its CPU back quickly. `Duration::MAX`: spin until the timeout.
     pub poll_spin: Duration,
+    /// Let each CQ choose per wait between spinning for `poll_spin` and
+    /// sleeping at once, by which gave the shorter waits lately (trying the
+    /// other way now and then). On a machine where the CPUs are busy, the
+    /// thread a waiter waits for often cannot run while the waiter spins,
+    /// and sleeping at once is several times faster; on a quiet machine
+    /// spinning wins and is kept. Default on; off: always spin for
+    /// `poll_spin` first. (No effect with `poll_spin = Duration::MAX`.)
+    pub poll_spin_adaptive: bool,
     /// While busy-polling in `wait`, yield the CPU (`sched_yield`) every
     /// this many empty polls, so a thread the poller waits for (its peer,
     /// a datamover) can run on the same CPU. 0: never yield.
@@ -78,6 +87,7 @@ impl Default for DeviceConfig {
             force_datamover: false,
             poll_driven_receive: true,
             poll_spin: Duration::from_micros(50),
+            poll_spin_adaptive: true,
             poll_yield_every: 64,
             handler_cpus: Vec::new(),
             handler_policy: HandlerPolicy::default(),
@@ -134,7 +144,8 @@ pub struct DeviceAttr {
     pub atomic_cap: bool,
     /// Max pages of a fast-register region.
     pub max_fast_reg_page_list_len: u32,
-    /// Number of datamover threads.
+    /// Number of engine threads (each the datamover and receiver of its
+    /// QPs).
     pub datamovers: u32,
     /// Number of completion event handlers.
     pub completion_handlers: u32,
@@ -228,11 +239,7 @@ impl Device {
                 "slice_size must be a power of two of at least 512",
             ));
         }
-        let datamovers = if config.datamover_cpus.is_empty() {
-            crate::sys::io::usable_cpus().len()
-        } else {
-            config.datamover_cpus.len()
-        };
+        let datamovers = crate::datamover::engine_cpus(&config).len();
         let handlers = Handlers::start(&config)?;
         let attr = DeviceAttr::new(
             &config,
@@ -354,7 +361,7 @@ impl Device {
             .unwrap_or_default()
     }
 
-    /// The datamover and receive threads, started with the first QP.
+    /// The engine threads, started with the first QP.
     pub(crate) fn threads(&self) -> &Threads {
         self.inner
             .threads

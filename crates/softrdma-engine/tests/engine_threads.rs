@@ -116,18 +116,17 @@ fn engine_threads_start_lazily_are_not_pinned_and_block_signals() {
     assert_eq!(cq_threads.len(), 1, "{:?}", threads());
     assert_eq!(dev.handler_stats().iter().filter(|s| s.running).count(), 1);
 
-    // The first QP starts the datamover and receive threads: at most one
-    // of each per usable CPU, none pinned. Side b's receive CQ is the
-    // callback CQ.
+    // The first QP starts the engine threads: one per usable CPU at most,
+    // each both datamover and receiver (no separate receive threads),
+    // none pinned. Side b's receive CQ is the callback CQ.
     let a = common::side(&dev, |_| {});
     let pd = ProtectionDomain::new(&dev);
     let send_cq = CompletionQueue::new(&dev, 16, None).unwrap();
     let qp_b = QueuePair::new(&pd, &QpInitAttr::new(&send_cq, &cb)).unwrap();
     connect_pair(&a.qp, &qp_b, &MpaConfig::default()).unwrap();
     let dm = named_eventually("softrdma-dm", dev.attr().datamovers as usize);
-    let rx = named_eventually("softrdma-rx", dev.attr().datamovers as usize);
     assert!(!dm.is_empty() && dm.len() <= usable_cpus(), "{dm:?}");
-    assert!(rx.len() <= usable_cpus(), "{rx:?}");
+    assert!(named("softrdma-rx").is_empty(), "{:?}", threads());
     assert_eq!(dev.attr().datamovers as usize, dm.len());
 
     // Every engine thread blocks the usual process signals; the test's

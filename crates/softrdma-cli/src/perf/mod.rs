@@ -410,6 +410,18 @@ fn device(p: &Params) -> Result<Device, PerfError> {
         cfg.poll_spin = Duration::MAX;
         cfg.poll_yield_every = 0;
     }
+    if let Some(us) = std::env::var("SOFTRDMA_POLL_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        cfg.poll_spin = Duration::from_micros(us);
+    }
+    if let Some(n) = std::env::var("SOFTRDMA_POLL_YIELD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        cfg.poll_yield_every = n;
+    }
     Device::open_with(cfg).map_err(eng)
 }
 

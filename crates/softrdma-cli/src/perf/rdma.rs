@@ -136,8 +136,17 @@ pub(super) fn passive_bytes(p: &Params) -> u64 {
 
 /// Receives the serving side keeps posted per QP in a Send stream.
 pub(super) fn recv_window(p: &Params) -> usize {
-    p.depth * 2 + 8
+    (p.depth * 2 + 8).max(RECV_WINDOW_MIN)
 }
+
+/// The fewest receives the serving side keeps posted in a Send stream
+/// (perftest's `ib_send_bw` posts 512). With only `2 × depth + 8` (40 at
+/// the default depth), a sender of small messages waited for a credit
+/// every ten messages, and on a busy machine each credit waited for the
+/// serving thread to be scheduled: the message rate measured the
+/// scheduler. All receives share one buffer, so the window costs no
+/// memory.
+const RECV_WINDOW_MIN: usize = 256;
 
 /// The serving side returns credits every this many receives.
 pub(super) fn credit_batch(p: &Params) -> u64 {
@@ -152,7 +161,7 @@ fn credit_recvs(p: &Params) -> usize {
 
 /// Completion queue entries of one side.
 fn cqe(p: &Params) -> usize {
-    (p.depth * 4 + 48) * p.nqps() + 64
+    (p.depth * 2 + 40 + recv_window(p)) * p.nqps() + 64
 }
 
 /// One side's PD and CQ (with a channel in event mode).
@@ -178,7 +187,7 @@ impl End {
         let mut attr = QpInitAttr::new(&self.cq, &self.cq);
         let wr = (p.depth as u32).saturating_mul(2) + 16;
         attr.cap.max_send_wr = wr;
-        attr.cap.max_recv_wr = wr;
+        attr.cap.max_recv_wr = wr.max(u32::try_from(recv_window(p)).unwrap_or(u32::MAX) + 16);
         attr.cap.max_inline_data = p.inline.min(256);
         let rd = p.rd();
         attr.ird = rd;

@@ -1,19 +1,33 @@
-//! Datamovers (one transmit thread per CPU) and receive threads.
+//! Engine threads: one per usable CPU, each both the *datamover* of its
+//! QPs (transmitting what direct sending left) and their *receiver*
+//! (reading their sockets when no CQ poller does), over one epoll set.
 //!
-//! A datamover keeps a list of *active* QPs (work ready, socket writable) and
-//! a set of *paused* QPs (socket full). It serves active QPs round robin, one
-//! slice of [`DeviceConfig::slice_size`](crate::DeviceConfig::slice_size)
-//! bytes each per turn, so one large transfer or one congested peer never
-//! starves the others. A QP that is the only active one gets turns of 64
-//! slices (fewer, larger writes; new QPs join the round at the next turn). A QP whose socket would block is paused: its socket
-//! is armed for writability, and the kernel reports it only once the socket
-//! has a useful amount of free space (for TCP, at least a third of the send
-//! buffer — the resume threshold that avoids unproductive wake-ups); then
-//! the QP becomes active again.
+//! As a datamover, a thread keeps a list of *active* QPs (work ready,
+//! socket writable) and a set of *paused* QPs (socket full). It serves
+//! active QPs round robin, one slice of
+//! [`DeviceConfig::slice_size`](crate::DeviceConfig::slice_size) bytes each
+//! per turn, so one large transfer or one congested peer never starves the
+//! others. A QP that is the only active one gets turns of 64 slices (fewer,
+//! larger writes; new QPs join the round at the next turn). A QP whose
+//! socket would block is paused: its socket is armed for writability, and
+//! the kernel reports it only once the socket has a useful amount of free
+//! space (for TCP, at least a third of the send buffer — the resume
+//! threshold that avoids unproductive wake-ups); then the QP becomes active
+//! again.
 //!
-//! Each QP is assigned at creation to the datamover with the fewest QPs, and
-//! to the receive thread of the same index, which reads its socket whenever
-//! it is readable and no CQ poller is already doing so.
+//! As a receiver, the same thread watches the sockets of its QPs for
+//! incoming bytes and runs the receive path when one is readable, unless a
+//! CQ poller drives that QP (it polled recently, or sleeps on the socket in
+//! [`CompletionQueue::wait`](crate::CompletionQueue::wait)): then the
+//! thread leaves the socket alone until the poller has been quiet for
+//! [`POLL_QUIET_NS`] (re-checking with a back-off while it keeps polling).
+//! A socket has one registration, armed one-shot for reading, writing or
+//! both (see [`EpollSet`]).
+//!
+//! Each QP is assigned at creation to the thread with the fewest QPs. There
+//! are never more engine threads than usable CPUs (affinity mask and cgroup
+//! CPU quota): a second thread per CPU would only compete with the first
+//! (and with the application) for the same CPU time.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::RawFd;
@@ -23,15 +37,14 @@ use std::time::Duration;
 
 use crossbeam_queue::SegQueue;
 use parking_lot::Mutex;
-use polling::Events;
 
 use crate::device::DeviceConfig;
 use crate::qp::QpInner;
 use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
-use crate::sys::poll::{Interest, Reactor};
+use crate::sys::poll::{EpollSet, Ready};
 use crate::tx::TxOutcome;
 
-/// Statistics of one datamover.
+/// Statistics of one engine thread (datamover and receiver).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DatamoverStats {
     /// CPU the thread runs on (pinned if configured).
@@ -44,123 +57,124 @@ pub struct DatamoverStats {
     pub pauses: u64,
     /// Times a paused QP was resumed.
     pub resumes: u64,
+    /// Times the thread ran the receive path of a readable socket.
+    pub receives: u64,
 }
 
 #[derive(Debug)]
-struct Datamover {
+struct Engine {
     cpu: usize,
     load: AtomicUsize,
+    /// QPs with transmit work, handed over by other threads.
     inbox: SegQueue<Arc<QpInner>>,
-    reactor: Reactor,
+    /// Keys of QPs whose socket is to be watched for reading (again).
+    rx_inbox: SegQueue<usize>,
+    /// Connected QPs whose sockets this thread receives from.
+    qps: Mutex<HashMap<usize, (Weak<QpInner>, RawFd)>>,
+    poll: EpollSet,
     stop: AtomicBool,
     slices: AtomicU64,
     pauses: AtomicU64,
     resumes: AtomicU64,
+    receives: AtomicU64,
 }
 
-#[derive(Debug)]
-struct RxThread {
-    reactor: Reactor,
-    qps: Mutex<HashMap<usize, (Weak<QpInner>, RawFd)>>,
-    stop: AtomicBool,
-}
-
-/// The threads of a device.
+/// The engine threads of a device.
 #[derive(Debug)]
 pub(crate) struct Threads {
-    dms: Vec<Arc<Datamover>>,
-    rxs: Vec<Arc<RxThread>>,
+    engines: Vec<Arc<Engine>>,
+}
+
+/// How many engine threads `config` starts: one per entry of
+/// `datamover_cpus`, or one per usable CPU, and never more than usable CPUs.
+pub(crate) fn engine_cpus(config: &DeviceConfig) -> Vec<usize> {
+    let usable = usable_cpus();
+    if config.datamover_cpus.is_empty() {
+        usable
+    } else {
+        let mut cpus = config.datamover_cpus.clone();
+        cpus.truncate(usable.len().max(1));
+        cpus
+    }
 }
 
 impl Threads {
     /// Starts the threads for `config`.
     pub(crate) fn start(config: &DeviceConfig) -> std::io::Result<Threads> {
-        let cpus = if config.datamover_cpus.is_empty() {
-            usable_cpus()
-        } else {
-            config.datamover_cpus.clone()
-        };
-        let mut dms = Vec::new();
-        let mut rxs = Vec::new();
-        for (i, &cpu) in cpus.iter().enumerate() {
-            let dm = Arc::new(Datamover {
+        let mut engines = Vec::new();
+        for (i, cpu) in engine_cpus(config).into_iter().enumerate() {
+            let e = Arc::new(Engine {
                 cpu,
                 load: AtomicUsize::new(0),
                 inbox: SegQueue::new(),
-                reactor: Reactor::new()?,
+                rx_inbox: SegQueue::new(),
+                qps: Mutex::new(HashMap::new()),
+                poll: EpollSet::new()?,
                 stop: AtomicBool::new(false),
                 slices: AtomicU64::new(0),
                 pauses: AtomicU64::new(0),
                 resumes: AtomicU64::new(0),
-            });
-            let rx = Arc::new(RxThread {
-                reactor: Reactor::new()?,
-                qps: Mutex::new(HashMap::new()),
-                stop: AtomicBool::new(false),
+                receives: AtomicU64::new(0),
             });
             let slice = config.slice_size;
             let pin = config.pin_threads;
             {
-                let dm = dm.clone();
+                let e = e.clone();
                 spawn_engine_thread(format!("softrdma-dm{i}"), move || {
-                    run_datamover(&dm, slice, pin);
+                    run_engine(&e, slice, pin);
                 })?;
             }
-            {
-                let rx = rx.clone();
-                spawn_engine_thread(format!("softrdma-rx{i}"), move || run_rx(&rx, cpu, pin))?;
-            }
-            dms.push(dm);
-            rxs.push(rx);
+            engines.push(e);
         }
-        Ok(Threads { dms, rxs })
+        Ok(Threads { engines })
     }
 
-    /// Assigns a new QP to the least-loaded datamover.
+    /// Assigns a new QP to the least-loaded engine thread.
     pub(crate) fn assign(&self) -> usize {
-        let (idx, dm) = self
-            .dms
+        let (idx, e) = self
+            .engines
             .iter()
             .enumerate()
-            .min_by_key(|(_, d)| d.load.load(Ordering::Relaxed))
-            .unwrap_or((0, &self.dms[0]));
-        dm.load.fetch_add(1, Ordering::Relaxed);
+            .min_by_key(|(_, e)| e.load.load(Ordering::Relaxed))
+            .unwrap_or((0, &self.engines[0]));
+        e.load.fetch_add(1, Ordering::Relaxed);
         idx
     }
 
     /// A QP assigned to `idx` is gone.
     pub(crate) fn release(&self, idx: usize) {
-        if let Some(d) = self.dms.get(idx) {
-            let _ = d
+        if let Some(e) = self.engines.get(idx) {
+            let _ = e
                 .load
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
         }
     }
 
-    /// Hands a QP with work to its datamover (no-op if already listed).
+    /// Hands a QP with work to its engine thread (no-op if already listed).
     pub(crate) fn schedule(&self, qp: &Arc<QpInner>) {
         if qp.dm_listed.swap(true, Ordering::AcqRel) {
             return;
         }
-        if let Some(d) = self.dms.get(qp.datamover) {
-            d.inbox.push(qp.clone());
-            d.reactor.notify();
+        if let Some(e) = self.engines.get(qp.datamover) {
+            e.inbox.push(qp.clone());
+            e.poll.notify();
         }
     }
 
     /// Starts watching a connected QP's socket for incoming bytes.
     pub(crate) fn register_rx(&self, qp: &Arc<QpInner>, fd: RawFd) {
-        let Some(rx) = self.rxs.get(qp.datamover) else {
+        let Some(e) = self.engines.get(qp.datamover) else {
             return;
         };
         let key = qp.qp_num as usize;
-        rx.qps.lock().insert(key, (Arc::downgrade(qp), fd));
+        e.qps.lock().insert(key, (Arc::downgrade(qp), fd));
         qp.rx_registered.store(true, Ordering::Release);
-        let _ = rx.reactor.arm(fd, key, Interest::Read);
+        e.rx_inbox.push(key);
+        e.poll.notify();
     }
 
     /// The socket of a connected QP, for a CQ waiter that sleeps on it
-    /// until `until_ns` (on the [`now_ns`] clock): meanwhile the receive
+    /// until `until_ns` (on the [`now_ns`] clock): meanwhile the engine
     /// thread leaves the socket to the waiter (two threads woken by the
     /// same bytes would fight for the receive lock). `None`: the waiter is
     /// awake again and polls (the usual quiet period applies).
@@ -176,49 +190,51 @@ impl Threads {
         {
             return None;
         }
-        let rx = self.rxs.get(qp.datamover)?;
-        let fd = rx
-            .qps
-            .lock()
-            .get(&(qp.qp_num as usize))
-            .map(|(_, fd)| *fd)?;
+        let e = self.engines.get(qp.datamover)?;
+        let fd = e.qps.lock().get(&(qp.qp_num as usize)).map(|(_, fd)| *fd)?;
         qp.last_poll
             .store(until_ns.unwrap_or_else(now_ns), Ordering::Relaxed);
         Some(fd)
     }
 
-    /// Wakes receive thread `idx` so it re-checks the QPs it left to CQ
+    /// Wakes engine thread `idx` so it re-checks the QPs it left to CQ
     /// pollers.
     pub(crate) fn wake_rx(&self, idx: usize) {
-        if let Some(rx) = self.rxs.get(idx) {
-            rx.reactor.notify();
+        if let Some(e) = self.engines.get(idx) {
+            e.poll.notify();
         }
     }
 
-    /// Stops watching a QP's socket.
+    /// Stops watching a QP's socket for reading.
     pub(crate) fn unregister(&self, qp: &QpInner) {
         if !qp.rx_registered.swap(false, Ordering::AcqRel) {
             return;
         }
-        let Some(rx) = self.rxs.get(qp.datamover) else {
+        let Some(e) = self.engines.get(qp.datamover) else {
             return;
         };
-        let entry = rx.qps.lock().remove(&(qp.qp_num as usize));
-        if let Some((_, fd)) = entry {
-            rx.reactor.remove(fd);
-        }
+        // The engine thread arms a socket for reading only under the
+        // table's lock while the QP is in the table, so once removed it is
+        // not armed for reading again (the QP keeps its socket open until
+        // then, so the descriptor is never a recycled one). An armed
+        // registration fires at most once more and is ignored; the socket
+        // may still be armed for writing (its last bytes go out on it).
+        e.qps.lock().remove(&(qp.qp_num as usize));
+        e.rx_inbox.push(qp.qp_num as usize);
+        e.poll.notify();
     }
 
-    /// Statistics of every datamover.
+    /// Statistics of every engine thread.
     pub(crate) fn stats(&self) -> Vec<DatamoverStats> {
-        self.dms
+        self.engines
             .iter()
-            .map(|d| DatamoverStats {
-                cpu: d.cpu,
-                qps: d.load.load(Ordering::Relaxed),
-                slices: d.slices.load(Ordering::Relaxed),
-                pauses: d.pauses.load(Ordering::Relaxed),
-                resumes: d.resumes.load(Ordering::Relaxed),
+            .map(|e| DatamoverStats {
+                cpu: e.cpu,
+                qps: e.load.load(Ordering::Relaxed),
+                slices: e.slices.load(Ordering::Relaxed),
+                pauses: e.pauses.load(Ordering::Relaxed),
+                resumes: e.resumes.load(Ordering::Relaxed),
+                receives: e.receives.load(Ordering::Relaxed),
             })
             .collect()
     }
@@ -226,13 +242,9 @@ impl Threads {
 
 impl Drop for Threads {
     fn drop(&mut self) {
-        for d in &self.dms {
-            d.stop.store(true, Ordering::Release);
-            d.reactor.notify();
-        }
-        for r in &self.rxs {
-            r.stop.store(true, Ordering::Release);
-            r.reactor.notify();
+        for e in &self.engines {
+            e.stop.store(true, Ordering::Release);
+            e.poll.notify();
         }
     }
 }
@@ -289,69 +301,12 @@ fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
     }
 }
 
+/// While transmitting, an engine thread looks at its sockets (readable,
+/// writable again) at most this often.
+const LOOK_EVERY_NS: u64 = 50_000;
+
 /// Slices one turn may take when its QP is the only active one.
 const ALONE_SLICES: usize = 64;
-
-fn run_datamover(dm: &Datamover, slice: usize, pin: bool) {
-    if pin {
-        let _ = pin_current_thread(dm.cpu);
-    }
-    let mut active: VecDeque<Arc<QpInner>> = VecDeque::new();
-    let mut paused: HashMap<usize, Arc<QpInner>> = HashMap::new();
-    let mut events = Events::new();
-    let mut keys = Vec::new();
-    while !dm.stop.load(Ordering::Acquire) {
-        while let Some(qp) = dm.inbox.pop() {
-            active.push_back(qp);
-        }
-        let timeout = if active.is_empty() {
-            Some(Duration::from_millis(500))
-        } else if paused.is_empty() {
-            None
-        } else {
-            Some(Duration::ZERO)
-        };
-        if active.is_empty() || !paused.is_empty() {
-            keys.clear();
-            let _ = dm.reactor.wait(&mut events, &mut keys, timeout);
-            for k in &keys {
-                if let Some(qp) = paused.remove(k) {
-                    dm.resumes.fetch_add(1, Ordering::Relaxed);
-                    tracing::trace!(qp = qp.qp_num, "datamover resumes a QP (socket writable)");
-                    active.push_back(qp);
-                }
-            }
-            if active.is_empty() {
-                continue;
-            }
-        }
-        // Alone, a QP has no one to be fair to: it gets a longer turn (fewer,
-        // larger writes), and the inbox is still checked every turn.
-        let budget = if active.len() == 1 {
-            slice.saturating_mul(ALONE_SLICES)
-        } else {
-            slice
-        };
-        for _ in 0..active.len() {
-            let Some(qp) = active.pop_front() else { break };
-            dm.slices.fetch_add(1, Ordering::Relaxed);
-            match serve(&qp, budget) {
-                Served::Active => active.push_back(qp),
-                Served::Paused(fd) => {
-                    let key = qp.qp_num as usize;
-                    if dm.reactor.arm(fd, key, Interest::Write).is_ok() {
-                        dm.pauses.fetch_add(1, Ordering::Relaxed);
-                        tracing::trace!(qp = qp.qp_num, "datamover pauses a QP (socket full)");
-                        paused.insert(key, qp);
-                    } else {
-                        active.push_back(qp);
-                    }
-                }
-                Served::Done => {}
-            }
-        }
-    }
-}
 
 /// Nanoseconds since the engine's clock started.
 pub(crate) fn now_ns() -> u64 {
@@ -361,64 +316,344 @@ pub(crate) fn now_ns() -> u64 {
 }
 
 /// A QP whose CQ was polled this recently is left to the poller: its
-/// socket is not watched, so the sender does not pay for waking this thread.
+/// socket is not watched for reading, so the sender does not pay for waking
+/// this thread, and the poller does not fight it for the receive lock.
 const POLL_QUIET_NS: u64 = 1_000_000;
 
-fn run_rx(rx: &RxThread, cpu: usize, pin: bool) {
-    if pin {
-        let _ = pin_current_thread(cpu);
+/// When another thread holds a QP's receive lock (it is receiving), look
+/// again this much later rather than wait for the lock: the thread also
+/// transmits for other QPs.
+const RX_BUSY_RETRY_NS: u64 = 1_000_000;
+
+/// The longest a thread waits before it looks again whether a CQ poller
+/// still drives a QP it left to it.
+const RECHECK_MAX_NS: u64 = 16_000_000;
+
+/// Reading left to a poller that polled at `polled`.
+fn poller_defer(polled: u64) -> Defer {
+    Defer::Poller {
+        recheck: polled.saturating_add(POLL_QUIET_NS),
+        step: POLL_QUIET_NS,
     }
-    let mut events = Events::new();
-    let mut keys = Vec::new();
-    // QPs being driven by CQ polling: (key, fd, qp), re-armed once polling
-    // stops.
-    let mut deferred: Vec<(usize, RawFd, Weak<QpInner>)> = Vec::new();
-    while !rx.stop.load(Ordering::Acquire) {
-        keys.clear();
-        let timeout = if deferred.is_empty() {
-            Duration::from_millis(500)
-        } else {
-            Duration::from_micros(POLL_QUIET_NS / 1000)
+}
+
+/// Why an engine thread does not watch a socket for reading for now.
+#[derive(Clone, Copy)]
+enum Defer {
+    /// A CQ poller drives the QP: until it has been quiet for
+    /// [`POLL_QUIET_NS`] (or the CQ is armed: [`Threads::wake_rx`]). The
+    /// thread looks again at `recheck`, backing off (`step` doubles up to
+    /// [`RECHECK_MAX_NS`]) while the poller keeps polling: a thread woken
+    /// a thousand times a second for nothing loses its place with the
+    /// scheduler on a busy machine, where it must preempt the pollers to
+    /// transmit.
+    Poller { recheck: u64, step: u64 },
+    /// Another thread held the receive lock: until then.
+    Busy(u64),
+}
+
+/// What an engine thread watches on one socket.
+struct Watch {
+    fd: RawFd,
+    /// Watched for reading (the receive path).
+    read: bool,
+    /// Reading left to someone else for now.
+    deferred: Option<Defer>,
+    /// How long the last [`Defer::Busy`] was (0: the last look found the
+    /// receive lock free): doubles, up to [`RECHECK_MAX_NS`], while
+    /// another thread keeps receiving (a CQ poller reading a long stream
+    /// in one go does not update its poll time meanwhile).
+    busy_step: u64,
+    /// Paused for lack of send space: watched for writing.
+    paused: Option<Arc<QpInner>>,
+}
+
+impl Watch {
+    fn new(fd: RawFd) -> Watch {
+        Watch {
+            fd,
+            read: false,
+            deferred: None,
+            busy_step: 0,
+            paused: None,
+        }
+    }
+}
+
+/// The thread-local state of an engine thread.
+struct Local {
+    active: VecDeque<Arc<QpInner>>,
+    watches: HashMap<usize, Watch>,
+    /// Watches with reading deferred.
+    deferred: usize,
+}
+
+impl Local {
+    /// Re-arms `key`'s socket with what is still wanted; forgets a key that
+    /// wants nothing any more (its registration is then silent — one-shot
+    /// after its last event — or fires once more, ignored).
+    fn rearm(&mut self, e: &Engine, key: usize) {
+        let Some(w) = self.watches.get_mut(&key) else {
+            return;
         };
-        if rx
-            .reactor
-            .wait(&mut events, &mut keys, Some(timeout))
-            .is_err()
+        let write = w.paused.is_some();
+        if w.read && w.deferred.is_none() {
+            // Under the table's lock: while the QP is in it, its socket is
+            // open (unregistering takes the lock before the socket can be
+            // closed), so the descriptor is not a recycled one.
+            let table = e.qps.lock();
+            if table.get(&key).is_some_and(|(_, fd)| *fd == w.fd)
+                && e.poll.arm(w.fd, key, true, write).is_ok()
+            {
+                return;
+            }
+            drop(table);
+            w.read = false;
+        }
+        if w.paused.is_some() {
+            // The paused QP (held) keeps its socket open.
+            if e.poll.arm(w.fd, key, false, true).is_ok() {
+                return;
+            }
+            // The socket is gone: back to the round (its next write fails
+            // and closes the QP).
+            if let Some(qp) = w.paused.take() {
+                self.active.push_back(qp);
+            }
+        }
+        if !w.read {
+            if w.deferred.is_some() {
+                self.deferred -= 1;
+            }
+            self.watches.remove(&key);
+        }
+    }
+
+    fn set_deferred(&mut self, key: usize, d: Option<Defer>) {
+        if let Some(w) = self.watches.get_mut(&key) {
+            match (w.deferred.is_some(), d.is_some()) {
+                (false, true) => self.deferred += 1,
+                (true, false) => self.deferred -= 1,
+                _ => {}
+            }
+            w.deferred = d;
+        }
+    }
+
+    /// A key from the receive inbox: start (or stop) watching its socket
+    /// for reading, as the shared table says.
+    fn rx_update(&mut self, e: &Engine, key: usize) {
+        let entry = e.qps.lock().get(&key).map(|(_, fd)| *fd);
+        match entry {
+            Some(fd) => {
+                let w = self.watches.entry(key).or_insert_with(|| Watch::new(fd));
+                // (A new socket after a reconnect: the old one is closed.)
+                w.fd = fd;
+                w.read = true;
+                self.set_deferred(key, None);
+            }
+            None => {
+                let Some(w) = self.watches.get_mut(&key) else {
+                    return;
+                };
+                w.read = false;
+                self.set_deferred(key, None);
+            }
+        }
+        self.rearm(e, key);
+    }
+
+    /// `key`'s socket is readable: run its receive path here, unless a CQ
+    /// poller drives it.
+    fn receive(&mut self, e: &Engine, key: usize, now: u64) {
+        let entry = e.qps.lock().get(&key).map(|(w, _)| w.clone());
+        let Some(qp) = entry.and_then(|w| w.upgrade()) else {
+            if let Some(w) = self.watches.get_mut(&key) {
+                w.read = false;
+            }
+            return;
+        };
+        let polled = qp.last_poll.load(Ordering::Relaxed);
+        if polled.saturating_add(POLL_QUIET_NS) > now {
+            // A CQ poller drives this QP (it may sleep on this very
+            // socket and is woken by the same bytes): leave them to it.
+            self.set_deferred(key, Some(poller_defer(polled)));
+            return;
+        }
+        e.receives.fetch_add(1, Ordering::Relaxed);
+        qp.rx_poll(false);
+        let receiving = qp.rx_registered.load(Ordering::Acquire)
+            && matches!(
+                qp.state(),
+                crate::state::QpState::Rts | crate::state::QpState::Closing
+            );
+        if !receiving {
+            // Closed or in error: its socket may stay readable (end of
+            // file) for good.
+            if let Some(w) = self.watches.get_mut(&key) {
+                w.read = false;
+            }
+        } else if qp.rx.is_locked() {
+            // Another thread is receiving for it right now.
+            let step = self.watches.get_mut(&key).map_or(RX_BUSY_RETRY_NS, |w| {
+                w.busy_step = if w.busy_step == 0 {
+                    RX_BUSY_RETRY_NS
+                } else {
+                    w.busy_step.saturating_mul(2).min(RECHECK_MAX_NS)
+                };
+                w.busy_step
+            });
+            self.set_deferred(key, Some(Defer::Busy(now.saturating_add(step))));
+        } else {
+            if let Some(w) = self.watches.get_mut(&key) {
+                w.busy_step = 0;
+            }
+            let polled = qp.last_poll.load(Ordering::Relaxed);
+            if polled.saturating_add(POLL_QUIET_NS) > now {
+                self.set_deferred(key, Some(poller_defer(polled)));
+            }
+        }
+    }
+
+    /// Watches again the deferred sockets whose time has come; returns the
+    /// earliest time one is still deferred to.
+    fn undefer(&mut self, e: &Engine, now: u64) -> Option<u64> {
+        if self.deferred == 0 {
+            return None;
+        }
+        let mut next: Option<u64> = None;
+        let mut due = Vec::new();
         {
-            continue;
+            let table = e.qps.lock();
+            for (&key, w) in &mut self.watches {
+                let wake_at = match &mut w.deferred {
+                    None => continue,
+                    Some(Defer::Busy(t)) => {
+                        if *t <= now {
+                            due.push(key);
+                            continue;
+                        }
+                        *t
+                    }
+                    Some(Defer::Poller { recheck, step }) => {
+                        let quiet_at =
+                            table
+                                .get(&key)
+                                .and_then(|(q, _)| q.upgrade())
+                                .map_or(0, |qp| {
+                                    qp.last_poll
+                                        .load(Ordering::Relaxed)
+                                        .saturating_add(POLL_QUIET_NS)
+                                });
+                        if quiet_at <= now {
+                            due.push(key);
+                            continue;
+                        }
+                        if *recheck <= now {
+                            // Still polled: look again later, each time
+                            // later.
+                            *step = step.saturating_mul(2).min(RECHECK_MAX_NS);
+                            *recheck = now.saturating_add(*step).max(quiet_at);
+                        }
+                        *recheck
+                    }
+                };
+                next = Some(next.map_or(wake_at, |n: u64| n.min(wake_at)));
+            }
+        }
+        for key in due {
+            self.set_deferred(key, None);
+            self.rearm(e, key);
+        }
+        next
+    }
+}
+
+fn run_engine(e: &Engine, slice: usize, pin: bool) {
+    if pin {
+        let _ = pin_current_thread(e.cpu);
+    }
+    let mut l = Local {
+        active: VecDeque::new(),
+        watches: HashMap::new(),
+        deferred: 0,
+    };
+    let mut ready: Vec<Ready> = Vec::new();
+    let mut last_look = 0u64;
+    while !e.stop.load(Ordering::Acquire) {
+        e.poll.clear_notified();
+        while let Some(qp) = e.inbox.pop() {
+            l.active.push_back(qp);
+        }
+        while let Some(key) = e.rx_inbox.pop() {
+            l.rx_update(e, key);
         }
         let now = now_ns();
-        deferred.retain(|(k, fd, weak)| {
-            let Some(qp) = weak.upgrade() else {
-                return false;
-            };
-            if now.saturating_sub(qp.last_poll.load(Ordering::Relaxed)) < POLL_QUIET_NS {
-                return true;
-            }
-            if rx.qps.lock().contains_key(k) {
-                let _ = rx.reactor.arm(*fd, *k, Interest::Read);
-            }
-            false
-        });
-        for &k in &keys {
-            let entry = rx.qps.lock().get(&k).map(|(w, fd)| (w.clone(), *fd));
-            let Some((weak, fd)) = entry else { continue };
-            let Some(qp) = weak.upgrade() else {
-                rx.qps.lock().remove(&k);
-                continue;
-            };
-            if qp.rx_thread_progress() {
-                let polled = qp.last_poll.load(Ordering::Relaxed);
-                if now_ns().saturating_sub(polled) < POLL_QUIET_NS {
-                    deferred.push((k, fd, weak));
-                } else {
-                    let _ = rx.reactor.arm(fd, k, Interest::Read);
+        let next_deferred = l.undefer(e, now);
+        // With transmit work, only look at the sockets, at most every
+        // LOOK_EVERY_NS (a round of one QP's turn is a quarter of a MiB:
+        // looking every round was four system calls per MiB sent); without,
+        // sleep until an event, a hand-over or the next deferred socket is
+        // due.
+        let timeout = if !l.active.is_empty() {
+            (!l.watches.is_empty() && now.saturating_sub(last_look) >= LOOK_EVERY_NS)
+                .then_some(Duration::ZERO)
+        } else {
+            Some(next_deferred.map_or(Duration::from_millis(500), |t| {
+                Duration::from_nanos(t.saturating_sub(now))
+            }))
+        };
+        ready.clear();
+        if let Some(t) = timeout {
+            let _ = e.poll.wait(&mut ready, Some(t));
+            last_look = now;
+        }
+        if !ready.is_empty() {
+            let now = now_ns();
+            for r in &ready {
+                let Some(w) = l.watches.get_mut(&r.key) else {
+                    continue;
+                };
+                if r.writable
+                    && let Some(qp) = w.paused.take()
+                {
+                    e.resumes.fetch_add(1, Ordering::Relaxed);
+                    tracing::trace!(qp = qp.qp_num, "datamover resumes a QP (socket writable)");
+                    l.active.push_back(qp);
                 }
-            } else {
-                let removed = rx.qps.lock().remove(&k);
-                if removed.is_some() {
-                    rx.reactor.remove(fd);
+                if r.readable && w.read && w.deferred.is_none() {
+                    l.receive(e, r.key, now);
                 }
+                l.rearm(e, r.key);
+            }
+        }
+        if l.active.is_empty() {
+            continue;
+        }
+        // Alone, a QP has no one to be fair to: it gets a longer turn (fewer,
+        // larger writes), and the inbox is still checked every turn.
+        let budget = if l.active.len() == 1 {
+            slice.saturating_mul(ALONE_SLICES)
+        } else {
+            slice
+        };
+        for _ in 0..l.active.len() {
+            let Some(qp) = l.active.pop_front() else {
+                break;
+            };
+            e.slices.fetch_add(1, Ordering::Relaxed);
+            match serve(&qp, budget) {
+                Served::Active => l.active.push_back(qp),
+                Served::Paused(fd) => {
+                    let key = qp.qp_num as usize;
+                    e.pauses.fetch_add(1, Ordering::Relaxed);
+                    tracing::trace!(qp = qp.qp_num, "datamover pauses a QP (socket full)");
+                    let w = l.watches.entry(key).or_insert_with(|| Watch::new(fd));
+                    w.fd = fd;
+                    w.paused = Some(qp);
+                    l.rearm(e, key);
+                }
+                Served::Done => {}
             }
         }
     }

@@ -8,14 +8,14 @@
 //!   framing is the wire crate's deframer
 //!   (`softrdma_wire::deframer::Deframer`, direct-placement mode), the one
 //!   framer of the project;
-//! * [`datamover`]: the per-CPU transmit threads and receive threads.
+//! * [`datamover`]: the per-CPU engine threads (transmit and receive).
 //!
 //! The transmit path reaches its QP only through the narrow [`TxHost`]
 //! trait (completion order, ORD/IRD accounting, the state), so `tx` does
 //! not depend on the QP layer. The receive path still calls into
 //! [`crate::qp`] directly (placement, receive queues, state changes); the
 //! QP layer calls the data path through the transmit hand-off
-//! ([`crate::handoff`]) and the receive threads. The modules stay importable as `crate::tx`, `crate::rx` and
+//! ([`crate::handoff`]) and the engine threads. The modules stay importable as `crate::tx`, `crate::rx` and
 //! `crate::datamover`.
 
 pub(crate) mod datamover;

@@ -1,48 +1,33 @@
-//! Readiness notification (epoll through the `polling` crate) for the
-//! datamover and receive threads. Registration is the one `unsafe` call of
+//! Readiness notification: epoll through the `polling` crate for the
+//! connection manager's reactor, and a lean epoll set of its own
+//! ([`EpollSet`]) for the engine threads. Registration is the one `unsafe` call of
 //! `polling`: the caller promises to keep the file descriptor open while it
 //! is registered.
 
 use std::io;
-use std::os::fd::{BorrowedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use polling::{Event, Events, Poller};
+
+use super::fd::EventFd;
 
 /// Waits until one of `fds` is readable (or has an error or hang-up), at
 /// most `timeout`; `Ok(false)` when the time is up. For a CQ waiter that
 /// sleeps on its QPs' sockets and its wake-up event fd. The caller keeps
 /// the descriptors open for the duration of the call.
+#[allow(dead_code)] // the CQ waiter uses `wait_readable_last`
 pub(crate) fn wait_readable(fds: &[RawFd], timeout: Duration) -> io::Result<bool> {
-    let mut pfds: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    let ms = libc::c_int::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
-    let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(libc::nfds_t::MAX);
-    // SAFETY: `pfds` is a valid array of `n` pollfd entries that lives
-    // across the call; the kernel writes only their `revents`.
-    let r = unsafe { libc::poll(pfds.as_mut_ptr(), n, ms) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::Interrupted {
-            return Ok(true);
-        }
-        return Err(e);
-    }
-    Ok(r > 0)
+    wait_readable_last(fds, timeout).map(|(any, _)| any)
 }
 
 /// Interest in a socket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Interest {
-    /// Readable (receive threads).
+    /// Readable.
     Read,
-    /// Writable (datamovers: send space).
+    /// Writable (send space, or a connect that finished).
     Write,
 }
 
@@ -114,4 +99,196 @@ impl Reactor {
     pub(crate) fn notify(&self) {
         let _ = self.poller.notify();
     }
+}
+
+/// A socket's readiness reported by [`EpollSet::wait`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ready {
+    /// The key the socket was armed under.
+    pub(crate) key: usize,
+    /// Bytes to read, or an error or hang-up.
+    pub(crate) readable: bool,
+    /// Room to write, or an error or hang-up.
+    pub(crate) writable: bool,
+}
+
+/// The key of the wake-up event fd in the epoll set.
+const WAKE_KEY: u64 = u64::MAX;
+
+/// The epoll set of an engine thread: its QPs' sockets, each armed one-shot
+/// for reading, writing or both under one key, and a wake-up event fd.
+///
+/// Leaner than [`Reactor`] (the `polling` crate) where it matters for a
+/// thread that wakes once per message: a wait is one `epoll_wait` (the
+/// crate's also sets a timer fd, re-arms it and reads and re-arms its
+/// notifier: five system calls), and [`EpollSet::notify`] writes the event
+/// fd only while the owner sleeps or is about to (a busy owner looks at its
+/// inbox anyway), so a post that hands work to a running thread costs no
+/// system call.
+#[derive(Debug)]
+pub(crate) struct EpollSet {
+    epfd: OwnedFd,
+    wake: EventFd,
+    /// The owner is in (or about to enter) a blocking `epoll_wait`.
+    sleeping: AtomicBool,
+    /// Someone called `notify` since the owner last cleared it.
+    notified: AtomicBool,
+}
+
+impl EpollSet {
+    pub(crate) fn new() -> io::Result<EpollSet> {
+        // SAFETY: epoll_create1 takes no pointers; it returns a new
+        // descriptor or -1.
+        let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh descriptor nothing else owns.
+        let epfd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let wake = EventFd::new()?;
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: WAKE_KEY,
+        };
+        // SAFETY: both descriptors are open (owned by the set, which keeps
+        // the event fd as long as the epoll fd); `ev` is a valid event.
+        let r = unsafe {
+            libc::epoll_ctl(
+                epfd.as_raw_fd(),
+                libc::EPOLL_CTL_ADD,
+                wake.as_raw_fd(),
+                &raw mut ev,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(EpollSet {
+            epfd,
+            wake,
+            sleeping: AtomicBool::new(false),
+            notified: AtomicBool::new(false),
+        })
+    }
+
+    /// Arms one-shot interest in `fd` under `key` (registering it if
+    /// needed): readable if `read`, writable if `write`; neither leaves it
+    /// registered but silent. After an event the socket is silent until
+    /// armed again (for both directions: the caller re-arms what it still
+    /// wants).
+    ///
+    /// The owner of `fd` keeps it open while registered (as for
+    /// [`Reactor::arm`]); the kernel drops the registration when it closes.
+    pub(crate) fn arm(&self, fd: RawFd, key: usize, read: bool, write: bool) -> io::Result<()> {
+        let mut events = libc::EPOLLONESHOT as u32;
+        if read {
+            events |= (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+        }
+        if write {
+            events |= libc::EPOLLOUT as u32;
+        }
+        let mut ev = libc::epoll_event {
+            events,
+            u64: key as u64,
+        };
+        // SAFETY: `fd` is open for the duration of the call (the caller
+        // holds the QP that owns it); `ev` is a valid event.
+        let r =
+            unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, &raw mut ev) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ENOENT) {
+            return Err(e);
+        }
+        // SAFETY: as above.
+        let r =
+            unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &raw mut ev) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Clears the notification flag: call before looking at the inbox, so
+    /// that a `notify` after this point makes the next `wait` return.
+    pub(crate) fn clear_notified(&self) {
+        self.notified.store(false, Ordering::SeqCst);
+    }
+
+    /// Waits for sockets (appended to `out`) at most `timeout` (`None`: no
+    /// limit; rounded up to milliseconds), or until [`notify`](Self::notify).
+    pub(crate) fn wait(&self, out: &mut Vec<Ready>, timeout: Option<Duration>) -> io::Result<()> {
+        let mut ms: libc::c_int = timeout.map_or(-1, |t| {
+            libc::c_int::try_from(t.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
+        });
+        if ms != 0 {
+            self.sleeping.store(true, Ordering::SeqCst);
+            if self.notified.load(Ordering::SeqCst) {
+                ms = 0;
+            }
+        }
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        // SAFETY: `evs` is a writable array of 64 events that lives across
+        // the call; the count says 64.
+        let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), evs.as_mut_ptr(), 64, ms) };
+        self.sleeping.store(false, Ordering::Relaxed);
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(());
+            }
+            return Err(e);
+        }
+        for ev in &evs[..usize::try_from(n).unwrap_or(0)] {
+            let (flags, key) = (ev.events, ev.u64);
+            if key == WAKE_KEY {
+                self.wake.drain();
+                continue;
+            }
+            let err = flags & (libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0;
+            out.push(Ready {
+                key: usize::try_from(key).unwrap_or(usize::MAX),
+                readable: err || flags & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0,
+                writable: err || flags & libc::EPOLLOUT as u32 != 0,
+            });
+        }
+        Ok(())
+    }
+
+    /// Makes the owner's current or next [`wait`](Self::wait) return.
+    pub(crate) fn notify(&self) {
+        self.notified.store(true, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.wake.signal();
+        }
+    }
+}
+
+/// [`wait_readable`], returning also whether the last of `fds` (a wake-up
+/// event fd, which is then to be drained) is readable: `(any, last)`.
+pub(crate) fn wait_readable_last(fds: &[RawFd], timeout: Duration) -> io::Result<(bool, bool)> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = libc::c_int::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
+    let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(libc::nfds_t::MAX);
+    // SAFETY: `pfds` is a valid array of `n` pollfd entries that lives
+    // across the call; the kernel writes only their `revents`.
+    let r = unsafe { libc::poll(pfds.as_mut_ptr(), n, ms) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok((true, false));
+        }
+        return Err(e);
+    }
+    let last = pfds.last().is_some_and(|p| p.revents != 0);
+    Ok((r > 0, last))
 }
