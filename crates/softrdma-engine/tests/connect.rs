@@ -272,6 +272,14 @@ fn garbage_from_the_peer() {
     assert!(matches!(i, Err(ConnectError::Negotiation(_))), "{i:?}");
 }
 
+/// A peer that reads and never answers until the other side closes (a
+/// fixed sleep instead let a loaded machine see the close before the
+/// timeout).
+fn silent_until_closed(mut s: TcpStream) {
+    let mut b = [0u8; 256];
+    while matches!(s.read(&mut b), Ok(n) if n > 0) {}
+}
+
 #[test]
 fn timeout_when_the_peer_is_silent() {
     let short = Duration::from_millis(200);
@@ -282,17 +290,11 @@ fn timeout_when_the_peer_is_silent() {
             assert!(t.elapsed() < Duration::from_secs(3));
             r
         },
-        |s| {
-            thread::sleep(Duration::from_millis(600));
-            drop(s);
-        },
+        silent_until_closed,
     );
     assert!(matches!(r, Err(ConnectError::TimedOut { .. })), "{r:?}");
     let (_, i) = run(
-        |s| {
-            thread::sleep(Duration::from_millis(600));
-            drop(s);
-        },
+        silent_until_closed,
         move |mut s| mpa_connect(&mut s, &MpaConfig::default(), &[], short),
     );
     assert!(matches!(i, Err(ConnectError::TimedOut { .. })), "{i:?}");
