@@ -246,11 +246,15 @@ impl RxState {
 
     pub(crate) fn detach(&mut self) {
         self.stream = None;
+        // No placement after this: let go of the memory (lent memory waits
+        // for it, see `mr::LentRegion`).
+        self.dest.clear();
     }
 
     /// The receives taken from the queue and not completed (flushed on
     /// error).
     pub(crate) fn take_partial(&mut self) -> Vec<u64> {
+        self.dest.clear();
         let mut v = Vec::new();
         if let Some(wr_id) = self.too_long.take() {
             v.push(wr_id);
@@ -884,6 +888,9 @@ impl QpInner {
     fn rx_trailer(&self, rx: &mut RxState) -> Result<(), Stop> {
         let pad = pad_len(rx.ulpdu_len);
         rx.need(pad + 4)?;
+        // The payload is placed: let go of its memory now, not at the next
+        // FPDU (lent memory waits for it, see `mr::LentRegion`).
+        rx.dest.clear();
         let s = rx.start;
         if rx.crc_on {
             rx.crc.update(&rx.buf[s..s + pad]);
