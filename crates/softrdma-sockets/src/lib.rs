@@ -101,6 +101,6 @@ pub mod sdp;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 
-pub use config::{Config, Mode, PlainReason, Transport};
+pub use config::{Config, DEFAULT_ZCOPY_THRESHOLD, Mode, PlainReason, Transport};
 pub use net::{TcpListener, TcpStream};
-pub use offload::lost_wakeups;
+pub use offload::{lost_wakeups, zero_copy_fallbacks, zero_copy_octets};

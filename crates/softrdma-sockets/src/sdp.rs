@@ -849,9 +849,14 @@ impl Session {
         }
         let (h, m, off) = decode_parts(head, total)?;
         self.credits.on_receive(&h)?;
-        if self.close.peer_disconn && !matches!(m, Message::AbortConn | Message::RdmaRdCompl { .. })
+        if self.close.peer_disconn
+            && !matches!(
+                m,
+                Message::AbortConn | Message::RdmaRdCompl { .. } | Message::SendSm
+            )
         {
-            // Only credit updates are harmless after DisConn.
+            // The peer ended its data but still reads ours (RdmaRdCompl,
+            // SendSm); otherwise only credit updates are harmless.
             if !matches!(m, Message::Data { payload_len: 0 }) {
                 return Err(ProtocolError::AfterDisConn);
             }
