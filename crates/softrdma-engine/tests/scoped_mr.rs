@@ -12,7 +12,7 @@ use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{device, mr, pair, pattern, wait};
+use common::{device, mr, pair, pair_with, pattern, wait};
 use softrdma_engine::connect::{mpa_accept, mpa_connect};
 use softrdma_engine::proto::mpa::{MpaConfig, Negotiated};
 use softrdma_engine::wire::ddp::{Msn, Stag};
@@ -83,7 +83,16 @@ fn peer_reads_lent_buffer_then_stale_stag_fails() {
 /// the call returned fails and changes nothing.
 #[test]
 fn lend_mut_takes_writes_and_read_responses_then_refuses() {
-    let p = pair(false);
+    lend_mut_case(pair(false));
+}
+
+/// The same through the datamovers' receive path.
+#[test]
+fn lend_mut_through_datamovers() {
+    lend_mut_case(pair_with(device(true), false, |_| {}));
+}
+
+fn lend_mut_case(p: common::Pair) {
     let src = mr(&p.b, 8192);
     src.write(0, &pattern(8192, 9)).unwrap();
     let mut buf = vec![0u8; 16384];
