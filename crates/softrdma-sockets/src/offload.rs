@@ -54,7 +54,7 @@ const ZC_READ: u64 = 3 << 32;
 /// A read buffer smaller than this (and than the rest of the peer's
 /// SrcAvail) is not worth an RDMA Read round trip: the reader asks for
 /// buffered copy (SendSm) instead.
-const ZC_MIN_CHUNK: usize = 16 * 1024;
+const ZC_MIN_CHUNK: usize = 128 * 1024;
 
 /// The engine device shared by the offloaded connections of the process,
 /// opened on first use with unpinned threads (a library lives inside

@@ -80,7 +80,7 @@ pub struct StreamArgs {
     pub spin_us: Option<u64>,
     /// Writes of at least this many bytes go by Read zero copy when both
     /// ends offer it (suffixes K, M; 0: off, not offered) [default: 64K].
-    #[arg(long, value_name = "SIZE", value_parser = super::parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_threshold)]
     pub zcopy_threshold: Option<usize>,
     /// Runs per size; the median is reported [default: 1].
     #[arg(short = 'r', long, default_value_t = 1)]
@@ -136,6 +136,15 @@ pub struct StreamRow {
     /// This row / the TCP row of the same size (bandwidth ratio, or latency
     /// ratio: lower is better), on the sockets-direct row.
     pub ratio_to_tcp: Option<f64>,
+}
+
+/// A size, or 0 (off).
+fn parse_threshold(s: &str) -> Result<usize, String> {
+    if s.trim() == "0" {
+        Ok(0)
+    } else {
+        super::parse_size(s)
+    }
 }
 
 fn cfg(args: &StreamArgs, mode: Mode) -> Config {
