@@ -17,10 +17,11 @@ pub enum Mode {
 }
 
 /// Default [`Config::zcopy_threshold`]: where zero copy pays on loopback
-/// (`softrdma perf stream`: 256 KiB writes were faster by buffered copy,
-/// 512 KiB and larger by zero copy, whose synchronous exchange costs about
-/// two round trips per write).
-pub const DEFAULT_ZCOPY_THRESHOLD: usize = 512 * 1024;
+/// (`softrdma perf stream`, A/B in the same runs: 64 KiB writes were
+/// faster by buffered copy, 128 KiB about even to slightly faster by zero
+/// copy, 256 KiB and larger clearly faster by zero copy, whose synchronous
+/// exchange costs about two round trips per write).
+pub const DEFAULT_ZCOPY_THRESHOLD: usize = 128 * 1024;
 
 /// Settings of a connection or listener.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -953,9 +953,6 @@ impl Shared {
                 || st.wakers.iter().any(Option::is_some)
                 || !st.tx_queue.is_empty()
                 || !st.ctrl_pending.is_empty()
-                // A zero-copy offer may be withdrawn: answer without a
-                // call of the application.
-                || st.rx.iter().any(|m| m.zc.is_some())
                 || (st.disconn_wanted && !st.sdp.close.local_disconn))
     }
 
