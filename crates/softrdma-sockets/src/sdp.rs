@@ -1193,6 +1193,28 @@ mod tests {
         assert_eq!(d.credits.tx_credits(), 0);
     }
 
+    /// Regression: a reader that had ended its own data (DisConn) and then
+    /// answered the peer's SrcAvail with SendSm got its connection reset
+    /// ("message after the peer's DisConn"): it still reads the peer's
+    /// data, so SendSm and RdmaRdCompl are allowed after DisConn; data is
+    /// not.
+    #[test]
+    fn zero_copy_answers_after_disconn() {
+        let mut a = Session::new(4, 1024, 4, 1024);
+        let mut b = Session::new(4, 1024, 4, 1024);
+        let m = msg(&mut a, Message::DisConn, 0);
+        assert_eq!(b.receive(&m).unwrap(), Action::PeerDisConn);
+        b.credits.on_repost(1);
+        let m = msg(&mut a, Message::SendSm, 0);
+        assert_eq!(b.receive(&m).unwrap(), Action::SendSm);
+        b.credits.on_repost(1);
+        let m = msg(&mut a, Message::RdmaRdCompl { len: 5 }, 0);
+        assert_eq!(b.receive(&m).unwrap(), Action::RdmaRdCompl(5));
+        b.credits.on_repost(1);
+        let m = msg(&mut a, Message::SrcAvailCancel, 0);
+        assert_eq!(b.receive(&m), Err(ProtocolError::AfterDisConn));
+    }
+
     /// One end of a modelled connection, sending as the connection code
     /// does (`offload.rs` `flush_tx`): queued data while credits allow,
     /// then DisConn once the queue is empty, then a credit update if one is
