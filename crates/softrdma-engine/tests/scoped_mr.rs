@@ -230,6 +230,11 @@ fn raw_victim(pd: ProtectionDomain) -> Raw {
     let (raw, n) = acceptor.join().unwrap();
     qp.establish(s, &LinkParams::from(&vn)).unwrap();
     raw.set_read_timeout(Some(DEADLINE)).unwrap();
+    // A small fixed receive buffer (no autotuning): a 32 MiB response
+    // cannot fit into the socket buffers while the peer does not read.
+    socket2::SockRef::from(&raw)
+        .set_recv_buffer_size(64 * 1024)
+        .unwrap();
     Raw {
         _pd: pd,
         _cq: cq,
