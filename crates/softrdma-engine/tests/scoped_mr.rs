@@ -304,8 +304,18 @@ impl Raw {
 /// Read Request after that gets a Terminate (invalid STag) and no data.
 #[test]
 fn return_waits_for_read_response_in_flight() {
+    read_response_in_flight_case(false);
+}
+
+/// The same with the datamovers transmitting the response.
+#[test]
+fn return_waits_for_read_response_in_flight_datamovers() {
+    read_response_in_flight_case(true);
+}
+
+fn read_response_in_flight_case(force_dm: bool) {
     const LEN: usize = 32 << 20;
-    let dev = device(false);
+    let dev = device(force_dm);
     let pd = ProtectionDomain::new(&dev);
     let mut raw = raw_victim(pd.clone());
     let (stag_tx, stag_rx) = mpsc::channel();
