@@ -1650,6 +1650,202 @@ pub(crate) fn masked_add(value: u64, add: u64, mask: u64) -> u64 {
     result
 }
 
+// ---------------------------------------------------------------------------
+// Lent memory: registration of a caller's buffer for one call
+// ---------------------------------------------------------------------------
+
+impl StagTable {
+    /// Removes the entry named by `stag_value` if its key still matches
+    /// (the index may have been reused after an earlier removal).
+    fn remove_stag(&self, stag_value: u32) {
+        let index = stag_value >> 8;
+        let key = (stag_value & 0xff) as u8;
+        let mut slots = self.slots.write();
+        if slots.get(index).is_some_and(|e| e.key == key) {
+            slots.entries.remove(&index);
+        }
+    }
+}
+
+/// A caller's buffer registered for the duration of one call
+/// ([`ProtectionDomain::lend`], [`ProtectionDomain::lend_mut`]).
+///
+/// The registration ends when the closure that received it returns (or
+/// unwinds): the STag is removed first, so a later remote access fails
+/// with "Invalid STag" (a Terminate to the peer, a remote access error at
+/// its requester), then the call waits until the engine is done with every
+/// access already under way (a Read Response still being transmitted from
+/// the buffer, a Write or Read Response being placed into it, a posted
+/// work request naming it). Only then does `lend` return and the borrow
+/// end: nothing touches the buffer afterwards.
+///
+/// Registration is cheap (one table insert, no allocation of the buffer,
+/// no zeroing); the buffer has no other handle, so local access stays with
+/// the caller's own slice once the call returns.
+#[derive(Debug)]
+pub struct LentRegion<'s> {
+    pd: &'s ProtectionDomain,
+    stag: u32,
+    addr: u64,
+    len: usize,
+    mem: &'s Arc<Memory>,
+    revoked: std::sync::atomic::AtomicBool,
+}
+
+impl LentRegion<'_> {
+    /// The local key (the same STag as [`LentRegion::rkey`]).
+    pub fn lkey(&self) -> u32 {
+        self.stag
+    }
+
+    /// The remote key (STag) to give the peer.
+    pub fn rkey(&self) -> u32 {
+        self.stag
+    }
+
+    /// The address the region answers to (the buffer's address).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// An SGE of `len` bytes at `offset` of the buffer.
+    ///
+    /// # Errors
+    ///
+    /// [`RangeError`] if the range is outside the buffer.
+    pub fn sge(&self, offset: usize, len: u32) -> Result<Sge, RangeError> {
+        let err = RangeError {
+            offset,
+            len: len as usize,
+            region_len: self.len,
+        };
+        let end = offset.checked_add(len as usize).ok_or(err)?;
+        if end > self.len {
+            return Err(err);
+        }
+        Ok(Sge {
+            addr: self.addr + offset as u64,
+            length: len,
+            lkey: self.stag,
+        })
+    }
+
+    /// Removes the STag now (before the closure returns): remote accesses
+    /// that arrive from now on fail; those already under way finish.
+    /// Work requests posted afterwards with its lkey fail too.
+    pub fn revoke(&self) {
+        if !self.revoked.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            self.pd.device().stags().remove_stag(self.stag);
+        }
+    }
+
+    /// Whether the engine still holds the buffer besides the registration
+    /// (work requests in flight, a Read Response being transmitted, a
+    /// placement in progress): once revoked and no longer in use, ending
+    /// the call does not wait. A snapshot; advisory only.
+    pub fn in_use(&self) -> bool {
+        let registered = !self.revoked.load(std::sync::atomic::Ordering::SeqCst);
+        Arc::strong_count(self.mem) > 1 + usize::from(registered)
+    }
+}
+
+impl Drop for LentRegion<'_> {
+    fn drop(&mut self) {
+        self.revoke();
+    }
+}
+
+impl ProtectionDomain {
+    /// Registers `buf` for the duration of `f` with `access`, which may
+    /// only grant reads ([`Access::REMOTE_READ`] or [`Access::NONE`]:
+    /// gather from it in sends, let the peer RDMA-Read it), and returns
+    /// what `f` returns once nothing can touch `buf` any more (see
+    /// [`LentRegion`]): the STag is removed, then the call waits for the
+    /// accesses under way. A peer that never lets a Read Response finish
+    /// (its TCP window closed) keeps the call waiting: `f` can
+    /// [`LentRegion::revoke`], look at [`LentRegion::in_use`] and abort the
+    /// connection before it returns.
+    ///
+    /// # Errors
+    ///
+    /// [`RegError::InvalidAccess`] for a write, atomic or bind right,
+    /// [`RegError::TooLarge`], [`RegError::TableFull`]; `f` is not called.
+    pub fn lend<R>(
+        &self,
+        buf: &[u8],
+        access: Access,
+        f: impl FnOnce(&LentRegion<'_>) -> R,
+    ) -> Result<R, RegError> {
+        if !Access::REMOTE_READ.contains(access) {
+            return Err(RegError::InvalidAccess(access));
+        }
+        self.check_len(buf.len())?;
+        crate::sys::mem::Lend::shared(buf, |mem| self.lend_in(mem, access, f))
+    }
+
+    /// Like [`ProtectionDomain::lend`] for a buffer the engine may write:
+    /// `access` may hold any right but [`Access::MW_BIND`] (and follows
+    /// the verbs rule: remote write or atomic need local write). Use it as
+    /// the sink of an RDMA Read, for receives, or for the peer's RDMA
+    /// Writes. The buffer holds what was placed once the call returns.
+    ///
+    /// # Errors
+    ///
+    /// As [`ProtectionDomain::lend`] ([`RegError::InvalidAccess`] for
+    /// [`Access::MW_BIND`] or an invalid combination).
+    pub fn lend_mut<R>(
+        &self,
+        buf: &mut [u8],
+        access: Access,
+        f: impl FnOnce(&LentRegion<'_>) -> R,
+    ) -> Result<R, RegError> {
+        if !access.is_valid() || access.contains(Access::MW_BIND) {
+            return Err(RegError::InvalidAccess(access));
+        }
+        self.check_len(buf.len())?;
+        crate::sys::mem::Lend::exclusive(buf, |mem| self.lend_in(mem, access, f))
+    }
+
+    fn lend_in<R>(
+        &self,
+        mem: &Arc<Memory>,
+        access: Access,
+        f: impl FnOnce(&LentRegion<'_>) -> R,
+    ) -> Result<R, RegError> {
+        let addr = mem.base() as u64;
+        let index = self.device().stags().insert(NewEntry {
+            pd: self.id(),
+            access,
+            iova: addr,
+            len: mem.len() as u64,
+            mem: Some(Arc::clone(mem)),
+            valid: true,
+            kind: NewKind::Region,
+        })?;
+        let region = LentRegion {
+            pd: self,
+            stag: self.device().stags().stag_of(index),
+            addr,
+            len: mem.len(),
+            mem,
+            revoked: std::sync::atomic::AtomicBool::new(false),
+        };
+        // `region` is dropped (the STag removed) on return and on unwind,
+        // before `Lend` waits for the other users.
+        Ok(f(&region))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

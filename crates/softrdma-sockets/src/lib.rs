@@ -73,6 +73,21 @@
 //! data, sends AbortConn and resets. Small writes are corked while an
 //! earlier message is still queued in the engine, unless `TCP_NODELAY`.
 //!
+//! Read zero copy, when both Hellos offer it ([`sdp::CAP_READ_ZCOPY`];
+//! off with [`Config::zcopy_threshold`] 0): a blocking write of at least
+//! the threshold lends the application's buffer to the engine for the
+//! call ([`softrdma_engine::ProtectionDomain::lend`]) and sends SrcAvail;
+//! the reader RDMA-Reads it straight into its own buffer (lent the same
+//! way) and answers RdmaRdCompl; the write returns once the peer has read
+//! it all. A peek, a non-blocking read or a read buffer under 128 KiB
+//! answers SendSm instead and the writer copies (buffered). After
+//! [`Config::zcopy_timeout`] or the write timeout the writer withdraws its
+//! offer (SrcAvailCancel) and copies once the reader acknowledges; with a
+//! write timeout set, a reader that never acknowledges gets the connection
+//! reset. Either way the call returns only when nothing can touch the
+//! buffer any more: the engine removed its STag and no Read Response is
+//! still being sent from it.
+//!
 //! ## Readiness
 //!
 //! [`TcpStream::readiness_fd`] gives a descriptor for poll/epoll that is
@@ -101,6 +116,6 @@ pub mod sdp;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 
-pub use config::{Config, Mode, PlainReason, Transport};
+pub use config::{Config, DEFAULT_ZCOPY_THRESHOLD, Mode, PlainReason, Transport};
 pub use net::{TcpListener, TcpStream};
-pub use offload::lost_wakeups;
+pub use offload::{lost_wakeups, zero_copy_fallbacks, zero_copy_octets};

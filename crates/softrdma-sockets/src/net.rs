@@ -134,7 +134,7 @@ impl TcpStream {
             transport: Transport::Offloaded {
                 protocol: "sdp",
                 crc: o.crc(),
-                zero_copy: false,
+                zero_copy: o.zero_copy(),
             },
             inner: Inner::Offload(o),
             opts: Arc::default(),

@@ -849,9 +849,14 @@ impl Session {
         }
         let (h, m, off) = decode_parts(head, total)?;
         self.credits.on_receive(&h)?;
-        if self.close.peer_disconn && !matches!(m, Message::AbortConn | Message::RdmaRdCompl { .. })
+        if self.close.peer_disconn
+            && !matches!(
+                m,
+                Message::AbortConn | Message::RdmaRdCompl { .. } | Message::SendSm
+            )
         {
-            // Only credit updates are harmless after DisConn.
+            // The peer ended its data but still reads ours (RdmaRdCompl,
+            // SendSm); otherwise only credit updates are harmless.
             if !matches!(m, Message::Data { payload_len: 0 }) {
                 return Err(ProtocolError::AfterDisConn);
             }
@@ -1186,6 +1191,28 @@ mod tests {
         adv[3] = 2;
         assert_eq!(d.receive(&adv).unwrap(), Action::Repost);
         assert_eq!(d.credits.tx_credits(), 0);
+    }
+
+    /// Regression: a reader that had ended its own data (DisConn) and then
+    /// answered the peer's SrcAvail with SendSm got its connection reset
+    /// ("message after the peer's DisConn"): it still reads the peer's
+    /// data, so SendSm and RdmaRdCompl are allowed after DisConn; data is
+    /// not.
+    #[test]
+    fn zero_copy_answers_after_disconn() {
+        let mut a = Session::new(4, 1024, 4, 1024);
+        let mut b = Session::new(4, 1024, 4, 1024);
+        let m = msg(&mut a, Message::DisConn, 0);
+        assert_eq!(b.receive(&m).unwrap(), Action::PeerDisConn);
+        b.credits.on_repost(1);
+        let m = msg(&mut a, Message::SendSm, 0);
+        assert_eq!(b.receive(&m).unwrap(), Action::SendSm);
+        b.credits.on_repost(1);
+        let m = msg(&mut a, Message::RdmaRdCompl { len: 5 }, 0);
+        assert_eq!(b.receive(&m).unwrap(), Action::RdmaRdCompl(5));
+        b.credits.on_repost(1);
+        let m = msg(&mut a, Message::SrcAvailCancel, 0);
+        assert_eq!(b.receive(&m), Err(ProtocolError::AfterDisConn));
     }
 
     /// One end of a modelled connection, sending as the connection code

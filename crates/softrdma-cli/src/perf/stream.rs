@@ -5,6 +5,7 @@
 //! ```text
 //! softrdma perf stream [--lat] [-s SIZE | -a] [-n N | -D SECS] [--nodelay]
 //!                      [--baseline tcp] [--mode offload|auto|tcp]
+//!                      [--zcopy-threshold SIZE]
 //!                      [--server [--bind ADDR] [--persist] | --connect HOST[:PORT]]
 //!                      [-p PORT] [--json | --csv]
 //! ```
@@ -77,6 +78,10 @@ pub struct StreamArgs {
     /// Busy-poll this many microseconds before sleeping (Config::spin).
     #[arg(long, value_name = "US")]
     pub spin_us: Option<u64>,
+    /// Writes of at least this many bytes go by Read zero copy when both
+    /// ends offer it (suffixes K, M; 0: off, not offered) [default: 64K].
+    #[arg(long, value_name = "SIZE", value_parser = parse_threshold)]
+    pub zcopy_threshold: Option<usize>,
     /// Runs per size; the median is reported [default: 1].
     #[arg(short = 'r', long, default_value_t = 1)]
     pub runs: usize,
@@ -133,8 +138,20 @@ pub struct StreamRow {
     pub ratio_to_tcp: Option<f64>,
 }
 
+/// A size, or 0 (off).
+fn parse_threshold(s: &str) -> Result<usize, String> {
+    if s.trim() == "0" {
+        Ok(0)
+    } else {
+        super::parse_size(s)
+    }
+}
+
 fn cfg(args: &StreamArgs, mode: Mode) -> Config {
     let mut c = Config::with_mode(mode);
+    if let Some(t) = args.zcopy_threshold {
+        c.zcopy_threshold = t;
+    }
     if let Some(us) = args.spin_us {
         c.spin = Duration::from_micros(us);
     }

@@ -254,11 +254,15 @@ impl RxState {
 
     pub(crate) fn detach(&mut self) {
         self.stream = None;
+        // No placement after this: let go of the memory (lent memory waits
+        // for it, see `mr::LentRegion`).
+        self.dest.clear();
     }
 
     /// The receives taken from the queue and not completed (flushed on
     /// error).
     pub(crate) fn take_partial(&mut self) -> Vec<u64> {
+        self.dest.clear();
         let mut v = Vec::new();
         if let Some(wr_id) = self.too_long.take() {
             v.push(wr_id);
@@ -485,6 +489,10 @@ impl QpInner {
     /// The FPDU is complete and its CRC checked good: a consumed message is
     /// judged, then the message's effects are applied.
     fn on_fpdu_end(&self, rx: &mut RxState) -> Result<(), Stop> {
+        // The payload is placed and its CRC checked: let go of its memory
+        // now, not at the next FPDU (lent memory waits for it, see
+        // `mr::LentRegion`).
+        rx.dest.clear();
         let action = match rx.mode {
             Mode::Consume => self.check_consumed(rx).map_err(Stop::Violation)?,
             Mode::Place => std::mem::replace(&mut rx.action, Action::None),

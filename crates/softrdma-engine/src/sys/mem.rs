@@ -354,6 +354,65 @@ impl crate::pd::ProtectionDomain {
     }
 }
 
+/// Memory lent by the caller for the duration of one call (see
+/// `ProtectionDomain::lend` in `mr.rs`, the only user).
+///
+/// The `Arc<Memory>` handed to `f` points into the caller's buffer. When
+/// `f` returns (or unwinds), this function waits until every clone of that
+/// `Arc` is gone before it returns: the engine holds a clone for as long as
+/// it may touch the bytes (the registration table entry, posted work
+/// requests, a Read Response being transmitted, a placement in progress),
+/// so once the registration is removed (by `f`, on every path) and the last
+/// user let go, nothing can reach the buffer any more and the borrow may
+/// end. A clone that is never dropped makes this function never return,
+/// never touch freed memory. Weak references would allow a clone to be
+/// made after the check; [`Arc::get_mut`] rules them out too.
+pub(crate) struct Lend;
+
+impl Lend {
+    /// Lends `buf` for reading only: the caller registers it without any
+    /// write right (local or remote), so neither the data path nor the
+    /// application writes through the pointer (it comes from a shared
+    /// reference).
+    pub(crate) fn shared<R>(buf: &[u8], f: impl FnOnce(&Arc<Memory>) -> R) -> R {
+        Self::raw(buf.as_ptr().cast_mut(), buf.len(), f)
+    }
+
+    /// Lends `buf` for reading and writing.
+    pub(crate) fn exclusive<R>(buf: &mut [u8], f: impl FnOnce(&Arc<Memory>) -> R) -> R {
+        Self::raw(buf.as_mut_ptr(), buf.len(), f)
+    }
+
+    fn raw<R>(ptr: *mut u8, len: usize, f: impl FnOnce(&Arc<Memory>) -> R) -> R {
+        /// Waits for the other clones on every way out of `raw` (a panic
+        /// of `f` included).
+        struct Scope(Arc<Memory>);
+        impl Drop for Scope {
+            fn drop(&mut self) {
+                let mut round = 0u32;
+                while Arc::get_mut(&mut self.0).is_none() {
+                    round = round.saturating_add(1);
+                    if round < 64 {
+                        std::thread::yield_now();
+                    } else {
+                        let us = 10u64 << (round - 64).min(7);
+                        std::thread::sleep(std::time::Duration::from_micros(us));
+                    }
+                }
+            }
+        }
+        // SAFETY: `ptr` comes from a reference the caller holds for the
+        // whole call, so it is valid for `len` bytes until this function
+        // returns; `Scope` makes the function return only once the `Arc`
+        // (and so every pointer derived from it by the engine) is unique
+        // again, on every path. The memory is not owned, so dropping it
+        // frees nothing. For `shared`, no write right is ever granted on it
+        // (see there), so nothing writes through the pointer.
+        let scope = Scope(unsafe { Memory::external(ptr, len) });
+        f(&scope.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
