@@ -470,3 +470,82 @@ fn crc_covers_payload_placed_straight_from_the_socket() {
         assert_eq!(&v.mr.to_vec()[..3500], &payload[..]);
     }
 }
+
+/// A Send of two segments into a receive of two SGEs with a gap between
+/// them, CRC on, the stream cut once at every byte offset (the receiver
+/// reads the first part before the rest arrives): the direct `readv` into
+/// several pieces, its CRC fed from each piece, the read-ahead spanning
+/// the next segment's header, and the staging copy all place every byte
+/// where it belongs and nothing in the gap.
+#[test]
+fn send_into_two_sges_split_at_every_offset_places_every_byte() {
+    const A: usize = 700;
+    const B_AT: usize = 1024;
+    const B: usize = 900;
+    let mut v = victim(true);
+    let seg1: Vec<u8> = (0..1300u32).map(|i| (i * 7 % 253) as u8).collect();
+    let seg2: Vec<u8> = (0..300u32).map(|i| (i * 11 % 241) as u8 ^ 0x55).collect();
+    let mut want = seg1.clone();
+    want.extend_from_slice(&seg2);
+    let f1 = framed(
+        &ulpdu(&UlpduRepr::send(Opcode::Send, None, Msn(0), 0, false, &seg1)),
+        true,
+    );
+    let total = {
+        let f2 = framed(
+            &ulpdu(&UlpduRepr::send(
+                Opcode::Send,
+                None,
+                Msn(0),
+                seg1.len() as u32,
+                true,
+                &seg2,
+            )),
+            true,
+        );
+        f1.len() + f2.len()
+    };
+    let mut msn = 1u32;
+    for k in (1..total).step_by(7).chain([total - 1, f1.len(), f1.len() + 1]) {
+        v.mr.fill(0xee);
+        let sge = [
+            v.mr.sge(0, A as u32).expect("sge"),
+            v.mr.sge(B_AT, B as u32).expect("sge"),
+        ];
+        v.qp.post_recv(&RecvWr::new(u64::from(msn), &sge))
+            .expect("post_recv");
+        let mut wire = framed(
+            &ulpdu(&UlpduRepr::send(Opcode::Send, None, Msn(msn), 0, false, &seg1)),
+            true,
+        );
+        wire.extend(framed(
+            &ulpdu(&UlpduRepr::send(
+                Opcode::Send,
+                None,
+                Msn(msn),
+                seg1.len() as u32,
+                true,
+                &seg2,
+            )),
+            true,
+        ));
+        v.send(&wire[..k]);
+        std::thread::sleep(Duration::from_millis(1));
+        v.send(&wire[k..]);
+        let wc = wait_wc(&v.cq, 1);
+        assert_eq!(
+            (wc[0].wr_id, wc[0].status, wc[0].byte_len as usize),
+            (u64::from(msn), WcStatus::Success, want.len()),
+            "cut at {k}"
+        );
+        let mem = v.mr.to_vec();
+        assert_eq!(&mem[..A], &want[..A], "first SGE, cut at {k}");
+        assert!(mem[A..B_AT].iter().all(|&b| b == 0xee), "gap, cut at {k}");
+        assert_eq!(&mem[B_AT..B_AT + B], &want[A..], "second SGE, cut at {k}");
+        assert!(
+            mem[B_AT + B..].iter().all(|&b| b == 0xee),
+            "after, cut at {k}"
+        );
+        msn += 1;
+    }
+}
