@@ -488,7 +488,14 @@ fn send_into_two_sges_split_at_every_offset_places_every_byte() {
     let mut want = seg1.clone();
     want.extend_from_slice(&seg2);
     let f1 = framed(
-        &ulpdu(&UlpduRepr::send(Opcode::Send, None, Msn(0), 0, false, &seg1)),
+        &ulpdu(&UlpduRepr::send(
+            Opcode::Send,
+            None,
+            Msn(0),
+            0,
+            false,
+            &seg1,
+        )),
         true,
     );
     let total = {
@@ -506,7 +513,10 @@ fn send_into_two_sges_split_at_every_offset_places_every_byte() {
         f1.len() + f2.len()
     };
     let mut msn = 1u32;
-    for k in (1..total).step_by(7).chain([total - 1, f1.len(), f1.len() + 1]) {
+    for k in (1..total)
+        .step_by(7)
+        .chain([total - 1, f1.len(), f1.len() + 1])
+    {
         v.mr.fill(0xee);
         let sge = [
             v.mr.sge(0, A as u32).expect("sge"),
@@ -515,7 +525,14 @@ fn send_into_two_sges_split_at_every_offset_places_every_byte() {
         v.qp.post_recv(&RecvWr::new(u64::from(msn), &sge))
             .expect("post_recv");
         let mut wire = framed(
-            &ulpdu(&UlpduRepr::send(Opcode::Send, None, Msn(msn), 0, false, &seg1)),
+            &ulpdu(&UlpduRepr::send(
+                Opcode::Send,
+                None,
+                Msn(msn),
+                0,
+                false,
+                &seg1,
+            )),
             true,
         );
         wire.extend(framed(
