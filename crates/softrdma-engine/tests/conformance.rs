@@ -487,44 +487,9 @@ fn send_into_two_sges_split_at_every_offset_places_every_byte() {
     let seg2: Vec<u8> = (0..300u32).map(|i| (i * 11 % 241) as u8 ^ 0x55).collect();
     let mut want = seg1.clone();
     want.extend_from_slice(&seg2);
-    let f1 = framed(
-        &ulpdu(&UlpduRepr::send(
-            Opcode::Send,
-            None,
-            Msn(0),
-            0,
-            false,
-            &seg1,
-        )),
-        true,
-    );
-    let total = {
-        let f2 = framed(
-            &ulpdu(&UlpduRepr::send(
-                Opcode::Send,
-                None,
-                Msn(0),
-                seg1.len() as u32,
-                true,
-                &seg2,
-            )),
-            true,
-        );
-        f1.len() + f2.len()
-    };
-    let mut msn = 1u32;
-    for k in (1..total)
-        .step_by(7)
-        .chain([total - 1, f1.len(), f1.len() + 1])
-    {
-        v.mr.fill(0xee);
-        let sge = [
-            v.mr.sge(0, A as u32).expect("sge"),
-            v.mr.sge(B_AT, B as u32).expect("sge"),
-        ];
-        v.qp.post_recv(&RecvWr::new(u64::from(msn), &sge))
-            .expect("post_recv");
-        let mut wire = framed(
+    // The two FPDUs of the Send of MSN `msn`.
+    let wire_of = |msn: u32| {
+        let mut w = framed(
             &ulpdu(&UlpduRepr::send(
                 Opcode::Send,
                 None,
@@ -535,17 +500,25 @@ fn send_into_two_sges_split_at_every_offset_places_every_byte() {
             )),
             true,
         );
-        wire.extend(framed(
-            &ulpdu(&UlpduRepr::send(
-                Opcode::Send,
-                None,
-                Msn(msn),
-                seg1.len() as u32,
-                true,
-                &seg2,
-            )),
-            true,
-        ));
+        let first = w.len();
+        let mo = seg1.len() as u32;
+        let last = UlpduRepr::send(Opcode::Send, None, Msn(msn), mo, true, &seg2);
+        w.extend(framed(&ulpdu(&last), true));
+        (w, first)
+    };
+    let (w, first) = wire_of(0);
+    let cuts = (1..w.len())
+        .step_by(7)
+        .chain([w.len() - 1, first, first + 1]);
+    for (msn, k) in (1u32..).zip(cuts) {
+        v.mr.fill(0xee);
+        let sge = [
+            v.mr.sge(0, A as u32).expect("sge"),
+            v.mr.sge(B_AT, B as u32).expect("sge"),
+        ];
+        v.qp.post_recv(&RecvWr::new(u64::from(msn), &sge))
+            .expect("post_recv");
+        let (wire, _) = wire_of(msn);
         v.send(&wire[..k]);
         std::thread::sleep(Duration::from_millis(1));
         v.send(&wire[k..]);
@@ -563,6 +536,5 @@ fn send_into_two_sges_split_at_every_offset_places_every_byte() {
             mem[B_AT + B..].iter().all(|&b| b == 0xee),
             "after, cut at {k}"
         );
-        msn += 1;
     }
 }
