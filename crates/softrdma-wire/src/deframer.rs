@@ -170,8 +170,9 @@ pub enum Want {
     },
     /// Payload of the current FPDU (the ULPDU after the DDP header). Read at
     /// most `len` bytes straight into their destination and report them with
-    /// [`Deframer::handle_payload`]. `len` stops at the FPDU's payload end
-    /// and at the next marker.
+    /// [`Deframer::handle_payload`] (or by length with
+    /// [`Deframer::handle_payload_by`]). `len` stops at the FPDU's payload
+    /// end and at the next marker.
     Payload {
         /// Bytes that may be read contiguously (at least 1).
         len: usize,
@@ -224,7 +225,8 @@ pub enum Event {
     },
 }
 
-/// Result of [`Deframer::handle_bytes`] and [`Deframer::handle_payload`].
+/// Result of [`Deframer::handle_bytes`], [`Deframer::handle_payload`] and
+/// [`Deframer::handle_payload_by`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Handled {
     /// Bytes consumed from the front of the slice passed (never more than
