@@ -538,3 +538,42 @@ fn send_into_two_sges_split_at_every_offset_places_every_byte() {
         );
     }
 }
+
+/// The peer's FIN inside an FPDU (in its length field, its DDP header,
+/// payload staged with the header, payload read straight into the receive,
+/// pad and CRC) is a bad close, never a graceful one: the QP enters ERROR
+/// and the receive the partial Send was being placed into completes once,
+/// flushed.
+#[test]
+fn fin_inside_an_fpdu_is_a_bad_close_at_every_part_of_it() {
+    let payload: Vec<u8> = (0..1501u32).map(|i| (i % 199) as u8).collect();
+    for crc in [false, true] {
+        let f = framed(
+            &ulpdu(&UlpduRepr::send(
+                Opcode::Send,
+                None,
+                Msn(1),
+                0,
+                true,
+                &payload,
+            )),
+            crc,
+        );
+        for cut in [1, 10, 20, 100, 1400, f.len() - 5, f.len() - 2] {
+            let mut v = victim(crc);
+            recv(&v, 7, 0, 2048);
+            v.send(&f[..cut]);
+            std::thread::sleep(Duration::from_millis(5));
+            v.raw.shutdown(Shutdown::Write).expect("shutdown");
+            v.wait_state(&[QpState::Error]);
+            let wc = wait_wc(&v.cq, 1);
+            assert_eq!(
+                (wc[0].wr_id, wc[0].status),
+                (7, WcStatus::WrFlush),
+                "crc {crc}, FIN after {cut} bytes"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+            assert!(v.cq.poll_one().is_none(), "one completion only");
+        }
+    }
+}
