@@ -577,3 +577,48 @@ fn fin_inside_an_fpdu_is_a_bad_close_at_every_part_of_it() {
         }
     }
 }
+
+/// A Terminate between two segments of a Send whose first segment was
+/// placed straight from the socket (read-ahead holding the Terminate):
+/// the QP enters ERROR with the peer's code, the half-filled receive
+/// completes once, flushed, and nothing after the first segment's bytes is
+/// written.
+#[test]
+fn terminate_between_segments_of_a_send_flushes_the_receive_once() {
+    use softrdma_engine::TerminateDirection;
+    use softrdma_engine::wire::rdmap::terminate::TerminateRepr;
+    for crc in [false, true] {
+        let mut v = victim(crc);
+        v.mr.fill(0xee);
+        recv(&v, 5, 0, 3000);
+        let seg: Vec<u8> = (0..1300u32).map(|i| (i % 251) as u8).collect();
+        let mut wire = framed(
+            &ulpdu(&UlpduRepr::send(Opcode::Send, None, Msn(1), 0, false, &seg)),
+            crc,
+        );
+        let code = TermCode::from(TermError::RdmapUnexpectedOpcode);
+        wire.extend(framed(
+            &ulpdu(&UlpduRepr::terminate(Msn(1), TerminateRepr::new(code))),
+            crc,
+        ));
+        // The header alone first: the payload then goes straight into the
+        // receive, the Terminate into the read-ahead.
+        v.send(&wire[..20]);
+        std::thread::sleep(Duration::from_millis(5));
+        v.send(&wire[20..]);
+        v.wait_state(&[QpState::Error]);
+        let wc = wait_wc(&v.cq, 1);
+        assert_eq!(
+            (wc[0].wr_id, wc[0].status),
+            (5, WcStatus::WrFlush),
+            "crc {crc}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(v.cq.poll_one().is_none(), "one completion only");
+        let t = v.qp.last_terminate().expect("the peer's Terminate");
+        assert_eq!((t.direction, t.code), (TerminateDirection::Received, code));
+        let mem = v.mr.to_vec();
+        assert_eq!(&mem[..1300], &seg[..]);
+        assert!(mem[1300..].iter().all(|&b| b == 0xee));
+    }
+}
