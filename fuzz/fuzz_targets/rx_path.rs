@@ -170,6 +170,7 @@ fuzz_target!(|data: &[u8]| {
             addr: arena.addr() + WINDOW.start as u64,
             length: WINDOW.len() as u64,
             access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+            key: None,
         },
     ))
     .expect("bind");

@@ -470,3 +470,155 @@ fn crc_covers_payload_placed_straight_from_the_socket() {
         assert_eq!(&v.mr.to_vec()[..3500], &payload[..]);
     }
 }
+
+/// A Send of two segments into a receive of two SGEs with a gap between
+/// them, CRC on, the stream cut once at every byte offset (the receiver
+/// reads the first part before the rest arrives): the direct `readv` into
+/// several pieces, its CRC fed from each piece, the read-ahead spanning
+/// the next segment's header, and the staging copy all place every byte
+/// where it belongs and nothing in the gap.
+#[test]
+fn send_into_two_sges_split_at_every_offset_places_every_byte() {
+    const A: usize = 700;
+    const B_AT: usize = 1024;
+    const B: usize = 900;
+    let mut v = victim(true);
+    let seg1: Vec<u8> = (0..1300u32).map(|i| (i * 7 % 253) as u8).collect();
+    let seg2: Vec<u8> = (0..300u32).map(|i| (i * 11 % 241) as u8 ^ 0x55).collect();
+    let mut want = seg1.clone();
+    want.extend_from_slice(&seg2);
+    // The two FPDUs of the Send of MSN `msn`.
+    let wire_of = |msn: u32| {
+        let mut w = framed(
+            &ulpdu(&UlpduRepr::send(
+                Opcode::Send,
+                None,
+                Msn(msn),
+                0,
+                false,
+                &seg1,
+            )),
+            true,
+        );
+        let first = w.len();
+        let mo = seg1.len() as u32;
+        let last = UlpduRepr::send(Opcode::Send, None, Msn(msn), mo, true, &seg2);
+        w.extend(framed(&ulpdu(&last), true));
+        (w, first)
+    };
+    let (w, first) = wire_of(0);
+    let cuts = (1..w.len())
+        .step_by(7)
+        .chain([w.len() - 1, first, first + 1]);
+    for (msn, k) in (1u32..).zip(cuts) {
+        v.mr.fill(0xee);
+        let sge = [
+            v.mr.sge(0, A as u32).expect("sge"),
+            v.mr.sge(B_AT, B as u32).expect("sge"),
+        ];
+        v.qp.post_recv(&RecvWr::new(u64::from(msn), &sge))
+            .expect("post_recv");
+        let (wire, _) = wire_of(msn);
+        v.send(&wire[..k]);
+        std::thread::sleep(Duration::from_millis(1));
+        v.send(&wire[k..]);
+        let wc = wait_wc(&v.cq, 1);
+        assert_eq!(
+            (wc[0].wr_id, wc[0].status, wc[0].byte_len as usize),
+            (u64::from(msn), WcStatus::Success, want.len()),
+            "cut at {k}"
+        );
+        let mem = v.mr.to_vec();
+        assert_eq!(&mem[..A], &want[..A], "first SGE, cut at {k}");
+        assert!(mem[A..B_AT].iter().all(|&b| b == 0xee), "gap, cut at {k}");
+        assert_eq!(&mem[B_AT..B_AT + B], &want[A..], "second SGE, cut at {k}");
+        assert!(
+            mem[B_AT + B..].iter().all(|&b| b == 0xee),
+            "after, cut at {k}"
+        );
+    }
+}
+
+/// The peer's FIN inside an FPDU (in its length field, its DDP header,
+/// payload staged with the header, payload read straight into the receive,
+/// pad and CRC) is a bad close, never a graceful one: the QP enters ERROR
+/// and the receive the partial Send was being placed into completes once,
+/// flushed.
+#[test]
+fn fin_inside_an_fpdu_is_a_bad_close_at_every_part_of_it() {
+    let payload: Vec<u8> = (0..1501u32).map(|i| (i % 199) as u8).collect();
+    for crc in [false, true] {
+        let f = framed(
+            &ulpdu(&UlpduRepr::send(
+                Opcode::Send,
+                None,
+                Msn(1),
+                0,
+                true,
+                &payload,
+            )),
+            crc,
+        );
+        for cut in [1, 10, 20, 100, 1400, f.len() - 5, f.len() - 2] {
+            let mut v = victim(crc);
+            recv(&v, 7, 0, 2048);
+            v.send(&f[..cut]);
+            std::thread::sleep(Duration::from_millis(5));
+            v.raw.shutdown(Shutdown::Write).expect("shutdown");
+            v.wait_state(&[QpState::Error]);
+            let wc = wait_wc(&v.cq, 1);
+            assert_eq!(
+                (wc[0].wr_id, wc[0].status),
+                (7, WcStatus::WrFlush),
+                "crc {crc}, FIN after {cut} bytes"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+            assert!(v.cq.poll_one().is_none(), "one completion only");
+        }
+    }
+}
+
+/// A Terminate between two segments of a Send whose first segment was
+/// placed straight from the socket (read-ahead holding the Terminate):
+/// the QP enters ERROR with the peer's code, the half-filled receive
+/// completes once, flushed, and nothing after the first segment's bytes is
+/// written.
+#[test]
+fn terminate_between_segments_of_a_send_flushes_the_receive_once() {
+    use softrdma_engine::TerminateDirection;
+    use softrdma_engine::wire::rdmap::terminate::TerminateRepr;
+    for crc in [false, true] {
+        let mut v = victim(crc);
+        v.mr.fill(0xee);
+        recv(&v, 5, 0, 3000);
+        let seg: Vec<u8> = (0..1300u32).map(|i| (i % 251) as u8).collect();
+        let mut wire = framed(
+            &ulpdu(&UlpduRepr::send(Opcode::Send, None, Msn(1), 0, false, &seg)),
+            crc,
+        );
+        let code = TermCode::from(TermError::RdmapUnexpectedOpcode);
+        wire.extend(framed(
+            &ulpdu(&UlpduRepr::terminate(Msn(1), TerminateRepr::new(code))),
+            crc,
+        ));
+        // The header alone first: the payload then goes straight into the
+        // receive, the Terminate into the read-ahead.
+        v.send(&wire[..20]);
+        std::thread::sleep(Duration::from_millis(5));
+        v.send(&wire[20..]);
+        v.wait_state(&[QpState::Error]);
+        let wc = wait_wc(&v.cq, 1);
+        assert_eq!(
+            (wc[0].wr_id, wc[0].status),
+            (5, WcStatus::WrFlush),
+            "crc {crc}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(v.cq.poll_one().is_none(), "one completion only");
+        let t = v.qp.last_terminate().expect("the peer's Terminate");
+        assert_eq!((t.direction, t.code), (TerminateDirection::Received, code));
+        let mem = v.mr.to_vec();
+        assert_eq!(&mem[..1300], &seg[..]);
+        assert!(mem[1300..].iter().all(|&b| b == 0xee));
+    }
+}

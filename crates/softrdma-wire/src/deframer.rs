@@ -170,8 +170,9 @@ pub enum Want {
     },
     /// Payload of the current FPDU (the ULPDU after the DDP header). Read at
     /// most `len` bytes straight into their destination and report them with
-    /// [`Deframer::handle_payload`]. `len` stops at the FPDU's payload end
-    /// and at the next marker.
+    /// [`Deframer::handle_payload`] (or by length with
+    /// [`Deframer::handle_payload_by`]). `len` stops at the FPDU's payload
+    /// end and at the next marker.
     Payload {
         /// Bytes that may be read contiguously (at least 1).
         len: usize,
@@ -224,7 +225,8 @@ pub enum Event {
     },
 }
 
-/// Result of [`Deframer::handle_bytes`] and [`Deframer::handle_payload`].
+/// Result of [`Deframer::handle_bytes`], [`Deframer::handle_payload`] and
+/// [`Deframer::handle_payload_by`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Handled {
     /// Bytes consumed from the front of the slice passed (never more than
@@ -1019,6 +1021,19 @@ mod tests {
     /// (`by_len`: [`Deframer::handle_payload_by`], the CRC fed by the
     /// caller).
     fn run_direct_mode(cfg: DeframerConfig, wire: &[u8], cuts: &[usize], by_len: bool) -> Outcome {
+        run_direct_pieces(cfg, wire, cuts, |_| by_len)
+    }
+
+    /// [`run_direct`], the `i`-th payload piece reported by length when
+    /// `by_len(i)`, as a slice otherwise (the engine mixes both within one
+    /// FPDU: staged bytes as a slice, a direct `readv` by length).
+    fn run_direct_pieces(
+        cfg: DeframerConfig,
+        wire: &[u8],
+        cuts: &[usize],
+        by_len: impl Fn(usize) -> bool,
+    ) -> Outcome {
+        let mut pieces = 0;
         let mut d = Deframer::new(cfg);
         let mut out = Vec::new();
         let mut ulpdu = Vec::new();
@@ -1036,7 +1051,8 @@ mod tests {
             let r = match want {
                 Want::Payload { .. } => {
                     ulpdu.extend_from_slice(bytes);
-                    if by_len {
+                    pieces += 1;
+                    if by_len(pieces) {
                         d.handle_payload_by(n, |c, k| {
                             assert_eq!(k, n);
                             c.update(&bytes[..k]);
@@ -1121,6 +1137,41 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Payload pieces of one FPDU reported alternately as a slice and by
+    /// length (as the engine's receive path does), the stream cut at two
+    /// points: the CRC and the FPDUs are those of the whole stream; one
+    /// byte changed in a piece reported by length is a CRC mismatch.
+    #[test]
+    fn payload_in_mixed_slice_and_length_pieces_at_two_cuts() {
+        let ulpdus = [tagged(1100, 7), untagged(40, 8), untagged(1500, 9)];
+        let cfg = DeframerConfig::new(true, false);
+        let wire = stream(&ulpdus, true, false, 0);
+        let whole = run_slice(cfg, &wire, &[]);
+        assert_eq!(strip_pos(&whole), expected(&ulpdus, true));
+        for i in (0..wire.len()).step_by(11) {
+            for j in (i..wire.len()).step_by(29) {
+                for odd in [false, true] {
+                    let got = run_direct_pieces(cfg, &wire, &[i, j], |k| (k % 2 == 1) == odd);
+                    assert_eq!(got, whole, "cuts {i} {j}, odd {odd}");
+                }
+            }
+        }
+        // A byte of the first FPDU's payload changed: a CRC mismatch at it,
+        // whichever way its piece was reported.
+        let mut bad = wire.clone();
+        bad[2 + 14 + 700] ^= 1;
+        for by_len in [false, true] {
+            let (fpdus, err) = run_direct_pieces(cfg, &bad, &[2 + 14 + 300, 2 + 14 + 701], |k| {
+                (k == 2) == by_len
+            });
+            assert!(fpdus.is_empty());
+            assert!(
+                matches!(err, Some(DeframeError::CrcMismatch { position: 0, .. })),
+                "{err:?}"
+            );
         }
     }
 

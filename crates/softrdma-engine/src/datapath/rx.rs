@@ -241,6 +241,12 @@ impl RxState {
         already_read: &[u8],
     ) {
         self.stream = Some(stream);
+        // A QP closed gracefully is connected again with this state: every
+        // queue starts afresh, nothing of the last connection's Writes is
+        // reported.
+        self.expect = [Msn::INITIAL; 4];
+        self.write_open = None;
+        self.last_write = None;
         self.expect[qi(QN_SEND)] = send_msn;
         self.expect[qi(QN_READ_REQUEST)] = read_msn;
         // Markers are always declined in the MPA negotiation.
@@ -1130,5 +1136,45 @@ fn deframe_stop(rx: &mut RxState, e: DeframeError) -> Stop {
             Stop::Violation(MALFORMED_HEADER)
         }
         _ => local_catastrophe(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{Ipv4Addr, TcpListener};
+
+    /// A QP closed gracefully (IDLE) keeps its receive state; connected
+    /// again, every queue's expected MSN must start afresh (the Atomic
+    /// Response and Terminate queues too, not only the two the
+    /// negotiation names), and nothing of the last connection's Writes is
+    /// reported to a proxy filter.
+    #[test]
+    fn attach_after_a_closed_connection_starts_every_msn_afresh() {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let s = Arc::new(TcpStream::connect(l.local_addr().unwrap()).unwrap());
+        let mut rx = RxState::new();
+        rx.attach(s.clone(), false, Msn::INITIAL, Msn::INITIAL, &[]);
+        // The first connection received messages on every queue.
+        for e in &mut rx.expect {
+            *e = e.next().next();
+        }
+        let w = WriteTrack {
+            stag: 1,
+            to: 0,
+            len: 8,
+            header: [0; MAX_COPIED_HDR],
+            header_len: 14,
+        };
+        rx.write_open = Some(w);
+        rx.last_write = Some(w);
+        rx.detach();
+        rx.attach(s, true, Msn(7), Msn(9), &[]);
+        assert_eq!(
+            rx.expect,
+            [Msn(7), Msn(9), Msn::INITIAL, Msn::INITIAL],
+            "expected MSNs per queue"
+        );
+        assert!(rx.write_open.is_none() && rx.last_write.is_none());
     }
 }
