@@ -250,3 +250,50 @@ fn peer_that_never_closes_gets_reset_by_the_close_timer() {
         "the peer's connection was reset: {err:?}"
     );
 }
+
+/// After a graceful close the QPs are in IDLE and may be connected again;
+/// the transmit side used to keep the old connection's "peer closed" and
+/// "FIN sent" marks, so requests posted on the new connection were
+/// accepted and never sent.
+#[test]
+fn reconnect_after_a_graceful_close_sends_again() {
+    let p = pair(false);
+    p.a.qp.disconnect().unwrap();
+    until("both QPs in IDLE", || {
+        p.a.qp.state() == QpState::Idle && p.b.qp.state() == QpState::Idle
+    });
+    softrdma_engine::loopback::connect_pair(&p.a.qp, &p.b.qp, &MpaConfig::default())
+        .expect("connect again");
+    let rb = mr(&p.b, 64);
+    p.b.qp
+        .post_recv(&RecvWr::new(7, &[rb.sge(0, 64).unwrap()]))
+        .unwrap();
+    p.a.qp
+        .post_send(&SendWr::new(8, SendOp::Send).inline(b"again").signaled())
+        .unwrap();
+    let r = wait(&p.b.cq, 1);
+    assert_eq!((r[0].wr_id, r[0].status), (7, WcStatus::Success));
+    assert_eq!(&rb.to_vec()[..5], b"again");
+    let s = wait(&p.a.cq, 1);
+    assert_eq!((s[0].wr_id, s[0].status), (8, WcStatus::Success));
+    // An answered request (its response uses the peer's fresh MSNs too).
+    let target = mr(&p.b, 8);
+    let local = mr(&p.a, 8);
+    p.a.qp
+        .post_send(
+            &SendWr::new(
+                9,
+                SendOp::FetchAdd {
+                    remote_addr: target.addr(),
+                    rkey: target.rkey(),
+                    add: 5,
+                },
+            )
+            .sg_list(&[local.sge(0, 8).unwrap()])
+            .signaled(),
+        )
+        .unwrap();
+    let s = wait(&p.a.cq, 1);
+    assert_eq!((s[0].wr_id, s[0].status), (9, WcStatus::Success));
+    assert_eq!(target.to_vec(), 5u64.to_le_bytes());
+}

@@ -293,10 +293,9 @@ fn timeout_when_the_peer_is_silent() {
         silent_until_closed,
     );
     assert!(matches!(r, Err(ConnectError::TimedOut { .. })), "{r:?}");
-    let (_, i) = run(
-        silent_until_closed,
-        move |mut s| mpa_connect(&mut s, &MpaConfig::default(), &[], short),
-    );
+    let (_, i) = run(silent_until_closed, move |mut s| {
+        mpa_connect(&mut s, &MpaConfig::default(), &[], short)
+    });
     assert!(matches!(i, Err(ConnectError::TimedOut { .. })), "{i:?}");
 }
 

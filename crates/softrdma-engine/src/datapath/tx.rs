@@ -257,6 +257,32 @@ impl TxState {
     }
 
     /// First MSNs of the Send and Read Request queues.
+    /// Forgets what belonged to the previous connection (framing position,
+    /// queued FPDUs and responses, MSNs, the close and Terminate marks) so
+    /// that a QP connected again after a graceful close transmits afresh.
+    /// The send queue (empty in IDLE), the datamover listing and the byte
+    /// count are kept.
+    pub(crate) fn start_connection(&mut self) {
+        let fresh = TxState::new();
+        self.cur_off = 0;
+        self.cur_started = false;
+        self.cur_msn = fresh.cur_msn;
+        self.cur_imm_next = false;
+        self.resp.clear();
+        self.resp_off = 0;
+        self.term = None;
+        self.out.clear();
+        self.out_bytes = 0;
+        self.msn = fresh.msn;
+        self.resp_turn = false;
+        self.fatal = None;
+        self.closed = false;
+        self.fin_pending = false;
+        self.fin_sent = false;
+        self.peer_closed = false;
+        self.terminate_sent = false;
+    }
+
     pub(crate) fn set_initial_msns(&mut self, send: Msn, read: Msn) {
         self.msn[qi(QN_SEND)] = send;
         self.msn[qi(QN_READ_REQUEST)] = read;

@@ -767,7 +767,7 @@ impl QueuePair {
                 crc: params.crc,
                 max_payload,
             });
-            tx.closed = false;
+            tx.start_connection();
             tx.set_initial_msns(params.msns.send_tx, params.msns.read_tx);
             let _ = qp.tx.release(tx);
         }
