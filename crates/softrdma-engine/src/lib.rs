@@ -103,6 +103,7 @@ pub mod srq;
 mod sys;
 mod timer;
 pub mod transition;
+pub mod wait_set;
 pub mod wc;
 pub mod wr;
 
@@ -119,6 +120,7 @@ pub use pd::ProtectionDomain;
 pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair, TerminateDirection, TerminateInfo};
 pub use remote::{RemoteBuf, RemoteBufError};
 pub use srq::SharedReceiveQueue;
+pub use wait_set::WaitSet;
 pub use state::QpState;
 pub use sys::io::{process_context_switches, signal_blocked, thread_context_switches};
 pub use wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
