@@ -220,7 +220,7 @@ fn no_lost_wake_up() {
         let waiter = std::thread::spawn(move || {
             let mut set = WaitSet::new();
             set.add_cq(&cq);
-            set.add_fd(r.as_raw_fd(), libc::POLLIN);
+            let f = set.add_fd(r.as_raw_fd(), libc::POLLIN);
             let mut got = 0u64;
             let mut bytes = 0usize;
             let mut file = std::fs::File::from(r.try_clone().unwrap());
@@ -228,7 +228,7 @@ fn no_lost_wake_up() {
                 let n = set.wait(Some(Duration::from_secs(10))).unwrap();
                 assert!(n > 0, "lost wake-up after {got} completions, {bytes} bytes");
                 got += take(&cq).len() as u64;
-                if set.fd_revents(1) != 0 {
+                if set.fd_revents(f) != 0 {
                     let mut b = [0u8; 64];
                     bytes += std::io::Read::read(&mut file, &mut b).unwrap();
                 }
