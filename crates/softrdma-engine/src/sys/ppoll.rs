@@ -17,9 +17,7 @@ pub(crate) fn ppoll(
         tv_nsec: libc::c_long::from(t.subsec_nanos() as i32),
     });
     let n = libc::nfds_t::try_from(fds.len()).unwrap_or(libc::nfds_t::MAX);
-    let ts_ptr = ts
-        .as_ref()
-        .map_or(std::ptr::null(), |t| std::ptr::from_ref(t));
+    let ts_ptr = ts.as_ref().map_or(std::ptr::null(), std::ptr::from_ref);
     let mask_ptr = mask.map_or(std::ptr::null(), std::ptr::from_ref);
     // SAFETY: `fds` is a valid array of `n` pollfd entries that lives
     // across the call (the kernel writes only their `revents`); `ts_ptr`
