@@ -173,6 +173,7 @@ fn the_mask_applies_during_the_wait_only() {
     let res = std::thread::spawn(|| {
         // SAFETY: plain data, set up with the sigset functions.
         let mut block: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
         let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
         // SAFETY: valid sigset pointers; this thread's own mask.
         unsafe {
