@@ -97,6 +97,7 @@ pub mod detect;
 pub mod external;
 mod net;
 mod offload;
+pub mod poll;
 pub mod sdp;
 #[cfg(feature = "tokio")]
 pub mod tokio;

@@ -406,6 +406,14 @@ impl TcpStream {
         }
     }
 
+    /// The offloaded connection, if any (for [`crate::poll`]).
+    pub(crate) fn offload(&self) -> Option<&Offload> {
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Offload(o) => Some(o),
+        }
+    }
+
     /// What an async reactor watches (plain: another descriptor of the
     /// kernel socket).
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]

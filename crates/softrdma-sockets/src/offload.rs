@@ -1330,6 +1330,27 @@ impl Shared {
     }
 }
 
+/// For [`crate::poll`]: readiness over several connections.
+impl Offload {
+    /// The connection's completion queue (a wait set sleeps on it).
+    pub(crate) fn cq(&self) -> &CompletionQueue {
+        &self.sh.cq
+    }
+
+    /// Whether a read, and a write, would not block now, after handling
+    /// the completions the CQ holds (none: no receive attempt, no system
+    /// call); the readiness descriptor, if any, is brought up to date.
+    pub(crate) fn ready_now(&self) -> (bool, bool) {
+        let sh = &*self.sh;
+        let mut st = sh.lock();
+        if !sh.cq.is_empty() {
+            sh.progress(&mut st);
+        }
+        sh.after(&mut st);
+        Shared::readiness(&st)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
