@@ -160,8 +160,11 @@ impl WaitSet {
     /// Waits until a CQ of the set holds a completion or a foreign
     /// descriptor has events, at most `timeout` (`None`: no limit;
     /// zero: look once without sleeping). Returns how many entries are
-    /// ready (0: the time is up); see [`cq_ready`](Self::cq_ready) and
-    /// [`fd_revents`](Self::fd_revents).
+    /// ready; see [`cq_ready`](Self::cq_ready) and
+    /// [`fd_revents`](Self::fd_revents). 0: the time is up, or a CQ got a
+    /// completion (or its QP received bytes) that another thread took out
+    /// meanwhile: a spurious wake-up, on which the caller looks at what
+    /// that thread may have changed (as after a condition variable's).
     ///
     /// # Errors
     ///
@@ -192,15 +195,16 @@ impl WaitSet {
                 Some(d) => d.saturating_duration_since(Instant::now()).min(NAP_MAX),
                 None => NAP_MAX,
             };
-            let n = self.round(nap, mask)?;
-            if n > 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+            let (n, woke) = self.round(nap, mask)?;
+            if n > 0 || woke || deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(n);
             }
         }
     }
 
-    /// One sleep of at most `nap`; returns the number of ready entries.
-    fn round(&mut self, nap: Duration, mask: Option<&SigSet>) -> Result<usize, WaitError> {
+    /// One sleep of at most `nap`; returns the number of ready entries and
+    /// whether a CQ's socket or event fd woke it.
+    fn round(&mut self, nap: Duration, mask: Option<&SigSet>) -> Result<(usize, bool), WaitError> {
         self.pfds.clear();
         self.hooks.clear();
         self.wakes.clear();
@@ -254,6 +258,7 @@ impl WaitSet {
             let _ = hook.sleep_on(None);
         }
         let nf = self.fds.len();
+        let mut woke = false;
         let res = match res {
             Ok(_) => {
                 for (p, r) in self.fds.iter_mut().zip(&self.pfds[..nf]) {
@@ -265,12 +270,14 @@ impl WaitSet {
                         // Bytes (or an error) on the QP's socket: receive
                         // in this thread.
                         hook.progress(false);
+                        woke = true;
                     }
                 }
                 let wakes = &self.pfds[nf + self.hooks.len()..];
                 for (&i, p) in self.wakes.iter().zip(wakes) {
                     if p.revents != 0 {
                         self.cqs[i].wait_set_drain();
+                        woke = true;
                     }
                 }
                 Ok(())
@@ -285,7 +292,7 @@ impl WaitSet {
         res?;
         ready = self.look_cqs();
         ready += self.fds.iter().filter(|p| p.revents != 0).count();
-        Ok(ready)
+        Ok((ready, woke))
     }
 
     /// Marks the CQs holding completions; returns how many do.

@@ -226,8 +226,14 @@ fn no_lost_wake_up() {
             let mut bytes = 0usize;
             let mut file = std::fs::File::from(r.try_clone().unwrap());
             while got < rounds || bytes < rounds as usize {
+                let t = Instant::now();
                 let n = set.wait(Some(Duration::from_secs(10))).unwrap();
-                assert!(n > 0, "lost wake-up after {got} completions, {bytes} bytes");
+                // A wake-up without a result (bytes that made no
+                // completion yet) is allowed; a full timeout is not.
+                assert!(
+                    n > 0 || t.elapsed() < Duration::from_secs(10),
+                    "lost wake-up after {got} completions, {bytes} bytes"
+                );
                 got += take(&cq).len() as u64;
                 if set.fd_revents(f) != 0 {
                     let mut b = [0u8; 64];

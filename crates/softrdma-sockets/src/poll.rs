@@ -118,6 +118,9 @@ fn offload_revents(readable: bool, writable: bool, events: i16) -> i16 {
     r & events
 }
 
+/// Longest single engine wait before the streams are looked at again.
+const NAP_MAX: Duration = Duration::from_millis(100);
+
 thread_local! {
     /// The calling thread's wait set, reused (its buffers).
     static SET: RefCell<WaitSet> = RefCell::new(WaitSet::new());
@@ -209,30 +212,32 @@ fn wait_in(
                 }
             }
             let now = Instant::now();
-            let left = deadline.map(|d| d.saturating_duration_since(now));
-            let t = if ready > 0 {
-                Some(Duration::ZERO)
-            } else {
-                left
-            };
-            set.wait_masked(t, mask).map_err(|e| match e {
+            // At most NAP_MAX per wait: a state change made by another
+            // thread without a completion (a shutdown, say) is seen then.
+            let left = deadline.map_or(NAP_MAX, |d| d.saturating_duration_since(now).min(NAP_MAX));
+            let t = if ready > 0 { Duration::ZERO } else { left };
+            set.wait_masked(Some(t), mask).map_err(|e| match e {
                 WaitError::Interrupted => io::Error::from(rustix::io::Errno::INTR),
                 other => io::Error::from_raw_os_error(other.raw_os_error()),
             })?;
-            let mut progressed = false;
+            // Woken before the time was up: completions were pushed (and
+            // maybe handled by another thread, which changed the state
+            // without telling this one) or bytes came: every offloaded
+            // stream is looked at again.
+            let mut progressed = !t.is_zero() && now.elapsed() < t;
             ready = 0;
             for (e, &i) in entries.iter_mut().zip(&idx) {
-                match e.source {
-                    Source::Stream(s) if s.offload().is_some() => {
-                        if set.cq_ready(i) {
-                            progressed = true;
-                            if let Some(o) = s.offload() {
-                                let (r, w) = o.ready_now();
-                                e.revents = offload_revents(r, w, e.events);
-                            }
-                        }
+                let offload = match e.source {
+                    Source::Stream(s) => s.offload(),
+                    Source::Fd(_) => None,
+                };
+                match offload {
+                    Some(o) => {
+                        progressed |= set.cq_ready(i);
+                        let (r, w) = o.ready_now();
+                        e.revents = offload_revents(r, w, e.events);
                     }
-                    _ => e.revents = set.fd_revents(i),
+                    None => e.revents = set.fd_revents(i),
                 }
                 ready += usize::from(e.revents != 0);
             }
@@ -342,5 +347,48 @@ mod tests {
             }
         }
         assert_eq!(e[0].revents(), 0);
+    }
+
+    /// A bulk transfer driven by poll alone (as `nc` does): the writer
+    /// waits for POLLOUT, the reader for POLLIN; every byte arrives.
+    #[test]
+    fn bulk_transfer_driven_by_poll() {
+        let (c, s) = pair(Mode::Offload);
+        c.set_nonblocking(true).unwrap();
+        s.set_nonblocking(true).unwrap();
+        let total = 8 << 20;
+        let w = std::thread::spawn(move || {
+            let chunk = vec![7u8; 16384];
+            let mut sent = 0;
+            while sent < total {
+                let mut e = [PollEntry::stream(&c, POLLOUT)];
+                assert_eq!(
+                    poll(&mut e, T, None).unwrap(),
+                    1,
+                    "writer stalled at {sent}"
+                );
+                match (&c).write(&chunk[..chunk.len().min(total - sent)]) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            c.shutdown(std::net::Shutdown::Write).unwrap();
+            c
+        });
+        let mut got = 0;
+        let mut b = vec![0u8; 65536];
+        loop {
+            let mut e = [PollEntry::stream(&s, POLLIN)];
+            assert_eq!(poll(&mut e, T, None).unwrap(), 1, "reader stalled at {got}");
+            match (&s).read(&mut b) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(got, total);
+        drop(w.join().unwrap());
     }
 }
