@@ -368,8 +368,15 @@ pub unsafe extern "C" fn epoll_ctl(
     let Some(c) = c else {
         // SAFETY: forwarding the caller's arguments unchanged.
         let r = unsafe { real(epfd, op, fd, ev) };
-        if r == 0 && op == libc::EPOLL_CTL_DEL && EPOLL_COUNT.load(Ordering::Relaxed) != 0 {
-            let _ = std::panic::catch_unwind(|| untrack(epfd, fd));
+        if r == 0 && EPOLL_COUNT.load(Ordering::Relaxed) != 0 {
+            let e = errno();
+            let _ = std::panic::catch_unwind(|| match op {
+                libc::EPOLL_CTL_DEL => untrack(epfd, fd),
+                // An epoll instance holding offloaded connections nested
+                // in another: waited on without this library's epoll_wait.
+                _ => expose(fd),
+            });
+            set_errno(e);
         }
         return r;
     };
@@ -398,13 +405,53 @@ static EPOLLS: LazyLock<RwLock<EpollTable>> = LazyLock::new(RwLock::default);
 /// Epoll instances in [`EPOLLS`] (0: nothing to look up).
 static EPOLL_COUNT: AtomicUsize = AtomicUsize::new(0);
 
+/// Epoll instances nested in another epoll instance: the readiness
+/// descriptors of their connections are kept in sync by the engine.
+static EXPOSED: LazyLock<RwLock<std::collections::HashSet<c_int>>> = LazyLock::new(RwLock::default);
+
 fn track(epfd: c_int, fd: c_int, c: &Arc<Conn>) {
-    let mut t = EPOLLS.write().unwrap_or_else(|e| e.into_inner());
-    let set = t.entry(epfd).or_default();
-    // Forget connections closed meanwhile.
-    set.retain(|_, w| w.strong_count() > 0);
-    set.insert(fd, Arc::downgrade(c));
-    EPOLL_COUNT.store(t.len(), Ordering::Relaxed);
+    {
+        let mut t = EPOLLS.write().unwrap_or_else(|e| e.into_inner());
+        let set = t.entry(epfd).or_default();
+        // Forget connections closed meanwhile.
+        set.retain(|_, w| w.strong_count() > 0);
+        set.insert(fd, Arc::downgrade(c));
+        EPOLL_COUNT.store(t.len(), Ordering::Relaxed);
+    }
+    // Every wait on this instance goes through `engine_epoll`, which
+    // brings the readiness descriptors up to date: the engine's threads
+    // need not (no CQ arm, no hand-off per message).
+    let exposed = EXPOSED
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(&epfd);
+    if engine_wait()
+        && !exposed
+        && let Ok(s) = c.stream()
+    {
+        s.set_readiness_polled(true);
+    }
+}
+
+/// `epfd` was added to another epoll instance: the readiness descriptors
+/// of its connections go back to being kept in sync by the engine.
+fn expose(epfd: c_int) {
+    let conns: Vec<Arc<Conn>> = {
+        let t = EPOLLS.read().unwrap_or_else(|e| e.into_inner());
+        match t.get(&epfd) {
+            Some(set) => set.values().filter_map(Weak::upgrade).collect(),
+            None => return,
+        }
+    };
+    EXPOSED
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(epfd);
+    for c in conns {
+        if let Ok(s) = c.stream() {
+            s.set_readiness_polled(false);
+        }
+    }
 }
 
 fn untrack(epfd: c_int, fd: c_int) {
@@ -427,6 +474,11 @@ pub(crate) fn forget_epoll(fd: c_int) {
     if t.remove(&fd).is_some() {
         EPOLL_COUNT.store(t.len(), Ordering::Relaxed);
     }
+    drop(t);
+    EXPOSED
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&fd);
 }
 
 /// The live offloaded connections of epoll instance `epfd` usable in this
@@ -652,26 +704,32 @@ fn engine_epoll(
     if !engine_wait() || maxevents <= 0 {
         return None;
     }
-    let conns = epoll_conns(epfd);
-    if conns.is_empty() {
+    if epoll_conns(epfd).is_empty() {
         return None;
     }
     Some(guard(|| {
-        let mut entries: Vec<PollEntry<'_>> = Vec::with_capacity(conns.len() + 1);
-        entries.push(PollEntry::fd(epfd, sdpoll::POLLIN));
-        for c in &conns {
-            if let Ok(s) = c.stream() {
-                entries.push(PollEntry::stream(s, 0));
-            }
-        }
-        // Take in what already came, then look.
-        let _ = sdpoll::wait_progress(&mut entries, Some(Duration::ZERO), None);
-        let n = peek();
-        if n != 0 || timeout == Some(Duration::ZERO) {
-            return Ok(n);
-        }
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let mut first = true;
         loop {
+            // Again every round: connections added by another thread
+            // meanwhile are waited on too.
+            let conns = epoll_conns(epfd);
+            let mut entries: Vec<PollEntry<'_>> = Vec::with_capacity(conns.len() + 1);
+            entries.push(PollEntry::fd(epfd, sdpoll::POLLIN));
+            for c in &conns {
+                if let Ok(s) = c.stream() {
+                    entries.push(PollEntry::stream(s, 0));
+                }
+            }
+            if first {
+                // Take in what already came, then look.
+                first = false;
+                let _ = sdpoll::wait_progress(&mut entries, Some(Duration::ZERO), None);
+                let n = peek();
+                if n != 0 || timeout == Some(Duration::ZERO) {
+                    return Ok(n);
+                }
+            }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if let Err(e) = sdpoll::wait_progress(&mut entries, left, mask) {
                 return Ok(wait_failed(&e));

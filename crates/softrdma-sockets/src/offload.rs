@@ -254,6 +254,9 @@ struct State {
     /// The CQ is armed (a completion will run the callback).
     armed: bool,
     ready: Option<Readiness>,
+    /// The readiness descriptor is brought up to date by its waiters
+    /// ([`crate::poll`]): no CQ arm for it (see `set_readiness_polled`).
+    ready_polled: bool,
     /// Async tasks waiting to read / to write (woken when that becomes
     /// possible; see [`Offload::poll_ready`]).
     wakers: [Option<std::task::Waker>; 2],
@@ -559,6 +562,7 @@ impl Offload {
                 handled: 0,
                 armed: false,
                 ready: None,
+                ready_polled: false,
                 wakers: [None, None],
             }),
             event_pending: AtomicBool::new(false),
@@ -836,7 +840,7 @@ impl Shared {
         // driving thread wakes them, and an armed CQ would hand the socket
         // back to the engine's receive thread.
         !st.failed()
-            && (st.ready.is_some()
+            && ((st.ready.is_some() && !st.ready_polled)
                 || st.wakers.iter().any(Option::is_some)
                 || !st.tx_queue.is_empty()
                 || (st.disconn_wanted && !st.sdp.close.local_disconn))
@@ -1348,6 +1352,14 @@ impl Offload {
         }
         sh.after(&mut st);
         Shared::readiness(&st)
+    }
+
+    /// See [`crate::TcpStream::set_readiness_polled`].
+    pub(crate) fn set_readiness_polled(&self, on: bool) {
+        let sh = &*self.sh;
+        let mut st = sh.lock();
+        st.ready_polled = on;
+        sh.after(&mut st);
     }
 }
 

@@ -146,7 +146,8 @@ pub fn poll(
 
 /// [`poll`] that also returns (possibly 0) as soon as the completions of
 /// an offloaded stream of `entries` were handled (its readiness descriptor
-/// is then up to date), even if no entry became ready: for callers whose
+/// is then up to date), even if no entry became ready, and at the latest
+/// after 100 ms (so the caller can look at what changed): for callers whose
 /// own readiness state (an epoll instance holding the streams' readiness
 /// descriptors, with edge-triggered or one-shot registrations) decides
 /// what is reported. Entries with no interest (`events` 0) are watched for
@@ -220,11 +221,9 @@ fn wait_in(
                 WaitError::Interrupted => io::Error::from(rustix::io::Errno::INTR),
                 other => io::Error::from_raw_os_error(other.raw_os_error()),
             })?;
-            // Woken before the time was up: completions were pushed (and
-            // maybe handled by another thread, which changed the state
-            // without telling this one) or bytes came: every offloaded
-            // stream is looked at again.
-            let mut progressed = !t.is_zero() && now.elapsed() < t;
+            // Every offloaded stream is looked at again: completions may
+            // have been pushed and handled by another thread, which changed
+            // the state without telling this one.
             ready = 0;
             for (e, &i) in entries.iter_mut().zip(&idx) {
                 let offload = match e.source {
@@ -233,7 +232,6 @@ fn wait_in(
                 };
                 match offload {
                     Some(o) => {
-                        progressed |= set.cq_ready(i);
                         let (r, w) = o.ready_now();
                         e.revents = offload_revents(r, w, e.events);
                     }
@@ -241,10 +239,7 @@ fn wait_in(
                 }
                 ready += usize::from(e.revents != 0);
             }
-            if ready > 0
-                || (on_progress && progressed)
-                || deadline.is_some_and(|d| Instant::now() >= d)
-            {
+            if ready > 0 || on_progress || deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(ready);
             }
         }
