@@ -386,4 +386,31 @@ mod tests {
         assert_eq!(got, total);
         drop(w.join().unwrap());
     }
+
+    /// Regression: a poller woken by a completion that another thread (the
+    /// completion callback of a connection with a readiness descriptor)
+    /// handled first found the CQ empty and slept on, though the stream
+    /// had become readable: every round must look at the streams again.
+    #[test]
+    fn poll_sees_data_whose_completion_another_thread_handled() {
+        let (mut c, s) = pair(Mode::Offload);
+        // A readiness descriptor arms the CQ: the engine's handler thread
+        // handles completions too.
+        s.readiness_fd().unwrap();
+        let mut b = [0u8; 1];
+        for i in 0..200u8 {
+            let w = std::thread::spawn(move || {
+                if i % 2 == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                c.write_all(&[i]).unwrap();
+                c
+            });
+            let mut e = [PollEntry::stream(&s, POLLIN)];
+            assert_eq!(poll(&mut e, T, None).unwrap(), 1, "round {i}");
+            assert_eq!((&s).read(&mut b).unwrap(), 1);
+            assert_eq!(b[0], i);
+            c = w.join().unwrap();
+        }
+    }
 }
