@@ -465,6 +465,15 @@ fn untrack(epfd: c_int, fd: c_int) {
     EPOLL_COUNT.store(t.len(), Ordering::Relaxed);
 }
 
+/// Whether `fd` is an epoll instance holding offloaded connections.
+pub(crate) fn is_epoll(fd: c_int) -> bool {
+    EPOLL_COUNT.load(Ordering::Relaxed) != 0
+        && EPOLLS
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&fd)
+}
+
 /// `fd` is being closed: if it is an epoll instance, forget it.
 pub(crate) fn forget_epoll(fd: c_int) {
     if EPOLL_COUNT.load(Ordering::Relaxed) == 0 {

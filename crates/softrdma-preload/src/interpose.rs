@@ -671,7 +671,15 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     let Some(real) = REAL_CLOSE.get() else {
         return fail(libc::ENOSYS);
     };
-    if (conn::any() || LISTENER_COUNT.load(Ordering::Relaxed) != 0) && !conn::in_vfork_child() {
+    // Only for descriptors of ours: the vfork check is a system call
+    // (getpid), and programs close other descriptors per request (nginx
+    // its files).
+    let ours =
+        || conn::lookup(fd).is_some() || listener_twin(fd).is_some() || crate::events::is_epoll(fd);
+    if (conn::any() || LISTENER_COUNT.load(Ordering::Relaxed) != 0)
+        && catch_unwind(ours).unwrap_or(true)
+        && !conn::in_vfork_child()
+    {
         let _ = catch_unwind(|| {
             conn::remove(fd);
             drop_listener(fd);
