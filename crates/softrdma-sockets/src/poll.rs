@@ -328,6 +328,8 @@ mod tests {
     fn wait_progress_updates_the_readiness_descriptor() {
         let (mut c, s) = pair(Mode::Offload);
         let rfd = s.readiness_fd().unwrap();
+        // Kept in sync by the waits alone (no CQ arm, no engine thread).
+        s.set_readiness_polled(true);
         let mut e = [PollEntry::stream(&s, 0)];
         assert_eq!(
             wait_progress(&mut e, Some(Duration::from_millis(20)), None).unwrap(),
