@@ -20,6 +20,12 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 QUICK=0
 BENCH=0
+case "${1:-}" in
+-h | --help)
+	sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+	exit 0
+	;;
+esac
 [ "${1:-}" = --quick ] && QUICK=1
 if [ "${1:-}" = --bench ]; then BENCH=${2:-3}; fi
 EXPECT=${SOFTRDMA_APPS_EXPECT:-offloaded}
