@@ -20,6 +20,12 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 QUICK=0
 BENCH=0
+case "${1:-}" in
+-h | --help)
+	sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+	exit 0
+	;;
+esac
 [ "${1:-}" = --quick ] && QUICK=1
 if [ "${1:-}" = --bench ]; then BENCH=${2:-3}; fi
 EXPECT=${SOFTRDMA_APPS_EXPECT:-offloaded}
@@ -120,14 +126,18 @@ wait_port() { # port
 }
 
 # --- --bench [RUNS]: speed ratios, medians of RUNS runs ---------------------
-# Placements: none (no preload), both (both ends preloaded, offloaded), tcp
-# (both ends preloaded with policy tcp: the preload's pass-through cost).
+# Placements: none (no preload), both (both ends preloaded, offloaded),
+# kwait (as both, with SOFTRDMA_SOCKETS_WAIT=kernel: poll/select/epoll wait
+# in the kernel on readiness descriptors, the engine's threads carrying
+# every message), tcp (both ends preloaded with policy tcp: the preload's
+# pass-through cost).
 # Runs interleave the placements so that drift of a busy machine spreads
 # over all of them.
 if [ "$BENCH" -gt 0 ]; then
 	bwrap() { # placement
 		case "$1" in
 		both) echo "$BIN run --no-verbs --no-dat --sockets --" ;;
+		kwait) echo "env SOFTRDMA_SOCKETS_WAIT=kernel $BIN run --no-verbs --no-dat --sockets --" ;;
 		tcp) echo "$BIN run --no-verbs --no-dat --sockets --sockets-policy tcp --" ;;
 		*) echo "" ;;
 		esac
@@ -137,7 +147,7 @@ if [ "$BENCH" -gt 0 ]; then
 	www=$LOGS/www
 	mkdir -p "$www" && head -c 1024 /dev/urandom >"$www/1K" && chmod -R a+rX "$www" "$LOGS"
 	for run in $(seq 1 "$BENCH"); do
-		for pl in none both tcp; do
+		for pl in none both kwait tcp; do
 			W=$(bwrap "$pl")
 			next_port
 			# shellcheck disable=SC2086
@@ -195,7 +205,7 @@ EOC
 	printf '%-10s %-6s %14s %8s   %s\n' case placement median "x none" "runs"
 	for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
 		base=$(echo "${B[$c,none]}" | tr ' ' '\n' | grep . | median)
-		for pl in none both tcp; do
+		for pl in none both kwait tcp; do
 			m=$(echo "${B[$c,$pl]}" | tr ' ' '\n' | grep . | median)
 			r=$(awk -v a="$m" -v b="$base" 'BEGIN { if (a == "" || b == "" || b == 0) print "-"; else printf "%.2f", a / b }')
 			printf '%-10s %-6s %14s %8s   %s\n' "$c" "$pl" "$m" "$r" "${B[$c,$pl]}"

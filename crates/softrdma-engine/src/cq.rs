@@ -1030,6 +1030,45 @@ impl CompletionQueue {
     }
 }
 
+/// For [`crate::wait_set`]: a waiter that sleeps on several CQs at once.
+impl CompletionQueue {
+    /// Counts the caller as a sleeper (a push signals the returned event
+    /// fd from now on); pair with [`wait_set_leave`](Self::wait_set_leave).
+    /// `None`: no event fd.
+    pub(crate) fn wait_set_enter(&self) -> Option<RawFd> {
+        let wake = self.shared.wake.get_or_init(|| EventFd::new().ok());
+        self.shared.sleepers.fetch_add(1, Ordering::SeqCst);
+        wake.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    /// Resets the event fd of [`wait_set_enter`](Self::wait_set_enter)
+    /// (found readable).
+    pub(crate) fn wait_set_drain(&self) {
+        if let Some(Some(wake)) = self.shared.wake.get() {
+            wake.drain();
+        }
+    }
+
+    /// The caller no longer sleeps (see [`wait_set_enter`](Self::wait_set_enter)).
+    pub(crate) fn wait_set_leave(&self) {
+        self.shared.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// The live receive-progress hooks (QPs) of this CQ, if the calling
+    /// thread may run the receive path (`poll_driven_receive`).
+    pub(crate) fn wait_set_hooks(&self) -> Vec<Arc<dyn Progress>> {
+        if !self.shared.device.config().poll_driven_receive {
+            return Vec::new();
+        }
+        self.shared
+            .progress
+            .read()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect()
+    }
+}
+
 /// A completion channel (`ibv_comp_channel`): where armed CQs deliver their
 /// events. One channel may serve many CQs. A cheap, clonable handle.
 ///

@@ -106,6 +106,7 @@ pub mod srq;
 mod sys;
 mod timer;
 pub mod transition;
+pub mod wait_set;
 pub mod wc;
 pub mod wr;
 
@@ -124,5 +125,6 @@ pub use remote::{RemoteBuf, RemoteBufError};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;
 pub use sys::io::{process_context_switches, signal_blocked, thread_context_switches};
+pub use wait_set::WaitSet;
 pub use wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 pub use wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::FromRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use libc::c_int;
 use softrdma_sockets::{Config, Mode as SdMode, TcpStream as SdStream};
 
-use crate::interpose::{REAL_FCNTL, REAL_POLL, errno, state};
+use crate::interpose::{REAL_FCNTL, state};
 use crate::stats::PlainReason;
 
 /// One connection switched (or about to be switched) into sockets direct;
@@ -355,8 +355,10 @@ impl Conn {
 
     fn adopt(&self, s: SdStream) {
         self.owner.store(pid(), Ordering::Relaxed);
-        let rfd = as_internal(|| s.readiness_fd()).unwrap_or(-1);
-        self.rfd.store(rfd, Ordering::Relaxed);
+        if !crate::interpose::engine_wait() {
+            let rfd = as_internal(|| s.readiness_fd()).unwrap_or(-1);
+            self.rfd.store(rfd, Ordering::Relaxed);
+        }
         let _ = self.sw.set(Ok(s));
     }
 
@@ -393,10 +395,21 @@ impl Conn {
         }
     }
 
-    /// The readiness descriptor (-1 if not switched).
+    /// The readiness descriptor (-1 if not switched). Made on first use
+    /// (epoll needs one; poll and select wait in the engine without): a
+    /// connection with one has its CQ armed, so that the engine's threads
+    /// keep it in sync.
     pub(crate) fn readiness(&self) -> c_int {
-        let _ = self.stream();
-        self.rfd.load(Ordering::Relaxed)
+        let s = self.stream();
+        let r = self.rfd.load(Ordering::Relaxed);
+        if r >= 0 {
+            return r;
+        }
+        let Ok(s) = s else { return -1 };
+        // Idempotent: concurrent callers get the same descriptor.
+        let rfd = as_internal(|| s.readiness_fd()).unwrap_or(-1);
+        self.rfd.store(rfd, Ordering::Relaxed);
+        rfd
     }
 
     /// Runs `f` (a non-blocking attempt) until it does not report
@@ -433,29 +446,23 @@ impl Conn {
                         }
                         ms = ms.min(left.as_millis() as i32 + 1);
                     }
-                    // The readiness descriptor, and the kernel socket: new
-                    // bytes on it wake this thread, whose next attempt
-                    // drives the receive path itself (credits for a
-                    // writer come in the same way), without waiting for
-                    // the engine's thread to hand them over.
-                    let mut p = [
-                        libc::pollfd {
-                            fd: self.rfd.load(Ordering::Relaxed),
-                            events: if out { libc::POLLOUT } else { libc::POLLIN },
-                            revents: 0,
+                    // In the engine: bytes arriving on the connection's
+                    // socket wake this thread, which runs the receive path
+                    // itself (credits for a writer come in the same way),
+                    // without waiting for the engine's threads.
+                    let mut e = [softrdma_sockets::poll::PollEntry::stream(
+                        s,
+                        if out {
+                            softrdma_sockets::poll::POLLOUT
+                        } else {
+                            softrdma_sockets::poll::POLLIN
                         },
-                        libc::pollfd {
-                            fd: s.as_raw_fd(),
-                            events: libc::POLLIN,
-                            revents: 0,
-                        },
-                    ];
-                    let Some(poll) = REAL_POLL.get() else {
-                        return Err(libc::ENOSYS);
-                    };
-                    // SAFETY: two valid pollfds.
-                    let r = unsafe { poll(p.as_mut_ptr(), 2, ms) };
-                    if r < 0 && errno() == libc::EINTR && !restart_after_signal() {
+                    )];
+                    let t = Duration::from_millis(ms as u64);
+                    if let Err(e) = softrdma_sockets::poll::poll(&mut e, Some(t), None)
+                        && e.raw_os_error() == Some(libc::EINTR)
+                        && !restart_after_signal()
+                    {
                         return Err(libc::EINTR);
                     }
                 }

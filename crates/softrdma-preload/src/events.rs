@@ -1,19 +1,42 @@
 //! Readiness of offloaded descriptors: poll, ppoll, select, pselect and
 //! epoll.
 //!
-//! Every offloaded connection has a readiness descriptor (a datagram
-//! socket the sockets-direct library keeps readable when data, end of
-//! stream or an error is there, and writable when a write would not
-//! block). poll and select wait on it in place of the application's
-//! descriptor and report the result under the application's descriptor.
-//! `epoll_ctl` registers the readiness descriptor in the application's own
-//! epoll instance with the application's event data, so the kernel's
-//! edge-triggered, one-shot and level-triggered rules apply unchanged and
-//! `epoll_wait`/`epoll_pwait` need no interposition.
+//! poll, ppoll, select and pselect wait in the engine when the call
+//! includes an offloaded descriptor (`softrdma_sockets::poll`): the thread
+//! sleeps in one `ppoll(2)` on the other descriptors and on the offloaded
+//! connections' own sockets, and when bytes come it runs the receive path
+//! and SDP itself, so an event loop is woken by the bytes on the wire with
+//! no engine thread in between. The results are reported under the
+//! application's descriptors, with `poll(2)`'s and `select(2)`'s rules
+//! (level-triggered; `EINTR` on a signal, never restarted).
+//!
+//! epoll: every offloaded connection registered in an epoll instance has
+//! a readiness descriptor (a datagram socket the sockets-direct library
+//! keeps readable when data, end of stream or an error is there, and
+//! writable when a write would not block); `epoll_ctl` registers it in the
+//! application's epoll instance with the application's event data, so the
+//! kernel's edge-triggered, one-shot and level-triggered rules apply
+//! unchanged. `epoll_wait`, `epoll_pwait` and `epoll_pwait2` on an
+//! instance holding offloaded connections look at the instance without
+//! waiting; if nothing is there they sleep in the engine on the instance
+//! and on the connections (as poll does), bring the readiness descriptors
+//! of connections that received something up to date, and look again:
+//! what they return is always what the kernel's instance reports.
+//!
+//! `SOFTRDMA_SOCKETS_WAIT=kernel` restores the kernel wait on readiness
+//! descriptors everywhere (the engine's receive and completion threads
+//! then carry every message; for comparison).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use libc::{c_int, nfds_t, pollfd};
+use softrdma_sockets::poll::{self as sdpoll, PollEntry};
 
-use crate::conn;
+use crate::conn::{self, Conn};
+use crate::interpose::{engine_wait, guard};
 use crate::real::*;
 
 /// The readiness descriptor to wait on for `fd` (itself if not offloaded).
@@ -71,6 +94,11 @@ pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_
     let Some(real) = REAL_POLL.get() else {
         return fail(libc::ENOSYS);
     };
+    let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
+    // SAFETY: the caller's array.
+    if let Some(r) = unsafe { engine_poll(fds, n, t, std::ptr::null()) } {
+        return r;
+    }
     // SAFETY: the caller's array, and the real poll on it or our copy.
     unsafe { with_poll_fds(fds, n, |p, n| real(p, n, timeout)) }
 }
@@ -111,6 +139,13 @@ pub unsafe extern "C" fn ppoll(
     let Some(real) = REAL_PPOLL.get() else {
         return fail(libc::ENOSYS);
     };
+    // SAFETY: the caller's timeout, if not null.
+    if let Some(t) = unsafe { duration_ts(ts) } {
+        // SAFETY: the caller's array and mask.
+        if let Some(r) = unsafe { engine_poll(fds, n, t, mask) } {
+            return r;
+        }
+    }
     // SAFETY: the caller's array, and the real ppoll on it or our copy.
     unsafe { with_poll_fds(fds, n, |p, n| real(p, n, ts, mask)) }
 }
@@ -224,6 +259,26 @@ pub unsafe extern "C" fn select(
         return fail(libc::ENOSYS);
     };
     let sets = [r, w, x];
+    // SAFETY: the caller's timeout, if not null.
+    let t = (!tv.is_null())
+        .then(|| unsafe { *tv })
+        .map(|v| (v.tv_sec >= 0 && (0..1_000_000).contains(&v.tv_usec)).then_some(v));
+    if let Some(t) = t.map(|v| v.map(|v| Duration::new(v.tv_sec as u64, v.tv_usec as u32 * 1000))) {
+        let start = Instant::now();
+        // SAFETY: the caller's sets.
+        if let Some(ret) = unsafe { engine_select(nfds, sets, t, std::ptr::null()) } {
+            if let Some(t) = t {
+                // Linux leaves the time not slept in the timeout.
+                let left = t.saturating_sub(start.elapsed());
+                // SAFETY: the caller's timeout (not null: `t` is set).
+                unsafe {
+                    (*tv).tv_sec = left.as_secs() as libc::time_t;
+                    (*tv).tv_usec = libc::suseconds_t::from(left.subsec_micros());
+                }
+            }
+            return ret;
+        }
+    }
     let Some((n, pairs, mut copies)) = map_sets(nfds, sets) else {
         // SAFETY: forwarding the caller's arguments unchanged.
         return unsafe { real(nfds, r, w, x, tv) };
@@ -264,6 +319,13 @@ pub unsafe extern "C" fn pselect(
         return fail(libc::ENOSYS);
     };
     let sets = [r, w, x];
+    // SAFETY: the caller's timeout, if not null.
+    if let Some(t) = unsafe { duration_ts(ts) } {
+        // SAFETY: the caller's sets and mask.
+        if let Some(ret) = unsafe { engine_select(nfds, sets, t, mask) } {
+            return ret;
+        }
+    }
     let Some((n, pairs, mut copies)) = map_sets(nfds, sets) else {
         // SAFETY: forwarding the caller's arguments unchanged.
         return unsafe { real(nfds, r, w, x, ts, mask) };
@@ -302,7 +364,471 @@ pub unsafe extern "C" fn epoll_ctl(
     let Some(real) = REAL_EPOLL_CTL.get() else {
         return fail(libc::ENOSYS);
     };
-    let fd = if conn::any() { target(fd) } else { fd };
+    let c = if conn::any() { conn::lookup(fd) } else { None };
+    let Some(c) = c else {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        let r = unsafe { real(epfd, op, fd, ev) };
+        if r == 0 && EPOLL_COUNT.load(Ordering::Relaxed) != 0 {
+            let e = errno();
+            let _ = std::panic::catch_unwind(|| match op {
+                libc::EPOLL_CTL_DEL => untrack(epfd, fd),
+                // An epoll instance holding offloaded connections nested
+                // in another: waited on without this library's epoll_wait.
+                _ => expose(fd),
+            });
+            set_errno(e);
+        }
+        return r;
+    };
+    let t = c.readiness();
+    let t = if t >= 0 { t } else { fd };
     // SAFETY: forwarding the caller's arguments (descriptor mapped).
-    unsafe { real(epfd, op, fd, ev) }
+    let r = unsafe { real(epfd, op, t, ev) };
+    if r == 0 {
+        let e = errno();
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match op {
+            libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => track(epfd, fd, &c),
+            libc::EPOLL_CTL_DEL => untrack(epfd, fd),
+            _ => {}
+        }));
+        set_errno(e);
+    }
+    r
+}
+
+/// The offloaded connections registered in each epoll instance (by the
+/// application's descriptors); weak: registration keeps no connection
+/// open.
+type EpollTable = HashMap<c_int, HashMap<c_int, Weak<Conn>>>;
+
+static EPOLLS: LazyLock<RwLock<EpollTable>> = LazyLock::new(RwLock::default);
+/// Epoll instances in [`EPOLLS`] (0: nothing to look up).
+static EPOLL_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Epoll instances nested in another epoll instance: the readiness
+/// descriptors of their connections are kept in sync by the engine.
+static EXPOSED: LazyLock<RwLock<std::collections::HashSet<c_int>>> = LazyLock::new(RwLock::default);
+
+fn track(epfd: c_int, fd: c_int, c: &Arc<Conn>) {
+    {
+        let mut t = EPOLLS.write().unwrap_or_else(|e| e.into_inner());
+        let set = t.entry(epfd).or_default();
+        // Forget connections closed meanwhile.
+        set.retain(|_, w| w.strong_count() > 0);
+        set.insert(fd, Arc::downgrade(c));
+        EPOLL_COUNT.store(t.len(), Ordering::Relaxed);
+    }
+    // Every wait on this instance goes through `engine_epoll`, which
+    // brings the readiness descriptors up to date: the engine's threads
+    // need not (no CQ arm, no hand-off per message).
+    let exposed = EXPOSED
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(&epfd);
+    if engine_wait()
+        && !exposed
+        && let Ok(s) = c.stream()
+    {
+        s.set_readiness_polled(true);
+    }
+}
+
+/// `epfd` was added to another epoll instance: the readiness descriptors
+/// of its connections go back to being kept in sync by the engine.
+fn expose(epfd: c_int) {
+    let conns: Vec<Arc<Conn>> = {
+        let t = EPOLLS.read().unwrap_or_else(|e| e.into_inner());
+        match t.get(&epfd) {
+            Some(set) => set.values().filter_map(Weak::upgrade).collect(),
+            None => return,
+        }
+    };
+    EXPOSED
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(epfd);
+    for c in conns {
+        if let Ok(s) = c.stream() {
+            s.set_readiness_polled(false);
+        }
+    }
+}
+
+fn untrack(epfd: c_int, fd: c_int) {
+    let mut t = EPOLLS.write().unwrap_or_else(|e| e.into_inner());
+    if let Some(set) = t.get_mut(&epfd) {
+        set.remove(&fd);
+        if set.is_empty() {
+            t.remove(&epfd);
+        }
+    }
+    EPOLL_COUNT.store(t.len(), Ordering::Relaxed);
+}
+
+/// Whether `fd` is an epoll instance holding offloaded connections.
+pub(crate) fn is_epoll(fd: c_int) -> bool {
+    EPOLL_COUNT.load(Ordering::Relaxed) != 0
+        && EPOLLS
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&fd)
+}
+
+/// `fd` is being closed: if it is an epoll instance, forget it.
+pub(crate) fn forget_epoll(fd: c_int) {
+    if EPOLL_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut t = EPOLLS.write().unwrap_or_else(|e| e.into_inner());
+    if t.remove(&fd).is_some() {
+        EPOLL_COUNT.store(t.len(), Ordering::Relaxed);
+    }
+    drop(t);
+    EXPOSED
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&fd);
+}
+
+/// The live offloaded connections of epoll instance `epfd` usable in this
+/// process.
+fn epoll_conns(epfd: c_int) -> Vec<Arc<Conn>> {
+    if EPOLL_COUNT.load(Ordering::Relaxed) == 0 {
+        return Vec::new();
+    }
+    let t = EPOLLS.read().unwrap_or_else(|e| e.into_inner());
+    let Some(set) = t.get(&epfd) else {
+        return Vec::new();
+    };
+    set.values()
+        .filter_map(Weak::upgrade)
+        .filter(|c| c.stream().is_ok())
+        .collect()
+}
+
+/// The connection behind `fd` if it is offloaded and usable here.
+fn usable(fd: c_int) -> Option<Arc<Conn>> {
+    let c = conn::lookup(fd)?;
+    c.stream().ok()?;
+    Some(c)
+}
+
+/// A `timespec` timeout as a duration: `Some(None)` for none (null),
+/// `None` if invalid (the real call reports `EINVAL`).
+///
+/// # Safety
+/// `ts` is null or points to a timespec.
+unsafe fn duration_ts(ts: *const libc::timespec) -> Option<Option<Duration>> {
+    if ts.is_null() {
+        return Some(None);
+    }
+    // SAFETY: not null, the caller's timespec.
+    let t = unsafe { *ts };
+    if t.tv_sec < 0 || !(0..1_000_000_000).contains(&t.tv_nsec) {
+        return None;
+    }
+    Some(Some(Duration::new(t.tv_sec as u64, t.tv_nsec as u32)))
+}
+
+/// The signal mask argument as a reference.
+///
+/// # Safety
+/// `mask` is null or points to a sigset.
+unsafe fn mask_ref<'a>(mask: *const libc::sigset_t) -> Option<&'a libc::sigset_t> {
+    // SAFETY: the caller's mask, if not null, valid for the call.
+    unsafe { mask.as_ref() }
+}
+
+/// Sets errno from a failed wait and returns -1.
+fn wait_failed(e: &std::io::Error) -> c_int {
+    set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+    -1
+}
+
+/// poll/ppoll in the engine if `fds` holds an offloaded descriptor usable
+/// here; `None`: not handled (the kernel path applies).
+///
+/// # Safety
+/// `fds` points to `n` pollfds (or is null); `mask` is null or a sigset.
+unsafe fn engine_poll(
+    fds: *mut pollfd,
+    n: nfds_t,
+    timeout: Option<Duration>,
+    mask: *const libc::sigset_t,
+) -> Option<c_int> {
+    if !conn::any() || fds.is_null() || n == 0 || !engine_wait() {
+        return None;
+    }
+    // SAFETY: the caller's array.
+    let app = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+    let conns: Vec<Option<Arc<Conn>>> = app.iter().map(|p| usable(p.fd)).collect();
+    if conns.iter().all(Option::is_none) {
+        return None;
+    }
+    // SAFETY: the caller's mask.
+    let mask = unsafe { mask_ref(mask) };
+    Some(guard(|| {
+        let mut entries: Vec<PollEntry<'_>> = app
+            .iter()
+            .zip(&conns)
+            .map(|(p, c)| match c.as_ref().and_then(|c| c.stream().ok()) {
+                Some(s) => PollEntry::stream(s, p.events),
+                None => PollEntry::fd(if p.fd >= 0 { target(p.fd) } else { p.fd }, p.events),
+            })
+            .collect();
+        match sdpoll::poll(&mut entries, timeout, mask) {
+            Ok(k) => {
+                for (a, e) in app.iter_mut().zip(&entries) {
+                    a.revents = e.revents();
+                }
+                Ok(k as c_int)
+            }
+            Err(e) => Ok(wait_failed(&e)),
+        }
+    }))
+}
+
+/// select/pselect in the engine if the sets hold an offloaded descriptor
+/// usable here; `None`: not handled.
+///
+/// # Safety
+/// The non-null sets are the caller's fd_sets; `mask` is null or a sigset.
+unsafe fn engine_select(
+    nfds: c_int,
+    sets: [*mut libc::fd_set; 3],
+    timeout: Option<Duration>,
+    mask: *const libc::sigset_t,
+) -> Option<c_int> {
+    if !conn::any() || nfds <= 0 || !engine_wait() {
+        return None;
+    }
+    let limit = nfds.min(libc::FD_SETSIZE as c_int);
+    let isset = |i: usize, fd: c_int| {
+        // SAFETY: the caller's set, fd < FD_SETSIZE.
+        !sets[i].is_null() && unsafe { libc::FD_ISSET(fd, sets[i]) }
+    };
+    // (fd, in read, write, except set, connection)
+    let mut want = Vec::new();
+    let mut any = false;
+    for fd in 0..limit {
+        let (r, w, x) = (isset(0, fd), isset(1, fd), isset(2, fd));
+        if r || w || x {
+            let c = usable(fd);
+            any |= c.is_some();
+            want.push((fd, [r, w, x], c));
+        }
+    }
+    if !any {
+        return None;
+    }
+    // SAFETY: the caller's mask.
+    let mask = unsafe { mask_ref(mask) };
+    Some(guard(|| {
+        let mut entries: Vec<PollEntry<'_>> = want
+            .iter()
+            .map(|(fd, rwx, c)| {
+                let mut ev = 0;
+                if rwx[0] {
+                    ev |= sdpoll::POLLIN;
+                }
+                if rwx[1] {
+                    ev |= sdpoll::POLLOUT;
+                }
+                if rwx[2] {
+                    ev |= sdpoll::POLLPRI;
+                }
+                match c.as_ref().and_then(|c| c.stream().ok()) {
+                    Some(s) => PollEntry::stream(s, ev),
+                    None => PollEntry::fd(target(*fd), ev),
+                }
+            })
+            .collect();
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if let Err(e) = sdpoll::poll(&mut entries, left, mask) {
+                return Ok(wait_failed(&e));
+            }
+            if entries.iter().any(|e| e.revents() & sdpoll::POLLNVAL != 0) {
+                return Err(libc::EBADF);
+            }
+            // select(2)'s sets: readable on data, hang-up or error;
+            // writable on space or error; exceptional on urgent data.
+            let rd = sdpoll::POLLIN | sdpoll::POLLRDNORM | sdpoll::POLLHUP | sdpoll::POLLERR;
+            let wr = sdpoll::POLLOUT | sdpoll::POLLWRNORM | sdpoll::POLLWRBAND | sdpoll::POLLERR;
+            let mut out: [libc::fd_set; 3] = [zeroed_set(), zeroed_set(), zeroed_set()];
+            let mut count = 0;
+            for ((fd, rwx, _), e) in want.iter().zip(&entries) {
+                let r = e.revents();
+                let hit = [
+                    rwx[0] && r & rd != 0,
+                    rwx[1] && r & wr != 0,
+                    rwx[2] && r & sdpoll::POLLPRI != 0,
+                ];
+                for i in 0..3 {
+                    if hit[i] {
+                        // SAFETY: fd < FD_SETSIZE.
+                        unsafe { libc::FD_SET(*fd, &raw mut out[i]) };
+                        count += 1;
+                    }
+                }
+            }
+            // Ready only in a way select does not report (a hang-up of a
+            // descriptor watched for writing): wait on, as the kernel's.
+            if count == 0 && deadline.is_none_or(|d| Instant::now() < d) {
+                continue;
+            }
+            for (i, s) in sets.iter().enumerate() {
+                if !s.is_null() {
+                    // SAFETY: the caller's set.
+                    unsafe { **s = out[i] };
+                }
+            }
+            return Ok(count);
+        }
+    }))
+}
+
+fn zeroed_set() -> libc::fd_set {
+    // SAFETY: fd_set is plain data; all zero is the empty set.
+    let mut s: libc::fd_set = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid set.
+    unsafe { libc::FD_ZERO(&raw mut s) };
+    s
+}
+
+/// epoll_wait and its variants on an instance holding offloaded
+/// connections: look without waiting (`peek`: the real call with timeout
+/// 0), and while nothing is there sleep in the engine on the instance and
+/// the connections, whose readiness descriptors are brought up to date
+/// when they receive, then look again. `None`: not handled (`pass`: the
+/// real call as made).
+fn engine_epoll(
+    epfd: c_int,
+    maxevents: c_int,
+    timeout: Option<Duration>,
+    mask: Option<&libc::sigset_t>,
+    peek: impl Fn() -> c_int,
+) -> Option<c_int> {
+    if !engine_wait() || maxevents <= 0 {
+        return None;
+    }
+    if epoll_conns(epfd).is_empty() {
+        return None;
+    }
+    Some(guard(|| {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let mut first = true;
+        loop {
+            // Again every round: connections added by another thread
+            // meanwhile are waited on too.
+            let conns = epoll_conns(epfd);
+            let mut entries: Vec<PollEntry<'_>> = Vec::with_capacity(conns.len() + 1);
+            entries.push(PollEntry::fd(epfd, sdpoll::POLLIN));
+            for c in &conns {
+                if let Ok(s) = c.stream() {
+                    entries.push(PollEntry::stream(s, 0));
+                }
+            }
+            if first {
+                // Take in what already came, then look.
+                first = false;
+                let _ = sdpoll::wait_progress(&mut entries, Some(Duration::ZERO), None);
+                let n = peek();
+                if n != 0 || timeout == Some(Duration::ZERO) {
+                    return Ok(n);
+                }
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if let Err(e) = sdpoll::wait_progress(&mut entries, left, mask) {
+                return Ok(wait_failed(&e));
+            }
+            let n = peek();
+            if n != 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(n);
+            }
+        }
+    }))
+}
+
+/// `epoll_wait(2)`.
+///
+/// # Safety
+/// As `epoll_wait(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_wait(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    maxevents: c_int,
+    timeout: c_int,
+) -> c_int {
+    let Some(real) = REAL_EPOLL_WAIT.get() else {
+        return fail(libc::ENOSYS);
+    };
+    let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
+    // SAFETY: the caller's array, timeout 0.
+    let peek = || unsafe { real(epfd, events, maxevents, 0) };
+    if let Some(r) = engine_epoll(epfd, maxevents, t, None, peek) {
+        return r;
+    }
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(epfd, events, maxevents, timeout) }
+}
+
+/// `epoll_pwait(2)`.
+///
+/// # Safety
+/// As `epoll_pwait(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_pwait(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    maxevents: c_int,
+    timeout: c_int,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let Some(real) = REAL_EPOLL_PWAIT.get() else {
+        return fail(libc::ENOSYS);
+    };
+    let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
+    // SAFETY: the caller's array and mask, timeout 0.
+    let peek = || unsafe { real(epfd, events, maxevents, 0, mask) };
+    // SAFETY: the caller's mask.
+    if let Some(r) = engine_epoll(epfd, maxevents, t, unsafe { mask_ref(mask) }, peek) {
+        return r;
+    }
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(epfd, events, maxevents, timeout, mask) }
+}
+
+/// `epoll_pwait2(2)`.
+///
+/// # Safety
+/// As `epoll_pwait2(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_pwait2(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    maxevents: c_int,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let Some(real) = REAL_EPOLL_PWAIT2.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: the caller's timeout, if not null.
+    if let Some(t) = unsafe { duration_ts(ts) } {
+        let zero = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: the caller's array and mask, timeout 0.
+        let peek = || unsafe { real(epfd, events, maxevents, &zero, mask) };
+        // SAFETY: the caller's mask.
+        if let Some(r) = engine_epoll(epfd, maxevents, t, unsafe { mask_ref(mask) }, peek) {
+            return r;
+        }
+    }
+    // SAFETY: forwarding the caller's arguments unchanged.
+    unsafe { real(epfd, events, maxevents, ts, mask) }
 }

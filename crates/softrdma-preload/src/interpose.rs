@@ -39,6 +39,10 @@ struct Env {
     mode: Option<String>,
     conf: Option<std::ffi::OsString>,
     stats: Option<std::ffi::OsString>,
+    /// `SOFTRDMA_SOCKETS_WAIT=kernel`: poll, select and epoll wait on the
+    /// readiness descriptors in the kernel (the engine's threads deliver
+    /// every message), for comparison; default: in the engine.
+    kernel_wait: bool,
 }
 
 static ENV: OnceLock<Env> = OnceLock::new();
@@ -49,7 +53,14 @@ fn read_env() -> Env {
         mode: var("SOFTRDMA_SOCKETS").map(|m| m.to_string_lossy().into_owned()),
         conf: var("SOFTRDMA_SOCKETS_CONF"),
         stats: var("SOFTRDMA_SOCKETS_STATS"),
+        kernel_wait: var("SOFTRDMA_SOCKETS_WAIT").is_some_and(|v| v == "kernel"),
     }
+}
+
+/// Whether poll, select and epoll wait in the engine (the default; see
+/// `Env::kernel_wait`).
+pub(crate) fn engine_wait() -> bool {
+    !ENV.get_or_init(read_env).kernel_wait
 }
 
 /// Runs when the library is loaded: copies three environment variables,
@@ -660,10 +671,19 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     let Some(real) = REAL_CLOSE.get() else {
         return fail(libc::ENOSYS);
     };
-    if (conn::any() || LISTENER_COUNT.load(Ordering::Relaxed) != 0) && !conn::in_vfork_child() {
+    // Only for descriptors of ours: the vfork check is a system call
+    // (getpid), and programs close other descriptors per request (nginx
+    // its files).
+    let ours =
+        || conn::lookup(fd).is_some() || listener_twin(fd).is_some() || crate::events::is_epoll(fd);
+    if (conn::any() || LISTENER_COUNT.load(Ordering::Relaxed) != 0)
+        && catch_unwind(ours).unwrap_or(true)
+        && !conn::in_vfork_child()
+    {
         let _ = catch_unwind(|| {
             conn::remove(fd);
             drop_listener(fd);
+            crate::events::forget_epoll(fd);
         });
     }
     // SAFETY: forwarding the caller's argument unchanged.

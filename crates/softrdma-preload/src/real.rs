@@ -99,6 +99,9 @@ reals! {
     REAL_RECVMMSG = c"recvmmsg": fn(c_int, *mut libc::mmsghdr, c_uint, c_int, *mut libc::timespec) -> c_int;
     REAL_SENDMMSG = c"sendmmsg": fn(c_int, *mut libc::mmsghdr, c_uint, c_int) -> c_int;
     REAL_EPOLL_CTL = c"epoll_ctl": fn(c_int, c_int, c_int, *mut libc::epoll_event) -> c_int;
+    REAL_EPOLL_WAIT = c"epoll_wait": fn(c_int, *mut libc::epoll_event, c_int, c_int) -> c_int;
+    REAL_EPOLL_PWAIT = c"epoll_pwait": fn(c_int, *mut libc::epoll_event, c_int, c_int, *const libc::sigset_t) -> c_int;
+    REAL_EPOLL_PWAIT2 = c"epoll_pwait2": fn(c_int, *mut libc::epoll_event, c_int, *const libc::timespec, *const libc::sigset_t) -> c_int;
 }
 
 /// This thread's errno.

@@ -195,6 +195,35 @@ fn blocking_calls_return_eintr_and_sigpipe_is_raised_unless_suppressed() {
         time.sleep(0.05); assert pipes==[signal.SIGPIPE], pipes\n");
 }
 
+/// poll, select and epoll_wait sleep in the engine: a signal whose
+/// handler raises ends them (`EINTR`, not restarted), and data sent by
+/// another thread while they sleep wakes them.
+#[test]
+fn engine_waits_return_eintr_and_wake_on_data_from_another_thread() {
+    if !have_python() {
+        return;
+    }
+    run("class Alarm(Exception): pass\n\
+        def on_alarm(*a): raise Alarm()\n\
+        signal.signal(signal.SIGALRM, on_alarm)\n\
+        e=select.epoll(); e.register(s.fileno(), select.EPOLLIN)\n\
+        p=select.poll(); p.register(s, select.POLLIN)\n\
+        for name,f in [('epoll',lambda: e.poll(30)),('poll',lambda: p.poll(30000)),('select',lambda: select.select([s],[],[],30))]:\n\
+        \x20   signal.setitimer(signal.ITIMER_REAL, 0.2)\n\
+        \x20   try:\n\
+        \x20       r=f(); raise SystemExit(name+' not interrupted: '+repr(r))\n\
+        \x20   except Alarm: pass\n\
+        threading.Timer(0.2, lambda: c.sendall(b'w')).start()\n\
+        assert e.poll(30)==[(s.fileno(), select.EPOLLIN)]\n\
+        assert s.recv(1)==b'w'\n\
+        threading.Timer(0.2, lambda: c.sendall(b'v')).start()\n\
+        assert p.poll(30000)==[(s.fileno(), select.POLLIN)]\n\
+        assert s.recv(1)==b'v'\n\
+        threading.Timer(0.2, lambda: c.sendall(b'u')).start()\n\
+        r,_,_=select.select([s],[],[],30); assert r==[s]\n\
+        assert s.recv(1)==b'u'\n");
+}
+
 #[test]
 fn an_exec_never_inherits_an_offloaded_stream() {
     if !have_python() {

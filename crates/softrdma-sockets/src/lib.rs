@@ -94,6 +94,9 @@
 //! readable when data, EOF or an error is there and writable when a write
 //! would not block: the kernel socket for plain connections, a datagram
 //! socket pair kept in sync by the library for offloaded ones.
+//! [`poll::poll`] waits on several streams and other descriptors at once
+//! in the calling thread, which receives the offloaded streams' bytes
+//! itself (no engine thread in between).
 //!
 //! ## Threads
 //!
@@ -112,6 +115,7 @@ pub mod detect;
 pub mod external;
 mod net;
 mod offload;
+pub mod poll;
 pub mod sdp;
 #[cfg(feature = "tokio")]
 pub mod tokio;

@@ -406,6 +406,29 @@ impl TcpStream {
         }
     }
 
+    /// Whether the readiness descriptor ([`readiness_fd`](Self::readiness_fd))
+    /// is looked at only by callers of [`crate::poll`] (an epoll instance
+    /// waited on with [`crate::poll::wait_progress`] and a look after it),
+    /// which bring it up to date themselves: on, the library no longer has
+    /// the engine's threads keep it in sync (no CQ arm for it, so no thread
+    /// hand-off per message); a thread that waits on the descriptor any
+    /// other way then misses changes until a call into the library. Off
+    /// (the default): kept in sync by the engine. No effect on plain
+    /// streams.
+    pub fn set_readiness_polled(&self, on: bool) {
+        if let Inner::Offload(o) = &self.inner {
+            o.set_readiness_polled(on);
+        }
+    }
+
+    /// The offloaded connection, if any (for [`crate::poll`]).
+    pub(crate) fn offload(&self) -> Option<&Offload> {
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Offload(o) => Some(o),
+        }
+    }
+
     /// What an async reactor watches (plain: another descriptor of the
     /// kernel socket).
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]

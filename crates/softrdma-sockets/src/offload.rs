@@ -288,6 +288,9 @@ struct State {
     /// The CQ is armed (a completion will run the callback).
     armed: bool,
     ready: Option<Readiness>,
+    /// The readiness descriptor is brought up to date by its waiters
+    /// ([`crate::poll`]): no CQ arm for it (see `set_readiness_polled`).
+    ready_polled: bool,
     /// Async tasks waiting to read / to write (woken when that becomes
     /// possible; see [`Offload::poll_ready`]).
     wakers: [Option<std::task::Waker>; 2],
@@ -637,6 +640,7 @@ impl Offload {
                 handled: 0,
                 armed: false,
                 ready: None,
+                ready_polled: false,
                 wakers: [None, None],
                 zc_tx: None,
                 zc_read_done: None,
@@ -969,7 +973,7 @@ impl Shared {
         // driving thread wakes them, and an armed CQ would hand the socket
         // back to the engine's receive thread.
         !st.failed()
-            && (st.ready.is_some()
+            && ((st.ready.is_some() && !st.ready_polled)
                 || st.wakers.iter().any(Option::is_some)
                 || !st.tx_queue.is_empty()
                 || !st.ctrl_pending.is_empty()
@@ -1815,6 +1819,35 @@ impl Shared {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
+    }
+}
+
+/// For [`crate::poll`]: readiness over several connections.
+impl Offload {
+    /// The connection's completion queue (a wait set sleeps on it).
+    pub(crate) fn cq(&self) -> &CompletionQueue {
+        &self.sh.cq
+    }
+
+    /// Whether a read, and a write, would not block now, after handling
+    /// the completions the CQ holds (none: no receive attempt, no system
+    /// call); the readiness descriptor, if any, is brought up to date.
+    pub(crate) fn ready_now(&self) -> (bool, bool) {
+        let sh = &*self.sh;
+        let mut st = sh.lock();
+        if !sh.cq.is_empty() {
+            sh.progress(&mut st);
+        }
+        sh.after(&mut st);
+        Shared::readiness(&st)
+    }
+
+    /// See [`crate::TcpStream::set_readiness_polled`].
+    pub(crate) fn set_readiness_polled(&self, on: bool) {
+        let sh = &*self.sh;
+        let mut st = sh.lock();
+        st.ready_polled = on;
+        sh.after(&mut st);
     }
 }
 

@@ -11,4 +11,5 @@ pub(crate) mod fd;
 pub(crate) mod io;
 pub(crate) mod mem;
 pub(crate) mod poll;
+pub(crate) mod ppoll;
 pub(crate) mod wait;

@@ -1,0 +1,307 @@
+//! Waiting on several completion queues and foreign file descriptors at
+//! once, in the calling thread.
+//!
+//! [`CompletionQueue::wait`] lets one thread sleep on one CQ and run the
+//! receive path itself when bytes come. A [`WaitSet`] does the same for
+//! many CQs and any other descriptors (pipes, an epoll instance, plain
+//! sockets), the way `poll(2)` waits on many descriptors: the thread
+//! sleeps in one `ppoll(2)` on the sockets of the CQs' queue pairs, on the
+//! CQs' wake-up event fds and on the foreign descriptors. Bytes arriving on
+//! a QP's socket wake this thread, which then runs that QP's receive path
+//! itself (the device's receive thread leaves the socket to it while it
+//! sleeps), so a message reaches an event loop with one wake-up and no
+//! hand-off between threads. Completions pushed by other threads (send
+//! completions written by a datamover, another poller) wake it through the
+//! CQ's event fd.
+//!
+//! A CQ counts as *ready* when it holds a completion; the wait set never
+//! takes completions out (poll the CQ afterwards). A foreign descriptor is
+//! ready when `poll(2)` reports events for it (its `revents`).
+//!
+//! ```no_run
+//! # fn demo(cq: &softrdma_engine::CompletionQueue, pipe: std::os::fd::RawFd) {
+//! use std::time::Duration;
+//! use softrdma_engine::wait_set::WaitSet;
+//!
+//! let mut set = WaitSet::new();
+//! let c = set.add_cq(cq);
+//! let p = set.add_fd(pipe, libc::POLLIN);
+//! match set.wait(Some(Duration::from_millis(100))) {
+//!     Ok(0) => { /* timed out */ }
+//!     Ok(_) => {
+//!         if set.cq_ready(c) { /* poll the CQ */ }
+//!         if set.fd_revents(p) != 0 { /* read the pipe */ }
+//!     }
+//!     Err(e) => { /* interrupted by a signal (EINTR), or poll failed */ }
+//! }
+//! # }
+//! ```
+//!
+//! Signals: a signal handled while the thread waits ends the wait with
+//! [`WaitError::Interrupted`], as `poll(2)` returns `EINTR`;
+//! [`WaitSet::wait_masked`] installs a signal mask for the duration of the
+//! wait, as `ppoll(2)` and `pselect(2)` do.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::cq::{CompletionQueue, Progress};
+
+/// A signal set (`sigset_t`), for [`WaitSet::wait_masked`].
+pub type SigSet = libc::sigset_t;
+
+/// Longest single sleep before the set looks again: a safety net only
+/// (every way a CQ becomes ready wakes the sleeper), and the claim on the
+/// QPs' sockets is renewed at that pace.
+const NAP_MAX: Duration = Duration::from_millis(100);
+
+/// Why [`WaitSet::wait`] returned without a result.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WaitError {
+    /// A signal was handled during the wait (`EINTR`).
+    #[error("interrupted by a signal")]
+    Interrupted,
+    /// `ppoll(2)` failed (for example `ENOMEM`, or `EINVAL` for too many
+    /// descriptors).
+    #[error("ppoll failed: {0}")]
+    Io(io::Error),
+}
+
+impl WaitError {
+    /// The `errno` the kernel's `poll(2)` would have set.
+    pub fn raw_os_error(&self) -> i32 {
+        match self {
+            WaitError::Interrupted => libc::EINTR,
+            WaitError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+}
+
+/// A set of completion queues and foreign file descriptors to wait on
+/// together; see the [module docs](self). Reusable: [`clear`](Self::clear)
+/// it and add again (the buffers are kept).
+#[derive(Default)]
+pub struct WaitSet {
+    cqs: Vec<CompletionQueue>,
+    cq_ready: Vec<bool>,
+    /// The foreign descriptors, with their interest and last `revents`.
+    fds: Vec<libc::pollfd>,
+    /// Scratch: the `ppoll` array (foreign, then QP sockets, then wake fds).
+    pfds: Vec<libc::pollfd>,
+    /// Scratch: the QPs whose sockets are watched, by CQ index.
+    hooks: Vec<(usize, Arc<dyn Progress>)>,
+    /// Scratch: the CQ of each wake fd in `pfds`.
+    wakes: Vec<usize>,
+}
+
+impl std::fmt::Debug for WaitSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitSet")
+            .field("cqs", &self.cqs.len())
+            .field("fds", &self.fds.len())
+            .finish()
+    }
+}
+
+impl WaitSet {
+    /// An empty set.
+    pub fn new() -> WaitSet {
+        WaitSet::default()
+    }
+
+    /// Empties the set (keeps its buffers).
+    pub fn clear(&mut self) {
+        self.cqs.clear();
+        self.cq_ready.clear();
+        self.fds.clear();
+    }
+
+    /// Whether the set has nothing to wait on.
+    pub fn is_empty(&self) -> bool {
+        self.cqs.is_empty() && self.fds.is_empty()
+    }
+
+    /// Adds a completion queue; returns its index for
+    /// [`cq_ready`](Self::cq_ready).
+    pub fn add_cq(&mut self, cq: &CompletionQueue) -> usize {
+        self.cqs.push(cq.clone());
+        self.cq_ready.push(false);
+        self.cqs.len() - 1
+    }
+
+    /// Adds a foreign descriptor with `poll(2)` interest `events`
+    /// (`POLLIN`, `POLLOUT`, ...; errors and hang-ups are always reported);
+    /// returns its index for [`fd_revents`](Self::fd_revents). The caller
+    /// keeps `fd` open during waits (a closed one reports `POLLNVAL`, as
+    /// with `poll(2)`); a negative `fd` is ignored, as by `poll(2)`.
+    pub fn add_fd(&mut self, fd: RawFd, events: i16) -> usize {
+        self.fds.push(libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        });
+        self.fds.len() - 1
+    }
+
+    /// Whether CQ `i` held a completion when the last wait returned.
+    pub fn cq_ready(&self, i: usize) -> bool {
+        self.cq_ready.get(i).copied().unwrap_or(false)
+    }
+
+    /// The `poll(2)` `revents` of foreign descriptor `i` after the last
+    /// wait (0: not ready).
+    pub fn fd_revents(&self, i: usize) -> i16 {
+        self.fds.get(i).map_or(0, |p| p.revents)
+    }
+
+    /// Waits until a CQ of the set holds a completion or a foreign
+    /// descriptor has events, at most `timeout` (`None`: no limit;
+    /// zero: look once without sleeping). Returns how many entries are
+    /// ready; see [`cq_ready`](Self::cq_ready) and
+    /// [`fd_revents`](Self::fd_revents). 0: the time is up, or a CQ got a
+    /// completion (or its QP received bytes) that another thread took out
+    /// meanwhile: a spurious wake-up, on which the caller looks at what
+    /// that thread may have changed (as after a condition variable's).
+    ///
+    /// # Errors
+    ///
+    /// [`WaitError::Interrupted`] if a signal was handled meanwhile
+    /// (`EINTR`); [`WaitError::Io`] if `ppoll(2)` failed.
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<usize, WaitError> {
+        self.wait_masked(timeout, None)
+    }
+
+    /// [`wait`](Self::wait) with the signal mask `mask` in force while the
+    /// thread sleeps, as `ppoll(2)`/`pselect(2)` do (a signal unblocked by
+    /// `mask` and pending, or arriving, ends the wait with
+    /// [`WaitError::Interrupted`] once its handler ran). Between the
+    /// set's internal naps the thread's own mask applies, so a signal
+    /// blocked by it stays pending until the next nap.
+    ///
+    /// # Errors
+    ///
+    /// As [`wait`](Self::wait).
+    pub fn wait_masked(
+        &mut self,
+        timeout: Option<Duration>,
+        mask: Option<&SigSet>,
+    ) -> Result<usize, WaitError> {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        loop {
+            let nap = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()).min(NAP_MAX),
+                None => NAP_MAX,
+            };
+            let (n, woke) = self.round(nap, mask)?;
+            if n > 0 || woke || deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(n);
+            }
+        }
+    }
+
+    /// One sleep of at most `nap`; returns the number of ready entries and
+    /// whether a CQ's socket or event fd woke it.
+    fn round(&mut self, nap: Duration, mask: Option<&SigSet>) -> Result<(usize, bool), WaitError> {
+        self.pfds.clear();
+        self.hooks.clear();
+        self.wakes.clear();
+        for p in &mut self.fds {
+            p.revents = 0;
+        }
+        self.pfds.extend_from_slice(&self.fds);
+        // From here a push to any of the CQs signals its event fd: a
+        // completion that arrives after the look below wakes the sleep.
+        let mut wake_fds = Vec::with_capacity(self.cqs.len());
+        for cq in &self.cqs {
+            wake_fds.push(cq.wait_set_enter());
+        }
+        let mut ready = self.look_cqs();
+        let nap = if ready > 0 { Duration::ZERO } else { nap };
+        if ready == 0 {
+            // The QPs' sockets, claimed from the receive threads until the
+            // end of the nap: bytes arriving wake this thread, which runs
+            // the receive path itself.
+            let until = crate::datamover::now_ns()
+                .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX))
+                .saturating_add(1_000_000);
+            for (i, cq) in self.cqs.iter().enumerate() {
+                for hook in cq.wait_set_hooks() {
+                    if let Some(fd) = hook.sleep_on(Some(until)) {
+                        self.pfds.push(libc::pollfd {
+                            fd,
+                            events: libc::POLLIN,
+                            revents: 0,
+                        });
+                        self.hooks.push((i, hook));
+                    }
+                }
+            }
+            for (i, fd) in wake_fds.iter().enumerate() {
+                if let Some(fd) = *fd {
+                    self.pfds.push(libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                    self.wakes.push(i);
+                }
+            }
+        }
+        let res = crate::sys::ppoll::ppoll(&mut self.pfds, Some(nap), mask);
+        // The hooks (and so the sockets' owners) were alive across the
+        // wait; the receive threads may watch the sockets again after the
+        // usual quiet period.
+        for (_, hook) in &self.hooks {
+            let _ = hook.sleep_on(None);
+        }
+        let nf = self.fds.len();
+        let mut woke = false;
+        let res = match res {
+            Ok(_) => {
+                for (p, r) in self.fds.iter_mut().zip(&self.pfds[..nf]) {
+                    p.revents = r.revents;
+                }
+                let sockets = &self.pfds[nf..nf + self.hooks.len()];
+                for ((_, hook), p) in self.hooks.iter().zip(sockets) {
+                    if p.revents != 0 {
+                        // Bytes (or an error) on the QP's socket: receive
+                        // in this thread.
+                        hook.progress(false);
+                        woke = true;
+                    }
+                }
+                let wakes = &self.pfds[nf + self.hooks.len()..];
+                for (&i, p) in self.wakes.iter().zip(wakes) {
+                    if p.revents != 0 {
+                        self.cqs[i].wait_set_drain();
+                        woke = true;
+                    }
+                }
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Err(WaitError::Interrupted),
+            Err(e) => Err(WaitError::Io(e)),
+        };
+        for cq in &self.cqs {
+            cq.wait_set_leave();
+        }
+        self.hooks.clear();
+        res?;
+        ready = self.look_cqs();
+        ready += self.fds.iter().filter(|p| p.revents != 0).count();
+        Ok((ready, woke))
+    }
+
+    /// Marks the CQs holding completions; returns how many do.
+    fn look_cqs(&mut self) -> usize {
+        let mut n = 0;
+        for (cq, r) in self.cqs.iter().zip(self.cq_ready.iter_mut()) {
+            *r = !cq.is_empty();
+            n += usize::from(*r);
+        }
+        n
+    }
+}

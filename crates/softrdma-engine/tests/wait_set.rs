@@ -1,0 +1,257 @@
+//! `WaitSet`: one thread waits on several CQs and foreign descriptors.
+
+mod common;
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use softrdma_engine::wait_set::{WaitError, WaitSet};
+use softrdma_engine::{
+    CompletionQueue, Device, DeviceConfig, RecvWr, SendOp, SendWr, WcOpcode, WorkCompletion,
+};
+
+fn device(poll_driven: bool) -> Device {
+    let mut cfg = DeviceConfig::default();
+    cfg.poll_spin = Duration::ZERO;
+    cfg.poll_driven_receive = poll_driven;
+    Device::open_with(cfg).unwrap()
+}
+
+fn pipe() -> (OwnedFd, std::fs::File) {
+    let (r, w) = std::io::pipe().unwrap();
+    (r.into(), OwnedFd::from(w).into())
+}
+
+fn take(cq: &CompletionQueue) -> Vec<WorkCompletion> {
+    let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 8];
+    let n = cq.poll(&mut buf);
+    buf[..n].to_vec()
+}
+
+fn send(side: &common::Side, mr: &softrdma_engine::MemoryRegion, id: u64) {
+    side.qp
+        .post_send(
+            &SendWr::new(id, SendOp::Send)
+                .sg_list(&[mr.sge(0, 8).unwrap()])
+                .signaled(),
+        )
+        .unwrap();
+}
+
+/// Several QPs (each with its CQ) and a pipe in one set: each becomes
+/// ready on its own, and only the one that got something is reported.
+#[test]
+fn several_qps_and_a_pipe() {
+    for poll_driven in [true, false] {
+        let dev = device(poll_driven);
+        let p1 = common::pair_with(dev.clone(), false, |_| {});
+        let p2 = common::pair_with(dev, false, |_| {});
+        let (src1, dst1) = (common::mr(&p1.a, 64), common::mr(&p1.b, 64));
+        let (src2, dst2) = (common::mr(&p2.a, 64), common::mr(&p2.b, 64));
+        for i in 0..4 {
+            p1.b.qp
+                .post_recv(&RecvWr::new(i, &[dst1.sge(0, 64).unwrap()]))
+                .unwrap();
+            p2.b.qp
+                .post_recv(&RecvWr::new(i, &[dst2.sge(0, 64).unwrap()]))
+                .unwrap();
+        }
+        let (r, mut w) = pipe();
+        let mut set = WaitSet::new();
+        let c1 = set.add_cq(&p1.b.cq);
+        let c2 = set.add_cq(&p2.b.cq);
+        let f = set.add_fd(r.as_raw_fd(), libc::POLLIN);
+        assert_eq!(set.wait(Some(Duration::from_millis(20))).unwrap(), 0);
+
+        send(&p2.a, &src2, 7);
+        let n = set.wait(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(n, 1, "poll-driven receive {poll_driven}");
+        assert!(set.cq_ready(c2) && !set.cq_ready(c1));
+        assert_eq!(set.fd_revents(f), 0);
+        let got = take(&p2.b.cq);
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].opcode, got[0].byte_len), (WcOpcode::Recv, 8));
+
+        std::io::Write::write_all(&mut w, b"x").unwrap();
+        assert_eq!(set.wait(Some(Duration::from_secs(10))).unwrap(), 1);
+        assert!(!set.cq_ready(c1) && !set.cq_ready(c2));
+        assert_eq!(set.fd_revents(f) & libc::POLLIN, libc::POLLIN);
+        let mut b = [0u8; 1];
+        std::io::Read::read_exact(&mut std::fs::File::from(r.try_clone().unwrap()), &mut b)
+            .unwrap();
+
+        send(&p1.a, &src1, 8);
+        assert_eq!(set.wait(Some(Duration::from_secs(10))).unwrap(), 1);
+        assert!(set.cq_ready(c1) && !set.cq_ready(c2));
+        assert_eq!(take(&p1.b.cq).len(), 1);
+        // Both sends completed at the senders too.
+        assert_eq!(common::wait(&p1.a.cq, 1).len(), 1);
+        assert_eq!(common::wait(&p2.a.cq, 1).len(), 1);
+    }
+}
+
+#[test]
+fn timeout_and_an_empty_set() {
+    let mut set = WaitSet::new();
+    let t = Instant::now();
+    assert_eq!(set.wait(Some(Duration::from_millis(30))).unwrap(), 0);
+    assert!(t.elapsed() >= Duration::from_millis(30));
+    assert_eq!(set.wait(Some(Duration::ZERO)).unwrap(), 0);
+    let dev = device(true);
+    let cq = CompletionQueue::new(&dev, 4, None).unwrap();
+    set.add_cq(&cq);
+    // A negative descriptor is ignored, as by poll(2).
+    set.add_fd(-1, libc::POLLIN);
+    assert_eq!(set.wait(Some(Duration::from_millis(10))).unwrap(), 0);
+    assert!(!set.cq_ready(0));
+    set.clear();
+    assert!(set.is_empty());
+}
+
+static HANDLED: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn on_usr1(_: libc::c_int) {
+    HANDLED.fetch_add(1, Ordering::SeqCst);
+}
+
+fn install_usr1() {
+    // SAFETY: plain data, filled below.
+    let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+    sa.sa_sigaction = on_usr1 as extern "C" fn(libc::c_int) as usize;
+    // No SA_RESTART: a blocking call returns EINTR.
+    sa.sa_flags = 0;
+    // SAFETY: a valid sigaction with an async-signal-safe handler.
+    let r = unsafe { libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()) };
+    assert_eq!(r, 0);
+}
+
+/// A signal handled while the set sleeps ends the wait with `EINTR`.
+#[test]
+fn a_signal_interrupts_the_wait() {
+    install_usr1();
+    let dev = device(true);
+    let p = common::pair_with(dev, false, |_| {});
+    let cq = p.b.cq.clone();
+    let done = Arc::new(AtomicBool::new(false));
+    let d = done.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        // SAFETY: pthread_self has no preconditions.
+        tx.send(unsafe { libc::pthread_self() }).unwrap();
+        let (r, _w) = pipe();
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        set.add_fd(r.as_raw_fd(), libc::POLLIN);
+        let res = set.wait(Some(Duration::from_secs(20)));
+        d.store(true, Ordering::SeqCst);
+        res
+    });
+    let tid = rx.recv().unwrap();
+    // The signal may come before the wait starts: send until it ends.
+    while !done.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(20));
+        if !done.load(Ordering::SeqCst) {
+            // SAFETY: the thread is alive until it sets `done`, and joined
+            // only after.
+            unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
+        }
+    }
+    let res = waiter.join().unwrap();
+    assert!(matches!(res, Err(WaitError::Interrupted)), "{res:?}");
+    assert_eq!(res.unwrap_err().raw_os_error(), libc::EINTR);
+    assert!(HANDLED.load(Ordering::SeqCst) > 0);
+}
+
+/// `wait_masked`: a signal the thread blocks, pending, is delivered once
+/// the wait's mask unblocks it (as with `ppoll`/`pselect`), and not
+/// before.
+#[test]
+fn the_mask_applies_during_the_wait_only() {
+    install_usr1();
+    let res = std::thread::spawn(|| {
+        // SAFETY: plain data, set up with the sigset functions.
+        let mut block: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: valid sigset pointers; this thread's own mask.
+        unsafe {
+            libc::sigemptyset(&mut block);
+            libc::sigaddset(&mut block, libc::SIGUSR1);
+            libc::sigemptyset(&mut empty);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &block, std::ptr::null_mut());
+            libc::pthread_kill(libc::pthread_self(), libc::SIGUSR1);
+        }
+        let before = HANDLED.load(Ordering::SeqCst);
+        let mut set = WaitSet::new();
+        // Blocked by the thread's mask: the wait times out.
+        let first = set.wait(Some(Duration::from_millis(20)));
+        let still_pending = HANDLED.load(Ordering::SeqCst) == before;
+        // Unblocked by the wait's mask: delivered, EINTR.
+        let second = set.wait_masked(Some(Duration::from_secs(20)), Some(&empty));
+        // SAFETY: this thread's own mask.
+        unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &block, std::ptr::null_mut()) };
+        (first.ok(), still_pending, second.is_err())
+    })
+    .join()
+    .unwrap();
+    assert_eq!(res, (Some(0), true, true));
+}
+
+/// No lost wake-up: completions that arrive at any moment (before the
+/// waiter looks, between its look and its sleep, while it sleeps) all
+/// wake it; a pipe written at the same time too. Each round's wait
+/// would take the full 10 s if a wake-up were lost.
+#[test]
+fn no_lost_wake_up() {
+    for poll_driven in [true, false] {
+        let dev = device(poll_driven);
+        let p = common::pair_with(dev, false, |_| {});
+        let src = common::mr(&p.a, 64);
+        let dst = common::mr(&p.b, 64);
+        let rounds = 200u64;
+        for i in 0..rounds {
+            p.b.qp
+                .post_recv(&RecvWr::new(i, &[dst.sge(0, 64).unwrap()]))
+                .unwrap();
+        }
+        let (r, mut w) = pipe();
+        let cq = p.b.cq.clone();
+        let waiter = std::thread::spawn(move || {
+            let mut set = WaitSet::new();
+            set.add_cq(&cq);
+            let f = set.add_fd(r.as_raw_fd(), libc::POLLIN);
+            let mut got = 0u64;
+            let mut bytes = 0usize;
+            let mut file = std::fs::File::from(r.try_clone().unwrap());
+            while got < rounds || bytes < rounds as usize {
+                let t = Instant::now();
+                let n = set.wait(Some(Duration::from_secs(10))).unwrap();
+                // A wake-up without a result (bytes that made no
+                // completion yet) is allowed; a full timeout is not.
+                assert!(
+                    n > 0 || t.elapsed() < Duration::from_secs(10),
+                    "lost wake-up after {got} completions, {bytes} bytes"
+                );
+                got += take(&cq).len() as u64;
+                if set.fd_revents(f) != 0 {
+                    let mut b = [0u8; 64];
+                    bytes += std::io::Read::read(&mut file, &mut b).unwrap();
+                }
+            }
+            got
+        });
+        for i in 0..rounds {
+            match i % 5 {
+                0 => std::thread::sleep(Duration::from_millis(1)),
+                1 => std::thread::yield_now(),
+                _ => {}
+            }
+            send(&p.a, &src, i);
+            std::io::Write::write_all(&mut w, b"y").unwrap();
+            assert_eq!(common::wait(&p.a.cq, 1).len(), 1);
+        }
+        assert_eq!(waiter.join().unwrap(), rounds, "poll-driven {poll_driven}");
+    }
+}
