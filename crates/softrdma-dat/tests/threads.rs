@@ -24,6 +24,16 @@ fn threads() -> usize {
     })
 }
 
+/// Names of this process's threads (for the failure message).
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task").map_or(Vec::new(), |d| {
+        d.filter_map(Result::ok)
+            .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+            .map(|c| c.trim().to_string())
+            .collect()
+    })
+}
+
 #[test]
 fn closing_the_ias_ends_their_threads() {
     let before = threads();
@@ -78,5 +88,10 @@ fn closing_the_ias_ends_their_threads() {
     while threads() > before && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(threads(), before, "threads left after the IAs closed");
+    assert_eq!(
+        threads(),
+        before,
+        "threads left after the IAs closed: {:?}",
+        thread_names()
+    );
 }
