@@ -272,6 +272,11 @@ impl Evd {
                 _ia_ref: counted.then(|| crate::ia::ObjRef::new(ia)),
             }
         });
+        {
+            let mut evds = ia.evds.lock();
+            evds.retain(|w| w.strong_count() > 0);
+            evds.push(Arc::downgrade(&inner));
+        }
         if flags.intersects(EvdFlags::DTO.union(EvdFlags::RMR_BIND)) {
             let Some(cq) = &inner.cq else {
                 return Err(err(ErrorType::InsufficientResources, Subtype::ResourceTevd));
@@ -552,11 +557,7 @@ impl Evd {
     /// Drops every queued event (they may hold EPs and CRs alive); used
     /// when the EVD or its IA goes away.
     pub fn drain(&self) {
-        let mut q = self.inner.q.lock();
-        let old = std::mem::take(&mut q.events);
-        self.inner.signal.clear();
-        drop(q);
-        drop(old);
+        EvdInner::discard_events(&self.inner);
     }
 
     /// Pushes an event (crate use: connection, CR and async events).
@@ -566,6 +567,17 @@ impl Evd {
 }
 
 impl EvdInner {
+    /// Drops every queued event (outside the queue's lock: dropping an
+    /// event may drop the last handle of an EP, which detaches from its
+    /// EVDs).
+    pub(crate) fn discard_events(e: &EvdInner) {
+        let mut q = e.q.lock();
+        let old = std::mem::take(&mut q.events);
+        e.signal.clear();
+        drop(q);
+        drop(old);
+    }
+
     /// Queues `ev`; on overflow drops it and reports the overflow on the
     /// IA's async EVD. Returns whether it was queued.
     fn push(self: &Arc<Self>, ev: Event) -> bool {

@@ -72,6 +72,11 @@ pub(crate) struct IaInner {
     pub(crate) reactor: Reactor,
     /// Live objects (PZ, EVD, CNO, EP, SP, SRQ; not the async EVD).
     objects: AtomicUsize,
+    /// Every EVD made on this IA: drained when the IA closes. A queued
+    /// event holds its EP, and the EP holds its EVDs, so an event that
+    /// arrives after the consumer's last look would keep both (and the
+    /// device under them) alive for good.
+    pub(crate) evds: Mutex<Vec<std::sync::Weak<crate::evd::EvdInner>>>,
     user: AtomicUsize,
 }
 
@@ -143,6 +148,7 @@ impl Ia {
             async_evd: Mutex::new(None),
             reactor,
             objects: AtomicUsize::new(0),
+            evds: Mutex::new(Vec::new()),
             user: AtomicUsize::new(0),
             config,
             device,
@@ -220,6 +226,16 @@ impl Ia {
         self.inner.reactor.stop();
         if let Some(a) = self.inner.async_evd() {
             a.drain();
+        }
+        // Events still queued (or arriving from a connection torn down just
+        // now) hold EPs that hold their EVDs: drop them so nothing of the IA
+        // outlives it.
+        let evds: Vec<_> = std::mem::take(&mut *self.inner.evds.lock())
+            .into_iter()
+            .filter_map(|w| w.upgrade())
+            .collect();
+        for e in &evds {
+            crate::evd::EvdInner::discard_events(e);
         }
         Ok(())
     }
