@@ -4,9 +4,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{connected, thread_names, threads};
+use common::{connected, threads};
 use softrdma_dat::CompletionFlags;
 
 #[test]
@@ -31,28 +31,9 @@ fn closing_the_ias_ends_their_threads() {
             side.dto_evd.drain();
             side.conn_evd.drain();
         }
-        let common::Connected {
-            a,
-            b,
-            server,
-            client,
-            psp,
-            cr,
-        } = k;
-        drop((cr, psp, server, client));
-        a.close(false).unwrap();
-        b.close(false).unwrap();
+        common::drop_and_close(k);
     }
     // The engine's threads are told to stop and leave on their own: give
     // them a moment, then every thread of the two IAs must be gone.
-    let until = Instant::now() + Duration::from_secs(10);
-    while threads() > before && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert_eq!(
-        threads(),
-        before,
-        "threads left after the IAs closed: {:?}",
-        thread_names()
-    );
+    common::assert_threads_back_to(before);
 }

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{connected, thread_names, threads};
+use common::{connected, threads};
 
 #[test]
 fn closing_an_ia_with_undrained_connection_events_ends_its_threads() {
@@ -21,26 +21,7 @@ fn closing_an_ia_with_undrained_connection_events_ends_its_threads() {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert!(!s.is_empty() && !c.is_empty(), "no connection events");
-        let common::Connected {
-            a,
-            b,
-            server,
-            client,
-            psp,
-            cr,
-        } = k;
-        drop((cr, psp, server, client));
-        a.close(false).unwrap();
-        b.close(false).unwrap();
+        common::drop_and_close(k);
     }
-    let until = Instant::now() + Duration::from_secs(10);
-    while threads() > before && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert_eq!(
-        threads(),
-        before,
-        "threads left after the IAs closed: {:?}",
-        thread_names()
-    );
+    common::assert_threads_back_to(before);
 }

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use softrdma_dat::{Cr, Ep, Evd, EvdFlags, Event, Ia, IaConfig, Lmr, MemPriv, Psp, Pz};
 
@@ -32,6 +32,37 @@ pub(crate) fn thread_names() -> Vec<String> {
             .map(|c| c.trim().to_string())
             .collect()
     })
+}
+
+/// Waits (up to 10 s) for the process to be back at `before` threads: the
+/// engine's threads are told to stop and leave on their own. Fails naming
+/// the threads left over.
+pub(crate) fn assert_threads_back_to(before: usize) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while threads() > before && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        threads(),
+        before,
+        "threads left after the IAs closed: {:?}",
+        thread_names()
+    );
+}
+
+/// Drops every object of `k`, then closes both IAs abruptly.
+pub(crate) fn drop_and_close(k: Connected) {
+    let Connected {
+        a,
+        b,
+        server,
+        client,
+        psp,
+        cr,
+    } = k;
+    drop((cr, psp, server, client));
+    a.close(false).unwrap();
+    b.close(false).unwrap();
 }
 
 /// One side's objects.
