@@ -251,6 +251,12 @@ impl WaitSet {
             }
         }
         let res = crate::sys::ppoll::ppoll(&mut self.pfds, Some(nap), mask);
+        // Awake: completions pushed from here on (by the receive path this
+        // thread runs next, say) need not signal the event fds; the look
+        // after it sees them (a signal would only end the next wait at once).
+        for cq in &self.cqs {
+            cq.wait_set_leave();
+        }
         // The hooks (and so the sockets' owners) were alive across the
         // wait; the receive threads may watch the sockets again after the
         // usual quiet period.
@@ -285,9 +291,6 @@ impl WaitSet {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Err(WaitError::Interrupted),
             Err(e) => Err(WaitError::Io(e)),
         };
-        for cq in &self.cqs {
-            cq.wait_set_leave();
-        }
         self.hooks.clear();
         res?;
         ready = self.look_cqs();

@@ -206,13 +206,30 @@ fn latency(addr: SocketAddr, mode: Mode, size: usize, iters: u32) -> f64 {
 /// round trip.
 fn setup(addr: SocketAddr, mode: Mode, n: u32) -> f64 {
     let t = Instant::now();
+    let (mut c, mut r, mut d) = (0.0, 0.0, 0.0);
     for _ in 0..n {
+        let t0 = Instant::now();
         let mut s = connect(addr, mode);
+        let t1 = Instant::now();
         s.write_all(&cmd(b'L', 1, 1)).expect("cmd");
         s.write_all(b"x").expect("w");
         let mut b = [0u8; 1];
         s.read_exact(&mut b).expect("r");
+        let t2 = Instant::now();
+        drop(s);
+        let t3 = Instant::now();
+        c += (t1 - t0).as_secs_f64();
+        r += (t2 - t1).as_secs_f64();
+        d += (t3 - t2).as_secs_f64();
     }
+    let per = |x: f64| x * 1e6 / f64::from(n);
+    eprintln!(
+        "setup {}: connect {:.1} us, first round trip {:.1} us, close {:.1} us",
+        name(mode),
+        per(c),
+        per(r),
+        per(d)
+    );
     t.elapsed().as_secs_f64() * 1e6 / f64::from(n)
 }
 

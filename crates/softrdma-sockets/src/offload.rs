@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
 use softrdma_engine::transition::{MpaRole, StreamConnection, SwitchMode, TransitionError};
+use softrdma_engine::wait_set::{WaitError, WaitSet};
 use softrdma_engine::{
     Access, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain, QpCap,
     QpInitAttr, QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
@@ -410,7 +411,8 @@ struct Shared {
     /// thread; the others (state lock held) only try it: if it is taken,
     /// its holder handles the completions, syncs the readiness descriptor
     /// and wakes sleepers. Lock order: `poller`, then `st`.
-    poller: Mutex<()>,
+    /// Holds the wait set (this connection's CQ) its holder sleeps in.
+    poller: Mutex<WaitSet>,
 }
 
 /// The locked state of a connection. Letting go of it (dropping it, or
@@ -609,6 +611,8 @@ impl Offload {
         // We never send more than our own staging buffer holds.
         let peer_rcv = peer_rcv.min(size as u32);
         let session = Session::new(cfg.rx_bufs, size as u32, peer_bufs, peer_rcv);
+        let mut poller_set = WaitSet::new();
+        poller_set.add_cq(&cq);
         let sh = Arc::new(Shared {
             qp,
             cq,
@@ -653,7 +657,7 @@ impl Offload {
             }),
             event_pending: AtomicBool::new(false),
             waker,
-            poller: Mutex::new(()),
+            poller: Mutex::new(poller_set),
         });
         let _ = slot.set(Arc::downgrade(&sh));
         {
@@ -693,8 +697,14 @@ impl Offload {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = sh.lock();
         loop {
+            // A blocking read that finds nothing waits, and the wait looks
+            // at the CQ and the socket itself: no receive attempt here.
             if st.rx.is_empty() {
-                sh.progress(&mut st);
+                if nonblocking {
+                    sh.progress(&mut st);
+                } else if !sh.cq.is_empty() {
+                    sh.progress_completions(&mut st);
+                }
             }
             if st.rd_shut || buf.is_empty() {
                 return Ok(0);
@@ -1030,6 +1040,17 @@ impl Shared {
             self.flush_tx(st);
         }
         any
+    }
+
+    /// Handles the completions the CQ holds, without a receive attempt;
+    /// nothing if another thread drives the connection.
+    fn progress_completions(&self, st: &mut State) {
+        let Some(_gate) = self.poller.try_lock() else {
+            return;
+        };
+        if self.take_completions(st) > 0 {
+            self.flush_tx(st);
+        }
     }
 
     /// Handles one completion (the `poller` gate is held).
@@ -1605,16 +1626,39 @@ impl Shared {
     }
 
     /// Waits for progress: busy-polls for the spin time, then, if no
-    /// other thread drives the connection, waits in the CQ in this thread
-    /// ([`CompletionQueue::wait`]: a short busy poll, then `poll(2)` on the
-    /// QP's socket, the receive path run by this thread when bytes come, so
-    /// a message needs no receive-thread and handler-thread hand-off);
-    /// else sleeps until the thread that drives it wakes this one.
+    /// other thread drives the connection, sleeps in this thread on the
+    /// QP's socket and the CQ's wake-up descriptor (a [`WaitSet`]: no
+    /// receive attempt before the sleep; when bytes come, this thread runs
+    /// the receive path, so a message needs no receive-thread and
+    /// handler-thread hand-off); else sleeps until the thread that drives
+    /// it wakes this one. A signal handled meanwhile is a spurious
+    /// wake-up (the call goes on, as the kernel restarts a call
+    /// interrupted by an `SA_RESTART` handler); see
+    /// [`wait_interruptible`](Self::wait_interruptible).
     fn wait(
         &self,
         st: &mut Locked<'_>,
         nonblocking: bool,
         deadline: Option<Instant>,
+    ) -> io::Result<()> {
+        match self.wait_inner(st, nonblocking, deadline, false) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+            r => r,
+        }
+    }
+
+    /// [`wait`](Self::wait) that returns `ErrorKind::Interrupted` when a
+    /// signal was handled while it slept (`EINTR`).
+    fn wait_interruptible(&self, st: &mut Locked<'_>, deadline: Option<Instant>) -> io::Result<()> {
+        self.wait_inner(st, false, deadline, true)
+    }
+
+    fn wait_inner(
+        &self,
+        st: &mut Locked<'_>,
+        nonblocking: bool,
+        deadline: Option<Instant>,
+        interruptible: bool,
     ) -> io::Result<()> {
         if nonblocking {
             return Err(io::ErrorKind::WouldBlock.into());
@@ -1642,16 +1686,14 @@ impl Shared {
         if st.handled != seen {
             return Ok(());
         }
-        let Some(gate) = self.poller.try_lock() else {
-            return self.sleep(st, nap, deadline, seen);
+        let Some(mut gate) = self.poller.try_lock() else {
+            return self.sleep(st, nap, deadline, seen, interruptible);
         };
-        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
-        let n = st.unlocked(|| self.cq.wait(&mut out, Some(nap)));
-        for wc in &out[..n] {
-            self.on_wc(st, wc);
-        }
+        let res = st.unlocked(|| gate.wait(Some(nap)));
+        // Completions only (the wait ran the receive path if bytes came):
+        // no receive attempt that would find the socket empty.
+        let n = self.take_completions(st);
         drop(gate);
-        let more = self.progress(st);
         if n > 0 {
             self.flush_tx(st);
         }
@@ -1661,10 +1703,29 @@ impl Shared {
         // next if this call returns).
         self.after(st);
         self.wake_sleepers(st);
-        if n == 0 && !more && deadline.is_some_and(|d| Instant::now() >= d) {
+        match res {
+            Err(WaitError::Interrupted) if n == 0 => {
+                return Err(io::Error::from(io::ErrorKind::Interrupted));
+            }
+            Err(WaitError::Io(e)) if n == 0 => return Err(e),
+            _ => {}
+        }
+        if n == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
         }
         Ok(())
+    }
+
+    /// Handles the completions the CQ holds, without a receive attempt
+    /// (the `poller` gate is held); returns how many.
+    fn take_completions(&self, st: &mut State) -> usize {
+        let mut n = 0;
+        while !self.cq.is_empty() {
+            let Some(wc) = self.cq.poll_one() else { break };
+            self.on_wc(st, &wc);
+            n += 1;
+        }
+        n
     }
 
     fn wake_sleepers(&self, st: &State) {
@@ -1682,6 +1743,7 @@ impl Shared {
         nap: Duration,
         deadline: Option<Instant>,
         seen: u64,
+        interruptible: bool,
     ) -> io::Result<()> {
         if st.handled != seen {
             // Handled while this call had let go of the lock (before it
@@ -1693,20 +1755,26 @@ impl Shared {
             tv_sec: nap.as_secs() as i64,
             tv_nsec: i64::from(nap.subsec_nanos()),
         };
-        let n = st.unlocked(|| {
+        let (n, intr) = st.unlocked(|| {
             let mut fds = [rustix::event::PollFd::new(
                 &self.waker.0,
                 rustix::event::PollFlags::IN,
             )];
-            let n = rustix::event::poll(&mut fds, Some(&ts)).unwrap_or(0);
+            let r = rustix::event::poll(&mut fds, Some(&ts));
             if !fds[0].revents().is_empty() {
                 let mut b = [0u8; 1];
                 let _ = self.waker.0.recv(&mut b);
             }
-            n
+            (
+                r.unwrap_or(0),
+                matches!(r, Err(e) if e == rustix::io::Errno::INTR),
+            )
         });
         st.waiters -= 1;
         let found = self.progress(st);
+        if intr && interruptible && !found {
+            return Err(io::Error::from(io::ErrorKind::Interrupted));
+        }
         let timed_out = n == 0 && deadline.is_some_and(|d| Instant::now() >= d);
         if n == 0 && !timed_out && found {
             LOST_WAKEUPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1809,14 +1877,33 @@ impl Shared {
             // Wait for the peer's FIN (bounded): if the process exited now,
             // the kernel would reset a connection whose last octets (a
             // credit update) were not read, and the peer could lose data.
-            drop(st);
-            while Instant::now() < deadline
-                && !matches!(
-                    self.qp.state(),
-                    softrdma_engine::QpState::Idle | softrdma_engine::QpState::Error
-                )
-            {
-                std::thread::sleep(Duration::from_micros(200));
+            // This thread receives it itself, sleeping on the socket in the
+            // CQ (the FIN ends the QP's receives: their flush wakes it):
+            // an engine thread leaves a socket that was just polled alone
+            // for a while, and waiting for it made every close take
+            // milliseconds.
+            let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+            loop {
+                let now = Instant::now();
+                if now >= deadline
+                    || matches!(
+                        self.qp.state(),
+                        softrdma_engine::QpState::Idle | softrdma_engine::QpState::Error
+                    )
+                {
+                    break;
+                }
+                let step = (deadline - now).min(Duration::from_millis(2));
+                match self.poller.try_lock() {
+                    Some(_gate) => {
+                        let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
+                        for wc in &out[..n] {
+                            self.on_wc(&mut st, wc);
+                        }
+                    }
+                    // A completion callback is handling the CQ right now.
+                    None => st.unlocked(|| std::thread::sleep(Duration::from_micros(50))),
+                }
             }
         }
     }
