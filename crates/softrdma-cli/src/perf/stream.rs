@@ -3,7 +3,7 @@
 //! in the same run.
 //!
 //! ```text
-//! softrdma perf stream [--lat] [-s SIZE | -a] [-n N | -D SECS] [--nodelay]
+//! softrdma perf stream [--lat | --setup] [-s SIZE | -a] [-n N | -D SECS] [--nodelay]
 //!                      [--baseline tcp] [--mode offload|auto|tcp]
 //!                      [--zcopy-threshold SIZE]
 //!                      [--server [--bind ADDR] [--persist] | --connect HOST[:PORT]]
@@ -14,7 +14,10 @@
 //! `-n` writes), shuts down writing and waits for the server's count of
 //! the octets it read: bandwidth = octets / (first write .. count). Latency:
 //! `size`-byte ping-pong, one-way latency = round trip / 2 (median, mean
-//! and 99th percentile over `-n` round trips after 10% warm-up).
+//! and 99th percentile over `-n` round trips after 10% warm-up). Setup:
+//! `-n` connections one after the other, each connect, a 1-byte round
+//! trip and close; the mean per connection. With `--baseline tcp` the runs
+//! (`-r`) of both transports alternate.
 //!
 //! The server is one dual listener: it accepts offloaded and plain clients
 //! on the same port, so `--baseline tcp` measures plain TCP against the
@@ -50,8 +53,13 @@ const KIND_LAT: u8 = 2;
 )]
 pub struct StreamArgs {
     /// Latency (ping-pong) instead of bandwidth.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "setup")]
     pub lat: bool,
+    /// Connection setup instead of bandwidth: connect (capability query,
+    /// switch), a first 1-byte round trip and close, per connection (mean
+    /// of -n connections per run, default 200).
+    #[arg(long)]
+    pub setup: bool,
     /// Write size in bytes (suffixes K, M) [default: 128K bw, 64 lat].
     #[arg(short = 's', long, value_parser = super::parse_size)]
     pub size: Option<usize>,
@@ -82,7 +90,8 @@ pub struct StreamArgs {
     /// ends offer it (suffixes K, M; 0: off, not offered) [default: 64K].
     #[arg(long, value_name = "SIZE", value_parser = parse_threshold)]
     pub zcopy_threshold: Option<usize>,
-    /// Runs per size; the median is reported [default: 1].
+    /// Runs per size, alternated with the baseline's; the median is
+    /// reported [default: 1].
     #[arg(short = 'r', long, default_value_t = 1)]
     pub runs: usize,
     /// Two-process mode: serve clients (prints `listening on ADDR:PORT`).
@@ -304,22 +313,63 @@ fn lat(
     Ok((transport, rtts))
 }
 
+/// `-n` (default 200) connections, each: connect, a 1-byte round trip,
+/// close. Returns the transport of the last, the count and the mean µs.
+fn setup(addr: SocketAddr, c: &Config, a: &StreamArgs) -> io::Result<(String, u64, f64)> {
+    let n = a.iters.unwrap_or(200).max(1);
+    let mut transport = String::new();
+    let t0 = Instant::now();
+    for _ in 0..n {
+        let mut s = TcpStream::connect_with(addr, c)?;
+        s.set_nodelay(true)?;
+        s.write_all(&request(KIND_LAT, true, 1, 1))?;
+        s.write_all(b"x")?;
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b)?;
+        transport = s.transport().to_string();
+    }
+    Ok((transport, n, t0.elapsed().as_secs_f64() * 1e6 / n as f64))
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
-fn measure(
-    addr: SocketAddr,
-    a: &StreamArgs,
-    size: usize,
-    mode: Mode,
-    kind: &'static str,
-) -> io::Result<StreamRow> {
+/// One run's result: the transport and, per run, bandwidth (MB/s) or the
+/// round trips (µs).
+enum Sample {
+    Bw(String, u64, f64),
+    Lat(String, Vec<f64>),
+    /// Connections made, mean µs per connection.
+    Setup(String, u64, f64),
+}
+
+fn sample(addr: SocketAddr, a: &StreamArgs, size: usize, mode: Mode) -> io::Result<Sample> {
     let c = cfg(a, mode);
+    if a.setup {
+        let (t, n, us) = setup(addr, &c, a)?;
+        Ok(Sample::Setup(t, n, us))
+    } else if a.lat {
+        let (t, rtts) = lat(addr, &c, a, size)?;
+        Ok(Sample::Lat(t, rtts))
+    } else {
+        let (t, bytes, secs) = bw(addr, &c, a, size)?;
+        Ok(Sample::Bw(t, bytes, secs))
+    }
+}
+
+/// The row of one transport from its runs (medians).
+fn row_of(a: &StreamArgs, size: usize, kind: &'static str, runs: Vec<Sample>) -> StreamRow {
     let mut row = StreamRow {
         test: "stream",
-        mode: if a.lat { "lat" } else { "bw" },
+        mode: if a.setup {
+            "setup"
+        } else if a.lat {
+            "lat"
+        } else {
+            "bw"
+        },
         transport: String::new(),
         kind,
         size,
@@ -331,36 +381,68 @@ fn measure(
         lat_p99_us: None,
         ratio_to_tcp: None,
     };
-    let runs = a.runs.max(1);
-    if a.lat {
-        let mut med = Vec::new();
-        let mut mean = Vec::new();
-        let mut p99 = Vec::new();
-        for _ in 0..runs {
-            let (t, mut rtts) = lat(addr, &c, a, size)?;
-            row.transport = t;
-            row.count = rtts.len() as u64;
-            row.secs = rtts.iter().sum::<f64>() / 1e6;
-            mean.push(rtts.iter().sum::<f64>() / rtts.len().max(1) as f64 / 2.0);
-            let m = median(&mut rtts);
-            med.push(m / 2.0);
-            p99.push(rtts[(rtts.len() * 99 / 100).min(rtts.len() - 1)] / 2.0);
+    let mut med = Vec::new();
+    let mut mean = Vec::new();
+    let mut p99 = Vec::new();
+    let mut rates = Vec::new();
+    for s in runs {
+        match s {
+            Sample::Lat(t, mut rtts) => {
+                row.transport = t;
+                row.count = rtts.len() as u64;
+                row.secs = rtts.iter().sum::<f64>() / 1e6;
+                mean.push(rtts.iter().sum::<f64>() / rtts.len().max(1) as f64 / 2.0);
+                let m = median(&mut rtts);
+                med.push(m / 2.0);
+                p99.push(rtts[(rtts.len() * 99 / 100).min(rtts.len() - 1)] / 2.0);
+            }
+            Sample::Setup(t, n, us) => {
+                row.transport = t;
+                row.count = n;
+                row.secs = us * n as f64 / 1e6;
+                med.push(us);
+                mean.push(us);
+            }
+            Sample::Bw(t, bytes, secs) => {
+                row.transport = t;
+                row.count = bytes;
+                row.secs = secs;
+                rates.push(bytes as f64 / secs / 1e6);
+            }
         }
+    }
+    if a.setup {
+        row.lat_us = Some(median(&mut med));
+    } else if a.lat {
         row.lat_us = Some(median(&mut med));
         row.lat_mean_us = Some(median(&mut mean));
         row.lat_p99_us = Some(median(&mut p99));
     } else {
-        let mut rates = Vec::new();
-        for _ in 0..runs {
-            let (t, bytes, secs) = bw(addr, &c, a, size)?;
-            row.transport = t;
-            row.count = bytes;
-            row.secs = secs;
-            rates.push(bytes as f64 / secs / 1e6);
-        }
         row.mb_s = Some(median(&mut rates));
     }
-    Ok(row)
+    row
+}
+
+/// Measures `size` on the measured transport and, with `tcp`, on plain TCP,
+/// the runs alternated (A, B, A, B, ...) so that a machine whose load
+/// changes meanwhile weighs on both alike.
+fn measure(
+    addr: SocketAddr,
+    a: &StreamArgs,
+    size: usize,
+    tcp: bool,
+) -> io::Result<(StreamRow, Option<StreamRow>)> {
+    let mut sd = Vec::new();
+    let mut base = Vec::new();
+    for _ in 0..a.runs.max(1) {
+        sd.push(sample(addr, a, size, measured_mode(a))?);
+        if tcp {
+            base.push(sample(addr, a, size, Mode::Tcp)?);
+        }
+    }
+    let sd = row_of(a, size, "sdp", sd);
+    let base = tcp.then(|| row_of(a, size, "tcp", base));
+    Ok((sd, base))
 }
 
 fn print_row(r: &StreamRow, a: &StreamArgs, first: bool, out: &mut dyn Write) -> io::Result<()> {
@@ -396,7 +478,13 @@ fn print_row(r: &StreamRow, a: &StreamArgs, first: bool, out: &mut dyn Write) ->
         )
     } else {
         if first {
-            if a.lat {
+            if a.setup {
+                writeln!(
+                    out,
+                    "{:>9} {:<4} {:>10} {:>8}  transport",
+                    "conns", "kind", "µs/conn", "vs TCP"
+                )?;
+            } else if a.lat {
                 writeln!(
                     out,
                     "{:>9} {:<4} {:>10} {:>10} {:>10} {:>8}  transport",
@@ -411,7 +499,17 @@ fn print_row(r: &StreamRow, a: &StreamArgs, first: bool, out: &mut dyn Write) ->
             }
         }
         let ratio = r.ratio_to_tcp.map_or(String::new(), |x| format!("{x:.2}×"));
-        if a.lat {
+        if a.setup {
+            writeln!(
+                out,
+                "{:>9} {:<4} {:>10} {:>8}  {}",
+                r.count,
+                r.kind,
+                f(r.lat_us),
+                ratio,
+                r.transport
+            )
+        } else if a.lat {
             writeln!(
                 out,
                 "{:>9} {:<4} {:>10} {:>10} {:>10} {:>8}  {}",
@@ -438,6 +536,9 @@ fn print_row(r: &StreamRow, a: &StreamArgs, first: bool, out: &mut dyn Write) ->
 }
 
 fn sizes(a: &StreamArgs) -> Vec<usize> {
+    if a.setup {
+        return vec![1];
+    }
     let top = a.size.unwrap_or(if a.all {
         1 << 20
     } else if a.lat {
@@ -486,10 +587,9 @@ pub fn run_client(
     let mut rows = Vec::new();
     let mut first = true;
     for size in sizes(a) {
-        let mut sd = measure(addr, a, size, measured_mode(a), "sdp")?;
-        if a.baseline.is_some() {
-            let tcp = measure(addr, a, size, Mode::Tcp, "tcp")?;
-            sd.ratio_to_tcp = match (a.lat, sd.mb_s, tcp.mb_s, sd.lat_us, tcp.lat_us) {
+        let (mut sd, tcp) = measure(addr, a, size, a.baseline.is_some())?;
+        if let Some(tcp) = tcp {
+            sd.ratio_to_tcp = match (a.lat || a.setup, sd.mb_s, tcp.mb_s, sd.lat_us, tcp.lat_us) {
                 (false, Some(x), Some(y), _, _) if y > 0.0 => Some(x / y),
                 (true, _, _, Some(x), Some(y)) if y > 0.0 => Some(x / y),
                 _ => None,
