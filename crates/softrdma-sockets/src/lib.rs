@@ -84,9 +84,14 @@
 //! [`Config::zcopy_timeout`] or the write timeout the writer withdraws its
 //! offer (SrcAvailCancel) and copies once the reader acknowledges; with a
 //! write timeout set, a reader that never acknowledges gets the connection
-//! reset. Either way the call returns only when nothing can touch the
+//! reset. A signal handled while the offer is pending withdraws it the
+//! same way (`EINTR` semantics): the write returns the octets the reader
+//! had read, or `ErrorKind::Interrupted` if none (a reader that does not
+//! acknowledge within [`Config::zcopy_timeout`] gets the connection
+//! reset). Either way the call returns only when nothing can touch the
 //! buffer any more: the engine removed its STag and no Read Response is
-//! still being sent from it.
+//! still being sent from it. Other blocked calls go on after a signal, as
+//! the kernel restarts calls interrupted by an `SA_RESTART` handler.
 //!
 //! ## Readiness
 //!

@@ -1364,8 +1364,11 @@ impl Shared {
     /// buffered copy (SendSm), or the offer was withdrawn after the
     /// zero-copy timeout or the write timeout and the peer acknowledged
     /// that; a peer that does not acknowledge gets the connection reset.
-    /// Returns the octets the peer read (0: copy them instead). `buf` is
-    /// registered for this call only: nothing reads it after it returns.
+    /// A signal handled while the offer is pending withdraws it too: once
+    /// the peer acknowledged, the call returns what it read, or
+    /// `ErrorKind::Interrupted` (`EINTR`) if nothing. Returns the octets
+    /// the peer read (0: copy them instead). `buf` is registered for this
+    /// call only: nothing reads it after it returns.
     fn write_zc(
         &self,
         st: &mut Locked<'_>,
@@ -1422,6 +1425,8 @@ impl Shared {
                     cancel_at = cancel_at.min(d);
                 }
                 let mut give_up: Option<Instant> = None;
+                // A signal handled while the offer was pending withdrew it.
+                let mut interrupted = false;
                 let res = loop {
                     self.progress(st);
                     let Some(z) = st.zc_tx else {
@@ -1431,6 +1436,11 @@ impl Shared {
                         break Ok(len);
                     }
                     if z.send_sm {
+                        if interrupted && z.read == 0 {
+                            // Nothing was read: EINTR, as a write the
+                            // kernel interrupts before sending anything.
+                            break Err(io::Error::from(io::ErrorKind::Interrupted));
+                        }
                         break Ok(z.read as usize);
                     }
                     if let Some(e) = st.error() {
@@ -1445,8 +1455,9 @@ impl Shared {
                         }
                         // Without a write timeout the write keeps waiting
                         // for the answer, as a plain write waits for a
-                        // peer that does not read.
-                        Some(t) if now >= t && deadline.is_some() => {
+                        // peer that does not read; after a signal it does
+                        // not (the caller is to get control back).
+                        Some(t) if now >= t && (deadline.is_some() || interrupted) => {
                             self.reset(
                                 st,
                                 io::ErrorKind::TimedOut,
@@ -1461,11 +1472,23 @@ impl Shared {
                     }
                     let until = match give_up {
                         None => Some(cancel_at),
-                        Some(t) => deadline.map(|_| t),
+                        Some(t) => (deadline.is_some() || interrupted).then_some(t),
                     };
-                    match self.wait(st, false, until) {
+                    match self.wait_interruptible(st, until) {
                         Ok(()) => {}
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                            // Withdraw the offer; the peer's answer (what it
+                            // read, SendSm) ends the call. Later signals
+                            // change nothing: the buffer stays lent until
+                            // the peer answers or the connection is reset.
+                            if give_up.is_none() {
+                                interrupted = true;
+                                self.send_ctrl(st, &Message::SrcAvailCancel);
+                                self.flush_tx(st);
+                                give_up = Some(Instant::now() + self.zc_timeout);
+                            }
+                        }
                         Err(e) => break Err(e),
                     }
                 };

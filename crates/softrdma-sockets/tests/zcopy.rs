@@ -197,3 +197,72 @@ fn write_timeout_withdraws_offer_then_buffered() {
     let got = reader.join().unwrap();
     assert!(got == data, "bytes differ");
 }
+
+extern "C" fn on_sigusr1(_: libc::c_int) {}
+
+/// A signal handled while a zero-copy write waits for the reader (which
+/// does not read) withdraws the offer: the reader's side acknowledges
+/// (SendSm) and the write returns `Interrupted` (`EINTR`: nothing was
+/// read). The application writes the same octets again and every octet
+/// arrives exactly once. Without the cancel on a signal the write would
+/// go on waiting for the reader (the zero-copy timeout is 60 s here), then
+/// copy and return a count.
+#[test]
+fn signal_withdraws_a_pending_offer_with_eintr() {
+    // A handler without SA_RESTART: the kernel would interrupt a blocked
+    // write with EINTR.
+    // SAFETY: installs a handler that does nothing (async-signal-safe) for
+    // SIGUSR1, which nothing else in this test binary uses.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigusr1 as *const () as libc::sighandler_t;
+        libc::sigemptyset(&raw mut sa.sa_mask);
+        sa.sa_flags = 0;
+        assert_eq!(
+            libc::sigaction(libc::SIGUSR1, &raw const sa, std::ptr::null_mut()),
+            0
+        );
+    }
+    let mut c = cfg(THRESHOLD);
+    c.zcopy_timeout = Duration::from_secs(60);
+    let (mut a, b) = pair(&c, &c);
+    assert!(zero_copy(&a));
+    // Events for the reader's side without a read call (it answers the
+    // cancel from the completion callback).
+    b.readiness_fd().unwrap();
+    let data = random_bytes(7, 1 << 20);
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let (res_tx, res_rx) = std::sync::mpsc::channel();
+    let d = data.clone();
+    let writer = thread::spawn(move || {
+        // SAFETY: the calling thread's own id.
+        tid_tx.send(unsafe { libc::pthread_self() }).unwrap();
+        let first = a.write(&d).map_err(|e| e.kind());
+        res_tx.send(first).unwrap();
+        a.write_all(&d).unwrap();
+        a.shutdown(Shutdown::Write).unwrap();
+        a
+    });
+    let tid = tid_rx.recv().unwrap();
+    // Signal the writer until its write returns (a signal that comes while
+    // it is not asleep in the wait is handled without interrupting it).
+    let first = loop {
+        match res_rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(r) => break r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                // SAFETY: the writer thread is alive until it sent its
+                // result (it is joined below).
+                unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
+            }
+            Err(e) => panic!("writer gone: {e}"),
+        }
+    };
+    assert_eq!(first, Err(std::io::ErrorKind::Interrupted));
+    let mut b = b;
+    let mut got = Vec::new();
+    b.read_to_end(&mut got).unwrap();
+    let a = writer.join().unwrap();
+    assert_eq!(got.len(), data.len(), "octets received");
+    assert!(got == data, "bytes differ");
+    drop(a);
+}
