@@ -23,6 +23,13 @@ pub enum Mode {
 /// exchange costs about two round trips per write).
 pub const DEFAULT_ZCOPY_THRESHOLD: usize = 128 * 1024;
 
+/// Default [`Config::buf_size`]: a 64 KiB payload and its SDP header, so
+/// that writes of multiples of 64 KiB (common application buffer sizes)
+/// fill whole messages (with 64 KiB buffers a 128 KiB write took three
+/// messages, the third one 32 octets: a message and a credit more per
+/// write).
+pub const DEFAULT_BUF_SIZE: usize = 64 * 1024 + crate::sdp::BSDH_LEN;
+
 /// Settings of a connection or listener.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -76,7 +83,7 @@ impl Default for Config {
             mode: Mode::Auto,
             rx_bufs: 8,
             tx_bufs: 4,
-            buf_size: 64 * 1024,
+            buf_size: DEFAULT_BUF_SIZE,
             crc: false,
             probe_timeout: Duration::from_millis(50),
             setup_timeout: Duration::from_secs(5),

@@ -125,6 +125,6 @@ pub mod sdp;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 
-pub use config::{Config, DEFAULT_ZCOPY_THRESHOLD, Mode, PlainReason, Transport};
+pub use config::{Config, DEFAULT_BUF_SIZE, DEFAULT_ZCOPY_THRESHOLD, Mode, PlainReason, Transport};
 pub use net::{TcpListener, TcpStream};
 pub use offload::{lost_wakeups, zero_copy_fallbacks, zero_copy_octets};
