@@ -1690,8 +1690,16 @@ impl Shared {
         // is handled from here on may be what it waits for.
         let seen = st.handled;
         let spin_until = Instant::now() + self.spin;
+        let mut empty = 0u32;
         while Instant::now() < spin_until {
-            st.unlocked(std::hint::spin_loop);
+            // Yield now and then: on a busy machine the thread that sends
+            // what this one waits for may need this CPU.
+            empty = empty.wrapping_add(1);
+            if empty.is_multiple_of(SPIN_YIELD_EVERY) {
+                st.unlocked(std::thread::yield_now);
+            } else {
+                st.unlocked(std::hint::spin_loop);
+            }
             self.progress(st);
             if st.handled != seen {
                 return Ok(());
@@ -1808,6 +1816,9 @@ impl Shared {
         Ok(())
     }
 }
+
+/// A busy-polling call yields the CPU after this many empty polls.
+const SPIN_YIELD_EVERY: u32 = 4;
 
 /// Longest sleep of a blocked call before it looks at the CQ again: a
 /// safety net, not a wake-up mechanism (the thread driving the connection

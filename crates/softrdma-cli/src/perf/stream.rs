@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! softrdma perf stream [--lat | --setup] [-s SIZE | -a] [-n N | -D SECS] [--nodelay]
-//!                      [--baseline tcp] [--mode offload|auto|tcp]
+//!                      [--baseline tcp|tcp-spin] [--mode offload|auto|tcp]
 //!                      [--zcopy-threshold SIZE]
 //!                      [--server [--bind ADDR] [--persist] | --connect HOST[:PORT]]
 //!                      [-p PORT] [--json | --csv]
@@ -76,8 +76,10 @@ pub struct StreamArgs {
     #[arg(long)]
     pub nodelay: bool,
     /// Also measure plain TCP (same pattern, same server) and print the
-    /// ratio sockets direct / TCP.
-    #[arg(long, value_parser = ["tcp"], value_name = "tcp")]
+    /// ratio sockets direct / TCP; `tcp-spin`: latency with both ends of
+    /// the TCP connection busy-polling non-blocking sockets (compare with
+    /// `--spin-us`).
+    #[arg(long, value_parser = ["tcp", "tcp-spin"], value_name = "tcp|tcp-spin")]
     pub baseline: Option<String>,
     /// What the measured connection asks for: offload (required), auto,
     /// tcp.
@@ -176,10 +178,17 @@ fn measured_mode(args: &StreamArgs) -> Mode {
 }
 
 fn request(kind: u8, nodelay: bool, size: usize, count: u64) -> [u8; 24] {
+    request_spin(kind, nodelay, false, size, count)
+}
+
+/// A request; `spin`: the server busy-polls a non-blocking socket (plain
+/// TCP latency baseline `tcp-spin`).
+fn request_spin(kind: u8, nodelay: bool, spin: bool, size: usize, count: u64) -> [u8; 24] {
     let mut b = [0u8; 24];
     b[..4].copy_from_slice(MAGIC);
     b[4] = kind;
     b[5] = u8::from(nodelay);
+    b[6] = u8::from(spin);
     b[8..12].copy_from_slice(&u32::try_from(size).unwrap_or(u32::MAX).to_be_bytes());
     b[12..20].copy_from_slice(&count.to_be_bytes());
     b
@@ -213,6 +222,14 @@ fn serve_one(mut s: TcpStream) -> io::Result<bool> {
             }
             s.write_all(&total.to_be_bytes())?;
             s.flush()?;
+            Ok(true)
+        }
+        KIND_LAT if req[6] != 0 => {
+            s.set_nonblocking(true)?;
+            let mut buf = vec![0u8; size];
+            while spin_read_exact(&mut s, &mut buf)? {
+                spin_write_all(&mut s, &buf)?;
+            }
             Ok(true)
         }
         KIND_LAT => {
@@ -331,6 +348,70 @@ fn setup(addr: SocketAddr, c: &Config, a: &StreamArgs) -> io::Result<(String, u6
     Ok((transport, n, t0.elapsed().as_secs_f64() * 1e6 / n as f64))
 }
 
+/// `read_exact` on a non-blocking stream, busy-polling; `false` at end of
+/// stream before the first octet.
+fn spin_read_exact(s: &mut TcpStream, buf: &mut [u8]) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// `write_all` on a non-blocking stream, busy-polling.
+fn spin_write_all(s: &mut TcpStream, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        match s.write(buf) {
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Latency of plain TCP with both ends busy-polling non-blocking sockets.
+fn lat_spin(
+    addr: SocketAddr,
+    c: &Config,
+    a: &StreamArgs,
+    size: usize,
+) -> io::Result<(String, Vec<f64>)> {
+    let mut s = TcpStream::connect_with(addr, c)?;
+    let transport = format!("{} busy-polled", s.transport());
+    s.set_nodelay(true)?;
+    let n = a.iters.unwrap_or(10_000).max(1);
+    s.write_all(&request_spin(KIND_LAT, true, true, size, n))?;
+    s.set_nonblocking(true)?;
+    let out = vec![0xA5u8; size];
+    let mut back = vec![0u8; size];
+    let warm = n / 10;
+    let mut rtts = Vec::with_capacity(n as usize);
+    for i in 0..warm + n {
+        let t = Instant::now();
+        spin_write_all(&mut s, &out)?;
+        if !spin_read_exact(&mut s, &mut back)? {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if i >= warm {
+            rtts.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    s.set_nonblocking(false)?;
+    s.shutdown(Shutdown::Write)?;
+    let mut end = [0u8; 1];
+    let _ = s.read(&mut end);
+    Ok((transport, rtts))
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() { 0.0 } else { v[v.len() / 2] }
@@ -345,9 +426,19 @@ enum Sample {
     Setup(String, u64, f64),
 }
 
-fn sample(addr: SocketAddr, a: &StreamArgs, size: usize, mode: Mode) -> io::Result<Sample> {
+/// One run; `baseline`: of the TCP baseline.
+fn sample(
+    addr: SocketAddr,
+    a: &StreamArgs,
+    size: usize,
+    mode: Mode,
+    baseline: bool,
+) -> io::Result<Sample> {
     let c = cfg(a, mode);
-    if a.setup {
+    if baseline && a.lat && a.baseline.as_deref() == Some("tcp-spin") {
+        let (t, rtts) = lat_spin(addr, &c, a, size)?;
+        Ok(Sample::Lat(t, rtts))
+    } else if a.setup {
         let (t, n, us) = setup(addr, &c, a)?;
         Ok(Sample::Setup(t, n, us))
     } else if a.lat {
@@ -435,9 +526,9 @@ fn measure(
     let mut sd = Vec::new();
     let mut base = Vec::new();
     for _ in 0..a.runs.max(1) {
-        sd.push(sample(addr, a, size, measured_mode(a))?);
+        sd.push(sample(addr, a, size, measured_mode(a), false)?);
         if tcp {
-            base.push(sample(addr, a, size, Mode::Tcp)?);
+            base.push(sample(addr, a, size, Mode::Tcp, true)?);
         }
     }
     let sd = row_of(a, size, "sdp", sd);
@@ -745,6 +836,42 @@ mod tests {
         let v: serde_json::Value =
             serde_json::from_str(String::from_utf8(out).unwrap().trim()).unwrap();
         assert_eq!(v["mode"], "lat");
+        end_server(addr);
+        server.join().unwrap();
+    }
+
+    /// Setup rows and the busy-polled TCP latency baseline against one
+    /// dual listener: the measured rows are offloaded, the baselines
+    /// plain, every connection and round trip is counted.
+    #[test]
+    fn setup_and_spinning_tcp_baseline() {
+        let l = TcpListener::bind_with("127.0.0.1:0", &Config::default()).unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = thread::spawn(move || serve(&l, false));
+        let a = args(&["--setup", "-n", "5", "-r", "2", "--baseline", "tcp"]);
+        let rows = run_client(addr, &a, &mut Vec::new()).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].mode, "setup");
+        assert!(
+            rows[0].transport.starts_with("offloaded"),
+            "{}",
+            rows[0].transport
+        );
+        assert!(
+            rows[1].transport.starts_with("plain"),
+            "{}",
+            rows[1].transport
+        );
+        assert!(rows.iter().all(|r| r.count == 5 && r.lat_us.unwrap() > 0.0));
+        let a = args(&["--lat", "-n", "50", "--baseline", "tcp-spin"]);
+        let rows = run_client(addr, &a, &mut Vec::new()).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert!(
+            rows[1].transport.ends_with("busy-polled"),
+            "{}",
+            rows[1].transport
+        );
+        assert!(rows.iter().all(|r| r.count == 50));
         end_server(addr);
         server.join().unwrap();
     }
