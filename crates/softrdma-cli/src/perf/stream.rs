@@ -89,7 +89,8 @@ pub struct StreamArgs {
     #[arg(long, value_name = "US")]
     pub spin_us: Option<u64>,
     /// Writes of at least this many bytes go by Read zero copy when both
-    /// ends offer it (suffixes K, M; 0: off, not offered) [default: 64K].
+    /// ends offer it (suffixes K, M; 0: off, not offered) [default: the
+    /// library's, 256K].
     #[arg(long, value_name = "SIZE", value_parser = parse_threshold)]
     pub zcopy_threshold: Option<usize>,
     /// Runs per size, alternated with the baseline's; the median is
