@@ -125,7 +125,7 @@ pub struct StreamArgs {
 pub struct StreamRow {
     /// Always `"stream"`.
     pub test: &'static str,
-    /// `"bw"` or `"lat"`.
+    /// `"bw"`, `"lat"` or `"setup"`.
     pub mode: &'static str,
     /// What carried the connection (`offloaded (sdp, ...)`, `plain TCP (...)`).
     pub transport: String,
@@ -133,13 +133,14 @@ pub struct StreamRow {
     pub kind: &'static str,
     /// Write size in bytes.
     pub size: usize,
-    /// Octets moved (bw) or round trips (lat).
+    /// Octets moved (bw), round trips (lat) or connections (setup).
     pub count: u64,
     /// Seconds measured.
     pub secs: f64,
     /// Bandwidth, 10^6 bytes per second (bw).
     pub mb_s: Option<f64>,
-    /// One-way latency (RTT/2), median, µs (lat).
+    /// One-way latency (RTT/2), median, µs (lat); mean µs per connection
+    /// (setup: the median over the runs).
     pub lat_us: Option<f64>,
     /// One-way latency, mean, µs (lat).
     pub lat_mean_us: Option<f64>,
