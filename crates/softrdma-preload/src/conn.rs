@@ -47,6 +47,10 @@ pub(crate) struct Conn {
     /// A reset was reported once: later writes fail with `EPIPE` (and
     /// `SIGPIPE`), as the kernel's do after `ECONNRESET`.
     pub(crate) reset_seen: AtomicBool,
+    /// Times a read (`[1]`: a write) found nothing to do (would block): an
+    /// edge-triggered epoll registration may report the connection again
+    /// (see `emu`).
+    pub(crate) drained: [AtomicU64; 2],
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -330,6 +334,7 @@ impl Conn {
             sndtimeo: AtomicU64::new(0),
             rfd: AtomicI32::new(-1),
             reset_seen: AtomicBool::new(false),
+            drained: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
 
@@ -412,6 +417,11 @@ impl Conn {
         rfd
     }
 
+    /// Whether the readiness descriptor was made.
+    pub(crate) fn readiness_made(&self) -> bool {
+        self.rfd.load(Ordering::Relaxed) >= 0
+    }
+
     /// Runs `f` (a non-blocking attempt) until it does not report
     /// `WouldBlock`, waiting on the readiness descriptor in between unless
     /// the call is non-blocking; `out` says which readiness is awaited.
@@ -433,6 +443,7 @@ impl Conn {
             match f(s) {
                 Ok(v) => return Ok(v),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.drained[usize::from(out)].fetch_add(1, Ordering::Relaxed);
                     if nb {
                         return Err(libc::EAGAIN);
                     }
