@@ -1022,9 +1022,19 @@ impl Shared {
             return false;
         };
         let mut any = false;
-        while let Some(wc) = self.cq.poll_one() {
-            any = true;
-            self.on_wc(st, &wc);
+        // In batches, until one comes back short: a CQ found empty runs
+        // the receive path (a read of the socket), so polling it once more
+        // after the last completion cost a read that said EAGAIN.
+        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        loop {
+            let n = self.cq.poll(&mut out);
+            for wc in &out[..n] {
+                any = true;
+                self.on_wc(st, wc);
+            }
+            if n < out.len() {
+                break;
+            }
         }
         if any {
             self.flush_tx(st);
