@@ -47,10 +47,9 @@ pub(crate) struct Conn {
     /// A reset was reported once: later writes fail with `EPIPE` (and
     /// `SIGPIPE`), as the kernel's do after `ECONNRESET`.
     pub(crate) reset_seen: AtomicBool,
-    /// Times a read (`[1]`: a write) found nothing to do (would block): an
-    /// edge-triggered epoll registration may report the connection again
-    /// (see `emu`).
-    pub(crate) drained: [AtomicU64; 2],
+    /// Times a write found no room (would block): an edge-triggered epoll
+    /// registration reports the connection writable again (see `emu`).
+    pub(crate) write_blocked: AtomicU64,
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -334,7 +333,7 @@ impl Conn {
             sndtimeo: AtomicU64::new(0),
             rfd: AtomicI32::new(-1),
             reset_seen: AtomicBool::new(false),
-            drained: [AtomicU64::new(0), AtomicU64::new(0)],
+            write_blocked: AtomicU64::new(0),
         }
     }
 
@@ -443,7 +442,9 @@ impl Conn {
             match f(s) {
                 Ok(v) => return Ok(v),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    self.drained[usize::from(out)].fetch_add(1, Ordering::Relaxed);
+                    if out {
+                        self.write_blocked.fetch_add(1, Ordering::Relaxed);
+                    }
                     if nb {
                         return Err(libc::EAGAIN);
                     }

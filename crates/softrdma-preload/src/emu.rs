@@ -13,12 +13,12 @@
 //! The kernel's rules, applied here:
 //! - level-triggered: reported on every wait while readable (data, end of
 //!   stream, error) or writable, as asked;
-//! - edge-triggered (`EPOLLET`): reported once when it becomes ready, and
-//!   again only after a read (for `EPOLLIN`; a write for `EPOLLOUT`) found
-//!   nothing more (`EAGAIN`): what epoll(7) asks of an edge-triggered
-//!   reader. (The kernel's socket also
-//!   makes an edge for data arriving while some is unread; a reader that
-//!   stops before `EAGAIN` and waits for more is not told here.)
+//! - edge-triggered (`EPOLLET`): reported when it is ready and something
+//!   happened since the last report: for `EPOLLIN` a message arrived (data,
+//!   the end of the stream or a failure: every arrival is an edge, as the
+//!   kernel's socket makes one per arriving segment, so a reader that stops
+//!   at a short read, as nginx does, hears of the next request); for
+//!   `EPOLLOUT` a write found no room (`EAGAIN`) since;
 //! - one-shot (`EPOLLONESHOT`): reported once, then disabled until
 //!   `EPOLL_CTL_MOD`;
 //! - with `EPOLLRDHUP` asked for: `EPOLLRDHUP` with the end of the stream,
@@ -69,8 +69,8 @@ struct Reg {
     version: u64,
     /// One-shot, reported: silent until `EPOLL_CTL_MOD`.
     disabled: bool,
-    /// Edge-triggered: the connection's `drained` counters when last
-    /// reported for reading and writing (`None`: not reported yet).
+    /// Edge-triggered: the connection's [`marks`] when last reported for
+    /// reading and for writing (`None`: not reported yet).
     fired: [Option<u64>; 2],
 }
 
@@ -85,8 +85,7 @@ impl Reg {
             if self.events & bit == 0 {
                 continue;
             }
-            let fresh = self.events & EPOLLET == 0
-                || self.fired[i] != Some(c.drained[i].load(Ordering::Relaxed));
+            let fresh = self.events & EPOLLET == 0 || self.fired[i] != Some(marks(c)[i]);
             if fresh {
                 want |= bit;
             }
@@ -354,9 +353,10 @@ pub(crate) unsafe fn wait(
                     continue;
                 }
                 let ev = got | closed_bits(&s.conn, got, r.events);
+                let m = marks(&s.conn);
                 for (i, bit) in [EPOLLIN, EPOLLOUT].into_iter().enumerate() {
                     if ev & bit != 0 {
-                        r.fired[i] = Some(s.conn.drained[i].load(Ordering::Relaxed));
+                        r.fired[i] = Some(m[i]);
                     }
                 }
                 if r.events & EPOLLONESHOT != 0 {
@@ -375,6 +375,14 @@ pub(crate) unsafe fn wait(
             return Some(Ok(n as c_int));
         }
     }
+}
+
+/// What makes an edge: for reading, the messages the connection took in
+/// (data, end of stream, failure: [`softrdma_sockets::TcpStream::arrivals`]);
+/// for writing, the writes that found no room.
+fn marks(c: &Conn) -> [u64; 2] {
+    let a = c.stream().map_or(0, |s| s.arrivals());
+    [a, c.write_blocked.load(Ordering::Relaxed)]
 }
 
 /// poll(2) bits for an epoll interest.

@@ -224,6 +224,60 @@ fn engine_waits_return_eintr_and_wake_on_data_from_another_thread() {
         assert s.recv(1)==b'u'\n");
 }
 
+/// Regression (nginx served one request per connection, then hung): an
+/// edge-triggered reader that stops at a short read, without waiting for
+/// `EAGAIN`, as nginx does with `EPOLLRDHUP`, is told of the next message
+/// (every arrival is an edge); one that stopped in the middle of the data
+/// is not told again without one. Writable and the end of the stream
+/// (`EPOLLRDHUP`) come with their edges.
+#[test]
+fn edge_triggered_reports_every_arrival_to_a_reader_that_stops_at_a_short_read() {
+    if !have_python() {
+        return;
+    }
+    run("s.setblocking(False)\n\
+        IN,OUT,ET,RD=select.EPOLLIN,select.EPOLLOUT,select.EPOLLET,select.EPOLLRDHUP\n\
+        e=select.epoll(); e.register(s.fileno(), IN|OUT|ET|RD)\n\
+        assert e.poll(2)==[(s.fileno(), OUT)], 'writable at first'\n\
+        assert e.poll(0.1)==[], 'no new edge'\n\
+        for i in range(3):\n\
+        \x20   q=b'GET /%d' % i; c.sendall(q)\n\
+        \x20   ev=e.poll(2); assert ev and ev[0][1] & IN, (i, ev)\n\
+        \x20   assert s.recv(4096)==q, 'a short read, no EAGAIN'\n\
+        \x20   s.sendall(b'ok'); assert c.recv(2)==b'ok'\n\
+        c.sendall(b'0123456789')\n\
+        assert e.poll(2)[0][1] & IN\n\
+        assert s.recv(5)==b'01234'\n\
+        assert e.poll(0.2)==[], 'stopped in the middle: no new edge'\n\
+        assert s.recv(100)==b'56789'\n\
+        c.shutdown(socket.SHUT_WR)\n\
+        ev=e.poll(2); assert ev and ev[0][1] & IN and ev[0][1] & RD, ev\n\
+        assert s.recv(10)==b''\n");
+}
+
+/// An epoll instance holding an offloaded connection, added to another
+/// epoll instance (nested): the outer one reports the inner one when data
+/// comes, and the inner one reports the connection.
+#[test]
+fn an_epoll_instance_nested_in_another_reports_offloaded_data() {
+    if !have_python() {
+        return;
+    }
+    run(
+        "inner=select.epoll(); inner.register(s.fileno(), select.EPOLLIN)\n\
+        outer=select.epoll(); outer.register(inner.fileno(), select.EPOLLIN)\n\
+        assert outer.poll(0.1)==[], 'nothing yet'\n\
+        c.sendall(b'n')\n\
+        assert outer.poll(5)==[(inner.fileno(), select.EPOLLIN)]\n\
+        assert inner.poll(0)==[(s.fileno(), select.EPOLLIN)]\n\
+        assert s.recv(1)==b'n'\n\
+        inner.unregister(s.fileno()); inner.register(s.fileno(), select.EPOLLIN)\n\
+        c.sendall(b'm')\n\
+        assert outer.poll(5)==[(inner.fileno(), select.EPOLLIN)]\n\
+        assert s.recv(1)==b'm'\n",
+    );
+}
+
 #[test]
 fn an_exec_never_inherits_an_offloaded_stream() {
     if !have_python() {
