@@ -2,7 +2,8 @@
 # Unmodified socket programs with the sockets preload (softrdma run --sockets).
 #
 #   scripts/apps-suite.sh [--quick]
-#   scripts/apps-suite.sh --bench [RUNS]   (speed ratios, medians of RUNS, default 3)
+#   scripts/apps-suite.sh --bench [RUNS]   (speed ratios, medians of RUNS, default 3,
+#                                          and one "goal" line per speed goal)
 #
 # Every program pair runs in four placements: none (no preload: the
 # reference), both ends preloaded, only the client, only the server. Each
@@ -22,7 +23,7 @@ QUICK=0
 BENCH=0
 case "${1:-}" in
 -h | --help)
-	sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
 	exit 0
 	;;
 esac
@@ -202,15 +203,46 @@ EOC
 		done
 		echo "apps-suite: bench run $run of $BENCH done"
 	done
+	# Pass-through cost of the preload (policy tcp, nothing offloaded), as
+	# CPU time (less sensitive to a busy machine than wall time): 2 M
+	# one-byte reads and 2 M writes, the worst case for an interposed call.
+	if command -v perf >/dev/null; then
+		for run in $(seq 1 "$BENCH"); do
+			for pl in none tcp; do
+				pre=""
+				[ $pl = tcp ] && pre="env LD_PRELOAD=$ROOT/target/release/libsoftrdma_preload.so SOFTRDMA_SOCKETS=tcp"
+				# shellcheck disable=SC2086
+				v=$(timeout 60 perf stat -x, -e task-clock $pre dd if=/dev/zero of=/dev/null bs=1 count=2000000 2>&1 >/dev/null | awk -F, '/task-clock/ { print $1 }')
+				B[dd-cpu-ms,$pl]+="$v "
+			done
+		done
+	fi
 	printf '%-10s %-6s %14s %8s   %s\n' case placement median "x none" "runs"
-	for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
-		base=$(echo "${B[$c,none]}" | tr ' ' '\n' | grep . | median)
+	declare -A RATIO
+	for c in iperf3 redis-P1 redis-P16 nginx-wrk dd-cpu-ms; do
+		base=$(echo "${B[$c,none]:-}" | tr ' ' '\n' | grep . | median)
 		for pl in none both kwait tcp; do
+			[ -n "${B[$c,$pl]:-}" ] || continue
 			m=$(echo "${B[$c,$pl]}" | tr ' ' '\n' | grep . | median)
 			r=$(awk -v a="$m" -v b="$base" 'BEGIN { if (a == "" || b == "" || b == 0) print "-"; else printf "%.2f", a / b }')
+			RATIO[$c,$pl]=$r
 			printf '%-10s %-6s %14s %8s   %s\n' "$c" "$pl" "$m" "$r" "${B[$c,$pl]}"
 		done
 	done
+	# The speed goals, each with its ratio (medians of this run).
+	goal() { # name ratio op limit
+		local v
+		v=$(awk -v r="$2" -v l="$4" -v op="$3" 'BEGIN { if (r == "-" || r == "") print "n/a"; else if ((op == ">=" && r >= l) || (op == "<=" && r <= l)) print "met"; else print "MISSED" }')
+		printf 'goal %-36s %6s %s %-5s %s\n' "$1" "${2:--}" "$3" "$4" "$v"
+	}
+	goal "iperf3 both/none" "${RATIO[iperf3,both]:-}" ">=" 0.90
+	goal "redis GET -P 1 both/none" "${RATIO[redis-P1,both]:-}" ">=" 0.90
+	goal "redis GET -P 16 both/none" "${RATIO[redis-P16,both]:-}" ">=" 1.00
+	goal "nginx+wrk both/none" "${RATIO[nginx-wrk,both]:-}" ">=" 0.90
+	for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
+		goal "policy tcp overhead: $c tcp/none" "${RATIO[$c,tcp]:-}" ">=" 0.97
+	done
+	goal "policy tcp overhead: CPU of dd tcp/none" "${RATIO[dd-cpu-ms,tcp]:-}" "<=" 1.03
 	exit 0
 fi
 

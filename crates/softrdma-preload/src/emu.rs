@@ -313,13 +313,43 @@ pub(crate) unsafe fn wait(
             return Some(Err(e.raw_os_error().unwrap_or(libc::EIO)));
         }
         let kernel_ready = entries[0].revents() != 0 || !others.is_empty();
-        // Which registrations report, from their state now.
+        // Which registrations report, from their state now. An
+        // edge-triggered one with nothing new before the wait may have had
+        // its edge during it: its interest and readiness are looked at
+        // again (no system call), so one wait-up is one round.
         let mut hits: Vec<(usize, u32)> = Vec::new();
-        for (k, &want) in interest.iter().enumerate() {
-            let Some(e) = entries.get(k + 1) else { break };
-            let got = epoll_bits(e.revents()) & want;
-            if got != 0 {
-                hits.push((k, got));
+        {
+            let g = lock(&inst);
+            for (k, &pre) in interest.iter().enumerate() {
+                let Some(e) = entries.get(k + 1) else { break };
+                let s = &seen[k];
+                let want = match g.regs.get(&s.fd) {
+                    Some(r) if r.version == s.version => r.interest(&s.conn),
+                    _ => 0,
+                };
+                let got = if want == pre {
+                    epoll_bits(e.revents()) & want
+                } else if want == 0 {
+                    0
+                } else {
+                    let (rd, wr) = s
+                        .conn
+                        .stream()
+                        .ok()
+                        .and_then(|st| st.ready_now())
+                        .unwrap_or((false, false));
+                    let mut b = 0;
+                    if rd {
+                        b |= EPOLLIN;
+                    }
+                    if wr {
+                        b |= EPOLLOUT;
+                    }
+                    b & want
+                };
+                if got != 0 {
+                    hits.push((k, got));
+                }
             }
         }
         let mut n = 0usize;

@@ -432,6 +432,16 @@ impl TcpStream {
         }
     }
 
+    /// Offloaded: whether a read, and a write, would not block now (the
+    /// completions already in the CQ are handled first; no system call).
+    /// `None` for a plain stream (ask the kernel).
+    pub fn ready_now(&self) -> Option<(bool, bool)> {
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Offload(o) => Some(o.ready_now()),
+        }
+    }
+
     /// The offloaded connection, if any (for [`crate::poll`]).
     pub(crate) fn offload(&self) -> Option<&Offload> {
         match &self.inner {
