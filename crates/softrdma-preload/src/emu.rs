@@ -161,17 +161,28 @@ pub(crate) fn ctl(
     c: &Arc<Conn>,
     ev: Option<libc::epoll_event>,
 ) -> Result<(), c_int> {
-    is_epoll_fd(epfd)?;
-    let inst = {
-        let mut t = INSTANCES.write().unwrap_or_else(|e| e.into_inner());
-        let i = t.entry(epfd).or_default().clone();
-        COUNT.store(t.len(), Ordering::Relaxed);
-        i
+    // Programs change their interest often (per request): the instance is
+    // looked up under the read lock, made under the write lock once.
+    let inst = match instance(epfd) {
+        Some(i) => i,
+        None => {
+            is_epoll_fd(epfd)?;
+            let mut t = INSTANCES.write().unwrap_or_else(|e| e.into_inner());
+            let i = t.entry(epfd).or_default().clone();
+            COUNT.store(t.len(), Ordering::Relaxed);
+            i
+        }
     };
     let mut inst = lock(&inst);
     // A registration whose connection is gone (its descriptors closed,
-    // the number reused) does not count.
-    inst.regs.retain(|_, r| r.conn.strong_count() > 0);
+    // the number reused) does not count (the others are swept by waits).
+    if inst
+        .regs
+        .get(&fd)
+        .is_some_and(|r| r.conn.strong_count() == 0)
+    {
+        inst.regs.remove(&fd);
+    }
     let mine = inst
         .regs
         .get(&fd)
