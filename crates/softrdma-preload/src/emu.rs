@@ -128,6 +128,20 @@ pub(crate) fn is_instance(epfd: c_int) -> bool {
     instance(epfd).is_some()
 }
 
+/// The instances in `first..=last` (about to be closed together).
+pub(crate) fn instances_in(first: c_int, last: c_int) -> Vec<c_int> {
+    if COUNT.load(Ordering::Relaxed) == 0 {
+        return Vec::new();
+    }
+    INSTANCES
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .keys()
+        .copied()
+        .filter(|&f| f >= first && f <= last)
+        .collect()
+}
+
 /// `epfd` is closed: its registrations go.
 pub(crate) fn forget(epfd: c_int) {
     if COUNT.load(Ordering::Relaxed) == 0 {

@@ -540,6 +540,16 @@ pub(crate) fn forget_epoll(fd: c_int) {
         .remove(&fd);
 }
 
+/// The epoll instances holding offloaded connections in `first..=last`.
+pub(crate) fn epolls_in(first: c_int, last: c_int) -> Vec<c_int> {
+    let mut v = crate::emu::instances_in(first, last);
+    if EPOLL_COUNT.load(Ordering::Relaxed) != 0 {
+        let t = EPOLLS.read().unwrap_or_else(|e| e.into_inner());
+        v.extend(t.keys().copied().filter(|&f| f >= first && f <= last));
+    }
+    v
+}
+
 /// The live offloaded connections of epoll instance `epfd` usable in this
 /// process.
 fn epoll_conns(epfd: c_int) -> Vec<Arc<Conn>> {

@@ -346,6 +346,24 @@ fn close_range_forgets_offloaded_descriptors_whose_numbers_are_reused() {
         assert u.fileno()==fd and u.recv(10)==b'plain'\n");
 }
 
+/// An epoll instance holding an offloaded connection closed by
+/// `close_range`: a new instance that gets its number starts empty.
+#[test]
+fn close_range_forgets_epoll_instances_whose_numbers_are_reused() {
+    if !have_python() {
+        return;
+    }
+    run(
+        "e=select.epoll(); efd=e.fileno(); e.register(s.fileno(), select.EPOLLIN)\n\
+        c.sendall(b'q'); assert e.poll(5)==[(s.fileno(), select.EPOLLIN)]\n\
+        os.closerange(efd, efd+1)\n\
+        e2=select.epoll(); assert e2.fileno()==efd\n\
+        assert e2.poll(0.2)==[], 'the closed instance registrations'\n\
+        e2.close(); del e\n\
+        assert s.recv(1)==b'q'\n",
+    );
+}
+
 #[test]
 fn the_librarys_threads_block_every_signal() {
     if !have_python() {
