@@ -28,9 +28,10 @@
 //!
 //! A registration ends with `EPOLL_CTL_DEL` or when the connection's last
 //! descriptor is closed (as the kernel's ends with the open file
-//! description). The events of both kinds are merged in one result, the
-//! connections' first (round robin among them), leaving at least half the
-//! room to the kernel's when both have events.
+//! description). The events of both kinds are merged in one result (the
+//! connections round robin among them; when both kinds have events they
+//! take turns going first, and the connections take at most half the
+//! room).
 //!
 //! An instance added to another epoll instance (nested) cannot be waited
 //! on by the kernel with registrations kept here: its registrations are
@@ -100,6 +101,10 @@ struct Instance {
     regs: HashMap<c_int, Reg>,
     /// Where the next result starts (round robin).
     cursor: usize,
+    /// When both have events: whether the connections' go first this time
+    /// (turns alternate, so that neither kind starves with a small
+    /// `maxevents`).
+    ours_first: bool,
 }
 
 static INSTANCES: LazyLock<RwLock<HashMap<c_int, Arc<Mutex<Instance>>>>> =
@@ -299,8 +304,6 @@ pub(crate) unsafe fn wait(
     let inst = instance(epfd)?;
     let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     let max = maxevents as usize;
-    // SAFETY: the caller's array of `maxevents` events.
-    let out = unsafe { std::slice::from_raw_parts_mut(events, max) };
     loop {
         // Snapshot: the live, usable registrations and what they wait for.
         let mut seen: Vec<Seen> = Vec::new();
@@ -377,13 +380,21 @@ pub(crate) unsafe fn wait(
                 }
             }
         }
+        // Both kinds: turns alternate; the connections take at most half
+        // the room when the kernel's instance has events too.
+        let ours_first = kernel_ready && !hits.is_empty() && {
+            let mut g = lock(&inst);
+            g.ours_first = !g.ours_first;
+            g.ours_first
+        };
+        let ours_cap = if kernel_ready {
+            (max - max / 2).max(1)
+        } else {
+            max
+        };
         let mut n = 0usize;
-        if kernel_ready {
-            let room = if hits.is_empty() {
-                max
-            } else {
-                max.saturating_sub(hits.len()).max(max / 2).max(1)
-            };
+        if kernel_ready && !ours_first {
+            let room = max.saturating_sub(hits.len().min(ours_cap)).max(1);
             let k = kernel(events, room as c_int);
             if k < 0 {
                 return Some(Err(crate::real::errno()));
@@ -395,8 +406,9 @@ pub(crate) unsafe fn wait(
             let len = hits.len();
             let start = g.cursor % len;
             let mut used = 0;
+            let limit = if ours_first { ours_cap } else { max };
             for j in 0..len {
-                if n >= max {
+                if n >= limit {
                     break;
                 }
                 let (k, got) = hits[(start + j) % len];
@@ -417,14 +429,25 @@ pub(crate) unsafe fn wait(
                 if r.events & EPOLLONESHOT != 0 {
                     r.disabled = true;
                 }
-                out[n] = libc::epoll_event {
+                let e = libc::epoll_event {
                     events: ev,
                     u64: r.data,
                 };
+                // SAFETY: `n < maxevents`: within the caller's array (an
+                // epoll_event may be packed: written unaligned).
+                unsafe { events.add(n).write_unaligned(e) };
                 n += 1;
                 used = j + 1;
             }
             g.cursor = start + used;
+        }
+        if kernel_ready && ours_first && n < max {
+            // SAFETY: the rest of the caller's array.
+            let k = kernel(unsafe { events.add(n) }, (max - n) as c_int);
+            if k < 0 {
+                return Some(Err(crate::real::errno()));
+            }
+            n += k as usize;
         }
         if n > 0 || deadline.is_some_and(|d| Instant::now() >= d) {
             return Some(Ok(n as c_int));

@@ -255,6 +255,24 @@ fn edge_triggered_reports_every_arrival_to_a_reader_that_stops_at_a_short_read()
         assert s.recv(10)==b''\n");
 }
 
+/// An epoll instance with an offloaded connection and a plain descriptor
+/// (a pipe), both ready, waited on one event at a time: they take turns
+/// (neither starves the other).
+#[test]
+fn epoll_with_one_event_at_a_time_alternates_offloaded_and_kernel_descriptors() {
+    if !have_python() {
+        return;
+    }
+    run("r,w=os.pipe()\n\
+        e=select.epoll(); e.register(r, select.EPOLLIN); e.register(s.fileno(), select.EPOLLIN)\n\
+        os.write(w, b'p'); c.sendall(b'x')\n\
+        select.select([s],[],[],5)\n\
+        got=[e.poll(2, 1) for _ in range(4)]\n\
+        fds=[g[0][0] for g in got if g]\n\
+        assert set(fds)=={r, s.fileno()}, got\n\
+        assert s.recv(1)==b'x' and os.read(r, 1)==b'p'\n");
+}
+
 /// An epoll instance holding an offloaded connection, added to another
 /// epoll instance (nested): the outer one reports the inner one when data
 /// comes, and the inner one reports the connection.
