@@ -2,7 +2,8 @@
 # Unmodified socket programs with the sockets preload (softrdma run --sockets).
 #
 #   scripts/apps-suite.sh [--quick]
-#   scripts/apps-suite.sh --bench [RUNS]   (speed ratios, medians of RUNS, default 3)
+#   scripts/apps-suite.sh --bench [RUNS]   (speed ratios, medians of RUNS, default 3,
+#                                          and one "goal" line per speed goal)
 #
 # Every program pair runs in four placements: none (no preload: the
 # reference), both ends preloaded, only the client, only the server. Each
@@ -22,7 +23,7 @@ QUICK=0
 BENCH=0
 case "${1:-}" in
 -h | --help)
-	sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
 	exit 0
 	;;
 esac
@@ -146,30 +147,53 @@ if [ "$BENCH" -gt 0 ]; then
 	declare -A B
 	www=$LOGS/www
 	mkdir -p "$www" && head -c 1024 /dev/urandom >"$www/1K" && chmod -R a+rX "$www" "$LOGS"
+	# CPU time of each side (perf stat task-clock, all threads and child
+	# processes): work per CPU second is far less sensitive to other load
+	# on the machine than wall-clock rates.
+	cpuwrap() { # file
+		command -v perf >/dev/null && echo "perf stat -x, -e task-clock -o $1"
+	}
+	cpums() { # file...
+		cat "$@" 2>/dev/null | awk -F, '/task-clock/ { s += $1 } END { print s + 0 }'
+	}
+	# ops per CPU second of both sides: case placement ops statfiles...
+	eff() {
+		local c=$1 pl=$2 ops=$3 ms
+		shift 3
+		ms=$(cpums "$@")
+		[ -n "$ops" ] && awk -v o="$ops" -v m="$ms" 'BEGIN { exit !(m > 0 && o > 0) }' &&
+			E[$c,$pl]+="$(awk -v o="$ops" -v m="$ms" 'BEGIN { printf "%.0f", o / (m / 1000) }') "
+		rm -f "$@"
+	}
+	declare -A E
+	st=$LOGS/bench-cpu
 	for run in $(seq 1 "$BENCH"); do
 		for pl in none both kwait tcp; do
 			W=$(bwrap "$pl")
 			next_port
 			# shellcheck disable=SC2086
-			timeout 40 $W iperf3 -s -1 -B 127.0.0.1 -p "$PORT" >/dev/null 2>&1 &
+			timeout 40 $(cpuwrap "$st.s") $W iperf3 -s -1 -B 127.0.0.1 -p "$PORT" >/dev/null 2>&1 &
 			spid=$!
 			wait_port "$PORT"
 			# shellcheck disable=SC2086
-			v=$(timeout 40 $W iperf3 -c 127.0.0.1 -p "$PORT" -t 5 -f m 2>&1 | grep receiver | tail -1 | grep -oE '[0-9.]+ Mbits/sec' | cut -d' ' -f1)
+			v=$(timeout 40 $(cpuwrap "$st.c") $W iperf3 -c 127.0.0.1 -p "$PORT" -t 5 -f m 2>&1 | grep receiver | tail -1 | grep -oE '[0-9.]+ Mbits/sec' | cut -d' ' -f1)
 			wait "$spid"
 			B[iperf3,$pl]+="$v "
-			next_port
-			# shellcheck disable=SC2086
-			timeout 120 $W redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$LOGS" >/dev/null 2>&1 &
-			spid=$!
-			wait_port "$PORT"
+			eff iperf3 "$pl" "$(awk -v r="${v:-0}" 'BEGIN { print r * 5 }')" "$st.s" "$st.c"
 			for pipe in 1 16; do
+				next_port
 				# shellcheck disable=SC2086
-				v=$(timeout 60 $W redis-benchmark -h 127.0.0.1 -p "$PORT" -q -n 100000 -c 50 -t get -P $pipe 2>&1 | tr '\r' '\n' | grep -E '^GET:' | tail -1 | grep -oE '[0-9.]+ requests' | cut -d' ' -f1)
+				timeout 120 $(cpuwrap "$st.s") $W redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$LOGS" >/dev/null 2>&1 &
+				spid=$!
+				wait_port "$PORT"
+				# shellcheck disable=SC2086
+				v=$(timeout 60 $(cpuwrap "$st.c") $W redis-benchmark -h 127.0.0.1 -p "$PORT" -q -n 100000 -c 50 -t get -P $pipe 2>&1 | tr '\r' '\n' | grep -E '^GET:' | tail -1 | grep -oE '[0-9.]+ requests' | cut -d' ' -f1)
 				B[redis-P$pipe,$pl]+="$v "
+				# The server itself, so that perf writes its count.
+				kill -INT "$(pgrep -f "redis-server 127.0.0.1:$PORT" | head -1)" 2>/dev/null
+				wait "$spid" 2>/dev/null
+				eff "redis-P$pipe" "$pl" "${v:+100000}" "$st.s" "$st.c"
 			done
-			kill "$spid" 2>/dev/null
-			wait "$spid" 2>/dev/null
 			next_port
 			d=$LOGS/bench-nginx-$pl
 			mkdir -p "$d"
@@ -191,26 +215,84 @@ http {
 }
 EOC
 			# shellcheck disable=SC2086
-			timeout 60 $W nginx -c "$d/nginx.conf" -p "$d" >/dev/null 2>&1 &
+			timeout 60 $(cpuwrap "$st.s") $W nginx -c "$d/nginx.conf" -p "$d" >/dev/null 2>&1 &
 			spid=$!
 			wait_port "$PORT"
 			# shellcheck disable=SC2086
-			v=$(timeout 30 $W wrk -t1 -c20 -d5s "http://127.0.0.1:$PORT/1K" 2>&1 | awk '/^Requests\/sec/ { print $2 }')
+			v=$(timeout 30 $(cpuwrap "$st.c") $W wrk -t1 -c20 -d5s "http://127.0.0.1:$PORT/1K" 2>&1 | awk '/^Requests\/sec/ { print $2 }')
 			B[nginx-wrk,$pl]+="$v "
-			kill "$spid" 2>/dev/null
+			kill -QUIT "$(cat "$d/nginx.pid" 2>/dev/null)" 2>/dev/null || kill "$spid" 2>/dev/null
 			wait "$spid" 2>/dev/null
+			eff nginx-wrk "$pl" "$(awk -v r="${v:-0}" 'BEGIN { print r * 5 }')" "$st.s" "$st.c"
 		done
 		echo "apps-suite: bench run $run of $BENCH done"
 	done
+	# Pass-through cost of the preload (policy tcp, nothing offloaded), as
+	# CPU time (less sensitive to a busy machine than wall time): 2 M
+	# one-byte reads and 2 M writes, the worst case for an interposed call.
+	if command -v perf >/dev/null; then
+		for run in $(seq 1 "$BENCH"); do
+			for pl in none tcp; do
+				pre=""
+				[ $pl = tcp ] && pre="env LD_PRELOAD=$ROOT/target/release/libsoftrdma_preload.so SOFTRDMA_SOCKETS=tcp"
+				# shellcheck disable=SC2086
+				v=$(timeout 60 perf stat -x, -e task-clock $pre dd if=/dev/zero of=/dev/null bs=1 count=2000000 2>&1 >/dev/null | awk -F, '/task-clock/ { print $1 }')
+				B[dd-cpu-ms,$pl]+="$v "
+			done
+		done
+	fi
 	printf '%-10s %-6s %14s %8s   %s\n' case placement median "x none" "runs"
-	for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
-		base=$(echo "${B[$c,none]}" | tr ' ' '\n' | grep . | median)
+	declare -A RATIO
+	for c in iperf3 redis-P1 redis-P16 nginx-wrk dd-cpu-ms; do
+		base=$(echo "${B[$c,none]:-}" | tr ' ' '\n' | grep . | median)
 		for pl in none both kwait tcp; do
+			[ -n "${B[$c,$pl]:-}" ] || continue
 			m=$(echo "${B[$c,$pl]}" | tr ' ' '\n' | grep . | median)
 			r=$(awk -v a="$m" -v b="$base" 'BEGIN { if (a == "" || b == "" || b == 0) print "-"; else printf "%.2f", a / b }')
+			RATIO[$c,$pl]=$r
 			printf '%-10s %-6s %14s %8s   %s\n' "$c" "$pl" "$m" "$r" "${B[$c,$pl]}"
 		done
 	done
+	# Work per CPU second of both sides (Mbit, requests), the load-insensitive
+	# view of the same runs.
+	if [ -n "${E[iperf3,none]:-}${E[redis-P1,none]:-}" ]; then
+		printf '\n%-10s %-6s %14s %8s   %s\n' "case/cpu-s" placement median "x none" "runs"
+		for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
+			base=$(echo "${E[$c,none]:-}" | tr ' ' '\n' | grep . | median)
+			for pl in none both kwait tcp; do
+				[ -n "${E[$c,$pl]:-}" ] || continue
+				m=$(echo "${E[$c,$pl]}" | tr ' ' '\n' | grep . | median)
+				r=$(awk -v a="$m" -v b="$base" 'BEGIN { if (a == "" || b == "" || b == 0) print "-"; else printf "%.2f", a / b }')
+				RATIO[cpu-$c,$pl]=$r
+				printf '%-10s %-6s %14s %8s   %s\n' "$c" "$pl" "$m" "$r" "${E[$c,$pl]}"
+			done
+		done
+		echo
+	fi
+	# The speed goals, each with its ratio (medians of this run; "per CPU":
+	# the same from work per CPU second).
+	goal() { # name ratio op limit
+		local v
+		v=$(awk -v r="$2" -v l="$4" -v op="$3" 'BEGIN { if (r == "-" || r == "") print "n/a"; else if ((op == ">=" && r >= l) || (op == "<=" && r <= l)) print "met"; else print "MISSED" }')
+		printf 'goal %-36s %6s %s %-5s %s\n' "$1" "${2:--}" "$3" "$4" "$v"
+	}
+	goal "iperf3 both/none" "${RATIO[iperf3,both]:-}" ">=" 0.90
+	goal "redis GET -P 1 both/none" "${RATIO[redis-P1,both]:-}" ">=" 0.90
+	goal "redis GET -P 16 both/none" "${RATIO[redis-P16,both]:-}" ">=" 1.00
+	goal "nginx+wrk both/none" "${RATIO[nginx-wrk,both]:-}" ">=" 0.90
+	for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
+		goal "policy tcp overhead: $c tcp/none" "${RATIO[$c,tcp]:-}" ">=" 0.97
+	done
+	goal "policy tcp overhead: CPU of dd tcp/none" "${RATIO[dd-cpu-ms,tcp]:-}" "<=" 1.03
+	if [ -n "${RATIO[cpu-iperf3,both]:-}" ]; then
+		goal "per CPU: iperf3 both/none" "${RATIO[cpu-iperf3,both]:-}" ">=" 0.90
+		goal "per CPU: redis GET -P 1 both/none" "${RATIO[cpu-redis-P1,both]:-}" ">=" 0.90
+		goal "per CPU: redis GET -P 16 both/none" "${RATIO[cpu-redis-P16,both]:-}" ">=" 1.00
+		goal "per CPU: nginx+wrk both/none" "${RATIO[cpu-nginx-wrk,both]:-}" ">=" 0.90
+		for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
+			goal "per CPU: policy tcp overhead: $c" "${RATIO[cpu-$c,tcp]:-}" ">=" 0.97
+		done
+	fi
 	exit 0
 fi
 

@@ -57,6 +57,15 @@ pub type SigSet = libc::sigset_t;
 /// QPs' sockets is renewed at that pace.
 const NAP_MAX: Duration = Duration::from_millis(100);
 
+/// How long the QPs' sockets stay claimed from the engine's receive threads
+/// after a wait returns (their bytes wait in the kernel for the next wait
+/// meanwhile, as a plain socket's wait for the program's next call): an
+/// event loop back within that time receives every message itself, and
+/// the receive threads are not woken for those sockets (nor re-arm them)
+/// per message. A program that stops waiting leaves its QPs to the
+/// receive threads after this plus their quiet period.
+const CLAIM_AFTER_NS: u64 = 10_000_000;
+
 /// Why [`WaitSet::wait`] returned without a result.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -220,25 +229,28 @@ impl WaitSet {
         }
         let mut ready = self.look_cqs();
         let nap = if ready > 0 { Duration::ZERO } else { nap };
-        if ready == 0 {
-            // The QPs' sockets, claimed from the receive threads until the
-            // end of the nap: bytes arriving wake this thread, which runs
-            // the receive path itself.
-            let until = crate::datamover::now_ns()
-                .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX))
-                .saturating_add(1_000_000);
-            for (i, cq) in self.cqs.iter().enumerate() {
-                for hook in cq.wait_set_hooks() {
-                    if let Some(fd) = hook.sleep_on(Some(until)) {
-                        self.pfds.push(libc::pollfd {
-                            fd,
-                            events: libc::POLLIN,
-                            revents: 0,
-                        });
-                        self.hooks.push((i, hook));
-                    }
+        // The QPs' sockets, claimed from the receive threads until the end
+        // of the nap: bytes arriving wake this thread, which runs the
+        // receive path itself. Also when a CQ is ready already (a look
+        // without sleeping): a thread that keeps waiting on the set keeps
+        // receiving for its QPs, and the engine's threads keep out of them
+        // (no hand-off, no re-arm of their registrations per message).
+        let until = crate::datamover::now_ns()
+            .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX))
+            .saturating_add(1_000_000);
+        for (i, cq) in self.cqs.iter().enumerate() {
+            for hook in cq.wait_set_hooks() {
+                if let Some(fd) = hook.sleep_on(Some(until)) {
+                    self.pfds.push(libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                    self.hooks.push((i, hook));
                 }
             }
+        }
+        if ready == 0 {
             for (i, fd) in wake_fds.iter().enumerate() {
                 if let Some(fd) = *fd {
                     self.pfds.push(libc::pollfd {
@@ -251,17 +263,11 @@ impl WaitSet {
             }
         }
         let res = crate::sys::ppoll::ppoll(&mut self.pfds, Some(nap), mask);
-        // Awake: completions pushed from here on (by the receive path this
-        // thread runs next, say) need not signal the event fds; the look
-        // after it sees them (a signal would only end the next wait at once).
+        // Awake: completions pushed from here on (by the receive path run
+        // below in this very thread, above all) need not signal the event
+        // fds (a write, and a read to drain it, per message otherwise).
         for cq in &self.cqs {
             cq.wait_set_leave();
-        }
-        // The hooks (and so the sockets' owners) were alive across the
-        // wait; the receive threads may watch the sockets again after the
-        // usual quiet period.
-        for (_, hook) in &self.hooks {
-            let _ = hook.sleep_on(None);
         }
         let nf = self.fds.len();
         let mut woke = false;
@@ -291,6 +297,14 @@ impl WaitSet {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Err(WaitError::Interrupted),
             Err(e) => Err(WaitError::Io(e)),
         };
+        // The hooks (and so the sockets' owners) were alive across the
+        // wait. The claim outlasts it by `CLAIM_AFTER_NS` (then the receive
+        // threads' usual quiet period): an event loop that waits again
+        // within that time keeps receiving for its QPs itself.
+        let after = crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS);
+        for (_, hook) in &self.hooks {
+            let _ = hook.sleep_on(Some(after));
+        }
         self.hooks.clear();
         res?;
         ready = self.look_cqs();

@@ -47,6 +47,9 @@ pub(crate) struct Conn {
     /// A reset was reported once: later writes fail with `EPIPE` (and
     /// `SIGPIPE`), as the kernel's do after `ECONNRESET`.
     pub(crate) reset_seen: AtomicBool,
+    /// Times a write found no room (would block): an edge-triggered epoll
+    /// registration reports the connection writable again (see `emu`).
+    pub(crate) write_blocked: AtomicU64,
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -330,6 +333,7 @@ impl Conn {
             sndtimeo: AtomicU64::new(0),
             rfd: AtomicI32::new(-1),
             reset_seen: AtomicBool::new(false),
+            write_blocked: AtomicU64::new(0),
         }
     }
 
@@ -412,6 +416,11 @@ impl Conn {
         rfd
     }
 
+    /// Whether the readiness descriptor was made.
+    pub(crate) fn readiness_made(&self) -> bool {
+        self.rfd.load(Ordering::Relaxed) >= 0
+    }
+
     /// Runs `f` (a non-blocking attempt) until it does not report
     /// `WouldBlock`, waiting on the readiness descriptor in between unless
     /// the call is non-blocking; `out` says which readiness is awaited.
@@ -433,6 +442,9 @@ impl Conn {
             match f(s) {
                 Ok(v) => return Ok(v),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if out {
+                        self.write_blocked.fetch_add(1, Ordering::Relaxed);
+                    }
                     if nb {
                         return Err(libc::EAGAIN);
                     }

@@ -28,6 +28,7 @@
 //! then carry every message; for comparison).
 
 use std::collections::HashMap;
+use std::panic::catch_unwind;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, RwLock, Weak};
 use std::time::{Duration, Instant};
@@ -368,7 +369,7 @@ pub unsafe extern "C" fn epoll_ctl(
     let Some(c) = c else {
         // SAFETY: forwarding the caller's arguments unchanged.
         let r = unsafe { real(epfd, op, fd, ev) };
-        if r == 0 && EPOLL_COUNT.load(Ordering::Relaxed) != 0 {
+        if r == 0 && (EPOLL_COUNT.load(Ordering::Relaxed) != 0 || crate::emu::is_instance(fd)) {
             let e = errno();
             let _ = std::panic::catch_unwind(|| match op {
                 libc::EPOLL_CTL_DEL => untrack(epfd, fd),
@@ -380,6 +381,32 @@ pub unsafe extern "C" fn epoll_ctl(
         }
         return r;
     };
+    // Kept in this library (no readiness descriptor), unless the instance
+    // is nested in another or the wait is the kernel's.
+    let exposed = || {
+        EXPOSED
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&epfd)
+    };
+    if engine_wait() && c.stream().is_ok() && !catch_unwind(exposed).unwrap_or(true) {
+        let e = if ev.is_null() {
+            None
+        } else {
+            // SAFETY: the caller's event, not null.
+            Some(unsafe { *ev })
+        };
+        let r = catch_unwind(std::panic::AssertUnwindSafe(|| {
+            crate::emu::ctl(epfd, op, fd, &c, e)
+        }))
+        .unwrap_or(Err(libc::EIO));
+        match r {
+            Ok(()) => return 0,
+            // Registered in the kernel's instance before: below.
+            Err(libc::ENOENT) if c.readiness_made() => {}
+            Err(e) => return fail(e),
+        }
+    }
     let t = c.readiness();
     let t = if t >= 0 { t } else { fd };
     // SAFETY: forwarding the caller's arguments (descriptor mapped).
@@ -436,6 +463,27 @@ fn track(epfd: c_int, fd: c_int, c: &Arc<Conn>) {
 /// `epfd` was added to another epoll instance: the readiness descriptors
 /// of its connections go back to being kept in sync by the engine.
 fn expose(epfd: c_int) {
+    if crate::emu::is_instance(epfd) {
+        EXPOSED
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(epfd);
+        // Its registrations kept here move into the kernel's instance.
+        if let Some(real) = REAL_EPOLL_CTL.get() {
+            for (fd, c, events, data) in crate::emu::take_all(epfd) {
+                let t = c.readiness();
+                if t < 0 {
+                    continue;
+                }
+                let mut ev = libc::epoll_event { events, u64: data };
+                // SAFETY: registering our readiness descriptor with the
+                // application's event.
+                if unsafe { real(epfd, libc::EPOLL_CTL_ADD, t, &raw mut ev) } == 0 {
+                    track(epfd, fd, &c);
+                }
+            }
+        }
+    }
     let conns: Vec<Arc<Conn>> = {
         let t = EPOLLS.read().unwrap_or_else(|e| e.into_inner());
         match t.get(&epfd) {
@@ -467,15 +515,17 @@ fn untrack(epfd: c_int, fd: c_int) {
 
 /// Whether `fd` is an epoll instance holding offloaded connections.
 pub(crate) fn is_epoll(fd: c_int) -> bool {
-    EPOLL_COUNT.load(Ordering::Relaxed) != 0
-        && EPOLLS
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&fd)
+    crate::emu::is_instance(fd)
+        || EPOLL_COUNT.load(Ordering::Relaxed) != 0
+            && EPOLLS
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&fd)
 }
 
 /// `fd` is being closed: if it is an epoll instance, forget it.
 pub(crate) fn forget_epoll(fd: c_int) {
+    crate::emu::forget(fd);
     if EPOLL_COUNT.load(Ordering::Relaxed) == 0 {
         return;
     }
@@ -488,6 +538,16 @@ pub(crate) fn forget_epoll(fd: c_int) {
         .write()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&fd);
+}
+
+/// The epoll instances holding offloaded connections in `first..=last`.
+pub(crate) fn epolls_in(first: c_int, last: c_int) -> Vec<c_int> {
+    let mut v = crate::emu::instances_in(first, last);
+    if EPOLL_COUNT.load(Ordering::Relaxed) != 0 {
+        let t = EPOLLS.read().unwrap_or_else(|e| e.into_inner());
+        v.extend(t.keys().copied().filter(|&f| f >= first && f <= last));
+    }
+    v
 }
 
 /// The live offloaded connections of epoll instance `epfd` usable in this
@@ -751,6 +811,35 @@ fn engine_epoll(
     }))
 }
 
+/// epoll_wait and its variants on an instance with registrations kept in
+/// this library (`emu`); `None`: not handled.
+///
+/// # Safety
+/// `events` points to room for `maxevents` events.
+unsafe fn emu_epoll(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    maxevents: c_int,
+    timeout: Option<Duration>,
+    mask: Option<&libc::sigset_t>,
+    look: impl Fn(*mut libc::epoll_event, c_int) -> c_int,
+) -> Option<c_int> {
+    if !engine_wait() || !crate::emu::is_instance(epfd) {
+        return None;
+    }
+    let r = catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let others = epoll_conns(epfd);
+        // SAFETY: the caller's array.
+        unsafe { crate::emu::wait(epfd, events, maxevents, timeout, mask, &others, look) }
+    }));
+    match r {
+        Ok(Some(Ok(n))) => Some(n),
+        Ok(Some(Err(e))) => Some(fail(e)),
+        Ok(None) => None,
+        Err(_) => Some(fail(libc::EIO)),
+    }
+}
+
 /// `epoll_wait(2)`.
 ///
 /// # Safety
@@ -766,6 +855,12 @@ pub unsafe extern "C" fn epoll_wait(
         return fail(libc::ENOSYS);
     };
     let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
+    // SAFETY: the caller's array (or a part of it), timeout 0.
+    let look = |p, m| unsafe { real(epfd, p, m, 0) };
+    // SAFETY: the caller's array.
+    if let Some(r) = unsafe { emu_epoll(epfd, events, maxevents, t, None, look) } {
+        return r;
+    }
     // SAFETY: the caller's array, timeout 0.
     let peek = || unsafe { real(epfd, events, maxevents, 0) };
     if let Some(r) = engine_epoll(epfd, maxevents, t, None, peek) {
@@ -791,6 +886,12 @@ pub unsafe extern "C" fn epoll_pwait(
         return fail(libc::ENOSYS);
     };
     let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
+    // SAFETY: the caller's array (or a part of it) and mask, timeout 0.
+    let look = |p, m| unsafe { real(epfd, p, m, 0, mask) };
+    // SAFETY: the caller's array and mask.
+    if let Some(r) = unsafe { emu_epoll(epfd, events, maxevents, t, mask_ref(mask), look) } {
+        return r;
+    }
     // SAFETY: the caller's array and mask, timeout 0.
     let peek = || unsafe { real(epfd, events, maxevents, 0, mask) };
     // SAFETY: the caller's mask.
@@ -822,6 +923,12 @@ pub unsafe extern "C" fn epoll_pwait2(
             tv_sec: 0,
             tv_nsec: 0,
         };
+        // SAFETY: the caller's array (or a part of it) and mask, timeout 0.
+        let look = |p, m| unsafe { real(epfd, p, m, &zero, mask) };
+        // SAFETY: the caller's array and mask.
+        if let Some(r) = unsafe { emu_epoll(epfd, events, maxevents, t, mask_ref(mask), look) } {
+            return r;
+        }
         // SAFETY: the caller's array and mask, timeout 0.
         let peek = || unsafe { real(epfd, events, maxevents, &zero, mask) };
         // SAFETY: the caller's mask.

@@ -710,6 +710,9 @@ fn forget_range(first: c_int, last: c_int) {
         for fd in ls {
             drop_listener(fd);
         }
+        for fd in crate::events::epolls_in(first, last) {
+            crate::events::forget_epoll(fd);
+        }
     });
 }
 

@@ -43,6 +43,8 @@ mod conn;
 #[cfg(not(test))]
 pub mod data;
 #[cfg(not(test))]
+mod emu;
+#[cfg(not(test))]
 pub mod events;
 #[cfg(not(test))]
 pub mod interpose;

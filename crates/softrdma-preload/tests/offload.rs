@@ -224,6 +224,78 @@ fn engine_waits_return_eintr_and_wake_on_data_from_another_thread() {
         assert s.recv(1)==b'u'\n");
 }
 
+/// Regression (nginx served one request per connection, then hung): an
+/// edge-triggered reader that stops at a short read, without waiting for
+/// `EAGAIN`, as nginx does with `EPOLLRDHUP`, is told of the next message
+/// (every arrival is an edge); one that stopped in the middle of the data
+/// is not told again without one. Writable and the end of the stream
+/// (`EPOLLRDHUP`) come with their edges.
+#[test]
+fn edge_triggered_reports_every_arrival_to_a_reader_that_stops_at_a_short_read() {
+    if !have_python() {
+        return;
+    }
+    run("s.setblocking(False)\n\
+        IN,OUT,ET,RD=select.EPOLLIN,select.EPOLLOUT,select.EPOLLET,select.EPOLLRDHUP\n\
+        e=select.epoll(); e.register(s.fileno(), IN|OUT|ET|RD)\n\
+        assert e.poll(2)==[(s.fileno(), OUT)], 'writable at first'\n\
+        assert e.poll(0.1)==[], 'no new edge'\n\
+        for i in range(3):\n\
+        \x20   q=b'GET /%d' % i; c.sendall(q)\n\
+        \x20   ev=e.poll(2); assert ev and ev[0][1] & IN, (i, ev)\n\
+        \x20   assert s.recv(4096)==q, 'a short read, no EAGAIN'\n\
+        \x20   s.sendall(b'ok'); assert c.recv(2)==b'ok'\n\
+        c.sendall(b'0123456789')\n\
+        assert e.poll(2)[0][1] & IN\n\
+        assert s.recv(5)==b'01234'\n\
+        assert e.poll(0.2)==[], 'stopped in the middle: no new edge'\n\
+        assert s.recv(100)==b'56789'\n\
+        c.shutdown(socket.SHUT_WR)\n\
+        ev=e.poll(2); assert ev and ev[0][1] & IN and ev[0][1] & RD, ev\n\
+        assert s.recv(10)==b''\n");
+}
+
+/// An epoll instance with an offloaded connection and a plain descriptor
+/// (a pipe), both ready, waited on one event at a time: they take turns
+/// (neither starves the other).
+#[test]
+fn epoll_with_one_event_at_a_time_alternates_offloaded_and_kernel_descriptors() {
+    if !have_python() {
+        return;
+    }
+    run("r,w=os.pipe()\n\
+        e=select.epoll(); e.register(r, select.EPOLLIN); e.register(s.fileno(), select.EPOLLIN)\n\
+        os.write(w, b'p'); c.sendall(b'x')\n\
+        select.select([s],[],[],5)\n\
+        got=[e.poll(2, 1) for _ in range(4)]\n\
+        fds=[g[0][0] for g in got if g]\n\
+        assert set(fds)=={r, s.fileno()}, got\n\
+        assert s.recv(1)==b'x' and os.read(r, 1)==b'p'\n");
+}
+
+/// An epoll instance holding an offloaded connection, added to another
+/// epoll instance (nested): the outer one reports the inner one when data
+/// comes, and the inner one reports the connection.
+#[test]
+fn an_epoll_instance_nested_in_another_reports_offloaded_data() {
+    if !have_python() {
+        return;
+    }
+    run(
+        "inner=select.epoll(); inner.register(s.fileno(), select.EPOLLIN)\n\
+        outer=select.epoll(); outer.register(inner.fileno(), select.EPOLLIN)\n\
+        assert outer.poll(0.1)==[], 'nothing yet'\n\
+        c.sendall(b'n')\n\
+        assert outer.poll(5)==[(inner.fileno(), select.EPOLLIN)]\n\
+        assert inner.poll(0)==[(s.fileno(), select.EPOLLIN)]\n\
+        assert s.recv(1)==b'n'\n\
+        inner.unregister(s.fileno()); inner.register(s.fileno(), select.EPOLLIN)\n\
+        c.sendall(b'm')\n\
+        assert outer.poll(5)==[(inner.fileno(), select.EPOLLIN)]\n\
+        assert s.recv(1)==b'm'\n",
+    );
+}
+
 #[test]
 fn an_exec_never_inherits_an_offloaded_stream() {
     if !have_python() {
@@ -290,6 +362,24 @@ fn close_range_forgets_offloaded_descriptors_whose_numbers_are_reused() {
         u=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(('127.0.0.1',0))\n\
         v=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); v.sendto(b'plain', u.getsockname())\n\
         assert u.fileno()==fd and u.recv(10)==b'plain'\n");
+}
+
+/// An epoll instance holding an offloaded connection closed by
+/// `close_range`: a new instance that gets its number starts empty.
+#[test]
+fn close_range_forgets_epoll_instances_whose_numbers_are_reused() {
+    if !have_python() {
+        return;
+    }
+    run(
+        "e=select.epoll(); efd=e.fileno(); e.register(s.fileno(), select.EPOLLIN)\n\
+        c.sendall(b'q'); assert e.poll(5)==[(s.fileno(), select.EPOLLIN)]\n\
+        os.closerange(efd, efd+1)\n\
+        e2=select.epoll(); assert e2.fileno()==efd\n\
+        assert e2.poll(0.2)==[], 'the closed instance registrations'\n\
+        e2.close(); del e\n\
+        assert s.recv(1)==b'q'\n",
+    );
 }
 
 #[test]

@@ -421,6 +421,27 @@ impl TcpStream {
         }
     }
 
+    /// Offloaded: how many messages (data, end of stream) and failures the
+    /// connection has taken in so far; a change means new data may be
+    /// readable (an edge, for edge-triggered readiness kept by the
+    /// caller). Always 0 for a plain stream.
+    pub fn arrivals(&self) -> u64 {
+        match &self.inner {
+            Inner::Plain(_) => 0,
+            Inner::Offload(o) => o.arrivals(),
+        }
+    }
+
+    /// Offloaded: whether a read, and a write, would not block now (the
+    /// completions already in the CQ are handled first; no system call).
+    /// `None` for a plain stream (ask the kernel).
+    pub fn ready_now(&self) -> Option<(bool, bool)> {
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Offload(o) => Some(o.ready_now()),
+        }
+    }
+
     /// The offloaded connection, if any (for [`crate::poll`]).
     pub(crate) fn offload(&self) -> Option<&Offload> {
         match &self.inner {

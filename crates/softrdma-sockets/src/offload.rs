@@ -32,7 +32,7 @@ use std::os::unix::net::UnixDatagram;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 use softrdma_engine::proto::mpa::{CrcPolicy, MpaConfig};
@@ -402,6 +402,9 @@ struct Shared {
     /// A completion event whose callback found the state locked: the
     /// thread holding the lock handles it when it lets go.
     event_pending: AtomicBool,
+    /// Messages received and failed completions handled so far (see
+    /// [`Offload::arrivals`]).
+    arrivals: AtomicU64,
     /// Wakes sleeping calls: (receiving end polled by them, sending end).
     waker: (UnixDatagram, UnixDatagram),
     /// Held by whoever takes completions out of the CQ, from the poll until
@@ -656,6 +659,7 @@ impl Offload {
                 test: TestHooks::default(),
             }),
             event_pending: AtomicBool::new(false),
+            arrivals: AtomicU64::new(0),
             waker,
             poller: Mutex::new(poller_set),
         });
@@ -1032,9 +1036,19 @@ impl Shared {
             return false;
         };
         let mut any = false;
-        while let Some(wc) = self.cq.poll_one() {
-            any = true;
-            self.on_wc(st, &wc);
+        // In batches, until one comes back short: a CQ found empty runs
+        // the receive path (a read of the socket), so polling it once more
+        // after the last completion cost a read that said EAGAIN.
+        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        loop {
+            let n = self.cq.poll(&mut out);
+            for wc in &out[..n] {
+                any = true;
+                self.on_wc(st, wc);
+            }
+            if n < out.len() {
+                break;
+            }
         }
         if any {
             self.flush_tx(st);
@@ -1056,6 +1070,9 @@ impl Shared {
     /// Handles one completion (the `poller` gate is held).
     fn on_wc(&self, st: &mut State, wc: &softrdma_engine::WorkCompletion) {
         st.handled = st.handled.wrapping_add(1);
+        if wc.opcode == WcOpcode::Recv || wc.status != WcStatus::Success {
+            self.arrivals.fetch_add(1, Ordering::Relaxed);
+        }
         if wc.wr_id == ZC_READ {
             st.zc_read_done = Some(if wc.status == WcStatus::Success {
                 Ok(wc.byte_len as usize)
@@ -1961,6 +1978,11 @@ impl Offload {
         }
         sh.after(&mut st);
         Shared::readiness(&st)
+    }
+
+    /// See [`crate::TcpStream::arrivals`].
+    pub(crate) fn arrivals(&self) -> u64 {
+        self.sh.arrivals.load(Ordering::Relaxed)
     }
 
     /// See [`crate::TcpStream::set_readiness_polled`].
