@@ -387,7 +387,7 @@ struct Slot {
 }
 
 /// Send-queue completion order.
-type CompQueue = crate::slots::InOrder<Slot>;
+type CompQueue = softrdma_proto::order::InOrder<Slot>;
 
 /// A queue pair handle. Cloning gives another handle to the same QP; the QP
 /// is destroyed (its connection closed, outstanding work flushed) when the

@@ -33,6 +33,7 @@ use softrdma_wire::errcode::TermError;
 use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
 
 use crate::mem::{LocalOp, Memory, Span};
+use crate::order::InOrder;
 use crate::qp_state::{ConnEvent, PostPolicy, QpState};
 use crate::types::{
     AsyncEvent, AsyncKind, Completion, CqKind, LinkAction, Output, PostError, RecvWr, SendOp,
@@ -275,8 +276,7 @@ pub struct Connection<R> {
     ird_used: u32,
     next_request_id: u32,
     // ---- completion order ----
-    slots: VecDeque<Slot>,
-    base: u64,
+    slots: InOrder<Slot>,
     completions: VecDeque<Completion>,
     /// With `Config::message_info`: one per successful receive completion,
     /// in the same order.
@@ -313,8 +313,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             ord: VecDeque::new(),
             ird_used: 0,
             next_request_id: 1,
-            slots: VecDeque::new(),
-            base: 0,
+            slots: InOrder::new(),
             completions: VecDeque::new(),
             msg_infos: VecDeque::new(),
             outputs: VecDeque::new(),
@@ -575,8 +574,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             }
         };
         entry.failed = failed;
-        let seq = self.base + self.slots.len() as u64;
-        self.slots.push_back(Slot {
+        let seq = self.slots.push(Slot {
             wr_id: wr.wr_id,
             opcode,
             signaled: wr.signaled,
@@ -787,23 +785,13 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// Records the outcome of send-queue request `seq` and delivers the
     /// completions that are now in order.
     fn complete_sq(&mut self, seq: u64, status: WcStatus, byte_len: u32, vendor_err: u32) {
-        let Some(idx) = seq
-            .checked_sub(self.base)
-            .and_then(|i| usize::try_from(i).ok())
-        else {
-            return;
-        };
-        if let Some(s) = self.slots.get_mut(idx)
-            && s.status.is_none()
-        {
+        self.slots.complete(seq, |s| {
             s.status = Some(status);
             s.byte_len = byte_len;
             s.vendor_err = vendor_err;
-        }
-        while let Some(s) = self.slots.front().copied() {
-            let Some(st) = s.status else { break };
-            self.slots.pop_front();
-            self.base += 1;
+        });
+        while let Some(s) = self.slots.pop_ready() {
+            let Some(st) = s.status else { continue };
             if s.signaled || !st.is_success() {
                 self.completions.push_back(Completion {
                     cq: CqKind::Send,
@@ -862,14 +850,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         while let Some(w) = self.sq.pop_front() {
             self.complete_sq(w.seq, WcStatus::WrFlush, 0, 0);
         }
-        let open: Vec<u64> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.status.is_none())
-            .map(|(i, _)| self.base + i as u64)
-            .collect();
-        for seq in open {
+        for seq in self.slots.open() {
             self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
         }
         self.flush_partial_recv();
