@@ -1,3 +1,7 @@
+//! Ordering rules shared by the protocol core and the engine: completion
+//! order ([`InOrder`]), outbound Reads and atomics against the ORD
+//! ([`Outstanding`]) and inbound ones against the IRD ([`Credits`]).
+//!
 //! Completion order: requests complete in the order they were posted, even
 //! when their outcomes are known out of order (a Write is done when its
 //! last FPDU is written, a Read when its response arrives, a flush at any
@@ -100,9 +104,192 @@ impl<T> InOrder<T> {
     }
 }
 
+/// Outbound RDMA Reads and atomics sent and not yet answered (the ORD
+/// queue), oldest first, with the limit the connection settled: our ORD
+/// min'ed with the peer's IRD (RFC 5040 section 6.4, RFC 6581).
+///
+/// Responses arrive in request order, so the front is the request the
+/// next Read Response, Atomic Response or Terminate answers.
+#[derive(Debug, Clone)]
+pub struct Outstanding<T> {
+    q: VecDeque<T>,
+    limit: u32,
+}
+
+impl<T> Outstanding<T> {
+    /// Empty, at most `limit` outstanding.
+    #[must_use]
+    pub fn new(limit: u32) -> Self {
+        Outstanding {
+            q: VecDeque::new(),
+            limit,
+        }
+    }
+
+    /// How many may be outstanding at once.
+    #[must_use]
+    pub const fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    /// Changes the limit (a new connection settled another one).
+    pub fn set_limit(&mut self, limit: u32) {
+        self.limit = limit;
+    }
+
+    /// Whether the send queue's head may go out now: a fenced request
+    /// waits until every earlier Read and atomic is answered; a Read or
+    /// atomic (`takes_slot`) waits for a free slot.
+    #[must_use]
+    pub fn may_start(&self, fenced: bool, takes_slot: bool) -> bool {
+        let n = self.q.len();
+        let fence_waits = fenced && n > 0;
+        let no_slot = takes_slot && n >= self.limit as usize;
+        !fence_waits && !no_slot
+    }
+
+    /// A Read or atomic request went out: it waits for its answer.
+    pub fn push(&mut self, item: T) {
+        self.q.push_back(item);
+    }
+
+    /// The oldest outstanding request: the one the next answer is for.
+    #[must_use]
+    pub fn front(&self) -> Option<&T> {
+        self.q.front()
+    }
+
+    /// The oldest outstanding request, to record a partial answer.
+    pub fn front_mut(&mut self) -> Option<&mut T> {
+        self.q.front_mut()
+    }
+
+    /// Removes the oldest outstanding request (answered, or failed).
+    pub fn pop_front(&mut self) -> Option<T> {
+        self.q.pop_front()
+    }
+
+    /// Removes every outstanding request, oldest first (flush).
+    pub fn drain(&mut self) -> std::collections::vec_deque::Drain<'_, T> {
+        self.q.drain(..)
+    }
+
+    /// Requests outstanding.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    /// None outstanding.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+}
+
+/// Inbound RDMA Reads and atomics accepted and not yet answered, against
+/// our IRD. A request beyond the IRD is the peer's error: RFC 5041's
+/// "MSN range is not valid" (the request's MSN is outside the window the
+/// IRD opens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Credits {
+    used: u32,
+    limit: u32,
+}
+
+impl Credits {
+    /// None used, `limit` available.
+    #[must_use]
+    pub const fn new(limit: u32) -> Self {
+        Credits { used: 0, limit }
+    }
+
+    /// The IRD.
+    #[must_use]
+    pub const fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    /// Changes the IRD (before a connection).
+    pub fn set_limit(&mut self, limit: u32) {
+        self.limit = limit;
+    }
+
+    /// Accepted and not yet answered.
+    #[must_use]
+    pub const fn used(&self) -> u32 {
+        self.used
+    }
+
+    /// Another request may be accepted now.
+    #[must_use]
+    pub const fn has_room(&self) -> bool {
+        self.used < self.limit
+    }
+
+    /// Accepts a request; `false` (nothing taken) if all are in use.
+    pub fn take(&mut self) -> bool {
+        let ok = self.has_room();
+        if ok {
+            self.used += 1;
+        }
+        ok
+    }
+
+    /// A response's last FPDU is handed out: its slot is free.
+    pub fn release(&mut self) {
+        self.used = self.used.saturating_sub(1);
+    }
+
+    /// Forgets every accepted request (the connection ended).
+    pub fn reset(&mut self) {
+        self.used = 0;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fence_waits_for_every_outstanding_request_and_reads_for_a_slot() {
+        let mut o = Outstanding::new(2);
+        assert!(o.may_start(true, true), "nothing outstanding");
+        o.push('a');
+        assert!(!o.may_start(true, false), "fenced behind a Read");
+        assert!(o.may_start(false, true), "one of two slots used");
+        assert!(o.may_start(false, false));
+        o.push('b');
+        assert!(!o.may_start(false, true), "ORD reached");
+        assert!(o.may_start(false, false), "a Write needs no slot");
+        assert_eq!(o.front(), Some(&'a'));
+        *o.front_mut().unwrap() = 'c';
+        assert_eq!(o.pop_front(), Some('c'));
+        assert!(o.may_start(false, true));
+        o.set_limit(1);
+        assert!(!o.may_start(false, true), "the new limit counts");
+        assert_eq!(o.drain().collect::<Vec<_>>(), ['b']);
+        assert!(o.is_empty());
+        assert!(o.may_start(true, true));
+    }
+
+    #[test]
+    fn credits_are_taken_up_to_the_limit_and_released() {
+        let mut c = Credits::new(2);
+        assert!(c.take());
+        assert!(c.take());
+        assert!(!c.has_room());
+        assert!(!c.take(), "the IRD is exceeded");
+        assert_eq!(c.used(), 2);
+        c.release();
+        assert!(c.take());
+        c.reset();
+        assert_eq!(c.used(), 0);
+        c.release();
+        assert_eq!(c.used(), 0, "release never underflows");
+        c.set_limit(0);
+        assert!(!c.take());
+    }
 
     #[test]
     fn out_of_order_outcomes_are_delivered_in_order_once() {

@@ -33,7 +33,7 @@ use softrdma_wire::errcode::TermError;
 use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
 
 use crate::mem::{LocalOp, Memory, Span};
-use crate::order::InOrder;
+use crate::order::{Credits, InOrder, Outstanding};
 use crate::qp_state::{ConnEvent, PostPolicy, QpState};
 use crate::types::{
     AsyncEvent, AsyncKind, Completion, CqKind, LinkAction, Output, PostError, RecvWr, SendOp,
@@ -272,8 +272,8 @@ pub struct Connection<R> {
     resp: VecDeque<Response<R>>,
     inflight: VecDeque<Done>,
     // ---- ORD / IRD ----
-    ord: VecDeque<OutRead<R>>,
-    ird_used: u32,
+    ord: Outstanding<OutRead<R>>,
+    ird: Credits,
     next_request_id: u32,
     // ---- completion order ----
     slots: InOrder<Slot>,
@@ -310,8 +310,8 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             sq: VecDeque::new(),
             resp: VecDeque::new(),
             inflight: VecDeque::new(),
-            ord: VecDeque::new(),
-            ird_used: 0,
+            ord: Outstanding::new(cfg.ord),
+            ird: Credits::new(cfg.ird),
             next_request_id: 1,
             slots: InOrder::new(),
             completions: VecDeque::new(),
@@ -346,7 +346,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// Inbound Reads/atomics accepted and not yet answered.
     #[must_use]
     pub const fn ird_used(&self) -> u32 {
-        self.ird_used
+        self.ird.used()
     }
 
     /// Send-queue requests posted and not yet completed.
@@ -856,7 +856,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         self.flush_partial_recv();
         self.flush_rq();
         self.resp.clear();
-        self.ird_used = 0;
+        self.ird.reset();
         self.tx.reset_current();
         self.fin_pending = false;
     }

@@ -799,14 +799,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// (queue 1): its MSN is the next one and an IRD slot is free (RFC
     /// 5041's "MSN range is not valid" when the peer exceeds our IRD).
     fn accept_inbound(&self, msn: Msn) -> Check<()> {
-        if msn != self.rx.expect[QN_RREQ] || self.ird_used >= self.cfg.ird {
+        if msn != self.rx.expect[QN_RREQ] || !self.ird.has_room() {
             return Err(TermError::DdpUntaggedMsnRange);
         }
         Ok(())
     }
 
     fn take_inbound(&mut self) {
-        self.ird_used += 1;
+        self.ird.take();
         self.rx.expect[QN_RREQ] = self.rx.expect[QN_RREQ].next();
     }
 
