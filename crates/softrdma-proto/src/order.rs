@@ -1,6 +1,7 @@
 //! Ordering rules shared by the protocol core and the engine: completion
 //! order ([`InOrder`]), outbound Reads and atomics against the ORD
-//! ([`Outstanding`]) and inbound ones against the IRD ([`Credits`]).
+//! ([`Outstanding`]) with the Read Response check ([`ReadSink`]), and
+//! inbound ones against the IRD ([`Credits`]).
 //!
 //! Completion order: requests complete in the order they were posted, even
 //! when their outcomes are known out of order (a Write is done when its
@@ -18,6 +19,8 @@
 //! completers and a concurrent flush).
 
 use std::collections::VecDeque;
+
+use softrdma_wire::errcode::TermError;
 
 /// Slots in posting order; `T` is what a slot holds (the request's
 /// identity and, once known, its outcome).
@@ -187,6 +190,67 @@ impl<T> Outstanding<T> {
     }
 }
 
+/// The local sink of an outstanding RDMA Read and how much of it the Read
+/// Response has filled: the segments of a Read Response must arrive in
+/// order, name the sink's STag and fill it exactly (RFC 5040 section
+/// 4.4, RFC 5041 section 7.1.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadSink {
+    /// The sink's STag (the Read Request's Data Sink STag).
+    pub stag: u32,
+    /// The sink's tagged offset.
+    pub to: u64,
+    /// The sink's length (the Read Request's RDMA Read Message Size).
+    pub len: usize,
+    /// Bytes of the response received so far.
+    pub got: usize,
+}
+
+impl ReadSink {
+    /// Nothing received yet.
+    #[must_use]
+    pub const fn new(stag: u32, to: u64, len: usize) -> Self {
+        ReadSink {
+            stag,
+            to,
+            len,
+            got: 0,
+        }
+    }
+
+    /// Accepts a Read Response segment of `len` payload bytes for
+    /// `(stag, to)`, the last one if `last`: returns the offset in the sink
+    /// where its payload goes and counts it. Refused (nothing counted)
+    /// with DDP "Invalid STag" for another STag and "Base or bounds
+    /// violation" for a segment out of order, beyond the sink, or a last
+    /// segment that leaves the sink short.
+    ///
+    /// # Errors
+    ///
+    /// The Terminate error for the peer.
+    pub fn accept(
+        &mut self,
+        stag: u32,
+        to: u64,
+        len: usize,
+        last: bool,
+    ) -> Result<usize, TermError> {
+        if stag != self.stag {
+            return Err(TermError::DdpTaggedInvalidStag);
+        }
+        let end = self.got.checked_add(len);
+        if to != self.to.wrapping_add(self.got as u64)
+            || end.is_none_or(|e| e > self.len)
+            || (last && end != Some(self.len))
+        {
+            return Err(TermError::DdpTaggedBaseOrBounds);
+        }
+        let at = self.got;
+        self.got += len;
+        Ok(at)
+    }
+}
+
 /// Inbound RDMA Reads and atomics accepted and not yet answered, against
 /// our IRD. A request beyond the IRD is the peer's error: RFC 5041's
 /// "MSN range is not valid" (the request's MSN is outside the window the
@@ -271,6 +335,46 @@ mod tests {
         assert_eq!(o.drain().collect::<Vec<_>>(), ['b']);
         assert!(o.is_empty());
         assert!(o.may_start(true, true));
+    }
+
+    #[test]
+    fn read_response_segments_fill_the_sink_in_order_and_exactly() {
+        let mut r = ReadSink::new(7, 1000, 10);
+        assert_eq!(
+            r.accept(8, 1000, 4, false),
+            Err(TermError::DdpTaggedInvalidStag)
+        );
+        assert_eq!(
+            r.accept(7, 1001, 4, false),
+            Err(TermError::DdpTaggedBaseOrBounds),
+            "out of order"
+        );
+        assert_eq!(r.accept(7, 1000, 4, false), Ok(0));
+        assert_eq!(
+            r.accept(7, 1004, 7, false),
+            Err(TermError::DdpTaggedBaseOrBounds),
+            "beyond the sink"
+        );
+        assert_eq!(
+            r.accept(7, 1004, 4, true),
+            Err(TermError::DdpTaggedBaseOrBounds),
+            "last leaves it short"
+        );
+        assert_eq!(r.got, 4, "refused segments are not counted");
+        assert_eq!(r.accept(7, 1004, 0, false), Ok(4));
+        assert_eq!(r.accept(7, 1004, 6, true), Ok(4));
+        assert_eq!(r.got, 10);
+        let mut z = ReadSink::new(1, u64::MAX, 2);
+        assert_eq!(z.accept(1, u64::MAX, 1, false), Ok(0));
+        assert_eq!(
+            z.accept(1, 0, 1, true),
+            Ok(1),
+            "the tagged offset wraps like the sender's"
+        );
+        assert_eq!(
+            ReadSink::new(1, 0, 0).accept(1, 0, usize::MAX, true),
+            Err(TermError::DdpTaggedBaseOrBounds)
+        );
     }
 
     #[test]

@@ -54,9 +54,9 @@ pub(crate) struct OutRead {
 pub(crate) enum OutReadKind {
     Read {
         sink: LocalSeg,
-        sink_stag: u32,
-        sink_to: u64,
-        got: usize,
+        /// The Read Response's progress and checks (the protocol core's
+        /// rule).
+        progress: softrdma_proto::order::ReadSink,
     },
     Atomic {
         request_id: u32,

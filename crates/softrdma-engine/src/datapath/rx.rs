@@ -574,26 +574,9 @@ impl QpInner {
             (Opcode::RdmaReadResponse, DdpAddress::Tagged { stag, to }) => {
                 let r = self.with_ord_front(|front| match front {
                     Some(o) => match &mut o.kind {
-                        OutReadKind::Read {
-                            sink,
-                            sink_stag,
-                            sink_to,
-                            got,
-                        } => {
-                            if stag.0 != *sink_stag {
-                                return Err(TermError::DdpTaggedInvalidStag);
-                            }
-                            if to != sink_to.wrapping_add(*got as u64)
-                                || *got + payload_len > sink.len
-                            {
-                                return Err(TermError::DdpTaggedBaseOrBounds);
-                            }
-                            if repr.last && *got + payload_len != sink.len {
-                                return Err(TermError::DdpTaggedBaseOrBounds);
-                            }
-                            let piece = (sink.mem.clone(), sink.offset + *got, payload_len);
-                            *got += payload_len;
-                            Ok(piece)
+                        OutReadKind::Read { sink, progress } => {
+                            let at = progress.accept(stag.0, to, payload_len, repr.last)?;
+                            Ok((sink.mem.clone(), sink.offset + at, payload_len))
                         }
                         OutReadKind::Atomic { .. } => Err(TermError::RdmapUnexpectedOpcode),
                     },
@@ -1022,7 +1005,7 @@ impl QpInner {
                 if last {
                     if let Some(o) = self.pop_ord() {
                         let len = match &o.kind {
-                            OutReadKind::Read { got, .. } => *got,
+                            OutReadKind::Read { progress, .. } => progress.got,
                             OutReadKind::Atomic { .. } => 0,
                         };
                         self.complete_sq(

@@ -595,9 +595,9 @@ impl TxState {
                         seq,
                         kind: OutReadKind::Read {
                             sink: sink.clone(),
-                            sink_stag: *sink_stag,
-                            sink_to: *sink_to,
-                            got: 0,
+                            progress: softrdma_proto::order::ReadSink::new(
+                                *sink_stag, *sink_to, sink.len,
+                            ),
                         },
                     });
                     let ulpdu = UlpduRepr::read_request(msn, req);

@@ -33,7 +33,7 @@ use softrdma_wire::errcode::TermError;
 use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
 
 use crate::mem::{LocalOp, Memory, Span};
-use crate::order::{Credits, InOrder, Outstanding};
+use crate::order::{Credits, InOrder, Outstanding, ReadSink};
 use crate::qp_state::{ConnEvent, PostPolicy, QpState};
 use crate::types::{
     AsyncEvent, AsyncKind, Completion, CqKind, LinkAction, Output, PostError, RecvWr, SendOp,
@@ -225,9 +225,8 @@ struct OutRead<R> {
 enum OutKind<R> {
     Read {
         sink: Span<R>,
-        sink_stag: u32,
-        sink_to: u64,
-        got: usize,
+        /// The Read Response's progress and checks.
+        progress: ReadSink,
     },
     Atomic {
         request_id: u32,

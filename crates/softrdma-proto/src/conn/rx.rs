@@ -448,29 +448,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 let Some(front) = self.ord.front_mut() else {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 };
-                let OutKind::Read {
-                    sink,
-                    sink_stag,
-                    sink_to,
-                    got,
-                } = &mut front.kind
-                else {
+                let OutKind::Read { sink, progress } = &mut front.kind else {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 };
-                if stag.0 != *sink_stag {
-                    return Err(TermError::DdpTaggedInvalidStag);
-                }
-                if to != sink_to.wrapping_add(*got as u64)
-                    || *got + len > sink.len
-                    || (repr.last && *got + len != sink.len)
-                {
-                    return Err(TermError::DdpTaggedBaseOrBounds);
-                }
+                let at = progress.accept(stag.0, to, len, repr.last)?;
                 if len > 0 {
-                    let piece = sink.slice(*got, len);
+                    let piece = sink.slice(at, len);
                     self.rx.dest.push(piece);
                 }
-                *got += len;
                 self.rx.pending = Pending::ReadResponse { last: repr.last };
                 Ok(())
             }
@@ -603,7 +588,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             Pending::ReadResponse { last } => {
                 if last && let Some(o) = self.ord.pop_front() {
                     let got = match o.kind {
-                        OutKind::Read { got, .. } => got,
+                        OutKind::Read { progress, .. } => progress.got,
                         OutKind::Atomic { .. } => 0,
                     };
                     self.complete_sq(

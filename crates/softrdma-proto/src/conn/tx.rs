@@ -390,9 +390,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                         seq,
                         kind: OutKind::Read {
                             sink: sink.clone(),
-                            sink_stag: *sink_stag,
-                            sink_to: *sink_to,
-                            got: 0,
+                            progress: crate::order::ReadSink::new(*sink_stag, *sink_to, sink.len),
                         },
                     });
                     let ok = out.set_consumed(&UlpduRepr::read_request(msn, req), crc);
