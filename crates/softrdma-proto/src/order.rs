@@ -1,7 +1,8 @@
 //! Ordering rules shared by the protocol core and the engine: completion
 //! order ([`InOrder`]), outbound Reads and atomics against the ORD
-//! ([`Outstanding`]) with the Read Response check ([`ReadSink`]), and
-//! inbound ones against the IRD ([`Credits`]).
+//! ([`Outstanding`]) with the Read Response check ([`ReadSink`]),
+//! inbound ones against the IRD ([`Credits`]), and the segments of a Send
+//! filling a receive ([`SendFill`], [`scatter`]).
 //!
 //! Completion order: requests complete in the order they were posted, even
 //! when their outcomes are known out of order (a Write is done when its
@@ -20,6 +21,7 @@
 
 use std::collections::VecDeque;
 
+use softrdma_wire::ddp::Msn;
 use softrdma_wire::errcode::TermError;
 
 /// Slots in posting order; `T` is what a slot holds (the request's
@@ -251,6 +253,86 @@ impl ReadSink {
     }
 }
 
+/// A posted receive being filled by a Send (of one or more segments):
+/// the Send's MSN and the bytes received so far. Every segment of an
+/// untagged message carries the message's MSN and its Message Offset
+/// (RFC 5041 section 5.1): they must continue the message in order and
+/// stay within the receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendFill {
+    /// MSN of the Send (its first segment's).
+    pub msn: Msn,
+    /// The receive's length (all its buffers).
+    pub total: usize,
+    /// Bytes of the Send received so far.
+    pub received: usize,
+}
+
+impl SendFill {
+    /// A receive of `total` bytes taken for the Send with this MSN.
+    #[must_use]
+    pub const fn new(msn: Msn, total: usize) -> Self {
+        SendFill {
+            msn,
+            total,
+            received: 0,
+        }
+    }
+
+    /// Accepts a segment with `(msn, mo)` and `len` payload bytes: returns
+    /// the offset in the receive where its payload goes and counts it.
+    /// Refused (nothing counted) with DDP "Invalid MO" if it does not
+    /// continue the message, "Message too long" if it overflows the
+    /// receive (which then completes with a length error).
+    ///
+    /// # Errors
+    ///
+    /// The Terminate error for the peer.
+    pub fn accept(&mut self, msn: Msn, mo: u32, len: usize) -> Result<usize, TermError> {
+        if msn != self.msn || usize::try_from(mo).ok() != Some(self.received) {
+            return Err(TermError::DdpUntaggedInvalidMo);
+        }
+        if self
+            .received
+            .checked_add(len)
+            .is_none_or(|e| e > self.total)
+        {
+            return Err(TermError::DdpUntaggedMessageTooLong);
+        }
+        let at = self.received;
+        self.received += len;
+        Ok(at)
+    }
+}
+
+/// Where the bytes `[off, off + len)` of a buffer made of segments of
+/// `seg_lens` (in order) are: calls `f(segment index, offset in that
+/// segment, length)` for each piece, in order. Bytes beyond the segments
+/// are not reported (callers check the bounds first, e.g. with
+/// [`SendFill::accept`]).
+pub fn scatter(
+    seg_lens: impl IntoIterator<Item = usize>,
+    off: usize,
+    len: usize,
+    mut f: impl FnMut(usize, usize, usize),
+) {
+    let mut off = off;
+    let mut left = len;
+    for (i, seg) in seg_lens.into_iter().enumerate() {
+        if left == 0 {
+            break;
+        }
+        if off >= seg {
+            off -= seg;
+            continue;
+        }
+        let k = (seg - off).min(left);
+        f(i, off, k);
+        left -= k;
+        off = 0;
+    }
+}
+
 /// Inbound RDMA Reads and atomics accepted and not yet answered, against
 /// our IRD. A request beyond the IRD is the peer's error: RFC 5041's
 /// "MSN range is not valid" (the request's MSN is outside the window the
@@ -375,6 +457,52 @@ mod tests {
             ReadSink::new(1, 0, 0).accept(1, 0, usize::MAX, true),
             Err(TermError::DdpTaggedBaseOrBounds)
         );
+    }
+
+    #[test]
+    fn send_segments_continue_the_message_within_the_receive() {
+        let mut f = SendFill::new(Msn(5), 10);
+        assert_eq!(
+            f.accept(Msn(6), 0, 4),
+            Err(TermError::DdpUntaggedInvalidMo),
+            "another message"
+        );
+        assert_eq!(
+            f.accept(Msn(5), 1, 4),
+            Err(TermError::DdpUntaggedInvalidMo),
+            "a gap"
+        );
+        assert_eq!(f.accept(Msn(5), 0, 4), Ok(0));
+        assert_eq!(
+            f.accept(Msn(5), 4, 7),
+            Err(TermError::DdpUntaggedMessageTooLong)
+        );
+        assert_eq!(f.received, 4, "refused segments are not counted");
+        assert_eq!(f.accept(Msn(5), 4, 6), Ok(4));
+        assert_eq!(
+            f.accept(Msn(5), 10, 0),
+            Ok(10),
+            "an empty segment at the end fits"
+        );
+        assert_eq!(
+            f.accept(Msn(5), 10, usize::MAX),
+            Err(TermError::DdpUntaggedMessageTooLong)
+        );
+    }
+
+    #[test]
+    fn scatter_splits_a_range_over_the_segments() {
+        let mut v = Vec::new();
+        scatter([4, 0, 3, 5], 2, 7, |i, o, k| v.push((i, o, k)));
+        assert_eq!(v, [(0, 2, 2), (2, 0, 3), (3, 0, 2)]);
+        v.clear();
+        scatter([4, 3], 5, 2, |i, o, k| v.push((i, o, k)));
+        assert_eq!(v, [(1, 1, 2)]);
+        v.clear();
+        scatter([4, 3], 0, 0, |i, o, k| v.push((i, o, k)));
+        assert!(v.is_empty(), "nothing to place");
+        scatter([2], 1, 5, |i, o, k| v.push((i, o, k)));
+        assert_eq!(v, [(0, 1, 1)], "bytes beyond the segments are not reported");
     }
 
     #[test]

@@ -53,6 +53,7 @@ use crate::sys::mem::Memory;
 use crate::tx::{Response, SEND_IMM_FOLLOWS, qi};
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::RecvWqe;
+use softrdma_proto::order::{SendFill, scatter};
 use softrdma_proto::term::{MALFORMED_HEADER, UNSUPPORTED_ATOMIC};
 use softrdma_wire::ddp::{QN_ATOMIC_RESPONSE, QN_READ_REQUEST, QN_SEND, QN_TERMINATE};
 
@@ -117,8 +118,9 @@ enum Action {
 #[derive(Debug)]
 struct RecvProgress {
     wqe: RecvWqe,
-    msn: Msn,
-    received: usize,
+    /// The Send's MSN and the bytes received (the protocol core's rule,
+    /// `softrdma_proto::order::SendFill`).
+    fill: SendFill,
     /// RDMAP opcode and DDP/RDMAP header of the first segment (for proxy
     /// filters).
     opcode: Opcode,
@@ -614,9 +616,8 @@ impl QpInner {
                         return Err(TermError::DdpUntaggedNoBuffer);
                     };
                     rx.recv = Some(RecvProgress {
+                        fill: SendFill::new(msn, wqe.total_len),
                         wqe,
-                        msn,
-                        received: 0,
                         opcode: repr.opcode,
                         header: rx.hdr_copy,
                     });
@@ -624,34 +625,26 @@ impl QpInner {
                 let Some(r) = rx.recv.as_mut() else {
                     return Err(TermError::DdpLocalCatastrophic);
                 };
-                if r.msn != msn || mo as usize != r.received {
-                    return Err(TermError::DdpUntaggedInvalidMo);
-                }
-                if r.received + payload_len > r.wqe.total_len {
-                    // The receive is too small: once the CRC is checked it
-                    // completes with a length error (not a flush), then the
-                    // Terminate goes out.
-                    rx.too_long = Some(r.wqe.wr_id);
-                    rx.recv = None;
-                    return Err(TermError::DdpUntaggedMessageTooLong);
-                }
+                let at = match r.fill.accept(msn, mo, payload_len) {
+                    Ok(at) => at,
+                    Err(e) => {
+                        if e == TermError::DdpUntaggedMessageTooLong {
+                            // The receive is too small: once the CRC is
+                            // checked it completes with a length error (not
+                            // a flush), then the Terminate goes out.
+                            rx.too_long = Some(r.wqe.wr_id);
+                            rx.recv = None;
+                        }
+                        return Err(e);
+                    }
+                };
                 let pieces = &mut rx.dest;
-                let mut off = r.received;
-                let mut left = payload_len;
-                for s in &r.wqe.segs {
-                    if left == 0 {
-                        break;
+                let segs = &r.wqe.segs;
+                scatter(segs.iter().map(|s| s.len), at, payload_len, |i, off, k| {
+                    if let Some(s) = segs.get(i) {
+                        pieces.push((s.mem.clone(), s.offset + off, k));
                     }
-                    if off >= s.len {
-                        off -= s.len;
-                        continue;
-                    }
-                    let k = (s.len - off).min(left);
-                    pieces.push((s.mem.clone(), s.offset + off, k));
-                    left -= k;
-                    off = 0;
-                }
-                r.received += payload_len;
+                });
                 let imm_follows = rx.hdr_copy_len >= 6
                     && u32::from_be_bytes([
                         rx.hdr_copy[2],
@@ -929,7 +922,7 @@ impl QpInner {
                     return Ok(());
                 }
                 let mut wc = WorkCompletion::success(r.wqe.wr_id, WcOpcode::Recv, self.qp_num);
-                wc.byte_len = u32::try_from(r.received).unwrap_or(u32::MAX);
+                wc.byte_len = u32::try_from(r.fill.received).unwrap_or(u32::MAX);
                 if solicited {
                     wc.flags = wc.flags | WcFlags::SOLICITED;
                 }
@@ -966,7 +959,7 @@ impl QpInner {
                     Some((r, s)) => {
                         let mut wc =
                             WorkCompletion::success(r.wqe.wr_id, WcOpcode::Recv, self.qp_num);
-                        wc.byte_len = u32::try_from(r.received).unwrap_or(u32::MAX);
+                        wc.byte_len = u32::try_from(r.fill.received).unwrap_or(u32::MAX);
                         (
                             wc,
                             s || solicited,

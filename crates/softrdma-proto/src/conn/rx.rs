@@ -48,9 +48,9 @@ pub enum RxWant<R> {
 pub(super) struct RecvProgress<R> {
     pub(super) wr_id: u64,
     segs: Vec<Span<R>>,
-    total: usize,
-    msn: Msn,
-    received: usize,
+    /// The Send's MSN and the bytes received (the rule is the core's
+    /// [`crate::order::SendFill`]).
+    fill: crate::order::SendFill,
     /// Opcode and DDP header of the first segment ([`super::MsgInfo`]).
     opcode: Opcode,
     header: [u8; HDR_MAX],
@@ -506,9 +506,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             self.rx.recv = Some(RecvProgress {
                 wr_id: w.wr_id,
                 segs: w.segs,
-                total: w.total,
-                msn,
-                received: 0,
+                fill: crate::order::SendFill::new(msn, w.total),
                 opcode: repr.opcode,
                 header: self.rx.hdr,
             });
@@ -516,32 +514,25 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         let Some(r) = self.rx.recv.as_mut() else {
             return Err(TermError::DdpLocalCatastrophic);
         };
-        if r.msn != msn || mo as usize != r.received {
-            return Err(TermError::DdpUntaggedInvalidMo);
-        }
-        if r.received + len > r.total {
-            // The receive is too small: it completes with a length error
-            // (not a flush), then the Terminate goes out.
-            self.rx.too_long = Some(r.wr_id);
-            self.rx.recv = None;
-            return Err(TermError::DdpUntaggedMessageTooLong);
-        }
-        let mut off = r.received;
-        let mut left = len;
-        for s in &r.segs {
-            if left == 0 {
-                break;
+        let at = match r.fill.accept(msn, mo, len) {
+            Ok(at) => at,
+            Err(e) => {
+                if e == TermError::DdpUntaggedMessageTooLong {
+                    // The receive is too small: it completes with a length
+                    // error (not a flush), then the Terminate goes out.
+                    self.rx.too_long = Some(r.wr_id);
+                    self.rx.recv = None;
+                }
+                return Err(e);
             }
-            if off >= s.len {
-                off -= s.len;
-                continue;
+        };
+        let segs = &r.segs;
+        let dest = &mut self.rx.dest;
+        crate::order::scatter(segs.iter().map(|s| s.len), at, len, |i, off, k| {
+            if let Some(s) = segs.get(i) {
+                dest.push(s.slice(off, k));
             }
-            let k = (s.len - off).min(left);
-            self.rx.dest.push(s.slice(off, k));
-            left -= k;
-            off = 0;
-        }
-        r.received += len;
+        });
         let rsvd = self
             .rx
             .hdr
@@ -617,7 +608,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     self.rx.imm_wait = Some((r, solicited));
                     return Ok(());
                 }
-                let mut wc = recv_success(r.wr_id, WcOpcode::Recv, r.received, solicited);
+                let mut wc = recv_success(r.wr_id, WcOpcode::Recv, r.fill.received, solicited);
                 if let Some(stag) = inv {
                     if let Err(e) = mem.invalidate(stag, true) {
                         // Like siw: the receive reports the failure.
@@ -741,7 +732,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 let mut wc = match self.rx.imm_wait.take() {
                     Some((r, s)) => {
                         self.push_recv_info(&r, None);
-                        recv_success(r.wr_id, WcOpcode::Recv, r.received, s || solicited)
+                        recv_success(r.wr_id, WcOpcode::Recv, r.fill.received, s || solicited)
                     }
                     None => match self.pop_recv(mem) {
                         Some(w) => {
