@@ -192,6 +192,58 @@ impl<T> Outstanding<T> {
     }
 }
 
+/// An outstanding outbound RDMA Read or atomic (an entry of the ORD
+/// queue, [`Outstanding`]): its send-queue sequence number
+/// ([`InOrder::push`]) and what its answer fills. `S` is the caller's
+/// handle of the local sink (the core's `Span`, the engine's segment).
+#[derive(Debug, Clone)]
+pub struct OutRead<S> {
+    /// Sequence number of the request in the send queue's completion order.
+    pub seq: u64,
+    /// Read or atomic, and its sink.
+    pub kind: OutKind<S>,
+}
+
+/// What an [`OutRead`] waits for.
+#[derive(Debug, Clone)]
+pub enum OutKind<S> {
+    /// An RDMA Read: Read Response segments fill `sink`.
+    Read {
+        /// Where the data goes.
+        sink: S,
+        /// The response's progress and checks.
+        progress: ReadSink,
+    },
+    /// An atomic: the Atomic Response with `request_id` carries the
+    /// original value, written to `sink` (8 bytes).
+    Atomic {
+        /// The request's identifier (RFC 7306).
+        request_id: u32,
+        /// Where the original value goes.
+        sink: S,
+    },
+}
+
+impl<S> OutRead<S> {
+    /// Whether an Atomic Response for `request_id` answers this request
+    /// (the oldest outstanding): a Read, or another atomic, is RDMAP
+    /// "Unexpected OpCode" for the peer.
+    #[must_use]
+    pub fn answered_by_atomic(&self, request_id: u32) -> bool {
+        matches!(self.kind, OutKind::Atomic { request_id: r, .. } if r == request_id)
+    }
+
+    /// The byte count of the request's completion when the last segment
+    /// of a Read Response answers it: the bytes the Read received.
+    #[must_use]
+    pub fn read_len(&self) -> usize {
+        match &self.kind {
+            OutKind::Read { progress, .. } => progress.got,
+            OutKind::Atomic { .. } => 0,
+        }
+    }
+}
+
 /// The local sink of an outstanding RDMA Read and how much of it the Read
 /// Response has filled: the segments of a Read Response must arrive in
 /// order, name the sink's STag and fill it exactly (RFC 5040 section
@@ -503,6 +555,35 @@ mod tests {
         assert!(v.is_empty(), "nothing to place");
         scatter([2], 1, 5, |i, o, k| v.push((i, o, k)));
         assert_eq!(v, [(0, 1, 1)], "bytes beyond the segments are not reported");
+    }
+
+    #[test]
+    fn an_atomic_response_answers_only_its_atomic() {
+        let a = OutRead {
+            seq: 3,
+            kind: OutKind::Atomic {
+                request_id: 9,
+                sink: (),
+            },
+        };
+        assert!(a.answered_by_atomic(9));
+        assert!(!a.answered_by_atomic(8));
+        assert_eq!(a.read_len(), 0);
+        let mut r = OutRead {
+            seq: 4,
+            kind: OutKind::Read {
+                sink: (),
+                progress: ReadSink::new(1, 0, 6),
+            },
+        };
+        assert!(
+            !r.answered_by_atomic(9),
+            "a Read is not answered by an atomic"
+        );
+        if let OutKind::Read { progress, .. } = &mut r.kind {
+            progress.accept(1, 0, 6, true).unwrap();
+        }
+        assert_eq!(r.read_len(), 6);
     }
 
     #[test]

@@ -42,24 +42,9 @@ pub(crate) trait TxHost {
     fn push_ord(&self, r: OutRead);
 }
 
-/// An outstanding outbound Read or atomic (ORD entry).
-#[derive(Debug)]
-pub(crate) struct OutRead {
-    pub(crate) seq: u64,
-    pub(crate) kind: OutReadKind,
-}
+/// An outstanding outbound Read or atomic (ORD entry): the protocol core's
+/// type, with the engine's segments as sinks.
+pub(crate) type OutRead = softrdma_proto::order::OutRead<LocalSeg>;
 
 /// Kind of an [`OutRead`].
-#[derive(Debug)]
-pub(crate) enum OutReadKind {
-    Read {
-        sink: LocalSeg,
-        /// The Read Response's progress and checks (the protocol core's
-        /// rule).
-        progress: softrdma_proto::order::ReadSink,
-    },
-    Atomic {
-        request_id: u32,
-        sink: LocalSeg,
-    },
-}
+pub(crate) type OutReadKind = softrdma_proto::order::OutKind<LocalSeg>;

@@ -727,9 +727,8 @@ impl QpInner {
                 let UlpduBody::AtomicResponse(resp) = repr.body else {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 };
-                let matches = self.with_ord_front(|f| {
-                    matches!(f, Some(o) if matches!(o.kind, OutReadKind::Atomic { request_id, .. } if request_id == resp.request_id))
-                });
+                let matches = self
+                    .with_ord_front(|f| f.is_some_and(|o| o.answered_by_atomic(resp.request_id)));
                 if !matches {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 }
@@ -997,10 +996,7 @@ impl QpInner {
             Action::ReadResponse { last } => {
                 if last {
                     if let Some(o) = self.pop_ord() {
-                        let len = match &o.kind {
-                            OutReadKind::Read { progress, .. } => progress.got,
-                            OutReadKind::Atomic { .. } => 0,
-                        };
+                        let len = o.read_len();
                         self.complete_sq(
                             o.seq,
                             WcStatus::Success,

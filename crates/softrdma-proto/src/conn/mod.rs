@@ -33,7 +33,7 @@ use softrdma_wire::errcode::TermError;
 use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
 
 use crate::mem::{LocalOp, Memory, Span};
-use crate::order::{Credits, InOrder, Outstanding, ReadSink};
+use crate::order::{Credits, InOrder, OutKind, Outstanding};
 use crate::qp_state::{ConnEvent, PostPolicy, QpState};
 use crate::types::{
     AsyncEvent, AsyncKind, Completion, CqKind, LinkAction, Output, PostError, RecvWr, SendOp,
@@ -214,25 +214,8 @@ struct RecvEntry<R> {
     total: usize,
 }
 
-/// An outstanding outbound Read or atomic (ORD entry).
-#[derive(Debug, Clone)]
-struct OutRead<R> {
-    seq: u64,
-    kind: OutKind<R>,
-}
-
-#[derive(Debug, Clone)]
-enum OutKind<R> {
-    Read {
-        sink: Span<R>,
-        /// The Read Response's progress and checks.
-        progress: ReadSink,
-    },
-    Atomic {
-        request_id: u32,
-        sink: Span<R>,
-    },
-}
+/// An outstanding outbound Read or atomic (ORD entry): the shared type.
+type OutRead<R> = crate::order::OutRead<Span<R>>;
 
 /// A response owed to the peer.
 #[derive(Debug, Clone)]

@@ -578,10 +578,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             Pending::None => Ok(()),
             Pending::ReadResponse { last } => {
                 if last && let Some(o) = self.ord.pop_front() {
-                    let got = match o.kind {
-                        OutKind::Read { progress, .. } => progress.got,
-                        OutKind::Atomic { .. } => 0,
-                    };
+                    let got = o.read_len();
                     self.complete_sq(
                         o.seq,
                         WcStatus::Success,
@@ -707,10 +704,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 if msn != self.rx.expect[QN_ARESP] {
                     return Err(TermError::DdpUntaggedMsnRange);
                 }
-                let matches = matches!(
-                    self.ord.front(),
-                    Some(o) if matches!(o.kind, OutKind::Atomic { request_id, .. } if request_id == resp.request_id)
-                );
+                let matches = self
+                    .ord
+                    .front()
+                    .is_some_and(|o| o.answered_by_atomic(resp.request_id));
                 if !matches {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 }
