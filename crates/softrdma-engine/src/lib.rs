@@ -100,7 +100,6 @@ pub mod pd;
 pub mod proxy;
 pub mod qp;
 pub mod remote;
-mod slots;
 pub mod srq;
 #[allow(unsafe_code)] // the one module with `unsafe`: see its docs
 mod sys;

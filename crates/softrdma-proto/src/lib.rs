@@ -64,6 +64,7 @@ pub mod conn;
 pub mod dat;
 pub mod mem;
 pub mod mpa;
+pub mod order;
 pub mod proxy;
 pub mod qp_state;
 pub mod rtr;

@@ -34,32 +34,17 @@ pub(crate) trait TxHost {
     fn complete_sq(&self, seq: u64, status: WcStatus, byte_len: u32, vendor_err: u32);
     /// An inbound Read or atomic was fully answered: its IRD slot is free.
     fn release_ird(&self);
-    /// Outbound Reads and atomics outstanding.
-    fn ord_outstanding(&self) -> u32;
-    /// The most outbound Reads and atomics the peer accepts at once.
-    fn ord_limit(&self) -> u32;
+    /// Whether the send queue's head may go out now: a fenced request waits
+    /// for every outstanding Read and atomic, a Read or atomic
+    /// (`takes_slot`) for a free ORD slot (`softrdma_proto::order`).
+    fn ord_may_start(&self, fenced: bool, takes_slot: bool) -> bool;
     /// A Read or atomic request went out: it waits for its response.
     fn push_ord(&self, r: OutRead);
 }
 
-/// An outstanding outbound Read or atomic (ORD entry).
-#[derive(Debug)]
-pub(crate) struct OutRead {
-    pub(crate) seq: u64,
-    pub(crate) kind: OutReadKind,
-}
+/// An outstanding outbound Read or atomic (ORD entry): the protocol core's
+/// type, with the engine's segments as sinks.
+pub(crate) type OutRead = softrdma_proto::order::OutRead<LocalSeg>;
 
 /// Kind of an [`OutRead`].
-#[derive(Debug)]
-pub(crate) enum OutReadKind {
-    Read {
-        sink: LocalSeg,
-        sink_stag: u32,
-        sink_to: u64,
-        got: usize,
-    },
-    Atomic {
-        request_id: u32,
-        sink: LocalSeg,
-    },
-}
+pub(crate) type OutReadKind = softrdma_proto::order::OutKind<LocalSeg>;

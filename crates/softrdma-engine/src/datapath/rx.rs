@@ -53,6 +53,7 @@ use crate::sys::mem::Memory;
 use crate::tx::{Response, SEND_IMM_FOLLOWS, qi};
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::RecvWqe;
+use softrdma_proto::order::{SendFill, scatter};
 use softrdma_proto::term::{MALFORMED_HEADER, UNSUPPORTED_ATOMIC};
 use softrdma_wire::ddp::{QN_ATOMIC_RESPONSE, QN_READ_REQUEST, QN_SEND, QN_TERMINATE};
 
@@ -117,8 +118,9 @@ enum Action {
 #[derive(Debug)]
 struct RecvProgress {
     wqe: RecvWqe,
-    msn: Msn,
-    received: usize,
+    /// The Send's MSN and the bytes received (the protocol core's rule,
+    /// `softrdma_proto::order::SendFill`).
+    fill: SendFill,
     /// RDMAP opcode and DDP/RDMAP header of the first segment (for proxy
     /// filters).
     opcode: Opcode,
@@ -574,26 +576,9 @@ impl QpInner {
             (Opcode::RdmaReadResponse, DdpAddress::Tagged { stag, to }) => {
                 let r = self.with_ord_front(|front| match front {
                     Some(o) => match &mut o.kind {
-                        OutReadKind::Read {
-                            sink,
-                            sink_stag,
-                            sink_to,
-                            got,
-                        } => {
-                            if stag.0 != *sink_stag {
-                                return Err(TermError::DdpTaggedInvalidStag);
-                            }
-                            if to != sink_to.wrapping_add(*got as u64)
-                                || *got + payload_len > sink.len
-                            {
-                                return Err(TermError::DdpTaggedBaseOrBounds);
-                            }
-                            if repr.last && *got + payload_len != sink.len {
-                                return Err(TermError::DdpTaggedBaseOrBounds);
-                            }
-                            let piece = (sink.mem.clone(), sink.offset + *got, payload_len);
-                            *got += payload_len;
-                            Ok(piece)
+                        OutReadKind::Read { sink, progress } => {
+                            let at = progress.accept(stag.0, to, payload_len, repr.last)?;
+                            Ok((sink.mem.clone(), sink.offset + at, payload_len))
                         }
                         OutReadKind::Atomic { .. } => Err(TermError::RdmapUnexpectedOpcode),
                     },
@@ -631,9 +616,8 @@ impl QpInner {
                         return Err(TermError::DdpUntaggedNoBuffer);
                     };
                     rx.recv = Some(RecvProgress {
+                        fill: SendFill::new(msn, wqe.total_len),
                         wqe,
-                        msn,
-                        received: 0,
                         opcode: repr.opcode,
                         header: rx.hdr_copy,
                     });
@@ -641,34 +625,26 @@ impl QpInner {
                 let Some(r) = rx.recv.as_mut() else {
                     return Err(TermError::DdpLocalCatastrophic);
                 };
-                if r.msn != msn || mo as usize != r.received {
-                    return Err(TermError::DdpUntaggedInvalidMo);
-                }
-                if r.received + payload_len > r.wqe.total_len {
-                    // The receive is too small: once the CRC is checked it
-                    // completes with a length error (not a flush), then the
-                    // Terminate goes out.
-                    rx.too_long = Some(r.wqe.wr_id);
-                    rx.recv = None;
-                    return Err(TermError::DdpUntaggedMessageTooLong);
-                }
+                let at = match r.fill.accept(msn, mo, payload_len) {
+                    Ok(at) => at,
+                    Err(e) => {
+                        if e == TermError::DdpUntaggedMessageTooLong {
+                            // The receive is too small: once the CRC is
+                            // checked it completes with a length error (not
+                            // a flush), then the Terminate goes out.
+                            rx.too_long = Some(r.wqe.wr_id);
+                            rx.recv = None;
+                        }
+                        return Err(e);
+                    }
+                };
                 let pieces = &mut rx.dest;
-                let mut off = r.received;
-                let mut left = payload_len;
-                for s in &r.wqe.segs {
-                    if left == 0 {
-                        break;
+                let segs = &r.wqe.segs;
+                scatter(segs.iter().map(|s| s.len), at, payload_len, |i, off, k| {
+                    if let Some(s) = segs.get(i) {
+                        pieces.push((s.mem.clone(), s.offset + off, k));
                     }
-                    if off >= s.len {
-                        off -= s.len;
-                        continue;
-                    }
-                    let k = (s.len - off).min(left);
-                    pieces.push((s.mem.clone(), s.offset + off, k));
-                    left -= k;
-                    off = 0;
-                }
-                r.received += payload_len;
+                });
                 let imm_follows = rx.hdr_copy_len >= 6
                     && u32::from_be_bytes([
                         rx.hdr_copy[2],
@@ -751,9 +727,8 @@ impl QpInner {
                 let UlpduBody::AtomicResponse(resp) = repr.body else {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 };
-                let matches = self.with_ord_front(|f| {
-                    matches!(f, Some(o) if matches!(o.kind, OutReadKind::Atomic { request_id, .. } if request_id == resp.request_id))
-                });
+                let matches = self
+                    .with_ord_front(|f| f.is_some_and(|o| o.answered_by_atomic(resp.request_id)));
                 if !matches {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 }
@@ -946,7 +921,7 @@ impl QpInner {
                     return Ok(());
                 }
                 let mut wc = WorkCompletion::success(r.wqe.wr_id, WcOpcode::Recv, self.qp_num);
-                wc.byte_len = u32::try_from(r.received).unwrap_or(u32::MAX);
+                wc.byte_len = u32::try_from(r.fill.received).unwrap_or(u32::MAX);
                 if solicited {
                     wc.flags = wc.flags | WcFlags::SOLICITED;
                 }
@@ -983,7 +958,7 @@ impl QpInner {
                     Some((r, s)) => {
                         let mut wc =
                             WorkCompletion::success(r.wqe.wr_id, WcOpcode::Recv, self.qp_num);
-                        wc.byte_len = u32::try_from(r.received).unwrap_or(u32::MAX);
+                        wc.byte_len = u32::try_from(r.fill.received).unwrap_or(u32::MAX);
                         (
                             wc,
                             s || solicited,
@@ -1021,10 +996,7 @@ impl QpInner {
             Action::ReadResponse { last } => {
                 if last {
                     if let Some(o) = self.pop_ord() {
-                        let len = match &o.kind {
-                            OutReadKind::Read { got, .. } => *got,
-                            OutReadKind::Atomic { .. } => 0,
-                        };
+                        let len = o.read_len();
                         self.complete_sq(
                             o.seq,
                             WcStatus::Success,

@@ -561,14 +561,10 @@ impl TxState {
                 return false;
             }
             if !self.cur_started {
-                // Fence: wait for all earlier Reads and atomics.
-                let outstanding = qp.ord_outstanding();
-                if w.fence && outstanding > 0 {
-                    return false;
-                }
-                if matches!(w.kind, WqeKind::Read { .. } | WqeKind::Atomic { .. })
-                    && outstanding >= qp.ord_limit()
-                {
+                // Fence: wait for all earlier Reads and atomics; a Read or
+                // atomic waits for an ORD slot.
+                let takes_slot = matches!(w.kind, WqeKind::Read { .. } | WqeKind::Atomic { .. });
+                if !qp.ord_may_start(w.fence, takes_slot) {
                     return false;
                 }
             }
@@ -599,9 +595,9 @@ impl TxState {
                         seq,
                         kind: OutReadKind::Read {
                             sink: sink.clone(),
-                            sink_stag: *sink_stag,
-                            sink_to: *sink_to,
-                            got: 0,
+                            progress: softrdma_proto::order::ReadSink::new(
+                                *sink_stag, *sink_to, sink.len,
+                            ),
                         },
                     });
                     let ulpdu = UlpduRepr::read_request(msn, req);

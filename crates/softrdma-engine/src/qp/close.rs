@@ -177,7 +177,7 @@ impl QpInner {
             .push(AsyncEvent::qp(AsyncEventKind::LlpClosed, self.qp_num));
         // Reads and atomics the peer will never answer now, and anything
         // else still open, complete with flush errors, in order.
-        let ord: Vec<OutRead> = self.ord_q.lock().drain(..).collect();
+        let ord: Vec<OutRead> = self.ord_q.lock().drain().collect();
         for r in ord {
             self.complete_sq(r.seq, WcStatus::WrFlush, 0, 0);
         }
@@ -302,7 +302,7 @@ impl QpInner {
             self.drain_incoming(&mut tx);
             d
         };
-        let mut ord: Vec<OutRead> = self.ord_q.lock().drain(..).collect();
+        let mut ord: Vec<OutRead> = self.ord_q.lock().drain().collect();
         if let Some(st) = first_status
             && !ord.is_empty()
         {
@@ -386,9 +386,10 @@ impl QpInner {
         *tx = TxState::new();
         let _ = self.tx.release(tx);
         *self.rx.lock() = RxState::new();
-        self.ird_used.store(0, Ordering::Relaxed);
-        self.ord_limit
-            .store(self.ord.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.ird.lock().reset();
+        self.ord_q
+            .lock()
+            .set_limit(self.ord.load(Ordering::Relaxed));
         self.closed.store(false, Ordering::SeqCst);
         self.set_state(QpState::Idle);
     }

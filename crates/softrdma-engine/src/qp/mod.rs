@@ -8,7 +8,6 @@
 //! QP, frames and writes the FPDUs itself (direct sending). If the socket
 //! would block, the QP is handed to its datamover.
 
-use std::collections::VecDeque;
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
@@ -18,6 +17,7 @@ use std::sync::{Arc, Weak};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use parking_lot::Mutex;
 use softrdma_proto::mpa::{InitialMsns, Negotiated};
+use softrdma_proto::order::{Credits, Outstanding};
 use softrdma_wire::ddp::{Msn, Stag};
 use softrdma_wire::errcode::{TermCode, TermError};
 use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
@@ -387,7 +387,7 @@ struct Slot {
 }
 
 /// Send-queue completion order.
-type CompQueue = crate::slots::InOrder<Slot>;
+type CompQueue = softrdma_proto::order::InOrder<Slot>;
 
 /// A queue pair handle. Cloning gives another handle to the same QP; the QP
 /// is destroyed (its connection closed, outstanding work flushed) when the
@@ -413,7 +413,7 @@ impl Drop for QpHandle {
 ///
 /// Lock order (never the reverse): `rx` → `state_lock` → `tx` (through the
 /// hand-off) → `comp` or `ord_q` (never both) → CQ/SRQ internals; `stream`,
-/// `peer`, `close_timer` and `last_terminate` are leaves. Exceptions:
+/// `peer`, `close_timer`, `last_terminate` and `ird` are leaves. Exceptions:
 /// `establish` and the reset ERROR → IDLE take `state_lock` → `tx` → `rx`,
 /// when no receive path runs. A [`TxGuard`] is never dropped under
 /// `state_lock`. See `docs/engine.md`.
@@ -429,19 +429,20 @@ pub(crate) struct QpInner {
     sq_sig_all: bool,
     state: AtomicU8,
     state_lock: Mutex<()>,
-    ird: AtomicU32,
+    /// Inbound Reads/atomics accepted and not yet fully answered, against
+    /// the IRD (the protocol core's rule, `softrdma_proto::order`).
+    ird: Mutex<Credits>,
+    /// The ORD requested (negotiated; the effective one is `ord_q`'s limit).
     ord: AtomicU32,
-    /// Effective ORD once connected: min(ord, peer IRD).
-    ord_limit: AtomicU32,
-    /// Inbound Reads/atomics accepted and not yet fully answered.
-    ird_used: AtomicU32,
     pub(crate) datamover: usize,
     stream: Mutex<Option<Arc<TcpStream>>>,
     peer: Mutex<Option<SocketAddr>>,
     incoming: SegQueue<SendWqe>,
     sq_outstanding: AtomicU32,
     comp: Mutex<CompQueue>,
-    ord_q: Mutex<VecDeque<OutRead>>,
+    /// Outbound Reads/atomics outstanding; its limit is the effective ORD
+    /// (min(ord, peer IRD) once connected).
+    ord_q: Mutex<Outstanding<OutRead>>,
     rq: ArrayQueue<RecvWqe>,
     /// Transmit state behind the direct-send hand-off (see [`crate::handoff`]).
     pub(crate) tx: HandOff<TxState>,
@@ -513,17 +514,15 @@ impl QueuePair {
             sq_sig_all: attr.sq_sig_all,
             state: AtomicU8::new(QpState::Idle.as_u8()),
             state_lock: Mutex::new(()),
-            ird: AtomicU32::new(u32::from(attr.ird)),
+            ird: Mutex::new(Credits::new(u32::from(attr.ird))),
             ord: AtomicU32::new(u32::from(attr.ord)),
-            ord_limit: AtomicU32::new(u32::from(attr.ord)),
-            ird_used: AtomicU32::new(0),
             datamover,
             stream: Mutex::new(None),
             peer: Mutex::new(None),
             incoming: SegQueue::new(),
             sq_outstanding: AtomicU32::new(0),
             comp: Mutex::new(CompQueue::default()),
-            ord_q: Mutex::new(VecDeque::new()),
+            ord_q: Mutex::new(Outstanding::new(u32::from(attr.ord))),
             rq: ArrayQueue::new(attr.cap.max_recv_wr.max(1) as usize),
             tx: HandOff::new(TxState::new()),
             rx: Mutex::new(RxState::new()),
@@ -577,8 +576,8 @@ impl QueuePair {
             qp_num: qp.qp_num,
             state: qp.state(),
             cap: qp.cap,
-            ird: u16::try_from(qp.ird.load(Ordering::Relaxed)).unwrap_or(u16::MAX),
-            ord: u16::try_from(qp.ord_limit.load(Ordering::Relaxed)).unwrap_or(u16::MAX),
+            ird: u16::try_from(qp.ird_limit()).unwrap_or(u16::MAX),
+            ord: u16::try_from(qp.ord_limit()).unwrap_or(u16::MAX),
             sq_sig_all: qp.sq_sig_all,
             crc: link.is_some_and(|l| l.crc),
             max_fpdu_payload: link.map_or(0, |l| l.max_payload),
@@ -596,9 +595,9 @@ impl QueuePair {
         if !matches!(qp.state(), QpState::Idle | QpState::Rtr) {
             return Err(ModifyError::IrdOrdFixed { qp_num: qp.qp_num });
         }
-        qp.ird.store(u32::from(ird), Ordering::Relaxed);
+        qp.ird.lock().set_limit(u32::from(ird));
         qp.ord.store(u32::from(ord), Ordering::Relaxed);
-        qp.ord_limit.store(u32::from(ord), Ordering::Relaxed);
+        qp.ord_q.lock().set_limit(u32::from(ord));
         Ok(())
     }
 
@@ -754,7 +753,7 @@ impl QueuePair {
             .ord
             .load(Ordering::Relaxed)
             .min(u32::from(params.peer_ird));
-        qp.ord_limit.store(ord, Ordering::Relaxed);
+        qp.ord_q.lock().set_limit(ord);
         *qp.peer.lock() = stream.peer_addr().ok();
         let stream = Arc::new(stream);
         *qp.stream.lock() = Some(stream.clone());
@@ -1013,16 +1012,18 @@ impl QpInner {
         }
     }
 
-    pub(crate) fn ord_outstanding(&self) -> u32 {
-        u32::try_from(self.ord_q.lock().len()).unwrap_or(u32::MAX)
+    pub(crate) fn ord_limit(&self) -> u32 {
+        self.ord_q.lock().limit()
     }
 
-    pub(crate) fn ord_limit(&self) -> u32 {
-        self.ord_limit.load(Ordering::Relaxed)
+    /// Whether the send queue's head may go out now (fence, ORD): the
+    /// protocol core's rule, [`Outstanding::may_start`].
+    pub(crate) fn ord_may_start(&self, fenced: bool, takes_slot: bool) -> bool {
+        self.ord_q.lock().may_start(fenced, takes_slot)
     }
 
     pub(crate) fn push_ord(&self, r: OutRead) {
-        self.ord_q.lock().push_back(r);
+        self.ord_q.lock().push(r);
     }
 
     /// Runs `f` on the oldest outstanding Read/atomic.
@@ -1037,23 +1038,16 @@ impl QpInner {
     }
 
     pub(crate) fn ird_limit(&self) -> u32 {
-        self.ird.load(Ordering::Relaxed)
+        self.ird.lock().limit()
     }
 
     /// Takes an IRD slot; `false` if all are in use.
     pub(crate) fn take_ird(&self) -> bool {
-        let limit = self.ird_limit();
-        self.ird_used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                (u < limit).then_some(u + 1)
-            })
-            .is_ok()
+        self.ird.lock().take()
     }
 
     pub(crate) fn release_ird(&self) {
-        let _ = self
-            .ird_used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| u.checked_sub(1));
+        self.ird.lock().release();
     }
 }
 
@@ -1104,12 +1098,8 @@ impl crate::datapath::TxHost for QpInner {
         QpInner::release_ird(self);
     }
 
-    fn ord_outstanding(&self) -> u32 {
-        QpInner::ord_outstanding(self)
-    }
-
-    fn ord_limit(&self) -> u32 {
-        QpInner::ord_limit(self)
+    fn ord_may_start(&self, fenced: bool, takes_slot: bool) -> bool {
+        QpInner::ord_may_start(self, fenced, takes_slot)
     }
 
     fn push_ord(&self, r: OutRead) {

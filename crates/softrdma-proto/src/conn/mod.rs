@@ -33,6 +33,7 @@ use softrdma_wire::errcode::TermError;
 use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
 
 use crate::mem::{LocalOp, Memory, Span};
+use crate::order::{Credits, InOrder, OutKind, Outstanding};
 use crate::qp_state::{ConnEvent, PostPolicy, QpState};
 use crate::types::{
     AsyncEvent, AsyncKind, Completion, CqKind, LinkAction, Output, PostError, RecvWr, SendOp,
@@ -213,26 +214,8 @@ struct RecvEntry<R> {
     total: usize,
 }
 
-/// An outstanding outbound Read or atomic (ORD entry).
-#[derive(Debug, Clone)]
-struct OutRead<R> {
-    seq: u64,
-    kind: OutKind<R>,
-}
-
-#[derive(Debug, Clone)]
-enum OutKind<R> {
-    Read {
-        sink: Span<R>,
-        sink_stag: u32,
-        sink_to: u64,
-        got: usize,
-    },
-    Atomic {
-        request_id: u32,
-        sink: Span<R>,
-    },
-}
+/// An outstanding outbound Read or atomic (ORD entry): the shared type.
+type OutRead<R> = crate::order::OutRead<Span<R>>;
 
 /// A response owed to the peer.
 #[derive(Debug, Clone)]
@@ -271,12 +254,11 @@ pub struct Connection<R> {
     resp: VecDeque<Response<R>>,
     inflight: VecDeque<Done>,
     // ---- ORD / IRD ----
-    ord: VecDeque<OutRead<R>>,
-    ird_used: u32,
+    ord: Outstanding<OutRead<R>>,
+    ird: Credits,
     next_request_id: u32,
     // ---- completion order ----
-    slots: VecDeque<Slot>,
-    base: u64,
+    slots: InOrder<Slot>,
     completions: VecDeque<Completion>,
     /// With `Config::message_info`: one per successful receive completion,
     /// in the same order.
@@ -310,11 +292,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             sq: VecDeque::new(),
             resp: VecDeque::new(),
             inflight: VecDeque::new(),
-            ord: VecDeque::new(),
-            ird_used: 0,
+            ord: Outstanding::new(cfg.ord),
+            ird: Credits::new(cfg.ird),
             next_request_id: 1,
-            slots: VecDeque::new(),
-            base: 0,
+            slots: InOrder::new(),
             completions: VecDeque::new(),
             msg_infos: VecDeque::new(),
             outputs: VecDeque::new(),
@@ -347,7 +328,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// Inbound Reads/atomics accepted and not yet answered.
     #[must_use]
     pub const fn ird_used(&self) -> u32 {
-        self.ird_used
+        self.ird.used()
     }
 
     /// Send-queue requests posted and not yet completed.
@@ -575,8 +556,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             }
         };
         entry.failed = failed;
-        let seq = self.base + self.slots.len() as u64;
-        self.slots.push_back(Slot {
+        let seq = self.slots.push(Slot {
             wr_id: wr.wr_id,
             opcode,
             signaled: wr.signaled,
@@ -787,23 +767,13 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// Records the outcome of send-queue request `seq` and delivers the
     /// completions that are now in order.
     fn complete_sq(&mut self, seq: u64, status: WcStatus, byte_len: u32, vendor_err: u32) {
-        let Some(idx) = seq
-            .checked_sub(self.base)
-            .and_then(|i| usize::try_from(i).ok())
-        else {
-            return;
-        };
-        if let Some(s) = self.slots.get_mut(idx)
-            && s.status.is_none()
-        {
+        self.slots.complete(seq, |s| {
             s.status = Some(status);
             s.byte_len = byte_len;
             s.vendor_err = vendor_err;
-        }
-        while let Some(s) = self.slots.front().copied() {
-            let Some(st) = s.status else { break };
-            self.slots.pop_front();
-            self.base += 1;
+        });
+        while let Some(s) = self.slots.pop_ready() {
+            let Some(st) = s.status else { continue };
             if s.signaled || !st.is_success() {
                 self.completions.push_back(Completion {
                     cq: CqKind::Send,
@@ -862,20 +832,13 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         while let Some(w) = self.sq.pop_front() {
             self.complete_sq(w.seq, WcStatus::WrFlush, 0, 0);
         }
-        let open: Vec<u64> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.status.is_none())
-            .map(|(i, _)| self.base + i as u64)
-            .collect();
-        for seq in open {
+        for seq in self.slots.open() {
             self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
         }
         self.flush_partial_recv();
         self.flush_rq();
         self.resp.clear();
-        self.ird_used = 0;
+        self.ird.reset();
         self.tx.reset_current();
         self.fin_pending = false;
     }

@@ -48,9 +48,9 @@ pub enum RxWant<R> {
 pub(super) struct RecvProgress<R> {
     pub(super) wr_id: u64,
     segs: Vec<Span<R>>,
-    total: usize,
-    msn: Msn,
-    received: usize,
+    /// The Send's MSN and the bytes received (the rule is the core's
+    /// [`crate::order::SendFill`]).
+    fill: crate::order::SendFill,
     /// Opcode and DDP header of the first segment ([`super::MsgInfo`]).
     opcode: Opcode,
     header: [u8; HDR_MAX],
@@ -448,29 +448,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 let Some(front) = self.ord.front_mut() else {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 };
-                let OutKind::Read {
-                    sink,
-                    sink_stag,
-                    sink_to,
-                    got,
-                } = &mut front.kind
-                else {
+                let OutKind::Read { sink, progress } = &mut front.kind else {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 };
-                if stag.0 != *sink_stag {
-                    return Err(TermError::DdpTaggedInvalidStag);
-                }
-                if to != sink_to.wrapping_add(*got as u64)
-                    || *got + len > sink.len
-                    || (repr.last && *got + len != sink.len)
-                {
-                    return Err(TermError::DdpTaggedBaseOrBounds);
-                }
+                let at = progress.accept(stag.0, to, len, repr.last)?;
                 if len > 0 {
-                    let piece = sink.slice(*got, len);
+                    let piece = sink.slice(at, len);
                     self.rx.dest.push(piece);
                 }
-                *got += len;
                 self.rx.pending = Pending::ReadResponse { last: repr.last };
                 Ok(())
             }
@@ -521,9 +506,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             self.rx.recv = Some(RecvProgress {
                 wr_id: w.wr_id,
                 segs: w.segs,
-                total: w.total,
-                msn,
-                received: 0,
+                fill: crate::order::SendFill::new(msn, w.total),
                 opcode: repr.opcode,
                 header: self.rx.hdr,
             });
@@ -531,32 +514,25 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         let Some(r) = self.rx.recv.as_mut() else {
             return Err(TermError::DdpLocalCatastrophic);
         };
-        if r.msn != msn || mo as usize != r.received {
-            return Err(TermError::DdpUntaggedInvalidMo);
-        }
-        if r.received + len > r.total {
-            // The receive is too small: it completes with a length error
-            // (not a flush), then the Terminate goes out.
-            self.rx.too_long = Some(r.wr_id);
-            self.rx.recv = None;
-            return Err(TermError::DdpUntaggedMessageTooLong);
-        }
-        let mut off = r.received;
-        let mut left = len;
-        for s in &r.segs {
-            if left == 0 {
-                break;
+        let at = match r.fill.accept(msn, mo, len) {
+            Ok(at) => at,
+            Err(e) => {
+                if e == TermError::DdpUntaggedMessageTooLong {
+                    // The receive is too small: it completes with a length
+                    // error (not a flush), then the Terminate goes out.
+                    self.rx.too_long = Some(r.wr_id);
+                    self.rx.recv = None;
+                }
+                return Err(e);
             }
-            if off >= s.len {
-                off -= s.len;
-                continue;
+        };
+        let segs = &r.segs;
+        let dest = &mut self.rx.dest;
+        crate::order::scatter(segs.iter().map(|s| s.len), at, len, |i, off, k| {
+            if let Some(s) = segs.get(i) {
+                dest.push(s.slice(off, k));
             }
-            let k = (s.len - off).min(left);
-            self.rx.dest.push(s.slice(off, k));
-            left -= k;
-            off = 0;
-        }
-        r.received += len;
+        });
         let rsvd = self
             .rx
             .hdr
@@ -602,10 +578,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             Pending::None => Ok(()),
             Pending::ReadResponse { last } => {
                 if last && let Some(o) = self.ord.pop_front() {
-                    let got = match o.kind {
-                        OutKind::Read { got, .. } => got,
-                        OutKind::Atomic { .. } => 0,
-                    };
+                    let got = o.read_len();
                     self.complete_sq(
                         o.seq,
                         WcStatus::Success,
@@ -632,7 +605,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     self.rx.imm_wait = Some((r, solicited));
                     return Ok(());
                 }
-                let mut wc = recv_success(r.wr_id, WcOpcode::Recv, r.received, solicited);
+                let mut wc = recv_success(r.wr_id, WcOpcode::Recv, r.fill.received, solicited);
                 if let Some(stag) = inv {
                     if let Err(e) = mem.invalidate(stag, true) {
                         // Like siw: the receive reports the failure.
@@ -731,10 +704,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 if msn != self.rx.expect[QN_ARESP] {
                     return Err(TermError::DdpUntaggedMsnRange);
                 }
-                let matches = matches!(
-                    self.ord.front(),
-                    Some(o) if matches!(o.kind, OutKind::Atomic { request_id, .. } if request_id == resp.request_id)
-                );
+                let matches = self
+                    .ord
+                    .front()
+                    .is_some_and(|o| o.answered_by_atomic(resp.request_id));
                 if !matches {
                     return Err(TermError::RdmapUnexpectedOpcode);
                 }
@@ -756,7 +729,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 let mut wc = match self.rx.imm_wait.take() {
                     Some((r, s)) => {
                         self.push_recv_info(&r, None);
-                        recv_success(r.wr_id, WcOpcode::Recv, r.received, s || solicited)
+                        recv_success(r.wr_id, WcOpcode::Recv, r.fill.received, s || solicited)
                     }
                     None => match self.pop_recv(mem) {
                         Some(w) => {
@@ -799,14 +772,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// (queue 1): its MSN is the next one and an IRD slot is free (RFC
     /// 5041's "MSN range is not valid" when the peer exceeds our IRD).
     fn accept_inbound(&self, msn: Msn) -> Check<()> {
-        if msn != self.rx.expect[QN_RREQ] || self.ird_used >= self.cfg.ird {
+        if msn != self.rx.expect[QN_RREQ] || !self.ird.has_room() {
             return Err(TermError::DdpUntaggedMsnRange);
         }
         Ok(())
     }
 
     fn take_inbound(&mut self) {
-        self.ird_used += 1;
+        self.ird.take();
         self.rx.expect[QN_RREQ] = self.rx.expect[QN_RREQ].next();
     }
 

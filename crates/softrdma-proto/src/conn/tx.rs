@@ -274,7 +274,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// `writev` returns, and a new Read Request processed by the receive
     /// thread in between is refused with a "MSN range" Terminate.)
     fn release_ird(&mut self) {
-        self.ird_used = self.ird_used.saturating_sub(1);
+        self.ird.release();
     }
 
     fn sq_done(&self) -> bool {
@@ -357,14 +357,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 return false;
             }
             if !self.tx.cur_started {
-                // Fence: wait for all earlier Reads and atomics.
-                let outstanding = self.ord.len();
-                if w.fence && outstanding > 0 {
-                    return false;
-                }
-                if matches!(w.kind, Kind::Read { .. } | Kind::Atomic { .. })
-                    && outstanding >= self.cfg.ord as usize
-                {
+                // Fence: wait for all earlier Reads and atomics; a Read or
+                // atomic waits for an ORD slot.
+                let takes_slot = matches!(w.kind, Kind::Read { .. } | Kind::Atomic { .. });
+                if !self.ord.may_start(w.fence, takes_slot) {
                     return false;
                 }
             }
@@ -390,13 +386,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                         src_stag: Stag(*stag),
                         src_to: *to,
                     };
-                    self.ord.push_back(OutRead {
+                    self.ord.push(OutRead {
                         seq,
                         kind: OutKind::Read {
                             sink: sink.clone(),
-                            sink_stag: *sink_stag,
-                            sink_to: *sink_to,
-                            got: 0,
+                            progress: crate::order::ReadSink::new(*sink_stag, *sink_to, sink.len),
                         },
                     });
                     let ok = out.set_consumed(&UlpduRepr::read_request(msn, req), crc);
@@ -407,7 +401,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 Kind::Atomic { req, sink } => {
                     let msn = self.tx.msn[QN_RREQ];
                     self.tx.msn[QN_RREQ] = msn.next();
-                    self.ord.push_back(OutRead {
+                    self.ord.push(OutRead {
                         seq,
                         kind: OutKind::Atomic {
                             request_id: req.request_id,
