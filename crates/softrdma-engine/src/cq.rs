@@ -53,6 +53,19 @@ use crate::wc::WorkCompletion;
 /// Longest single sleep of [`CompletionQueue::wait`] before it looks again.
 const SLEEP_MAX: Duration = Duration::from_millis(10);
 
+/// What a sleeping waiter watches ([`CompletionQueue::wait`]): kept per
+/// thread, so a wait that sleeps allocates nothing.
+#[derive(Default)]
+struct SleepSet {
+    /// The QPs whose sockets are in `fds` (kept alive while watched).
+    hooks: Vec<Arc<dyn Progress>>,
+    fds: crate::sys::poll::PollSet,
+}
+
+thread_local! {
+    static SLEEP_SET: std::cell::RefCell<SleepSet> = std::cell::RefCell::default();
+}
+
 /// Identifiers of completion queues, unique in the process.
 static NEXT_CQ_ID: AtomicU32 = AtomicU32::new(1);
 
@@ -676,12 +689,6 @@ impl CompletionQueue {
         if out.is_empty() {
             return 0;
         }
-        let (n, progressed) = self.poll_progress(out);
-        if n > 0 || (on_progress && progressed) {
-            return n;
-        }
-        let start = crate::sys::clock::now();
-        let deadline = timeout.and_then(|t| start.checked_add(t));
         let config = self.shared.device.config();
         let choice = &self.shared.spin_choice;
         let adaptive = config.poll_spin_adaptive && config.poll_spin != Duration::MAX;
@@ -691,6 +698,25 @@ impl CompletionQueue {
         } else {
             Duration::ZERO
         };
+        // A wait about to sleep on the sockets at once only looks at the
+        // ring first: `poll(2)` on the sockets returns at once if bytes are
+        // there, so a `recv` that most often finds nothing (one system
+        // call, the socket's lock) is saved on every wait.
+        let sleeps_on_sockets = budget.is_zero() && config.poll_driven_receive;
+        let (n, progressed) = if sleeps_on_sockets {
+            let n = self.poll_ring(out);
+            if n > 0 {
+                self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            (n, false)
+        } else {
+            self.poll_progress(out)
+        };
+        if n > 0 || (on_progress && progressed) {
+            return n;
+        }
+        let start = crate::sys::clock::now();
+        let deadline = timeout.and_then(|t| start.checked_add(t));
         match self.wait_for(out, start, deadline, budget, on_progress) {
             Some(n) => {
                 // Completions, or (`wait_progress`) bytes received.
@@ -738,15 +764,42 @@ impl CompletionQueue {
         let wake = shared.wake.get_or_init(|| EventFd::new().ok());
         // The caller has just looked if there was no spinning.
         let mut look = !spin.is_zero();
+        SLEEP_SET.with(|cell| {
+            // A nested wait (none is known) gets buffers of its own.
+            let mut own = SleepSet::default();
+            let mut borrowed = cell.try_borrow_mut();
+            let set = match borrowed.as_deref_mut() {
+                Ok(set) => set,
+                Err(_) => &mut own,
+            };
+            let r = self.sleep_loop(out, deadline, on_progress, wake.as_ref(), &mut look, set);
+            set.hooks.clear();
+            set.fds.clear();
+            r
+        })
+    }
+
+    /// The sleeping step of [`wait_for`](Self::wait_for).
+    fn sleep_loop(
+        &self,
+        out: &mut [WorkCompletion],
+        deadline: Option<std::time::Instant>,
+        on_progress: bool,
+        wake: Option<&EventFd>,
+        look: &mut bool,
+        set: &mut SleepSet,
+    ) -> Option<usize> {
+        let shared = &*self.shared;
+        let config = shared.device.config();
         loop {
             // Receive and look once more before sleeping.
-            if look {
+            if *look {
                 let (n, progressed) = self.poll_progress(out);
                 if n > 0 || (on_progress && progressed) {
                     return Some(n);
                 }
             }
-            look = true;
+            *look = true;
             let now = crate::sys::clock::now();
             if deadline.is_some_and(|d| now >= d) {
                 return None;
@@ -760,26 +813,27 @@ impl CompletionQueue {
             // threads (send completions, another poller) signal `wake`. The
             // engine threads leave these sockets to us while we sleep
             // (`sleep_on`).
-            let hooks: Vec<Arc<dyn Progress>> = shared
-                .progress
-                .read()
-                .iter()
-                .filter_map(Weak::upgrade)
-                .collect();
-            let mut fds: Vec<RawFd> = Vec::with_capacity(hooks.len() + 1);
+            set.hooks.clear();
+            set.fds.clear();
+            set.hooks
+                .extend(shared.progress.read().iter().filter_map(Weak::upgrade));
             let on_sockets = config.poll_driven_receive && wake.is_some();
             if on_sockets {
                 // QPs without a socket to watch receive nothing.
                 let until = crate::datamover::now_ns()
                     .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX));
-                fds.extend(hooks.iter().filter_map(|h| h.sleep_on(Some(until))));
+                for h in &set.hooks {
+                    if let Some(fd) = h.sleep_on(Some(until)) {
+                        set.fds.push(fd);
+                    }
+                }
             } else {
                 // This thread will not run the receive path: hand the
                 // sockets to the engine threads.
                 self.notify_armed();
             }
             if let Some(wake) = wake {
-                fds.push(wake.as_raw_fd());
+                set.fds.push(wake.as_raw_fd());
             }
             // From here a push signals `wake`. A push before it is in the
             // ring: look there (without receiving, which could push to this
@@ -788,22 +842,25 @@ impl CompletionQueue {
             let n = self.poll_ring(out);
             let mut woken = false;
             if n == 0 {
-                if fds.is_empty() {
+                if set.fds.is_empty() {
                     std::thread::sleep(nap.min(Duration::from_micros(100)));
                 } else {
                     // The hooks (and so the QPs owning the sockets) stay
                     // alive until after the wait.
-                    woken = crate::sys::poll::wait_readable_last(&fds, nap)
-                        .is_ok_and(|r| r.1 && wake.is_some());
+                    woken = set.fds.wait_last(nap).is_ok_and(|r| r.1 && wake.is_some());
                 }
             }
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
-            if on_sockets {
-                for h in &hooks {
+            if on_sockets && n > 0 {
+                // Returning without receiving: the sockets are the engine
+                // threads' again after the usual quiet period. (Otherwise
+                // the receive path that runs next, as a busy poller, says
+                // the same.)
+                for h in &set.hooks {
                     let _ = h.sleep_on(None);
                 }
             }
-            drop(hooks);
+            set.hooks.clear();
             if woken && let Some(wake) = wake {
                 wake.drain();
             }
