@@ -704,6 +704,13 @@ impl CompletionQueue {
     ///    [`DeviceConfig::poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
     ///    the engine threads watch the sockets and the push wakes it.
     ///
+    /// With [`DeviceConfig::poll_spin_adaptive`](crate::DeviceConfig::poll_spin_adaptive)
+    /// (the default) each wait either does both steps or goes to step 2 at
+    /// once, whichever gave the shorter waits lately on this CQ. A wait
+    /// that goes to step 2 at once looks only at the ring first (the
+    /// `poll(2)` on the sockets returns at once if bytes are already
+    /// there, so no `recv` is spent finding nothing).
+    ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
