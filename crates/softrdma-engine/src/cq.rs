@@ -829,9 +829,14 @@ impl CompletionQueue {
     ) -> Option<usize> {
         let shared = &*self.shared;
         let config = shared.device.config();
+        // Whether this wait has run the receive path yet: a wait that
+        // sleeps at once has only looked at the ring; if its time is up
+        // before it sleeps (a zero timeout), it still receives once.
+        let mut received = *look || !config.poll_driven_receive;
         loop {
             // Receive and look once more before sleeping.
             if *look {
+                received = true;
                 let (n, progressed) = self.poll_progress(out);
                 if n > 0 || (on_progress && progressed) {
                     return Some(n);
@@ -840,6 +845,12 @@ impl CompletionQueue {
             *look = true;
             let now = crate::sys::clock::now();
             if deadline.is_some_and(|d| now >= d) {
+                if !received {
+                    let (n, progressed) = self.poll_progress(out);
+                    if n > 0 || (on_progress && progressed) {
+                        return Some(n);
+                    }
+                }
                 return None;
             }
             let nap = deadline
@@ -1541,6 +1552,26 @@ mod tests {
                 false
             }
         }
+    }
+
+    /// A wait that sleeps at once looks only at the ring before sleeping on
+    /// the sockets; with a zero timeout it never sleeps, and must still run
+    /// the receive path once (it returned nothing before it did).
+    #[test]
+    fn a_zero_timeout_wait_that_sleeps_at_once_still_receives() {
+        let mut cfg = crate::DeviceConfig::default();
+        cfg.poll_spin = Duration::ZERO;
+        let cq = CompletionQueue::new(&Device::open_with(cfg).unwrap(), 4, None).unwrap();
+        let hook = Arc::new(Hook {
+            cq: cq.clone(),
+            calls: AtomicUsize::new(0),
+        });
+        let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
+        cq.attach_progress(weak);
+        let mut out = [wc(0); 4];
+        assert_eq!(cq.wait(&mut out, Some(Duration::ZERO)), 1);
+        assert_eq!(out[0].wr_id, 42);
+        assert_eq!(cq.wait(&mut out, Some(Duration::ZERO)), 0);
     }
 
     #[test]
