@@ -1559,8 +1559,10 @@ mod tests {
     /// the receive path once (it returned nothing before it did).
     #[test]
     fn a_zero_timeout_wait_that_sleeps_at_once_still_receives() {
-        let mut cfg = crate::DeviceConfig::default();
-        cfg.poll_spin = Duration::ZERO;
+        let cfg = crate::DeviceConfig {
+            poll_spin: Duration::ZERO,
+            ..crate::DeviceConfig::default()
+        };
         let cq = CompletionQueue::new(&Device::open_with(cfg).unwrap(), 4, None).unwrap();
         let hook = Arc::new(Hook {
             cq: cq.clone(),
