@@ -53,6 +53,19 @@ use crate::wc::WorkCompletion;
 /// Longest single sleep of [`CompletionQueue::wait`] before it looks again.
 const SLEEP_MAX: Duration = Duration::from_millis(10);
 
+/// What a sleeping waiter watches ([`CompletionQueue::wait`]): kept per
+/// thread, so a wait that sleeps allocates nothing.
+#[derive(Default)]
+struct SleepSet {
+    /// The QPs whose sockets are in `fds` (kept alive while watched).
+    hooks: Vec<Arc<dyn Progress>>,
+    fds: crate::sys::poll::PollSet,
+}
+
+thread_local! {
+    static SLEEP_SET: std::cell::RefCell<SleepSet> = std::cell::RefCell::default();
+}
+
 /// Identifiers of completion queues, unique in the process.
 static NEXT_CQ_ID: AtomicU32 = AtomicU32::new(1);
 
@@ -239,7 +252,9 @@ struct CqShared {
 /// Per CQ, whether [`CompletionQueue::wait`] busy-polls for
 /// [`DeviceConfig::poll_spin`](crate::DeviceConfig::poll_spin) first or
 /// sleeps at once: whichever gave the shorter waits lately (a moving
-/// average of each), trying the other way every [`SPIN_EXPLORE`]-th wait.
+/// average of each), trying the other way every [`SPIN_EXPLORE`]-th wait
+/// (every [`SPIN_EXPLORE_CLEAR`]-th when one way is at least twice as
+/// fast).
 ///
 /// Spinning pays off when the answer comes from a thread running on
 /// another CPU. When the CPUs are busy (a neighbour keeps one busy, more
@@ -261,18 +276,48 @@ struct SpinChoice {
 /// choice follows when the machine gets quiet or busy again.
 const SPIN_EXPLORE: u32 = 32;
 
+/// One wait in this many tries the way that is not preferred when the
+/// preferred way is at least [`CLEAR_WIN`] times faster. Trying costs: a
+/// sleep tried on a quiet machine adds a wake-up (about 25 µs on a virtual
+/// machine) to a 5 µs hop, a spin tried on a busy one up to `poll_spin`;
+/// every 32nd wait, that was 1.5–4 µs on the mean of an 8-byte
+/// ping-pong and most of its p99.
+const SPIN_EXPLORE_CLEAR: u32 = 128;
+
+/// How much faster the preferred way must be for [`SPIN_EXPLORE_CLEAR`].
+const CLEAR_WIN: u64 = 2;
+
 impl SpinChoice {
-    /// Whether this wait spins first.
-    fn spin_now(&self) -> bool {
+    /// How this wait starts: `Some(poll_spin)`: busy-poll first; `None`:
+    /// sleep at once.
+    ///
+    /// (A spin tried while sleeping is preferred used to be cut to the
+    /// sleeping average: a spin not answered by then has lost. With a CPU
+    /// hogged that made the tried spins cheap when they failed and fast
+    /// when they won, the spinning average drifted below the sleeping one,
+    /// and the CQ flipped to spinning and back: 8-byte means 16–27 µs
+    /// against 13–18 µs in the same hogged runs. A tried spin spins the
+    /// whole `poll_spin` again.)
+    fn start(&self, poll_spin: Duration) -> Option<Duration> {
         let n = self.waits.fetch_add(1, Ordering::Relaxed);
         let spin = self.spin_ns.load(Ordering::Relaxed);
         let sleep = self.sleep_ns.load(Ordering::Relaxed);
         let prefer_spin = spin == 0 || sleep == 0 || spin <= sleep;
-        if n % SPIN_EXPLORE == SPIN_EXPLORE - 1 {
-            !prefer_spin
+        let (win, lose) = if prefer_spin {
+            (spin, sleep)
         } else {
-            prefer_spin
+            (sleep, spin)
+        };
+        let every = if win > 0 && lose >= win.saturating_mul(CLEAR_WIN) {
+            SPIN_EXPLORE_CLEAR
+        } else {
+            SPIN_EXPLORE
+        };
+        let explore = n % every == every - 1;
+        if prefer_spin == explore {
+            return None;
         }
+        Some(poll_spin)
     }
 
     /// A wait that spun first (`spin`) or slept at once took `took`.
@@ -661,6 +706,13 @@ impl CompletionQueue {
     ///    [`DeviceConfig::poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
     ///    the engine threads watch the sockets and the push wakes it.
     ///
+    /// With [`DeviceConfig::poll_spin_adaptive`](crate::DeviceConfig::poll_spin_adaptive)
+    /// (the default) each wait either does both steps or goes to step 2 at
+    /// once, whichever gave the shorter waits lately on this CQ. A wait
+    /// that goes to step 2 at once looks only at the ring first (the
+    /// `poll(2)` on the sockets returns at once if bytes are already
+    /// there, so no `recv` is spent finding nothing).
+    ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
@@ -676,21 +728,35 @@ impl CompletionQueue {
         if out.is_empty() {
             return 0;
         }
-        let (n, progressed) = self.poll_progress(out);
+        let config = self.shared.device.config();
+        let choice = &self.shared.spin_choice;
+        let adaptive = config.poll_spin_adaptive && config.poll_spin != Duration::MAX;
+        let start = if adaptive {
+            choice.start(config.poll_spin)
+        } else {
+            Some(config.poll_spin)
+        };
+        let spin = start.is_some();
+        let budget = start.unwrap_or(Duration::ZERO);
+        // A wait about to sleep on the sockets at once only looks at the
+        // ring first: `poll(2)` on the sockets returns at once if bytes are
+        // there, so a `recv` that most often finds nothing (one system
+        // call, the socket's lock) is saved on every wait.
+        let sleeps_on_sockets = budget.is_zero() && config.poll_driven_receive;
+        let (n, progressed) = if sleeps_on_sockets {
+            let n = self.poll_ring(out);
+            if n > 0 {
+                self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            (n, false)
+        } else {
+            self.poll_progress(out)
+        };
         if n > 0 || (on_progress && progressed) {
             return n;
         }
         let start = crate::sys::clock::now();
         let deadline = timeout.and_then(|t| start.checked_add(t));
-        let config = self.shared.device.config();
-        let choice = &self.shared.spin_choice;
-        let adaptive = config.poll_spin_adaptive && config.poll_spin != Duration::MAX;
-        let spin = !adaptive || choice.spin_now();
-        let budget = if spin {
-            config.poll_spin
-        } else {
-            Duration::ZERO
-        };
         match self.wait_for(out, start, deadline, budget, on_progress) {
             Some(n) => {
                 // Completions, or (`wait_progress`) bytes received.
@@ -738,17 +804,55 @@ impl CompletionQueue {
         let wake = shared.wake.get_or_init(|| EventFd::new().ok());
         // The caller has just looked if there was no spinning.
         let mut look = !spin.is_zero();
+        SLEEP_SET.with(|cell| {
+            // A nested wait (none is known) gets buffers of its own.
+            let mut own = SleepSet::default();
+            let mut borrowed = cell.try_borrow_mut();
+            let set = match borrowed.as_deref_mut() {
+                Ok(set) => set,
+                Err(_) => &mut own,
+            };
+            let r = self.sleep_loop(out, deadline, on_progress, wake.as_ref(), &mut look, set);
+            set.hooks.clear();
+            set.fds.clear();
+            r
+        })
+    }
+
+    /// The sleeping step of [`wait_for`](Self::wait_for).
+    fn sleep_loop(
+        &self,
+        out: &mut [WorkCompletion],
+        deadline: Option<std::time::Instant>,
+        on_progress: bool,
+        wake: Option<&EventFd>,
+        look: &mut bool,
+        set: &mut SleepSet,
+    ) -> Option<usize> {
+        let shared = &*self.shared;
+        let config = shared.device.config();
+        // Whether this wait has run the receive path yet: a wait that
+        // sleeps at once has only looked at the ring; if its time is up
+        // before it sleeps (a zero timeout), it still receives once.
+        let mut received = *look || !config.poll_driven_receive;
         loop {
             // Receive and look once more before sleeping.
-            if look {
+            if *look {
+                received = true;
                 let (n, progressed) = self.poll_progress(out);
                 if n > 0 || (on_progress && progressed) {
                     return Some(n);
                 }
             }
-            look = true;
+            *look = true;
             let now = crate::sys::clock::now();
             if deadline.is_some_and(|d| now >= d) {
+                if !received {
+                    let (n, progressed) = self.poll_progress(out);
+                    if n > 0 || (on_progress && progressed) {
+                        return Some(n);
+                    }
+                }
                 return None;
             }
             let nap = deadline
@@ -760,26 +864,27 @@ impl CompletionQueue {
             // threads (send completions, another poller) signal `wake`. The
             // engine threads leave these sockets to us while we sleep
             // (`sleep_on`).
-            let hooks: Vec<Arc<dyn Progress>> = shared
-                .progress
-                .read()
-                .iter()
-                .filter_map(Weak::upgrade)
-                .collect();
-            let mut fds: Vec<RawFd> = Vec::with_capacity(hooks.len() + 1);
+            set.hooks.clear();
+            set.fds.clear();
+            set.hooks
+                .extend(shared.progress.read().iter().filter_map(Weak::upgrade));
             let on_sockets = config.poll_driven_receive && wake.is_some();
             if on_sockets {
                 // QPs without a socket to watch receive nothing.
                 let until = crate::datamover::now_ns()
                     .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX));
-                fds.extend(hooks.iter().filter_map(|h| h.sleep_on(Some(until))));
+                for h in &set.hooks {
+                    if let Some(fd) = h.sleep_on(Some(until)) {
+                        set.fds.push(fd);
+                    }
+                }
             } else {
                 // This thread will not run the receive path: hand the
                 // sockets to the engine threads.
                 self.notify_armed();
             }
             if let Some(wake) = wake {
-                fds.push(wake.as_raw_fd());
+                set.fds.push(wake.as_raw_fd());
             }
             // From here a push signals `wake`. A push before it is in the
             // ring: look there (without receiving, which could push to this
@@ -788,22 +893,25 @@ impl CompletionQueue {
             let n = self.poll_ring(out);
             let mut woken = false;
             if n == 0 {
-                if fds.is_empty() {
+                if set.fds.is_empty() {
                     std::thread::sleep(nap.min(Duration::from_micros(100)));
                 } else {
                     // The hooks (and so the QPs owning the sockets) stay
                     // alive until after the wait.
-                    woken = crate::sys::poll::wait_readable_last(&fds, nap)
-                        .is_ok_and(|r| r.1 && wake.is_some());
+                    woken = set.fds.wait_last(nap).is_ok_and(|r| r.1 && wake.is_some());
                 }
             }
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
-            if on_sockets {
-                for h in &hooks {
+            if on_sockets && n > 0 {
+                // Returning without receiving: the sockets are the engine
+                // threads' again after the usual quiet period. (Otherwise
+                // the receive path that runs next, as a busy poller, says
+                // the same.)
+                for h in &set.hooks {
                     let _ = h.sleep_on(None);
                 }
             }
-            drop(hooks);
+            set.hooks.clear();
             if woken && let Some(wake) = wake {
                 wake.drain();
             }
@@ -1190,7 +1298,7 @@ mod tests {
     fn choose(c: &SpinChoice, waits: u32, spin: Duration, sleep: Duration) -> u32 {
         let mut spun = 0;
         for _ in 0..waits {
-            let s = c.spin_now();
+            let s = c.start(Duration::from_micros(50)).is_some();
             spun += u32::from(s);
             c.record(s, if s { spin } else { sleep });
         }
@@ -1204,12 +1312,32 @@ mod tests {
         let c = SpinChoice::default();
         let (spin, sleep) = (Duration::from_micros(40), Duration::from_micros(10));
         choose(&c, 64, spin, sleep);
-        // From then on it spins only to check, one wait in SPIN_EXPLORE.
-        assert_eq!(choose(&c, 320, spin, sleep), 320 / SPIN_EXPLORE);
+        // From then on it spins only to check, one wait in
+        // SPIN_EXPLORE_CLEAR (sleeping is 4 × faster).
+        let spun = choose(&c, 320, spin, sleep);
+        assert!((1..=320 / SPIN_EXPLORE_CLEAR + 1).contains(&spun), "{spun}");
         // The machine gets quiet: spinning answers in 5 µs; it comes back.
         let quiet = Duration::from_micros(5);
-        choose(&c, 320, quiet, sleep);
-        assert_eq!(choose(&c, 320, quiet, sleep), 320 - 320 / SPIN_EXPLORE);
+        choose(&c, 640, quiet, sleep);
+        let spun = choose(&c, 320, quiet, sleep);
+        assert!(spun >= 320 - 320 / SPIN_EXPLORE_CLEAR - 1, "{spun}");
+    }
+
+    #[test]
+    fn a_clear_winner_is_tried_against_less_often() {
+        // Spinning 6 × faster than sleeping: a sleep is tried one wait in
+        // SPIN_EXPLORE_CLEAR.
+        let c = SpinChoice::default();
+        let (spin, sleep) = (Duration::from_micros(5), Duration::from_micros(30));
+        choose(&c, 256, spin, sleep);
+        let slept = 1280 - choose(&c, 1280, spin, sleep);
+        assert_eq!(slept, 1280 / SPIN_EXPLORE_CLEAR);
+        // Only a little faster: tried one wait in SPIN_EXPLORE.
+        let c = SpinChoice::default();
+        let sleep = Duration::from_micros(8);
+        choose(&c, 256, spin, sleep);
+        let slept = 1280 - choose(&c, 1280, spin, sleep);
+        assert_eq!(slept, 1280 / SPIN_EXPLORE);
     }
 
     #[test]
@@ -1220,7 +1348,8 @@ mod tests {
         // A 50 ms scheduler stall in one spinning wait.
         c.record(true, Duration::from_millis(50));
         choose(&c, 32, spin, sleep);
-        assert_eq!(choose(&c, 320, spin, sleep), 320 - 320 / SPIN_EXPLORE);
+        let spun = choose(&c, 320, spin, sleep);
+        assert!(spun >= 320 - 320 / SPIN_EXPLORE, "{spun}");
     }
 
     #[test]
@@ -1408,6 +1537,28 @@ mod tests {
                 false
             }
         }
+    }
+
+    /// A wait that sleeps at once looks only at the ring before sleeping on
+    /// the sockets; with a zero timeout it never sleeps, and must still run
+    /// the receive path once (it returned nothing before it did).
+    #[test]
+    fn a_zero_timeout_wait_that_sleeps_at_once_still_receives() {
+        let cfg = crate::DeviceConfig {
+            poll_spin: Duration::ZERO,
+            ..crate::DeviceConfig::default()
+        };
+        let cq = CompletionQueue::new(&Device::open_with(cfg).unwrap(), 4, None).unwrap();
+        let hook = Arc::new(Hook {
+            cq: cq.clone(),
+            calls: AtomicUsize::new(0),
+        });
+        let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
+        cq.attach_progress(weak);
+        let mut out = [wc(0); 4];
+        assert_eq!(cq.wait(&mut out, Some(Duration::ZERO)), 1);
+        assert_eq!(out[0].wr_id, 42);
+        assert_eq!(cq.wait(&mut out, Some(Duration::ZERO)), 0);
     }
 
     #[test]

@@ -416,6 +416,12 @@ fn device(p: &Params) -> Result<Device, PerfError> {
     {
         cfg.poll_spin = Duration::from_micros(us);
     }
+    if let Some(on) = std::env::var("SOFTRDMA_POLL_ADAPTIVE")
+        .ok()
+        .and_then(|v| v.parse::<u8>().ok())
+    {
+        cfg.poll_spin_adaptive = on != 0;
+    }
     if let Some(n) = std::env::var("SOFTRDMA_POLL_YIELD")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -277,6 +277,49 @@ pub(crate) fn wait_readable_last(fds: &[RawFd], timeout: Duration) -> io::Result
             revents: 0,
         })
         .collect();
+    poll_last(&mut pfds, timeout)
+}
+
+/// Descriptors to wait on for reading with `poll(2)`, kept between waits
+/// so that a CQ waiter that sleeps allocates nothing
+/// ([`wait_readable_last`] builds its array on every call).
+#[derive(Debug, Default)]
+pub(crate) struct PollSet {
+    pfds: Vec<libc::pollfd>,
+}
+
+impl PollSet {
+    /// Forgets every descriptor.
+    pub(crate) fn clear(&mut self) {
+        self.pfds.clear();
+    }
+
+    /// Adds `fd`; the caller keeps it open while it is in the set.
+    pub(crate) fn push(&mut self, fd: RawFd) {
+        self.pfds.push(libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        });
+    }
+
+    /// Whether the set is empty.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.pfds.is_empty()
+    }
+
+    /// [`wait_readable_last`] on the set's descriptors.
+    pub(crate) fn wait_last(&mut self, timeout: Duration) -> io::Result<(bool, bool)> {
+        for p in &mut self.pfds {
+            p.revents = 0;
+        }
+        poll_last(&mut self.pfds, timeout)
+    }
+}
+
+/// `poll(2)` for reading on `pfds`, at most `timeout`: `(any, last)` as
+/// [`wait_readable_last`].
+fn poll_last(pfds: &mut [libc::pollfd], timeout: Duration) -> io::Result<(bool, bool)> {
     let ms = libc::c_int::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
     let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(libc::nfds_t::MAX);
     // SAFETY: `pfds` is a valid array of `n` pollfd entries that lives
@@ -291,4 +334,38 @@ pub(crate) fn wait_readable_last(fds: &[RawFd], timeout: Duration) -> io::Result
     }
     let last = pfds.last().is_some_and(|p| p.revents != 0);
     Ok((r > 0, last))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A set reused across waits reports each wait's readiness afresh (the
+    /// `revents` of the previous wait do not leak into the next), and says
+    /// whether the last descriptor was among the ready ones.
+    #[test]
+    fn a_reused_poll_set_reports_each_wait_afresh() {
+        let a = EventFd::new().unwrap();
+        let wake = EventFd::new().unwrap();
+        let mut set = PollSet::default();
+        assert!(set.is_empty());
+        set.push(a.as_raw_fd());
+        set.push(wake.as_raw_fd());
+        assert_eq!(set.wait_last(Duration::ZERO).unwrap(), (false, false));
+        wake.signal();
+        assert_eq!(set.wait_last(Duration::ZERO).unwrap(), (true, true));
+        wake.drain();
+        a.signal();
+        assert_eq!(
+            set.wait_last(Duration::from_secs(5)).unwrap(),
+            (true, false)
+        );
+        a.drain();
+        assert_eq!(
+            set.wait_last(Duration::from_millis(1)).unwrap(),
+            (false, false)
+        );
+        set.clear();
+        assert!(set.is_empty());
+    }
 }
