@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use socket2::{Domain, SockAddr, Socket, Type};
 
 use crate::config::{Config, Mode, PlainReason, Transport};
-use crate::detect::{self, Answer, Twin};
+use crate::detect::{self, Answer, LateAnswer, Twin};
 use crate::offload::Offload;
 
 #[derive(Debug)]
@@ -89,6 +89,41 @@ fn plain_connect(
     Ok(sock.into())
 }
 
+/// A stream socket bound to an ephemeral port (the query names it), and
+/// the port.
+fn bound_socket(addr: SocketAddr) -> io::Result<(Socket, u16)> {
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    let any: SocketAddr = if addr.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    sock.bind(&any.into())?;
+    let port = sock
+        .local_addr()?
+        .as_socket()
+        .map(|a| a.port())
+        .unwrap_or(0);
+    Ok((sock, port))
+}
+
+fn declined() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionRefused,
+        "offload required but the peer declined it",
+    )
+}
+
+/// What a connect with the query sent beside the SYN came to.
+enum Late {
+    /// The listener switches the connection.
+    Switch(std::net::TcpStream),
+    /// The connection stays plain.
+    Plain(std::net::TcpStream, PlainReason),
+    /// Undecided: the connection was closed without a byte; ask first.
+    AskFirst,
+}
+
 impl TcpStream {
     /// Connects with the default [`Config`] ([`Mode::Auto`]).
     pub fn connect<A: ToSocketAddrs>(addr: A) -> io::Result<TcpStream> {
@@ -163,19 +198,6 @@ impl TcpStream {
                 PlainReason::PeerNotCapable,
             ));
         }
-        // Bind first: the query names our port.
-        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-        let any: SocketAddr = if addr.is_ipv4() {
-            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
-        } else {
-            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-        };
-        sock.bind(&any.into())?;
-        let port = sock
-            .local_addr()?
-            .as_socket()
-            .map(|a| a.port())
-            .unwrap_or(0);
         // Waiting longer costs a plain peer nothing where its answer is an
         // immediate ICMP port unreachable (loopback), nor where offload is
         // required anyway; a short wait there only turns a busy twin
@@ -187,35 +209,47 @@ impl TcpStream {
         } else {
             cfg.probe_timeout
         };
-        match detect::query(addr, port, wait) {
-            Answer::Accept => {}
-            Answer::Decline => {
-                if required {
-                    return Err(io::Error::new(
-                        io::ErrorKind::ConnectionRefused,
-                        "offload required but the peer declined it",
-                    ));
-                }
-                return Ok(Self::plain(
-                    plain_connect(Some(sock), addr, timeout)?,
-                    PlainReason::PeerDeclined,
-                ));
-            }
-            Answer::NotCapable => {
-                if required {
-                    return Err(not_capable());
-                }
-                // A fresh socket (another port): if the query was only
-                // slow, the listener's record of it names the bound port
-                // and must not match this plain connection.
-                drop(sock);
-                return Ok(Self::plain(
-                    plain_connect(None, addr, timeout)?,
-                    PlainReason::PeerNotCapable,
-                ));
+        let mut stream = None;
+        if detect::known_late_queries(addr) {
+            match Self::connect_late(addr, timeout, wait, required)? {
+                Late::Switch(s) => stream = Some(s),
+                Late::Plain(s, why) => return Ok(Self::plain(s, why)),
+                Late::AskFirst => {}
             }
         }
-        let stream = plain_connect(Some(sock), addr, timeout)?;
+        let stream = match stream {
+            Some(s) => s,
+            None => {
+                let (sock, port) = bound_socket(addr)?;
+                match detect::query(addr, port, wait) {
+                    Answer::Accept => {}
+                    Answer::Decline => {
+                        if required {
+                            return Err(declined());
+                        }
+                        return Ok(Self::plain(
+                            plain_connect(Some(sock), addr, timeout)?,
+                            PlainReason::PeerDeclined,
+                        ));
+                    }
+                    Answer::NotCapable => {
+                        if required {
+                            return Err(not_capable());
+                        }
+                        // A fresh socket (another port): if the query was
+                        // only slow, the listener's record of it names the
+                        // bound port and must not match this plain
+                        // connection.
+                        drop(sock);
+                        return Ok(Self::plain(
+                            plain_connect(None, addr, timeout)?,
+                            PlainReason::PeerNotCapable,
+                        ));
+                    }
+                }
+                plain_connect(Some(sock), addr, timeout)?
+            }
+        };
         match Offload::establish(stream, true, cfg) {
             Ok(o) => Ok(Self::offloaded(o)),
             Err(e) => {
@@ -234,6 +268,52 @@ impl TcpStream {
                 ))
             }
         }
+    }
+
+    /// Connects with the query sent just before the SYN (the twin of
+    /// `addr` is known to decide late queries): the answer is read after
+    /// the connect, so the query's round trip overlaps the handshake.
+    fn connect_late(
+        addr: SocketAddr,
+        timeout: Option<Duration>,
+        wait: Duration,
+        required: bool,
+    ) -> io::Result<Late> {
+        let (sock, port) = bound_socket(addr)?;
+        let Ok(pending) = detect::send_query(addr, port) else {
+            return Ok(Late::AskFirst);
+        };
+        let stream = plain_connect(Some(sock), addr, timeout)?;
+        Ok(match pending.wait_late(wait) {
+            LateAnswer::Accept => Late::Switch(stream),
+            LateAnswer::Decline { too_late } => {
+                if too_late {
+                    // The listener took the connection before the query
+                    // (a reordered or lost datagram): a connection of its
+                    // own, asked for first, may still be switched. Only
+                    // worth it where offload is required.
+                    if required {
+                        drop(stream);
+                        return Ok(Late::AskFirst);
+                    }
+                } else if required {
+                    return Err(declined());
+                }
+                Late::Plain(stream, PlainReason::PeerDeclined)
+            }
+            LateAnswer::NoTwin => {
+                if required {
+                    return Err(not_capable());
+                }
+                Late::Plain(stream, PlainReason::PeerNotCapable)
+            }
+            LateAnswer::Unknown => {
+                // The listener may switch this connection or not: it is
+                // closed without a byte, and the next one asks first.
+                drop(stream);
+                Late::AskFirst
+            }
+        })
     }
 
     /// Switches an application's own connected kernel TCP stream into
