@@ -412,7 +412,17 @@ enum Record {
     Plain,
 }
 
-type Records = Arc<Mutex<HashMap<SocketAddr, (Record, Instant)>>>;
+/// The records of a twin, and the size at which expired ones are swept
+/// next (amortized: a live record, a plain mark above all, is never
+/// dropped early, or a late query could be accepted for a connection
+/// decided plain).
+#[derive(Debug, Default)]
+struct Table {
+    map: HashMap<SocketAddr, (Record, Instant)>,
+    sweep_at: usize,
+}
+
+type Records = Arc<Mutex<Table>>;
 
 /// A listener's UDP twin: answers queries on its own thread (a query must
 /// be answered while the application is busy elsewhere) and keeps the
@@ -458,7 +468,7 @@ impl Twin {
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
         drain(&self.sock, &mut r, &self.stop, self.accept);
         let now = Instant::now();
-        match r.remove(&key) {
+        match r.map.remove(&key) {
             Some((Record::Asked, until)) if until > now => true,
             _ => {
                 insert_record(&mut r, key, Record::Plain, now);
@@ -497,36 +507,18 @@ impl Drop for Twin {
     }
 }
 
-fn insert_record(
-    r: &mut HashMap<SocketAddr, (Record, Instant)>,
-    key: SocketAddr,
-    rec: Record,
-    now: Instant,
-) {
-    if r.len() >= 4096 {
-        r.retain(|_, (_, until)| *until > now);
-        if r.len() >= 4096 {
-            // Still full of live marks (thousands of plain accepts within
-            // the TTL): the oldest information goes first.
-            if let Some(oldest) = r.iter().min_by_key(|(_, (_, u))| *u).map(|(k, _)| *k) {
-                r.remove(&oldest);
-            }
-        }
+fn insert_record(r: &mut Table, key: SocketAddr, rec: Record, now: Instant) {
+    if r.map.len() >= r.sweep_at.max(4096) {
+        r.map.retain(|_, (_, until)| *until > now);
+        r.sweep_at = 2 * r.map.len();
     }
-    r.insert(key, (rec, now + RECORD_TTL));
+    r.map.insert(key, (rec, now + RECORD_TTL));
 }
 
-/// Answers one datagram (if it is a query), deciding under the records'
-/// lock.
 /// Reads and answers the queued datagrams without blocking. Called with
 /// the records locked: a query is either still queued or decided, so an
 /// accepting thread never misses one that a twin thread holds undecided.
-fn drain(
-    sock: &UdpSocket,
-    r: &mut HashMap<SocketAddr, (Record, Instant)>,
-    stop: &AtomicBool,
-    accept: bool,
-) {
+fn drain(sock: &UdpSocket, r: &mut Table, stop: &AtomicBool, accept: bool) {
     let mut b = [0u8; 64];
     loop {
         match rustix::net::recvfrom(sock, &mut b[..], rustix::net::RecvFlags::DONTWAIT) {
@@ -545,7 +537,7 @@ fn drain(
 /// Answers one datagram (if it is a query).
 fn answer(
     sock: &UdpSocket,
-    r: &mut HashMap<SocketAddr, (Record, Instant)>,
+    r: &mut Table,
     stop: &AtomicBool,
     accept: bool,
     b: &[u8],
@@ -561,12 +553,12 @@ fn answer(
     let kind = if accept {
         let key = SocketAddr::new(from.ip().to_canonical(), q.client_port);
         let now = Instant::now();
-        match r.get(&key) {
+        match r.map.get(&key) {
             // The listener is closed: nobody would take a record.
             _ if stop.load(Ordering::Relaxed) => Kind::Decline,
             Some(&(Record::Plain, until)) if until > now => {
                 // Accepted before this query came: it stays plain.
-                r.remove(&key);
+                r.map.remove(&key);
                 flags |= FLAG_TOO_LATE;
                 Kind::Decline
             }
@@ -708,5 +700,31 @@ mod tests {
         let p = send_query(addr, 40003).unwrap();
         assert_eq!(p.wait_late(Duration::from_secs(5)), LateAnswer::Unknown);
         th.join().unwrap();
+    }
+
+    /// Plain marks are never dropped before their time, however many
+    /// plain connections a listener accepts: the first of 5 000 still
+    /// declines its late query.
+    #[test]
+    fn plain_marks_outlive_a_full_table() {
+        let t = Twin {
+            records: Records::default(),
+            sock: Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap()),
+            accept: true,
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let addr = twin_addr(&t);
+        for i in 0..5000u16 {
+            let peer = SocketAddr::from((Ipv4Addr::LOCALHOST, 20000 + i));
+            assert!(!t.take(peer));
+        }
+        let p = send_query(addr, 20000).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        // The twin has no thread: the next accept answers the query.
+        assert!(!t.take(SocketAddr::from((Ipv4Addr::LOCALHOST, 30000))));
+        assert_eq!(
+            p.wait_late(Duration::from_secs(5)),
+            LateAnswer::Decline { too_late: true }
+        );
     }
 }
