@@ -10,10 +10,10 @@
 //! server's address and port:
 //!
 //! ```text
-//!  0       4   5   6       8               16      18  20      22  24                40
-//!  +-------+---+---+-------+---------------+-------+---+-------+---+-----------------+
-//!  | "SRSD"|ver|knd|  0    |     nonce     | cport | 0 | sport | 0 |  client address |
-//!  +-------+---+---+-------+---------------+-------+---+-------+---+-----------------+
+//!  0       4   5   6   7   8               16      18  20      22  24                40
+//!  +-------+---+---+---+---+---------------+-------+---+-------+---+-----------------+
+//!  | "SRSD"|ver|knd|flg| 0 |     nonce     | cport | 0 | sport | 0 |  client address |
+//!  +-------+---+---+---+---+---------------+-------+---+-------+---+-----------------+
 //! ```
 //!
 //! The twin records `(source address of the datagram, cport)` as a
@@ -30,6 +30,29 @@
 //! later connections to a plain peer cost nothing. A plain client never
 //! queries, so the listener never finds a record and keeps its connection
 //! plain: every byte flows exactly as sent, whoever speaks first.
+//!
+//! ## Query and SYN together
+//!
+//! The query costs a round trip of its own before the TCP connect. A twin
+//! that can decide a query arriving *after* its connection was accepted
+//! sets [`FLAG_LATE_QUERY`] in its answers: when it accepts a connection no
+//! query asked for, it keeps a *plain mark* for it (for [`RECORD_TTL`]),
+//! and a query that finds the mark is declined; a query and an accept
+//! decide under one lock, so an *accept* answer always means the listener
+//! switches the connection. Before it decides an accepted connection the
+//! listener also reads the queries already queued on its twin's socket, so
+//! a query sent before the SYN is never overtaken by the twin thread's
+//! scheduling. Flags were zero before: an older twin leaves the flag clear
+//! and is always asked first.
+//!
+//! A client that got the flag from a destination (cached for
+//! [`NEGATIVE_TTL`]) sends the next query and then connects at once, and
+//! waits for the answer only after the connect: *accept* switches,
+//! *decline* or a refused query (no twin at all) keep the connection plain.
+//! Silence (no answer within the wait) leaves it undecided on the
+//! listener's side: the client closes that connection without a byte and
+//! connects again plain from another port, as before. Offload-required
+//! connections always ask first (a late query's decline would fail them).
 //!
 //! [`Config::probe_timeout`]: crate::Config::probe_timeout
 
@@ -51,8 +74,17 @@ pub const NEGATIVE_TTL: Duration = Duration::from_secs(60);
 /// Least wait for an answer on loopback, where a host without a twin
 /// answers at once (ICMP port unreachable) and silence means a busy twin.
 pub const LOOPBACK_PROBE_WAIT: Duration = Duration::from_secs(1);
-/// How long a listener keeps a query's record waiting for its connection.
+/// How long a listener keeps a query's record waiting for its connection,
+/// and the plain mark of a connection no query asked for.
 pub const RECORD_TTL: Duration = Duration::from_secs(10);
+/// Longest wait for the answer to a query sent with the SYN: it must end
+/// well before the listener forgets the plain mark of the connection.
+pub const LATE_QUERY_MAX_WAIT: Duration = Duration::from_secs(2);
+/// Flag of an answer: the twin decides late queries (see the module docs).
+pub const FLAG_LATE_QUERY: u8 = 0x01;
+/// Flag of a decline: the connection was accepted (plain) before the query
+/// came.
+pub const FLAG_TOO_LATE: u8 = 0x02;
 
 /// Kind of a detection message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +110,8 @@ pub struct Probe {
     pub server_port: u16,
     /// The client's address as it knows it (informational).
     pub client_addr: Ipv6Addr,
+    /// Flags ([`FLAG_LATE_QUERY`]); zero in queries.
+    pub flags: u8,
 }
 
 impl Probe {
@@ -87,6 +121,7 @@ impl Probe {
         b[0..4].copy_from_slice(&MAGIC);
         b[4] = VERSION;
         b[5] = self.kind as u8;
+        b[6] = self.flags;
         b[8..16].copy_from_slice(&self.nonce.to_be_bytes());
         b[16..18].copy_from_slice(&self.client_port.to_be_bytes());
         b[20..22].copy_from_slice(&self.server_port.to_be_bytes());
@@ -115,6 +150,7 @@ impl Probe {
             client_port: u16::from_be_bytes([b[16], b[17]]),
             server_port: u16::from_be_bytes([b[20], b[21]]),
             client_addr: Ipv6Addr::from(addr),
+            flags: b[6],
         })
     }
 }
@@ -127,31 +163,57 @@ pub(crate) enum Answer {
     NotCapable,
 }
 
-fn cache() -> &'static Mutex<HashMap<SocketAddr, Instant>> {
-    static CACHE: OnceLock<Mutex<HashMap<SocketAddr, Instant>>> = OnceLock::new();
+/// What is remembered of a destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Known {
+    /// No twin answered: plain, without asking.
+    Plain,
+    /// Its twin decides late queries: query and SYN may go together.
+    LateQueries,
+}
+
+fn cache() -> &'static Mutex<HashMap<SocketAddr, (Known, Instant)>> {
+    static CACHE: OnceLock<Mutex<HashMap<SocketAddr, (Known, Instant)>>> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn known(dest: SocketAddr) -> Option<Known> {
+    let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
+    match c.get(&dest) {
+        Some(&(k, until)) if until > Instant::now() => Some(k),
+        Some(_) => {
+            c.remove(&dest);
+            None
+        }
+        None => None,
+    }
 }
 
 /// Whether `dest` is known not to run sockets direct.
 pub(crate) fn known_plain(dest: SocketAddr) -> bool {
-    let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
-    match c.get(&dest) {
-        Some(&until) if until > Instant::now() => true,
-        Some(_) => {
-            c.remove(&dest);
-            false
-        }
-        None => false,
-    }
+    known(dest) == Some(Known::Plain)
 }
 
-fn remember_plain(dest: SocketAddr) {
+/// Whether `dest`'s twin is known to decide queries that arrive after the
+/// connection (the query may go with the SYN).
+pub(crate) fn known_late_queries(dest: SocketAddr) -> bool {
+    known(dest) == Some(Known::LateQueries)
+}
+
+fn remember(dest: SocketAddr, k: Known) {
     let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
     if c.len() > 4096 {
         let now = Instant::now();
-        c.retain(|_, until| *until > now);
+        c.retain(|_, (_, until)| *until > now);
     }
-    c.insert(dest, Instant::now() + NEGATIVE_TTL);
+    c.insert(dest, (k, Instant::now() + NEGATIVE_TTL));
+}
+
+fn forget(dest: SocketAddr) {
+    cache()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&dest);
 }
 
 /// Forgets the cached answers (tests, or after a configuration change).
@@ -171,83 +233,205 @@ fn nonce() -> u64 {
     h.finish()
 }
 
-/// Asks `dest`'s twin whether the connection from `client_port` may be
-/// offloaded. Caches a negative answer.
-pub(crate) fn query(dest: SocketAddr, client_port: u16, timeout: Duration) -> Answer {
+/// A query on its way: sent, its answer not read yet.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    dest: SocketAddr,
+    sock: UdpSocket,
+    q: Probe,
+    sent: Instant,
+}
+
+/// Sends the query for the connection from `client_port` to `dest`.
+/// `Err`: the query could not be sent (no answer will come).
+pub(crate) fn send_query(dest: SocketAddr, client_port: u16) -> io::Result<Pending> {
     let bind: SocketAddr = if dest.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
         (Ipv6Addr::UNSPECIFIED, 0).into()
     };
-    let answer = (|| -> io::Result<Answer> {
-        let s = UdpSocket::bind(bind)?;
-        s.connect(dest)?;
-        let client_addr = match s.local_addr()?.ip() {
-            IpAddr::V4(v4) => v4.to_ipv6_mapped(),
-            IpAddr::V6(v6) => v6,
+    let s = UdpSocket::bind(bind)?;
+    s.connect(dest)?;
+    let client_addr = match s.local_addr()?.ip() {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    };
+    let q = Probe {
+        kind: Kind::Query,
+        nonce: nonce(),
+        client_port,
+        server_port: dest.port(),
+        client_addr,
+        flags: 0,
+    };
+    s.send(&q.encode())?;
+    Ok(Pending {
+        dest,
+        sock: s,
+        q,
+        sent: Instant::now(),
+    })
+}
+
+/// The answer to a query (`timeout` counted from the send), and whether it
+/// said the twin decides late queries.
+fn wait_answer(p: &Pending, timeout: Duration) -> io::Result<(Answer, u8)> {
+    let deadline = p.sent + timeout;
+    // Two tries, half the time each (a lost datagram on a LAN).
+    for attempt in 0..2 {
+        if attempt == 1 {
+            p.sock.send(&p.q.encode())?;
+        }
+        let until = if attempt == 0 {
+            p.sent + timeout / 2
+        } else {
+            deadline
         };
-        let q = Probe {
-            kind: Kind::Query,
-            nonce: nonce(),
-            client_port,
-            server_port: dest.port(),
-            client_addr,
-        };
-        let deadline = Instant::now() + timeout;
-        // Two tries, half the time each (a lost datagram on a LAN).
-        for attempt in 0..2 {
-            s.send(&q.encode())?;
-            let until = if attempt == 0 {
-                Instant::now() + timeout / 2
-            } else {
-                deadline
-            };
-            loop {
-                let left = until.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                s.set_read_timeout(Some(left))?;
-                let mut b = [0u8; 64];
-                match s.recv(&mut b) {
-                    Ok(n) => match Probe::decode(&b[..n]) {
-                        Some(a) if a.nonce == q.nonce && a.kind == Kind::Accept => {
-                            return Ok(Answer::Accept);
-                        }
-                        Some(a) if a.nonce == q.nonce && a.kind == Kind::Decline => {
-                            return Ok(Answer::Decline);
-                        }
-                        _ => {}
-                    },
-                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                        return Ok(Answer::NotCapable);
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            p.sock.set_read_timeout(Some(left))?;
+            let mut b = [0u8; 64];
+            match p.sock.recv(&mut b) {
+                Ok(n) => match Probe::decode(&b[..n]) {
+                    Some(a) if a.nonce == p.q.nonce && a.kind == Kind::Accept => {
+                        return Ok((Answer::Accept, a.flags));
                     }
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            io::ErrorKind::WouldBlock
-                                | io::ErrorKind::TimedOut
-                                | io::ErrorKind::Interrupted
-                        ) => {}
-                    Err(e) => return Err(e),
+                    Some(a) if a.nonce == p.q.nonce && a.kind == Kind::Decline => {
+                        return Ok((Answer::Decline, a.flags));
+                    }
+                    _ => {}
+                },
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                    return Ok((Answer::NotCapable, 0));
                 }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock
+                            | io::ErrorKind::TimedOut
+                            | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Err(e),
             }
         }
-        Ok(Answer::NotCapable)
-    })()
-    .unwrap_or(Answer::NotCapable);
-    if answer == Answer::NotCapable {
-        remember_plain(dest);
     }
-    answer
+    Err(io::ErrorKind::TimedOut.into())
 }
+
+/// What a query sent with the SYN found out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LateAnswer {
+    /// The listener switches the connection.
+    Accept,
+    /// The listener keeps it plain; `too_late`: it accepted the connection
+    /// before the query came.
+    Decline {
+        /// The query came after the connection was accepted.
+        too_late: bool,
+    },
+    /// No twin there any more (the query was refused): plain.
+    NoTwin,
+    /// No answer: the listener's decision is unknown, the connection must
+    /// not be used.
+    Unknown,
+}
+
+impl Pending {
+    /// Waits (at most `timeout` from the send, capped at
+    /// [`LATE_QUERY_MAX_WAIT`]) for the answer to a query sent with the
+    /// SYN; updates the cache.
+    pub(crate) fn wait_late(self, timeout: Duration) -> LateAnswer {
+        match wait_answer(&self, timeout.min(LATE_QUERY_MAX_WAIT)) {
+            Ok((Answer::Accept, flags)) if flags & FLAG_LATE_QUERY != 0 => LateAnswer::Accept,
+            Ok((Answer::Accept, _)) => {
+                // A twin (restarted, older) that may have accepted the
+                // query after the connection was decided plain.
+                forget(self.dest);
+                LateAnswer::Unknown
+            }
+            Ok((Answer::Decline, flags)) => {
+                if flags & FLAG_TOO_LATE == 0 {
+                    forget(self.dest);
+                }
+                LateAnswer::Decline {
+                    too_late: flags & FLAG_TOO_LATE != 0,
+                }
+            }
+            Ok((Answer::NotCapable, _)) => {
+                remember(self.dest, Known::Plain);
+                LateAnswer::NoTwin
+            }
+            Err(_) => {
+                forget(self.dest);
+                LateAnswer::Unknown
+            }
+        }
+    }
+
+    /// Waits (at most `timeout` from the send) for the answer to a query
+    /// sent before the connect; updates the cache.
+    pub(crate) fn wait(self, timeout: Duration) -> Answer {
+        match wait_answer(&self, timeout) {
+            Ok((a, flags)) => {
+                if a == Answer::NotCapable {
+                    remember(self.dest, Known::Plain);
+                } else if a == Answer::Accept && flags & FLAG_LATE_QUERY != 0 {
+                    remember(self.dest, Known::LateQueries);
+                }
+                a
+            }
+            Err(_) => {
+                remember(self.dest, Known::Plain);
+                Answer::NotCapable
+            }
+        }
+    }
+}
+
+/// Asks `dest`'s twin whether the connection from `client_port` may be
+/// offloaded. Caches a negative answer.
+pub(crate) fn query(dest: SocketAddr, client_port: u16, timeout: Duration) -> Answer {
+    match send_query(dest, client_port) {
+        Ok(p) => p.wait(timeout),
+        Err(_) => {
+            remember(dest, Known::Plain);
+            Answer::NotCapable
+        }
+    }
+}
+
+/// What a twin knows of a connection from a client address and port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Record {
+    /// A query asked for it (accepted): the listener switches it.
+    Asked,
+    /// Accepted before any query asked: plain, a late query is declined.
+    Plain,
+}
+
+/// The records of a twin, and the size at which expired ones are swept
+/// next (amortized: a live record, a plain mark above all, is never
+/// dropped early, or a late query could be accepted for a connection
+/// decided plain).
+#[derive(Debug, Default)]
+struct Table {
+    map: HashMap<SocketAddr, (Record, Instant)>,
+    sweep_at: usize,
+}
+
+type Records = Arc<Mutex<Table>>;
 
 /// A listener's UDP twin: answers queries on its own thread (a query must
 /// be answered while the application is busy elsewhere) and keeps the
 /// records of connections that will be switched.
 #[derive(Debug)]
 pub(crate) struct Twin {
-    records: Arc<Mutex<HashMap<SocketAddr, Instant>>>,
+    records: Records,
+    sock: Arc<UdpSocket>,
+    accept: bool,
     stop: Arc<AtomicBool>,
 }
 
@@ -259,64 +443,151 @@ impl Twin {
     /// Binds the twin to `addr` (the TCP listener's address) and starts
     /// answering; `accept` false answers every query with a decline.
     pub(crate) fn start(addr: SocketAddr, accept: bool) -> io::Result<Twin> {
-        let sock = UdpSocket::bind(addr)?;
+        let sock = Arc::new(UdpSocket::bind(addr)?);
         sock.set_read_timeout(Some(Duration::from_millis(100)))?;
-        let records: Arc<Mutex<HashMap<SocketAddr, Instant>>> = Arc::default();
+        let records: Records = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
-        let (r, s) = (records.clone(), stop.clone());
+        let (r, s, k) = (records.clone(), stop.clone(), sock.clone());
         std::thread::Builder::new()
             .name("softrdma-sd-twin".into())
-            .spawn(move || serve(sock, r, s, accept))?;
-        Ok(Twin { records, stop })
+            .spawn(move || serve(&k, &r, &s, accept))?;
+        Ok(Twin {
+            records,
+            sock,
+            accept,
+            stop,
+        })
     }
 
     /// Whether a client queried for the connection from `peer` (the record
-    /// is consumed).
+    /// is consumed). Answers the queries already queued first (one sent
+    /// with the SYN is there by now); a connection no query asked for is
+    /// marked plain, so that a later query for it is declined.
     pub(crate) fn take(&self, peer: SocketAddr) -> bool {
+        let key = canonical(peer);
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
-        matches!(r.remove(&canonical(peer)), Some(until) if until > Instant::now())
+        drain(&self.sock, &mut r, &self.stop, self.accept);
+        let now = Instant::now();
+        match r.map.remove(&key) {
+            Some((Record::Asked, until)) if until > now => true,
+            _ => {
+                insert_record(&mut r, key, Record::Plain, now);
+                false
+            }
+        }
     }
 }
 
 impl Drop for Twin {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        {
+            // Under the records lock: no query is accepted after this (the
+            // listener that would take the record is gone).
+            let _r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+            self.stop.store(true, Ordering::Relaxed);
+        }
+        // Wake the thread so that it leaves and the port closes (queries
+        // are refused again) now rather than at its next read timeout.
+        if let Ok(mut to) = self.sock.local_addr() {
+            if to.ip().is_unspecified() {
+                to.set_ip(match to {
+                    SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                    SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+                });
+            }
+            let bind: SocketAddr = if to.is_ipv4() {
+                (Ipv4Addr::UNSPECIFIED, 0).into()
+            } else {
+                (Ipv6Addr::UNSPECIFIED, 0).into()
+            };
+            if let Ok(w) = UdpSocket::bind(bind) {
+                let _ = w.send_to(&[], to);
+            }
+        }
     }
 }
 
-fn serve(
-    sock: UdpSocket,
-    records: Arc<Mutex<HashMap<SocketAddr, Instant>>>,
-    stop: Arc<AtomicBool>,
-    accept: bool,
-) {
+fn insert_record(r: &mut Table, key: SocketAddr, rec: Record, now: Instant) {
+    if r.map.len() >= r.sweep_at.max(4096) {
+        r.map.retain(|_, (_, until)| *until > now);
+        r.sweep_at = 2 * r.map.len();
+    }
+    r.map.insert(key, (rec, now + RECORD_TTL));
+}
+
+/// Reads and answers the queued datagrams without blocking. Called with
+/// the records locked: a query is either still queued or decided, so an
+/// accepting thread never misses one that a twin thread holds undecided.
+fn drain(sock: &UdpSocket, r: &mut Table, stop: &AtomicBool, accept: bool) {
     let mut b = [0u8; 64];
+    loop {
+        match rustix::net::recvfrom(sock, &mut b[..], rustix::net::RecvFlags::DONTWAIT) {
+            Ok((n, _, Some(from))) => {
+                if let Ok(from) = SocketAddr::try_from(from) {
+                    answer(sock, r, stop, accept, &b[..n.min(b.len())], from);
+                }
+            }
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => break,
+        }
+    }
+}
+
+/// Answers one datagram (if it is a query).
+fn answer(
+    sock: &UdpSocket,
+    r: &mut Table,
+    stop: &AtomicBool,
+    accept: bool,
+    b: &[u8],
+    from: SocketAddr,
+) {
+    let Some(q) = Probe::decode(b) else {
+        return;
+    };
+    if q.kind != Kind::Query {
+        return;
+    }
+    let mut flags = FLAG_LATE_QUERY;
+    let kind = if accept {
+        let key = SocketAddr::new(from.ip().to_canonical(), q.client_port);
+        let now = Instant::now();
+        match r.map.get(&key) {
+            // The listener is closed: nobody would take a record.
+            _ if stop.load(Ordering::Relaxed) => Kind::Decline,
+            Some(&(Record::Plain, until)) if until > now => {
+                // Accepted before this query came: it stays plain.
+                r.map.remove(&key);
+                flags |= FLAG_TOO_LATE;
+                Kind::Decline
+            }
+            _ => {
+                insert_record(r, key, Record::Asked, now);
+                Kind::Accept
+            }
+        }
+    } else {
+        Kind::Decline
+    };
+    let a = Probe { kind, flags, ..q };
+    // A lost answer makes the client time out and stay plain.
+    let _ = sock.send_to(&a.encode(), from);
+}
+
+/// The twin thread: waits (peeking) until a datagram is there, then reads
+/// and answers what is queued with the records locked.
+fn serve(sock: &UdpSocket, records: &Records, stop: &AtomicBool, accept: bool) {
+    let mut b = [0u8; 1];
     while !stop.load(Ordering::Relaxed) {
-        let (n, from) = match sock.recv_from(&mut b) {
-            Ok(x) => x,
-            Err(_) => continue,
-        };
-        let Some(q) = Probe::decode(&b[..n]) else {
-            continue;
-        };
-        if q.kind != Kind::Query {
+        if sock.peek_from(&mut b).is_err() {
             continue;
         }
-        let kind = if accept {
-            let key = SocketAddr::new(from.ip().to_canonical(), q.client_port);
-            let mut r = records.lock().unwrap_or_else(|e| e.into_inner());
-            let now = Instant::now();
-            if r.len() > 4096 {
-                r.retain(|_, until| *until > now);
-            }
-            r.insert(key, now + RECORD_TTL);
-            Kind::Accept
-        } else {
-            Kind::Decline
-        };
-        let a = Probe { kind, ..q };
-        // A lost answer makes the client time out and stay plain.
-        let _ = sock.send_to(&a.encode(), from);
+        let mut r = records.lock().unwrap_or_else(|e| e.into_inner());
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        drain(sock, &mut r, stop, accept);
     }
 }
 
@@ -332,6 +603,7 @@ mod tests {
             client_port: 0xABCD,
             server_port: 80,
             client_addr: Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped(),
+            flags: 0,
         };
         let b = p.encode();
         let mut want = b"SRSD".to_vec();
@@ -348,5 +620,111 @@ mod tests {
         let mut bad = b;
         bad[5] = 9;
         assert_eq!(Probe::decode(&bad), None);
+    }
+
+    fn twin_addr(t: &Twin) -> SocketAddr {
+        t.sock.local_addr().unwrap()
+    }
+
+    /// A connection accepted before its query came is marked plain, and the
+    /// query that comes then is declined as too late: both ends keep it
+    /// plain.
+    #[test]
+    fn late_query_after_plain_accept_is_declined() {
+        let t = Twin::start("127.0.0.1:0".parse().unwrap(), true).unwrap();
+        let addr = twin_addr(&t);
+        let peer: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+        assert!(!t.take(peer));
+        let p = send_query(addr, 40000).unwrap();
+        assert_eq!(
+            p.wait_late(Duration::from_secs(5)),
+            LateAnswer::Decline { too_late: true }
+        );
+        // The mark was consumed: a new query for the port is accepted.
+        let p = send_query(addr, 40000).unwrap();
+        assert_eq!(p.wait_late(Duration::from_secs(5)), LateAnswer::Accept);
+        assert!(t.take(peer));
+    }
+
+    /// A query answered before the accept switches the connection, and
+    /// the answer teaches the client that query and SYN may go together.
+    #[test]
+    fn query_before_accept_switches_and_is_cached() {
+        let t = Twin::start("127.0.0.1:0".parse().unwrap(), true).unwrap();
+        let addr = twin_addr(&t);
+        assert!(!known_late_queries(addr));
+        let p = send_query(addr, 40001).unwrap();
+        assert_eq!(p.wait(Duration::from_secs(5)), Answer::Accept);
+        assert!(known_late_queries(addr));
+        assert!(t.take("127.0.0.1:40001".parse().unwrap()));
+        // Consumed.
+        assert!(!t.take("127.0.0.1:40001".parse().unwrap()));
+    }
+
+    /// A query already queued on the twin's socket when the listener
+    /// decides is answered by the listener itself: here the twin has no
+    /// thread, so only the listener's own read can find the query.
+    #[test]
+    fn accept_reads_queued_queries_first() {
+        let t = Twin {
+            records: Records::default(),
+            sock: Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap()),
+            accept: true,
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let addr = twin_addr(&t);
+        let p = send_query(addr, 40002).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(t.take("127.0.0.1:40002".parse().unwrap()));
+        assert_eq!(p.wait_late(Duration::from_secs(5)), LateAnswer::Accept);
+    }
+
+    /// An accept without the late-query flag (an older twin) does not say
+    /// whether the listener switched a connection it may already have
+    /// accepted: undecided.
+    #[test]
+    fn late_accept_without_the_flag_is_undecided() {
+        let fake = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = fake.local_addr().unwrap();
+        let th = std::thread::spawn(move || {
+            let mut b = [0u8; 64];
+            let (n, from) = fake.recv_from(&mut b).unwrap();
+            let q = Probe::decode(&b[..n]).unwrap();
+            let a = Probe {
+                kind: Kind::Accept,
+                flags: 0,
+                ..q
+            };
+            fake.send_to(&a.encode(), from).unwrap();
+        });
+        let p = send_query(addr, 40003).unwrap();
+        assert_eq!(p.wait_late(Duration::from_secs(5)), LateAnswer::Unknown);
+        th.join().unwrap();
+    }
+
+    /// Plain marks are never dropped before their time, however many
+    /// plain connections a listener accepts: the first of 5 000 still
+    /// declines its late query.
+    #[test]
+    fn plain_marks_outlive_a_full_table() {
+        let t = Twin {
+            records: Records::default(),
+            sock: Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap()),
+            accept: true,
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let addr = twin_addr(&t);
+        for i in 0..5000u16 {
+            let peer = SocketAddr::from((Ipv4Addr::LOCALHOST, 20000 + i));
+            assert!(!t.take(peer));
+        }
+        let p = send_query(addr, 20000).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        // The twin has no thread: the next accept answers the query.
+        assert!(!t.take(SocketAddr::from((Ipv4Addr::LOCALHOST, 30000))));
+        assert_eq!(
+            p.wait_late(Duration::from_secs(5)),
+            LateAnswer::Decline { too_late: true }
+        );
     }
 }

@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use socket2::{Domain, SockAddr, Socket, Type};
 
 use crate::config::{Config, Mode, PlainReason, Transport};
-use crate::detect::{self, Answer, Twin};
+use crate::detect::{self, Answer, LateAnswer, Twin};
 use crate::offload::Offload;
 
 #[derive(Debug)]
@@ -89,6 +89,110 @@ fn plain_connect(
     Ok(sock.into())
 }
 
+/// A stream socket bound to an ephemeral port (the query names it), and
+/// the port. `choose`: the port is picked here (see [`choose_port`]), else
+/// by the kernel.
+fn bound_socket(addr: SocketAddr, choose: bool) -> io::Result<(Socket, u16)> {
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    let any = |port: u16| -> SocketAddr {
+        if addr.is_ipv4() {
+            (std::net::Ipv4Addr::UNSPECIFIED, port).into()
+        } else {
+            (std::net::Ipv6Addr::UNSPECIFIED, port).into()
+        }
+    };
+    if choose {
+        sock.set_reuse_address(true)?;
+        for _ in 0..16 {
+            let port = choose_port();
+            match sock.bind(&any(port).into()) {
+                Ok(()) => return Ok((sock, port)),
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    sock.bind(&any(0).into())?;
+    let port = sock
+        .local_addr()?
+        .as_socket()
+        .map(|a| a.port())
+        .unwrap_or(0);
+    Ok((sock, port))
+}
+
+/// The ephemeral port range (first, last) and reserved port ranges.
+type PortSpace = (u16, u16, Vec<(u16, u16)>);
+
+/// The ephemeral port range and reserved ports of the host.
+fn port_space() -> &'static PortSpace {
+    static SPACE: std::sync::OnceLock<PortSpace> = std::sync::OnceLock::new();
+    SPACE.get_or_init(|| {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|t| {
+                let mut it = t.split_whitespace().map(|n| n.parse::<u16>().ok());
+                Some((it.next()??, it.next()??))
+            })
+            .filter(|(lo, hi)| lo < hi)
+            .unwrap_or((32768, 60999));
+        let reserved = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_reserved_ports")
+            .unwrap_or_default()
+            .trim()
+            .split(',')
+            .filter_map(|r| {
+                let mut it = r.split('-').map(|n| n.trim().parse::<u16>().ok());
+                let lo = it.next()??;
+                let hi = it.next().flatten().unwrap_or(lo);
+                Some((lo, hi))
+            })
+            .collect();
+        (range.0, range.1, reserved)
+    })
+}
+
+/// A random port of the ephemeral range, not reserved. Binding one chosen
+/// port (with `SO_REUSEADDR`) costs one look-up in the kernel, where
+/// `bind` to port 0 searches the range for a port no socket holds, in
+/// `TIME_WAIT` included: a client making short connections at a few
+/// hundred a second fills half the range (the half the kernel gives to
+/// `bind`) within the 60 s of `TIME_WAIT`, and each `bind` then took
+/// milliseconds.
+fn choose_port() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let (lo, hi, reserved) = port_space();
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(SEQ.fetch_add(1, Ordering::Relaxed));
+    let span = u64::from(hi - lo) + 1;
+    let mut port = lo + (h.finish() % span) as u16;
+    for _ in 0..reserved.len() + 1 {
+        match reserved.iter().find(|(a, b)| (*a..=*b).contains(&port)) {
+            Some((_, b)) => port = if *b >= *hi { *lo } else { b + 1 },
+            None => break,
+        }
+    }
+    port
+}
+
+fn declined() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionRefused,
+        "offload required but the peer declined it",
+    )
+}
+
+/// What a connect with the query sent beside the SYN came to.
+enum Late {
+    /// The listener switches the connection.
+    Switch(std::net::TcpStream),
+    /// The connection stays plain.
+    Plain(std::net::TcpStream, PlainReason),
+    /// Undecided: the connection was closed without a byte; ask first.
+    AskFirst,
+}
+
 impl TcpStream {
     /// Connects with the default [`Config`] ([`Mode::Auto`]).
     pub fn connect<A: ToSocketAddrs>(addr: A) -> io::Result<TcpStream> {
@@ -163,19 +267,6 @@ impl TcpStream {
                 PlainReason::PeerNotCapable,
             ));
         }
-        // Bind first: the query names our port.
-        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-        let any: SocketAddr = if addr.is_ipv4() {
-            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
-        } else {
-            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-        };
-        sock.bind(&any.into())?;
-        let port = sock
-            .local_addr()?
-            .as_socket()
-            .map(|a| a.port())
-            .unwrap_or(0);
         // Waiting longer costs a plain peer nothing where its answer is an
         // immediate ICMP port unreachable (loopback), nor where offload is
         // required anyway; a short wait there only turns a busy twin
@@ -187,35 +278,70 @@ impl TcpStream {
         } else {
             cfg.probe_timeout
         };
-        match detect::query(addr, port, wait) {
-            Answer::Accept => {}
-            Answer::Decline => {
-                if required {
-                    return Err(io::Error::new(
-                        io::ErrorKind::ConnectionRefused,
-                        "offload required but the peer declined it",
-                    ));
-                }
-                return Ok(Self::plain(
-                    plain_connect(Some(sock), addr, timeout)?,
-                    PlainReason::PeerDeclined,
-                ));
-            }
-            Answer::NotCapable => {
-                if required {
-                    return Err(not_capable());
-                }
-                // A fresh socket (another port): if the query was only
-                // slow, the listener's record of it names the bound port
-                // and must not match this plain connection.
-                drop(sock);
-                return Ok(Self::plain(
-                    plain_connect(None, addr, timeout)?,
-                    PlainReason::PeerNotCapable,
-                ));
+        let mut stream = None;
+        if detect::known_late_queries(addr) {
+            match Self::connect_late(addr, timeout, wait, required) {
+                // The chosen port's connection to `addr` is still in
+                // TIME_WAIT: ask first, from a port the kernel picks.
+                Err(e) if e.kind() == io::ErrorKind::AddrNotAvailable => {}
+                Err(e) => return Err(e),
+                Ok(Late::Switch(s)) => stream = Some(s),
+                Ok(Late::Plain(s, why)) => return Ok(Self::plain(s, why)),
+                Ok(Late::AskFirst) => {}
             }
         }
-        let stream = plain_connect(Some(sock), addr, timeout)?;
+        for choose in [true, false] {
+            if stream.is_some() {
+                break;
+            }
+            let (sock, port) = match bound_socket(addr, choose) {
+                Ok(x) => x,
+                // No port to name in a query (the range is full): a plain
+                // connection may still find one (the kernel reuses ports
+                // whose other connections are closing).
+                Err(e) if !required && e.kind() == io::ErrorKind::AddrInUse => {
+                    return Ok(Self::plain(
+                        plain_connect(None, addr, timeout)?,
+                        PlainReason::LocalResources,
+                    ));
+                }
+                Err(e) => return Err(e),
+            };
+            match detect::query(addr, port, wait) {
+                Answer::Accept => {}
+                Answer::Decline => {
+                    if required {
+                        return Err(declined());
+                    }
+                    return Ok(Self::plain(
+                        plain_connect(Some(sock), addr, timeout)?,
+                        PlainReason::PeerDeclined,
+                    ));
+                }
+                Answer::NotCapable => {
+                    if required {
+                        return Err(not_capable());
+                    }
+                    // A fresh socket (another port): if the query was only
+                    // slow, the listener's record of it names the bound
+                    // port and must not match this plain connection.
+                    drop(sock);
+                    return Ok(Self::plain(
+                        plain_connect(None, addr, timeout)?,
+                        PlainReason::PeerNotCapable,
+                    ));
+                }
+            }
+            match plain_connect(Some(sock), addr, timeout) {
+                Ok(s) => stream = Some(s),
+                // As above: once more from a port the kernel picks.
+                Err(e) if choose && e.kind() == io::ErrorKind::AddrNotAvailable => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let Some(stream) = stream else {
+            return Err(io::ErrorKind::AddrNotAvailable.into());
+        };
         match Offload::establish(stream, true, cfg) {
             Ok(o) => Ok(Self::offloaded(o)),
             Err(e) => {
@@ -234,6 +360,54 @@ impl TcpStream {
                 ))
             }
         }
+    }
+
+    /// Connects with the query sent just before the SYN (the twin of
+    /// `addr` is known to decide late queries): the answer is read after
+    /// the connect, so the query's round trip overlaps the handshake.
+    fn connect_late(
+        addr: SocketAddr,
+        timeout: Option<Duration>,
+        wait: Duration,
+        required: bool,
+    ) -> io::Result<Late> {
+        let Ok((sock, port)) = bound_socket(addr, true) else {
+            return Ok(Late::AskFirst);
+        };
+        let Ok(pending) = detect::send_query(addr, port) else {
+            return Ok(Late::AskFirst);
+        };
+        let stream = plain_connect(Some(sock), addr, timeout)?;
+        Ok(match pending.wait_late(wait) {
+            LateAnswer::Accept => Late::Switch(stream),
+            LateAnswer::Decline { too_late } => {
+                if too_late {
+                    // The listener took the connection before the query
+                    // (a reordered or lost datagram): a connection of its
+                    // own, asked for first, may still be switched. Only
+                    // worth it where offload is required.
+                    if required {
+                        drop(stream);
+                        return Ok(Late::AskFirst);
+                    }
+                } else if required {
+                    return Err(declined());
+                }
+                Late::Plain(stream, PlainReason::PeerDeclined)
+            }
+            LateAnswer::NoTwin => {
+                if required {
+                    return Err(not_capable());
+                }
+                Late::Plain(stream, PlainReason::PeerNotCapable)
+            }
+            LateAnswer::Unknown => {
+                // The listener may switch this connection or not: it is
+                // closed without a byte, and the next one asks first.
+                drop(stream);
+                Late::AskFirst
+            }
+        })
     }
 
     /// Switches an application's own connected kernel TCP stream into
@@ -695,5 +869,31 @@ impl AsRawFd for TcpListener {
 impl AsFd for TcpListener {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.inner.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Chosen ports are in the host's ephemeral range and not reserved,
+    /// and a socket bound to one connects (the switch's bind path).
+    #[test]
+    fn chosen_ports_are_ephemeral_and_usable() {
+        let (lo, hi, reserved) = port_space();
+        for _ in 0..1000 {
+            let p = choose_port();
+            assert!((*lo..=*hi).contains(&p), "{p}");
+            assert!(!reserved.iter().any(|(a, b)| (*a..=*b).contains(&p)));
+        }
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        for _ in 0..50 {
+            let (sock, port) = bound_socket(addr, true).unwrap();
+            let s = plain_connect(Some(sock), addr, None).unwrap();
+            assert_eq!(s.local_addr().unwrap().port(), port);
+            let (a, _) = l.accept().unwrap();
+            assert_eq!(a.peer_addr().unwrap().port(), port);
+        }
     }
 }

@@ -518,17 +518,25 @@ impl Offload {
         };
         let qp = QueuePair::new(&eng.pd, &attr).map_err(local)?;
         let rx_mr = PooledMr::take(&eng.pd, rx_bufs * size).map_err(local)?;
-        let tx_mr = PooledMr::take(&eng.pd, tx_bufs * size).map_err(local)?;
-        for i in 0..rx_bufs - 1 {
+        let post_rx = |i: usize| -> Result<(), SetupError> {
             let sge = rx_mr.sge(i * size, size as u32).map_err(local)?;
             qp.post_recv(&RecvWr::new(i as u64, &[sge]))
                 .map_err(local)?;
+            Ok(())
+        };
+        // The MPA frame goes out as early as it can, and the resources it
+        // does not need are made while it travels. The responder's switch
+        // may end as soon as its Reply is written (no RTR to wait for), so
+        // all its receives are posted first; the initiator's cannot end
+        // before the peer's Reply, so it posts all but the first later.
+        let early = if initiator { 1 } else { rx_bufs };
+        for i in 0..early - 1 {
+            post_rx(i)?;
         }
         let dup = stream.try_clone().map_err(local)?;
-        let waker = UnixDatagram::pair().map_err(local)?;
-        waker.0.set_nonblocking(true).map_err(local)?;
-        waker.1.set_nonblocking(true).map_err(local)?;
-        let ipv = if stream.peer_addr().map(|a| a.is_ipv6()).unwrap_or(false) {
+        let local_addr = stream.local_addr();
+        let peer_addr = stream.peer_addr();
+        let ipv = if peer_addr.as_ref().map(|a| a.is_ipv6()).unwrap_or(false) {
             0x60
         } else {
             0x40
@@ -536,7 +544,7 @@ impl Offload {
         let zc = cfg.zcopy_threshold > 0;
         let cap = if zc { CAP_READ_ZCOPY } else { 0 };
         let private_data = if initiator {
-            let addr16 = |a: std::io::Result<std::net::SocketAddr>| match a {
+            let addr16 = |a: &std::io::Result<std::net::SocketAddr>| match a {
                 Ok(std::net::SocketAddr::V4(v4)) => v4.ip().to_ipv6_mapped().octets(),
                 Ok(std::net::SocketAddr::V6(v6)) => v6.ip().octets(),
                 Err(_) => [0; 16],
@@ -547,9 +555,9 @@ impl Offload {
                 max_adverts: u8::from(zc),
                 desremrcvsz: size as u32,
                 localrcvsz: size as u32,
-                port: stream.local_addr().map(|a| a.port()).unwrap_or(0),
-                src_addr: addr16(stream.local_addr()),
-                dst_addr: addr16(stream.peer_addr()),
+                port: local_addr.as_ref().map(|a| a.port()).unwrap_or(0),
+                src_addr: addr16(&local_addr),
+                dst_addr: addr16(&peer_addr),
             }
             .encode()
             .to_vec()
@@ -586,9 +594,48 @@ impl Offload {
         sc.set_switch_timeout(cfg.setup_timeout);
         sc.reserve(&qp)?;
         sc.request_switch()?;
-        let last = rx_bufs - 1;
-        let sge = rx_mr.sge(last * size, size as u32).map_err(local)?;
-        sc.post_recv_and_switch(&RecvWr::new(last as u64, &[sge]))?;
+        let first = early - 1;
+        let sge = rx_mr.sge(first * size, size as u32).map_err(local)?;
+        let mut switched = sc.post_recv_and_begin_switch(&RecvWr::new(first as u64, &[sge]))?;
+        // While the peer answers.
+        for i in early..rx_bufs {
+            if let Err(e) = post_rx(i) {
+                qp.abort();
+                return Err(e);
+            }
+        }
+        let tx_mr = PooledMr::take(&eng.pd, tx_bufs * size).map_err(|e| {
+            qp.abort();
+            local(e)
+        })?;
+        let waker = UnixDatagram::pair()
+            .and_then(|w| {
+                w.0.set_nonblocking(true)?;
+                w.1.set_nonblocking(true)?;
+                Ok(w)
+            })
+            .map_err(|e| {
+                qp.abort();
+                local(e)
+            })?;
+        while !switched {
+            if let Some(fd) = sc.switch_fd() {
+                let flags = if sc.switch_wants_write() {
+                    rustix::event::PollFlags::OUT
+                } else {
+                    rustix::event::PollFlags::IN
+                };
+                let mut fds = [rustix::event::PollFd::new(&fd, flags)];
+                // The switch's own deadline ends it; this only bounds one
+                // sleep.
+                let ts = rustix::time::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: 100_000_000,
+                };
+                let _ = rustix::event::poll(&mut fds, Some(&ts));
+            }
+            switched = sc.poll_switch()?;
+        }
         let n = sc
             .negotiated()
             .ok_or_else(|| SetupError::Local("no negotiation result".into()))?;

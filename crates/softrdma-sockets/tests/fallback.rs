@@ -341,3 +341,83 @@ fn malformed_sdp_resets_only_that_connection() {
     }
     drop(good_srv);
 }
+
+/// From the second connection on, the query goes beside the SYN (the
+/// twin said it decides late queries): every connection is still decided
+/// alike on both ends, offloaded for sockets-direct clients (auto and
+/// required), plain for plain clients of the same listener.
+#[test]
+fn query_beside_syn_keeps_both_ends_agreed() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let rounds = 12;
+    let t = thread::spawn(move || {
+        let mut kinds = Vec::new();
+        for _ in 0..rounds {
+            let (mut s, _) = l.accept().unwrap();
+            kinds.push(s.transport().is_offloaded());
+            s.write_all(BANNER).unwrap();
+            let mut b = [0u8; 1];
+            while s.read(&mut b).unwrap() == 1 {
+                s.write_all(&b).unwrap();
+            }
+        }
+        kinds
+    });
+    let mut want = Vec::new();
+    for i in 0..rounds {
+        let mode = [Mode::Auto, Mode::Offload, Mode::Tcp][i % 3];
+        let mut c = TcpStream::connect_with(addr, &Config::with_mode(mode)).unwrap();
+        let offloaded = c.transport().is_offloaded();
+        assert_eq!(offloaded, mode != Mode::Tcp, "{i}: {}", c.transport());
+        want.push(offloaded);
+        let mut banner = vec![0u8; BANNER.len()];
+        c.read_exact(&mut banner).unwrap();
+        assert_eq!(banner, BANNER);
+        c.write_all(b"x").unwrap();
+        let mut b = [0u8; 1];
+        c.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"x");
+        c.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(c.read(&mut b).unwrap(), 0);
+    }
+    assert_eq!(t.join().unwrap(), want);
+}
+
+/// A destination cached as deciding late queries whose listener came back
+/// plain (no twin): the query beside the SYN is refused and the connection
+/// made meanwhile stays plain, every byte as sent, server speaking first.
+#[test]
+fn query_beside_syn_to_a_listener_back_plain() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        assert!(s.transport().is_offloaded());
+        serve(s);
+        l
+    });
+    let c = TcpStream::connect(addr).unwrap();
+    assert!(c.transport().is_offloaded());
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    drop(t.join().unwrap());
+    // Same port, plain server now.
+    let l = std::net::TcpListener::bind(addr).unwrap();
+    let t = thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        serve(s);
+    });
+    let c = TcpStream::connect(addr).unwrap();
+    // Refused, or declined by the closed listener's twin in its last
+    // moments: plain either way, before any byte.
+    assert!(
+        matches!(
+            c.transport(),
+            Transport::Plain(PlainReason::PeerNotCapable | PlainReason::PeerDeclined)
+        ),
+        "{}",
+        c.transport()
+    );
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    t.join().unwrap();
+}
