@@ -61,6 +61,38 @@ pub(crate) struct Slot {
 
 static TABLE: LazyLock<RwLock<HashMap<c_int, Slot>>> = LazyLock::new(RwLock::default);
 static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Descriptors below this have a membership bit: a call on a descriptor
+/// that is not offloaded (the engine's own sockets and wake-up descriptors
+/// in its `ppoll`, pipes, files) is answered by one atomic load, without
+/// the table's lock, hashing or a reference count.
+const BITMAP_FDS: usize = 65536;
+/// Bit `fd` set: `fd` may be in [`TABLE`] (set and cleared under its
+/// write lock, after the insert and after the removal).
+static MEMBER: [AtomicU64; BITMAP_FDS / 64] = [const { AtomicU64::new(0) }; BITMAP_FDS / 64];
+
+/// Whether `fd` may be in the table (false: it is not, no lock needed).
+fn maybe_member(fd: c_int) -> bool {
+    match usize::try_from(fd) {
+        Ok(i) if i < BITMAP_FDS => MEMBER[i / 64].load(Ordering::Acquire) & (1 << (i % 64)) != 0,
+        Ok(_) => true,
+        Err(_) => false,
+    }
+}
+
+/// Sets or clears the membership bit of `fd` (caller holds the write lock).
+fn set_member(fd: c_int, on: bool) {
+    if let Ok(i) = usize::try_from(fd)
+        && i < BITMAP_FDS
+    {
+        let bit = 1u64 << (i % 64);
+        if on {
+            MEMBER[i / 64].fetch_or(bit, Ordering::Release);
+        } else {
+            MEMBER[i / 64].fetch_and(!bit, Ordering::Release);
+        }
+    }
+}
 /// The process whose engine was started (0: none yet). A forked child has
 /// a started engine's memory without its threads: it cannot switch.
 pub(crate) static ENGINE_PID: AtomicI32 = AtomicI32::new(0);
@@ -103,7 +135,7 @@ pub(crate) fn in_vfork_child() -> bool {
 
 /// The connection behind `fd`, if it is offloaded (cheap when none is).
 pub(crate) fn lookup(fd: c_int) -> Option<Arc<Conn>> {
-    if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
+    if COUNT.load(Ordering::Relaxed) == 0 || !maybe_member(fd) {
         return None;
     }
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
@@ -112,7 +144,7 @@ pub(crate) fn lookup(fd: c_int) -> Option<Arc<Conn>> {
 
 /// The slot of `fd`.
 pub(crate) fn slot(fd: c_int) -> Option<Slot> {
-    if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
+    if COUNT.load(Ordering::Relaxed) == 0 || !maybe_member(fd) {
         return None;
     }
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
@@ -147,6 +179,7 @@ pub(crate) fn insert(fd: c_int, conn: Arc<Conn>, cloexec: bool) {
     let old = {
         let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
         let old = t.insert(fd, Slot { conn, cloexec });
+        set_member(fd, true);
         COUNT.store(t.len(), Ordering::Relaxed);
         old
     };
@@ -175,6 +208,7 @@ pub(crate) fn remove(fd: c_int) {
     let old = {
         let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
         let old = t.remove(&fd);
+        set_member(fd, false);
         COUNT.store(t.len(), Ordering::Relaxed);
         old
     };

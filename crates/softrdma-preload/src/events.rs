@@ -621,6 +621,11 @@ unsafe fn engine_poll(
     }
     // SAFETY: the caller's array.
     let app = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+    // No offloaded descriptor (the engine's own waits come here too): no
+    // allocation.
+    if !app.iter().any(|p| conn::lookup(p.fd).is_some()) {
+        return None;
+    }
     let conns: Vec<Option<Arc<Conn>>> = app.iter().map(|p| usable(p.fd)).collect();
     if conns.iter().all(Option::is_none) {
         return None;
