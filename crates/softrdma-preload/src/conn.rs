@@ -59,7 +59,29 @@ pub(crate) struct Slot {
     pub(crate) cloexec: bool,
 }
 
-static TABLE: LazyLock<RwLock<HashMap<c_int, Slot>>> = LazyLock::new(RwLock::default);
+/// Hashes a descriptor with one multiplication (Fibonacci hashing): the
+/// table is looked up on every data call of an offloaded descriptor, and
+/// descriptors are small integers chosen by the kernel, not by a peer.
+#[derive(Debug, Default, Clone, Copy)]
+struct FdHasher(u64);
+
+impl std::hash::Hasher for FdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_i32(&mut self, fd: i32) {
+        self.0 = u64::from(fd as u32).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type FdMap<V> = HashMap<c_int, V, std::hash::BuildHasherDefault<FdHasher>>;
+
+static TABLE: LazyLock<RwLock<FdMap<Slot>>> = LazyLock::new(RwLock::default);
 static COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// Descriptors below this have a membership bit: a call on a descriptor

@@ -306,11 +306,15 @@ pub(crate) unsafe fn wait(
     let max = maxevents as usize;
     loop {
         // Snapshot: the live, usable registrations and what they wait for.
-        let mut seen: Vec<Seen> = Vec::new();
-        let mut interest: Vec<u32> = Vec::new();
+        let mut seen: Vec<Seen>;
+        let mut interest: Vec<u32>;
         {
             let mut g = lock(&inst);
             g.regs.retain(|_, r| r.conn.strong_count() > 0);
+            // Sized once (an event loop with many connections grew them
+            // step by step on every call).
+            seen = Vec::with_capacity(g.regs.len());
+            interest = Vec::with_capacity(g.regs.len());
             for (&fd, r) in &g.regs {
                 let Some(c) = r.conn.upgrade() else { continue };
                 if c.stream().is_err() {
