@@ -63,7 +63,7 @@ pub(crate) struct Slot {
 /// table is looked up on every data call of an offloaded descriptor, and
 /// descriptors are small integers chosen by the kernel, not by a peer.
 #[derive(Debug, Default, Clone, Copy)]
-struct FdHasher(u64);
+pub(crate) struct FdHasher(u64);
 
 impl std::hash::Hasher for FdHasher {
     fn finish(&self) -> u64 {
@@ -79,7 +79,7 @@ impl std::hash::Hasher for FdHasher {
     }
 }
 
-type FdMap<V> = HashMap<c_int, V, std::hash::BuildHasherDefault<FdHasher>>;
+pub(crate) type FdMap<V> = HashMap<c_int, V, std::hash::BuildHasherDefault<FdHasher>>;
 
 static TABLE: LazyLock<RwLock<FdMap<Slot>>> = LazyLock::new(RwLock::default);
 static COUNT: AtomicUsize = AtomicUsize::new(0);
