@@ -631,6 +631,15 @@ impl StagTable {
             .map_or(0, |e| stag(index, e.key))
     }
 
+    /// `(iova, len, stag)` of the entry at `index`: what an SGE of it
+    /// needs, in one look at the table.
+    fn sge_info(&self, index: u32) -> Option<(u64, u64, u32)> {
+        self.slots
+            .read()
+            .get(index)
+            .map(|e| (e.iova, e.len, stag(index, e.key)))
+    }
+
     /// `(valid, iova, len, access)` of the entry at `index`.
     fn info(&self, index: u32) -> Option<(bool, u64, u64, Access)> {
         self.slots
@@ -1261,7 +1270,13 @@ impl MemoryRegion {
     ///
     /// [`RangeError`] if the range is outside the registered range.
     pub fn sge(&self, offset: usize, len: u32) -> Result<Sge, RangeError> {
-        let (_, iova, reg_len, _) = self.info();
+        // One look at the table (a send or a repost per message).
+        let (iova, reg_len, lkey) = self
+            .pd
+            .device()
+            .stags()
+            .sge_info(self.index)
+            .unwrap_or((0, 0, 0));
         let err = self.range_err(offset, len as usize);
         let end = (offset as u64).checked_add(u64::from(len)).ok_or(err)?;
         if end > reg_len {
@@ -1270,7 +1285,7 @@ impl MemoryRegion {
         Ok(Sge {
             addr: iova.checked_add(offset as u64).ok_or(err)?,
             length: len,
-            lkey: self.lkey(),
+            lkey,
         })
     }
 

@@ -1241,7 +1241,7 @@ fn serve(shared: &ProxyShared, job: Job) -> Option<Arc<QpInner>> {
                 let total_len = segs.iter().map(|s| s.len).sum();
                 let wqe = RecvWqe {
                     wr_id: wc.wr_id,
-                    segs,
+                    segs: segs.into(),
                     total_len,
                 };
                 if qp.repost_recv(wqe) {

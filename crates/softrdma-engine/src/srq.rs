@@ -253,7 +253,7 @@ impl SharedReceiveQueue {
             .queue
             .push(RecvWqe {
                 wr_id: wr.wr_id,
-                segs,
+                segs: segs.into(),
                 total_len,
             })
             .map_err(|_| PostRecvError::Full)

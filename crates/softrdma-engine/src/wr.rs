@@ -257,7 +257,58 @@ pub(crate) struct RecvWqe {
     /// Caller's identifier.
     pub(crate) wr_id: u64,
     /// The validated SGEs.
-    pub(crate) segs: Vec<LocalSeg>,
+    pub(crate) segs: RecvSegs,
     /// Sum of the SGE lengths.
     pub(crate) total_len: usize,
+}
+
+/// The validated SGEs of a receive: one (the usual case) without an
+/// allocation per posted receive.
+#[derive(Debug)]
+pub(crate) enum RecvSegs {
+    /// A single SGE.
+    One(LocalSeg),
+    /// Any other number.
+    Many(Vec<LocalSeg>),
+}
+
+impl RecvSegs {
+    /// As a vector (the proxy's message data).
+    pub(crate) fn into_vec(self) -> Vec<LocalSeg> {
+        match self {
+            RecvSegs::One(s) => vec![s],
+            RecvSegs::Many(v) => v,
+        }
+    }
+}
+
+impl From<Vec<LocalSeg>> for RecvSegs {
+    fn from(mut v: Vec<LocalSeg>) -> RecvSegs {
+        match v.pop() {
+            Some(s) if v.is_empty() => RecvSegs::One(s),
+            Some(s) => {
+                v.push(s);
+                RecvSegs::Many(v)
+            }
+            None => RecvSegs::Many(v),
+        }
+    }
+}
+
+impl std::ops::Deref for RecvSegs {
+    type Target = [LocalSeg];
+    fn deref(&self) -> &[LocalSeg] {
+        match self {
+            RecvSegs::One(s) => std::slice::from_ref(s),
+            RecvSegs::Many(v) => v,
+        }
+    }
+}
+
+impl IntoIterator for RecvSegs {
+    type Item = LocalSeg;
+    type IntoIter = std::vec::IntoIter<LocalSeg>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.into_vec().into_iter()
+    }
 }

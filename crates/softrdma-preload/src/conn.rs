@@ -59,8 +59,62 @@ pub(crate) struct Slot {
     pub(crate) cloexec: bool,
 }
 
-static TABLE: LazyLock<RwLock<HashMap<c_int, Slot>>> = LazyLock::new(RwLock::default);
+/// Hashes a descriptor with one multiplication (Fibonacci hashing): the
+/// table is looked up on every data call of an offloaded descriptor, and
+/// descriptors are small integers chosen by the kernel, not by a peer.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct FdHasher(u64);
+
+impl std::hash::Hasher for FdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_i32(&mut self, fd: i32) {
+        self.0 = u64::from(fd as u32).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+pub(crate) type FdMap<V> = HashMap<c_int, V, std::hash::BuildHasherDefault<FdHasher>>;
+
+static TABLE: LazyLock<RwLock<FdMap<Slot>>> = LazyLock::new(RwLock::default);
 static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Descriptors below this have a membership bit: a call on a descriptor
+/// that is not offloaded (the engine's own sockets and wake-up descriptors
+/// in its `ppoll`, pipes, files) is answered by one atomic load, without
+/// the table's lock, hashing or a reference count.
+const BITMAP_FDS: usize = 65536;
+/// Bit `fd` set: `fd` may be in [`TABLE`] (set and cleared under its
+/// write lock, after the insert and after the removal).
+static MEMBER: [AtomicU64; BITMAP_FDS / 64] = [const { AtomicU64::new(0) }; BITMAP_FDS / 64];
+
+/// Whether `fd` may be in the table (false: it is not, no lock needed).
+fn maybe_member(fd: c_int) -> bool {
+    match usize::try_from(fd) {
+        Ok(i) if i < BITMAP_FDS => MEMBER[i / 64].load(Ordering::Acquire) & (1 << (i % 64)) != 0,
+        Ok(_) => true,
+        Err(_) => false,
+    }
+}
+
+/// Sets or clears the membership bit of `fd` (caller holds the write lock).
+fn set_member(fd: c_int, on: bool) {
+    if let Ok(i) = usize::try_from(fd)
+        && i < BITMAP_FDS
+    {
+        let bit = 1u64 << (i % 64);
+        if on {
+            MEMBER[i / 64].fetch_or(bit, Ordering::Release);
+        } else {
+            MEMBER[i / 64].fetch_and(!bit, Ordering::Release);
+        }
+    }
+}
 /// The process whose engine was started (0: none yet). A forked child has
 /// a started engine's memory without its threads: it cannot switch.
 pub(crate) static ENGINE_PID: AtomicI32 = AtomicI32::new(0);
@@ -103,7 +157,7 @@ pub(crate) fn in_vfork_child() -> bool {
 
 /// The connection behind `fd`, if it is offloaded (cheap when none is).
 pub(crate) fn lookup(fd: c_int) -> Option<Arc<Conn>> {
-    if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
+    if COUNT.load(Ordering::Relaxed) == 0 || !maybe_member(fd) {
         return None;
     }
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
@@ -112,7 +166,7 @@ pub(crate) fn lookup(fd: c_int) -> Option<Arc<Conn>> {
 
 /// The slot of `fd`.
 pub(crate) fn slot(fd: c_int) -> Option<Slot> {
-    if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
+    if COUNT.load(Ordering::Relaxed) == 0 || !maybe_member(fd) {
         return None;
     }
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
@@ -147,6 +201,7 @@ pub(crate) fn insert(fd: c_int, conn: Arc<Conn>, cloexec: bool) {
     let old = {
         let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
         let old = t.insert(fd, Slot { conn, cloexec });
+        set_member(fd, true);
         COUNT.store(t.len(), Ordering::Relaxed);
         old
     };
@@ -175,6 +230,7 @@ pub(crate) fn remove(fd: c_int) {
     let old = {
         let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
         let old = t.remove(&fd);
+        set_member(fd, false);
         COUNT.store(t.len(), Ordering::Relaxed);
         old
     };

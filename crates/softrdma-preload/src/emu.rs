@@ -39,7 +39,6 @@
 //! sync by the engine (`events::expose`), as with
 //! `SOFTRDMA_SOCKETS_WAIT=kernel`.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
@@ -47,7 +46,7 @@ use std::time::{Duration, Instant};
 use libc::c_int;
 use softrdma_sockets::poll::{self as sdpoll, PollEntry};
 
-use crate::conn::Conn;
+use crate::conn::{Conn, FdMap};
 
 const EPOLLIN: u32 = libc::EPOLLIN as u32;
 const EPOLLOUT: u32 = libc::EPOLLOUT as u32;
@@ -98,7 +97,7 @@ impl Reg {
 /// The registrations of one epoll instance.
 #[derive(Debug, Default)]
 struct Instance {
-    regs: HashMap<c_int, Reg>,
+    regs: FdMap<Reg>,
     /// Where the next result starts (round robin).
     cursor: usize,
     /// When both have events: whether the connections' go first this time
@@ -107,8 +106,7 @@ struct Instance {
     ours_first: bool,
 }
 
-static INSTANCES: LazyLock<RwLock<HashMap<c_int, Arc<Mutex<Instance>>>>> =
-    LazyLock::new(RwLock::default);
+static INSTANCES: LazyLock<RwLock<FdMap<Arc<Mutex<Instance>>>>> = LazyLock::new(RwLock::default);
 /// Entries of [`INSTANCES`] (0: nothing to look up).
 static COUNT: AtomicUsize = AtomicUsize::new(0);
 static VERSION: AtomicU64 = AtomicU64::new(1);
@@ -306,11 +304,15 @@ pub(crate) unsafe fn wait(
     let max = maxevents as usize;
     loop {
         // Snapshot: the live, usable registrations and what they wait for.
-        let mut seen: Vec<Seen> = Vec::new();
-        let mut interest: Vec<u32> = Vec::new();
+        let mut seen: Vec<Seen>;
+        let mut interest: Vec<u32>;
         {
             let mut g = lock(&inst);
             g.regs.retain(|_, r| r.conn.strong_count() > 0);
+            // Sized once (an event loop with many connections grew them
+            // step by step on every call).
+            seen = Vec::with_capacity(g.regs.len());
+            interest = Vec::with_capacity(g.regs.len());
             for (&fd, r) in &g.regs {
                 let Some(c) = r.conn.upgrade() else { continue };
                 if c.stream().is_err() {

@@ -27,7 +27,6 @@
 //! descriptors everywhere (the engine's receive and completion threads
 //! then carry every message; for comparison).
 
-use std::collections::HashMap;
 use std::panic::catch_unwind;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, RwLock, Weak};
@@ -426,7 +425,7 @@ pub unsafe extern "C" fn epoll_ctl(
 /// The offloaded connections registered in each epoll instance (by the
 /// application's descriptors); weak: registration keeps no connection
 /// open.
-type EpollTable = HashMap<c_int, HashMap<c_int, Weak<Conn>>>;
+type EpollTable = conn::FdMap<conn::FdMap<Weak<Conn>>>;
 
 static EPOLLS: LazyLock<RwLock<EpollTable>> = LazyLock::new(RwLock::default);
 /// Epoll instances in [`EPOLLS`] (0: nothing to look up).
@@ -621,6 +620,11 @@ unsafe fn engine_poll(
     }
     // SAFETY: the caller's array.
     let app = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+    // No offloaded descriptor (the engine's own waits come here too): no
+    // allocation.
+    if !app.iter().any(|p| conn::lookup(p.fd).is_some()) {
+        return None;
+    }
     let conns: Vec<Option<Arc<Conn>>> = app.iter().map(|p| usable(p.fd)).collect();
     if conns.iter().all(Option::is_none) {
         return None;

@@ -947,7 +947,7 @@ impl QpInner {
                         self,
                         wc,
                         solicited,
-                        MsgMeta::send(r.opcode, r.header, r.wqe.segs, inv),
+                        MsgMeta::send(r.opcode, r.header, r.wqe.segs.into_vec(), inv),
                     ),
                     None => self.complete_recv(wc, solicited),
                 }
@@ -962,7 +962,7 @@ impl QpInner {
                         (
                             wc,
                             s || solicited,
-                            MsgMeta::send(r.opcode, r.header, r.wqe.segs, None),
+                            MsgMeta::send(r.opcode, r.header, r.wqe.segs.into_vec(), None),
                         )
                     }
                     None => match self.pop_recv() {

@@ -60,15 +60,70 @@ pub(crate) const fn qi(qn: Qn) -> usize {
     qn.0 as usize
 }
 
+/// Inline payloads up to this size are kept in the request itself (no
+/// allocation per post); larger ones in a box.
+pub(crate) const SMALL_INLINE: usize = 32;
+
 /// The payload of a send-queue request.
 #[derive(Debug)]
 pub(crate) enum Payload {
     /// No payload.
     None,
+    /// Copied at post time, at most [`SMALL_INLINE`] octets.
+    Small {
+        /// The octets, `bytes[..len]`.
+        bytes: [u8; SMALL_INLINE],
+        /// How many.
+        len: u8,
+    },
     /// Copied at post time.
     Inline(Box<[u8]>),
+    /// Gathered from one region at transmit time (the usual single SGE,
+    /// no allocation per post).
+    Seg(LocalSeg),
     /// Gathered from registered memory at transmit time.
     Segs(Vec<LocalSeg>),
+}
+
+impl Payload {
+    /// A copy of inline data.
+    pub(crate) fn inline(data: &[u8]) -> Payload {
+        match u8::try_from(data.len()) {
+            Ok(len) if data.len() <= SMALL_INLINE => {
+                let mut bytes = [0u8; SMALL_INLINE];
+                bytes[..data.len()].copy_from_slice(data);
+                Payload::Small { bytes, len }
+            }
+            _ => Payload::Inline(data.into()),
+        }
+    }
+
+    /// The inline octets, if the payload was copied at post time.
+    fn inline_bytes(&self) -> Option<&[u8]> {
+        match self {
+            Payload::Small { bytes, len } => bytes.get(..usize::from(*len)),
+            Payload::Inline(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// The last segment of the gather list, if any.
+    pub(crate) fn into_last_seg(self) -> Option<LocalSeg> {
+        match self {
+            Payload::Seg(s) => Some(s),
+            Payload::Segs(mut v) => v.pop(),
+            _ => None,
+        }
+    }
+
+    /// The gather list (empty without one).
+    fn segs(&self) -> &[LocalSeg] {
+        match self {
+            Payload::Seg(s) => std::slice::from_ref(s),
+            Payload::Segs(v) => v,
+            _ => &[],
+        }
+    }
 }
 
 /// What a send-queue request does on the wire.
@@ -515,7 +570,14 @@ impl TxState {
                     &[],
                 );
                 let pieces = vec![(src.mem.clone(), src.offset + off, chunk)];
-                if let Some(f) = frame_data(&ulpdu, None, pieces, chunk, link.crc, Done::Nothing) {
+                if let Some(f) = frame_data(
+                    &ulpdu,
+                    None,
+                    Gather::Pieces(pieces),
+                    chunk,
+                    link.crc,
+                    Done::Nothing,
+                ) {
                     self.push_out(f);
                 }
                 if last {
@@ -667,13 +729,11 @@ impl TxState {
         let off = self.cur_off;
         let chunk = (w.len - off).min(link.max_payload);
         let last = off + chunk == w.len;
-        let mut pieces: Vec<(Arc<Memory>, usize, usize)> = Vec::new();
-        let mut inline: Option<&[u8]> = None;
-        match &w.payload {
-            Payload::None => {}
-            Payload::Inline(b) => inline = b.get(off..off + chunk),
-            Payload::Segs(segs) => collect_pieces(segs, off, chunk, &mut pieces),
-        }
+        let inline = w
+            .payload
+            .inline_bytes()
+            .and_then(|b| b.get(off..off + chunk));
+        let segs = w.payload.segs();
         let mut patch_imm = false;
         let ulpdu = match &w.kind {
             WqeKind::Send { inv, .. } => {
@@ -715,7 +775,7 @@ impl TxState {
             None => frame_data(
                 &ulpdu,
                 patch_imm.then_some(()),
-                pieces,
+                Gather::Segs { segs, off },
                 chunk,
                 link.crc,
                 done,
@@ -743,13 +803,14 @@ impl TxState {
     }
 }
 
-/// The registered-memory pieces covering `[off, off+len)` of a gather list.
-fn collect_pieces(
+/// Calls `f(seg, offset in its memory, length)` for each piece covering
+/// `[off, off+len)` of a gather list; stops at the first `None`.
+fn for_pieces(
     segs: &[LocalSeg],
     mut off: usize,
     mut len: usize,
-    out: &mut Vec<(Arc<Memory>, usize, usize)>,
-) {
+    mut f: impl FnMut(&LocalSeg, usize, usize) -> Option<()>,
+) -> Option<()> {
     for s in segs {
         if len == 0 {
             break;
@@ -759,10 +820,24 @@ fn collect_pieces(
             continue;
         }
         let k = (s.len - off).min(len);
-        out.push((s.mem.clone(), s.offset + off, k));
+        f(s, s.offset + off, k)?;
         len -= k;
         off = 0;
     }
+    Some(())
+}
+
+/// The registered-memory pieces covering `[off, off+len)` of a gather list.
+fn collect_pieces(
+    segs: &[LocalSeg],
+    off: usize,
+    len: usize,
+    out: &mut Vec<(Arc<Memory>, usize, usize)>,
+) {
+    let _ = for_pieces(segs, off, len, |s, o, k| {
+        out.push((s.mem.clone(), o, k));
+        Some(())
+    });
 }
 
 /// Writes the length field and the ULPDU header into a fresh FPDU buffer.
@@ -845,12 +920,22 @@ fn frame_inline(
     Some(small_fpdu(head, head_len, ulpdu_len, crc, done))
 }
 
-/// An FPDU with a payload of `len` bytes gathered from `pieces` (copied into
+/// Where a data FPDU's payload comes from: its pieces, or `[off, off+len)`
+/// of a gather list (pieces collected only for payloads not copied into
+/// the header buffer: no allocation or reference count for small ones).
+enum Gather<'a> {
+    /// Registered-memory pieces.
+    Pieces(Vec<(Arc<Memory>, usize, usize)>),
+    /// From this offset of a gather list.
+    Segs { segs: &'a [LocalSeg], off: usize },
+}
+
+/// An FPDU with a payload of `len` bytes gathered from `src` (copied into
 /// the header buffer when small).
 fn frame_data(
     ulpdu: &UlpduRepr<'_>,
     patch_imm: Option<()>,
-    pieces: Vec<(Arc<Memory>, usize, usize)>,
+    src: Gather<'_>,
     len: usize,
     crc: bool,
     done: Done,
@@ -858,14 +943,31 @@ fn frame_data(
     let (mut head, hdr_len, ulpdu_len) = start_fpdu(ulpdu, len, patch_imm.is_some())?;
     if len <= COPY_MAX {
         let mut at = hdr_len;
-        for (mem, off, n) in &pieces {
-            if !mem.copy_out(*off, head.get_mut(at..at + n)?) {
-                return None;
-            }
+        let mut copy = |mem: &Memory, off: usize, n: usize| -> Option<()> {
+            mem.copy_out(off, head.get_mut(at..at + n)?).then_some(())?;
             at += n;
+            Some(())
+        };
+        match &src {
+            Gather::Pieces(pieces) => {
+                for (mem, off, n) in pieces {
+                    copy(mem, *off, *n)?;
+                }
+            }
+            Gather::Segs { segs, off } => {
+                for_pieces(segs, *off, len, |s, o, n| copy(&s.mem, o, n))?;
+            }
         }
         return Some(small_fpdu(head, hdr_len + len, ulpdu_len, crc, done));
     }
+    let pieces = match src {
+        Gather::Pieces(p) => p,
+        Gather::Segs { segs, off } => {
+            let mut p = Vec::new();
+            collect_pieces(segs, off, len, &mut p);
+            p
+        }
+    };
     let c = crc.then(|| {
         let mut c = Crc32c::new();
         c.update(&head[..hdr_len]);
@@ -884,4 +986,26 @@ fn frame_data(
         written: 0,
         done,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_inline_payloads_are_kept_in_the_request() {
+        let small: Vec<u8> = (0..SMALL_INLINE as u8).collect();
+        let p = Payload::inline(&small);
+        assert!(matches!(p, Payload::Small { .. }));
+        assert_eq!(p.inline_bytes(), Some(&small[..]));
+        assert!(p.segs().is_empty());
+        let empty = Payload::inline(&[]);
+        assert_eq!(empty.inline_bytes(), Some(&[][..]));
+        let big: Vec<u8> = (0..=SMALL_INLINE as u8).collect();
+        let p = Payload::inline(&big);
+        assert!(matches!(p, Payload::Inline(_)));
+        assert_eq!(p.inline_bytes(), Some(&big[..]));
+        assert!(Payload::None.inline_bytes().is_none());
+        assert!(Payload::None.into_last_seg().is_none());
+    }
 }

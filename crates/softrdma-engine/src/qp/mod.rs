@@ -33,7 +33,7 @@ use crate::state::{PostPolicy, QpState};
 use crate::sys::io::tcp_maxseg;
 use crate::tx::{Payload, SendWqe, TxLink, TxOutcome, TxState, WqeKind};
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
-use crate::wr::{LocalSeg, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
+use crate::wr::{RecvSegs, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
 
 mod close;
 pub(crate) use close::TermHeader;

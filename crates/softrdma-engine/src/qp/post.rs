@@ -98,25 +98,34 @@ impl QpInner {
         let stags = self.device.stags();
         let pd = self.pd.id();
         let mut failed = None;
-        let mut segs_for = |need_write: bool| -> Vec<LocalSeg> {
+        // The checked gather list: one SGE (the usual case) without an
+        // allocation; an empty list if an SGE is refused (`failed` says
+        // why).
+        let mut segs_for = |need_write: bool| -> Payload {
+            if let [sge] = wr.sg_list {
+                return match stags.local(sge.lkey, pd, sge.addr, sge.length, need_write) {
+                    Ok(seg) => Payload::Seg(seg),
+                    Err(e) => {
+                        failed = Some(e.wc_status());
+                        Payload::Segs(Vec::new())
+                    }
+                };
+            }
             let mut v = Vec::with_capacity(wr.sg_list.len());
             for sge in wr.sg_list {
                 match stags.local(sge.lkey, pd, sge.addr, sge.length, need_write) {
                     Ok(seg) => v.push(seg),
                     Err(e) => {
                         failed = Some(e.wc_status());
-                        return Vec::new();
+                        return Payload::Segs(Vec::new());
                     }
                 }
             }
-            v
+            Payload::Segs(v)
         };
         let sge_len: usize = wr.sg_list.iter().map(|s| s.length as usize).sum();
         let (payload, len) = if inline {
-            (
-                Payload::Inline(wr.inline.to_vec().into_boxed_slice()),
-                wr.inline.len(),
-            )
+            (Payload::inline(wr.inline), wr.inline.len())
         } else {
             (Payload::None, sge_len)
         };
@@ -152,14 +161,18 @@ impl QpInner {
                 why: "message longer than 4 GiB",
             });
         }
-        let data_payload = |segs: Vec<LocalSeg>, wqe: &mut SendWqe| {
+        let data_payload = |segs: Payload, wqe: &mut SendWqe| {
             if !inline {
-                wqe.payload = Payload::Segs(segs);
+                wqe.payload = segs;
             }
         };
         let opcode = match wr.op {
             SendOp::Send | SendOp::SendWithImm { .. } | SendOp::SendWithInv { .. } => {
-                let segs = if inline { Vec::new() } else { segs_for(false) };
+                let segs = if inline {
+                    Payload::None
+                } else {
+                    segs_for(false)
+                };
                 data_payload(segs, &mut wqe);
                 wqe.kind = WqeKind::Send {
                     inv: match wr.op {
@@ -177,7 +190,11 @@ impl QpInner {
             | SendOp::WriteWithImm {
                 remote_addr, rkey, ..
             } => {
-                let segs = if inline { Vec::new() } else { segs_for(false) };
+                let segs = if inline {
+                    Payload::None
+                } else {
+                    segs_for(false)
+                };
                 data_payload(segs, &mut wqe);
                 wqe.kind = WqeKind::Write {
                     stag: rkey,
@@ -191,10 +208,10 @@ impl QpInner {
             }
             SendOp::Read { remote_addr, rkey } => {
                 single_sink("RDMA Read", None)?;
-                let mut segs = segs_for(true);
+                let segs = segs_for(true);
                 wqe.payload = Payload::None;
                 let (sink_stag, sink_to) = wr.sg_list.first().map_or((0, 0), |s| (s.lkey, s.addr));
-                match segs.pop() {
+                match segs.into_last_seg() {
                     Some(sink) => {
                         wqe.kind = WqeKind::Read {
                             stag: rkey,
@@ -227,7 +244,7 @@ impl QpInner {
                         why: "the remote address must be 8-byte aligned",
                     });
                 }
-                let mut segs = segs_for(true);
+                let segs = segs_for(true);
                 wqe.payload = Payload::None;
                 wqe.len = 8;
                 let request_id = self.next_request_id();
@@ -241,7 +258,7 @@ impl QpInner {
                     ),
                     _ => AtomicRequestRepr::fetch_add(request_id, Stag(rkey), remote_addr, add),
                 };
-                match segs.pop() {
+                match segs.into_last_seg() {
                     Some(sink) => wqe.kind = WqeKind::Atomic { req, sink },
                     None => wqe.kind = WqeKind::Local,
                 }
@@ -330,17 +347,29 @@ impl QpInner {
         }
         let stags = self.device.stags();
         let pd = self.pd.id();
-        let mut segs = Vec::with_capacity(wr.sg_list.len());
         let mut bad = None;
-        for sge in wr.sg_list {
+        // One SGE (the usual case): no allocation.
+        let segs = if let [sge] = wr.sg_list {
             match stags.local(sge.lkey, pd, sge.addr, sge.length, true) {
-                Ok(s) => segs.push(s),
+                Ok(s) => RecvSegs::One(s),
                 Err(e) => {
                     bad = Some(e.wc_status());
-                    break;
+                    RecvSegs::Many(Vec::new())
                 }
             }
-        }
+        } else {
+            let mut segs = Vec::with_capacity(wr.sg_list.len());
+            for sge in wr.sg_list {
+                match stags.local(sge.lkey, pd, sge.addr, sge.length, true) {
+                    Ok(s) => segs.push(s),
+                    Err(e) => {
+                        bad = Some(e.wc_status());
+                        break;
+                    }
+                }
+            }
+            RecvSegs::Many(segs)
+        };
         if let Some(status) = bad {
             // Hardware finds a bad receive when a Send uses it; softrdma
             // finds it at once. Like any error completion it puts the QP in
