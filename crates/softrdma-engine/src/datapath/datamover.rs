@@ -33,7 +33,9 @@
 //! it: the thread picks it up at its next turn, and sleeps no longer than
 //! the first such hand-over is due (see [`Threads::register_rx`]). A
 //! short-lived connection whose caller drives it (a connect, a few
-//! messages, a close) thus never wakes an engine thread.
+//! messages, a close) thus costs its engine thread no wake-up of its own:
+//! at most one wake-up when the thread was idle, and one look when the
+//! hand-over is due, which also covers every connection made meanwhile.
 //!
 //! Each QP is assigned at creation to the thread with the fewest QPs. There
 //! are never more engine threads than usable CPUs (affinity mask and cgroup
