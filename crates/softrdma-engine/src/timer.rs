@@ -30,6 +30,11 @@ struct Table {
     callbacks: HashMap<u64, Callback>,
     next_id: u64,
     thread_started: bool,
+    /// While the thread sleeps: until when (`None`: no deadline). A timer
+    /// due no sooner needs no wake-up, even if the timer the thread sleeps
+    /// for was cancelled meanwhile (the thread then wakes for nothing, once,
+    /// instead of once per timer armed).
+    sleeps_until: Option<Option<Instant>>,
 }
 
 struct Timers {
@@ -60,11 +65,19 @@ pub(crate) fn arm(after: Duration, f: impl FnOnce() + Send + 'static) -> std::io
     }
     let id = table.next_id;
     table.next_id += 1;
-    let earliest = table.heap.peek().map(|Reverse((d, _))| *d);
+    let wake = match table.sleeps_until {
+        Some(until) => until.is_none_or(|u| deadline < u),
+        // Awake: it looks at the heap before it sleeps again.
+        None => false,
+    };
     table.heap.push(Reverse((deadline, id)));
     table.callbacks.insert(id, Box::new(f));
+    if wake {
+        // One wake-up per sleep is enough.
+        table.sleeps_until = Some(Some(deadline));
+    }
     drop(table);
-    if earliest.is_none_or(|e| deadline < e) {
+    if wake {
         t.wake.notify_one();
     }
     Ok(TimerId(id))
@@ -116,12 +129,15 @@ fn run() {
             table = t.table.lock();
             continue;
         }
-        match table.heap.peek().map(|Reverse((d, _))| *d) {
+        let until = table.heap.peek().map(|Reverse((d, _))| *d);
+        table.sleeps_until = Some(until);
+        match until {
             Some(deadline) => {
                 let _ = t.wake.wait_until(&mut table, deadline);
             }
             None => t.wake.wait(&mut table),
         }
+        table.sleeps_until = None;
     }
 }
 
@@ -154,5 +170,37 @@ mod tests {
         assert_eq!(*order.lock(), vec![1, 2, 0]);
         assert_eq!(fired.load(Ordering::SeqCst), 0);
         assert!(!cancel(ids[0]), "already ran");
+    }
+
+    /// The thread sleeps until a timer that is then cancelled: a timer armed
+    /// for sooner wakes it, one armed for later is run when the thread wakes
+    /// for the cancelled one (no wake-up per timer armed).
+    #[test]
+    fn timers_armed_after_the_one_the_thread_sleeps_for_was_cancelled_fire() {
+        let fired = Arc::new(Mutex::new(Vec::new()));
+        let fire = |i: u32| {
+            let fired = fired.clone();
+            move || fired.lock().push(i)
+        };
+        // Sooner than the cancelled one (which is an hour away).
+        let far = arm(Duration::from_secs(3600), fire(0)).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(cancel(far));
+        arm(Duration::from_millis(10), fire(1)).unwrap();
+        // Later than the cancelled one.
+        let near = arm(Duration::from_millis(30), fire(2)).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(cancel(near));
+        arm(Duration::from_millis(80), fire(3)).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while fired.lock().len() < 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timers did not fire: {:?}",
+                fired.lock()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(*fired.lock(), vec![1, 3]);
     }
 }

@@ -24,6 +24,19 @@
 //! A socket has one registration, armed one-shot for reading, writing or
 //! both (see [`EpollSet`]).
 //!
+//! A newly connected QP is not handed to its thread at once: the thread
+//! that connected it counts as its CQ poller at that moment, so the engine
+//! thread takes the socket over only once nobody has polled for
+//! [`POLL_QUIET_NS`], or at once when the CQ is armed for notification
+//! (the caller leaves the socket to the engine). Registering and
+//! unregistering a socket queue the change for the thread without waking
+//! it: the thread picks it up at its next turn, and sleeps no longer than
+//! the first such hand-over is due (see [`Threads::register_rx`]). A
+//! short-lived connection whose caller drives it (a connect, a few
+//! messages, a close) thus costs its engine thread no wake-up of its own:
+//! at most one wake-up when the thread was idle, and one look when the
+//! hand-over is due, which also covers every connection made meanwhile.
+//!
 //! Each QP is assigned at creation to the thread with the fewest QPs. There
 //! are never more engine threads than usable CPUs (affinity mask and cgroup
 //! CPU quota): a second thread per CPU would only compete with the first
@@ -72,6 +85,10 @@ struct Engine {
     /// Connected QPs whose sockets this thread receives from.
     qps: Mutex<HashMap<usize, (Weak<QpInner>, RawFd)>>,
     poll: EpollSet,
+    /// When the thread's current (or last) sleep ends at the latest (engine
+    /// clock): a hand-over due earlier must wake it
+    /// ([`Threads::register_rx`]).
+    sleep_until: AtomicU64,
     stop: AtomicBool,
     slices: AtomicU64,
     pauses: AtomicU64,
@@ -110,6 +127,7 @@ impl Threads {
                 rx_inbox: SegQueue::new(),
                 qps: Mutex::new(HashMap::new()),
                 poll: EpollSet::new()?,
+                sleep_until: AtomicU64::new(0),
                 stop: AtomicBool::new(false),
                 slices: AtomicU64::new(0),
                 pauses: AtomicU64::new(0),
@@ -161,16 +179,40 @@ impl Threads {
         }
     }
 
-    /// Starts watching a connected QP's socket for incoming bytes.
+    /// Starts watching a connected QP's socket for incoming bytes, lazily:
+    /// the calling thread (which just connected the QP) counts as its CQ
+    /// poller now, so the engine thread watches the socket only once
+    /// nobody has polled for [`POLL_QUIET_NS`], or when the CQ is armed
+    /// ([`Threads::wake_rx`]). The engine thread is not woken for this
+    /// unless it sleeps past that time (with pollers driving it, a QP thus
+    /// costs its engine thread no wake-up). Without
+    /// [`poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
+    /// nobody else receives: the thread watches the socket at once.
     pub(crate) fn register_rx(&self, qp: &Arc<QpInner>, fd: RawFd) {
         let Some(e) = self.engines.get(qp.datamover) else {
             return;
         };
         let key = qp.qp_num as usize;
+        let lazy = qp.device.config().poll_driven_receive;
+        let now = now_ns().max(1);
+        if lazy {
+            // A claim by a waiter may already reach further.
+            qp.last_poll.fetch_max(now, Ordering::Relaxed);
+        }
         e.qps.lock().insert(key, (Arc::downgrade(qp), fd));
         qp.rx_registered.store(true, Ordering::Release);
         e.rx_inbox.push(key);
-        e.poll.notify();
+        if !lazy {
+            e.poll.notify();
+            return;
+        }
+        // Against the thread's check of the inbox before it sleeps (it
+        // publishes `sleep_until`, then looks): either it sees this key,
+        // or this sees its deadline.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if e.sleep_until.load(Ordering::SeqCst) > now.saturating_add(POLL_QUIET_NS) {
+            e.poll.notify();
+        }
     }
 
     /// The socket of a connected QP, for a CQ waiter that sleeps on it
@@ -219,9 +261,11 @@ impl Threads {
         // then, so the descriptor is never a recycled one). An armed
         // registration fires at most once more and is ignored; the socket
         // may still be armed for writing (its last bytes go out on it).
+        // The thread need not be woken for this: a stale watch is dropped
+        // at its next event or turn, whichever comes first (an armed
+        // registration is ignored once the key left the table).
         e.qps.lock().remove(&(qp.qp_num as usize));
         e.rx_inbox.push(qp.qp_num as usize);
-        e.poll.notify();
     }
 
     /// Statistics of every engine thread.
@@ -307,6 +351,14 @@ const LOOK_EVERY_NS: u64 = 50_000;
 
 /// Slices one turn may take when its QP is the only active one.
 const ALONE_SLICES: usize = 64;
+
+/// `d` in nanoseconds, rounded up to milliseconds as
+/// [`EpollSet::wait`] sleeps.
+fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_micros().div_ceil(1000))
+        .unwrap_or(u64::MAX)
+        .saturating_mul(1_000_000)
+}
 
 /// Nanoseconds since the engine's clock started.
 pub(crate) fn now_ns() -> u64 {
@@ -450,7 +502,17 @@ impl Local {
                 // (A new socket after a reconnect: the old one is closed.)
                 w.fd = fd;
                 w.read = true;
-                self.set_deferred(key, None);
+                // Registered lazily: left to the thread that connected it
+                // (its poller) until nobody has polled for a while.
+                let polled = e
+                    .qps
+                    .lock()
+                    .get(&key)
+                    .and_then(|(q, _)| q.upgrade())
+                    .map_or(0, |qp| qp.last_poll.load(Ordering::Relaxed));
+                let defer =
+                    (polled.saturating_add(POLL_QUIET_NS) > now_ns()).then(|| poller_defer(polled));
+                self.set_deferred(key, defer);
             }
             None => {
                 let Some(w) = self.watches.get_mut(&key) else {
@@ -604,7 +666,17 @@ fn run_engine(e: &Engine, slice: usize, pin: bool) {
             }))
         };
         ready.clear();
-        if let Some(t) = timeout {
+        if let Some(mut t) = timeout {
+            if !t.is_zero() {
+                // Registrations queued without a wake-up (see
+                // `Threads::register_rx`): publish the deadline, then look.
+                e.sleep_until
+                    .store(now.saturating_add(duration_ns(t)), Ordering::SeqCst);
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if !e.rx_inbox.is_empty() {
+                    t = Duration::ZERO;
+                }
+            }
             let _ = e.poll.wait(&mut ready, Some(t));
             last_look = now;
         }
