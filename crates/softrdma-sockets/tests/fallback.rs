@@ -11,6 +11,15 @@ use softrdma_sockets::{Config, Mode, PlainReason, TcpListener, TcpStream, Transp
 const BANNER: &[u8] = b"220 server speaks first\r\n";
 
 /// Server side of a session: banner first, then echo until EOF.
+/// Auto mode with a capability query that waits long enough for a
+/// listener's answer on a loaded machine (the default 50 ms gives up and
+/// connects plain, as it should, but these tests expect an offload).
+fn patient() -> Config {
+    let mut cfg = Config::default();
+    cfg.probe_timeout = Duration::from_secs(5);
+    cfg
+}
+
 fn serve<S: Read + Write>(mut s: S) {
     s.write_all(BANNER).unwrap();
     let mut buf = vec![0u8; 70_000];
@@ -53,7 +62,7 @@ fn offload_client_offload_server() {
         assert!(s.transport().is_offloaded(), "{}", s.transport());
         serve(s);
     });
-    let c = TcpStream::connect(addr).unwrap();
+    let c = TcpStream::connect_with(addr, &patient()).unwrap();
     assert!(c.transport().is_offloaded(), "{}", c.transport());
     session(c, |s| s.shutdown(Shutdown::Write).unwrap());
     t.join().unwrap();
@@ -268,7 +277,7 @@ fn malformed_sdp_resets_only_that_connection() {
         ],
     ];
     for bad in bad_cases {
-        let good = TcpStream::connect(good_addr).unwrap();
+        let good = TcpStream::connect_with(good_addr, &patient()).unwrap();
         assert!(good.transport().is_offloaded());
         // Fake SDP server: twin accepts, then an engine QP answers with a
         // valid HelloAck and sends `bad`.
@@ -323,7 +332,7 @@ fn malformed_sdp_resets_only_that_connection() {
             // Keep the QP until the client has reacted.
             thread::sleep(Duration::from_millis(300));
         });
-        let mut c = TcpStream::connect(addr).unwrap();
+        let mut c = TcpStream::connect_with(addr, &patient()).unwrap();
         assert!(c.transport().is_offloaded(), "{}", c.transport());
         c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut b = [0u8; 16];
