@@ -1,6 +1,13 @@
 //! A private epoll instance for [`crate::wait_set`]: registrations that
 //! persist across waits, and a wait with the caller's signal mask
 //! (`epoll_pwait(2)`).
+//!
+//! The calls are made as raw system calls, not through the C library's
+//! functions: a library that interposes the epoll functions (the sockets
+//! preload, which keeps the application's epoll registrations of
+//! offloaded connections itself and treats an epoll instance added to
+//! another as nested) must not see this instance, which is the engine's
+//! own and never the application's.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -19,10 +26,11 @@ impl Epoll {
     pub(crate) fn new() -> io::Result<Epoll> {
         // SAFETY: epoll_create1 takes no pointers; it returns a new
         // descriptor or -1.
-        let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        let raw = unsafe { libc::syscall(libc::SYS_epoll_create1, libc::EPOLL_CLOEXEC) };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
+        let raw = RawFd::try_from(raw).map_err(|_| io::Error::from_raw_os_error(libc::EMFILE))?;
         // SAFETY: `raw` is a fresh descriptor nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         Ok(Epoll { fd })
@@ -41,7 +49,15 @@ impl Epoll {
         // SAFETY: `ev` is a valid event that outlives the call; a closed
         // or reused `fd` is the kernel's to check (EBADF, or the new
         // file), never memory of ours.
-        let r = unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), op, fd, &raw mut ev) };
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_epoll_ctl,
+                self.fd.as_raw_fd(),
+                op,
+                fd,
+                &raw mut ev,
+            )
+        };
         if r < 0 {
             return Err(io::Error::last_os_error()
                 .raw_os_error()
@@ -68,15 +84,30 @@ impl Epoll {
         }
         let mask_ptr = mask.map_or(std::ptr::null(), std::ptr::from_ref);
         // SAFETY: `buf` has room for `max` events and lives across the
-        // call; `mask_ptr` is null or the caller's mask, valid for the call.
-        let r =
-            unsafe { libc::epoll_pwait(self.fd.as_raw_fd(), buf.as_mut_ptr(), max, ms, mask_ptr) };
+        // call; `mask_ptr` is null or the caller's mask, valid for the call
+        // (the kernel reads its first `KERNEL_SIGSET` octets, the size
+        // glibc's epoll_pwait passes).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_epoll_pwait,
+                self.fd.as_raw_fd(),
+                buf.as_mut_ptr(),
+                max,
+                ms,
+                mask_ptr,
+                KERNEL_SIGSET,
+            )
+        };
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(usize::try_from(r).unwrap_or(0))
     }
 }
+
+/// The kernel's signal set size (`_NSIG / 8`), the last argument of the
+/// `epoll_pwait` system call.
+const KERNEL_SIGSET: libc::size_t = 8;
 
 static FORKS: AtomicU64 = AtomicU64::new(0);
 static AT_FORK: Once = Once::new();
