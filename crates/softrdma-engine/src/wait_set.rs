@@ -627,6 +627,7 @@ impl WaitSet {
         }
         let mut woke = false;
         let mut stale = false;
+        let mut lost = false;
         let res = match res {
             Ok(n) => {
                 for k in 0..n {
@@ -682,6 +683,15 @@ impl WaitSet {
                 Ok(())
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Err(WaitError::Interrupted),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBADF | libc::EINVAL)) => {
+                // The instance's descriptor was closed (or its number
+                // reused) by someone else, as a program that closes every
+                // descriptor does: not this set's to close any more. A
+                // spurious wake-up; `ppoll(2)` from now on.
+                lost = true;
+                woke = true;
+                Ok(())
+            }
             Err(e) => Err(WaitError::Io(e)),
         };
         let after = crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS);
@@ -689,7 +699,10 @@ impl WaitSet {
             let _ = hook.sleep_on(Some(after));
         }
         self.hooks.clear();
-        if stale {
+        if lost {
+            ep.ep.forget();
+            self.ep_off = true;
+        } else if stale {
             // Start over with a fresh instance (everything of the next
             // wait registered anew, once): the stale registration goes
             // with the old one.

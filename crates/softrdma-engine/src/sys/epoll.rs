@@ -36,6 +36,12 @@ impl Epoll {
         Ok(Epoll { fd })
     }
 
+    /// Leaves the descriptor open: it was closed by someone else, and its
+    /// number may name another file by now.
+    pub(crate) fn forget(self) {
+        std::mem::forget(self.fd);
+    }
+
     /// `epoll_ctl(2)` of `fd` with `events` and `data`; `Err(errno)` on
     /// failure (`ENOENT`, `EEXIST`, `EBADF`, `EPERM`, ...).
     pub(crate) fn ctl(
