@@ -5,7 +5,7 @@
 //! receive path itself when bytes come. A [`WaitSet`] does the same for
 //! many CQs and any other descriptors (pipes, an epoll instance, plain
 //! sockets), the way `poll(2)` waits on many descriptors: the thread
-//! sleeps in one `ppoll(2)` on the sockets of the CQs' queue pairs, on the
+//! sleeps in one system call on the sockets of the CQs' queue pairs, on the
 //! CQs' wake-up event fds and on the foreign descriptors. Bytes arriving on
 //! a QP's socket wake this thread, which then runs that QP's receive path
 //! itself (the device's receive thread leaves the socket to it while it
@@ -36,6 +36,18 @@
 //! }
 //! # }
 //! ```
+//!
+//! How it sleeps: a set of 4 entries or more keeps its own epoll instance,
+//! in which the QPs' sockets and the CQs' event fds stay registered from
+//! one wait to the next (keyed by the QP and the CQ they belong to, so a
+//! descriptor number closed and reused is registered anew), and foreign
+//! descriptors are re-armed one-shot on every wait (which checks that the
+//! number still names the registered file); a registration the set no
+//! longer knows (its file open elsewhere, a duplicate or a forked child)
+//! makes it start over with a new instance. The kernel's work in a wait is
+//! then per ready descriptor. Smaller sets sleep in one `ppoll(2)` over
+//! their descriptors. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
+//! way for every set.
 //!
 //! Signals: a signal handled while the thread waits ends the wait with
 //! [`WaitError::Interrupted`], as `poll(2)` returns `EINTR`;
@@ -77,9 +89,9 @@ pub enum WaitError {
     /// A signal was handled during the wait (`EINTR`).
     #[error("interrupted by a signal")]
     Interrupted,
-    /// `ppoll(2)` failed (for example `ENOMEM`, or `EINVAL` for too many
-    /// descriptors).
-    #[error("ppoll failed: {0}")]
+    /// `ppoll(2)` or `epoll_pwait(2)` failed (for example `ENOMEM`, or
+    /// `EINVAL` for too many descriptors).
+    #[error("wait failed: {0}")]
     Io(io::Error),
 }
 
