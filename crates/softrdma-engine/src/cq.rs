@@ -1157,6 +1157,14 @@ impl CompletionQueue {
         }
     }
 
+    /// An identity of this CQ that keeps neither it nor its event fd
+    /// alive (nor lets its address be reused while held): what a wait
+    /// set's persistent registration of the event fd belongs to.
+    pub(crate) fn wait_set_key(&self) -> Weak<dyn std::any::Any + Send + Sync> {
+        let w: Weak<CqShared> = Arc::downgrade(&self.shared);
+        w
+    }
+
     /// The caller no longer sleeps (see [`wait_set_enter`](Self::wait_set_enter)).
     pub(crate) fn wait_set_leave(&self) {
         self.shared.sleepers.fetch_sub(1, Ordering::SeqCst);

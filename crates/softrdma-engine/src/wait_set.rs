@@ -5,7 +5,7 @@
 //! receive path itself when bytes come. A [`WaitSet`] does the same for
 //! many CQs and any other descriptors (pipes, an epoll instance, plain
 //! sockets), the way `poll(2)` waits on many descriptors: the thread
-//! sleeps in one `ppoll(2)` on the sockets of the CQs' queue pairs, on the
+//! sleeps in one system call on the sockets of the CQs' queue pairs, on the
 //! CQs' wake-up event fds and on the foreign descriptors. Bytes arriving on
 //! a QP's socket wake this thread, which then runs that QP's receive path
 //! itself (the device's receive thread leaves the socket to it while it
@@ -37,6 +37,18 @@
 //! # }
 //! ```
 //!
+//! How it sleeps: a set of 4 entries or more keeps its own epoll instance,
+//! in which the QPs' sockets and the CQs' event fds stay registered from
+//! one wait to the next (keyed by the QP and the CQ they belong to, so a
+//! descriptor number closed and reused is registered anew), and foreign
+//! descriptors are re-armed one-shot on every wait (which checks that the
+//! number still names the registered file); a registration the set no
+//! longer knows (its file open elsewhere, a duplicate or a forked child)
+//! makes it start over with a new instance. The kernel's work in a wait is
+//! then per ready descriptor. Smaller sets sleep in one `ppoll(2)` over
+//! their descriptors. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
+//! way for every set.
+//!
 //! Signals: a signal handled while the thread waits ends the wait with
 //! [`WaitError::Interrupted`], as `poll(2)` returns `EINTR`;
 //! [`WaitSet::wait_masked`] installs a signal mask for the duration of the
@@ -48,6 +60,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cq::{CompletionQueue, Progress};
+
+/// `poll(2)` reports a file that epoll refuses (a regular file) ready for
+/// reading and writing.
+const ALWAYS_READY: i16 = libc::POLLIN | libc::POLLOUT | libc::POLLRDNORM | libc::POLLWRNORM;
 
 /// A signal set (`sigset_t`), for [`WaitSet::wait_masked`].
 pub type SigSet = libc::sigset_t;
@@ -73,9 +89,9 @@ pub enum WaitError {
     /// A signal was handled during the wait (`EINTR`).
     #[error("interrupted by a signal")]
     Interrupted,
-    /// `ppoll(2)` failed (for example `ENOMEM`, or `EINVAL` for too many
-    /// descriptors).
-    #[error("ppoll failed: {0}")]
+    /// `ppoll(2)` or `epoll_pwait(2)` failed (for example `ENOMEM`, or
+    /// `EINVAL` for too many descriptors).
+    #[error("wait failed: {0}")]
     Io(io::Error),
 }
 
@@ -104,6 +120,203 @@ pub struct WaitSet {
     hooks: Vec<(usize, Arc<dyn Progress>)>,
     /// Scratch: the CQ of each wake fd in `pfds`.
     wakes: Vec<usize>,
+    /// The persistent epoll registrations (large sets; see [`Mode`]).
+    ep: Option<EpState>,
+    /// The epoll wait failed in a way a `ppoll(2)` would not: this set
+    /// waits with `ppoll(2)` from now on.
+    ep_off: bool,
+}
+
+/// How a wait set sleeps (`SOFTRDMA_WAIT_SET`: `ppoll`, `epoll` or
+/// `auto`, the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// One `ppoll(2)` over every descriptor on every wait.
+    Ppoll,
+    /// A persistent epoll instance for every set.
+    Epoll,
+    /// epoll for sets of at least [`EPOLL_MIN`] entries, `ppoll(2)` below
+    /// (a set of a CQ or two costs one descriptor less, and a `ppoll` of
+    /// two or three descriptors is as cheap as an `epoll_wait`).
+    Auto,
+}
+
+/// Entries (CQs plus foreign descriptors) from which `Mode::Auto` waits
+/// with epoll.
+const EPOLL_MIN: usize = 4;
+
+fn mode() -> Mode {
+    static MODE: std::sync::OnceLock<Mode> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("SOFTRDMA_WAIT_SET").as_deref() {
+        Ok("ppoll") => Mode::Ppoll,
+        Ok("epoll") => Mode::Epoll,
+        _ => Mode::Auto,
+    })
+}
+
+/// What a persistent registration is for; a registration is reused only
+/// for the same thing (the same QP, the same CQ), never for a descriptor
+/// number that merely matches.
+enum What {
+    /// A QP's socket (the QP's receive hook, by identity).
+    Socket(std::sync::Weak<dyn Progress>),
+    /// A CQ's wake-up event fd (the CQ, by identity).
+    Wake(std::sync::Weak<dyn std::any::Any + Send + Sync>),
+    /// A foreign descriptor: registered one-shot and re-armed (`MOD`) on
+    /// every wait, which checks that the number still names the
+    /// registered file (`ENOENT` otherwise: registered anew).
+    Foreign,
+}
+
+impl What {
+    fn same(&self, other: &What) -> bool {
+        match (self, other) {
+            (What::Socket(a), What::Socket(b)) => std::sync::Weak::ptr_eq(a, b),
+            (What::Wake(a), What::Wake(b)) => std::sync::Weak::ptr_eq(a, b),
+            (What::Foreign, What::Foreign) => true,
+            _ => false,
+        }
+    }
+
+    fn dead(&self) -> bool {
+        match self {
+            What::Socket(w) => w.strong_count() == 0,
+            What::Wake(w) => w.strong_count() == 0,
+            What::Foreign => false,
+        }
+    }
+}
+
+/// One persistent registration (the slot of its descriptor number).
+struct Reg {
+    /// Unique per registration: an event whose token differs comes from
+    /// a registration this table no longer knows (a stale one).
+    token: u32,
+    what: What,
+    /// The wait round that last used it (an event of one not used in
+    /// the current round is dropped, and so is the registration).
+    round: u64,
+    /// This round: the QP (index in `hooks`) or CQ it serves, or the
+    /// union of the foreign interest.
+    slot: usize,
+    interest: i16,
+}
+
+/// The epoll instance of a set and what is registered in it.
+struct EpState {
+    ep: crate::sys::epoll::Epoll,
+    /// The process's fork generation when made (a child leaves it alone).
+    fork_gen: u64,
+    /// Registrations by descriptor number.
+    regs: Vec<Option<Reg>>,
+    round: u64,
+    next_token: u32,
+    buf: Vec<libc::epoll_event>,
+}
+
+/// Every this many rounds, registrations of QPs and CQs that are gone are
+/// forgotten (their descriptors closed, which removed them from epoll).
+const SWEEP_ROUNDS: u64 = 4096;
+
+impl EpState {
+    fn new() -> io::Result<EpState> {
+        Ok(EpState {
+            ep: crate::sys::epoll::Epoll::new()?,
+            fork_gen: crate::sys::epoll::fork_generation(),
+            regs: Vec::new(),
+            round: 0,
+            next_token: 0,
+            buf: Vec::new(),
+        })
+    }
+
+    fn data(fd: RawFd, token: u32) -> u64 {
+        (u64::from(token) << 32) | u64::from(fd as u32)
+    }
+
+    /// Makes sure `fd` is registered for `what` with `events` (`MOD`
+    /// before `ADD`: a number whose file changed gets `ENOENT` and is
+    /// added anew); `Err(errno)` if epoll refuses it. A foreign descriptor
+    /// is re-armed every time (one-shot).
+    fn want(&mut self, fd: RawFd, what: What, events: u32, slot: usize) -> Result<(), i32> {
+        let i = usize::try_from(fd).map_err(|_| libc::EBADF)?;
+        if i >= self.regs.len() {
+            self.regs.resize_with(i + 1, || None);
+        }
+        let round = self.round;
+        if let Some(r) = &mut self.regs[i]
+            && r.what.same(&what)
+        {
+            if r.round == round {
+                // Twice in one round (a QP of two CQs of the set, a
+                // descriptor given twice): the first use serves.
+                if matches!(r.what, What::Foreign) {
+                    let union = (events as i16) | r.interest;
+                    if union != r.interest {
+                        r.interest = union;
+                        let d = Self::data(fd, r.token);
+                        self.ep.ctl(
+                            libc::EPOLL_CTL_MOD,
+                            fd,
+                            u32::from(union as u16) | libc::EPOLLONESHOT as u32,
+                            d,
+                        )?;
+                    }
+                }
+                return Ok(());
+            }
+            r.round = round;
+            r.slot = slot;
+            r.interest = events as i16;
+            if !matches!(r.what, What::Foreign) {
+                return Ok(());
+            }
+            let d = Self::data(fd, r.token);
+            match self.ep.ctl(libc::EPOLL_CTL_MOD, fd, events, d) {
+                Ok(()) => return Ok(()),
+                Err(libc::ENOENT) => {}
+                Err(e) => {
+                    self.regs[i] = None;
+                    return Err(e);
+                }
+            }
+        }
+        let token = self.next_token;
+        self.next_token = self.next_token.wrapping_add(1);
+        let d = Self::data(fd, token);
+        let r = match self.ep.ctl(libc::EPOLL_CTL_MOD, fd, events, d) {
+            Err(libc::ENOENT) => match self.ep.ctl(libc::EPOLL_CTL_ADD, fd, events, d) {
+                Err(libc::EEXIST) => self.ep.ctl(libc::EPOLL_CTL_MOD, fd, events, d),
+                r => r,
+            },
+            r => r,
+        };
+        match r {
+            Ok(()) => {
+                self.regs[i] = Some(Reg {
+                    token,
+                    what,
+                    round,
+                    slot,
+                    interest: events as i16,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                self.regs[i] = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// Forgets the registrations of QPs and CQs that are gone.
+    fn sweep(&mut self) {
+        for r in &mut self.regs {
+            if r.as_ref().is_some_and(|r| r.what.dead()) {
+                *r = None;
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for WaitSet {
@@ -214,6 +427,28 @@ impl WaitSet {
     /// One sleep of at most `nap`; returns the number of ready entries and
     /// whether a CQ's socket or event fd woke it.
     fn round(&mut self, nap: Duration, mask: Option<&SigSet>) -> Result<(usize, bool), WaitError> {
+        let epoll = !self.ep_off
+            && match mode() {
+                Mode::Ppoll => false,
+                Mode::Epoll => true,
+                Mode::Auto => self.cqs.len() + self.fds.len() >= EPOLL_MIN,
+            };
+        if epoll {
+            if let Some(r) = self.round_epoll(nap, mask) {
+                return r;
+            }
+            self.ep_off = true;
+            self.ep = None;
+        }
+        self.round_ppoll(nap, mask)
+    }
+
+    /// [`round`](Self::round) with one `ppoll(2)` over every descriptor.
+    fn round_ppoll(
+        &mut self,
+        nap: Duration,
+        mask: Option<&SigSet>,
+    ) -> Result<(usize, bool), WaitError> {
         self.pfds.clear();
         self.hooks.clear();
         self.wakes.clear();
@@ -310,6 +545,193 @@ impl WaitSet {
         ready = self.look_cqs();
         ready += self.fds.iter().filter(|p| p.revents != 0).count();
         Ok((ready, woke))
+    }
+
+    /// [`round`](Self::round) in the set's own epoll instance: the QPs'
+    /// sockets and the CQs' event fds stay registered from one wait to
+    /// the next (a system call only when one comes or changes), the
+    /// foreign descriptors are re-armed one-shot (one `epoll_ctl` each);
+    /// the kernel's work in the wait is per ready descriptor, not per
+    /// descriptor of the set. `None`: epoll failed where `ppoll(2)` would
+    /// not (nothing was waited on; the caller falls back).
+    fn round_epoll(
+        &mut self,
+        nap: Duration,
+        mask: Option<&SigSet>,
+    ) -> Option<Result<(usize, bool), WaitError>> {
+        let fork_gen = crate::sys::epoll::fork_generation();
+        if self.ep.as_ref().is_some_and(|e| e.fork_gen != fork_gen) {
+            // Made before a fork: shared with the parent; this process
+            // closes its copy and makes its own.
+            self.ep = None;
+        }
+        if self.ep.is_none() {
+            self.ep = Some(EpState::new().ok()?);
+        }
+        let mut ep = self.ep.take()?;
+        ep.round += 1;
+        if ep.round.is_multiple_of(SWEEP_ROUNDS) {
+            ep.sweep();
+        }
+        self.hooks.clear();
+        // Foreign descriptors first (nothing else is changed yet if one
+        // fails in an unexpected way).
+        let mut ready = 0;
+        for k in 0..self.fds.len() {
+            let p = self.fds[k];
+            self.fds[k].revents = 0;
+            if p.fd < 0 {
+                continue;
+            }
+            let ev = u32::from(p.events as u16) | libc::EPOLLONESHOT as u32;
+            match ep.want(p.fd, What::Foreign, ev, k) {
+                Ok(()) => {}
+                Err(libc::EBADF) => self.fds[k].revents = libc::POLLNVAL,
+                Err(libc::EPERM) => self.fds[k].revents = ALWAYS_READY & p.events,
+                Err(_) => return None,
+            }
+            ready += usize::from(self.fds[k].revents != 0);
+        }
+        let mut wake_fds = Vec::with_capacity(self.cqs.len());
+        for cq in &self.cqs {
+            wake_fds.push(cq.wait_set_enter());
+        }
+        ready += self.look_cqs();
+        let until = crate::datamover::now_ns()
+            .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX))
+            .saturating_add(1_000_000);
+        // A registration epoll refused for a reason other than a closed
+        // descriptor: this round does not sleep, the next ones use ppoll.
+        let mut broken = false;
+        for (i, cq) in self.cqs.iter().enumerate() {
+            for hook in cq.wait_set_hooks() {
+                if let Some(fd) = hook.sleep_on(Some(until)) {
+                    let what = What::Socket(Arc::downgrade(&hook));
+                    match ep.want(fd, what, libc::EPOLLIN as u32, self.hooks.len()) {
+                        Ok(()) | Err(libc::EBADF) => {}
+                        Err(_) => broken = true,
+                    }
+                    self.hooks.push((i, hook));
+                }
+            }
+            if let Some(fd) = wake_fds[i] {
+                match ep.want(fd, What::Wake(cq.wait_set_key()), libc::EPOLLIN as u32, i) {
+                    Ok(()) | Err(libc::EBADF) => {}
+                    Err(_) => broken = true,
+                }
+            }
+        }
+        let nap = if ready > 0 || broken {
+            Duration::ZERO
+        } else {
+            nap
+        };
+        let want = (self.cqs.len() * 2 + self.fds.len()).clamp(16, 1024);
+        if ep.buf.len() < want {
+            ep.buf.resize(want, libc::epoll_event { events: 0, u64: 0 });
+        }
+        let res = {
+            let EpState { ep: e, buf, .. } = &mut ep;
+            e.wait(buf, nap, mask)
+        };
+        for cq in &self.cqs {
+            cq.wait_set_leave();
+        }
+        let mut woke = false;
+        let mut stale = false;
+        let mut lost = false;
+        let res = match res {
+            Ok(n) => {
+                for k in 0..n {
+                    let e = ep.buf[k];
+                    let (data, bits) = (e.u64, e.events);
+                    let fd = data as u32 as RawFd;
+                    let token = (data >> 32) as u32;
+                    let Some(r) = usize::try_from(fd)
+                        .ok()
+                        .and_then(|i| ep.regs.get(i))
+                        .and_then(Option::as_ref)
+                        .filter(|r| r.token == token)
+                    else {
+                        // A registration this table does not know: of a
+                        // file closed here but open elsewhere (a
+                        // duplicate, a child), under a number now reused.
+                        stale = true;
+                        continue;
+                    };
+                    if r.round != ep.round {
+                        // Not part of this wait (a connection the caller
+                        // no longer waits on): dropped until it is.
+                        let i = fd as usize;
+                        match ep.ep.ctl(libc::EPOLL_CTL_DEL, fd, 0, 0) {
+                            Ok(()) => ep.regs[i] = None,
+                            Err(_) => stale = true,
+                        }
+                        continue;
+                    }
+                    match r.what {
+                        What::Socket(_) => {
+                            if let Some((_, hook)) = self.hooks.get(r.slot) {
+                                // Bytes (or an error) on the QP's socket:
+                                // receive in this thread.
+                                hook.progress(false);
+                                woke = true;
+                            }
+                        }
+                        What::Wake(_) => {
+                            if let Some(cq) = self.cqs.get(r.slot) {
+                                cq.wait_set_drain();
+                                woke = true;
+                            }
+                        }
+                        What::Foreign => {
+                            let got = bits as u16 as i16;
+                            for p in self.fds.iter_mut().filter(|p| p.fd == fd) {
+                                p.revents |= got & (p.events | libc::POLLERR | libc::POLLHUP);
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Err(WaitError::Interrupted),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBADF | libc::EINVAL)) => {
+                // The instance's descriptor was closed (or its number
+                // reused) by someone else, as a program that closes every
+                // descriptor does: not this set's to close any more. A
+                // spurious wake-up; `ppoll(2)` from now on.
+                lost = true;
+                woke = true;
+                Ok(())
+            }
+            Err(e) => Err(WaitError::Io(e)),
+        };
+        let after = crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS);
+        for (_, hook) in &self.hooks {
+            let _ = hook.sleep_on(Some(after));
+        }
+        self.hooks.clear();
+        if lost {
+            ep.ep.forget();
+            self.ep_off = true;
+        } else if stale {
+            // Start over with a fresh instance (everything of the next
+            // wait registered anew, once): the stale registration goes
+            // with the old one.
+            drop(ep);
+        } else {
+            self.ep = Some(ep);
+        }
+        if broken {
+            self.ep_off = true;
+            self.ep = None;
+        }
+        if let Err(e) = res {
+            return Some(Err(e));
+        }
+        let mut ready = self.look_cqs();
+        ready += self.fds.iter().filter(|p| p.revents != 0).count();
+        Some(Ok((ready, woke)))
     }
 
     /// Marks the CQs holding completions; returns how many do.

@@ -255,3 +255,64 @@ fn no_lost_wake_up() {
         assert_eq!(waiter.join().unwrap(), rounds, "poll-driven {poll_driven}");
     }
 }
+
+/// A descriptor closed and its number reused for another file, while the
+/// set (large enough to keep persistent epoll registrations) still knows
+/// the number: the new file is watched (not taken as registered already),
+/// and the old file, kept open by a duplicate, is not reported under the
+/// number (its stale registration is not mistaken for the new one).
+#[test]
+fn a_closed_descriptor_number_reused_is_watched_anew() {
+    let others: Vec<_> = (0..3).map(|_| pipe()).collect();
+    let fill = |set: &mut WaitSet, fd: libc::c_int| -> usize {
+        set.clear();
+        for (r, _) in &others {
+            set.add_fd(r.as_raw_fd(), libc::POLLIN);
+        }
+        set.add_fd(fd, libc::POLLIN)
+    };
+    let (ra, mut wa) = pipe();
+    let x = ra.as_raw_fd();
+    let mut set = WaitSet::new();
+    let i = fill(&mut set, x);
+    assert_eq!(set.wait(Some(Duration::from_millis(20))).unwrap(), 0);
+    std::io::Write::write_all(&mut wa, b"a").unwrap();
+    assert_eq!(set.wait(Some(Duration::from_secs(10))).unwrap(), 1);
+    assert_eq!(set.fd_revents(i) & libc::POLLIN, libc::POLLIN);
+    let mut a = std::fs::File::from(ra.try_clone().unwrap());
+    let mut b1 = [0u8; 1];
+    std::io::Read::read_exact(&mut a, &mut b1).unwrap();
+    // Registered and armed again, nothing to read.
+    assert_eq!(set.wait(Some(Duration::ZERO)).unwrap(), 0);
+
+    // Pipe A stays open through its duplicate `a`; its number goes to B.
+    drop(ra);
+    let (rb, mut wb) = pipe();
+    if rb.as_raw_fd() != x {
+        // SAFETY: `x` is closed (its owner dropped above) and `rb` open;
+        // dup2 makes `x` name B's read end, owned below by `rb_x`.
+        assert_eq!(unsafe { libc::dup2(rb.as_raw_fd(), x) }, x);
+    }
+    // SAFETY: `x` is open (B's read end) and owned by nothing else here
+    // (when `rb` itself is `x`, it is forgotten instead of closed).
+    let rb_x = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(x) };
+    if rb.as_raw_fd() == x {
+        std::mem::forget(rb);
+    }
+    // A becomes readable: not B, so not the number's entry.
+    std::io::Write::write_all(&mut wa, b"a").unwrap();
+    let i = fill(&mut set, x);
+    assert_eq!(set.wait(Some(Duration::from_millis(50))).unwrap(), 0);
+    assert_eq!(set.fd_revents(i), 0);
+    // B becomes readable: reported.
+    std::io::Write::write_all(&mut wb, b"b").unwrap();
+    assert_eq!(set.wait(Some(Duration::from_secs(10))).unwrap(), 1);
+    assert_eq!(set.fd_revents(i) & libc::POLLIN, libc::POLLIN);
+    let mut b = std::fs::File::from(rb_x);
+    std::io::Read::read_exact(&mut b, &mut b1).unwrap();
+    assert_eq!(&b1, b"b");
+    // Closed while in the set: POLLNVAL, as poll(2) reports.
+    drop(b);
+    assert_eq!(set.wait(Some(Duration::from_secs(10))).unwrap(), 1);
+    assert_eq!(set.fd_revents(i), libc::POLLNVAL);
+}

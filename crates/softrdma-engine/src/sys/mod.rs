@@ -7,6 +7,7 @@ pub(crate) mod async_fd;
 #[cfg(feature = "tokio")]
 pub(crate) mod async_wait;
 pub(crate) mod clock;
+pub(crate) mod epoll;
 pub(crate) mod fd;
 pub(crate) mod io;
 pub(crate) mod mem;
