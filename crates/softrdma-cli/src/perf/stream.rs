@@ -799,17 +799,9 @@ mod tests {
         StreamArgs::try_parse_from(v).unwrap()
     }
 
-    /// Both patterns against one dual listener: the measured row is
-    /// offloaded, the baseline row plain, every octet is counted by the
-    /// server, and the CSV has a header and one line per row.
-    #[test]
-    fn loopback_bw_and_lat_with_tcp_baseline() {
-        let l = TcpListener::bind_with("127.0.0.1:0", &Config::default()).unwrap();
-        let addr = l.local_addr().unwrap();
-        let server = thread::spawn(move || serve(&l, false));
-        let bw_args = args(&["-s", "4K", "-n", "300", "--baseline", "tcp", "--csv"]);
-        let mut out = Vec::new();
-        let rows = run_client(addr, &bw_args, &mut out).unwrap();
+    /// A measured row over an offloaded connection and its baseline row
+    /// over plain TCP.
+    fn offloaded_then_plain(rows: &[StreamRow]) {
         assert_eq!(rows.len(), 2);
         assert!(
             rows[0].transport.starts_with("offloaded"),
@@ -821,6 +813,20 @@ mod tests {
             "{}",
             rows[1].transport
         );
+    }
+
+    /// Both patterns against one dual listener: the measured row is
+    /// offloaded, the baseline row plain, every octet is counted by the
+    /// server, and the CSV has a header and one line per row.
+    #[test]
+    fn loopback_bw_and_lat_with_tcp_baseline() {
+        let l = TcpListener::bind_with("127.0.0.1:0", &Config::default()).unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = thread::spawn(move || serve(&l, false));
+        let bw_args = args(&["-s", "4K", "-n", "300", "--baseline", "tcp", "--csv"]);
+        let mut out = Vec::new();
+        let rows = run_client(addr, &bw_args, &mut out).unwrap();
+        offloaded_then_plain(&rows);
         for r in &rows {
             assert_eq!(r.count, 300 * 4096);
             assert!(r.mb_s.unwrap() > 0.0);
@@ -852,18 +858,8 @@ mod tests {
         let server = thread::spawn(move || serve(&l, false));
         let a = args(&["--setup", "-n", "5", "-r", "2", "--baseline", "tcp"]);
         let rows = run_client(addr, &a, &mut Vec::new()).unwrap();
-        assert_eq!(rows.len(), 2);
+        offloaded_then_plain(&rows);
         assert_eq!(rows[0].mode, "setup");
-        assert!(
-            rows[0].transport.starts_with("offloaded"),
-            "{}",
-            rows[0].transport
-        );
-        assert!(
-            rows[1].transport.starts_with("plain"),
-            "{}",
-            rows[1].transport
-        );
         assert!(rows.iter().all(|r| r.count == 5 && r.lat_us.unwrap() > 0.0));
         let a = args(&["--lat", "-n", "50", "--baseline", "tcp-spin"]);
         let rows = run_client(addr, &a, &mut Vec::new()).unwrap();
