@@ -661,17 +661,23 @@ mod tests {
         assert!(!t.take("127.0.0.1:40001".parse().unwrap()));
     }
 
+    /// An accepting twin with no answering thread: only the listener's
+    /// own reads of its socket answer queries.
+    fn threadless_twin() -> Twin {
+        Twin {
+            records: Records::default(),
+            sock: Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap()),
+            accept: true,
+            stop: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
     /// A query already queued on the twin's socket when the listener
     /// decides is answered by the listener itself: here the twin has no
     /// thread, so only the listener's own read can find the query.
     #[test]
     fn accept_reads_queued_queries_first() {
-        let t = Twin {
-            records: Records::default(),
-            sock: Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap()),
-            accept: true,
-            stop: Arc::new(AtomicBool::new(false)),
-        };
+        let t = threadless_twin();
         let addr = twin_addr(&t);
         let p = send_query(addr, 40002).unwrap();
         std::thread::sleep(Duration::from_millis(20));
@@ -707,12 +713,7 @@ mod tests {
     /// declines its late query.
     #[test]
     fn plain_marks_outlive_a_full_table() {
-        let t = Twin {
-            records: Records::default(),
-            sock: Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap()),
-            accept: true,
-            stop: Arc::new(AtomicBool::new(false)),
-        };
+        let t = threadless_twin();
         let addr = twin_addr(&t);
         for i in 0..5000u16 {
             let peer = SocketAddr::from((Ipv4Addr::LOCALHOST, 20000 + i));
