@@ -412,7 +412,10 @@ struct Shared {
     /// [`Offload::arrivals`]).
     arrivals: AtomicU64,
     /// Wakes sleeping calls: (receiving end polled by them, sending end).
-    waker: (UnixDatagram, UnixDatagram),
+    /// Made by the first call that sleeps while another drives the
+    /// connection (most connections never have two calls blocked at once:
+    /// five system calls per connection saved).
+    waker: OnceLock<(UnixDatagram, UnixDatagram)>,
     /// Held by whoever takes completions out of the CQ, from the poll until
     /// they are handled under the state lock (so they are handled in
     /// order). A blocked call holds it while it waits in the CQ
@@ -614,16 +617,6 @@ impl Offload {
             qp.abort();
             local(e)
         })?;
-        let waker = UnixDatagram::pair()
-            .and_then(|w| {
-                w.0.set_nonblocking(true)?;
-                w.1.set_nonblocking(true)?;
-                Ok(w)
-            })
-            .map_err(|e| {
-                qp.abort();
-                local(e)
-            })?;
         while !switched {
             if let Some(fd) = sc.switch_fd() {
                 let flags = if sc.switch_wants_write() {
@@ -714,14 +707,18 @@ impl Offload {
             }),
             event_pending: AtomicBool::new(false),
             arrivals: AtomicU64::new(0),
-            waker,
+            waker: OnceLock::new(),
             poller: Mutex::new(poller_set),
         });
         let _ = slot.set(Arc::downgrade(&sh));
         {
-            // Messages may have arrived with the switch.
+            // Messages that arrived with the switch (the read-ahead the
+            // engine processed when it took the stream over) are in the
+            // CQ. No receive attempt: bytes still in the socket wake the
+            // first wait, and an attempt here mostly found nothing (a
+            // `recvfrom` saying EAGAIN per connection).
             let mut st = sh.lock();
-            sh.progress(&mut st);
+            sh.progress_completions(&mut st);
         }
         Ok(Offload {
             _close: Arc::new(CloseOnDrop(sh.clone())),
@@ -1026,9 +1023,7 @@ impl Shared {
             self.arm(st, &self.cq);
         }
         self.sync_ready(st);
-        for _ in 0..st.waiters {
-            let _ = self.waker.1.send(&[1]);
-        }
+        self.wake_sleepers(st);
     }
 
     /// Arms the CQ unless it is armed, then looks at the CQ once more
@@ -1894,9 +1889,27 @@ impl Shared {
     }
 
     fn wake_sleepers(&self, st: &State) {
-        for _ in 0..st.waiters {
-            let _ = self.waker.1.send(&[1]);
+        // A sleeper made the pair before it counted itself.
+        if st.waiters > 0
+            && let Some(w) = self.waker.get()
+        {
+            for _ in 0..st.waiters {
+                let _ = w.1.send(&[1]);
+            }
         }
+    }
+
+    /// The wake-up pair of sleeping calls, made on first use.
+    fn waker(&self) -> io::Result<&(UnixDatagram, UnixDatagram)> {
+        if let Some(w) = self.waker.get() {
+            return Ok(w);
+        }
+        let w = UnixDatagram::pair()?;
+        w.0.set_nonblocking(true)?;
+        w.1.set_nonblocking(true)?;
+        // Another sleeper may have won: its pair is the one.
+        let _ = self.waker.set(w);
+        Ok(self.waker.get().expect("set"))
     }
 
     /// Sleeps while another thread drives the connection (waits in the
@@ -1915,6 +1928,16 @@ impl Shared {
             // counted as a sleeper, so nobody wakes it): look again.
             return Ok(());
         }
+        let waker = match self.waker() {
+            Ok(w) => w,
+            Err(_) => {
+                // No descriptors for the pair: a short nap instead (the
+                // driving thread's wake-up is lost, not the data).
+                st.unlocked(|| std::thread::sleep(nap.min(Duration::from_millis(1))));
+                self.progress(st);
+                return Ok(());
+            }
+        };
         st.waiters += 1;
         let ts = rustix::time::Timespec {
             tv_sec: nap.as_secs() as i64,
@@ -1922,13 +1945,13 @@ impl Shared {
         };
         let (n, intr) = st.unlocked(|| {
             let mut fds = [rustix::event::PollFd::new(
-                &self.waker.0,
+                &waker.0,
                 rustix::event::PollFlags::IN,
             )];
             let r = rustix::event::poll(&mut fds, Some(&ts));
             if !fds[0].revents().is_empty() {
                 let mut b = [0u8; 1];
-                let _ = self.waker.0.recv(&mut b);
+                let _ = waker.0.recv(&mut b);
             }
             (
                 r.unwrap_or(0),
@@ -2214,6 +2237,38 @@ mod drive_tests {
             }
             got += n;
         }
+    }
+
+    /// The wake-up pair of sleeping calls is made only when a call sleeps
+    /// while another drives the connection: a connection whose calls are
+    /// one at a time never makes it.
+    #[test]
+    fn one_call_at_a_time_makes_no_wakeup_pair() {
+        let (c, s) = super::tests::pair();
+        let echo = std::thread::spawn(move || {
+            let mut b = [0u8; 64];
+            for _ in 0..100 {
+                let n = s.read(&mut b, false, false, None).unwrap();
+                assert!(n > 0);
+                let mut off = 0;
+                while off < n {
+                    off += s.write(&b[off..n], false, None).unwrap();
+                }
+            }
+            s
+        });
+        c.set_nodelay(true);
+        let mut b = [0u8; 64];
+        for i in 0..100u8 {
+            assert_eq!(c.write(&[i; 64], false, None).unwrap(), 64);
+            let mut got = 0;
+            while got < 64 {
+                got += c.read(&mut b[got..], false, false, None).unwrap();
+            }
+            assert_eq!(b, [i; 64]);
+        }
+        let s = echo.join().unwrap();
+        assert!(c.sh.waker.get().is_none() && s.sh.waker.get().is_none());
     }
 
     /// Small writes go inline when nothing is queued before them and
