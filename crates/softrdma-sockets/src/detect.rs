@@ -241,6 +241,8 @@ pub(crate) struct Pending {
     /// query, see [`QUERY_SOCK`]).
     sock: Option<UdpSocket>,
     client_addr: Ipv6Addr,
+    /// Keep the socket for the thread's next query.
+    keep: bool,
     q: Probe,
     sent: Instant,
 }
@@ -253,27 +255,44 @@ impl Pending {
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        if let Some(s) = self.sock.take() {
-            QUERY_SOCK.with(|c| *c.borrow_mut() = Some((self.dest, s, self.client_addr)));
+        if let Some(s) = self.sock.take()
+            && self.keep
+        {
+            let kept = (self.dest, s, self.client_addr, std::process::id());
+            QUERY_SOCK.with(|c| *c.borrow_mut() = Some(kept));
         }
     }
 }
 
 thread_local! {
     /// The query socket of this thread's last query (connected to its
-    /// destination) and the local address it names: the next query to the
-    /// same destination reuses it (four system calls less per connection:
-    /// socket, bind, connect, getsockname; close once).
-    static QUERY_SOCK: std::cell::RefCell<Option<(SocketAddr, UdpSocket, Ipv6Addr)>> =
+    /// destination), the local address it names and the process that
+    /// made it: the next query to the same destination reuses it (four
+    /// system calls less per connection: socket, bind, connect,
+    /// getsockname; close once). Only [`crate::TcpStream`]'s own
+    /// connects keep one (not [`crate::external`]'s callers, which
+    /// interpose on applications that may count or close descriptors),
+    /// and a forked child makes its own (a shared socket would let parent
+    /// and child take each other's answers).
+    static QUERY_SOCK: std::cell::RefCell<Option<QuerySock>> =
         const { std::cell::RefCell::new(None) };
 }
 
-/// This thread's query socket for `dest`: the last one if it was for
-/// `dest` (emptied of late datagrams and errors of earlier queries), else
-/// a new one.
-fn query_socket(dest: SocketAddr) -> io::Result<(UdpSocket, Ipv6Addr)> {
-    if let Some((d, s, a)) = QUERY_SOCK.with(|c| c.borrow_mut().take())
+/// A kept query socket: destination, socket, local address, process id.
+type QuerySock = (SocketAddr, UdpSocket, Ipv6Addr, u32);
+
+/// A query socket for `dest`: with `reuse`, this thread's last one if it
+/// was for `dest` and made by this process (emptied of late datagrams and
+/// errors of earlier queries), else a new one.
+fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Addr)> {
+    let kept = if reuse {
+        QUERY_SOCK.with(|c| c.borrow_mut().take())
+    } else {
+        None
+    };
+    if let Some((d, s, a, pid)) = kept
         && d == dest
+        && pid == std::process::id()
     {
         let mut b = [0u8; 64];
         // A late answer, or an error of an earlier query (a refused one
@@ -300,7 +319,13 @@ fn query_socket(dest: SocketAddr) -> io::Result<(UdpSocket, Ipv6Addr)> {
 /// Sends the query for the connection from `client_port` to `dest`.
 /// `Err`: the query could not be sent (no answer will come).
 pub(crate) fn send_query(dest: SocketAddr, client_port: u16) -> io::Result<Pending> {
-    let (s, client_addr) = query_socket(dest)?;
+    send_query_with(dest, client_port, true)
+}
+
+/// [`send_query`]; `keep`: the socket is kept for the thread's next
+/// query (see [`QUERY_SOCK`]).
+fn send_query_with(dest: SocketAddr, client_port: u16, keep: bool) -> io::Result<Pending> {
+    let (s, client_addr) = query_socket(dest, keep)?;
     let q = Probe {
         kind: Kind::Query,
         nonce: nonce(),
@@ -314,6 +339,7 @@ pub(crate) fn send_query(dest: SocketAddr, client_port: u16) -> io::Result<Pendi
         dest,
         sock: Some(s),
         client_addr,
+        keep,
         q,
         sent: Instant::now(),
     })
@@ -438,9 +464,10 @@ impl Pending {
 }
 
 /// Asks `dest`'s twin whether the connection from `client_port` may be
-/// offloaded. Caches a negative answer.
-pub(crate) fn query(dest: SocketAddr, client_port: u16, timeout: Duration) -> Answer {
-    match send_query(dest, client_port) {
+/// offloaded; `keep`: the query socket is kept for the thread's next
+/// query. Caches a negative answer.
+pub(crate) fn query(dest: SocketAddr, client_port: u16, timeout: Duration, keep: bool) -> Answer {
+    match send_query_with(dest, client_port, keep) {
         Ok(p) => p.wait(timeout),
         Err(_) => {
             remember(dest, Known::Plain);

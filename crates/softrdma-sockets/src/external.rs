@@ -32,7 +32,9 @@ pub fn known_plain(dest: SocketAddr) -> bool {
 /// `client_port` may be offloaded, waiting at most `timeout` (a negative
 /// answer is cached per destination).
 pub fn query(dest: SocketAddr, client_port: u16, timeout: Duration) -> PeerAnswer {
-    match detect::query(dest, client_port, timeout) {
+    // A socket of its own per query: no descriptor is kept open in the
+    // application's process.
+    match detect::query(dest, client_port, timeout, false) {
         Answer::Accept => PeerAnswer::Accept,
         Answer::Decline => PeerAnswer::Decline,
         Answer::NotCapable => PeerAnswer::NotCapable,

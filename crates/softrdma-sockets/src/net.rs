@@ -307,7 +307,7 @@ impl TcpStream {
                 }
                 Err(e) => return Err(e),
             };
-            match detect::query(addr, port, wait) {
+            match detect::query(addr, port, wait, true) {
                 Answer::Accept => {}
                 Answer::Decline => {
                     if required {
