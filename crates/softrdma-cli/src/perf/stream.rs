@@ -17,7 +17,10 @@
 //! and 99th percentile over `-n` round trips after 10% warm-up). Setup:
 //! `-n` connections one after the other, each connect, a 1-byte round
 //! trip and close; the mean per connection. With `--baseline tcp` the runs
-//! (`-r`) of both transports alternate.
+//! (`-r`) of both transports alternate. Every row also gives the CPU time
+//! (user + system, `getrusage`) of the whole process per round trip,
+//! connection or write (`cpu µs`): with the server in the same process,
+//! both ends and the engine's threads.
 //!
 //! The server is one dual listener: it accepts offloaded and plain clients
 //! on the same port, so `--baseline tcp` measures plain TCP against the
@@ -149,6 +152,13 @@ pub struct StreamRow {
     /// This row / the TCP row of the same size (bandwidth ratio, or latency
     /// ratio: lower is better), on the sockets-direct row.
     pub ratio_to_tcp: Option<f64>,
+    /// CPU time (user + system) of the whole process per operation, µs
+    /// (median over the runs): per round trip (lat), connection (setup)
+    /// or write (bw). Both ends and the engine's threads when the server
+    /// runs in the same process (the default), the client's side only
+    /// with `--connect`. Unlike the latency, it does not depend on
+    /// whether the two ends' threads share a CPU.
+    pub cpu_us: Option<f64>,
 }
 
 /// A size, or 0 (off).
@@ -269,7 +279,12 @@ fn serve(l: &TcpListener, persist: bool) {
     }
 }
 
-fn bw(addr: SocketAddr, c: &Config, a: &StreamArgs, size: usize) -> io::Result<(String, u64, f64)> {
+fn bw(
+    addr: SocketAddr,
+    c: &Config,
+    a: &StreamArgs,
+    size: usize,
+) -> io::Result<(String, u64, f64, f64)> {
     let mut s = TcpStream::connect_with(addr, c)?;
     let transport = s.transport().to_string();
     s.set_nodelay(a.nodelay)?;
@@ -277,6 +292,7 @@ fn bw(addr: SocketAddr, c: &Config, a: &StreamArgs, size: usize) -> io::Result<(
     let buf = vec![0x5Au8; size];
     let limit = Duration::from_secs_f64(a.duration.unwrap_or(2.0));
     let t0 = Instant::now();
+    let cpu0 = super::cpu_time();
     let mut writes = 0u64;
     loop {
         s.write_all(&buf)?;
@@ -293,6 +309,7 @@ fn bw(addr: SocketAddr, c: &Config, a: &StreamArgs, size: usize) -> io::Result<(
     let mut cnt = [0u8; 8];
     s.read_exact(&mut cnt)?;
     let secs = t0.elapsed().as_secs_f64();
+    let cpu = (super::cpu_time() - cpu0) * 1e6 / writes.max(1) as f64;
     let got = u64::from_be_bytes(cnt);
     if got != writes * size as u64 {
         return Err(io::Error::new(
@@ -300,7 +317,7 @@ fn bw(addr: SocketAddr, c: &Config, a: &StreamArgs, size: usize) -> io::Result<(
             format!("server read {got} octets of {}", writes * size as u64),
         ));
     }
-    Ok((transport, got, secs))
+    Ok((transport, got, secs, cpu))
 }
 
 fn lat(
@@ -308,7 +325,7 @@ fn lat(
     c: &Config,
     a: &StreamArgs,
     size: usize,
-) -> io::Result<(String, Vec<f64>)> {
+) -> io::Result<(String, Vec<f64>, f64)> {
     let mut s = TcpStream::connect_with(addr, c)?;
     let transport = s.transport().to_string();
     s.set_nodelay(true)?;
@@ -318,7 +335,11 @@ fn lat(
     let mut back = vec![0u8; size];
     let warm = n / 10;
     let mut rtts = Vec::with_capacity(n as usize);
+    let mut cpu0 = 0.0;
     for i in 0..warm + n {
+        if i == warm {
+            cpu0 = super::cpu_time();
+        }
         let t = Instant::now();
         s.write_all(&out)?;
         s.read_exact(&mut back)?;
@@ -326,18 +347,20 @@ fn lat(
             rtts.push(t.elapsed().as_secs_f64() * 1e6);
         }
     }
+    let cpu = (super::cpu_time() - cpu0) * 1e6 / n as f64;
     s.shutdown(Shutdown::Write)?;
     let mut end = [0u8; 1];
     let _ = s.read(&mut end);
-    Ok((transport, rtts))
+    Ok((transport, rtts, cpu))
 }
 
 /// `-n` (default 200) connections, each: connect, a 1-byte round trip,
 /// close. Returns the transport of the last, the count and the mean µs.
-fn setup(addr: SocketAddr, c: &Config, a: &StreamArgs) -> io::Result<(String, u64, f64)> {
+fn setup(addr: SocketAddr, c: &Config, a: &StreamArgs) -> io::Result<(String, u64, f64, f64)> {
     let n = a.iters.unwrap_or(200).max(1);
     let mut transport = String::new();
     let t0 = Instant::now();
+    let cpu0 = super::cpu_time();
     for _ in 0..n {
         let mut s = TcpStream::connect_with(addr, c)?;
         s.set_nodelay(true)?;
@@ -347,7 +370,9 @@ fn setup(addr: SocketAddr, c: &Config, a: &StreamArgs) -> io::Result<(String, u6
         s.read_exact(&mut b)?;
         transport = s.transport().to_string();
     }
-    Ok((transport, n, t0.elapsed().as_secs_f64() * 1e6 / n as f64))
+    let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+    let cpu = (super::cpu_time() - cpu0) * 1e6 / n as f64;
+    Ok((transport, n, us, cpu))
 }
 
 /// `read_exact` on a non-blocking stream, busy-polling; `false` at end of
@@ -386,7 +411,7 @@ fn lat_spin(
     c: &Config,
     a: &StreamArgs,
     size: usize,
-) -> io::Result<(String, Vec<f64>)> {
+) -> io::Result<(String, Vec<f64>, f64)> {
     let mut s = TcpStream::connect_with(addr, c)?;
     let transport = format!("{} busy-polled", s.transport());
     s.set_nodelay(true)?;
@@ -397,7 +422,11 @@ fn lat_spin(
     let mut back = vec![0u8; size];
     let warm = n / 10;
     let mut rtts = Vec::with_capacity(n as usize);
+    let mut cpu0 = 0.0;
     for i in 0..warm + n {
+        if i == warm {
+            cpu0 = super::cpu_time();
+        }
         let t = Instant::now();
         spin_write_all(&mut s, &out)?;
         if !spin_read_exact(&mut s, &mut back)? {
@@ -407,11 +436,12 @@ fn lat_spin(
             rtts.push(t.elapsed().as_secs_f64() * 1e6);
         }
     }
+    let cpu = (super::cpu_time() - cpu0) * 1e6 / n as f64;
     s.set_nonblocking(false)?;
     s.shutdown(Shutdown::Write)?;
     let mut end = [0u8; 1];
     let _ = s.read(&mut end);
-    Ok((transport, rtts))
+    Ok((transport, rtts, cpu))
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -421,11 +451,12 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// One run's result: the transport and, per run, bandwidth (MB/s) or the
 /// round trips (µs).
+/// Each with the process's CPU µs per operation.
 enum Sample {
-    Bw(String, u64, f64),
-    Lat(String, Vec<f64>),
+    Bw(String, u64, f64, f64),
+    Lat(String, Vec<f64>, f64),
     /// Connections made, mean µs per connection.
-    Setup(String, u64, f64),
+    Setup(String, u64, f64, f64),
 }
 
 /// One run; `baseline`: of the TCP baseline.
@@ -438,17 +469,17 @@ fn sample(
 ) -> io::Result<Sample> {
     let c = cfg(a, mode);
     if baseline && a.lat && a.baseline.as_deref() == Some("tcp-spin") {
-        let (t, rtts) = lat_spin(addr, &c, a, size)?;
-        Ok(Sample::Lat(t, rtts))
+        let (t, rtts, cpu) = lat_spin(addr, &c, a, size)?;
+        Ok(Sample::Lat(t, rtts, cpu))
     } else if a.setup {
-        let (t, n, us) = setup(addr, &c, a)?;
-        Ok(Sample::Setup(t, n, us))
+        let (t, n, us, cpu) = setup(addr, &c, a)?;
+        Ok(Sample::Setup(t, n, us, cpu))
     } else if a.lat {
-        let (t, rtts) = lat(addr, &c, a, size)?;
-        Ok(Sample::Lat(t, rtts))
+        let (t, rtts, cpu) = lat(addr, &c, a, size)?;
+        Ok(Sample::Lat(t, rtts, cpu))
     } else {
-        let (t, bytes, secs) = bw(addr, &c, a, size)?;
-        Ok(Sample::Bw(t, bytes, secs))
+        let (t, bytes, secs, cpu) = bw(addr, &c, a, size)?;
+        Ok(Sample::Bw(t, bytes, secs, cpu))
     }
 }
 
@@ -473,14 +504,17 @@ fn row_of(a: &StreamArgs, size: usize, kind: &'static str, runs: Vec<Sample>) ->
         lat_mean_us: None,
         lat_p99_us: None,
         ratio_to_tcp: None,
+        cpu_us: None,
     };
+    let mut cpu = Vec::new();
     let mut med = Vec::new();
     let mut mean = Vec::new();
     let mut p99 = Vec::new();
     let mut rates = Vec::new();
     for s in runs {
         match s {
-            Sample::Lat(t, mut rtts) => {
+            Sample::Lat(t, mut rtts, c) => {
+                cpu.push(c);
                 row.transport = t;
                 row.count = rtts.len() as u64;
                 row.secs = rtts.iter().sum::<f64>() / 1e6;
@@ -489,14 +523,16 @@ fn row_of(a: &StreamArgs, size: usize, kind: &'static str, runs: Vec<Sample>) ->
                 med.push(m / 2.0);
                 p99.push(rtts[(rtts.len() * 99 / 100).min(rtts.len() - 1)] / 2.0);
             }
-            Sample::Setup(t, n, us) => {
+            Sample::Setup(t, n, us, c) => {
+                cpu.push(c);
                 row.transport = t;
                 row.count = n;
                 row.secs = us * n as f64 / 1e6;
                 med.push(us);
                 mean.push(us);
             }
-            Sample::Bw(t, bytes, secs) => {
+            Sample::Bw(t, bytes, secs, c) => {
+                cpu.push(c);
                 row.transport = t;
                 row.count = bytes;
                 row.secs = secs;
@@ -513,6 +549,7 @@ fn row_of(a: &StreamArgs, size: usize, kind: &'static str, runs: Vec<Sample>) ->
     } else {
         row.mb_s = Some(median(&mut rates));
     }
+    row.cpu_us = Some(median(&mut cpu));
     row
 }
 
@@ -550,12 +587,12 @@ fn print_row(r: &StreamRow, a: &StreamArgs, first: bool, out: &mut dyn Write) ->
         if first {
             writeln!(
                 out,
-                "test,mode,kind,transport,size,count,secs,mb_s,lat_us,lat_mean_us,lat_p99_us,ratio_to_tcp"
+                "test,mode,kind,transport,size,count,secs,mb_s,lat_us,lat_mean_us,lat_p99_us,ratio_to_tcp,cpu_us"
             )?;
         }
         writeln!(
             out,
-            "{},{},{},\"{}\",{},{},{:.6},{},{},{},{},{}",
+            "{},{},{},\"{}\",{},{},{:.6},{},{},{},{},{},{}",
             r.test,
             r.mode,
             r.kind,
@@ -567,27 +604,28 @@ fn print_row(r: &StreamRow, a: &StreamArgs, first: bool, out: &mut dyn Write) ->
             f(r.lat_us),
             f(r.lat_mean_us),
             f(r.lat_p99_us),
-            f(r.ratio_to_tcp)
+            f(r.ratio_to_tcp),
+            f(r.cpu_us)
         )
     } else {
         if first {
             if a.setup {
                 writeln!(
                     out,
-                    "{:>9} {:<4} {:>10} {:>8}  transport",
-                    "conns", "kind", "µs/conn", "vs TCP"
+                    "{:>9} {:<4} {:>10} {:>8} {:>9}  transport",
+                    "conns", "kind", "µs/conn", "vs TCP", "cpu µs"
                 )?;
             } else if a.lat {
                 writeln!(
                     out,
-                    "{:>9} {:<4} {:>10} {:>10} {:>10} {:>8}  transport",
-                    "size", "kind", "lat µs", "mean µs", "p99 µs", "vs TCP"
+                    "{:>9} {:<4} {:>10} {:>10} {:>10} {:>8} {:>9}  transport",
+                    "size", "kind", "lat µs", "mean µs", "p99 µs", "vs TCP", "cpu µs"
                 )?;
             } else {
                 writeln!(
                     out,
-                    "{:>9} {:<4} {:>12} {:>8}  transport",
-                    "size", "kind", "MB/s", "vs TCP"
+                    "{:>9} {:<4} {:>12} {:>8} {:>9}  transport",
+                    "size", "kind", "MB/s", "vs TCP", "cpu µs"
                 )?;
             }
         }
@@ -595,33 +633,36 @@ fn print_row(r: &StreamRow, a: &StreamArgs, first: bool, out: &mut dyn Write) ->
         if a.setup {
             writeln!(
                 out,
-                "{:>9} {:<4} {:>10} {:>8}  {}",
+                "{:>9} {:<4} {:>10} {:>8} {:>9}  {}",
                 r.count,
                 r.kind,
                 f(r.lat_us),
                 ratio,
+                f(r.cpu_us),
                 r.transport
             )
         } else if a.lat {
             writeln!(
                 out,
-                "{:>9} {:<4} {:>10} {:>10} {:>10} {:>8}  {}",
+                "{:>9} {:<4} {:>10} {:>10} {:>10} {:>8} {:>9}  {}",
                 r.size,
                 r.kind,
                 f(r.lat_us),
                 f(r.lat_mean_us),
                 f(r.lat_p99_us),
                 ratio,
+                f(r.cpu_us),
                 r.transport
             )
         } else {
             writeln!(
                 out,
-                "{:>9} {:<4} {:>12} {:>8}  {}",
+                "{:>9} {:<4} {:>12} {:>8} {:>9}  {}",
                 r.size,
                 r.kind,
                 f(r.mb_s),
                 ratio,
+                f(r.cpu_us),
                 r.transport
             )
         }
@@ -841,9 +882,12 @@ mod tests {
         assert_eq!(rows.len(), 1);
         assert_eq!(rows[0].count, 200);
         assert!(rows[0].lat_us.unwrap() > 0.0);
+        // 200 round trips cost the process CPU time.
+        assert!(rows[0].cpu_us.is_some_and(|c| c.is_finite() && c > 0.0));
         let v: serde_json::Value =
             serde_json::from_str(String::from_utf8(out).unwrap().trim()).unwrap();
         assert_eq!(v["mode"], "lat");
+        assert!(v["cpu_us"].is_number(), "{v}");
         end_server(addr);
         server.join().unwrap();
     }
