@@ -8,9 +8,12 @@
 //!
 //! Buffered copy: `rx_bufs` receives of `buf_size` octets are posted; a
 //! Data message is copied into a send staging buffer, its BSDH written in
-//! front, and sent when the credits allow ([`crate::sdp::Session`]). The
-//! application reads straight out of the receive buffers, which are
-//! reposted once read (they are the socket receive buffer).
+//! front, and sent when the credits allow ([`crate::sdp::Session`]); a
+//! small write with nothing queued before it and no cork goes out at once
+//! as an inline Data message instead (header and payload copied into the
+//! send request). The application reads straight out of the receive
+//! buffers, which are reposted once read (they are the socket receive
+//! buffer).
 //!
 //! Progress: completions are processed by whichever thread calls in. A
 //! blocked call (after `Config::spin` of busy polling) waits in the CQ
