@@ -243,6 +243,8 @@ pub(crate) struct Pending {
     client_addr: Ipv6Addr,
     /// Keep the socket for the thread's next query.
     keep: bool,
+    /// The process that made the socket.
+    pid: u32,
     q: Probe,
     sent: Instant,
 }
@@ -258,7 +260,7 @@ impl Drop for Pending {
         if let Some(s) = self.sock.take()
             && self.keep
         {
-            let kept = (self.dest, s, self.client_addr, std::process::id());
+            let kept = (self.dest, s, self.client_addr, self.pid);
             QUERY_SOCK.with(|c| *c.borrow_mut() = Some(kept));
         }
     }
@@ -284,15 +286,16 @@ type QuerySock = (SocketAddr, UdpSocket, Ipv6Addr, u32);
 /// A query socket for `dest`: with `reuse`, this thread's last one if it
 /// was for `dest` and made by this process (emptied of late datagrams and
 /// errors of earlier queries), else a new one.
-fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Addr)> {
+fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Addr, u32)> {
     let kept = if reuse {
         QUERY_SOCK.with(|c| c.borrow_mut().take())
     } else {
         None
     };
+    let me = std::process::id();
     if let Some((d, s, a, pid)) = kept
         && d == dest
-        && pid == std::process::id()
+        && pid == me
     {
         let mut b = [0u8; 64];
         // A late answer, or an error of an earlier query (a refused one
@@ -300,7 +303,7 @@ fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Add
         while let Ok(_) | Err(rustix::io::Errno::CONNREFUSED | rustix::io::Errno::INTR) =
             rustix::net::recv(&s, &mut b[..], rustix::net::RecvFlags::DONTWAIT)
         {}
-        return Ok((s, a));
+        return Ok((s, a, me));
     }
     let bind: SocketAddr = if dest.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
@@ -313,7 +316,7 @@ fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Add
         IpAddr::V4(v4) => v4.to_ipv6_mapped(),
         IpAddr::V6(v6) => v6,
     };
-    Ok((s, client_addr))
+    Ok((s, client_addr, me))
 }
 
 /// Sends the query for the connection from `client_port` to `dest`.
@@ -325,7 +328,7 @@ pub(crate) fn send_query(dest: SocketAddr, client_port: u16) -> io::Result<Pendi
 /// [`send_query`]; `keep`: the socket is kept for the thread's next
 /// query (see [`QUERY_SOCK`]).
 fn send_query_with(dest: SocketAddr, client_port: u16, keep: bool) -> io::Result<Pending> {
-    let (s, client_addr) = query_socket(dest, keep)?;
+    let (s, client_addr, pid) = query_socket(dest, keep)?;
     let q = Probe {
         kind: Kind::Query,
         nonce: nonce(),
@@ -340,6 +343,7 @@ fn send_query_with(dest: SocketAddr, client_port: u16, keep: bool) -> io::Result
         sock: Some(s),
         client_addr,
         keep,
+        pid,
         q,
         sent: Instant::now(),
     })
@@ -359,14 +363,24 @@ fn wait_answer(p: &Pending, timeout: Duration) -> io::Result<(Answer, u8)> {
         } else {
             deadline
         };
+        // A query sent with the SYN is mostly answered by the time the
+        // connect returns: look once without a wait (no timeout to set).
+        let mut first = attempt == 0;
         loop {
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
-            p.sock().set_read_timeout(Some(left))?;
             let mut b = [0u8; 64];
-            match p.sock().recv(&mut b) {
+            let got = if std::mem::take(&mut first) {
+                rustix::net::recv(p.sock(), &mut b[..], rustix::net::RecvFlags::DONTWAIT)
+                    .map(|(n, _)| n)
+                    .map_err(io::Error::from)
+            } else {
+                p.sock().set_read_timeout(Some(left))?;
+                p.sock().recv(&mut b)
+            };
+            match got {
                 Ok(n) => match Probe::decode(&b[..n]) {
                     Some(a) if a.nonce == p.q.nonce && a.kind == Kind::Accept => {
                         return Ok((Answer::Accept, a.flags));
