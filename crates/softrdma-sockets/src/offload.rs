@@ -403,6 +403,8 @@ struct Shared {
     zc_send: bool,
     zc_threshold: usize,
     zc_timeout: Duration,
+    /// Largest write sent inline (see `Shared::send_small`).
+    inline_max: usize,
     spin: Duration,
     linger: Duration,
     /// Duplicate of the kernel socket (the QP owns the original).
@@ -526,8 +528,9 @@ impl Offload {
             max_recv_wr: u32::try_from(rx_bufs).unwrap_or(u32::MAX),
             max_send_sge: 1,
             max_recv_sge: 1,
-            max_inline_data: (BSDH_LEN + INLINE_PAYLOAD) as u32,
+            max_inline_data: ((BSDH_LEN + INLINE_PAYLOAD) as u32).min(dev.attr().max_inline_data),
         };
+        let inline_max = (attr.cap.max_inline_data as usize).saturating_sub(BSDH_LEN);
         let qp = QueuePair::new(&eng.pd, &attr).map_err(local)?;
         let rx_mr = PooledMr::take(&eng.pd, rx_bufs * size).map_err(local)?;
         let post_rx = |i: usize| -> Result<(), SetupError> {
@@ -676,6 +679,7 @@ impl Offload {
             zc_send: zc && peer_cap & CAP_READ_ZCOPY != 0,
             zc_threshold: cfg.zcopy_threshold.max(1),
             zc_timeout: cfg.zcopy_timeout,
+            inline_max,
             spin: cfg.spin,
             linger: cfg.linger,
             sock: dup,
@@ -1594,7 +1598,7 @@ impl Shared {
     /// of the send region), if nothing is queued before it, it would not
     /// be corked, and a credit allows. Returns whether it was sent.
     fn send_small(&self, st: &mut State, buf: &[u8]) -> bool {
-        if buf.len() > INLINE_PAYLOAD
+        if buf.len() > self.inline_max
             || !st.tx_queue.is_empty()
             || !st.ctrl_pending.is_empty()
             || st.failed()
