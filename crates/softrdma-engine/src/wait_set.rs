@@ -250,6 +250,37 @@ struct Member {
     slot: usize,
 }
 
+/// Hashes a CQ's identity (an address, not chosen by a peer) with one
+/// multiplication: looked up once per CQ and wait.
+#[derive(Default, Clone, Copy)]
+struct IdHash;
+
+impl std::hash::BuildHasher for IdHash {
+    type Hasher = IdHasher;
+    fn build_hasher(&self) -> IdHasher {
+        IdHasher(0)
+    }
+}
+
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_usize(&mut self, id: usize) {
+        // The low bits of an aligned address are zero: the high half of
+        // the product is folded into the low one (the bucket index).
+        let x = (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = x ^ (x >> 32);
+    }
+}
+
 /// The epoll instance of a set and what is registered in it.
 struct EpState {
     ep: crate::sys::epoll::Epoll,
@@ -258,7 +289,7 @@ struct EpState {
     /// Registrations by descriptor number.
     regs: Vec<Option<Reg>>,
     /// The CQs' state, by [`CompletionQueue::wait_set_id`].
-    members: std::collections::HashMap<usize, Member>,
+    members: std::collections::HashMap<usize, Member, IdHash>,
     round: u64,
     next_token: u32,
     buf: Vec<libc::epoll_event>,
@@ -274,7 +305,7 @@ impl EpState {
             ep: crate::sys::epoll::Epoll::new()?,
             fork_gen: crate::sys::epoll::fork_generation(),
             regs: Vec::new(),
-            members: std::collections::HashMap::new(),
+            members: std::collections::HashMap::default(),
             round: 0,
             next_token: 0,
             buf: Vec::new(),
@@ -747,14 +778,12 @@ impl WaitSet {
             }
             m.round = round;
             m.slot = i;
-            let hooks = cq.wait_set_hooks();
-            let same = match (&m.hooks, &hooks) {
-                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                (None, None) => true,
-                _ => false,
-            };
-            if !same || m.dirty || m.claimed_until < need {
-                broken |= ep.claim(m, id, hooks, until);
+            // A quiet CQ whose claim holds is not looked at any further
+            // (a QP that joins it meanwhile is found at the next renewal;
+            // until then the receive threads serve it and its completions
+            // wake the set through the event fd).
+            if m.hooks.is_none() || m.dirty || m.claimed_until < need {
+                broken |= ep.claim(m, id, cq.wait_set_hooks(), until);
                 m.dirty = false;
             }
             if let Some(fd) = wake
