@@ -420,3 +420,30 @@ fn sendmmsg_and_recvmmsg_go_through_the_offloaded_stream() {
         r=(MMH*1)(); r[0].hdr.iov=ctypes.pointer(riov); r[0].hdr.iovlen=1\n\
         assert libc.recvmmsg(s.fileno(), r, 1, 0, None)==1 and rb.raw[:r[0].len]==b'abc', r[0].len\n");
 }
+
+/// A client's socket is bound, for its capability query, to a port chosen
+/// at random in the ephemeral range (one look-up in the kernel), not by a
+/// `bind` to port 0 (which searches the range, `TIME_WAIT` included, and
+/// gives odd ports first: 16 connections from port-0 binds would all have
+/// odd ports). `SO_REUSEADDR`, set for that bind only, reads as the
+/// application left it; a port the application bound itself is kept.
+#[test]
+fn a_client_asks_from_a_chosen_ephemeral_port_and_keeps_its_options() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(
+        "lo,hi=map(int,open('/proc/sys/net/ipv4/ip_local_port_range').read().split())\n\
+        c.close(); s.close()\n\
+        ports=[]\n\
+        for i in range(16):\n    c,s=connect()\n    p=c.getsockname()[1]; assert lo<=p<=hi, (p,lo,hi)\n    assert c.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)==0\n    c.sendall(b'x'); assert s.recv(1)==b'x'\n    ports.append(p); c.close(); s.close()\n\
+        assert any(p%2==0 for p in ports), ports\n\
+        port=l.getsockname()[1]\n\
+        def own():\n    x=socket.socket(); x.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); x.bind(('127.0.0.1',0)); b=x.getsockname()[1]; x.connect(('127.0.0.1',port)); r.append((x,b))\n\
+        r=[]; t=threading.Thread(target=own); t.start()\n\
+        s,_=l.accept(); select.select([],[s],[],5); t.join(); x,b=r[0]\n\
+        assert x.getsockname()[1]==b and x.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)!=0\n\
+        x.sendall(b'y'); assert s.recv(1)==b'y'\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "36", "{lines:?}");
+}
