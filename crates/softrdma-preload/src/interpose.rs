@@ -762,7 +762,7 @@ fn on_accepted(lfd: c_int, fd: c_int, flags: c_int) -> c_int {
                 None => PlainReason::NoTwin,
                 Some(t) => {
                     let asked = peer_ip_port(fd)
-                        .is_some_and(|(pip, pport)| t.records.take(SocketAddr::new(pip, pport)));
+                        .is_some_and(|(pip, pport)| t.take(SocketAddr::new(pip, pport)));
                     if asked && let Some(c) = Conn::accepted(fd) {
                         // Counted when it is switched (first use).
                         conn::insert(fd, c, flags & libc::SOCK_CLOEXEC != 0);

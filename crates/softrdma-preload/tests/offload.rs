@@ -447,3 +447,57 @@ fn a_client_asks_from_a_chosen_ephemeral_port_and_keeps_its_options() {
     );
     assert_eq!(field(&lines[0], "offloaded"), "36", "{lines:?}");
 }
+
+/// A sockets-direct client (`softrdma_sockets`) connecting to a preloaded
+/// listener learns from the twin's first answer that it decides late
+/// queries, and sends its next queries beside the SYN: those connections
+/// are switched on both ends too (the accept answers the query queued
+/// before the connection, then finds its record).
+#[test]
+fn a_sockets_client_sends_its_next_queries_beside_the_syn() {
+    if !have_python() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port_file = dir.path().join("port");
+    let pf = port_file.to_str().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        python(
+            "import socket,os\n\
+             l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
+             open(os.environ['PORT_FILE']+'.tmp','w').write(str(l.getsockname()[1]))\n\
+             os.rename(os.environ['PORT_FILE']+'.tmp', os.environ['PORT_FILE'])\n\
+             for i in range(3):\n    s,_=l.accept(); d=s.recv(100); s.sendall(d[::-1]); s.recv(1); s.close()\n\
+             print('DONE')\n",
+            &[("SOFTRDMA_SOCKETS", "auto"), ("PORT_FILE", &pf)],
+        )
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let port: u16 = loop {
+        if let Ok(p) = std::fs::read_to_string(&port_file) {
+            break p.trim().parse().unwrap();
+        }
+        assert!(std::time::Instant::now() < deadline, "no listener");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    for i in 0..3u8 {
+        use std::io::{Read, Write};
+        let mut c = softrdma_sockets::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        assert!(
+            c.transport().is_offloaded(),
+            "connection {i}: {:?}",
+            c.transport()
+        );
+        c.write_all(&[b'a', b'b', b'0' + i]).unwrap();
+        let mut b = [0u8; 3];
+        c.read_exact(&mut b).unwrap();
+        assert_eq!(b, [b'0' + i, b'b', b'a']);
+    }
+    let (out, lines) = server.join().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("DONE"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "3", "{lines:?}");
+}
