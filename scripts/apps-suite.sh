@@ -177,7 +177,10 @@ if [ "$BENCH" -gt 0 ]; then
 	declare -A E
 	st=$LOGS/bench-cpu
 	for run in $(seq 1 "$BENCH"); do
-		for pl in "${BPL[@]}"; do
+		# Each run starts with another placement (the one run after
+		# another's ports and TIME_WAIT is not always the same).
+		k=$(((run - 1) % ${#BPL[@]}))
+		for pl in "${BPL[@]:k}" "${BPL[@]:0:k}"; do
 			W=$(bwrap "$pl")
 			next_port
 			# shellcheck disable=SC2086
