@@ -501,3 +501,32 @@ fn a_sockets_client_sends_its_next_queries_beside_the_syn() {
     );
     assert_eq!(field(&lines[0], "offloaded"), "3", "{lines:?}");
 }
+
+/// Copies through user space share one buffer per thread from call to
+/// call: after a large `sendfile` and `writev` filled it, a short `readv`
+/// over two vectors gets exactly the bytes that came (none of what the
+/// buffer held before), and a `writev` sends exactly its vectors.
+#[test]
+fn copies_through_user_space_never_show_an_earlier_calls_bytes() {
+    if !have_python() {
+        return;
+    }
+    run("import tempfile\n\
+        f=tempfile.TemporaryFile(); data=os.urandom(1_500_000); f.write(data); f.flush()\n\
+        def rx(k):\n    b=bytearray()\n    while len(b)<k: b+=s.recv(1<<20)\n    return bytes(b)\n\
+        t=threading.Thread(target=lambda: r.append(rx(len(data)))); r=[]; t.start()\n\
+        n=0\n\
+        while n<len(data): n+=os.sendfile(c.fileno(), f.fileno(), n, len(data)-n)\n\
+        t.join(); assert r[0]==data\n\
+        big=[data[:700_000], data[700_000:1_400_000]]\n\
+        t=threading.Thread(target=lambda: r.append(rx(1_400_000))); r=[]; t.start()\n\
+        n=0\n\
+        while n<1_400_000: n+=os.writev(c.fileno(), [memoryview(data)[n:700_000], memoryview(data)[max(n,700_000):1_400_000]] if n<700_000 else [memoryview(data)[n:1_400_000]])\n\
+        t.join(); assert r[0]==data[:1_400_000]\n\
+        assert os.writev(c.fileno(), [b'abc', b'', b'defg'])==7\n\
+        a,b=bytearray(4),bytearray(100)\n\
+        got=0\n\
+        while got==0:\n    got=os.readv(s.fileno(), [a,b])\n\
+        got+=s.recv_into(memoryview(b)[got-4:], 100) if got<7 else 0\n\
+        assert got==7 and bytes(a)==b'abcd' and bytes(b[:3])==b'efg' and bytes(b[3:])==bytes(97), (got,a,b[:10])\n");
+}
