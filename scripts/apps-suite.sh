@@ -133,11 +133,20 @@ wait_port() { # port
 # every message), tcp (both ends preloaded with policy tcp: the preload's
 # pass-through cost).
 # Runs interleave the placements so that drift of a busy machine spreads
-# over all of them.
+# over all of them. SOFTRDMA_APPS_BASE=DIR adds placement "base": as both,
+# with the softrdma binary (and its preload library) in DIR, an older build
+# to compare with in the same runs; SOFTRDMA_APPS_BENCH_PLACEMENTS="none
+# both ..." runs only those (default: none both kwait tcp, and base).
 if [ "$BENCH" -gt 0 ]; then
+	BPL=(none both kwait tcp)
+	[ -n "${SOFTRDMA_APPS_BASE:-}" ] && BPL+=(base)
+	if [ -n "${SOFTRDMA_APPS_BENCH_PLACEMENTS:-}" ]; then
+		read -r -a BPL <<<"$SOFTRDMA_APPS_BENCH_PLACEMENTS"
+	fi
 	bwrap() { # placement
 		case "$1" in
 		both) echo "$BIN run --no-verbs --no-dat --sockets --" ;;
+		base) echo "${SOFTRDMA_APPS_BASE:-}/softrdma run --no-verbs --no-dat --sockets --" ;;
 		kwait) echo "env SOFTRDMA_SOCKETS_WAIT=kernel $BIN run --no-verbs --no-dat --sockets --" ;;
 		tcp) echo "$BIN run --no-verbs --no-dat --sockets --sockets-policy tcp --" ;;
 		*) echo "" ;;
@@ -168,7 +177,10 @@ if [ "$BENCH" -gt 0 ]; then
 	declare -A E
 	st=$LOGS/bench-cpu
 	for run in $(seq 1 "$BENCH"); do
-		for pl in none both kwait tcp; do
+		# Each run starts with another placement (the one run after
+		# another's ports and TIME_WAIT is not always the same).
+		k=$(((run - 1) % ${#BPL[@]}))
+		for pl in "${BPL[@]:k}" "${BPL[@]:0:k}"; do
 			W=$(bwrap "$pl")
 			next_port
 			# shellcheck disable=SC2086
@@ -230,7 +242,7 @@ EOC
 	# Pass-through cost of the preload (policy tcp, nothing offloaded), as
 	# CPU time (less sensitive to a busy machine than wall time): 2 M
 	# one-byte reads and 2 M writes, the worst case for an interposed call.
-	if command -v perf >/dev/null; then
+	if command -v perf >/dev/null && [[ " ${BPL[*]} " == *" tcp "* ]]; then
 		for run in $(seq 1 "$BENCH"); do
 			for pl in none tcp; do
 				pre=""
@@ -245,7 +257,7 @@ EOC
 	declare -A RATIO
 	for c in iperf3 redis-P1 redis-P16 nginx-wrk dd-cpu-ms; do
 		base=$(echo "${B[$c,none]:-}" | tr ' ' '\n' | grep . | median)
-		for pl in none both kwait tcp; do
+		for pl in none both kwait tcp base; do
 			[ -n "${B[$c,$pl]:-}" ] || continue
 			m=$(echo "${B[$c,$pl]}" | tr ' ' '\n' | grep . | median)
 			r=$(awk -v a="$m" -v b="$base" 'BEGIN { if (a == "" || b == "" || b == 0) print "-"; else printf "%.2f", a / b }')
@@ -259,7 +271,7 @@ EOC
 		printf '\n%-10s %-6s %14s %8s   %s\n' "case/cpu-s" placement median "x none" "runs"
 		for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
 			base=$(echo "${E[$c,none]:-}" | tr ' ' '\n' | grep . | median)
-			for pl in none both kwait tcp; do
+			for pl in none both kwait tcp base; do
 				[ -n "${E[$c,$pl]:-}" ] || continue
 				m=$(echo "${E[$c,$pl]}" | tr ' ' '\n' | grep . | median)
 				r=$(awk -v a="$m" -v b="$base" 'BEGIN { if (a == "" || b == "" || b == 0) print "-"; else printf "%.2f", a / b }')

@@ -1170,18 +1170,25 @@ impl CompletionQueue {
         self.shared.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// The live receive-progress hooks (QPs) of this CQ, if the calling
-    /// thread may run the receive path (`poll_driven_receive`).
-    pub(crate) fn wait_set_hooks(&self) -> Vec<Arc<dyn Progress>> {
+    /// The receive-progress hooks (QPs) of this CQ, if the calling thread
+    /// may run the receive path (`poll_driven_receive`): the CQ's own
+    /// copy-on-write list, shared (no allocation; a dead hook's `upgrade`
+    /// fails). The list is replaced, never changed, when a hook comes or
+    /// goes, so a wait set that keeps it knows the hooks are the same
+    /// while `Arc::ptr_eq` holds.
+    pub(crate) fn wait_set_hooks(&self) -> Option<Arc<[Weak<dyn Progress>]>> {
         if !self.shared.device.config().poll_driven_receive {
-            return Vec::new();
+            return None;
         }
-        self.shared
-            .progress
-            .read()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect()
+        Some(Arc::clone(&self.shared.progress.read()))
+    }
+
+    /// The CQ's identity while it lives (the address of its shared state;
+    /// held with [`wait_set_key`](Self::wait_set_key), which keeps the
+    /// address from being reused): what a wait set finds its state of
+    /// this CQ by, without touching a reference count.
+    pub(crate) fn wait_set_id(&self) -> usize {
+        Arc::as_ptr(&self.shared) as usize
     }
 }
 

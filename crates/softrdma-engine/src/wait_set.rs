@@ -45,7 +45,14 @@
 //! number still names the registered file); a registration the set no
 //! longer knows (its file open elsewhere, a duplicate or a forked child)
 //! makes it start over with a new instance. The kernel's work in a wait is
-//! then per ready descriptor. Smaller sets sleep in one `ppoll(2)` over
+//! then per ready descriptor. What the set knows of each CQ (its QPs'
+//! sockets, their claim from the engine's receive threads, its event fd)
+//! is kept from one wait to the next too, found by the CQ's identity: a
+//! wait claims a CQ's sockets again only when its QPs changed, when it
+//! had something the last time (its owner polled it since, which ends
+//! the claim), or when the claim runs short; so the set's own work per
+//! wait is a look-up per CQ, and a walk over QPs only for the busy ones.
+//! Smaller sets sleep in one `ppoll(2)` over
 //! their descriptors. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
 //! way for every set.
 //!
@@ -79,7 +86,9 @@ const NAP_MAX: Duration = Duration::from_millis(100);
 /// event loop back within that time receives every message itself, and
 /// the receive threads are not woken for those sockets (nor re-arm them)
 /// per message. A program that stops waiting leaves its QPs to the
-/// receive threads after this plus their quiet period.
+/// receive threads after this plus their quiet period (sets waiting with
+/// epoll: after between half of this and this plus the last nap, their
+/// claims being renewed only when half of this is left).
 const CLAIM_AFTER_NS: u64 = 10_000_000;
 
 /// Why [`WaitSet::wait`] returned without a result.
@@ -168,6 +177,16 @@ enum What {
     Foreign,
 }
 
+impl Clone for What {
+    fn clone(&self) -> What {
+        match self {
+            What::Socket(w) => What::Socket(w.clone()),
+            What::Wake(w) => What::Wake(w.clone()),
+            What::Foreign => What::Foreign,
+        }
+    }
+}
+
 impl What {
     fn same(&self, other: &What) -> bool {
         match (self, other) {
@@ -193,13 +212,73 @@ struct Reg {
     /// a registration this table no longer knows (a stale one).
     token: u32,
     what: What,
-    /// The wait round that last used it (an event of one not used in
-    /// the current round is dropped, and so is the registration).
+    /// The wait round that last used it (a foreign descriptor: an event
+    /// of one not given for the current round is dropped, and so is the
+    /// registration; a QP's socket and a CQ's event fd go by their
+    /// [`Member`]'s round).
     round: u64,
-    /// This round: the QP (index in `hooks`) or CQ it serves, or the
-    /// union of the foreign interest.
+    /// A QP's socket or a CQ's event fd: the [`Member`] (CQ) it serves,
+    /// by id; a foreign descriptor: its index this round.
     slot: usize,
     interest: i16,
+}
+
+/// What a set's epoll instance keeps of one CQ from one wait to the next
+/// (found by [`CompletionQueue::wait_set_id`]; keeps neither the CQ nor
+/// its QPs alive). A wait looks at its QPs' sockets only when the CQ's
+/// hooks changed or their claim runs short: the work per CQ and wait is a
+/// look-up, not a walk over its QPs with a claim each.
+struct Member {
+    /// The CQ's identity (keeps its address from being reused meanwhile).
+    key: std::sync::Weak<dyn std::any::Any + Send + Sync>,
+    /// The CQ's hook list when its sockets were last claimed (the same
+    /// `Arc` while no QP came or went).
+    hooks: Option<Arc<[std::sync::Weak<dyn Progress>]>>,
+    /// The socket of each hook then (`None`: nothing to watch).
+    fds: Vec<Option<RawFd>>,
+    /// The claim on those sockets runs until then ([`crate::datamover::now_ns`]).
+    claimed_until: u64,
+    /// The CQ's wake-up event fd, registered.
+    wake: Option<RawFd>,
+    /// The CQ had something the last time (a completion, bytes on a QP's
+    /// socket): its owner polls it after the wait, and a poll that finds
+    /// it empty marks its QPs as busy-polled *now*, which ends the claim
+    /// a moment later. The next wait claims them again.
+    dirty: bool,
+    /// The round that last used it, and the CQ's index in that round.
+    round: u64,
+    slot: usize,
+}
+
+/// Hashes a CQ's identity (an address, not chosen by a peer) with one
+/// multiplication: looked up once per CQ and wait.
+#[derive(Default, Clone, Copy)]
+struct IdHash;
+
+impl std::hash::BuildHasher for IdHash {
+    type Hasher = IdHasher;
+    fn build_hasher(&self) -> IdHasher {
+        IdHasher(0)
+    }
+}
+
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_usize(&mut self, id: usize) {
+        // The low bits of an aligned address are zero: the high half of
+        // the product is folded into the low one (the bucket index).
+        let x = (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = x ^ (x >> 32);
+    }
 }
 
 /// The epoll instance of a set and what is registered in it.
@@ -209,6 +288,8 @@ struct EpState {
     fork_gen: u64,
     /// Registrations by descriptor number.
     regs: Vec<Option<Reg>>,
+    /// The CQs' state, by [`CompletionQueue::wait_set_id`].
+    members: std::collections::HashMap<usize, Member, IdHash>,
     round: u64,
     next_token: u32,
     buf: Vec<libc::epoll_event>,
@@ -224,6 +305,7 @@ impl EpState {
             ep: crate::sys::epoll::Epoll::new()?,
             fork_gen: crate::sys::epoll::fork_generation(),
             regs: Vec::new(),
+            members: std::collections::HashMap::default(),
             round: 0,
             next_token: 0,
             buf: Vec::new(),
@@ -309,13 +391,78 @@ impl EpState {
         }
     }
 
-    /// Forgets the registrations of QPs and CQs that are gone.
+    /// Forgets the registrations of QPs and CQs that are gone, and the
+    /// state of CQs gone or not waited on for a while (their
+    /// registrations are dropped when they fire).
     fn sweep(&mut self) {
         for r in &mut self.regs {
             if r.as_ref().is_some_and(|r| r.what.dead()) {
                 *r = None;
             }
         }
+        let round = self.round;
+        self.members.retain(|_, m| {
+            m.key.strong_count() > 0 && m.round.saturating_add(SWEEP_ROUNDS) > round
+        });
+    }
+
+    /// Removes the registration of `fd` (made for `what`) from the instance.
+    fn drop_reg(&mut self, fd: RawFd, what: &What) {
+        let Ok(i) = usize::try_from(fd) else { return };
+        if self
+            .regs
+            .get(i)
+            .and_then(Option::as_ref)
+            .is_some_and(|r| r.what.same(what))
+        {
+            let _ = self.ep.ctl(libc::EPOLL_CTL_DEL, fd, 0, 0);
+            self.regs[i] = None;
+        }
+    }
+
+    /// Claims the sockets of the QPs of `cq` (member `id`) until `until`
+    /// and makes sure each is registered; a QP that no longer has one to
+    /// watch (closed, in error) leaves the instance. Whether epoll refused
+    /// a registration for a reason other than a closed descriptor.
+    fn claim(
+        &mut self,
+        m: &mut Member,
+        id: usize,
+        hooks: Option<Arc<[std::sync::Weak<dyn Progress>]>>,
+        until: u64,
+    ) -> bool {
+        let same = match (&m.hooks, &hooks) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        if !same {
+            m.fds.clear();
+        }
+        let mut broken = false;
+        if let Some(list) = &hooks {
+            m.fds.resize(list.len(), None);
+            for (w, slot) in list.iter().zip(m.fds.iter_mut()) {
+                let fd = w.upgrade().and_then(|h| h.sleep_on(Some(until)));
+                match fd {
+                    Some(fd) => {
+                        match self.want(fd, What::Socket(w.clone()), libc::EPOLLIN as u32, id) {
+                            Ok(()) | Err(libc::EBADF) => {}
+                            Err(_) => broken = true,
+                        }
+                    }
+                    None => {
+                        if let Some(old) = *slot {
+                            self.drop_reg(old, &What::Socket(w.clone()));
+                        }
+                    }
+                }
+                *slot = fd;
+            }
+        }
+        m.hooks = hooks;
+        m.claimed_until = until;
+        broken
     }
 }
 
@@ -474,7 +621,10 @@ impl WaitSet {
             .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX))
             .saturating_add(1_000_000);
         for (i, cq) in self.cqs.iter().enumerate() {
-            for hook in cq.wait_set_hooks() {
+            let Some(list) = cq.wait_set_hooks() else {
+                continue;
+            };
+            for hook in list.iter().filter_map(std::sync::Weak::upgrade) {
                 if let Some(fd) = hook.sleep_on(Some(until)) {
                     self.pfds.push(libc::pollfd {
                         fd,
@@ -592,35 +742,61 @@ impl WaitSet {
             }
             ready += usize::from(self.fds[k].revents != 0);
         }
-        let mut wake_fds = Vec::with_capacity(self.cqs.len());
-        for cq in &self.cqs {
-            wake_fds.push(cq.wait_set_enter());
-        }
-        ready += self.look_cqs();
-        let until = crate::datamover::now_ns()
-            .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX))
-            .saturating_add(1_000_000);
+        // The claims on the QPs' sockets cover the nap and
+        // `CLAIM_AFTER_NS` after it; they are renewed (a walk over the
+        // CQ's QPs) only when less than half of that after-time is left,
+        // not on every wait, so that a wait costs a look-up per CQ.
+        let now = crate::datamover::now_ns();
+        let nap_ns = u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX);
+        let need = now
+            .saturating_add(nap_ns)
+            .saturating_add(CLAIM_AFTER_NS / 2);
+        let until = now.saturating_add(nap_ns).saturating_add(CLAIM_AFTER_NS);
+        let round = ep.round;
+        let mut members = std::mem::take(&mut ep.members);
         // A registration epoll refused for a reason other than a closed
         // descriptor: this round does not sleep, the next ones use ppoll.
         let mut broken = false;
         for (i, cq) in self.cqs.iter().enumerate() {
-            for hook in cq.wait_set_hooks() {
-                if let Some(fd) = hook.sleep_on(Some(until)) {
-                    let what = What::Socket(Arc::downgrade(&hook));
-                    match ep.want(fd, what, libc::EPOLLIN as u32, self.hooks.len()) {
-                        Ok(()) | Err(libc::EBADF) => {}
-                        Err(_) => broken = true,
-                    }
-                    self.hooks.push((i, hook));
-                }
+            // From here a push to the CQ signals its event fd: a
+            // completion that arrives after the look below wakes the sleep.
+            let wake = cq.wait_set_enter();
+            let id = cq.wait_set_id();
+            let m = members.entry(id).or_insert_with(|| Member {
+                key: cq.wait_set_key(),
+                hooks: None,
+                fds: Vec::new(),
+                claimed_until: 0,
+                wake: None,
+                dirty: false,
+                round: 0,
+                slot: 0,
+            });
+            if m.round == round {
+                // The same CQ twice in the set: the first serves.
+                continue;
             }
-            if let Some(fd) = wake_fds[i] {
-                match ep.want(fd, What::Wake(cq.wait_set_key()), libc::EPOLLIN as u32, i) {
-                    Ok(()) | Err(libc::EBADF) => {}
+            m.round = round;
+            m.slot = i;
+            // A quiet CQ whose claim holds is not looked at any further
+            // (a QP that joins it meanwhile is found at the next renewal;
+            // until then the receive threads serve it and its completions
+            // wake the set through the event fd).
+            if m.hooks.is_none() || m.dirty || m.claimed_until < need {
+                broken |= ep.claim(m, id, cq.wait_set_hooks(), until);
+                m.dirty = false;
+            }
+            if let Some(fd) = wake
+                && m.wake != Some(fd)
+            {
+                match ep.want(fd, What::Wake(m.key.clone()), libc::EPOLLIN as u32, id) {
+                    Ok(()) => m.wake = Some(fd),
+                    Err(libc::EBADF) => {}
                     Err(_) => broken = true,
                 }
             }
         }
+        ready += self.look_cqs();
         let nap = if ready > 0 || broken {
             Duration::ZERO
         } else {
@@ -634,6 +810,9 @@ impl WaitSet {
             let EpState { ep: e, buf, .. } = &mut ep;
             e.wait(buf, nap, mask)
         };
+        // Awake: completions pushed from here on (by the receive path run
+        // below in this very thread, above all) need not signal the event
+        // fds.
         for cq in &self.cqs {
             cq.wait_set_leave();
         }
@@ -659,27 +838,75 @@ impl WaitSet {
                         stale = true;
                         continue;
                     };
-                    if r.round != ep.round {
+                    // Whether the registration belongs to this wait: a
+                    // foreign descriptor given for it, or a QP's socket or
+                    // CQ's event fd of a CQ in it.
+                    let member = match r.what {
+                        What::Foreign => None,
+                        _ => Some(r.slot),
+                    };
+                    let current = match member {
+                        None => r.round == round,
+                        Some(id) => members.get(&id).is_some_and(|m| m.round == round),
+                    };
+                    let what = r.what.clone();
+                    if !current {
                         // Not part of this wait (a connection the caller
-                        // no longer waits on): dropped until it is.
+                        // no longer waits on): dropped until it is, and
+                        // the CQ's state with it (made anew, with every
+                        // registration, when it comes back).
                         let i = fd as usize;
                         match ep.ep.ctl(libc::EPOLL_CTL_DEL, fd, 0, 0) {
                             Ok(()) => ep.regs[i] = None,
                             Err(_) => stale = true,
                         }
+                        if let Some(id) = member {
+                            members.remove(&id);
+                        }
                         continue;
                     }
-                    match r.what {
-                        What::Socket(_) => {
-                            if let Some((_, hook)) = self.hooks.get(r.slot) {
-                                // Bytes (or an error) on the QP's socket:
-                                // receive in this thread.
-                                hook.progress(false);
-                                woke = true;
+                    match &what {
+                        What::Socket(w) => {
+                            // Bytes (or an error) on the QP's socket:
+                            // receive in this thread.
+                            let hook = w.upgrade();
+                            let done = hook.as_ref().is_some_and(|h| h.progress(false));
+                            woke = true;
+                            if let Some(m) = member.and_then(|id| members.get_mut(&id)) {
+                                m.dirty = true;
+                            }
+                            // Nothing to do for a readable socket: a QP
+                            // that stopped receiving (closed, in error; its
+                            // socket at its end stays readable) leaves the
+                            // instance rather than wake every wait.
+                            let gone = !done
+                                && hook
+                                    .as_ref()
+                                    .and_then(|h| {
+                                        let until = member
+                                            .and_then(|id| members.get(&id))
+                                            .map_or(0, |m| m.claimed_until);
+                                        h.sleep_on(Some(until))
+                                    })
+                                    .is_none();
+                            if gone {
+                                ep.drop_reg(fd, &what);
+                                if let Some(m) = member.and_then(|id| members.get_mut(&id)) {
+                                    for f in &mut m.fds {
+                                        if *f == Some(fd) {
+                                            *f = None;
+                                        }
+                                    }
+                                }
                             }
                         }
                         What::Wake(_) => {
-                            if let Some(cq) = self.cqs.get(r.slot) {
+                            if let Some(cq) =
+                                member.and_then(|id| members.get_mut(&id)).and_then(|m| {
+                                    m.dirty = true;
+                                    self.cqs.get(m.slot)
+                                })
+                            {
                                 cq.wait_set_drain();
                                 woke = true;
                             }
@@ -706,11 +933,15 @@ impl WaitSet {
             }
             Err(e) => Err(WaitError::Io(e)),
         };
-        let after = crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS);
-        for (_, hook) in &self.hooks {
-            let _ = hook.sleep_on(Some(after));
+        let ready = self.look_cqs();
+        if ready > 0 {
+            for (cq, _) in self.cqs.iter().zip(&self.cq_ready).filter(|(_, r)| **r) {
+                if let Some(m) = members.get_mut(&cq.wait_set_id()) {
+                    m.dirty = true;
+                }
+            }
         }
-        self.hooks.clear();
+        ep.members = members;
         if lost {
             ep.ep.forget();
             self.ep_off = true;
@@ -729,8 +960,7 @@ impl WaitSet {
         if let Err(e) = res {
             return Some(Err(e));
         }
-        let mut ready = self.look_cqs();
-        ready += self.fds.iter().filter(|p| p.revents != 0).count();
+        let ready = ready + self.fds.iter().filter(|p| p.revents != 0).count();
         Some(Ok((ready, woke)))
     }
 

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use softrdma_engine::wait_set::{WaitError, WaitSet};
 use softrdma_engine::{
-    CompletionQueue, Device, DeviceConfig, RecvWr, SendOp, SendWr, WcOpcode, WorkCompletion,
+    CompletionQueue, Device, DeviceConfig, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
+    WorkCompletion,
 };
 
 fn device(poll_driven: bool) -> Device {
@@ -315,4 +316,86 @@ fn a_closed_descriptor_number_reused_is_watched_anew() {
     drop(b);
     assert_eq!(set.wait(Some(Duration::from_secs(10))).unwrap(), 1);
     assert_eq!(set.fd_revents(i), libc::POLLNVAL);
+}
+
+/// A set large enough to wait with its own epoll instance keeps what it
+/// knows of each CQ from one wait to the next (its QPs' sockets
+/// registered and claimed, the claim renewed only now and then): every
+/// message still wakes it, whether the waits follow each other at once or
+/// with pauses longer than the claim's renewal margin, and also after one
+/// of the QPs closed (its socket at its end leaves the set instead of
+/// waking every wait) and the set was rebuilt with a CQ fewer.
+#[test]
+fn a_large_set_keeps_its_cqs_across_waits() {
+    let dev = device(true);
+    let pairs: Vec<_> = (0..5)
+        .map(|_| common::pair_with(dev.clone(), false, |_| {}))
+        .collect();
+    let rounds = 40u64;
+    let mrs: Vec<_> = pairs
+        .iter()
+        .map(|p| {
+            let dst = common::mr(&p.b, 64);
+            for i in 0..rounds {
+                p.b.qp
+                    .post_recv(&RecvWr::new(i, &[dst.sge(0, 64).unwrap()]))
+                    .unwrap();
+            }
+            (common::mr(&p.a, 64), dst)
+        })
+        .collect();
+    let mut set = WaitSet::new();
+    let fill = |set: &mut WaitSet, from: usize| {
+        set.clear();
+        for p in &pairs[from..] {
+            set.add_cq(&p.b.cq);
+        }
+    };
+    let mut got = vec![0u64; pairs.len()];
+    let mut receive = |set: &mut WaitSet, k: usize, from: usize, id: u64| {
+        send(&pairs[k].a, &mrs[k].0, id);
+        let mut seen = 0;
+        while seen == 0 {
+            fill(set, from);
+            let t = Instant::now();
+            let n = set.wait(Some(Duration::from_secs(10))).unwrap();
+            assert!(
+                n > 0 || t.elapsed() < Duration::from_secs(10),
+                "lost wake-up for QP {k}, message {id}"
+            );
+            for (j, p) in pairs.iter().enumerate().skip(from) {
+                let c = take(&p.b.cq);
+                if j == k {
+                    seen += c.len();
+                } else {
+                    // The closed QP's flushed receives, nothing else.
+                    assert!(
+                        c.iter().all(|c| j == 0 && c.status != WcStatus::Success),
+                        "QP {j} got a completion meant for {k}: {c:?}"
+                    );
+                }
+            }
+        }
+        got[k] += seen as u64;
+        assert_eq!(common::wait(&pairs[k].a.cq, 1).len(), 1);
+    };
+    for id in 0..rounds / 2 {
+        let k = id as usize % pairs.len();
+        if id % 7 == 3 {
+            // Past half the claim's time after the last wait: renewed.
+            std::thread::sleep(Duration::from_millis(8));
+        }
+        receive(&mut set, k, 0, id);
+    }
+    // QP 0's peer goes: its socket reaches its end. The set goes on with
+    // that CQ still in it, then without it (as a program drops a closed
+    // connection).
+    let _ = pairs[0].a.qp.disconnect();
+    let others = pairs.len() - 1;
+    for id in rounds / 2..rounds {
+        let k = 1 + id as usize % others;
+        let from = usize::from(id >= 3 * rounds / 4);
+        receive(&mut set, k, from, id);
+    }
+    assert_eq!(got.iter().sum::<u64>(), rounds);
 }

@@ -23,6 +23,34 @@ use crate::real::*;
 /// Largest vector or file chunk copied in one step.
 const CHUNK: usize = 1 << 20;
 
+thread_local! {
+    /// The calling thread's buffer for copies through user space (gathered
+    /// and scattered vectors, `sendfile`, `splice`), kept from one call to
+    /// the next (at most [`CHUNK`] octets per thread): a fresh zeroed
+    /// buffer per call cost a `calloc`, and above 128 KiB an `mmap`, a
+    /// page fault per page and a `munmap`, on every call.
+    static SCRATCH: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Runs `f` on a buffer of `len` octets (at most [`CHUNK`]; its contents
+/// are left from earlier calls: `f` reads only what it wrote): the
+/// thread's scratch buffer, taken out meanwhile (a signal handler's call
+/// inside another call, or one while the thread ends, makes its own).
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    let len = len.min(CHUNK);
+    let mut v = SCRATCH.try_with(std::cell::Cell::take).unwrap_or_default();
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+    let r = f(&mut v[..len]);
+    let _ = SCRATCH.try_with(|s| {
+        // Keep the larger one (a nested call put its own back meanwhile).
+        let cur = s.take();
+        s.set(if cur.len() > v.len() { cur } else { v });
+    });
+    r
+}
+
 fn recv_conn(c: &Conn, buf: &mut [u8], flags: c_int) -> Result<usize, c_int> {
     if flags & libc::MSG_OOB != 0 {
         return Err(libc::EINVAL);
@@ -125,19 +153,21 @@ fn readv_conn(c: &Conn, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
         let b = unsafe { buf_mut(one.iov_base, one.iov_len) };
         return recv_conn(c, b, flags);
     }
-    let mut tmp = vec![0u8; total];
-    let n = recv_conn(c, &mut tmp, flags)?;
-    let mut off = 0;
-    for v in iov {
-        if off >= n {
-            break;
+    with_scratch(total, |tmp| {
+        let n = recv_conn(c, tmp, flags)?;
+        let mut off = 0;
+        for v in iov {
+            if off >= n {
+                break;
+            }
+            let k = v.iov_len.min(n - off);
+            // SAFETY: the application's iovec names `iov_len` writable
+            // bytes.
+            unsafe { buf_mut(v.iov_base, k) }.copy_from_slice(&tmp[off..off + k]);
+            off += k;
         }
-        let k = v.iov_len.min(n - off);
-        // SAFETY: the application's iovec names `iov_len` writable bytes.
-        unsafe { buf_mut(v.iov_base, k) }.copy_from_slice(&tmp[off..off + k]);
-        off += k;
-    }
-    Ok(n)
+        Ok(n)
+    })
 }
 
 fn writev_conn(c: &Conn, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
@@ -145,16 +175,20 @@ fn writev_conn(c: &Conn, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
         // SAFETY: the application's iovec names readable memory.
         return send_conn(c, unsafe { buf_ref(one.iov_base, one.iov_len) }, flags);
     }
-    let mut tmp = Vec::with_capacity(iov.iter().map(|v| v.iov_len).sum::<usize>().min(CHUNK));
-    for v in iov {
-        let room = CHUNK - tmp.len();
-        if room == 0 {
-            break;
+    let total = iov.iter().map(|v| v.iov_len).sum::<usize>().min(CHUNK);
+    with_scratch(total, |tmp| {
+        let mut off = 0;
+        for v in iov {
+            let k = v.iov_len.min(total - off);
+            if k == 0 {
+                continue;
+            }
+            // SAFETY: the application's iovec names readable memory.
+            tmp[off..off + k].copy_from_slice(unsafe { buf_ref(v.iov_base, k) });
+            off += k;
         }
-        // SAFETY: the application's iovec names readable memory.
-        tmp.extend_from_slice(unsafe { buf_ref(v.iov_base, v.iov_len.min(room)) });
-    }
-    send_conn(c, &tmp, flags)
+        send_conn(c, &tmp[..off], flags)
+    })
 }
 
 fn ok(r: Result<usize, c_int>) -> Result<ssize_t, c_int> {
@@ -445,7 +479,17 @@ fn sendfile_conn(
     if want == 0 {
         return Ok(0);
     }
-    let mut tmp = vec![0u8; want];
+    with_scratch(want, |tmp| sendfile_via(c, in_fd, offset, tmp))
+}
+
+/// [`sendfile_conn`] through `tmp`.
+fn sendfile_via(
+    c: &Conn,
+    in_fd: c_int,
+    offset: *mut off_t,
+    tmp: &mut [u8],
+) -> Result<ssize_t, c_int> {
+    let want = tmp.len();
     let got = if offset.is_null() {
         let f = REAL_READ.get().ok_or(libc::ENOSYS)?;
         // SAFETY: reading into our buffer.
@@ -590,31 +634,33 @@ pub unsafe extern "C" fn splice(
             if want == 0 {
                 return Err(libc::EAGAIN);
             }
-            let mut tmp = vec![0u8; want];
             let flags = if nonblock { libc::MSG_DONTWAIT } else { 0 };
-            let n = recv_conn(&c, &mut tmp, flags)?;
-            write_all_fd(fd_out, &tmp[..n])?;
-            Ok(n as ssize_t)
+            with_scratch(want, |tmp| {
+                let n = recv_conn(&c, tmp, flags)?;
+                write_all_fd(fd_out, &tmp[..n])?;
+                Ok(n as ssize_t)
+            })
         });
     }
     if let Some(c) = on(fd_out) {
         return guard(|| {
             let want = len.min(CHUNK);
-            let mut tmp = vec![0u8; want];
             let f = REAL_READ.get().ok_or(libc::ENOSYS)?;
-            // SAFETY: reading the caller's pipe into our buffer.
-            let n = unsafe { f(fd_in, tmp.as_mut_ptr().cast(), want) };
-            if n < 0 {
-                return Err(errno());
-            }
-            let n = n as usize;
-            // What was taken out of the pipe is sent whatever the socket's
-            // mode (it cannot be put back).
-            let mut sent = 0;
-            while sent < n {
-                sent += c.blocking(false, true, |mut s| s.write(&tmp[sent..n]))?;
-            }
-            Ok(n as ssize_t)
+            with_scratch(want, |tmp| {
+                // SAFETY: reading the caller's pipe into our buffer.
+                let n = unsafe { f(fd_in, tmp.as_mut_ptr().cast(), want) };
+                if n < 0 {
+                    return Err(errno());
+                }
+                let n = n as usize;
+                // What was taken out of the pipe is sent whatever the
+                // socket's mode (it cannot be put back).
+                let mut sent = 0;
+                while sent < n {
+                    sent += c.blocking(false, true, |mut s| s.write(&tmp[sent..n]))?;
+                }
+                Ok(n as ssize_t)
+            })
         });
     }
     let real = real_or_enosys!(REAL_SPLICE);

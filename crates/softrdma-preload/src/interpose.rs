@@ -267,27 +267,171 @@ enum ClientPlan {
     Switch,
 }
 
-fn bind_any_port(fd: c_int, v6: bool) -> Option<u16> {
+/// An `int` socket option of `fd` (`None` if it cannot be read).
+fn int_opt(fd: c_int, level: c_int, name: c_int) -> Option<c_int> {
+    let mut v: c_int = 0;
+    let mut l = size_of::<c_int>() as socklen_t;
+    // SAFETY: reading an int option into `v`, `l` its size.
+    let r = unsafe { libc::getsockopt(fd, level, name, (&raw mut v).cast(), &raw mut l) };
+    (r == 0).then_some(v)
+}
+
+/// Sets an `int` socket option of `fd`; whether it took.
+fn set_int_opt(fd: c_int, level: c_int, name: c_int, v: c_int) -> bool {
+    // SAFETY: an int option from `v`, its size given.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&raw const v).cast(),
+            size_of::<c_int>() as socklen_t,
+        )
+    };
+    r == 0
+}
+
+/// How many chosen ports a bind tries before it lets the kernel pick one.
+const CHOSEN_PORT_TRIES: usize = 16;
+
+/// Binds the application's socket `fd` (unbound; a bound one keeps its
+/// port) so that the capability query can name its port; returns the port
+/// and whether it was chosen here. `choose`: a random port of the
+/// ephemeral range ([`softrdma_sockets::choose_port`], one look-up in the
+/// kernel), bound with `SO_REUSEADDR` for the bind only (the application's
+/// value of the option is put back), another one on `EADDRINUSE`, and
+/// port 0 after [`CHOSEN_PORT_TRIES`]: a `bind` to port 0 searches the
+/// range for a port no socket holds, those in `TIME_WAIT` included, which
+/// takes milliseconds once a client making short connections has filled
+/// it. A chosen port may still have a connection to the same address in
+/// `TIME_WAIT`: `connect` then fails with `EADDRNOTAVAIL`, and is made
+/// again from a port the kernel picks ([`connect`]).
+fn bind_for_query(fd: c_int, v6: bool, choose: bool) -> Option<(u16, bool)> {
     if let Some((_, p)) = local_ip_port(fd)
         && p != 0
     {
-        return Some(p);
+        return Some((p, false));
     }
-    let any: SocketAddr = if v6 {
-        (Ipv6Addr::UNSPECIFIED, 0).into()
-    } else {
-        (Ipv4Addr::UNSPECIFIED, 0).into()
+    let bind = |port: u16| -> c_int {
+        let any: SocketAddr = if v6 {
+            (Ipv6Addr::UNSPECIFIED, port).into()
+        } else {
+            (Ipv4Addr::UNSPECIFIED, port).into()
+        };
+        let sa = socket2::SockAddr::from(any);
+        // SAFETY: binding the caller's socket to a valid address of its
+        // family.
+        let r = unsafe { libc::bind(fd, sa.as_ptr().cast(), sa.len()) };
+        if r == 0 { 0 } else { errno() }
     };
-    let sa = socket2::SockAddr::from(any);
-    // SAFETY: binding the caller's socket to a valid address of its family.
-    let r = unsafe { libc::bind(fd, sa.as_ptr().cast(), sa.len()) };
-    if r != 0 {
+    if choose
+        && let Some(old) = int_opt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR)
+        && set_int_opt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)
+    {
+        let mut got = None;
+        for _ in 0..CHOSEN_PORT_TRIES {
+            let port = softrdma_sockets::choose_port();
+            match bind(port) {
+                0 => {
+                    got = Some(port);
+                    break;
+                }
+                libc::EADDRINUSE => {}
+                _ => break,
+            }
+        }
+        if old == 0 {
+            set_int_opt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 0);
+        }
+        if let Some(p) = got {
+            return Some((p, true));
+        }
+    }
+    if bind(0) != 0 {
         return None;
     }
-    local_ip_port(fd).map(|(_, p)| p)
+    local_ip_port(fd).map(|(_, p)| (p, false))
 }
 
-fn client_plan(fd: c_int, target: Option<(IpAddr, u16)>) -> ClientPlan {
+/// Options an application may set on a socket before `connect`, copied to
+/// the socket that replaces it when a chosen port cannot connect
+/// ([`fresh_socket`]). Buffer sizes are not (a copy would turn the kernel's
+/// automatic sizing off).
+const COPIED_OPTS: [(c_int, c_int); 10] = [
+    (libc::SOL_SOCKET, libc::SO_KEEPALIVE),
+    (libc::SOL_SOCKET, libc::SO_PRIORITY),
+    (libc::SOL_SOCKET, libc::SO_OOBINLINE),
+    (libc::IPPROTO_TCP, libc::TCP_NODELAY),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPCNT),
+    (libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT),
+    (libc::IPPROTO_IP, libc::IP_TOS),
+    (libc::IPPROTO_IPV6, libc::IPV6_TCLASS),
+];
+
+/// Puts a new, unbound TCP socket of `fd`'s family in place of `fd` (same
+/// number), with its `O_NONBLOCK`, close-on-exec flag, `IPV6_V6ONLY` and
+/// the [`COPIED_OPTS`]; whether it did (`fd` is untouched otherwise).
+fn fresh_socket(fd: c_int) -> bool {
+    let (Some(dup3), Some(close), Some(fcntl)) =
+        (REAL_DUP3.get(), REAL_CLOSE.get(), REAL_FCNTL.get())
+    else {
+        return false;
+    };
+    let Some(family) = int_opt(fd, libc::SOL_SOCKET, libc::SO_DOMAIN) else {
+        return false;
+    };
+    // SAFETY: a new socket.
+    let ns = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if ns < 0 {
+        return false;
+    }
+    if family == libc::AF_INET6
+        && let Some(v) = int_opt(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY)
+    {
+        set_int_opt(ns, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, v);
+    }
+    for (level, name) in COPIED_OPTS {
+        if (level == libc::IPPROTO_IP && family != libc::AF_INET)
+            || (level == libc::IPPROTO_IPV6 && family != libc::AF_INET6)
+        {
+            continue;
+        }
+        if let Some(v) = int_opt(fd, level, name) {
+            set_int_opt(ns, level, name, v);
+        }
+    }
+    // SAFETY: F_GETFL/F_SETFL on the caller's socket and on ours.
+    unsafe {
+        let fl = fcntl(fd, libc::F_GETFL, 0);
+        if fl >= 0 && fl & libc::O_NONBLOCK != 0 {
+            let nfl = fcntl(ns, libc::F_GETFL, 0);
+            fcntl(ns, libc::F_SETFL, (nfl | libc::O_NONBLOCK) as usize);
+        }
+    }
+    let flags = if fd_cloexec(fd) { libc::O_CLOEXEC } else { 0 };
+    // SAFETY: the new socket takes the caller's descriptor number.
+    let r = unsafe { dup3(ns, fd, flags) };
+    // SAFETY: our socket (a copy now lives at `fd`).
+    unsafe { close(ns) };
+    r == fd
+}
+
+/// The plan for `fd`'s connection to `target`; and whether `fd` was bound
+/// to a port chosen here (see [`bind_for_query`]; `choose`: it may be).
+fn client_plan(fd: c_int, target: Option<(IpAddr, u16)>, choose: bool) -> (ClientPlan, bool) {
+    let mut chosen = false;
+    let plan = client_plan_bound(fd, target, choose, &mut chosen);
+    (plan, chosen)
+}
+
+fn client_plan_bound(
+    fd: c_int,
+    target: Option<(IpAddr, u16)>,
+    choose: bool,
+    chosen: &mut bool,
+) -> ClientPlan {
     let Some((ip, port)) = target else {
         return ClientPlan::Pass;
     };
@@ -319,10 +463,11 @@ fn client_plan(fd: c_int, target: Option<(IpAddr, u16)>) -> ClientPlan {
     if external::known_plain(dest) {
         return plain(PlainReason::PeerNotCapable, not_capable);
     }
-    let Some(local_port) = bind_any_port(fd, local_ip_port(fd).is_some_and(|(a, _)| a.is_ipv6()))
-    else {
+    let v6 = int_opt(fd, libc::SOL_SOCKET, libc::SO_DOMAIN) == Some(libc::AF_INET6);
+    let Some((local_port, was_chosen)) = bind_for_query(fd, v6, choose) else {
         return plain(PlainReason::PeerNotCapable, not_capable);
     };
+    *chosen = was_chosen;
     match external::query(dest, local_port, PROBE_TIMEOUT) {
         PeerAnswer::Accept => ClientPlan::Switch,
         PeerAnswer::Decline => plain(PlainReason::PeerDeclined, "the peer declined offload"),
@@ -365,23 +510,41 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     let Some(real) = REAL_CONNECT.get() else {
         return fail(libc::ENOSYS);
     };
-    let plan = catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: the caller's guarantee for `addr`/`len`.
-        client_plan(fd, unsafe { ip_port(addr, len) })
-    }))
-    .unwrap_or(ClientPlan::Pass);
-    if let ClientPlan::Refuse(why) = plan {
+    let plan_for = |choose: bool| {
+        catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the caller's guarantee for `addr`/`len`.
+            client_plan(fd, unsafe { ip_port(addr, len) }, choose)
+        }))
+        .unwrap_or((ClientPlan::Pass, false))
+    };
+    let refuse = |why: &str| {
         let _ = catch_unwind(|| {
             state().stats.refused();
             eprintln!(
                 "softrdma-preload: connection refused: the policy requires offload, and {why}"
             );
         });
-        return fail(libc::EOPNOTSUPP);
+        fail(libc::EOPNOTSUPP)
+    };
+    let (mut plan, chosen) = plan_for(true);
+    if let ClientPlan::Refuse(why) = plan {
+        return refuse(why);
     }
     // SAFETY: forwarding the caller's arguments unchanged.
-    let r = unsafe { real(fd, addr, len) };
-    let e = errno();
+    let mut r = unsafe { real(fd, addr, len) };
+    let mut e = errno();
+    if r != 0 && e == libc::EADDRNOTAVAIL && chosen && fresh_socket(fd) {
+        // The chosen port's earlier connection to this address is still
+        // in TIME_WAIT: a fresh socket takes the descriptor, asks again
+        // from a port the kernel picks, and connects from there.
+        (plan, _) = plan_for(false);
+        if let ClientPlan::Refuse(why) = plan {
+            return refuse(why);
+        }
+        // SAFETY: as above.
+        r = unsafe { real(fd, addr, len) };
+        e = errno();
+    }
     if r != 0 && e != libc::EINPROGRESS {
         set_errno(e);
         return r;
@@ -599,7 +762,7 @@ fn on_accepted(lfd: c_int, fd: c_int, flags: c_int) -> c_int {
                 None => PlainReason::NoTwin,
                 Some(t) => {
                     let asked = peer_ip_port(fd)
-                        .is_some_and(|(pip, pport)| t.records.take(SocketAddr::new(pip, pport)));
+                        .is_some_and(|(pip, pport)| t.take(SocketAddr::new(pip, pport)));
                     if asked && let Some(c) = Conn::accepted(fd) {
                         // Counted when it is switched (first use).
                         conn::insert(fd, c, flags & libc::SOCK_CLOEXEC != 0);

@@ -5,38 +5,76 @@
 //! The records live in shared anonymous memory made at `listen`: servers
 //! that fork their workers after listening (nginx) accept in processes
 //! other than the one whose thread answers, and every one of them must
-//! find the record of the connection it accepts. Slots are claimed and
-//! consumed with atomics only (no lock a fork could leave held).
+//! find the record of the connection it accepts.
+//!
+//! The twin decides *late* queries, and says so in its answers
+//! ([`FLAG_LATE_QUERY`]): a sockets-direct client that saw the flag sends
+//! its next query just before its SYN and reads the answer after its
+//! connect. What that promises, and how it is kept:
+//!
+//! - A query and an accept of the same connection decide under one lock
+//!   (a spin lock in the shared memory, taken over from a process that
+//!   died holding it): an *accept* answer always means the listener
+//!   switches the connection.
+//! - An accepted connection no query asked for gets a *plain mark* (for
+//!   the records' lifetime); a query that finds it is declined
+//!   ([`FLAG_TOO_LATE`]): both ends keep it plain.
+//! - Before an accept decides, the queries queued on the twin's socket are
+//!   answered (the accepting process reads them under the lock), so a
+//!   query sent just before the SYN is not overtaken by the twin thread's
+//!   scheduling; the twin thread itself only peeks until it holds the lock.
+//! - When a plain mark finds no room (the table is full), no query is
+//!   accepted for the records' lifetime (every answer declines): a late
+//!   query could otherwise be accepted for a connection decided plain.
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use softrdma_sockets::detect::{Kind, Probe};
+use softrdma_sockets::detect::{FLAG_LATE_QUERY, FLAG_TOO_LATE, Kind, Probe};
 
-/// Number of connections that may be queried and not yet accepted.
-const SLOTS: usize = 1024;
-/// Seconds a record waits for its connection.
+/// Number of record slots (connections queried and not yet accepted, and
+/// plain marks of connections accepted within the records' lifetime).
+const SLOTS: usize = 16384;
+/// Slots a record may be placed in, from the one its key hashes to.
+const WINDOW: usize = 64;
+/// Seconds a record waits for its connection, and a plain mark lives.
 const RECORD_SECS: u64 = 10;
 /// Slot state: free.
 const FREE: u64 = 0;
-/// Slot state: being written.
-const BUSY: u64 = 1;
+/// Kind of a record (bit 32 of `port`): a query asked for the connection.
+const ASKED: u64 = 0;
+/// Kind of a record: accepted with no query, plain.
+const PLAIN: u64 = 1 << 32;
 
-/// One record: state is FREE, BUSY, or the expiry (monotonic seconds + 2).
+/// One record: state is FREE or the expiry (monotonic seconds + 2).
 #[derive(Debug)]
 #[repr(C)]
 struct Record {
     state: AtomicU64,
     addr_hi: AtomicU64,
     addr_lo: AtomicU64,
+    /// The client's port, and the kind ([`ASKED`] or [`PLAIN`]).
     port: AtomicU64,
+}
+
+/// The start of the shared memory.
+#[derive(Debug)]
+#[repr(C)]
+struct Header {
+    /// 0, or the process id of the holder.
+    lock: AtomicU32,
+    _pad: AtomicU32,
+    /// Until then (monotonic seconds + 2) no query is accepted: a plain
+    /// mark found no room.
+    overflow_until: AtomicU64,
 }
 
 /// Records shared by the processes of one listener.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Records {
+    head: &'static Header,
     slots: &'static [Record],
 }
 
@@ -59,14 +97,34 @@ fn key(peer: SocketAddr) -> (u64, u64, u64) {
     (hi, lo, u64::from(peer.port()))
 }
 
+/// The records' lock, held (released on drop).
+struct Held<'a>(&'a AtomicU32);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Release);
+    }
+}
+
+/// Whether process `pid` exists.
+fn alive(pid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 sends nothing; it only checks the process exists.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
 impl Records {
     /// Shared memory for the records (inherited by forked children); `None`
     /// if it cannot be mapped.
     pub(crate) fn new_shared() -> Option<Records> {
-        let len = SLOTS * size_of::<Record>();
+        let len = size_of::<Header>() + SLOTS * size_of::<Record>();
         // SAFETY: a fresh anonymous shared mapping; zero-filled, which is
-        // FREE for every slot. It is never unmapped (an accept in any
-        // process may read it at any time), so 'static holds.
+        // an unlocked header and FREE for every slot. It is never unmapped
+        // (an accept in any process may read it at any time), so 'static
+        // holds; the slots follow the header, 8-aligned as both are.
         unsafe {
             let p = libc::mmap(
                 std::ptr::null_mut(),
@@ -79,54 +137,165 @@ impl Records {
             if p == libc::MAP_FAILED {
                 return None;
             }
+            let head = &*p.cast::<Header>();
+            let slots = p.cast::<u8>().add(size_of::<Header>()).cast::<Record>();
             Some(Records {
-                slots: std::slice::from_raw_parts(p.cast::<Record>(), SLOTS),
+                head,
+                slots: std::slice::from_raw_parts(slots, SLOTS),
             })
         }
     }
 
-    /// Records a coming connection from `peer`; false if the table is full.
-    pub(crate) fn put(&self, peer: SocketAddr) -> bool {
-        let (hi, lo, port) = key(peer);
-        let now = now_secs();
-        for r in self.slots {
-            let s = r.state.load(Ordering::Acquire);
-            let usable = s == FREE || (s > BUSY && s < now);
-            if usable
-                && r.state
-                    .compare_exchange(s, BUSY, Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
-            {
-                r.addr_hi.store(hi, Ordering::Relaxed);
-                r.addr_lo.store(lo, Ordering::Relaxed);
-                r.port.store(port, Ordering::Relaxed);
-                r.state.store(now + RECORD_SECS, Ordering::Release);
-                return true;
+    /// Takes the lock (a holder that died is replaced).
+    fn lock(&self) -> Held<'_> {
+        // SAFETY: getpid has no arguments and cannot fail.
+        let me = unsafe { libc::getpid() } as u32;
+        let l = &self.head.lock;
+        let mut spins = 0u32;
+        loop {
+            match l.compare_exchange_weak(0, me, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return Held(l),
+                Err(owner) => {
+                    spins = spins.wrapping_add(1);
+                    if spins.is_multiple_of(64) {
+                        std::thread::yield_now();
+                    }
+                    if spins.is_multiple_of(4096) && owner != 0 && owner != me && !alive(owner) {
+                        // Died holding it (the sections are a few hundred
+                        // loads and stores, nothing half done matters).
+                        let _ = l.compare_exchange(owner, 0, Ordering::AcqRel, Ordering::Relaxed);
+                    }
+                }
             }
         }
-        false
     }
 
-    /// Whether a connection from `peer` was recorded (the record is consumed).
-    pub(crate) fn take(&self, peer: SocketAddr) -> bool {
-        let (hi, lo, port) = key(peer);
+    /// The window of slots of `peer`'s key.
+    fn window(&self, k: (u64, u64, u64)) -> impl Iterator<Item = &'static Record> + use<> {
+        let h =
+            (k.0 ^ k.1.rotate_left(17) ^ k.2.rotate_left(41)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let start = (h >> 32) as usize % SLOTS;
+        let slots = self.slots;
+        (0..WINDOW).map(move |i| &slots[(start + i) % SLOTS])
+    }
+
+    /// The live record of `k` (lock held).
+    fn find(&self, k: (u64, u64, u64), now: u64) -> Option<&'static Record> {
+        self.window(k).find(|r| {
+            let s = r.state.load(Ordering::Relaxed);
+            s != FREE
+                && s >= now
+                && r.port.load(Ordering::Relaxed) & 0xffff == k.2
+                && r.addr_lo.load(Ordering::Relaxed) == k.1
+                && r.addr_hi.load(Ordering::Relaxed) == k.0
+        })
+    }
+
+    /// Records `k` as `kind` (lock held); false if its window is full.
+    fn insert(&self, k: (u64, u64, u64), kind: u64, now: u64) -> bool {
+        let slot = self.find(k, now).or_else(|| {
+            self.window(k).find(|r| {
+                let s = r.state.load(Ordering::Relaxed);
+                s == FREE || s < now
+            })
+        });
+        let Some(r) = slot else {
+            return false;
+        };
+        r.addr_hi.store(k.0, Ordering::Relaxed);
+        r.addr_lo.store(k.1, Ordering::Relaxed);
+        r.port.store(k.2 | kind, Ordering::Relaxed);
+        r.state.store(now + RECORD_SECS, Ordering::Relaxed);
+        true
+    }
+
+    /// Decides a query for a connection from `peer` (lock held): the kind
+    /// and flags of the answer.
+    fn answer(&self, peer: SocketAddr) -> (Kind, u8) {
+        let k = key(peer);
         let now = now_secs();
-        for r in self.slots {
-            let s = r.state.load(Ordering::Acquire);
-            if s <= BUSY || s < now {
-                continue;
+        if self.head.overflow_until.load(Ordering::Relaxed) >= now {
+            return (Kind::Decline, FLAG_LATE_QUERY);
+        }
+        match self.find(k, now) {
+            Some(r) if r.port.load(Ordering::Relaxed) & PLAIN != 0 => {
+                // Accepted before this query came: it stays plain.
+                r.state.store(FREE, Ordering::Relaxed);
+                (Kind::Decline, FLAG_LATE_QUERY | FLAG_TOO_LATE)
             }
-            if r.port.load(Ordering::Relaxed) == port
-                && r.addr_lo.load(Ordering::Relaxed) == lo
-                && r.addr_hi.load(Ordering::Relaxed) == hi
-                && r.state
-                    .compare_exchange(s, FREE, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-            {
-                return true;
+            _ if self.insert(k, ASKED, now) => (Kind::Accept, FLAG_LATE_QUERY),
+            _ => (Kind::Decline, FLAG_LATE_QUERY),
+        }
+    }
+
+    /// Records a coming connection from `peer` (as a query does); false if
+    /// it was declined.
+    #[cfg(test)]
+    pub(crate) fn put(&self, peer: SocketAddr) -> bool {
+        let _g = self.lock();
+        self.answer(peer).0 == Kind::Accept
+    }
+
+    /// Whether a query asked for the connection from `peer` (the record is
+    /// consumed); the queries queued on `sock` (the twin's socket, if this
+    /// process has it) are answered first. A connection no query asked
+    /// for is marked plain, so that a later query for it is declined.
+    pub(crate) fn take(&self, peer: SocketAddr, sock: Option<&UdpSocket>) -> bool {
+        let _g = self.lock();
+        if let Some(sock) = sock {
+            self.drain(sock);
+        }
+        let k = key(peer);
+        let now = now_secs();
+        match self.find(k, now) {
+            Some(r) if r.port.load(Ordering::Relaxed) & PLAIN == 0 => {
+                r.state.store(FREE, Ordering::Relaxed);
+                true
+            }
+            Some(_) => false,
+            None => {
+                if !self.insert(k, PLAIN, now) {
+                    self.head
+                        .overflow_until
+                        .store(now + RECORD_SECS, Ordering::Relaxed);
+                }
+                false
             }
         }
-        false
+    }
+
+    /// Reads and answers the queries queued on `sock` without blocking
+    /// (lock held).
+    fn drain(&self, sock: &UdpSocket) {
+        let sr = socket2::SockRef::from(sock);
+        let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 64];
+        loop {
+            match sr.recv_from_with_flags(&mut b, libc::MSG_DONTWAIT) {
+                Ok((n, from)) => {
+                    let n = n.min(b.len());
+                    // SAFETY: the kernel initialized the first `n` octets.
+                    let got: &[u8] = unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), n) };
+                    if let Some(from) = from.as_socket() {
+                        self.reply(sock, got, from);
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Answers one datagram (if it is a query; lock held).
+    fn reply(&self, sock: &UdpSocket, b: &[u8], from: SocketAddr) {
+        let Some(q) = Probe::decode(b) else {
+            return;
+        };
+        if q.kind != Kind::Query {
+            return;
+        }
+        let (kind, flags) = self.answer(SocketAddr::new(from.ip(), q.client_port));
+        // A lost answer makes the client time out and stay plain.
+        let _ = sock.send_to(&Probe { kind, flags, ..q }.encode(), from);
     }
 }
 
@@ -135,6 +304,9 @@ impl Records {
 #[cfg_attr(test, allow(dead_code))]
 pub(crate) struct Twin {
     pub(crate) records: Records,
+    /// The twin's socket (forked children have it too: their accepts
+    /// answer the queued queries).
+    pub(crate) sock: Arc<UdpSocket>,
     stop: Arc<AtomicBool>,
 }
 
@@ -145,14 +317,24 @@ impl Twin {
     /// caller).
     pub(crate) fn start(addr: SocketAddr) -> std::io::Result<Twin> {
         let records = Records::new_shared().ok_or_else(std::io::Error::last_os_error)?;
-        let sock = UdpSocket::bind(addr)?;
+        let sock = Arc::new(UdpSocket::bind(addr)?);
         sock.set_read_timeout(Some(Duration::from_millis(200)))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let s2 = stop.clone();
+        let (s2, k2) = (stop.clone(), sock.clone());
         std::thread::Builder::new()
             .name("softrdma-sd-twin".into())
-            .spawn(move || serve(&sock, records, &s2))?;
-        Ok(Twin { records, stop })
+            .spawn(move || serve(&k2, records, &s2))?;
+        Ok(Twin {
+            records,
+            sock,
+            stop,
+        })
+    }
+
+    /// Whether a query asked for the connection from `peer`; see
+    /// [`Records::take`].
+    pub(crate) fn take(&self, peer: SocketAddr) -> bool {
+        self.records.take(peer, Some(&self.sock))
     }
 }
 
@@ -162,26 +344,20 @@ impl Drop for Twin {
     }
 }
 
+/// The twin thread: waits (peeking) until a datagram is there, then reads
+/// and answers what is queued with the records locked.
 #[cfg_attr(test, allow(dead_code))]
 fn serve(sock: &UdpSocket, records: Records, stop: &AtomicBool) {
-    let mut b = [0u8; 64];
+    let mut b = [0u8; 1];
     while !stop.load(Ordering::Relaxed) {
-        let Ok((n, from)) = sock.recv_from(&mut b) else {
-            continue;
-        };
-        let Some(q) = Probe::decode(&b[..n]) else {
-            continue;
-        };
-        if q.kind != Kind::Query {
+        if sock.peek_from(&mut b).is_err() {
             continue;
         }
-        let peer = SocketAddr::new(from.ip(), q.client_port);
-        let kind = if records.put(peer) {
-            Kind::Accept
-        } else {
-            Kind::Decline
-        };
-        let _ = sock.send_to(&Probe { kind, ..q }.encode(), from);
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let _g = records.lock();
+        records.drain(sock);
     }
 }
 
@@ -196,9 +372,9 @@ mod tests {
         let b: SocketAddr = "127.0.0.1:4001".parse().unwrap();
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:4000".parse().unwrap();
         assert!(r.put(a));
-        assert!(!r.take(b));
-        assert!(r.take(mapped), "v4-mapped is the same peer");
-        assert!(!r.take(a), "consumed");
+        assert!(!r.take(b, None));
+        assert!(r.take(mapped, None), "v4-mapped is the same peer");
+        assert!(!r.take(a, None), "consumed");
     }
 
     #[test]
@@ -217,6 +393,83 @@ mod tests {
         // SAFETY: waiting for our own child.
         unsafe { libc::waitpid(pid, &raw mut st, 0) };
         assert_eq!(st, 0);
-        assert!(r.take(a), "the child's record is seen by the parent");
+        assert!(r.take(a, None), "the child's record is seen by the parent");
+    }
+
+    /// An accept no query asked for leaves a plain mark: the query that
+    /// comes afterwards (sent beside the SYN, overtaken) is declined as too
+    /// late, so both ends keep the connection plain; the mark is consumed.
+    #[test]
+    fn a_query_after_its_accept_is_declined_too_late() {
+        let r = Records::new_shared().unwrap();
+        let a: SocketAddr = "127.0.0.1:4100".parse().unwrap();
+        assert!(!r.take(a, None));
+        let g = r.lock();
+        assert_eq!(
+            r.answer(a),
+            (Kind::Decline, FLAG_LATE_QUERY | FLAG_TOO_LATE)
+        );
+        assert_eq!(
+            r.answer(a),
+            (Kind::Accept, FLAG_LATE_QUERY),
+            "mark consumed"
+        );
+        drop(g);
+        assert!(r.take(a, None));
+    }
+
+    fn query(client_port: u16) -> [u8; softrdma_sockets::detect::MSG_LEN] {
+        Probe {
+            kind: Kind::Query,
+            nonce: 0x1234_5678,
+            client_port,
+            server_port: 1,
+            client_addr: std::net::Ipv6Addr::UNSPECIFIED,
+            flags: 0,
+        }
+        .encode()
+    }
+
+    /// A query still queued on the twin's socket when the connection is
+    /// accepted (the twin thread not scheduled yet) is answered by the
+    /// accept first: the connection is switched and the client told so,
+    /// with the late-query flag.
+    #[test]
+    fn an_accept_answers_the_queued_queries_first() {
+        let r = Records::new_shared().unwrap();
+        let twin = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let client = UdpSocket::bind("127.0.0.1:0").unwrap();
+        client.connect(twin.local_addr().unwrap()).unwrap();
+        client.send(&query(4200)).unwrap();
+        // Queued (loopback delivers at once); no thread reads it.
+        assert!(r.take("127.0.0.1:4200".parse().unwrap(), Some(&twin)));
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 64];
+        let n = client.recv(&mut b).unwrap();
+        let a = Probe::decode(&b[..n]).unwrap();
+        assert_eq!(
+            (a.kind, a.nonce, a.client_port),
+            (Kind::Accept, 0x1234_5678, 4200)
+        );
+        assert_eq!(a.flags & FLAG_LATE_QUERY, FLAG_LATE_QUERY);
+    }
+
+    /// Once a plain mark finds no room, no query is accepted for the
+    /// records' lifetime (a late one could be accepted for a connection
+    /// decided plain).
+    #[test]
+    fn a_full_table_declines_every_query() {
+        let r = Records::new_shared().unwrap();
+        let b: SocketAddr = "10.9.9.9:7".parse().unwrap();
+        let mut i = 0u32;
+        while r.head.overflow_until.load(Ordering::Relaxed) == 0 {
+            let ip = std::net::Ipv4Addr::from(0x0a00_0000 + i / 60000);
+            assert!(!r.take(SocketAddr::new(ip.into(), (i % 60000) as u16 + 1), None));
+            i += 1;
+            assert!(i < 4 * SLOTS as u32, "the table never filled");
+        }
+        assert!(!r.put(b));
     }
 }

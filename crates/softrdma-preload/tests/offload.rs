@@ -420,3 +420,113 @@ fn sendmmsg_and_recvmmsg_go_through_the_offloaded_stream() {
         r=(MMH*1)(); r[0].hdr.iov=ctypes.pointer(riov); r[0].hdr.iovlen=1\n\
         assert libc.recvmmsg(s.fileno(), r, 1, 0, None)==1 and rb.raw[:r[0].len]==b'abc', r[0].len\n");
 }
+
+/// A client's socket is bound, for its capability query, to a port chosen
+/// at random in the ephemeral range (one look-up in the kernel), not by a
+/// `bind` to port 0 (which searches the range, `TIME_WAIT` included, and
+/// gives odd ports first: 16 connections from port-0 binds would all have
+/// odd ports). `SO_REUSEADDR`, set for that bind only, reads as the
+/// application left it; a port the application bound itself is kept.
+#[test]
+fn a_client_asks_from_a_chosen_ephemeral_port_and_keeps_its_options() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(
+        "lo,hi=map(int,open('/proc/sys/net/ipv4/ip_local_port_range').read().split())\n\
+        c.close(); s.close()\n\
+        ports=[]\n\
+        for i in range(16):\n    c,s=connect()\n    p=c.getsockname()[1]; assert lo<=p<=hi, (p,lo,hi)\n    assert c.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)==0\n    c.sendall(b'x'); assert s.recv(1)==b'x'\n    ports.append(p); c.close(); s.close()\n\
+        assert any(p%2==0 for p in ports), ports\n\
+        port=l.getsockname()[1]\n\
+        def own():\n    x=socket.socket(); x.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); x.bind(('127.0.0.1',0)); b=x.getsockname()[1]; x.connect(('127.0.0.1',port)); r.append((x,b))\n\
+        r=[]; t=threading.Thread(target=own); t.start()\n\
+        s,_=l.accept(); select.select([],[s],[],5); t.join(); x,b=r[0]\n\
+        assert x.getsockname()[1]==b and x.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)!=0\n\
+        x.sendall(b'y'); assert s.recv(1)==b'y'\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "36", "{lines:?}");
+}
+
+/// A sockets-direct client (`softrdma_sockets`) connecting to a preloaded
+/// listener learns from the twin's first answer that it decides late
+/// queries, and sends its next queries beside the SYN: those connections
+/// are switched on both ends too (the accept answers the query queued
+/// before the connection, then finds its record).
+#[test]
+fn a_sockets_client_sends_its_next_queries_beside_the_syn() {
+    if !have_python() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port_file = dir.path().join("port");
+    let pf = port_file.to_str().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        python(
+            "import socket,os\n\
+             l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
+             open(os.environ['PORT_FILE']+'.tmp','w').write(str(l.getsockname()[1]))\n\
+             os.rename(os.environ['PORT_FILE']+'.tmp', os.environ['PORT_FILE'])\n\
+             for i in range(3):\n    s,_=l.accept(); d=s.recv(100); s.sendall(d[::-1]); s.recv(1); s.close()\n\
+             print('DONE')\n",
+            &[("SOFTRDMA_SOCKETS", "auto"), ("PORT_FILE", &pf)],
+        )
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let port: u16 = loop {
+        if let Ok(p) = std::fs::read_to_string(&port_file) {
+            break p.trim().parse().unwrap();
+        }
+        assert!(std::time::Instant::now() < deadline, "no listener");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    for i in 0..3u8 {
+        use std::io::{Read, Write};
+        let mut c = softrdma_sockets::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        assert!(
+            c.transport().is_offloaded(),
+            "connection {i}: {:?}",
+            c.transport()
+        );
+        c.write_all(&[b'a', b'b', b'0' + i]).unwrap();
+        let mut b = [0u8; 3];
+        c.read_exact(&mut b).unwrap();
+        assert_eq!(b, [b'0' + i, b'b', b'a']);
+    }
+    let (out, lines) = server.join().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("DONE"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "3", "{lines:?}");
+}
+
+/// Copies through user space share one buffer per thread from call to
+/// call: after a large `sendfile` and `writev` filled it, a short `readv`
+/// over two vectors gets exactly the bytes that came (none of what the
+/// buffer held before), and a `writev` sends exactly its vectors.
+#[test]
+fn copies_through_user_space_never_show_an_earlier_calls_bytes() {
+    if !have_python() {
+        return;
+    }
+    run("import tempfile\n\
+        f=tempfile.TemporaryFile(); data=os.urandom(1_500_000); f.write(data); f.flush()\n\
+        def rx(k):\n    b=bytearray()\n    while len(b)<k: b+=s.recv(1<<20)\n    return bytes(b)\n\
+        t=threading.Thread(target=lambda: r.append(rx(len(data)))); r=[]; t.start()\n\
+        n=0\n\
+        while n<len(data): n+=os.sendfile(c.fileno(), f.fileno(), n, len(data)-n)\n\
+        t.join(); assert r[0]==data\n\
+        big=[data[:700_000], data[700_000:1_400_000]]\n\
+        t=threading.Thread(target=lambda: r.append(rx(1_400_000))); r=[]; t.start()\n\
+        n=0\n\
+        while n<1_400_000: n+=os.writev(c.fileno(), [memoryview(data)[n:700_000], memoryview(data)[max(n,700_000):1_400_000]] if n<700_000 else [memoryview(data)[n:1_400_000]])\n\
+        t.join(); assert r[0]==data[:1_400_000]\n\
+        assert os.writev(c.fileno(), [b'abc', b'', b'defg'])==7\n\
+        a,b=bytearray(4),bytearray(100)\n\
+        got=0\n\
+        while got==0:\n    got=os.readv(s.fileno(), [a,b])\n\
+        got+=s.recv_into(memoryview(b)[got-4:], 100) if got<7 else 0\n\
+        assert got==7 and bytes(a)==b'abcd' and bytes(b[:3])==b'efg' and bytes(b[3:])==bytes(97), (got,a,b[:10])\n");
+}

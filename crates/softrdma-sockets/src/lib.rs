@@ -126,5 +126,5 @@ pub mod sdp;
 pub mod tokio;
 
 pub use config::{Config, DEFAULT_BUF_SIZE, DEFAULT_ZCOPY_THRESHOLD, Mode, PlainReason, Transport};
-pub use net::{TcpListener, TcpStream};
+pub use net::{TcpListener, TcpStream, choose_port};
 pub use offload::{lost_wakeups, zero_copy_fallbacks, zero_copy_octets};

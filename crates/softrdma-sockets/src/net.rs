@@ -158,7 +158,14 @@ fn port_space() -> &'static PortSpace {
 /// hundred a second fills half the range (the half the kernel gives to
 /// `bind`) within the 60 s of `TIME_WAIT`, and each `bind` then took
 /// milliseconds.
-fn choose_port() -> u16 {
+///
+/// For clients that bind before they connect (a capability query names
+/// the port): bind the chosen port with `SO_REUSEADDR`, choose again on
+/// `EADDRINUSE` (a few times), then fall back to port 0; a connect that
+/// fails with `EADDRNOTAVAIL` (the chosen port's connection to the same
+/// address is still in `TIME_WAIT`) is made again from a port the kernel
+/// picks.
+pub fn choose_port() -> u16 {
     use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static SEQ: AtomicU64 = AtomicU64::new(0);
