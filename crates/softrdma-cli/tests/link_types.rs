@@ -300,45 +300,36 @@ const LINKS: [DataLink; 5] = [
     DataLink::LOOP,
 ];
 
+/// The conversation in a classic pcap of `link`, over IPv4 and over IPv6.
+fn check_pcap_both_families(link: DataLink) {
+    for v6 in [false, true] {
+        check_conversation(&dissect(&pcap(link, &conversation(), v6)), v6);
+    }
+}
+
 #[test]
 fn ethernet_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(&dissect(&pcap(DataLink::ETHERNET, &conversation(), v6)), v6);
-    }
+    check_pcap_both_families(DataLink::ETHERNET);
 }
 
 #[test]
 fn linux_sll_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(
-            &dissect(&pcap(DataLink::LINUX_SLL, &conversation(), v6)),
-            v6,
-        );
-    }
+    check_pcap_both_families(DataLink::LINUX_SLL);
 }
 
 #[test]
 fn linux_sll2_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(
-            &dissect(&pcap(DataLink::LINUX_SLL2, &conversation(), v6)),
-            v6,
-        );
-    }
+    check_pcap_both_families(DataLink::LINUX_SLL2);
 }
 
 #[test]
 fn bsd_null_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(&dissect(&pcap(DataLink::NULL, &conversation(), v6)), v6);
-    }
+    check_pcap_both_families(DataLink::NULL);
 }
 
 #[test]
 fn openbsd_loop_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(&dissect(&pcap(DataLink::LOOP, &conversation(), v6)), v6);
-    }
+    check_pcap_both_families(DataLink::LOOP);
 }
 
 #[test]
