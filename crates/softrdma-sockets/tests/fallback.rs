@@ -1,5 +1,7 @@
 //! The switch: detection, fallback matrix, dual listen, malformed peers.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, UdpSocket};
 use std::thread;
@@ -20,37 +22,14 @@ fn patient() -> Config {
     cfg
 }
 
-fn serve<S: Read + Write>(mut s: S) {
-    s.write_all(BANNER).unwrap();
-    let mut buf = vec![0u8; 70_000];
-    loop {
-        let n = s.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        s.write_all(&buf[..n]).unwrap();
-    }
+fn serve<S: Read + Write>(s: S) {
+    common::serve(s, BANNER);
 }
 
 /// Client side: read the banner, send data, half-close, read the echo.
-fn session<S: Read + Write>(mut s: S, half_close: impl FnOnce(&S)) {
-    let mut banner = vec![0u8; BANNER.len()];
-    s.read_exact(&mut banner).unwrap();
-    assert_eq!(banner, BANNER);
+fn session<S: Read + Write>(s: S, half_close: impl FnOnce(&S)) {
     let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
-    let mut echo = Vec::new();
-    // Writes and reads interleaved (the echo must not back up).
-    for ch in data.chunks(50_000) {
-        s.write_all(ch).unwrap();
-        let mut got = vec![0u8; ch.len()];
-        s.read_exact(&mut got).unwrap();
-        echo.extend_from_slice(&got);
-    }
-    half_close(&s);
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).unwrap();
-    assert!(rest.is_empty());
-    assert!(echo == data, "echo differs");
+    common::session(s, BANNER, &data, 50_000, half_close);
 }
 
 #[test]
