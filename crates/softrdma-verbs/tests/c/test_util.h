@@ -15,7 +15,7 @@
 
 #define CHECK(cond, name, ...) do { \
 	if (!(cond)) { printf("FAIL %s: ", name); printf(__VA_ARGS__); printf(" (errno %d)\n", errno); exit(1); } \
-	printf("ok %s\n", name); } while (0)
+	printf("ok %s\n", name); fflush(stdout); } while (0)
 
 static inline struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
 {
