@@ -69,6 +69,35 @@ fn mr(e: &End, len: usize, step: &'static str) -> Result<MemoryRegion, DemoError
     Ok(tryd!(step, e.pd.register(len, all_access())))
 }
 
+/// Puts `data` at the start of `src` and RDMA-Writes it from there to the
+/// start of `target` (signaled, `wr_id`); returns once it completed.
+fn write_remote(
+    e: &End,
+    src: &MemoryRegion,
+    data: &[u8],
+    target: &MemoryRegion,
+    wr_id: u64,
+    step: &'static str,
+) -> Result<WorkCompletion, DemoError> {
+    tryd!(step, src.write(0, data));
+    let sge = [tryd!(step, src.sge(0, data.len() as u32))];
+    tryd!(
+        step,
+        e.qp.post_send(
+            &SendWr::new(
+                wr_id,
+                SendOp::Write {
+                    remote_addr: target.addr(),
+                    rkey: target.rkey()
+                }
+            )
+            .sg_list(&sge)
+            .signaled()
+        )
+    );
+    wait(&e.cq, step)
+}
+
 /// Busy-polls `cq` for one completion (5 s at most); a non-success status is
 /// an error.
 fn wait(cq: &CompletionQueue, step: &'static str) -> Result<WorkCompletion, DemoError> {
@@ -209,23 +238,7 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     let target = mr(&server, 1 << 20, S4)?;
     let src = mr(&client, 1 << 20, S4)?;
     let data = pattern(4096, 4);
-    tryd!(S4, src.write(0, &data));
-    let sge = [tryd!(S4, src.sge(0, 4096))];
-    tryd!(
-        S4,
-        client.qp.post_send(
-            &SendWr::new(
-                2,
-                SendOp::Write {
-                    remote_addr: target.addr(),
-                    rkey: target.rkey()
-                }
-            )
-            .sg_list(&sge)
-            .signaled()
-        )
-    );
-    wait(&client.cq, S4)?;
+    write_remote(&client, &src, &data, &target, 2, S4)?;
     // A Send after the Write: when it arrives, the Write has been placed.
     tryd!(S4, server.qp.post_recv(&RecvWr::new(8, &rsge)));
     tryd!(
@@ -312,23 +325,7 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     const S7: &str = "1 MiB checksum";
     let big = pattern(1 << 20, 7);
     let sum = crc32c(&big);
-    tryd!(S7, src.write(0, &big));
-    let sge = [tryd!(S7, src.sge(0, 1 << 20))];
-    tryd!(
-        S7,
-        client.qp.post_send(
-            &SendWr::new(
-                6,
-                SendOp::Write {
-                    remote_addr: target.addr(),
-                    rkey: target.rkey()
-                }
-            )
-            .sg_list(&sge)
-            .signaled()
-        )
-    );
-    wait(&client.cq, S7)?;
+    write_remote(&client, &src, &big, &target, 6, S7)?;
     sink.fill(0);
     let sge = [tryd!(S7, sink.sge(0, 1 << 20))];
     // Reads are ordered after the earlier Write on the same QP.
