@@ -98,6 +98,34 @@ fn write_remote(
     wait(&e.cq, step)
 }
 
+/// RDMA-Reads the first `len` bytes of `target` into the start of `sink`
+/// (signaled, `wr_id`); returns once it completed.
+fn read_remote(
+    e: &End,
+    target: &MemoryRegion,
+    sink: &MemoryRegion,
+    len: u32,
+    wr_id: u64,
+    step: &'static str,
+) -> Result<WorkCompletion, DemoError> {
+    let sge = [tryd!(step, sink.sge(0, len))];
+    tryd!(
+        step,
+        e.qp.post_send(
+            &SendWr::new(
+                wr_id,
+                SendOp::Read {
+                    remote_addr: target.addr(),
+                    rkey: target.rkey()
+                }
+            )
+            .sg_list(&sge)
+            .signaled()
+        )
+    );
+    wait(&e.cq, step)
+}
+
 /// Busy-polls `cq` for one completion (5 s at most); a non-success status is
 /// an error.
 fn wait(cq: &CompletionQueue, step: &'static str) -> Result<WorkCompletion, DemoError> {
@@ -264,22 +292,7 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     // 5. RDMA Read.
     const S5: &str = "RDMA Read";
     let sink = mr(&client, 1 << 20, S5)?;
-    let sge = [tryd!(S5, sink.sge(0, 4096))];
-    tryd!(
-        S5,
-        client.qp.post_send(
-            &SendWr::new(
-                4,
-                SendOp::Read {
-                    remote_addr: target.addr(),
-                    rkey: target.rkey()
-                }
-            )
-            .sg_list(&sge)
-            .signaled()
-        )
-    );
-    wait(&client.cq, S5)?;
+    read_remote(&client, &target, &sink, 4096, 4, S5)?;
     let mut back = vec![0u8; 4096];
     tryd!(S5, sink.read(0, &mut back));
     check(back == data, S5, "read-back data differs")?;
@@ -327,23 +340,8 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     let sum = crc32c(&big);
     write_remote(&client, &src, &big, &target, 6, S7)?;
     sink.fill(0);
-    let sge = [tryd!(S7, sink.sge(0, 1 << 20))];
     // Reads are ordered after the earlier Write on the same QP.
-    tryd!(
-        S7,
-        client.qp.post_send(
-            &SendWr::new(
-                7,
-                SendOp::Read {
-                    remote_addr: target.addr(),
-                    rkey: target.rkey()
-                }
-            )
-            .sg_list(&sge)
-            .signaled()
-        )
-    );
-    wait(&client.cq, S7)?;
+    read_remote(&client, &target, &sink, 1 << 20, 7, S7)?;
     let remote_sum = crc32c(&target.to_vec());
     let back_sum = crc32c(&sink.to_vec());
     check(
