@@ -62,6 +62,15 @@ fn side(name: &str, cno: Option<&Cno>, ia_: Option<Ia>) -> Side {
     }
 }
 
+/// A loopback TCP port that was just free (nobody listens on it).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 fn seg(l: &Lmr, off: u64, len: u32) -> LmrTriplet {
     LmrTriplet {
         lmr_context: l.lmr_context(),
@@ -259,12 +268,7 @@ fn reject_is_peer_rejected_with_private_data() {
 #[test]
 fn nobody_listening_is_non_peer_rejected_without_retry() {
     let c = side("cli", None, None);
-    // A port that was just free.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     c.ep.connect(LO, u64::from(port), T, &[]).unwrap();
     assert_eq!(conn_event(&c.conn_evd).0, ConnEvent::NonPeerRejected);
 }
@@ -274,11 +278,7 @@ fn connect_retry_waits_for_the_server_to_come_online() {
     let cia = ia("cli", true);
     let c = side("cli", None, Some(cia));
     let s = side("srv", None, None);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     c.ep.connect(LO, u64::from(port), T, &[]).unwrap();
     std::thread::sleep(Duration::from_millis(150));
     // Waiting for the next try, or trying again: "connection pending".
@@ -297,11 +297,7 @@ fn rsp_takes_one_request_and_rejects_the_next() {
     let s = side("srv", None, None);
     let c1 = side("c1", None, None);
     let c2 = side("c2", None, None);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let rsp = Rsp::new(&s.ia, u64::from(port), &s.ep, &s.cr_evd).unwrap();
     assert_eq!(s.ep.state(), EpState::Reserved);
     c1.ep.connect(LO, u64::from(port), T, &[]).unwrap();
@@ -591,11 +587,7 @@ fn srq_feeds_two_endpoints() {
 #[test]
 fn connect_timeout_while_retrying_is_timed_out() {
     let c = side("cli", None, Some(ia("cli", true)));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     c.ep.connect(LO, u64::from(port), Some(Duration::from_millis(300)), &[])
         .unwrap();
     assert_eq!(conn_event(&c.conn_evd).0, ConnEvent::TimedOut);
