@@ -3,22 +3,14 @@
 //! request makes the server allocate, port scans of the ping server, error
 //! messages that hide the cause.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::Duration;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_softrdma"))
-}
-
-fn run(args: &[&str]) -> Output {
-    bin().args(args).output().expect("run softrdma")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{bin, run, stderr};
 
 /// A process whose stdout and stderr lines arrive on a channel.
 struct Proc {

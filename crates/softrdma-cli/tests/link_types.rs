@@ -3,6 +3,8 @@
 //! link type, IPv4 and IPv6, pcap and pcapng; plus captures that start
 //! mid-stream, lose a segment, corrupt a CRC, or are not captures at all.
 
+mod common;
+
 use std::borrow::Cow;
 use std::net::IpAddr;
 use std::time::Duration;
@@ -17,8 +19,10 @@ use pcap_file::pcapng::blocks::interface_description::{
 };
 use softrdma_cli::capture::{CaptureError, read_capture_bytes};
 use softrdma_cli::decode::DdpInfo;
-use softrdma_cli::dissect::{CrcStatus, Dir, Dissection, FpduRecord, Record, dissect_capture};
+use softrdma_cli::dissect::{CrcStatus, Dir, Dissection, Record, dissect_capture};
 use softrdma_wire::crc;
+
+use common::fpdus;
 
 const A_PORT: u16 = 40000;
 const B_PORT: u16 = 7174;
@@ -235,16 +239,6 @@ fn pcapng(link: DataLink, segs: &[Seg], v6: bool) -> Vec<u8> {
 
 fn dissect(bytes: &[u8]) -> Dissection {
     dissect_capture(&read_capture_bytes(bytes, "test").unwrap())
-}
-
-fn fpdus(d: &Dissection) -> Vec<&FpduRecord> {
-    d.records
-        .iter()
-        .filter_map(|r| match r {
-            Record::Fpdu(f) => Some(f),
-            _ => None,
-        })
-        .collect()
 }
 
 fn errors(d: &Dissection) -> Vec<&Record> {

@@ -1,31 +1,16 @@
 //! `softrdma perf` as perftest users use it, and its statistics, run
 //! against the real binary.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::process::{ChildStdout, Command, Output, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 
-fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_softrdma"))
-        .args(args)
-        .output()
-        .expect("run softrdma")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn rows(o: &Output) -> Vec<serde_json::Value> {
-    assert!(o.status.success(), "{}", stderr(o));
-    String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
-}
+use common::{json_rows, run, stderr};
 
 #[test]
 fn latency_statistics_are_ordered_and_complete() {
-    let r = &rows(&run(&["perf", "send", "--lat", "-n", "300", "--json"]))[0];
+    let r = &json_rows(&run(&["perf", "send", "--lat", "-n", "300", "--json"]))[0];
     let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
     assert!(f("lat_min_us") <= f("lat_p50_us"), "{r}");
     assert!(f("lat_p50_us") <= f("lat_p99_us"), "{r}");
@@ -34,13 +19,13 @@ fn latency_statistics_are_ordered_and_complete() {
     assert!(f("lat_min_us") <= f("lat_mean_us") && f("lat_mean_us") <= f("lat_max_us"));
     assert!(f("lat_stdev_us") >= 0.0);
     assert_eq!(r["lat_kind"], "one-way (RTT/2)");
-    let r = &rows(&run(&["perf", "read", "-n", "50", "-s", "1K", "--json"]))[0];
+    let r = &json_rows(&run(&["perf", "read", "-n", "50", "-s", "1K", "--json"]))[0];
     assert_eq!(r["lat_kind"], "post to completion, 16 outstanding");
 }
 
 #[test]
 fn busy_polled_tcp_baseline_and_the_ratio_on_means() {
-    let r = &rows(&run(&[
+    let r = &json_rows(&run(&[
         "perf",
         "write",
         "--lat",
@@ -90,7 +75,7 @@ fn perftest_flags_and_a_positional_host() {
     let (mut s, mut out, addr) = json_perf_server();
     let (host, port) = addr.rsplit_once(':').unwrap();
     // ib_write_bw -d softrdma0 -q 2 -t 8 -I 32 -s 4096 -n 40 -R -p PORT HOST
-    let r = &rows(&run(&[
+    let r = &json_rows(&run(&[
         "perf",
         "write",
         "-d",
@@ -278,7 +263,7 @@ fn demo_compared_a_spinning_softrdma_with_blocking_tcp_only() {
 #[test]
 fn two_process_busy_polled_baseline_on_both_sides() {
     let (mut s, mut out, addr) = json_perf_server();
-    let r = &rows(&run(&[
+    let r = &json_rows(&run(&[
         "perf",
         "send",
         "--lat",
