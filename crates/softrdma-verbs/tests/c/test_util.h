@@ -79,4 +79,30 @@ static inline struct ibv_async_event next_event(struct ibv_context *ctx, int ms)
 	}
 }
 
+/* Client side of a connection to the listener on `ch`: an RC QP on `cid`
+ * (16 sends, 4 receives, one SGE each, both completing on `cq`), then
+ * rdma_connect with `cp`. Returns the id of the CONNECT_REQUEST. */
+static inline struct rdma_cm_id *connect_client(struct rdma_event_channel *ch, struct rdma_cm_id *cid,
+						struct ibv_pd *pd, struct ibv_cq *cq, struct rdma_conn_param *cp)
+{
+	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 } };
+	CHECK(rdma_create_qp(cid, pd, &qa) == 0, "client qp", "-");
+	CHECK(rdma_connect(cid, cp) == 0, "connect", "-");
+	struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	struct rdma_cm_id *sid = ev->id;
+	rdma_ack_cm_event(ev);
+	return sid;
+}
+
+/* Server side: accepts `sid` with `cp`, then takes the ESTABLISHED events
+ * of both ends. */
+static inline void accept_established(struct rdma_event_channel *ch, struct rdma_cm_id *sid,
+				      struct rdma_conn_param *cp)
+{
+	CHECK(rdma_accept(sid, cp) == 0, "accept", "-");
+	for (int i = 0; i < 2; i++)
+		rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+}
+
 #endif
