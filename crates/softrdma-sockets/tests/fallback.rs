@@ -26,6 +26,18 @@ fn serve<S: Read + Write>(s: S) {
     common::serve(s, BANNER);
 }
 
+/// A twin's side of one capability query on `twin`: answers Accept.
+fn accept_one_query(twin: &UdpSocket) {
+    let mut b = [0u8; 64];
+    let (n, from) = twin.recv_from(&mut b).unwrap();
+    let q = Probe::decode(&b[..n]).unwrap();
+    let a = Probe {
+        kind: Kind::Accept,
+        ..q
+    };
+    twin.send_to(&a.encode(), from).unwrap();
+}
+
 /// Client side: read the banner, send data, half-close, read the echo.
 fn session<S: Read + Write>(s: S, half_close: impl FnOnce(&S)) {
     let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
@@ -188,16 +200,7 @@ fn failed_setup_falls_back_before_data() {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let twin = UdpSocket::bind(addr).unwrap();
-    let tw = thread::spawn(move || {
-        let mut b = [0u8; 64];
-        let (n, from) = twin.recv_from(&mut b).unwrap();
-        let q = Probe::decode(&b[..n]).unwrap();
-        let a = Probe {
-            kind: Kind::Accept,
-            ..q
-        };
-        twin.send_to(&a.encode(), from).unwrap();
-    });
+    let tw = thread::spawn(move || accept_one_query(&twin));
     let t = thread::spawn(move || {
         // First connection: garbage instead of an MPA Reply.
         let (mut s, _) = l.accept().unwrap();
@@ -265,18 +268,7 @@ fn malformed_sdp_resets_only_that_connection() {
         let twin = UdpSocket::bind(addr).unwrap();
         let bad2 = bad.clone();
         let fake = thread::spawn(move || {
-            let mut b = [0u8; 64];
-            let (n, from) = twin.recv_from(&mut b).unwrap();
-            let q = Probe::decode(&b[..n]).unwrap();
-            twin.send_to(
-                &Probe {
-                    kind: Kind::Accept,
-                    ..q
-                }
-                .encode(),
-                from,
-            )
-            .unwrap();
+            accept_one_query(&twin);
             let (s, _) = l.accept().unwrap();
             let dev = Device::open_default().unwrap();
             let pd = dev.alloc_pd();
