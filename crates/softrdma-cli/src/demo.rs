@@ -69,6 +69,63 @@ fn mr(e: &End, len: usize, step: &'static str) -> Result<MemoryRegion, DemoError
     Ok(tryd!(step, e.pd.register(len, all_access())))
 }
 
+/// Puts `data` at the start of `src` and RDMA-Writes it from there to the
+/// start of `target` (signaled, `wr_id`); returns once it completed.
+fn write_remote(
+    e: &End,
+    src: &MemoryRegion,
+    data: &[u8],
+    target: &MemoryRegion,
+    wr_id: u64,
+    step: &'static str,
+) -> Result<WorkCompletion, DemoError> {
+    tryd!(step, src.write(0, data));
+    let sge = [tryd!(step, src.sge(0, data.len() as u32))];
+    tryd!(
+        step,
+        e.qp.post_send(
+            &SendWr::new(
+                wr_id,
+                SendOp::Write {
+                    remote_addr: target.addr(),
+                    rkey: target.rkey()
+                }
+            )
+            .sg_list(&sge)
+            .signaled()
+        )
+    );
+    wait(&e.cq, step)
+}
+
+/// RDMA-Reads the first `len` bytes of `target` into the start of `sink`
+/// (signaled, `wr_id`); returns once it completed.
+fn read_remote(
+    e: &End,
+    target: &MemoryRegion,
+    sink: &MemoryRegion,
+    len: u32,
+    wr_id: u64,
+    step: &'static str,
+) -> Result<WorkCompletion, DemoError> {
+    let sge = [tryd!(step, sink.sge(0, len))];
+    tryd!(
+        step,
+        e.qp.post_send(
+            &SendWr::new(
+                wr_id,
+                SendOp::Read {
+                    remote_addr: target.addr(),
+                    rkey: target.rkey()
+                }
+            )
+            .sg_list(&sge)
+            .signaled()
+        )
+    );
+    wait(&e.cq, step)
+}
+
 /// Busy-polls `cq` for one completion (5 s at most); a non-success status is
 /// an error.
 fn wait(cq: &CompletionQueue, step: &'static str) -> Result<WorkCompletion, DemoError> {
@@ -209,23 +266,7 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     let target = mr(&server, 1 << 20, S4)?;
     let src = mr(&client, 1 << 20, S4)?;
     let data = pattern(4096, 4);
-    tryd!(S4, src.write(0, &data));
-    let sge = [tryd!(S4, src.sge(0, 4096))];
-    tryd!(
-        S4,
-        client.qp.post_send(
-            &SendWr::new(
-                2,
-                SendOp::Write {
-                    remote_addr: target.addr(),
-                    rkey: target.rkey()
-                }
-            )
-            .sg_list(&sge)
-            .signaled()
-        )
-    );
-    wait(&client.cq, S4)?;
+    write_remote(&client, &src, &data, &target, 2, S4)?;
     // A Send after the Write: when it arrives, the Write has been placed.
     tryd!(S4, server.qp.post_recv(&RecvWr::new(8, &rsge)));
     tryd!(
@@ -251,22 +292,7 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     // 5. RDMA Read.
     const S5: &str = "RDMA Read";
     let sink = mr(&client, 1 << 20, S5)?;
-    let sge = [tryd!(S5, sink.sge(0, 4096))];
-    tryd!(
-        S5,
-        client.qp.post_send(
-            &SendWr::new(
-                4,
-                SendOp::Read {
-                    remote_addr: target.addr(),
-                    rkey: target.rkey()
-                }
-            )
-            .sg_list(&sge)
-            .signaled()
-        )
-    );
-    wait(&client.cq, S5)?;
+    read_remote(&client, &target, &sink, 4096, 4, S5)?;
     let mut back = vec![0u8; 4096];
     tryd!(S5, sink.read(0, &mut back));
     check(back == data, S5, "read-back data differs")?;
@@ -312,41 +338,10 @@ pub fn run_demo(out: &mut dyn Write) -> Result<(), DemoError> {
     const S7: &str = "1 MiB checksum";
     let big = pattern(1 << 20, 7);
     let sum = crc32c(&big);
-    tryd!(S7, src.write(0, &big));
-    let sge = [tryd!(S7, src.sge(0, 1 << 20))];
-    tryd!(
-        S7,
-        client.qp.post_send(
-            &SendWr::new(
-                6,
-                SendOp::Write {
-                    remote_addr: target.addr(),
-                    rkey: target.rkey()
-                }
-            )
-            .sg_list(&sge)
-            .signaled()
-        )
-    );
-    wait(&client.cq, S7)?;
+    write_remote(&client, &src, &big, &target, 6, S7)?;
     sink.fill(0);
-    let sge = [tryd!(S7, sink.sge(0, 1 << 20))];
     // Reads are ordered after the earlier Write on the same QP.
-    tryd!(
-        S7,
-        client.qp.post_send(
-            &SendWr::new(
-                7,
-                SendOp::Read {
-                    remote_addr: target.addr(),
-                    rkey: target.rkey()
-                }
-            )
-            .sg_list(&sge)
-            .signaled()
-        )
-    );
-    wait(&client.cq, S7)?;
+    read_remote(&client, &target, &sink, 1 << 20, 7, S7)?;
     let remote_sum = crc32c(&target.to_vec());
     let back_sum = crc32c(&sink.to_vec());
     check(

@@ -31,12 +31,16 @@
 //! * "## MPA Request / Reply raw TCP payload" must match the MPA frames we
 //!   found: frame number, sender port and bytes.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use softrdma_cli::capture::read_capture;
 use softrdma_cli::decode::DdpInfo;
-use softrdma_cli::dissect::{CrcStatus, Dir, Dissection, FpduRecord, Record, dissect_capture};
+use softrdma_cli::dissect::{CrcStatus, Dir, FpduRecord, Record, dissect_capture};
+
+use common::fpdus;
 
 fn captures_dir() -> Option<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/captures");
@@ -119,16 +123,6 @@ fn parse_tshark(text: &str) -> Tshark {
         }
     }
     t
-}
-
-fn fpdus(d: &Dissection) -> Vec<&FpduRecord> {
-    d.records
-        .iter()
-        .filter_map(|r| match r {
-            Record::Fpdu(f) => Some(f),
-            _ => None,
-        })
-        .collect()
 }
 
 fn check_capture(pcap: &Path) {

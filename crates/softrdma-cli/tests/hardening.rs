@@ -3,22 +3,14 @@
 //! request makes the server allocate, port scans of the ping server, error
 //! messages that hide the cause.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::Duration;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_softrdma"))
-}
-
-fn run(args: &[&str]) -> Output {
-    bin().args(args).output().expect("run softrdma")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{bin, run, stderr};
 
 /// A process whose stdout and stderr lines arrive on a channel.
 struct Proc {
@@ -112,13 +104,10 @@ fn perf_server(extra: &[&str]) -> (Proc, String) {
     (s, addr)
 }
 
-#[test]
-fn persist_server_froze_forever_when_a_client_went_silent_mid_run() {
-    let (mut server, addr) = perf_server(&["--timeout", "2"]);
-    // A client with a long run, stopped (SIGSTOP) once the run is under
-    // way: its connections stay up but nothing comes from it any more, as
-    // in a network partition without a reset.
-    let mut silent = Proc::start(&[
+/// A 60-second 4 KiB RDMA Read client of the server at `addr`, once its
+/// run is under way (it printed "measuring").
+fn measuring_read_client(addr: &str, timeout: &str) -> Proc {
+    let mut client = Proc::start(&[
         "perf",
         "read",
         "-s",
@@ -126,18 +115,30 @@ fn persist_server_froze_forever_when_a_client_went_silent_mid_run() {
         "-D",
         "60",
         "--timeout",
-        "60",
+        timeout,
         "-v",
         "--connect",
-        &addr,
+        addr,
     ]);
-    silent.wait_for("measuring", 30);
-    std::thread::sleep(Duration::from_millis(300));
-    let st = Command::new("kill")
-        .args(["-STOP", &silent.pid()])
-        .status()
-        .unwrap();
+    client.wait_for("measuring", 30);
+    client
+}
+
+/// Sends `sig` (`-STOP`, `-INT`, ...) to this test's own child, by its PID.
+fn signal(p: &Proc, sig: &str) {
+    let st = Command::new("kill").args([sig, &p.pid()]).status().unwrap();
     assert!(st.success());
+}
+
+#[test]
+fn persist_server_froze_forever_when_a_client_went_silent_mid_run() {
+    let (mut server, addr) = perf_server(&["--timeout", "2"]);
+    // A client with a long run, stopped (SIGSTOP) once the run is under
+    // way: its connections stay up but nothing comes from it any more, as
+    // in a network partition without a reset.
+    let mut silent = measuring_read_client(&addr, "60");
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&silent, "-STOP");
     let why = server.wait_for("went silent", 60);
     assert!(why.contains("2 s"), "{why}");
     server.wait_for("waiting for the next client", 30);
@@ -437,11 +438,7 @@ fn ping_ctrl_c_printed_nothing_and_persistent_server_served_one_client() {
     // An endless client, interrupted: it says how many it verified.
     let mut client = Proc::start(&["ping", "-c", "-a", "127.0.0.1", "-p", &port, "-v"]);
     client.wait_for("ping data: rdma-ping-3", 30);
-    let st = Command::new("kill")
-        .args(["-INT", &client.pid()])
-        .status()
-        .unwrap();
-    assert!(st.success());
+    signal(&client, "-INT");
     let (status, text) = finish(client);
     assert_eq!(status.code(), Some(130), "{text}");
     assert!(text.contains("interrupted; "), "{text}");
@@ -489,20 +486,7 @@ fn a_perftest_peer_gave_malformed_message_truncated() {
 #[test]
 fn a_peer_leaving_mid_run_showed_wr_flush_err() {
     let (mut server, addr) = perf_server(&["--timeout", "10"]);
-    let mut client = Proc::start(&[
-        "perf",
-        "read",
-        "-s",
-        "4K",
-        "-D",
-        "60",
-        "--timeout",
-        "10",
-        "-v",
-        "--connect",
-        &addr,
-    ]);
-    client.wait_for("measuring", 30);
+    let mut client = measuring_read_client(&addr, "10");
     std::thread::sleep(Duration::from_millis(200));
     let _ = server.child.kill();
     let (status, text) = finish_taken(&mut client);

@@ -3,6 +3,8 @@
 //! link type, IPv4 and IPv6, pcap and pcapng; plus captures that start
 //! mid-stream, lose a segment, corrupt a CRC, or are not captures at all.
 
+mod common;
+
 use std::borrow::Cow;
 use std::net::IpAddr;
 use std::time::Duration;
@@ -17,8 +19,10 @@ use pcap_file::pcapng::blocks::interface_description::{
 };
 use softrdma_cli::capture::{CaptureError, read_capture_bytes};
 use softrdma_cli::decode::DdpInfo;
-use softrdma_cli::dissect::{CrcStatus, Dir, Dissection, FpduRecord, Record, dissect_capture};
+use softrdma_cli::dissect::{CrcStatus, Dir, Dissection, Record, dissect_capture};
 use softrdma_wire::crc;
+
+use common::fpdus;
 
 const A_PORT: u16 = 40000;
 const B_PORT: u16 = 7174;
@@ -237,16 +241,6 @@ fn dissect(bytes: &[u8]) -> Dissection {
     dissect_capture(&read_capture_bytes(bytes, "test").unwrap())
 }
 
-fn fpdus(d: &Dissection) -> Vec<&FpduRecord> {
-    d.records
-        .iter()
-        .filter_map(|r| match r {
-            Record::Fpdu(f) => Some(f),
-            _ => None,
-        })
-        .collect()
-}
-
 fn errors(d: &Dissection) -> Vec<&Record> {
     d.records
         .iter()
@@ -300,45 +294,36 @@ const LINKS: [DataLink; 5] = [
     DataLink::LOOP,
 ];
 
+/// The conversation in a classic pcap of `link`, over IPv4 and over IPv6.
+fn check_pcap_both_families(link: DataLink) {
+    for v6 in [false, true] {
+        check_conversation(&dissect(&pcap(link, &conversation(), v6)), v6);
+    }
+}
+
 #[test]
 fn ethernet_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(&dissect(&pcap(DataLink::ETHERNET, &conversation(), v6)), v6);
-    }
+    check_pcap_both_families(DataLink::ETHERNET);
 }
 
 #[test]
 fn linux_sll_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(
-            &dissect(&pcap(DataLink::LINUX_SLL, &conversation(), v6)),
-            v6,
-        );
-    }
+    check_pcap_both_families(DataLink::LINUX_SLL);
 }
 
 #[test]
 fn linux_sll2_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(
-            &dissect(&pcap(DataLink::LINUX_SLL2, &conversation(), v6)),
-            v6,
-        );
-    }
+    check_pcap_both_families(DataLink::LINUX_SLL2);
 }
 
 #[test]
 fn bsd_null_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(&dissect(&pcap(DataLink::NULL, &conversation(), v6)), v6);
-    }
+    check_pcap_both_families(DataLink::NULL);
 }
 
 #[test]
 fn openbsd_loop_ipv4_and_ipv6() {
-    for v6 in [false, true] {
-        check_conversation(&dissect(&pcap(DataLink::LOOP, &conversation(), v6)), v6);
-    }
+    check_pcap_both_families(DataLink::LOOP);
 }
 
 #[test]

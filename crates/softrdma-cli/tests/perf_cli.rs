@@ -1,26 +1,11 @@
 //! The `softrdma demo` and `softrdma perf` commands, run as a user would
 //! (`perf` in loopback and in two-process mode).
 
+mod common;
+
 use std::process::{Command, Output};
 
-fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_softrdma"))
-        .args(args)
-        .output()
-        .expect("run softrdma")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn json_lines(o: &Output) -> Vec<serde_json::Value> {
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    stdout(o)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
-}
+use common::{json_rows, run, stdout};
 
 #[test]
 fn demo_runs_every_step() {
@@ -57,7 +42,7 @@ fn perf_every_test_and_mode_as_json() {
             } else if test != "atomic" {
                 args.extend(["-s", "4K"]);
             }
-            let rows = json_lines(&run(&args));
+            let rows = json_rows(&run(&args));
             assert_eq!(rows.len(), 1, "{args:?}");
             let r = &rows[0];
             assert_eq!(r["test"], test);
@@ -109,7 +94,7 @@ fn baseline_adds_tcp_and_ratio() {
             "tcp",
         ][..],
     ] {
-        let rows = json_lines(&run(args));
+        let rows = json_rows(&run(args));
         let r = &rows[0];
         assert!(r["ratio"].as_f64().is_some_and(|v| v > 0.0), "{r}");
         assert!(r["tcp_mb_s"].as_f64().is_some_and(|v| v > 0.0), "{r}");
@@ -327,7 +312,7 @@ fn pair(server_args: &[&str], client_args: &[&str]) -> Vec<serde_json::Value> {
         String::from_utf8_lossy(&c.stderr),
         f.stderr
     );
-    let rows = json_lines(&c);
+    let rows = json_rows(&c);
     let srows: Vec<serde_json::Value> = f
         .stdout
         .lines()

@@ -1,31 +1,16 @@
 //! `softrdma perf` as perftest users use it, and its statistics, run
 //! against the real binary.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Output, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 
-fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_softrdma"))
-        .args(args)
-        .output()
-        .expect("run softrdma")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn rows(o: &Output) -> Vec<serde_json::Value> {
-    assert!(o.status.success(), "{}", stderr(o));
-    String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
-}
+use common::{json_rows, run, stderr};
 
 #[test]
 fn latency_statistics_are_ordered_and_complete() {
-    let r = &rows(&run(&["perf", "send", "--lat", "-n", "300", "--json"]))[0];
+    let r = &json_rows(&run(&["perf", "send", "--lat", "-n", "300", "--json"]))[0];
     let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
     assert!(f("lat_min_us") <= f("lat_p50_us"), "{r}");
     assert!(f("lat_p50_us") <= f("lat_p99_us"), "{r}");
@@ -34,13 +19,13 @@ fn latency_statistics_are_ordered_and_complete() {
     assert!(f("lat_min_us") <= f("lat_mean_us") && f("lat_mean_us") <= f("lat_max_us"));
     assert!(f("lat_stdev_us") >= 0.0);
     assert_eq!(r["lat_kind"], "one-way (RTT/2)");
-    let r = &rows(&run(&["perf", "read", "-n", "50", "-s", "1K", "--json"]))[0];
+    let r = &json_rows(&run(&["perf", "read", "-n", "50", "-s", "1K", "--json"]))[0];
     assert_eq!(r["lat_kind"], "post to completion, 16 outstanding");
 }
 
 #[test]
 fn busy_polled_tcp_baseline_and_the_ratio_on_means() {
-    let r = &rows(&run(&[
+    let r = &json_rows(&run(&[
         "perf",
         "write",
         "--lat",
@@ -87,32 +72,10 @@ fn busy_polled_tcp_baseline_and_the_ratio_on_means() {
 
 #[test]
 fn perftest_flags_and_a_positional_host() {
-    let s = std::process::Command::new(env!("CARGO_BIN_EXE_softrdma"))
-        .args([
-            "perf",
-            "--server",
-            "--bind",
-            "127.0.0.1",
-            "-p",
-            "0",
-            "--json",
-            "--timeout",
-            "20",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut s = scopeguard(s);
-    let mut out = BufReader::new(s.0.stdout.take().unwrap());
-    let mut first = String::new();
-    out.read_line(&mut first).unwrap();
-    // A JSON server's stdout is JSON from the first line.
-    let v: serde_json::Value = serde_json::from_str(&first).unwrap();
-    let addr = v["listening"].as_str().unwrap().to_string();
+    let (mut s, mut out, addr) = json_perf_server();
     let (host, port) = addr.rsplit_once(':').unwrap();
     // ib_write_bw -d softrdma0 -q 2 -t 8 -I 32 -s 4096 -n 40 -R -p PORT HOST
-    let r = &rows(&run(&[
+    let r = &json_rows(&run(&[
         "perf",
         "write",
         "-d",
@@ -136,9 +99,7 @@ fn perftest_flags_and_a_positional_host() {
     assert_eq!(r["iters"], 40);
     assert_eq!(r["size"], 4096);
     assert_eq!(r["lat_kind"], "post to completion, 8 outstanding");
-    let mut rest = String::new();
-    out.read_line(&mut rest).unwrap();
-    let srow: serde_json::Value = serde_json::from_str(&rest).unwrap();
+    let srow = json_line(&mut out);
     assert_eq!(srow["iters"], 40);
     drop(out);
     let _ = s.0.wait();
@@ -146,8 +107,39 @@ fn perftest_flags_and_a_positional_host() {
 
 /// Kills the child (by its handle) when the test ends early.
 struct Guard(std::process::Child);
-fn scopeguard(c: std::process::Child) -> Guard {
-    Guard(c)
+
+/// Starts `softrdma perf --server --json` on an ephemeral loopback port;
+/// returns the server, its stdout, and the address of its first line.
+fn json_perf_server() -> (Guard, BufReader<ChildStdout>, String) {
+    let s = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args([
+            "perf",
+            "--server",
+            "--bind",
+            "127.0.0.1",
+            "-p",
+            "0",
+            "--json",
+            "--timeout",
+            "20",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut s = Guard(s);
+    let mut out = BufReader::new(s.0.stdout.take().unwrap());
+    // A JSON server's stdout is JSON from the first line.
+    let v = json_line(&mut out);
+    let addr = v["listening"].as_str().unwrap().to_string();
+    (s, out, addr)
+}
+
+/// The next line of a JSON server's stdout.
+fn json_line(out: &mut BufReader<ChildStdout>) -> serde_json::Value {
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap()
 }
 impl Drop for Guard {
     fn drop(&mut self) {
@@ -270,29 +262,8 @@ fn demo_compared_a_spinning_softrdma_with_blocking_tcp_only() {
 
 #[test]
 fn two_process_busy_polled_baseline_on_both_sides() {
-    let s = Command::new(env!("CARGO_BIN_EXE_softrdma"))
-        .args([
-            "perf",
-            "--server",
-            "--bind",
-            "127.0.0.1",
-            "-p",
-            "0",
-            "--json",
-            "--timeout",
-            "20",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut s = scopeguard(s);
-    let mut out = BufReader::new(s.0.stdout.take().unwrap());
-    let mut first = String::new();
-    out.read_line(&mut first).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&first).unwrap();
-    let addr = v["listening"].as_str().unwrap().to_string();
-    let r = &rows(&run(&[
+    let (mut s, mut out, addr) = json_perf_server();
+    let r = &json_rows(&run(&[
         "perf",
         "send",
         "--lat",
@@ -309,9 +280,7 @@ fn two_process_busy_polled_baseline_on_both_sides() {
         r["tcp_lat_p999_us"].as_f64().is_some_and(|v| v > 0.0),
         "{r}"
     );
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    let srow: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let srow = json_line(&mut out);
     assert_eq!(srow["baseline"], "tcp-spin", "{srow}");
     assert_eq!(srow["tcp_lat_mean_us"], r["tcp_lat_mean_us"]);
     let _ = s.0.wait();

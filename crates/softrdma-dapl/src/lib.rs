@@ -114,22 +114,7 @@ pub unsafe extern "C" fn dat_provider_init(
         };
         let p = match provider_by_name(&name.to_string_lossy()) {
             Some(p) => p,
-            None => {
-                let mut table = DAT_PROVIDER {
-                    device_name: std::ptr::null(),
-                    extension: std::ptr::null_mut(),
-                    funcs: api::table(),
-                };
-                let name_c = name.clone();
-                table.device_name = name_c.as_ptr();
-                let p: &'static Provider = Box::leak(Box::new(Provider {
-                    table,
-                    name: name_c,
-                    addr,
-                }));
-                PROVIDERS.lock().push(p);
-                p
-            }
+            None => add_provider(name.clone(), addr),
         };
         if let Some(f) = libdat2_fn(c"dat_registry_add_provider") {
             // SAFETY: the symbol is libdat2's dat_registry_add_provider,
@@ -173,20 +158,22 @@ pub fn register_for_tests(name: &str, addr: IpAddr) -> &'static DAT_PROVIDER {
     if let Some(p) = provider_by_name(name) {
         return &p.table;
     }
-    let name_c = CString::new(name).unwrap_or_default();
+    &add_provider(CString::new(name).unwrap_or_default(), addr).table
+}
+
+/// A new table for the IA `name` at `addr`, kept for the life of the
+/// process and listed in `PROVIDERS`.
+fn add_provider(name: CString, addr: IpAddr) -> &'static Provider {
     let mut table = DAT_PROVIDER {
         device_name: std::ptr::null(),
         extension: std::ptr::null_mut(),
         funcs: api::table(),
     };
-    table.device_name = name_c.as_ptr();
-    let p: &'static Provider = Box::leak(Box::new(Provider {
-        table,
-        name: name_c,
-        addr,
-    }));
+    // The CString's bytes stay where they are when it moves into the box.
+    table.device_name = name.as_ptr();
+    let p: &'static Provider = Box::leak(Box::new(Provider { table, name, addr }));
     PROVIDERS.lock().push(p);
-    &p.table
+    p
 }
 
 #[cfg(test)]

@@ -642,14 +642,7 @@ impl EvdInner {
         let Some(_g) = self.reap.try_lock() else {
             return;
         };
-        let mut buf = [WorkCompletion::success(0, softrdma_engine::WcOpcode::Send, 0); 16];
-        loop {
-            let n = cq.poll(&mut buf);
-            buf[..n].iter().for_each(|wc| self.on_completion(wc));
-            if n < buf.len() {
-                break;
-            }
-        }
+        self.drain_cq(cq);
     }
 
     fn on_completion(self: &Arc<Self>, wc: &WorkCompletion) {

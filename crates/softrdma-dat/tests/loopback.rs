@@ -62,6 +62,15 @@ fn side(name: &str, cno: Option<&Cno>, ia_: Option<Ia>) -> Side {
     }
 }
 
+/// A loopback TCP port that was just free (nobody listens on it).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 fn seg(l: &Lmr, off: u64, len: u32) -> LmrTriplet {
     LmrTriplet {
         lmr_context: l.lmr_context(),
@@ -259,12 +268,7 @@ fn reject_is_peer_rejected_with_private_data() {
 #[test]
 fn nobody_listening_is_non_peer_rejected_without_retry() {
     let c = side("cli", None, None);
-    // A port that was just free.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     c.ep.connect(LO, u64::from(port), T, &[]).unwrap();
     assert_eq!(conn_event(&c.conn_evd).0, ConnEvent::NonPeerRejected);
 }
@@ -274,11 +278,7 @@ fn connect_retry_waits_for_the_server_to_come_online() {
     let cia = ia("cli", true);
     let c = side("cli", None, Some(cia));
     let s = side("srv", None, None);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     c.ep.connect(LO, u64::from(port), T, &[]).unwrap();
     std::thread::sleep(Duration::from_millis(150));
     // Waiting for the next try, or trying again: "connection pending".
@@ -297,11 +297,7 @@ fn rsp_takes_one_request_and_rejects_the_next() {
     let s = side("srv", None, None);
     let c1 = side("c1", None, None);
     let c2 = side("c2", None, None);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let rsp = Rsp::new(&s.ia, u64::from(port), &s.ep, &s.cr_evd).unwrap();
     assert_eq!(s.ep.state(), EpState::Reserved);
     c1.ep.connect(LO, u64::from(port), T, &[]).unwrap();
@@ -498,33 +494,72 @@ fn rmr_bind_completes_on_the_request_evd_and_grants_remote_access() {
     }
 }
 
+/// A server side whose EPs share one SRQ: its PZ and EVDs (CR and
+/// connection EVDs of `evq` entries, receive and request EVDs of `dtoq`),
+/// an SRQ with four 512-octet receives posted (cookies `cookie0` up), and
+/// a PSP listening on any port. Fields in reverse order of creation, so
+/// that they are dropped as locals would be.
+struct SrqServer {
+    psp: Psp,
+    /// Holds the receive buffers.
+    _lmr: Lmr,
+    srq: Srq,
+    req: Evd,
+    rcv: Evd,
+    conn_evd: Evd,
+    cr_evd: Evd,
+    pz: Pz,
+}
+
+impl SrqServer {
+    fn new(ia: &Ia, evq: usize, dtoq: usize, cookie0: u64) -> SrqServer {
+        let pz = Pz::new(ia);
+        let cr_evd = Evd::new(ia, evq, EvdFlags::CR, None).unwrap();
+        let conn_evd = Evd::new(ia, evq, EvdFlags::CONNECTION, None).unwrap();
+        let rcv = Evd::new(ia, dtoq, EvdFlags::DTO, None).unwrap();
+        let req = Evd::new(ia, dtoq, EvdFlags::DTO, None).unwrap();
+        let srq = Srq::new(ia, &pz, 8, 1).unwrap();
+        let lmr = Lmr::alloc(&pz, 4096, MemPriv::ALL).unwrap();
+        for i in 0..4u64 {
+            srq.post_recv(&[seg(&lmr, i * 512, 512)], cookie0 + i)
+                .unwrap();
+        }
+        let psp = Psp::new_any(ia, &cr_evd, 0).unwrap();
+        SrqServer {
+            psp,
+            _lmr: lmr,
+            srq,
+            req,
+            rcv,
+            conn_evd,
+            cr_evd,
+            pz,
+        }
+    }
+
+    /// A new EP on the SRQ, with the server's EVDs.
+    fn ep(&self, ia: &Ia) -> Ep {
+        Ep::with_srq(
+            ia,
+            &self.pz,
+            Some(&self.rcv),
+            Some(&self.req),
+            Some(&self.conn_evd),
+            &self.srq,
+            None,
+        )
+        .unwrap()
+    }
+}
+
 #[test]
 fn srq_feeds_two_endpoints() {
     let s_ia = ia("srq", false);
-    let pz = Pz::new(&s_ia);
-    let cr_evd = Evd::new(&s_ia, 10, EvdFlags::CR, None).unwrap();
-    let conn_evd = Evd::new(&s_ia, 10, EvdFlags::CONNECTION, None).unwrap();
-    let rcv = Evd::new(&s_ia, 16, EvdFlags::DTO, None).unwrap();
-    let req = Evd::new(&s_ia, 16, EvdFlags::DTO, None).unwrap();
-    let srq = Srq::new(&s_ia, &pz, 8, 1).unwrap();
-    let lmr = Lmr::alloc(&pz, 4096, MemPriv::ALL).unwrap();
-    for i in 0..4u64 {
-        srq.post_recv(&[seg(&lmr, i * 512, 512)], 100 + i).unwrap();
-    }
-    let psp = Psp::new_any(&s_ia, &cr_evd, 0).unwrap();
+    let srv = SrqServer::new(&s_ia, 10, 16, 100);
     let mut eps = Vec::new();
     let mut clients = Vec::new();
     for n in 0..2 {
-        let ep = Ep::with_srq(
-            &s_ia,
-            &pz,
-            Some(&rcv),
-            Some(&req),
-            Some(&conn_evd),
-            &srq,
-            None,
-        )
-        .unwrap();
+        let ep = srv.ep(&s_ia);
         assert_eq!(
             ep.post_recv(&[], 0, CompletionFlags::DEFAULT)
                 .unwrap_err()
@@ -533,30 +568,26 @@ fn srq_feeds_two_endpoints() {
         );
         assert_eq!(ep.recv_query(), None, "the receives are the SRQ's");
         let c = side(&format!("c{n}"), None, None);
-        c.ep.connect(LO, psp.conn_qual(), T, &[]).unwrap();
-        let (cr, _) = cr_event(&cr_evd);
+        c.ep.connect(LO, srv.psp.conn_qual(), T, &[]).unwrap();
+        let (cr, _) = cr_event(&srv.cr_evd);
         cr.accept(Some(&ep), &[]).unwrap();
-        assert_eq!(conn_event(&conn_evd).0, ConnEvent::Established);
+        assert_eq!(conn_event(&srv.conn_evd).0, ConnEvent::Established);
         assert_eq!(conn_event(&c.conn_evd).0, ConnEvent::Established);
         c.ep.post_send(&[seg(&c.lmr, 0, 10 + n)], 0, CompletionFlags::DEFAULT)
             .unwrap();
-        let (e, cookie, st, len, _) = dto(&rcv);
+        let (e, cookie, st, len, _) = dto(&srv.rcv);
         assert_eq!((e, st, len), (ep.clone(), DtoStatus::Success, 10 + n));
         assert!((100..104).contains(&cookie));
         eps.push(ep);
         clients.push(c);
     }
-    assert_eq!(srq.outstanding(), 2);
+    assert_eq!(srv.srq.outstanding(), 2);
 }
 
 #[test]
 fn connect_timeout_while_retrying_is_timed_out() {
     let c = side("cli", None, Some(ia("cli", true)));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     c.ep.connect(LO, u64::from(port), Some(Duration::from_millis(300)), &[])
         .unwrap();
     assert_eq!(conn_event(&c.conn_evd).0, ConnEvent::TimedOut);
@@ -641,33 +672,14 @@ fn srq_disconnect_and_last_wqe_name_the_eps_in_the_same_order() {
     cfg.connect_retry = None;
     cfg.async_qlen = 64;
     let s_ia = Ia::open(cfg).unwrap();
-    let pz = Pz::new(&s_ia);
-    let cr_evd = Evd::new(&s_ia, 64, EvdFlags::CR, None).unwrap();
-    let conn_evd = Evd::new(&s_ia, 64, EvdFlags::CONNECTION, None).unwrap();
-    let rcv = Evd::new(&s_ia, 64, EvdFlags::DTO, None).unwrap();
-    let req = Evd::new(&s_ia, 64, EvdFlags::DTO, None).unwrap();
-    let srq = Srq::new(&s_ia, &pz, 8, 1).unwrap();
-    let lmr = Lmr::alloc(&pz, 4096, MemPriv::ALL).unwrap();
-    for i in 0..4u64 {
-        srq.post_recv(&[seg(&lmr, i * 512, 512)], i).unwrap();
-    }
-    let psp = Psp::new_any(&s_ia, &cr_evd, 0).unwrap();
+    let srv = SrqServer::new(&s_ia, 64, 64, 0);
     let c = side("srqdisc-c", None, None);
     let c_conn = Evd::new(&c.ia, 64, EvdFlags::CONNECTION, None).unwrap();
     for round in 0..3 {
         let mut eps = Vec::new();
         let mut ceps = Vec::new();
         for _ in 0..N {
-            let ep = Ep::with_srq(
-                &s_ia,
-                &pz,
-                Some(&rcv),
-                Some(&req),
-                Some(&conn_evd),
-                &srq,
-                None,
-            )
-            .unwrap();
+            let ep = srv.ep(&s_ia);
             let cep = Ep::new(
                 &c.ia,
                 &c.pz,
@@ -677,11 +689,11 @@ fn srq_disconnect_and_last_wqe_name_the_eps_in_the_same_order() {
                 None,
             )
             .unwrap();
-            cep.connect(LO, psp.conn_qual(), T, &[]).unwrap();
-            let (cr, _) = cr_event(&cr_evd);
+            cep.connect(LO, srv.psp.conn_qual(), T, &[]).unwrap();
+            let (cr, _) = cr_event(&srv.cr_evd);
             cr.accept(Some(&ep), &[]).unwrap();
             assert_eq!(
-                conn_event(&conn_evd),
+                conn_event(&srv.conn_evd),
                 (ConnEvent::Established, vec![], ep.clone())
             );
             assert_eq!(conn_event(&c_conn).0, ConnEvent::Established);
@@ -695,7 +707,7 @@ fn srq_disconnect_and_last_wqe_name_the_eps_in_the_same_order() {
         let mut by_conn = Vec::new();
         let mut by_async = Vec::new();
         for _ in 0..N {
-            let (k, _, ep) = conn_event(&conn_evd);
+            let (k, _, ep) = conn_event(&srv.conn_evd);
             assert_eq!(k, ConnEvent::Disconnected, "round {round}");
             by_conn.push(eps.iter().position(|e| *e == ep).unwrap());
             let (a, _) = s_ia

@@ -2161,6 +2161,14 @@ mod tests {
         (t.join().unwrap(), s)
     }
 
+    /// Closes the two ends of a pair at the same time, one from another
+    /// thread.
+    pub(super) fn close_pair(c: Offload, s: Offload) {
+        let t = std::thread::spawn(move || drop(c));
+        drop(s);
+        t.join().unwrap();
+    }
+
     /// Regression: the completion callback waited for the connection's
     /// state lock; one engine handler thread runs the callbacks of all the
     /// CQs bound to it in turn, so while an application thread held one
@@ -2402,9 +2410,7 @@ mod drive_tests {
         let mut b = [0u8; 4];
         assert_eq!(s.read(&mut b, false, true, None).unwrap(), 1);
         assert_eq!(b[0], b'b');
-        let t = std::thread::spawn(move || drop(c));
-        drop(s);
-        t.join().unwrap();
+        super::tests::close_pair(c, s);
     }
 }
 
@@ -2430,9 +2436,7 @@ mod pool_tests {
         let (rx_len, tx_len) = (5 * 12288, 3 * 12288);
         let (c, s) = super::tests::pair_with(&cfg);
         assert_eq!(c.write(b"x", false, None).unwrap(), 1);
-        let t = std::thread::spawn(move || drop(c));
-        drop(s);
-        t.join().unwrap();
+        super::tests::close_pair(c, s);
         let deadline = Instant::now() + Duration::from_secs(20);
         while pooled(rx_len) < 2 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -2510,9 +2514,7 @@ mod zcopy_tests {
             sink.to_vec().iter().all(|&b| b == 0),
             "data after the write returned"
         );
-        let t = std::thread::spawn(move || drop(c));
-        drop(s);
-        t.join().unwrap();
+        super::tests::close_pair(c, s);
     }
 
     /// A reader with small buffers declines every offer (SendSm): after
@@ -2543,9 +2545,7 @@ mod zcopy_tests {
         let s = reader.join().unwrap();
         let declined = c.sh.lock().zc_declined;
         assert_eq!(declined, 1, "declined offers: {declined}");
-        let t = std::thread::spawn(move || drop(c));
-        drop(s);
-        t.join().unwrap();
+        super::tests::close_pair(c, s);
     }
 
     /// A receiver that reports reading more than offered gets the
@@ -2560,8 +2560,6 @@ mod zcopy_tests {
             .write(&data, false, None)
             .expect_err("the write must fail");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
-        let t = std::thread::spawn(move || drop(c));
-        drop(s);
-        t.join().unwrap();
+        super::tests::close_pair(c, s);
     }
 }

@@ -327,17 +327,7 @@ impl Hello {
     /// Encodes the 64-octet message.
     pub fn encode(&self) -> [u8; HELLO_LEN] {
         let mut b = [0u8; HELLO_LEN];
-        let h = Bsdh {
-            mid: Mid::Hello as u8,
-            flags: 0,
-            bufs: self.bufs,
-            len: HELLO_LEN as u32,
-            mseq: 0,
-            mseq_ack: 0,
-        };
-        b[..16].copy_from_slice(&h.encode());
-        b[16] = VERSION;
-        b[17] = self.ipv_cap;
+        encode_hello_start(&mut b, Mid::Hello, self.bufs, self.ipv_cap);
         b[18] = 0;
         b[19] = self.max_adverts;
         b[20..24].copy_from_slice(&self.desremrcvsz.to_be_bytes());
@@ -350,20 +340,7 @@ impl Hello {
 
     /// Decodes and checks a Hello.
     pub fn decode(b: &[u8]) -> Result<Hello, ProtocolError> {
-        need(b, HELLO_LEN)?;
-        let h = Bsdh::decode(b)?;
-        if h.mid()? != Mid::Hello {
-            return Err(ProtocolError::Unexpected(h.mid()?));
-        }
-        if h.len as usize != b.len() {
-            return Err(ProtocolError::LengthMismatch {
-                bsdh: h.len,
-                got: b.len(),
-            });
-        }
-        if b[16] != VERSION {
-            return Err(ProtocolError::Version(b[16]));
-        }
+        let h = decode_hello_start(b, Mid::Hello, HELLO_LEN)?;
         let mut src_addr = [0u8; 16];
         src_addr.copy_from_slice(&b[32..48]);
         let mut dst_addr = [0u8; 16];
@@ -388,6 +365,42 @@ impl Hello {
     }
 }
 
+/// The first 18 octets of a Hello or HelloAck `b` (the whole message):
+/// its BSDH (`mid`, `bufs`, the length of `b`), our version and `ipv_cap`.
+fn encode_hello_start(b: &mut [u8], mid: Mid, bufs: u16, ipv_cap: u8) {
+    let h = Bsdh {
+        mid: mid as u8,
+        flags: 0,
+        bufs,
+        len: b.len() as u32,
+        mseq: 0,
+        mseq_ack: 0,
+    };
+    b[..16].copy_from_slice(&h.encode());
+    b[16] = VERSION;
+    b[17] = ipv_cap;
+}
+
+/// The BSDH of a Hello or HelloAck `b`, checked: at least `len` octets, of
+/// message `mid`, as long as the BSDH says, and of our version.
+fn decode_hello_start(b: &[u8], mid: Mid, len: usize) -> Result<Bsdh, ProtocolError> {
+    need(b, len)?;
+    let h = Bsdh::decode(b)?;
+    if h.mid()? != mid {
+        return Err(ProtocolError::Unexpected(h.mid()?));
+    }
+    if h.len as usize != b.len() {
+        return Err(ProtocolError::LengthMismatch {
+            bsdh: h.len,
+            got: b.len(),
+        });
+    }
+    if b[16] != VERSION {
+        return Err(ProtocolError::Version(b[16]));
+    }
+    Ok(h)
+}
+
 /// HelloAck (HAH), sent by the passive side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HelloAck {
@@ -405,17 +418,7 @@ impl HelloAck {
     /// Encodes the 24-octet message.
     pub fn encode(&self) -> [u8; HELLO_ACK_LEN] {
         let mut b = [0u8; HELLO_ACK_LEN];
-        let h = Bsdh {
-            mid: Mid::HelloAck as u8,
-            flags: 0,
-            bufs: self.bufs,
-            len: HELLO_ACK_LEN as u32,
-            mseq: 0,
-            mseq_ack: 0,
-        };
-        b[..16].copy_from_slice(&h.encode());
-        b[16] = VERSION;
-        b[17] = self.ipv_cap;
+        encode_hello_start(&mut b, Mid::HelloAck, self.bufs, self.ipv_cap);
         b[19] = self.ext_max_adverts;
         b[20..24].copy_from_slice(&self.actrcvsz.to_be_bytes());
         b
@@ -423,20 +426,7 @@ impl HelloAck {
 
     /// Decodes and checks a HelloAck.
     pub fn decode(b: &[u8]) -> Result<HelloAck, ProtocolError> {
-        need(b, HELLO_ACK_LEN)?;
-        let h = Bsdh::decode(b)?;
-        if h.mid()? != Mid::HelloAck {
-            return Err(ProtocolError::Unexpected(h.mid()?));
-        }
-        if h.len as usize != b.len() {
-            return Err(ProtocolError::LengthMismatch {
-                bsdh: h.len,
-                got: b.len(),
-            });
-        }
-        if b[16] != VERSION {
-            return Err(ProtocolError::Version(b[16]));
-        }
+        let h = decode_hello_start(b, Mid::HelloAck, HELLO_ACK_LEN)?;
         let ack = HelloAck {
             bufs: h.bufs,
             ipv_cap: b[17],

@@ -1,5 +1,7 @@
 //! The switch: detection, fallback matrix, dual listen, malformed peers.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, UdpSocket};
 use std::thread;
@@ -20,37 +22,26 @@ fn patient() -> Config {
     cfg
 }
 
-fn serve<S: Read + Write>(mut s: S) {
-    s.write_all(BANNER).unwrap();
-    let mut buf = vec![0u8; 70_000];
-    loop {
-        let n = s.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        s.write_all(&buf[..n]).unwrap();
-    }
+fn serve<S: Read + Write>(s: S) {
+    common::serve(s, BANNER);
+}
+
+/// A twin's side of one capability query on `twin`: answers Accept.
+fn accept_one_query(twin: &UdpSocket) {
+    let mut b = [0u8; 64];
+    let (n, from) = twin.recv_from(&mut b).unwrap();
+    let q = Probe::decode(&b[..n]).unwrap();
+    let a = Probe {
+        kind: Kind::Accept,
+        ..q
+    };
+    twin.send_to(&a.encode(), from).unwrap();
 }
 
 /// Client side: read the banner, send data, half-close, read the echo.
-fn session<S: Read + Write>(mut s: S, half_close: impl FnOnce(&S)) {
-    let mut banner = vec![0u8; BANNER.len()];
-    s.read_exact(&mut banner).unwrap();
-    assert_eq!(banner, BANNER);
+fn session<S: Read + Write>(s: S, half_close: impl FnOnce(&S)) {
     let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
-    let mut echo = Vec::new();
-    // Writes and reads interleaved (the echo must not back up).
-    for ch in data.chunks(50_000) {
-        s.write_all(ch).unwrap();
-        let mut got = vec![0u8; ch.len()];
-        s.read_exact(&mut got).unwrap();
-        echo.extend_from_slice(&got);
-    }
-    half_close(&s);
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).unwrap();
-    assert!(rest.is_empty());
-    assert!(echo == data, "echo differs");
+    common::session(s, BANNER, &data, 50_000, half_close);
 }
 
 #[test]
@@ -209,16 +200,7 @@ fn failed_setup_falls_back_before_data() {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let twin = UdpSocket::bind(addr).unwrap();
-    let tw = thread::spawn(move || {
-        let mut b = [0u8; 64];
-        let (n, from) = twin.recv_from(&mut b).unwrap();
-        let q = Probe::decode(&b[..n]).unwrap();
-        let a = Probe {
-            kind: Kind::Accept,
-            ..q
-        };
-        twin.send_to(&a.encode(), from).unwrap();
-    });
+    let tw = thread::spawn(move || accept_one_query(&twin));
     let t = thread::spawn(move || {
         // First connection: garbage instead of an MPA Reply.
         let (mut s, _) = l.accept().unwrap();
@@ -286,18 +268,7 @@ fn malformed_sdp_resets_only_that_connection() {
         let twin = UdpSocket::bind(addr).unwrap();
         let bad2 = bad.clone();
         let fake = thread::spawn(move || {
-            let mut b = [0u8; 64];
-            let (n, from) = twin.recv_from(&mut b).unwrap();
-            let q = Probe::decode(&b[..n]).unwrap();
-            twin.send_to(
-                &Probe {
-                    kind: Kind::Accept,
-                    ..q
-                }
-                .encode(),
-                from,
-            )
-            .unwrap();
+            accept_one_query(&twin);
             let (s, _) = l.accept().unwrap();
             let dev = Device::open_default().unwrap();
             let pd = dev.alloc_pd();

@@ -3,6 +3,8 @@
 //! permitted). Each side runs in a child process of this test binary
 //! (`netns_child`, ignored when run on its own).
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::Shutdown;
 use std::process::{Child, Command, Stdio};
@@ -12,34 +14,13 @@ use softrdma_sockets::{Config, Mode, TcpListener, TcpStream};
 
 const BANNER: &[u8] = b"SSH-2.0-server-speaks-first\r\n";
 
-fn serve<S: Read + Write>(mut s: S) {
-    s.write_all(BANNER).unwrap();
-    let mut buf = vec![0u8; 70_000];
-    loop {
-        let n = s.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        s.write_all(&buf[..n]).unwrap();
-    }
+fn serve<S: Read + Write>(s: S) {
+    common::serve(s, BANNER);
 }
 
-fn session<S: Read + Write>(mut s: S, shut: impl FnOnce(&S)) {
-    let mut banner = vec![0u8; BANNER.len()];
-    s.read_exact(&mut banner).unwrap();
-    assert_eq!(banner, BANNER);
+fn session<S: Read + Write>(s: S, shut: impl FnOnce(&S)) {
     let data: Vec<u8> = (0..500_000u32).map(|i| (i ^ (i >> 9)) as u8).collect();
-    let mut echo = Vec::new();
-    for ch in data.chunks(60_000) {
-        s.write_all(ch).unwrap();
-        let mut got = vec![0u8; ch.len()];
-        s.read_exact(&mut got).unwrap();
-        echo.extend_from_slice(&got);
-    }
-    shut(&s);
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).unwrap();
-    assert!(rest.is_empty() && echo == data);
+    common::session(s, BANNER, &data, 60_000, shut);
 }
 
 fn close_reply() -> Vec<u8> {

@@ -2,19 +2,17 @@
 //! message taken in) and `TcpStream::ready_now` (readable, writable, with
 //! no system call), as an epoll kept in user space uses them.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::time::Duration;
 
 use softrdma_sockets::poll::{POLLIN, PollEntry, poll};
-use softrdma_sockets::{Config, Mode, TcpListener, TcpStream};
+use softrdma_sockets::{Config, Mode, TcpStream};
 
 fn pair(mode: Mode) -> (TcpStream, TcpStream) {
     let cfg = Config::with_mode(mode);
-    let l = TcpListener::bind_with("127.0.0.1:0", &cfg).unwrap();
-    let addr = l.local_addr().unwrap();
-    let t = std::thread::spawn(move || TcpStream::connect_with(addr, &cfg).unwrap());
-    let (s, _) = l.accept().unwrap();
-    (t.join().unwrap(), s)
+    common::pair(&cfg, &cfg)
 }
 
 /// Waits until `s` is readable.

@@ -1,21 +1,15 @@
 //! Offloaded and plain byte streams on loopback.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::thread;
 use std::time::Duration;
 
+use common::pair;
 use rand::{Rng, RngCore, SeedableRng};
 use softrdma_sockets::{Config, Mode, PlainReason, TcpListener, TcpStream, Transport};
-
-fn pair(server: &Config, client: &Config) -> (TcpStream, TcpStream) {
-    let l = TcpListener::bind_with("127.0.0.1:0", server).unwrap();
-    let addr = l.local_addr().unwrap();
-    let c = client.clone();
-    let t = thread::spawn(move || TcpStream::connect_with(addr, &c).unwrap());
-    let (s, _) = l.accept().unwrap();
-    (t.join().unwrap(), s)
-}
 
 fn offload_pair() -> (TcpStream, TcpStream) {
     let cfg = Config::with_mode(Mode::Offload);

@@ -3,13 +3,16 @@
 //! fallbacks to buffered copy (a peer that does not offer it, small and
 //! non-blocking reads, a write timeout that withdraws the offer).
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::thread;
 use std::time::Duration;
 
+use common::pair;
 use rand::{Rng, RngCore, SeedableRng};
-use softrdma_sockets::{Config, Mode, TcpListener, TcpStream, Transport};
+use softrdma_sockets::{Config, Mode, TcpStream, Transport};
 
 const THRESHOLD: usize = 64 * 1024;
 
@@ -17,15 +20,6 @@ fn cfg(threshold: usize) -> Config {
     let mut c = Config::with_mode(Mode::Offload);
     c.zcopy_threshold = threshold;
     c
-}
-
-fn pair(server: &Config, client: &Config) -> (TcpStream, TcpStream) {
-    let l = TcpListener::bind_with("127.0.0.1:0", server).unwrap();
-    let addr = l.local_addr().unwrap();
-    let c = client.clone();
-    let t = thread::spawn(move || TcpStream::connect_with(addr, &c).unwrap());
-    let (s, _) = l.accept().unwrap();
-    (t.join().unwrap(), s)
 }
 
 fn zero_copy(s: &TcpStream) -> bool {

@@ -571,28 +571,8 @@ impl Deframer {
     ///
     /// The earlier [`DeframeError`] if the deframer already failed.
     pub fn handle_payload(&mut self, placed: &[u8]) -> Result<Handled, DeframeError> {
-        if let Some(e) = self.error {
-            return Err(e);
-        }
-        let Want::Payload { len } = self.next_read() else {
-            return Ok(Handled {
-                consumed: 0,
-                event: None,
-            });
-        };
-        let n = len.min(placed.len());
-        let b = placed.get(..n).unwrap_or_default();
-        if self.config.crc {
-            self.crc.update(b);
-        }
-        self.pos += n as u64;
-        self.payload_left -= n;
-        if self.payload_left == 0 {
-            self.enter_trailer();
-        }
-        Ok(Handled {
-            consumed: n,
-            event: None,
+        self.handle_payload_by(placed.len(), |crc, n| {
+            crc.update(placed.get(..n).unwrap_or_default());
         })
     }
 

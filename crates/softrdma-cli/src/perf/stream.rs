@@ -320,6 +320,34 @@ fn bw(
     Ok((transport, got, secs, cpu))
 }
 
+/// `n` timed round trips of `size` octets, each one `rt` (write `out`, read
+/// the echo into `back`), after `n / 10` untimed ones; the round trips
+/// (µs) and the process's CPU µs per timed round trip.
+fn round_trips(
+    s: &mut TcpStream,
+    n: u64,
+    size: usize,
+    mut rt: impl FnMut(&mut TcpStream, &[u8], &mut [u8]) -> io::Result<()>,
+) -> io::Result<(Vec<f64>, f64)> {
+    let out = vec![0xA5u8; size];
+    let mut back = vec![0u8; size];
+    let warm = n / 10;
+    let mut rtts = Vec::with_capacity(n as usize);
+    let mut cpu0 = 0.0;
+    for i in 0..warm + n {
+        if i == warm {
+            cpu0 = super::cpu_time();
+        }
+        let t = Instant::now();
+        rt(s, &out, &mut back)?;
+        if i >= warm {
+            rtts.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    let cpu = (super::cpu_time() - cpu0) * 1e6 / n as f64;
+    Ok((rtts, cpu))
+}
+
 fn lat(
     addr: SocketAddr,
     c: &Config,
@@ -331,23 +359,10 @@ fn lat(
     s.set_nodelay(true)?;
     let n = a.iters.unwrap_or(10_000).max(1);
     s.write_all(&request(KIND_LAT, true, size, n))?;
-    let out = vec![0xA5u8; size];
-    let mut back = vec![0u8; size];
-    let warm = n / 10;
-    let mut rtts = Vec::with_capacity(n as usize);
-    let mut cpu0 = 0.0;
-    for i in 0..warm + n {
-        if i == warm {
-            cpu0 = super::cpu_time();
-        }
-        let t = Instant::now();
-        s.write_all(&out)?;
-        s.read_exact(&mut back)?;
-        if i >= warm {
-            rtts.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-    }
-    let cpu = (super::cpu_time() - cpu0) * 1e6 / n as f64;
+    let (rtts, cpu) = round_trips(&mut s, n, size, |s, out, back| {
+        s.write_all(out)?;
+        s.read_exact(back)
+    })?;
     s.shutdown(Shutdown::Write)?;
     let mut end = [0u8; 1];
     let _ = s.read(&mut end);
@@ -418,25 +433,13 @@ fn lat_spin(
     let n = a.iters.unwrap_or(10_000).max(1);
     s.write_all(&request_spin(KIND_LAT, true, true, size, n))?;
     s.set_nonblocking(true)?;
-    let out = vec![0xA5u8; size];
-    let mut back = vec![0u8; size];
-    let warm = n / 10;
-    let mut rtts = Vec::with_capacity(n as usize);
-    let mut cpu0 = 0.0;
-    for i in 0..warm + n {
-        if i == warm {
-            cpu0 = super::cpu_time();
-        }
-        let t = Instant::now();
-        spin_write_all(&mut s, &out)?;
-        if !spin_read_exact(&mut s, &mut back)? {
+    let (rtts, cpu) = round_trips(&mut s, n, size, |s, out, back| {
+        spin_write_all(s, out)?;
+        if !spin_read_exact(s, back)? {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
-        if i >= warm {
-            rtts.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-    }
-    let cpu = (super::cpu_time() - cpu0) * 1e6 / n as f64;
+        Ok(())
+    })?;
     s.set_nonblocking(false)?;
     s.shutdown(Shutdown::Write)?;
     let mut end = [0u8; 1];

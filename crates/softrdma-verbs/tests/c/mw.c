@@ -23,7 +23,6 @@ int main(void)
 {
 	struct rdma_event_channel *ch = rdma_create_event_channel();
 	struct rdma_cm_id *lid, *cid, *sid;
-	struct rdma_cm_event *ev;
 	listen_and_resolve(ch, &lid, &cid);
 
 	struct ibv_context *ctx = cid->verbs;
@@ -41,14 +40,8 @@ int main(void)
 	struct ibv_mw *mw = ibv_alloc_mw(pd, IBV_MW_TYPE_2);
 	CHECK(mw && mw->type == IBV_MW_TYPE_2 && mw->pd == pd, "alloc type 2 window", "-");
 
-	struct ibv_qp_init_attr qa = { .send_cq = ccq, .recv_cq = ccq, .qp_type = IBV_QPT_RC,
-		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 } };
-	CHECK(rdma_create_qp(cid, pd, &qa) == 0, "client qp", "-");
 	struct rdma_conn_param cp = { .responder_resources = 1, .initiator_depth = 1 };
-	CHECK(rdma_connect(cid, &cp) == 0, "connect", "-");
-	ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
-	sid = ev->id;
-	rdma_ack_cm_event(ev);
+	sid = connect_client(ch, cid, pd, ccq, &cp);
 	struct ibv_qp_init_attr_ex sa = { .send_cq = scq, .recv_cq = scq, .qp_type = IBV_QPT_RC,
 		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
 		.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS, .pd = pd,
@@ -56,9 +49,7 @@ int main(void)
 	CHECK(rdma_create_qp_ex(sid, &sa) == 0, "server qp (ibv_qp_ex with BIND_MW)", "-");
 	struct ibv_qp_ex *sqx = ibv_qp_to_qp_ex(sid->qp);
 	CHECK(sqx, "ibv_qp_to_qp_ex", "-");
-	CHECK(rdma_accept(sid, &cp) == 0, "accept", "-");
-	for (int i = 0; i < 2; i++)
-		rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+	accept_established(ch, sid, &cp);
 
 	/* Bind the window to sbuf[1024, 1024+256) for remote write. */
 	uint32_t before = mw->rkey;

@@ -20,7 +20,6 @@ int main(void)
 {
 	struct rdma_event_channel *ch = rdma_create_event_channel();
 	struct rdma_cm_id *lid, *cid, *sid;
-	struct rdma_cm_event *ev;
 	listen_and_resolve(ch, &lid, &cid);
 
 	struct ibv_context *ctx = cid->verbs;
@@ -43,20 +42,12 @@ int main(void)
 	struct ibv_srq_attr lim = { .srq_limit = 2 };
 	CHECK(ibv_modify_srq(srq, &lim, IBV_SRQ_LIMIT) == 0, "arm the SRQ limit at 2", "-");
 
-	struct ibv_qp_init_attr ca = { .send_cq = ccq, .recv_cq = ccq, .qp_type = IBV_QPT_RC,
-		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 } };
-	CHECK(rdma_create_qp(cid, pd, &ca) == 0, "client qp", "-");
 	struct rdma_conn_param cp = { .responder_resources = 1, .initiator_depth = 1 };
-	CHECK(rdma_connect(cid, &cp) == 0, "connect", "-");
-	ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
-	sid = ev->id;
-	rdma_ack_cm_event(ev);
+	sid = connect_client(ch, cid, pd, ccq, &cp);
 	struct ibv_qp_init_attr sa = { .send_cq = scq, .recv_cq = scq, .srq = srq, .qp_type = IBV_QPT_RC,
 		.cap = { .max_send_wr = 4, .max_send_sge = 1 } };
 	CHECK(rdma_create_qp(sid, pd, &sa) == 0, "server qp on the srq", "-");
-	CHECK(rdma_accept(sid, &cp) == 0, "accept", "-");
-	for (int i = 0; i < 2; i++)
-		rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+	accept_established(ch, sid, &cp);
 
 	/* Two receives consumed: 2 left, not fewer than the limit. */
 	for (int i = 0; i < 3; i++) {

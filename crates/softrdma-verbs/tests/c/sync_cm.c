@@ -18,25 +18,7 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
-#define CHECK(cond, name, ...) do { \
-	if (!(cond)) { printf("FAIL %s: ", name); printf(__VA_ARGS__); printf(" (errno %d)\n", errno); exit(1); } \
-	printf("ok %s\n", name); fflush(stdout); } while (0)
-
-static struct ibv_wc wait_wc(struct ibv_cq *cq)
-{
-	struct ibv_wc wc;
-	for (int i = 0; i < 5000000; i++) {
-		int n = ibv_poll_cq(cq, 1, &wc);
-		if (n == 1)
-			return wc;
-		if (n < 0)
-			break;
-		if (i > 1000)
-			usleep(10);
-	}
-	printf("FAIL no completion\n");
-	exit(1);
-}
+#include "test_util.h"
 
 static struct rdma_cm_id *lid;
 static char sbuf[64];

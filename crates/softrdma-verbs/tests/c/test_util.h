@@ -15,7 +15,7 @@
 
 #define CHECK(cond, name, ...) do { \
 	if (!(cond)) { printf("FAIL %s: ", name); printf(__VA_ARGS__); printf(" (errno %d)\n", errno); exit(1); } \
-	printf("ok %s\n", name); } while (0)
+	printf("ok %s\n", name); fflush(stdout); } while (0)
 
 static inline struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
 {
@@ -77,6 +77,32 @@ static inline struct ibv_async_event next_event(struct ibv_context *ctx, int ms)
 			return e;
 		ibv_ack_async_event(&e);
 	}
+}
+
+/* Client side of a connection to the listener on `ch`: an RC QP on `cid`
+ * (16 sends, 4 receives, one SGE each, both completing on `cq`), then
+ * rdma_connect with `cp`. Returns the id of the CONNECT_REQUEST. */
+static inline struct rdma_cm_id *connect_client(struct rdma_event_channel *ch, struct rdma_cm_id *cid,
+						struct ibv_pd *pd, struct ibv_cq *cq, struct rdma_conn_param *cp)
+{
+	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 } };
+	CHECK(rdma_create_qp(cid, pd, &qa) == 0, "client qp", "-");
+	CHECK(rdma_connect(cid, cp) == 0, "connect", "-");
+	struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	struct rdma_cm_id *sid = ev->id;
+	rdma_ack_cm_event(ev);
+	return sid;
+}
+
+/* Server side: accepts `sid` with `cp`, then takes the ESTABLISHED events
+ * of both ends. */
+static inline void accept_established(struct rdma_event_channel *ch, struct rdma_cm_id *sid,
+				      struct rdma_conn_param *cp)
+{
+	CHECK(rdma_accept(sid, cp) == 0, "accept", "-");
+	for (int i = 0; i < 2; i++)
+		rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
 }
 
 #endif
