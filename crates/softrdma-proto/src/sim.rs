@@ -292,6 +292,7 @@ impl Memory for SimMemory {
                 addr,
                 len,
                 access,
+                key: _,
             } => {
                 let Some(m) = self.entry(mr).filter(|k| k.kind == KeyKind::Mr).cloned() else {
                     return Err(());
@@ -968,6 +969,7 @@ impl Pair {
                         addr: n.mw_region.2,
                         len: l,
                         access: REMOTE_WRITE,
+                        key: None,
                     }),
                     0,
                     0,

@@ -36,6 +36,7 @@ use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::{RecvSegs, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
 
 mod close;
+mod conn;
 pub(crate) use close::TermHeader;
 mod order;
 mod post;

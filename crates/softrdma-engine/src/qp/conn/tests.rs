@@ -1,0 +1,541 @@
+//! The conversions against the engine's own data path: the same work
+//! requests through a connected engine QP pair and through a pair of
+//! protocol-core `Connection`s over the same device's STag table must give
+//! the same completions and the same memory.
+
+use std::time::{Duration, Instant};
+
+use softrdma_proto::conn::{Connection, TxFpdu};
+use softrdma_proto::mpa::{CrcPolicy, MpaConfig};
+
+use super::*;
+use crate::mr::PdMemory;
+use crate::state::QpState;
+use crate::{
+    Access, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain, QpInitAttr,
+    QueuePair,
+};
+
+fn device() -> Device {
+    Device::open_with(DeviceConfig {
+        pin_threads: false,
+        ..DeviceConfig::default()
+    })
+    .unwrap()
+}
+
+fn all_access() -> Access {
+    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC
+}
+
+/// The regions of one run: `src` at the requester, `dst` (target of
+/// Writes, Reads and atomics) and `rbuf` (receives) at the responder.
+struct Regions {
+    src: MemoryRegion,
+    dst: MemoryRegion,
+    rbuf: MemoryRegion,
+}
+
+fn regions(req: &ProtectionDomain, resp: &ProtectionDomain, data: &[u8]) -> Regions {
+    let r = Regions {
+        src: req.register(4096, all_access()).unwrap(),
+        dst: resp.register(4096, all_access()).unwrap(),
+        rbuf: resp.register(5 * 64, Access::LOCAL_WRITE).unwrap(),
+    };
+    r.src.write(0, data).unwrap();
+    r.dst.write(0, &42u64.to_ne_bytes()).unwrap();
+    r
+}
+
+fn sge(mr: &MemoryRegion, at: u64, len: u32) -> Sge {
+    Sge {
+        addr: mr.addr() + at,
+        length: len,
+        lkey: mr.lkey(),
+    }
+}
+
+/// The SGEs of the scenario (they must outlive the work requests).
+struct Sges {
+    write: [Sge; 1],
+    small: [Sge; 1],
+    send: [Sge; 1],
+    sink: [Sge; 1],
+    fa: [Sge; 1],
+    cas: [Sge; 1],
+    two: [Sge; 2],
+    recv: Vec<[Sge; 1]>,
+}
+
+fn sges(r: &Regions) -> Sges {
+    Sges {
+        write: [sge(&r.src, 0, 3000)],
+        small: [sge(&r.src, 0, 100)],
+        send: [sge(&r.src, 0, 16)],
+        sink: [sge(&r.src, 3008, 100)],
+        fa: [sge(&r.src, 4088, 8)],
+        cas: [sge(&r.src, 4080, 8)],
+        two: [sge(&r.src, 0, 8), sge(&r.src, 8, 8)],
+        recv: (0..5).map(|i| [sge(&r.rbuf, i * 64, 64)]).collect(),
+    }
+}
+
+/// Every data operation, signaled and not, with Immediate Data, inline,
+/// solicited and fenced: 9 requests, 8 signaled; 5 receives, 4 used.
+fn scenario<'a>(s: &'a Sges, dst: &MemoryRegion) -> (Vec<SendWr<'a>>, Vec<RecvWr<'a>>) {
+    let (rkey, at) = (dst.rkey(), dst.addr());
+    let sends = vec![
+        SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: at + 8,
+                rkey,
+            },
+        )
+        .sg_list(&s.write)
+        .signaled(),
+        SendWr::new(
+            2,
+            SendOp::Write {
+                remote_addr: at + 3100,
+                rkey,
+            },
+        )
+        .sg_list(&s.small),
+        SendWr::new(
+            3,
+            SendOp::WriteWithImm {
+                remote_addr: at + 3200,
+                rkey,
+                imm: 0x1234,
+            },
+        )
+        .sg_list(&s.small)
+        .flags(SendFlags::SIGNALED | SendFlags::SOLICITED),
+        SendWr::new(4, SendOp::Send).sg_list(&s.send).signaled(),
+        SendWr::new(5, SendOp::SendWithImm { imm: 77 })
+            .sg_list(&s.send)
+            .signaled(),
+        SendWr::new(6, SendOp::Send)
+            .inline(b"inline-10!")
+            .signaled(),
+        SendWr::new(
+            7,
+            SendOp::Read {
+                remote_addr: at + 8,
+                rkey,
+            },
+        )
+        .sg_list(&s.sink)
+        .signaled(),
+        SendWr::new(
+            8,
+            SendOp::FetchAdd {
+                remote_addr: at,
+                rkey,
+                add: 5,
+            },
+        )
+        .sg_list(&s.fa)
+        .signaled(),
+        SendWr::new(
+            9,
+            SendOp::CmpSwap {
+                remote_addr: at,
+                rkey,
+                compare: 47,
+                swap: 99,
+            },
+        )
+        .sg_list(&s.cas)
+        .flags(SendFlags::SIGNALED | SendFlags::FENCE),
+    ];
+    let recvs = s
+        .recv
+        .iter()
+        .enumerate()
+        .map(|(i, g)| RecvWr::new(100 + i as u64, g))
+        .collect();
+    (sends, recvs)
+}
+
+/// Completions without what differs between the two runs (QP numbers).
+fn normal(mut v: Vec<WorkCompletion>) -> Vec<WorkCompletion> {
+    for wc in &mut v {
+        wc.qp_num = 0;
+    }
+    v
+}
+
+fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+    while out.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} completions",
+            out.len()
+        );
+        let k = cq.poll(&mut buf);
+        out.extend_from_slice(&buf[..k]);
+        if k == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    out
+}
+
+/// Moves every FPDU `from` has to `to` (copying mode); FPDUs moved.
+fn pump(
+    from: &mut Connection<Arc<Memory>>,
+    fm: &mut PdMemory<'_>,
+    to: &mut Connection<Arc<Memory>>,
+    tm: &mut PdMemory<'_>,
+) -> usize {
+    let mut fpdu = TxFpdu::new();
+    let mut bytes = Vec::new();
+    let mut n = 0;
+    while from.poll_transmit(fm, &mut fpdu) {
+        assert!(fpdu.write_to(fm, &mut bytes));
+        n += 1;
+    }
+    from.handle_sent(n);
+    // A receiver that stopped reading (after a Terminate) leaves the rest.
+    let read = to.handle_rx_stream(&bytes, tm);
+    assert!(
+        read == bytes.len() || matches!(to.rx_want(), softrdma_proto::conn::RxWant::Closed),
+        "{read} of {} bytes read",
+        bytes.len()
+    );
+    n
+}
+
+fn setup(cap: QpCap) -> ConnSetup {
+    ConnSetup {
+        cap,
+        ird: 16,
+        ord: 16,
+        max_payload: 1024,
+        srq: false,
+        message_info: false,
+        close_timeout: 5_000_000_000,
+    }
+}
+
+fn crc_link() -> LinkParams {
+    LinkParams {
+        crc: true,
+        ..LinkParams::default()
+    }
+}
+
+#[test]
+fn core_matches_engine_on_every_data_operation() {
+    let dev = device();
+    let data: Vec<u8> = (0..3000u32).map(|i| (i * 7 + 3) as u8).collect();
+
+    // The engine's data path over a loopback connection.
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    let cqa = CompletionQueue::new(&dev, 64, None).unwrap();
+    let cqb = CompletionQueue::new(&dev, 64, None).unwrap();
+    let qa = QueuePair::new(&pa, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+    let qb = QueuePair::new(&pb, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+    crate::loopback::connect_pair(
+        &qa,
+        &qb,
+        &MpaConfig {
+            crc: CrcPolicy::Required,
+            ..MpaConfig::default()
+        },
+    )
+    .unwrap();
+    let er = regions(&pa, &pb, &data);
+    let es = sges(&er);
+    let (sends, recvs) = scenario(&es, &er.dst);
+    for r in &recvs {
+        qb.post_recv(r).unwrap();
+    }
+    qa.post_send_list(&sends).unwrap();
+    let engine_a = normal(wait(&cqa, 8));
+    let engine_b = normal(wait(&cqb, 4));
+
+    // The protocol core through the conversions, over the same STag table.
+    let (pc, pd) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    let cr = regions(&pc, &pd, &data);
+    let cs = sges(&cr);
+    let (sends, recvs) = scenario(&cs, &cr.dst);
+    let cfg = config(&setup(QpCap::default()), &crc_link());
+    let (mut a, mut b) = (ConnState::new(cfg).conn, ConnState::new(cfg).conn);
+    let mut ma = PdMemory::new(dev.stags(), pc.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pd.id(), None);
+    for r in &recvs {
+        with_core_recv(r, |w| b.post_recv(w, &mut mb)).unwrap();
+    }
+    for w in &sends {
+        with_core_send(w, false, dev.stags(), |w| a.post_send(w, &mut ma)).unwrap();
+    }
+    while pump(&mut a, &mut ma, &mut b, &mut mb) + pump(&mut b, &mut mb, &mut a, &mut ma) > 0 {}
+    let core_a = normal(
+        std::iter::from_fn(|| a.poll_completion())
+            .map(|c| work_completion(&c, 0))
+            .collect(),
+    );
+    let core_b = normal(
+        std::iter::from_fn(|| b.poll_completion())
+            .map(|c| work_completion(&c, 0))
+            .collect(),
+    );
+
+    assert_eq!(core_a, engine_a, "requester completions");
+    assert_eq!(core_b, engine_b, "responder completions");
+    assert_eq!(engine_a.len(), 8);
+    assert!(engine_a.iter().all(|wc| wc.status == WcStatus::Success));
+    assert_eq!(cr.dst.to_vec(), er.dst.to_vec(), "responder memory");
+    assert_eq!(cr.rbuf.to_vec(), er.rbuf.to_vec(), "received Sends");
+    assert_eq!(cr.src.to_vec(), er.src.to_vec(), "Read and atomic results");
+    assert_eq!(
+        er.dst.to_vec()[..8],
+        99u64.to_ne_bytes(),
+        "42 + 5, then swapped"
+    );
+}
+
+#[test]
+fn core_matches_engine_on_refused_posts() {
+    let dev = device();
+    let pa = ProtectionDomain::new(&dev);
+    let cq = CompletionQueue::new(&dev, 64, None).unwrap();
+    let qa = QueuePair::new(&pa, &QpInitAttr::new(&cq, &cq)).unwrap();
+    let qb = QueuePair::new(&pa, &QpInitAttr::new(&cq, &cq)).unwrap();
+    crate::loopback::connect_pair(&qa, &qb, &MpaConfig::default()).unwrap();
+    let r = regions(&pa, &pa, &[1; 64]);
+    let s = sges(&r);
+    let five = [sge(&r.src, 0, 8); 5];
+    let rkey = r.dst.rkey();
+    let cases = [
+        // More SGEs than the QP allows.
+        SendWr::new(1, SendOp::Send).sg_list(&five),
+        // Inline payload beyond `max_inline_data`.
+        SendWr::new(2, SendOp::Send).inline(&[0; 65]),
+        // A Read needs exactly one sink.
+        SendWr::new(
+            3,
+            SendOp::Read {
+                remote_addr: r.dst.addr(),
+                rkey,
+            },
+        )
+        .sg_list(&s.two),
+        // An atomic needs one 8-byte sink, at an aligned remote address.
+        SendWr::new(
+            4,
+            SendOp::FetchAdd {
+                remote_addr: r.dst.addr(),
+                rkey,
+                add: 1,
+            },
+        )
+        .sg_list(&s.small),
+        SendWr::new(
+            5,
+            SendOp::CmpSwap {
+                remote_addr: r.dst.addr() + 4,
+                rkey,
+                compare: 0,
+                swap: 1,
+            },
+        )
+        .sg_list(&s.fa),
+    ];
+    let cfg = config(&setup(QpCap::default()), &LinkParams::default());
+    let mut c = ConnState::new(cfg).conn;
+    let mut m = PdMemory::new(dev.stags(), pa.id(), None);
+    for wr in &cases {
+        let engine = qa.post_send(wr).unwrap_err();
+        let core = with_core_send(wr, false, dev.stags(), |w| c.post_send(w, &mut m))
+            .map_err(|e| send_error(e, qa.qp_num(), wr))
+            .unwrap_err();
+        match (engine, core) {
+            (PostSendError::Invalid { .. }, PostSendError::Invalid { .. }) => {}
+            (e, c) => assert_eq!(c, e, "request {}", wr.wr_id),
+        }
+    }
+    let recv = RecvWr::new(9, &five);
+    let engine = qb.post_recv(&recv).unwrap_err();
+    let core = with_core_recv(&recv, |w| c.post_recv(w, &mut m))
+        .map_err(|e| recv_error(e, qb.qp_num()))
+        .unwrap_err();
+    assert_eq!(core, Some(engine));
+    assert_eq!(c.send_queue_len(), 0, "nothing queued");
+    assert_eq!(qa.send_queue_len(), 0, "nothing queued");
+}
+
+#[test]
+fn config_takes_the_link_and_the_caps() {
+    let mut link = crc_link();
+    link.peer_ird = 3;
+    link.msns.send_tx = softrdma_wire::ddp::Msn(2);
+    link.msns.read_rx = softrdma_wire::ddp::Msn(5);
+    let cap = QpCap {
+        max_send_wr: 7,
+        max_recv_wr: 9,
+        max_send_sge: 2,
+        max_recv_sge: 3,
+        max_inline_data: 32,
+    };
+    let c = config(&setup(cap), &link);
+    assert!(c.crc);
+    assert_eq!((c.ird, c.ord), (16, 3), "ORD limited by the peer's IRD");
+    assert_eq!((c.max_send_wr, c.max_recv_wr), (7, 9));
+    assert_eq!((c.max_send_sge, c.max_recv_sge, c.max_inline), (2, 3, 32));
+    assert_eq!((c.tx_msn, c.rx_msn), ([2, 1], [1, 5]));
+    assert_eq!(c.max_payload, 1024);
+}
+
+/// Runs two core connections to quiescence as the engine would: FPDUs
+/// both ways, each side's link actions (FIN, shutdown, reset) delivered to
+/// the other; returns each side's async events, converted.
+fn run_core(
+    a: &mut Connection<Arc<Memory>>,
+    ma: &mut PdMemory<'_>,
+    b: &mut Connection<Arc<Memory>>,
+    mb: &mut PdMemory<'_>,
+) -> [Vec<(AsyncEventKind, Option<softrdma_wire::errcode::TermCode>)>; 2] {
+    let mut events = [Vec::new(), Vec::new()];
+    let mut link_done = [false, false];
+    let now = 1;
+    loop {
+        let mut moved = pump(a, ma, b, mb) + pump(b, mb, a, ma);
+        for side in 0..2 {
+            let (me, peer) = if side == 0 {
+                (&mut *a, &mut *b)
+            } else {
+                (&mut *b, &mut *a)
+            };
+            while let Some(o) = me.poll_output() {
+                moved += 1;
+                match o {
+                    ct::Output::Event(e) => {
+                        let ev = async_event(&e, 0);
+                        events[side].push((ev.kind, ev.term));
+                    }
+                    ct::Output::Link(ct::LinkAction::Reset) if !link_done[side] => {
+                        link_done[side] = true;
+                        peer.handle_reset();
+                    }
+                    ct::Output::Link(_) if !link_done[side] => {
+                        link_done[side] = true;
+                        peer.handle_fin(now);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if moved == 0 {
+            return events;
+        }
+    }
+}
+
+/// The engine's events of QP `qp_num`, kind and Terminate code.
+fn engine_events(
+    dev: &Device,
+    qp_num: u32,
+    all: &mut Vec<crate::event::AsyncEvent>,
+) -> Vec<(AsyncEventKind, Option<softrdma_wire::errcode::TermCode>)> {
+    while let Some(e) = dev.events().try_get() {
+        all.push(e);
+    }
+    all.iter()
+        .filter(|e| e.qp_num == Some(qp_num) && e.kind != AsyncEventKind::CommEstablished)
+        .map(|e| (e.kind, e.term))
+        .collect()
+}
+
+/// A Write to an STag the responder does not have, then a Send: the
+/// responder answers with a Terminate, both sides end in ERROR.
+fn bad_write<'a>(s: &'a Sges, dst: &MemoryRegion) -> ([SendWr<'a>; 2], [RecvWr<'a>; 2]) {
+    let sends = [
+        SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: dst.addr(),
+                rkey: dst.rkey() ^ 0x5a,
+            },
+        )
+        .sg_list(&s.small)
+        .signaled(),
+        SendWr::new(2, SendOp::Send).sg_list(&s.send).signaled(),
+    ];
+    let recvs = [RecvWr::new(100, &s.recv[0]), RecvWr::new(101, &s.recv[1])];
+    (sends, recvs)
+}
+
+#[test]
+fn core_matches_engine_on_a_terminate() {
+    let dev = device();
+    let data = [5u8; 64];
+
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    let cqa = CompletionQueue::new(&dev, 64, None).unwrap();
+    let cqb = CompletionQueue::new(&dev, 64, None).unwrap();
+    let qa = QueuePair::new(&pa, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+    let qb = QueuePair::new(&pb, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+    crate::loopback::connect_pair(&qa, &qb, &MpaConfig::default()).unwrap();
+    let er = regions(&pa, &pb, &data);
+    let es = sges(&er);
+    let (sends, recvs) = bad_write(&es, &er.dst);
+    for r in &recvs {
+        qb.post_recv(r).unwrap();
+    }
+    qa.post_send_list(&sends).unwrap();
+    let engine_a = normal(wait(&cqa, 2));
+    let engine_b = normal(wait(&cqb, 2));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while qa.state() != QpState::Error || qb.state() != QpState::Error {
+        assert!(Instant::now() < deadline, "{} {}", qa.state(), qb.state());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Events raised after the state change have time to arrive.
+    std::thread::sleep(Duration::from_millis(50));
+    let mut all = Vec::new();
+    let ev_a = engine_events(&dev, qa.qp_num(), &mut all);
+    let ev_b = engine_events(&dev, qb.qp_num(), &mut all);
+
+    let (pc, pd) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    let cr = regions(&pc, &pd, &data);
+    let cs = sges(&cr);
+    let (sends, recvs) = bad_write(&cs, &cr.dst);
+    let cfg = config(&setup(QpCap::default()), &LinkParams::default());
+    let (mut a, mut b) = (ConnState::new(cfg).conn, ConnState::new(cfg).conn);
+    let mut ma = PdMemory::new(dev.stags(), pc.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pd.id(), None);
+    for r in &recvs {
+        with_core_recv(r, |w| b.post_recv(w, &mut mb)).unwrap();
+    }
+    for w in &sends {
+        with_core_send(w, false, dev.stags(), |w| a.post_send(w, &mut ma)).unwrap();
+    }
+    let [core_ev_a, core_ev_b] = run_core(&mut a, &mut ma, &mut b, &mut mb);
+    let done = |c: &mut Connection<Arc<Memory>>| {
+        normal(
+            std::iter::from_fn(|| c.poll_completion())
+                .map(|c| work_completion(&c, 0))
+                .collect(),
+        )
+    };
+    assert_eq!(done(&mut a), engine_a, "requester completions");
+    assert_eq!(done(&mut b), engine_b, "responder completions");
+    // Both requests complete when written (iWARP has no acknowledgement);
+    // the responder's receives are flushed; the Terminate's code in both
+    // events: DDP Tagged Buffer Error / Invalid STag.
+    assert!(engine_a.iter().all(|wc| wc.status == WcStatus::Success));
+    assert!(engine_b.iter().all(|wc| wc.status == WcStatus::WrFlush));
+    let code = softrdma_wire::errcode::TermError::DdpTaggedInvalidStag.code();
+    assert_eq!(ev_a, [(AsyncEventKind::TerminateReceived, Some(code))]);
+    assert_eq!(ev_b, [(AsyncEventKind::QpAccessError, Some(code))]);
+    assert_eq!((a.state(), b.state()), (QpState::Error, QpState::Error));
+    assert_eq!(core_ev_a, ev_a, "requester events");
+    assert_eq!(core_ev_b, ev_b, "responder events");
+}
