@@ -372,7 +372,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// [`Memory::local`] now; local operations (invalidate, bind,
     /// fast-register) execute now and complete in order. A request that
     /// fails its checks is accepted and completes with an error when its
-    /// turn comes (then the QP enters ERROR), like the engine.
+    /// turn comes, after the requests before it were written (then the QP
+    /// enters ERROR), like the engine. In ERROR, and in IDLE (after a
+    /// graceful close), the request is accepted and flushed at once.
     ///
     /// # Errors
     ///
@@ -383,7 +385,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         wr: &SendWr<'_>,
         mem: &mut M,
     ) -> Result<(), PostError> {
-        let policy = self.state.send_policy();
+        let policy = self.send_policy();
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
         }
@@ -575,7 +577,8 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
 
     /// Posts a receive. A receive whose SGE fails its checks puts the QP in
     /// ERROR and completes with the error after the earlier receives are
-    /// flushed (the engine's behaviour).
+    /// flushed (the engine's behaviour). In ERROR, and in IDLE (after a
+    /// graceful close), the receive is accepted and flushed at once.
     ///
     /// # Errors
     ///
@@ -589,7 +592,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if self.cfg.srq {
             return Err(PostError::HasSrq);
         }
-        let policy = self.state.recv_policy();
+        let policy = self.recv_policy();
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
         }
@@ -625,6 +628,26 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             total,
         });
         Ok(())
+    }
+
+    /// What posting a send request does now. A connection reaches IDLE
+    /// only through a graceful close; then posts are flushed as in ERROR,
+    /// like the engine (and siw, whose QP ends its LLP close in ERROR), so
+    /// the drain idiom works and no receive waits for a connection that is
+    /// gone.
+    fn send_policy(&self) -> PostPolicy {
+        match self.state {
+            QpState::Idle => PostPolicy::Flush,
+            s => s.send_policy(),
+        }
+    }
+
+    /// What posting a receive does now (see [`Self::send_policy`]).
+    fn recv_policy(&self) -> PostPolicy {
+        match self.state {
+            QpState::Idle => PostPolicy::Flush,
+            s => s.recv_policy(),
+        }
     }
 
     // ------------------------------------------------------------------

@@ -711,3 +711,93 @@ fn without_message_info_nothing_is_reported() {
     assert_eq!(c.status, WcStatus::Success);
     assert_eq!(info, None);
 }
+
+/// A request that failed its checks at post time waits until the requests
+/// framed before it are written: they complete (here: successfully), not
+/// flushed by the ERROR the failure causes.
+#[test]
+fn failed_request_waits_for_the_requests_written_before_it() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 1);
+    let good = [Sge {
+        lkey: key,
+        addr,
+        len: 16,
+    }];
+    let bad = [Sge {
+        lkey: key ^ 0x11,
+        addr,
+        len: 16,
+    }];
+    let send = |id, sgl| {
+        SendWr::new(
+            id,
+            SendOp::Send {
+                inv: None,
+                imm: None,
+            },
+            sgl,
+        )
+    };
+    t.c.post_send(&send(1, &good[..]), &mut t.m).unwrap();
+    t.c.post_send(&send(2, &bad[..]), &mut t.m).unwrap();
+    t.c.post_send(&send(3, &good[..]), &mut t.m).unwrap();
+    assert!(t.sent().is_some(), "request 1 is framed");
+    assert!(t.sent().is_none(), "request 2 waits for request 1's write");
+    assert_eq!(t.c.state(), QpState::Rts);
+    t.c.handle_sent(1);
+    assert!(t.sent().is_none(), "request 2 fails, nothing more is sent");
+    let c: Vec<(u64, WcStatus)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(
+        c,
+        [
+            (1, WcStatus::Success),
+            (2, WcStatus::LocalProtection),
+            (3, WcStatus::WrFlush)
+        ]
+    );
+    assert_eq!(t.c.state(), QpState::Error);
+}
+
+/// After a graceful close (IDLE) posts are accepted and flushed at once,
+/// as in ERROR (the engine's rule, like siw's QP ending its close in
+/// ERROR): the drain idiom works.
+#[test]
+fn posts_after_a_graceful_close_are_flushed() {
+    let mut t = setup(false);
+    t.c.close(0);
+    assert!(t.sent().is_none());
+    t.c.handle_fin(1);
+    let _ = t.outputs();
+    assert_eq!(t.c.state(), QpState::Idle);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 8,
+    }];
+    let send = SendWr::new(
+        1,
+        SendOp::Send {
+            inv: None,
+            imm: None,
+        },
+        &sge,
+    );
+    t.c.post_send(&send, &mut t.m).unwrap();
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 2,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
+    let c: Vec<(u64, WcStatus)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(c, [(1, WcStatus::WrFlush), (2, WcStatus::WrFlush)]);
+    assert_eq!(t.c.recv_queue_len(), 0);
+}

@@ -348,7 +348,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             if let Some(status) = w.failed {
                 // A request that failed its checks at post time reached the
                 // head of the queue: it completes with its error and the QP
-                // enters ERROR.
+                // enters ERROR — once what was framed before it is written
+                // (`handle_sent`), so the requests before it complete, as
+                // in the engine.
+                if !self.inflight.is_empty() {
+                    return false;
+                }
                 let seq = w.seq;
                 self.sq.pop_front();
                 self.complete_sq(seq, status, 0, 0);

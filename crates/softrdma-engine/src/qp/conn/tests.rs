@@ -159,10 +159,12 @@ fn scenario<'a>(s: &'a Sges, dst: &MemoryRegion) -> (Vec<SendWr<'a>>, Vec<RecvWr
     (sends, recvs)
 }
 
-/// Completions without what differs between the two runs (QP numbers).
+/// Completions without what differs between the two runs (QP numbers;
+/// the invalidated STag, random in each run: the flag stays).
 fn normal(mut v: Vec<WorkCompletion>) -> Vec<WorkCompletion> {
     for wc in &mut v {
         wc.qp_num = 0;
+        wc.invalidated_rkey = 0;
     }
     v
 }
@@ -538,4 +540,538 @@ fn core_matches_engine_on_a_terminate() {
     assert_eq!((a.state(), b.state()), (QpState::Error, QpState::Error));
     assert_eq!(core_ev_a, ev_a, "requester events");
     assert_eq!(core_ev_b, ev_b, "responder events");
+}
+
+// -- Scripted differential runs -------------------------------------------
+
+/// What a script does to a pair of QPs (side 0 and side 1); implemented
+/// by the engine's QPs and by a pair of core connections.
+trait Pair {
+    fn send(&mut self, side: usize, wr: &SendWr<'_>) -> Result<(), PostSendError>;
+    fn recv(&mut self, side: usize, wr: &RecvWr<'_>) -> Result<(), PostRecvError>;
+    fn disconnect(&mut self, side: usize);
+    /// Lets what was posted so far run to its end.
+    fn settle(&mut self);
+}
+
+/// The memory of a run: a buffer per side (`MW_BIND` too), a window and
+/// a fast-register region at side 1.
+struct Mem {
+    buf: [MemoryRegion; 2],
+    mw: crate::MemoryWindow,
+    fr: MemoryRegion,
+}
+
+type Events = Vec<(AsyncEventKind, Option<softrdma_wire::errcode::TermCode>)>;
+
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    /// What each post returned, in order (errors without QP numbers).
+    posts: Vec<String>,
+    completions: [Vec<WorkCompletion>; 2],
+    events: [Events; 2],
+    states: [QpState; 2],
+    memory: [Vec<u8>; 2],
+}
+
+fn mem(pds: &[ProtectionDomain; 2]) -> Mem {
+    let buf = |i: usize| {
+        let m = pds[i]
+            .register(8192, all_access() | Access::MW_BIND)
+            .unwrap();
+        let fill: Vec<u8> = (0..8192u32).map(|k| (k * 13 + i as u32) as u8).collect();
+        m.write(0, &fill).unwrap();
+        m
+    };
+    Mem {
+        buf: [buf(0), buf(1)],
+        mw: pds[1].alloc_mw().unwrap(),
+        fr: pds[1].alloc_mr(4096).unwrap(),
+    }
+}
+
+struct EnginePair<'a> {
+    dev: &'a Device,
+    qps: [QueuePair; 2],
+    cqs: [CompletionQueue; 2],
+    out: [Vec<WorkCompletion>; 2],
+    posts: Vec<String>,
+}
+
+impl Pair for EnginePair<'_> {
+    fn send(&mut self, side: usize, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        let r = self.qps[side].post_send(wr);
+        self.posts.push(post_result(side, wr.wr_id, &r));
+        r
+    }
+    fn recv(&mut self, side: usize, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
+        let r = self.qps[side].post_recv(wr);
+        self.posts.push(post_result(side, wr.wr_id, &r));
+        r
+    }
+    fn disconnect(&mut self, side: usize) {
+        self.qps[side].disconnect().unwrap();
+    }
+    fn settle(&mut self) {
+        // Until nothing changed for 100 ms.
+        let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        let mut quiet = Instant::now();
+        let mut states = [self.qps[0].state(), self.qps[1].state()];
+        while quiet.elapsed() < Duration::from_millis(100) {
+            for (i, seen) in states.iter_mut().enumerate() {
+                let k = self.cqs[i].poll(&mut buf);
+                if k > 0 {
+                    self.out[i].extend_from_slice(&buf[..k]);
+                    quiet = Instant::now();
+                }
+                let s = self.qps[i].state();
+                if s != *seen {
+                    *seen = s;
+                    quiet = Instant::now();
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+struct CorePair<'a> {
+    conns: [Connection<Arc<Memory>>; 2],
+    mems: [PdMemory<'a>; 2],
+    stags: &'a crate::mr::StagTable,
+    qp_nums: [u32; 2],
+    out: [Vec<WorkCompletion>; 2],
+    events: [Events; 2],
+    link_done: [bool; 2],
+    posts: Vec<String>,
+}
+
+impl Pair for CorePair<'_> {
+    fn send(&mut self, side: usize, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        let (c, m) = (&mut self.conns[side], &mut self.mems[side]);
+        let r = with_core_send(wr, false, self.stags, |w| c.post_send(w, m))
+            .map_err(|e| send_error(e, self.qp_nums[side], wr));
+        self.posts.push(post_result(side, wr.wr_id, &r));
+        r
+    }
+    fn recv(&mut self, side: usize, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
+        let (c, m) = (&mut self.conns[side], &mut self.mems[side]);
+        let r = with_core_recv(wr, |w| c.post_recv(w, m))
+            .map_err(|e| recv_error(e, self.qp_nums[side]).expect("a receive's refusal"));
+        self.posts.push(post_result(side, wr.wr_id, &r));
+        r
+    }
+    fn disconnect(&mut self, side: usize) {
+        self.conns[side].close(1);
+    }
+    fn settle(&mut self) {
+        let [a, b] = &mut self.conns;
+        let [ma, mb] = &mut self.mems;
+        loop {
+            let mut moved = pump(a, ma, b, mb) + pump(b, mb, a, ma);
+            for side in 0..2 {
+                let (me, peer) = if side == 0 {
+                    (&mut *a, &mut *b)
+                } else {
+                    (&mut *b, &mut *a)
+                };
+                while let Some(o) = me.poll_output() {
+                    moved += 1;
+                    match o {
+                        ct::Output::Event(e) => {
+                            let ev = async_event(&e, 0);
+                            self.events[side].push((ev.kind, ev.term));
+                        }
+                        ct::Output::Link(ct::LinkAction::Reset) if !self.link_done[side] => {
+                            self.link_done[side] = true;
+                            peer.handle_reset();
+                        }
+                        ct::Output::Link(_) if !self.link_done[side] => {
+                            self.link_done[side] = true;
+                            peer.handle_fin(1);
+                        }
+                        _ => {}
+                    }
+                }
+                while let Some(c) = me.poll_completion() {
+                    self.out[side].push(work_completion(&c, self.qp_nums[side]));
+                }
+            }
+            if moved == 0 {
+                return;
+            }
+        }
+    }
+}
+
+/// Runs `script` on a connected engine QP pair and on a pair of core
+/// connections (CRC on, `cap`); returns both outcomes (engine, core).
+fn differential(cap: QpCap, script: impl Fn(&mut dyn Pair, &Mem)) -> (Outcome, Outcome) {
+    let dev = device();
+    let attr = |cq: &CompletionQueue| QpInitAttr {
+        cap,
+        ..QpInitAttr::new(cq, cq)
+    };
+
+    let pds = [ProtectionDomain::new(&dev), ProtectionDomain::new(&dev)];
+    let cqs = [
+        CompletionQueue::new(&dev, 256, None).unwrap(),
+        CompletionQueue::new(&dev, 256, None).unwrap(),
+    ];
+    let qps = [
+        QueuePair::new(&pds[0], &attr(&cqs[0])).unwrap(),
+        QueuePair::new(&pds[1], &attr(&cqs[1])).unwrap(),
+    ];
+    let crc = MpaConfig {
+        crc: CrcPolicy::Required,
+        ..MpaConfig::default()
+    };
+    crate::loopback::connect_pair(&qps[0], &qps[1], &crc).unwrap();
+    let em = mem(&pds);
+    let mut e = EnginePair {
+        dev: &dev,
+        qps,
+        cqs,
+        out: [Vec::new(), Vec::new()],
+        posts: Vec::new(),
+    };
+    script(&mut e, &em);
+    e.settle();
+    let mut all = Vec::new();
+    let nums = [e.qps[0].qp_num(), e.qps[1].qp_num()];
+    let engine = Outcome {
+        posts: e.posts,
+        events: [
+            engine_events(e.dev, nums[0], &mut all),
+            engine_events(e.dev, nums[1], &mut all),
+        ],
+        completions: e.out.map(normal),
+        states: [e.qps[0].state(), e.qps[1].state()],
+        memory: [em.buf[0].to_vec(), em.buf[1].to_vec()],
+    };
+
+    let cpds = [ProtectionDomain::new(&dev), ProtectionDomain::new(&dev)];
+    let cm = mem(&cpds);
+    let cfg = config(&setup(cap), &crc_link());
+    let mut c = CorePair {
+        conns: [ConnState::new(cfg).conn, ConnState::new(cfg).conn],
+        mems: [
+            PdMemory::new(dev.stags(), cpds[0].id(), None),
+            PdMemory::new(dev.stags(), cpds[1].id(), None),
+        ],
+        stags: dev.stags(),
+        qp_nums: nums,
+        out: [Vec::new(), Vec::new()],
+        events: [Vec::new(), Vec::new()],
+        link_done: [false, false],
+        posts: Vec::new(),
+    };
+    script(&mut c, &cm);
+    c.settle();
+    let core = Outcome {
+        posts: c.posts,
+        completions: c.out.map(normal),
+        events: c.events,
+        states: [c.conns[0].state(), c.conns[1].state()],
+        memory: [cm.buf[0].to_vec(), cm.buf[1].to_vec()],
+    };
+    (engine, core)
+}
+
+/// A post's result as text: the side, the request and the error kind.
+fn post_result<E: std::fmt::Debug>(side: usize, wr_id: u64, r: &Result<(), E>) -> String {
+    match r {
+        Ok(()) => format!("{side}:{wr_id} ok"),
+        Err(e) => {
+            let e = format!("{e:?}");
+            let kind = e.split([' ', '{']).next().unwrap_or_default().to_owned();
+            format!("{side}:{wr_id} {kind}")
+        }
+    }
+}
+
+/// Compares two outcomes field by field (memory by its first difference).
+fn same(engine: &Outcome, core: &Outcome) {
+    eprintln!(
+        "engine: {:?} {:?} {:?} {:?}",
+        engine.posts, engine.completions, engine.events, engine.states
+    );
+    eprintln!(
+        "core:   {:?} {:?} {:?} {:?}",
+        core.posts, core.completions, core.events, core.states
+    );
+    assert_eq!(core.posts, engine.posts, "posts (core, engine)");
+    for i in 0..2 {
+        assert_eq!(
+            core.completions[i], engine.completions[i],
+            "completions of side {i} (core, engine)"
+        );
+        assert_eq!(core.events[i], engine.events[i], "events of side {i}");
+        let diff = (core.memory[i].iter().zip(&engine.memory[i])).position(|(a, b)| a != b);
+        assert_eq!(diff, None, "memory of side {i}: first difference");
+    }
+    assert_eq!(core.states, engine.states, "states (core, engine)");
+}
+
+fn at(m: &MemoryRegion, off: u64, len: u32) -> [Sge; 1] {
+    [sge(m, off, len)]
+}
+
+#[test]
+fn differential_send_into_a_short_receive() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        let r = at(&m.buf[1], 0, 8);
+        p.recv(1, &RecvWr::new(10, &r)).unwrap();
+        let r2 = at(&m.buf[1], 64, 64);
+        p.recv(1, &RecvWr::new(11, &r2)).unwrap();
+        let s = at(&m.buf[0], 0, 32);
+        p.send(0, &SendWr::new(1, SendOp::Send).sg_list(&s).signaled())
+            .unwrap();
+        p.settle();
+        let s2 = at(&m.buf[0], 32, 4);
+        let _ = p.send(0, &SendWr::new(2, SendOp::Send).sg_list(&s2).signaled());
+    });
+    same(&engine, &core);
+    assert_eq!(engine.completions[1][0].status, WcStatus::LocalLength);
+}
+
+#[test]
+fn differential_scatter_over_several_sges() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        let r = [
+            sge(&m.buf[1], 0, 10),
+            sge(&m.buf[1], 100, 3000),
+            sge(&m.buf[1], 4000, 7),
+        ];
+        p.recv(1, &RecvWr::new(10, &r)).unwrap();
+        let s = [
+            sge(&m.buf[0], 5, 1),
+            sge(&m.buf[0], 50, 2500),
+            sge(&m.buf[0], 6000, 300),
+        ];
+        p.send(0, &SendWr::new(1, SendOp::Send).sg_list(&s).signaled())
+            .unwrap();
+        let w = [sge(&m.buf[0], 7, 1500), sge(&m.buf[0], 3000, 1500)];
+        p.send(
+            0,
+            &SendWr::new(
+                2,
+                SendOp::Write {
+                    remote_addr: m.buf[1].addr() + 5000,
+                    rkey: m.buf[1].rkey(),
+                },
+            )
+            .sg_list(&w),
+        )
+        .unwrap();
+        let sink = at(&m.buf[0], 7000, 1000);
+        p.send(
+            0,
+            &SendWr::new(
+                3,
+                SendOp::Read {
+                    remote_addr: m.buf[1].addr() + 5500,
+                    rkey: m.buf[1].rkey(),
+                },
+            )
+            .sg_list(&sink)
+            .signaled(),
+        )
+        .unwrap();
+    });
+    same(&engine, &core);
+    assert_eq!(engine.completions[0].len(), 2);
+    assert_eq!(engine.completions[1][0].byte_len, 2801);
+}
+
+#[test]
+fn differential_graceful_close_flushes_receives() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        for i in 0..3 {
+            let r = at(&m.buf[1], i * 64, 64);
+            p.recv(1, &RecvWr::new(10 + i, &r)).unwrap();
+        }
+        let s = at(&m.buf[0], 0, 64);
+        p.send(0, &SendWr::new(1, SendOp::Send).sg_list(&s).signaled())
+            .unwrap();
+        p.settle();
+        p.disconnect(0);
+        p.settle();
+        let _ = p.send(0, &SendWr::new(2, SendOp::Send).sg_list(&s).signaled());
+        let r = at(&m.buf[1], 512, 64);
+        let _ = p.recv(1, &RecvWr::new(20, &r));
+    });
+    same(&engine, &core);
+    assert_eq!(engine.states, [QpState::Idle, QpState::Idle]);
+}
+
+#[test]
+fn differential_local_operations_and_invalidate() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        // The responder binds its window and fast-registers its region.
+        p.send(
+            1,
+            &SendWr::new(
+                1,
+                SendOp::BindMw {
+                    mw: &m.mw,
+                    mr: &m.buf[1],
+                    addr: m.buf[1].addr() + 1024,
+                    length: 512,
+                    access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+                    key: Some(0x42),
+                },
+            )
+            .signaled(),
+        )
+        .unwrap();
+        p.send(
+            1,
+            &SendWr::new(
+                2,
+                SendOp::FastReg {
+                    mr: &m.fr,
+                    iova: 0x1000_0000,
+                    length: 4096,
+                    access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+                },
+            )
+            .signaled(),
+        )
+        .unwrap();
+        p.settle();
+        // The requester writes through both, then invalidates the window
+        // with a Send with Invalidate.
+        let s = at(&m.buf[0], 0, 100);
+        p.send(
+            0,
+            &SendWr::new(
+                3,
+                SendOp::Write {
+                    remote_addr: m.buf[1].addr() + 1100,
+                    rkey: m.mw.rkey(),
+                },
+            )
+            .sg_list(&s)
+            .signaled(),
+        )
+        .unwrap();
+        p.send(
+            0,
+            &SendWr::new(
+                4,
+                SendOp::Write {
+                    remote_addr: 0x1000_0010,
+                    rkey: m.fr.rkey(),
+                },
+            )
+            .sg_list(&s)
+            .signaled(),
+        )
+        .unwrap();
+        let r = at(&m.buf[1], 0, 64);
+        p.recv(1, &RecvWr::new(10, &r)).unwrap();
+        p.send(
+            0,
+            &SendWr::new(
+                5,
+                SendOp::SendWithInv {
+                    invalidate_rkey: m.mw.rkey(),
+                },
+            )
+            .sg_list(&at(&m.buf[0], 0, 8))
+            .signaled(),
+        )
+        .unwrap();
+        p.settle();
+        // Invalidated: a Write through the window now ends the connection.
+        p.send(
+            1,
+            &SendWr::new(6, SendOp::LocalInv { rkey: m.fr.rkey() }).signaled(),
+        )
+        .unwrap();
+        p.settle();
+        p.send(
+            0,
+            &SendWr::new(
+                7,
+                SendOp::Write {
+                    remote_addr: m.buf[1].addr() + 1100,
+                    rkey: m.mw.rkey(),
+                },
+            )
+            .sg_list(&s)
+            .signaled(),
+        )
+        .unwrap();
+    });
+    same(&engine, &core);
+    assert_eq!(
+        engine.completions[1].len(),
+        4,
+        "{:?}",
+        engine.completions[1]
+    );
+}
+
+#[test]
+fn differential_bad_sge_and_posts_in_error() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        let r = at(&m.buf[1], 0, 64);
+        p.recv(1, &RecvWr::new(10, &r)).unwrap();
+        let good = at(&m.buf[0], 0, 16);
+        let bad = [Sge {
+            addr: m.buf[0].addr(),
+            length: 16,
+            lkey: m.buf[0].lkey() ^ 0x11,
+        }];
+        p.send(0, &SendWr::new(1, SendOp::Send).sg_list(&good))
+            .unwrap();
+        p.send(0, &SendWr::new(2, SendOp::Send).sg_list(&bad))
+            .unwrap();
+        p.send(0, &SendWr::new(3, SendOp::Send).sg_list(&good).signaled())
+            .unwrap();
+        p.settle();
+        let _ = p.send(0, &SendWr::new(4, SendOp::Send).sg_list(&good));
+        let r = at(&m.buf[0], 0, 64);
+        let _ = p.recv(0, &RecvWr::new(11, &r));
+    });
+    same(&engine, &core);
+}
+
+#[test]
+fn differential_reads_against_the_ord_and_a_fence() {
+    let cap = QpCap::default();
+    let (engine, core) = differential(cap, |p, m| {
+        let rkey = m.buf[1].rkey();
+        let sinks: Vec<[Sge; 1]> = (0..6).map(|i| at(&m.buf[0], 4096 + i * 512, 512)).collect();
+        for (i, s) in sinks.iter().enumerate() {
+            p.send(
+                0,
+                &SendWr::new(
+                    i as u64,
+                    SendOp::Read {
+                        remote_addr: m.buf[1].addr() + i as u64 * 512,
+                        rkey,
+                    },
+                )
+                .sg_list(s)
+                .signaled(),
+            )
+            .unwrap();
+        }
+        let r = at(&m.buf[1], 7000, 1000);
+        p.recv(1, &RecvWr::new(10, &r)).unwrap();
+        // The Send goes out only after the Reads answered: it carries what
+        // the first one read.
+        p.send(
+            0,
+            &SendWr::new(9, SendOp::Send)
+                .sg_list(&at(&m.buf[0], 4096, 512))
+                .flags(SendFlags::SIGNALED | SendFlags::FENCE),
+        )
+        .unwrap();
+    });
+    same(&engine, &core);
+    assert_eq!(engine.completions[0].len(), 7);
 }
