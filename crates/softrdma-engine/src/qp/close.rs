@@ -61,10 +61,10 @@ impl QpInner {
             return;
         }
         let detail = format!("connection failed: {e}");
-        self.device
-            .events()
-            .push(AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail(detail));
-        self.enter_error(None, None);
+        self.enter_error_with(
+            None,
+            Some(AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail(detail)),
+        );
     }
 
     /// The peer closed the connection.
@@ -204,12 +204,10 @@ impl QpInner {
         if let Some(s) = self.stream.lock().as_ref() {
             let _ = crate::sys::io::reset_connection(s.as_raw_fd());
         }
-        if !timer && !matches!(self.state(), QpState::Idle) {
-            self.device.events().push(
-                AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail("local abort"),
-            );
-        }
-        self.enter_error(None, None);
+        let event = (!timer && !matches!(self.state(), QpState::Idle)).then(|| {
+            AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail("local abort")
+        });
+        self.enter_error_with(None, event);
     }
 
     /// A local error found on the connection: send a Terminate (if the
@@ -284,10 +282,34 @@ impl QpInner {
         first_status: Option<WcStatus>,
         event: Option<AsyncEventKind>,
     ) {
+        self.enter_error_inner(first_status, None, event);
+    }
+
+    /// [`enter_error`](Self::enter_error) reporting `cause` (the reset or
+    /// abort that ends the connection) first, only if this call moves the
+    /// QP to ERROR: an abort racing the receive path's view of the same
+    /// reset reports one `LlpReset`, not two.
+    pub(crate) fn enter_error_with(
+        &self,
+        first_status: Option<WcStatus>,
+        cause: Option<AsyncEvent>,
+    ) {
+        self.enter_error_inner(first_status, cause, None);
+    }
+
+    fn enter_error_inner(
+        &self,
+        first_status: Option<WcStatus>,
+        cause: Option<AsyncEvent>,
+        event: Option<AsyncEventKind>,
+    ) {
         {
             let _g = self.lock_state();
             if self.state() == QpState::Error {
                 return;
+            }
+            if let Some(ev) = cause {
+                self.device.events().push(ev);
             }
             self.set_state(QpState::Error);
         }

@@ -801,3 +801,31 @@ fn posts_after_a_graceful_close_are_flushed() {
     assert_eq!(c, [(1, WcStatus::WrFlush), (2, WcStatus::WrFlush)]);
     assert_eq!(t.c.recv_queue_len(), 0);
 }
+
+/// An SRQ-attached connection that sends a Terminate reports the SRQ's
+/// last WQE event when it reaches ERROR (after the Terminate is written),
+/// as it does on every other way into ERROR and as the engine does.
+#[test]
+fn terminate_sent_on_an_srq_connection_reports_the_last_wqe() {
+    let mut t = setup(false);
+    let mut cfg = *t.c.config();
+    cfg.srq = true;
+    t.c = Connection::new(cfg);
+    let rr = t.read_req(1);
+    t.feed(&rr, |b| set_u32(b, QN, 0));
+    assert!(t.sent().is_some(), "the Terminate");
+    t.c.handle_sent(1);
+    assert_eq!(t.c.state(), QpState::Error);
+    let kinds: Vec<AsyncKind> = t
+        .outputs()
+        .into_iter()
+        .filter_map(|o| match o {
+            Output::Event(e) => Some(e.kind),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [AsyncKind::QpRequestError, AsyncKind::QpLastWqeReached]
+    );
+}

@@ -253,8 +253,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     self.complete_sq(seq, WcStatus::Success, byte_len, 0);
                 }
                 Done::Terminate => {
+                    let was_error = self.state == QpState::Error;
                     self.transition(ConnEvent::TerminateDone);
                     self.set_error();
+                    if !was_error && self.cfg.srq {
+                        // ERROR reached after the Terminate went out: the
+                        // SRQ's last WQE event, as on every way into ERROR.
+                        self.push_event(AsyncKind::QpLastWqeReached, None);
+                    }
                     self.outputs.push_back(Output::Link(LinkAction::Shutdown));
                 }
             }

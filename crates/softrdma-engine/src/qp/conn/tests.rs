@@ -549,9 +549,22 @@ fn core_matches_engine_on_a_terminate() {
 trait Pair {
     fn send(&mut self, side: usize, wr: &SendWr<'_>) -> Result<(), PostSendError>;
     fn recv(&mut self, side: usize, wr: &RecvWr<'_>) -> Result<(), PostRecvError>;
+    /// Posts to side 1's shared receive queue ([`Opts::srq`]).
+    fn srq_recv(&mut self, wr: &RecvWr<'_>) -> Result<(), crate::srq::PostRecvError>;
     fn disconnect(&mut self, side: usize);
+    fn abort(&mut self, side: usize);
     /// Lets what was posted so far run to its end.
     fn settle(&mut self);
+}
+
+/// How the QPs of a differential run are created.
+#[derive(Debug, Clone, Copy, Default)]
+struct Opts {
+    cap: Option<QpCap>,
+    /// Side 1 takes its receives from an SRQ.
+    srq: bool,
+    /// Every send request signaled.
+    sq_sig_all: bool,
 }
 
 /// The memory of a run: a buffer per side (`MW_BIND` too), a window and
@@ -592,6 +605,7 @@ fn mem(pds: &[ProtectionDomain; 2]) -> Mem {
 
 struct EnginePair<'a> {
     dev: &'a Device,
+    srq: Option<crate::SharedReceiveQueue>,
     qps: [QueuePair; 2],
     cqs: [CompletionQueue; 2],
     out: [Vec<WorkCompletion>; 2],
@@ -609,8 +623,16 @@ impl Pair for EnginePair<'_> {
         self.posts.push(post_result(side, wr.wr_id, &r));
         r
     }
+    fn srq_recv(&mut self, wr: &RecvWr<'_>) -> Result<(), crate::srq::PostRecvError> {
+        let r = self.srq.as_ref().expect("an SRQ").post_recv(wr);
+        self.posts.push(post_result(1, wr.wr_id, &r));
+        r
+    }
     fn disconnect(&mut self, side: usize) {
         self.qps[side].disconnect().unwrap();
+    }
+    fn abort(&mut self, side: usize) {
+        self.qps[side].abort();
     }
     fn settle(&mut self) {
         // Until nothing changed for 100 ms.
@@ -636,6 +658,8 @@ impl Pair for EnginePair<'_> {
 }
 
 struct CorePair<'a> {
+    srq: Option<&'a crate::SharedReceiveQueue>,
+    sq_sig_all: bool,
     conns: [Connection<Arc<Memory>>; 2],
     mems: [PdMemory<'a>; 2],
     stags: &'a crate::mr::StagTable,
@@ -649,7 +673,7 @@ struct CorePair<'a> {
 impl Pair for CorePair<'_> {
     fn send(&mut self, side: usize, wr: &SendWr<'_>) -> Result<(), PostSendError> {
         let (c, m) = (&mut self.conns[side], &mut self.mems[side]);
-        let r = with_core_send(wr, false, self.stags, |w| c.post_send(w, m))
+        let r = with_core_send(wr, self.sq_sig_all, self.stags, |w| c.post_send(w, m))
             .map_err(|e| send_error(e, self.qp_nums[side], wr));
         self.posts.push(post_result(side, wr.wr_id, &r));
         r
@@ -661,8 +685,17 @@ impl Pair for CorePair<'_> {
         self.posts.push(post_result(side, wr.wr_id, &r));
         r
     }
+    fn srq_recv(&mut self, wr: &RecvWr<'_>) -> Result<(), crate::srq::PostRecvError> {
+        // The SRQ is the engine's own: the core only pops from it.
+        let r = self.srq.expect("an SRQ").post_recv(wr);
+        self.posts.push(post_result(1, wr.wr_id, &r));
+        r
+    }
     fn disconnect(&mut self, side: usize) {
         self.conns[side].close(1);
+    }
+    fn abort(&mut self, side: usize) {
+        self.conns[side].abort();
     }
     fn settle(&mut self) {
         let [a, b] = &mut self.conns;
@@ -705,22 +738,42 @@ impl Pair for CorePair<'_> {
 }
 
 /// Runs `script` on a connected engine QP pair and on a pair of core
-/// connections (CRC on, `cap`); returns both outcomes (engine, core).
+/// connections (CRC on, default capabilities); returns both outcomes
+/// (engine, core).
 fn differential(cap: QpCap, script: impl Fn(&mut dyn Pair, &Mem)) -> (Outcome, Outcome) {
+    differential_with(
+        Opts {
+            cap: Some(cap),
+            ..Opts::default()
+        },
+        script,
+    )
+}
+
+/// [`differential`] with QPs created as `opts` says.
+fn differential_with(opts: Opts, script: impl Fn(&mut dyn Pair, &Mem)) -> (Outcome, Outcome) {
     let dev = device();
-    let attr = |cq: &CompletionQueue| QpInitAttr {
+    let cap = opts.cap.unwrap_or_default();
+    let attr = |cq: &CompletionQueue, srq: Option<&crate::SharedReceiveQueue>| QpInitAttr {
         cap,
+        srq: srq.cloned(),
+        sq_sig_all: opts.sq_sig_all,
         ..QpInitAttr::new(cq, cq)
+    };
+    let new_srq = |pd: &ProtectionDomain| {
+        opts.srq
+            .then(|| crate::SharedReceiveQueue::new(pd, 64, 4, 0).unwrap())
     };
 
     let pds = [ProtectionDomain::new(&dev), ProtectionDomain::new(&dev)];
+    let srq = new_srq(&pds[1]);
     let cqs = [
         CompletionQueue::new(&dev, 256, None).unwrap(),
         CompletionQueue::new(&dev, 256, None).unwrap(),
     ];
     let qps = [
-        QueuePair::new(&pds[0], &attr(&cqs[0])).unwrap(),
-        QueuePair::new(&pds[1], &attr(&cqs[1])).unwrap(),
+        QueuePair::new(&pds[0], &attr(&cqs[0], None)).unwrap(),
+        QueuePair::new(&pds[1], &attr(&cqs[1], srq.as_ref())).unwrap(),
     ];
     let crc = MpaConfig {
         crc: CrcPolicy::Required,
@@ -730,6 +783,7 @@ fn differential(cap: QpCap, script: impl Fn(&mut dyn Pair, &Mem)) -> (Outcome, O
     let em = mem(&pds);
     let mut e = EnginePair {
         dev: &dev,
+        srq,
         qps,
         cqs,
         out: [Vec::new(), Vec::new()],
@@ -751,13 +805,19 @@ fn differential(cap: QpCap, script: impl Fn(&mut dyn Pair, &Mem)) -> (Outcome, O
     };
 
     let cpds = [ProtectionDomain::new(&dev), ProtectionDomain::new(&dev)];
+    let csrq = new_srq(&cpds[1]);
     let cm = mem(&cpds);
-    let cfg = config(&setup(cap), &crc_link());
+    let mut setup1 = setup(cap);
+    setup1.srq = opts.srq;
+    let cfg0 = config(&setup(cap), &crc_link());
+    let cfg1 = config(&setup1, &crc_link());
     let mut c = CorePair {
-        conns: [ConnState::new(cfg).conn, ConnState::new(cfg).conn],
+        srq: csrq.as_ref(),
+        sq_sig_all: opts.sq_sig_all,
+        conns: [ConnState::new(cfg0).conn, ConnState::new(cfg1).conn],
         mems: [
             PdMemory::new(dev.stags(), cpds[0].id(), None),
-            PdMemory::new(dev.stags(), cpds[1].id(), None),
+            PdMemory::new(dev.stags(), cpds[1].id(), csrq.as_ref()),
         ],
         stags: dev.stags(),
         qp_nums: nums,
@@ -1074,4 +1134,167 @@ fn differential_reads_against_the_ord_and_a_fence() {
     });
     same(&engine, &core);
     assert_eq!(engine.completions[0].len(), 7);
+}
+
+#[test]
+fn differential_shared_receive_queue() {
+    let opts = Opts {
+        srq: true,
+        ..Opts::default()
+    };
+    let (engine, core) = differential_with(opts, |p, m| {
+        for i in 0..3 {
+            let r = at(&m.buf[1], i * 128, 128);
+            p.srq_recv(&RecvWr::new(10 + i, &r)).unwrap();
+        }
+        let r = at(&m.buf[1], 1024, 64);
+        assert!(p.recv(1, &RecvWr::new(20, &r)).is_err(), "post to the SRQ");
+        for i in 0..2 {
+            let s = at(&m.buf[0], i * 100, 100);
+            p.send(0, &SendWr::new(i, SendOp::Send).sg_list(&s).signaled())
+                .unwrap();
+        }
+        p.settle();
+        // Too long for the next receive: the responder's Terminate.
+        let s = at(&m.buf[0], 0, 200);
+        p.send(0, &SendWr::new(5, SendOp::Send).sg_list(&s).signaled())
+            .unwrap();
+    });
+    same(&engine, &core);
+    assert_eq!(
+        engine.completions[1].len(),
+        3,
+        "{:?}",
+        engine.completions[1]
+    );
+}
+
+#[test]
+fn differential_abort_reports_one_llp_reset_and_flushes_everything() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        let r = at(&m.buf[1], 0, 64);
+        p.recv(1, &RecvWr::new(10, &r)).unwrap();
+        let s = at(&m.buf[0], 0, 64);
+        p.send(0, &SendWr::new(1, SendOp::Send).sg_list(&s).signaled())
+            .unwrap();
+        p.settle();
+        p.abort(0);
+        let _ = p.send(0, &SendWr::new(2, SendOp::Send).sg_list(&s).signaled());
+        let _ = p.recv(0, &RecvWr::new(3, &s));
+    });
+    same(&engine, &core);
+    assert_eq!(engine.states, [QpState::Error, QpState::Error]);
+}
+
+#[test]
+fn differential_remote_errors_answer_reads_and_atomics() {
+    for case in 0..3 {
+        let (engine, core) = differential(QpCap::default(), |p, m| {
+            let sink = at(&m.buf[0], 4096, 8);
+            let op = match case {
+                // A Read of an STag the responder does not have.
+                0 => SendOp::Read {
+                    remote_addr: m.buf[1].addr(),
+                    rkey: m.buf[1].rkey() ^ 0x33,
+                },
+                // A Read beyond the region.
+                1 => SendOp::Read {
+                    remote_addr: m.buf[1].addr() + 8190,
+                    rkey: m.buf[1].rkey(),
+                },
+                // An atomic on a window without atomic rights... here a
+                // fast-register region that is not registered yet.
+                _ => SendOp::FetchAdd {
+                    remote_addr: 0x1000,
+                    rkey: m.fr.rkey(),
+                    add: 1,
+                },
+            };
+            p.send(0, &SendWr::new(1, op).sg_list(&sink).signaled())
+                .unwrap();
+            let s = at(&m.buf[0], 0, 8);
+            p.send(0, &SendWr::new(2, SendOp::Send).sg_list(&s).signaled())
+                .unwrap();
+        });
+        same(&engine, &core);
+        assert_ne!(engine.completions[0][0].vendor_err, 0, "case {case}");
+    }
+}
+
+#[test]
+fn differential_write_with_immediate_without_a_receive() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        let s = at(&m.buf[0], 0, 64);
+        p.send(
+            0,
+            &SendWr::new(
+                1,
+                SendOp::WriteWithImm {
+                    remote_addr: m.buf[1].addr(),
+                    rkey: m.buf[1].rkey(),
+                    imm: 5,
+                },
+            )
+            .sg_list(&s)
+            .signaled(),
+        )
+        .unwrap();
+    });
+    same(&engine, &core);
+    assert_eq!(engine.states, [QpState::Error, QpState::Error]);
+}
+
+#[test]
+fn differential_every_request_signaled() {
+    let opts = Opts {
+        sq_sig_all: true,
+        ..Opts::default()
+    };
+    let (engine, core) = differential_with(opts, |p, m| {
+        let s = at(&m.buf[0], 0, 64);
+        for i in 0..3 {
+            p.send(
+                0,
+                &SendWr::new(
+                    i,
+                    SendOp::Write {
+                        remote_addr: m.buf[1].addr() + i * 64,
+                        rkey: m.buf[1].rkey(),
+                    },
+                )
+                .sg_list(&s),
+            )
+            .unwrap();
+        }
+    });
+    same(&engine, &core);
+    assert_eq!(engine.completions[0].len(), 3);
+}
+
+#[test]
+fn differential_full_send_queue() {
+    let cap = QpCap {
+        max_send_wr: 4,
+        ..QpCap::default()
+    };
+    let (engine, core) = differential(cap, |p, m| {
+        // Reads wait for their responses: the queue stays full until the
+        // responder runs.
+        for i in 0..6 {
+            let sink = at(&m.buf[0], 4096 + i * 64, 64);
+            let _ = p.send(
+                0,
+                &SendWr::new(
+                    i,
+                    SendOp::Read {
+                        remote_addr: m.buf[1].addr(),
+                        rkey: m.buf[1].rkey(),
+                    },
+                )
+                .sg_list(&sink)
+                .signaled(),
+            );
+        }
+    });
+    same(&engine, &core);
 }
