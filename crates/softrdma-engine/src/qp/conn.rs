@@ -244,6 +244,9 @@ pub(crate) fn with_core_send<T>(
         fence: wr.flags.contains(SendFlags::FENCE),
         solicited: wr.flags.contains(SendFlags::SOLICITED),
         inline,
+        // The application's request; a proxy reply sets it (and posts it
+        // unsignaled) before `Connection::prepare_send`.
+        internal: false,
     };
     f(&cwr)
 }

@@ -160,6 +160,8 @@ struct Slot {
     wr_id: u64,
     opcode: WcOpcode,
     signaled: bool,
+    /// [`SendWr::internal`].
+    internal: bool,
     status: Option<WcStatus>,
     byte_len: u32,
     vendor_err: u32,
@@ -204,6 +206,22 @@ struct SqEntry<R> {
     fence: bool,
     solicited: bool,
     failed: Option<WcStatus>,
+}
+
+/// A send request checked by [`Connection::prepare_send`], waiting for
+/// [`Connection::post_prepared`].
+#[derive(Debug, Clone)]
+pub struct Prepared<R> {
+    entry: SqEntry<R>,
+    slot: Slot,
+}
+
+impl<R> Prepared<R> {
+    /// The request's `wr_id`.
+    #[must_use]
+    pub const fn wr_id(&self) -> u64 {
+        self.slot.wr_id
+    }
 }
 
 /// A posted receive.
@@ -385,6 +403,23 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         wr: &SendWr<'_>,
         mem: &mut M,
     ) -> Result<(), PostError> {
+        let p = self.prepare_send(wr, mem)?;
+        self.post_prepared(p)
+    }
+
+    /// The first half of [`Connection::post_send`]: checks `wr` and executes
+    /// a local operation, without queuing it; [`Connection::post_prepared`]
+    /// queues it. For requests checked now and posted only later, or never
+    /// (a proxy handler's replies, sent only if the handler succeeds).
+    ///
+    /// # Errors
+    ///
+    /// As [`Connection::post_send`].
+    pub fn prepare_send<M: Memory<Region = R>>(
+        &mut self,
+        wr: &SendWr<'_>,
+        mem: &mut M,
+    ) -> Result<Prepared<R>, PostError> {
         let policy = self.send_policy();
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
@@ -558,14 +593,38 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             }
         };
         entry.failed = failed;
-        let seq = self.slots.push(Slot {
-            wr_id: wr.wr_id,
-            opcode,
-            signaled: wr.signaled,
-            status: None,
-            byte_len: 0,
-            vendor_err: 0,
-        });
+        Ok(Prepared {
+            entry,
+            slot: Slot {
+                wr_id: wr.wr_id,
+                opcode,
+                signaled: wr.signaled,
+                internal: wr.internal,
+                status: None,
+                byte_len: 0,
+                vendor_err: 0,
+            },
+        })
+    }
+
+    /// Queues a request checked by [`Connection::prepare_send`] (or
+    /// flushes it in ERROR and after a graceful close).
+    ///
+    /// # Errors
+    ///
+    /// [`PostError::InvalidState`] if the state refuses posts now,
+    /// [`PostError::QueueFull`] if the send queue is full; nothing is
+    /// queued then.
+    pub fn post_prepared(&mut self, p: Prepared<R>) -> Result<(), PostError> {
+        let policy = self.send_policy();
+        if policy == PostPolicy::Reject {
+            return Err(PostError::InvalidState(self.state));
+        }
+        if self.slots.len() >= self.cfg.max_send_wr as usize {
+            return Err(PostError::QueueFull(self.cfg.max_send_wr));
+        }
+        let Prepared { mut entry, slot } = p;
+        let seq = self.slots.push(slot);
         entry.seq = seq;
         if policy == PostPolicy::Flush {
             self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
@@ -648,6 +707,32 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             QpState::Idle => PostPolicy::Flush,
             s => s.recv_policy(),
         }
+    }
+
+    /// Puts a consumed receive back at the end of the receive queue, its
+    /// buffers already checked (a proxy recycling the buffer of a message it
+    /// served). `false` if the connection uses an SRQ, no longer accepts
+    /// receives, or its queue is full: the caller completes the receive
+    /// itself then.
+    pub fn repost_recv(&mut self, wr_id: u64, segs: Vec<Span<R>>) -> bool {
+        if self.cfg.srq
+            || self.recv_policy() != PostPolicy::Accept
+            || self.rq.len() >= self.cfg.max_recv_wr as usize
+        {
+            return false;
+        }
+        let total = segs.iter().map(|s| s.len).sum();
+        self.rq.push_back(RecvEntry { wr_id, segs, total });
+        true
+    }
+
+    /// The application moves the QP to TERMINATE: a Terminate with `err`
+    /// (RDMAP "Local Catastrophic" for the verbs' modify to TERMINATE) goes
+    /// out, nothing of the peer's is copied into it, everything outstanding
+    /// is flushed, and the QP enters ERROR once it is written. Only in RTS
+    /// and CLOSING.
+    pub fn terminate(&mut self, err: TermError) {
+        self.violate_with(err, false);
     }
 
     // ------------------------------------------------------------------
@@ -797,7 +882,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         });
         while let Some(s) = self.slots.pop_ready() {
             let Some(st) = s.status else { continue };
-            if s.signaled || !st.is_success() {
+            if s.signaled || s.internal || !st.is_success() {
                 self.completions.push_back(Completion {
                     cq: CqKind::Send,
                     wr_id: s.wr_id,
@@ -808,6 +893,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     invalidated: None,
                     solicited: false,
                     vendor_err: s.vendor_err,
+                    internal: s.internal,
                 });
             }
         }
@@ -824,6 +910,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             invalidated: None,
             solicited: false,
             vendor_err: 0,
+            internal: false,
         });
     }
 

@@ -816,6 +816,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         with_header: bool,
         _mem: &mut M,
     ) {
+        self.violate_with(err, with_header);
+    }
+
+    /// [`Self::violate`] without the memory (none is needed).
+    pub(super) fn violate_with(&mut self, err: TermError, with_header: bool) {
         if !matches!(self.state, QpState::Rts | QpState::Closing) {
             self.rx.dead = true;
             return;
@@ -868,5 +873,6 @@ fn recv_success(wr_id: u64, opcode: WcOpcode, len: usize, solicited: bool) -> Co
         invalidated: None,
         solicited,
         vendor_err: 0,
+        internal: false,
     }
 }

@@ -829,3 +829,144 @@ fn terminate_sent_on_an_srq_connection_reports_the_last_wqe() {
         [AsyncKind::QpRequestError, AsyncKind::QpLastWqeReached]
     );
 }
+
+/// A request posted as the engine's own (`SendWr::internal`, a proxy's
+/// reply) reports its completion even unsignaled and successful, flagged;
+/// a prepared request is checked at once and queued only when posted.
+#[test]
+fn internal_and_prepared_requests() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 1);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 8,
+    }];
+    let mut wr = SendWr::new(
+        1,
+        SendOp::Send {
+            inv: None,
+            imm: None,
+        },
+        &sge,
+    );
+    wr.signaled = false;
+    wr.internal = true;
+    let p = t.c.prepare_send(&wr, &mut t.m).unwrap();
+    assert_eq!(p.wr_id(), 1);
+    assert_eq!(t.c.send_queue_len(), 0, "prepared, not queued");
+    assert!(t.sent().is_none());
+    let mut plain = SendWr::new(
+        2,
+        SendOp::Send {
+            inv: None,
+            imm: None,
+        },
+        &sge,
+    );
+    plain.signaled = false;
+    t.c.post_prepared(p).unwrap();
+    t.c.post_send(&plain, &mut t.m).unwrap();
+    assert!(t.sent().is_some() && t.sent().is_some());
+    t.c.handle_sent(2);
+    let c: Vec<(u64, WcStatus, bool)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status, c.internal))
+        .collect();
+    assert_eq!(
+        c,
+        [(1, WcStatus::Success, true)],
+        "the unsignaled plain one is silent"
+    );
+
+    // Checked at preparation: a malformed request is refused then.
+    let bad = SendWr::new(
+        3,
+        SendOp::Read {
+            rkey: 1,
+            remote_addr: 0,
+        },
+        &[],
+    );
+    assert!(matches!(
+        t.c.prepare_send(&bad, &mut t.m),
+        Err(PostError::Invalid(_))
+    ));
+    // And the state at posting: after an abort, a prepared request is
+    // flushed like any post in ERROR.
+    let p = t.c.prepare_send(&wr, &mut t.m).unwrap();
+    t.c.abort();
+    t.c.post_prepared(p).unwrap();
+    let c: Vec<(u64, WcStatus, bool)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status, c.internal))
+        .collect();
+    assert_eq!(c, [(1, WcStatus::WrFlush, true)]);
+}
+
+/// A consumed receive put back (a proxy recycling its buffer) is used by
+/// the next Send; refused when receives are no longer accepted.
+#[test]
+fn reposted_receive_takes_the_next_send() {
+    let mut t = setup(false);
+    let (region, key, addr) = t.m.add_region(16, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 16,
+    }];
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 7,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
+    let s1 = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"first");
+    t.feed(&s1, |_| {});
+    let c = t.c.poll_completion().unwrap();
+    assert_eq!((c.wr_id, c.byte_len), (7, 5));
+    let span = Span {
+        region,
+        offset: 0,
+        len: 16,
+    };
+    assert!(t.c.repost_recv(7, vec![span.clone()]));
+    assert_eq!(t.c.recv_queue_len(), 1);
+    let s2 = UlpduRepr::send(Opcode::Send, None, Msn(2), 0, true, b"second!");
+    t.feed(&s2, |_| {});
+    let c = t.c.poll_completion().unwrap();
+    assert_eq!((c.wr_id, c.byte_len, c.status), (7, 7, WcStatus::Success));
+    t.c.abort();
+    assert!(!t.c.repost_recv(7, vec![span]), "not in ERROR");
+}
+
+/// The application's move to TERMINATE: a Terminate with the given code,
+/// no header copied, everything flushed, ERROR once it is written.
+#[test]
+fn local_terminate_sends_its_code_then_errors() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(16, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 16,
+    }];
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 7,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
+    t.c.terminate(TermError::RdmapLocalCatastrophic);
+    assert_eq!(t.c.state(), QpState::Terminate);
+    let (e, m, hdr, _, _) = t.terminate();
+    assert_eq!(e, Some(TermError::RdmapLocalCatastrophic));
+    assert!(!m);
+    assert_eq!(hdr, 0);
+    t.c.handle_sent(1);
+    assert_eq!(t.c.state(), QpState::Error);
+    let c = t.c.poll_completion().unwrap();
+    assert_eq!((c.wr_id, c.status), (7, WcStatus::WrFlush));
+}

@@ -553,6 +553,8 @@ trait Pair {
     fn srq_recv(&mut self, wr: &RecvWr<'_>) -> Result<(), crate::srq::PostRecvError>;
     fn disconnect(&mut self, side: usize);
     fn abort(&mut self, side: usize);
+    /// The application moves the QP to TERMINATE.
+    fn terminate(&mut self, side: usize);
     /// Lets what was posted so far run to its end.
     fn settle(&mut self);
 }
@@ -634,6 +636,9 @@ impl Pair for EnginePair<'_> {
     fn abort(&mut self, side: usize) {
         self.qps[side].abort();
     }
+    fn terminate(&mut self, side: usize) {
+        self.qps[side].modify(QpState::Terminate).unwrap();
+    }
     fn settle(&mut self) {
         // Until nothing changed for 100 ms.
         let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 16];
@@ -696,6 +701,9 @@ impl Pair for CorePair<'_> {
     }
     fn abort(&mut self, side: usize) {
         self.conns[side].abort();
+    }
+    fn terminate(&mut self, side: usize) {
+        self.conns[side].terminate(softrdma_wire::errcode::TermError::RdmapLocalCatastrophic);
     }
     fn settle(&mut self) {
         let [a, b] = &mut self.conns;
@@ -1297,4 +1305,32 @@ fn differential_full_send_queue() {
         }
     });
     same(&engine, &core);
+}
+
+#[test]
+fn differential_modify_to_terminate() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        let r = at(&m.buf[1], 0, 64);
+        p.recv(1, &RecvWr::new(10, &r)).unwrap();
+        let r0 = at(&m.buf[0], 0, 64);
+        p.recv(0, &RecvWr::new(11, &r0)).unwrap();
+        let sink = at(&m.buf[0], 4096, 64);
+        p.send(
+            0,
+            &SendWr::new(
+                1,
+                SendOp::Read {
+                    remote_addr: m.buf[1].addr(),
+                    rkey: m.buf[1].rkey(),
+                },
+            )
+            .sg_list(&sink)
+            .signaled(),
+        )
+        .unwrap();
+        p.settle();
+        p.terminate(0);
+    });
+    same(&engine, &core);
+    assert_eq!(engine.states, [QpState::Error, QpState::Error]);
 }
