@@ -640,11 +640,11 @@ impl Pair for EnginePair<'_> {
         self.qps[side].modify(QpState::Terminate).unwrap();
     }
     fn settle(&mut self) {
-        // Until nothing changed for 100 ms.
+        // Until nothing changed for 200 ms.
         let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 16];
         let mut quiet = Instant::now();
         let mut states = [self.qps[0].state(), self.qps[1].state()];
-        while quiet.elapsed() < Duration::from_millis(100) {
+        while quiet.elapsed() < Duration::from_millis(200) {
             for (i, seen) in states.iter_mut().enumerate() {
                 let k = self.cqs[i].poll(&mut buf);
                 if k > 0 {
@@ -1333,4 +1333,50 @@ fn differential_modify_to_terminate() {
     });
     same(&engine, &core);
     assert_eq!(engine.states, [QpState::Error, QpState::Error]);
+}
+
+#[test]
+fn differential_send_with_invalidate_of_a_region() {
+    // A region's STag cannot be invalidated remotely: the receive reports
+    // it and the responder sends a Terminate.
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        let r = at(&m.buf[1], 0, 64);
+        p.recv(1, &RecvWr::new(10, &r)).unwrap();
+        p.recv(1, &RecvWr::new(11, &r)).unwrap();
+        p.send(
+            0,
+            &SendWr::new(
+                1,
+                SendOp::SendWithInv {
+                    invalidate_rkey: m.buf[1].rkey(),
+                },
+            )
+            .sg_list(&at(&m.buf[0], 0, 8))
+            .signaled(),
+        )
+        .unwrap();
+    });
+    same(&engine, &core);
+    assert_eq!(
+        engine.completions[1][0].status,
+        WcStatus::RemoteInvalidRequest
+    );
+}
+
+#[test]
+fn differential_peer_closes_during_a_long_send() {
+    let (engine, core) = differential(QpCap::default(), |p, m| {
+        for i in 0..2 {
+            let r = at(&m.buf[1], i * 4096, 4096);
+            p.recv(1, &RecvWr::new(10 + i, &r)).unwrap();
+        }
+        let s = at(&m.buf[0], 0, 4000);
+        p.send(0, &SendWr::new(1, SendOp::Send).sg_list(&s).signaled())
+            .unwrap();
+        // The responder closes; the Send already posted still arrives.
+        p.disconnect(1);
+        p.settle();
+    });
+    same(&engine, &core);
+    assert_eq!(engine.states, [QpState::Idle, QpState::Idle]);
 }
