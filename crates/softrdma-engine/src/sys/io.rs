@@ -56,6 +56,11 @@ impl IoVecs {
         self.v.len() < MAX_IOVECS
     }
 
+    /// How many more entries fit.
+    pub(crate) fn room(&self) -> usize {
+        MAX_IOVECS.saturating_sub(self.v.len())
+    }
+
     /// Adds a byte slice the caller keeps alive and unchanged until the list
     /// is cleared. Empty slices are skipped.
     pub(crate) fn push_slice(&mut self, s: &[u8]) {
