@@ -1430,6 +1430,7 @@ impl QueuePair {
             handler: Mutex::new(attach.handler),
             seq: Mutex::new(Sequencer::new()),
         };
+        qp.leave_core_mode();
         qp.proxy
             .set(link)
             .map_err(|_| ProxySetupError::AlreadyProxy { qp_num: qp.qp_num })

@@ -230,6 +230,14 @@ impl TxIo {
         self.out.len()
     }
 
+    /// Drops the FPDUs not written (the connection was reset): their
+    /// memory is released at once.
+    pub(crate) fn discard(&mut self) {
+        self.out.clear();
+        self.pool.clear();
+        self.written = 0;
+    }
+
     /// Frames and writes until the socket would block, nothing is left or
     /// `budget` bytes are written.
     pub(crate) fn progress(
@@ -339,7 +347,10 @@ impl TxIo {
             n -= left;
             self.written = 0;
             done += 1;
-            if let Some(o) = self.out.pop_front() {
+            if let Some(mut o) = self.out.pop_front() {
+                // Let go of the payload's memory now (lent memory waits
+                // for every reference, see `mr::LentRegion`).
+                o.fpdu = TxFpdu::new();
                 self.pool.push(o);
             }
         }

@@ -97,6 +97,10 @@ impl QpInner {
     /// (ERROR): a multi-segment Send being received completes first, and
     /// Sends the peer sent before it saw our FIN find their buffers.
     pub(crate) fn begin_close(&self, by_peer: bool) {
+        if self.core_mode() {
+            self.core_close();
+            return;
+        }
         {
             let _g = self.lock_state();
             if self.state() != QpState::Rts {
@@ -201,6 +205,10 @@ impl QpInner {
         if matches!(self.state(), QpState::Error) {
             return;
         }
+        if self.core_mode() {
+            self.core_abort(false, None);
+            return;
+        }
         if let Some(s) = self.stream.lock().as_ref() {
             let _ = crate::sys::io::reset_connection(s.as_raw_fd());
         }
@@ -214,6 +222,10 @@ impl QpInner {
     /// connection still works), then ERROR.
     pub(crate) fn fail(&self, err: TermError, hdr: Option<TermHeader<'_>>) {
         if matches!(self.state(), QpState::Error | QpState::Terminate) {
+            return;
+        }
+        if self.core_mode() {
+            self.core_terminate(err);
             return;
         }
         self.set_state(QpState::Terminate);
@@ -303,6 +315,14 @@ impl QpInner {
         cause: Option<AsyncEvent>,
         event: Option<AsyncEventKind>,
     ) {
+        if self.core_mode() {
+            if let Some(ev) = cause {
+                self.device.events().push(ev);
+            }
+            let orderly = self.orderly_close.load(Ordering::Acquire);
+            self.core_abort(orderly, event);
+            return;
+        }
         {
             let _g = self.lock_state();
             if self.state() == QpState::Error {
@@ -401,6 +421,10 @@ impl QpInner {
 
     /// ERROR → IDLE: forget the connection, keep the queues' sizes.
     pub(super) fn reset(&self) {
+        if self.core_mode() {
+            self.core_reset();
+            return;
+        }
         let _g = self.lock_state();
         // Raw lock: ERROR accepts no request (posts are flushed), nothing to
         // hand off, and the state lock is held.

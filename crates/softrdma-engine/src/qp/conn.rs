@@ -65,6 +65,9 @@ pub(crate) fn config(setup: &ConnSetup, link: &LinkParams) -> Config {
         max_send_sge: cap.max_send_sge as usize,
         max_recv_sge: cap.max_recv_sge as usize,
         message_info: setup.message_info,
+        // The engine reports whether its FIN went out (a reset after the
+        // peer's FIN makes it fail: reported at once, not as a close).
+        confirm_fin: true,
     }
 }
 

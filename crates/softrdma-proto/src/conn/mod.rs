@@ -91,6 +91,11 @@ pub struct Config {
     /// ([`Connection::poll_completion_with_info`]): the engine's proxy
     /// offload needs it.
     pub message_info: bool,
+    /// The engine confirms each [`LinkAction::SendFin`] with
+    /// [`Connection::handle_fin_sent`] (a FIN that cannot be sent — the
+    /// peer's reset already in — is a reset, not a graceful close);
+    /// without it the FIN counts as sent when it is asked for.
+    pub confirm_fin: bool,
 }
 
 impl Config {
@@ -112,6 +117,7 @@ impl Config {
             max_send_sge: 4,
             max_recv_sge: 4,
             message_info: false,
+            confirm_fin: false,
         }
     }
 }
@@ -798,6 +804,21 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         }
         self.push_event(AsyncKind::BadClose, None);
         self.enter_error(ConnEvent::BadClose, Some(LinkAction::Reset));
+    }
+
+    /// The FIN asked for with [`LinkAction::SendFin`] went out (`ok`) or
+    /// could not be sent (the connection is gone: a reset). Only with
+    /// [`Config::confirm_fin`].
+    pub fn handle_fin_sent(&mut self, ok: bool) {
+        if !self.cfg.confirm_fin || self.fin_sent {
+            return;
+        }
+        if ok {
+            self.fin_sent = true;
+            self.try_finish_close();
+        } else {
+            self.handle_reset();
+        }
     }
 
     /// The connection was reset or failed.

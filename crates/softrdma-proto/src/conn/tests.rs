@@ -970,3 +970,56 @@ fn local_terminate_sends_its_code_then_errors() {
     let c = t.c.poll_completion().unwrap();
     assert_eq!((c.wr_id, c.status), (7, WcStatus::WrFlush));
 }
+
+/// With `Config::confirm_fin` the close finishes only once the engine says
+/// its FIN went out; a FIN that could not be sent (the peer's reset after
+/// its own FIN) is a reset, not a graceful close.
+#[test]
+fn confirmed_fin_finishes_the_close_and_a_failed_one_is_a_reset() {
+    for ok in [true, false] {
+        let mut t = setup(false);
+        let mut cfg = *t.c.config();
+        cfg.confirm_fin = true;
+        t.c = Connection::new(cfg);
+        t.c.handle_fin(0); // the peer closes first
+        assert!(t.sent().is_none());
+        assert!(
+            t.outputs().contains(&Output::Link(LinkAction::SendFin)),
+            "our FIN is asked for"
+        );
+        assert_eq!(t.c.state(), QpState::Closing, "not before it is sent");
+        t.c.handle_fin_sent(ok);
+        let want = if ok { QpState::Idle } else { QpState::Error };
+        assert_eq!(t.c.state(), want);
+        let kinds: Vec<AsyncKind> = t
+            .outputs()
+            .into_iter()
+            .filter_map(|o| match o {
+                Output::Event(e) => Some(e.kind),
+                _ => None,
+            })
+            .collect();
+        let want = if ok {
+            AsyncKind::LlpClosed
+        } else {
+            AsyncKind::LlpReset
+        };
+        assert_eq!(kinds, [want]);
+    }
+}
+
+/// A consumed message longer than any valid one gets its Terminate at its
+/// header, without waiting for bytes that may never come (as the engine).
+#[test]
+fn oversized_consumed_message_is_refused_at_its_header() {
+    let mut t = setup(false);
+    // An Atomic Request header claiming a 40000-byte ULPDU, and nothing
+    // more of it.
+    let mut b = vec![0u8; 2 + 18];
+    b[..2].copy_from_slice(&40000u16.to_be_bytes());
+    b[2] = 0x41;
+    b[3] = softrdma_wire::rdmap::control_byte(Opcode::AtomicRequest);
+    set_u32(&mut b[2..], QN, 1);
+    t.c.handle_rx_stream(&b, &mut t.m);
+    assert_eq!(t.terminate().0, Some(crate::term::MALFORMED_HEADER));
+}

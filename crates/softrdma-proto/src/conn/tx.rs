@@ -232,9 +232,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if self.fin_pending && !self.fin_sent && self.sq_done() && self.resp.is_empty() {
             // Everything posted before the close is handed out: FIN after it.
             self.fin_pending = false;
-            self.fin_sent = true;
             self.outputs.push_back(Output::Link(LinkAction::SendFin));
-            self.try_finish_close();
+            if !self.cfg.confirm_fin {
+                self.fin_sent = true;
+                self.try_finish_close();
+            }
         }
         false
     }

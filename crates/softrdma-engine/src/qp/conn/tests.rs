@@ -426,8 +426,11 @@ fn run_core(
                         link_done[side] = true;
                         peer.handle_reset();
                     }
-                    ct::Output::Link(_) if !link_done[side] => {
+                    ct::Output::Link(a) if !link_done[side] => {
                         link_done[side] = true;
+                        if a == ct::LinkAction::SendFin {
+                            me.handle_fin_sent(true);
+                        }
                         peer.handle_fin(now);
                     }
                     _ => {}
@@ -727,8 +730,11 @@ impl Pair for CorePair<'_> {
                             self.link_done[side] = true;
                             peer.handle_reset();
                         }
-                        ct::Output::Link(_) if !self.link_done[side] => {
+                        ct::Output::Link(a) if !self.link_done[side] => {
                             self.link_done[side] = true;
+                            if a == ct::LinkAction::SendFin {
+                                me.handle_fin_sent(true);
+                            }
                             peer.handle_fin(1);
                         }
                         _ => {}
