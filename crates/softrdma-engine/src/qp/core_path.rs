@@ -157,6 +157,7 @@ impl QpInner {
         let mut g = self.core.lock();
         *g = Some(Box::new(cc));
         let _ = self.core.release(g);
+        self.core_fd.store(fd, Ordering::Release);
     }
 
     /// `post_send` on the core path.
@@ -416,6 +417,13 @@ impl QpInner {
         let mut g = if blocking {
             self.lock_core()
         } else {
+            // A CQ poller looks at the socket first, without the lock: an
+            // idle socket (the usual case while it waits for completions)
+            // costs one `poll` and leaves the lock to whoever transmits.
+            let fd = self.core_fd.load(Ordering::Acquire);
+            if fd < 0 || !crate::sys::io::readable_now(fd) {
+                return (false, true);
+            }
             match self.core.try_claim() {
                 Some(g) => CoreGuard {
                     qp: self,
@@ -529,6 +537,7 @@ impl QpInner {
     /// ERROR → IDLE on the core path: the connection is forgotten.
     pub(crate) fn core_reset(&self) {
         let mut g = self.lock_core();
+        self.core_fd.store(-1, Ordering::Release);
         *g = None;
         drop(g);
         self.closed.store(false, Ordering::SeqCst);

@@ -452,6 +452,8 @@ pub(crate) struct QpInner {
     core_mode: AtomicBool,
     /// The connection on the core path, behind the hand-off.
     pub(crate) core: HandOff<Option<Box<core_path::CoreConn>>>,
+    /// Its socket (-1: none), to look for bytes without the lock.
+    pub(crate) core_fd: std::sync::atomic::AtomicI32,
     pub(crate) rx: Mutex<RxState>,
     /// Set while the QP is registered with the receive threads.
     pub(crate) rx_registered: AtomicBool,
@@ -533,6 +535,7 @@ impl QueuePair {
             tx: HandOff::new(TxState::new()),
             core_mode: AtomicBool::new(core_path::core_mode_from_env()),
             core: HandOff::new(None),
+            core_fd: std::sync::atomic::AtomicI32::new(-1),
             rx: Mutex::new(RxState::new()),
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
@@ -668,6 +671,7 @@ impl QueuePair {
                 if qp.core_mode() {
                     // The closed connection is forgotten.
                     let mut g = qp.core.lock();
+                    qp.core_fd.store(-1, Ordering::Release);
                     *g = None;
                     let _ = qp.core.release(g);
                 }
