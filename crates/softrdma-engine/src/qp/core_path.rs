@@ -246,18 +246,28 @@ impl QpInner {
     /// Frames and writes (at most `budget` bytes), then acts on what the
     /// core produced.
     fn core_transmit(&self, cc: &mut CoreConn, budget: usize) -> TxStop {
-        let mut mem = self.core_mem();
-        let stop = if cc.link_done {
-            TxStop::Idle
-        } else {
-            cc.tx.progress(&mut cc.conn, &mut mem, cc.fd, budget)
-        };
-        if let TxStop::Failed(e) = &stop {
-            cc.reset_detail = Some(format!("connection failed: {e}"));
-            cc.conn.handle_reset();
+        /// Completions of what was written are delivered at least this
+        /// often (the poster's next requests wait for them).
+        const DELIVER_EVERY: usize = 256 * 1024;
+        let mut left = budget;
+        loop {
+            let chunk = left.min(DELIVER_EVERY);
+            let mut mem = self.core_mem();
+            let stop = if cc.link_done {
+                TxStop::Idle
+            } else {
+                cc.tx.progress(&mut cc.conn, &mut mem, cc.fd, chunk)
+            };
+            if let TxStop::Failed(e) = &stop {
+                cc.reset_detail = Some(format!("connection failed: {e}"));
+                cc.conn.handle_reset();
+            }
+            self.core_outputs(cc);
+            match stop {
+                TxStop::Budget if left > chunk => left -= chunk,
+                _ => return stop,
+            }
         }
-        self.core_outputs(cc);
-        stop
     }
 
     /// Delivers the core's completions and acts on its outputs.
