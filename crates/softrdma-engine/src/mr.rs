@@ -423,11 +423,11 @@ fn fresh_key(previous: Option<u8>) -> u8 {
 /// What a window bind asks for: the range of the region, the rights, and
 /// the key byte of the new STag (`None`: a fresh one).
 #[derive(Debug, Clone, Copy)]
-struct WindowBind {
-    addr: u64,
-    len: u64,
-    access: Access,
-    key: Option<u8>,
+pub(crate) struct WindowBind {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) access: Access,
+    pub(crate) key: Option<u8>,
 }
 
 /// What an entry is.
@@ -880,15 +880,14 @@ impl StagTable {
 
     #[cfg_attr(not(test), allow(dead_code))] // see `PdMemory`
     /// [`StagTable::bind_mw`] by STag: window `mw_stag` (its index; the key
-    /// is replaced) and region `mr_lkey` (index and key), both of `pd`.
+    /// is replaced by `bind.key`, or a fresh one) and region `mr_lkey`
+    /// (index and key), both of `pd`.
     pub(crate) fn bind_mw_by_key(
         &self,
         pd: u32,
         mw_stag: u32,
         mr_lkey: u32,
-        addr: u64,
-        len: u64,
-        access: Access,
+        bind: WindowBind,
     ) -> Result<u32, BindError> {
         {
             let slots = self.slots.read();
@@ -899,17 +898,7 @@ impl StagTable {
                 return Err(BindError::InvalidRegion);
             }
         }
-        self.bind_at(
-            pd,
-            mw_stag >> 8,
-            mr_lkey >> 8,
-            WindowBind {
-                addr,
-                len,
-                access,
-                key: None,
-            },
-        )
+        self.bind_at(pd, mw_stag >> 8, mr_lkey >> 8, bind)
     }
 
     /// The bind itself: both entries must belong to `pd`.
@@ -1539,9 +1528,20 @@ impl softrdma_proto::mem::Memory for PdMemory<'_> {
                 addr,
                 len,
                 access,
+                key,
             } => self
                 .stags
-                .bind_mw_by_key(self.pd, mw, mr, addr, len, Access(access))
+                .bind_mw_by_key(
+                    self.pd,
+                    mw,
+                    mr,
+                    WindowBind {
+                        addr,
+                        len,
+                        access: Access(access),
+                        key,
+                    },
+                )
                 .map(|_| ())
                 .map_err(|_| ()),
             LocalOp::FastReg {
@@ -2758,6 +2758,7 @@ mod tests {
                 addr: mr.addr() + 100,
                 len: 50,
                 access: Access::REMOTE_WRITE.bits(),
+                key: None,
             };
             assert_eq!(m.local_op(&bind), Ok(()));
             assert!(mw.is_bound());

@@ -658,6 +658,43 @@ impl MsgMeta {
         self
     }
 
+    /// What the protocol core reported of a receive
+    /// (`Connection::poll_completion_with_info`, `Config::message_info`)
+    /// as the receive path's `MsgMeta` (`imm`: the completion's immediate
+    /// data), built as `datapath/rx.rs` builds it from its own tracking.
+    #[cfg_attr(not(test), allow(dead_code))] // the data path's next step
+    pub(crate) fn from_core(
+        info: softrdma_proto::conn::MsgInfo<Arc<Memory>>,
+        imm: Option<u32>,
+    ) -> MsgMeta {
+        use softrdma_proto::conn::MsgInfo;
+        let meta = match info {
+            MsgInfo::Send {
+                opcode,
+                header,
+                segs,
+                inv,
+            } => MsgMeta::send(
+                opcode,
+                header,
+                segs.into_iter()
+                    .map(|s| LocalSeg {
+                        mem: s.region,
+                        offset: s.offset,
+                        len: s.len,
+                    })
+                    .collect(),
+                inv,
+            ),
+            MsgInfo::Write { write: Some(w) } => MsgMeta::write(w.stag, w.to, w.len, &w.header),
+            MsgInfo::Write { write: None } => MsgMeta::empty_write(),
+        };
+        match imm {
+            Some(imm) => meta.with_imm(imm),
+            None => meta,
+        }
+    }
+
     /// Payload length: the bytes received by a Send (`wc.byte_len`), the
     /// bytes written by a Write with Immediate.
     fn payload_len(&self, wc: &WorkCompletion) -> u64 {
@@ -1393,6 +1430,7 @@ impl QueuePair {
             handler: Mutex::new(attach.handler),
             seq: Mutex::new(Sequencer::new()),
         };
+        qp.leave_core_mode();
         qp.proxy
             .set(link)
             .map_err(|_| ProxySetupError::AlreadyProxy { qp_num: qp.qp_num })
@@ -1401,5 +1439,65 @@ impl QueuePair {
     /// Whether this is a proxy QP.
     pub fn is_proxy(&self) -> bool {
         self.inner.qp.proxy.get().is_some()
+    }
+}
+
+#[cfg(test)]
+mod core_info_tests {
+    use super::*;
+    use softrdma_proto::conn::{MsgInfo, WriteInfo};
+    use softrdma_proto::mem::Span;
+
+    #[test]
+    fn core_message_info_becomes_the_receive_paths_meta() {
+        let mem = Memory::from_vec(vec![0; 64]);
+        let mut header = [0u8; 18];
+        header[1] = 0x43;
+        let send = MsgInfo::Send {
+            opcode: Opcode::SendWithInvalidate,
+            header,
+            segs: vec![Span {
+                region: mem.clone(),
+                offset: 8,
+                len: 32,
+            }],
+            inv: Some(0x1234_5678),
+        };
+        let m = MsgMeta::from_core(send, None);
+        assert_eq!(m.opcode, Opcode::SendWithInvalidate);
+        assert_eq!((m.header, m.header_len), (header, 18));
+        assert_eq!((m.stag, m.to, m.imm), (Some(0x1234_5678), None, None));
+        let MsgData::Recv(segs) = &m.data else {
+            panic!("a Send's bytes are in its receive")
+        };
+        assert_eq!(segs.len(), 1);
+        assert!(Arc::ptr_eq(&segs[0].mem, &mem));
+        assert_eq!((segs[0].offset, segs[0].len), (8, 32));
+
+        let mut th = [0u8; 14];
+        th[0] = 0x80;
+        let w = MsgInfo::Write {
+            write: Some(WriteInfo {
+                stag: 7,
+                to: 0x1000,
+                len: 300,
+                header: th,
+            }),
+        };
+        let m = MsgMeta::from_core(w, Some(99));
+        assert_eq!(m.opcode, Opcode::RdmaWrite);
+        assert_eq!(
+            (m.stag, m.to, m.imm, m.written),
+            (Some(7), Some(0x1000), Some(99), 300)
+        );
+        assert_eq!((&m.header[..14], m.header_len), (&th[..], 14));
+        assert!(matches!(m.data, MsgData::Tagged));
+
+        let m = MsgMeta::from_core(MsgInfo::Write { write: None }, Some(5));
+        assert!(matches!(m.data, MsgData::None));
+        assert_eq!(
+            (m.stag, m.imm, m.written, m.header_len),
+            (None, Some(5), 0, 0)
+        );
     }
 }

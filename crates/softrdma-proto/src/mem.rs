@@ -156,6 +156,9 @@ pub enum LocalOp {
         len: u64,
         /// Access flags (engine encoding).
         access: u32,
+        /// The window's new 8-bit key (`None`: the engine picks one, at
+        /// random in the engine).
+        key: Option<u8>,
     },
     /// Fast-register region `mr` at `iova`.
     FastReg {

@@ -292,6 +292,7 @@ impl Memory for SimMemory {
                 addr,
                 len,
                 access,
+                key: _,
             } => {
                 let Some(m) = self.entry(mr).filter(|k| k.kind == KeyKind::Mr).cloned() else {
                     return Err(());
@@ -413,7 +414,7 @@ pub enum Action {
         /// Payload length.
         len: u16,
         /// Flags: bit 0 unsignaled, bit 1 solicited, bit 2 fence, bit 3 bad
-        /// remote key.
+        /// remote key, bit 4 inline, bit 6 with bit 0: internal.
         flags: u8,
     },
     /// `side` frames up to `n` FPDUs into its outgoing stream.
@@ -556,6 +557,8 @@ struct SqRec {
     wr_id: u64,
     op: SendOp,
     signaled: bool,
+    /// Posted as the engine's own request (`SendWr::internal`).
+    internal: bool,
     len: usize,
     /// Local region of the payload / sink.
     local: usize,
@@ -675,6 +678,9 @@ pub struct Stats {
     pub hostile_answered: u64,
     /// Sends and Writes posted (accepted) with an inline payload.
     pub inline: u64,
+    /// Requests posted (accepted) as the engine's own
+    /// (`SendWr::internal`).
+    pub internal: u64,
 }
 
 impl core::ops::AddAssign for Stats {
@@ -694,6 +700,7 @@ impl core::ops::AddAssign for Stats {
         self.rejected += o.rejected;
         self.hostile_answered += o.hostile_answered;
         self.inline += o.inline;
+        self.internal += o.internal;
     }
 }
 
@@ -968,6 +975,7 @@ impl Pair {
                         addr: n.mw_region.2,
                         len: l,
                         access: REMOTE_WRITE,
+                        key: None,
                     }),
                     0,
                     0,
@@ -1027,6 +1035,9 @@ impl Pair {
             fence: flags & 4 != 0,
             solicited: flags & 2 != 0,
             inline: inline_data.as_deref(),
+            // Sometimes an unsignaled request is the engine's own (a proxy
+            // reply): its completion is reported all the same.
+            internal: flags & 1 != 0 && flags & 64 != 0,
         };
 
         node.next_wr += 1;
@@ -1035,10 +1046,14 @@ impl Pair {
                 if inline_data.is_some() {
                     self.stats.inline += 1;
                 }
+                if wr.internal {
+                    self.stats.internal += 1;
+                }
                 node.sq.push(SqRec {
                     wr_id,
                     op,
                     signaled: wr.signaled,
+                    internal: wr.internal,
                     len: sgl.iter().map(|s| s.len as usize).sum(),
                     local,
                     remote,
@@ -1291,10 +1306,16 @@ impl Pair {
             return Err(format!("side {side}: send wr {} completed twice", c.wr_id));
         }
         rec.completed = true;
+        if c.internal != rec.internal {
+            return Err(format!(
+                "side {side}: send wr {} reported internal = {}",
+                c.wr_id, c.internal
+            ));
+        }
         if c.status != WcStatus::Success {
             return Ok(());
         }
-        if !rec.signaled {
+        if !rec.signaled && !rec.internal {
             return Err(format!(
                 "side {side}: unsignaled wr {} reported success",
                 c.wr_id
@@ -1468,7 +1489,7 @@ impl Pair {
                 return Err(format!("side {side}: FPDUs never acknowledged"));
             }
             for r in &n.sq {
-                if r.signaled && !r.completed {
+                if (r.signaled || r.internal) && !r.completed {
                     return Err(format!("side {side}: send wr {} never completed", r.wr_id));
                 }
             }

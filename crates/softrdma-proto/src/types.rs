@@ -88,6 +88,11 @@ pub struct SendWr<'a> {
     /// caller may reuse the buffer at once; `sgl` is then ignored. At most
     /// [`crate::conn::Config::max_inline`] bytes.
     pub inline: Option<&'a [u8]>,
+    /// Posted by the engine itself (a proxy handler's reply), not by the
+    /// application: its completion is always reported, whatever its status
+    /// and `signaled`, with [`Completion::internal`] set, for the engine to
+    /// route to the proxy instead of the application's CQ.
+    pub internal: bool,
 }
 
 impl<'a> SendWr<'a> {
@@ -102,6 +107,7 @@ impl<'a> SendWr<'a> {
             fence: false,
             solicited: false,
             inline: None,
+            internal: false,
         }
     }
 
@@ -215,6 +221,8 @@ pub struct Completion {
     /// Raw Terminate code (Layer/EType/Code) for a request a Terminate
     /// answered, else 0.
     pub vendor_err: u32,
+    /// The request was posted with [`SendWr::internal`].
+    pub internal: bool,
 }
 
 /// Asynchronous event kinds the core reports (a subset of the engine's

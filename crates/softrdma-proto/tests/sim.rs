@@ -172,6 +172,7 @@ fn simulated_pairs_keep_every_invariant() {
             ("refused posts", total.rejected),
             ("hostile FPDUs answered", total.hostile_answered),
             ("inline posts", total.inline),
+            ("internal posts", total.internal),
         ] {
             assert!(n > 0, "no {what} in {seeds} seeds");
         }

@@ -294,7 +294,7 @@ impl Drop for Threads {
 }
 
 /// What serving a QP for one slice left it as.
-enum Served {
+pub(crate) enum Served {
     /// More work, socket writable: stays active.
     Active,
     /// Socket full: pause until writable.
@@ -304,6 +304,9 @@ enum Served {
 }
 
 fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
+    if qp.core_mode() {
+        return qp.core_serve(slice);
+    }
     let mut tx = qp.lock_tx();
     qp.drain_incoming(&mut tx);
     let outcome = tx.progress(&**qp, slice);

@@ -18,6 +18,7 @@
 //! ([`crate::handoff`]) and the engine threads. The modules stay importable as `crate::tx`, `crate::rx` and
 //! `crate::datamover`.
 
+pub(crate) mod conn_io;
 pub(crate) mod datamover;
 pub(crate) mod rx;
 pub(crate) mod tx;

@@ -342,6 +342,9 @@ impl QpInner {
             self.last_poll
                 .store(crate::datamover::now_ns(), Ordering::Relaxed);
         }
+        if self.core_mode() {
+            return self.core_rx(false).0;
+        }
         let Some(mut rx) = self.rx.try_lock() else {
             return false;
         };
@@ -356,6 +359,9 @@ impl QpInner {
     /// Receive progress from a receive thread. Returns `false` once the QP
     /// no longer receives (no need to wait for the socket again).
     pub(crate) fn rx_thread_progress(&self) -> bool {
+        if self.core_mode() {
+            return self.core_rx(true).1;
+        }
         let mut rx = self.rx.lock();
         if rx.stream.is_none() {
             return false;

@@ -61,10 +61,10 @@ impl QpInner {
             return;
         }
         let detail = format!("connection failed: {e}");
-        self.device
-            .events()
-            .push(AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail(detail));
-        self.enter_error(None, None);
+        self.enter_error_with(
+            None,
+            Some(AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail(detail)),
+        );
     }
 
     /// The peer closed the connection.
@@ -97,6 +97,10 @@ impl QpInner {
     /// (ERROR): a multi-segment Send being received completes first, and
     /// Sends the peer sent before it saw our FIN find their buffers.
     pub(crate) fn begin_close(&self, by_peer: bool) {
+        if self.core_mode() {
+            self.core_close();
+            return;
+        }
         {
             let _g = self.lock_state();
             if self.state() != QpState::Rts {
@@ -201,21 +205,27 @@ impl QpInner {
         if matches!(self.state(), QpState::Error) {
             return;
         }
+        if self.core_mode() {
+            self.core_abort(false, None);
+            return;
+        }
         if let Some(s) = self.stream.lock().as_ref() {
             let _ = crate::sys::io::reset_connection(s.as_raw_fd());
         }
-        if !timer && !matches!(self.state(), QpState::Idle) {
-            self.device.events().push(
-                AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail("local abort"),
-            );
-        }
-        self.enter_error(None, None);
+        let event = (!timer && !matches!(self.state(), QpState::Idle)).then(|| {
+            AsyncEvent::qp(AsyncEventKind::LlpReset, self.qp_num).with_detail("local abort")
+        });
+        self.enter_error_with(None, event);
     }
 
     /// A local error found on the connection: send a Terminate (if the
     /// connection still works), then ERROR.
     pub(crate) fn fail(&self, err: TermError, hdr: Option<TermHeader<'_>>) {
         if matches!(self.state(), QpState::Error | QpState::Terminate) {
+            return;
+        }
+        if self.core_mode() {
+            self.core_terminate(err);
             return;
         }
         self.set_state(QpState::Terminate);
@@ -284,10 +294,42 @@ impl QpInner {
         first_status: Option<WcStatus>,
         event: Option<AsyncEventKind>,
     ) {
+        self.enter_error_inner(first_status, None, event);
+    }
+
+    /// [`enter_error`](Self::enter_error) reporting `cause` (the reset or
+    /// abort that ends the connection) first, only if this call moves the
+    /// QP to ERROR: an abort racing the receive path's view of the same
+    /// reset reports one `LlpReset`, not two.
+    pub(crate) fn enter_error_with(
+        &self,
+        first_status: Option<WcStatus>,
+        cause: Option<AsyncEvent>,
+    ) {
+        self.enter_error_inner(first_status, cause, None);
+    }
+
+    fn enter_error_inner(
+        &self,
+        first_status: Option<WcStatus>,
+        cause: Option<AsyncEvent>,
+        event: Option<AsyncEventKind>,
+    ) {
+        if self.core_mode() {
+            if let Some(ev) = cause {
+                self.device.events().push(ev);
+            }
+            let orderly = self.orderly_close.load(Ordering::Acquire);
+            self.core_abort(orderly, event);
+            return;
+        }
         {
             let _g = self.lock_state();
             if self.state() == QpState::Error {
                 return;
+            }
+            if let Some(ev) = cause {
+                self.device.events().push(ev);
             }
             self.set_state(QpState::Error);
         }
@@ -379,6 +421,10 @@ impl QpInner {
 
     /// ERROR → IDLE: forget the connection, keep the queues' sizes.
     pub(super) fn reset(&self) {
+        if self.core_mode() {
+            self.core_reset();
+            return;
+        }
         let _g = self.lock_state();
         // Raw lock: ERROR accepts no request (posts are flushed), nothing to
         // hand off, and the state lock is held.

@@ -36,6 +36,8 @@ use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::{RecvSegs, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
 
 mod close;
+mod conn;
+mod core_path;
 pub(crate) use close::TermHeader;
 mod order;
 mod post;
@@ -446,6 +448,12 @@ pub(crate) struct QpInner {
     rq: ArrayQueue<RecvWqe>,
     /// Transmit state behind the direct-send hand-off (see [`crate::handoff`]).
     pub(crate) tx: HandOff<TxState>,
+    /// The protocol-core data path is used (opt-in, see `qp/core_path.rs`).
+    core_mode: AtomicBool,
+    /// The connection on the core path, behind the hand-off.
+    pub(crate) core: HandOff<Option<Box<core_path::CoreConn>>>,
+    /// Its socket (-1: none), to look for bytes without the lock.
+    pub(crate) core_fd: std::sync::atomic::AtomicI32,
     pub(crate) rx: Mutex<RxState>,
     /// Set while the QP is registered with the receive threads.
     pub(crate) rx_registered: AtomicBool,
@@ -525,6 +533,9 @@ impl QueuePair {
             ord_q: Mutex::new(Outstanding::new(u32::from(attr.ord))),
             rq: ArrayQueue::new(attr.cap.max_recv_wr.max(1) as usize),
             tx: HandOff::new(TxState::new()),
+            core_mode: AtomicBool::new(core_path::core_mode_from_env()),
+            core: HandOff::new(None),
+            core_fd: std::sync::atomic::AtomicI32::new(-1),
             rx: Mutex::new(RxState::new()),
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
@@ -568,10 +579,15 @@ impl QueuePair {
     pub fn query(&self) -> QpAttr {
         let qp = self.qp();
         let tx = qp.lock_tx();
-        let link = tx.link;
-        let bytes_sent = tx.bytes_sent;
+        let mut link = tx.link;
+        let mut bytes_sent = tx.bytes_sent;
         drop(tx);
-        let bytes_received = qp.rx.lock().bytes_received;
+        let mut bytes_received = qp.rx.lock().bytes_received;
+        if qp.core_mode() {
+            let c = qp.core_counters();
+            (bytes_sent, bytes_received) = c.map_or((0, 0), |c| (c.0, c.1));
+            link = qp.core_link();
+        }
         QpAttr {
             qp_num: qp.qp_num,
             state: qp.state(),
@@ -652,6 +668,13 @@ impl QueuePair {
                 }
                 // A closed QP becomes reusable: receives are queued again.
                 qp.closed.store(false, Ordering::SeqCst);
+                if qp.core_mode() {
+                    // The closed connection is forgotten.
+                    let mut g = qp.core.lock();
+                    qp.core_fd.store(-1, Ordering::Release);
+                    *g = None;
+                    let _ = qp.core.release(g);
+                }
                 qp.set_state(to);
                 Ok(())
             }
@@ -757,7 +780,9 @@ impl QueuePair {
         *qp.peer.lock() = stream.peer_addr().ok();
         let stream = Arc::new(stream);
         *qp.stream.lock() = Some(stream.clone());
-        {
+        if qp.core_mode() {
+            qp.core_establish(stream, params, max_payload, already_read);
+        } else {
             // Raw lock: no request is accepted in IDLE/RTR, nothing to hand off
             // (and the state lock is held, which a hand-off kick must not be).
             let mut tx = qp.tx.lock();
@@ -769,14 +794,14 @@ impl QueuePair {
             tx.start_connection();
             tx.set_initial_msns(params.msns.send_tx, params.msns.read_tx);
             let _ = qp.tx.release(tx);
+            qp.rx.lock().attach(
+                stream,
+                params.crc,
+                params.msns.send_rx,
+                params.msns.read_rx,
+                already_read,
+            );
         }
-        qp.rx.lock().attach(
-            stream,
-            params.crc,
-            params.msns.send_rx,
-            params.msns.read_rx,
-            already_read,
-        );
         qp.peer_fin.store(false, Ordering::Release);
         qp.closed.store(false, Ordering::SeqCst);
         *qp.last_terminate.lock() = None;
@@ -856,11 +881,19 @@ impl QueuePair {
 
     /// Number of send requests posted and not yet completed.
     pub fn send_queue_len(&self) -> u32 {
+        if self.qp().core_mode() {
+            return self.qp().core_counters().map_or(0, |c| c.2 as u32);
+        }
         self.qp().sq_outstanding.load(Ordering::Relaxed)
     }
 
     /// Number of receives posted and not yet consumed.
     pub fn recv_queue_len(&self) -> usize {
+        if self.qp().core_mode()
+            && let Some(c) = self.qp().core_counters()
+        {
+            return c.3;
+        }
         self.qp().rq.len()
     }
 }

@@ -5,6 +5,9 @@ use super::*;
 
 impl QpInner {
     pub(super) fn post_one(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        if self.core_mode() {
+            return self.core_post_send(wr);
+        }
         let signaled = self.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED);
         let (opcode, wqe) = self.prepare_send(wr)?;
         self.enqueue(wr.wr_id, opcode, signaled, false, wqe)
@@ -332,6 +335,11 @@ impl QpInner {
         if self.srq.is_some() {
             return Err(PostRecvError::HasSrq);
         }
+        if self.core_mode()
+            && let Some(r) = self.core_post_recv(wr)
+        {
+            return r;
+        }
         let policy = self.recv_policy();
         if policy == PostPolicy::Reject {
             return Err(PostRecvError::InvalidState {
@@ -441,6 +449,10 @@ impl QpInner {
 
     /// Direct sending: transmit in the calling thread if no one else is.
     pub(crate) fn kick(&self) {
+        if self.core_mode() {
+            self.core_kick();
+            return;
+        }
         self.tx.announce();
         loop {
             let Some(mut tx) = self.tx.try_claim() else {

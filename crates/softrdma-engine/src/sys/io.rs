@@ -56,6 +56,11 @@ impl IoVecs {
         self.v.len() < MAX_IOVECS
     }
 
+    /// How many more entries fit.
+    pub(crate) fn room(&self) -> usize {
+        MAX_IOVECS.saturating_sub(self.v.len())
+    }
+
     /// Adds a byte slice the caller keeps alive and unchanged until the list
     /// is cleared. Empty slices are skipped.
     pub(crate) fn push_slice(&mut self, s: &[u8]) {
@@ -108,6 +113,21 @@ fn check(ret: isize) -> io::Result<usize> {
     } else {
         Ok(ret.unsigned_abs())
     }
+}
+
+/// Whether `fd` has bytes (or an end of stream, an error) to read now:
+/// one `poll(2)` with no timeout. `true` if that cannot be told.
+pub(crate) fn readable_now(fd: RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid `pollfd` on the stack, count 1, no timeout; `fd`
+    // is only inspected (a closed or reused number makes the answer wrong,
+    // never unsafe: the caller then reads under its lock as before).
+    let ret = unsafe { libc::poll(&mut p, 1, 0) };
+    ret != 0
 }
 
 /// One `writev(2)` of the list (non-blocking if the socket is). Retries on

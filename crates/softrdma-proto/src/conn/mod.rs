@@ -91,6 +91,11 @@ pub struct Config {
     /// ([`Connection::poll_completion_with_info`]): the engine's proxy
     /// offload needs it.
     pub message_info: bool,
+    /// The engine confirms each [`LinkAction::SendFin`] with
+    /// [`Connection::handle_fin_sent`] (a FIN that cannot be sent — the
+    /// peer's reset already in — is a reset, not a graceful close);
+    /// without it the FIN counts as sent when it is asked for.
+    pub confirm_fin: bool,
 }
 
 impl Config {
@@ -112,6 +117,7 @@ impl Config {
             max_send_sge: 4,
             max_recv_sge: 4,
             message_info: false,
+            confirm_fin: false,
         }
     }
 }
@@ -160,6 +166,8 @@ struct Slot {
     wr_id: u64,
     opcode: WcOpcode,
     signaled: bool,
+    /// [`SendWr::internal`].
+    internal: bool,
     status: Option<WcStatus>,
     byte_len: u32,
     vendor_err: u32,
@@ -204,6 +212,22 @@ struct SqEntry<R> {
     fence: bool,
     solicited: bool,
     failed: Option<WcStatus>,
+}
+
+/// A send request checked by [`Connection::prepare_send`], waiting for
+/// [`Connection::post_prepared`].
+#[derive(Debug, Clone)]
+pub struct Prepared<R> {
+    entry: SqEntry<R>,
+    slot: Slot,
+}
+
+impl<R> Prepared<R> {
+    /// The request's `wr_id`.
+    #[must_use]
+    pub const fn wr_id(&self) -> u64 {
+        self.slot.wr_id
+    }
 }
 
 /// A posted receive.
@@ -372,7 +396,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// [`Memory::local`] now; local operations (invalidate, bind,
     /// fast-register) execute now and complete in order. A request that
     /// fails its checks is accepted and completes with an error when its
-    /// turn comes (then the QP enters ERROR), like the engine.
+    /// turn comes, after the requests before it were written (then the QP
+    /// enters ERROR), like the engine. In ERROR, and in IDLE (after a
+    /// graceful close), the request is accepted and flushed at once.
     ///
     /// # Errors
     ///
@@ -383,7 +409,24 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         wr: &SendWr<'_>,
         mem: &mut M,
     ) -> Result<(), PostError> {
-        let policy = self.state.send_policy();
+        let p = self.prepare_send(wr, mem)?;
+        self.post_prepared(p)
+    }
+
+    /// The first half of [`Connection::post_send`]: checks `wr` and executes
+    /// a local operation, without queuing it; [`Connection::post_prepared`]
+    /// queues it. For requests checked now and posted only later, or never
+    /// (a proxy handler's replies, sent only if the handler succeeds).
+    ///
+    /// # Errors
+    ///
+    /// As [`Connection::post_send`].
+    pub fn prepare_send<M: Memory<Region = R>>(
+        &mut self,
+        wr: &SendWr<'_>,
+        mem: &mut M,
+    ) -> Result<Prepared<R>, PostError> {
+        let policy = self.send_policy();
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
         }
@@ -556,14 +599,38 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             }
         };
         entry.failed = failed;
-        let seq = self.slots.push(Slot {
-            wr_id: wr.wr_id,
-            opcode,
-            signaled: wr.signaled,
-            status: None,
-            byte_len: 0,
-            vendor_err: 0,
-        });
+        Ok(Prepared {
+            entry,
+            slot: Slot {
+                wr_id: wr.wr_id,
+                opcode,
+                signaled: wr.signaled,
+                internal: wr.internal,
+                status: None,
+                byte_len: 0,
+                vendor_err: 0,
+            },
+        })
+    }
+
+    /// Queues a request checked by [`Connection::prepare_send`] (or
+    /// flushes it in ERROR and after a graceful close).
+    ///
+    /// # Errors
+    ///
+    /// [`PostError::InvalidState`] if the state refuses posts now,
+    /// [`PostError::QueueFull`] if the send queue is full; nothing is
+    /// queued then.
+    pub fn post_prepared(&mut self, p: Prepared<R>) -> Result<(), PostError> {
+        let policy = self.send_policy();
+        if policy == PostPolicy::Reject {
+            return Err(PostError::InvalidState(self.state));
+        }
+        if self.slots.len() >= self.cfg.max_send_wr as usize {
+            return Err(PostError::QueueFull(self.cfg.max_send_wr));
+        }
+        let Prepared { mut entry, slot } = p;
+        let seq = self.slots.push(slot);
         entry.seq = seq;
         if policy == PostPolicy::Flush {
             self.complete_sq(seq, WcStatus::WrFlush, 0, 0);
@@ -575,7 +642,8 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
 
     /// Posts a receive. A receive whose SGE fails its checks puts the QP in
     /// ERROR and completes with the error after the earlier receives are
-    /// flushed (the engine's behaviour).
+    /// flushed (the engine's behaviour). In ERROR, and in IDLE (after a
+    /// graceful close), the receive is accepted and flushed at once.
     ///
     /// # Errors
     ///
@@ -589,7 +657,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if self.cfg.srq {
             return Err(PostError::HasSrq);
         }
-        let policy = self.state.recv_policy();
+        let policy = self.recv_policy();
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));
         }
@@ -625,6 +693,52 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             total,
         });
         Ok(())
+    }
+
+    /// What posting a send request does now. A connection reaches IDLE
+    /// only through a graceful close; then posts are flushed as in ERROR,
+    /// like the engine (and siw, whose QP ends its LLP close in ERROR), so
+    /// the drain idiom works and no receive waits for a connection that is
+    /// gone.
+    fn send_policy(&self) -> PostPolicy {
+        match self.state {
+            QpState::Idle => PostPolicy::Flush,
+            s => s.send_policy(),
+        }
+    }
+
+    /// What posting a receive does now (see [`Self::send_policy`]).
+    fn recv_policy(&self) -> PostPolicy {
+        match self.state {
+            QpState::Idle => PostPolicy::Flush,
+            s => s.recv_policy(),
+        }
+    }
+
+    /// Puts a consumed receive back at the end of the receive queue, its
+    /// buffers already checked (a proxy recycling the buffer of a message it
+    /// served). `false` if the connection uses an SRQ, no longer accepts
+    /// receives, or its queue is full: the caller completes the receive
+    /// itself then.
+    pub fn repost_recv(&mut self, wr_id: u64, segs: Vec<Span<R>>) -> bool {
+        if self.cfg.srq
+            || self.recv_policy() != PostPolicy::Accept
+            || self.rq.len() >= self.cfg.max_recv_wr as usize
+        {
+            return false;
+        }
+        let total = segs.iter().map(|s| s.len).sum();
+        self.rq.push_back(RecvEntry { wr_id, segs, total });
+        true
+    }
+
+    /// The application moves the QP to TERMINATE: a Terminate with `err`
+    /// (RDMAP "Local Catastrophic" for the verbs' modify to TERMINATE) goes
+    /// out, nothing of the peer's is copied into it, everything outstanding
+    /// is flushed, and the QP enters ERROR once it is written. Only in RTS
+    /// and CLOSING.
+    pub fn terminate(&mut self, err: TermError) {
+        self.violate_with(err, false);
     }
 
     // ------------------------------------------------------------------
@@ -690,6 +804,21 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         }
         self.push_event(AsyncKind::BadClose, None);
         self.enter_error(ConnEvent::BadClose, Some(LinkAction::Reset));
+    }
+
+    /// The FIN asked for with [`LinkAction::SendFin`] went out (`ok`) or
+    /// could not be sent (the connection is gone: a reset). Only with
+    /// [`Config::confirm_fin`].
+    pub fn handle_fin_sent(&mut self, ok: bool) {
+        if !self.cfg.confirm_fin || self.fin_sent {
+            return;
+        }
+        if ok {
+            self.fin_sent = true;
+            self.try_finish_close();
+        } else {
+            self.handle_reset();
+        }
     }
 
     /// The connection was reset or failed.
@@ -774,7 +903,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         });
         while let Some(s) = self.slots.pop_ready() {
             let Some(st) = s.status else { continue };
-            if s.signaled || !st.is_success() {
+            if s.signaled || s.internal || !st.is_success() {
                 self.completions.push_back(Completion {
                     cq: CqKind::Send,
                     wr_id: s.wr_id,
@@ -785,6 +914,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     invalidated: None,
                     solicited: false,
                     vendor_err: s.vendor_err,
+                    internal: s.internal,
                 });
             }
         }
@@ -801,6 +931,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             invalidated: None,
             solicited: false,
             vendor_err: 0,
+            internal: false,
         });
     }
 

@@ -378,9 +378,13 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             }
             Err(e) => Err(e.term_error().unwrap_or(MALFORMED_HEADER)),
         };
+        // A consumed message longer than any valid one is refused at once,
+        // as the engine does: waiting for its end would stage bytes never
+        // used (and the peer may never send them).
+        let oversized = consumed && self.rx.payload_len > CONSUME_MAX;
         if let Err(e) = verdict {
             self.rx.dest.clear();
-            if !consumed {
+            if !consumed || oversized {
                 // A placed segment's header (Write, Read Response, Send, or
                 // an unknown opcode) is refused before its payload and CRC
                 // are read, as Linux siw does: a corrupted STag in a Write
@@ -552,6 +556,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     // ------------------------------------------------------------------
 
     fn on_fpdu_end<M: Memory<Region = R>>(&mut self, mem: &mut M) {
+        // The payload is placed: let go of its memory now, not at the next
+        // FPDU (the engine's lent memory waits for every reference).
+        self.rx.dest.clear();
+        self.rx.dest_idx = 0;
+        self.rx.dest_off = 0;
         let r = match self.rx.mode {
             Mode::Consume => self.consume_message(mem),
             Mode::Place => self.apply_pending(mem),
@@ -816,6 +825,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         with_header: bool,
         _mem: &mut M,
     ) {
+        self.violate_with(err, with_header);
+    }
+
+    /// [`Self::violate`] without the memory (none is needed).
+    pub(super) fn violate_with(&mut self, err: TermError, with_header: bool) {
         if !matches!(self.state, QpState::Rts | QpState::Closing) {
             self.rx.dead = true;
             return;
@@ -868,5 +882,6 @@ fn recv_success(wr_id: u64, opcode: WcOpcode, len: usize, solicited: bool) -> Co
         invalidated: None,
         solicited,
         vendor_err: 0,
+        internal: false,
     }
 }

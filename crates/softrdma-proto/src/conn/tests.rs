@@ -711,3 +711,315 @@ fn without_message_info_nothing_is_reported() {
     assert_eq!(c.status, WcStatus::Success);
     assert_eq!(info, None);
 }
+
+/// A request that failed its checks at post time waits until the requests
+/// framed before it are written: they complete (here: successfully), not
+/// flushed by the ERROR the failure causes.
+#[test]
+fn failed_request_waits_for_the_requests_written_before_it() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 1);
+    let good = [Sge {
+        lkey: key,
+        addr,
+        len: 16,
+    }];
+    let bad = [Sge {
+        lkey: key ^ 0x11,
+        addr,
+        len: 16,
+    }];
+    let send = |id, sgl| {
+        SendWr::new(
+            id,
+            SendOp::Send {
+                inv: None,
+                imm: None,
+            },
+            sgl,
+        )
+    };
+    t.c.post_send(&send(1, &good[..]), &mut t.m).unwrap();
+    t.c.post_send(&send(2, &bad[..]), &mut t.m).unwrap();
+    t.c.post_send(&send(3, &good[..]), &mut t.m).unwrap();
+    assert!(t.sent().is_some(), "request 1 is framed");
+    assert!(t.sent().is_none(), "request 2 waits for request 1's write");
+    assert_eq!(t.c.state(), QpState::Rts);
+    t.c.handle_sent(1);
+    assert!(t.sent().is_none(), "request 2 fails, nothing more is sent");
+    let c: Vec<(u64, WcStatus)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(
+        c,
+        [
+            (1, WcStatus::Success),
+            (2, WcStatus::LocalProtection),
+            (3, WcStatus::WrFlush)
+        ]
+    );
+    assert_eq!(t.c.state(), QpState::Error);
+}
+
+/// After a graceful close (IDLE) posts are accepted and flushed at once,
+/// as in ERROR (the engine's rule, like siw's QP ending its close in
+/// ERROR): the drain idiom works.
+#[test]
+fn posts_after_a_graceful_close_are_flushed() {
+    let mut t = setup(false);
+    t.c.close(0);
+    assert!(t.sent().is_none());
+    t.c.handle_fin(1);
+    let _ = t.outputs();
+    assert_eq!(t.c.state(), QpState::Idle);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 8,
+    }];
+    let send = SendWr::new(
+        1,
+        SendOp::Send {
+            inv: None,
+            imm: None,
+        },
+        &sge,
+    );
+    t.c.post_send(&send, &mut t.m).unwrap();
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 2,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
+    let c: Vec<(u64, WcStatus)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(c, [(1, WcStatus::WrFlush), (2, WcStatus::WrFlush)]);
+    assert_eq!(t.c.recv_queue_len(), 0);
+}
+
+/// An SRQ-attached connection that sends a Terminate reports the SRQ's
+/// last WQE event when it reaches ERROR (after the Terminate is written),
+/// as it does on every other way into ERROR and as the engine does.
+#[test]
+fn terminate_sent_on_an_srq_connection_reports_the_last_wqe() {
+    let mut t = setup(false);
+    let mut cfg = *t.c.config();
+    cfg.srq = true;
+    t.c = Connection::new(cfg);
+    let rr = t.read_req(1);
+    t.feed(&rr, |b| set_u32(b, QN, 0));
+    assert!(t.sent().is_some(), "the Terminate");
+    t.c.handle_sent(1);
+    assert_eq!(t.c.state(), QpState::Error);
+    let kinds: Vec<AsyncKind> = t
+        .outputs()
+        .into_iter()
+        .filter_map(|o| match o {
+            Output::Event(e) => Some(e.kind),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [AsyncKind::QpRequestError, AsyncKind::QpLastWqeReached]
+    );
+}
+
+/// A request posted as the engine's own (`SendWr::internal`, a proxy's
+/// reply) reports its completion even unsignaled and successful, flagged;
+/// a prepared request is checked at once and queued only when posted.
+#[test]
+fn internal_and_prepared_requests() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 1);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 8,
+    }];
+    let mut wr = SendWr::new(
+        1,
+        SendOp::Send {
+            inv: None,
+            imm: None,
+        },
+        &sge,
+    );
+    wr.signaled = false;
+    wr.internal = true;
+    let p = t.c.prepare_send(&wr, &mut t.m).unwrap();
+    assert_eq!(p.wr_id(), 1);
+    assert_eq!(t.c.send_queue_len(), 0, "prepared, not queued");
+    assert!(t.sent().is_none());
+    let mut plain = SendWr::new(
+        2,
+        SendOp::Send {
+            inv: None,
+            imm: None,
+        },
+        &sge,
+    );
+    plain.signaled = false;
+    t.c.post_prepared(p).unwrap();
+    t.c.post_send(&plain, &mut t.m).unwrap();
+    assert!(t.sent().is_some() && t.sent().is_some());
+    t.c.handle_sent(2);
+    let c: Vec<(u64, WcStatus, bool)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status, c.internal))
+        .collect();
+    assert_eq!(
+        c,
+        [(1, WcStatus::Success, true)],
+        "the unsignaled plain one is silent"
+    );
+
+    // Checked at preparation: a malformed request is refused then.
+    let bad = SendWr::new(
+        3,
+        SendOp::Read {
+            rkey: 1,
+            remote_addr: 0,
+        },
+        &[],
+    );
+    assert!(matches!(
+        t.c.prepare_send(&bad, &mut t.m),
+        Err(PostError::Invalid(_))
+    ));
+    // And the state at posting: after an abort, a prepared request is
+    // flushed like any post in ERROR.
+    let p = t.c.prepare_send(&wr, &mut t.m).unwrap();
+    t.c.abort();
+    t.c.post_prepared(p).unwrap();
+    let c: Vec<(u64, WcStatus, bool)> = std::iter::from_fn(|| t.c.poll_completion())
+        .map(|c| (c.wr_id, c.status, c.internal))
+        .collect();
+    assert_eq!(c, [(1, WcStatus::WrFlush, true)]);
+}
+
+/// A consumed receive put back (a proxy recycling its buffer) is used by
+/// the next Send; refused when receives are no longer accepted.
+#[test]
+fn reposted_receive_takes_the_next_send() {
+    let mut t = setup(false);
+    let (region, key, addr) = t.m.add_region(16, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 16,
+    }];
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 7,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
+    let s1 = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"first");
+    t.feed(&s1, |_| {});
+    let c = t.c.poll_completion().unwrap();
+    assert_eq!((c.wr_id, c.byte_len), (7, 5));
+    let span = Span {
+        region,
+        offset: 0,
+        len: 16,
+    };
+    assert!(t.c.repost_recv(7, vec![span.clone()]));
+    assert_eq!(t.c.recv_queue_len(), 1);
+    let s2 = UlpduRepr::send(Opcode::Send, None, Msn(2), 0, true, b"second!");
+    t.feed(&s2, |_| {});
+    let c = t.c.poll_completion().unwrap();
+    assert_eq!((c.wr_id, c.byte_len, c.status), (7, 7, WcStatus::Success));
+    t.c.abort();
+    assert!(!t.c.repost_recv(7, vec![span]), "not in ERROR");
+}
+
+/// The application's move to TERMINATE: a Terminate with the given code,
+/// no header copied, everything flushed, ERROR once it is written.
+#[test]
+fn local_terminate_sends_its_code_then_errors() {
+    let mut t = setup(false);
+    let (_, key, addr) = t.m.add_region(16, LOCAL_WRITE, |_| 0);
+    let sge = [Sge {
+        lkey: key,
+        addr,
+        len: 16,
+    }];
+    t.c.post_recv(
+        &RecvWr {
+            wr_id: 7,
+            sgl: &sge,
+        },
+        &mut t.m,
+    )
+    .unwrap();
+    t.c.terminate(TermError::RdmapLocalCatastrophic);
+    assert_eq!(t.c.state(), QpState::Terminate);
+    let (e, m, hdr, _, _) = t.terminate();
+    assert_eq!(e, Some(TermError::RdmapLocalCatastrophic));
+    assert!(!m);
+    assert_eq!(hdr, 0);
+    t.c.handle_sent(1);
+    assert_eq!(t.c.state(), QpState::Error);
+    let c = t.c.poll_completion().unwrap();
+    assert_eq!((c.wr_id, c.status), (7, WcStatus::WrFlush));
+}
+
+/// With `Config::confirm_fin` the close finishes only once the engine says
+/// its FIN went out; a FIN that could not be sent (the peer's reset after
+/// its own FIN) is a reset, not a graceful close.
+#[test]
+fn confirmed_fin_finishes_the_close_and_a_failed_one_is_a_reset() {
+    for ok in [true, false] {
+        let mut t = setup(false);
+        let mut cfg = *t.c.config();
+        cfg.confirm_fin = true;
+        t.c = Connection::new(cfg);
+        t.c.handle_fin(0); // the peer closes first
+        assert!(t.sent().is_none());
+        assert!(
+            t.outputs().contains(&Output::Link(LinkAction::SendFin)),
+            "our FIN is asked for"
+        );
+        assert_eq!(t.c.state(), QpState::Closing, "not before it is sent");
+        t.c.handle_fin_sent(ok);
+        let want = if ok { QpState::Idle } else { QpState::Error };
+        assert_eq!(t.c.state(), want);
+        let kinds: Vec<AsyncKind> = t
+            .outputs()
+            .into_iter()
+            .filter_map(|o| match o {
+                Output::Event(e) => Some(e.kind),
+                _ => None,
+            })
+            .collect();
+        let want = if ok {
+            AsyncKind::LlpClosed
+        } else {
+            AsyncKind::LlpReset
+        };
+        assert_eq!(kinds, [want]);
+    }
+}
+
+/// A consumed message longer than any valid one gets its Terminate at its
+/// header, without waiting for bytes that may never come (as the engine).
+#[test]
+fn oversized_consumed_message_is_refused_at_its_header() {
+    let mut t = setup(false);
+    // An Atomic Request header claiming a 40000-byte ULPDU, and nothing
+    // more of it.
+    let mut b = vec![0u8; 2 + 18];
+    b[..2].copy_from_slice(&40000u16.to_be_bytes());
+    b[2] = 0x41;
+    b[3] = softrdma_wire::rdmap::control_byte(Opcode::AtomicRequest);
+    set_u32(&mut b[2..], QN, 1);
+    t.c.handle_rx_stream(&b, &mut t.m);
+    assert_eq!(t.terminate().0, Some(crate::term::MALFORMED_HEADER));
+}

@@ -232,9 +232,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if self.fin_pending && !self.fin_sent && self.sq_done() && self.resp.is_empty() {
             // Everything posted before the close is handed out: FIN after it.
             self.fin_pending = false;
-            self.fin_sent = true;
             self.outputs.push_back(Output::Link(LinkAction::SendFin));
-            self.try_finish_close();
+            if !self.cfg.confirm_fin {
+                self.fin_sent = true;
+                self.try_finish_close();
+            }
         }
         false
     }
@@ -253,8 +255,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     self.complete_sq(seq, WcStatus::Success, byte_len, 0);
                 }
                 Done::Terminate => {
+                    let was_error = self.state == QpState::Error;
                     self.transition(ConnEvent::TerminateDone);
                     self.set_error();
+                    if !was_error && self.cfg.srq {
+                        // ERROR reached after the Terminate went out: the
+                        // SRQ's last WQE event, as on every way into ERROR.
+                        self.push_event(AsyncKind::QpLastWqeReached, None);
+                    }
                     self.outputs.push_back(Output::Link(LinkAction::Shutdown));
                 }
             }
@@ -348,7 +356,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             if let Some(status) = w.failed {
                 // A request that failed its checks at post time reached the
                 // head of the queue: it completes with its error and the QP
-                // enters ERROR.
+                // enters ERROR — once what was framed before it is written
+                // (`handle_sent`), so the requests before it complete, as
+                // in the engine.
+                if !self.inflight.is_empty() {
+                    return false;
+                }
                 let seq = w.seq;
                 self.sq.pop_front();
                 self.complete_sq(seq, status, 0, 0);

@@ -1,0 +1,362 @@
+//! The socket IO around the protocol core's `Connection`: what the data
+//! path does once the core holds the rules (`docs/protocol-core.md`,
+//! "Remaining steps", step 2). Not wired into the QP yet.
+//!
+//! * [`RxIo`] feeds the connection from its socket with the engine's speed
+//!   tricks kept: a 32 KiB staging buffer for headers, trailers and small
+//!   payloads (handed over with `handle_rx_stream`), one `readv` straight
+//!   into the destination of a payload of at least 1 KiB plus a read-ahead
+//!   of the bytes after it (`handle_rx_placed_in`: the placed bytes are
+//!   reported by length, the CRC fed from registered memory), and no
+//!   `read` after a short one (the socket is very likely empty).
+//! * [`TxIo`] frames with `poll_transmit` into a queue of FPDUs and writes
+//!   them with one `writev` (several messages per call), payloads by
+//!   reference into registered memory; FPDUs of at most [`COPY_MAX`]
+//!   payload bytes are copied into one buffer (one `iovec`, not three);
+//!   whole FPDUs written are reported with `handle_sent`, the partial
+//!   offset stays here.
+
+#![allow(dead_code)] // not wired into the QP yet: see the module docs
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use softrdma_proto::conn::{Connection, RxWant, TxFpdu};
+
+use crate::mr::PdMemory;
+use crate::sys::io::{IoVecs, readv, writev};
+use crate::sys::mem::Memory;
+
+/// Staging buffer: headers, trailers, small payloads and read-ahead.
+const STAGING: usize = 32 * 1024;
+/// Payloads at least this long are read straight into their destination.
+const DIRECT_MIN: usize = 1024;
+/// Bytes read ahead of a large payload (its trailer and the next header).
+const READAHEAD_LARGE: usize = 256;
+/// FPDUs with at most this many payload bytes are copied into one buffer.
+pub(crate) const COPY_MAX: usize = 256;
+/// FPDUs framed ahead of the socket.
+const MAX_OUT: usize = 32;
+
+/// Why receiving stopped.
+#[derive(Debug)]
+pub(crate) enum RxStop {
+    /// The socket has no more bytes for now.
+    Drained,
+    /// The connection no longer receives (ERROR, closed, a violation).
+    Done,
+    /// The peer closed the stream (reported with `handle_fin`).
+    Closed,
+    /// The socket failed (reported with `handle_reset`).
+    Failed(io::Error),
+}
+
+/// The receive side of a connection's socket.
+#[derive(Debug)]
+pub(crate) struct RxIo {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// The last payload was small: read as much as there is.
+    small: bool,
+    /// The last read came back short.
+    drained_hint: bool,
+    iov: IoVecs,
+    /// Bytes read from the socket.
+    pub(crate) bytes_received: u64,
+    /// Of those, bytes read straight into their destination.
+    pub(crate) bytes_placed: u64,
+}
+
+impl RxIo {
+    /// Receive state for a socket from which `already_read` (at most 32 KiB)
+    /// was read already.
+    pub(crate) fn new(already_read: &[u8]) -> Self {
+        let mut buf = vec![0u8; STAGING];
+        let n = already_read.len().min(STAGING);
+        buf[..n].copy_from_slice(&already_read[..n]);
+        RxIo {
+            buf,
+            start: 0,
+            end: n,
+            small: true,
+            drained_hint: false,
+            iov: IoVecs::new(),
+            bytes_received: 0,
+            bytes_placed: 0,
+        }
+    }
+
+    /// Feeds `conn` from socket `fd` until the socket is drained or the
+    /// connection stops receiving. `now`: the engine clock, for a FIN.
+    pub(crate) fn run(
+        &mut self,
+        conn: &mut Connection<Arc<Memory>>,
+        mem: &mut PdMemory<'_>,
+        fd: RawFd,
+        now: u64,
+    ) -> RxStop {
+        self.drained_hint = false;
+        loop {
+            if self.end > self.start {
+                let n = conn.handle_rx_stream(&self.buf[self.start..self.end], mem);
+                self.start += n;
+                if self.start < self.end {
+                    // Fewer taken than given: no longer receiving.
+                    return RxStop::Done;
+                }
+                continue;
+            }
+            self.start = 0;
+            self.end = 0;
+            let want = conn.rx_want();
+            let got = match &want {
+                RxWant::Closed => return RxStop::Done,
+                RxWant::Place { dst } if dst.len >= DIRECT_MIN => {
+                    self.small = false;
+                    self.iov.clear();
+                    if self.iov.push_mem(&dst.region, dst.offset, dst.len) {
+                        self.iov.push_slice_mut(&mut self.buf[..READAHEAD_LARGE]);
+                        let r = readv(fd, &self.iov);
+                        self.iov.clear();
+                        r.inspect(|&n| {
+                            let placed = n.min(dst.len);
+                            conn.handle_rx_placed_in(placed, mem);
+                            self.bytes_placed += placed as u64;
+                            self.end = n - placed;
+                        })
+                    } else {
+                        // Not a range of its memory (never for a span the
+                        // core checked): through the staging buffer, where
+                        // the copy fails and the core reports it.
+                        self.read_staging(fd)
+                    }
+                }
+                RxWant::Place { dst } => {
+                    self.small = dst.len < DIRECT_MIN;
+                    self.read_staging(fd)
+                }
+                RxWant::Bytes { .. } => self.read_staging(fd),
+            };
+            match got {
+                Ok(0) => {
+                    conn.handle_fin(now);
+                    return RxStop::Closed;
+                }
+                Ok(n) => self.bytes_received += n as u64,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return RxStop::Drained,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    conn.handle_reset();
+                    return RxStop::Failed(e);
+                }
+            }
+        }
+    }
+
+    /// One `read` into the (empty) staging buffer: all of it after small
+    /// payloads, a little after a large one (the next payload is probably
+    /// large too and should go straight to its destination).
+    fn read_staging(&mut self, fd: RawFd) -> io::Result<usize> {
+        if self.drained_hint {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let limit = if self.small {
+            self.buf.len()
+        } else {
+            READAHEAD_LARGE
+        };
+        self.iov.clear();
+        self.iov.push_slice_mut(&mut self.buf[..limit]);
+        let r = readv(fd, &self.iov);
+        self.iov.clear();
+        if let Ok(n) = r {
+            self.drained_hint = n > 0 && n < limit;
+            self.end = n;
+        }
+        r
+    }
+}
+
+/// Why transmitting stopped.
+#[derive(Debug)]
+pub(crate) enum TxStop {
+    /// Nothing more to send.
+    Idle,
+    /// The byte budget is spent (more may be ready).
+    Budget,
+    /// The socket is full.
+    WouldBlock,
+    /// The socket failed.
+    Failed(io::Error),
+}
+
+/// An FPDU handed out by the core: by reference, or copied whole.
+#[derive(Debug)]
+struct Out {
+    fpdu: TxFpdu<Arc<Memory>>,
+    /// The FPDU's bytes when its payload was small enough to copy.
+    copy: Vec<u8>,
+    copied: bool,
+}
+
+/// The transmit side of a connection's socket.
+#[derive(Debug)]
+pub(crate) struct TxIo {
+    out: VecDeque<Out>,
+    pool: Vec<Out>,
+    /// Bytes of the front FPDU already written.
+    written: usize,
+    iov: IoVecs,
+    /// Bytes written to the socket.
+    pub(crate) bytes_sent: u64,
+}
+
+impl TxIo {
+    pub(crate) fn new() -> Self {
+        TxIo {
+            out: VecDeque::new(),
+            pool: Vec::new(),
+            written: 0,
+            iov: IoVecs::new(),
+            bytes_sent: 0,
+        }
+    }
+
+    /// FPDUs framed and not completely written.
+    pub(crate) fn pending(&self) -> usize {
+        self.out.len()
+    }
+
+    /// Drops the FPDUs not written (the connection was reset): their
+    /// memory is released at once.
+    pub(crate) fn discard(&mut self) {
+        self.out.clear();
+        self.pool.clear();
+        self.written = 0;
+    }
+
+    /// Frames and writes until the socket would block, nothing is left or
+    /// `budget` bytes are written.
+    pub(crate) fn progress(
+        &mut self,
+        conn: &mut Connection<Arc<Memory>>,
+        mem: &mut PdMemory<'_>,
+        fd: RawFd,
+        budget: usize,
+    ) -> TxStop {
+        let mut sent = 0usize;
+        loop {
+            while self.out.len() < MAX_OUT {
+                let mut o = self.pool.pop().unwrap_or_else(|| Out {
+                    fpdu: TxFpdu::new(),
+                    copy: Vec::new(),
+                    copied: false,
+                });
+                if !conn.poll_transmit(mem, &mut o.fpdu) {
+                    self.pool.push(o);
+                    break;
+                }
+                let payload: usize = o.fpdu.payload().iter().map(|s| s.len).sum();
+                o.copied = false;
+                if payload > 0 && payload <= COPY_MAX {
+                    o.copy.clear();
+                    o.copied = o.fpdu.write_to(mem, &mut o.copy);
+                }
+                self.out.push_back(o);
+            }
+            if self.out.is_empty() {
+                return TxStop::Idle;
+            }
+            self.build_iov();
+            let r = writev(fd, &self.iov);
+            self.iov.clear();
+            match r {
+                Ok(n) => {
+                    self.bytes_sent += n as u64;
+                    let done = self.advance(n);
+                    conn.handle_sent(done);
+                    sent = sent.saturating_add(n);
+                    if sent >= budget {
+                        return TxStop::Budget;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return TxStop::WouldBlock,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return TxStop::Failed(e),
+            }
+        }
+    }
+
+    /// The iovecs of the queued FPDUs, skipping what was written.
+    fn build_iov(&mut self) {
+        self.iov.clear();
+        let mut skip = self.written;
+        for o in &self.out {
+            let pieces = if o.copied {
+                1
+            } else {
+                2 + o.fpdu.payload().len()
+            };
+            if self.iov.room() < pieces {
+                break;
+            }
+            if o.copied {
+                if let Some(rest) = o.copy.get(skip..) {
+                    self.iov.push_slice(rest);
+                }
+                skip = 0;
+                continue;
+            }
+            let head = o.fpdu.head();
+            if skip < head.len() {
+                self.iov.push_slice(&head[skip..]);
+                skip = 0;
+            } else {
+                skip -= head.len();
+            }
+            for s in o.fpdu.payload() {
+                if skip < s.len {
+                    if !self.iov.push_mem(&s.region, s.offset + skip, s.len - skip) {
+                        return;
+                    }
+                    skip = 0;
+                } else {
+                    skip -= s.len;
+                }
+            }
+            let trailer = o.fpdu.trailer();
+            if skip < trailer.len() {
+                self.iov.push_slice(&trailer[skip..]);
+            }
+            skip = 0;
+        }
+    }
+
+    /// `n` more bytes written: returns the FPDUs now written completely.
+    fn advance(&mut self, mut n: usize) -> usize {
+        let mut done = 0;
+        while let Some(front) = self.out.front() {
+            let left = front.fpdu.len() - self.written;
+            if n < left {
+                self.written += n;
+                break;
+            }
+            n -= left;
+            self.written = 0;
+            done += 1;
+            if let Some(mut o) = self.out.pop_front() {
+                // Let go of the payload's memory now (lent memory waits
+                // for every reference, see `mr::LentRegion`).
+                o.fpdu = TxFpdu::new();
+                self.pool.push(o);
+            }
+        }
+        done
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,345 @@
+//! Two protocol-core connections over a real loopback TCP connection,
+//! each driven by [`RxIo`] and [`TxIo`] over the engine's registered
+//! memory.
+
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use softrdma_proto::conn::Config;
+use softrdma_proto::types::{
+    Completion, LinkAction, Output, RecvWr, SendOp, SendWr, Sge, WcStatus,
+};
+
+use super::*;
+use crate::state::QpState;
+use crate::{Access, Device, DeviceConfig, MemoryRegion, ProtectionDomain};
+
+fn device() -> Device {
+    Device::open_with(DeviceConfig {
+        pin_threads: false,
+        ..DeviceConfig::default()
+    })
+    .unwrap()
+}
+
+fn sockets() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (b, _) = l.accept().unwrap();
+    for s in [&a, &b] {
+        s.set_nodelay(true).unwrap();
+        s.set_nonblocking(true).unwrap();
+    }
+    (a, b)
+}
+
+/// One side: its connection, IO state, socket and completions.
+struct Side {
+    conn: Connection<Arc<Memory>>,
+    rx: RxIo,
+    tx: TxIo,
+    sock: TcpStream,
+    done: Vec<Completion>,
+    fin_sent: bool,
+}
+
+impl Side {
+    fn new(cfg: Config, sock: TcpStream) -> Side {
+        Side {
+            conn: Connection::new(cfg),
+            rx: RxIo::new(&[]),
+            tx: TxIo::new(),
+            sock,
+            done: Vec::new(),
+            fin_sent: false,
+        }
+    }
+
+    /// One round of IO; whether anything happened.
+    fn turn(&mut self, mem: &mut PdMemory<'_>, now: u64) -> bool {
+        let fd = self.sock.as_raw_fd();
+        let (sent, got) = (self.tx.bytes_sent, self.rx.bytes_received);
+        let _ = self.tx.progress(&mut self.conn, mem, fd, usize::MAX);
+        let _ = self.rx.run(&mut self.conn, mem, fd, now);
+        let _ = self.tx.progress(&mut self.conn, mem, fd, usize::MAX);
+        while let Some(o) = self.conn.poll_output() {
+            if let Output::Link(LinkAction::SendFin | LinkAction::Shutdown) = o {
+                assert_eq!(self.tx.pending(), 0, "FIN after every byte");
+                crate::sys::io::shutdown_write(fd).unwrap();
+                self.fin_sent = true;
+            }
+        }
+        let before = self.done.len();
+        self.done
+            .extend(std::iter::from_fn(|| self.conn.poll_completion()));
+        self.done.len() != before || sent != self.tx.bytes_sent || got != self.rx.bytes_received
+    }
+}
+
+/// Runs both sides until `until` holds (10 s at most).
+fn run(
+    a: &mut Side,
+    ma: &mut PdMemory<'_>,
+    b: &mut Side,
+    mb: &mut PdMemory<'_>,
+    until: impl Fn(&Side, &Side) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut now = 1;
+    while !until(a, b) {
+        assert!(
+            Instant::now() < deadline,
+            "stuck: {:?} / {:?}",
+            a.done,
+            b.done
+        );
+        now += 1;
+        if !(a.turn(ma, now) | b.turn(mb, now)) {
+            std::thread::yield_now();
+        }
+    }
+}
+
+fn region(pd: &ProtectionDomain, len: usize, seed: u8) -> MemoryRegion {
+    let m = pd
+        .register(
+            len,
+            Access::LOCAL_WRITE
+                | Access::REMOTE_WRITE
+                | Access::REMOTE_READ
+                | Access::REMOTE_ATOMIC,
+        )
+        .unwrap();
+    let data: Vec<u8> = (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect();
+    m.write(0, &data).unwrap();
+    m
+}
+
+fn sge(m: &MemoryRegion, at: u64, len: u32) -> [Sge; 1] {
+    [Sge {
+        lkey: m.lkey(),
+        addr: m.addr() + at,
+        len,
+    }]
+}
+
+/// Where two byte strings first differ (and their lengths), if they do.
+fn first_diff(a: &[u8], b: &[u8]) -> Option<(usize, usize, usize)> {
+    let at = a.iter().zip(b).position(|(x, y)| x != y);
+    match at {
+        None if a.len() == b.len() => None,
+        _ => Some((at.unwrap_or(a.len().min(b.len())), a.len(), b.len())),
+    }
+}
+
+fn config(crc: bool) -> Config {
+    Config {
+        max_payload: 16 * 1024,
+        ..Config::new(crc)
+    }
+}
+
+#[test]
+fn every_operation_over_a_socket() {
+    for crc in [false, true] {
+        let dev = device();
+        let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+        const BIG: usize = 1 << 20;
+        let src = region(&pa, BIG + 8192, 1);
+        let dst = region(&pb, BIG + 8192, 2);
+        dst.write(0, &40u64.to_ne_bytes()).unwrap();
+        let rbuf = region(&pb, 4096, 3);
+        let (sa, sb) = sockets();
+        let mut a = Side::new(config(crc), sa);
+        let mut b = Side::new(config(crc), sb);
+        let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+        let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+
+        b.conn
+            .post_recv(
+                &RecvWr {
+                    wr_id: 50,
+                    sgl: &sge(&rbuf, 0, 4096),
+                },
+                &mut mb,
+            )
+            .unwrap();
+        let w = sge(&src, 0, BIG as u32);
+        let small = sge(&src, 100, 3000);
+        let sink = sge(&src, BIG as u64, 4096);
+        let cell = sge(&src, BIG as u64 + 8184, 8);
+        let posts = [
+            SendWr::new(
+                1,
+                SendOp::Write {
+                    rkey: dst.rkey(),
+                    remote_addr: dst.addr() + 8,
+                    imm: None,
+                },
+                &w,
+            ),
+            SendWr::new(
+                2,
+                SendOp::Send {
+                    inv: None,
+                    imm: Some(9),
+                },
+                &small,
+            ),
+            SendWr::new(
+                3,
+                SendOp::Read {
+                    rkey: dst.rkey(),
+                    remote_addr: dst.addr() + 8,
+                },
+                &sink,
+            ),
+            SendWr::new(
+                4,
+                SendOp::FetchAdd {
+                    rkey: dst.rkey(),
+                    remote_addr: dst.addr(),
+                    add: 2,
+                },
+                &cell,
+            ),
+        ];
+        for p in &posts {
+            a.conn.post_send(p, &mut ma).unwrap();
+        }
+        run(&mut a, &mut ma, &mut b, &mut mb, |a, b| {
+            a.done.len() == 4 && b.done.len() == 1
+        });
+        let st: Vec<(u64, WcStatus)> = a.done.iter().map(|c| (c.wr_id, c.status)).collect();
+        assert_eq!(
+            st,
+            [
+                (1, WcStatus::Success),
+                (2, WcStatus::Success),
+                (3, WcStatus::Success),
+                (4, WcStatus::Success)
+            ],
+            "crc {crc}"
+        );
+        let r = b.done[0];
+        assert_eq!(
+            (r.wr_id, r.status, r.byte_len, r.imm),
+            (50, WcStatus::Success, 3000, Some(9))
+        );
+        let (s, d) = (src.to_vec(), dst.to_vec());
+        assert_eq!(
+            first_diff(&d[8..8 + BIG], &s[..BIG]),
+            None,
+            "the Write, crc {crc}"
+        );
+        assert_eq!(
+            first_diff(&rbuf.to_vec()[..3000], &s[100..3100]),
+            None,
+            "the Send"
+        );
+        assert_eq!(
+            first_diff(&s[BIG..BIG + 4096], &d[8..8 + 4096]),
+            None,
+            "the Read"
+        );
+        assert_eq!(s[BIG + 8184..BIG + 8192], 40u64.to_ne_bytes());
+        assert_eq!(d[..8], 42u64.to_ne_bytes());
+        assert!(a.tx.bytes_sent > BIG as u64 && b.rx.bytes_received > BIG as u64);
+        // How much goes straight into place depends on how the bytes
+        // arrive; some of a 1 MiB Write always does.
+        assert!(b.rx.bytes_placed > 0, "no payload read straight into place");
+    }
+}
+
+#[test]
+fn graceful_close_over_a_socket() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    let src = region(&pa, 4096, 1);
+    let rbuf = region(&pb, 4096, 2);
+    let (sa, sb) = sockets();
+    let mut a = Side::new(config(true), sa);
+    let mut b = Side::new(config(true), sb);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    for id in [7, 8] {
+        b.conn
+            .post_recv(
+                &RecvWr {
+                    wr_id: id,
+                    sgl: &sge(&rbuf, 0, 4096),
+                },
+                &mut mb,
+            )
+            .unwrap();
+    }
+    let s = sge(&src, 0, 2000);
+    a.conn
+        .post_send(
+            &SendWr::new(
+                1,
+                SendOp::Send {
+                    inv: None,
+                    imm: None,
+                },
+                &s,
+            ),
+            &mut ma,
+        )
+        .unwrap();
+    a.conn.close(0);
+    run(&mut a, &mut ma, &mut b, &mut mb, |a, b| {
+        a.conn.state() == QpState::Idle && b.conn.state() == QpState::Idle
+    });
+    assert!(a.fin_sent && b.fin_sent);
+    let got: Vec<(u64, WcStatus)> = b.done.iter().map(|c| (c.wr_id, c.status)).collect();
+    assert_eq!(got, [(7, WcStatus::Success), (8, WcStatus::WrFlush)]);
+    assert_eq!(a.done.len(), 1);
+}
+
+/// Throughput of the two IO loops over loopback (a figure, not a check):
+/// `cargo test --release -p softrdma-engine --lib conn_io::tests::write_bandwidth -- --ignored --nocapture`.
+#[test]
+#[ignore = "prints a throughput figure"]
+fn write_bandwidth() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    const MIB: usize = 1 << 20;
+    let src = region(&pa, MIB, 1);
+    let dst = region(&pb, MIB, 2);
+    let (sa, sb) = sockets();
+    let mut a = Side::new(config(false), sa);
+    let mut b = Side::new(config(false), sb);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    let w = sge(&src, 0, MIB as u32);
+    let rounds = 512u64;
+    let t = Instant::now();
+    for i in 0..rounds {
+        let mut wr = SendWr::new(
+            i,
+            SendOp::Write {
+                rkey: dst.rkey(),
+                remote_addr: dst.addr(),
+                imm: None,
+            },
+            &w,
+        );
+        wr.signaled = i % 16 == 15;
+        while a.conn.post_send(&wr, &mut ma).is_err() {
+            a.turn(&mut ma, 1);
+            b.turn(&mut mb, 1);
+        }
+    }
+    run(&mut a, &mut ma, &mut b, &mut mb, |a, b| {
+        a.done.len() == (rounds / 16) as usize && b.rx.bytes_received >= rounds * MIB as u64
+    });
+    let secs = t.elapsed().as_secs_f64();
+    eprintln!(
+        "RDMA Write 1 MiB x {rounds}, one thread for both sides: {:.0} MB/s",
+        (rounds * MIB as u64) as f64 / secs / 1e6
+    );
+}

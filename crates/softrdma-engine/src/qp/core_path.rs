@@ -1,0 +1,594 @@
+//! The data path driven by the protocol core (opt-in while it is brought
+//! to parity: `SOFTRDMA_CORE_DATAPATH=1` in the environment when a QP is
+//! created). The connection's whole state is the core's `Connection`
+//! behind one lock (`QpInner::core`, a [`HandOff`] like the transmit lock:
+//! posters try to claim it and transmit directly, every holder re-checks
+//! announced work on release); the engine does the socket IO
+//! ([`RxIo`], [`TxIo`]), delivers completions and events, and acts on the
+//! link actions and the close timer.
+
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use softrdma_proto::conn::Connection;
+use softrdma_proto::types::{self as ct, LinkAction, Output};
+
+use super::conn::{ConnSetup, config, recv_error, send_error, with_core_recv, with_core_send};
+use super::*;
+use crate::datapath::conn_io::{RxIo, RxStop, TxIo, TxStop};
+use crate::mr::PdMemory;
+use crate::sys::mem::Memory;
+
+/// Whether new QPs use the core-driven data path.
+pub(crate) fn core_mode_from_env() -> bool {
+    std::env::var_os("SOFTRDMA_CORE_DATAPATH").is_some_and(|v| v == "1")
+}
+
+/// One connection driven by the protocol core.
+#[derive(Debug)]
+pub(crate) struct CoreConn {
+    conn: Connection<Arc<Memory>>,
+    rx: RxIo,
+    tx: TxIo,
+    stream: Arc<TcpStream>,
+    fd: RawFd,
+    /// The QP is listed with its datamover for transmission.
+    pub(crate) on_dm: bool,
+    /// A FIN or shutdown to do once the framed FPDUs are written.
+    link: Option<LinkAction>,
+    /// The link was shut down or reset.
+    link_done: bool,
+    /// Close in order instead of resetting (the QP is destroyed).
+    orderly: bool,
+    /// Detail of the next reset event (the socket error).
+    reset_detail: Option<String>,
+    /// The core's `LlpReset` of an abort is not reported (the QP is
+    /// destroyed, or the engine reports the cause itself).
+    quiet_reset: bool,
+    /// The close timer's deadline armed.
+    timer_at: Option<u64>,
+}
+
+/// The core lock taken for anything but claiming posted work; on drop it
+/// releases the lock and claims work announced meanwhile.
+pub(crate) struct CoreGuard<'a> {
+    qp: &'a QpInner,
+    guard: Option<Guard<'a, Option<Box<CoreConn>>>>,
+}
+
+impl std::ops::Deref for CoreGuard<'_> {
+    type Target = Option<Box<CoreConn>>;
+    fn deref(&self) -> &Self::Target {
+        self.guard.as_deref().expect("guard held until drop")
+    }
+}
+
+impl std::ops::DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.guard.as_deref_mut().expect("guard held until drop")
+    }
+}
+
+impl Drop for CoreGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.guard.take()
+            && self.qp.core.release(g)
+        {
+            self.qp.core_kick();
+        }
+    }
+}
+
+impl QpInner {
+    /// Whether this QP uses the core-driven data path.
+    pub(crate) fn core_mode(&self) -> bool {
+        self.core_mode.load(Ordering::Relaxed)
+    }
+
+    /// Proxy QPs keep the engine's own data path (the core path has no
+    /// proxy hooks yet).
+    pub(crate) fn leave_core_mode(&self) {
+        self.core_mode.store(false, Ordering::Relaxed);
+    }
+
+    pub(crate) fn lock_core(&self) -> CoreGuard<'_> {
+        CoreGuard {
+            qp: self,
+            guard: Some(self.core.lock()),
+        }
+    }
+
+    fn core_mem(&self) -> PdMemory<'_> {
+        PdMemory::new(self.device.stags(), self.pd.id(), self.srq.as_ref())
+    }
+
+    /// `establish` on the core path (state lock held, QP in IDLE or RTR).
+    pub(crate) fn core_establish(
+        &self,
+        stream: Arc<TcpStream>,
+        params: &LinkParams,
+        max_payload: usize,
+        already_read: &[u8],
+    ) {
+        let setup = ConnSetup {
+            cap: self.cap,
+            ird: self.ird_limit(),
+            ord: self.ord.load(Ordering::Relaxed),
+            max_payload,
+            srq: self.srq.is_some(),
+            message_info: false,
+            close_timeout: self
+                .close_timeout_ms
+                .load(Ordering::Relaxed)
+                .saturating_mul(1_000_000),
+        };
+        let mut conn = Connection::new(config(&setup, params));
+        // Receives posted before the connection (IDLE, RTR) move into it.
+        while let Some(w) = self.rq.pop() {
+            let spans = w
+                .segs
+                .into_iter()
+                .map(|s| softrdma_proto::mem::Span {
+                    region: s.mem,
+                    offset: s.offset,
+                    len: s.len,
+                })
+                .collect();
+            let _ = conn.repost_recv(w.wr_id, spans);
+        }
+        let fd = stream.as_raw_fd();
+        let cc = CoreConn {
+            conn,
+            rx: RxIo::new(already_read),
+            tx: TxIo::new(),
+            stream,
+            fd,
+            on_dm: false,
+            link: None,
+            link_done: false,
+            orderly: false,
+            reset_detail: None,
+            quiet_reset: false,
+            timer_at: None,
+        };
+        // Raw lock: the state lock is held, nothing to hand off yet.
+        let mut g = self.core.lock();
+        *g = Some(Box::new(cc));
+        let _ = self.core.release(g);
+        self.core_fd.store(fd, Ordering::Release);
+    }
+
+    /// `post_send` on the core path.
+    pub(crate) fn core_post_send(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        let mut g = self.lock_core();
+        let Some(cc) = g.as_mut() else {
+            drop(g);
+            // Never connected: IDLE and RTR refuse, ERROR flushes.
+            return match self.send_policy() {
+                PostPolicy::Reject => Err(PostSendError::InvalidState {
+                    qp_num: self.qp_num,
+                    state: self.state(),
+                }),
+                _ => {
+                    let opcode = wc_opcode_of(&wr.op);
+                    let wc =
+                        WorkCompletion::error(wr.wr_id, opcode, self.qp_num, WcStatus::WrFlush);
+                    if self.send_cq.push(wc, false).is_err() {
+                        self.cq_overflow();
+                    }
+                    Ok(())
+                }
+            };
+        };
+        let mut mem = self.core_mem();
+        let r = with_core_send(wr, self.sq_sig_all, self.device.stags(), |w| {
+            cc.conn.post_send(w, &mut mem)
+        });
+        self.core_outputs(cc);
+        r.map_err(|e| send_error(e, self.qp_num, wr))
+    }
+
+    /// `post_recv` on the core path, once connected.
+    pub(crate) fn core_post_recv(&self, wr: &RecvWr<'_>) -> Option<Result<(), PostRecvError>> {
+        let mut g = self.lock_core();
+        let cc = g.as_mut()?;
+        let mut mem = self.core_mem();
+        let r = with_core_recv(wr, |w| cc.conn.post_recv(w, &mut mem));
+        self.core_outputs(cc);
+        Some(r.map_err(|e| {
+            recv_error(e, self.qp_num).unwrap_or(PostRecvError::InvalidState {
+                qp_num: self.qp_num,
+                state: self.state(),
+            })
+        }))
+    }
+
+    /// Direct sending on the core path: transmit in the calling thread if
+    /// no one else holds the connection.
+    pub(crate) fn core_kick(&self) {
+        self.core.announce();
+        loop {
+            let Some(mut g) = self.core.try_claim() else {
+                return;
+            };
+            let Some(cc) = g.as_mut() else {
+                if !self.core.release(g) {
+                    return;
+                }
+                continue;
+            };
+            if cc.on_dm {
+                let _ = self.core.release(g);
+                return;
+            }
+            if self.device.config().force_datamover {
+                // No direct sending: the datamover transmits.
+                cc.on_dm = true;
+                let _ = self.core.release(g);
+                self.schedule_dm();
+                return;
+            }
+            let stop = self.core_transmit(cc, usize::MAX);
+            if matches!(stop, TxStop::WouldBlock) {
+                cc.on_dm = true;
+                let _ = self.core.release(g);
+                self.schedule_dm();
+                return;
+            }
+            if !self.core.release(g) {
+                return;
+            }
+        }
+    }
+
+    /// Frames and writes (at most `budget` bytes), then acts on what the
+    /// core produced.
+    fn core_transmit(&self, cc: &mut CoreConn, budget: usize) -> TxStop {
+        /// Completions of what was written are delivered at least this
+        /// often (the poster's next requests wait for them).
+        const DELIVER_EVERY: usize = 256 * 1024;
+        let mut left = budget;
+        loop {
+            let chunk = left.min(DELIVER_EVERY);
+            let mut mem = self.core_mem();
+            let stop = if cc.link_done {
+                TxStop::Idle
+            } else {
+                cc.tx.progress(&mut cc.conn, &mut mem, cc.fd, chunk)
+            };
+            if let TxStop::Failed(e) = &stop {
+                cc.reset_detail = Some(format!("connection failed: {e}"));
+                cc.conn.handle_reset();
+            }
+            self.core_outputs(cc);
+            match stop {
+                TxStop::Budget if left > chunk => left -= chunk,
+                _ => return stop,
+            }
+        }
+    }
+
+    /// Delivers the core's completions and acts on its outputs.
+    fn core_outputs(&self, cc: &mut CoreConn) {
+        loop {
+            let mut any = false;
+            // Events and state changes first, as the engine raises them:
+            // whoever has seen a flush completion can see its event.
+            while let Some(o) = cc.conn.poll_output() {
+                any = true;
+                match o {
+                    Output::State { to, .. } => {
+                        if to == QpState::Idle {
+                            self.closed.store(true, Ordering::SeqCst);
+                        }
+                        self.set_state(to);
+                        if matches!(to, QpState::Idle | QpState::Error) {
+                            self.device.threads().unregister(self);
+                            self.core_cancel_timer(cc);
+                        }
+                    }
+                    Output::Event(e) => self.core_event(cc, &e),
+                    Output::Link(LinkAction::Reset) => {
+                        cc.link_done = true;
+                        cc.tx.discard();
+                        if cc.orderly {
+                            let _ = cc.stream.shutdown(Shutdown::Both);
+                        } else {
+                            let _ = crate::sys::io::reset_connection(cc.fd);
+                        }
+                    }
+                    Output::Link(a) => cc.link = Some(a),
+                }
+            }
+            while let Some(c) = cc.conn.poll_completion() {
+                any = true;
+                let wc = super::conn::work_completion(&c, self.qp_num);
+                let lost = match c.cq {
+                    ct::CqKind::Send => self.send_cq.push(wc, false).is_err(),
+                    ct::CqKind::Recv => self.recv_cq.push(wc, c.solicited).is_err(),
+                };
+                if c.cq == ct::CqKind::Send {
+                    self.sq_outstanding.store(
+                        u32::try_from(cc.conn.send_queue_len()).unwrap_or(u32::MAX),
+                        Ordering::Relaxed,
+                    );
+                }
+                if lost {
+                    self.cq_overflow();
+                }
+            }
+            if let Some(a) = cc.link
+                && cc.tx.pending() == 0
+                && !cc.link_done
+            {
+                cc.link = None;
+                match a {
+                    LinkAction::SendFin => {
+                        any = true;
+                        match crate::sys::io::shutdown_write(cc.fd) {
+                            Ok(()) => cc.conn.handle_fin_sent(true),
+                            Err(e) => {
+                                // The peer's RST after its FIN: a reset now.
+                                cc.reset_detail = Some(format!("connection failed: {e}"));
+                                cc.conn.handle_fin_sent(false);
+                            }
+                        }
+                    }
+                    _ => {
+                        cc.link_done = true;
+                        let _ = cc.stream.shutdown(Shutdown::Both);
+                    }
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+        self.core_arm_timer(cc);
+    }
+
+    fn core_event(&self, cc: &mut CoreConn, e: &ct::AsyncEvent) {
+        let mut ev = super::conn::async_event(e, self.qp_num);
+        match e.kind {
+            ct::AsyncKind::TerminateReceived => {
+                if let Some(code) = e.term {
+                    tracing::info!(qp = self.qp_num, %code, "Terminate received");
+                    *self.last_terminate.lock() = Some(TerminateInfo {
+                        direction: TerminateDirection::Received,
+                        code,
+                    });
+                }
+            }
+            ct::AsyncKind::LlpReset if cc.quiet_reset => return,
+            ct::AsyncKind::LlpReset => {
+                let detail = cc
+                    .reset_detail
+                    .take()
+                    .unwrap_or_else(|| "local abort".into());
+                ev = ev.with_detail(detail);
+            }
+            ct::AsyncKind::BadClose if self.state() == QpState::Closing => {
+                ev = ev.with_detail("the peer did not close in time; connection reset");
+            }
+            _ => {
+                if let Some(code) = e.term {
+                    tracing::info!(qp = self.qp_num, %code, "Terminate sent");
+                    *self.last_terminate.lock() = Some(TerminateInfo {
+                        direction: TerminateDirection::Sent,
+                        code,
+                    });
+                    if let Some(err) = code.known() {
+                        ev = ev.with_detail(format!("sent Terminate: {}", err.name()));
+                    }
+                }
+            }
+        }
+        self.device.events().push(ev);
+    }
+
+    fn core_cancel_timer(&self, cc: &mut CoreConn) {
+        cc.timer_at = None;
+        if let Some(id) = self.close_timer.lock().take() {
+            crate::timer::cancel(id);
+        }
+    }
+
+    /// Arms the close timer for the core's deadline.
+    fn core_arm_timer(&self, cc: &mut CoreConn) {
+        let Some(at) = cc.conn.next_timeout() else {
+            return;
+        };
+        if cc.timer_at == Some(at) {
+            return;
+        }
+        cc.timer_at = Some(at);
+        let now = crate::datamover::now_ns();
+        let after = std::time::Duration::from_nanos(at.saturating_sub(now));
+        let weak = self.self_weak.clone();
+        if let Ok(id) = crate::timer::arm(after, move || {
+            if let Some(qp) = weak.upgrade() {
+                let mut g = qp.lock_core();
+                if let Some(cc) = g.as_mut() {
+                    cc.conn.handle_timeout(crate::datamover::now_ns());
+                    qp.core_outputs(cc);
+                }
+            }
+        }) && let Some(old) = self.close_timer.lock().replace(id)
+        {
+            crate::timer::cancel(old);
+        }
+    }
+
+    /// Receive progress on the core path (`blocking`: wait for the lock).
+    /// Returns (bytes came in, the QP still receives).
+    pub(crate) fn core_rx(&self, blocking: bool) -> (bool, bool) {
+        let mut g = if blocking {
+            self.lock_core()
+        } else {
+            // A CQ poller looks at the socket first, without the lock: an
+            // idle socket (the usual case while it waits for completions)
+            // costs one `poll` and leaves the lock to whoever transmits.
+            let fd = self.core_fd.load(Ordering::Acquire);
+            if fd < 0 || !crate::sys::io::readable_now(fd) {
+                return (false, true);
+            }
+            match self.core.try_claim() {
+                Some(g) => CoreGuard {
+                    qp: self,
+                    guard: Some(g),
+                },
+                None => return (false, true),
+            }
+        };
+        let Some(cc) = g.as_mut() else {
+            return (false, false);
+        };
+        let before = cc.rx.bytes_received;
+        let mut mem = self.core_mem();
+        let stop = cc
+            .rx
+            .run(&mut cc.conn, &mut mem, cc.fd, crate::datamover::now_ns());
+        if let RxStop::Failed(e) = &stop {
+            // `run` reported it with `handle_reset`; the event's detail.
+            cc.reset_detail = Some(format!("connection failed: {e}"));
+        }
+        self.core_outputs(cc);
+        // Responses the receive path queued (Read and Atomic Responses, a
+        // Terminate) go out now, unless the datamover has the socket.
+        if self.device.config().force_datamover && !cc.on_dm {
+            cc.on_dm = true;
+            drop(g);
+            self.schedule_dm();
+            return (true, true);
+        }
+        if !cc.on_dm {
+            let stop = self.core_transmit(cc, usize::MAX);
+            if matches!(stop, TxStop::WouldBlock) {
+                cc.on_dm = true;
+                drop(g);
+                self.schedule_dm();
+                return (true, true);
+            }
+        }
+        let got = cc.rx.bytes_received != before;
+        (got, matches!(stop, RxStop::Drained))
+    }
+
+    /// The datamover's transmit slice on the core path.
+    pub(crate) fn core_serve(&self, slice: usize) -> crate::datamover::Served {
+        use crate::datamover::Served as S;
+        let mut g = self.lock_core();
+        let Some(cc) = g.as_mut() else {
+            return S::Done;
+        };
+        let stop = self.core_transmit(cc, slice);
+        match stop {
+            TxStop::Budget => S::Active,
+            TxStop::WouldBlock => S::Paused(cc.fd),
+            TxStop::Idle | TxStop::Failed(_) => {
+                cc.on_dm = false;
+                self.dm_listed.store(false, Ordering::Release);
+                S::Done
+            }
+        }
+    }
+
+    /// RTS → CLOSING on the core path.
+    pub(crate) fn core_close(&self) {
+        let mut g = self.lock_core();
+        if let Some(cc) = g.as_mut() {
+            cc.conn.close(crate::datamover::now_ns());
+            self.core_outputs(cc);
+        }
+        drop(g);
+        self.core_kick();
+    }
+
+    /// Abort (reset) on the core path; `orderly`: close in order instead
+    /// (the QP is destroyed). `event`: raised if this moves the QP to
+    /// ERROR (instead of the core's `LlpReset`).
+    pub(crate) fn core_abort(&self, orderly: bool, event: Option<AsyncEventKind>) {
+        let mut g = self.lock_core();
+        match g.as_mut() {
+            Some(cc) => {
+                cc.orderly = orderly;
+                cc.quiet_reset = orderly || event.is_some();
+                if let Some(kind) = event
+                    && cc.conn.state() != QpState::Error
+                {
+                    self.device.events().push(AsyncEvent::qp(kind, self.qp_num));
+                }
+                cc.conn.abort();
+                self.core_outputs(cc);
+            }
+            None => {
+                drop(g);
+                if self.state() != QpState::Error {
+                    self.set_state(QpState::Error);
+                }
+                self.flush_rq();
+            }
+        }
+    }
+
+    /// The application's move to TERMINATE on the core path.
+    pub(crate) fn core_terminate(&self, err: TermError) {
+        let mut g = self.lock_core();
+        if let Some(cc) = g.as_mut() {
+            cc.conn.terminate(err);
+            self.core_outputs(cc);
+        }
+        drop(g);
+        self.core_kick();
+    }
+
+    /// ERROR → IDLE on the core path: the connection is forgotten.
+    pub(crate) fn core_reset(&self) {
+        let mut g = self.lock_core();
+        self.core_fd.store(-1, Ordering::Release);
+        *g = None;
+        drop(g);
+        self.closed.store(false, Ordering::SeqCst);
+        self.set_state(QpState::Idle);
+    }
+
+    /// The link parameters on the core path (for `query`).
+    pub(crate) fn core_link(&self) -> Option<TxLink> {
+        let g = self.lock_core();
+        g.as_ref().map(|cc| TxLink {
+            fd: cc.fd,
+            crc: cc.conn.config().crc,
+            max_payload: cc.conn.config().max_payload,
+        })
+    }
+
+    /// Bytes written and read on the core path.
+    pub(crate) fn core_counters(&self) -> Option<(u64, u64, usize, usize)> {
+        let g = self.lock_core();
+        g.as_ref().map(|cc| {
+            (
+                cc.tx.bytes_sent,
+                cc.rx.bytes_received,
+                cc.conn.send_queue_len(),
+                cc.conn.recv_queue_len(),
+            )
+        })
+    }
+}
+
+/// The completion opcode of a verbs request (a flush before any
+/// connection).
+fn wc_opcode_of(op: &SendOp<'_>) -> WcOpcode {
+    match op {
+        SendOp::Send | SendOp::SendWithImm { .. } | SendOp::SendWithInv { .. } => WcOpcode::Send,
+        SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
+        SendOp::Read { .. } => WcOpcode::RdmaRead,
+        SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
+        SendOp::CmpSwap { .. } => WcOpcode::CompSwap,
+        SendOp::LocalInv { .. } => WcOpcode::LocalInv,
+        SendOp::BindMw { .. } => WcOpcode::BindMw,
+        SendOp::FastReg { .. } => WcOpcode::RegMr,
+    }
+}
