@@ -425,13 +425,20 @@ impl QpInner {
             self.core_reset();
             return;
         }
+        // `rx` first, as everywhere else: a receive path that was already
+        // running when the QP entered ERROR (an engine thread that took the
+        // socket's readiness just before it was unregistered) may still
+        // hold `rx` and, on finding the link failed, take `state_lock` to
+        // enter ERROR; taking `state_lock` first here deadlocked against it.
+        let mut rx = self.rx.lock();
         let _g = self.lock_state();
         // Raw lock: ERROR accepts no request (posts are flushed), nothing to
         // hand off, and the state lock is held.
         let mut tx = self.tx.lock();
         *tx = TxState::new();
         let _ = self.tx.release(tx);
-        *self.rx.lock() = RxState::new();
+        *rx = RxState::new();
+        drop(rx);
         self.ird.lock().reset();
         self.ord_q
             .lock()
@@ -454,5 +461,60 @@ impl QpInner {
         self.recv_cq.detach_progress(&hook);
         self.send_cq.detach_progress(&hook);
         self.device.threads().release(self.datamover);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use crate::state::QpState;
+    use crate::{CompletionQueue, Device, DeviceConfig, ProtectionDomain, QpInitAttr, QueuePair};
+
+    /// A receive path that was already running when the QP entered ERROR
+    /// holds `rx` and, finding the link failed, takes `state_lock` to enter
+    /// ERROR (which it then finds done). A reset ERROR → IDLE at that moment
+    /// took `state_lock` first and then waited for `rx`: neither moved.
+    #[test]
+    fn reset_while_a_receive_path_enters_error_does_not_deadlock() {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cq = CompletionQueue::new(&dev, 16, None).unwrap();
+        let qp = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+        qp.modify(QpState::Error).unwrap();
+        let inner = qp.inner.qp.clone();
+
+        let (holding_tx, holding) = mpsc::channel();
+        let receive_path = {
+            let inner = inner.clone();
+            std::thread::spawn(move || {
+                let rx = inner.rx.lock();
+                holding_tx.send(()).unwrap();
+                // Give the reset time to reach its first lock.
+                std::thread::sleep(Duration::from_millis(100));
+                inner.enter_error(None, None);
+                drop(rx);
+            })
+        };
+        holding.recv().unwrap();
+        let (done_tx, done) = mpsc::channel();
+        let qp2 = qp.clone();
+        std::thread::spawn(move || {
+            let r = qp2.modify(QpState::Idle);
+            let _ = done_tx.send(r);
+        });
+        // A deadlock never answers; a generous bound keeps a loaded machine
+        // from failing the test.
+        let r = done
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the reset deadlocked against the receive path");
+        r.unwrap();
+        receive_path.join().unwrap();
+        assert_eq!(qp.state(), QpState::Idle);
     }
 }

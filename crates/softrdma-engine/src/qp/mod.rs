@@ -415,9 +415,10 @@ impl Drop for QpHandle {
 ///
 /// Lock order (never the reverse): `rx` → `state_lock` → `tx` (through the
 /// hand-off) → `comp` or `ord_q` (never both) → CQ/SRQ internals; `stream`,
-/// `peer`, `close_timer`, `last_terminate` and `ird` are leaves. Exceptions:
-/// `establish` and the reset ERROR → IDLE take `state_lock` → `tx` → `rx`,
-/// when no receive path runs. A [`TxGuard`] is never dropped under
+/// `peer`, `close_timer`, `last_terminate` and `ird` are leaves. Exception:
+/// `establish` takes `state_lock` → `tx` → `rx`, when no receive path runs
+/// (the reset ERROR → IDLE takes `rx` first: a receive path can still be
+/// finishing then). A [`TxGuard`] is never dropped under
 /// `state_lock`. See `docs/engine.md`.
 #[derive(Debug)]
 pub(crate) struct QpInner {
