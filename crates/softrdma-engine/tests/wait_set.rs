@@ -287,19 +287,18 @@ fn a_closed_descriptor_number_reused_is_watched_anew() {
     assert_eq!(set.wait(Some(Duration::ZERO)).unwrap(), 0);
 
     // Pipe A stays open through its duplicate `a`; its number goes to B.
-    drop(ra);
+    // `dup2` moves the number in one step: closing `ra` first would free
+    // the number for the test threads running beside this one, and
+    // `dup2` would then close a descriptor one of them owns.
     let (rb, mut wb) = pipe();
-    if rb.as_raw_fd() != x {
-        // SAFETY: `x` is closed (its owner dropped above) and `rb` open;
-        // dup2 makes `x` name B's read end, owned below by `rb_x`.
-        assert_eq!(unsafe { libc::dup2(rb.as_raw_fd(), x) }, x);
-    }
-    // SAFETY: `x` is open (B's read end) and owned by nothing else here
-    // (when `rb` itself is `x`, it is forgotten instead of closed).
+    // SAFETY: `x` is `ra`'s open descriptor and `rb`'s is open; dup2
+    // closes A's read end at `x` (A stays open through `a`) and makes `x`
+    // name B's read end. `ra` is forgotten: `x` is owned by `rb_x` below.
+    assert_eq!(unsafe { libc::dup2(rb.as_raw_fd(), x) }, x);
+    std::mem::forget(ra);
+    // SAFETY: `x` is open (B's read end) and owned by nothing else.
     let rb_x = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(x) };
-    if rb.as_raw_fd() == x {
-        std::mem::forget(rb);
-    }
+    drop(rb);
     // A becomes readable: not B, so not the number's entry.
     std::io::Write::write_all(&mut wa, b"a").unwrap();
     let i = fill(&mut set, x);
