@@ -196,7 +196,11 @@ pub(crate) struct RxState {
     iov: IoVecs,
     /// The last FPDU had a small payload: read as much as is available.
     small: bool,
-    /// The last read returned less than asked for.
+    /// The last read (`fill` or `read_direct`'s `readv`) in this run
+    /// returned less than asked for: the socket was empty at that moment,
+    /// so the next read is skipped (`Stop::Drained`) rather than made to
+    /// say EAGAIN. Cleared at the start of every `rx_run`; a watcher
+    /// re-arms level-triggered, so bytes that arrived since are not missed.
     drained_hint: bool,
     pub(crate) bytes_received: u64,
 }
@@ -815,6 +819,10 @@ impl QpInner {
     /// other byte of the FPDU (the kernel's copy does not promise an order;
     /// see `Memory::copy_in`).
     fn read_direct(&self, rx: &mut RxState, left: usize) -> Result<(), Stop> {
+        if rx.drained_hint {
+            // See `RxState::fill`: the last read came back short.
+            return Err(Stop::Drained);
+        }
         rx.start = 0;
         rx.end = 0;
         rx.iov.clear();
@@ -855,6 +863,10 @@ impl QpInner {
             Err(e) => return Err(Stop::Failed(e)),
         };
         rx.bytes_received += n as u64;
+        // A short read on a stream socket emptied its buffer at that
+        // moment: the next read would most likely say EAGAIN (as in
+        // `RxState::fill`).
+        rx.drained_hint = n < covered + READAHEAD_LARGE;
         let placed = n.min(covered);
         // Report the placed bytes by length; the CRC reads them from the
         // registered memory (through `sys`), never as a slice.
