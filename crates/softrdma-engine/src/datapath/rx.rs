@@ -37,7 +37,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use softrdma_wire::ddp::Msn;
+use softrdma_wire::ddp::{FLAG_LAST, Msn};
 use softrdma_wire::deframer::{DeframeError, Deframer, DeframerConfig, Event, Want};
 use softrdma_wire::errcode::TermError;
 use softrdma_wire::rdmap::atomic::{AtomicRequestRepr, AtomicResponseRepr};
@@ -194,8 +194,12 @@ pub(crate) struct RxState {
     write_open: Option<WriteTrack>,
     last_write: Option<WriteTrack>,
     iov: IoVecs,
-    /// The last FPDU had a small payload: read as much as is available.
+    /// The last FPDU had a small payload and was not the tail of a
+    /// message with a large FPDU: read as much as is available.
     small: bool,
+    /// The placed message being received (its last FPDU not yet seen) had
+    /// an FPDU with a large payload.
+    msg_large: bool,
     /// The last read (`fill` or `read_direct`'s `readv`) in this run
     /// returned less than asked for: the socket was empty at that moment,
     /// so the next read is skipped (`Stop::Drained`) rather than made to
@@ -233,6 +237,7 @@ impl RxState {
             last_write: None,
             iov: IoVecs::new(),
             small: true,
+            msg_large: false,
             drained_hint: false,
             bytes_received: 0,
         }
@@ -262,6 +267,8 @@ impl RxState {
         self.buf[..n].copy_from_slice(&already_read[..n]);
         self.start = 0;
         self.end = n;
+        self.small = true;
+        self.msg_large = false;
     }
 
     pub(crate) fn detach(&mut self) {
@@ -483,7 +490,15 @@ impl QpInner {
             return Ok(());
         }
         rx.mode = Mode::Place;
-        rx.small = payload_len < DIRECT_MIN;
+        // Small is decided per message, not per FPDU: the short tail FPDU
+        // of a long message (64 KiB + 16 sent as 65 456 + 96 octets) is
+        // followed most likely by another long message, whose payload
+        // should go straight to its destination rather than be read ahead
+        // into the staging buffer and copied. Messages of small FPDUs only
+        // (an 8-octet Send) still read ahead all there is.
+        let cont_large = rx.msg_large;
+        rx.small = payload_len < DIRECT_MIN && !cont_large;
+        rx.msg_large = rx.hdr_copy[0] & FLAG_LAST == 0 && (cont_large || payload_len >= DIRECT_MIN);
         let hdr = rx.hdr_copy;
         let verdict = match UlpduRepr::parse(&hdr[..hdr_len]) {
             Ok(repr) => self.validate(rx, &repr, payload_len),
