@@ -37,7 +37,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use softrdma_wire::ddp::Msn;
+use softrdma_wire::ddp::{FLAG_LAST, Msn};
 use softrdma_wire::deframer::{DeframeError, Deframer, DeframerConfig, Event, Want};
 use softrdma_wire::errcode::TermError;
 use softrdma_wire::rdmap::atomic::{AtomicRequestRepr, AtomicResponseRepr};
@@ -194,9 +194,17 @@ pub(crate) struct RxState {
     write_open: Option<WriteTrack>,
     last_write: Option<WriteTrack>,
     iov: IoVecs,
-    /// The last FPDU had a small payload: read as much as is available.
+    /// The last FPDU had a small payload and was not the tail of a
+    /// message with a large FPDU: read as much as is available.
     small: bool,
-    /// The last read returned less than asked for.
+    /// The placed message being received (its last FPDU not yet seen) had
+    /// an FPDU with a large payload.
+    msg_large: bool,
+    /// The last read (`fill` or `read_direct`'s `readv`) in this run
+    /// returned less than asked for: the socket was empty at that moment,
+    /// so the next read is skipped (`Stop::Drained`) rather than made to
+    /// say EAGAIN. Cleared at the start of every `rx_run`; a watcher
+    /// re-arms level-triggered, so bytes that arrived since are not missed.
     drained_hint: bool,
     pub(crate) bytes_received: u64,
 }
@@ -229,6 +237,7 @@ impl RxState {
             last_write: None,
             iov: IoVecs::new(),
             small: true,
+            msg_large: false,
             drained_hint: false,
             bytes_received: 0,
         }
@@ -258,6 +267,8 @@ impl RxState {
         self.buf[..n].copy_from_slice(&already_read[..n]);
         self.start = 0;
         self.end = n;
+        self.small = true;
+        self.msg_large = false;
     }
 
     pub(crate) fn detach(&mut self) {
@@ -479,7 +490,15 @@ impl QpInner {
             return Ok(());
         }
         rx.mode = Mode::Place;
-        rx.small = payload_len < DIRECT_MIN;
+        // Small is decided per message, not per FPDU: the short tail FPDU
+        // of a long message (64 KiB + 16 sent as 65 456 + 96 octets) is
+        // followed most likely by another long message, whose payload
+        // should go straight to its destination rather than be read ahead
+        // into the staging buffer and copied. Messages of small FPDUs only
+        // (an 8-octet Send) still read ahead all there is.
+        let cont_large = rx.msg_large;
+        rx.small = payload_len < DIRECT_MIN && !cont_large;
+        rx.msg_large = rx.hdr_copy[0] & FLAG_LAST == 0 && (cont_large || payload_len >= DIRECT_MIN);
         let hdr = rx.hdr_copy;
         let verdict = match UlpduRepr::parse(&hdr[..hdr_len]) {
             Ok(repr) => self.validate(rx, &repr, payload_len),
@@ -815,6 +834,10 @@ impl QpInner {
     /// other byte of the FPDU (the kernel's copy does not promise an order;
     /// see `Memory::copy_in`).
     fn read_direct(&self, rx: &mut RxState, left: usize) -> Result<(), Stop> {
+        if rx.drained_hint {
+            // See `RxState::fill`: the last read came back short.
+            return Err(Stop::Drained);
+        }
         rx.start = 0;
         rx.end = 0;
         rx.iov.clear();
@@ -855,6 +878,10 @@ impl QpInner {
             Err(e) => return Err(Stop::Failed(e)),
         };
         rx.bytes_received += n as u64;
+        // A short read on a stream socket emptied its buffer at that
+        // moment: the next read would most likely say EAGAIN (as in
+        // `RxState::fill`).
+        rx.drained_hint = n < covered + READAHEAD_LARGE;
         let placed = n.min(covered);
         // Report the placed bytes by length; the CRC reads them from the
         // registered memory (through `sys`), never as a slice.
