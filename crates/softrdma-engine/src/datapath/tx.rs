@@ -61,18 +61,11 @@ pub(crate) const fn qi(qn: Qn) -> usize {
 }
 
 /// Inline payloads up to this size are kept in the request itself (no
-/// allocation per post); larger ones in a box. 256 covers a sockets-direct
-/// inline message (16-octet header and up to 240 octets of data), sent one
-/// per `send(2)` of a small buffer: a box per message was a `malloc` and a
-/// `free` on that path. The price is a larger request: `Payload` is 264
-/// octets instead of 40, `SendWqe` 368 instead of 144 (the send queue's
-/// `VecDeque` and the posting queue hold requests by value).
-pub(crate) const SMALL_INLINE: usize = 256;
+/// allocation per post); larger ones in a box.
+pub(crate) const SMALL_INLINE: usize = 32;
 
 /// The payload of a send-queue request.
 #[derive(Debug)]
-// The inline array is the point: no allocation per small inline post.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum Payload {
     /// No payload.
     None,
@@ -81,7 +74,7 @@ pub(crate) enum Payload {
         /// The octets, `bytes[..len]`.
         bytes: [u8; SMALL_INLINE],
         /// How many.
-        len: u16,
+        len: u8,
     },
     /// Copied at post time.
     Inline(Box<[u8]>),
@@ -95,7 +88,7 @@ pub(crate) enum Payload {
 impl Payload {
     /// A copy of inline data.
     pub(crate) fn inline(data: &[u8]) -> Payload {
-        match u16::try_from(data.len()) {
+        match u8::try_from(data.len()) {
             Ok(len) if data.len() <= SMALL_INLINE => {
                 let mut bytes = [0u8; SMALL_INLINE];
                 bytes[..data.len()].copy_from_slice(data);
@@ -1001,31 +994,18 @@ mod tests {
 
     #[test]
     fn small_inline_payloads_are_kept_in_the_request() {
-        // A sockets-direct inline message: 16-octet header, 240 of data.
-        const { assert!(SMALL_INLINE >= 256) };
-        let small: Vec<u8> = (0..SMALL_INLINE).map(|i| (i % 251) as u8).collect();
+        let small: Vec<u8> = (0..SMALL_INLINE as u8).collect();
         let p = Payload::inline(&small);
         assert!(matches!(p, Payload::Small { .. }));
         assert_eq!(p.inline_bytes(), Some(&small[..]));
         assert!(p.segs().is_empty());
         let empty = Payload::inline(&[]);
         assert_eq!(empty.inline_bytes(), Some(&[][..]));
-        let big: Vec<u8> = (0..=SMALL_INLINE).map(|i| (i % 251) as u8).collect();
+        let big: Vec<u8> = (0..=SMALL_INLINE as u8).collect();
         let p = Payload::inline(&big);
         assert!(matches!(p, Payload::Inline(_)));
         assert_eq!(p.inline_bytes(), Some(&big[..]));
         assert!(Payload::None.inline_bytes().is_none());
         assert!(Payload::None.into_last_seg().is_none());
-    }
-
-    #[test]
-    fn request_sizes() {
-        // The requests are held by value in the send queue: keep an eye on
-        // what the inline array costs (numbers quoted at `SMALL_INLINE`).
-        let payload = std::mem::size_of::<Payload>();
-        let wqe = std::mem::size_of::<SendWqe>();
-        println!("Payload {payload} octets, SendWqe {wqe} octets");
-        assert!(payload <= SMALL_INLINE + 16, "Payload is {payload} octets");
-        assert!(wqe <= SMALL_INLINE + 128, "SendWqe is {wqe} octets");
     }
 }
