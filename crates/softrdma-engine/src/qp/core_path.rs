@@ -424,6 +424,19 @@ impl QpInner {
     /// Receive progress on the core path (`blocking`: wait for the lock).
     /// Returns (bytes came in, the QP still receives).
     pub(crate) fn core_rx(&self, blocking: bool) -> (bool, bool) {
+        // The engine path's receive lock (its state is unused on this
+        // path) says who receives: an engine thread that finds it held
+        // backs off (`datamover` `receive`, `Defer::Busy`) instead of
+        // re-arming the still readable socket and spinning on it while a
+        // CQ poller reads.
+        let _receiving = if blocking {
+            self.rx.lock()
+        } else {
+            match self.rx.try_lock() {
+                Some(r) => r,
+                None => return (false, true),
+            }
+        };
         let mut g = if blocking {
             self.lock_core()
         } else {
