@@ -233,8 +233,8 @@ impl RxIo {
         self.end = 0;
         let r = r.inspect(|&n| {
             let placed = n.min(dst.len);
-            conn.handle_rx_placed_in(placed, mem);
-            self.bytes_placed += placed as u64;
+            let took = conn.handle_rx_placed_in(placed, mem);
+            self.bytes_placed += took as u64;
             self.end = n - placed;
         });
         self.after_read(conn, r, now)
