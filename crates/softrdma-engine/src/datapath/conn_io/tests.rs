@@ -318,7 +318,7 @@ fn direct_read_after(reset: bool) -> (u64, RxStep) {
         max_payload: 48 * 1024,
         ..Config::new(false)
     };
-    let mut a = Side::new(cfg.clone(), sa);
+    let mut a = Side::new(cfg, sa);
     let mut b = Side::new(cfg, sb);
     let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
     let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
