@@ -1,6 +1,7 @@
 //! The socket IO around the protocol core's `Connection`: what the data
 //! path does once the core holds the rules (`docs/protocol-core.md`,
-//! "Remaining steps", step 2). Not wired into the QP yet.
+//! "Remaining steps", step 2), used by the opt-in core data path
+//! (`qp/core_path.rs`).
 //!
 //! * [`RxIo`] feeds the connection from its socket with the engine's speed
 //!   tricks kept: a 32 KiB staging buffer for headers, trailers and small
@@ -16,7 +17,7 @@
 //!   whole FPDUs written are reported with `handle_sent`, the partial
 //!   offset stays here.
 
-#![allow(dead_code)] // not wired into the QP yet: see the module docs
+#![allow(dead_code)] // parts used only by the core path's tests
 
 use std::collections::VecDeque;
 use std::io;
