@@ -1,6 +1,7 @@
 //! The socket IO around the protocol core's `Connection`: what the data
 //! path does once the core holds the rules (`docs/protocol-core.md`,
-//! "Remaining steps", step 2). Not wired into the QP yet.
+//! "Remaining steps", step 2), used by the opt-in core data path
+//! (`qp/core_path.rs`).
 //!
 //! * [`RxIo`] feeds the connection from its socket with the engine's speed
 //!   tricks kept: a 32 KiB staging buffer for headers, trailers and small
@@ -16,7 +17,7 @@
 //!   whole FPDUs written are reported with `handle_sent`, the partial
 //!   offset stays here.
 
-#![allow(dead_code)] // not wired into the QP yet: see the module docs
+#![allow(dead_code)] // parts used only by the core path's tests
 
 use std::collections::VecDeque;
 use std::io;
@@ -24,6 +25,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use softrdma_proto::conn::{Connection, RxWant, TxFpdu};
+use softrdma_proto::mem::Span;
 
 use crate::mr::PdMemory;
 use crate::sys::io::{IoVecs, readv, writev};
@@ -51,6 +53,44 @@ pub(crate) enum RxStop {
     Closed,
     /// The socket failed (reported with `handle_reset`).
     Failed(io::Error),
+}
+
+/// What [`RxIo::step`] stopped at.
+#[derive(Debug)]
+pub(crate) enum RxStep {
+    /// Receiving stopped.
+    Stop(RxStop),
+    /// A payload to read straight into registered memory.
+    Direct(DirectRead),
+}
+
+/// One `readv` of a payload straight into its destination plus the
+/// read-ahead after it, taken out of [`RxIo`] so that it can run without
+/// the connection's lock (the `Arc<Memory>` of `dst` keeps the memory
+/// mapped; the staging buffer moves with it).
+#[derive(Debug)]
+pub(crate) struct DirectRead {
+    dst: Span<Arc<Memory>>,
+    buf: Vec<u8>,
+    iov: IoVecs,
+}
+
+impl DirectRead {
+    /// The `readv`: payload bytes first, then up to 256 bytes of read-ahead.
+    pub(crate) fn read(&mut self, fd: RawFd) -> io::Result<usize> {
+        self.iov.clear();
+        let r = if self
+            .iov
+            .push_mem(&self.dst.region, self.dst.offset, self.dst.len)
+        {
+            self.iov.push_slice_mut(&mut self.buf[..READAHEAD_LARGE]);
+            readv(fd, &self.iov)
+        } else {
+            Err(io::ErrorKind::InvalidInput.into())
+        };
+        self.iov.clear();
+        r
+    }
 }
 
 /// The receive side of a connection's socket.
@@ -100,39 +140,70 @@ impl RxIo {
     ) -> RxStop {
         self.drained_hint = false;
         loop {
+            match self.step(conn, mem, fd, now) {
+                RxStep::Stop(stop) => return stop,
+                RxStep::Direct(mut d) => {
+                    let r = d.read(fd);
+                    if let Some(stop) = self.placed(conn, mem, d, r, now) {
+                        return stop;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Starts a receive run ([`step`](Self::step) until it stops).
+    pub(crate) fn begin(&mut self) {
+        self.drained_hint = false;
+    }
+
+    /// Feeds `conn` from the staging buffer and the socket until it stops,
+    /// or until the next payload is large enough to be read straight into
+    /// its destination: that read ([`DirectRead::read`]) touches neither
+    /// the connection nor this state, so the caller may do it without the
+    /// connection's lock, then hands the result to
+    /// [`placed`](Self::placed) (nothing but the receive path changes what
+    /// the connection wants to read; a reset or close meanwhile makes
+    /// `handle_rx_placed_in` take nothing).
+    pub(crate) fn step(
+        &mut self,
+        conn: &mut Connection<Arc<Memory>>,
+        mem: &mut PdMemory<'_>,
+        fd: RawFd,
+        now: u64,
+    ) -> RxStep {
+        loop {
             if self.end > self.start {
                 let n = conn.handle_rx_stream(&self.buf[self.start..self.end], mem);
                 self.start += n;
                 if self.start < self.end {
                     // Fewer taken than given: no longer receiving.
-                    return RxStop::Done;
+                    return RxStep::Stop(RxStop::Done);
                 }
                 continue;
             }
             self.start = 0;
             self.end = 0;
             let want = conn.rx_want();
-            let got = match &want {
-                RxWant::Closed => return RxStop::Done,
+            let got = match want {
+                RxWant::Closed => return RxStep::Stop(RxStop::Done),
                 RxWant::Place { dst } if dst.len >= DIRECT_MIN => {
                     self.small = false;
-                    self.iov.clear();
-                    if self.iov.push_mem(&dst.region, dst.offset, dst.len) {
-                        self.iov.push_slice_mut(&mut self.buf[..READAHEAD_LARGE]);
-                        let r = readv(fd, &self.iov);
-                        self.iov.clear();
-                        r.inspect(|&n| {
-                            let placed = n.min(dst.len);
-                            conn.handle_rx_placed_in(placed, mem);
-                            self.bytes_placed += placed as u64;
-                            self.end = n - placed;
-                        })
-                    } else {
-                        // Not a range of its memory (never for a span the
-                        // core checked): through the staging buffer, where
-                        // the copy fails and the core reports it.
-                        self.read_staging(fd)
+                    let mut iov = std::mem::take(&mut self.iov);
+                    iov.clear();
+                    if iov.push_mem(&dst.region, dst.offset, dst.len) {
+                        iov.clear();
+                        return RxStep::Direct(DirectRead {
+                            dst,
+                            buf: std::mem::take(&mut self.buf),
+                            iov,
+                        });
                     }
+                    self.iov = iov;
+                    // Not a range of its memory (never for a span the core
+                    // checked): through the staging buffer, where the copy
+                    // fails and the core reports it.
+                    self.read_staging(fd)
                 }
                 RxWant::Place { dst } => {
                     self.small = dst.len < DIRECT_MIN;
@@ -140,18 +211,57 @@ impl RxIo {
                 }
                 RxWant::Bytes { .. } => self.read_staging(fd),
             };
-            match got {
-                Ok(0) => {
-                    conn.handle_fin(now);
-                    return RxStop::Closed;
-                }
-                Ok(n) => self.bytes_received += n as u64,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return RxStop::Drained,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    conn.handle_reset();
-                    return RxStop::Failed(e);
-                }
+            if let Some(stop) = self.after_read(conn, got, now) {
+                return RxStep::Stop(stop);
+            }
+        }
+    }
+
+    /// The result of a [`DirectRead`]: the placed bytes reported to `conn`,
+    /// the read-ahead staged. `Some` if receiving stops.
+    pub(crate) fn placed(
+        &mut self,
+        conn: &mut Connection<Arc<Memory>>,
+        mem: &mut PdMemory<'_>,
+        d: DirectRead,
+        r: io::Result<usize>,
+        now: u64,
+    ) -> Option<RxStop> {
+        let DirectRead { dst, buf, iov } = d;
+        self.buf = buf;
+        self.iov = iov;
+        self.start = 0;
+        self.end = 0;
+        let r = r.inspect(|&n| {
+            let placed = n.min(dst.len);
+            let took = conn.handle_rx_placed_in(placed, mem);
+            self.bytes_placed += took as u64;
+            self.end = n - placed;
+        });
+        self.after_read(conn, r, now)
+    }
+
+    /// Acts on a read's result: `Some` if receiving stops.
+    fn after_read(
+        &mut self,
+        conn: &mut Connection<Arc<Memory>>,
+        got: io::Result<usize>,
+        now: u64,
+    ) -> Option<RxStop> {
+        match got {
+            Ok(0) => {
+                conn.handle_fin(now);
+                Some(RxStop::Closed)
+            }
+            Ok(n) => {
+                self.bytes_received += n as u64;
+                None
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Some(RxStop::Drained),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => None,
+            Err(e) => {
+                conn.handle_reset();
+                Some(RxStop::Failed(e))
             }
         }
     }

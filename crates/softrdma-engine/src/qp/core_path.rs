@@ -17,7 +17,7 @@ use softrdma_proto::types::{self as ct, LinkAction, Output};
 
 use super::conn::{ConnSetup, config, recv_error, send_error, with_core_recv, with_core_send};
 use super::*;
-use crate::datapath::conn_io::{RxIo, RxStop, TxIo, TxStop};
+use crate::datapath::conn_io::{RxIo, RxStep, RxStop, TxIo, TxStop};
 use crate::mr::PdMemory;
 use crate::sys::mem::Memory;
 
@@ -49,7 +49,13 @@ pub(crate) struct CoreConn {
     quiet_reset: bool,
     /// The close timer's deadline armed.
     timer_at: Option<u64>,
+    /// Which connection this is (a receive path that let the lock go
+    /// checks it is still the same one).
+    epoch: u64,
 }
+
+/// The next [`CoreConn::epoch`].
+static NEXT_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The core lock taken for anything but claiming posted work; on drop it
 /// releases the lock and claims work announced meanwhile.
@@ -152,6 +158,7 @@ impl QpInner {
             reset_detail: None,
             quiet_reset: false,
             timer_at: None,
+            epoch: NEXT_EPOCH.fetch_add(1, Ordering::Relaxed),
         };
         // Raw lock: the state lock is held, nothing to hand off yet.
         let mut g = self.core.lock();
@@ -424,6 +431,19 @@ impl QpInner {
     /// Receive progress on the core path (`blocking`: wait for the lock).
     /// Returns (bytes came in, the QP still receives).
     pub(crate) fn core_rx(&self, blocking: bool) -> (bool, bool) {
+        // The engine path's receive lock (its state is unused on this
+        // path) says who receives: an engine thread that finds it held
+        // backs off (`datamover` `receive`, `Defer::Busy`) instead of
+        // re-arming the still readable socket and spinning on it while a
+        // CQ poller reads.
+        let _receiving = if blocking {
+            self.rx.lock()
+        } else {
+            match self.rx.try_lock() {
+                Some(r) => r,
+                None => return (false, true),
+            }
+        };
         let mut g = if blocking {
             self.lock_core()
         } else {
@@ -445,11 +465,51 @@ impl QpInner {
         let Some(cc) = g.as_mut() else {
             return (false, false);
         };
-        let before = cc.rx.bytes_received;
-        let mut mem = self.core_mem();
-        let stop = cc
-            .rx
-            .run(&mut cc.conn, &mut mem, cc.fd, crate::datamover::now_ns());
+        let epoch = cc.epoch;
+        let mut got = false;
+        cc.rx.begin();
+        let stop = loop {
+            let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch) else {
+                // Reset (and maybe connected again) while the lock was let
+                // go: the bytes read belonged to the old connection.
+                return (true, false);
+            };
+            let before = cc.rx.bytes_received;
+            let mut mem = self.core_mem();
+            let now = crate::datamover::now_ns();
+            let step = cc.rx.step(&mut cc.conn, &mut mem, cc.fd, now);
+            got |= cc.rx.bytes_received != before;
+            let mut direct = match step {
+                RxStep::Stop(stop) => break stop,
+                RxStep::Direct(d) => d,
+            };
+            // The large payload's `readv` goes straight into registered
+            // memory: without the connection's lock, so that posters and
+            // the datamover transmit meanwhile (the receive lock keeps
+            // other receivers out; nothing but the receive path changes
+            // what the connection wants to read). The stream's `Arc`
+            // keeps the descriptor open across a reset meanwhile.
+            let fd = cc.fd;
+            let stream = cc.stream.clone();
+            drop(g);
+            let r = direct.read(fd);
+            g = self.lock_core();
+            drop(stream);
+            let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch) else {
+                return (true, false);
+            };
+            let before = cc.rx.bytes_received;
+            let mut mem = self.core_mem();
+            let now = crate::datamover::now_ns();
+            let stop = cc.rx.placed(&mut cc.conn, &mut mem, direct, r, now);
+            got |= cc.rx.bytes_received != before;
+            if let Some(stop) = stop {
+                break stop;
+            }
+        };
+        let Some(cc) = g.as_mut() else {
+            return (got, false);
+        };
         if let RxStop::Failed(e) = &stop {
             // `run` reported it with `handle_reset`; the event's detail.
             cc.reset_detail = Some(format!("connection failed: {e}"));
@@ -472,7 +532,6 @@ impl QpInner {
                 return (true, true);
             }
         }
-        let got = cc.rx.bytes_received != before;
         (got, matches!(stop, RxStop::Drained))
     }
 
@@ -546,6 +605,10 @@ impl QpInner {
 
     /// ERROR → IDLE on the core path: the connection is forgotten.
     pub(crate) fn core_reset(&self) {
+        // The receive lock first, as on the engine's own path: a receive
+        // path still running (it holds it, see `core_rx`, and may enter
+        // ERROR on a failed link) finishes before the QP goes to IDLE.
+        let _receiving = self.rx.lock();
         let mut g = self.lock_core();
         self.core_fd.store(-1, Ordering::Release);
         *g = None;

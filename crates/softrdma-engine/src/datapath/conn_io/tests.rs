@@ -302,6 +302,84 @@ fn graceful_close_over_a_socket() {
 
 /// Throughput of the two IO loops over loopback (a figure, not a check):
 /// `cargo test --release -p softrdma-engine --lib conn_io::tests::write_bandwidth -- --ignored --nocapture`.
+/// A large payload's read is handed out (`RxStep::Direct`) to be done
+/// without the connection's lock; a connection reset meanwhile takes none
+/// of the bytes read, and receiving stops.
+fn direct_read_after(reset: bool) -> (u64, RxStep) {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    // Larger than the first read into the staging buffer (32 KiB): the
+    // rest of the payload is read straight into place.
+    let src = region(&pa, 48 * 1024, 1);
+    let dst = region(&pb, 48 * 1024, 2);
+    let (sa, sb) = sockets();
+    // One FPDU: its payload's tail after the staging read goes into place.
+    let cfg = Config {
+        max_payload: 48 * 1024,
+        ..Config::new(false)
+    };
+    let mut a = Side::new(cfg, sa);
+    let mut b = Side::new(cfg, sb);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    let w = sge(&src, 0, 48 * 1024);
+    let wr = SendWr::new(
+        1,
+        SendOp::Write {
+            rkey: dst.rkey(),
+            remote_addr: dst.addr(),
+            imm: None,
+        },
+        &w,
+    );
+    a.conn.post_send(&wr, &mut ma).unwrap();
+    let fd_a = a.sock.as_raw_fd();
+    let _ = a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX);
+    let fd = b.sock.as_raw_fd();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    b.rx.begin();
+    let mut d = loop {
+        assert!(Instant::now() < deadline, "no direct read");
+        match b.rx.step(&mut b.conn, &mut mb, fd, 1) {
+            RxStep::Direct(d) => break d,
+            RxStep::Stop(RxStop::Drained) => {
+                b.rx.begin();
+                std::thread::yield_now();
+            }
+            RxStep::Stop(s) => panic!("stopped: {s:?}"),
+        }
+    };
+    if reset {
+        b.conn.handle_reset();
+    }
+    let r = loop {
+        match d.read(fd) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+            r => break r,
+        }
+    };
+    assert!(*r.as_ref().unwrap() > 0);
+    let stop = b.rx.placed(&mut b.conn, &mut mb, d, r, 1);
+    let next = match stop {
+        Some(s) => RxStep::Stop(s),
+        None => b.rx.step(&mut b.conn, &mut mb, fd, 1),
+    };
+    (b.rx.bytes_placed, next)
+}
+
+#[test]
+fn direct_read_places_the_payload() {
+    let (placed, _) = direct_read_after(false);
+    assert!(placed > 0, "nothing placed");
+}
+
+#[test]
+fn direct_read_after_a_reset_places_nothing_and_stops() {
+    let (placed, next) = direct_read_after(true);
+    assert_eq!(placed, 0);
+    assert!(matches!(next, RxStep::Stop(RxStop::Done)), "{next:?}");
+}
+
 #[test]
 #[ignore = "prints a throughput figure"]
 fn write_bandwidth() {
