@@ -38,6 +38,21 @@ fn setup(crc: bool) -> T {
 }
 
 impl T {
+    /// A receive of `len` octets in a region of its own, posted as `wr_id`:
+    /// the region's (index, key, address).
+    fn post_recv_buf(&mut self, wr_id: u64, len: u32) -> (usize, u32, u64) {
+        let (region, key, addr) = self.m.add_region(len as usize, LOCAL_WRITE, |_| 0);
+        let sge = [Sge {
+            lkey: key,
+            addr,
+            len,
+        }];
+        self.c
+            .post_recv(&RecvWr { wr_id, sgl: &sge }, &mut self.m)
+            .unwrap();
+        (region, key, addr)
+    }
+
     fn feed_ulpdu(&mut self, ulpdu: &[u8]) -> usize {
         let mut buf = vec![0u8; ulpdu.len() + 16];
         let n = fpdu::emit(ulpdu, self.crc, &mut buf).unwrap();
@@ -245,20 +260,7 @@ fn corrupted_consumed_header_with_crc_is_a_crc_error_not_a_peer_violation() {
 #[test]
 fn corrupted_placed_header_with_crc_gets_its_header_verdict_like_siw() {
     let mut t = setup(true);
-    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
-    let sge = [Sge {
-        lkey: key,
-        addr,
-        len: 64,
-    }];
-    t.c.post_recv(
-        &RecvWr {
-            wr_id: 9,
-            sgl: &sge,
-        },
-        &mut t.m,
-    )
-    .unwrap();
+    let (_, key, addr) = t.post_recv_buf(9, 64);
     let send = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"hello");
     let mut b = vec![0u8; send.buffer_len()];
     send.emit(&mut b).unwrap();
@@ -298,15 +300,8 @@ fn graceful_close_keeps_receive_completion_order() {
     let mut t = setup(false);
     let mut regs = Vec::new();
     for wr_id in 1..=2 {
-        let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
+        let (_, key, addr) = t.post_recv_buf(wr_id, 64);
         regs.push((key, addr));
-        let sge = [Sge {
-            lkey: key,
-            addr,
-            len: 64,
-        }];
-        t.c.post_recv(&RecvWr { wr_id, sgl: &sge }, &mut t.m)
-            .unwrap();
     }
     // First segment of a two-segment Send, then a local close.
     let s1 = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, false, b"abcd");
@@ -689,20 +684,7 @@ fn message_info_reports_a_sends_first_segment_and_the_write_before_an_immediate(
 #[test]
 fn without_message_info_nothing_is_reported() {
     let mut t = setup(false);
-    let (_, key, addr) = t.m.add_region(64, LOCAL_WRITE, |_| 0);
-    let sge = [Sge {
-        lkey: key,
-        addr,
-        len: 64,
-    }];
-    t.c.post_recv(
-        &RecvWr {
-            wr_id: 1,
-            sgl: &sge,
-        },
-        &mut t.m,
-    )
-    .unwrap();
+    t.post_recv_buf(1, 64);
     t.feed(
         &UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"x"),
         |_| {},
@@ -907,20 +889,7 @@ fn internal_and_prepared_requests() {
 #[test]
 fn reposted_receive_takes_the_next_send() {
     let mut t = setup(false);
-    let (region, key, addr) = t.m.add_region(16, LOCAL_WRITE, |_| 0);
-    let sge = [Sge {
-        lkey: key,
-        addr,
-        len: 16,
-    }];
-    t.c.post_recv(
-        &RecvWr {
-            wr_id: 7,
-            sgl: &sge,
-        },
-        &mut t.m,
-    )
-    .unwrap();
+    let (region, _, _) = t.post_recv_buf(7, 16);
     let s1 = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"first");
     t.feed(&s1, |_| {});
     let c = t.c.poll_completion().unwrap();
@@ -945,20 +914,7 @@ fn reposted_receive_takes_the_next_send() {
 #[test]
 fn local_terminate_sends_its_code_then_errors() {
     let mut t = setup(false);
-    let (_, key, addr) = t.m.add_region(16, LOCAL_WRITE, |_| 0);
-    let sge = [Sge {
-        lkey: key,
-        addr,
-        len: 16,
-    }];
-    t.c.post_recv(
-        &RecvWr {
-            wr_id: 7,
-            sgl: &sge,
-        },
-        &mut t.m,
-    )
-    .unwrap();
+    t.post_recv_buf(7, 16);
     t.c.terminate(TermError::RdmapLocalCatastrophic);
     assert_eq!(t.c.state(), QpState::Terminate);
     let (e, m, hdr, _, _) = t.terminate();
