@@ -224,57 +224,51 @@ pub(crate) fn with_core_send<T>(
     let inline = (wr.flags.contains(SendFlags::INLINE)
         && matches!(op, ct::SendOp::Send { .. } | ct::SendOp::Write { .. }))
     .then_some(wr.inline);
-    let mut arr = [ct::Sge {
-        lkey: 0,
-        addr: 0,
-        len: 0,
-    }; SGES_ON_STACK];
-    let vec: Vec<ct::Sge>;
-    let sgl: &[ct::Sge] = if wr.sg_list.len() <= SGES_ON_STACK {
-        for (d, s) in arr.iter_mut().zip(wr.sg_list) {
-            *d = core_sge(s);
-        }
-        &arr[..wr.sg_list.len()]
-    } else {
-        vec = wr.sg_list.iter().map(core_sge).collect();
-        &vec
-    };
-    let cwr = ct::SendWr {
-        wr_id: wr.wr_id,
-        op,
-        sgl,
-        signaled: sq_sig_all || wr.flags.contains(SendFlags::SIGNALED),
-        fence: wr.flags.contains(SendFlags::FENCE),
-        solicited: wr.flags.contains(SendFlags::SOLICITED),
-        inline,
-        // The application's request; a proxy reply sets it (and posts it
-        // unsignaled) before `Connection::prepare_send`.
-        internal: false,
-    };
-    f(&cwr)
+    with_core_sgl(wr.sg_list, |sgl| {
+        f(&ct::SendWr {
+            wr_id: wr.wr_id,
+            op,
+            sgl,
+            signaled: sq_sig_all || wr.flags.contains(SendFlags::SIGNALED),
+            fence: wr.flags.contains(SendFlags::FENCE),
+            solicited: wr.flags.contains(SendFlags::SOLICITED),
+            inline,
+            // The application's request; a proxy reply sets it (and posts
+            // it unsignaled) before `Connection::prepare_send`.
+            internal: false,
+        })
+    })
 }
 
 /// Runs `f` on the core's form of the verbs receive `wr`.
 pub(crate) fn with_core_recv<T>(wr: &RecvWr<'_>, f: impl FnOnce(&ct::RecvWr<'_>) -> T) -> T {
+    with_core_sgl(wr.sg_list, |sgl| {
+        f(&ct::RecvWr {
+            wr_id: wr.wr_id,
+            sgl,
+        })
+    })
+}
+
+/// Runs `f` on the core's form of a gather/scatter list, on the stack up
+/// to `SGES_ON_STACK` entries.
+fn with_core_sgl<T>(sg_list: &[Sge], f: impl FnOnce(&[ct::Sge]) -> T) -> T {
     let mut arr = [ct::Sge {
         lkey: 0,
         addr: 0,
         len: 0,
     }; SGES_ON_STACK];
     let vec: Vec<ct::Sge>;
-    let sgl: &[ct::Sge] = if wr.sg_list.len() <= SGES_ON_STACK {
-        for (d, s) in arr.iter_mut().zip(wr.sg_list) {
+    let sgl: &[ct::Sge] = if sg_list.len() <= SGES_ON_STACK {
+        for (d, s) in arr.iter_mut().zip(sg_list) {
             *d = core_sge(s);
         }
-        &arr[..wr.sg_list.len()]
+        &arr[..sg_list.len()]
     } else {
-        vec = wr.sg_list.iter().map(core_sge).collect();
+        vec = sg_list.iter().map(core_sge).collect();
         &vec
     };
-    f(&ct::RecvWr {
-        wr_id: wr.wr_id,
-        sgl,
-    })
+    f(sgl)
 }
 
 /// The engine's error for a send request the core refused.
