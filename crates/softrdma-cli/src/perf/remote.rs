@@ -50,9 +50,17 @@ use super::{
     cpu_time, device, eng, io, label, msg, tcp, tcp_params, validate, validate_all,
 };
 
-/// Receives kept posted on the control QP (the exchange is strictly
-/// request/answer, so 2 would do).
+/// Receives kept posted on the control QP: the exchange is request/answer,
+/// but during a run the measuring side also sends a heartbeat every
+/// [`super::rdma::HEARTBEAT`] without waiting for an answer.
 const CONTROL_RECVS: usize = 4;
+
+/// How long the serving loop goes at most without taking the control
+/// connection's messages: well under the time the client's heartbeats
+/// ([`super::rdma::HEARTBEAT`] apart) take to use up [`CONTROL_RECVS`]
+/// receives, so a heartbeat never meets a missing receive (which is a
+/// Terminate on iWARP).
+const CONTROL_CHECK: Duration = Duration::from_millis(50);
 
 /// `wr_id` of control Sends.
 const SEND_ID: u64 = u64::MAX;
@@ -997,14 +1005,20 @@ fn serve_round(
     let data = s.qps.clone();
     let got = {
         let mut calls = 0u32;
+        let mut checked = Instant::now();
         let mut ended: Option<Instant> = None;
         let mut heard = Instant::now();
         let timeout = p.timeout;
         let mut control = || -> Result<Option<u64>, PerfError> {
             calls = calls.wrapping_add(1);
-            if !calls.is_multiple_of(64) {
+            // Every 64th call, and at least every CONTROL_CHECK: a serving
+            // loop whose polls wait (a Read or Write test has no
+            // completions here) makes 64 calls slowly, and the client's
+            // heartbeats must find a receive reposted.
+            if !calls.is_multiple_of(64) && checked.elapsed() < CONTROL_CHECK {
                 return Ok(None);
             }
+            checked = Instant::now();
             if ended.is_none() && heard.elapsed() > timeout {
                 return Err(PerfError::Timeout(format!(
                     "the client went silent: nothing from it for {} s during the run \
