@@ -469,8 +469,8 @@ mod tests {
     use std::sync::mpsc;
     use std::time::Duration;
 
+    use crate::qp::unconnected_qp;
     use crate::state::QpState;
-    use crate::{CompletionQueue, Device, DeviceConfig, ProtectionDomain, QpInitAttr, QueuePair};
 
     /// A receive path that was already running when the QP entered ERROR
     /// holds `rx` and, finding the link failed, takes `state_lock` to enter
@@ -478,14 +478,7 @@ mod tests {
     /// took `state_lock` first and then waited for `rx`: neither moved.
     #[test]
     fn reset_while_a_receive_path_enters_error_does_not_deadlock() {
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
-        let pd = ProtectionDomain::new(&dev);
-        let cq = CompletionQueue::new(&dev, 16, None).unwrap();
-        let qp = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+        let qp = unconnected_qp();
         qp.modify(QpState::Error).unwrap();
         let inner = qp.inner.qp.clone();
 

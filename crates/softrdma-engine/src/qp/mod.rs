@@ -1141,20 +1141,23 @@ impl crate::datapath::TxHost for QpInner {
     }
 }
 
+/// A QP on a device of its own with unpinned threads, not connected (for
+/// unit tests of the QP's own locking).
+#[cfg(test)]
+pub(crate) fn unconnected_qp() -> QueuePair {
+    let dev = Device::open_with(crate::DeviceConfig {
+        pin_threads: false,
+        ..crate::DeviceConfig::default()
+    })
+    .unwrap();
+    let pd = ProtectionDomain::new(&dev);
+    let cq = CompletionQueue::new(&dev, 16, None).unwrap();
+    QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap()
+}
+
 #[cfg(all(test, debug_assertions))]
 mod lock_order_tests {
-    use crate::{CompletionQueue, Device, DeviceConfig, ProtectionDomain, QpInitAttr, QueuePair};
-
-    fn qp() -> QueuePair {
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
-        let pd = ProtectionDomain::new(&dev);
-        let cq = CompletionQueue::new(&dev, 16, None).unwrap();
-        QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap()
-    }
+    use super::unconnected_qp as qp;
 
     #[test]
     fn state_then_tx_is_the_order() {
