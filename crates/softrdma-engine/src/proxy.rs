@@ -82,6 +82,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
+use softrdma_proto::conn::Prepared;
 use softrdma_proto::proxy::{Admission, LoadGuard, MessageView, Route, Sequencer};
 pub use softrdma_proto::proxy::{
     Criterion, Field, FilterEntry, FilterError, MAX_MATCH_BYTES, MatchPolicy, OpcodeSet,
@@ -662,7 +663,6 @@ impl MsgMeta {
     /// (`Connection::poll_completion_with_info`, `Config::message_info`)
     /// as the receive path's `MsgMeta` (`imm`: the completion's immediate
     /// data), built as `datapath/rx.rs` builds it from its own tracking.
-    #[cfg_attr(not(test), allow(dead_code))] // the data path's next step
     pub(crate) fn from_core(
         info: softrdma_proto::conn::MsgInfo<Arc<Memory>>,
         imm: Option<u32>,
@@ -871,7 +871,15 @@ enum Undo {
 pub struct ProxyContext<'a> {
     qp: &'a QpInner,
     undo: Vec<Undo>,
-    replies: Vec<(u64, WcOpcode, SendWqe)>,
+    replies: Vec<Reply>,
+}
+
+/// A reply checked by [`ProxyContext::post_send`], posted at commit.
+enum Reply {
+    /// On the engine's own data path.
+    Engine(u64, WcOpcode, SendWqe),
+    /// On the protocol core's (`Connection::prepare_send`).
+    Core(Prepared<Arc<Memory>>),
 }
 
 impl std::fmt::Debug for ProxyContext<'_> {
@@ -994,8 +1002,13 @@ impl ProxyContext<'_> {
     /// returns [`ProxyOutcome::Done`] or [`ProxyOutcome::Partial`]. Its
     /// completion is the proxy's, not the application's.
     pub fn post_send(&mut self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        if self.qp.core_mode() {
+            let p = self.qp.core_prepare_send(wr)?;
+            self.replies.push(Reply::Core(p));
+            return Ok(());
+        }
         let (opcode, wqe) = self.qp.prepare_send(wr)?;
-        self.replies.push((wr.wr_id, opcode, wqe));
+        self.replies.push(Reply::Engine(wr.wr_id, opcode, wqe));
         Ok(())
     }
 
@@ -1008,13 +1021,18 @@ impl ProxyContext<'_> {
     fn commit(self, shared: &ProxyShared) -> bool {
         let qp = self.qp;
         let mut any = false;
-        for (wr_id, opcode, wqe) in self.replies {
-            match qp.enqueue(wr_id, opcode, false, true, wqe) {
-                Ok(()) => {
-                    any = true;
-                    inc(&shared.counters.replies_posted);
+        for r in self.replies {
+            let ok = match r {
+                Reply::Engine(wr_id, opcode, wqe) => {
+                    qp.enqueue(wr_id, opcode, false, true, wqe).is_ok()
                 }
-                Err(_) => inc(&shared.counters.reply_errors),
+                Reply::Core(p) => qp.core_post_prepared(p),
+            };
+            if ok {
+                any = true;
+                inc(&shared.counters.replies_posted);
+            } else {
+                inc(&shared.counters.reply_errors);
             }
         }
         any
@@ -1136,6 +1154,32 @@ impl ProxyLink {
     pub(crate) fn reply_completed(&self, status: WcStatus) {
         if !status.is_success() {
             inc(&self.shared.counters.reply_errors);
+        }
+    }
+
+    /// A completion the protocol core produced for this proxy QP (`wc` is
+    /// its verbs form, `info` what a successful receive carried): a reply's
+    /// goes to the proxy, a successful receive to the filter, everything
+    /// else in order to the CQs. True if a CQ overflowed.
+    pub(crate) fn core_completion(
+        &self,
+        qp: &QpInner,
+        c: &softrdma_proto::types::Completion,
+        wc: WorkCompletion,
+        info: Option<softrdma_proto::conn::MsgInfo<Arc<Memory>>>,
+    ) -> bool {
+        use softrdma_proto::types::CqKind;
+        match (c.cq, info) {
+            (CqKind::Send, _) if c.internal => {
+                self.reply_completed(wc.status);
+                false
+            }
+            (CqKind::Send, _) => self.deliver(qp, wc, true, false),
+            (CqKind::Recv, Some(info)) => {
+                self.on_message(qp, wc, c.solicited, MsgMeta::from_core(info, c.imm));
+                false
+            }
+            (CqKind::Recv, None) => self.deliver(qp, wc, false, c.solicited),
         }
     }
 
@@ -1275,13 +1319,17 @@ fn serve(shared: &ProxyShared, job: Job) -> Option<Arc<QpInner>> {
             if link.recycle
                 && let MsgData::Recv(segs) = meta.data
             {
-                let total_len = segs.iter().map(|s| s.len).sum();
-                let wqe = RecvWqe {
-                    wr_id: wc.wr_id,
-                    segs: segs.into(),
-                    total_len,
+                let reposted = if qp.core_mode() {
+                    qp.core_repost_recv(wc.wr_id, segs)
+                } else {
+                    let total_len = segs.iter().map(|s| s.len).sum();
+                    qp.repost_recv(RecvWqe {
+                        wr_id: wc.wr_id,
+                        segs: segs.into(),
+                        total_len,
+                    })
                 };
-                if qp.repost_recv(wqe) {
+                if reposted {
                     w.flags = w.flags | WcFlags::PROXY_RECYCLED;
                 }
             }
@@ -1430,7 +1478,6 @@ impl QueuePair {
             handler: Mutex::new(attach.handler),
             seq: Mutex::new(Sequencer::new()),
         };
-        qp.leave_core_mode();
         qp.proxy
             .set(link)
             .map_err(|_| ProxySetupError::AlreadyProxy { qp_num: qp.qp_num })

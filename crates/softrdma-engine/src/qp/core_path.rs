@@ -12,7 +12,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use softrdma_proto::conn::Connection;
+use softrdma_proto::conn::{Connection, Prepared};
 use softrdma_proto::types::{self as ct, LinkAction, Output};
 
 use super::conn::{ConnSetup, config, recv_error, send_error, with_core_recv, with_core_send};
@@ -93,12 +93,6 @@ impl QpInner {
         self.core_mode.load(Ordering::Relaxed)
     }
 
-    /// Proxy QPs keep the engine's own data path (the core path has no
-    /// proxy hooks yet).
-    pub(crate) fn leave_core_mode(&self) {
-        self.core_mode.store(false, Ordering::Relaxed);
-    }
-
     pub(crate) fn lock_core(&self) -> CoreGuard<'_> {
         CoreGuard {
             qp: self,
@@ -124,7 +118,7 @@ impl QpInner {
             ord: self.ord.load(Ordering::Relaxed),
             max_payload,
             srq: self.srq.is_some(),
-            message_info: false,
+            message_info: self.proxy.get().is_some(),
             close_timeout: self
                 .close_timeout_ms
                 .load(Ordering::Relaxed)
@@ -210,6 +204,66 @@ impl QpInner {
                 state: self.state(),
             })
         }))
+    }
+
+    /// A proxy handler's reply on the core path: checked now
+    /// (`Connection::prepare_send`, as the engine's own request, unsignaled
+    /// and `internal` so that its completion goes to the proxy), queued by
+    /// [`core_post_prepared`](Self::core_post_prepared) only if the
+    /// handler succeeds.
+    pub(crate) fn core_prepare_send(
+        &self,
+        wr: &SendWr<'_>,
+    ) -> Result<Prepared<Arc<Memory>>, PostSendError> {
+        let mut g = self.lock_core();
+        let Some(cc) = g.as_mut() else {
+            return Err(PostSendError::InvalidState {
+                qp_num: self.qp_num,
+                state: self.state(),
+            });
+        };
+        let mut mem = self.core_mem();
+        let r = with_core_send(wr, false, self.device.stags(), |w| {
+            let w = ct::SendWr {
+                signaled: false,
+                internal: true,
+                ..*w
+            };
+            cc.conn.prepare_send(&w, &mut mem)
+        });
+        // A local operation executed now may have produced outputs.
+        self.core_outputs(cc);
+        r.map_err(|e| send_error(e, self.qp_num, wr))
+    }
+
+    /// Queues a reply checked by [`core_prepare_send`](Self::core_prepare_send);
+    /// false if the connection refuses it now (gone, or its queue full).
+    pub(crate) fn core_post_prepared(&self, p: Prepared<Arc<Memory>>) -> bool {
+        let mut g = self.lock_core();
+        let Some(cc) = g.as_mut() else {
+            return false;
+        };
+        let ok = cc.conn.post_prepared(p).is_ok();
+        self.core_outputs(cc);
+        ok
+    }
+
+    /// Puts a consumed receive back at the end of the connection's receive
+    /// queue (a proxy recycling the buffer of a message it served).
+    pub(crate) fn core_repost_recv(&self, wr_id: u64, segs: Vec<crate::wr::LocalSeg>) -> bool {
+        let mut g = self.lock_core();
+        let Some(cc) = g.as_mut() else {
+            return false;
+        };
+        let spans = segs
+            .into_iter()
+            .map(|s| softrdma_proto::mem::Span {
+                region: s.mem,
+                offset: s.offset,
+                len: s.len,
+            })
+            .collect();
+        cc.conn.repost_recv(wr_id, spans)
     }
 
     /// Direct sending on the core path: transmit in the calling thread if
@@ -309,12 +363,15 @@ impl QpInner {
                     Output::Link(a) => cc.link = Some(a),
                 }
             }
-            while let Some(c) = cc.conn.poll_completion() {
+            while let Some((c, info)) = cc.conn.poll_completion_with_info() {
                 any = true;
                 let wc = super::conn::work_completion(&c, self.qp_num);
-                let lost = match c.cq {
-                    ct::CqKind::Send => self.send_cq.push(wc, false).is_err(),
-                    ct::CqKind::Recv => self.recv_cq.push(wc, c.solicited).is_err(),
+                let lost = match self.proxy.get() {
+                    Some(link) => link.core_completion(self, &c, wc, info),
+                    None => match c.cq {
+                        ct::CqKind::Send => self.send_cq.push(wc, false).is_err(),
+                        ct::CqKind::Recv => self.recv_cq.push(wc, c.solicited).is_err(),
+                    },
                 };
                 if c.cq == ct::CqKind::Send {
                     self.sq_outstanding.store(
