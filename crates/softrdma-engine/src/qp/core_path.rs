@@ -1,6 +1,7 @@
-//! The data path driven by the protocol core (opt-in while it is brought
-//! to parity: `SOFTRDMA_CORE_DATAPATH=1` in the environment when a QP is
-//! created). The connection's whole state is the core's `Connection`
+//! The data path driven by the protocol core, the default for every QP
+//! (`SOFTRDMA_CORE_DATAPATH=0` in the environment when a QP is created
+//! selects the engine's own older path while it still exists). The
+//! connection's whole state is the core's `Connection`
 //! behind one lock (`QpInner::core`, a [`HandOff`] like the transmit lock:
 //! posters try to claim it and transmit directly, every holder re-checks
 //! announced work on release); the engine does the socket IO
@@ -21,9 +22,10 @@ use crate::datapath::conn_io::{RxIo, RxStep, RxStop, TxIo, TxStop};
 use crate::mr::PdMemory;
 use crate::sys::mem::Memory;
 
-/// Whether new QPs use the core-driven data path.
+/// Whether new QPs use the core-driven data path: yes unless
+/// `SOFTRDMA_CORE_DATAPATH=0`.
 pub(crate) fn core_mode_from_env() -> bool {
-    std::env::var_os("SOFTRDMA_CORE_DATAPATH").is_some_and(|v| v == "1")
+    std::env::var_os("SOFTRDMA_CORE_DATAPATH").is_none_or(|v| v != "0")
 }
 
 /// One connection driven by the protocol core.
@@ -91,6 +93,13 @@ impl QpInner {
     /// Whether this QP uses the core-driven data path.
     pub(crate) fn core_mode(&self) -> bool {
         self.core_mode.load(Ordering::Relaxed)
+    }
+
+    /// Chooses the data path before the QP is connected (tests comparing
+    /// the two paths).
+    #[cfg(test)]
+    pub(crate) fn set_core_mode(&self, on: bool) {
+        self.core_mode.store(on, Ordering::Relaxed);
     }
 
     pub(crate) fn lock_core(&self) -> CoreGuard<'_> {

@@ -449,7 +449,8 @@ pub(crate) struct QpInner {
     rq: ArrayQueue<RecvWqe>,
     /// Transmit state behind the direct-send hand-off (see [`crate::handoff`]).
     pub(crate) tx: HandOff<TxState>,
-    /// The protocol-core data path is used (opt-in, see `qp/core_path.rs`).
+    /// The protocol-core data path is used (the default; see
+    /// `qp/core_path.rs`).
     core_mode: AtomicBool,
     /// The connection on the core path, behind the hand-off.
     pub(crate) core: HandOff<Option<Box<core_path::CoreConn>>>,
