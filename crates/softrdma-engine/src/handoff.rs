@@ -229,16 +229,21 @@ mod loom_tests {
 
 #[cfg(all(test, loom))]
 mod loom_post_vs_close {
-    //! The receive-side rule of `QpInner::post_recv` against a close
-    //! (`begin_close` / `enter_error`): the poster checks the state, queues,
-    //! then re-checks (after a fence) and flushes if the state stopped
-    //! accepting; the closer changes the state, fences, then flushes. Every
-    //! accepted receive completes exactly once.
-    use loom::sync::atomic::{AtomicBool, Ordering, fence};
+    //! Receives posted before a connection exists (`QpInner::post_recv`
+    //! in IDLE/RTR, queued in `pre_rq`) against the abort of a QP that was
+    //! never connected (`core_abort`: ERROR, then flush `pre_rq`). The
+    //! poster checks the state and queues under the connection's lock; the
+    //! closer changes the state and flushes under the same lock. (A
+    //! connected QP's receives are the connection's, posted and flushed
+    //! under that lock by the protocol core: `loom_one_connection_lock`.)
+    //! Every accepted receive completes exactly once.
+    use loom::sync::atomic::{AtomicBool, Ordering};
     use loom::sync::{Arc, Mutex};
     use loom::thread;
 
     struct Qp {
+        /// The connection's lock.
+        core: Mutex<()>,
         closed: AtomicBool,
         rq: Mutex<Vec<u32>>,
         done: Mutex<Vec<u32>>,
@@ -250,37 +255,39 @@ mod loom_post_vs_close {
     }
 
     /// `post_recv`: `true` if accepted.
-    fn post(qp: &Qp, id: u32, recheck: bool) -> bool {
+    fn post(qp: &Qp, id: u32) -> bool {
+        let _g = qp.core.lock().unwrap();
         if qp.closed.load(Ordering::SeqCst) {
             return false;
         }
         qp.rq.lock().unwrap().push(id);
-        if recheck {
-            fence(Ordering::SeqCst);
-            if qp.closed.load(Ordering::SeqCst) {
-                flush(qp);
-            }
-        }
         true
     }
 
-    /// `begin_close`: state change, fence, flush.
-    fn close(qp: &Qp) {
+    /// `core_abort` of a never-connected QP; `locked`: under the lock.
+    fn close(qp: &Qp, locked: bool) {
+        let g = qp.core.lock().unwrap();
+        if !locked {
+            drop(g);
+            qp.closed.store(true, Ordering::SeqCst);
+            flush(qp);
+            return;
+        }
         qp.closed.store(true, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
         flush(qp);
     }
 
-    fn run(recheck: bool) {
+    fn run(locked: bool) {
         loom::model(move || {
             let qp = Arc::new(Qp {
+                core: Mutex::new(()),
                 closed: AtomicBool::new(false),
                 rq: Mutex::new(Vec::new()),
                 done: Mutex::new(Vec::new()),
             });
             let q = qp.clone();
-            let closer = thread::spawn(move || close(&q));
-            let accepted = post(&qp, 7, recheck);
+            let closer = thread::spawn(move || close(&q, locked));
+            let accepted = post(&qp, 7);
             closer.join().unwrap();
             let done = qp.done.lock().unwrap().clone();
             if accepted {
@@ -298,7 +305,7 @@ mod loom_post_vs_close {
 
     #[test]
     #[should_panic(expected = "an accepted receive never completed")]
-    fn without_recheck_a_receive_is_lost() {
+    fn without_the_lock_a_receive_is_lost() {
         run(false);
     }
 }

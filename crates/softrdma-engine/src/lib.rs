@@ -109,7 +109,7 @@ pub mod wait_set;
 pub mod wc;
 pub mod wr;
 
-pub(crate) use datapath::{datamover, rx, tx};
+pub(crate) use datapath::datamover;
 
 pub use cq::{CompletionChannel, CompletionQueue, CqBuilder};
 pub use datamover::DatamoverStats;

@@ -98,9 +98,8 @@ use crate::qp::{CreateQpError, PostSendError, QpInitAttr, QpInner, QueuePair};
 use crate::state::QpState;
 use crate::sys::io::pin_current_thread;
 use crate::sys::mem::Memory;
-use crate::tx::SendWqe;
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
-use crate::wr::{LocalSeg, RecvWqe, SendWr};
+use crate::wr::{LocalSeg, SendWr};
 
 /// How a proxy runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -874,13 +873,9 @@ pub struct ProxyContext<'a> {
     replies: Vec<Reply>,
 }
 
-/// A reply checked by [`ProxyContext::post_send`], posted at commit.
-enum Reply {
-    /// On the engine's own data path.
-    Engine(u64, WcOpcode, SendWqe),
-    /// On the protocol core's (`Connection::prepare_send`).
-    Core(Prepared<Arc<Memory>>),
-}
+/// A reply checked by [`ProxyContext::post_send`]
+/// (`Connection::prepare_send`), posted at commit.
+type Reply = Prepared<Arc<Memory>>;
 
 impl std::fmt::Debug for ProxyContext<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -1002,13 +997,8 @@ impl ProxyContext<'_> {
     /// returns [`ProxyOutcome::Done`] or [`ProxyOutcome::Partial`]. Its
     /// completion is the proxy's, not the application's.
     pub fn post_send(&mut self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
-        if self.qp.core_mode() {
-            let p = self.qp.core_prepare_send(wr)?;
-            self.replies.push(Reply::Core(p));
-            return Ok(());
-        }
-        let (opcode, wqe) = self.qp.prepare_send(wr)?;
-        self.replies.push(Reply::Engine(wr.wr_id, opcode, wqe));
+        let p = self.qp.core_prepare_send(wr)?;
+        self.replies.push(p);
         Ok(())
     }
 
@@ -1022,13 +1012,7 @@ impl ProxyContext<'_> {
         let qp = self.qp;
         let mut any = false;
         for r in self.replies {
-            let ok = match r {
-                Reply::Engine(wr_id, opcode, wqe) => {
-                    qp.enqueue(wr_id, opcode, false, true, wqe).is_ok()
-                }
-                Reply::Core(p) => qp.core_post_prepared(p),
-            };
-            if ok {
+            if qp.core_post_prepared(r) {
                 any = true;
                 inc(&shared.counters.replies_posted);
             } else {
@@ -1318,20 +1302,9 @@ fn serve(shared: &ProxyShared, job: Job) -> Option<Arc<QpInner>> {
             };
             if link.recycle
                 && let MsgData::Recv(segs) = meta.data
+                && qp.core_repost_recv(wc.wr_id, segs)
             {
-                let reposted = if qp.core_mode() {
-                    qp.core_repost_recv(wc.wr_id, segs)
-                } else {
-                    let total_len = segs.iter().map(|s| s.len).sum();
-                    qp.repost_recv(RecvWqe {
-                        wr_id: wc.wr_id,
-                        segs: segs.into(),
-                        total_len,
-                    })
-                };
-                if reposted {
-                    w.flags = w.flags | WcFlags::PROXY_RECYCLED;
-                }
+                w.flags = w.flags | WcFlags::PROXY_RECYCLED;
             }
             w
         }

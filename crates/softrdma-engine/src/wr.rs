@@ -259,6 +259,7 @@ pub(crate) struct RecvWqe {
     /// The validated SGEs.
     pub(crate) segs: RecvSegs,
     /// Sum of the SGE lengths.
+    #[cfg_attr(not(test), allow(dead_code))] // checked by the SRQ's tests
     pub(crate) total_len: usize,
 }
 

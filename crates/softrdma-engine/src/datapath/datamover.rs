@@ -55,7 +55,6 @@ use crate::device::DeviceConfig;
 use crate::qp::QpInner;
 use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
 use crate::sys::poll::{EpollSet, Ready};
-use crate::tx::TxOutcome;
 
 /// Statistics of one engine thread (datamover and receiver).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -304,48 +303,7 @@ pub(crate) enum Served {
 }
 
 fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
-    if qp.core_mode() {
-        return qp.core_serve(slice);
-    }
-    let mut tx = qp.lock_tx();
-    qp.drain_incoming(&mut tx);
-    let outcome = tx.progress(&**qp, slice);
-    // Acted on only once the FPDUs framed before the failed request are
-    // written (Idle); until then it stays set.
-    let fatal = if matches!(outcome, TxOutcome::Idle) {
-        tx.fatal.take()
-    } else {
-        None
-    };
-    let fd = tx.link.map(|l| l.fd);
-    match outcome {
-        TxOutcome::Budget => Served::Active,
-        TxOutcome::WouldBlock => match fd {
-            Some(fd) => Served::Paused(fd),
-            None => Served::Done,
-        },
-        TxOutcome::FinSent => {
-            tx.on_dm = false;
-            qp.dm_listed.store(false, Ordering::Release);
-            drop(tx);
-            qp.fin_sent();
-            Served::Done
-        }
-        TxOutcome::Idle | TxOutcome::Failed(_) => {
-            tx.on_dm = false;
-            qp.dm_listed.store(false, Ordering::Release);
-            drop(tx);
-            if let TxOutcome::Failed(e) = outcome {
-                qp.link_failed(&e);
-            } else if fatal.is_some() {
-                qp.enter_error(None, Some(crate::event::AsyncEventKind::QpFatal));
-            } else {
-                // Work posted while we held the lock.
-                qp.kick();
-            }
-            Served::Done
-        }
-    }
+    qp.core_serve(slice)
 }
 
 /// While transmitting, an engine thread looks at its sockets (readable,

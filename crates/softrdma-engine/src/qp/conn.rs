@@ -1,18 +1,19 @@
 //! The engine's side of the protocol core's per-connection state machine
 //! (`softrdma_proto::conn::Connection`): its configuration from what the
-//! QP was created with and what the connection settled, the conversions of
-//! work requests, completions, post errors and events between the verbs
-//! types (`wr.rs`, `wc.rs`, `event.rs`) and the core's `types`, and
-//! [`ConnState`], the state of one connection the data path holds under
-//! one lock once it drives the core (`docs/protocol-core.md`, "Switching
-//! the engine over").
+//! QP was created with and what the connection settled, and the
+//! conversions of work requests, completions, post errors and events
+//! between the verbs types (`wr.rs`, `wc.rs`, `event.rs`) and the core's
+//! `types` (used by `core_path`).
 //!
-//! The conversions are checked against the engine's own data path by
-//! running the same work requests through a connected engine QP pair and
-//! through a pair of `Connection`s over the same device's STag table
-//! (`tests::core_matches_engine_*`).
+//! The conversions are checked by running the same work requests through
+//! a connected engine QP pair and through a pair of bare `Connection`s
+//! ([`ConnState`]) over the same device's STag table
+//! (`tests::core_matches_engine_*`): until the engine's own data path was
+//! deleted these compared the two paths; they now compare the engine's
+//! sockets, threads, placement and conversions around the core with the
+//! core alone.
 
-#![cfg_attr(not(test), allow(dead_code))] // the data path's next step: see the module docs
+#![cfg_attr(not(test), allow(dead_code))] // `ConnState`: the tests' bare connections
 
 use std::sync::Arc;
 

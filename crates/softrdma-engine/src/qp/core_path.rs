@@ -1,7 +1,5 @@
-//! The data path driven by the protocol core, the default for every QP
-//! (`SOFTRDMA_CORE_DATAPATH=0` in the environment when a QP is created
-//! selects the engine's own older path while it still exists). The
-//! connection's whole state is the core's `Connection`
+//! The data path driven by the protocol core. The connection's whole
+//! state is the core's `Connection`
 //! behind one lock (`QpInner::core`, a [`HandOff`] like the transmit lock:
 //! posters try to claim it and transmit directly, every holder re-checks
 //! announced work on release); the engine does the socket IO
@@ -21,12 +19,6 @@ use super::*;
 use crate::datapath::conn_io::{RxIo, RxStep, RxStop, TxIo, TxStop};
 use crate::mr::PdMemory;
 use crate::sys::mem::Memory;
-
-/// Whether new QPs use the core-driven data path: yes unless
-/// `SOFTRDMA_CORE_DATAPATH=0`.
-pub(crate) fn core_mode_from_env() -> bool {
-    std::env::var_os("SOFTRDMA_CORE_DATAPATH").is_none_or(|v| v != "0")
-}
 
 /// One connection driven by the protocol core.
 #[derive(Debug)]
@@ -81,6 +73,8 @@ impl std::ops::DerefMut for CoreGuard<'_> {
 
 impl Drop for CoreGuard<'_> {
     fn drop(&mut self) {
+        #[cfg(debug_assertions)]
+        super::lock_order::tx_released();
         if let Some(g) = self.guard.take()
             && self.qp.core.release(g)
         {
@@ -90,19 +84,10 @@ impl Drop for CoreGuard<'_> {
 }
 
 impl QpInner {
-    /// Whether this QP uses the core-driven data path.
-    pub(crate) fn core_mode(&self) -> bool {
-        self.core_mode.load(Ordering::Relaxed)
-    }
-
-    /// Chooses the data path before the QP is connected (tests comparing
-    /// the two paths).
-    #[cfg(test)]
-    pub(crate) fn set_core_mode(&self, on: bool) {
-        self.core_mode.store(on, Ordering::Relaxed);
-    }
-
+    /// Takes the connection's lock (blocking); see [`CoreGuard`].
     pub(crate) fn lock_core(&self) -> CoreGuard<'_> {
+        #[cfg(debug_assertions)]
+        super::lock_order::tx_acquired();
         CoreGuard {
             qp: self,
             guard: Some(self.core.lock()),
@@ -133,20 +118,7 @@ impl QpInner {
                 .load(Ordering::Relaxed)
                 .saturating_mul(1_000_000),
         };
-        let mut conn = Connection::new(config(&setup, params));
-        // Receives posted before the connection (IDLE, RTR) move into it.
-        while let Some(w) = self.rq.pop() {
-            let spans = w
-                .segs
-                .into_iter()
-                .map(|s| softrdma_proto::mem::Span {
-                    region: s.mem,
-                    offset: s.offset,
-                    len: s.len,
-                })
-                .collect();
-            let _ = conn.repost_recv(w.wr_id, spans);
-        }
+        let conn = Connection::new(config(&setup, params));
         let fd = stream.as_raw_fd();
         let cc = CoreConn {
             conn,
@@ -165,7 +137,22 @@ impl QpInner {
         };
         // Raw lock: the state lock is held, nothing to hand off yet.
         let mut g = self.core.lock();
-        *g = Some(Box::new(cc));
+        // Receives posted before the connection (IDLE, RTR) move into it,
+        // under the lock `post_recv` queues them with.
+        let mut cc = Box::new(cc);
+        for w in std::mem::take(&mut *self.pre_rq.lock()) {
+            let spans = w
+                .segs
+                .into_iter()
+                .map(|s| softrdma_proto::mem::Span {
+                    region: s.mem,
+                    offset: s.offset,
+                    len: s.len,
+                })
+                .collect();
+            let _ = cc.conn.repost_recv(w.wr_id, spans);
+        }
+        *g = Some(cc);
         let _ = self.core.release(g);
         self.core_fd.store(fd, Ordering::Release);
     }
@@ -200,19 +187,21 @@ impl QpInner {
         r.map_err(|e| send_error(e, self.qp_num, wr))
     }
 
-    /// `post_recv` on the core path, once connected.
-    pub(crate) fn core_post_recv(&self, wr: &RecvWr<'_>) -> Option<Result<(), PostRecvError>> {
-        let mut g = self.lock_core();
-        let cc = g.as_mut()?;
+    /// `post_recv` once connected (the caller holds the lock).
+    pub(crate) fn core_post_recv(
+        &self,
+        cc: &mut CoreConn,
+        wr: &RecvWr<'_>,
+    ) -> Result<(), PostRecvError> {
         let mut mem = self.core_mem();
         let r = with_core_recv(wr, |w| cc.conn.post_recv(w, &mut mem));
         self.core_outputs(cc);
-        Some(r.map_err(|e| {
+        r.map_err(|e| {
             recv_error(e, self.qp_num).unwrap_or(PostRecvError::InvalidState {
                 qp_num: self.qp_num,
                 state: self.state(),
             })
-        }))
+        })
     }
 
     /// A proxy handler's reply on the core path: checked now
@@ -649,7 +638,8 @@ impl QpInner {
                 self.core_outputs(cc);
             }
             None => {
-                drop(g);
+                // Never connected: the receives queued for the connection
+                // are flushed, under the lock `post_recv` queues them with.
                 if self.state() != QpState::Error {
                     self.set_state(QpState::Error);
                 }
@@ -683,11 +673,17 @@ impl QpInner {
         self.set_state(QpState::Idle);
     }
 
+    /// The connection's ORD (min of ours and the peer's IRD), once
+    /// connected.
+    pub(crate) fn core_ord(&self) -> Option<u32> {
+        let g = self.lock_core();
+        g.as_ref().map(|cc| cc.conn.config().ord)
+    }
+
     /// The link parameters on the core path (for `query`).
     pub(crate) fn core_link(&self) -> Option<TxLink> {
         let g = self.lock_core();
         g.as_ref().map(|cc| TxLink {
-            fd: cc.fd,
             crc: cc.conn.config().crc,
             max_payload: cc.conn.config().max_payload,
         })

@@ -1,12 +1,28 @@
-//! Queue pairs (reliable connected, iWARP): creation, states, posting, and the
-//! glue between the transmit path (`datapath::tx`), the receive path
-//! (`datapath::rx`), the datamovers and the completion queues.
+//! Queue pairs (reliable connected, iWARP): creation, states, posting,
+//! closing, and the glue between the protocol core's connection
+//! (`softrdma_proto::conn::Connection`, `core_path`), the socket IO
+//! (`datapath::conn_io`), the datamovers and the completion queues.
 //!
-//! Posting never blocks: a send request is validated, given its place in the
-//! completion order and pushed on a lock-free queue; then the posting thread
-//! tries the QP's transmit lock and, if it gets it and no datamover owns the
-//! QP, frames and writes the FPDUs itself (direct sending). If the socket
-//! would block, the QP is handed to its datamover.
+//! ```text
+//!  verbs API (QueuePair)          qp/: mod.rs, post.rs, close.rs
+//!        │ post / modify / close
+//!        ▼
+//!  QpInner::core: HandOff<CoreConn>   qp/core_path.rs (one lock)
+//!        │ handle_* / poll_*            ┌────────────────────────────┐
+//!        ├─────────────────────────────►│ Connection (softrdma-proto)│
+//!        │ completions, events, state   │ DDP/RDMAP rules, ORD/IRD,  │
+//!        │◄─────────────────────────────│ SQ/RQ, completion order,   │
+//!        │                              │ Terminates, close          │
+//!        ▼                              └────────────────────────────┘
+//!  datapath/conn_io.rs: RxIo (readv, placement), TxIo (writev)
+//!  datapath/datamover.rs: engine threads (transmit slices, receive)
+//! ```
+//!
+//! Posting never blocks for long: a send request is checked and queued by
+//! the core under the connection's lock, taken by try-claim; the posting
+//! thread then frames and writes the FPDUs itself (direct sending). If the
+//! lock is held, the holder claims the announced work when it lets go; if
+//! the socket would block, the QP is handed to its datamover.
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};
@@ -14,32 +30,25 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use crossbeam_queue::{ArrayQueue, SegQueue};
 use parking_lot::Mutex;
 use softrdma_proto::mpa::{InitialMsns, Negotiated};
-use softrdma_proto::order::{Credits, Outstanding};
-use softrdma_wire::ddp::{Msn, Stag};
+use softrdma_wire::ddp::Msn;
 use softrdma_wire::errcode::{TermCode, TermError};
-use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
 
 use crate::cq::{CompletionQueue, Progress};
 use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind};
 use crate::handoff::{Guard, HandOff};
 use crate::pd::ProtectionDomain;
-use crate::rx::RxState;
 use crate::srq::SharedReceiveQueue;
 use crate::state::{PostPolicy, QpState};
 use crate::sys::io::tcp_maxseg;
-use crate::tx::{Payload, SendWqe, TxLink, TxOutcome, TxState, WqeKind};
-use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
-use crate::wr::{RecvSegs, RecvWqe, RecvWr, SendFlags, SendOp, SendWr};
+use crate::wc::{WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{RecvSegs, RecvWqe, RecvWr, SendOp, SendWr};
 
 mod close;
 mod conn;
 mod core_path;
-pub(crate) use close::TermHeader;
-mod order;
 mod post;
 
 /// How long a graceful close waits for the peer's FIN before it resets the
@@ -372,24 +381,14 @@ impl std::fmt::Display for TerminateInfo {
     }
 }
 
-pub(crate) use crate::datapath::{OutRead, OutReadKind};
-
-/// One send-queue request in completion order.
+/// Connection parameters of a connected QP (for [`QueuePair::query`]).
 #[derive(Debug, Clone, Copy)]
-struct Slot {
-    wr_id: u64,
-    opcode: WcOpcode,
-    signaled: bool,
-    status: Option<WcStatus>,
-    byte_len: u32,
-    vendor_err: u32,
-    /// Posted by a proxy handler: its completion is the proxy's, never the
-    /// application's.
-    proxy_owned: bool,
+pub(crate) struct TxLink {
+    /// CRC in use.
+    pub(crate) crc: bool,
+    /// Largest ULPDU payload per FPDU.
+    pub(crate) max_payload: usize,
 }
-
-/// Send-queue completion order.
-type CompQueue = softrdma_proto::order::InOrder<Slot>;
 
 /// A queue pair handle. Cloning gives another handle to the same QP; the QP
 /// is destroyed (its connection closed, outstanding work flushed) when the
@@ -413,13 +412,15 @@ impl Drop for QpHandle {
 
 /// The shared state of a QP.
 ///
-/// Lock order (never the reverse): `rx` → `state_lock` → `tx` (through the
-/// hand-off) → `comp` or `ord_q` (never both) → CQ/SRQ internals; `stream`,
-/// `peer`, `close_timer`, `last_terminate` and `ird` are leaves. Exception:
-/// `establish` takes `state_lock` → `tx` → `rx`, when no receive path runs
-/// (the reset ERROR → IDLE takes `rx` first: a receive path can still be
-/// finishing then). A [`TxGuard`] is never dropped under
-/// `state_lock`. See `docs/engine.md`.
+/// Lock order (never the reverse): `rx` (who receives) → `state_lock` →
+/// `core` (the connection, through the hand-off) → `pre_rq`'s users,
+/// CQ/SRQ internals, the event queue; `peer`, `close_timer`,
+/// `last_terminate` and `state_watch` are leaves. `establish` and the move
+/// to RTR take `state_lock` → `core` raw (no request is accepted before
+/// RTS); the reset ERROR → IDLE takes `rx` first (a receive path can still
+/// be finishing then) and never `state_lock` with `core`. A `CoreGuard` is
+/// never dropped under `state_lock` (its drop may claim announced work).
+/// See `docs/engine.md`.
 #[derive(Debug)]
 pub(crate) struct QpInner {
     pub(crate) qp_num: u32,
@@ -432,39 +433,34 @@ pub(crate) struct QpInner {
     sq_sig_all: bool,
     state: AtomicU8,
     state_lock: Mutex<()>,
-    /// Inbound Reads/atomics accepted and not yet fully answered, against
-    /// the IRD (the protocol core's rule, `softrdma_proto::order`).
-    ird: Mutex<Credits>,
-    /// The ORD requested (negotiated; the effective one is `ord_q`'s limit).
+    /// The IRD the QP negotiates (inbound Reads/atomics accepted at once;
+    /// the connection counts them).
+    ird: AtomicU32,
+    /// The ORD requested (the connection's limit is min(ord, peer IRD)).
     ord: AtomicU32,
     pub(crate) datamover: usize,
-    stream: Mutex<Option<Arc<TcpStream>>>,
     peer: Mutex<Option<SocketAddr>>,
-    incoming: SegQueue<SendWqe>,
+    /// Send requests outstanding on the connection (for
+    /// [`QueuePair::send_queue_len`]).
     sq_outstanding: AtomicU32,
-    comp: Mutex<CompQueue>,
-    /// Outbound Reads/atomics outstanding; its limit is the effective ORD
-    /// (min(ord, peer IRD) once connected).
-    ord_q: Mutex<Outstanding<OutRead>>,
-    rq: ArrayQueue<RecvWqe>,
-    /// Transmit state behind the direct-send hand-off (see [`crate::handoff`]).
-    pub(crate) tx: HandOff<TxState>,
-    /// The protocol-core data path is used (the default; see
-    /// `qp/core_path.rs`).
-    core_mode: AtomicBool,
-    /// The connection on the core path, behind the hand-off.
+    /// Receives posted before the connection exists (IDLE, RTR); moved
+    /// into it when it is established. The connection holds the receive
+    /// queue.
+    pre_rq: Mutex<std::collections::VecDeque<RecvWqe>>,
+    /// The connection (the protocol core's state machine and the socket
+    /// IO), behind the direct-send hand-off; `None` before the first
+    /// connection and after a reset.
     pub(crate) core: HandOff<Option<Box<core_path::CoreConn>>>,
     /// Its socket (-1: none), to look for bytes without the lock.
     pub(crate) core_fd: std::sync::atomic::AtomicI32,
-    pub(crate) rx: Mutex<RxState>,
+    /// Held by whoever runs the receive path (engine thread or CQ poller).
+    pub(crate) rx: Mutex<()>,
     /// Set while the QP is registered with the receive threads.
     pub(crate) rx_registered: AtomicBool,
     /// Set while a datamover lists the QP (active or paused).
     pub(crate) dm_listed: AtomicBool,
     /// When a CQ poll last drove this QP's receive path (engine clock, ns).
     pub(crate) last_poll: AtomicU64,
-    /// The peer's FIN arrived (at an FPDU boundary).
-    peer_fin: AtomicBool,
     /// Entering ERROR closes the connection in order instead of resetting
     /// it (QP destroyed by its owner).
     orderly_close: AtomicBool,
@@ -478,8 +474,6 @@ pub(crate) struct QpInner {
     last_terminate: Mutex<Option<TerminateInfo>>,
     /// The close timer armed by the current close, if any.
     close_timer: Mutex<Option<crate::timer::TimerId>>,
-    /// Counts closes: a timer acts only on the close that armed it.
-    close_gen: AtomicU64,
     /// Proxy offload, once attached (IDLE only): filter, handler and the
     /// completion sequencer.
     pub(crate) proxy: std::sync::OnceLock<crate::proxy::ProxyLink>,
@@ -524,31 +518,23 @@ impl QueuePair {
             sq_sig_all: attr.sq_sig_all,
             state: AtomicU8::new(QpState::Idle.as_u8()),
             state_lock: Mutex::new(()),
-            ird: Mutex::new(Credits::new(u32::from(attr.ird))),
+            ird: AtomicU32::new(u32::from(attr.ird)),
             ord: AtomicU32::new(u32::from(attr.ord)),
             datamover,
-            stream: Mutex::new(None),
             peer: Mutex::new(None),
-            incoming: SegQueue::new(),
             sq_outstanding: AtomicU32::new(0),
-            comp: Mutex::new(CompQueue::default()),
-            ord_q: Mutex::new(Outstanding::new(u32::from(attr.ord))),
-            rq: ArrayQueue::new(attr.cap.max_recv_wr.max(1) as usize),
-            tx: HandOff::new(TxState::new()),
-            core_mode: AtomicBool::new(core_path::core_mode_from_env()),
+            pre_rq: Mutex::new(std::collections::VecDeque::new()),
             core: HandOff::new(None),
             core_fd: std::sync::atomic::AtomicI32::new(-1),
-            rx: Mutex::new(RxState::new()),
+            rx: Mutex::new(()),
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
             last_poll: AtomicU64::new(0),
-            peer_fin: AtomicBool::new(false),
             orderly_close: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
             close_timer: Mutex::new(None),
             last_terminate: Mutex::new(None),
-            close_gen: AtomicU64::new(0),
             proxy: std::sync::OnceLock::new(),
             self_weak: weak.clone(),
             state_watch: Mutex::new(None),
@@ -580,16 +566,8 @@ impl QueuePair {
     /// The QP's attributes (`ibv_query_qp`).
     pub fn query(&self) -> QpAttr {
         let qp = self.qp();
-        let tx = qp.lock_tx();
-        let mut link = tx.link;
-        let mut bytes_sent = tx.bytes_sent;
-        drop(tx);
-        let mut bytes_received = qp.rx.lock().bytes_received;
-        if qp.core_mode() {
-            let c = qp.core_counters();
-            (bytes_sent, bytes_received) = c.map_or((0, 0), |c| (c.0, c.1));
-            link = qp.core_link();
-        }
+        let (bytes_sent, bytes_received) = qp.core_counters().map_or((0, 0), |c| (c.0, c.1));
+        let link = qp.core_link();
         QpAttr {
             qp_num: qp.qp_num,
             state: qp.state(),
@@ -613,9 +591,8 @@ impl QueuePair {
         if !matches!(qp.state(), QpState::Idle | QpState::Rtr) {
             return Err(ModifyError::IrdOrdFixed { qp_num: qp.qp_num });
         }
-        qp.ird.lock().set_limit(u32::from(ird));
+        qp.ird.store(u32::from(ird), Ordering::Relaxed);
         qp.ord.store(u32::from(ord), Ordering::Relaxed);
-        qp.ord_q.lock().set_limit(u32::from(ord));
         Ok(())
     }
 
@@ -644,15 +621,15 @@ impl QueuePair {
                 Err(ModifyError::NotConnected { qp_num: qp.qp_num })
             }
             QpState::Error => {
-                qp.abort(false);
+                qp.abort();
                 Ok(())
             }
             QpState::Terminate => {
-                qp.fail(TermError::RdmapLocalCatastrophic, None);
+                qp.fail(TermError::RdmapLocalCatastrophic);
                 Ok(())
             }
             QpState::Closing => {
-                qp.begin_close(false);
+                qp.begin_close();
                 Ok(())
             }
             QpState::Idle if from == QpState::Error => {
@@ -670,13 +647,11 @@ impl QueuePair {
                 }
                 // A closed QP becomes reusable: receives are queued again.
                 qp.closed.store(false, Ordering::SeqCst);
-                if qp.core_mode() {
-                    // The closed connection is forgotten.
-                    let mut g = qp.core.lock();
-                    qp.core_fd.store(-1, Ordering::Release);
-                    *g = None;
-                    let _ = qp.core.release(g);
-                }
+                // The closed connection is forgotten.
+                let mut g = qp.core.lock();
+                qp.core_fd.store(-1, Ordering::Release);
+                *g = None;
+                let _ = qp.core.release(g);
                 qp.set_state(to);
                 Ok(())
             }
@@ -703,7 +678,7 @@ impl QueuePair {
                 to: QpState::Closing,
             });
         }
-        qp.begin_close(false);
+        qp.begin_close();
         Ok(())
     }
 
@@ -721,7 +696,7 @@ impl QueuePair {
     /// ERROR and every outstanding request completes with a flush error;
     /// the device reports [`AsyncEventKind::LlpReset`].
     pub fn abort(&self) {
-        self.qp().abort(false);
+        self.qp().abort();
     }
 
     /// How long a graceful close waits for the peer's FIN
@@ -774,37 +749,9 @@ impl QueuePair {
             .saturating_sub(18)
             .max(64)
             & !3;
-        let ord = qp
-            .ord
-            .load(Ordering::Relaxed)
-            .min(u32::from(params.peer_ird));
-        qp.ord_q.lock().set_limit(ord);
         *qp.peer.lock() = stream.peer_addr().ok();
         let stream = Arc::new(stream);
-        *qp.stream.lock() = Some(stream.clone());
-        if qp.core_mode() {
-            qp.core_establish(stream, params, max_payload, already_read);
-        } else {
-            // Raw lock: no request is accepted in IDLE/RTR, nothing to hand off
-            // (and the state lock is held, which a hand-off kick must not be).
-            let mut tx = qp.tx.lock();
-            tx.link = Some(TxLink {
-                fd,
-                crc: params.crc,
-                max_payload,
-            });
-            tx.start_connection();
-            tx.set_initial_msns(params.msns.send_tx, params.msns.read_tx);
-            let _ = qp.tx.release(tx);
-            qp.rx.lock().attach(
-                stream,
-                params.crc,
-                params.msns.send_rx,
-                params.msns.read_rx,
-                already_read,
-            );
-        }
-        qp.peer_fin.store(false, Ordering::Release);
+        qp.core_establish(stream, params, max_payload, already_read);
         qp.closed.store(false, Ordering::SeqCst);
         *qp.last_terminate.lock() = None;
         qp.set_state(QpState::Rts);
@@ -883,35 +830,22 @@ impl QueuePair {
 
     /// Number of send requests posted and not yet completed.
     pub fn send_queue_len(&self) -> u32 {
-        if self.qp().core_mode() {
-            return self.qp().core_counters().map_or(0, |c| c.2 as u32);
-        }
-        self.qp().sq_outstanding.load(Ordering::Relaxed)
+        self.qp().core_counters().map_or(0, |c| c.2 as u32)
     }
 
     /// Number of receives posted and not yet consumed.
     pub fn recv_queue_len(&self) -> usize {
-        if self.qp().core_mode()
-            && let Some(c) = self.qp().core_counters()
-        {
-            return c.3;
+        match self.qp().core_counters() {
+            Some(c) => c.3,
+            None => self.qp().pre_rq.lock().len(),
         }
-        self.qp().rq.len()
     }
 }
 
-/// The transmit lock taken for anything but claiming posted work: on drop
-/// it releases the lock and, if work was announced meanwhile (a poster's
-/// try-lock failed on us), claims it ([`QpInner::kick`]). Must not be dropped
-/// while the state lock is held.
-pub(crate) struct TxGuard<'a> {
-    qp: &'a QpInner,
-    guard: Option<Guard<'a, TxState>>,
-}
-
 /// Debug builds count the QP locks each thread holds and check the lock
-/// order: `state_lock` before `tx`, and no [`TxGuard`] dropped (which may
-/// claim work and take `state_lock`) under `state_lock`.
+/// order: `state_lock` before the connection's (transmit) lock `core`, and
+/// no `CoreGuard` dropped (which may claim announced work) under
+/// `state_lock`.
 #[cfg(debug_assertions)]
 mod lock_order {
     use std::cell::Cell;
@@ -921,7 +855,7 @@ mod lock_order {
         static TX: Cell<u32> = const { Cell::new(0) };
     }
 
-    pub(super) fn state_acquired() {
+    pub(in crate::qp) fn state_acquired() {
         debug_assert_eq!(
             TX.with(Cell::get),
             0,
@@ -930,15 +864,15 @@ mod lock_order {
         STATE.with(|c| c.set(c.get() + 1));
     }
 
-    pub(super) fn state_released() {
+    pub(in crate::qp) fn state_released() {
         STATE.with(|c| c.set(c.get().saturating_sub(1)));
     }
 
-    pub(super) fn tx_acquired() {
+    pub(in crate::qp) fn tx_acquired() {
         TX.with(|c| c.set(c.get() + 1));
     }
 
-    pub(super) fn tx_released() {
+    pub(in crate::qp) fn tx_released() {
         debug_assert_eq!(
             STATE.with(Cell::get),
             0,
@@ -960,42 +894,7 @@ impl Drop for StateGuard<'_> {
     }
 }
 
-impl std::ops::Deref for TxGuard<'_> {
-    type Target = TxState;
-    fn deref(&self) -> &TxState {
-        self.guard.as_deref().expect("guard held until drop")
-    }
-}
-
-impl std::ops::DerefMut for TxGuard<'_> {
-    fn deref_mut(&mut self) -> &mut TxState {
-        self.guard.as_deref_mut().expect("guard held until drop")
-    }
-}
-
-impl Drop for TxGuard<'_> {
-    fn drop(&mut self) {
-        #[cfg(debug_assertions)]
-        lock_order::tx_released();
-        if let Some(g) = self.guard.take()
-            && self.qp.tx.release(g)
-        {
-            self.qp.kick();
-        }
-    }
-}
-
 impl QpInner {
-    /// Takes the transmit lock (blocking); see [`TxGuard`].
-    pub(crate) fn lock_tx(&self) -> TxGuard<'_> {
-        #[cfg(debug_assertions)]
-        lock_order::tx_acquired();
-        TxGuard {
-            qp: self,
-            guard: Some(self.tx.lock()),
-        }
-    }
-
     /// Takes `state_lock` (state transitions); see the lock order on
     /// [`QpInner`].
     pub(crate) fn lock_state(&self) -> StateGuard<'_> {
@@ -1047,55 +946,34 @@ impl QpInner {
         }
     }
 
+    /// The ORD: the connection's (min of ours and the peer's IRD) once
+    /// connected, else the one the QP will negotiate.
     pub(crate) fn ord_limit(&self) -> u32 {
-        self.ord_q.lock().limit()
-    }
-
-    /// Whether the send queue's head may go out now (fence, ORD): the
-    /// protocol core's rule, [`Outstanding::may_start`].
-    pub(crate) fn ord_may_start(&self, fenced: bool, takes_slot: bool) -> bool {
-        self.ord_q.lock().may_start(fenced, takes_slot)
-    }
-
-    pub(crate) fn push_ord(&self, r: OutRead) {
-        self.ord_q.lock().push(r);
-    }
-
-    /// Runs `f` on the oldest outstanding Read/atomic.
-    pub(crate) fn with_ord_front<R>(&self, f: impl FnOnce(Option<&mut OutRead>) -> R) -> R {
-        let mut q = self.ord_q.lock();
-        f(q.front_mut())
-    }
-
-    /// Removes the oldest outstanding Read/atomic.
-    pub(crate) fn pop_ord(&self) -> Option<OutRead> {
-        self.ord_q.lock().pop_front()
+        self.core_ord()
+            .unwrap_or_else(|| self.ord.load(Ordering::Relaxed))
     }
 
     pub(crate) fn ird_limit(&self) -> u32 {
-        self.ird.lock().limit()
-    }
-
-    /// Takes an IRD slot; `false` if all are in use.
-    pub(crate) fn take_ird(&self) -> bool {
-        self.ird.lock().take()
-    }
-
-    pub(crate) fn release_ird(&self) {
-        self.ird.lock().release();
+        self.ird.load(Ordering::Relaxed)
     }
 }
 
-/// The completion status of the request that a Terminate with `code`
-/// answered.
-/// (From the one table, `softrdma_proto::term`.)
-pub(crate) fn term_status(code: TermCode) -> WcStatus {
-    use softrdma_proto::types::WcStatus as S;
-    match softrdma_proto::term::status_for_received(code) {
-        S::RemoteAccess => WcStatus::RemoteAccess,
-        S::RemoteOperation => WcStatus::RemoteOperation,
-        S::RemoteInvalidRequest => WcStatus::RemoteInvalidRequest,
-        _ => WcStatus::Fatal,
+impl QpInner {
+    /// Receive progress from a CQ poll: only if nobody else is receiving.
+    /// `busy`: the caller busy-polls (the receive thread may leave the
+    /// socket to it for a while).
+    pub(crate) fn rx_poll(&self, busy: bool) -> bool {
+        if busy {
+            self.last_poll
+                .store(crate::datamover::now_ns(), Ordering::Relaxed);
+        }
+        self.core_rx(false).0
+    }
+
+    /// Receive progress from a receive thread. Returns `false` once the QP
+    /// no longer receives (no need to wait for the socket again).
+    pub(crate) fn rx_thread_progress(&self) -> bool {
+        self.core_rx(true).1
     }
 }
 
@@ -1117,28 +995,6 @@ impl Progress for QpInner {
             return false;
         }
         self.rx_poll(!armed)
-    }
-}
-
-impl crate::datapath::TxHost for QpInner {
-    fn state(&self) -> QpState {
-        QpInner::state(self)
-    }
-
-    fn complete_sq(&self, seq: u64, status: WcStatus, byte_len: u32, vendor_err: u32) {
-        QpInner::complete_sq(self, seq, status, byte_len, vendor_err);
-    }
-
-    fn release_ird(&self) {
-        QpInner::release_ird(self);
-    }
-
-    fn ord_may_start(&self, fenced: bool, takes_slot: bool) -> bool {
-        QpInner::ord_may_start(self, fenced, takes_slot)
-    }
-
-    fn push_ord(&self, r: OutRead) {
-        QpInner::push_ord(self, r);
     }
 }
 
@@ -1165,10 +1021,10 @@ mod lock_order_tests {
         let qp = qp();
         let inner = qp.qp();
         let s = inner.lock_state();
-        let t = inner.tx.lock();
-        let _ = inner.tx.release(t);
+        let t = inner.core.lock();
+        let _ = inner.core.release(t);
         drop(s);
-        drop(inner.lock_tx());
+        drop(inner.lock_core());
     }
 
     #[test]
@@ -1176,7 +1032,7 @@ mod lock_order_tests {
     fn state_lock_under_a_tx_guard_is_caught() {
         let qp = qp();
         let inner = qp.qp();
-        let _t = inner.lock_tx();
+        let _t = inner.lock_core();
         let _s = inner.lock_state();
     }
 }

@@ -51,11 +51,6 @@ impl IoVecs {
         self.bytes = 0;
     }
 
-    /// Whether the list has room for another entry.
-    pub(crate) fn has_room(&self) -> bool {
-        self.v.len() < MAX_IOVECS
-    }
-
     /// How many more entries fit.
     pub(crate) fn room(&self) -> usize {
         MAX_IOVECS.saturating_sub(self.v.len())

@@ -24,14 +24,6 @@ fn device() -> Device {
     .unwrap()
 }
 
-/// The QPs run the engine's own data path (the one these tests compare
-/// the core with), whatever the default.
-fn engine_path(qps: &[&QueuePair]) {
-    for q in qps {
-        q.inner.qp.set_core_mode(false);
-    }
-}
-
 fn all_access() -> Access {
     Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC
 }
@@ -251,7 +243,6 @@ fn core_matches_engine_on_every_data_operation() {
     let cqb = CompletionQueue::new(&dev, 64, None).unwrap();
     let qa = QueuePair::new(&pa, &QpInitAttr::new(&cqa, &cqa)).unwrap();
     let qb = QueuePair::new(&pb, &QpInitAttr::new(&cqb, &cqb)).unwrap();
-    engine_path(&[&qa, &qb]);
     crate::loopback::connect_pair(
         &qa,
         &qb,
@@ -319,7 +310,6 @@ fn core_matches_engine_on_refused_posts() {
     let cq = CompletionQueue::new(&dev, 64, None).unwrap();
     let qa = QueuePair::new(&pa, &QpInitAttr::new(&cq, &cq)).unwrap();
     let qb = QueuePair::new(&pa, &QpInitAttr::new(&cq, &cq)).unwrap();
-    engine_path(&[&qa, &qb]);
     crate::loopback::connect_pair(&qa, &qb, &MpaConfig::default()).unwrap();
     let r = regions(&pa, &pa, &[1; 64]);
     let s = sges(&r);
@@ -497,7 +487,6 @@ fn core_matches_engine_on_a_terminate() {
     let cqb = CompletionQueue::new(&dev, 64, None).unwrap();
     let qa = QueuePair::new(&pa, &QpInitAttr::new(&cqa, &cqa)).unwrap();
     let qb = QueuePair::new(&pb, &QpInitAttr::new(&cqb, &cqb)).unwrap();
-    engine_path(&[&qa, &qb]);
     crate::loopback::connect_pair(&qa, &qb, &MpaConfig::default()).unwrap();
     let er = regions(&pa, &pb, &data);
     let es = sges(&er);
@@ -804,7 +793,6 @@ fn differential_with(opts: Opts, script: impl Fn(&mut dyn Pair, &Mem)) -> (Outco
         crc: CrcPolicy::Required,
         ..MpaConfig::default()
     };
-    engine_path(&[&qps[0], &qps[1]]);
     crate::loopback::connect_pair(&qps[0], &qps[1], &crc).unwrap();
     let em = mem(&pds);
     let mut e = EnginePair {
