@@ -7,10 +7,20 @@
 //! `// SAFETY:` comment.
 //!
 //! The protocol rules come from [`softrdma_proto`] and the wire formats from
-//! [`softrdma_wire`]; the receive path frames FPDUs with the wire crate's
-//! deframer (`softrdma_wire::deframer`) and places payload straight from
-//! the socket into registered memory (`docs/engine.md`, "The receive
-//! path").
+//! [`softrdma_wire`]: each connected QP is driven by the protocol core's
+//! sans-IO `softrdma_proto::conn::Connection` (DDP/RDMAP rules, ORD/IRD,
+//! send, receive and completion queues, Terminates, close), behind one
+//! lock per connection; the engine does the socket IO, places payload
+//! straight from the socket into registered memory and delivers the
+//! core's completions and events (`docs/protocol-core.md`).
+//!
+//! ```text
+//!  QueuePair (verbs)  ──post/modify──▶  qp: one lock per connection
+//!                                         │ handle_* ▲ poll_*
+//!                                         ▼          │
+//!                                   Connection (softrdma-proto)
+//!  datapath: conn_io (readv/writev, placement), datamover threads
+//! ```
 //!
 //! ## Example: two QPs over loopback, a Send and an RDMA Write
 //!

@@ -661,7 +661,7 @@ impl MsgMeta {
     /// What the protocol core reported of a receive
     /// (`Connection::poll_completion_with_info`, `Config::message_info`)
     /// as the receive path's `MsgMeta` (`imm`: the completion's immediate
-    /// data), built as `datapath/rx.rs` builds it from its own tracking.
+    /// data).
     pub(crate) fn from_core(
         info: softrdma_proto::conn::MsgInfo<Arc<Memory>>,
         imm: Option<u32>,

@@ -1,10 +1,10 @@
-//! The data path driven by the protocol core. The connection's whole
-//! state is the core's `Connection`
-//! behind one lock (`QpInner::core`, a [`HandOff`] like the transmit lock:
-//! posters try to claim it and transmit directly, every holder re-checks
-//! announced work on release); the engine does the socket IO
-//! ([`RxIo`], [`TxIo`]), delivers completions and events, and acts on the
-//! link actions and the close timer.
+//! The data path: each connected QP is driven by the protocol core. The
+//! connection's whole state is the core's `Connection` behind one lock
+//! (`QpInner::core`, a [`HandOff`], the direct-send hand-off: posters try
+//! to claim it and transmit directly, every holder re-checks announced
+//! work on release); the engine does the socket IO ([`RxIo`], [`TxIo`]),
+//! delivers completions and events, and acts on the link actions and the
+//! close timer.
 
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -486,8 +486,7 @@ impl QpInner {
     /// Receive progress on the core path (`blocking`: wait for the lock).
     /// Returns (bytes came in, the QP still receives).
     pub(crate) fn core_rx(&self, blocking: bool) -> (bool, bool) {
-        // The engine path's receive lock (its state is unused on this
-        // path) says who receives: an engine thread that finds it held
+        // The receive lock says who receives: an engine thread that finds it held
         // backs off (`datamover` `receive`, `Defer::Busy`) instead of
         // re-arming the still readable socket and spinning on it while a
         // CQ poller reads.
@@ -661,7 +660,7 @@ impl QpInner {
 
     /// ERROR → IDLE on the core path: the connection is forgotten.
     pub(crate) fn core_reset(&self) {
-        // The receive lock first, as on the engine's own path: a receive
+        // The receive lock first (see the lock order on `QpInner`): a receive
         // path still running (it holds it, see `core_rx`, and may enter
         // ERROR on a failed link) finishes before the QP goes to IDLE.
         let _receiving = self.rx.lock();

@@ -1,7 +1,9 @@
-//! The conversions against the engine's own data path: the same work
-//! requests through a connected engine QP pair and through a pair of
+//! The engine around the core against the core alone: the same work
+//! requests through a connected engine QP pair (sockets, threads,
+//! placement, the conversions of `qp::conn`) and through a pair of bare
 //! protocol-core `Connection`s over the same device's STag table must give
-//! the same completions and the same memory.
+//! the same completions and the same memory. (Until the engine's own data
+//! path was deleted the QP pair ran that path.)
 
 use std::time::{Duration, Instant};
 
