@@ -19,10 +19,13 @@
 //! ```
 //!
 //! Posting never blocks for long: a send request is checked and queued by
-//! the core under the connection's lock, taken by try-claim; the posting
-//! thread then frames and writes the FPDUs itself (direct sending). If the
-//! lock is held, the holder claims the announced work when it lets go; if
-//! the socket would block, the QP is handed to its datamover.
+//! the core under the connection's lock (held by others only for short,
+//! non-blocking steps: the receive path lets it go across its `readv` into
+//! registered memory); the posting thread then announces work and
+//! try-claims the lock to frame and write the FPDUs itself (direct
+//! sending). If the lock is held, the holder claims the announced work
+//! when it lets go; if the socket would block, the QP is handed to its
+//! datamover.
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};
