@@ -100,6 +100,23 @@ pub(crate) trait Progress: Send + Sync {
     fn sleep_on(&self, _until_ns: Option<u64>) -> Option<RawFd> {
         None
     }
+
+    /// A waiter that slept on the socket of [`sleep_on`](Self::sleep_on)
+    /// found it readable: receive now, without looking at the socket
+    /// first (the waiter's `poll(2)` just did) and without counting as a
+    /// busy poll (the waiter's claim on the socket stands). Returns
+    /// whether anything was done, as [`progress`](Self::progress), whose
+    /// unarmed form it falls back to.
+    fn progress_readable(&self) -> bool {
+        self.progress(false)
+    }
+
+    /// Extends a claim made with [`sleep_on`](Self::sleep_on) (whose
+    /// socket the waiter keeps) until `until_ns`, without looking the
+    /// socket up again.
+    fn renew_claim(&self, until_ns: u64) {
+        let _ = self.sleep_on(Some(until_ns));
+    }
 }
 
 /// Why a completion queue could not be created.
