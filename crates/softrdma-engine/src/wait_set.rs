@@ -664,7 +664,10 @@ impl WaitSet {
             }
         }
         self.wake_fds = wake_fds;
-        let res = crate::sys::ppoll::ppoll(&mut self.pfds, Some(nap), mask);
+        let res = match mask {
+            Some(_) => crate::sys::ppoll::ppoll(&mut self.pfds, Some(nap), mask),
+            None => crate::sys::ppoll::poll(&mut self.pfds, Some(nap)),
+        };
         // Awake: completions pushed from here on (by the receive path run
         // below in this very thread, above all) need not signal the event
         // fds (a write, and a read to drain it, per message otherwise).
