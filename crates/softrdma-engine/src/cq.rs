@@ -647,7 +647,9 @@ impl CompletionQueue {
 
     /// Whether no completion is queued now.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        // Two loads, where `len` loops until it reads head and tail of one
+        // moment: waiters look here several times per wait.
+        self.shared.ring.read().is_empty()
     }
 
     /// The device the CQ was created on.
@@ -1552,6 +1554,26 @@ mod tests {
         let mut out = [wc(0); 16];
         assert_eq!(cq.poll(&mut out), 10);
         assert!(out[..10].iter().map(|w| w.wr_id).eq(0..10));
+    }
+
+    /// `is_empty` (two loads) says what `len` says, a full ring and
+    /// rings that went round several times included.
+    #[test]
+    fn is_empty_agrees_with_len_over_many_laps() {
+        let cq = CompletionQueue::new(&dev(), 3, None).unwrap();
+        let mut out = [wc(0); 3];
+        for lap in 0..7u64 {
+            assert!(cq.is_empty() && cq.is_empty() == (cq.len() == 0));
+            for i in 0..3 {
+                cq.push(wc(lap * 3 + i), false).unwrap();
+                assert!(!cq.is_empty(), "lap {lap}, {} queued", i + 1);
+            }
+            assert_eq!(cq.len(), 3);
+            assert_eq!(cq.poll(&mut out[..2]), 2);
+            assert!(!cq.is_empty());
+            assert_eq!(cq.poll(&mut out), 1);
+            assert!(cq.is_empty(), "lap {lap} drained");
+        }
     }
 
     struct Hook {
