@@ -1563,7 +1563,8 @@ mod tests {
         let cq = CompletionQueue::new(&dev(), 3, None).unwrap();
         let mut out = [wc(0); 3];
         for lap in 0..7u64 {
-            assert!(cq.is_empty() && cq.is_empty() == (cq.len() == 0));
+            assert!(cq.is_empty());
+            assert_eq!(cq.len(), 0);
             for i in 0..3 {
                 cq.push(wc(lap * 3 + i), false).unwrap();
                 assert!(!cq.is_empty(), "lap {lap}, {} queued", i + 1);
