@@ -53,7 +53,11 @@
 //! the claim), or when the claim runs short; so the set's own work per
 //! wait is a look-up per CQ, and a walk over QPs only for the busy ones.
 //! Smaller sets sleep in one `ppoll(2)` over
-//! their descriptors. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
+//! their descriptors (`poll(2)`, which copies no timeout in or out, when
+//! no signal mask is given and the timeout is whole milliseconds); they
+//! claim the QPs' sockets before the sleep and only renew the claim's time
+//! after it. A socket found readable is received from at once, without
+//! another look at it. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
 //! way for every set.
 //!
 //! Signals: a signal handled while the thread waits ends the wait with
