@@ -100,6 +100,23 @@ pub(crate) trait Progress: Send + Sync {
     fn sleep_on(&self, _until_ns: Option<u64>) -> Option<RawFd> {
         None
     }
+
+    /// A waiter that slept on the socket of [`sleep_on`](Self::sleep_on)
+    /// found it readable: receive now, without looking at the socket
+    /// first (the waiter's `poll(2)` just did) and without counting as a
+    /// busy poll (the waiter's claim on the socket stands). Returns
+    /// whether anything was done, as [`progress`](Self::progress), whose
+    /// unarmed form it falls back to.
+    fn progress_readable(&self) -> bool {
+        self.progress(false)
+    }
+
+    /// Extends a claim made with [`sleep_on`](Self::sleep_on) (whose
+    /// socket the waiter keeps) until `until_ns`, without looking the
+    /// socket up again.
+    fn renew_claim(&self, until_ns: u64) {
+        let _ = self.sleep_on(Some(until_ns));
+    }
 }
 
 /// Why a completion queue could not be created.
@@ -630,7 +647,9 @@ impl CompletionQueue {
 
     /// Whether no completion is queued now.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        // Two loads, where `len` loops until it reads head and tail of one
+        // moment: waiters look here several times per wait.
+        self.shared.ring.read().is_empty()
     }
 
     /// The device the CQ was created on.
@@ -1535,6 +1554,27 @@ mod tests {
         let mut out = [wc(0); 16];
         assert_eq!(cq.poll(&mut out), 10);
         assert!(out[..10].iter().map(|w| w.wr_id).eq(0..10));
+    }
+
+    /// `is_empty` (two loads) says what `len` says, a full ring and
+    /// rings that went round several times included.
+    #[test]
+    fn is_empty_agrees_with_len_over_many_laps() {
+        let cq = CompletionQueue::new(&dev(), 3, None).unwrap();
+        let mut out = [wc(0); 3];
+        for lap in 0..7u64 {
+            assert!(cq.is_empty());
+            assert_eq!(cq.len(), 0);
+            for i in 0..3 {
+                cq.push(wc(lap * 3 + i), false).unwrap();
+                assert!(!cq.is_empty(), "lap {lap}, {} queued", i + 1);
+            }
+            assert_eq!(cq.len(), 3);
+            assert_eq!(cq.poll(&mut out[..2]), 2);
+            assert!(!cq.is_empty());
+            assert_eq!(cq.poll(&mut out), 1);
+            assert!(cq.is_empty(), "lap {lap} drained");
+        }
     }
 
     struct Hook {

@@ -53,7 +53,11 @@
 //! the claim), or when the claim runs short; so the set's own work per
 //! wait is a look-up per CQ, and a walk over QPs only for the busy ones.
 //! Smaller sets sleep in one `ppoll(2)` over
-//! their descriptors. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
+//! their descriptors (`poll(2)`, which copies no timeout in or out, when
+//! no signal mask is given and the timeout is whole milliseconds); they
+//! claim the QPs' sockets before the sleep and only renew the claim's time
+//! after it. A socket found readable is received from at once, without
+//! another look at it. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
 //! way for every set.
 //!
 //! Signals: a signal handled while the thread waits ends the wait with
@@ -129,6 +133,8 @@ pub struct WaitSet {
     hooks: Vec<(usize, Arc<dyn Progress>)>,
     /// Scratch: the CQ of each wake fd in `pfds`.
     wakes: Vec<usize>,
+    /// Scratch: each CQ's wake-up event fd this round.
+    wake_fds: Vec<Option<RawFd>>,
     /// The persistent epoll registrations (large sets; see [`Mode`]).
     ep: Option<EpState>,
     /// The epoll wait failed in a way a `ppoll(2)` would not: this set
@@ -558,6 +564,19 @@ impl WaitSet {
         timeout: Option<Duration>,
         mask: Option<&SigSet>,
     ) -> Result<usize, WaitError> {
+        if let Some(t) = timeout
+            && t <= NAP_MAX
+        {
+            // One sleep covers it: the kernel's timeout is the deadline
+            // (it ends the sleep no earlier), so no clock is read here.
+            let off = self.ep_off;
+            let (n, woke) = self.round(t, mask)?;
+            if n == 0 && !woke && self.ep_off != off {
+                // epoll gave up without sleeping: the sleep in `ppoll(2)`.
+                return self.round(t, mask).map(|(n, _)| n);
+            }
+            return Ok(n);
+        }
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             let nap = match deadline {
@@ -605,7 +624,8 @@ impl WaitSet {
         self.pfds.extend_from_slice(&self.fds);
         // From here a push to any of the CQs signals its event fd: a
         // completion that arrives after the look below wakes the sleep.
-        let mut wake_fds = Vec::with_capacity(self.cqs.len());
+        let mut wake_fds = std::mem::take(&mut self.wake_fds);
+        wake_fds.clear();
         for cq in &self.cqs {
             wake_fds.push(cq.wait_set_enter());
         }
@@ -647,7 +667,11 @@ impl WaitSet {
                 }
             }
         }
-        let res = crate::sys::ppoll::ppoll(&mut self.pfds, Some(nap), mask);
+        self.wake_fds = wake_fds;
+        let res = match mask {
+            Some(_) => crate::sys::ppoll::ppoll(&mut self.pfds, Some(nap), mask),
+            None => crate::sys::ppoll::poll(&mut self.pfds, Some(nap)),
+        };
         // Awake: completions pushed from here on (by the receive path run
         // below in this very thread, above all) need not signal the event
         // fds (a write, and a read to drain it, per message otherwise).
@@ -665,8 +689,8 @@ impl WaitSet {
                 for ((_, hook), p) in self.hooks.iter().zip(sockets) {
                     if p.revents != 0 {
                         // Bytes (or an error) on the QP's socket: receive
-                        // in this thread.
-                        hook.progress(false);
+                        // in this thread (no second look at the socket).
+                        hook.progress_readable();
                         woke = true;
                     }
                 }
@@ -686,9 +710,10 @@ impl WaitSet {
         // wait. The claim outlasts it by `CLAIM_AFTER_NS` (then the receive
         // threads' usual quiet period): an event loop that waits again
         // within that time keeps receiving for its QPs itself.
+        // The sockets were found before the wait: only the time is renewed.
         let after = crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS);
         for (_, hook) in &self.hooks {
-            let _ = hook.sleep_on(Some(after));
+            hook.renew_claim(after);
         }
         self.hooks.clear();
         res?;
@@ -870,7 +895,7 @@ impl WaitSet {
                             // Bytes (or an error) on the QP's socket:
                             // receive in this thread.
                             let hook = w.upgrade();
-                            let done = hook.as_ref().is_some_and(|h| h.progress(false));
+                            let done = hook.as_ref().is_some_and(|h| h.progress_readable());
                             woke = true;
                             if let Some(m) = member.and_then(|id| members.get_mut(&id)) {
                                 m.dirty = true;
@@ -972,5 +997,171 @@ impl WaitSet {
             n += usize::from(*r);
         }
         n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cq::Progress;
+    use crate::{Device, WcOpcode, WorkCompletion};
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use std::sync::Weak;
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+    /// A QP's stand-in: its "socket" is one end of a stream pair; a byte
+    /// on it is a message, received into a completion.
+    struct Hook {
+        cq: CompletionQueue,
+        sock: UnixStream,
+        progress: AtomicUsize,
+        readable: AtomicUsize,
+        sleep_on: AtomicUsize,
+        renewed: AtomicU64,
+    }
+
+    impl Hook {
+        fn receive(&self) -> bool {
+            let mut b = [0u8; 16];
+            match (&self.sock).read(&mut b) {
+                Ok(n) if n > 0 => {
+                    for &id in &b[..n] {
+                        self.cq
+                            .push(
+                                WorkCompletion::success(u64::from(id), WcOpcode::Recv, 1),
+                                false,
+                            )
+                            .unwrap();
+                    }
+                    true
+                }
+                _ => false,
+            }
+        }
+    }
+
+    impl Progress for Hook {
+        fn progress(&self, _armed: bool) -> bool {
+            self.progress.fetch_add(1, Ordering::Relaxed);
+            self.receive()
+        }
+
+        fn progress_readable(&self) -> bool {
+            self.readable.fetch_add(1, Ordering::Relaxed);
+            self.receive()
+        }
+
+        fn sleep_on(&self, until_ns: Option<u64>) -> Option<RawFd> {
+            self.sleep_on.fetch_add(1, Ordering::Relaxed);
+            if let Some(u) = until_ns {
+                self.renewed.store(u, Ordering::Relaxed);
+            }
+            Some(self.sock.as_raw_fd())
+        }
+
+        fn renew_claim(&self, until_ns: u64) {
+            self.renewed.store(until_ns, Ordering::Relaxed);
+        }
+    }
+
+    type Quiet = Vec<(UnixStream, UnixStream)>;
+
+    /// A CQ with a [`Hook`], the hook's peer end, and `extra_fds` quiet
+    /// stream pairs (both ends kept open: never readable).
+    fn hooked(extra_fds: usize) -> (CompletionQueue, Arc<Hook>, UnixStream, Quiet) {
+        let dev = Device::open_with(crate::DeviceConfig {
+            poll_spin: Duration::ZERO,
+            pin_threads: false,
+            ..crate::DeviceConfig::default()
+        })
+        .unwrap();
+        let cq = CompletionQueue::new(&dev, 64, None).unwrap();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let hook = Arc::new(Hook {
+            cq: cq.clone(),
+            sock: ours,
+            progress: AtomicUsize::new(0),
+            readable: AtomicUsize::new(0),
+            sleep_on: AtomicUsize::new(0),
+            renewed: AtomicU64::new(0),
+        });
+        let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
+        cq.attach_progress(weak);
+        let quiet = (0..extra_fds)
+            .map(|_| UnixStream::pair().unwrap())
+            .collect();
+        (cq, hook, theirs, quiet)
+    }
+
+    /// A wait woken by bytes on a QP's socket receives through
+    /// `progress_readable` (no second look at the socket, no busy-poll
+    /// mark that would end the waiter's claim), never `progress`, and
+    /// renews the claim after the wait without looking the socket up
+    /// again: one `sleep_on` per wait (before the sleep). In both ways of
+    /// sleeping (a small set: `ppoll`; four entries or more: epoll).
+    #[test]
+    fn a_readable_socket_is_received_without_a_second_look() {
+        for extra in [0, 3] {
+            let (cq, hook, mut peer, quiet) = hooked(extra);
+            let mut set = WaitSet::new();
+            set.add_cq(&cq);
+            for q in &quiet {
+                set.add_fd(q.0.as_raw_fd(), libc::POLLIN);
+            }
+            let mut out = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+            for id in 1..=20u8 {
+                peer.write_all(&[id]).unwrap();
+                let before = crate::datamover::now_ns();
+                let mut got = 0;
+                while got == 0 {
+                    let n = set.wait(Some(Duration::from_secs(10))).unwrap();
+                    assert!(n <= 1, "only the CQ is ready");
+                    got = cq.poll(&mut out[..1]);
+                }
+                assert_eq!(out[0].wr_id, u64::from(id), "set of {} entries", 1 + extra);
+                assert!(
+                    hook.renewed.load(Ordering::Relaxed) >= before + CLAIM_AFTER_NS,
+                    "the claim outlasts the wait"
+                );
+            }
+            assert_eq!(hook.progress.load(Ordering::Relaxed), 0, "extra {extra}");
+            assert!(hook.readable.load(Ordering::Relaxed) >= 20);
+            if extra == 0 {
+                // ppoll: the socket is looked up once per wait, not twice.
+                assert_eq!(
+                    hook.sleep_on.load(Ordering::Relaxed),
+                    hook.readable.load(Ordering::Relaxed)
+                );
+            }
+        }
+    }
+
+    /// A timeout within one nap ends the wait after one sleep with nothing
+    /// ready (no clock is read for it); a completion pushed meanwhile by
+    /// another thread still ends it early through the CQ's event fd.
+    #[test]
+    fn a_short_timeout_is_one_sleep_and_a_push_still_wakes_it() {
+        let (cq, hook, _peer, _) = hooked(0);
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        assert_eq!(set.wait(Some(Duration::from_millis(2))).unwrap(), 0);
+        assert_eq!(hook.sleep_on.load(Ordering::Relaxed), 1, "one sleep");
+        let pusher = {
+            let cq = cq.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                cq.push(WorkCompletion::success(7, WcOpcode::Send, 0), false)
+                    .unwrap();
+            })
+        };
+        let mut n = 0;
+        while n == 0 {
+            n = set.wait(Some(NAP_MAX)).unwrap();
+        }
+        assert!(set.cq_ready(0));
+        pusher.join().unwrap();
     }
 }

@@ -589,6 +589,19 @@ impl QpInner {
         (got, matches!(stop, RxStop::Drained))
     }
 
+    /// [`core_rx`](Self::core_rx) for a waiter whose `poll(2)` found the
+    /// socket readable (`wait_set`): no look at the socket first (that
+    /// `poll(2)` per message otherwise). Backs off when another thread
+    /// receives, as the non-blocking form; waits for the connection's lock
+    /// if a poster holds it (it holds it briefly, and the bytes are there:
+    /// backing off would only wake the waiter again at once).
+    pub(crate) fn core_rx_readable(&self) -> (bool, bool) {
+        if self.rx.is_locked() {
+            return (false, true);
+        }
+        self.core_rx(true)
+    }
+
     /// The datamover's transmit slice on the core path.
     pub(crate) fn core_serve(&self, slice: usize) -> crate::datamover::Served {
         use crate::datamover::Served as S;

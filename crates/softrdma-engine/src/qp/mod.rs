@@ -999,6 +999,22 @@ impl Progress for QpInner {
         }
         self.rx_poll(!armed)
     }
+
+    fn renew_claim(&self, until_ns: u64) {
+        // What `claim_rx` stores, without its table look-up (the waiter
+        // has the socket); a QP that stopped receiving is not watched by
+        // its engine thread, whatever is stored.
+        if self.rx_registered.load(Ordering::Acquire) {
+            self.last_poll.store(until_ns, Ordering::Relaxed);
+        }
+    }
+
+    fn progress_readable(&self) -> bool {
+        if !self.device.config().poll_driven_receive {
+            return false;
+        }
+        self.core_rx_readable().0
+    }
 }
 
 /// A QP on a device of its own with unpinned threads, not connected (for
@@ -1037,5 +1053,25 @@ mod lock_order_tests {
         let inner = qp.qp();
         let _t = inner.lock_core();
         let _s = inner.lock_state();
+    }
+}
+
+#[cfg(test)]
+mod claim_tests {
+    use std::sync::atomic::Ordering;
+
+    /// A QP's claim renewed by a waiter is stored while the QP receives
+    /// from its socket, and ignored once it no longer does.
+    #[test]
+    fn renewing_a_claim_needs_a_receiving_qp() {
+        let qp = super::unconnected_qp();
+        let inner = qp.qp();
+        let p: &dyn crate::cq::Progress = &**inner;
+        p.renew_claim(123);
+        assert_eq!(inner.last_poll.load(Ordering::Relaxed), 0, "not receiving");
+        inner.rx_registered.store(true, Ordering::Release);
+        p.renew_claim(456);
+        assert_eq!(inner.last_poll.load(Ordering::Relaxed), 456);
+        inner.rx_registered.store(false, Ordering::Release);
     }
 }
