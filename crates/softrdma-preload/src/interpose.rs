@@ -43,9 +43,30 @@ struct Env {
     /// readiness descriptors in the kernel (the engine's threads deliver
     /// every message), for comparison; default: in the engine.
     kernel_wait: bool,
+    /// The engine's `SOFTRDMA_CORE_DATAPATH` (which data path new queue
+    /// pairs take), put back before a switch if the program cleared it.
+    core_datapath: Option<std::ffi::OsString>,
 }
 
 static ENV: OnceLock<Env> = OnceLock::new();
+
+/// The engine's settings read from the environment when a connection is
+/// switched (`SOFTRDMA_CORE_DATAPATH`), as the process started with them:
+/// put back into the environment before a switch when the program cleared
+/// it (nginx's workers), so that every connection of a preloaded program
+/// takes the same data path. Only a variable that is missing is set.
+pub(crate) fn restore_engine_env() {
+    let Some(v) = ENV.get_or_init(read_env).core_datapath.as_ref() else {
+        return;
+    };
+    if std::env::var_os("SOFTRDMA_CORE_DATAPATH").is_none() {
+        // SAFETY: only in a process whose environment lost the variable
+        // (servers that rebuild the environment of their workers, which run
+        // one thread); the engine's threads do not read the environment
+        // once started.
+        unsafe { std::env::set_var("SOFTRDMA_CORE_DATAPATH", v) };
+    }
+}
 
 fn read_env() -> Env {
     let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
@@ -54,6 +75,7 @@ fn read_env() -> Env {
         conf: var("SOFTRDMA_SOCKETS_CONF"),
         stats: var("SOFTRDMA_SOCKETS_STATS"),
         kernel_wait: var("SOFTRDMA_SOCKETS_WAIT").is_some_and(|v| v == "kernel"),
+        core_datapath: var("SOFTRDMA_CORE_DATAPATH"),
     }
 }
 
@@ -63,8 +85,8 @@ pub(crate) fn engine_wait() -> bool {
     !ENV.get_or_init(read_env).kernel_wait
 }
 
-/// Runs when the library is loaded: copies three environment variables,
-/// nothing else.
+/// Runs when the library is loaded: copies the library's environment
+/// variables and the engine's `SOFTRDMA_CORE_DATAPATH`, nothing else.
 extern "C" fn capture_env() {
     let _ = catch_unwind(|| ENV.get_or_init(read_env));
 }

@@ -552,3 +552,37 @@ fn select_without_a_timeout_waits_in_the_engine_without_a_readiness_descriptor()
         assert s.recv(1)==b'y'\n\
         assert fds()==n0, (n0, fds())\n");
 }
+
+/// The engine's `SOFTRDMA_CORE_DATAPATH`, as the process started with it, is
+/// put back before a switch when the program cleared its environment (as
+/// nginx does for its workers), so every connection takes the same engine
+/// data path.
+#[test]
+fn the_engines_data_path_setting_survives_a_cleared_environment() {
+    if !have_python() {
+        return;
+    }
+    let script = format!(
+        "{PAIR}import ctypes\n\
+        getenv=ctypes.CDLL(None).getenv; getenv.restype=ctypes.c_char_p\n\
+        assert getenv(b'SOFTRDMA_CORE_DATAPATH')==b'0'\n\
+        os.environ.clear(); assert getenv(b'SOFTRDMA_CORE_DATAPATH') is None\n\
+        c2,s2=connect(); c2.sendall(b'z'); assert s2.recv(1)==b'z'\n\
+        assert getenv(b'SOFTRDMA_CORE_DATAPATH')==b'0', getenv(b'SOFTRDMA_CORE_DATAPATH')\n\
+        print('DONE')\n"
+    );
+    let (out, lines) = python(
+        &script,
+        &[
+            ("SOFTRDMA_SOCKETS", "auto"),
+            ("SOFTRDMA_CORE_DATAPATH", "0"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("DONE"),
+        "stdout {stdout}\nstderr {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
