@@ -277,16 +277,17 @@ pub(crate) fn glob(pattern: &str, s: &str) -> bool {
     p[pi..].iter().all(|c| *c == '*')
 }
 
-/// Receive buffers of a preloaded connection (the sockets crate's default
-/// is 8). A bulk sender such as iperf3's client ran out of credits every
-/// few messages with 8: each credit update (one per four 64 KiB messages)
-/// made the sending process receive, and its engine thread looped on the
-/// socket that then stayed readable (`softrdma-dm`: 1.0-1.5 M system calls
-/// and 1.0-1.45 s of CPU per GB sent with `SOFTRDMA_CORE_DATAPATH=1`). With
-/// 64 an update goes every 32 messages (2 MiB) and the sender seldom waits:
-/// 23-70 k system calls and 0.22-0.34 s per GB. The buffers are mapped lazily
-/// (a connection of small messages touches a page per buffer).
-pub(crate) const RX_BUFS: u16 = 64;
+/// Receive buffers of a preloaded connection: the sockets crate's
+/// default ring (64; it was 8). A bulk sender such as iperf3's client ran
+/// out of credits every few messages with 8: each credit update (one per
+/// four 64 KiB messages) made the sending process receive, and its engine
+/// thread looped on the socket that then stayed readable (`softrdma-dm`:
+/// 1.0-1.5 M system calls and 1.0-1.45 s of CPU per GB sent with
+/// `SOFTRDMA_CORE_DATAPATH=1`). With 64 an update goes every 32 messages
+/// (2 MiB) and the sender seldom waits: 23-70 k system calls and 0.22-0.34 s
+/// per GB. The buffers are mapped lazily (a connection of small messages
+/// touches a page per buffer).
+pub(crate) const RX_BUFS: u16 = softrdma_sockets::DEFAULT_RX_BUFS;
 
 /// The sockets-direct settings of a preloaded connection.
 pub(crate) fn stream_config() -> softrdma_sockets::Config {
@@ -414,8 +415,8 @@ mod ring_tests {
     fn preloaded_connections_send_a_credit_update_per_half_ring() {
         let c = stream_config();
         assert_eq!(c.rx_bufs, RX_BUFS);
-        // One update per half ring of messages (the sockets crate's default
-        // ring of 8: one per four).
+        // One update per half ring of messages (the earlier ring of 8: one
+        // per four).
         let per = updates_per_message(c.rx_bufs);
         assert!(per <= 1.0 / 30.0, "{per}");
         assert!(updates_per_message(8) >= 1.0 / 4.5);
