@@ -286,7 +286,8 @@ pub(crate) fn glob(pattern: &str, s: &str) -> bool {
 /// `SOFTRDMA_CORE_DATAPATH=1`). With 64 an update goes every 32 messages
 /// (2 MiB) and the sender seldom waits: 23-70 k system calls and 0.22-0.34 s
 /// per GB. The buffers are mapped lazily (a connection of small messages
-/// touches a page per buffer).
+/// touches a page per buffer), and a connection posts the ring beyond its
+/// first 8 buffers only once it has received bulk data.
 pub(crate) const RX_BUFS: u16 = softrdma_sockets::DEFAULT_RX_BUFS;
 
 /// The sockets-direct settings of a preloaded connection.
