@@ -38,7 +38,9 @@ pub const DEFAULT_BUF_SIZE: usize = 64 * 1024 + crate::sdp::BSDH_LEN;
 /// then looped on the readable socket), 0.64-0.80 x TCP at 128 KiB writes
 /// against 1.04-1.05 x with 64 (`softrdma perf stream -s 128K -D 1 -r 3
 /// --baseline tcp`, `SOFTRDMA_CORE_DATAPATH=1`; the crate's README). The
-/// buffers are mapped lazily: small messages touch a page per buffer.
+/// buffers are mapped lazily: small messages touch a page per buffer. A
+/// connection posts 8 of them at first and the rest once it has received
+/// 512 KiB of data.
 pub const DEFAULT_RX_BUFS: u16 = 64;
 
 /// Settings of a connection or listener.

@@ -6,7 +6,10 @@
 //! QP owns the socket; this module keeps a duplicate descriptor of it for
 //! names, options and `AsRawFd`.
 //!
-//! Buffered copy: `rx_bufs` receives of `buf_size` octets are posted; a
+//! Buffered copy: receives of `buf_size` octets are posted, 8 at first
+//! and the rest of the `rx_bufs` ring once the connection has received
+//! 512 KiB of data (bulk transfers get the credits, short connections do
+//! not set them up); a
 //! Data message is copied into a send staging buffer, its BSDH written in
 //! front, and sent when the credits allow ([`crate::sdp::Session`]); a
 //! small write with nothing queued before it and no cork goes out at once
