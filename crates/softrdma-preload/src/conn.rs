@@ -18,7 +18,7 @@ use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use libc::c_int;
-use softrdma_sockets::{Config, Mode as SdMode, TcpStream as SdStream};
+use softrdma_sockets::{Config, TcpStream as SdStream};
 
 use crate::interpose::{REAL_FCNTL, state};
 use crate::stats::PlainReason;
@@ -331,7 +331,7 @@ pub(crate) fn signals_blocked<T>(f: impl FnOnce() -> T) -> T {
 }
 
 fn config() -> Config {
-    Config::with_mode(SdMode::Auto)
+    crate::policy::stream_config()
 }
 
 /// Why a switch could not be made (the connection is unusable: bytes of

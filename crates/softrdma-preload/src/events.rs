@@ -259,11 +259,17 @@ pub unsafe extern "C" fn select(
         return fail(libc::ENOSYS);
     };
     let sets = [r, w, x];
-    // SAFETY: the caller's timeout, if not null.
-    let t = (!tv.is_null())
-        .then(|| unsafe { *tv })
-        .map(|v| (v.tv_sec >= 0 && (0..1_000_000).contains(&v.tv_usec)).then_some(v));
-    if let Some(t) = t.map(|v| v.map(|v| Duration::new(v.tv_sec as u64, v.tv_usec as u32 * 1000))) {
+    // `Some(None)`: no timeout (wait until ready), as `duration_ts`; `None`:
+    // an invalid timeout, left to the real call (`EINVAL`).
+    let t = if tv.is_null() {
+        Some(None)
+    } else {
+        // SAFETY: not null, the caller's timeout.
+        let v = unsafe { *tv };
+        (v.tv_sec >= 0 && (0..1_000_000).contains(&v.tv_usec))
+            .then(|| Some(Duration::new(v.tv_sec as u64, v.tv_usec as u32 * 1000)))
+    };
+    if let Some(t) = t {
         let start = Instant::now();
         // SAFETY: the caller's sets.
         if let Some(ret) = unsafe { engine_select(nfds, sets, t, std::ptr::null()) } {

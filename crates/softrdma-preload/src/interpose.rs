@@ -63,8 +63,8 @@ pub(crate) fn engine_wait() -> bool {
     !ENV.get_or_init(read_env).kernel_wait
 }
 
-/// Runs when the library is loaded: copies three environment variables,
-/// nothing else.
+/// Runs when the library is loaded: copies the library's environment
+/// variables, nothing else.
 extern "C" fn capture_env() {
     let _ = catch_unwind(|| ENV.get_or_init(read_env));
 }

@@ -27,8 +27,8 @@
 //! ```
 //!
 //! Safe inside someone else's process: at load time the library only copies
-//! its three environment variables (servers such as nginx clear the
-//! environment of the worker processes that accept connections); its state
+//! its environment variables (servers such as nginx clear the environment
+//! of the worker processes that accept connections); its state
 //! is made on the first interposed call, the engine on the first switch
 //! (its threads, and the twins', start with every signal blocked); every
 //! entry point catches panics and sets `errno` as the kernel would, and a

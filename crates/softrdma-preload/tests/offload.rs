@@ -530,3 +530,25 @@ fn copies_through_user_space_never_show_an_earlier_calls_bytes() {
         got+=s.recv_into(memoryview(b)[got-4:], 100) if got<7 else 0\n\
         assert got==7 and bytes(a)==b'abcd' and bytes(b[:3])==b'efg' and bytes(b[3:])==bytes(97), (got,a,b[:10])\n");
 }
+
+/// `select` without a timeout (iperf3's client loop) waits in the engine
+/// like one with a timeout: it used to fall back to the kernel wait, which
+/// gave the connection a readiness descriptor and armed its completion
+/// queue for good (an engine-thread wake-up per completion after that).
+#[test]
+fn select_without_a_timeout_waits_in_the_engine_without_a_readiness_descriptor() {
+    if !have_python() {
+        return;
+    }
+    run("fds=lambda: len(os.listdir('/proc/self/fd'))\n\
+        c.sendall(b'x')\n\
+        n0=fds()\n\
+        r,w,_=select.select([s],[s],[]); assert r==[s] and w==[s], (r,w)\n\
+        assert fds()==n0, (n0, fds())\n\
+        assert s.recv(1)==b'x'\n\
+        def later(): time.sleep(0.2); c.sendall(b'y')\n\
+        t=threading.Thread(target=later); t.start()\n\
+        r,_,_=select.select([s],[],[]); t.join(); assert r==[s], r\n\
+        assert s.recv(1)==b'y'\n\
+        assert fds()==n0, (n0, fds())\n");
+}

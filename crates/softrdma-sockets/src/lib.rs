@@ -125,6 +125,9 @@ pub mod sdp;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 
-pub use config::{Config, DEFAULT_BUF_SIZE, DEFAULT_ZCOPY_THRESHOLD, Mode, PlainReason, Transport};
+pub use config::{
+    Config, DEFAULT_BUF_SIZE, DEFAULT_RX_BUFS, DEFAULT_ZCOPY_THRESHOLD, Mode, PlainReason,
+    Transport,
+};
 pub use net::{TcpListener, TcpStream, choose_port};
 pub use offload::{lost_wakeups, zero_copy_fallbacks, zero_copy_octets};

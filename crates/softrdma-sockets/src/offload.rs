@@ -6,7 +6,10 @@
 //! QP owns the socket; this module keeps a duplicate descriptor of it for
 //! names, options and `AsRawFd`.
 //!
-//! Buffered copy: `rx_bufs` receives of `buf_size` octets are posted; a
+//! Buffered copy: receives of `buf_size` octets are posted, 8 at first
+//! and the rest of the `rx_bufs` ring once the connection has received
+//! 512 KiB of data (bulk transfers get the credits, short connections do
+//! not set them up); a
 //! Data message is copied into a send staging buffer, its BSDH written in
 //! front, and sent when the credits allow ([`crate::sdp::Session`]); a
 //! small write with nothing queued before it and no cork goes out at once
@@ -63,6 +66,14 @@ const ZC_MIN_CHUNK: usize = 128 * 1024;
 /// request; see `Shared::send_small`); the QP's `max_inline_data` is
 /// this plus the header.
 const INLINE_PAYLOAD: usize = 240;
+/// Receive buffers a connection starts with (at most `Config::rx_bufs`):
+/// the rest of the ring is posted once the connection has received
+/// [`RING_GROW_AFTER`] octets of data, so that a short connection does not
+/// post (and set up) a bulk transfer's ring.
+const RX_INITIAL: usize = 8;
+/// Data octets received before the receive ring grows to `Config::rx_bufs`
+/// (eight full messages of the default size).
+const RING_GROW_AFTER: u64 = 512 * 1024;
 /// Large writes copied without an offer after the peer declined one.
 const ZC_SKIP_AFTER_DECLINE: u32 = 64;
 
@@ -318,6 +329,10 @@ struct State {
     zc_declined: u64,
     /// Writes sent inline (`Shared::send_small`), for tests.
     inline_sends: u64,
+    /// Receive buffers in use (posted at least once): slots `0..rx_slots`.
+    rx_slots: u32,
+    /// Data octets received (until the ring is full grown).
+    rx_data: u64,
     /// Control messages (RdmaRdCompl, SendSm, SrcAvailCancel) waiting for
     /// a credit.
     ctrl_pending: VecDeque<Message>,
@@ -403,6 +418,9 @@ struct Shared {
     zc_send: bool,
     zc_threshold: usize,
     zc_timeout: Duration,
+    /// Receive buffers of a full ring (`Config::rx_bufs`); the connection
+    /// starts with fewer (see [`RX_INITIAL`]).
+    rx_max: u32,
     /// Largest write sent inline (see `Shared::send_small`).
     inline_max: usize,
     spin: Duration,
@@ -544,7 +562,8 @@ impl Offload {
         // may end as soon as its Reply is written (no RTR to wait for), so
         // all its receives are posted first; the initiator's cannot end
         // before the peer's Reply, so it posts all but the first later.
-        let early = if initiator { 1 } else { rx_bufs };
+        let initial = rx_bufs.min(RX_INITIAL.max(usize::from(crate::sdp::MIN_RING)));
+        let early = if initiator { 1 } else { initial };
         for i in 0..early - 1 {
             post_rx(i)?;
         }
@@ -565,7 +584,7 @@ impl Offload {
                 Err(_) => [0; 16],
             };
             Hello {
-                bufs: cfg.rx_bufs,
+                bufs: initial as u16,
                 ipv_cap: ipv | cap,
                 max_adverts: u8::from(zc),
                 desremrcvsz: size as u32,
@@ -578,7 +597,7 @@ impl Offload {
             .to_vec()
         } else {
             HelloAck {
-                bufs: cfg.rx_bufs,
+                bufs: initial as u16,
                 ipv_cap: ipv | cap,
                 ext_max_adverts: u8::from(zc),
                 actrcvsz: size as u32,
@@ -613,7 +632,7 @@ impl Offload {
         let sge = rx_mr.sge(first * size, size as u32).map_err(local)?;
         let mut switched = sc.post_recv_and_begin_switch(&RecvWr::new(first as u64, &[sge]))?;
         // While the peer answers.
-        for i in early..rx_bufs {
+        for i in early..initial {
             if let Err(e) = post_rx(i) {
                 qp.abort();
                 return Err(e);
@@ -665,7 +684,7 @@ impl Offload {
         };
         // We never send more than our own staging buffer holds.
         let peer_rcv = peer_rcv.min(size as u32);
-        let session = Session::new(cfg.rx_bufs, size as u32, peer_bufs, peer_rcv);
+        let session = Session::new(initial as u16, size as u32, peer_bufs, peer_rcv);
         let mut poller_set = WaitSet::new();
         poller_set.add_cq(&cq);
         let sh = Arc::new(Shared {
@@ -678,6 +697,7 @@ impl Offload {
             zc_recv: zc,
             zc_send: zc && peer_cap & CAP_READ_ZCOPY != 0,
             zc_threshold: cfg.zcopy_threshold.max(1),
+            rx_max: rx_bufs as u32,
             zc_timeout: cfg.zcopy_timeout,
             inline_max,
             spin: cfg.spin,
@@ -708,6 +728,8 @@ impl Offload {
                 zc_skip: 0,
                 zc_declined: 0,
                 inline_sends: 0,
+                rx_slots: initial as u32,
+                rx_data: 0,
                 ctrl_pending: VecDeque::new(),
                 #[cfg(test)]
                 test: TestHooks::default(),
@@ -1179,12 +1201,17 @@ impl Shared {
             return;
         }
         match st.sdp.receive_parts(&head[..hl], len) {
-            Ok(Action::Deliver { offset, len }) => st.rx.push_back(RxMsg {
-                slot,
-                pos: base + offset,
-                end: base + offset + len,
-                zc: None,
-            }),
+            Ok(Action::Deliver { offset, len }) => {
+                if st.rx_slots < self.rx_max {
+                    st.rx_data += len as u64;
+                }
+                st.rx.push_back(RxMsg {
+                    slot,
+                    pos: base + offset,
+                    end: base + offset + len,
+                    zc: None,
+                })
+            }
             Ok(Action::SrcAvail(avail)) => {
                 if !self.zc_recv {
                     self.reset(st, io::ErrorKind::InvalidData, "SrcAvail not offered");
@@ -1283,6 +1310,35 @@ impl Shared {
         match res {
             Ok(()) => st.sdp.credits.on_repost(1),
             Err(e) => st.link_lost(e),
+        }
+        if st.rx_slots < self.rx_max && st.rx_data >= RING_GROW_AFTER {
+            self.grow_ring(st);
+        }
+    }
+
+    /// Posts the rest of the receive ring (a connection that carries bulk
+    /// data): the peer learns of the buffers with the next message, a
+    /// credit update at once (the posted buffers are then at least half the
+    /// ring ahead of the peer's view, see `sdp::Credits::wants_update`).
+    fn grow_ring(&self, st: &mut State) {
+        while st.rx_slots < self.rx_max {
+            let slot = st.rx_slots;
+            let base = self.slot_base(slot);
+            let res = self
+                .rx_mr
+                .sge(base, self.buf_size as u32)
+                .map_err(|e| e.to_string())
+                .and_then(|sge| {
+                    self.qp
+                        .post_recv(&RecvWr::new(u64::from(slot), &[sge]))
+                        .map_err(|e| e.to_string())
+                });
+            if let Err(e) = res {
+                st.link_lost(e);
+                return;
+            }
+            st.rx_slots += 1;
+            st.sdp.credits.on_repost(1);
         }
     }
 
@@ -2252,6 +2308,57 @@ mod drive_tests {
             }
             got += n;
         }
+    }
+
+    /// A connection starts with a short receive ring (a short connection
+    /// posts and advertises 8 buffers) and grows it to the configured ring
+    /// once it has received bulk data; the peer learns of the new buffers
+    /// (its credits go beyond the first 8) and every octet arrives in order.
+    #[test]
+    fn the_receive_ring_grows_after_bulk_data() {
+        let (c, s) = super::tests::pair();
+        assert_eq!(s.sh.rx_max, u32::from(Config::default().rx_bufs));
+        assert!(s.sh.rx_max > RX_INITIAL as u32);
+        c.write(b"hello", false, None).unwrap();
+        c.flush(None).unwrap();
+        let mut b = [0u8; 5];
+        let mut n = 0;
+        while n < 5 {
+            n += s.read(&mut b[n..], false, false, None).unwrap();
+        }
+        assert_eq!(&b, b"hello");
+        {
+            let st = s.sh.lock();
+            assert_eq!(st.rx_slots, RX_INITIAL as u32);
+            assert!(st.sdp.credits.posted() <= RX_INITIAL as u32);
+        }
+        assert!(c.sh.lock().sdp.credits.tx_credits() <= RX_INITIAL as u32);
+        const TOTAL: usize = 3 << 20;
+        let reader = std::thread::spawn(move || {
+            recv_all(&s, TOTAL);
+            s
+        });
+        // The writer's credits, after every write: a credit update tells
+        // it of the grown ring.
+        let mut most = 0;
+        let mut sent = 0;
+        let mut chunk = vec![0u8; 3000];
+        while sent < TOTAL {
+            let n = chunk.len().min(TOTAL - sent);
+            for (k, b) in chunk[..n].iter_mut().enumerate() {
+                *b = pattern(sent + k);
+            }
+            let mut off = 0;
+            while off < n {
+                off += c.write(&chunk[off..n], false, None).unwrap();
+                most = most.max(c.sh.lock().sdp.credits.tx_credits());
+            }
+            sent += n;
+        }
+        c.flush(None).unwrap();
+        let s = reader.join().unwrap();
+        assert_eq!(s.sh.lock().rx_slots, s.sh.rx_max);
+        assert!(most > RX_INITIAL as u32, "{most}");
     }
 
     /// The wake-up pair of sleeping calls is made only when a call sleeps
