@@ -455,6 +455,9 @@ pub(crate) struct QpInner {
     pub(crate) core: HandOff<Option<Box<core_path::CoreConn>>>,
     /// Its socket (-1: none), to look for bytes without the lock.
     pub(crate) core_fd: std::sync::atomic::AtomicI32,
+    /// Bytes wait on the core path's socket for whoever holds `core`
+    /// (a receiver found it busy and left them to it, `core_rx`).
+    pub(crate) core_rx_wanted: AtomicBool,
     pub(crate) rx: Mutex<RxState>,
     /// Set while the QP is registered with the receive threads.
     pub(crate) rx_registered: AtomicBool,
@@ -537,6 +540,7 @@ impl QueuePair {
             core_mode: AtomicBool::new(core_path::core_mode_from_env()),
             core: HandOff::new(None),
             core_fd: std::sync::atomic::AtomicI32::new(-1),
+            core_rx_wanted: AtomicBool::new(false),
             rx: Mutex::new(RxState::new()),
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
