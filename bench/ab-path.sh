@@ -6,8 +6,12 @@
 # the same machine; every run prints the 1-minute load average at its start.
 #
 #   bench/ab-path.sh [BIN] [ROUNDS] [--load N] [--tests "write slat wlat wlat1m rate"]
+#                    [--a CMD] [--b CMD]
 #
 # BIN: a `softrdma` binary [target/release/softrdma]; ROUNDS [5].
+# --a / --b replace a side's command line (word split), e.g. to compare the
+# core path of two builds:
+#   --a "env SOFTRDMA_CORE_DATAPATH=1 /tmp/old/softrdma" --b "env SOFTRDMA_CORE_DATAPATH=1 /tmp/new/softrdma"
 # Tests (each one `softrdma perf` call per side and round, `--json`):
 #   write   perf write -s 1M -n 500 --baseline tcp   MB/s, TCP MB/s, ratio, CPU µs/msg
 #   slat    perf send --lat -s 8 -n 5000             one-way µs: mean, p50, p99
@@ -27,16 +31,26 @@ rounds=5
 load=0
 tests="write slat wlat rate"
 pos=0
+cmd_a=
+cmd_b=
 while [ $# -gt 0 ]; do
     case $1 in
     --load) load=$2; shift 2 ;;
     --tests) tests=$2; shift 2 ;;
+    --a) cmd_a=$2; shift 2 ;;
+    --b) cmd_b=$2; shift 2 ;;
     *)
         if [ $pos -eq 0 ] && [ ! -z "${1//[0-9]/}" ]; then bin=$1; else rounds=$1; fi
         pos=$((pos + 1)); shift ;;
     esac
 done
-[ -x "$bin" ] || { echo "no binary $bin (cargo build --release -p softrdma-cli)" >&2; exit 2; }
+[ -n "$cmd_a" ] || cmd_a="env -u SOFTRDMA_CORE_DATAPATH $bin"
+[ -n "$cmd_b" ] || cmd_b="env SOFTRDMA_CORE_DATAPATH=1 $bin"
+read -ra run_a <<<"$cmd_a"
+read -ra run_b <<<"$cmd_b"
+for c in "${run_a[-1]}" "${run_b[-1]}"; do
+    [ -x "$c" ] || { echo "no binary $c (cargo build --release -p softrdma-cli)" >&2; exit 2; }
+done
 
 hogs=()
 results=$(mktemp)
@@ -56,28 +70,29 @@ field() { # json key
 }
 
 run() { # side test
-    local side=$1 t=$2 la out envs
-    if [ "$side" = B ]; then envs=(env SOFTRDMA_CORE_DATAPATH=1); else envs=(env -u SOFTRDMA_CORE_DATAPATH); fi
+    local side=$1 t=$2 la out cmd
+    if [ "$side" = B ]; then cmd=("${run_b[@]}"); else cmd=("${run_a[@]}"); fi
     la=$(cut -d' ' -f1 /proc/loadavg)
     case $t in
     write)
-        out=$(timeout 120 "${envs[@]}" "$bin" perf write -s 1M -n 500 --baseline tcp --json 2>/dev/null | tail -1) || out=
+        out=$(timeout 120 "${cmd[@]}" perf write -s 1M -n 500 --baseline tcp --json 2>/dev/null | tail -1) || out=
         echo "$side $t load=$la mb_s=$(field "$out" mb_s) tcp_mb_s=$(field "$out" tcp_mb_s) ratio=$(field "$out" ratio) cpu_us=$(field "$out" cpu_us_per_msg)" ;;
     slat | wlat | wlat1m)
         local op=send size=8 n=5000
         [ "$t" = slat ] || op=write
         [ "$t" = wlat1m ] && { size=1M; n=200; }
-        out=$(timeout 120 "${envs[@]}" "$bin" perf $op --lat -s $size -n $n --json 2>/dev/null | tail -1) || out=
+        out=$(timeout 120 "${cmd[@]}" perf $op --lat -s $size -n $n --json 2>/dev/null | tail -1) || out=
         echo "$side $t load=$la mean=$(field "$out" lat_mean_us) p50=$(field "$out" lat_p50_us) p99=$(field "$out" lat_p99_us) cpu_us=$(field "$out" cpu_us_per_msg)" ;;
     rate)
-        out=$(timeout 120 "${envs[@]}" "$bin" perf send -s 8 -n 200000 --json 2>/dev/null | tail -1) || out=
+        out=$(timeout 120 "${cmd[@]}" perf send -s 8 -n 200000 --json 2>/dev/null | tail -1) || out=
         echo "$side $t load=$la mmsg_s=$(field "$out" mmsg_s) cpu_us=$(field "$out" cpu_us_per_msg)" ;;
     *) echo "unknown test $t" >&2; exit 2 ;;
     esac | tee -a "$results"
 }
 
 echo "# $(date -u +%FT%TZ) $bin nproc=$ncpu hogs=$load loadavg: $(cat /proc/loadavg)"
-echo "# A: engine path (SOFTRDMA_CORE_DATAPATH unset), B: core path (=1)"
+echo "# A: ${run_a[*]}"
+echo "# B: ${run_b[*]}"
 for r in $(seq 1 "$rounds"); do
     for t in $tests; do
         if [ $(((r + ${#t}) % 2)) -eq 1 ]; then run A "$t"; run B "$t"; else run B "$t"; run A "$t"; fi
