@@ -164,6 +164,7 @@ impl QpInner {
         let mut g = self.core.lock();
         *g = Some(Box::new(cc));
         let _ = self.core.release(g);
+        self.core_rx_wanted.store(false, Ordering::SeqCst);
         self.core_fd.store(fd, Ordering::Release);
     }
 
