@@ -225,18 +225,23 @@ impl QpInner {
                 && let Some(receiving) = self.rx.try_lock()
             {
                 // A receiver found the connection busy and left the bytes
-                // waiting on the socket to us (`core_rx`).
+                // waiting on the socket to us (`core_rx`). (A try-lock: we
+                // hold `core`, taken after `rx` everywhere else.)
                 self.core_rx_wanted.store(false, Ordering::SeqCst);
                 let (g2, _, to_dm) = self.core_rx_locked(g);
                 drop(receiving);
-                let again = self.core.release(g2);
                 if to_dm {
+                    // The datamover has the socket now.
+                    let again = self.core.release(g2);
                     self.schedule_dm();
+                    if !again {
+                        return;
+                    }
+                    continue;
                 }
-                if !again {
-                    return;
-                }
-                continue;
+                // The claim cleared the announcements: transmit below
+                // whatever was posted (usually nothing is left).
+                g = g2;
             }
             let Some(cc) = g.as_mut() else {
                 if !self.core.release(g) {
@@ -486,23 +491,15 @@ impl QpInner {
                     // lets go (`core_kick`), instead of waiting here for a
                     // lock that a posting thread takes again at once. The
                     // receive lock goes first: the holder takes it next.
+                    // The holder may have let go before the flag was set:
+                    // claim the connection like a poster (`core_kick`
+                    // receives, since the flag is set, and transmits what
+                    // was posted; a claim that only received would clear
+                    // a poster's announcement and strand its request).
                     drop(receiving);
                     self.core_rx_wanted.store(true, Ordering::SeqCst);
-                    self.core.announce();
-                    // The holder may have let go before the announcement.
-                    let Some(g) = self.core.try_claim() else {
-                        return (false, true);
-                    };
-                    match self.rx.try_lock() {
-                        Some(r) => (r, g),
-                        None => {
-                            // Someone else receives now.
-                            if self.core.release(g) {
-                                self.core_kick();
-                            }
-                            return (false, true);
-                        }
-                    }
+                    self.core_kick();
+                    return (false, true);
                 }
             }
         };
