@@ -297,6 +297,11 @@ pub(crate) enum TxStop {
     Idle,
     /// The byte budget is spent (more may be ready).
     Budget,
+    /// A send-queue request was written completely: its completion is
+    /// ready (more may be ready to write). The caller delivers it before
+    /// writing on, so that the poster learns at once that its buffer is
+    /// free, not after the rest of a long queue is written.
+    Completed,
     /// The socket is full.
     WouldBlock,
     /// The socket failed.
@@ -348,8 +353,8 @@ impl TxIo {
         self.written = 0;
     }
 
-    /// Frames and writes until the socket would block, nothing is left or
-    /// `budget` bytes are written.
+    /// Frames and writes until the socket would block, nothing is left,
+    /// `budget` bytes are written or a send-queue request completed.
     pub(crate) fn progress(
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
@@ -387,10 +392,14 @@ impl TxIo {
                 Ok(n) => {
                     self.bytes_sent += n as u64;
                     let done = self.advance(n);
+                    let queued = conn.send_queue_len();
                     conn.handle_sent(done);
                     sent = sent.saturating_add(n);
                     if sent >= budget {
                         return TxStop::Budget;
+                    }
+                    if conn.send_queue_len() < queued {
+                        return TxStop::Completed;
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return TxStop::WouldBlock,

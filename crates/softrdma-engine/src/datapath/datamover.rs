@@ -516,8 +516,9 @@ impl Local {
             if let Some(w) = self.watches.get_mut(&key) {
                 w.read = false;
             }
-        } else if qp.rx.is_locked() {
-            // Another thread is receiving for it right now.
+        } else if qp.rx.is_locked() || qp.core_rx_wanted.load(Ordering::SeqCst) {
+            // Another thread is receiving for it right now, or (core path)
+            // the thread holding its connection receives when it lets go.
             let step = self.watches.get_mut(&key).map_or(RX_BUSY_RETRY_NS, |w| {
                 w.busy_step = if w.busy_step == 0 {
                     RX_BUSY_RETRY_NS

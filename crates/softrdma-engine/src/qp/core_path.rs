@@ -154,6 +154,7 @@ impl QpInner {
         }
         *g = Some(cc);
         let _ = self.core.release(g);
+        self.core_rx_wanted.store(false, Ordering::SeqCst);
         self.core_fd.store(fd, Ordering::Release);
     }
 
@@ -272,6 +273,28 @@ impl QpInner {
             let Some(mut g) = self.core.try_claim() else {
                 return;
             };
+            if self.core_rx_wanted.load(Ordering::SeqCst)
+                && let Some(receiving) = self.rx.try_lock()
+            {
+                // A receiver found the connection busy and left the bytes
+                // waiting on the socket to us (`core_rx`). (A try-lock: we
+                // hold `core`, taken after `rx` everywhere else.)
+                self.core_rx_wanted.store(false, Ordering::SeqCst);
+                let (g2, _, to_dm) = self.core_rx_locked(g);
+                drop(receiving);
+                if to_dm {
+                    // The datamover has the socket now.
+                    let again = self.core.release(g2);
+                    self.schedule_dm();
+                    if !again {
+                        return;
+                    }
+                    continue;
+                }
+                // The claim cleared the announcements: transmit below
+                // whatever was posted (usually nothing is left).
+                g = g2;
+            }
             let Some(cc) = g.as_mut() else {
                 if !self.core.release(g) {
                     return;
@@ -303,13 +326,19 @@ impl QpInner {
     }
 
     /// Frames and writes (at most `budget` bytes), then acts on what the
-    /// core produced.
+    /// core produced: completions are delivered as soon as a request is
+    /// written (and at least every 256 KiB), not after the whole queue.
     fn core_transmit(&self, cc: &mut CoreConn, budget: usize) -> TxStop {
         /// Completions of what was written are delivered at least this
-        /// often (the poster's next requests wait for them).
+        /// often.
         const DELIVER_EVERY: usize = 256 * 1024;
-        let mut left = budget;
+        let start = cc.tx.bytes_sent;
         loop {
+            let used = usize::try_from(cc.tx.bytes_sent - start).unwrap_or(usize::MAX);
+            let left = budget.saturating_sub(used);
+            if left == 0 {
+                return TxStop::Budget;
+            }
             let chunk = left.min(DELIVER_EVERY);
             let mut mem = self.core_mem();
             let stop = if cc.link_done {
@@ -323,7 +352,7 @@ impl QpInner {
             }
             self.core_outputs(cc);
             match stop {
-                TxStop::Budget if left > chunk => left -= chunk,
+                TxStop::Budget | TxStop::Completed => {}
                 _ => return stop,
             }
         }
@@ -490,7 +519,7 @@ impl QpInner {
         // backs off (`datamover` `receive`, `Defer::Busy`) instead of
         // re-arming the still readable socket and spinning on it while a
         // CQ poller reads.
-        let _receiving = if blocking {
+        let receiving = if blocking {
             self.rx.lock()
         } else {
             match self.rx.try_lock() {
@@ -498,8 +527,8 @@ impl QpInner {
                 None => return (false, true),
             }
         };
-        let mut g = if blocking {
-            self.lock_core()
+        let (receiving, g) = if blocking {
+            (receiving, self.core.lock())
         } else {
             // A CQ poller looks at the socket first, without the lock: an
             // idle socket (the usual case while it waits for completions)
@@ -509,15 +538,48 @@ impl QpInner {
                 return (false, true);
             }
             match self.core.try_claim() {
-                Some(g) => CoreGuard {
-                    qp: self,
-                    guard: Some(g),
-                },
-                None => return (false, true),
+                Some(g) => (receiving, g),
+                None => {
+                    // Busy (a poster or the datamover transmits): the bytes
+                    // are left to the holder, which receives them when it
+                    // lets go (`core_kick`), instead of waiting here for a
+                    // lock that a posting thread takes again at once. The
+                    // receive lock goes first: the holder takes it next.
+                    // The holder may have let go before the flag was set:
+                    // claim the connection like a poster (`core_kick`
+                    // receives, since the flag is set, and transmits what
+                    // was posted; a claim that only received would clear
+                    // a poster's announcement and strand its request).
+                    drop(receiving);
+                    self.core_rx_wanted.store(true, Ordering::SeqCst);
+                    self.core_kick();
+                    return (false, true);
+                }
             }
         };
+        self.core_rx_wanted.store(false, Ordering::SeqCst);
+        let (g, r, to_dm) = self.core_rx_locked(g);
+        drop(receiving);
+        if self.core.release(g) {
+            self.core_kick();
+        }
+        if to_dm {
+            self.schedule_dm();
+        }
+        r
+    }
+
+    /// The receive run of [`core_rx`](Self::core_rx) with the receive lock
+    /// and the connection's lock `g` held (the latter is let go across a
+    /// direct read and taken again). Returns the lock, (bytes came in, the
+    /// QP still receives), and whether the datamover must be scheduled
+    /// (after the lock is let go).
+    fn core_rx_locked<'a>(
+        &'a self,
+        mut g: Guard<'a, Option<Box<CoreConn>>>,
+    ) -> (Guard<'a, Option<Box<CoreConn>>>, (bool, bool), bool) {
         let Some(cc) = g.as_mut() else {
-            return (false, false);
+            return (g, (false, false), false);
         };
         let epoch = cc.epoch;
         let mut got = false;
@@ -526,7 +588,7 @@ impl QpInner {
             let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch) else {
                 // Reset (and maybe connected again) while the lock was let
                 // go: the bytes read belonged to the old connection.
-                return (true, false);
+                return (g, (true, false), false);
             };
             let before = cc.rx.bytes_received;
             let mut mem = self.core_mem();
@@ -545,12 +607,14 @@ impl QpInner {
             // keeps the descriptor open across a reset meanwhile.
             let fd = cc.fd;
             let stream = cc.stream.clone();
-            drop(g);
+            if self.core.release(g) {
+                self.core_kick();
+            }
             let r = direct.read(fd);
-            g = self.lock_core();
+            g = self.core.lock();
             drop(stream);
             let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch) else {
-                return (true, false);
+                return (g, (true, false), false);
             };
             let before = cc.rx.bytes_received;
             let mut mem = self.core_mem();
@@ -562,7 +626,7 @@ impl QpInner {
             }
         };
         let Some(cc) = g.as_mut() else {
-            return (got, false);
+            return (g, (got, false), false);
         };
         if let RxStop::Failed(e) = &stop {
             // `run` reported it with `handle_reset`; the event's detail.
@@ -573,20 +637,16 @@ impl QpInner {
         // Terminate) go out now, unless the datamover has the socket.
         if self.device.config().force_datamover && !cc.on_dm {
             cc.on_dm = true;
-            drop(g);
-            self.schedule_dm();
-            return (true, true);
+            return (g, (true, true), true);
         }
         if !cc.on_dm {
             let stop = self.core_transmit(cc, usize::MAX);
             if matches!(stop, TxStop::WouldBlock) {
                 cc.on_dm = true;
-                drop(g);
-                self.schedule_dm();
-                return (true, true);
+                return (g, (true, true), true);
             }
         }
-        (got, matches!(stop, RxStop::Drained))
+        (g, (got, matches!(stop, RxStop::Drained)), false)
     }
 
     /// [`core_rx`](Self::core_rx) for a waiter whose `poll(2)` found the
@@ -611,7 +671,7 @@ impl QpInner {
         };
         let stop = self.core_transmit(cc, slice);
         match stop {
-            TxStop::Budget => S::Active,
+            TxStop::Budget | TxStop::Completed => S::Active,
             TxStop::WouldBlock => S::Paused(cc.fd),
             TxStop::Idle | TxStop::Failed(_) => {
                 cc.on_dm = false;
@@ -727,5 +787,85 @@ fn wc_opcode_of(op: &SendOp<'_>) -> WcOpcode {
         SendOp::LocalInv { .. } => WcOpcode::LocalInv,
         SendOp::BindMw { .. } => WcOpcode::BindMw,
         SendOp::FastReg { .. } => WcOpcode::RegMr,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use softrdma_proto::mpa::MpaConfig;
+
+    use crate::{
+        Access, CompletionQueue, Device, DeviceConfig, ProtectionDomain, QpInitAttr, QueuePair,
+        RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    };
+
+    /// A connected pair whose receiving side (`b`) no
+    /// engine thread watches and no CQ poll receives for: only what the
+    /// test calls receives.
+    fn quiet_core_pair() -> (QueuePair, QueuePair, CompletionQueue, ProtectionDomain) {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            poll_driven_receive: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cqa = CompletionQueue::new(&dev, 16, None).unwrap();
+        let cqb = CompletionQueue::new(&dev, 16, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        b.qp().device.threads().unregister(b.qp());
+        (a, b, cqb, pd)
+    }
+
+    /// A receiver (a CQ poller, an engine thread) that finds the core
+    /// path's connection held by a poster used to give up and leave the
+    /// bytes on the socket; an engine thread then re-armed the still
+    /// readable socket and woke at once, over and over, while the credits
+    /// of `perf send` waited. It now leaves them to the holder, which
+    /// receives them when it lets go.
+    #[test]
+    fn bytes_a_busy_connection_left_are_received_by_its_holder() {
+        let (a, b, cqb, pd) = quiet_core_pair();
+        let src = pd.register(64, Access::LOCAL_WRITE).unwrap();
+        src.write(0, &[7u8; 8]).unwrap();
+        let dst = pd.register(64, Access::LOCAL_WRITE).unwrap();
+        let rsge = [Sge {
+            lkey: dst.lkey(),
+            addr: dst.addr(),
+            length: 64,
+        }];
+        b.post_recv(&RecvWr::new(1, &rsge)).unwrap();
+        let ssge = [Sge {
+            lkey: src.lkey(),
+            addr: src.addr(),
+            length: 8,
+        }];
+        a.post_send(&SendWr::new(2, SendOp::Send).sg_list(&ssge).signaled())
+            .unwrap();
+        let fd = b.qp().core_fd.load(super::Ordering::Acquire);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !crate::sys::io::readable_now(fd) {
+            assert!(Instant::now() < deadline, "the Send never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        let held = b.qp().lock_core();
+        // The receiver finds the connection busy: nothing received yet.
+        assert_eq!(b.qp().core_rx(false), (false, true));
+        assert_eq!(cqb.poll(&mut wc), 0);
+        // The holder lets go and receives what was left to it.
+        drop(held);
+        assert_eq!(cqb.poll(&mut wc), 1, "the holder received the Send");
+        assert_eq!(
+            (wc[0].wr_id, wc[0].status, wc[0].opcode, wc[0].byte_len),
+            (1, WcStatus::Success, WcOpcode::Recv, 8)
+        );
+        let mut got = [0u8; 8];
+        dst.read(0, &mut got).unwrap();
+        assert_eq!(got, [7u8; 8]);
     }
 }

@@ -456,6 +456,9 @@ pub(crate) struct QpInner {
     pub(crate) core: HandOff<Option<Box<core_path::CoreConn>>>,
     /// Its socket (-1: none), to look for bytes without the lock.
     pub(crate) core_fd: std::sync::atomic::AtomicI32,
+    /// Bytes wait on the socket for whoever holds `core` (a receiver
+    /// found it busy and left them to it, `core_rx`).
+    pub(crate) core_rx_wanted: AtomicBool,
     /// Held by whoever runs the receive path (engine thread or CQ poller).
     pub(crate) rx: Mutex<()>,
     /// Set while the QP is registered with the receive threads.
@@ -529,6 +532,7 @@ impl QueuePair {
             pre_rq: Mutex::new(std::collections::VecDeque::new()),
             core: HandOff::new(None),
             core_fd: std::sync::atomic::AtomicI32::new(-1),
+            core_rx_wanted: AtomicBool::new(false),
             rx: Mutex::new(()),
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),

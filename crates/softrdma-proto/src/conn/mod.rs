@@ -55,6 +55,11 @@ const QN_RREQ: usize = 1;
 const QN_TERM: usize = 2;
 const QN_ARESP: usize = 3;
 
+/// The largest payload one FPDU can carry: the ULPDU length is 16 bits
+/// and holds the payload with its DDP/RDMAP header (at most the untagged
+/// header's 18 octets).
+pub const MAX_PAYLOAD: usize = u16::MAX as usize - softrdma_wire::ddp::UNTAGGED_HEADER_LEN;
+
 /// What the connection was set up with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
@@ -66,6 +71,8 @@ pub struct Config {
     /// peer's IRD).
     pub ord: u32,
     /// Largest payload per FPDU (MULPDU minus the DDP/RDMAP header).
+    /// [`Connection::new`] keeps it within `1..=`[`MAX_PAYLOAD`] (the
+    /// 16-bit ULPDU length must hold the payload and its header).
     pub max_payload: usize,
     /// Send queue depth.
     pub max_send_wr: u32,
@@ -299,7 +306,10 @@ pub struct Connection<R> {
 impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// A connection in full operation (RTS), right after MPA negotiation.
     #[must_use]
-    pub fn new(cfg: Config) -> Self {
+    pub fn new(mut cfg: Config) -> Self {
+        // A larger payload overflows the ULPDU length (nothing could be
+        // framed); an empty one frames empty FPDUs forever.
+        cfg.max_payload = cfg.max_payload.clamp(1, MAX_PAYLOAD);
         let mut rx = rx::RxState::new(Deframer::new(DeframerConfig::new(cfg.crc, false)));
         rx.expect[QN_SEND] = Msn(cfg.rx_msn[0]);
         rx.expect[QN_RREQ] = Msn(cfg.rx_msn[1]);

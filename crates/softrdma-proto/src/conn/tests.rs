@@ -979,3 +979,62 @@ fn oversized_consumed_message_is_refused_at_its_header() {
     t.c.handle_rx_stream(&b, &mut t.m);
     assert_eq!(t.terminate().0, Some(crate::term::MALFORMED_HEADER));
 }
+
+/// A `max_payload` of 65536 (the whole 16-bit ULPDU length, without room
+/// for the DDP/RDMAP header) framed nothing: every FPDU's ULPDU length
+/// overflowed, `poll_transmit` said "nothing to send" after moving the
+/// request on, and the Write never completed. The connection now clamps
+/// the payload to what fits beside the largest header.
+#[test]
+fn max_payload_of_65536_is_clamped_and_a_large_write_is_framed() {
+    for crc in [false, true] {
+        let mut t = setup(crc);
+        let mut cfg = *t.c.config();
+        cfg.max_payload = 65536;
+        t.c = Connection::new(cfg);
+        assert!(t.c.config().max_payload + softrdma_wire::ddp::UNTAGGED_HEADER_LEN <= 65535);
+        let len = 200 * 1024;
+        let (_, key, addr) = t.m.add_region(len, LOCAL_WRITE, |i| (i * 13) as u8);
+        let sge = [Sge {
+            lkey: key,
+            addr,
+            len: len as u32,
+        }];
+        let op = SendOp::Write {
+            rkey: 0x77,
+            remote_addr: 0,
+            imm: None,
+        };
+        t.c.post_send(&SendWr::new(9, op, &sge), &mut t.m).unwrap();
+        let mut got = Vec::new();
+        let mut fpdus = 0;
+        while let Some(v) = t.sent() {
+            let d = fpdu::decode(&v, crc).unwrap();
+            let u = UlpduRepr::parse(d.ulpdu).unwrap();
+            let UlpduBody::Payload(p) = u.body else {
+                panic!("no payload")
+            };
+            got.extend_from_slice(p);
+            fpdus += 1;
+            assert_eq!(u.last, got.len() == len);
+        }
+        assert_eq!(got.len(), len, "crc {crc}: every byte framed");
+        assert!(got.iter().enumerate().all(|(i, &b)| b == (i * 13) as u8));
+        assert_eq!(fpdus, 4, "crc {crc}: 3 full FPDUs and the rest");
+        t.c.handle_sent(fpdus);
+        let c = t.c.poll_completion().expect("the Write completes");
+        assert_eq!(
+            (c.wr_id, c.status, c.byte_len),
+            (9, WcStatus::Success, len as u32)
+        );
+    }
+}
+
+/// A `max_payload` of 0 would frame empty FPDUs forever: it is at least 1.
+#[test]
+fn max_payload_of_zero_is_raised_to_one() {
+    let mut cfg = Config::new(false);
+    cfg.max_payload = 0;
+    let c: Connection<usize> = Connection::new(cfg);
+    assert_eq!(c.config().max_payload, 1);
+}

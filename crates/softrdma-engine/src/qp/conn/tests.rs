@@ -562,6 +562,12 @@ trait Pair {
     fn terminate(&mut self, side: usize);
     /// Lets what was posted so far run to its end.
     fn settle(&mut self);
+    /// Keeps `side` from receiving (and so from answering) until
+    /// [`release`](Pair::release): the core pair runs only in `settle`,
+    /// the engine pair's threads would otherwise answer between posts.
+    fn hold(&mut self, _side: usize) {}
+    /// Ends a [`hold`](Pair::hold).
+    fn release(&mut self) {}
 }
 
 /// How the QPs of a differential run are created.
@@ -617,6 +623,9 @@ struct EnginePair<'a> {
     cqs: [CompletionQueue; 2],
     out: [Vec<WorkCompletion>; 2],
     posts: Vec<String>,
+    /// A thread holding one side's connection lock (`hold`) and the way
+    /// to tell it to let go.
+    held: Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>,
 }
 
 impl Pair for EnginePair<'_> {
@@ -644,7 +653,30 @@ impl Pair for EnginePair<'_> {
     fn terminate(&mut self, side: usize) {
         self.qps[side].modify(QpState::Terminate).unwrap();
     }
+    fn hold(&mut self, side: usize) {
+        assert!(self.held.is_none(), "one hold at a time");
+        let inner = Arc::clone(self.qps[side].qp());
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let (ready, held) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            // A receiver finding the connection held leaves the bytes to
+            // this holder, which receives them when it lets go.
+            let g = inner.lock_core();
+            ready.send(()).unwrap();
+            let _ = wait.recv();
+            drop(g);
+        });
+        held.recv().unwrap();
+        self.held = Some((go, t));
+    }
+    fn release(&mut self) {
+        if let Some((go, t)) = self.held.take() {
+            go.send(()).unwrap();
+            t.join().unwrap();
+        }
+    }
     fn settle(&mut self) {
+        self.release();
         // Until nothing changed for 200 ms.
         let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 16];
         let mut quiet = Instant::now();
@@ -804,6 +836,7 @@ fn differential_with(opts: Opts, script: impl Fn(&mut dyn Pair, &Mem)) -> (Outco
         cqs,
         out: [Vec::new(), Vec::new()],
         posts: Vec::new(),
+        held: None,
     };
     script(&mut e, &em);
     e.settle();
@@ -1295,7 +1328,9 @@ fn differential_full_send_queue() {
     };
     let (engine, core) = differential(cap, |p, m| {
         // Reads wait for their responses: the queue stays full until the
-        // responder runs.
+        // responder runs (held: an engine thread would otherwise answer
+        // Read 0 before post 4 now and then, freeing a slot).
+        p.hold(1);
         for i in 0..6 {
             let sink = at(&m.buf[0], 4096 + i * 64, 64);
             let _ = p.send(
@@ -1311,6 +1346,7 @@ fn differential_full_send_queue() {
                 .signaled(),
             );
         }
+        p.release();
     });
     same(&engine, &core);
 }
