@@ -33,6 +33,9 @@ use loom::thread;
 
 /// `cq.rs`: not armed.
 const ARM_NONE: u8 = 0;
+/// `cq.rs`: armed for a solicited receive completion or any error
+/// completion.
+const ARM_SOLICITED: u8 = 1;
 /// `cq.rs`: armed for the next completion of any kind.
 const ARM_NEXT: u8 = 2;
 
@@ -126,8 +129,9 @@ impl Cq {
         })
     }
 
-    /// `CompletionQueue::push` of a completion that wakes any arm.
-    fn push(&self) {
+    /// `CompletionQueue::push` of a successful completion, `solicited` or
+    /// not.
+    fn push(&self, solicited: bool) {
         self.ring.push();
         if self.fences {
             fence(Ordering::SeqCst);
@@ -136,7 +140,12 @@ impl Cq {
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             self.signals.fetch_add(1, Ordering::SeqCst);
         }
-        if arm != ARM_NONE
+        let wakes = match arm {
+            ARM_NONE => false,
+            ARM_SOLICITED => solicited,
+            _ => true,
+        };
+        if wakes
             && self
                 .arm
                 .compare_exchange(arm, ARM_NONE, Ordering::SeqCst, Ordering::SeqCst)
@@ -184,7 +193,7 @@ fn push_against_arm(fences: bool, poll_after_arm: bool) {
         let cq = Cq::new(fences);
         let pusher = {
             let cq = cq.clone();
-            thread::spawn(move || cq.push())
+            thread::spawn(move || cq.push(true))
         };
         let found = consumer(&cq, poll_after_arm);
         pusher.join().unwrap();
@@ -228,13 +237,36 @@ fn loom_cq_push_against_sleeping_wait_never_loses_the_signal() {
         let cq = Cq::new(true);
         let pusher = {
             let cq = cq.clone();
-            thread::spawn(move || cq.push())
+            thread::spawn(move || cq.push(true))
         };
         let found = cq.sleep();
         pusher.join().unwrap();
         assert!(
             found || cq.signals.load(Ordering::SeqCst) > 0,
             "lost wait wake-up: asleep, nothing found, no signal"
+        );
+    });
+}
+
+/// A CQ armed for solicited completions is widened to any completion
+/// (`req_notify(false)`, the `fetch_max`) while an unsolicited completion
+/// is pushed: the push either sees the wide arm and raises the event, or
+/// the poll after widening finds the completion.
+#[test]
+fn loom_cq_widening_arm_against_unsolicited_push_never_loses_the_wakeup() {
+    loom::model(|| {
+        let cq = Cq::new(true);
+        cq.arm.store(ARM_SOLICITED, Ordering::SeqCst);
+        let pusher = {
+            let cq = cq.clone();
+            thread::spawn(move || cq.push(false))
+        };
+        cq.req_notify();
+        let found = cq.ring.pop();
+        pusher.join().unwrap();
+        assert!(
+            found || cq.events.load(Ordering::SeqCst) == 1,
+            "lost completion wake-up: armed, nothing found, no event"
         );
     });
 }
