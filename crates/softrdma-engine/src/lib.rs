@@ -97,6 +97,8 @@ pub mod async_cq;
 pub mod cm;
 pub mod connect;
 pub mod cq;
+#[cfg(all(test, loom))]
+mod cq_loom;
 mod datapath;
 pub mod device;
 mod error;

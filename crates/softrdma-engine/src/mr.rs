@@ -235,20 +235,19 @@ impl RemoteAccessError {
     /// RFC 5041 has no "access rights" code for tagged buffers; like Linux
     /// siw, [`RemoteAccessError::AccessRights`] is reported there as a base
     /// or bounds violation.
+    ///
+    /// The mapping is the protocol core's (the code the connection sends):
+    /// [`softrdma_proto::mem::RemoteAccessError::term_error`].
     pub const fn term_error(self, tagged: bool) -> TermError {
-        match (tagged, self) {
-            (true, RemoteAccessError::InvalidStag) => TermError::DdpTaggedInvalidStag,
-            (true, RemoteAccessError::StagNotAssociated) => TermError::DdpTaggedStagNotAssociated,
-            (true, RemoteAccessError::AccessRights | RemoteAccessError::BaseOrBounds) => {
-                TermError::DdpTaggedBaseOrBounds
-            }
-            (true, RemoteAccessError::ToWrap) => TermError::DdpTaggedToWrap,
-            (false, RemoteAccessError::InvalidStag) => TermError::RdmapInvalidStag,
-            (false, RemoteAccessError::StagNotAssociated) => TermError::RdmapStagNotAssociated,
-            (false, RemoteAccessError::AccessRights) => TermError::RdmapAccessRights,
-            (false, RemoteAccessError::BaseOrBounds) => TermError::RdmapBaseOrBounds,
-            (false, RemoteAccessError::ToWrap) => TermError::RdmapToWrap,
-        }
+        use softrdma_proto::mem::RemoteAccessError as Core;
+        let core = match self {
+            RemoteAccessError::InvalidStag => Core::InvalidStag,
+            RemoteAccessError::StagNotAssociated => Core::StagNotAssociated,
+            RemoteAccessError::AccessRights => Core::AccessRights,
+            RemoteAccessError::BaseOrBounds => Core::BaseOrBounds,
+            RemoteAccessError::ToWrap => Core::ToWrap,
+        };
+        core.term_error(tagged)
     }
 
     /// The completion status the requester sees when told of this error.

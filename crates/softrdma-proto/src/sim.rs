@@ -681,6 +681,20 @@ pub struct Stats {
     /// Requests posted (accepted) as the engine's own
     /// (`SendWr::internal`).
     pub internal: u64,
+    /// Bits flipped in an undelivered stream ([`Action::Flip`] applied).
+    pub flips: u64,
+    /// Of [`flips`](Self::flips), those on a connection without CRC.
+    pub flips_without_crc: u64,
+    /// Streams cut short and ended ([`Action::Truncate`] applied).
+    pub truncations: u64,
+    /// Connections reset by the network ([`Action::Reset`] applied).
+    pub resets: u64,
+    /// Sides that aborted ([`Action::Abort`] applied).
+    pub aborts: u64,
+    /// Graceful closes started ([`Action::Close`]).
+    pub closes: u64,
+    /// Hostile FPDUs appended to a stream ([`Action::Inject`] applied).
+    pub injections: u64,
 }
 
 impl core::ops::AddAssign for Stats {
@@ -701,6 +715,13 @@ impl core::ops::AddAssign for Stats {
         self.hostile_answered += o.hostile_answered;
         self.inline += o.inline;
         self.internal += o.internal;
+        self.flips += o.flips;
+        self.flips_without_crc += o.flips_without_crc;
+        self.truncations += o.truncations;
+        self.resets += o.resets;
+        self.aborts += o.aborts;
+        self.closes += o.closes;
+        self.injections += o.injections;
     }
 }
 
@@ -782,6 +803,10 @@ impl Pair {
                             *b ^= 1 << (bit % 8);
                         }
                         p.flipped = true;
+                        self.stats.flips += 1;
+                        if !self.crc {
+                            self.stats.flips_without_crc += 1;
+                        }
                     }
                 }
             }
@@ -790,6 +815,7 @@ impl Pair {
                     let p = &mut self.pipes[side];
                     p.bytes.truncate(usize::from(keep));
                     p.fin = true;
+                    self.stats.truncations += 1;
                 }
             }
             Action::Reset => {
@@ -797,15 +823,18 @@ impl Pair {
                     for p in &mut self.pipes {
                         p.reset = true;
                     }
+                    self.stats.resets += 1;
                 }
             }
             Action::Close { side } => {
                 let now = self.nodes[side].now;
                 self.nodes[side].conn.close(now);
+                self.stats.closes += 1;
             }
             Action::Abort { side } => {
                 if self.faults.breaks {
                     self.nodes[side].conn.abort();
+                    self.stats.aborts += 1;
                 }
             }
             Action::Inject { side, kind } => {
@@ -821,6 +850,7 @@ impl Pair {
                         p.injected = Some((p.written, code));
                         p.written += n as u64;
                         p.bytes.extend(buf.get(..n).unwrap_or_default());
+                        self.stats.injections += 1;
                     }
                 }
             }

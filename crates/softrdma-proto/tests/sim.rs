@@ -173,6 +173,13 @@ fn simulated_pairs_keep_every_invariant() {
             ("hostile FPDUs answered", total.hostile_answered),
             ("inline posts", total.inline),
             ("internal posts", total.internal),
+            ("bit flips", total.flips),
+            ("bit flips without CRC", total.flips_without_crc),
+            ("truncations", total.truncations),
+            ("resets", total.resets),
+            ("aborts", total.aborts),
+            ("closes", total.closes),
+            ("hostile FPDU injections", total.injections),
         ] {
             assert!(n > 0, "no {what} in {seeds} seeds");
         }

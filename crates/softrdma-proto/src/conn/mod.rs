@@ -27,7 +27,7 @@ mod tx;
 
 use std::collections::VecDeque;
 
-use softrdma_wire::ddp::Msn;
+use softrdma_wire::ddp::{self, Msn, Qn};
 use softrdma_wire::deframer::{Deframer, DeframerConfig};
 use softrdma_wire::errcode::TermError;
 use softrdma_wire::rdmap::atomic::AtomicRequestRepr;
@@ -49,11 +49,17 @@ pub use tx::{HEAD_CAP, TxFpdu};
 /// Immediate) — the engine's encoding.
 pub const SEND_IMM_FOLLOWS: u32 = 0x534e_4949;
 
-/// Queue numbers as indices.
-const QN_SEND: usize = 0;
-const QN_RREQ: usize = 1;
-const QN_TERM: usize = 2;
-const QN_ARESP: usize = 3;
+/// The index of untagged queue `qn` in the per-queue MSN arrays
+/// (`[Msn; 4]`, one per queue RFC 5040 and RFC 7306 define).
+const fn queue_index(qn: Qn) -> usize {
+    qn.0 as usize
+}
+
+/// The wire crate's queue numbers as indices (see [`queue_index`]).
+const QN_SEND: usize = queue_index(ddp::QN_SEND);
+const QN_RREQ: usize = queue_index(ddp::QN_READ_REQUEST);
+const QN_TERM: usize = queue_index(ddp::QN_TERMINATE);
+const QN_ARESP: usize = queue_index(ddp::QN_ATOMIC_RESPONSE);
 
 /// The largest payload one FPDU can carry: the ULPDU length is 16 bits
 /// and holds the payload with its DDP/RDMAP header (at most the untagged
