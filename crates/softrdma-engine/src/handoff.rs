@@ -43,9 +43,6 @@ pub(crate) type Guard<'a, T> = parking_lot::MutexGuard<'a, T>;
 pub(crate) struct HandOff<T> {
     lock: Lock<T>,
     announced: AtomicBool,
-    /// Acquisitions of the lock (unit tests count them per operation).
-    #[cfg(all(test, not(loom)))]
-    acquired: std::sync::atomic::AtomicU64,
 }
 
 impl<T> HandOff<T> {
@@ -54,8 +51,6 @@ impl<T> HandOff<T> {
         HandOff {
             lock: Lock::new(value),
             announced: AtomicBool::new(false),
-            #[cfg(all(test, not(loom)))]
-            acquired: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -91,10 +86,7 @@ impl<T> HandOff<T> {
         }
         #[cfg(not(loom))]
         {
-            let g = self.lock.lock();
-            #[cfg(test)]
-            self.acquired.fetch_add(1, Ordering::Relaxed);
-            g
+            self.lock.lock()
         }
     }
 
@@ -105,19 +97,8 @@ impl<T> HandOff<T> {
         }
         #[cfg(not(loom))]
         {
-            let g = self.lock.try_lock();
-            #[cfg(test)]
-            if g.is_some() {
-                self.acquired.fetch_add(1, Ordering::Relaxed);
-            }
-            g
+            self.lock.try_lock()
         }
-    }
-
-    /// How often the lock was taken (blocking or by a successful try).
-    #[cfg(all(test, not(loom)))]
-    pub(crate) fn acquisitions(&self) -> u64 {
-        self.acquired.load(Ordering::Relaxed)
     }
 
     /// Unlocks; `true` if work was announced that no claimer has taken: the
@@ -432,63 +413,6 @@ mod loom_one_connection_lock {
         if qp.conn.release(c) && recheck {
             claim(qp, true);
         }
-    }
-
-    /// `post_send` since it takes the lock once: queue into the
-    /// connection and transmit under a plain (blocking) hold, release and
-    /// re-check like every holder (the announcement is not cleared, so
-    /// work a busy poster or receiver left is claimed on release).
-    fn post_held(qp: &Qp, id: u32, recheck: bool) {
-        let mut c = qp.conn.lock();
-        c.post(id);
-        thread::yield_now();
-        c.transmit();
-        if qp.conn.release(c) && recheck {
-            claim(qp, true);
-        }
-    }
-
-    /// A poster under one hold against a poster that finds the lock busy
-    /// and leaves its request to the holder, and the receive path.
-    fn run_held(recheck: bool) {
-        let mut model = loom::model::Builder::new();
-        model.preemption_bound = Some(3);
-        model.check(move || {
-            let qp = Arc::new(Qp {
-                conn: HandOff::new(Conn::default()),
-                incoming: Mutex::new(Vec::new()),
-            });
-            let q = qp.clone();
-            let held = thread::spawn(move || post_held(&q, 1, recheck));
-            let q = qp.clone();
-            let queued = thread::spawn(move || post(&q, 2));
-            receive(&qp, false, true);
-            held.join().unwrap();
-            queued.join().unwrap();
-            assert!(
-                qp.incoming.lock().unwrap().is_empty(),
-                "a post stayed in the queue"
-            );
-            let c = qp.conn.lock();
-            let mut done = c.done.clone();
-            done.sort_unstable();
-            assert_eq!(done, vec![(1, false), (2, false)]);
-            for id in [1, 2, 100] {
-                assert_eq!(c.wire.iter().filter(|&&x| x == id).count(), 1);
-            }
-        });
-    }
-
-    #[test]
-    fn post_under_one_hold_against_a_queued_post_and_receive() {
-        run_held(true);
-    }
-
-    /// The poster under one hold must re-check on release too.
-    #[test]
-    #[should_panic(expected = "a post stayed in the queue")]
-    fn post_under_one_hold_without_recheck_loses_a_post() {
-        run_held(false);
     }
 
     fn run(close: bool, recheck: bool) {

@@ -158,69 +158,34 @@ impl QpInner {
         self.core_fd.store(fd, Ordering::Release);
     }
 
-    /// `post_send_list` on the core path: one acquisition of the
-    /// connection's lock for the whole list. The requests are queued, then
-    /// the poster does a claimer's work under the same hold
-    /// (`core_claimed`: the receive a busy receiver left, transmission)
-    /// and, like every holder, re-checks on release. The lock is taken
-    /// plainly (the announcement is not cleared): work announced before
-    /// or during the hold is claimed after the release. (Before, each
-    /// request took the lock to queue, and the direct send took it again.)
-    pub(crate) fn core_post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), PostSendListError> {
-        #[cfg(debug_assertions)]
-        super::lock_order::tx_acquired();
-        let mut g = self.core.lock();
+    /// `post_send` on the core path.
+    pub(crate) fn core_post_send(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        let mut g = self.lock_core();
         let Some(cc) = g.as_mut() else {
-            #[cfg(debug_assertions)]
-            super::lock_order::tx_released();
-            if self.core.release(g) {
-                self.core_claim_loop();
-            }
-            return self.core_post_unconnected(wrs);
+            drop(g);
+            // Never connected: IDLE and RTR refuse, ERROR flushes.
+            return match self.send_policy() {
+                PostPolicy::Reject => Err(PostSendError::InvalidState {
+                    qp_num: self.qp_num,
+                    state: self.state(),
+                }),
+                _ => {
+                    let opcode = wc_opcode_of(&wr.op);
+                    let wc =
+                        WorkCompletion::error(wr.wr_id, opcode, self.qp_num, WcStatus::WrFlush);
+                    if self.send_cq.push(wc, false).is_err() {
+                        self.cq_overflow();
+                    }
+                    Ok(())
+                }
+            };
         };
         let mut mem = self.core_mem();
-        let mut result = Ok(());
-        for (i, wr) in wrs.iter().enumerate() {
-            let r = with_core_send(wr, self.sq_sig_all, self.device.stags(), |w| {
-                cc.conn.post_send(w, &mut mem)
-            });
-            if let Err(e) = r {
-                result = Err(PostSendListError {
-                    index: i,
-                    error: send_error(e, self.qp_num, wr),
-                });
-                break;
-            }
-        }
+        let r = with_core_send(wr, self.sq_sig_all, self.device.stags(), |w| {
+            cc.conn.post_send(w, &mut mem)
+        });
         self.core_outputs(cc);
-        #[cfg(debug_assertions)]
-        super::lock_order::tx_released();
-        if self.core_claimed(g) {
-            self.core_claim_loop();
-        }
-        result
-    }
-
-    /// Posts on a QP that was never connected: IDLE and RTR refuse, ERROR
-    /// flushes.
-    fn core_post_unconnected(&self, wrs: &[SendWr<'_>]) -> Result<(), PostSendListError> {
-        for (i, wr) in wrs.iter().enumerate() {
-            if self.send_policy() == PostPolicy::Reject {
-                return Err(PostSendListError {
-                    index: i,
-                    error: PostSendError::InvalidState {
-                        qp_num: self.qp_num,
-                        state: self.state(),
-                    },
-                });
-            }
-            let opcode = wc_opcode_of(&wr.op);
-            let wc = WorkCompletion::error(wr.wr_id, opcode, self.qp_num, WcStatus::WrFlush);
-            if self.send_cq.push(wc, false).is_err() {
-                self.cq_overflow();
-            }
-        }
-        Ok(())
+        r.map_err(|e| send_error(e, self.qp_num, wr))
     }
 
     /// `post_recv` once connected (the caller holds the lock).
@@ -304,64 +269,60 @@ impl QpInner {
     /// no one else holds the connection.
     pub(crate) fn core_kick(&self) {
         self.core.announce();
-        self.core_claim_loop();
-    }
-
-    /// Claims the connection while work is announced and does it.
-    fn core_claim_loop(&self) {
-        while let Some(g) = self.core.try_claim() {
-            if !self.core_claimed(g) {
+        loop {
+            let Some(mut g) = self.core.try_claim() else {
+                return;
+            };
+            if self.core_rx_wanted.load(Ordering::SeqCst)
+                && let Some(receiving) = self.rx.try_lock()
+            {
+                // A receiver found the connection busy and left the bytes
+                // waiting on the socket to us (`core_rx`). (A try-lock: we
+                // hold `core`, taken after `rx` everywhere else.)
+                self.core_rx_wanted.store(false, Ordering::SeqCst);
+                let (g2, _, to_dm) = self.core_rx_locked(g);
+                drop(receiving);
+                if to_dm {
+                    // The datamover has the socket now.
+                    let again = self.core.release(g2);
+                    self.schedule_dm();
+                    if !again {
+                        return;
+                    }
+                    continue;
+                }
+                // The claim cleared the announcements: transmit below
+                // whatever was posted (usually nothing is left).
+                g = g2;
+            }
+            let Some(cc) = g.as_mut() else {
+                if !self.core.release(g) {
+                    return;
+                }
+                continue;
+            };
+            if cc.on_dm {
+                let _ = self.core.release(g);
+                return;
+            }
+            if self.device.config().force_datamover {
+                // No direct sending: the datamover transmits.
+                cc.on_dm = true;
+                let _ = self.core.release(g);
+                self.schedule_dm();
+                return;
+            }
+            let stop = self.core_transmit(cc, usize::MAX);
+            if matches!(stop, TxStop::WouldBlock) {
+                cc.on_dm = true;
+                let _ = self.core.release(g);
+                self.schedule_dm();
+                return;
+            }
+            if !self.core.release(g) {
                 return;
             }
         }
-    }
-
-    /// The work of a claimer (the announcement cleared, `g` held): the
-    /// receive a busy receiver left to the holder, then transmission of
-    /// what was posted. Releases the lock; `true` if work was announced
-    /// meanwhile (the caller must claim again).
-    fn core_claimed<'a>(&'a self, mut g: Guard<'a, Option<Box<CoreConn>>>) -> bool {
-        if self.core_rx_wanted.load(Ordering::SeqCst)
-            && let Some(receiving) = self.rx.try_lock()
-        {
-            // A receiver found the connection busy and left the bytes
-            // waiting on the socket to us (`core_rx`). (A try-lock: we
-            // hold `core`, taken after `rx` everywhere else.)
-            self.core_rx_wanted.store(false, Ordering::SeqCst);
-            let (g2, _, to_dm) = self.core_rx_locked(g);
-            drop(receiving);
-            if to_dm {
-                // The datamover has the socket now.
-                let again = self.core.release(g2);
-                self.schedule_dm();
-                return again;
-            }
-            // The claim cleared the announcements: transmit below
-            // whatever was posted (usually nothing is left).
-            g = g2;
-        }
-        let Some(cc) = g.as_mut() else {
-            return self.core.release(g);
-        };
-        if cc.on_dm {
-            let _ = self.core.release(g);
-            return false;
-        }
-        if self.device.config().force_datamover {
-            // No direct sending: the datamover transmits.
-            cc.on_dm = true;
-            let _ = self.core.release(g);
-            self.schedule_dm();
-            return false;
-        }
-        let stop = self.core_transmit(cc, usize::MAX);
-        if matches!(stop, TxStop::WouldBlock) {
-            cc.on_dm = true;
-            let _ = self.core.release(g);
-            self.schedule_dm();
-            return false;
-        }
-        self.core.release(g)
     }
 
     /// Frames and writes (at most `budget` bytes), then acts on what the
@@ -858,58 +819,6 @@ mod tests {
         crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
         b.qp().device.threads().unregister(b.qp());
         (a, b, cqb, pd)
-    }
-
-    /// A post took the connection's lock twice (queue, then the direct
-    /// send's claim), blocking the first time; under load the message rate
-    /// was about 0.8 × the former lock-free posting's. Now a post, and a
-    /// whole list, queues and transmits under one acquisition.
-    #[test]
-    #[cfg(not(loom))]
-    fn a_post_takes_the_connection_lock_once() {
-        let (a, b, cqb, pd) = quiet_core_pair();
-        // Nothing but this test receives or transmits for `a` either.
-        a.qp().device.threads().unregister(a.qp());
-        let src = pd.register(64, Access::LOCAL_WRITE).unwrap();
-        let dst = pd.register(256, Access::LOCAL_WRITE).unwrap();
-        for i in 0..4u32 {
-            let rsge = [Sge {
-                lkey: dst.lkey(),
-                addr: dst.addr() + 64 * u64::from(i),
-                length: 64,
-            }];
-            b.post_recv(&RecvWr::new(u64::from(i), &rsge)).unwrap();
-        }
-        let ssge = [Sge {
-            lkey: src.lkey(),
-            addr: src.addr(),
-            length: 8,
-        }];
-        let core = &a.qp().core;
-        let before = core.acquisitions();
-        a.post_send(&SendWr::new(10, SendOp::Send).sg_list(&ssge).signaled())
-            .unwrap();
-        assert_eq!(core.acquisitions() - before, 1, "one post, one acquisition");
-        let wrs: Vec<SendWr<'_>> = (11..14)
-            .map(|id| SendWr::new(id, SendOp::Send).sg_list(&ssge).signaled())
-            .collect();
-        let before = core.acquisitions();
-        a.post_send_list(&wrs).unwrap();
-        assert_eq!(core.acquisitions() - before, 1, "one list, one acquisition");
-        // All four went out under those holds: `b` receives them.
-        let fd = b.qp().core_fd.load(super::Ordering::Acquire);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        let mut got = 0;
-        while got < 4 {
-            assert!(Instant::now() < deadline, "only {got} of 4 Sends arrived");
-            if crate::sys::io::readable_now(fd) {
-                b.qp().core_rx(true);
-            }
-            got += cqb.poll(&mut wc[got..]);
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert!(wc.iter().all(|w| w.status == WcStatus::Success));
     }
 
     /// A receiver (a CQ poller, an engine thread) that finds the core

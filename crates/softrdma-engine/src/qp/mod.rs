@@ -795,7 +795,22 @@ impl QueuePair {
     /// error, says which request was not posted (the earlier ones are),
     /// like ibverbs' `bad_wr`.
     pub fn post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), PostSendListError> {
-        self.qp().post_send_list(wrs)
+        let qp = self.qp();
+        let mut posted = 0usize;
+        let mut result = Ok(());
+        for (i, wr) in wrs.iter().enumerate() {
+            match qp.post_one(wr) {
+                Ok(()) => posted += 1,
+                Err(e) => {
+                    result = Err(PostSendListError { index: i, error: e });
+                    break;
+                }
+            }
+        }
+        if posted > 0 {
+            qp.kick();
+        }
+        result
     }
 
     /// Posts a receive (`ibv_post_recv`). Never blocks.

@@ -6,10 +6,8 @@
 use super::*;
 
 impl QpInner {
-    /// Posts send requests in order and transmits them (direct sending)
-    /// under one acquisition of the connection's lock.
-    pub(super) fn post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), PostSendListError> {
-        self.core_post_send_list(wrs)
+    pub(super) fn post_one(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
+        self.core_post_send(wr)
     }
 
     pub(super) fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
