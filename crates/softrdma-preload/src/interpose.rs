@@ -1159,7 +1159,8 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
 
 /// `setsockopt(2)`: on an offloaded socket `TCP_ULP` fails with
 /// `ENOPROTOOPT` (TLS libraries then stay in user space), `TCP_NODELAY`,
-/// `SO_RCVTIMEO` and `SO_SNDTIMEO` also apply to the offloaded stream;
+/// `TCP_CORK`, `SO_RCVTIMEO` and `SO_SNDTIMEO` also apply to the offloaded
+/// stream;
 /// everything goes to the kernel socket as well.
 ///
 /// # Safety
@@ -1192,6 +1193,16 @@ pub unsafe extern "C" fn setsockopt(
                     let on = unsafe { *val.cast::<c_int>() } != 0;
                     if let Ok(s) = c.stream() {
                         let _ = s.set_nodelay(on);
+                    }
+                }
+                if level == libc::IPPROTO_TCP
+                    && name == libc::TCP_CORK
+                    && len as usize >= size_of::<c_int>()
+                {
+                    // SAFETY: TCP_CORK's value is an int, `len` checked.
+                    let on = unsafe { *val.cast::<c_int>() } != 0;
+                    if let Ok(s) = c.stream() {
+                        let _ = s.set_cork(on);
                     }
                 }
                 if level == libc::SOL_SOCKET
