@@ -126,6 +126,28 @@ fn sendfile_and_splice_copy_through_user_space() {
         assert os.splice(s.fileno(), w, 4)==4 and os.read(r, 4)==b'back'\n");
 }
 
+/// `TCP_CORK` (nginx's `tcp_nopush`): the header written while corked and
+/// the body sent with `sendfile` are held until the cork is taken out,
+/// then read together.
+#[test]
+fn tcp_cork_holds_the_header_until_uncorked() {
+    if !have_python() {
+        return;
+    }
+    run("import tempfile\n\
+        f=tempfile.TemporaryFile(); body=os.urandom(1024); f.write(body); f.flush()\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)\n\
+        assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)==1\n\
+        head=b'HTTP/1.1 200 OK\\r\\nContent-Length: 1024\\r\\n\\r\\n'\n\
+        assert os.writev(c.fileno(), [head[:10], head[10:]])==len(head)\n\
+        assert os.sendfile(c.fileno(), f.fileno(), 0, 1024)==1024\n\
+        assert select.select([s],[],[],0.05)[0]==[], 'corked data was sent'\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)\n\
+        assert s.recv(len(head)+1024, socket.MSG_WAITALL)==head+body\n\
+        c.sendall(b'uncorked'); assert s.recv(8, socket.MSG_WAITALL)==b'uncorked'\n");
+}
+
 #[test]
 fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
     if !have_python() {

@@ -306,6 +306,9 @@ struct State {
     cork: bool,
     /// When the held data was first seen corked (for [`CORK_MAX`]).
     corked_at: Option<Instant>,
+    /// The last flush stopped at a buffer held by the cork alone: no
+    /// completion event is needed to send it (taking the cork out does).
+    cork_held: bool,
     /// Send a corked buffer now (flush requested).
     push: bool,
     waiters: u32,
@@ -726,6 +729,7 @@ impl Offload {
                 nodelay: false,
                 cork: false,
                 corked_at: None,
+                cork_held: false,
                 push: false,
                 waiters: 0,
                 handled: 0,
@@ -1106,7 +1110,7 @@ impl Shared {
         !st.failed()
             && ((st.ready.is_some() && !st.ready_polled)
                 || st.wakers.iter().any(Option::is_some)
-                || !st.tx_queue.is_empty()
+                || (!st.tx_queue.is_empty() && !st.cork_held)
                 || !st.ctrl_pending.is_empty()
                 || (st.disconn_wanted && !st.sdp.close.local_disconn))
     }
@@ -1802,6 +1806,7 @@ impl Shared {
             }
         }
         let max = st.sdp.max_payload();
+        st.cork_held = false;
         while let Some(&(slot, len)) = st.tx_queue.front() {
             let last = st.tx_queue.len() == 1;
             // Held: a partial last buffer while corked (TCP_CORK), or
@@ -1809,6 +1814,9 @@ impl Shared {
             let hold =
                 !st.push && !st.disconn_wanted && (st.cork || (!st.nodelay && st.tx_inflight > 0));
             if last && hold && len < max {
+                // Held by the cork alone (not by a send in flight whose
+                // completion would release it): nothing to wait for.
+                st.cork_held = st.cork;
                 break;
             }
             let mut out = [0u8; AVAIL_LEN];
@@ -2296,6 +2304,9 @@ mod tests {
             let st = c.sh.lock();
             assert_eq!(st.tx_queue.len(), 1);
             assert_eq!(st.tx_queue[0].1, 23);
+            // Held by the cork alone: the CQ is not armed for it (an armed
+            // CQ costs a wake-up of the engine's threads per completion).
+            assert!(!st.armed);
         }
         let before = s.arrivals();
         c.set_cork(false);
