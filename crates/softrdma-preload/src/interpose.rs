@@ -1180,6 +1180,24 @@ pub unsafe extern "C" fn setsockopt(
         if level == libc::IPPROTO_TCP && name == libc::TCP_ULP {
             return fail(libc::ENOPROTOOPT);
         }
+        if level == libc::IPPROTO_TCP && name == libc::TCP_CORK {
+            // The stream's only: corking the kernel socket would hold the
+            // engine's own messages (credit updates, other data) too.
+            if val.is_null() {
+                return fail(libc::EFAULT);
+            }
+            if (len as usize) < size_of::<c_int>() {
+                return fail(libc::EINVAL);
+            }
+            // SAFETY: TCP_CORK's value is an int, `len` checked.
+            let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
+            return guard(|| {
+                let s = c.stream()?;
+                s.set_cork(on)
+                    .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+                Ok(0)
+            });
+        }
         // SAFETY: forwarding the caller's arguments unchanged.
         let r = unsafe { real(fd, level, name, val, len) };
         if r == 0 && !val.is_null() {
@@ -1193,16 +1211,6 @@ pub unsafe extern "C" fn setsockopt(
                     let on = unsafe { *val.cast::<c_int>() } != 0;
                     if let Ok(s) = c.stream() {
                         let _ = s.set_nodelay(on);
-                    }
-                }
-                if level == libc::IPPROTO_TCP
-                    && name == libc::TCP_CORK
-                    && len as usize >= size_of::<c_int>()
-                {
-                    // SAFETY: TCP_CORK's value is an int, `len` checked.
-                    let on = unsafe { *val.cast::<c_int>() } != 0;
-                    if let Ok(s) = c.stream() {
-                        let _ = s.set_cork(on);
                     }
                 }
                 if level == libc::SOL_SOCKET
@@ -1244,6 +1252,31 @@ pub unsafe extern "C" fn getsockopt(
 ) -> c_int {
     if level == libc::IPPROTO_TCP && name == libc::TCP_ULP && conn::lookup(fd).is_some() {
         return fail(libc::ENOPROTOOPT);
+    }
+    if level == libc::IPPROTO_TCP
+        && name == libc::TCP_CORK
+        && let Some(c) = conn::lookup(fd)
+    {
+        if val.is_null() || len.is_null() {
+            return fail(libc::EFAULT);
+        }
+        let on: c_int = match catch_unwind(AssertUnwindSafe(|| {
+            c.stream()?
+                .cork()
+                .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))
+        })) {
+            Ok(Ok(v)) => c_int::from(v),
+            Ok(Err(e)) => return fail(e),
+            Err(_) => return fail(libc::EIO),
+        };
+        // SAFETY: the caller's `len` slot and `val` of `*len` bytes, as
+        // getsockopt(2) writes them (a shorter buffer gets the first bytes).
+        unsafe {
+            let room = (*len as usize).min(size_of::<c_int>());
+            std::ptr::copy_nonoverlapping((&raw const on).cast::<u8>(), val.cast::<u8>(), room);
+            *len = room as socklen_t;
+        }
+        return 0;
     }
     let Some(real) = REAL_GETSOCKOPT.get() else {
         return fail(libc::ENOSYS);
