@@ -1193,6 +1193,9 @@ pub unsafe extern "C" fn setsockopt(
             let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
             return guard(|| {
                 let s = c.stream()?;
+                // The application's cork from now on (a MSG_MORE send's
+                // cork is its own, or ends here).
+                c.more.store(false, Ordering::Relaxed);
                 s.set_cork(on)
                     .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
                 Ok(0)
@@ -1265,7 +1268,8 @@ pub unsafe extern "C" fn getsockopt(
                 .cork()
                 .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))
         })) {
-            Ok(Ok(v)) => c_int::from(v),
+            // A MSG_MORE send's cork is not the option's (as the kernel's).
+            Ok(Ok(v)) => c_int::from(v && !c.more.load(Ordering::Relaxed)),
             Ok(Err(e)) => return fail(e),
             Err(_) => return fail(libc::EIO),
         };

@@ -148,6 +148,28 @@ fn tcp_cork_holds_the_header_until_uncorked() {
         c.sendall(b'uncorked'); assert s.recv(8, socket.MSG_WAITALL)==b'uncorked'\n");
 }
 
+/// `MSG_MORE`: a send with it is held until a send without it, and both
+/// are read together; the application's own `TCP_CORK` is not turned off
+/// by it.
+#[test]
+fn msg_more_holds_until_a_send_without_it() {
+    if !have_python() {
+        return;
+    }
+    run("c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n\
+        assert c.send(b'head', socket.MSG_MORE)==4\n\
+        assert select.select([s],[],[],0.05)[0]==[], 'MSG_MORE data was sent'\n\
+        assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)==0\n\
+        assert c.send(b'body')==4\n\
+        assert s.recv(8, socket.MSG_WAITALL)==b'headbody'\n\
+        assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)==0\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)\n\
+        c.send(b'x', socket.MSG_MORE); c.send(b'y')\n\
+        assert select.select([s],[],[],0.05)[0]==[], 'the cork was taken out'\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)\n\
+        assert s.recv(2, socket.MSG_WAITALL)==b'xy'\n");
+}
+
 #[test]
 fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
     if !have_python() {
