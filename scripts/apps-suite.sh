@@ -206,8 +206,15 @@ if [ "$BENCH" -gt 0 ]; then
 				wait "$spid" 2>/dev/null
 				eff "redis-P$pipe" "$pl" "${v:+100000}" "$st.s" "$st.c"
 			done
+			# nginx-wrk: the suite's configuration (tcp_nopush off: the
+			# header and the file go as two writes); nginx-nopush: with
+			# tcp_nopush on, as Debian's default nginx.conf has it (TCP_CORK
+			# around them: one message offloaded, one segment plain).
+			for nc in nginx-wrk nginx-nopush; do
+			nopush=off
+			[ $nc = nginx-nopush ] && nopush=on
 			next_port
-			d=$LOGS/bench-nginx-$pl
+			d=$LOGS/bench-$nc-$pl
 			mkdir -p "$d"
 			cat >"$d/nginx.conf" <<EOC
 worker_processes 2;
@@ -218,6 +225,7 @@ events { worker_connections 256; }
 http {
     access_log off;
     sendfile on;
+    tcp_nopush $nopush;
     client_body_temp_path $d/body;
     proxy_temp_path $d/proxy;
     fastcgi_temp_path $d/fastcgi;
@@ -232,10 +240,11 @@ EOC
 			wait_port "$PORT"
 			# shellcheck disable=SC2086
 			v=$(timeout 30 $(cpuwrap "$st.c") $W wrk -t1 -c20 -d5s "http://127.0.0.1:$PORT/1K" 2>&1 | awk '/^Requests\/sec/ { print $2 }')
-			B[nginx-wrk,$pl]+="$v "
+			B[$nc,$pl]+="$v "
 			kill -QUIT "$(cat "$d/nginx.pid" 2>/dev/null)" 2>/dev/null || kill "$spid" 2>/dev/null
 			wait "$spid" 2>/dev/null
-			eff nginx-wrk "$pl" "$(awk -v r="${v:-0}" 'BEGIN { print r * 5 }')" "$st.s" "$st.c"
+			eff $nc "$pl" "$(awk -v r="${v:-0}" 'BEGIN { print r * 5 }')" "$st.s" "$st.c"
+			done
 		done
 		echo "apps-suite: bench run $run of $BENCH done"
 	done
@@ -255,7 +264,7 @@ EOC
 	fi
 	printf '%-10s %-6s %14s %8s   %s\n' case placement median "x none" "runs"
 	declare -A RATIO
-	for c in iperf3 redis-P1 redis-P16 nginx-wrk dd-cpu-ms; do
+	for c in iperf3 redis-P1 redis-P16 nginx-wrk nginx-nopush dd-cpu-ms; do
 		base=$(echo "${B[$c,none]:-}" | tr ' ' '\n' | grep . | median)
 		for pl in none both kwait tcp base; do
 			[ -n "${B[$c,$pl]:-}" ] || continue
@@ -269,7 +278,7 @@ EOC
 	# view of the same runs.
 	if [ -n "${E[iperf3,none]:-}${E[redis-P1,none]:-}" ]; then
 		printf '\n%-10s %-6s %14s %8s   %s\n' "case/cpu-s" placement median "x none" "runs"
-		for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
+		for c in iperf3 redis-P1 redis-P16 nginx-wrk nginx-nopush; do
 			base=$(echo "${E[$c,none]:-}" | tr ' ' '\n' | grep . | median)
 			for pl in none both kwait tcp base; do
 				[ -n "${E[$c,$pl]:-}" ] || continue
@@ -292,6 +301,7 @@ EOC
 	goal "redis GET -P 1 both/none" "${RATIO[redis-P1,both]:-}" ">=" 0.90
 	goal "redis GET -P 16 both/none" "${RATIO[redis-P16,both]:-}" ">=" 1.00
 	goal "nginx+wrk both/none" "${RATIO[nginx-wrk,both]:-}" ">=" 0.90
+	goal "nginx+wrk tcp_nopush both/none" "${RATIO[nginx-nopush,both]:-}" ">=" 0.90
 	for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
 		goal "policy tcp overhead: $c tcp/none" "${RATIO[$c,tcp]:-}" ">=" 0.97
 	done
@@ -301,6 +311,7 @@ EOC
 		goal "per CPU: redis GET -P 1 both/none" "${RATIO[cpu-redis-P1,both]:-}" ">=" 0.90
 		goal "per CPU: redis GET -P 16 both/none" "${RATIO[cpu-redis-P16,both]:-}" ">=" 1.00
 		goal "per CPU: nginx+wrk both/none" "${RATIO[cpu-nginx-wrk,both]:-}" ">=" 0.90
+		goal "per CPU: nginx+wrk tcp_nopush both/none" "${RATIO[cpu-nginx-nopush,both]:-}" ">=" 0.90
 		for c in iperf3 redis-P1 redis-P16 nginx-wrk; do
 			goal "per CPU: policy tcp overhead: $c" "${RATIO[cpu-$c,tcp]:-}" ">=" 0.97
 		done
@@ -455,6 +466,8 @@ for pl in "${PLACEMENTS[@]}"; do
 		fresh_stats "$st"
 		d=$LOGS/nginx-$pl-$sf
 		mkdir -p "$d"
+		# With sendfile, tcp_nopush too (Debian's default nginx.conf):
+		# TCP_CORK around the header and the file.
 		cat >"$d/nginx.conf" <<EOF
 worker_processes 2;
 daemon off;
@@ -464,6 +477,7 @@ events { worker_connections 256; }
 http {
     access_log off;
     sendfile $sf;
+    tcp_nopush $sf;
     client_body_temp_path $d/body;
     proxy_temp_path $d/proxy;
     fastcgi_temp_path $d/fastcgi;

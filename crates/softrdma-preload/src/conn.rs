@@ -47,6 +47,9 @@ pub(crate) struct Conn {
     /// A reset was reported once: later writes fail with `EPIPE` (and
     /// `SIGPIPE`), as the kernel's do after `ECONNRESET`.
     pub(crate) reset_seen: AtomicBool,
+    /// The stream is corked for a send with `MSG_MORE` (not by the
+    /// application's `TCP_CORK`): the next send without it uncorks.
+    pub(crate) more: AtomicBool,
     /// Times a write found no room (would block): an edge-triggered epoll
     /// registration reports the connection writable again (see `emu`).
     pub(crate) write_blocked: AtomicU64,
@@ -389,6 +392,7 @@ impl Conn {
             sndtimeo: AtomicU64::new(0),
             rfd: AtomicI32::new(-1),
             reset_seen: AtomicBool::new(false),
+            more: AtomicBool::new(false),
             write_blocked: AtomicU64::new(0),
         }
     }

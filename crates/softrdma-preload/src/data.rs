@@ -81,20 +81,23 @@ fn send_conn(c: &Conn, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
     }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let nb = dontwait || c.nonblock.load(Ordering::Relaxed);
-    let mut sent = 0;
-    let r = loop {
-        match c.blocking(dontwait, true, |mut s| s.write(&buf[sent..])) {
-            Ok(n) => {
-                sent += n;
-                // A blocking send sends everything, as the kernel's does.
-                if nb || sent >= buf.len() || n == 0 {
-                    break Ok(sent);
-                }
-            }
-            Err(e) if sent > 0 && e != libc::EPIPE => break Ok(sent),
-            Err(e) => break Err(e),
-        }
-    };
+    // MSG_MORE: held as with TCP_CORK until a send without it (or the
+    // cork's 200 ms); an application's own TCP_CORK is left alone.
+    if flags & libc::MSG_MORE != 0
+        && !c.more.load(Ordering::Relaxed)
+        && let Ok(s) = c.stream()
+        && s.cork().is_ok_and(|on| !on)
+        && s.set_cork(true).is_ok()
+    {
+        c.more.store(true, Ordering::Relaxed);
+    }
+    let r = send_stream(c, buf, nb, dontwait);
+    if flags & libc::MSG_MORE == 0
+        && c.more.swap(false, Ordering::Relaxed)
+        && let Ok(s) = c.stream()
+    {
+        let _ = s.set_cork(false);
+    }
     let r = match r {
         Err(libc::ECONNRESET | libc::ECONNABORTED)
             if c.reset_seen.swap(true, Ordering::Relaxed) =>
@@ -107,6 +110,25 @@ fn send_conn(c: &Conn, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
         conn::raise_sigpipe();
     }
     r
+}
+
+/// Writes `buf` to the stream: all of it if blocking (`nb` false), as the
+/// kernel's send does.
+fn send_stream(c: &Conn, buf: &[u8], nb: bool, dontwait: bool) -> Result<usize, c_int> {
+    let mut sent = 0;
+    loop {
+        match c.blocking(dontwait, true, |mut s| s.write(&buf[sent..])) {
+            Ok(n) => {
+                sent += n;
+                // A blocking send sends everything, as the kernel's does.
+                if nb || sent >= buf.len() || n == 0 {
+                    break Ok(sent);
+                }
+            }
+            Err(e) if sent > 0 && e != libc::EPIPE => break Ok(sent),
+            Err(e) => break Err(e),
+        }
+    }
 }
 
 /// A mutable byte slice from C arguments (empty for a null pointer).

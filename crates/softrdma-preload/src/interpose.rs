@@ -1159,7 +1159,8 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
 
 /// `setsockopt(2)`: on an offloaded socket `TCP_ULP` fails with
 /// `ENOPROTOOPT` (TLS libraries then stay in user space), `TCP_NODELAY`,
-/// `SO_RCVTIMEO` and `SO_SNDTIMEO` also apply to the offloaded stream;
+/// `TCP_CORK`, `SO_RCVTIMEO` and `SO_SNDTIMEO` also apply to the offloaded
+/// stream;
 /// everything goes to the kernel socket as well.
 ///
 /// # Safety
@@ -1178,6 +1179,27 @@ pub unsafe extern "C" fn setsockopt(
     if let Some(c) = conn::lookup(fd) {
         if level == libc::IPPROTO_TCP && name == libc::TCP_ULP {
             return fail(libc::ENOPROTOOPT);
+        }
+        if level == libc::IPPROTO_TCP && name == libc::TCP_CORK {
+            // The stream's only: corking the kernel socket would hold the
+            // engine's own messages (credit updates, other data) too.
+            if val.is_null() {
+                return fail(libc::EFAULT);
+            }
+            if (len as usize) < size_of::<c_int>() {
+                return fail(libc::EINVAL);
+            }
+            // SAFETY: TCP_CORK's value is an int, `len` checked.
+            let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
+            return guard(|| {
+                let s = c.stream()?;
+                // The application's cork from now on (a MSG_MORE send's
+                // cork is its own, or ends here).
+                c.more.store(false, Ordering::Relaxed);
+                s.set_cork(on)
+                    .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+                Ok(0)
+            });
         }
         // SAFETY: forwarding the caller's arguments unchanged.
         let r = unsafe { real(fd, level, name, val, len) };
@@ -1233,6 +1255,32 @@ pub unsafe extern "C" fn getsockopt(
 ) -> c_int {
     if level == libc::IPPROTO_TCP && name == libc::TCP_ULP && conn::lookup(fd).is_some() {
         return fail(libc::ENOPROTOOPT);
+    }
+    if level == libc::IPPROTO_TCP
+        && name == libc::TCP_CORK
+        && let Some(c) = conn::lookup(fd)
+    {
+        if val.is_null() || len.is_null() {
+            return fail(libc::EFAULT);
+        }
+        let on: c_int = match catch_unwind(AssertUnwindSafe(|| {
+            c.stream()?
+                .cork()
+                .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))
+        })) {
+            // A MSG_MORE send's cork is not the option's (as the kernel's).
+            Ok(Ok(v)) => c_int::from(v && !c.more.load(Ordering::Relaxed)),
+            Ok(Err(e)) => return fail(e),
+            Err(_) => return fail(libc::EIO),
+        };
+        // SAFETY: the caller's `len` slot and `val` of `*len` bytes, as
+        // getsockopt(2) writes them (a shorter buffer gets the first bytes).
+        unsafe {
+            let room = (*len as usize).min(size_of::<c_int>());
+            std::ptr::copy_nonoverlapping((&raw const on).cast::<u8>(), val.cast::<u8>(), room);
+            *len = room as socklen_t;
+        }
+        return 0;
     }
     let Some(real) = REAL_GETSOCKOPT.get() else {
         return fail(libc::ENOSYS);

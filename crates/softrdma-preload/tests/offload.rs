@@ -126,6 +126,50 @@ fn sendfile_and_splice_copy_through_user_space() {
         assert os.splice(s.fileno(), w, 4)==4 and os.read(r, 4)==b'back'\n");
 }
 
+/// `TCP_CORK` (nginx's `tcp_nopush`): the header written while corked and
+/// the body sent with `sendfile` are held until the cork is taken out,
+/// then read together.
+#[test]
+fn tcp_cork_holds_the_header_until_uncorked() {
+    if !have_python() {
+        return;
+    }
+    run("import tempfile\n\
+        f=tempfile.TemporaryFile(); body=os.urandom(1024); f.write(body); f.flush()\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)\n\
+        assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)==1\n\
+        head=b'HTTP/1.1 200 OK\\r\\nContent-Length: 1024\\r\\n\\r\\n'\n\
+        assert os.writev(c.fileno(), [head[:10], head[10:]])==len(head)\n\
+        assert os.sendfile(c.fileno(), f.fileno(), 0, 1024)==1024\n\
+        assert select.select([s],[],[],0.05)[0]==[], 'corked data was sent'\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)\n\
+        assert s.recv(len(head)+1024, socket.MSG_WAITALL)==head+body\n\
+        c.sendall(b'uncorked'); assert s.recv(8, socket.MSG_WAITALL)==b'uncorked'\n");
+}
+
+/// `MSG_MORE`: a send with it is held until a send without it, and both
+/// are read together; the application's own `TCP_CORK` is not turned off
+/// by it.
+#[test]
+fn msg_more_holds_until_a_send_without_it() {
+    if !have_python() {
+        return;
+    }
+    run("c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n\
+        assert c.send(b'head', socket.MSG_MORE)==4\n\
+        assert select.select([s],[],[],0.05)[0]==[], 'MSG_MORE data was sent'\n\
+        assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)==0\n\
+        assert c.send(b'body')==4\n\
+        assert s.recv(8, socket.MSG_WAITALL)==b'headbody'\n\
+        assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)==0\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)\n\
+        c.send(b'x', socket.MSG_MORE); c.send(b'y')\n\
+        assert select.select([s],[],[],0.05)[0]==[], 'the cork was taken out'\n\
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)\n\
+        assert s.recv(2, socket.MSG_WAITALL)==b'xy'\n");
+}
+
 #[test]
 fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
     if !have_python() {

@@ -555,6 +555,29 @@ impl TcpStream {
         }
     }
 
+    /// `TCP_CORK`: while on, small writes are held and go together as one
+    /// message (offloaded: in the staging buffers; plain: the kernel's
+    /// option) when it is turned off, when a buffer fills, or after at
+    /// most 200 ms (offloaded: seen by the next call on the stream or
+    /// wait that looks at it).
+    pub fn set_cork(&self, on: bool) -> io::Result<()> {
+        match &self.inner {
+            Inner::Plain(s) => rustix::net::sockopt::set_tcp_cork(s, on).map_err(io::Error::from),
+            Inner::Offload(o) => {
+                o.set_cork(on);
+                Ok(())
+            }
+        }
+    }
+
+    /// The `TCP_CORK` setting.
+    pub fn cork(&self) -> io::Result<bool> {
+        match &self.inner {
+            Inner::Plain(s) => rustix::net::sockopt::tcp_cork(s).map_err(io::Error::from),
+            Inner::Offload(o) => Ok(o.cork()),
+        }
+    }
+
     /// Another handle to the same connection.
     pub fn try_clone(&self) -> io::Result<TcpStream> {
         Ok(TcpStream {

@@ -76,6 +76,9 @@ const RX_INITIAL: usize = 8;
 const RING_GROW_AFTER: u64 = 512 * 1024;
 /// Large writes copied without an offer after the peer declined one.
 const ZC_SKIP_AFTER_DECLINE: u32 = 64;
+/// Longest time corked data is held (`TCP_CORK`), as the kernel's
+/// ceiling (`tcp(7)`).
+const CORK_MAX: Duration = Duration::from_millis(200);
 
 /// The engine device shared by the offloaded connections of the process,
 /// opened on first use with unpinned threads (a library lives inside
@@ -297,6 +300,15 @@ struct State {
     rd_shut: bool,
     wr_shut: bool,
     nodelay: bool,
+    /// `TCP_CORK`: a partial buffer is held (even with `nodelay`, and with
+    /// nothing in flight) until the cork is taken out, the buffer fills,
+    /// or it has been held for [`CORK_MAX`].
+    cork: bool,
+    /// When the held data was first seen corked (for [`CORK_MAX`]).
+    corked_at: Option<Instant>,
+    /// The last flush stopped at a buffer held by the cork alone: no
+    /// completion event is needed to send it (taking the cork out does).
+    cork_held: bool,
     /// Send a corked buffer now (flush requested).
     push: bool,
     waiters: u32,
@@ -715,6 +727,9 @@ impl Offload {
                 rd_shut: false,
                 wr_shut: false,
                 nodelay: false,
+                cork: false,
+                corked_at: None,
+                cork_held: false,
                 push: false,
                 waiters: 0,
                 handled: 0,
@@ -972,6 +987,30 @@ impl Offload {
         self.sh.lock().nodelay
     }
 
+    /// `TCP_CORK`: on, writes are held in the staging buffers (a full
+    /// buffer still goes) until it is turned off, which sends what is held
+    /// at once; as the kernel's, held data goes anyway after
+    /// [`CORK_MAX`] (seen by the next call on the connection or wait
+    /// that looks at it).
+    pub(crate) fn set_cork(&self, on: bool) {
+        let sh = &*self.sh;
+        let mut st = sh.lock();
+        st.cork = on;
+        if !on {
+            st.corked_at = None;
+            if !st.tx_queue.is_empty() {
+                st.push = true;
+                sh.flush_tx(&mut st);
+            }
+        }
+        sh.after(&mut st);
+    }
+
+    /// The `TCP_CORK` setting.
+    pub(crate) fn cork(&self) -> bool {
+        self.sh.lock().cork
+    }
+
     pub(crate) fn take_error(&self) -> Option<io::Error> {
         let st = self.sh.lock();
         st.error()
@@ -1071,7 +1110,7 @@ impl Shared {
         !st.failed()
             && ((st.ready.is_some() && !st.ready_polled)
                 || st.wakers.iter().any(Option::is_some)
-                || !st.tx_queue.is_empty()
+                || (!st.tx_queue.is_empty() && !st.cork_held)
                 || !st.ctrl_pending.is_empty()
                 || (st.disconn_wanted && !st.sdp.close.local_disconn))
     }
@@ -1079,10 +1118,30 @@ impl Shared {
     /// After a call: arm the CQ if someone (readiness, corked data) needs
     /// events without calling in, and update the readiness descriptor.
     fn after(&self, st: &mut State) {
+        if st.cork {
+            self.cork_ceiling(st);
+        }
         if self.wants_events(st) {
             self.arm(st, &self.cq);
         }
         self.sync_ready(st);
+    }
+
+    /// Held corked data goes once it has waited [`CORK_MAX`].
+    fn cork_ceiling(&self, st: &mut State) {
+        if st.tx_queue.is_empty() {
+            st.corked_at = None;
+            return;
+        }
+        match st.corked_at {
+            None => st.corked_at = Some(Instant::now()),
+            Some(t) if t.elapsed() >= CORK_MAX => {
+                st.corked_at = None;
+                st.push = true;
+                self.flush_tx(st);
+            }
+            Some(_) => {}
+        }
     }
 
     /// Whether a read, and a write, would not block now.
@@ -1658,6 +1717,7 @@ impl Shared {
             || !st.tx_queue.is_empty()
             || !st.ctrl_pending.is_empty()
             || st.failed()
+            || st.cork
             || !(st.nodelay || st.push || st.tx_inflight == 0)
         {
             return false;
@@ -1746,10 +1806,17 @@ impl Shared {
             }
         }
         let max = st.sdp.max_payload();
+        st.cork_held = false;
         while let Some(&(slot, len)) = st.tx_queue.front() {
             let last = st.tx_queue.len() == 1;
-            let cork = !st.nodelay && !st.push && !st.disconn_wanted;
-            if last && cork && len < max && st.tx_inflight > 0 {
+            // Held: a partial last buffer while corked (TCP_CORK), or
+            // while earlier sends are in flight (no TCP_NODELAY).
+            let hold =
+                !st.push && !st.disconn_wanted && (st.cork || (!st.nodelay && st.tx_inflight > 0));
+            if last && hold && len < max {
+                // Held by the cork alone (not by a send in flight whose
+                // completion would release it): nothing to wait for.
+                st.cork_held = st.cork;
                 break;
             }
             let mut out = [0u8; AVAIL_LEN];
@@ -2215,6 +2282,67 @@ mod tests {
         });
         let s = Offload::establish(l.accept().unwrap().0, false, &cfg).unwrap();
         (t.join().unwrap(), s)
+    }
+
+    /// `TCP_CORK`: small writes with `TCP_NODELAY` on and nothing in
+    /// flight are held while corked and go as one message when the cork is
+    /// taken out (an HTTP server's header and body: one message, one
+    /// arrival at the reader).
+    #[test]
+    fn cork_holds_small_writes_and_uncork_sends_them_as_one_message() {
+        let (c, s) = pair();
+        c.set_nodelay(true);
+        c.set_cork(true);
+        assert!(c.cork());
+        assert_eq!(
+            c.write(b"HTTP/1.1 200 OK\r\n\r\n", false, None).unwrap(),
+            19
+        );
+        assert_eq!(c.write(b"body", false, None).unwrap(), 4);
+        // Held: nothing was posted for them.
+        {
+            let st = c.sh.lock();
+            assert_eq!(st.tx_queue.len(), 1);
+            assert_eq!(st.tx_queue[0].1, 23);
+            // Held by the cork alone: the CQ is not armed for it (an armed
+            // CQ costs a wake-up of the engine's threads per completion).
+            assert!(!st.armed);
+        }
+        let before = s.arrivals();
+        c.set_cork(false);
+        assert!(c.sh.lock().tx_queue.is_empty());
+        let mut got = Vec::new();
+        let mut b = [0u8; 64];
+        while got.len() < 23 {
+            let n = s.read(&mut b, false, false, None).unwrap();
+            assert!(n > 0);
+            got.extend_from_slice(&b[..n]);
+        }
+        assert_eq!(got, b"HTTP/1.1 200 OK\r\n\r\nbody");
+        assert_eq!(s.arrivals() - before, 1, "one message");
+        // Uncorked, with TCP_NODELAY: a small write goes at once again.
+        assert_eq!(c.write(b"next", false, None).unwrap(), 4);
+        assert!(c.sh.lock().tx_queue.is_empty());
+        close_pair(c, s);
+    }
+
+    /// Corked data is not held for ever: after the kernel's ceiling of
+    /// 200 ms the next call on the connection sends it.
+    #[test]
+    fn corked_data_goes_after_the_ceiling() {
+        let (c, s) = pair();
+        c.set_nodelay(true);
+        c.set_cork(true);
+        assert_eq!(c.write(b"held", false, None).unwrap(), 4);
+        assert_eq!(c.sh.lock().tx_queue.len(), 1);
+        std::thread::sleep(CORK_MAX + Duration::from_millis(20));
+        // Any call that looks at the connection (a wait's readiness look).
+        let _ = c.ready_now();
+        assert!(c.sh.lock().tx_queue.is_empty());
+        let mut b = [0u8; 8];
+        assert_eq!(s.read(&mut b, false, false, None).unwrap(), 4);
+        assert_eq!(&b[..4], b"held");
+        close_pair(c, s);
     }
 
     /// Closes the two ends of a pair at the same time, one from another
