@@ -1298,6 +1298,12 @@ impl CompletionChannel {
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.shared.queue.fd()
     }
+
+    /// The event fd behind [`fd`](Self::fd), shared (for `async_cq`).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn event_fd(&self) -> std::sync::Arc<crate::sys::fd::EventFd> {
+        self.shared.queue.event_fd()
+    }
 }
 
 impl AsFd for CompletionChannel {
