@@ -121,10 +121,32 @@ use crate::sys::clock;
 use crossbeam_queue::SegQueue;
 use parking_lot::Mutex;
 
-use crate::cq::CqEvent;
 use crate::device::DeviceConfig;
 use crate::event::{AsyncEvent, AsyncEventQueue};
 use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
+
+/// What a handler thread runs for an event: the callback of a completion
+/// queue (implemented in `cq`, so that handlers need not know CQs).
+pub(crate) trait Callback: Send + Sync {
+    /// Runs the callback; false if there is none.
+    fn run_callback(self: Arc<Self>) -> bool;
+}
+
+/// An event queued on a handler: the owner of the callback to run, held
+/// weakly (an owner gone meanwhile runs nothing).
+pub(crate) struct HandlerEvent(Weak<dyn Callback>);
+
+impl HandlerEvent {
+    /// An event for `owner`'s callback.
+    pub(crate) fn new(owner: Weak<dyn Callback>) -> HandlerEvent {
+        HandlerEvent(owner)
+    }
+
+    /// Runs the callback; false if the owner is gone or has none.
+    fn run(&self) -> bool {
+        self.0.upgrade().is_some_and(Callback::run_callback)
+    }
+}
 
 /// Identifier of a completion event handler of a device (`0..n`, in the
 /// order of [`DeviceConfig::handler_cpus`](crate::DeviceConfig::handler_cpus)).
@@ -309,7 +331,7 @@ pub(crate) struct Handler {
     cpu: usize,
     pinned: AtomicBool,
     /// Events to run, in arrival order.
-    queue: SegQueue<CqEvent>,
+    queue: SegQueue<HandlerEvent>,
     thread: OnceLock<Thread>,
     /// The thread, once started (by the first CQ with a callback bound to
     /// this handler).
@@ -363,7 +385,7 @@ impl Handler {
 
     /// Queues an event for the handler thread (the data path: cheap, never
     /// blocks).
-    pub(crate) fn deliver(&self, event: CqEvent) {
+    pub(crate) fn deliver(&self, event: HandlerEvent) {
         self.events.fetch_add(1, Ordering::Relaxed);
         self.queue.push(event);
         if let Some(t) = self.thread.get() {
