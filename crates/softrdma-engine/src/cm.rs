@@ -62,6 +62,7 @@ use softrdma_proto::mpa::{
     ConfigError, MpaConfig, MpaNegotiationError, Negotiated, Request, Responder, RtrOffer,
 };
 
+use crate::event::StateWatch;
 use crate::handshake::{
     Answer, Handshake, HandshakeError, Outcome, Secs, describe_negotiation, describe_reject,
     drive_blocking,
@@ -747,15 +748,15 @@ struct ConnShared {
 /// change by the QP itself; reports the first move to IDLE or ERROR as
 /// [`CmEvent::Disconnected`].
 #[derive(Debug)]
-pub(crate) struct StateWatch {
+struct CmStateWatch {
     conn: Weak<ConnShared>,
     fired: Arc<AtomicBool>,
 }
 
-impl StateWatch {
+impl StateWatch for CmStateWatch {
     /// Called by the QP with its new state (under the QP's own locks: only
     /// queues an event).
-    pub(crate) fn notify(&self, s: QpState) {
+    fn notify(&self, s: QpState) {
         let graceful = match s {
             QpState::Idle => true,
             QpState::Error => false,
@@ -813,15 +814,15 @@ impl Connection {
         *self.shared.negotiated.lock() = Some(n);
         *self.shared.peer.lock() = Some(peer);
         self.shared.events.push(CmEvent::Established { peer });
-        let watch = StateWatch {
+        let watch = CmStateWatch {
             conn: Arc::downgrade(&self.shared),
             fired: Arc::new(AtomicBool::new(false)),
         };
-        let check = StateWatch {
+        let check = CmStateWatch {
             conn: watch.conn.clone(),
             fired: watch.fired.clone(),
         };
-        self.shared.qp.set_state_watch(Some(watch));
+        self.shared.qp.set_state_watch(Some(Box::new(watch)));
         // The QP may have left RTS before the watch was there (the shared
         // flag reports it once either way).
         check.notify(self.shared.qp.state());

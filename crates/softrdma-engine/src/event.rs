@@ -308,6 +308,14 @@ impl<T> FdQueue<T> {
     }
 }
 
+/// A watch on a QP's state, told of each change by the QP itself (under
+/// the QP's own locks: it may only queue an event). The connection manager
+/// installs one on each connection it makes (`QueuePair::set_state_watch`).
+pub(crate) trait StateWatch: Send + Sync + fmt::Debug {
+    /// The QP moved to `state`.
+    fn notify(&self, state: crate::state::QpState);
+}
+
 /// The async event queue of a device. Reached through the device; the
 /// events are read with [`get`](AsyncEventQueue::get),
 /// [`try_get`](AsyncEventQueue::try_get) or by watching
