@@ -70,6 +70,7 @@ use crate::handshake::{
 use crate::qp::LinkParams;
 use crate::qp::{EstablishError, ModifyError, QueuePair};
 use crate::state::QpState;
+use crate::sys::clock;
 use crate::sys::fd::EventFd;
 
 /// Default handshake timeout of listeners and connects.
@@ -215,7 +216,7 @@ impl<T> Queue<T> {
     }
 
     fn take(&self, timeout: Option<Duration>) -> Option<T> {
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| clock::now().checked_add(t));
         loop {
             if let Some(item) = self.try_take() {
                 return Some(item);
@@ -223,7 +224,7 @@ impl<T> Queue<T> {
             let left = match (timeout, deadline) {
                 (None, _) | (Some(_), None) => None,
                 (Some(_), Some(d)) => {
-                    let left = d.saturating_duration_since(Instant::now());
+                    let left = d.saturating_duration_since(clock::now());
                     if left.is_zero() {
                         return None;
                     }
@@ -659,7 +660,7 @@ fn tcp_connect(
 ) -> Result<TcpStream, CmError> {
     let mut last = None;
     for a in addrs {
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(clock::now());
         if left.is_zero() {
             return Err(CmError::Unreachable(tcp_timeout(Some(*a), timeout)));
         }
@@ -700,7 +701,7 @@ pub fn connect(
 ) -> Result<Connection, CmError> {
     let mut hs = Handshake::initiator(config.mpa.clone(), &config.private_data)?;
     qp.set_ird_ord(config.mpa.ird, config.mpa.ord)?;
-    let start = Instant::now();
+    let start = clock::now();
     let deadline = start
         .checked_add(config.timeout)
         .unwrap_or(start + Duration::from_secs(86_400 * 365));
@@ -708,7 +709,7 @@ pub fn connect(
     let mut stream = tcp_connect(&addrs, deadline, config.timeout)?;
     stream.set_nodelay(true)?;
     let peer = stream.peer_addr()?;
-    let left = deadline.saturating_duration_since(Instant::now());
+    let left = deadline.saturating_duration_since(clock::now());
     let out = drive_blocking(&mut hs, &mut stream, left)?;
     let Outcome::Established(n) = out else {
         return Err(MpaNegotiationError::Over.into());
