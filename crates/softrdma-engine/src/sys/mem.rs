@@ -272,7 +272,6 @@ impl Memory {
     ///
     /// Atomic with respect to other atomics through this function; plain
     /// copies and remote placement of the same bytes race with it.
-    #[allow(dead_code)] // used by the data path
     pub(crate) fn atomic_u64(&self, offset: usize) -> Option<&AtomicU64> {
         let ptr = self.ptr_at(offset, 8)?;
         if !(ptr as usize).is_multiple_of(8) {
