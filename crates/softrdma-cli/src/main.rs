@@ -1,5 +1,7 @@
 //! The `softrdma` command.
 
+#![forbid(unsafe_code)]
+
 use std::io::{self, ErrorKind};
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -16,6 +16,8 @@
 //! on the async adapter; the buffers move into the operations and come back
 //! with their completions.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::collections::VecDeque;
 use std::error::Error;
 use std::net::{Ipv4Addr, SocketAddr};

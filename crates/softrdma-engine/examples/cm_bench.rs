@@ -14,6 +14,8 @@
 //! one process; the QPs are created before the timed loop (as a DAPL
 //! connection-rate test creates its endpoints first).
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::error::Error;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

@@ -13,6 +13,8 @@
 //! the client's buffer with an RDMA Read, checks it, and answers with a Send.
 //! The client then closes gracefully and both sides see the disconnect.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::error::Error;
 use std::time::{Duration, Instant};
 

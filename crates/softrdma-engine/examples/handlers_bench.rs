@@ -23,6 +23,8 @@
 //! wake-up), with the handler sleeping at once (`handler_spin` 0) and
 //! spinning 50 µs before it sleeps.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};

@@ -23,6 +23,8 @@
 //! completion channel, or busy-polling. Prints requests per second, median
 //! and p99 latency, and how often the application thread woke per request.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

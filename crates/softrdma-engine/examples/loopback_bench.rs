@@ -9,6 +9,8 @@
 //! Every figure is the median of `--runs` runs (default 5) and is printed
 //! with its ratio to TCP.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};

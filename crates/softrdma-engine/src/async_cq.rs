@@ -84,6 +84,7 @@ use crate::device::Device;
 use crate::mr::{MemoryRegion, RangeError};
 use crate::pd::ProtectionDomain;
 use crate::qp::{CreateQpError, PostRecvError, PostSendError, QpInitAttr, QueuePair};
+use crate::sys::async_fd::WithFd;
 use crate::wc::{WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::{RecvWr, SendOp, SendWr};
 
@@ -361,7 +362,7 @@ impl AsyncChannel {
         let afd = {
             let _enter = rt.enter();
             // Registration is the one unsafe step; it lives in `sys`.
-            crate::sys::async_fd::register(channel.clone())?
+            crate::sys::async_fd::register(channel.clone(), channel.event_fd())?
         };
         let shared = Arc::new(ChanShared {
             channel,
@@ -494,7 +495,7 @@ fn serve_all(shared: &ChanShared) -> usize {
 }
 
 /// The driver task of one channel.
-async fn drive(shared: Arc<ChanShared>, afd: AsyncFd<CompletionChannel>) {
+async fn drive(shared: Arc<ChanShared>, afd: AsyncFd<WithFd<CompletionChannel>>) {
     let _close = CloseOnDrop(Arc::clone(&shared));
     let mut tick = tokio::time::interval(shared.safety_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -513,7 +514,7 @@ async fn drive(shared: Arc<ChanShared>, afd: AsyncFd<CompletionChannel>) {
             ready = afd.readable() => {
                 let Ok(mut guard) = ready else { break };
                 let mut events: Vec<Arc<CqState>> = Vec::new();
-                while let Some(cq) = afd.get_ref().try_get_event() {
+                while let Some(cq) = afd.get_ref().get().try_get_event() {
                     cq.ack_events(1);
                     if let Some(state) = shared.cqs.lock().get(&cq.id())
                         && !events.iter().any(|s| Arc::ptr_eq(s, state))

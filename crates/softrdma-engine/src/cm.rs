@@ -62,6 +62,7 @@ use softrdma_proto::mpa::{
     ConfigError, MpaConfig, MpaNegotiationError, Negotiated, Request, Responder, RtrOffer,
 };
 
+use crate::event::StateWatch;
 use crate::handshake::{
     Answer, Handshake, HandshakeError, Outcome, Secs, describe_negotiation, describe_reject,
     drive_blocking,
@@ -69,6 +70,7 @@ use crate::handshake::{
 use crate::qp::LinkParams;
 use crate::qp::{EstablishError, ModifyError, QueuePair};
 use crate::state::QpState;
+use crate::sys::clock;
 use crate::sys::fd::EventFd;
 
 /// Default handshake timeout of listeners and connects.
@@ -214,7 +216,7 @@ impl<T> Queue<T> {
     }
 
     fn take(&self, timeout: Option<Duration>) -> Option<T> {
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| clock::now().checked_add(t));
         loop {
             if let Some(item) = self.try_take() {
                 return Some(item);
@@ -222,7 +224,7 @@ impl<T> Queue<T> {
             let left = match (timeout, deadline) {
                 (None, _) | (Some(_), None) => None,
                 (Some(_), Some(d)) => {
-                    let left = d.saturating_duration_since(Instant::now());
+                    let left = d.saturating_duration_since(clock::now());
                     if left.is_zero() {
                         return None;
                     }
@@ -658,7 +660,7 @@ fn tcp_connect(
 ) -> Result<TcpStream, CmError> {
     let mut last = None;
     for a in addrs {
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(clock::now());
         if left.is_zero() {
             return Err(CmError::Unreachable(tcp_timeout(Some(*a), timeout)));
         }
@@ -699,7 +701,7 @@ pub fn connect(
 ) -> Result<Connection, CmError> {
     let mut hs = Handshake::initiator(config.mpa.clone(), &config.private_data)?;
     qp.set_ird_ord(config.mpa.ird, config.mpa.ord)?;
-    let start = Instant::now();
+    let start = clock::now();
     let deadline = start
         .checked_add(config.timeout)
         .unwrap_or(start + Duration::from_secs(86_400 * 365));
@@ -707,7 +709,7 @@ pub fn connect(
     let mut stream = tcp_connect(&addrs, deadline, config.timeout)?;
     stream.set_nodelay(true)?;
     let peer = stream.peer_addr()?;
-    let left = deadline.saturating_duration_since(Instant::now());
+    let left = deadline.saturating_duration_since(clock::now());
     let out = drive_blocking(&mut hs, &mut stream, left)?;
     let Outcome::Established(n) = out else {
         return Err(MpaNegotiationError::Over.into());
@@ -747,15 +749,15 @@ struct ConnShared {
 /// change by the QP itself; reports the first move to IDLE or ERROR as
 /// [`CmEvent::Disconnected`].
 #[derive(Debug)]
-pub(crate) struct StateWatch {
+struct CmStateWatch {
     conn: Weak<ConnShared>,
     fired: Arc<AtomicBool>,
 }
 
-impl StateWatch {
+impl StateWatch for CmStateWatch {
     /// Called by the QP with its new state (under the QP's own locks: only
     /// queues an event).
-    pub(crate) fn notify(&self, s: QpState) {
+    fn notify(&self, s: QpState) {
         let graceful = match s {
             QpState::Idle => true,
             QpState::Error => false,
@@ -813,15 +815,15 @@ impl Connection {
         *self.shared.negotiated.lock() = Some(n);
         *self.shared.peer.lock() = Some(peer);
         self.shared.events.push(CmEvent::Established { peer });
-        let watch = StateWatch {
+        let watch = CmStateWatch {
             conn: Arc::downgrade(&self.shared),
             fired: Arc::new(AtomicBool::new(false)),
         };
-        let check = StateWatch {
+        let check = CmStateWatch {
             conn: watch.conn.clone(),
             fired: watch.fired.clone(),
         };
-        self.shared.qp.set_state_watch(Some(watch));
+        self.shared.qp.set_state_watch(Some(Box::new(watch)));
         // The QP may have left RTS before the watch was there (the shared
         // flag reports it once either way).
         check.notify(self.shared.qp.state());

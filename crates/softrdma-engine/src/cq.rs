@@ -46,7 +46,9 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
-use crate::handlers::{BindError, Binding, Handler, HandlerId, PollCounter};
+use crate::handlers::{
+    BindError, Binding, Callback, Handler, HandlerEvent, HandlerId, PollCounter,
+};
 use crate::sys::fd::EventFd;
 use crate::wc::WorkCompletion;
 
@@ -369,16 +371,11 @@ impl Drop for CqShared {
 /// A completion callback: runs on the CQ's handler thread, with the CQ.
 pub type CqCallback = Box<dyn FnMut(&CompletionQueue) + Send>;
 
-/// An event for a CQ with a callback, queued on its handler.
-pub(crate) struct CqEvent(Weak<CqShared>);
-
-impl CqEvent {
-    /// Runs the CQ's callback; false if the CQ is gone.
-    pub(crate) fn run(&self) -> bool {
-        let Some(shared) = self.0.upgrade() else {
-            return false;
-        };
-        let cq = CompletionQueue { shared };
+/// An event for a CQ with a callback, queued on its handler: the handler
+/// runs the callback through this hook (it does not know CQs).
+impl Callback for CqShared {
+    fn run_callback(self: Arc<Self>) -> bool {
+        let cq = CompletionQueue { shared: self };
         if let Some(cb) = &cq.shared.callback {
             (cb.lock())(&cq);
             true
@@ -413,7 +410,8 @@ pub struct CqBuilder<'a> {
     channel: Option<&'a CompletionChannel>,
     binding: Binding,
     callback: Option<CqCallback>,
-    proxy: Option<u32>,
+    /// Set by `CqBuilder::proxy` (in `proxy.rs`).
+    pub(crate) proxy: Option<u32>,
 }
 
 impl fmt::Debug for CqBuilder<'_> {
@@ -429,13 +427,6 @@ impl fmt::Debug for CqBuilder<'_> {
 }
 
 impl<'a> CqBuilder<'a> {
-    /// Makes the CQ a proxy CQ of `proxy`: the CQ that proxy QPs served by
-    /// `proxy` must use (see [`crate::proxy`]).
-    pub fn proxy(mut self, proxy: &crate::proxy::Proxy) -> Self {
-        self.proxy = Some(proxy.id());
-        self
-    }
-
     /// Events of the armed CQ go to this channel.
     pub fn channel(mut self, channel: &'a CompletionChannel) -> Self {
         self.channel = Some(channel);
@@ -1124,7 +1115,7 @@ impl CompletionQueue {
             } else if shared.callback.is_some() {
                 shared
                     .handler
-                    .deliver(CqEvent(Arc::downgrade(&self.shared)));
+                    .deliver(HandlerEvent::new(Arc::<CqShared>::downgrade(&self.shared)));
             }
         }
         Ok(())
@@ -1297,6 +1288,12 @@ impl CompletionChannel {
     /// [`try_get_event`](Self::try_get_event).
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.shared.queue.fd()
+    }
+
+    /// The event fd behind [`fd`](Self::fd), shared (for `async_cq`).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn event_fd(&self) -> std::sync::Arc<crate::sys::fd::EventFd> {
+        self.shared.queue.event_fd()
     }
 }
 

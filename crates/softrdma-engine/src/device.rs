@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use crate::datamover::{DatamoverStats, Threads};
 use crate::event::{AsyncEvent, AsyncEventQueue};
-use crate::handlers::{AsyncEvents, HandlerId, HandlerPolicy, HandlerStats, Handlers};
+use crate::handlers::{
+    AsyncEvents, HandlerId, HandlerPolicy, HandlerStats, Handlers, HandlersConfig,
+};
 use crate::mr::StagTable;
 
 /// Name of the default device.
@@ -240,7 +242,12 @@ impl Device {
             ));
         }
         let datamovers = crate::datamover::engine_cpus(&config).len();
-        let handlers = Handlers::start(&config)?;
+        let handlers = Handlers::start(HandlersConfig {
+            cpus: &config.handler_cpus,
+            policy: &config.handler_policy,
+            pin_threads: config.pin_threads,
+            spin: config.handler_spin,
+        })?;
         let attr = DeviceAttr::new(
             &config,
             u32::try_from(datamovers).unwrap_or(u32::MAX),

@@ -20,6 +20,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::sys::clock;
@@ -216,7 +217,7 @@ impl fmt::Display for AsyncEvent {
 #[derive(Debug)]
 pub(crate) struct FdQueue<T> {
     items: Mutex<VecDeque<T>>,
-    fd: EventFd,
+    fd: Arc<EventFd>,
 }
 
 impl<T> FdQueue<T> {
@@ -224,7 +225,7 @@ impl<T> FdQueue<T> {
     pub(crate) fn new() -> io::Result<FdQueue<T>> {
         Ok(FdQueue {
             items: Mutex::new(VecDeque::new()),
-            fd: EventFd::new()?,
+            fd: Arc::new(EventFd::new()?),
         })
     }
 
@@ -298,6 +299,21 @@ impl<T> FdQueue<T> {
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
+
+    /// The event fd itself, shared (to register it with an async runtime
+    /// for as long as the registration lives).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn event_fd(&self) -> Arc<EventFd> {
+        Arc::clone(&self.fd)
+    }
+}
+
+/// A watch on a QP's state, told of each change by the QP itself (under
+/// the QP's own locks: it may only queue an event). The connection manager
+/// installs one on each connection it makes (`QueuePair::set_state_watch`).
+pub(crate) trait StateWatch: Send + Sync + fmt::Debug {
+    /// The QP moved to `state`.
+    fn notify(&self, state: crate::state::QpState);
 }
 
 /// The async event queue of a device. Reached through the device; the

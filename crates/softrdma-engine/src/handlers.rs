@@ -121,10 +121,31 @@ use crate::sys::clock;
 use crossbeam_queue::SegQueue;
 use parking_lot::Mutex;
 
-use crate::cq::CqEvent;
-use crate::device::DeviceConfig;
 use crate::event::{AsyncEvent, AsyncEventQueue};
 use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
+
+/// What a handler thread runs for an event: the callback of a completion
+/// queue (implemented in `cq`, so that handlers need not know CQs).
+pub(crate) trait Callback: Send + Sync {
+    /// Runs the callback; false if there is none.
+    fn run_callback(self: Arc<Self>) -> bool;
+}
+
+/// An event queued on a handler: the owner of the callback to run, held
+/// weakly (an owner gone meanwhile runs nothing).
+pub(crate) struct HandlerEvent(Weak<dyn Callback>);
+
+impl HandlerEvent {
+    /// An event for `owner`'s callback.
+    pub(crate) fn new(owner: Weak<dyn Callback>) -> HandlerEvent {
+        HandlerEvent(owner)
+    }
+
+    /// Runs the callback; false if the owner is gone or has none.
+    fn run(&self) -> bool {
+        self.0.upgrade().is_some_and(Callback::run_callback)
+    }
+}
 
 /// Identifier of a completion event handler of a device (`0..n`, in the
 /// order of [`DeviceConfig::handler_cpus`](crate::DeviceConfig::handler_cpus)).
@@ -309,7 +330,7 @@ pub(crate) struct Handler {
     cpu: usize,
     pinned: AtomicBool,
     /// Events to run, in arrival order.
-    queue: SegQueue<CqEvent>,
+    queue: SegQueue<HandlerEvent>,
     thread: OnceLock<Thread>,
     /// The thread, once started (by the first CQ with a callback bound to
     /// this handler).
@@ -363,7 +384,7 @@ impl Handler {
 
     /// Queues an event for the handler thread (the data path: cheap, never
     /// blocks).
-    pub(crate) fn deliver(&self, event: CqEvent) {
+    pub(crate) fn deliver(&self, event: HandlerEvent) {
         self.events.fetch_add(1, Ordering::Relaxed);
         self.queue.push(event);
         if let Some(t) = self.thread.get() {
@@ -525,20 +546,35 @@ impl fmt::Debug for Handlers {
     }
 }
 
+/// What [`Handlers::start`] takes of the device's configuration
+/// (`DeviceConfig::handler_cpus`, `handler_policy`, `pin_threads`,
+/// `handler_spin`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HandlersConfig<'a> {
+    /// CPUs, one handler each (all usable CPUs if empty).
+    pub(crate) cpus: &'a [usize],
+    /// How new CQs choose their handler.
+    pub(crate) policy: &'a HandlerPolicy,
+    /// Pin each handler thread to its CPU.
+    pub(crate) pin_threads: bool,
+    /// How long an idle handler spins before it parks.
+    pub(crate) spin: Duration,
+}
+
 impl Handlers {
-    /// Sets up one handler per CPU of `config.handler_cpus` (all usable
-    /// CPUs if empty). A handler's thread starts when the first CQ with a
-    /// callback is bound to it ([`Handler::start`]): a device whose CQs use
-    /// channels or polling has no handler threads.
-    pub(crate) fn start(config: &DeviceConfig) -> io::Result<Handlers> {
-        let cpus = if config.handler_cpus.is_empty() {
+    /// Sets up one handler per CPU of `config.cpus` (all usable CPUs if
+    /// empty). A handler's thread starts when the first CQ with a callback
+    /// is bound to it ([`Handler::start`]): a device whose CQs use channels
+    /// or polling has no handler threads.
+    pub(crate) fn start(config: HandlersConfig<'_>) -> io::Result<Handlers> {
+        let cpus = if config.cpus.is_empty() {
             usable_cpus()
         } else {
-            config.handler_cpus.clone()
+            config.cpus.to_vec()
         };
         let mut handlers = Handlers {
             handlers: Vec::with_capacity(cpus.len()),
-            policy: config.handler_policy.build(),
+            policy: config.policy.build(),
         };
         for (i, cpu) in cpus.into_iter().enumerate() {
             let h = Arc::new(Handler {
@@ -550,7 +586,7 @@ impl Handlers {
                 join: Mutex::new(None),
                 pin: config.pin_threads,
                 stop: AtomicBool::new(false),
-                spin: config.handler_spin,
+                spin: config.spin,
                 events: AtomicU64::new(0),
                 callbacks: AtomicU64::new(0),
                 panics: AtomicU64::new(0),
@@ -771,7 +807,7 @@ mod tests {
     use super::*;
     use crate::event::AsyncEventKind;
     use crate::wc::{WcOpcode, WorkCompletion};
-    use crate::{CompletionQueue, Device};
+    use crate::{CompletionQueue, Device, DeviceConfig};
     use rand::Rng;
     use std::sync::atomic::AtomicU32;
 

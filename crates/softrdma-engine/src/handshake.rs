@@ -21,7 +21,7 @@ use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use softrdma_proto::mpa::{
     ConfigError, Initiator, InitiatorEvent, MpaConfig, MpaNegotiationError, Negotiated, Request,
@@ -29,6 +29,7 @@ use softrdma_proto::mpa::{
 };
 use softrdma_proto::wire::mpa::{HEADER_LEN, MPA_MAX_PRIVATE_DATA, MpaError};
 
+use crate::sys::clock;
 use crate::sys::wait::{Readiness, wait_ready};
 
 /// Largest read the driver does at a time (a frame, or an RTR FPDU).
@@ -502,7 +503,7 @@ pub(crate) fn drive_blocking(
     stream: &mut TcpStream,
     timeout: Duration,
 ) -> Result<Outcome, HandshakeError> {
-    let start = Instant::now();
+    let start = clock::now();
     let deadline = start.checked_add(timeout);
     stream.set_nonblocking(true).map_err(HandshakeError::Io)?;
     loop {
@@ -510,7 +511,7 @@ pub(crate) fn drive_blocking(
             Step::Done(o) => return Ok(o),
             Step::Wait(r) => {
                 let left = match deadline {
-                    Some(d) => d.saturating_duration_since(Instant::now()),
+                    Some(d) => d.saturating_duration_since(clock::now()),
                     None => Duration::from_secs(86_400),
                 };
                 if left.is_zero() {

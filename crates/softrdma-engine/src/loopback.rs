@@ -4,13 +4,14 @@
 
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use softrdma_proto::mpa::MpaConfig;
 
 use crate::connect::ConnectError;
 use crate::handshake::{Answer, Handshake, Outcome, Stage, Step};
 use crate::qp::{EstablishError, LinkParams, QueuePair};
+use crate::sys::clock;
 use crate::sys::wait::wait_ready;
 
 /// Why [`connect_pair`] failed.
@@ -66,7 +67,7 @@ pub fn connect_pair(
         st.set_nodelay(true)?;
         st.set_nonblocking(true)?;
     }
-    let deadline = Instant::now() + timeout;
+    let deadline = clock::now() + timeout;
     let (mut n, mut rn) = (None, None);
     while n.is_none() || rn.is_none() {
         let mut waiting = None;
@@ -97,7 +98,7 @@ pub fn connect_pair(
         if n.is_some() && rn.is_some() {
             break;
         }
-        if Instant::now() >= deadline {
+        if clock::now() >= deadline {
             return Err(ConnectError::TimedOut {
                 stage: Stage::Reply,
                 after: timeout,

@@ -462,6 +462,15 @@ impl std::fmt::Debug for Proxy {
 
 static NEXT_PROXY_ID: AtomicU32 = AtomicU32::new(1);
 
+impl crate::cq::CqBuilder<'_> {
+    /// Makes the CQ a proxy CQ of `proxy`: the CQ that proxy QPs served by
+    /// `proxy` must use (see [`crate::proxy`]).
+    pub fn proxy(mut self, proxy: &Proxy) -> Self {
+        self.proxy = Some(proxy.id());
+        self
+    }
+}
+
 impl Proxy {
     /// Starts a proxy thread.
     ///

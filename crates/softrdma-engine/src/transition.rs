@@ -89,6 +89,7 @@ use crate::handshake::{
 use crate::qp::{EstablishError, LinkParams, ModifyError, PostRecvError, QueuePair};
 use crate::srq::SharedReceiveQueue;
 use crate::state::QpState;
+use crate::sys::clock;
 use crate::sys::wait::{Readiness, wait_ready};
 use crate::wr::RecvWr;
 
@@ -659,7 +660,7 @@ impl StreamConnection {
         if self.write_broken {
             return Err(TransitionError::IncompleteWrite);
         }
-        let deadline = Instant::now() + self.timeout;
+        let deadline = clock::now() + self.timeout;
         let mut stream = self.stream.take().ok_or(TransitionError::PeerClosed)?;
         // Streaming writes were blocking: every streaming octet is in the
         // socket before anything of RDMA mode.
@@ -755,7 +756,7 @@ impl StreamConnection {
 }
 
 fn remaining(deadline: Instant) -> Result<Duration, TransitionError> {
-    let left = deadline.saturating_duration_since(Instant::now());
+    let left = deadline.saturating_duration_since(clock::now());
     if left.is_zero() {
         Err(TransitionError::TimedOut)
     } else {

@@ -68,9 +68,10 @@
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::cq::{CompletionQueue, Progress};
+use crate::sys::clock;
 
 /// `poll(2)` reports a file that epoll refuses (a regular file) ready for
 /// reading and writing.
@@ -577,14 +578,14 @@ impl WaitSet {
             }
             return Ok(n);
         }
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| clock::now().checked_add(t));
         loop {
             let nap = match deadline {
-                Some(d) => d.saturating_duration_since(Instant::now()).min(NAP_MAX),
+                Some(d) => d.saturating_duration_since(clock::now()).min(NAP_MAX),
                 None => NAP_MAX,
             };
             let (n, woke) = self.round(nap, mask)?;
-            if n > 0 || woke || deadline.is_some_and(|d| Instant::now() >= d) {
+            if n > 0 || woke || deadline.is_some_and(|d| clock::now() >= d) {
                 return Ok(n);
             }
         }

@@ -1,6 +1,8 @@
 //! Regression test (alone in its binary: it counts the process's threads,
 //! which tests running beside it would disturb).
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -3,6 +3,8 @@
 //! close"), abortive disconnect by either side (RST, ERROR, flush), and what
 //! posting does while closing.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

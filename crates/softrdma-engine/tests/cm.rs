@@ -2,6 +2,8 @@
 //! reject with private data, events (blocking, polling, eventfd), and the
 //! handshakes that must fail without disturbing the listener.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::{Read, Write};

@@ -2,6 +2,8 @@
 //! both sides of many connections progress together, which only works if
 //! nothing blocks the runtime's one thread.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::time::Duration;

@@ -5,6 +5,8 @@
 //! meant 500 threads. Alone in its test binary so that the thread count of
 //! the process is not disturbed by other tests.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::Write;

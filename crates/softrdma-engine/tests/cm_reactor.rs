@@ -2,6 +2,8 @@
 //! without a thread, non-blocking connect/accept/reject, disconnect events
 //! without polling, and error texts that name the cause.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::{Read, Write};

@@ -1,6 +1,8 @@
 //! Many sequential connections leave no thread and no descriptor behind.
 //! Alone in its test binary so that the counts are the process's own.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::thread;

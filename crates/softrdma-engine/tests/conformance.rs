@@ -4,6 +4,8 @@
 //! the D/M/R shape kernel siw uses). Each test is named after the bug it
 //! guards against.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::{ErrorKind, Read, Write};

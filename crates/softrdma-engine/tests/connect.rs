@@ -1,5 +1,7 @@
 //! MPA connection setup over real loopback TCP.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread;

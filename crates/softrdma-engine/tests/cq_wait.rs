@@ -1,5 +1,7 @@
 //! `CompletionQueue::wait`: bounded busy-poll, then sleep until a push.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::time::Duration;

@@ -3,6 +3,8 @@
 //! the pause/resume statistics. Data is verified byte for byte; deadlines
 //! only turn a hang into a failure.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::Read;

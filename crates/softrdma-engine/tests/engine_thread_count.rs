@@ -4,6 +4,8 @@
 //!
 //! One test function: it counts the threads of the whole process.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::time::{Duration, Instant};

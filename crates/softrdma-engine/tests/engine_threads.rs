@@ -3,6 +3,8 @@
 //! One test function (the steps count threads of the whole process, so
 //! they must not run next to each other).
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::sync::Arc;

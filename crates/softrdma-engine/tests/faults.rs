@@ -9,6 +9,8 @@
 //! relies on timing for correctness: sleeps only make a stall last, and
 //! deadlines only turn a hang into a failure.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::{Read, Write};

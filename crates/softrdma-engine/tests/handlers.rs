@@ -1,6 +1,8 @@
 //! Completion event handlers and callbacks over real loopback QPs, and the
 //! verbs rule for unsignaled work.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -22,6 +22,8 @@
 //! `SOFTRDMA_HOSTILE_CASES=<n>` runs `n` cases per test instead of the
 //! default few; `SOFTRDMA_HOSTILE_SEED=<n>` changes the seed.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::{Read, Write};

@@ -10,6 +10,8 @@
 //! `SOFTRDMA_LASTBYTE_ROUNDS=N` runs more rounds (the default keeps the test
 //! short; the bug showed about once per 40 000 rounds under load).
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::sync::Arc;

@@ -6,6 +6,8 @@
 //! reused) all get their bytes placed without the owner polling. Deadlines
 //! only turn a hang into a failure.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -1,5 +1,7 @@
 //! Every operation end to end over real loopback TCP, data verified.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use common::*;

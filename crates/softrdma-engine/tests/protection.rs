@@ -3,6 +3,8 @@
 //! RFC 5040 / RFC 5041 error code, both QPs in ERROR and the outstanding
 //! work flushed in order.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::{Read, Write};

@@ -2,6 +2,8 @@
 //! completions in order, rollback, load protection, filter kinds, mismatch
 //! errors.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};

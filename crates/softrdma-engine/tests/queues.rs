@@ -2,6 +2,8 @@
 //! the public API only (the completions themselves come from queue pairs; the
 //! producer side is tested in the modules).
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
 

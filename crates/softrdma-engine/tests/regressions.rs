@@ -1,5 +1,7 @@
 //! Regression tests, each named after the bug it pins down.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::sync::Arc;

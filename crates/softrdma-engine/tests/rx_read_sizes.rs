@@ -3,6 +3,8 @@
 //! streams that mix long messages with short tail FPDUs, small and inline
 //! messages and RDMA Writes arrive intact whatever the read sizes were.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use common::*;

@@ -5,6 +5,8 @@
 //! Read or Write that comes later finds no STag (a Terminate, a remote
 //! access error at the requester).
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::io::{Read, Write};

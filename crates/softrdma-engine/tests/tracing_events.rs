@@ -1,5 +1,7 @@
 //! The engine reports QP state changes as `tracing` events.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::sync::{Arc, Mutex};

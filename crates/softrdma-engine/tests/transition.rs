@@ -1,6 +1,8 @@
 //! Stream-to-RDMA transition over real loopback TCP: a streaming phase,
 //! the switch (MPA exchange or direct), then RDMA traffic verified.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

@@ -1,6 +1,8 @@
 //! The non-blocking stream-to-RDMA switch: both ends of one connection
 //! switched from a single thread, each step driven by readiness.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

@@ -1,5 +1,7 @@
 //! `WaitSet`: one thread waits on several CQs and foreign descriptors.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::os::fd::{AsRawFd, OwnedFd};

@@ -2,6 +2,8 @@
 //! bytes on a QP's socket receives them itself without looking at the
 //! socket again first.
 
+#![allow(clippy::disallowed_methods)] // tests and benchmarks read the clock directly
+
 mod common;
 
 use std::os::fd::AsRawFd;

@@ -17,6 +17,7 @@ use polling::Events;
 
 use super::{CmError, CmEvent, ConnRequest, Connection, ListenerShared, connect_error};
 use crate::handshake::{Answer, Handshake, HandshakeError, Outcome, Step};
+use crate::sys::clock;
 use crate::sys::poll::{Interest, Reactor};
 use crate::sys::wait::Readiness;
 
@@ -186,7 +187,7 @@ struct State {
 }
 
 fn deadline_after(t: Duration) -> Instant {
-    let now = Instant::now();
+    let now = clock::now();
     now.checked_add(t)
         .unwrap_or(now + Duration::from_secs(86_400 * 365))
 }
@@ -212,7 +213,7 @@ fn run(h: &'static Handle) {
         let timeout = st
             .timers
             .first()
-            .map(|(t, _)| t.saturating_duration_since(Instant::now()));
+            .map(|(t, _)| t.saturating_duration_since(clock::now()));
         keys.clear();
         if h.poll.wait(&mut events, &mut keys, timeout).is_err() {
             std::thread::sleep(Duration::from_millis(1));
@@ -224,7 +225,7 @@ fn run(h: &'static Handle) {
         for &k in &keys {
             st.ready(k);
         }
-        let now = Instant::now();
+        let now = clock::now();
         while let Some(&(t, k)) = st.timers.first() {
             if t > now {
                 break;

@@ -7,22 +7,24 @@
 //!
 //! The conversions are checked by running the same work requests through
 //! a connected engine QP pair and through a pair of bare `Connection`s
-//! ([`ConnState`]) over the same device's STag table
+//! (`ConnState`, test-only) over the same device's STag table
 //! (`tests::core_matches_engine_*`): until the engine's own data path was
 //! deleted these compared the two paths; they now compare the engine's
 //! sockets, threads, placement and conversions around the core with the
 //! core alone.
 
-#![cfg_attr(not(test), allow(dead_code))] // `ConnState`: the tests' bare connections
-
+#[cfg(test)]
 use std::sync::Arc;
 
-use softrdma_proto::conn::{Config, Connection};
+use softrdma_proto::conn::Config;
+#[cfg(test)]
+use softrdma_proto::conn::Connection;
 use softrdma_proto::mem::LocalOp;
 use softrdma_proto::types as ct;
 
 use super::{LinkParams, PostRecvError, PostSendError, QpCap};
 use crate::event::AsyncEventKind;
+#[cfg(test)]
 use crate::sys::mem::Memory;
 use crate::wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
@@ -72,15 +74,17 @@ pub(crate) fn config(setup: &ConnSetup, link: &LinkParams) -> Config {
     }
 }
 
-/// The state of one connection: the protocol core's state machine over
-/// the engine's registered memory (`Arc<Memory>` regions). The data path
-/// holds it under the QP's one connection lock.
+/// A bare connection for the tests: the protocol core's state machine
+/// over the engine's registered memory (`Arc<Memory>` regions), without
+/// the engine's sockets and threads.
+#[cfg(test)]
 #[derive(Debug)]
 pub(crate) struct ConnState {
     /// The protocol core.
     pub(crate) conn: Connection<Arc<Memory>>,
 }
 
+#[cfg(test)]
 impl ConnState {
     /// A connection in RTS with `cfg`.
     pub(crate) fn new(cfg: Config) -> Self {

@@ -40,7 +40,7 @@ use softrdma_wire::errcode::{TermCode, TermError};
 
 use crate::cq::{CompletionQueue, Progress};
 use crate::device::Device;
-use crate::event::{AsyncEvent, AsyncEventKind};
+use crate::event::{AsyncEvent, AsyncEventKind, StateWatch};
 use crate::handoff::{Guard, HandOff};
 use crate::pd::ProtectionDomain;
 use crate::srq::SharedReceiveQueue;
@@ -485,7 +485,7 @@ pub(crate) struct QpInner {
     pub(crate) proxy: std::sync::OnceLock<crate::proxy::ProxyLink>,
     pub(crate) self_weak: Weak<QpInner>,
     /// The connection manager's watch: told of every state change.
-    state_watch: Mutex<Option<crate::cm::StateWatch>>,
+    state_watch: Mutex<Option<Box<dyn StateWatch>>>,
 }
 
 impl QueuePair {
@@ -776,7 +776,7 @@ impl QueuePair {
     }
 
     /// Installs (or removes) the connection manager's state watch.
-    pub(crate) fn set_state_watch(&self, w: Option<crate::cm::StateWatch>) {
+    pub(crate) fn set_state_watch(&self, w: Option<Box<dyn StateWatch>>) {
         *self.qp().state_watch.lock() = w;
     }
 

@@ -8,9 +8,10 @@
 //! put the descriptor in its own event loop, like the `fd` of an
 //! `ibv_comp_channel`.
 
+use super::clock;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A non-blocking, close-on-exec `eventfd(2)`.
 #[derive(Debug)]
@@ -99,12 +100,12 @@ impl EventFd {
 ///
 /// The error of `poll(2)` other than `EINTR`.
 pub(crate) fn wait_readable(fd: BorrowedFd<'_>, timeout: Option<Duration>) -> io::Result<bool> {
-    let deadline = timeout.map(|t| Instant::now().checked_add(t));
+    let deadline = timeout.map(|t| clock::now().checked_add(t));
     loop {
         let ms: libc::c_int = match deadline {
             None | Some(None) => -1,
             Some(Some(deadline)) => {
-                let left = deadline.saturating_duration_since(Instant::now());
+                let left = deadline.saturating_duration_since(clock::now());
                 // Round up so that a short timeout still sleeps.
                 let ms = left.as_nanos().div_ceil(1_000_000);
                 libc::c_int::try_from(ms).unwrap_or(libc::c_int::MAX)
@@ -167,7 +168,7 @@ mod tests {
     #[test]
     fn wait_times_out_after_the_timeout() {
         let fd = EventFd::new().unwrap();
-        let start = Instant::now();
+        let start = std::time::Instant::now();
         assert!(!fd.wait(Some(Duration::from_millis(30))).unwrap());
         assert!(start.elapsed() >= Duration::from_millis(30));
     }

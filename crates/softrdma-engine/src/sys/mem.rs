@@ -272,7 +272,6 @@ impl Memory {
     ///
     /// Atomic with respect to other atomics through this function; plain
     /// copies and remote placement of the same bytes race with it.
-    #[allow(dead_code)] // used by the data path
     pub(crate) fn atomic_u64(&self, offset: usize) -> Option<&AtomicU64> {
         let ptr = self.ptr_at(offset, 8)?;
         if !(ptr as usize).is_multiple_of(8) {
@@ -316,41 +315,6 @@ impl Drop for Memory {
             }
             Owner::None => {}
         }
-    }
-}
-
-/// Registration of application memory: the one `unsafe` entry point of the
-/// public API lives here with the rest of the engine's `unsafe`.
-impl crate::pd::ProtectionDomain {
-    /// Registers `len` bytes at `ptr` owned by the caller (`ibv_reg_mr` on
-    /// application memory).
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be valid for reads and writes of `len` bytes and stay
-    /// valid (not freed, not reused) until the region is dropped **and**
-    /// every work request that names it and every window bound to it are
-    /// gone (they keep the memory registered). Remote peers and the engine
-    /// write these bytes at any time, so the caller must not hold Rust
-    /// references over them while remote access is possible.
-    ///
-    /// # Errors
-    ///
-    /// As [`ProtectionDomain::register`](crate::pd::ProtectionDomain::register).
-    pub unsafe fn register_raw(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: crate::mr::Access,
-    ) -> Result<crate::mr::MemoryRegion, crate::mr::RegError> {
-        if !access.is_valid() {
-            return Err(crate::mr::RegError::InvalidAccess(access));
-        }
-        self.check_len(len)?;
-        // SAFETY: the caller's contract above is the one of
-        // `Memory::external` (valid for `len` bytes while it lives).
-        let mem = unsafe { Memory::external(ptr, len) };
-        crate::mr::MemoryRegion::new(self, mem, access, false)
     }
 }
 

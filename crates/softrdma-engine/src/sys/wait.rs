@@ -1,9 +1,10 @@
 //! Waiting for one socket's readiness with `poll(2)`, for the blocking
 //! handshake calls of the connection manager.
 
+use super::clock;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The readiness a handshake waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,14 +23,14 @@ pub(crate) enum Readiness {
 ///
 /// The error of `poll(2)` other than `EINTR`.
 pub(crate) fn wait_ready(fd: BorrowedFd<'_>, r: Readiness, timeout: Duration) -> io::Result<bool> {
-    let deadline = Instant::now().checked_add(timeout);
+    let deadline = clock::now().checked_add(timeout);
     let events = match r {
         Readiness::Read => libc::POLLIN,
         Readiness::Write => libc::POLLOUT,
     };
     loop {
         let left = deadline.map_or(Duration::from_secs(86_400), |d| {
-            d.saturating_duration_since(Instant::now())
+            d.saturating_duration_since(clock::now())
         });
         let ms =
             libc::c_int::try_from(left.as_nanos().div_ceil(1_000_000)).unwrap_or(libc::c_int::MAX);
