@@ -217,6 +217,19 @@ def main():
                 reexport[name] = segs[0]
 
     skip = test_file_modules(src)
+    # `#[path = "..."] mod name;` puts a file into the including module
+    # (e.g. `pd.rs` includes `sys/register_raw.rs` as `pd::register_raw`).
+    path_attr = re.compile(r'#\[path\s*=\s*"([^"]+)"\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;')
+    included = {}
+    for root, _, files in os.walk(src):
+        for f in files:
+            if f.endswith(".rs"):
+                path = os.path.join(root, f)
+                for m in path_attr.finditer(open(path, encoding="utf-8").read()):
+                    target = os.path.normpath(os.path.join(os.path.dirname(path), m.group(1)))
+                    owner_rel = os.path.relpath(path, src)
+                    included[os.path.relpath(target, src)] = module_path(owner_rel) + [m.group(2)]
+
     edges = defaultdict(lambda: defaultdict(list))
     nodes = set(top)
     for root, _, files in os.walk(src):
@@ -227,7 +240,7 @@ def main():
             rel = os.path.relpath(path, src)
             if rel == "lib.rs" or os.path.normpath(rel[:-3]) in skip:
                 continue
-            mpath = module_path(rel)
+            mpath = included.get(rel) or module_path(rel)
             owner = mpath[0]
             text = drop_test_items(strip_code(open(path, encoding="utf-8").read()))
             # inline (non-test) `mod x { ... }` blocks extend the module path

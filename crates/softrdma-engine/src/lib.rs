@@ -4,9 +4,9 @@
 //! windows, completion queues, shared receive queues, queue pairs, and the
 //! data path (direct sending, datamovers, direct placement). All IO, all
 //! clock readings and all `unsafe` of softrdma live here, in the private
-//! `sys` module, each block with a `// SAFETY:` comment (the one exception:
-//! the declaration of [`ProtectionDomain::register_raw`], a thin wrapper
-//! over `sys`).
+//! `sys/` directory, each block with a `// SAFETY:` comment (the private
+//! `sys` module, and `sys/register_raw.rs`, which defines
+//! [`ProtectionDomain::register_raw`] as a child of `pd`).
 //!
 //! The protocol rules come from [`softrdma_proto`] and the wire formats from
 //! [`softrdma_wire`]: each connected QP is driven by the protocol core's

@@ -9,6 +9,11 @@ use crate::device::Device;
 use crate::mr::{Access, MemoryRegion, MemoryWindow, RegError};
 use crate::sys::mem::{MemError, Memory};
 
+// `ProtectionDomain::register_raw`: its `unsafe` stays in a file of `sys/`.
+#[allow(unsafe_code)]
+#[path = "sys/register_raw.rs"]
+mod register_raw;
+
 /// A protection domain. A cheap, cloneable handle; regions, windows and
 /// queue pairs created from it keep it (and its device) alive.
 #[derive(Debug, Clone)]
@@ -122,40 +127,6 @@ impl ProtectionDomain {
     /// [`RegError::TableFull`].
     pub fn alloc_mw(&self) -> Result<MemoryWindow, RegError> {
         MemoryWindow::new(self)
-    }
-
-    /// Registers `len` bytes at `ptr` owned by the caller (`ibv_reg_mr` on
-    /// application memory).
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be valid for reads and writes of `len` bytes and stay
-    /// valid (not freed, not reused) until the region is dropped **and**
-    /// every work request that names it and every window bound to it are
-    /// gone (they keep the memory registered). Remote peers and the engine
-    /// write these bytes at any time, so the caller must not hold Rust
-    /// references over them while remote access is possible.
-    ///
-    /// # Errors
-    ///
-    /// As [`ProtectionDomain::register`].
-    // The public API's one `unsafe` entry point: its contract is declared
-    // here, the unsafe operation itself (`Memory::external`) is in `sys`.
-    #[allow(unsafe_code)]
-    pub unsafe fn register_raw(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<MemoryRegion, RegError> {
-        if !access.is_valid() {
-            return Err(RegError::InvalidAccess(access));
-        }
-        self.check_len(len)?;
-        // SAFETY: the caller's contract above is the one of
-        // `Memory::external` (valid for `len` bytes while it lives).
-        let mem = unsafe { Memory::external(ptr, len) };
-        MemoryRegion::new(self, mem, access, false)
     }
 
     pub(crate) fn check_len(&self, len: usize) -> Result<(), RegError> {

@@ -1,10 +1,10 @@
 //! Everything `unsafe` in softrdma: raw registered memory, vectored socket IO
 //! on raw pointers, event file descriptors and thread pinning. Each block
-//! carries a `// SAFETY:` comment; nothing outside this module uses `unsafe`
-//! except the declaration of the public API's one `unsafe` entry point,
-//! `ProtectionDomain::register_raw` in `pd.rs`, a thin wrapper over
-//! `mem::Memory::external`. `sys` imports nothing else of the engine: it is
-//! the bottom layer (`scripts/module-graph.py`).
+//! carries a `// SAFETY:` comment; no file outside `sys/` uses `unsafe`.
+//! `sys` imports nothing else of the engine: it is the bottom layer
+//! (`scripts/module-graph.py`). The public API's one `unsafe` entry point,
+//! `ProtectionDomain::register_raw`, is in `sys/register_raw.rs`, compiled
+//! as a child of `pd` so that this module never names the PD type.
 
 #[cfg(feature = "tokio")]
 pub(crate) mod async_fd;
