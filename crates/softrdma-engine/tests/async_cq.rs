@@ -362,11 +362,19 @@ async fn safety_poll_recovers_lost_wake_ups() {
     let src = mr(&a, 64);
     src.write(0, b"found by the safety poll").unwrap();
     // An operation whose completion is already there when it is first
-    // polled needs no wake-up; keep going (a bounded number of rounds)
-    // until one had to be recovered by the safety poll.
+    // polled needs no wake-up: the receive is polled first and the Send
+    // posted 2 ms later, so its completion comes after the receive went to
+    // sleep (the engine may deliver a completion as soon as the request is
+    // written, so posting both at once often found it already there). Keep
+    // going (a bounded number of rounds) until one had to be recovered by
+    // the safety poll.
     for round in 0..50 {
         let recv = b.qp.recv(mr(&b, 64), 0, 64);
-        let (s, r) = within(async { tokio::join!(a.qp.send(mr(&a, 64), 0, 8), recv) }).await;
+        let send = async {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            a.qp.send(mr(&a, 64), 0, 8).await
+        };
+        let (r, s) = within(async { tokio::join!(recv, send) }).await;
         s.expect("send");
         assert_eq!(r.expect("recv").wc.byte_len, 8);
         if round >= 2 && chan.recovered_by_safety_poll() > 0 {
