@@ -34,10 +34,10 @@ pub const DEFAULT_BUF_SIZE: usize = 64 * 1024 + crate::sdp::BSDH_LEN;
 /// Default [`Config::rx_bufs`]: the receive ring, and so the credits a
 /// writer has. The reader sends a credit update per half ring of messages:
 /// with 8 buffers a bulk writer ran out of credits every few messages and
-/// waited for the update (on the protocol-core data path its engine thread
-/// then looped on the readable socket), 0.64-0.80 x TCP at 128 KiB writes
-/// against 1.04-1.05 x with 64 (`softrdma perf stream -s 128K -D 1 -r 3
-/// --baseline tcp`, `SOFTRDMA_CORE_DATAPATH=1`; the crate's README). The
+/// waited for the update (the engine thread then looped on the readable
+/// socket), 0.64-0.80 x TCP at 128 KiB writes against 1.04-1.05 x with 64
+/// (`softrdma perf stream -s 128K -D 1 -r 3 --baseline tcp`; the crate's
+/// README). The
 /// buffers are mapped lazily: small messages touch a page per buffer. A
 /// connection posts 8 of them at first and the rest once it has received
 /// 512 KiB of data.
