@@ -2409,6 +2409,11 @@ mod drive_tests {
     }
 
     fn send_all(o: &Offload, total: usize) {
+        send_all_watching(o, total, || {});
+    }
+
+    /// [`send_all`] with `after` called after every write.
+    fn send_all_watching(o: &Offload, total: usize, mut after: impl FnMut()) {
         let mut sent = 0;
         let mut chunk = vec![0u8; 3000];
         while sent < total {
@@ -2419,6 +2424,7 @@ mod drive_tests {
             let mut off = 0;
             while off < n {
                 off += o.write(&chunk[off..n], false, None).unwrap();
+                after();
             }
             sent += n;
         }
@@ -2469,21 +2475,9 @@ mod drive_tests {
         // The writer's credits, after every write: a credit update tells
         // it of the grown ring.
         let mut most = 0;
-        let mut sent = 0;
-        let mut chunk = vec![0u8; 3000];
-        while sent < TOTAL {
-            let n = chunk.len().min(TOTAL - sent);
-            for (k, b) in chunk[..n].iter_mut().enumerate() {
-                *b = pattern(sent + k);
-            }
-            let mut off = 0;
-            while off < n {
-                off += c.write(&chunk[off..n], false, None).unwrap();
-                most = most.max(c.sh.lock().sdp.credits.tx_credits());
-            }
-            sent += n;
-        }
-        c.flush(None).unwrap();
+        send_all_watching(&c, TOTAL, || {
+            most = most.max(c.sh.lock().sdp.credits.tx_credits());
+        });
         let s = reader.join().unwrap();
         assert_eq!(s.sh.lock().rx_slots, s.sh.rx_max);
         assert!(most > RX_INITIAL as u32, "{most}");

@@ -141,16 +141,7 @@ impl QpInner {
         // under the lock `post_recv` queues them with.
         let mut cc = Box::new(cc);
         for w in std::mem::take(&mut *self.pre_rq.lock()) {
-            let spans = w
-                .segs
-                .into_iter()
-                .map(|s| softrdma_proto::mem::Span {
-                    region: s.mem,
-                    offset: s.offset,
-                    len: s.len,
-                })
-                .collect();
-            let _ = cc.conn.repost_recv(w.wr_id, spans);
+            let _ = cc.conn.repost_recv(w.wr_id, spans_of(w.segs));
         }
         *g = Some(cc);
         let _ = self.core.release(g);
@@ -254,15 +245,7 @@ impl QpInner {
         let Some(cc) = g.as_mut() else {
             return false;
         };
-        let spans = segs
-            .into_iter()
-            .map(|s| softrdma_proto::mem::Span {
-                region: s.mem,
-                offset: s.offset,
-                len: s.len,
-            })
-            .collect();
-        cc.conn.repost_recv(wr_id, spans)
+        cc.conn.repost_recv(wr_id, spans_of(segs))
     }
 
     /// Direct sending on the core path: transmit in the calling thread if
@@ -788,6 +771,20 @@ fn wc_opcode_of(op: &SendOp<'_>) -> WcOpcode {
         SendOp::BindMw { .. } => WcOpcode::BindMw,
         SendOp::FastReg { .. } => WcOpcode::RegMr,
     }
+}
+
+/// A receive's checked segments as the core's spans (a receive queued
+/// before the connection, a recycled proxy receive).
+fn spans_of(
+    segs: impl IntoIterator<Item = crate::wr::LocalSeg>,
+) -> Vec<softrdma_proto::mem::Span<std::sync::Arc<crate::sys::mem::Memory>>> {
+    segs.into_iter()
+        .map(|s| softrdma_proto::mem::Span {
+            region: s.mem,
+            offset: s.offset,
+            len: s.len,
+        })
+        .collect()
 }
 
 #[cfg(test)]
