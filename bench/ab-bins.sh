@@ -49,22 +49,10 @@ for c in "${run_a[-1]}" "${run_b[-1]}"; do
     [ -x "$c" ] || { echo "no binary $c (cargo build --release -p softrdma-cli)" >&2; exit 2; }
 done
 
-hogs=()
-results=$(mktemp)
-cleanup() {
-    for p in "${hogs[@]}"; do kill "$p" 2>/dev/null || true; done
-    rm -f "$results"
-}
-trap cleanup EXIT
+# shellcheck source=bench/ab-common.sh
+. bench/ab-common.sh  # (the working directory is the repository)
+start_hogs "$load"
 ncpu=$(nproc)
-for i in $(seq 0 $((load - 1))); do
-    taskset -c $((i % ncpu)) timeout 3600 bash -c 'while :; do :; done' &
-    hogs+=($!)
-done
-
-field() { # json key
-    sed -n "s/.*\"$2\":\([0-9.e+-]*\).*/\1/p" <<<"$1"
-}
 
 run() { # side test
     local side=$1 t=$2 la out cmd

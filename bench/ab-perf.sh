@@ -43,24 +43,10 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-hogs=()
-results=$(mktemp)
-cleanup() {
-    for p in "${hogs[@]}"; do kill "$p" 2>/dev/null || true; done
-    rm -f "$results"
-}
-trap cleanup EXIT
+# shellcheck source=bench/ab-common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/ab-common.sh"
+start_hogs "$load"
 ncpu=$(nproc)
-read -ra hog_cpus <<<"${AB_HOG_CPUS:-}"
-for i in $(seq 0 $((load - 1))); do
-    cpu=${hog_cpus[$i]:-$((i % ncpu))}
-    taskset -c "$cpu" timeout 3600 bash -c 'while :; do :; done' &
-    hogs+=($!)
-done
-
-field() { # json key
-    sed -n "s/.*\"$2\":\([0-9.e+-]*\).*/\1/p" <<<"$1"
-}
 ratio() { # a b
     awk -v a="$1" -v b="$2" 'BEGIN { if (a == "" || b == "" || b + 0 == 0) print ""; else printf "%.3f", a / b }'
 }
