@@ -817,7 +817,7 @@ mod tests {
         let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
         let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
         crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
-        b.qp().device.threads().unregister(b.qp());
+        b.qp().device.threads().unregister(&**b.qp());
         (a, b, cqb, pd)
     }
 
