@@ -95,7 +95,11 @@ impl QpInner {
     }
 
     fn core_mem(&self) -> PdMemory<'_> {
-        PdMemory::new(self.device.stags(), self.pd.id(), self.srq.as_ref())
+        PdMemory::new(
+            self.device.stags(),
+            self.pd.id(),
+            self.srq.as_ref().map(|s| s as &dyn crate::mr::RecvSource),
+        )
     }
 
     /// `establish` on the core path (state lock held, QP in IDLE or RTR).
