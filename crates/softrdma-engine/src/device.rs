@@ -241,7 +241,7 @@ impl Device {
                 "slice_size must be a power of two of at least 512",
             ));
         }
-        let datamovers = crate::datamover::engine_cpus(&config).len();
+        let datamovers = crate::datamover::engine_cpus(&config.datamover_cpus).len();
         let handlers = Handlers::start(HandlersConfig {
             cpus: &config.handler_cpus,
             policy: &config.handler_policy,
@@ -370,14 +370,15 @@ impl Device {
 
     /// The engine threads, started with the first QP.
     pub(crate) fn threads(&self) -> &Threads {
-        self.inner
-            .threads
-            .get_or_init(|| match Threads::start(&self.inner.config) {
+        self.inner.threads.get_or_init(|| {
+            let c = &self.inner.config;
+            match Threads::start(&c.datamover_cpus, c.slice_size, c.pin_threads) {
                 Ok(t) => t,
                 // Without threads the device cannot move data; this happens only
                 // when the process cannot create threads or epoll instances.
                 Err(e) => panic!("softrdma: cannot start the device threads: {e}"),
-            })
+            }
+        })
     }
 
     /// The registration table of the device.

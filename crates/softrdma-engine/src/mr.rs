@@ -1402,6 +1402,13 @@ impl Drop for MemoryWindow {
 // The protocol core's view of memory
 // ---------------------------------------------------------------------------
 
+/// Where a QP takes its receives from when it has a shared receive queue:
+/// the SRQ implements it (`srq.rs`), so memory does not name the SRQ.
+pub(crate) trait RecvSource: Sync + std::fmt::Debug {
+    /// Takes the next posted receive, if any.
+    fn pop_recv(&self) -> Option<crate::wr::RecvWqe>;
+}
+
 /// A QP's memory as the sans-IO protocol core
 /// (`softrdma_proto::conn::Connection`) sees it: lookups in the device's
 /// STag table for the QP's protection domain, atomics, invalidation, binds
@@ -1413,18 +1420,14 @@ impl Drop for MemoryWindow {
 pub(crate) struct PdMemory<'a> {
     stags: &'a StagTable,
     pd: u32,
-    srq: Option<&'a crate::srq::SharedReceiveQueue>,
+    srq: Option<&'a dyn RecvSource>,
 }
 
 #[cfg_attr(not(test), allow(dead_code))] // the protocol core's memory (the data path's next step)
 impl<'a> PdMemory<'a> {
     /// The memory of protection domain `pd` in `stags`, with the SRQ the QP
     /// takes its receives from, if any.
-    pub(crate) fn new(
-        stags: &'a StagTable,
-        pd: u32,
-        srq: Option<&'a crate::srq::SharedReceiveQueue>,
-    ) -> Self {
+    pub(crate) fn new(stags: &'a StagTable, pd: u32, srq: Option<&'a dyn RecvSource>) -> Self {
         PdMemory { stags, pd, srq }
     }
 }
@@ -1557,7 +1560,7 @@ impl softrdma_proto::mem::Memory for PdMemory<'_> {
     }
 
     fn srq_pop(&mut self) -> Option<softrdma_proto::mem::SharedRecv<Arc<Memory>>> {
-        let w = self.srq?.pop()?;
+        let w = self.srq?.pop_recv()?;
         Some(softrdma_proto::mem::SharedRecv {
             wr_id: w.wr_id,
             segs: w

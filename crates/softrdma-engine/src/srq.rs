@@ -306,6 +306,12 @@ impl SharedReceiveQueue {
     }
 }
 
+impl crate::mr::RecvSource for SharedReceiveQueue {
+    fn pop_recv(&self) -> Option<RecvWqe> {
+        self.pop()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

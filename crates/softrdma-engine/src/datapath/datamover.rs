@@ -51,10 +51,37 @@ use std::time::Duration;
 use crossbeam_queue::SegQueue;
 use parking_lot::Mutex;
 
-use crate::device::DeviceConfig;
-use crate::qp::QpInner;
 use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
 use crate::sys::poll::{EpollSet, Ready};
+
+/// What the engine threads need from a QP: its keys, the flags they share
+/// with it, and its transmit and receive progress. The QP layer implements
+/// it (`qp/dm.rs`); the threads hold QPs only as `dyn DmQp`, as the CQ
+/// holds them as [`Progress`](crate::cq::Progress).
+pub(crate) trait DmQp: Send + Sync + std::fmt::Debug {
+    /// The QP number (the key of its socket in an engine thread's table).
+    fn qp_num(&self) -> u32;
+    /// The engine thread the QP is assigned to ([`Threads::assign`]).
+    fn datamover(&self) -> usize;
+    /// Set while a datamover lists the QP (active or paused).
+    fn dm_listed(&self) -> &AtomicBool;
+    /// Set while the QP is registered with the receive threads.
+    fn rx_registered(&self) -> &AtomicBool;
+    /// When a CQ poll last drove the QP's receive path ([`now_ns`] clock).
+    fn last_poll(&self) -> &AtomicU64;
+    /// Whether CQ pollers drive the receive path
+    /// ([`poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)).
+    fn poll_driven_receive(&self) -> bool;
+    /// Whether the QP still receives: in RTS or CLOSING.
+    fn receiving(&self) -> bool;
+    /// Whether another thread runs (or is to run) its receive path now.
+    fn rx_busy(&self) -> bool;
+    /// Transmits for one slice of `slice` bytes.
+    fn serve(&self, slice: usize) -> Served;
+    /// Receive progress, only if nobody else is receiving (`busy`: the
+    /// caller busy-polls).
+    fn rx_poll(&self, busy: bool) -> bool;
+}
 
 /// Statistics of one engine thread (datamover and receiver).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,16 +100,19 @@ pub struct DatamoverStats {
     pub receives: u64,
 }
 
+/// A QP whose socket an engine thread receives from, and the socket.
+type RxEntry = (Weak<dyn DmQp>, RawFd);
+
 #[derive(Debug)]
 struct Engine {
     cpu: usize,
     load: AtomicUsize,
     /// QPs with transmit work, handed over by other threads.
-    inbox: SegQueue<Arc<QpInner>>,
+    inbox: SegQueue<Arc<dyn DmQp>>,
     /// Keys of QPs whose socket is to be watched for reading (again).
     rx_inbox: SegQueue<usize>,
     /// Connected QPs whose sockets this thread receives from.
-    qps: Mutex<HashMap<usize, (Weak<QpInner>, RawFd)>>,
+    qps: Mutex<HashMap<usize, RxEntry>>,
     poll: EpollSet,
     /// When the thread's current (or last) sleep ends at the latest (engine
     /// clock): a hand-over due earlier must wake it
@@ -101,24 +131,30 @@ pub(crate) struct Threads {
     engines: Vec<Arc<Engine>>,
 }
 
-/// How many engine threads `config` starts: one per entry of
-/// `datamover_cpus`, or one per usable CPU, and never more than usable CPUs.
-pub(crate) fn engine_cpus(config: &DeviceConfig) -> Vec<usize> {
+/// The CPUs of the engine threads for the configured `datamover_cpus`:
+/// one thread per entry, or one per usable CPU if empty, and never more
+/// than usable CPUs.
+pub(crate) fn engine_cpus(datamover_cpus: &[usize]) -> Vec<usize> {
     let usable = usable_cpus();
-    if config.datamover_cpus.is_empty() {
+    if datamover_cpus.is_empty() {
         usable
     } else {
-        let mut cpus = config.datamover_cpus.clone();
+        let mut cpus = datamover_cpus.to_vec();
         cpus.truncate(usable.len().max(1));
         cpus
     }
 }
 
 impl Threads {
-    /// Starts the threads for `config`.
-    pub(crate) fn start(config: &DeviceConfig) -> std::io::Result<Threads> {
+    /// Starts the threads: one per CPU of [`engine_cpus`]`(datamover_cpus)`,
+    /// serving `slice` bytes per turn, pinned if `pin`.
+    pub(crate) fn start(
+        datamover_cpus: &[usize],
+        slice: usize,
+        pin: bool,
+    ) -> std::io::Result<Threads> {
         let mut engines = Vec::new();
-        for (i, cpu) in engine_cpus(config).into_iter().enumerate() {
+        for (i, cpu) in engine_cpus(datamover_cpus).into_iter().enumerate() {
             let e = Arc::new(Engine {
                 cpu,
                 load: AtomicUsize::new(0),
@@ -133,8 +169,6 @@ impl Threads {
                 resumes: AtomicU64::new(0),
                 receives: AtomicU64::new(0),
             });
-            let slice = config.slice_size;
-            let pin = config.pin_threads;
             {
                 let e = e.clone();
                 spawn_engine_thread(format!("softrdma-dm{i}"), move || {
@@ -168,11 +202,11 @@ impl Threads {
     }
 
     /// Hands a QP with work to its engine thread (no-op if already listed).
-    pub(crate) fn schedule(&self, qp: &Arc<QpInner>) {
-        if qp.dm_listed.swap(true, Ordering::AcqRel) {
+    pub(crate) fn schedule<Q: DmQp + 'static>(&self, qp: &Arc<Q>) {
+        if qp.dm_listed().swap(true, Ordering::AcqRel) {
             return;
         }
-        if let Some(e) = self.engines.get(qp.datamover) {
+        if let Some(e) = self.engines.get(qp.datamover()) {
             e.inbox.push(qp.clone());
             e.poll.notify();
         }
@@ -187,19 +221,21 @@ impl Threads {
     /// costs its engine thread no wake-up). Without
     /// [`poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
     /// nobody else receives: the thread watches the socket at once.
-    pub(crate) fn register_rx(&self, qp: &Arc<QpInner>, fd: RawFd) {
-        let Some(e) = self.engines.get(qp.datamover) else {
+    pub(crate) fn register_rx<Q: DmQp + 'static>(&self, qp: &Arc<Q>, fd: RawFd) {
+        let Some(e) = self.engines.get(qp.datamover()) else {
             return;
         };
-        let key = qp.qp_num as usize;
-        let lazy = qp.device.config().poll_driven_receive;
+        let key = qp.qp_num() as usize;
+        let lazy = qp.poll_driven_receive();
         let now = now_ns().max(1);
         if lazy {
             // A claim by a waiter may already reach further.
-            qp.last_poll.fetch_max(now, Ordering::Relaxed);
+            qp.last_poll().fetch_max(now, Ordering::Relaxed);
         }
-        e.qps.lock().insert(key, (Arc::downgrade(qp), fd));
-        qp.rx_registered.store(true, Ordering::Release);
+        let weak: Weak<Q> = Arc::downgrade(qp);
+        let weak: Weak<dyn DmQp> = weak;
+        e.qps.lock().insert(key, (weak, fd));
+        qp.rx_registered().store(true, Ordering::Release);
         e.rx_inbox.push(key);
         if !lazy {
             e.poll.notify();
@@ -219,21 +255,20 @@ impl Threads {
     /// thread leaves the socket to the waiter (two threads woken by the
     /// same bytes would fight for the receive lock). `None`: the waiter is
     /// awake again and polls (the usual quiet period applies).
-    pub(crate) fn claim_rx(&self, qp: &QpInner, until_ns: Option<u64>) -> Option<RawFd> {
+    pub(crate) fn claim_rx(&self, qp: &dyn DmQp, until_ns: Option<u64>) -> Option<RawFd> {
         // A QP that no longer receives (closed, in error) may have a socket
         // at end of file: always readable, it would wake the waiter at once,
         // again and again.
-        if !qp.rx_registered.load(Ordering::Acquire)
-            || !matches!(
-                qp.state(),
-                crate::state::QpState::Rts | crate::state::QpState::Closing
-            )
-        {
+        if !qp.rx_registered().load(Ordering::Acquire) || !qp.receiving() {
             return None;
         }
-        let e = self.engines.get(qp.datamover)?;
-        let fd = e.qps.lock().get(&(qp.qp_num as usize)).map(|(_, fd)| *fd)?;
-        qp.last_poll
+        let e = self.engines.get(qp.datamover())?;
+        let fd = e
+            .qps
+            .lock()
+            .get(&(qp.qp_num() as usize))
+            .map(|(_, fd)| *fd)?;
+        qp.last_poll()
             .store(until_ns.unwrap_or_else(now_ns), Ordering::Relaxed);
         Some(fd)
     }
@@ -247,11 +282,11 @@ impl Threads {
     }
 
     /// Stops watching a QP's socket for reading.
-    pub(crate) fn unregister(&self, qp: &QpInner) {
-        if !qp.rx_registered.swap(false, Ordering::AcqRel) {
+    pub(crate) fn unregister(&self, qp: &dyn DmQp) {
+        if !qp.rx_registered().swap(false, Ordering::AcqRel) {
             return;
         }
-        let Some(e) = self.engines.get(qp.datamover) else {
+        let Some(e) = self.engines.get(qp.datamover()) else {
             return;
         };
         // The engine thread arms a socket for reading only under the
@@ -263,8 +298,8 @@ impl Threads {
         // The thread need not be woken for this: a stale watch is dropped
         // at its next event or turn, whichever comes first (an armed
         // registration is ignored once the key left the table).
-        e.qps.lock().remove(&(qp.qp_num as usize));
-        e.rx_inbox.push(qp.qp_num as usize);
+        e.qps.lock().remove(&(qp.qp_num() as usize));
+        e.rx_inbox.push(qp.qp_num() as usize);
     }
 
     /// Statistics of every engine thread.
@@ -300,10 +335,6 @@ pub(crate) enum Served {
     Paused(RawFd),
     /// Nothing left: leaves the lists.
     Done,
-}
-
-fn serve(qp: &Arc<QpInner>, slice: usize) -> Served {
-    qp.core_serve(slice)
 }
 
 /// While transmitting, an engine thread looks at its sockets (readable,
@@ -378,7 +409,7 @@ struct Watch {
     /// in one go does not update its poll time meanwhile).
     busy_step: u64,
     /// Paused for lack of send space: watched for writing.
-    paused: Option<Arc<QpInner>>,
+    paused: Option<Arc<dyn DmQp>>,
 }
 
 impl Watch {
@@ -395,7 +426,7 @@ impl Watch {
 
 /// The thread-local state of an engine thread.
 struct Local {
-    active: VecDeque<Arc<QpInner>>,
+    active: VecDeque<Arc<dyn DmQp>>,
     watches: HashMap<usize, Watch>,
     /// Watches with reading deferred.
     deferred: usize,
@@ -470,7 +501,7 @@ impl Local {
                     .lock()
                     .get(&key)
                     .and_then(|(q, _)| q.upgrade())
-                    .map_or(0, |qp| qp.last_poll.load(Ordering::Relaxed));
+                    .map_or(0, |qp| qp.last_poll().load(Ordering::Relaxed));
                 let defer =
                     (polled.saturating_add(POLL_QUIET_NS) > now_ns()).then(|| poller_defer(polled));
                 self.set_deferred(key, defer);
@@ -496,7 +527,7 @@ impl Local {
             }
             return;
         };
-        let polled = qp.last_poll.load(Ordering::Relaxed);
+        let polled = qp.last_poll().load(Ordering::Relaxed);
         if polled.saturating_add(POLL_QUIET_NS) > now {
             // A CQ poller drives this QP (it may sleep on this very
             // socket and is woken by the same bytes): leave them to it.
@@ -505,18 +536,14 @@ impl Local {
         }
         e.receives.fetch_add(1, Ordering::Relaxed);
         qp.rx_poll(false);
-        let receiving = qp.rx_registered.load(Ordering::Acquire)
-            && matches!(
-                qp.state(),
-                crate::state::QpState::Rts | crate::state::QpState::Closing
-            );
+        let receiving = qp.rx_registered().load(Ordering::Acquire) && qp.receiving();
         if !receiving {
             // Closed or in error: its socket may stay readable (end of
             // file) for good.
             if let Some(w) = self.watches.get_mut(&key) {
                 w.read = false;
             }
-        } else if qp.rx.is_locked() || qp.core_rx_wanted.load(Ordering::SeqCst) {
+        } else if qp.rx_busy() {
             // Another thread is receiving for it right now, or (core path)
             // the thread holding its connection receives when it lets go.
             let step = self.watches.get_mut(&key).map_or(RX_BUSY_RETRY_NS, |w| {
@@ -532,7 +559,7 @@ impl Local {
             if let Some(w) = self.watches.get_mut(&key) {
                 w.busy_step = 0;
             }
-            let polled = qp.last_poll.load(Ordering::Relaxed);
+            let polled = qp.last_poll().load(Ordering::Relaxed);
             if polled.saturating_add(POLL_QUIET_NS) > now {
                 self.set_deferred(key, Some(poller_defer(polled)));
             }
@@ -565,7 +592,7 @@ impl Local {
                                 .get(&key)
                                 .and_then(|(q, _)| q.upgrade())
                                 .map_or(0, |qp| {
-                                    qp.last_poll
+                                    qp.last_poll()
                                         .load(Ordering::Relaxed)
                                         .saturating_add(POLL_QUIET_NS)
                                 });
@@ -652,7 +679,7 @@ fn run_engine(e: &Engine, slice: usize, pin: bool) {
                     && let Some(qp) = w.paused.take()
                 {
                     e.resumes.fetch_add(1, Ordering::Relaxed);
-                    tracing::trace!(qp = qp.qp_num, "datamover resumes a QP (socket writable)");
+                    tracing::trace!(qp = qp.qp_num(), "datamover resumes a QP (socket writable)");
                     l.active.push_back(qp);
                 }
                 if r.readable && w.read && w.deferred.is_none() {
@@ -676,12 +703,12 @@ fn run_engine(e: &Engine, slice: usize, pin: bool) {
                 break;
             };
             e.slices.fetch_add(1, Ordering::Relaxed);
-            match serve(&qp, budget) {
+            match qp.serve(budget) {
                 Served::Active => l.active.push_back(qp),
                 Served::Paused(fd) => {
-                    let key = qp.qp_num as usize;
+                    let key = qp.qp_num() as usize;
                     e.pauses.fetch_add(1, Ordering::Relaxed);
-                    tracing::trace!(qp = qp.qp_num, "datamover pauses a QP (socket full)");
+                    tracing::trace!(qp = qp.qp_num(), "datamover pauses a QP (socket full)");
                     let w = l.watches.entry(key).or_insert_with(|| Watch::new(fd));
                     w.fd = fd;
                     w.paused = Some(qp);

@@ -10,7 +10,9 @@
 //! * [`datamover`]: the per-CPU engine threads (transmit and receive).
 //!
 //! The QP layer (`qp/core_path.rs`) holds each connection under one lock
-//! and drives these; the modules stay importable as `crate::datamover`.
+//! and drives these; the engine threads see a QP only through the narrow
+//! trait `datamover::DmQp` (implemented in `qp/dm.rs`), so this module
+//! does not import `qp`. The modules stay importable as `crate::datamover`.
 
 pub(crate) mod conn_io;
 pub(crate) mod datamover;

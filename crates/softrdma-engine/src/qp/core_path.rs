@@ -95,7 +95,11 @@ impl QpInner {
     }
 
     fn core_mem(&self) -> PdMemory<'_> {
-        PdMemory::new(self.device.stags(), self.pd.id(), self.srq.as_ref())
+        PdMemory::new(
+            self.device.stags(),
+            self.pd.id(),
+            self.srq.as_ref().map(|s| s as &dyn crate::mr::RecvSource),
+        )
     }
 
     /// `establish` on the core path (state lock held, QP in IDLE or RTR).
@@ -814,7 +818,7 @@ mod tests {
         let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
         let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
         crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
-        b.qp().device.threads().unregister(b.qp());
+        b.qp().device.threads().unregister(&**b.qp());
         (a, b, cqb, pd)
     }
 

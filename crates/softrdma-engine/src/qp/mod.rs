@@ -52,6 +52,7 @@ use crate::wr::{RecvSegs, RecvWqe, RecvWr, SendOp, SendWr};
 mod close;
 mod conn;
 mod core_path;
+mod dm;
 mod post;
 
 /// How long a graceful close waits for the peer's FIN before it resets the

@@ -866,7 +866,11 @@ fn differential_with(opts: Opts, script: impl Fn(&mut dyn Pair, &Mem)) -> (Outco
         conns: [ConnState::new(cfg0).conn, ConnState::new(cfg1).conn],
         mems: [
             PdMemory::new(dev.stags(), cpds[0].id(), None),
-            PdMemory::new(dev.stags(), cpds[1].id(), csrq.as_ref()),
+            PdMemory::new(
+                dev.stags(),
+                cpds[1].id(),
+                csrq.as_ref().map(|s| s as &dyn crate::mr::RecvSource),
+            ),
         ],
         stags: dev.stags(),
         qp_nums: nums,
