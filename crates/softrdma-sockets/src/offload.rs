@@ -1355,18 +1355,19 @@ impl Shared {
         }
     }
 
-    fn repost(&self, st: &mut State, slot: u32) {
-        let base = self.slot_base(slot);
-        let res = self
+    /// Posts receive buffer `slot` (its work request id is the slot).
+    fn post_slot(&self, slot: u32) -> Result<(), String> {
+        let sge = self
             .rx_mr
-            .sge(base, self.buf_size as u32)
+            .sge(self.slot_base(slot), self.buf_size as u32)
+            .map_err(|e| e.to_string())?;
+        self.qp
+            .post_recv(&RecvWr::new(u64::from(slot), &[sge]))
             .map_err(|e| e.to_string())
-            .and_then(|sge| {
-                self.qp
-                    .post_recv(&RecvWr::new(u64::from(slot), &[sge]))
-                    .map_err(|e| e.to_string())
-            });
-        match res {
+    }
+
+    fn repost(&self, st: &mut State, slot: u32) {
+        match self.post_slot(slot) {
             Ok(()) => st.sdp.credits.on_repost(1),
             Err(e) => st.link_lost(e),
         }
@@ -1381,18 +1382,7 @@ impl Shared {
     /// ring ahead of the peer's view, see `sdp::Credits::wants_update`).
     fn grow_ring(&self, st: &mut State) {
         while st.rx_slots < self.rx_max {
-            let slot = st.rx_slots;
-            let base = self.slot_base(slot);
-            let res = self
-                .rx_mr
-                .sge(base, self.buf_size as u32)
-                .map_err(|e| e.to_string())
-                .and_then(|sge| {
-                    self.qp
-                        .post_recv(&RecvWr::new(u64::from(slot), &[sge]))
-                        .map_err(|e| e.to_string())
-                });
-            if let Err(e) = res {
+            if let Err(e) = self.post_slot(st.rx_slots) {
                 st.link_lost(e);
                 return;
             }
