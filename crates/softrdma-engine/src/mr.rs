@@ -304,13 +304,22 @@ pub enum InvalidateError {
 }
 
 impl InvalidateError {
-    /// The Terminate code for a failed remote invalidation (Send with
-    /// Invalidate), RFC 5040 section 7.2, RDMAP Remote Protection.
+    /// The Terminate code sent for a failed remote invalidation (Send with
+    /// Invalidate), RFC 5040 section 7.2: "STag cannot be invalidated", a
+    /// Remote Protection error for an STag of another protection domain, a
+    /// Remote Operation error otherwise. The mapping is the protocol
+    /// core's: [`softrdma_proto::mem::InvalidateError::term_error`].
     pub const fn term_error(self) -> TermError {
+        self.to_core().term_error()
+    }
+
+    /// The protocol core's counterpart of this error.
+    pub(crate) const fn to_core(self) -> softrdma_proto::mem::InvalidateError {
+        use softrdma_proto::mem::InvalidateError as Core;
         match self {
-            InvalidateError::InvalidStag => TermError::RdmapInvalidStag,
-            InvalidateError::PdMismatch => TermError::RdmapStagNotAssociated,
-            InvalidateError::CannotInvalidate => TermError::RdmapProtectionCannotInvalidate,
+            InvalidateError::InvalidStag => Core::InvalidStag,
+            InvalidateError::PdMismatch => Core::PdMismatch,
+            InvalidateError::CannotInvalidate => Core::CannotInvalidate,
         }
     }
 
@@ -1508,14 +1517,9 @@ impl softrdma_proto::mem::Memory for PdMemory<'_> {
         stag: u32,
         remote: bool,
     ) -> Result<(), softrdma_proto::mem::InvalidateError> {
-        use softrdma_proto::mem::InvalidateError as E;
         self.stags
             .invalidate(stag, self.pd, remote)
-            .map_err(|e| match e {
-                InvalidateError::InvalidStag => E::InvalidStag,
-                InvalidateError::PdMismatch => E::PdMismatch,
-                InvalidateError::CannotInvalidate => E::CannotInvalidate,
-            })
+            .map_err(InvalidateError::to_core)
     }
 
     fn local_op(&mut self, op: &softrdma_proto::mem::LocalOp) -> Result<(), ()> {
@@ -2512,8 +2516,17 @@ mod tests {
             let code = e.term_error(false).code();
             assert_eq!((code.layer_raw(), code.etype(), code.ecode()), (l, t, c));
         }
-        let code = InvalidateError::CannotInvalidate.term_error().code();
-        assert_eq!((code.layer_raw(), code.etype(), code.ecode()), (0, 1, 9));
+        // "STag cannot be invalidated": Remote Operation (type 2, code 9)
+        // unless the STag is another protection domain's (Remote
+        // Protection, type 1, code 9), as the core sends it.
+        for (e, (l, t, c)) in [
+            (InvalidateError::InvalidStag, (0, 2, 9)),
+            (InvalidateError::CannotInvalidate, (0, 2, 9)),
+            (InvalidateError::PdMismatch, (0, 1, 9)),
+        ] {
+            let code = e.term_error().code();
+            assert_eq!((code.layer_raw(), code.etype(), code.ecode()), (l, t, c));
+        }
     }
 
     #[test]

@@ -134,6 +134,21 @@ pub enum InvalidateError {
     CannotInvalidate,
 }
 
+impl InvalidateError {
+    /// The Terminate error for a Send with Invalidate whose STag could not
+    /// be invalidated (RFC 5040 section 7.2): "STag cannot be invalidated"
+    /// as a Remote Protection error when the STag belongs to another
+    /// protection domain, as a Remote Operation error otherwise (as Linux
+    /// siw reports it).
+    #[must_use]
+    pub const fn term_error(self) -> TermError {
+        match self {
+            Self::PdMismatch => TermError::RdmapProtectionCannotInvalidate,
+            Self::InvalidStag | Self::CannotInvalidate => TermError::RdmapOperationCannotInvalidate,
+        }
+    }
+}
+
 /// A local memory operation executed when posted (like the engine: bind,
 /// fast-register and local invalidate take effect at post time and
 /// complete in send-queue order).

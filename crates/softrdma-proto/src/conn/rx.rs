@@ -13,7 +13,7 @@ use super::{
     Connection, MsgInfo, OutKind, QN_ARESP, QN_RREQ, QN_SEND as QS, QN_TERM, RecvEntry, Response,
     SEND_IMM_FOLLOWS, WriteInfo,
 };
-use crate::mem::{InvalidateError, Memory, RemoteAccess, Span};
+use crate::mem::{Memory, RemoteAccess, Span};
 use crate::qp_state::{ConnEvent, QpState};
 use crate::term::{self, MALFORMED_HEADER, UNSUPPORTED_ATOMIC};
 use crate::types::{AsyncKind, Completion, CqKind, LinkAction, WcOpcode, WcStatus};
@@ -620,12 +620,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                         // Like siw: the receive reports the failure.
                         wc.status = WcStatus::RemoteInvalidRequest;
                         self.completions.push_back(wc);
-                        return Err(match e {
-                            InvalidateError::PdMismatch => {
-                                TermError::RdmapProtectionCannotInvalidate
-                            }
-                            _ => TermError::RdmapOperationCannotInvalidate,
-                        });
+                        return Err(e.term_error());
                     }
                     wc.invalidated = Some(stag);
                 }
