@@ -52,7 +52,10 @@ use crate::handlers::{
 use crate::sys::fd::EventFd;
 use crate::wc::WorkCompletion;
 
-/// Longest single sleep of [`CompletionQueue::wait`] before it looks again.
+/// Longest single sleep of [`CompletionQueue::wait`] with a timeout before
+/// it looks again, and how far the claim on the QPs' sockets reaches past
+/// the start of a sleep. A wait without a timeout sleeps until woken, with
+/// no kernel timer (see [`crate::wait_set`]).
 const SLEEP_MAX: Duration = Duration::from_millis(10);
 
 /// What a sleeping waiter watches ([`CompletionQueue::wait`]): kept per
@@ -855,19 +858,24 @@ impl CompletionQueue {
                 }
             }
             *look = true;
-            let now = crate::sys::clock::now();
-            if deadline.is_some_and(|d| now >= d) {
-                if !received {
-                    let (n, progressed) = self.poll_progress(out);
-                    if n > 0 || (on_progress && progressed) {
-                        return Some(n);
+            // `None`: no deadline, a sleep until woken (no clock read, no
+            // kernel timer).
+            let nap = match deadline {
+                None => None,
+                Some(d) => {
+                    let now = crate::sys::clock::now();
+                    if now >= d {
+                        if !received {
+                            let (n, progressed) = self.poll_progress(out);
+                            if n > 0 || (on_progress && progressed) {
+                                return Some(n);
+                            }
+                        }
+                        return None;
                     }
+                    Some(d.saturating_duration_since(now).min(SLEEP_MAX))
                 }
-                return None;
-            }
-            let nap = deadline
-                .map_or(SLEEP_MAX, |d| d.saturating_duration_since(now))
-                .min(SLEEP_MAX);
+            };
             // Sleep on the QPs' sockets and on `wake`: bytes arriving wake
             // this thread, which then runs the receive path itself (no
             // hand-off to an engine thread); completions pushed by other
@@ -881,8 +889,9 @@ impl CompletionQueue {
             let on_sockets = config.poll_driven_receive && wake.is_some();
             if on_sockets {
                 // QPs without a socket to watch receive nothing.
+                let claim = nap.unwrap_or(SLEEP_MAX);
                 let until = crate::datamover::now_ns()
-                    .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX));
+                    .saturating_add(u64::try_from(claim.as_nanos()).unwrap_or(u64::MAX));
                 for h in &set.hooks {
                     if let Some(fd) = h.sleep_on(Some(until)) {
                         set.fds.push(fd);
@@ -904,7 +913,7 @@ impl CompletionQueue {
             let mut woken = false;
             if n == 0 {
                 if set.fds.is_empty() {
-                    std::thread::sleep(nap.min(Duration::from_micros(100)));
+                    std::thread::sleep(nap.unwrap_or(SLEEP_MAX).min(Duration::from_micros(100)));
                 } else {
                     // The hooks (and so the QPs owning the sockets) stay
                     // alive until after the wait.
