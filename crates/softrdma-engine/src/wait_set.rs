@@ -60,6 +60,15 @@
 //! another look at it. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
 //! way for every set.
 //!
+//! Wake-ups: a `ppoll(2)` set sleeps on one wake-up descriptor of its own
+//! for all its CQs (`sys::fd::Waker`, registered with each CQ for the
+//! sleep; a push writes it at most once per sleep), which no other waiter
+//! reads, so no waiter can take another's wake-up and a wait without a
+//! timeout sleeps with no timer at all (a kernel timer armed and cancelled
+//! per sleep cost 3–4 % of a blocking ping-pong's CPU). A set waiting with
+//! epoll sleeps on the CQs' own event fds, which every epoll waiter of a
+//! CQ shares: its sleeps stay bounded (`NAP_MAX`) as a safety net.
+//!
 //! Signals: a signal handled while the thread waits ends the wait with
 //! [`WaitError::Interrupted`], as `poll(2)` returns `EINTR`;
 //! [`WaitSet::wait_masked`] installs a signal mask for the duration of the
@@ -72,6 +81,7 @@ use std::time::Duration;
 
 use crate::cq::{CompletionQueue, Progress};
 use crate::sys::clock;
+use crate::sys::fd::Waker;
 
 /// `poll(2)` reports a file that epoll refuses (a regular file) ready for
 /// reading and writing.
@@ -148,6 +158,10 @@ pub struct WaitSet {
     /// The epoll wait failed in a way a `ppoll(2)` would not: this set
     /// waits with `ppoll(2)` from now on.
     ep_off: bool,
+    /// The set's own wake-up descriptor for `ppoll(2)` waits (registered
+    /// with each CQ for the sleep: one descriptor for all its CQs, read
+    /// by nobody else), with the fork generation it was made in.
+    waker: Option<(Arc<Waker>, u64)>,
 }
 
 /// How a wait set sleeps (`SOFTRDMA_WAIT_SET`: `ppoll`, `epoll` or
@@ -644,15 +658,32 @@ impl WaitSet {
             p.revents = 0;
         }
         self.pfds.extend_from_slice(&self.fds);
-        // From here a push to any of the CQs signals its event fd: a
-        // completion that arrives after the look below wakes the sleep.
+        // From here a push to any of the CQs wakes the set's waker (or
+        // signals the CQ's event fd): a completion that arrives after the
+        // look below wakes the sleep.
+        let generation = crate::sys::epoll::fork_generation();
+        if self.waker.as_ref().is_none_or(|w| w.1 != generation) {
+            self.waker = Waker::new().ok().map(|w| (Arc::new(w), generation));
+        }
+        let waker = self.waker.as_ref().map(|w| Arc::clone(&w.0));
         let mut wake_fds = std::mem::take(&mut self.wake_fds);
         wake_fds.clear();
         for cq in &self.cqs {
-            wake_fds.push(cq.wait_set_enter());
+            match &waker {
+                Some(w) => cq.waiter_enter(w),
+                None => wake_fds.push(cq.wait_set_enter()),
+            }
         }
         let mut ready = self.look_cqs();
-        let nap = if ready > 0 { Some(Duration::ZERO) } else { nap };
+        let nap = if ready > 0 {
+            Some(Duration::ZERO)
+        } else if waker.is_none() {
+            // The CQs' shared event fds: a waiter that reads one may take
+            // another's wake-up, so the sleep stays bounded.
+            Some(nap.unwrap_or(NAP_MAX))
+        } else {
+            nap
+        };
         // The QPs' sockets, claimed from the receive threads until the end
         // of the nap: bytes arriving wake this thread, which runs the
         // receive path itself. Also when a CQ is ready already (a look
@@ -679,6 +710,14 @@ impl WaitSet {
             }
         }
         if ready == 0 {
+            if let Some(w) = &waker {
+                self.pfds.push(libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(&**w),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+                self.wakes.push(usize::MAX);
+            }
             for (i, fd) in wake_fds.iter().enumerate() {
                 if let Some(fd) = *fd {
                     self.pfds.push(libc::pollfd {
@@ -699,7 +738,10 @@ impl WaitSet {
         // below in this very thread, above all) need not signal the event
         // fds (a write, and a read to drain it, per message otherwise).
         for cq in &self.cqs {
-            cq.wait_set_leave();
+            match &waker {
+                Some(w) => cq.waiter_leave(w),
+                None => cq.wait_set_leave(),
+            }
         }
         let nf = self.fds.len();
         let mut woke = false;
@@ -720,7 +762,14 @@ impl WaitSet {
                 let wakes = &self.pfds[nf + self.hooks.len()..];
                 for (&i, p) in self.wakes.iter().zip(wakes) {
                     if p.revents != 0 {
-                        self.cqs[i].wait_set_drain();
+                        match (&waker, self.cqs.get(i)) {
+                            // Read, then let pushes write again: the look
+                            // at the CQs below sees what a push that did
+                            // not write announced.
+                            (Some(w), None) => w.reset(),
+                            (_, Some(cq)) => cq.wait_set_drain(),
+                            (None, None) => {}
+                        }
                         woke = true;
                     }
                 }
@@ -757,6 +806,10 @@ impl WaitSet {
         nap: Option<Duration>,
         mask: Option<&SigSet>,
     ) -> Option<Result<(usize, bool), WaitError>> {
+        // The CQs' event fds are shared by every epoll waiter of a CQ (a
+        // waiter that reads one may take another's wake-up): the sleep
+        // stays bounded.
+        let nap = Some(nap.unwrap_or(NAP_MAX));
         let fork_gen = crate::sys::epoll::fork_generation();
         if self.ep.as_ref().is_some_and(|e| e.fork_gen != fork_gen) {
             // Made before a fork: shared with the parent; this process
@@ -1186,5 +1239,37 @@ mod tests {
         }
         assert!(set.cq_ready(0));
         pusher.join().unwrap();
+    }
+
+    /// Regression (waits without a timeout sleep with no timer): two
+    /// threads waiting on one CQ with sets of their own are both woken by
+    /// one push. With one shared descriptor, the first to read it could
+    /// take the other's wake-up, which then slept on.
+    #[test]
+    fn regression_two_waiters_on_one_cq_are_both_woken() {
+        let cq = CompletionQueue::new(&Device::open_default().unwrap(), 8, None).unwrap();
+        for i in 0..200u64 {
+            let (tx, rx) = std::sync::mpsc::channel();
+            for _ in 0..2 {
+                let cq = cq.clone();
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    let mut set = WaitSet::new();
+                    set.add_cq(&cq);
+                    let n = set.wait(None).unwrap();
+                    let _ = tx.send((n, set.cq_ready(0)));
+                });
+            }
+            for _ in 0..(i % 32) * 100 {
+                std::hint::spin_loop();
+            }
+            cq.push(WorkCompletion::success(i, WcOpcode::Recv, 1), false)
+                .unwrap();
+            for _ in 0..2 {
+                let r = rx.recv_timeout(Duration::from_secs(60));
+                assert_eq!(r.ok(), Some((1, true)), "round {i}: a waiter slept on");
+            }
+            assert!(cq.poll_one().is_some());
+        }
     }
 }
