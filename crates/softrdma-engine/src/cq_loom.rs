@@ -329,13 +329,22 @@ impl WakerCq {
         }
     }
 
+    /// A look at the ring that finds it empty: `ArrayQueue::pop` on an
+    /// empty slot is a SeqCst fence and a Relaxed load of `tail` (see
+    /// [`Ring::pop`]); that fence, after the reset's clear of `pending`,
+    /// is what orders the look after a push whose wake saw `pending` set.
+    fn look(&self) -> usize {
+        fence(Ordering::SeqCst);
+        self.pushed.load(Ordering::Relaxed)
+    }
+
     /// `Waker::reset`.
     fn reset(&self) {
         if self.read_first {
             self.fd.read();
-            self.pending.store(false, Ordering::SeqCst);
+            self.pending.swap(false, Ordering::SeqCst);
         } else {
-            self.pending.store(false, Ordering::SeqCst);
+            self.pending.swap(false, Ordering::SeqCst);
             self.fd.read();
         }
     }
@@ -370,7 +379,7 @@ fn waiter_against_pushes(read_first: bool) {
         };
         // `waiter_enter`, then the look before every sleep.
         cq.waiter_count.fetch_add(1, Ordering::SeqCst);
-        while cq.pushed.load(Ordering::SeqCst) < N {
+        while cq.look() < N {
             cq.fd.poll();
             cq.reset();
         }

@@ -145,7 +145,11 @@ impl Waker {
     /// this, before it sleeps again.
     pub(crate) fn reset(&self) {
         self.fd.drain();
-        self.pending.store(false, Ordering::SeqCst);
+        // A read-modify-write, not a store: it reads the `true` of every
+        // wake that skipped its write, and so acquires what that wake's
+        // push made visible before (a SeqCst store is an `xchg` on x86
+        // anyway).
+        self.pending.swap(false, Ordering::SeqCst);
     }
 
     /// Writes made so far.
