@@ -49,7 +49,7 @@ use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
 use crate::handlers::{
     BindError, Binding, Callback, Handler, HandlerEvent, HandlerId, PollCounter,
 };
-use crate::sys::fd::{EventFd, Waker};
+use crate::sys::fd::Waker;
 use crate::wc::WorkCompletion;
 
 /// Longest single sleep of [`CompletionQueue::wait`] with a timeout before
@@ -280,9 +280,11 @@ struct CqShared {
     /// Waiters asleep on [`wake`](Self::wake) (wait sets that wait with
     /// epoll); a push signals it while there are any.
     sleepers: AtomicU32,
-    /// Signalled by a push while `sleepers` is not 0 (created by the
-    /// first such waiter).
-    wake: std::sync::OnceLock<Option<EventFd>>,
+    /// Woken by a push while `sleepers` is not 0 (created by the first
+    /// such waiter): a [`Waker`] too, so a burst of completions is one
+    /// write, but one read by every epoll waiter of the CQ (one may take
+    /// another's wake-up: their sleeps stay bounded).
+    wake: std::sync::OnceLock<Option<Waker>>,
     /// How many wakers `waiters` holds: a push looks at the list only
     /// when this is not 0 (no lock, no system call without sleepers).
     waiter_count: AtomicU32,
@@ -1140,7 +1142,7 @@ impl CompletionQueue {
         if shared.sleepers.load(Ordering::SeqCst) > 0
             && let Some(Some(wake)) = shared.wake.get()
         {
-            wake.signal();
+            wake.wake();
         }
         if shared.waiter_count.load(Ordering::SeqCst) > 0 {
             for w in shared.waiters.lock().iter() {
@@ -1220,7 +1222,7 @@ impl CompletionQueue {
     /// fd from now on); pair with [`wait_set_leave`](Self::wait_set_leave).
     /// `None`: no event fd.
     pub(crate) fn wait_set_enter(&self) -> Option<RawFd> {
-        let wake = self.shared.wake.get_or_init(|| EventFd::new().ok());
+        let wake = self.shared.wake.get_or_init(|| Waker::new().ok());
         self.shared.sleepers.fetch_add(1, Ordering::SeqCst);
         wake.as_ref().map(AsRawFd::as_raw_fd)
     }
@@ -1229,7 +1231,9 @@ impl CompletionQueue {
     /// (found readable).
     pub(crate) fn wait_set_drain(&self) {
         if let Some(Some(wake)) = self.shared.wake.get() {
-            wake.drain();
+            // Read, then let pushes write again (the caller looks at the
+            // CQ after this).
+            wake.reset();
         }
     }
 
@@ -2001,7 +2005,21 @@ mod tests {
         cq.push(wc(22), false).unwrap();
         assert_eq!(w.writes(), 2, "left: no write");
         assert!(!readable(&w));
-        assert_eq!(cq.len(), 23);
+        // An epoll wait set's sleep on the CQ's own descriptor: one write
+        // for a burst too.
+        cq.wait_set_enter().unwrap();
+        for i in 23..=40 {
+            cq.push(wc(i), false).unwrap();
+        }
+        let shared = cq.shared.wake.get().unwrap().as_ref().unwrap();
+        assert_eq!(shared.writes(), 1, "one write for the burst");
+        assert!(readable(shared));
+        cq.wait_set_drain();
+        assert!(!readable(shared));
+        cq.wait_set_leave();
+        cq.push(wc(41), false).unwrap();
+        assert_eq!(shared.writes(), 1, "left: no write");
+        assert_eq!(cq.len(), 42);
     }
 
     /// An armed CQ's burst of completions raises one event, and the

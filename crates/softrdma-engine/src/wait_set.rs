@@ -809,7 +809,7 @@ impl WaitSet {
         // The CQs' event fds are shared by every epoll waiter of a CQ (a
         // waiter that reads one may take another's wake-up): the sleep
         // stays bounded.
-        let nap = Some(nap.unwrap_or(NAP_MAX));
+        let nap = nap.unwrap_or(NAP_MAX);
         let fork_gen = crate::sys::epoll::fork_generation();
         if self.ep.as_ref().is_some_and(|e| e.fork_gen != fork_gen) {
             // Made before a fork: shared with the parent; this process
@@ -848,7 +848,7 @@ impl WaitSet {
         // CQ's QPs) only when less than half of that after-time is left,
         // not on every wait, so that a wait costs a look-up per CQ.
         let now = crate::datamover::now_ns();
-        let nap_ns = u64::try_from(nap.unwrap_or(NAP_MAX).as_nanos()).unwrap_or(u64::MAX);
+        let nap_ns = u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX);
         let need = now
             .saturating_add(nap_ns)
             .saturating_add(CLAIM_AFTER_NS / 2);
@@ -899,7 +899,7 @@ impl WaitSet {
         }
         ready += self.look_cqs();
         let nap = if ready > 0 || broken {
-            Some(Duration::ZERO)
+            Duration::ZERO
         } else {
             nap
         };
@@ -909,7 +909,7 @@ impl WaitSet {
         }
         let res = {
             let EpState { ep: e, buf, .. } = &mut ep;
-            e.wait(buf, nap, mask)
+            e.wait(buf, Some(nap), mask)
         };
         // Awake: completions pushed from here on (by the receive path run
         // below in this very thread, above all) need not signal the event
