@@ -49,10 +49,13 @@ use crate::event::{AsyncEvent, AsyncEventKind, FdQueue};
 use crate::handlers::{
     BindError, Binding, Callback, Handler, HandlerEvent, HandlerId, PollCounter,
 };
-use crate::sys::fd::EventFd;
+use crate::sys::fd::Waker;
 use crate::wc::WorkCompletion;
 
-/// Longest single sleep of [`CompletionQueue::wait`] before it looks again.
+/// Longest single sleep of [`CompletionQueue::wait`] with a timeout before
+/// it looks again, and how far the claim on the QPs' sockets reaches past
+/// the start of a sleep. A wait without a timeout sleeps until woken, with
+/// no kernel timer (see [`crate::wait_set`]).
 const SLEEP_MAX: Duration = Duration::from_millis(10);
 
 /// What a sleeping waiter watches ([`CompletionQueue::wait`]): kept per
@@ -62,6 +65,21 @@ struct SleepSet {
     /// The QPs whose sockets are in `fds` (kept alive while watched).
     hooks: Vec<Arc<dyn Progress>>,
     fds: crate::sys::poll::PollSet,
+    /// The thread's own wake-up descriptor (see [`Waker`]), made by its
+    /// first sleep, with the fork generation it was made in (a child
+    /// makes its own: the descriptor would be shared with the parent).
+    waker: Option<(Arc<Waker>, u64)>,
+}
+
+impl SleepSet {
+    /// The thread's waker (`None`: no descriptor could be made).
+    fn waker(&mut self) -> Option<Arc<Waker>> {
+        let generation = crate::sys::epoll::fork_generation();
+        if self.waker.as_ref().is_none_or(|w| w.1 != generation) {
+            self.waker = Waker::new().ok().map(|w| (Arc::new(w), generation));
+        }
+        self.waker.as_ref().map(|w| Arc::clone(&w.0))
+    }
 }
 
 thread_local! {
@@ -259,11 +277,23 @@ struct CqShared {
     polled: Arc<PollCounter>,
     /// The proxy this CQ belongs to ([`CqBuilder::proxy`]), by id.
     proxy: Option<u32>,
-    /// Threads asleep in [`CompletionQueue::wait`]; a push wakes them.
+    /// Waiters asleep on [`wake`](Self::wake) (wait sets that wait with
+    /// epoll); a push signals it while there are any.
     sleepers: AtomicU32,
-    /// Signalled by a push while someone sleeps in `wait` (created by the
-    /// first wait that sleeps).
-    wake: std::sync::OnceLock<Option<EventFd>>,
+    /// Woken by a push while `sleepers` is not 0 (created by the first
+    /// such waiter): a [`Waker`] too, so a burst of completions is one
+    /// write, but one read by every epoll waiter of the CQ (one may take
+    /// another's wake-up: their sleeps stay bounded).
+    wake: std::sync::OnceLock<Option<Waker>>,
+    /// How many wakers `waiters` holds: a push looks at the list only
+    /// when this is not 0 (no lock, no system call without sleepers).
+    waiter_count: AtomicU32,
+    /// The wakers of the waiters asleep on this CQ with a descriptor of
+    /// their own ([`CompletionQueue::wait`], wait sets waiting with
+    /// `ppoll(2)`): a push wakes each, at most one write per sleep and
+    /// waiter. A waiter reads only its own descriptor, so no waiter can
+    /// swallow another's wake-up, and they sleep with no timer.
+    waiters: Mutex<Vec<Arc<Waker>>>,
     /// Whether `wait` busy-polls first or sleeps at once.
     spin_choice: SpinChoice,
 }
@@ -488,6 +518,8 @@ impl<'a> CqBuilder<'a> {
                 proxy: self.proxy,
                 sleepers: AtomicU32::new(0),
                 wake: std::sync::OnceLock::new(),
+                waiter_count: AtomicU32::new(0),
+                waiters: Mutex::new(Vec::new()),
                 spin_choice: SpinChoice::default(),
             }),
         })
@@ -810,8 +842,6 @@ impl CompletionQueue {
                 std::hint::spin_loop();
             }
         }
-        let shared = &*self.shared;
-        let wake = shared.wake.get_or_init(|| EventFd::new().ok());
         // The caller has just looked if there was no spinning.
         let mut look = !spin.is_zero();
         SLEEP_SET.with(|cell| {
@@ -822,7 +852,8 @@ impl CompletionQueue {
                 Ok(set) => set,
                 Err(_) => &mut own,
             };
-            let r = self.sleep_loop(out, deadline, on_progress, wake.as_ref(), &mut look, set);
+            let waker = set.waker();
+            let r = self.sleep_loop(out, deadline, on_progress, waker.as_ref(), &mut look, set);
             set.hooks.clear();
             set.fds.clear();
             r
@@ -835,7 +866,7 @@ impl CompletionQueue {
         out: &mut [WorkCompletion],
         deadline: Option<std::time::Instant>,
         on_progress: bool,
-        wake: Option<&EventFd>,
+        wake: Option<&Arc<Waker>>,
         look: &mut bool,
         set: &mut SleepSet,
     ) -> Option<usize> {
@@ -855,20 +886,26 @@ impl CompletionQueue {
                 }
             }
             *look = true;
-            let now = crate::sys::clock::now();
-            if deadline.is_some_and(|d| now >= d) {
-                if !received {
-                    let (n, progressed) = self.poll_progress(out);
-                    if n > 0 || (on_progress && progressed) {
-                        return Some(n);
+            // `None`: no deadline, a sleep until woken (no clock read, no
+            // kernel timer).
+            let nap = match deadline {
+                None => None,
+                Some(d) => {
+                    let now = crate::sys::clock::now();
+                    if now >= d {
+                        if !received {
+                            let (n, progressed) = self.poll_progress(out);
+                            if n > 0 || (on_progress && progressed) {
+                                return Some(n);
+                            }
+                        }
+                        return None;
                     }
+                    Some(d.saturating_duration_since(now).min(SLEEP_MAX))
                 }
-                return None;
-            }
-            let nap = deadline
-                .map_or(SLEEP_MAX, |d| d.saturating_duration_since(now))
-                .min(SLEEP_MAX);
-            // Sleep on the QPs' sockets and on `wake`: bytes arriving wake
+            };
+            // Sleep on the QPs' sockets and on `wake` (this thread's own
+            // waker, registered with the CQ): bytes arriving wake
             // this thread, which then runs the receive path itself (no
             // hand-off to an engine thread); completions pushed by other
             // threads (send completions, another poller) signal `wake`. The
@@ -881,8 +918,9 @@ impl CompletionQueue {
             let on_sockets = config.poll_driven_receive && wake.is_some();
             if on_sockets {
                 // QPs without a socket to watch receive nothing.
+                let claim = nap.unwrap_or(SLEEP_MAX);
                 let until = crate::datamover::now_ns()
-                    .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX));
+                    .saturating_add(u64::try_from(claim.as_nanos()).unwrap_or(u64::MAX));
                 for h in &set.hooks {
                     if let Some(fd) = h.sleep_on(Some(until)) {
                         set.fds.push(fd);
@@ -899,19 +937,23 @@ impl CompletionQueue {
             // From here a push signals `wake`. A push before it is in the
             // ring: look there (without receiving, which could push to this
             // CQ and signal this very thread) before sleeping.
-            shared.sleepers.fetch_add(1, Ordering::SeqCst);
+            if let Some(w) = wake {
+                self.waiter_enter(w);
+            }
             let n = self.poll_ring(out);
             let mut woken = false;
             if n == 0 {
                 if set.fds.is_empty() {
-                    std::thread::sleep(nap.min(Duration::from_micros(100)));
+                    std::thread::sleep(nap.unwrap_or(SLEEP_MAX).min(Duration::from_micros(100)));
                 } else {
                     // The hooks (and so the QPs owning the sockets) stay
                     // alive until after the wait.
                     woken = set.fds.wait_last(nap).is_ok_and(|r| r.1 && wake.is_some());
                 }
             }
-            shared.sleepers.fetch_sub(1, Ordering::SeqCst);
+            if let Some(w) = wake {
+                self.waiter_leave(w);
+            }
             if on_sockets && n > 0 {
                 // Returning without receiving: the sockets are the engine
                 // threads' again after the usual quiet period. (Otherwise
@@ -923,7 +965,10 @@ impl CompletionQueue {
             }
             set.hooks.clear();
             if woken && let Some(wake) = wake {
-                wake.drain();
+                // Read, then let pushes write again; the look at the ring
+                // that follows (the next round, or the caller's) sees
+                // what a push that did not write announced.
+                wake.reset();
             }
             if n > 0 {
                 shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
@@ -1097,7 +1142,12 @@ impl CompletionQueue {
         if shared.sleepers.load(Ordering::SeqCst) > 0
             && let Some(Some(wake)) = shared.wake.get()
         {
-            wake.signal();
+            wake.wake();
+        }
+        if shared.waiter_count.load(Ordering::SeqCst) > 0 {
+            for w in shared.waiters.lock().iter() {
+                w.wake();
+            }
         }
         let wakes = match arm {
             ARM_NONE => false,
@@ -1150,11 +1200,29 @@ impl CompletionQueue {
 
 /// For [`crate::wait_set`]: a waiter that sleeps on several CQs at once.
 impl CompletionQueue {
+    /// Registers `waker`: from now on a push wakes it (pair with
+    /// [`waiter_leave`](Self::waiter_leave)); the caller then looks at the
+    /// ring, and sleeps on the waker's descriptor if it found nothing.
+    pub(crate) fn waiter_enter(&self, waker: &Arc<Waker>) {
+        self.shared.waiters.lock().push(Arc::clone(waker));
+        // After the list holds it: a push that sees the count finds it.
+        self.shared.waiter_count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Unregisters a waker of [`waiter_enter`](Self::waiter_enter).
+    pub(crate) fn waiter_leave(&self, waker: &Arc<Waker>) {
+        self.shared.waiter_count.fetch_sub(1, Ordering::SeqCst);
+        let mut list = self.shared.waiters.lock();
+        if let Some(i) = list.iter().position(|w| Arc::ptr_eq(w, waker)) {
+            list.swap_remove(i);
+        }
+    }
+
     /// Counts the caller as a sleeper (a push signals the returned event
     /// fd from now on); pair with [`wait_set_leave`](Self::wait_set_leave).
     /// `None`: no event fd.
     pub(crate) fn wait_set_enter(&self) -> Option<RawFd> {
-        let wake = self.shared.wake.get_or_init(|| EventFd::new().ok());
+        let wake = self.shared.wake.get_or_init(|| Waker::new().ok());
         self.shared.sleepers.fetch_add(1, Ordering::SeqCst);
         wake.as_ref().map(AsRawFd::as_raw_fd)
     }
@@ -1163,7 +1231,9 @@ impl CompletionQueue {
     /// (found readable).
     pub(crate) fn wait_set_drain(&self) {
         if let Some(Some(wake)) = self.shared.wake.get() {
-            wake.drain();
+            // Read, then let pushes write again (the caller looks at the
+            // CQ after this).
+            wake.reset();
         }
     }
 
@@ -1864,5 +1934,112 @@ mod tests {
         cq.attach_progress(weak);
         assert_eq!(cq.poll_one().unwrap().wr_id, 8);
         assert!(cq.shared.progress.read().is_empty());
+    }
+
+    /// Runs `f` in a thread; fails (instead of hanging the test run) if
+    /// it has not returned after a generous time: a lost wake-up.
+    fn returns<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("{what}: lost wake-up (still asleep after 60 s)"))
+    }
+
+    /// Regression (waits without a timeout sleep with no timer, so a lost
+    /// wake-up hangs): a completion pushed by another thread while the
+    /// waiter goes to sleep, at every point of its way there, is seen.
+    #[test]
+    fn regression_a_push_while_the_waiter_goes_to_sleep_is_seen() {
+        let cfg = crate::DeviceConfig {
+            poll_spin: Duration::ZERO,
+            poll_spin_adaptive: false,
+            ..crate::DeviceConfig::default()
+        };
+        let cq = CompletionQueue::new(&Device::open_with(cfg).unwrap(), 4, None).unwrap();
+        for i in 0..2000u64 {
+            let waiter = {
+                let cq = cq.clone();
+                std::thread::spawn(move || {
+                    let mut out = [wc(0); 4];
+                    cq.wait(&mut out, None)
+                })
+            };
+            // Now, or a moment later (while the waiter registers, looks,
+            // or sleeps).
+            for _ in 0..(i % 64) * 50 {
+                std::hint::spin_loop();
+            }
+            cq.push(wc(i), false).unwrap();
+            let n = returns("wait", move || waiter.join().unwrap());
+            assert_eq!(n, 1);
+        }
+    }
+
+    /// A burst of completions pushed while a waiter sleeps writes its
+    /// wake-up descriptor once, which is readable after the push; with
+    /// nobody asleep a push writes nothing.
+    #[test]
+    fn a_burst_of_completions_wakes_a_sleeper_once() {
+        let cq = CompletionQueue::new(&dev(), 64, None).unwrap();
+        let w = Arc::new(Waker::new().unwrap());
+        let readable = |w: &Waker| {
+            crate::sys::fd::wait_readable(std::os::fd::AsFd::as_fd(w), Some(Duration::ZERO))
+                .unwrap()
+        };
+        cq.push(wc(0), false).unwrap();
+        assert_eq!(w.writes(), 0, "nobody asleep: no write");
+        cq.waiter_enter(&w);
+        for i in 1..=20 {
+            cq.push(wc(i), false).unwrap();
+        }
+        assert_eq!(w.writes(), 1, "one write for the burst");
+        assert!(readable(&w));
+        w.reset();
+        assert!(!readable(&w));
+        cq.push(wc(21), false).unwrap();
+        assert_eq!(w.writes(), 2, "a push after the reset writes again");
+        cq.waiter_leave(&w);
+        w.reset();
+        cq.push(wc(22), false).unwrap();
+        assert_eq!(w.writes(), 2, "left: no write");
+        assert!(!readable(&w));
+        // An epoll wait set's sleep on the CQ's own descriptor: one write
+        // for a burst too.
+        cq.wait_set_enter().unwrap();
+        for i in 23..=40 {
+            cq.push(wc(i), false).unwrap();
+        }
+        let shared = cq.shared.wake.get().unwrap().as_ref().unwrap();
+        assert_eq!(shared.writes(), 1, "one write for the burst");
+        assert!(readable(shared));
+        cq.wait_set_drain();
+        assert!(!readable(shared));
+        cq.wait_set_leave();
+        cq.push(wc(41), false).unwrap();
+        assert_eq!(shared.writes(), 1, "left: no write");
+        assert_eq!(cq.len(), 42);
+    }
+
+    /// An armed CQ's burst of completions raises one event, and the
+    /// channel's descriptor is readable after the push until the event is
+    /// taken.
+    #[test]
+    fn an_armed_cq_burst_is_one_event_and_the_channel_fd_is_readable() {
+        let d = dev();
+        let ch = CompletionChannel::new(&d).unwrap();
+        let cq = CompletionQueue::new(&d, 64, Some(&ch)).unwrap();
+        let readable = || crate::sys::fd::wait_readable(ch.fd(), Some(Duration::ZERO)).unwrap();
+        cq.req_notify(false).unwrap();
+        assert!(!readable());
+        for i in 0..10 {
+            cq.push(wc(i), false).unwrap();
+            assert!(readable(), "readable after push {i}");
+        }
+        assert!(ch.try_get_event().unwrap().same_as(&cq));
+        assert!(ch.try_get_event().is_none(), "one event for the burst");
+        assert!(!readable());
+        cq.ack_events(1);
     }
 }

@@ -1,7 +1,10 @@
 //! Loom models of the completion queue's wake-up rule (`docs/engine.md`,
 //! "Lost completion wake-ups"): a push against `req_notify` followed by a
-//! poll, and a push against a sleeping `wait`. Build with
-//! `RUSTFLAGS="--cfg loom"` (see `.ci/run`).
+//! poll, and a push against a sleeping `wait`; and the per-waiter waker
+//! (`sys::fd::Waker`) that lets a waiter sleep with no timer: one write per
+//! sleep however many completions come, and never a sleep through one
+//! ([`loom_waker_read_then_clear_never_loses_the_wakeup`] and its negative
+//! twin). Build with `RUSTFLAGS="--cfg loom"` (see `.ci/run`).
 //!
 //! The CQ's ring is a `crossbeam_queue::ArrayQueue`, which loom cannot
 //! instrument, and the CQ's atomics are `std` ones; so this is a stand-in
@@ -269,4 +272,135 @@ fn loom_cq_widening_arm_against_unsolicited_push_never_loses_the_wakeup() {
             "lost completion wake-up: armed, nothing found, no event"
         );
     });
+}
+
+/// The kernel's `eventfd(2)` as the waker uses it: a counter under the
+/// wait queue's lock; a write adds and wakes the pollers, a read takes
+/// the count, a `poll(2)` without a timeout sleeps until it is not 0.
+struct EventFd {
+    count: loom::sync::Mutex<u32>,
+    readable: loom::sync::Condvar,
+}
+
+impl EventFd {
+    fn write(&self) {
+        *self.count.lock().unwrap() += 1;
+        self.readable.notify_all();
+    }
+
+    fn read(&self) {
+        *self.count.lock().unwrap() = 0;
+    }
+
+    /// `poll(2)` with no timeout: a lost wake-up is a sleep nobody ends
+    /// (loom reports the deadlock).
+    fn poll(&self) {
+        let mut c = self.count.lock().unwrap();
+        while *c == 0 {
+            c = self.readable.wait(c).unwrap();
+        }
+    }
+}
+
+/// `sys::fd::Waker` over [`EventFd`], with the CQ side of
+/// `CompletionQueue::push` / `waiter_enter` (`cq.rs`): the ring is a
+/// counter of pushed completions here (its own ordering is modelled
+/// above), followed by the push's SeqCst fence.
+struct WakerCq {
+    pushed: AtomicUsize,
+    waiter_count: AtomicU32,
+    pending: loom::sync::atomic::AtomicBool,
+    fd: EventFd,
+    /// The waker's reset in the order of `Waker::reset` (read, then clear
+    /// `pending`), or the other way round.
+    read_first: bool,
+}
+
+impl WakerCq {
+    /// `CompletionQueue::push`: the completion, the fence, and a wake of
+    /// the registered waiter (`Waker::wake`: one write per sleep).
+    fn push(&self) {
+        self.pushed.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        if self.waiter_count.load(Ordering::SeqCst) > 0
+            && !self.pending.swap(true, Ordering::SeqCst)
+        {
+            self.fd.write();
+        }
+    }
+
+    /// A look at the ring that finds it empty: `ArrayQueue::pop` on an
+    /// empty slot is a SeqCst fence and a Relaxed load of `tail` (see
+    /// [`Ring::pop`]); that fence, after the reset's clear of `pending`,
+    /// is what orders the look after a push whose wake saw `pending` set.
+    fn look(&self) -> usize {
+        fence(Ordering::SeqCst);
+        self.pushed.load(Ordering::Relaxed)
+    }
+
+    /// `Waker::reset`.
+    fn reset(&self) {
+        if self.read_first {
+            self.fd.read();
+            self.pending.swap(false, Ordering::SeqCst);
+        } else {
+            self.pending.swap(false, Ordering::SeqCst);
+            self.fd.read();
+        }
+    }
+}
+
+/// A waiter sleeping with no timeout (`CompletionQueue::wait`, a wait set
+/// with `ppoll(2)`) against three pushes: it registers, looks, sleeps
+/// until its descriptor is readable, resets it, looks again, until it has
+/// seen every completion. A lost wake-up leaves it asleep for good.
+fn waiter_against_pushes(read_first: bool) {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(3);
+    b.check(move || {
+        let cq = Arc::new(WakerCq {
+            pushed: AtomicUsize::new(0),
+            waiter_count: AtomicU32::new(0),
+            pending: loom::sync::atomic::AtomicBool::new(false),
+            fd: EventFd {
+                count: loom::sync::Mutex::new(0),
+                readable: loom::sync::Condvar::new(),
+            },
+            read_first,
+        });
+        const N: usize = 3;
+        let pusher = {
+            let cq = cq.clone();
+            thread::spawn(move || {
+                for _ in 0..N {
+                    cq.push();
+                }
+            })
+        };
+        // `waiter_enter`, then the look before every sleep.
+        cq.waiter_count.fetch_add(1, Ordering::SeqCst);
+        while cq.look() < N {
+            cq.fd.poll();
+            cq.reset();
+        }
+        cq.waiter_count.fetch_sub(1, Ordering::SeqCst);
+        pusher.join().unwrap();
+    });
+}
+
+/// The waker's rule (read the descriptor, then clear `pending`, then
+/// look): a burst of pushes writes once per sleep and the waiter never
+/// sleeps through a completion.
+#[test]
+fn loom_waker_read_then_clear_never_loses_the_wakeup() {
+    waiter_against_pushes(true);
+}
+
+/// Its negative twin: clearing `pending` before the read lets the read
+/// swallow the write of a push that came in between; the next push skips
+/// its write (`pending` is set) and the waiter sleeps for good.
+#[test]
+#[should_panic(expected = "deadlock")]
+fn loom_waker_clear_then_read_loses_the_wakeup() {
+    waiter_against_pushes(false);
 }

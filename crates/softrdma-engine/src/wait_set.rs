@@ -60,6 +60,15 @@
 //! another look at it. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
 //! way for every set.
 //!
+//! Wake-ups: a `ppoll(2)` set sleeps on one wake-up descriptor of its own
+//! for all its CQs (`sys::fd::Waker`, registered with each CQ for the
+//! sleep; a push writes it at most once per sleep), which no other waiter
+//! reads, so no waiter can take another's wake-up and a wait without a
+//! timeout sleeps with no timer at all (a kernel timer armed and cancelled
+//! per sleep cost 3–4 % of a blocking ping-pong's CPU). A set waiting with
+//! epoll sleeps on the CQs' own event fds, which every epoll waiter of a
+//! CQ shares: its sleeps stay bounded (`NAP_MAX`) as a safety net.
+//!
 //! Signals: a signal handled while the thread waits ends the wait with
 //! [`WaitError::Interrupted`], as `poll(2)` returns `EINTR`;
 //! [`WaitSet::wait_masked`] installs a signal mask for the duration of the
@@ -72,6 +81,7 @@ use std::time::Duration;
 
 use crate::cq::{CompletionQueue, Progress};
 use crate::sys::clock;
+use crate::sys::fd::Waker;
 
 /// `poll(2)` reports a file that epoll refuses (a regular file) ready for
 /// reading and writing.
@@ -80,9 +90,16 @@ const ALWAYS_READY: i16 = libc::POLLIN | libc::POLLOUT | libc::POLLRDNORM | libc
 /// A signal set (`sigset_t`), for [`WaitSet::wait_masked`].
 pub type SigSet = libc::sigset_t;
 
-/// Longest single sleep before the set looks again: a safety net only
-/// (every way a CQ becomes ready wakes the sleeper), and the claim on the
-/// QPs' sockets is renewed at that pace.
+/// How far the claim on the QPs' sockets reaches past the start of a
+/// sleep, and the longest sleep of a wait with a timeout before the set
+/// looks again. A wait without a timeout sleeps until something wakes it
+/// (every way a CQ becomes ready does: bytes on a claimed socket, a push
+/// signalling the CQ's event fd), with no timer: a `poll(2)` or
+/// `epoll_wait(2)` with a timeout arms and cancels a kernel timer and
+/// reads the clock twice per sleep, which cost 3–4 % of the CPU of a
+/// blocking 64-byte ping-pong whose two threads share a CPU. A sleep that
+/// outlasts the claim loses nothing: the engine's receive threads take the
+/// sockets back and their pushes wake the sleeper through the event fd.
 const NAP_MAX: Duration = Duration::from_millis(100);
 
 /// How long the QPs' sockets stay claimed from the engine's receive threads
@@ -141,6 +158,10 @@ pub struct WaitSet {
     /// The epoll wait failed in a way a `ppoll(2)` would not: this set
     /// waits with `ppoll(2)` from now on.
     ep_off: bool,
+    /// The set's own wake-up descriptor for `ppoll(2)` waits (registered
+    /// with each CQ for the sleep: one descriptor for all its CQs, read
+    /// by nobody else), with the fork generation it was made in.
+    waker: Option<(Arc<Waker>, u64)>,
 }
 
 /// How a wait set sleeps (`SOFTRDMA_WAIT_SET`: `ppoll`, `epoll` or
@@ -571,29 +592,43 @@ impl WaitSet {
             // One sleep covers it: the kernel's timeout is the deadline
             // (it ends the sleep no earlier), so no clock is read here.
             let off = self.ep_off;
-            let (n, woke) = self.round(t, mask)?;
+            let (n, woke) = self.round(Some(t), mask)?;
             if n == 0 && !woke && self.ep_off != off {
                 // epoll gave up without sleeping: the sleep in `ppoll(2)`.
-                return self.round(t, mask).map(|(n, _)| n);
+                return self.round(Some(t), mask).map(|(n, _)| n);
             }
             return Ok(n);
         }
-        let deadline = timeout.and_then(|t| clock::now().checked_add(t));
+        let Some(timeout) = timeout else {
+            // No timeout: sleeps until woken, with no timer and no clock
+            // read (see `NAP_MAX`).
+            loop {
+                let (n, woke) = self.round(None, mask)?;
+                if n > 0 || woke {
+                    return Ok(n);
+                }
+            }
+        };
+        let deadline = clock::now().checked_add(timeout);
         loop {
             let nap = match deadline {
                 Some(d) => d.saturating_duration_since(clock::now()).min(NAP_MAX),
                 None => NAP_MAX,
             };
-            let (n, woke) = self.round(nap, mask)?;
+            let (n, woke) = self.round(Some(nap), mask)?;
             if n > 0 || woke || deadline.is_some_and(|d| clock::now() >= d) {
                 return Ok(n);
             }
         }
     }
 
-    /// One sleep of at most `nap`; returns the number of ready entries and
-    /// whether a CQ's socket or event fd woke it.
-    fn round(&mut self, nap: Duration, mask: Option<&SigSet>) -> Result<(usize, bool), WaitError> {
+    /// One sleep of at most `nap` (`None`: until woken); returns the number
+    /// of ready entries and whether a CQ's socket or event fd woke it.
+    fn round(
+        &mut self,
+        nap: Option<Duration>,
+        mask: Option<&SigSet>,
+    ) -> Result<(usize, bool), WaitError> {
         let epoll = !self.ep_off
             && match mode() {
                 Mode::Ppoll => false,
@@ -613,7 +648,7 @@ impl WaitSet {
     /// [`round`](Self::round) with one `ppoll(2)` over every descriptor.
     fn round_ppoll(
         &mut self,
-        nap: Duration,
+        nap: Option<Duration>,
         mask: Option<&SigSet>,
     ) -> Result<(usize, bool), WaitError> {
         self.pfds.clear();
@@ -623,23 +658,41 @@ impl WaitSet {
             p.revents = 0;
         }
         self.pfds.extend_from_slice(&self.fds);
-        // From here a push to any of the CQs signals its event fd: a
-        // completion that arrives after the look below wakes the sleep.
+        // From here a push to any of the CQs wakes the set's waker (or
+        // signals the CQ's event fd): a completion that arrives after the
+        // look below wakes the sleep.
+        let generation = crate::sys::epoll::fork_generation();
+        if self.waker.as_ref().is_none_or(|w| w.1 != generation) {
+            self.waker = Waker::new().ok().map(|w| (Arc::new(w), generation));
+        }
+        let waker = self.waker.as_ref().map(|w| Arc::clone(&w.0));
         let mut wake_fds = std::mem::take(&mut self.wake_fds);
         wake_fds.clear();
         for cq in &self.cqs {
-            wake_fds.push(cq.wait_set_enter());
+            match &waker {
+                Some(w) => cq.waiter_enter(w),
+                None => wake_fds.push(cq.wait_set_enter()),
+            }
         }
         let mut ready = self.look_cqs();
-        let nap = if ready > 0 { Duration::ZERO } else { nap };
+        let nap = if ready > 0 {
+            Some(Duration::ZERO)
+        } else if waker.is_none() {
+            // The CQs' shared event fds: a waiter that reads one may take
+            // another's wake-up, so the sleep stays bounded.
+            Some(nap.unwrap_or(NAP_MAX))
+        } else {
+            nap
+        };
         // The QPs' sockets, claimed from the receive threads until the end
         // of the nap: bytes arriving wake this thread, which runs the
         // receive path itself. Also when a CQ is ready already (a look
         // without sleeping): a thread that keeps waiting on the set keeps
         // receiving for its QPs, and the engine's threads keep out of them
         // (no hand-off, no re-arm of their registrations per message).
+        let claim = nap.unwrap_or(NAP_MAX);
         let until = crate::datamover::now_ns()
-            .saturating_add(u64::try_from(nap.as_nanos()).unwrap_or(u64::MAX))
+            .saturating_add(u64::try_from(claim.as_nanos()).unwrap_or(u64::MAX))
             .saturating_add(1_000_000);
         for (i, cq) in self.cqs.iter().enumerate() {
             let Some(list) = cq.wait_set_hooks() else {
@@ -657,6 +710,14 @@ impl WaitSet {
             }
         }
         if ready == 0 {
+            if let Some(w) = &waker {
+                self.pfds.push(libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(&**w),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+                self.wakes.push(usize::MAX);
+            }
             for (i, fd) in wake_fds.iter().enumerate() {
                 if let Some(fd) = *fd {
                     self.pfds.push(libc::pollfd {
@@ -670,14 +731,17 @@ impl WaitSet {
         }
         self.wake_fds = wake_fds;
         let res = match mask {
-            Some(_) => crate::sys::ppoll::ppoll(&mut self.pfds, Some(nap), mask),
-            None => crate::sys::ppoll::poll(&mut self.pfds, Some(nap)),
+            Some(_) => crate::sys::ppoll::ppoll(&mut self.pfds, nap, mask),
+            None => crate::sys::ppoll::poll(&mut self.pfds, nap),
         };
         // Awake: completions pushed from here on (by the receive path run
         // below in this very thread, above all) need not signal the event
         // fds (a write, and a read to drain it, per message otherwise).
         for cq in &self.cqs {
-            cq.wait_set_leave();
+            match &waker {
+                Some(w) => cq.waiter_leave(w),
+                None => cq.wait_set_leave(),
+            }
         }
         let nf = self.fds.len();
         let mut woke = false;
@@ -698,7 +762,14 @@ impl WaitSet {
                 let wakes = &self.pfds[nf + self.hooks.len()..];
                 for (&i, p) in self.wakes.iter().zip(wakes) {
                     if p.revents != 0 {
-                        self.cqs[i].wait_set_drain();
+                        match (&waker, self.cqs.get(i)) {
+                            // Read, then let pushes write again: the look
+                            // at the CQs below sees what a push that did
+                            // not write announced.
+                            (Some(w), None) => w.reset(),
+                            (_, Some(cq)) => cq.wait_set_drain(),
+                            (None, None) => {}
+                        }
                         woke = true;
                     }
                 }
@@ -732,9 +803,13 @@ impl WaitSet {
     /// not (nothing was waited on; the caller falls back).
     fn round_epoll(
         &mut self,
-        nap: Duration,
+        nap: Option<Duration>,
         mask: Option<&SigSet>,
     ) -> Option<Result<(usize, bool), WaitError>> {
+        // The CQs' event fds are shared by every epoll waiter of a CQ (a
+        // waiter that reads one may take another's wake-up): the sleep
+        // stays bounded.
+        let nap = nap.unwrap_or(NAP_MAX);
         let fork_gen = crate::sys::epoll::fork_generation();
         if self.ep.as_ref().is_some_and(|e| e.fork_gen != fork_gen) {
             // Made before a fork: shared with the parent; this process
@@ -834,7 +909,7 @@ impl WaitSet {
         }
         let res = {
             let EpState { ep: e, buf, .. } = &mut ep;
-            e.wait(buf, nap, mask)
+            e.wait(buf, Some(nap), mask)
         };
         // Awake: completions pushed from here on (by the receive path run
         // below in this very thread, above all) need not signal the event
@@ -1164,5 +1239,37 @@ mod tests {
         }
         assert!(set.cq_ready(0));
         pusher.join().unwrap();
+    }
+
+    /// Regression (waits without a timeout sleep with no timer): two
+    /// threads waiting on one CQ with sets of their own are both woken by
+    /// one push. With one shared descriptor, the first to read it could
+    /// take the other's wake-up, which then slept on.
+    #[test]
+    fn regression_two_waiters_on_one_cq_are_both_woken() {
+        let cq = CompletionQueue::new(&Device::open_default().unwrap(), 8, None).unwrap();
+        for i in 0..200u64 {
+            let (tx, rx) = std::sync::mpsc::channel();
+            for _ in 0..2 {
+                let cq = cq.clone();
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    let mut set = WaitSet::new();
+                    set.add_cq(&cq);
+                    let n = set.wait(None).unwrap();
+                    let _ = tx.send((n, set.cq_ready(0)));
+                });
+            }
+            for _ in 0..(i % 32) * 100 {
+                std::hint::spin_loop();
+            }
+            cq.push(WorkCompletion::success(i, WcOpcode::Recv, 1), false)
+                .unwrap();
+            for _ in 0..2 {
+                let r = rx.recv_timeout(Duration::from_secs(60));
+                assert_eq!(r.ok(), Some((1, true)), "round {i}: a waiter slept on");
+            }
+            assert!(cq.poll_one().is_some());
+        }
     }
 }

@@ -1961,7 +1961,11 @@ impl Shared {
         let Some(mut gate) = self.poller.try_lock() else {
             return self.sleep(st, nap, deadline, seen, interruptible);
         };
-        let res = st.unlocked(|| gate.wait(Some(nap)));
+        // Without a deadline the CQ's wait sleeps until woken (no timer
+        // per wait): every completion wakes it, and no other thread takes
+        // completions out while this one holds the gate.
+        let timeout = deadline.map(|_| nap);
+        let res = st.unlocked(|| gate.wait(timeout));
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
         let n = self.take_completions(st);

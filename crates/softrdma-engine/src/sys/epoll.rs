@@ -72,18 +72,21 @@ impl Epoll {
         Ok(())
     }
 
-    /// Waits at most `timeout` (rounded up to a millisecond) with the
+    /// Waits at most `timeout` (rounded up to a millisecond; `None`: until
+    /// an event or a signal, with no kernel timer) with the
     /// signal mask `mask` in force during the wait; fills `buf` and returns
     /// how many events it holds. A signal handled meanwhile is
     /// `ErrorKind::Interrupted`.
     pub(crate) fn wait(
         &self,
         buf: &mut [libc::epoll_event],
-        timeout: Duration,
+        timeout: Option<Duration>,
         mask: Option<&libc::sigset_t>,
     ) -> io::Result<usize> {
-        let ms = timeout.as_nanos().div_ceil(1_000_000);
-        let ms = libc::c_int::try_from(ms).unwrap_or(libc::c_int::MAX);
+        // `None`: -1, a sleep with no kernel timer.
+        let ms = timeout.map_or(-1, |t| {
+            libc::c_int::try_from(t.as_nanos().div_ceil(1_000_000)).unwrap_or(libc::c_int::MAX)
+        });
         let max = libc::c_int::try_from(buf.len().max(1)).unwrap_or(libc::c_int::MAX);
         if buf.is_empty() {
             return Ok(0);

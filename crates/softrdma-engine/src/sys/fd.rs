@@ -11,6 +11,7 @@
 use super::clock;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// A non-blocking, close-on-exec `eventfd(2)`.
@@ -89,6 +90,84 @@ impl EventFd {
     /// The error of `poll(2)` other than `EINTR`.
     pub(crate) fn wait(&self, timeout: Option<Duration>) -> io::Result<bool> {
         wait_readable(self.fd.as_fd(), timeout)
+    }
+}
+
+/// The wake-up descriptor of one sleeping waiter (a thread in
+/// `CompletionQueue::wait`, a wait set): an [`EventFd`] written at most
+/// once per sleep, however many completions are pushed meanwhile.
+///
+/// The rule (`cq_loom.rs` models it): [`wake`](Self::wake) sets `pending`
+/// and writes the descriptor only if `pending` was clear; the waiter,
+/// having found the descriptor readable, reads it first and clears
+/// `pending` after ([`reset`](Self::reset)), then looks at what it waits
+/// for before it sleeps again. So outside a reset `pending` is set only
+/// while the write of the wake that set it is under way or its count is
+/// still in the descriptor: a wake that skips its write either leaves the
+/// waiter a readable descriptor, or came before the waiter's clear, and
+/// the look after the reset sees what it announced. Clearing before the
+/// read would let the read swallow the write of a wake that came in
+/// between; a later wake would then skip its write on a descriptor that is
+/// not readable, and the waiter would sleep through it.
+#[derive(Debug)]
+pub(crate) struct Waker {
+    fd: EventFd,
+    pending: AtomicBool,
+    /// Writes made (tests: one per burst).
+    #[cfg(test)]
+    writes: std::sync::atomic::AtomicU32,
+}
+
+impl Waker {
+    /// A waker that is not readable.
+    pub(crate) fn new() -> io::Result<Waker> {
+        Ok(Waker {
+            fd: EventFd::new()?,
+            pending: AtomicBool::new(false),
+            #[cfg(test)]
+            writes: std::sync::atomic::AtomicU32::new(0),
+        })
+    }
+
+    /// Makes the descriptor readable: one `write(2)` per sleep, none while
+    /// an earlier wake's count is unread. (The caller has made what it
+    /// announces visible before: a push, then a SeqCst fence.)
+    pub(crate) fn wake(&self) {
+        if !self.pending.swap(true, Ordering::SeqCst) {
+            #[cfg(test)]
+            self.writes.fetch_add(1, Ordering::Relaxed);
+            self.fd.signal();
+        }
+    }
+
+    /// The descriptor was found readable: reads its count, then lets the
+    /// next wake write again. The caller looks at what it waits for after
+    /// this, before it sleeps again.
+    pub(crate) fn reset(&self) {
+        self.fd.drain();
+        // A read-modify-write, not a store: it reads the `true` of every
+        // wake that skipped its write, and so acquires what that wake's
+        // push made visible before (a SeqCst store is an `xchg` on x86
+        // anyway).
+        self.pending.swap(false, Ordering::SeqCst);
+    }
+
+    /// Writes made so far.
+    #[cfg(test)]
+    pub(crate) fn writes(&self) -> u32 {
+        self.writes.load(Ordering::Relaxed)
+    }
+}
+
+impl AsFd for Waker {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl AsRawFd for Waker {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
     }
 }
 
@@ -215,6 +294,26 @@ mod tests {
             .unwrap();
         assert_eq!(events.iter().next().map(|e| e.key), Some(7));
         poller.delete(&fd).unwrap();
+    }
+
+    /// A burst of wakes before the sleeper reads is one write; after the
+    /// reset the next wake writes again; the descriptor is readable after
+    /// every wake and not after a reset.
+    #[test]
+    fn a_burst_of_wakes_is_one_write_and_a_reset_rearms() {
+        let w = Waker::new().unwrap();
+        let readable = || wait_readable(w.fd.as_fd(), Some(Duration::ZERO)).unwrap();
+        assert!(!readable());
+        for _ in 0..100 {
+            w.wake();
+        }
+        assert_eq!(w.writes(), 1, "one write for the burst");
+        assert!(readable());
+        w.reset();
+        assert!(!readable());
+        w.wake();
+        assert_eq!(w.writes(), 2);
+        assert!(readable());
     }
 
     #[test]

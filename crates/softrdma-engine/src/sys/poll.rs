@@ -277,7 +277,7 @@ pub(crate) fn wait_readable_last(fds: &[RawFd], timeout: Duration) -> io::Result
             revents: 0,
         })
         .collect();
-    poll_last(&mut pfds, timeout)
+    poll_last(&mut pfds, Some(timeout))
 }
 
 /// Descriptors to wait on for reading with `poll(2)`, kept between waits
@@ -308,8 +308,9 @@ impl PollSet {
         self.pfds.is_empty()
     }
 
-    /// [`wait_readable_last`] on the set's descriptors.
-    pub(crate) fn wait_last(&mut self, timeout: Duration) -> io::Result<(bool, bool)> {
+    /// [`wait_readable_last`] on the set's descriptors; `None`: until one
+    /// is readable or a signal comes, with no kernel timer.
+    pub(crate) fn wait_last(&mut self, timeout: Option<Duration>) -> io::Result<(bool, bool)> {
         for p in &mut self.pfds {
             p.revents = 0;
         }
@@ -317,10 +318,12 @@ impl PollSet {
     }
 }
 
-/// `poll(2)` for reading on `pfds`, at most `timeout`: `(any, last)` as
-/// [`wait_readable_last`].
-fn poll_last(pfds: &mut [libc::pollfd], timeout: Duration) -> io::Result<(bool, bool)> {
-    let ms = libc::c_int::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
+/// `poll(2)` for reading on `pfds`, at most `timeout` (`None`: no limit):
+/// `(any, last)` as [`wait_readable_last`].
+fn poll_last(pfds: &mut [libc::pollfd], timeout: Option<Duration>) -> io::Result<(bool, bool)> {
+    let ms = timeout.map_or(-1, |t| {
+        libc::c_int::try_from(t.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
+    });
     let n = libc::nfds_t::try_from(pfds.len()).unwrap_or(libc::nfds_t::MAX);
     // SAFETY: `pfds` is a valid array of `n` pollfd entries that lives
     // across the call; the kernel writes only their `revents`.
@@ -351,18 +354,15 @@ mod tests {
         assert!(set.is_empty());
         set.push(a.as_raw_fd());
         set.push(wake.as_raw_fd());
-        assert_eq!(set.wait_last(Duration::ZERO).unwrap(), (false, false));
+        assert_eq!(set.wait_last(Some(Duration::ZERO)).unwrap(), (false, false));
         wake.signal();
-        assert_eq!(set.wait_last(Duration::ZERO).unwrap(), (true, true));
+        assert_eq!(set.wait_last(Some(Duration::ZERO)).unwrap(), (true, true));
         wake.drain();
         a.signal();
-        assert_eq!(
-            set.wait_last(Duration::from_secs(5)).unwrap(),
-            (true, false)
-        );
+        assert_eq!(set.wait_last(None).unwrap(), (true, false));
         a.drain();
         assert_eq!(
-            set.wait_last(Duration::from_millis(1)).unwrap(),
+            set.wait_last(Some(Duration::from_millis(1))).unwrap(),
             (false, false)
         );
         set.clear();
