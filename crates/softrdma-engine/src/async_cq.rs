@@ -303,7 +303,8 @@ impl ChanShared {
 /// IO and time enabled, e.g. `#[tokio::main]` or
 /// `Builder::new_multi_thread().enable_all()`). The driver stops when every
 /// handle of the channel and of its CQs is gone and no awaited operation is
-/// in flight, or when the runtime shuts down.
+/// in flight, or when the runtime shuts down (see
+/// [`is_closed`](Self::is_closed) for when that is visible).
 pub struct AsyncChannel {
     shared: Arc<ChanShared>,
 }
@@ -373,7 +374,7 @@ impl AsyncChannel {
             safety_interval: interval.max(Duration::from_millis(1)),
             recovered: AtomicU64::new(0),
         });
-        rt.spawn(drive(Arc::clone(&shared), afd));
+        rt.spawn(drive(CloseOnDrop(Arc::clone(&shared)), afd));
         Ok(AsyncChannel { shared })
     }
 
@@ -406,6 +407,14 @@ impl AsyncChannel {
 
     /// Whether the driver has stopped (runtime shut down or the channel's
     /// descriptor failed).
+    ///
+    /// Once the runtime that ran the driver has shut down (its `drop` has
+    /// returned, or a `shutdown_timeout` that did not time out), this is
+    /// `true`, also if the driver never got to run, and every waiting
+    /// [`Op`] and stream has been woken: they resolve as
+    /// [`OpError::Closed`] and `None`. `Runtime::shutdown_background` (and
+    /// a `shutdown_timeout` that timed out) returns without waiting for the
+    /// runtime's threads: the channel closes when they drop the driver.
     pub fn is_closed(&self) -> bool {
         self.shared.closed.load(Ordering::SeqCst)
     }
@@ -481,6 +490,12 @@ fn finished(shared: &ChanShared) -> bool {
 
 /// Marks the channel closed and wakes every waiter when the driver ends,
 /// also when its task is dropped (the runtime shuts down).
+///
+/// Made before the task is spawned and passed to [`drive`] as an argument:
+/// an async fn's arguments are part of its future from the start, so the
+/// guard goes with the task even if the runtime drops it before its first
+/// poll. (A guard made inside the body exists only once the body has run,
+/// and a task dropped unpolled would leave the channel open for good.)
 struct CloseOnDrop(Arc<ChanShared>);
 
 impl Drop for CloseOnDrop {
@@ -495,8 +510,8 @@ fn serve_all(shared: &ChanShared) -> usize {
 }
 
 /// The driver task of one channel.
-async fn drive(shared: Arc<ChanShared>, afd: AsyncFd<WithFd<CompletionChannel>>) {
-    let _close = CloseOnDrop(Arc::clone(&shared));
+async fn drive(close: CloseOnDrop, afd: AsyncFd<WithFd<CompletionChannel>>) {
+    let shared: &ChanShared = &close.0;
     let mut tick = tokio::time::interval(shared.safety_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first round (and one after each notification: a CQ added, a
@@ -504,10 +519,10 @@ async fn drive(shared: Arc<ChanShared>, afd: AsyncFd<WithFd<CompletionChannel>>)
     let mut serve_everything = true;
     loop {
         if serve_everything {
-            serve_all(&shared);
+            serve_all(shared);
             serve_everything = false;
         }
-        if finished(&shared) {
+        if finished(shared) {
             break;
         }
         tokio::select! {
@@ -530,7 +545,7 @@ async fn drive(shared: Arc<ChanShared>, afd: AsyncFd<WithFd<CompletionChannel>>)
                 }
             }
             _ = tick.tick() => {
-                if serve_all(&shared) > 0 {
+                if serve_all(shared) > 0 {
                     shared.recovered.fetch_add(1, Ordering::Relaxed);
                 }
             }

@@ -495,3 +495,39 @@ fn runtime_shutdown_resolves_waiting_operations_as_closed() {
         assert_eq!(s.cq.next_completion().await, None);
     });
 }
+
+/// Regression: the driver's close guard was made by the driver's first
+/// poll, so a runtime that shut down before it ever polled the driver (its
+/// one worker busy or not yet scheduled, or a runtime that never ran) dropped
+/// the driver without closing the channel, and waiting operations hung
+/// instead of resolving as closed.
+#[test]
+fn runtime_shutdown_before_the_driver_first_ran_still_closes_the_channel() {
+    let dev = device();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // Entered but never run: the driver task is spawned and never polled.
+    let (s, op) = {
+        let _enter = rt.enter();
+        let s = side(&dev, AsyncCq::new(&dev, 16).unwrap());
+        let op = s.qp.recv(mr(&s, 64), 0, 64);
+        (s, op)
+    };
+    assert!(!s.cq.channel().is_closed(), "the driver has not run");
+    assert_eq!(s.cq.in_flight(), 1);
+    drop(rt); // drops the never-polled driver task
+    assert!(s.cq.channel().is_closed());
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let err = within(op).await.expect_err("closed");
+        assert!(matches!(err, OpError::Closed { .. }), "{err:?}");
+        assert_eq!(err.into_buf().len(), 64);
+        assert_eq!(s.cq.next_completion().await, None);
+        assert_eq!(s.cq.in_flight(), 0);
+    });
+}
