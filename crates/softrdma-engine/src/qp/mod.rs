@@ -991,7 +991,7 @@ impl QpInner {
 impl Progress for QpInner {
     fn armed(&self) {
         // The owner now waits for an event: nothing may wait for its poll.
-        self.batch_flush();
+        self.batch_poll();
         // Not busy-polled any more: let the receive thread watch the socket
         // now, not after the quiet period.
         if self.last_poll.swap(0, Ordering::Relaxed) != 0 {
@@ -1000,8 +1000,11 @@ impl Progress for QpInner {
     }
 
     fn sleep_on(&self, until_ns: Option<u64>) -> Option<std::os::fd::RawFd> {
-        // The waiter sleeps: what its posts left is written first.
-        self.batch_flush();
+        // The waiter sleeps: what its posts left is written first (not
+        // when it returns without sleeping, `None`: that is no poll).
+        if until_ns.is_some() {
+            self.batch_poll();
+        }
         self.device.threads().claim_rx(self, until_ns)
     }
 

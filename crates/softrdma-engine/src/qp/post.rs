@@ -20,10 +20,12 @@ use crate::wr::SendFlags;
 ///
 /// * it is small (at most [`BATCH_MAX_BYTES`] of payload, no Read or
 ///   atomic, which wait for a response),
-/// * the posting thread is the one that last polled the CQ, within the last
-///   [`BATCH_POLLED_NS`] (so it polls again soon; a thread that posts and
-///   waits elsewhere, or whose completions another thread waits for, keeps
-///   writing at once),
+/// * no other thread is the CQ's poller (the posting thread is the one
+///   whose poll last found the CQ empty, or none did yet: a thread whose
+///   completions another thread waits for keeps writing at once), and the
+///   poster polls again soon: it found the CQ empty within the last
+///   [`BATCH_POLLED_NS`], or the send CQ holds completions not taken yet,
+///   or posts are deferred already,
 /// * fewer than [`BATCH_MAX`] posts are deferred (the post that reaches it
 ///   writes them all).
 ///
@@ -136,11 +138,20 @@ impl QpInner {
         if b.idle.swap(false, Ordering::Relaxed) || urgent {
             return false;
         }
-        if b.polled_by.load(Ordering::Relaxed) != thread_token() {
+        // Another thread polls the CQ: it may be the one waiting for these.
+        let by = b.polled_by.load(Ordering::Relaxed);
+        if by != 0 && by != thread_token() {
             return false;
         }
-        let now = crate::datamover::now_ns();
-        if now.saturating_sub(b.polled_ns.load(Ordering::Relaxed)) > BATCH_POLLED_NS {
+        // The poster polls again soon: it did lately, or the send CQ holds
+        // completions not taken yet (a poll that finds some runs no hook:
+        // a stream whose requests complete as they are posted never finds
+        // the CQ empty, and stamps no time), or posts are deferred already
+        // (the poll that writes them is due anyway).
+        let recent = by != 0
+            && crate::datamover::now_ns().saturating_sub(b.polled_ns.load(Ordering::Relaxed))
+                <= BATCH_POLLED_NS;
+        if !recent && b.deferred.load(Ordering::Relaxed) == 0 && self.send_cq.is_empty() {
             return false;
         }
         if b.deferred.fetch_add(1, Ordering::SeqCst) + 1 >= BATCH_MAX {
@@ -169,8 +180,9 @@ impl QpInner {
         true
     }
 
-    /// A CQ poll or wait by the calling thread (the QP's [`Progress`]
-    /// hooks): writes what its posts left (see [`TxBatch`]).
+    /// A CQ poll or a wait about to sleep in the calling thread (the QP's
+    /// [`Progress`] hooks): writes what its posts left (see [`TxBatch`]);
+    /// if there was nothing, the next post goes out at once.
     pub(super) fn batch_poll(&self) {
         let b = &self.tx_batch;
         if b.deferred.load(Ordering::SeqCst) > 0 && b.deferred.swap(0, Ordering::SeqCst) > 0 {
@@ -185,17 +197,6 @@ impl QpInner {
         }
         b.polled_ns
             .store(crate::datamover::now_ns(), Ordering::Relaxed);
-    }
-
-    /// A CQ wait about to sleep, or handing the QP to the engine threads:
-    /// writes what was deferred, and the next post goes out at once.
-    pub(super) fn batch_flush(&self) {
-        let b = &self.tx_batch;
-        if b.deferred.load(Ordering::SeqCst) > 0 && b.deferred.swap(0, Ordering::SeqCst) > 0 {
-            b.stats[1].fetch_add(1, Ordering::Relaxed);
-            self.core_kick();
-        }
-        b.idle.store(true, Ordering::Relaxed);
     }
 
     pub(super) fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
