@@ -1125,6 +1125,67 @@ mod tests {
         }
     }
 
+    /// A ping-pong (post, then poll until the answer comes) defers
+    /// nothing: each post follows a poll that found nothing to write, so
+    /// it is written at once and no backstop timer is armed.
+    #[test]
+    fn a_ping_pong_defers_nothing() {
+        let (a, b, cqa, cqb, pd) = batch_pair();
+        let abuf = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        let bbuf = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&a, &abuf, 50);
+        post_receives(&b, &bbuf, 50);
+        for i in 0..50u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+            // `a` waits for the answer (its send completion comes first).
+            let got = take(&cqa, 1);
+            assert_eq!(got[0].opcode, WcOpcode::Send);
+            let got = take(&cqb, 1);
+            assert_eq!((got[0].wr_id, got[0].opcode), (100 + i, WcOpcode::Recv));
+            b.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+            assert_eq!(take(&cqb, 1)[0].opcode, WcOpcode::Send);
+            assert_eq!(take(&cqa, 1)[0].wr_id, 100 + i);
+        }
+        for q in [&a, &b] {
+            assert_eq!(q.qp().tx_batch.stats[0].load(super::Ordering::Relaxed), 0);
+        }
+    }
+
+    /// A poster that fills the send queue with deferred posts and retries
+    /// without polling gets its post in: the full queue is written first.
+    #[test]
+    fn a_send_queue_full_of_deferred_posts_is_written_to_make_room() {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
+        let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
+        let mut attr = QpInitAttr::new(&cqa, &cqa);
+        attr.cap.max_send_wr = 4;
+        let a = QueuePair::new(&pd, &attr).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 12);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        for i in 0..12u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        assert!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed) > 0);
+        check_received(&b, &cqb, &dst, 12);
+        let ids: Vec<u64> = take(&cqa, 12).iter().map(|w| w.wr_id).collect();
+        assert_eq!(ids, (0..12).collect::<Vec<u64>>());
+    }
+
     /// A pair whose sending side (`a`) batches as usual and whose
     /// receiving side (`b`, on a device of its own) receives only when the
     /// test says so; the two PDs.

@@ -124,7 +124,18 @@ impl QpInner {
         if !deferrable(wr) {
             self.tx_batch.urgent.store(true, Ordering::Relaxed);
         }
-        self.core_post_send(wr)
+        match self.core_post_send(wr) {
+            Err(PostSendError::QueueFull { .. })
+                if self.tx_batch.deferred.swap(0, Ordering::SeqCst) > 0 =>
+            {
+                // The queue is full of our own deferred posts: written
+                // now, they complete and make room (a poster that retries
+                // without polling must not wait for the backstop).
+                self.core_kick();
+                self.core_post_send(wr)
+            }
+            r => r,
+        }
     }
 
     /// After `post_send`: transmits now, or leaves the requests to the
