@@ -166,10 +166,13 @@ impl QpInner {
         // a stream whose requests complete as they are posted never finds
         // the CQ empty, and stamps no time), or posts are deferred already
         // (the poll that writes them is due anyway).
-        let recent = by != 0
-            && crate::datamover::now_ns().saturating_sub(b.polled_ns.load(Ordering::Relaxed))
-                <= BATCH_POLLED_NS;
-        if !recent && b.deferred.load(Ordering::Relaxed) == 0 && self.send_cq.is_empty() {
+        // (The clock last: most posts of a burst find posts deferred.)
+        if b.deferred.load(Ordering::Relaxed) == 0
+            && self.send_cq.is_empty()
+            && (by == 0
+                || crate::datamover::now_ns().saturating_sub(b.polled_ns.load(Ordering::Relaxed))
+                    > BATCH_POLLED_NS)
+        {
             return false;
         }
         if b.deferred.fetch_add(1, Ordering::SeqCst) + 1 >= BATCH_MAX {
