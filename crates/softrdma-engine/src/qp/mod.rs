@@ -1009,11 +1009,15 @@ impl Progress for QpInner {
     }
 
     fn progress(&self, armed: bool) -> bool {
-        self.batch_poll();
+        let now = self.batch_poll();
         if !self.device.config().poll_driven_receive {
             return false;
         }
-        self.rx_poll(!armed)
+        // `rx_poll`, with the clock read once for both.
+        if !armed {
+            self.last_poll.store(now, Ordering::Relaxed);
+        }
+        self.core_rx(false).0
     }
 
     fn renew_claim(&self, until_ns: u64) {

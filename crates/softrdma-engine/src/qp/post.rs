@@ -203,8 +203,9 @@ impl QpInner {
 
     /// A CQ poll or a wait about to sleep in the calling thread (the QP's
     /// [`Progress`] hooks): writes what its posts left (see [`TxBatch`]);
-    /// if there was nothing, the next post goes out at once.
-    pub(super) fn batch_poll(&self) {
+    /// if there was nothing, the next post goes out at once. Returns the
+    /// engine clock's time (ns) it stamped.
+    pub(super) fn batch_poll(&self) -> u64 {
         let b = &self.tx_batch;
         if b.deferred.load(Ordering::SeqCst) > 0 && b.deferred.swap(0, Ordering::SeqCst) > 0 {
             b.stats[1].fetch_add(1, Ordering::Relaxed);
@@ -216,8 +217,9 @@ impl QpInner {
         if b.polled_by.load(Ordering::Relaxed) != me {
             b.polled_by.store(me, Ordering::Relaxed);
         }
-        b.polled_ns
-            .store(crate::datamover::now_ns(), Ordering::Relaxed);
+        let now = crate::datamover::now_ns();
+        b.polled_ns.store(now, Ordering::Relaxed);
+        now
     }
 
     pub(super) fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), PostRecvError> {
