@@ -1003,9 +1003,64 @@ mod tests {
         // `a`'s CQ is not polled: the peer gets the messages all the same.
         check_received(&b, &cqb, &dst, 5);
         assert!(a.qp().tx_batch.stats[2].load(super::Ordering::Relaxed) >= 1);
-        let sends = take(&cqa, 5);
+        // Another burst, still without polling (the send CQ holds the
+        // first burst's completions): the backstop, armed again, writes it.
+        let deferred = a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed);
+        let dst2 = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst2, 5);
+        for i in 0..5u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(5 + i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        assert!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed) > deferred);
+        check_received(&b, &cqb, &dst2, 5);
+        let sends = take(&cqa, 10);
         let ids: Vec<u64> = sends.iter().map(|w| w.wr_id).collect();
-        assert_eq!(ids, [0, 1, 2, 3, 4]);
+        assert_eq!(ids, (0..10).collect::<Vec<u64>>());
+    }
+
+    /// A poster that arms its CQ (to wait for the event) has its deferred
+    /// posts written at once, not by the backstop.
+    #[test]
+    fn arming_the_cq_writes_the_deferred_posts() {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let ch = crate::CompletionChannel::new(&dev).unwrap();
+        let cqa = CompletionQueue::new(&dev, 256, Some(&ch)).unwrap();
+        let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 5);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        for i in 0..5u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        let st = &a.qp().tx_batch.stats;
+        assert_eq!(st[0].load(super::Ordering::Relaxed), 4);
+        let polls = st[1].load(super::Ordering::Relaxed);
+        cqa.req_notify(false).unwrap();
+        assert_eq!(
+            st[1].load(super::Ordering::Relaxed),
+            polls + 1,
+            "written by the arm"
+        );
+        assert!(tx_counts(&a).1 >= 2);
+        check_received(&b, &cqb, &dst, 5);
+        assert_eq!(
+            st[2].load(super::Ordering::Relaxed),
+            0,
+            "not by the backstop"
+        );
     }
 
     /// Posts from a thread that is not the CQ's poller are written at once

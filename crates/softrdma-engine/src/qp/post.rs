@@ -50,6 +50,9 @@ pub(crate) struct TxBatch {
     polled_ns: AtomicU64,
     /// The backstop timer is armed.
     backstop: AtomicBool,
+    /// A post was deferred since the backstop last ran (it arms the next
+    /// one itself, from the timer thread, which needs no wake-up then).
+    used: AtomicBool,
     /// Posts deferred, and flushes by a poll and by the backstop (tests,
     /// measurements).
     pub(crate) stats: [AtomicU64; 3],
@@ -73,6 +76,7 @@ impl Default for TxBatch {
             polled_by: AtomicU64::new(0),
             polled_ns: AtomicU64::new(0),
             backstop: AtomicBool::new(false),
+            used: AtomicBool::new(false),
             stats: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
@@ -117,6 +121,40 @@ fn deferrable(wr: &SendWr<'_>) -> bool {
                 | SendOp::Write { .. }
                 | SendOp::WriteWithImm { .. }
         )
+}
+
+/// Arms the backstop of a QP's deferred posts; `false` if no timer could
+/// be armed.
+fn arm_backstop(weak: Weak<QpInner>) -> bool {
+    crate::timer::arm(BATCH_BACKSTOP, move || backstop_fired(weak)).is_ok()
+}
+
+/// The backstop ran (timer thread): writes what is deferred; while posts
+/// keep being deferred it stays armed.
+fn backstop_fired(weak: Weak<QpInner>) {
+    let Some(qp) = weak.upgrade() else {
+        return;
+    };
+    let b = &qp.tx_batch;
+    if b.deferred.swap(0, Ordering::SeqCst) > 0 {
+        b.stats[2].fetch_add(1, Ordering::Relaxed);
+        qp.core_kick();
+    }
+    // Still batching: armed again from here (no wake-up of this thread).
+    if b.used.swap(false, Ordering::Relaxed) && arm_backstop(weak.clone()) {
+        return;
+    }
+    b.backstop.store(false, Ordering::SeqCst);
+    // A post deferred meanwhile saw the flag set and armed nothing.
+    if b.deferred.load(Ordering::SeqCst) > 0
+        && !b.backstop.swap(true, Ordering::SeqCst)
+        && !arm_backstop(weak)
+    {
+        b.backstop.store(false, Ordering::SeqCst);
+        if b.deferred.swap(0, Ordering::SeqCst) > 0 {
+            qp.core_kick();
+        }
+    }
 }
 
 impl QpInner {
@@ -179,24 +217,13 @@ impl QpInner {
             return false;
         }
         b.stats[0].fetch_add(1, Ordering::Relaxed);
-        // After the count (SeqCst both): a backstop that has just run and
-        // found nothing has cleared its flag, so this arms a new one.
-        if !b.backstop.swap(true, Ordering::SeqCst) {
-            let weak = self.self_weak.clone();
-            let armed = crate::timer::arm(BATCH_BACKSTOP, move || {
-                if let Some(qp) = weak.upgrade() {
-                    qp.tx_batch.backstop.store(false, Ordering::SeqCst);
-                    if qp.tx_batch.deferred.swap(0, Ordering::SeqCst) > 0 {
-                        qp.tx_batch.stats[2].fetch_add(1, Ordering::Relaxed);
-                        qp.core_kick();
-                    }
-                }
-            });
-            if armed.is_err() {
-                // No timer thread: write now.
-                b.backstop.store(false, Ordering::SeqCst);
-                return false;
-            }
+        b.used.store(true, Ordering::Relaxed);
+        // After the count (SeqCst both): a backstop that has just let go
+        // of its flag sees the count, or this sees the flag clear and arms.
+        if !b.backstop.swap(true, Ordering::SeqCst) && !arm_backstop(self.self_weak.clone()) {
+            // No timer thread: write now.
+            b.backstop.store(false, Ordering::SeqCst);
+            return false;
         }
         true
     }
