@@ -179,6 +179,12 @@ impl QpInner {
         let r = with_core_send(wr, self.sq_sig_all, self.device.stags(), |w| {
             cc.conn.post_send(w, &mut mem)
         });
+        if cc.conn.ord_outstanding() > 0 {
+            // Reads or atomics await their responses (or an error that
+            // ends the connection): what is posted behind them goes out
+            // at once, as the poster expects (`TxBatch`).
+            self.tx_batch.urgent.store(true, Ordering::Relaxed);
+        }
         self.core_outputs(cc);
         r.map_err(|e| send_error(e, self.qp_num, wr))
     }

@@ -19,7 +19,9 @@ use crate::wr::SendFlags;
 /// [`Progress`] hooks), all in one `writev`. A post is deferred only when
 ///
 /// * it is small (at most [`BATCH_MAX_BYTES`] of payload, no Read or
-///   atomic, which wait for a response),
+///   atomic, which wait for a response) and no Read or atomic is
+///   outstanding on the connection (posts behind one go out at once, as
+///   without batching, also when its error ends the connection),
 /// * no other thread is the CQ's poller (the posting thread is the one
 ///   whose poll last found the CQ empty, or none did yet: a thread whose
 ///   completions another thread waits for keeps writing at once), and the
@@ -41,9 +43,10 @@ pub(crate) struct TxBatch {
     deferred: AtomicU32,
     /// A CQ poll found nothing deferred: the next post is written at once.
     idle: AtomicBool,
-    /// A request not to defer was posted (set by `post_one`, read by the
+    /// A request not to defer was posted, or Reads or atomics are
+    /// outstanding (set by `post_one` and `core_post_send`, read by the
     /// kick after the list).
-    urgent: AtomicBool,
+    pub(super) urgent: AtomicBool,
     /// The thread that last polled the CQ (a [`thread_token`]), 0: none.
     polled_by: AtomicU64,
     /// When it did, after the poll's own transmit (engine clock, ns).
