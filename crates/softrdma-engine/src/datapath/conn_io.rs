@@ -327,6 +327,8 @@ pub(crate) struct TxIo {
     iov: IoVecs,
     /// Bytes written to the socket.
     pub(crate) bytes_sent: u64,
+    /// `writev` calls made (successful or not).
+    pub(crate) writes: u64,
 }
 
 impl TxIo {
@@ -337,6 +339,7 @@ impl TxIo {
             written: 0,
             iov: IoVecs::new(),
             bytes_sent: 0,
+            writes: 0,
         }
     }
 
@@ -387,6 +390,7 @@ impl TxIo {
             }
             self.build_iov();
             let r = writev(fd, &self.iov);
+            self.writes += 1;
             self.iov.clear();
             match r {
                 Ok(n) => {

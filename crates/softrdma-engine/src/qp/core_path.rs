@@ -179,6 +179,12 @@ impl QpInner {
         let r = with_core_send(wr, self.sq_sig_all, self.device.stags(), |w| {
             cc.conn.post_send(w, &mut mem)
         });
+        if cc.conn.ord_outstanding() > 0 {
+            // Reads or atomics await their responses (or an error that
+            // ends the connection): what is posted behind them goes out
+            // at once, as the poster expects (`TxBatch`).
+            self.tx_batch.urgent.store(true, Ordering::Relaxed);
+        }
         self.core_outputs(cc);
         r.map_err(|e| send_error(e, self.qp_num, wr))
     }
@@ -868,5 +874,409 @@ mod tests {
         let mut got = [0u8; 8];
         dst.read(0, &mut got).unwrap();
         assert_eq!(got, [7u8; 8]);
+    }
+
+    /// A pair whose both sides have their engine threads (for the batching
+    /// tests) and CQs of their own.
+    fn batch_pair() -> (
+        QueuePair,
+        QueuePair,
+        CompletionQueue,
+        CompletionQueue,
+        ProtectionDomain,
+    ) {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
+        let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        (a, b, cqa, cqb, pd)
+    }
+
+    /// (bytes written, `writev` calls) of a QP's connection.
+    fn tx_counts(q: &QueuePair) -> (u64, u64) {
+        let g = q.qp().lock_core();
+        let cc = g.as_ref().expect("connected");
+        (cc.tx.bytes_sent, cc.tx.writes)
+    }
+
+    /// Polls `cq` until `n` completions came (20 s at most).
+    fn take(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+        let mut got = Vec::new();
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while got.len() < n {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {n} completions",
+                got.len()
+            );
+            let k = cq.poll(&mut wc);
+            got.extend_from_slice(&wc[..k]);
+        }
+        got
+    }
+
+    /// Receives `n` 8-byte Sends on `b` into slots of `dst` and checks
+    /// them: in order, exactly once, byte for byte.
+    fn check_received(b: &QueuePair, cqb: &CompletionQueue, dst: &crate::MemoryRegion, n: u64) {
+        let got = take(cqb, n as usize);
+        for (i, wc) in got.iter().enumerate() {
+            assert_eq!(
+                (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+                (100 + i as u64, WcStatus::Success, WcOpcode::Recv, 8),
+                "receive {i}"
+            );
+            let mut m = [0u8; 8];
+            dst.read(i * 64, &mut m).unwrap();
+            assert_eq!(u64::from_le_bytes(m), 1000 + i as u64, "message {i}");
+        }
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqb.poll(&mut wc), 0, "no receive completes twice");
+        let _ = b;
+    }
+
+    /// Posts `b` `n` receives of 64 bytes each, slot `i` at `i * 64`.
+    fn post_receives(b: &QueuePair, dst: &crate::MemoryRegion, n: u64) {
+        for i in 0..n {
+            let sge = [Sge {
+                lkey: dst.lkey(),
+                addr: dst.addr() + i * 64,
+                length: 64,
+            }];
+            b.post_recv(&RecvWr::new(100 + i, &sge)).unwrap();
+        }
+    }
+
+    /// A burst of small posts between two CQ polls of the posting thread
+    /// goes out in one `writev` at the next poll (the first post of the
+    /// burst at once), and every message arrives byte for byte, in order,
+    /// exactly once, with one send completion each, in order.
+    #[test]
+    fn a_burst_of_small_posts_goes_out_in_one_writev_at_the_next_poll() {
+        let (a, b, cqa, cqb, pd) = batch_pair();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 10);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        // This thread polls the sending CQ: it will poll again.
+        assert_eq!(cqa.poll(&mut wc), 0);
+        let (bytes0, writes0) = tx_counts(&a);
+        for i in 0..10u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        let (bytes1, writes1) = tx_counts(&a);
+        assert_eq!(writes1 - writes0, 1, "only the first post wrote");
+        let one = bytes1 - bytes0;
+        let deferred = a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed);
+        assert_eq!(deferred, 9);
+        let sends = take(&cqa, 10);
+        let (bytes2, writes2) = tx_counts(&a);
+        assert_eq!(bytes2 - bytes0, 10 * one, "every message written once");
+        assert_eq!(writes2 - writes1, 1, "the nine in one writev");
+        for (i, wc) in sends.iter().enumerate() {
+            assert_eq!(
+                (wc.wr_id, wc.status, wc.opcode),
+                (i as u64, WcStatus::Success, WcOpcode::Send)
+            );
+        }
+        assert_eq!(cqa.poll(&mut wc), 0, "no send completes twice");
+        check_received(&b, &cqb, &dst, 10);
+    }
+
+    /// A poster that stops polling its CQ has its deferred posts written
+    /// by the backstop timer.
+    #[test]
+    fn deferred_posts_are_written_when_the_poster_stops_polling() {
+        let (a, b, cqa, cqb, pd) = batch_pair();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 5);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        for i in 0..5u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        assert_eq!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed), 4);
+        // `a`'s CQ is not polled: the peer gets the messages all the same.
+        check_received(&b, &cqb, &dst, 5);
+        assert!(a.qp().tx_batch.stats[2].load(super::Ordering::Relaxed) >= 1);
+        // Another burst, still without polling (the send CQ holds the
+        // first burst's completions): the backstop, armed again, writes it.
+        let deferred = a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed);
+        let dst2 = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst2, 5);
+        for i in 0..5u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(5 + i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        assert!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed) > deferred);
+        check_received(&b, &cqb, &dst2, 5);
+        let sends = take(&cqa, 10);
+        let ids: Vec<u64> = sends.iter().map(|w| w.wr_id).collect();
+        assert_eq!(ids, (0..10).collect::<Vec<u64>>());
+    }
+
+    /// A poster that arms its CQ (to wait for the event) has its deferred
+    /// posts written at once, not by the backstop.
+    #[test]
+    fn arming_the_cq_writes_the_deferred_posts() {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let ch = crate::CompletionChannel::new(&dev).unwrap();
+        let cqa = CompletionQueue::new(&dev, 256, Some(&ch)).unwrap();
+        let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 5);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        for i in 0..5u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        let st = &a.qp().tx_batch.stats;
+        assert_eq!(st[0].load(super::Ordering::Relaxed), 4);
+        let polls = st[1].load(super::Ordering::Relaxed);
+        cqa.req_notify(false).unwrap();
+        assert_eq!(
+            st[1].load(super::Ordering::Relaxed),
+            polls + 1,
+            "written by the arm"
+        );
+        assert!(tx_counts(&a).1 >= 2);
+        check_received(&b, &cqb, &dst, 5);
+        assert_eq!(
+            st[2].load(super::Ordering::Relaxed),
+            0,
+            "not by the backstop"
+        );
+    }
+
+    /// Posts from a thread that is not the CQ's poller are written at once
+    /// (its completions may be waited for by the other thread).
+    #[test]
+    fn posts_of_a_thread_that_does_not_poll_are_written_at_once() {
+        let (a, b, cqa, cqb, pd) = batch_pair();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 5);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+                assert_eq!(cqa.poll(&mut wc), 0);
+            });
+        });
+        let (_, writes0) = tx_counts(&a);
+        for i in 0..5u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        assert_eq!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed), 0);
+        assert_eq!(tx_counts(&a).1 - writes0, 5, "one writev per post");
+        check_received(&b, &cqb, &dst, 5);
+    }
+
+    /// Bursts framed together while the peer does not read: a coalesced
+    /// `writev` that fills the socket hands the rest to the datamover, and
+    /// nothing is lost or written twice (each 256-byte Write lands at its
+    /// own offset, byte for byte; every post completes once, in order).
+    #[test]
+    fn a_coalesced_transmit_that_hits_would_block_loses_nothing() {
+        let (a, b, cqa, cqb, pda, pdb) = quiet_core_pair_batching();
+        const SIZE: usize = 256;
+        const N: usize = 40_000;
+        let dst = pdb
+            .register(N * SIZE, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        let src = pda.register(N * SIZE, Access::LOCAL_WRITE).unwrap();
+        for i in 0..N {
+            src.write(i * SIZE, &[(i % 251) as u8; SIZE]).unwrap();
+            src.write(i * SIZE, &(i as u64).to_le_bytes()).unwrap();
+        }
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 64];
+        let mut done = Vec::with_capacity(N);
+        let mut posted = 0usize;
+        let mut blocked = false;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while done.len() < N {
+            assert!(Instant::now() < deadline, "{} of {N} written", done.len());
+            let k = cqa.poll(&mut wc);
+            done.extend(wc[..k].iter().map(|w| (w.wr_id, w.status)));
+            // Bursts of up to 31 (deferred, then one writev at the poll).
+            let mut burst = 0;
+            while posted < N && burst < 31 && posted - done.len() < 100 {
+                let sge = [Sge {
+                    lkey: src.lkey(),
+                    addr: src.addr() + (posted * SIZE) as u64,
+                    length: SIZE as u32,
+                }];
+                let op = SendOp::Write {
+                    remote_addr: dst.addr() + (posted * SIZE) as u64,
+                    rkey: dst.rkey(),
+                };
+                a.post_send(&SendWr::new(posted as u64, op).sg_list(&sge).signaled())
+                    .unwrap();
+                posted += 1;
+                burst += 1;
+            }
+            if !blocked {
+                let g = a.qp().lock_core();
+                blocked = g.as_ref().is_some_and(|cc| cc.on_dm);
+            }
+            if blocked || posted == N {
+                // The peer reads now and then once the socket backed up.
+                while b.qp().core_rx(false).0 {}
+            }
+        }
+        assert!(blocked, "the socket never filled");
+        assert!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed) > 0);
+        for (i, (id, st)) in done.iter().enumerate() {
+            assert_eq!((*id, *st), (i as u64, WcStatus::Success), "completion {i}");
+        }
+        assert_eq!(cqa.poll(&mut wc), 0, "no request completes twice");
+        // Everything arrives: a fence Send behind the Writes.
+        let rsge = [Sge {
+            lkey: dst.lkey(),
+            addr: dst.addr(),
+            length: 8,
+        }];
+        let mut fence = [0u8; 8];
+        src.read(0, &mut fence).unwrap();
+        b.post_recv(&RecvWr::new(7, &rsge)).unwrap();
+        a.post_send(&SendWr::new(u64::MAX, SendOp::Send).inline(&fence))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let _ = b.qp().core_rx(true);
+            let mut one = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+            if cqb.poll(&mut one) == 1 {
+                assert_eq!((one[0].wr_id, one[0].status), (7, WcStatus::Success));
+                break;
+            }
+            let _ = cqa.poll(&mut wc);
+            assert!(Instant::now() < deadline, "the fence never arrived");
+        }
+        let mut got = vec![0u8; N * SIZE];
+        dst.read(0, &mut got).unwrap();
+        let mut want = vec![0u8; N * SIZE];
+        src.read(0, &mut want).unwrap();
+        // Slot 0 was overwritten by the fence with its own first bytes.
+        for i in 0..N {
+            assert!(
+                got[i * SIZE..(i + 1) * SIZE] == want[i * SIZE..(i + 1) * SIZE],
+                "Write {i} differs"
+            );
+        }
+    }
+
+    /// A ping-pong (post, then poll until the answer comes) defers
+    /// nothing: each post follows a poll that found nothing to write, so
+    /// it is written at once and no backstop timer is armed.
+    #[test]
+    fn a_ping_pong_defers_nothing() {
+        let (a, b, cqa, cqb, pd) = batch_pair();
+        let abuf = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        let bbuf = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&a, &abuf, 50);
+        post_receives(&b, &bbuf, 50);
+        for i in 0..50u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+            // `a` waits for the answer (its send completion comes first).
+            let got = take(&cqa, 1);
+            assert_eq!(got[0].opcode, WcOpcode::Send);
+            let got = take(&cqb, 1);
+            assert_eq!((got[0].wr_id, got[0].opcode), (100 + i, WcOpcode::Recv));
+            b.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+            assert_eq!(take(&cqb, 1)[0].opcode, WcOpcode::Send);
+            assert_eq!(take(&cqa, 1)[0].wr_id, 100 + i);
+        }
+        for q in [&a, &b] {
+            assert_eq!(q.qp().tx_batch.stats[0].load(super::Ordering::Relaxed), 0);
+        }
+    }
+
+    /// A poster that fills the send queue with deferred posts and retries
+    /// without polling gets its post in: the full queue is written first.
+    #[test]
+    fn a_send_queue_full_of_deferred_posts_is_written_to_make_room() {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
+        let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
+        let mut attr = QpInitAttr::new(&cqa, &cqa);
+        attr.cap.max_send_wr = 4;
+        let a = QueuePair::new(&pd, &attr).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 12);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        for i in 0..12u64 {
+            let m = (1000 + i).to_le_bytes();
+            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+        assert!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed) > 0);
+        check_received(&b, &cqb, &dst, 12);
+        let ids: Vec<u64> = take(&cqa, 12).iter().map(|w| w.wr_id).collect();
+        assert_eq!(ids, (0..12).collect::<Vec<u64>>());
+    }
+
+    /// A pair whose sending side (`a`) batches as usual and whose
+    /// receiving side (`b`, on a device of its own) receives only when the
+    /// test says so; the two PDs.
+    fn quiet_core_pair_batching() -> (
+        QueuePair,
+        QueuePair,
+        CompletionQueue,
+        CompletionQueue,
+        ProtectionDomain,
+        ProtectionDomain,
+    ) {
+        let deva = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let devb = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            poll_driven_receive: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pda = ProtectionDomain::new(&deva);
+        let pdb = ProtectionDomain::new(&devb);
+        let cqa = CompletionQueue::new(&deva, 256, None).unwrap();
+        let cqb = CompletionQueue::new(&devb, 256, None).unwrap();
+        let a = QueuePair::new(&pda, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+        let b = QueuePair::new(&pdb, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        b.qp().device.threads().unregister(&**b.qp());
+        (a, b, cqa, cqb, pda, pdb)
     }
 }

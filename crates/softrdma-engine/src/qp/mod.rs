@@ -468,6 +468,8 @@ pub(crate) struct QpInner {
     pub(crate) dm_listed: AtomicBool,
     /// When a CQ poll last drove this QP's receive path (engine clock, ns).
     pub(crate) last_poll: AtomicU64,
+    /// Small posts of a burst written together (`post.rs`).
+    pub(crate) tx_batch: post::TxBatch,
     /// Entering ERROR closes the connection in order instead of resetting
     /// it (QP destroyed by its owner).
     orderly_close: AtomicBool,
@@ -538,6 +540,7 @@ impl QueuePair {
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
             last_poll: AtomicU64::new(0),
+            tx_batch: post::TxBatch::default(),
             orderly_close: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             close_timeout_ms: AtomicU64::new(DEFAULT_CLOSE_TIMEOUT.as_millis() as u64),
@@ -809,7 +812,7 @@ impl QueuePair {
             }
         }
         if posted > 0 {
-            qp.kick();
+            qp.kick_posted();
         }
         result
     }
@@ -987,6 +990,8 @@ impl QpInner {
 
 impl Progress for QpInner {
     fn armed(&self) {
+        // The owner now waits for an event: nothing may wait for its poll.
+        self.batch_poll();
         // Not busy-polled any more: let the receive thread watch the socket
         // now, not after the quiet period.
         if self.last_poll.swap(0, Ordering::Relaxed) != 0 {
@@ -995,14 +1000,24 @@ impl Progress for QpInner {
     }
 
     fn sleep_on(&self, until_ns: Option<u64>) -> Option<std::os::fd::RawFd> {
+        // The waiter sleeps: what its posts left is written first (not
+        // when it returns without sleeping, `None`: that is no poll).
+        if until_ns.is_some() {
+            self.batch_poll();
+        }
         self.device.threads().claim_rx(self, until_ns)
     }
 
     fn progress(&self, armed: bool) -> bool {
+        let now = self.batch_poll();
         if !self.device.config().poll_driven_receive {
             return false;
         }
-        self.rx_poll(!armed)
+        // `rx_poll`, with the clock read once for both.
+        if !armed {
+            self.last_poll.store(now, Ordering::Relaxed);
+        }
+        self.core_rx(false).0
     }
 
     fn renew_claim(&self, until_ns: u64) {
@@ -1015,6 +1030,7 @@ impl Progress for QpInner {
     }
 
     fn progress_readable(&self) -> bool {
+        self.batch_poll();
         if !self.device.config().poll_driven_receive {
             return false;
         }
