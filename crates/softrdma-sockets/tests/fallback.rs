@@ -12,6 +12,22 @@ use softrdma_sockets::{Config, Mode, PlainReason, TcpListener, TcpStream, Transp
 
 const BANNER: &[u8] = b"220 server speaks first\r\n";
 
+/// A TCP listener and a UDP socket on the same loopback port (a fake
+/// capability twin or a query sink). The TCP port the kernel picks may be
+/// taken for UDP (another test's twin): then try another.
+fn tcp_and_udp_on_one_port() -> (std::net::TcpListener, UdpSocket, SocketAddr) {
+    for _ in 0..64 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        match UdpSocket::bind(addr) {
+            Ok(u) => return (l, u, addr),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+            Err(e) => panic!("udp bind {addr}: {e}"),
+        }
+    }
+    panic!("no loopback port free for both TCP and UDP in 64 tries");
+}
+
 /// Server side of a session: banner first, then echo until EOF.
 /// Auto mode with a capability query that waits long enough for a
 /// listener's answer on a loaded machine (the default 50 ms gives up and
@@ -163,9 +179,7 @@ fn offload_listener_drops_plain_clients() {
 /// the host as plain and never asks again.
 #[test]
 fn silent_host_costs_one_probe_then_cached() {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let sink = UdpSocket::bind(addr).unwrap();
+    let (l, sink, addr) = tcp_and_udp_on_one_port();
     sink.set_read_timeout(Some(Duration::from_millis(300)))
         .unwrap();
     let t = thread::spawn(move || {
@@ -197,9 +211,7 @@ fn silent_host_costs_one_probe_then_cached() {
 /// first connection): the client reconnects plain before any data.
 #[test]
 fn failed_setup_falls_back_before_data() {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let twin = UdpSocket::bind(addr).unwrap();
+    let (l, twin, addr) = tcp_and_udp_on_one_port();
     let tw = thread::spawn(move || accept_one_query(&twin));
     let t = thread::spawn(move || {
         // First connection: garbage instead of an MPA Reply.
@@ -263,9 +275,7 @@ fn malformed_sdp_resets_only_that_connection() {
         assert!(good.transport().is_offloaded());
         // Fake SDP server: twin accepts, then an engine QP answers with a
         // valid HelloAck and sends `bad`.
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr: SocketAddr = l.local_addr().unwrap();
-        let twin = UdpSocket::bind(addr).unwrap();
+        let (l, twin, addr) = tcp_and_udp_on_one_port();
         let bad2 = bad.clone();
         let fake = thread::spawn(move || {
             accept_one_query(&twin);
