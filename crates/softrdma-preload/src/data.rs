@@ -75,29 +75,41 @@ fn recv_conn(c: &Conn, buf: &mut [u8], flags: c_int) -> Result<usize, c_int> {
     Ok(got)
 }
 
-fn send_conn(c: &Conn, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
+fn send_conn(c: &Arc<Conn>, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
     if flags & libc::MSG_OOB != 0 {
+        crate::autocork::end_burst();
         return Err(libc::EOPNOTSUPP);
     }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let nb = dontwait || c.nonblock.load(Ordering::Relaxed);
+    let more = flags & libc::MSG_MORE != 0;
+    // A small send that the burst's next one should follow: held as for
+    // MSG_MORE (see `autocork`).
+    let hold = crate::autocork::before_send(c, buf.len(), more)
+        && c.stream().is_ok_and(|s| c.start_hold(s));
     // MSG_MORE: held as with TCP_CORK until a send without it (or the
     // cork's 200 ms); an application's own TCP_CORK is left alone.
-    if flags & libc::MSG_MORE != 0
+    if more
         && !c.more.load(Ordering::Relaxed)
         && let Ok(s) = c.stream()
-        && s.cork().is_ok_and(|on| !on)
+        && (c.auto.load(Ordering::Relaxed) || s.cork().is_ok_and(|on| !on))
         && s.set_cork(true).is_ok()
     {
+        // A library hold becomes the MSG_MORE one.
+        c.auto.store(false, Ordering::Relaxed);
         c.more.store(true, Ordering::Relaxed);
     }
     let r = send_stream(c, buf, nb, dontwait);
-    if flags & libc::MSG_MORE == 0
-        && c.more.swap(false, Ordering::Relaxed)
-        && let Ok(s) = c.stream()
-    {
-        let _ = s.set_cork(false);
+    if !more && !hold {
+        let by_more = c.more.swap(false, Ordering::Relaxed);
+        let by_lib = c.auto.swap(false, Ordering::Relaxed);
+        if (by_more || by_lib)
+            && let Ok(s) = c.stream()
+        {
+            let _ = s.set_cork(false);
+        }
     }
+    crate::autocork::after_send(c);
     let r = match r {
         Err(libc::ECONNRESET | libc::ECONNABORTED)
             if c.reset_seen.swap(true, Ordering::Relaxed) =>
@@ -192,7 +204,7 @@ fn readv_conn(c: &Conn, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
     })
 }
 
-fn writev_conn(c: &Conn, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
+fn writev_conn(c: &Arc<Conn>, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
     if let [one] = iov {
         // SAFETY: the application's iovec names readable memory.
         return send_conn(c, unsafe { buf_ref(one.iov_base, one.iov_len) }, flags);
@@ -219,6 +231,11 @@ fn ok(r: Result<usize, c_int>) -> Result<ssize_t, c_int> {
 
 fn on(fd: c_int) -> Option<Arc<Conn>> {
     conn::lookup(fd)
+}
+
+/// [`on`] for a send (the thread's burst of sends on it goes on).
+fn on_send(fd: c_int) -> Option<Arc<Conn>> {
+    conn::lookup_for_send(fd)
 }
 
 macro_rules! real_or_enosys {
@@ -274,7 +291,7 @@ unsafe extern "C" {
 /// As `write(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         // SAFETY: the caller's buffer of `n` bytes.
         return guard(|| ok(send_conn(&c, unsafe { buf_ref(buf, n) }, 0)));
     }
@@ -304,7 +321,7 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssiz
 /// As `writev(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         // SAFETY: the caller's iovecs.
         return guard(|| ok(writev_conn(&c, unsafe { iovecs(iov, cnt) }?, 0)));
     }
@@ -433,7 +450,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
 /// As `send(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         // SAFETY: the caller's buffer of `n` bytes.
         return guard(|| ok(send_conn(&c, unsafe { buf_ref(buf, n) }, flags)));
     }
@@ -456,7 +473,7 @@ pub unsafe extern "C" fn sendto(
     addr: *const sockaddr,
     alen: socklen_t,
 ) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         // SAFETY: the caller's buffer of `n` bytes.
         return guard(|| ok(send_conn(&c, unsafe { buf_ref(buf, n) }, flags)));
     }
@@ -471,7 +488,7 @@ pub unsafe extern "C" fn sendto(
 /// As `sendmsg(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         if msg.is_null() {
             return crate::real::fail(libc::EFAULT);
         }
@@ -492,7 +509,7 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
 /// written to the stream; `*offset` (or the file position) advances by
 /// what was sent.
 fn sendfile_conn(
-    c: &Conn,
+    c: &Arc<Conn>,
     in_fd: c_int,
     offset: *mut off_t,
     count: size_t,
@@ -506,7 +523,7 @@ fn sendfile_conn(
 
 /// [`sendfile_conn`] through `tmp`.
 fn sendfile_via(
-    c: &Conn,
+    c: &Arc<Conn>,
     in_fd: c_int,
     offset: *mut off_t,
     tmp: &mut [u8],
@@ -563,7 +580,7 @@ pub unsafe extern "C" fn sendfile(
     offset: *mut off_t,
     count: size_t,
 ) -> ssize_t {
-    if let Some(c) = on(out) {
+    if let Some(c) = on_send(out) {
         return guard(|| sendfile_conn(&c, in_fd, offset, count));
     }
     let real = real_or_enosys!(REAL_SENDFILE);
@@ -582,7 +599,7 @@ pub unsafe extern "C" fn sendfile64(
     offset: *mut off_t,
     count: size_t,
 ) -> ssize_t {
-    if let Some(c) = on(out) {
+    if let Some(c) = on_send(out) {
         return guard(|| sendfile_conn(&c, in_fd, offset, count));
     }
     let real = match REAL_SENDFILE64.get().or(REAL_SENDFILE.get()) {
@@ -754,7 +771,7 @@ pub unsafe extern "C" fn sendmmsg(
     n: c_uint,
     flags: c_int,
 ) -> c_int {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         if msgs.is_null() {
             return crate::real::fail(libc::EFAULT);
         }
