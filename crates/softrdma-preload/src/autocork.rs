@@ -49,16 +49,22 @@ pub(crate) const HOLD_LIMIT: Duration = Duration::from_millis(1);
 
 thread_local! {
     /// The connection this thread sent on last, while no other interposed
-    /// call of the thread came since (its burst is still open).
-    static LAST_SEND: Cell<Option<Arc<Conn>>> = const { Cell::new(None) };
+    /// call of the thread came since (its burst is still open). Weak: a
+    /// connection another thread closes meanwhile ends with its last
+    /// descriptor, as ever.
+    static LAST_SEND: Cell<Option<Weak<Conn>>> = const { Cell::new(None) };
 }
 
 /// The calling thread makes an interposed call other than a send on its
 /// last connection: that connection's burst ended (a held send goes now).
 /// Cheap when nothing is open (a thread-local read).
 pub(crate) fn end_burst() {
-    if let Ok(Some(c)) = LAST_SEND.try_with(Cell::take) {
+    if let Ok(Some(w)) = LAST_SEND.try_with(Cell::take)
+        && let Some(c) = w.upgrade()
+    {
         c.burst_end();
+        // Possibly the last reference now (closed by another thread).
+        conn::release(c);
     }
 }
 
@@ -66,10 +72,17 @@ pub(crate) fn end_burst() {
 /// the burst bookkeeping; returns whether this send should be held for
 /// the next one (the caller corks the stream for it).
 pub(crate) fn before_send(c: &Arc<Conn>, len: usize, more: bool) -> bool {
-    let prev = LAST_SEND.try_with(Cell::take).ok().flatten();
+    let prev = LAST_SEND
+        .try_with(Cell::take)
+        .ok()
+        .flatten()
+        .and_then(|w| w.upgrade());
     match prev {
         Some(p) if Arc::ptr_eq(&p, c) => {}
-        Some(p) => p.burst_end(),
+        Some(p) => {
+            p.burst_end();
+            conn::release(p);
+        }
         None => {}
     }
     let pos = c.burst_cur.fetch_add(1, Ordering::Relaxed) + 1;
@@ -78,7 +91,7 @@ pub(crate) fn before_send(c: &Arc<Conn>, len: usize, more: bool) -> bool {
 
 /// After a send on `c`: its burst stays open until the thread's next call.
 pub(crate) fn after_send(c: &Arc<Conn>) {
-    let _ = LAST_SEND.try_with(|l| l.set(Some(Arc::clone(c))));
+    let _ = LAST_SEND.try_with(|l| l.set(Some(Arc::downgrade(c))));
 }
 
 /// Whether holds are allowed in this process: on (unless turned off) in
@@ -164,6 +177,7 @@ fn run() {
         for (w, hold) in batch {
             if let Some(c) = w.upgrade() {
                 c.end_hold_if(hold);
+                conn::release(c);
             }
         }
     }

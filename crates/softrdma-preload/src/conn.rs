@@ -277,7 +277,7 @@ pub(crate) fn remove(fd: c_int) {
 /// Drops a reference: in a forked child the memory of a connection the
 /// parent switched is never torn down (that would run the parent's
 /// protocol on a socket the parent still uses); it is left as it is.
-fn release(c: Arc<Conn>) {
+pub(crate) fn release(c: Arc<Conn>) {
     let owner = c.owner.load(Ordering::Relaxed);
     if owner != 0 && owner != pid() {
         std::mem::forget(c);

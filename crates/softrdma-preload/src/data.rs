@@ -10,7 +10,7 @@
 //! `MSG_NOSIGNAL`. `sendfile` and `splice` copy through user space (the
 //! offloaded stream has no kernel path from a file or a pipe).
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -76,6 +76,13 @@ fn recv_conn(c: &Conn, buf: &mut [u8], flags: c_int) -> Result<usize, c_int> {
 }
 
 fn send_conn(c: &Arc<Conn>, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
+    send_parts(c, &mut [IoSlice::new(buf)], flags)
+}
+
+/// A send of the concatenation of `parts` (each copied straight into the
+/// stream's send buffers).
+fn send_parts(c: &Arc<Conn>, parts: &mut [IoSlice<'_>], flags: c_int) -> Result<usize, c_int> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
     if flags & libc::MSG_OOB != 0 {
         crate::autocork::end_burst();
         return Err(libc::EOPNOTSUPP);
@@ -85,8 +92,8 @@ fn send_conn(c: &Arc<Conn>, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
     let more = flags & libc::MSG_MORE != 0;
     // A small send that the burst's next one should follow: held as for
     // MSG_MORE (see `autocork`).
-    let hold = crate::autocork::before_send(c, buf.len(), more)
-        && c.stream().is_ok_and(|s| c.start_hold(s));
+    let hold =
+        crate::autocork::before_send(c, total, more) && c.stream().is_ok_and(|s| c.start_hold(s));
     // MSG_MORE: held as with TCP_CORK until a send without it (or the
     // cork's 200 ms); an application's own TCP_CORK is left alone.
     if more
@@ -99,7 +106,7 @@ fn send_conn(c: &Arc<Conn>, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
         c.auto.store(false, Ordering::Relaxed);
         c.more.store(true, Ordering::Relaxed);
     }
-    let r = send_stream(c, buf, nb, dontwait);
+    let r = send_stream(c, parts, total, nb, dontwait);
     if !more && !hold {
         let by_more = c.more.swap(false, Ordering::Relaxed);
         let by_lib = c.auto.swap(false, Ordering::Relaxed);
@@ -124,18 +131,29 @@ fn send_conn(c: &Arc<Conn>, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
     r
 }
 
-/// Writes `buf` to the stream: all of it if blocking (`nb` false), as the
-/// kernel's send does.
-fn send_stream(c: &Conn, buf: &[u8], nb: bool, dontwait: bool) -> Result<usize, c_int> {
+/// Writes the concatenation of `parts` (`total` octets) to the stream:
+/// all of it if blocking (`nb` false), as the kernel's send does.
+fn send_stream(
+    c: &Conn,
+    mut parts: &mut [IoSlice<'_>],
+    total: usize,
+    nb: bool,
+    dontwait: bool,
+) -> Result<usize, c_int> {
     let mut sent = 0;
     loop {
-        match c.blocking(dontwait, true, |mut s| s.write(&buf[sent..])) {
+        let r = c.blocking(dontwait, true, |mut s| match &*parts {
+            [one] => s.write(one),
+            many => s.write_vectored(many),
+        });
+        match r {
             Ok(n) => {
                 sent += n;
                 // A blocking send sends everything, as the kernel's does.
-                if nb || sent >= buf.len() || n == 0 {
+                if nb || sent >= total || n == 0 {
                     break Ok(sent);
                 }
+                IoSlice::advance_slices(&mut parts, n);
             }
             Err(e) if sent > 0 && e != libc::EPIPE => break Ok(sent),
             Err(e) => break Err(e),
@@ -209,20 +227,14 @@ fn writev_conn(c: &Arc<Conn>, iov: &[iovec], flags: c_int) -> Result<usize, c_in
         // SAFETY: the application's iovec names readable memory.
         return send_conn(c, unsafe { buf_ref(one.iov_base, one.iov_len) }, flags);
     }
-    let total = iov.iter().map(|v| v.iov_len).sum::<usize>().min(CHUNK);
-    with_scratch(total, |tmp| {
-        let mut off = 0;
-        for v in iov {
-            let k = v.iov_len.min(total - off);
-            if k == 0 {
-                continue;
-            }
-            // SAFETY: the application's iovec names readable memory.
-            tmp[off..off + k].copy_from_slice(unsafe { buf_ref(v.iov_base, k) });
-            off += k;
-        }
-        send_conn(c, &tmp[..off], flags)
-    })
+    // Each piece is copied straight into the stream's send buffers.
+    let mut parts: Vec<IoSlice<'_>> = iov
+        .iter()
+        .filter(|v| v.iov_len > 0)
+        // SAFETY: the application's iovec names readable memory.
+        .map(|v| IoSlice::new(unsafe { buf_ref(v.iov_base, v.iov_len) }))
+        .collect();
+    send_parts(c, &mut parts, flags)
 }
 
 fn ok(r: Result<usize, c_int>) -> Result<ssize_t, c_int> {

@@ -288,6 +288,35 @@ fn autocork_random_bursts_are_byte_exact() {
         t.join(); assert out[0]==data\n");
 }
 
+/// `writev` with many pieces (empty ones, one over 1 MiB in all) is
+/// copied piece by piece into the stream: blocking, everything goes;
+/// non-blocking, a prefix goes and the rest follows; byte-exact.
+#[test]
+fn writev_of_many_pieces_is_byte_exact() {
+    if !have_python() {
+        return;
+    }
+    run("data=os.urandom(1_500_000)\n\
+        cuts=[0,1,1,7,300,301,70000,600000,600001,1_400_000,len(data)]\n\
+        iov=[data[a:b] for a,b in zip(cuts,cuts[1:])]\n\
+        out=[]\n\
+        def rx():\n    \
+            b=bytearray()\n    \
+            while len(b)<2*len(data): b+=s.recv(1<<20)\n    \
+            out.append(bytes(b))\n\
+        t=threading.Thread(target=rx); t.start()\n\
+        assert os.writev(c.fileno(), iov)==len(data)\n\
+        c.setblocking(False); n=0\n\
+        while n<len(data):\n    \
+            rest=[]; at=0\n    \
+            for p in iov:\n        \
+                if at+len(p)>n: rest.append(p[max(0,n-at):])\n        \
+                at+=len(p)\n    \
+            try: n+=os.writev(c.fileno(), rest)\n    \
+            except BlockingIOError: select.select([],[c],[],5)\n\
+        t.join(); assert out[0]==data+data\n");
+}
+
 #[test]
 fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
     if !have_python() {
