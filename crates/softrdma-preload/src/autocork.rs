@@ -95,21 +95,22 @@ pub(crate) fn after_send(c: &Arc<Conn>) {
 }
 
 /// Whether holds are allowed in this process: on (unless turned off) in
-/// the process that started the flusher, or before any hold (a forked
-/// child has no flusher thread).
+/// the process whose flusher thread runs (started here, on the first
+/// hold; a forked child has none, and holds nothing).
 fn enabled() -> bool {
     if crate::interpose::autocork_limit().is_zero() {
         return false;
     }
-    match FLUSHER.get() {
-        Some(f) => f.pid == conn::pid(),
-        None => true,
-    }
+    let f = flusher();
+    f.running && f.pid == conn::pid()
 }
 
 /// The flusher thread's queue: held connections and their hold number.
 struct Flusher {
     pid: i32,
+    /// The thread started (else nothing is held: no one would end a hold
+    /// of a thread blocked elsewhere).
+    running: bool,
     q: Mutex<Vec<(Weak<Conn>, u64)>>,
     cv: Condvar,
     /// The thread sleeps with nothing queued (a push must wake it).
@@ -123,13 +124,15 @@ fn flusher() -> &'static Flusher {
         // SAFETY: registering a plain `extern "C" fn()` with no arguments;
         // it runs once at exit.
         unsafe { libc::atexit(at_exit) };
-        conn::signals_blocked(|| {
-            let _ = std::thread::Builder::new()
+        let running = conn::signals_blocked(|| {
+            std::thread::Builder::new()
                 .name("softrdma-cork".into())
-                .spawn(run);
+                .spawn(run)
+                .is_ok()
         });
         Flusher {
             pid: conn::pid(),
+            running,
             q: Mutex::new(Vec::new()),
             cv: Condvar::new(),
             idle: AtomicBool::new(false),
