@@ -495,6 +495,18 @@ impl Conn {
         }
     }
 
+    /// The stream if it is switched and this process's (a pending one is
+    /// not switched by this).
+    pub(crate) fn switched(&self) -> Option<&SdStream> {
+        if self.owner.load(Ordering::Relaxed) != pid() {
+            return None;
+        }
+        match self.sw.get() {
+            Some(Ok(s)) => Some(s),
+            _ => None,
+        }
+    }
+
     /// The readiness descriptor (-1 if not switched). Made on first use
     /// (epoll needs one; poll and select wait in the engine without): a
     /// connection with one has its CQ armed, so that the engine's threads

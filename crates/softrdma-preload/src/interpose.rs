@@ -1216,6 +1216,27 @@ pub unsafe extern "C" fn setsockopt(
                 Ok(0)
             });
         }
+        if level == libc::IPPROTO_TCP
+            && name == libc::TCP_NODELAY
+            && let Some(s) = c.switched()
+        {
+            // The stream's only: the kernel socket carries the engine's
+            // framed messages and keeps the engine's TCP_NODELAY (turned
+            // off, Nagle would hold them behind unacknowledged data).
+            if val.is_null() {
+                return fail(libc::EFAULT);
+            }
+            if (len as usize) < size_of::<c_int>() {
+                return fail(libc::EINVAL);
+            }
+            // SAFETY: TCP_NODELAY's value is an int, `len` checked.
+            let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
+            return guard(|| {
+                s.set_nodelay(on)
+                    .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+                Ok(0)
+            });
+        }
         // SAFETY: forwarding the caller's arguments unchanged.
         let r = unsafe { real(fd, level, name, val, len) };
         if r == 0 && !val.is_null() {
@@ -1292,6 +1313,27 @@ pub unsafe extern "C" fn getsockopt(
         };
         // SAFETY: the caller's `len` slot and `val` of `*len` bytes, as
         // getsockopt(2) writes them (a shorter buffer gets the first bytes).
+        unsafe {
+            let room = (*len as usize).min(size_of::<c_int>());
+            std::ptr::copy_nonoverlapping((&raw const on).cast::<u8>(), val.cast::<u8>(), room);
+            *len = room as socklen_t;
+        }
+        return 0;
+    }
+    if level == libc::IPPROTO_TCP
+        && name == libc::TCP_NODELAY
+        && let Some(c) = conn::lookup(fd)
+        && let Some(s) = c.switched()
+    {
+        if val.is_null() || len.is_null() {
+            return fail(libc::EFAULT);
+        }
+        let on: c_int = match catch_unwind(AssertUnwindSafe(|| s.nodelay())) {
+            Ok(Ok(v)) => c_int::from(v),
+            Ok(Err(e)) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
+            Err(_) => return fail(libc::EIO),
+        };
+        // SAFETY: as for TCP_CORK above.
         unsafe {
             let room = (*len as usize).min(size_of::<c_int>());
             std::ptr::copy_nonoverlapping((&raw const on).cast::<u8>(), val.cast::<u8>(), room);

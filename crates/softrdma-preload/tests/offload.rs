@@ -317,6 +317,26 @@ fn writev_of_many_pieces_is_byte_exact() {
         t.join(); assert out[0]==data+data\n");
 }
 
+/// `TCP_NODELAY` on a switched connection is the stream's: `getsockopt`
+/// reads what the application set (0 if it never did), not the kernel
+/// socket's, which the engine keeps on for its own messages (before,
+/// it read 1 after the switch, and a 0 set by the application turned
+/// Nagle on for the engine's messages).
+#[test]
+fn tcp_nodelay_is_the_streams_after_the_switch() {
+    if !have_python() {
+        return;
+    }
+    run("T=(socket.IPPROTO_TCP, socket.TCP_NODELAY)\n\
+        assert c.getsockopt(*T)==0 and s.getsockopt(*T)==0, (c.getsockopt(*T), s.getsockopt(*T))\n\
+        c.setsockopt(*T, 1); assert c.getsockopt(*T)==1\n\
+        c.sendall(b'a'); assert s.recv(1)==b'a'\n\
+        c.setsockopt(*T, 0); assert c.getsockopt(*T)==0\n\
+        c.sendall(b'b'*5000); assert s.recv(5000, socket.MSG_WAITALL)==b'b'*5000\n\
+        try:\n    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, b'\\x01'); raise SystemExit('short value accepted')\n\
+        except OSError as e: assert e.errno==errno.EINVAL, e\n");
+}
+
 #[test]
 fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
     if !have_python() {
