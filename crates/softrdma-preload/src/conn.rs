@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::FromRawFd;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,15 @@ pub(crate) struct Conn {
     /// The stream is corked for a send with `MSG_MORE` (not by the
     /// application's `TCP_CORK`): the next send without it uncorks.
     pub(crate) more: AtomicBool,
+    /// The stream is corked by the library to hold a small send for the
+    /// next one of its burst (see `autocork`).
+    pub(crate) auto: AtomicBool,
+    /// Holds started so far (the flusher ends only the one it was told of).
+    auto_gen: AtomicU64,
+    /// Sends in the last finished burst and in the open one (see
+    /// `autocork`).
+    pub(crate) burst_last: AtomicU32,
+    pub(crate) burst_cur: AtomicU32,
     /// Times a write found no room (would block): an edge-triggered epoll
     /// registration reports the connection writable again (see `emu`).
     pub(crate) write_blocked: AtomicU64,
@@ -160,15 +169,38 @@ pub(crate) fn in_vfork_child() -> bool {
 
 /// The connection behind `fd`, if it is offloaded (cheap when none is).
 pub(crate) fn lookup(fd: c_int) -> Option<Arc<Conn>> {
-    if COUNT.load(Ordering::Relaxed) == 0 || !maybe_member(fd) {
+    if COUNT.load(Ordering::Relaxed) != 0 {
+        // Any call but a send on it ends the thread's burst of sends.
+        crate::autocork::end_burst();
+    }
+    lookup_for_send(fd)
+}
+
+/// [`lookup`] for a send: the burst of sends goes on if `fd` is the
+/// thread's last connection (see `autocork::before_send`); a send on
+/// another descriptor ends it.
+pub(crate) fn lookup_for_send(fd: c_int) -> Option<Arc<Conn>> {
+    if COUNT.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    if !maybe_member(fd) {
+        crate::autocork::end_burst();
         return None;
     }
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
-    t.get(&fd).map(|s| s.conn.clone())
+    let c = t.get(&fd).map(|s| s.conn.clone());
+    drop(t);
+    if c.is_none() {
+        crate::autocork::end_burst();
+    }
+    c
 }
 
 /// The slot of `fd`.
 pub(crate) fn slot(fd: c_int) -> Option<Slot> {
+    if COUNT.load(Ordering::Relaxed) != 0 {
+        crate::autocork::end_burst();
+    }
     if COUNT.load(Ordering::Relaxed) == 0 || !maybe_member(fd) {
         return None;
     }
@@ -245,7 +277,7 @@ pub(crate) fn remove(fd: c_int) {
 /// Drops a reference: in a forked child the memory of a connection the
 /// parent switched is never torn down (that would run the parent's
 /// protocol on a socket the parent still uses); it is left as it is.
-fn release(c: Arc<Conn>) {
+pub(crate) fn release(c: Arc<Conn>) {
     let owner = c.owner.load(Ordering::Relaxed);
     if owner != 0 && owner != pid() {
         std::mem::forget(c);
@@ -393,6 +425,10 @@ impl Conn {
             rfd: AtomicI32::new(-1),
             reset_seen: AtomicBool::new(false),
             more: AtomicBool::new(false),
+            auto: AtomicBool::new(false),
+            auto_gen: AtomicU64::new(0),
+            burst_last: AtomicU32::new(0),
+            burst_cur: AtomicU32::new(0),
             write_blocked: AtomicU64::new(0),
         }
     }
@@ -459,6 +495,18 @@ impl Conn {
         }
     }
 
+    /// The stream if it is switched and this process's (a pending one is
+    /// not switched by this).
+    pub(crate) fn switched(&self) -> Option<&SdStream> {
+        if self.owner.load(Ordering::Relaxed) != pid() {
+            return None;
+        }
+        match self.sw.get() {
+            Some(Ok(s)) => Some(s),
+            _ => None,
+        }
+    }
+
     /// The readiness descriptor (-1 if not switched). Made on first use
     /// (epoll needs one; poll and select wait in the engine without): a
     /// connection with one has its CQ armed, so that the engine's threads
@@ -474,6 +522,49 @@ impl Conn {
         let rfd = as_internal(|| s.readiness_fd()).unwrap_or(-1);
         self.rfd.store(rfd, Ordering::Relaxed);
         rfd
+    }
+
+    /// The thread's burst of sends on this connection ended: the next
+    /// burst is predicted as long, and a held send goes now.
+    pub(crate) fn burst_end(&self) {
+        let n = self.burst_cur.swap(0, Ordering::Relaxed);
+        self.burst_last.store(n, Ordering::Relaxed);
+        self.end_hold();
+    }
+
+    /// Corks the stream to hold a small send for the next one of its burst
+    /// (unless the application corked it, or a hold is on already); the
+    /// flusher is told. Returns whether the stream is held now.
+    pub(crate) fn start_hold(self: &Arc<Self>, s: &SdStream) -> bool {
+        if self.auto.load(Ordering::Relaxed) {
+            return true;
+        }
+        if self.more.load(Ordering::Relaxed) || !s.cork().is_ok_and(|on| !on) {
+            return false;
+        }
+        if s.set_cork(true).is_err() {
+            return false;
+        }
+        self.auto.store(true, Ordering::Relaxed);
+        let hold = self.auto_gen.fetch_add(1, Ordering::Relaxed) + 1;
+        crate::autocork::watch(self, hold);
+        true
+    }
+
+    /// Ends the library's hold, if on: the held octets go now.
+    pub(crate) fn end_hold(&self) {
+        if self.auto.swap(false, Ordering::Relaxed)
+            && let Ok(s) = self.stream()
+        {
+            let _ = s.set_cork(false);
+        }
+    }
+
+    /// Ends hold number `hold` if it is still on (the flusher).
+    pub(crate) fn end_hold_if(&self, hold: u64) {
+        if self.auto_gen.load(Ordering::Relaxed) == hold {
+            self.end_hold();
+        }
     }
 
     /// Whether the readiness descriptor was made.

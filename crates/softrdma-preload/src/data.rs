@@ -10,7 +10,7 @@
 //! `MSG_NOSIGNAL`. `sendfile` and `splice` copy through user space (the
 //! offloaded stream has no kernel path from a file or a pipe).
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -75,29 +75,48 @@ fn recv_conn(c: &Conn, buf: &mut [u8], flags: c_int) -> Result<usize, c_int> {
     Ok(got)
 }
 
-fn send_conn(c: &Conn, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
+fn send_conn(c: &Arc<Conn>, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
+    send_parts(c, &mut [IoSlice::new(buf)], flags)
+}
+
+/// A send of the concatenation of `parts` (each copied straight into the
+/// stream's send buffers).
+fn send_parts(c: &Arc<Conn>, parts: &mut [IoSlice<'_>], flags: c_int) -> Result<usize, c_int> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
     if flags & libc::MSG_OOB != 0 {
+        crate::autocork::end_burst();
         return Err(libc::EOPNOTSUPP);
     }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let nb = dontwait || c.nonblock.load(Ordering::Relaxed);
+    let more = flags & libc::MSG_MORE != 0;
+    // A small send that the burst's next one should follow: held as for
+    // MSG_MORE (see `autocork`).
+    let hold =
+        crate::autocork::before_send(c, total, more) && c.stream().is_ok_and(|s| c.start_hold(s));
     // MSG_MORE: held as with TCP_CORK until a send without it (or the
     // cork's 200 ms); an application's own TCP_CORK is left alone.
-    if flags & libc::MSG_MORE != 0
+    if more
         && !c.more.load(Ordering::Relaxed)
         && let Ok(s) = c.stream()
-        && s.cork().is_ok_and(|on| !on)
+        && (c.auto.load(Ordering::Relaxed) || s.cork().is_ok_and(|on| !on))
         && s.set_cork(true).is_ok()
     {
+        // A library hold becomes the MSG_MORE one.
+        c.auto.store(false, Ordering::Relaxed);
         c.more.store(true, Ordering::Relaxed);
     }
-    let r = send_stream(c, buf, nb, dontwait);
-    if flags & libc::MSG_MORE == 0
-        && c.more.swap(false, Ordering::Relaxed)
-        && let Ok(s) = c.stream()
-    {
-        let _ = s.set_cork(false);
+    let r = send_stream(c, parts, total, nb, dontwait);
+    if !more && !hold {
+        let by_more = c.more.swap(false, Ordering::Relaxed);
+        let by_lib = c.auto.swap(false, Ordering::Relaxed);
+        if (by_more || by_lib)
+            && let Ok(s) = c.stream()
+        {
+            let _ = s.set_cork(false);
+        }
     }
+    crate::autocork::after_send(c);
     let r = match r {
         Err(libc::ECONNRESET | libc::ECONNABORTED)
             if c.reset_seen.swap(true, Ordering::Relaxed) =>
@@ -112,18 +131,29 @@ fn send_conn(c: &Conn, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
     r
 }
 
-/// Writes `buf` to the stream: all of it if blocking (`nb` false), as the
-/// kernel's send does.
-fn send_stream(c: &Conn, buf: &[u8], nb: bool, dontwait: bool) -> Result<usize, c_int> {
+/// Writes the concatenation of `parts` (`total` octets) to the stream:
+/// all of it if blocking (`nb` false), as the kernel's send does.
+fn send_stream(
+    c: &Conn,
+    mut parts: &mut [IoSlice<'_>],
+    total: usize,
+    nb: bool,
+    dontwait: bool,
+) -> Result<usize, c_int> {
     let mut sent = 0;
     loop {
-        match c.blocking(dontwait, true, |mut s| s.write(&buf[sent..])) {
+        let r = c.blocking(dontwait, true, |mut s| match &*parts {
+            [one] => s.write(one),
+            many => s.write_vectored(many),
+        });
+        match r {
             Ok(n) => {
                 sent += n;
                 // A blocking send sends everything, as the kernel's does.
-                if nb || sent >= buf.len() || n == 0 {
+                if nb || sent >= total || n == 0 {
                     break Ok(sent);
                 }
+                IoSlice::advance_slices(&mut parts, n);
             }
             Err(e) if sent > 0 && e != libc::EPIPE => break Ok(sent),
             Err(e) => break Err(e),
@@ -192,25 +222,19 @@ fn readv_conn(c: &Conn, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
     })
 }
 
-fn writev_conn(c: &Conn, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
+fn writev_conn(c: &Arc<Conn>, iov: &[iovec], flags: c_int) -> Result<usize, c_int> {
     if let [one] = iov {
         // SAFETY: the application's iovec names readable memory.
         return send_conn(c, unsafe { buf_ref(one.iov_base, one.iov_len) }, flags);
     }
-    let total = iov.iter().map(|v| v.iov_len).sum::<usize>().min(CHUNK);
-    with_scratch(total, |tmp| {
-        let mut off = 0;
-        for v in iov {
-            let k = v.iov_len.min(total - off);
-            if k == 0 {
-                continue;
-            }
-            // SAFETY: the application's iovec names readable memory.
-            tmp[off..off + k].copy_from_slice(unsafe { buf_ref(v.iov_base, k) });
-            off += k;
-        }
-        send_conn(c, &tmp[..off], flags)
-    })
+    // Each piece is copied straight into the stream's send buffers.
+    let mut parts: Vec<IoSlice<'_>> = iov
+        .iter()
+        .filter(|v| v.iov_len > 0)
+        // SAFETY: the application's iovec names readable memory.
+        .map(|v| IoSlice::new(unsafe { buf_ref(v.iov_base, v.iov_len) }))
+        .collect();
+    send_parts(c, &mut parts, flags)
 }
 
 fn ok(r: Result<usize, c_int>) -> Result<ssize_t, c_int> {
@@ -219,6 +243,11 @@ fn ok(r: Result<usize, c_int>) -> Result<ssize_t, c_int> {
 
 fn on(fd: c_int) -> Option<Arc<Conn>> {
     conn::lookup(fd)
+}
+
+/// [`on`] for a send (the thread's burst of sends on it goes on).
+fn on_send(fd: c_int) -> Option<Arc<Conn>> {
+    conn::lookup_for_send(fd)
 }
 
 macro_rules! real_or_enosys {
@@ -274,7 +303,7 @@ unsafe extern "C" {
 /// As `write(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         // SAFETY: the caller's buffer of `n` bytes.
         return guard(|| ok(send_conn(&c, unsafe { buf_ref(buf, n) }, 0)));
     }
@@ -304,7 +333,7 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssiz
 /// As `writev(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         // SAFETY: the caller's iovecs.
         return guard(|| ok(writev_conn(&c, unsafe { iovecs(iov, cnt) }?, 0)));
     }
@@ -433,7 +462,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
 /// As `send(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         // SAFETY: the caller's buffer of `n` bytes.
         return guard(|| ok(send_conn(&c, unsafe { buf_ref(buf, n) }, flags)));
     }
@@ -456,7 +485,7 @@ pub unsafe extern "C" fn sendto(
     addr: *const sockaddr,
     alen: socklen_t,
 ) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         // SAFETY: the caller's buffer of `n` bytes.
         return guard(|| ok(send_conn(&c, unsafe { buf_ref(buf, n) }, flags)));
     }
@@ -471,7 +500,7 @@ pub unsafe extern "C" fn sendto(
 /// As `sendmsg(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         if msg.is_null() {
             return crate::real::fail(libc::EFAULT);
         }
@@ -492,7 +521,7 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
 /// written to the stream; `*offset` (or the file position) advances by
 /// what was sent.
 fn sendfile_conn(
-    c: &Conn,
+    c: &Arc<Conn>,
     in_fd: c_int,
     offset: *mut off_t,
     count: size_t,
@@ -506,7 +535,7 @@ fn sendfile_conn(
 
 /// [`sendfile_conn`] through `tmp`.
 fn sendfile_via(
-    c: &Conn,
+    c: &Arc<Conn>,
     in_fd: c_int,
     offset: *mut off_t,
     tmp: &mut [u8],
@@ -563,7 +592,7 @@ pub unsafe extern "C" fn sendfile(
     offset: *mut off_t,
     count: size_t,
 ) -> ssize_t {
-    if let Some(c) = on(out) {
+    if let Some(c) = on_send(out) {
         return guard(|| sendfile_conn(&c, in_fd, offset, count));
     }
     let real = real_or_enosys!(REAL_SENDFILE);
@@ -582,7 +611,7 @@ pub unsafe extern "C" fn sendfile64(
     offset: *mut off_t,
     count: size_t,
 ) -> ssize_t {
-    if let Some(c) = on(out) {
+    if let Some(c) = on_send(out) {
         return guard(|| sendfile_conn(&c, in_fd, offset, count));
     }
     let real = match REAL_SENDFILE64.get().or(REAL_SENDFILE.get()) {
@@ -754,7 +783,7 @@ pub unsafe extern "C" fn sendmmsg(
     n: c_uint,
     flags: c_int,
 ) -> c_int {
-    if let Some(c) = on(fd) {
+    if let Some(c) = on_send(fd) {
         if msgs.is_null() {
             return crate::real::fail(libc::EFAULT);
         }

@@ -91,6 +91,7 @@ unsafe fn with_poll_fds(
 /// As `poll(2)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
+    crate::autocork::end_burst();
     let Some(real) = REAL_POLL.get() else {
         return fail(libc::ENOSYS);
     };
@@ -114,6 +115,7 @@ pub unsafe extern "C" fn __poll_chk(
     timeout: c_int,
     fdslen: usize,
 ) -> c_int {
+    crate::autocork::end_burst();
     if (fdslen / size_of::<pollfd>()) < n as usize {
         unsafe extern "C" {
             fn __chk_fail() -> !;
@@ -136,6 +138,7 @@ pub unsafe extern "C" fn ppoll(
     ts: *const libc::timespec,
     mask: *const libc::sigset_t,
 ) -> c_int {
+    crate::autocork::end_burst();
     let Some(real) = REAL_PPOLL.get() else {
         return fail(libc::ENOSYS);
     };
@@ -255,6 +258,7 @@ pub unsafe extern "C" fn select(
     x: *mut libc::fd_set,
     tv: *mut libc::timeval,
 ) -> c_int {
+    crate::autocork::end_burst();
     let Some(real) = REAL_SELECT.get() else {
         return fail(libc::ENOSYS);
     };
@@ -321,6 +325,7 @@ pub unsafe extern "C" fn pselect(
     ts: *const libc::timespec,
     mask: *const libc::sigset_t,
 ) -> c_int {
+    crate::autocork::end_burst();
     let Some(real) = REAL_PSELECT.get() else {
         return fail(libc::ENOSYS);
     };
@@ -367,6 +372,7 @@ pub unsafe extern "C" fn epoll_ctl(
     fd: c_int,
     ev: *mut libc::epoll_event,
 ) -> c_int {
+    crate::autocork::end_burst();
     let Some(real) = REAL_EPOLL_CTL.get() else {
         return fail(libc::ENOSYS);
     };
@@ -861,6 +867,7 @@ pub unsafe extern "C" fn epoll_wait(
     maxevents: c_int,
     timeout: c_int,
 ) -> c_int {
+    crate::autocork::end_burst();
     let Some(real) = REAL_EPOLL_WAIT.get() else {
         return fail(libc::ENOSYS);
     };
@@ -892,6 +899,7 @@ pub unsafe extern "C" fn epoll_pwait(
     timeout: c_int,
     mask: *const libc::sigset_t,
 ) -> c_int {
+    crate::autocork::end_burst();
     let Some(real) = REAL_EPOLL_PWAIT.get() else {
         return fail(libc::ENOSYS);
     };
@@ -924,6 +932,7 @@ pub unsafe extern "C" fn epoll_pwait2(
     ts: *const libc::timespec,
     mask: *const libc::sigset_t,
 ) -> c_int {
+    crate::autocork::end_burst();
     let Some(real) = REAL_EPOLL_PWAIT2.get() else {
         return fail(libc::ENOSYS);
     };

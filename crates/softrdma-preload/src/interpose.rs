@@ -43,6 +43,9 @@ struct Env {
     /// readiness descriptors in the kernel (the engine's threads deliver
     /// every message), for comparison; default: in the engine.
     kernel_wait: bool,
+    /// `SOFTRDMA_SOCKETS_AUTOCORK=MS`: the longest hold of a small write
+    /// for the next one of its burst (see `autocork`); `0`: never hold.
+    autocork_ms: Option<u64>,
 }
 
 static ENV: OnceLock<Env> = OnceLock::new();
@@ -54,7 +57,18 @@ fn read_env() -> Env {
         conf: var("SOFTRDMA_SOCKETS_CONF"),
         stats: var("SOFTRDMA_SOCKETS_STATS"),
         kernel_wait: var("SOFTRDMA_SOCKETS_WAIT").is_some_and(|v| v == "kernel"),
+        autocork_ms: var("SOFTRDMA_SOCKETS_AUTOCORK")
+            .and_then(|v| v.to_str().and_then(|v| v.trim().parse().ok())),
     }
+}
+
+/// The longest hold of a small write for the next write of its burst
+/// (see `autocork`); zero: never hold.
+pub(crate) fn autocork_limit() -> std::time::Duration {
+    ENV.get_or_init(read_env).autocork_ms.map_or(
+        crate::autocork::HOLD_LIMIT,
+        std::time::Duration::from_millis,
+    )
 }
 
 /// Whether poll, select and epoll wait in the engine (the default; see
@@ -1196,7 +1210,29 @@ pub unsafe extern "C" fn setsockopt(
                 // The application's cork from now on (a MSG_MORE send's
                 // cork is its own, or ends here).
                 c.more.store(false, Ordering::Relaxed);
+                c.auto.store(false, Ordering::Relaxed);
                 s.set_cork(on)
+                    .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+                Ok(0)
+            });
+        }
+        if level == libc::IPPROTO_TCP
+            && name == libc::TCP_NODELAY
+            && let Some(s) = c.switched()
+        {
+            // The stream's only: the kernel socket carries the engine's
+            // framed messages and keeps the engine's TCP_NODELAY (turned
+            // off, Nagle would hold them behind unacknowledged data).
+            if val.is_null() {
+                return fail(libc::EFAULT);
+            }
+            if (len as usize) < size_of::<c_int>() {
+                return fail(libc::EINVAL);
+            }
+            // SAFETY: TCP_NODELAY's value is an int, `len` checked.
+            let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
+            return guard(|| {
+                s.set_nodelay(on)
                     .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
                 Ok(0)
             });
@@ -1269,12 +1305,35 @@ pub unsafe extern "C" fn getsockopt(
                 .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))
         })) {
             // A MSG_MORE send's cork is not the option's (as the kernel's).
-            Ok(Ok(v)) => c_int::from(v && !c.more.load(Ordering::Relaxed)),
+            Ok(Ok(v)) => {
+                c_int::from(v && !c.more.load(Ordering::Relaxed) && !c.auto.load(Ordering::Relaxed))
+            }
             Ok(Err(e)) => return fail(e),
             Err(_) => return fail(libc::EIO),
         };
         // SAFETY: the caller's `len` slot and `val` of `*len` bytes, as
         // getsockopt(2) writes them (a shorter buffer gets the first bytes).
+        unsafe {
+            let room = (*len as usize).min(size_of::<c_int>());
+            std::ptr::copy_nonoverlapping((&raw const on).cast::<u8>(), val.cast::<u8>(), room);
+            *len = room as socklen_t;
+        }
+        return 0;
+    }
+    if level == libc::IPPROTO_TCP
+        && name == libc::TCP_NODELAY
+        && let Some(c) = conn::lookup(fd)
+        && let Some(s) = c.switched()
+    {
+        if val.is_null() || len.is_null() {
+            return fail(libc::EFAULT);
+        }
+        let on: c_int = match catch_unwind(AssertUnwindSafe(|| s.nodelay())) {
+            Ok(Ok(v)) => c_int::from(v),
+            Ok(Err(e)) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
+            Err(_) => return fail(libc::EIO),
+        };
+        // SAFETY: as for TCP_CORK above.
         unsafe {
             let room = (*len as usize).min(size_of::<c_int>());
             std::ptr::copy_nonoverlapping((&raw const on).cast::<u8>(), val.cast::<u8>(), room);

@@ -39,6 +39,8 @@ mod stats;
 mod twin;
 
 #[cfg(not(test))]
+mod autocork;
+#[cfg(not(test))]
 mod conn;
 #[cfg(not(test))]
 pub mod data;

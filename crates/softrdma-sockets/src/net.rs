@@ -704,6 +704,13 @@ impl TcpStream {
             Inner::Offload(o) => o.write(buf, self.nonblocking(), self.write_timeout()?),
         }
     }
+
+    fn write_vectored_inner(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match &self.inner {
+            Inner::Plain(s) => (&*s).write_vectored(bufs),
+            Inner::Offload(o) => o.write_vectored(bufs, self.nonblocking(), self.write_timeout()?),
+        }
+    }
 }
 
 impl Read for TcpStream {
@@ -722,6 +729,10 @@ impl Write for TcpStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.write_inner(buf)
     }
+    /// Offloaded: the pieces are copied straight into the send buffers.
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.write_vectored_inner(bufs)
+    }
     fn flush(&mut self) -> io::Result<()> {
         self.flush_inner()
     }
@@ -730,6 +741,10 @@ impl Write for TcpStream {
 impl Write for &TcpStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.write_inner(buf)
+    }
+    /// Offloaded: the pieces are copied straight into the send buffers.
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.write_vectored_inner(bufs)
     }
     fn flush(&mut self) -> io::Result<()> {
         self.flush_inner()

@@ -118,6 +118,12 @@ fn offload_revents(readable: bool, writable: bool, events: i16) -> i16 {
     r & events
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Offloaded streams looked at again after a wait, by this thread.
+    static SECOND_LOOKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Longest single engine wait before the streams are looked at again.
 const NAP_MAX: Duration = Duration::from_millis(100);
 
@@ -221,9 +227,13 @@ fn wait_in(
                 WaitError::Interrupted => io::Error::from(rustix::io::Errno::INTR),
                 other => io::Error::from_raw_os_error(other.raw_os_error()),
             })?;
-            // Every offloaded stream is looked at again: completions may
-            // have been pushed and handled by another thread, which changed
-            // the state without telling this one.
+            // The offloaded streams whose CQ got completions in the wait,
+            // or that were ready before it, are looked at again (O(those),
+            // not O(entries): an event loop waits on many connections). A
+            // stream whose completions another thread took out and handled
+            // meanwhile is not seen here: the wait then reports nothing
+            // new, and the next round's first look, which looks at every
+            // stream, finds it.
             ready = 0;
             for (e, &i) in entries.iter_mut().zip(&idx) {
                 let offload = match e.source {
@@ -231,10 +241,13 @@ fn wait_in(
                     Source::Fd(_) => None,
                 };
                 match offload {
-                    Some(o) => {
+                    Some(o) if e.revents != 0 || set.cq_ready(i) => {
+                        #[cfg(test)]
+                        SECOND_LOOKS.with(|n| n.set(n.get() + 1));
                         let (r, w) = o.ready_now();
                         e.revents = offload_revents(r, w, e.events);
                     }
+                    Some(_) => {}
                     None => e.revents = set.fd_revents(i),
                 }
                 ready += usize::from(e.revents != 0);
@@ -387,6 +400,40 @@ mod tests {
         }
         assert_eq!(got, total);
         drop(w.join().unwrap());
+    }
+
+    /// After a wait, only the streams whose CQ got completions (or that
+    /// were ready before it) are looked at again, not every entry: one
+    /// stream of sixteen receiving data costs one second look.
+    #[test]
+    fn a_wait_looks_again_only_at_streams_with_completions() {
+        let pairs: Vec<(TcpStream, TcpStream)> = (0..16).map(|_| pair(Mode::Offload)).collect();
+        let mut e: Vec<PollEntry<'_>> = pairs
+            .iter()
+            .map(|(_, s)| PollEntry::stream(s, POLLIN))
+            .collect();
+        assert_eq!(poll(&mut e, Some(Duration::ZERO), None).unwrap(), 0);
+        let mut w = &pairs[5].0;
+        w.write_all(b"x").unwrap();
+        let before = SECOND_LOOKS.with(|n| n.get());
+        let mut rounds = 0;
+        while poll(&mut e, T, None).unwrap() == 0 {
+            rounds += 1;
+        }
+        let looks = SECOND_LOOKS.with(|n| n.get()) - before;
+        assert_eq!(e[5].revents() & POLLIN, POLLIN);
+        assert!(
+            e.iter()
+                .enumerate()
+                .all(|(k, x)| k == 5 || x.revents() == 0)
+        );
+        // One look per round at most (the round the bytes came in).
+        assert!(
+            looks <= rounds + 1,
+            "{looks} second looks in {} rounds",
+            rounds + 1
+        );
+        assert_eq!((&pairs[5].1).read(&mut [0u8; 4]).unwrap(), 1);
     }
 
     /// Regression: a poller woken by a completion that another thread (the
