@@ -77,6 +77,15 @@ pub struct DeviceConfig {
     /// How many events the async event queue holds before it drops new ones
     /// (see [`AsyncEventQueue`]).
     pub async_event_capacity: usize,
+    /// Let small Sends and Writes (at most 256 bytes) that a thread posts
+    /// between two polls of its CQ go out together, in one `writev`, at
+    /// its next poll, wait or `req_notify` (1 ms at the latest). The first
+    /// post after a poll that found nothing to write, and every post while
+    /// a Read or atomic is outstanding or another thread polls the CQ, is
+    /// written at once, so a ping-pong is never delayed. Default on, unless
+    /// the environment has `SOFTRDMA_TX_BATCH=0`; off: every post is
+    /// written as it is posted.
+    pub tx_batch: bool,
 }
 
 impl Default for DeviceConfig {
@@ -95,6 +104,7 @@ impl Default for DeviceConfig {
             handler_policy: HandlerPolicy::default(),
             handler_spin: Duration::ZERO,
             async_event_capacity: crate::event::ASYNC_EVENT_QUEUE_CAPACITY,
+            tx_batch: std::env::var("SOFTRDMA_TX_BATCH").map_or(true, |v| v.trim() != "0"),
         }
     }
 }

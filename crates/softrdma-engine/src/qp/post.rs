@@ -32,8 +32,11 @@ use crate::wr::SendFlags;
 ///   writes them all).
 ///
 /// A backstop timer ([`BATCH_BACKSTOP`], one per QP at a time) writes what
-/// a poster left if it stops polling. `SOFTRDMA_TX_BATCH=0` in the
-/// environment turns batching off (every post writes at once, as before). Whoever transmits on the connection
+/// a poster left if it stops polling. [`DeviceConfig::tx_batch`] off
+/// (`SOFTRDMA_TX_BATCH=0` in the environment) turns batching off (every
+/// post writes at once, as before).
+///
+/// [`DeviceConfig::tx_batch`]: crate::DeviceConfig::tx_batch Whoever transmits on the connection
 /// for any reason (a receive path's responses, the datamover) writes the
 /// deferred requests too: they are in the connection's queue.
 #[derive(Debug)]
@@ -83,12 +86,6 @@ impl Default for TxBatch {
             stats: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
-}
-
-/// Batching is on unless `SOFTRDMA_TX_BATCH=0` (read once).
-fn batching_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SOFTRDMA_TX_BATCH").map_or(true, |v| v.trim() != "0"))
 }
 
 /// A number naming the calling thread (never 0).
@@ -194,7 +191,7 @@ impl QpInner {
         let b = &self.tx_batch;
         let urgent = b.urgent.swap(false, Ordering::Relaxed);
         // The first post after a poll that found nothing to write: at once.
-        if b.idle.swap(false, Ordering::Relaxed) || urgent || !batching_on() {
+        if b.idle.swap(false, Ordering::Relaxed) || urgent || !self.device.config().tx_batch {
             return false;
         }
         // Another thread polls the CQ: it may be the one waiting for these.
