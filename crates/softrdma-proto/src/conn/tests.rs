@@ -1058,7 +1058,13 @@ fn max_payload_changed_mid_message_delivers_byte_exact_data() {
         let (dst_r, dst_key, dst_addr) = mb.add_region(len, REMOTE_WRITE, |_| 0);
         let (recv_r, recv_key, recv_addr) = mb.add_region(len, LOCAL_WRITE, |_| 0);
         let (sink_r, sink_key, sink_addr) = mb.add_region(len, LOCAL_WRITE, |_| 0);
-        let sge = |lkey, addr| [Sge { lkey, addr, len: len as u32 }];
+        let sge = |lkey, addr| {
+            [Sge {
+                lkey,
+                addr,
+                len: len as u32,
+            }]
+        };
         b.post_recv(
             &RecvWr {
                 wr_id: 30,
