@@ -48,6 +48,14 @@ const MAX_OUT: usize = 32;
 /// `getsockopt` per 256 KiB: nothing beside the writes).
 pub(crate) const MSS_EVERY: u64 = 256 * 1024;
 
+/// Whether the transmitter follows the socket's MSS: yes unless
+/// `SOFTRDMA_FPDU_FOLLOW_MSS=0` (read once; then FPDUs keep the size
+/// `QueuePair::establish` read, for comparisons in one binary).
+fn follow_mss_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SOFTRDMA_FPDU_FOLLOW_MSS").map_or(true, |v| v.trim() != "0"))
+}
+
 /// The largest FPDU payload for a TCP MSS: one FPDU per segment (MULPDU,
 /// RFC 5044 section 8.1.1, without markers) less the DDP/RDMAP header,
 /// at least 64 octets, a multiple of 4.
@@ -360,7 +368,7 @@ impl TxIo {
             iov: IoVecs::new(),
             bytes_sent: 0,
             writes: 0,
-            mss_next: MSS_EVERY,
+            mss_next: if follow_mss_on() { MSS_EVERY } else { u64::MAX },
             mss_changes: 0,
         }
     }
