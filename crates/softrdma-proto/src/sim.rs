@@ -483,6 +483,16 @@ pub enum Action {
         /// Time units.
         dt: u16,
     },
+    /// `side` changes its largest FPDU payload
+    /// ([`Connection::set_max_payload`]), possibly in the middle of a
+    /// message. Not produced by [`Action::decode`] (fuzz inputs keep
+    /// their meaning).
+    MaxPayload {
+        /// 0 or 1.
+        side: usize,
+        /// The new largest payload (0 is raised to 1).
+        max_payload: u16,
+    },
 }
 
 impl Action {
@@ -695,6 +705,8 @@ pub struct Stats {
     pub closes: u64,
     /// Hostile FPDUs appended to a stream ([`Action::Inject`] applied).
     pub injections: u64,
+    /// Changes of the largest FPDU payload ([`Action::MaxPayload`]).
+    pub max_payload_changes: u64,
 }
 
 impl core::ops::AddAssign for Stats {
@@ -722,6 +734,7 @@ impl core::ops::AddAssign for Stats {
         self.aborts += o.aborts;
         self.closes += o.closes;
         self.injections += o.injections;
+        self.max_payload_changes += o.max_payload_changes;
     }
 }
 
@@ -853,6 +866,14 @@ impl Pair {
                         self.stats.injections += 1;
                     }
                 }
+            }
+            Action::MaxPayload { side, max_payload } => {
+                let c = &mut self.nodes[side].conn;
+                let kept = c.set_max_payload(usize::from(max_payload));
+                if kept != usize::from(max_payload).max(1) {
+                    return Err(format!("max payload {max_payload} kept as {kept}"));
+                }
+                self.stats.max_payload_changes += 1;
             }
             Action::Tick { dt } => {
                 for n in &mut self.nodes {

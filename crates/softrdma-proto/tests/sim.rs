@@ -75,6 +75,12 @@ fn action(rng: &mut fastrand::Rng, faults: Faults) -> Action {
             side,
             kind: rng.u8(..),
         },
+        // The engine follows the socket's MSS: the FPDU size changes at
+        // any point, also inside a message.
+        96 if rng.u8(0..2) == 0 => Action::MaxPayload {
+            side,
+            max_payload: [0, 1, 16, 100, 512, 1024, 4096][rng.usize(0..7)],
+        },
         _ => Action::Tick {
             dt: rng.u16(0..300),
         },
@@ -180,6 +186,7 @@ fn simulated_pairs_keep_every_invariant() {
             ("aborts", total.aborts),
             ("closes", total.closes),
             ("hostile FPDU injections", total.injections),
+            ("FPDU size changes", total.max_payload_changes),
         ] {
             assert!(n > 0, "no {what} in {seeds} seeds");
         }

@@ -15,7 +15,10 @@
 //!   reference into registered memory; FPDUs of at most [`COPY_MAX`]
 //!   payload bytes are copied into one buffer (one `iovec`, not three);
 //!   whole FPDUs written are reported with `handle_sent`, the partial
-//!   offset stays here.
+//!   offset stays here. The FPDU size follows the socket's current MSS
+//!   (read again every [`MSS_EVERY`] bytes written, as kernel siw re-reads
+//!   `mss_cache` as it transmits): on loopback the MSS read right after
+//!   the handshake is half the one read once data flows.
 
 #![allow(dead_code)] // parts used only by the core path's tests
 
@@ -28,7 +31,7 @@ use softrdma_proto::conn::{Connection, RxWant, TxFpdu};
 use softrdma_proto::mem::Span;
 
 use crate::mr::PdMemory;
-use crate::sys::io::{IoVecs, readv, writev};
+use crate::sys::io::{IoVecs, readv, tcp_maxseg, writev};
 use crate::sys::mem::Memory;
 
 /// Staging buffer: headers, trailers, small payloads and read-ahead.
@@ -41,6 +44,27 @@ const READAHEAD_LARGE: usize = 256;
 pub(crate) const COPY_MAX: usize = 256;
 /// FPDUs framed ahead of the socket.
 const MAX_OUT: usize = 32;
+/// Bytes written between two looks at the socket's MSS (one
+/// `getsockopt` per 256 KiB: nothing beside the writes).
+pub(crate) const MSS_EVERY: u64 = 256 * 1024;
+
+/// Whether the transmitter follows the socket's MSS: yes unless
+/// `SOFTRDMA_FPDU_FOLLOW_MSS=0` (read once; then FPDUs keep the size
+/// `QueuePair::establish` read, for comparisons in one binary).
+fn follow_mss_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SOFTRDMA_FPDU_FOLLOW_MSS").map_or(true, |v| v.trim() != "0"))
+}
+
+/// The largest FPDU payload for a TCP MSS: one FPDU per segment (MULPDU,
+/// RFC 5044 section 8.1.1, without markers) less the DDP/RDMAP header,
+/// at least 64 octets, a multiple of 4.
+pub(crate) fn max_payload_for_mss(mss: usize) -> usize {
+    softrdma_wire::fpdu::mulpdu(mss, false)
+        .saturating_sub(softrdma_wire::ddp::UNTAGGED_HEADER_LEN)
+        .max(64)
+        & !3
+}
 
 /// Why receiving stopped.
 #[derive(Debug)]
@@ -329,6 +353,10 @@ pub(crate) struct TxIo {
     pub(crate) bytes_sent: u64,
     /// `writev` calls made (successful or not).
     pub(crate) writes: u64,
+    /// `bytes_sent` at which the socket's MSS is read again.
+    mss_next: u64,
+    /// Looks at the MSS that changed the FPDU size.
+    pub(crate) mss_changes: u64,
 }
 
 impl TxIo {
@@ -340,6 +368,25 @@ impl TxIo {
             iov: IoVecs::new(),
             bytes_sent: 0,
             writes: 0,
+            mss_next: if follow_mss_on() { MSS_EVERY } else { u64::MAX },
+            mss_changes: 0,
+        }
+    }
+
+    /// Sizes the next FPDUs from the socket's current MSS (the TCP stack
+    /// changes it as the peer's window grows, or as the path MTU changes).
+    /// FPDUs framed already keep their size; the core applies the new one
+    /// from its next FPDU, also inside a message.
+    fn follow_mss(&mut self, conn: &mut Connection<Arc<Memory>>, fd: RawFd) {
+        self.mss_next = self.bytes_sent + MSS_EVERY;
+        if let Ok(mss) = tcp_maxseg(fd)
+            && mss > 0
+        {
+            let want = max_payload_for_mss(mss);
+            if want != conn.config().max_payload {
+                conn.set_max_payload(want);
+                self.mss_changes += 1;
+            }
         }
     }
 
@@ -367,6 +414,9 @@ impl TxIo {
     ) -> TxStop {
         let mut sent = 0usize;
         loop {
+            if self.bytes_sent >= self.mss_next {
+                self.follow_mss(conn, fd);
+            }
             while self.out.len() < MAX_OUT {
                 let mut o = self.pool.pop().unwrap_or_else(|| Out {
                     fpdu: TxFpdu::new(),

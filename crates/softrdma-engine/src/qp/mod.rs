@@ -755,11 +755,11 @@ impl QueuePair {
         stream.set_nodelay(true)?;
         stream.set_nonblocking(true)?;
         let fd = stream.as_raw_fd();
+        // The first FPDU size; the transmitter follows the MSS from then
+        // on (`datapath::conn_io::TxIo`: right after the handshake the
+        // MSS is bounded by half the peer's small first window).
         let mss = tcp_maxseg(fd).unwrap_or(1460);
-        let max_payload = softrdma_wire::fpdu::mulpdu(mss, false)
-            .saturating_sub(18)
-            .max(64)
-            & !3;
+        let max_payload = crate::datapath::conn_io::max_payload_for_mss(mss);
         *qp.peer.lock() = stream.peer_addr().ok();
         let stream = Arc::new(stream);
         qp.core_establish(stream, params, max_payload, already_read);

@@ -359,6 +359,23 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         &self.cfg
     }
 
+    /// Changes the largest payload per FPDU of a live connection (the
+    /// engine follows the socket's current MSS), kept within
+    /// `1..=`[`MAX_PAYLOAD`] as in [`Connection::new`]; returns the value
+    /// kept.
+    ///
+    /// It applies from the next FPDU framed by
+    /// [`poll_transmit`](Self::poll_transmit): FPDUs framed already keep
+    /// their size, and a message being framed goes on from where it is
+    /// with segments of the new size (RFC 5041 lets the segments of one
+    /// message differ in size; every segment still carries its own
+    /// offset, and only the last one has L set). The receiving side does
+    /// not depend on it.
+    pub fn set_max_payload(&mut self, max_payload: usize) -> usize {
+        self.cfg.max_payload = max_payload.clamp(1, MAX_PAYLOAD);
+        self.cfg.max_payload
+    }
+
     /// Outbound Reads/atomics outstanding.
     #[must_use]
     pub fn ord_outstanding(&self) -> usize {

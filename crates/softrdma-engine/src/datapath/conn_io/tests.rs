@@ -460,3 +460,93 @@ fn transmit_stops_when_a_request_completes() {
     assert!(a.tx.pending() > 0, "the second Write is not written yet");
     assert!(a.tx.bytes_sent < BIG as u64);
 }
+
+/// The FPDU size follows the socket's MSS while a connection runs: both
+/// sides start with 1000-byte payloads, far below what the loopback MSS
+/// allows, and change size within the first 4 MiB Write and within the
+/// 4 MiB Read Response; every byte arrives in place and each request
+/// completes once.
+#[test]
+fn fpdu_size_follows_the_mss_mid_message() {
+    for crc in [false, true] {
+        let dev = device();
+        let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+        const BIG: usize = 4 << 20;
+        let src = region(&pa, 2 * BIG, 1);
+        let dst = region(&pb, BIG, 2);
+        let (sa, sb) = sockets();
+        let cfg = Config {
+            max_payload: 1000,
+            ..Config::new(crc)
+        };
+        let mut a = Side::new(cfg, sa);
+        let mut b = Side::new(cfg, sb);
+        let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+        let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+        let w = sge(&src, 0, BIG as u32);
+        let sink = sge(&src, BIG as u64, BIG as u32);
+        let mut write = SendWr::new(
+            1,
+            SendOp::Write {
+                rkey: dst.rkey(),
+                remote_addr: dst.addr(),
+                imm: None,
+            },
+            &w,
+        );
+        write.signaled = true;
+        let mut read = SendWr::new(
+            2,
+            SendOp::Read {
+                rkey: dst.rkey(),
+                remote_addr: dst.addr(),
+            },
+            &sink,
+        );
+        read.signaled = true;
+        a.conn.post_send(&write, &mut ma).unwrap();
+        a.conn.post_send(&read, &mut ma).unwrap();
+        run(&mut a, &mut ma, &mut b, &mut mb, |a, _| a.done.len() >= 2);
+        // Nothing more completes.
+        for _ in 0..50 {
+            a.turn(&mut ma, 1_000);
+            b.turn(&mut mb, 1_000);
+        }
+        let ids: Vec<_> = a
+            .done
+            .iter()
+            .map(|c| (c.wr_id, c.status, c.byte_len))
+            .collect();
+        let n = BIG as u32;
+        assert_eq!(
+            ids,
+            [(1, WcStatus::Success, n), (2, WcStatus::Success, n)],
+            "crc {crc}"
+        );
+        assert!(b.done.is_empty(), "{:?}", b.done);
+        let (s, d) = (src.to_vec(), dst.to_vec());
+        assert_eq!(first_diff(&d, &s[..BIG]), None, "the Write, crc {crc}");
+        assert_eq!(first_diff(&s[BIG..], &d), None, "the Read, crc {crc}");
+        for (who, side) in [("writer", &a), ("responder", &b)] {
+            let mss = crate::sys::io::tcp_maxseg(side.sock.as_raw_fd()).unwrap();
+            assert!(side.tx.mss_changes >= 1, "{who}: FPDU size never changed");
+            assert!(
+                side.conn.config().max_payload > 1000,
+                "{who}: {} for MSS {mss}",
+                side.conn.config().max_payload
+            );
+        }
+    }
+}
+
+#[test]
+fn max_payload_for_mss_keeps_one_fpdu_per_segment() {
+    for mss in [536, 1448, 1460, 9000, 32_741, 65_483, 65_495, 1 << 20] {
+        let p = max_payload_for_mss(mss);
+        assert_eq!(p % 4, 0);
+        assert!(p <= softrdma_proto::conn::MAX_PAYLOAD);
+        let fpdu = softrdma_wire::fpdu::fpdu_len(p + softrdma_wire::ddp::UNTAGGED_HEADER_LEN);
+        assert!(fpdu <= mss || mss > 65_535, "MSS {mss}: FPDU of {fpdu}");
+    }
+    assert_eq!(max_payload_for_mss(0), 64);
+}
