@@ -15,10 +15,11 @@
 //!   reference into registered memory; FPDUs of at most [`COPY_MAX`]
 //!   payload bytes are copied into one buffer (one `iovec`, not three);
 //!   whole FPDUs written are reported with `handle_sent`, the partial
-//!   offset stays here. The FPDU size follows the socket's current MSS
-//!   (read again every [`MSS_EVERY`] bytes written, as kernel siw re-reads
-//!   `mss_cache` as it transmits): on loopback the MSS read right after
-//!   the handshake is half the one read once data flows.
+//!   offset stays here. With `SOFTRDMA_FPDU_FOLLOW_MSS=1` the FPDU size
+//!   follows the socket's current MSS (read again every [`MSS_EVERY`]
+//!   bytes written, as kernel siw re-reads `mss_cache` as it transmits):
+//!   on loopback the MSS read right after the handshake is half the one
+//!   read once data flows.
 
 #![allow(dead_code)] // parts used only by the core path's tests
 
@@ -48,12 +49,16 @@ const MAX_OUT: usize = 32;
 /// `getsockopt` per 256 KiB: nothing beside the writes).
 pub(crate) const MSS_EVERY: u64 = 256 * 1024;
 
-/// Whether the transmitter follows the socket's MSS: yes unless
-/// `SOFTRDMA_FPDU_FOLLOW_MSS=0` (read once; then FPDUs keep the size
-/// `QueuePair::establish` read, for comparisons in one binary).
+/// Whether the transmitter follows the socket's MSS: only with
+/// `SOFTRDMA_FPDU_FOLLOW_MSS=1` (read once). Off by default: FPDUs keep
+/// the size `QueuePair::establish` read. On loopback following the MSS
+/// doubles the FPDU size and saves CPU per MiB on a busy machine, but
+/// lowered a quiet machine's 1 MiB Write bandwidth
+/// (`docs/core-path-performance.md`, "FPDUs sized from the socket's
+/// current MSS").
 fn follow_mss_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SOFTRDMA_FPDU_FOLLOW_MSS").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| std::env::var("SOFTRDMA_FPDU_FOLLOW_MSS").is_ok_and(|v| v.trim() == "1"))
 }
 
 /// The largest FPDU payload for a TCP MSS: one FPDU per segment (MULPDU,
@@ -371,6 +376,16 @@ impl TxIo {
             mss_next: if follow_mss_on() { MSS_EVERY } else { u64::MAX },
             mss_changes: 0,
         }
+    }
+
+    /// Follows the socket's MSS (or not), whatever the environment says.
+    pub(crate) fn following_mss(mut self, on: bool) -> Self {
+        self.mss_next = if on {
+            self.bytes_sent + MSS_EVERY
+        } else {
+            u64::MAX
+        };
+        self
     }
 
     /// Sizes the next FPDUs from the socket's current MSS (the TCP stack

@@ -481,6 +481,9 @@ fn fpdu_size_follows_the_mss_mid_message() {
         };
         let mut a = Side::new(cfg, sa);
         let mut b = Side::new(cfg, sb);
+        // Off by default (SOFTRDMA_FPDU_FOLLOW_MSS=1 turns it on).
+        a.tx = TxIo::new().following_mss(true);
+        b.tx = TxIo::new().following_mss(true);
         let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
         let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
         let w = sge(&src, 0, BIG as u32);
