@@ -131,6 +131,15 @@ pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     if iov.v.is_empty() {
         return Ok(0);
     }
+    if let [one] = iov.v[..] {
+        // One buffer (a small FPDU copied whole): `send(2)`, the socket
+        // call without the vector's copy-in and the file layer's checks
+        // (`writev(2)` on anything but a socket).
+        match send_one(fd, one) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
+            r => return r,
+        }
+    }
     let count = libc::c_int::try_from(iov.v.len()).unwrap_or(libc::c_int::MAX);
     loop {
         // SAFETY: every entry points to live memory of at least `iov_len`
@@ -148,6 +157,15 @@ pub(crate) fn readv(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     if iov.v.is_empty() {
         return Ok(0);
     }
+    if let [one] = iov.v[..] {
+        // One buffer (the staging buffer, most reads): `recv(2)`, as a
+        // plain TCP reader makes it, without the vector's copy-in and the
+        // file layer's checks (`readv(2)` on anything but a socket).
+        match recv_one(fd, one) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
+            r => return r,
+        }
+    }
     let count = libc::c_int::try_from(iov.v.len()).unwrap_or(libc::c_int::MAX);
     loop {
         // SAFETY: every entry points to live, writable memory of at least
@@ -156,6 +174,35 @@ pub(crate) fn readv(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
         // Concurrent remote writes into the same registered bytes race like
         // DMA does; the kernel copies bytes, it never forms references.
         let ret = unsafe { libc::readv(fd, iov.v.as_ptr(), count) };
+        match check(ret) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+/// One `send(2)` of one entry of an [`IoVecs`] (flags 0: the same as a
+/// `write(2)` on a socket). Retries on `EINTR`.
+fn send_one(fd: RawFd, one: libc::iovec) -> io::Result<usize> {
+    loop {
+        // SAFETY: the entry points to live memory of at least `iov_len`
+        // bytes (see `IoVecs`); the kernel only reads from it.
+        let ret = unsafe { libc::send(fd, one.iov_base, one.iov_len, 0) };
+        match check(ret) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+/// One `recv(2)` into one entry of an [`IoVecs`] (flags 0: the same as a
+/// `read(2)` on a socket). Retries on `EINTR`.
+fn recv_one(fd: RawFd, one: libc::iovec) -> io::Result<usize> {
+    loop {
+        // SAFETY: the entry points to live, writable memory of at least
+        // `iov_len` bytes (see `readv`); the kernel copies bytes into it,
+        // it never forms references.
+        let ret = unsafe { libc::recv(fd, one.iov_base, one.iov_len, 0) };
         match check(ret) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             r => return r,
@@ -363,4 +410,62 @@ pub fn signal_blocked(signal: i32) -> bool {
     }
     // SAFETY: `cur` was filled by the kernel.
     unsafe { libc::sigismember(&cur, signal) == 1 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+
+    /// One buffer goes through `send`/`recv` on a socket, and through the
+    /// vectored calls on a descriptor that is no socket (a pipe): the same
+    /// bytes, the same end-of-stream and would-block answers either way.
+    #[test]
+    fn one_buffer_reads_and_writes_on_sockets_and_on_pipes() {
+        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let mut buf = [0u8; 16];
+        let mut iov = IoVecs::new();
+        iov.push_slice_mut(&mut buf);
+        assert_eq!(
+            readv(b.as_raw_fd(), &iov).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock
+        );
+        a.write_all(b"ping").unwrap();
+        assert_eq!(readv(b.as_raw_fd(), &iov).unwrap(), 4);
+        iov.clear();
+        assert_eq!(&buf[..4], b"ping");
+        let mut out = IoVecs::new();
+        out.push_slice(b"pong");
+        assert_eq!(writev(b.as_raw_fd(), &out).unwrap(), 4);
+        let mut got = [0u8; 4];
+        a.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"pong");
+        drop(a);
+        let mut iov = IoVecs::new();
+        iov.push_slice_mut(&mut buf);
+        assert_eq!(readv(b.as_raw_fd(), &iov).unwrap(), 0);
+
+        let mut fds = [0; 2];
+        // SAFETY: `pipe` fills the two descriptors, owned below.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors were just made and are owned once.
+        let (r, w) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::fs::File::from_raw_fd(fds[1]),
+            )
+        };
+        let mut out = IoVecs::new();
+        out.push_slice(b"pipe");
+        assert_eq!(writev(w.as_raw_fd(), &out).unwrap(), 4);
+        let mut buf = [0u8; 8];
+        let mut iov = IoVecs::new();
+        iov.push_slice_mut(&mut buf);
+        assert_eq!(readv(r.as_raw_fd(), &iov).unwrap(), 4);
+        iov.clear();
+        assert_eq!(&buf[..4], b"pipe");
+    }
 }
