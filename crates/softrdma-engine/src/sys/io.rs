@@ -125,8 +125,12 @@ pub(crate) fn readable_now(fd: RawFd) -> bool {
     ret != 0
 }
 
-/// One `writev(2)` of the list (non-blocking if the socket is). Retries on
-/// `EINTR`.
+/// One write of the list (non-blocking if the socket is). Retries on
+/// `EINTR`. On a socket it is `send(2)` (one buffer) or `sendmsg(2)` with
+/// `MSG_NOSIGNAL`: a peer that reset the connection gives `EPIPE`, never a
+/// `SIGPIPE` to the process (whose default action ends it — the engine
+/// writes from application threads, in programs that do not ignore it);
+/// on anything else `writev(2)`.
 pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     if iov.v.is_empty() {
         return Ok(0);
@@ -136,6 +140,11 @@ pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
         // call without the vector's copy-in and the file layer's checks
         // (`writev(2)` on anything but a socket).
         match send_one(fd, one) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
+            r => return r,
+        }
+    } else {
+        match sendmsg_nosignal(fd, iov) {
             Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
             r => return r,
         }
@@ -181,13 +190,33 @@ pub(crate) fn readv(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     }
 }
 
-/// One `send(2)` of one entry of an [`IoVecs`] (flags 0: the same as a
-/// `write(2)` on a socket). Retries on `EINTR`.
+/// One `send(2)` of one entry of an [`IoVecs`] (`MSG_NOSIGNAL`: a
+/// `write(2)` on a socket that never raises `SIGPIPE`). Retries on `EINTR`.
 fn send_one(fd: RawFd, one: libc::iovec) -> io::Result<usize> {
     loop {
         // SAFETY: the entry points to live memory of at least `iov_len`
         // bytes (see `IoVecs`); the kernel only reads from it.
-        let ret = unsafe { libc::send(fd, one.iov_base, one.iov_len, 0) };
+        let ret = unsafe { libc::send(fd, one.iov_base, one.iov_len, libc::MSG_NOSIGNAL) };
+        match check(ret) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+/// One `sendmsg(2)` of the whole list with `MSG_NOSIGNAL` (the vectored
+/// write of a socket that never raises `SIGPIPE`). Retries on `EINTR`.
+fn sendmsg_nosignal(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
+    // SAFETY: `msghdr` is plain data; all-zero is a valid empty header
+    // (no name, no control data, no flags).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.v.as_ptr().cast_mut();
+    msg.msg_iovlen = iov.v.len().min(libc::UIO_MAXIOV as usize) as _;
+    loop {
+        // SAFETY: `msg` points at the list, whose entries point to live
+        // memory of at least `iov_len` bytes (see `IoVecs`); the kernel
+        // only reads from them and does not keep the pointers.
+        let ret = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
         match check(ret) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             r => return r,
@@ -417,6 +446,56 @@ mod tests {
     use super::*;
     use std::io::{Read, Write};
     use std::os::fd::AsRawFd;
+
+    /// Regression: the engine wrote with `writev(2)`, which raises
+    /// `SIGPIPE` on a connection the peer closed; in a program that does not
+    /// ignore it (a C program using the drop-in libraries, whose thread
+    /// sends directly) that ended the process. Writes now fail with `EPIPE`
+    /// and raise nothing, with one buffer and with several.
+    #[test]
+    fn writes_to_a_closed_peer_fail_with_epipe_and_raise_no_sigpipe() {
+        // SAFETY: plain signal-set calls on a local set and this thread's
+        // mask. Blocked, a SIGPIPE the writes raised stays pending even
+        // though the test process ignores it (the kernel never discards a
+        // blocked signal as ignored).
+        let set = unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGPIPE);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            set
+        };
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        drop(b);
+        let (x, y) = (*b"one", *b"two");
+        let mut one = IoVecs::new();
+        one.push_slice(&x);
+        let mut two = IoVecs::new();
+        two.push_slice(&x);
+        two.push_slice(&y);
+        let errors: Vec<_> = [&one, &two]
+            .into_iter()
+            .map(|iov| writev(a.as_raw_fd(), iov).unwrap_err().raw_os_error())
+            .collect();
+        // SAFETY: as above; `sigtimedwait` with a zero timeout takes a
+        // pending SIGPIPE (if any) so that unblocking does not deliver it.
+        let raised = unsafe {
+            let mut pending: libc::sigset_t = std::mem::zeroed();
+            libc::sigpending(&mut pending);
+            let raised = libc::sigismember(&pending, libc::SIGPIPE) == 1;
+            if raised {
+                let zero = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                libc::sigtimedwait(&set, std::ptr::null_mut(), &zero);
+            }
+            libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+            raised
+        };
+        assert_eq!(errors, [Some(libc::EPIPE), Some(libc::EPIPE)]);
+        assert!(!raised, "a write raised SIGPIPE");
+    }
 
     /// One buffer goes through `send`/`recv` on a socket, and through the
     /// vectored calls on a descriptor that is no socket (a pipe): the same
