@@ -293,25 +293,6 @@ impl Device {
         &self.inner.config
     }
 
-    /// Allocates a protection domain (`ibv_alloc_pd`).
-    pub fn alloc_pd(&self) -> crate::ProtectionDomain {
-        crate::ProtectionDomain::new(self)
-    }
-
-    /// Creates a completion queue of `cqe` entries without a completion
-    /// channel (`ibv_create_cq`); see [`crate::CompletionQueue::new`].
-    pub fn create_cq(
-        &self,
-        cqe: usize,
-    ) -> Result<crate::CompletionQueue, crate::cq::CreateCqError> {
-        crate::CompletionQueue::new(self, cqe, None)
-    }
-
-    /// Creates a completion channel (`ibv_create_comp_channel`).
-    pub fn create_comp_channel(&self) -> std::io::Result<crate::CompletionChannel> {
-        crate::CompletionChannel::new(self)
-    }
-
     /// The device's async event queue: QP errors, CQ overflow, SRQ limit,
     /// connection events (`ibv_get_async_event`). Its file descriptor is
     /// readable while an event is queued.

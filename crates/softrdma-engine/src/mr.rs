@@ -37,7 +37,38 @@ use softrdma_wire::rdmap::atomic::{AtomicOpcode, AtomicRequestRepr};
 use crate::pd::ProtectionDomain;
 use crate::sys::mem::Memory;
 use crate::wc::WcStatus;
-use crate::wr::{LocalSeg, Sge};
+
+/// A scatter/gather element: `length` bytes at address `addr` of the memory
+/// region with local key `lkey` (`ibv_sge`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Sge {
+    /// Address within the region (the region's [`MemoryRegion::addr`] plus
+    /// an offset).
+    pub addr: u64,
+    /// Number of bytes.
+    pub length: u32,
+    /// Local key of the region.
+    pub lkey: u32,
+}
+
+/// Local memory checked at post time: `len` bytes at `offset` of `mem`.
+/// Holding it keeps the memory alive.
+#[derive(Debug, Clone)]
+pub(crate) struct LocalSeg {
+    /// The memory.
+    pub(crate) mem: Arc<Memory>,
+    /// Byte offset in `mem`.
+    pub(crate) offset: usize,
+    /// Length in bytes.
+    pub(crate) len: usize,
+}
+
+impl LocalSeg {
+    /// The segment as the protocol core sees it.
+    pub(crate) fn into_span(self) -> softrdma_proto::mem::Span<Arc<Memory>> {
+        span(self.mem, self.offset, self.len)
+    }
+}
 
 /// Access rights of a memory region or window (`ibv_access_flags`; same bit
 /// values).
@@ -1414,8 +1445,9 @@ impl Drop for MemoryWindow {
 /// Where a QP takes its receives from when it has a shared receive queue:
 /// the SRQ implements it (`srq.rs`), so memory does not name the SRQ.
 pub(crate) trait RecvSource: Sync + std::fmt::Debug {
-    /// Takes the next posted receive, if any.
-    fn pop_recv(&self) -> Option<crate::wr::RecvWqe>;
+    /// Takes the next posted receive, if any, as the protocol core takes
+    /// it.
+    fn pop_recv(&self) -> Option<softrdma_proto::mem::SharedRecv<Arc<Memory>>>;
 }
 
 /// A QP's memory as the sans-IO protocol core
@@ -1564,15 +1596,7 @@ impl softrdma_proto::mem::Memory for PdMemory<'_> {
     }
 
     fn srq_pop(&mut self) -> Option<softrdma_proto::mem::SharedRecv<Arc<Memory>>> {
-        let w = self.srq?.pop_recv()?;
-        Some(softrdma_proto::mem::SharedRecv {
-            wr_id: w.wr_id,
-            segs: w
-                .segs
-                .into_iter()
-                .map(|s| span(s.mem, s.offset, s.len))
-                .collect(),
-        })
+        self.srq?.pop_recv()
     }
 
     fn copy_in(

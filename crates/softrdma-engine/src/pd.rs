@@ -39,6 +39,15 @@ impl From<MemError> for RegError {
     }
 }
 
+// The device's constructor of protection domains lives here, so that the
+// device (a lower layer) does not name this module.
+impl Device {
+    /// Allocates a protection domain (`ibv_alloc_pd`).
+    pub fn alloc_pd(&self) -> ProtectionDomain {
+        ProtectionDomain::new(self)
+    }
+}
+
 impl ProtectionDomain {
     /// Allocates a protection domain on `device` (`ibv_alloc_pd`).
     pub fn new(device: &Device) -> ProtectionDomain {
