@@ -13,7 +13,7 @@ use crate::event::{AsyncEvent, AsyncEventQueue};
 use crate::handlers::{
     AsyncEvents, HandlerId, HandlerPolicy, HandlerStats, Handlers, HandlersConfig,
 };
-use crate::mr::StagTable;
+use crate::stags::StagTable;
 
 /// Name of the default device.
 pub const DEFAULT_DEVICE_NAME: &str = "softrdma0";

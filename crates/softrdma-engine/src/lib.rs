@@ -118,6 +118,7 @@ pub mod proxy;
 pub mod qp;
 pub mod remote;
 pub mod srq;
+mod stags;
 #[allow(unsafe_code)] // the one module with `unsafe`: see its docs
 mod sys;
 mod timer;

@@ -10,6 +10,7 @@
 
 // An SGE names memory: it is defined in `mr` (which builds it), so that
 // `mr` does not import this module.
+#[doc(inline)]
 pub use crate::mr::Sge;
 
 pub(crate) use crate::mr::LocalSeg;
