@@ -41,9 +41,8 @@ pub use crate::stags::{
     RemoteAccessError,
 };
 pub(crate) use crate::stags::{LocalSeg, NewEntry, NewKind, StagTable, WindowBind};
-// Table internals and a type the unit tests below use.
 use crate::sys::mem::Memory;
-#[cfg(test)]
+#[cfg(test)] // table internals and a type the unit tests below use
 use crate::{
     stags::{MAX_INDEX, Target, fresh_key, stag},
     wc::WcStatus,
