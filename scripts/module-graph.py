@@ -9,14 +9,17 @@ module that defines them.  Comments, string literals and items under a
 `cfg` that mentions `test` (test modules, loom models) are left out.
 
 Usage:
-    scripts/module-graph.py [--src DIR] [--why]
+    scripts/module-graph.py [--src DIR] [--why] [--check]
 
     --src DIR   the crate's `src` (default: crates/softrdma-engine/src)
     --why       after each edge, the places (file:line) that make it
+    --check     print only the import loops (or nothing) and exit 1 if
+                there is one: for CI
 
 Output: one line per module with the modules it imports, then every
 strongly connected component with more than one module (an import loop),
-largest first.  Exit status 0 either way: it measures, it does not judge.
+largest first.  Exit status 0 without `--check` (it measures); with
+`--check`, 1 if there is a loop.
 """
 
 import argparse
@@ -203,6 +206,7 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--src", default=os.path.join(here, "..", "crates", "softrdma-engine", "src"))
     ap.add_argument("--why", action="store_true")
+    ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
     src = os.path.normpath(args.src)
 
@@ -279,6 +283,8 @@ def main():
     nodes.discard("datamover")
 
     for a in sorted(nodes):
+        if args.check:
+            break
         outs = sorted(edges[a])
         print(f"{a} -> {', '.join(outs) if outs else '(none)'}")
         if args.why:
@@ -317,12 +323,17 @@ def main():
         if v not in index:
             visit(v)
     loops = sorted((c for c in sccs if len(c) > 1), key=lambda c: (-len(c), c))
+    if args.check:
+        for c in loops:
+            print(f"import loop ({len(c)} modules): {', '.join(c)}", file=sys.stderr)
+        return 1 if loops else 0
     print()
     if not loops:
         print("import loops: none")
     for c in loops:
         print(f"import loop ({len(c)} modules): {', '.join(c)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

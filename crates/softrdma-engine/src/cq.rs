@@ -1299,6 +1299,21 @@ impl fmt::Debug for CompletionChannel {
     }
 }
 
+// The device's constructors of CQs and channels live here, so that the
+// device (a lower layer) does not name this module.
+impl Device {
+    /// Creates a completion queue of `cqe` entries without a completion
+    /// channel (`ibv_create_cq`); see [`CompletionQueue::new`].
+    pub fn create_cq(&self, cqe: usize) -> Result<CompletionQueue, CreateCqError> {
+        CompletionQueue::new(self, cqe, None)
+    }
+
+    /// Creates a completion channel (`ibv_create_comp_channel`).
+    pub fn create_comp_channel(&self) -> io::Result<CompletionChannel> {
+        CompletionChannel::new(self)
+    }
+}
+
 impl CompletionChannel {
     /// A new channel (`ibv_create_comp_channel`).
     ///

@@ -13,7 +13,7 @@ use crate::event::{AsyncEvent, AsyncEventQueue};
 use crate::handlers::{
     AsyncEvents, HandlerId, HandlerPolicy, HandlerStats, Handlers, HandlersConfig,
 };
-use crate::mr::StagTable;
+use crate::stags::StagTable;
 
 /// Name of the default device.
 pub const DEFAULT_DEVICE_NAME: &str = "softrdma0";
@@ -291,25 +291,6 @@ impl Device {
     /// The configuration the device was opened with.
     pub fn config(&self) -> &DeviceConfig {
         &self.inner.config
-    }
-
-    /// Allocates a protection domain (`ibv_alloc_pd`).
-    pub fn alloc_pd(&self) -> crate::ProtectionDomain {
-        crate::ProtectionDomain::new(self)
-    }
-
-    /// Creates a completion queue of `cqe` entries without a completion
-    /// channel (`ibv_create_cq`); see [`crate::CompletionQueue::new`].
-    pub fn create_cq(
-        &self,
-        cqe: usize,
-    ) -> Result<crate::CompletionQueue, crate::cq::CreateCqError> {
-        crate::CompletionQueue::new(self, cqe, None)
-    }
-
-    /// Creates a completion channel (`ibv_create_comp_channel`).
-    pub fn create_comp_channel(&self) -> std::io::Result<crate::CompletionChannel> {
-        crate::CompletionChannel::new(self)
     }
 
     /// The device's async event queue: QP errors, CQ overflow, SRQ limit,

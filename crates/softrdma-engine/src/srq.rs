@@ -28,6 +28,7 @@ use crossbeam_queue::ArrayQueue;
 use crate::event::{AsyncEvent, AsyncEventKind};
 use crate::mr::LocalAccessError;
 use crate::pd::ProtectionDomain;
+use crate::sys::mem::Memory;
 use crate::wr::{LocalSeg, RecvWqe, RecvWr};
 
 /// Identifiers of shared receive queues, unique in the process.
@@ -307,8 +308,12 @@ impl SharedReceiveQueue {
 }
 
 impl crate::mr::RecvSource for SharedReceiveQueue {
-    fn pop_recv(&self) -> Option<RecvWqe> {
-        self.pop()
+    fn pop_recv(&self) -> Option<softrdma_proto::mem::SharedRecv<Arc<Memory>>> {
+        let w = self.pop()?;
+        Some(softrdma_proto::mem::SharedRecv {
+            wr_id: w.wr_id,
+            segs: w.segs.into_iter().map(LocalSeg::into_span).collect(),
+        })
     }
 }
 

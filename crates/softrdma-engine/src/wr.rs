@@ -8,23 +8,13 @@
 //! request holds a reference to the memory it names, so memory stays alive
 //! until the request completes even if the region is deregistered meanwhile.
 
-use std::sync::Arc;
+// An SGE names memory: it is defined in `mr` (which builds it), so that
+// `mr` does not import this module.
+#[doc(inline)]
+pub use crate::mr::Sge;
 
+pub(crate) use crate::mr::LocalSeg;
 use crate::mr::{Access, MemoryRegion, MemoryWindow};
-use crate::sys::mem::Memory;
-
-/// A scatter/gather element: `length` bytes at address `addr` of the memory
-/// region with local key `lkey` (`ibv_sge`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Sge {
-    /// Address within the region (the region's [`MemoryRegion::addr`] plus
-    /// an offset).
-    pub addr: u64,
-    /// Number of bytes.
-    pub length: u32,
-    /// Local key of the region.
-    pub lkey: u32,
-}
 
 /// Send flags (`ibv_send_flags`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -237,18 +227,6 @@ impl<'a> RecvWr<'a> {
     pub const fn new(wr_id: u64, sg_list: &'a [Sge]) -> Self {
         RecvWr { wr_id, sg_list }
     }
-}
-
-/// Local memory checked at post time: `len` bytes at `offset` of `mem`.
-/// Holding it keeps the memory alive.
-#[derive(Debug, Clone)]
-pub(crate) struct LocalSeg {
-    /// The memory.
-    pub(crate) mem: Arc<Memory>,
-    /// Byte offset in `mem`.
-    pub(crate) offset: usize,
-    /// Length in bytes.
-    pub(crate) len: usize,
 }
 
 /// A posted receive, validated: ready for the receive path or an SRQ.

@@ -29,9 +29,10 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use softrdma_proto::conn::{Connection, RxWant, TxFpdu};
-use softrdma_proto::mem::Span;
+// The QP's memory (`mr::PdMemory`) is passed through as the protocol core
+// sees it, so the data path does not name `mr`.
+use softrdma_proto::mem::{Memory as CoreMemory, Span};
 
-use crate::mr::PdMemory;
 use crate::sys::io::{IoVecs, readv, tcp_maxseg, writev};
 use crate::sys::mem::Memory;
 
@@ -163,7 +164,7 @@ impl RxIo {
     pub(crate) fn run(
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
-        mem: &mut PdMemory<'_>,
+        mem: &mut impl CoreMemory<Region = Arc<Memory>>,
         fd: RawFd,
         now: u64,
     ) -> RxStop {
@@ -197,7 +198,7 @@ impl RxIo {
     pub(crate) fn step(
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
-        mem: &mut PdMemory<'_>,
+        mem: &mut impl CoreMemory<Region = Arc<Memory>>,
         fd: RawFd,
         now: u64,
     ) -> RxStep {
@@ -251,7 +252,7 @@ impl RxIo {
     pub(crate) fn placed(
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
-        mem: &mut PdMemory<'_>,
+        mem: &mut impl CoreMemory<Region = Arc<Memory>>,
         d: DirectRead,
         r: io::Result<usize>,
         now: u64,
@@ -423,7 +424,7 @@ impl TxIo {
     pub(crate) fn progress(
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
-        mem: &mut PdMemory<'_>,
+        mem: &mut impl CoreMemory<Region = Arc<Memory>>,
         fd: RawFd,
         budget: usize,
     ) -> TxStop {

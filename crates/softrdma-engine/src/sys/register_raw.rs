@@ -1,10 +1,11 @@
 //! Registration of application memory, the public API's one `unsafe`
 //! entry point. The file lives in `sys/` with the rest of the engine's
-//! `unsafe`, but is compiled as a child of `pd` (`pd.rs` includes it with
-//! `#[path]`), so that `sys` stays the bottom layer and never names the PD
-//! or region types (`scripts/module-graph.py`).
+//! `unsafe`, but is compiled as a child of `mr` (`mr.rs` includes it with
+//! `#[path]`, beside the other constructors of regions), so that `sys`
+//! stays the bottom layer and never names the PD or region types
+//! (`scripts/module-graph.py`).
 
-impl super::ProtectionDomain {
+impl crate::pd::ProtectionDomain {
     /// Registers `len` bytes at `ptr` owned by the caller (`ibv_reg_mr` on
     /// application memory).
     ///

@@ -12,6 +12,7 @@ use softrdma_proto::types::{
 };
 
 use super::*;
+use crate::mr::PdMemory;
 use crate::state::QpState;
 use crate::{Access, Device, DeviceConfig, MemoryRegion, ProtectionDomain};
 
