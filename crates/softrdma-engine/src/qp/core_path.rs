@@ -808,22 +808,40 @@ mod tests {
         RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
     };
 
+    /// A device for these tests (threads not pinned); without
+    /// `poll_driven_receive` a CQ poll receives nothing.
+    fn test_device(poll_driven_receive: bool) -> Device {
+        Device::open_with(DeviceConfig {
+            pin_threads: false,
+            poll_driven_receive,
+            ..DeviceConfig::default()
+        })
+        .unwrap()
+    }
+
+    /// `a` (on `pda`, with `attr_a`) connected on loopback to `b` (on
+    /// `pdb`, both queues on `cqb`).
+    fn connected(
+        pda: &ProtectionDomain,
+        pdb: &ProtectionDomain,
+        attr_a: &QpInitAttr,
+        cqb: &CompletionQueue,
+    ) -> (QueuePair, QueuePair) {
+        let a = QueuePair::new(pda, attr_a).unwrap();
+        let b = QueuePair::new(pdb, &QpInitAttr::new(cqb, cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        (a, b)
+    }
+
     /// A connected pair whose receiving side (`b`) no
     /// engine thread watches and no CQ poll receives for: only what the
     /// test calls receives.
     fn quiet_core_pair() -> (QueuePair, QueuePair, CompletionQueue, ProtectionDomain) {
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            poll_driven_receive: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
+        let dev = test_device(false);
         let pd = ProtectionDomain::new(&dev);
         let cqa = CompletionQueue::new(&dev, 16, None).unwrap();
         let cqb = CompletionQueue::new(&dev, 16, None).unwrap();
-        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
-        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
-        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let (a, b) = connected(&pd, &pd, &QpInitAttr::new(&cqa, &cqa), &cqb);
         b.qp().device.threads().unregister(&**b.qp());
         (a, b, cqb, pd)
     }
@@ -885,17 +903,11 @@ mod tests {
         CompletionQueue,
         ProtectionDomain,
     ) {
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
+        let dev = test_device(true);
         let pd = ProtectionDomain::new(&dev);
         let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
         let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
-        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
-        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
-        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let (a, b) = connected(&pd, &pd, &QpInitAttr::new(&cqa, &cqa), &cqb);
         (a, b, cqa, cqb, pd)
     }
 
@@ -1030,18 +1042,12 @@ mod tests {
     /// posts written at once, not by the backstop.
     #[test]
     fn arming_the_cq_writes_the_deferred_posts() {
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
+        let dev = test_device(true);
         let pd = ProtectionDomain::new(&dev);
         let ch = crate::CompletionChannel::new(&dev).unwrap();
         let cqa = CompletionQueue::new(&dev, 256, Some(&ch)).unwrap();
         let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
-        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
-        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
-        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let (a, b) = connected(&pd, &pd, &QpInitAttr::new(&cqa, &cqa), &cqb);
         let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
         post_receives(&b, &dst, 5);
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
@@ -1219,19 +1225,13 @@ mod tests {
     /// without polling gets its post in: the full queue is written first.
     #[test]
     fn a_send_queue_full_of_deferred_posts_is_written_to_make_room() {
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
+        let dev = test_device(true);
         let pd = ProtectionDomain::new(&dev);
         let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
         let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
         let mut attr = QpInitAttr::new(&cqa, &cqa);
         attr.cap.max_send_wr = 4;
-        let a = QueuePair::new(&pd, &attr).unwrap();
-        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
-        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let (a, b) = connected(&pd, &pd, &attr, &cqb);
         let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
         post_receives(&b, &dst, 12);
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
@@ -1258,24 +1258,13 @@ mod tests {
         ProtectionDomain,
         ProtectionDomain,
     ) {
-        let deva = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
-        let devb = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            poll_driven_receive: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
+        let deva = test_device(true);
+        let devb = test_device(false);
         let pda = ProtectionDomain::new(&deva);
         let pdb = ProtectionDomain::new(&devb);
         let cqa = CompletionQueue::new(&deva, 256, None).unwrap();
         let cqb = CompletionQueue::new(&devb, 256, None).unwrap();
-        let a = QueuePair::new(&pda, &QpInitAttr::new(&cqa, &cqa)).unwrap();
-        let b = QueuePair::new(&pdb, &QpInitAttr::new(&cqb, &cqb)).unwrap();
-        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        let (a, b) = connected(&pda, &pdb, &QpInitAttr::new(&cqa, &cqa), &cqb);
         b.qp().device.threads().unregister(&**b.qp());
         (a, b, cqa, cqb, pda, pdb)
     }
