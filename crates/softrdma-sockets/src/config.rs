@@ -88,14 +88,14 @@ pub struct Config {
     /// acknowledge that before it resets the connection. A write timeout
     /// shorter than this withdraws the offer when it expires.
     pub zcopy_timeout: Duration,
-    /// Selective signaling on a `TCP_NODELAY` connection: at most this
-    /// many sends in a row go unsignaled (no completion; the next signaled
-    /// send's completion reports them done and frees their staging
-    /// buffers), the next one is signaled. Inline Data, credit updates and
-    /// Data from staging buffers may go unsignaled (the latter only while
-    /// two staging buffers stay free); DisConn, AbortConn, SrcAvail and
-    /// the zero-copy control messages are always signaled. 1 signals
-    /// every send. Default 8, or `SOFTRDMA_SOCKETS_SIGNAL_EVERY` (1..=64).
+    /// Selective signaling of inline and credit-only sends on a
+    /// `TCP_NODELAY` connection: at most this many such sends in a row go
+    /// unsignaled (no completion; the next signaled send of the queue
+    /// reports them done), the next one is signaled. Data sends from
+    /// staging buffers, and control messages whose completion is waited
+    /// for (DisConn, AbortConn, SrcAvail, zero-copy control), are always
+    /// signaled. 1 signals every send. Default
+    /// 8, or `SOFTRDMA_SOCKETS_SIGNAL_EVERY` (1..=64).
     pub signal_every: u16,
 }
 

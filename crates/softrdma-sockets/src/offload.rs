@@ -317,9 +317,6 @@ struct State {
     tx_sig_seq: u32,
     /// Unsignaled sends posted since the last signaled one.
     tx_unsig_run: u16,
-    /// Staging buffers of posted Data sends (send number, slot), in
-    /// order: a buffer is free again once a completion covers its send.
-    tx_sent: VecDeque<(u32, u32)>,
     /// Sends posted unsignaled (tests).
     unsignaled_sends: u64,
     disconn_wanted: bool,
@@ -406,19 +403,11 @@ impl State {
 
     /// A send-queue completion of send number `seq` (success or error):
     /// it and every send before it are done, each counted once.
-    /// Frees the staging buffers of the sends it completes.
     fn retire(&mut self, seq: u32) {
         if seq_after(seq, self.tx_done_seq) {
             let d = seq.wrapping_sub(self.tx_done_seq) & SEQ_MASK;
             self.tx_inflight = self.tx_inflight.saturating_sub(d);
             self.tx_done_seq = seq;
-        }
-        while let Some(&(s, slot)) = self.tx_sent.front() {
-            if seq_after(s, self.tx_done_seq) {
-                break;
-            }
-            self.tx_sent.pop_front();
-            self.tx_free.push(slot);
         }
     }
 
@@ -784,7 +773,6 @@ impl Offload {
                 tx_done_seq: 0,
                 tx_sig_seq: 0,
                 tx_unsig_run: 0,
-                tx_sent: VecDeque::new(),
                 unsignaled_sends: 0,
                 disconn_wanted: false,
                 err: None,
@@ -1307,16 +1295,19 @@ impl Shared {
         }
         let kind = wc.wr_id & KIND_MASK;
         if kind == SEND_DATA || kind == SEND_CTRL {
-            // Frees the staging buffers of this send and of every send
-            // before it (signaled or not), each once.
+            // A staging buffer's Data is always signaled: its completion
+            // (or its flush) frees the buffer, once.
+            if kind == SEND_DATA {
+                st.tx_free.push(wc.wr_id as u32);
+            }
             st.retire((wc.wr_id >> SEQ_SHIFT) as u32 & SEQ_MASK);
             if wc.status != WcStatus::Success {
                 st.link_lost(format!("connection lost ({})", wc.status.name()));
-                // No send completes any more: the rest are flushed or were
-                // done unreported, and the engine no longer reads their
-                // buffers; none stays counted, none is freed twice.
-                let last = st.tx_seq;
-                st.retire(last);
+                // No send completes any more: the rest are flushed (their
+                // staging buffers come back with their reports) or were
+                // done unreported; none stays counted, none twice.
+                st.tx_done_seq = st.tx_seq;
+                st.tx_inflight = 0;
             }
             return;
         }
@@ -1887,12 +1878,6 @@ impl Shared {
             };
             let base = self.slot_base(slot);
             let seq = (st.tx_seq + 1) & SEQ_MASK;
-            // Unsignaled only while two staging buffers stay free: when
-            // none is free, the last send posted was signaled, and its
-            // completion frees every buffer before it.
-            let unsignaled = st.nodelay
-                && u32::from(st.tx_unsig_run) + 1 < u32::from(self.signal_every)
-                && st.tx_free.len() >= 2;
             let res = self
                 .tx_mr
                 .write(base, &out[..hl])
@@ -1903,14 +1888,16 @@ impl Shared {
                         .map_err(|e| e.to_string())
                 })
                 .and_then(|sge| {
-                    let sges = [sge];
-                    let wr = SendWr::new(
-                        SEND_DATA | u64::from(slot) | u64::from(seq) << SEQ_SHIFT,
-                        SendOp::Send,
-                    )
-                    .sg_list(&sges);
-                    let wr = if unsignaled { wr } else { wr.signaled() };
-                    self.qp.post_send(&wr).map_err(|e| e.to_string())
+                    self.qp
+                        .post_send(
+                            &SendWr::new(
+                                SEND_DATA | u64::from(slot) | u64::from(seq) << SEQ_SHIFT,
+                                SendOp::Send,
+                            )
+                            .sg_list(&[sge])
+                            .signaled(),
+                        )
+                        .map_err(|e| e.to_string())
                 });
             if let Err(e) = res {
                 st.link_lost(e);
@@ -1919,14 +1906,8 @@ impl Shared {
             st.tx_queue.pop_front();
             st.tx_inflight += 1;
             st.tx_seq = seq;
-            st.tx_sent.push_back((seq, slot));
-            if unsignaled {
-                st.tx_unsig_run += 1;
-                st.unsignaled_sends += 1;
-            } else {
-                st.tx_sig_seq = seq;
-                st.tx_unsig_run = 0;
-            }
+            st.tx_sig_seq = seq;
+            st.tx_unsig_run = 0;
         }
         if st.tx_queue.is_empty() {
             st.push = false;
@@ -3209,33 +3190,27 @@ mod signal_tests {
         let sh = &c.sh;
         let mut st = sh.lock();
         // Pretend sends 1..=7 were posted: 1-3 unsignaled Ctrl, 4 Data in
-        // slot 0 (signaled), 5 Data in slot 2 (unsignaled), 6 unsignaled
-        // Ctrl, 7 Data in slot 1 (signaled).
-        let mut before = st.tx_free.clone();
-        before.sort_unstable();
-        st.tx_free.retain(|&x| x > 2);
+        // slot 0 (signaled), 5-6 unsignaled Ctrl, 7 Data in slot 1.
+        let free_before = st.tx_free.clone();
+        st.tx_free.retain(|&x| x > 1);
         st.tx_seq = 7;
         st.tx_done_seq = 0;
         st.tx_sig_seq = 7;
         st.tx_inflight = 7;
-        st.tx_sent.extend([(4, 0), (5, 2), (7, 1)]);
         let id =
             |kind: u64, seq: u32, slot: u32| kind | u64::from(slot) | u64::from(seq) << SEQ_SHIFT;
-        let has = |st: &State, x: u32| st.tx_free.iter().filter(|&&y| y == x).count();
         sh.on_wc(
             &mut st,
             &WorkCompletion::success(id(SEND_DATA, 4, 0), WcOpcode::Send, 0),
         );
         assert_eq!(st.tx_inflight, 3);
         assert!(st.sig_in_flight());
-        assert_eq!((has(&st, 0), has(&st, 2), has(&st, 1)), (1, 0, 0));
-        // Send 5 fails (reported although unsignaled): its buffer is free,
-        // the link is lost, no send stays counted and every buffer is
-        // free (the engine no longer reads them).
+        // Send 5 fails (reported although unsignaled): the link is lost,
+        // no send stays counted.
         sh.on_wc(
             &mut st,
             &WorkCompletion::error(
-                id(SEND_DATA, 5, 2),
+                id(SEND_CTRL, 5, 0),
                 WcOpcode::Send,
                 0,
                 WcStatus::LocalProtection,
@@ -3244,19 +3219,19 @@ mod signal_tests {
         assert!(st.failed());
         assert_eq!(st.tx_inflight, 0);
         assert!(!st.sig_in_flight());
-        assert_eq!((has(&st, 0), has(&st, 2), has(&st, 1)), (1, 1, 1));
-        // The flush reports 6 and 7, and 4 again: nothing is counted or
-        // freed twice.
+        // The flush reports 6 and 7, and a stale 4 again: counted nothing
+        // more, slot 1 comes back once.
         for wc in [
             WorkCompletion::error(id(SEND_CTRL, 6, 0), WcOpcode::Send, 0, WcStatus::WrFlush),
             WorkCompletion::error(id(SEND_DATA, 7, 1), WcOpcode::Send, 0, WcStatus::WrFlush),
-            WorkCompletion::error(id(SEND_DATA, 4, 0), WcOpcode::Send, 0, WcStatus::WrFlush),
         ] {
             sh.on_wc(&mut st, &wc);
         }
         assert_eq!(st.tx_inflight, 0);
         let mut now = st.tx_free.clone();
         now.sort_unstable();
+        let mut before = free_before;
+        before.sort_unstable();
         assert_eq!(now, before);
         drop(st);
         drop(c);
