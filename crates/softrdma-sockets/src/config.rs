@@ -88,32 +88,6 @@ pub struct Config {
     /// acknowledge that before it resets the connection. A write timeout
     /// shorter than this withdraws the offer when it expires.
     pub zcopy_timeout: Duration,
-    /// Selective signaling of inline and credit-only sends on a
-    /// `TCP_NODELAY` connection: at most this many such sends in a row go
-    /// unsignaled (no completion; the next signaled send of the queue
-    /// reports them done), the next one is signaled. Data sends from
-    /// staging buffers, and control messages whose completion is waited
-    /// for (DisConn, AbortConn, SrcAvail, zero-copy control), are always
-    /// signaled. 1 signals every send. Default
-    /// 8, or `SOFTRDMA_SOCKETS_SIGNAL_EVERY` (1..=64).
-    pub signal_every: u16,
-}
-
-/// Default of [`Config::signal_every`]: one completion per eight inline
-/// or credit-only sends (below the send queue's depth, as verbs asks).
-pub(crate) const DEFAULT_SIGNAL_EVERY: u16 = 8;
-
-/// [`Config::signal_every`]'s default: `SOFTRDMA_SOCKETS_SIGNAL_EVERY`
-/// (read once) or [`DEFAULT_SIGNAL_EVERY`].
-fn signal_every_default() -> u16 {
-    static V: std::sync::OnceLock<u16> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("SOFTRDMA_SOCKETS_SIGNAL_EVERY")
-            .ok()
-            .and_then(|v| v.trim().parse::<u16>().ok())
-            .filter(|v| (1..=64).contains(v))
-            .unwrap_or(DEFAULT_SIGNAL_EVERY)
-    })
 }
 
 impl Default for Config {
@@ -130,7 +104,6 @@ impl Default for Config {
             linger: Duration::from_secs(5),
             zcopy_threshold: DEFAULT_ZCOPY_THRESHOLD,
             zcopy_timeout: Duration::from_secs(5),
-            signal_every: signal_every_default(),
         }
     }
 }
@@ -161,9 +134,6 @@ impl Config {
         }
         if self.tx_bufs < 2 {
             return bad("tx_bufs below 2");
-        }
-        if !(1..=64).contains(&self.signal_every) {
-            return bad("signal_every outside 1..=64");
         }
         if !(4096..=1 << 20).contains(&self.buf_size) {
             return bad("buf_size outside 4 KiB..=1 MiB");

@@ -54,24 +54,10 @@ use crate::sdp::{
     self, AVAIL_LEN, Action, Avail, BSDH_LEN, CAP_READ_ZCOPY, Hello, HelloAck, Message, Session,
 };
 
-// Send-queue work request ids: the kind in bits 32..40, a staging slot
-// in bits 0..32 (Data from a staging buffer), the request's number in
-// bits 40..64 (see `State::retire`). Receive ids are slot numbers.
 const SEND_DATA: u64 = 1 << 32;
 const SEND_CTRL: u64 = 2 << 32;
 /// The RDMA Read of a zero-copy transfer (at most one at a time).
 const ZC_READ: u64 = 3 << 32;
-const KIND_MASK: u64 = 0xff << 32;
-const SEQ_SHIFT: u32 = 40;
-const SEQ_MASK: u32 = (1 << 24) - 1;
-/// Numbers at most this far apart compare (wrapping) as ahead/behind.
-const SEQ_HALF: u32 = 1 << 23;
-
-/// Whether send number `a` comes after `b` (wrapping, 24 bits).
-fn seq_after(a: u32, b: u32) -> bool {
-    let d = a.wrapping_sub(b) & SEQ_MASK;
-    d != 0 && d < SEQ_HALF
-}
 /// A read buffer smaller than this (and than the rest of the peer's
 /// SrcAvail) is not worth an RDMA Read round trip: the reader asks for
 /// buffered copy (SendSm) instead.
@@ -304,21 +290,7 @@ struct State {
     /// Filled staging buffers not yet sent (slot, payload length); the
     /// last one may still be appended to.
     tx_queue: VecDeque<(u32, usize)>,
-    /// Sends posted and not yet known complete (signaled or not).
     tx_inflight: u32,
-    /// Number of the last send posted (every send-queue request but the
-    /// zero-copy Read gets the next one, carried in its work request id).
-    tx_seq: u32,
-    /// Number of the last send known complete: the sends complete in
-    /// order, so a completion of number `n` (success or error) completes
-    /// every send up to `n`, the unsignaled ones included.
-    tx_done_seq: u32,
-    /// Number of the last signaled send (its completion will come).
-    tx_sig_seq: u32,
-    /// Unsignaled sends posted since the last signaled one.
-    tx_unsig_run: u16,
-    /// Sends posted unsignaled (tests).
-    unsignaled_sends: u64,
     disconn_wanted: bool,
     /// Link lost (flushed work, QP no longer accepting work): messages
     /// that completed before are still delivered; then calls fail.
@@ -394,23 +366,6 @@ struct TestHooks {
 }
 
 impl State {
-    /// Whether a signaled send is still in flight (its completion will
-    /// come and run `flush_tx`): what a small write held back without
-    /// `TCP_NODELAY` waits for. Unsignaled sends alone hold nothing back.
-    fn sig_in_flight(&self) -> bool {
-        seq_after(self.tx_sig_seq, self.tx_done_seq)
-    }
-
-    /// A send-queue completion of send number `seq` (success or error):
-    /// it and every send before it are done, each counted once.
-    fn retire(&mut self, seq: u32) {
-        if seq_after(seq, self.tx_done_seq) {
-            let d = seq.wrapping_sub(self.tx_done_seq) & SEQ_MASK;
-            self.tx_inflight = self.tx_inflight.saturating_sub(d);
-            self.tx_done_seq = seq;
-        }
-    }
-
     fn failed(&self) -> bool {
         self.err.is_some() || self.link.is_some()
     }
@@ -480,8 +435,6 @@ struct Shared {
     rx_max: u32,
     /// Largest write sent inline (see `Shared::send_small`).
     inline_max: usize,
-    /// See [`Config::signal_every`].
-    signal_every: u16,
     spin: Duration,
     linger: Duration,
     /// Duplicate of the kernel socket (the QP owns the original).
@@ -759,7 +712,6 @@ impl Offload {
             rx_max: rx_bufs as u32,
             zc_timeout: cfg.zcopy_timeout,
             inline_max,
-            signal_every: cfg.signal_every.max(1),
             spin: cfg.spin,
             linger: cfg.linger,
             sock: dup,
@@ -769,11 +721,6 @@ impl Offload {
                 tx_free: (0..u32::from(cfg.tx_bufs)).rev().collect(),
                 tx_queue: VecDeque::new(),
                 tx_inflight: 0,
-                tx_seq: 0,
-                tx_done_seq: 0,
-                tx_sig_seq: 0,
-                tx_unsig_run: 0,
-                unsignaled_sends: 0,
                 disconn_wanted: false,
                 err: None,
                 link: None,
@@ -1293,30 +1240,26 @@ impl Shared {
             }
             return;
         }
-        let kind = wc.wr_id & KIND_MASK;
-        if kind == SEND_DATA || kind == SEND_CTRL {
-            // A staging buffer's Data is always signaled: its completion
-            // (or its flush) frees the buffer, once.
-            if kind == SEND_DATA {
-                st.tx_free.push(wc.wr_id as u32);
-            }
-            st.retire((wc.wr_id >> SEQ_SHIFT) as u32 & SEQ_MASK);
+        {
             if wc.status != WcStatus::Success {
+                if wc.opcode == WcOpcode::Send && wc.wr_id & SEND_DATA != 0 {
+                    st.tx_free.push(wc.wr_id as u32);
+                }
+                if wc.opcode == WcOpcode::Send {
+                    st.tx_inflight = st.tx_inflight.saturating_sub(1);
+                }
                 st.link_lost(format!("connection lost ({})", wc.status.name()));
-                // No send completes any more: the rest are flushed (their
-                // staging buffers come back with their reports) or were
-                // done unreported; none stays counted, none twice.
-                st.tx_done_seq = st.tx_seq;
-                st.tx_inflight = 0;
+                return;
             }
-            return;
-        }
-        if wc.status != WcStatus::Success {
-            st.link_lost(format!("connection lost ({})", wc.status.name()));
-            return;
-        }
-        if wc.opcode == WcOpcode::Recv {
-            self.on_recv(st, wc.wr_id as u32, wc.byte_len as usize);
+            match wc.opcode {
+                WcOpcode::Recv => self.on_recv(st, wc.wr_id as u32, wc.byte_len as usize),
+                _ => {
+                    if wc.wr_id & SEND_DATA != 0 {
+                        st.tx_free.push(wc.wr_id as u32);
+                    }
+                    st.tx_inflight = st.tx_inflight.saturating_sub(1);
+                }
+            }
         }
     }
 
@@ -1471,7 +1414,11 @@ impl Shared {
         if !st.sdp.close.aborted {
             let mut out = [0u8; AVAIL_LEN];
             if let Some(n) = st.sdp.header(&Message::AbortConn, &mut out) {
-                let _ = self.post_inline(st, &out[..n], false);
+                let _ = self.qp.post_send(
+                    &SendWr::new(SEND_CTRL, SendOp::Send)
+                        .inline(&out[..n])
+                        .signaled(),
+                );
             }
             st.sdp.close.aborted = true;
         }
@@ -1653,10 +1600,18 @@ impl Shared {
                 ) else {
                     return Err(io::Error::other("no credit for SrcAvail"));
                 };
-                if let Err(e) = self.post_inline(st, &out[..hl], false) {
-                    st.link_lost(e.clone());
-                    return Err(io::Error::new(io::ErrorKind::ConnectionReset, e));
+                if let Err(e) = self.qp.post_send(
+                    &SendWr::new(SEND_CTRL, SendOp::Send)
+                        .inline(&out[..hl])
+                        .signaled(),
+                ) {
+                    st.link_lost(e.to_string());
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionReset,
+                        e.to_string(),
+                    ));
                 }
+                st.tx_inflight += 1;
                 st.zc_tx = Some(ZcTx {
                     len: len as u32,
                     read: 0,
@@ -1768,7 +1723,7 @@ impl Shared {
             || !st.ctrl_pending.is_empty()
             || st.failed()
             || st.cork
-            || !(st.nodelay || st.push || !st.sig_in_flight())
+            || !(st.nodelay || st.push || st.tx_inflight == 0)
         {
             return false;
         }
@@ -1787,9 +1742,16 @@ impl Shared {
             at += b.len();
         }
         // The credit is taken: the message is sent, or the link is lost.
-        match self.post_inline(st, &frame[..hl + total], true) {
-            Ok(()) => st.inline_sends += 1,
-            Err(e) => st.link_lost(e),
+        match self.qp.post_send(
+            &SendWr::new(SEND_CTRL, SendOp::Send)
+                .inline(&frame[..hl + total])
+                .signaled(),
+        ) {
+            Ok(()) => {
+                st.tx_inflight += 1;
+                st.inline_sends += 1;
+            }
+            Err(e) => st.link_lost(e.to_string()),
         }
         if st.sdp.wants_credit_update() {
             self.send_ctrl(st, &Message::Data { payload_len: 0 });
@@ -1853,9 +1815,16 @@ impl Shared {
                 break;
             };
             st.ctrl_pending.pop_front();
-            if let Err(e) = self.post_inline(st, &out[..n], false) {
-                st.link_lost(e);
-                return;
+            match self.qp.post_send(
+                &SendWr::new(SEND_CTRL, SendOp::Send)
+                    .inline(&out[..n])
+                    .signaled(),
+            ) {
+                Ok(()) => st.tx_inflight += 1,
+                Err(e) => {
+                    st.link_lost(e.to_string());
+                    return;
+                }
             }
         }
         let max = st.sdp.max_payload();
@@ -1865,7 +1834,7 @@ impl Shared {
             // Held: a partial last buffer while corked (TCP_CORK), or
             // while earlier sends are in flight (no TCP_NODELAY).
             let hold =
-                !st.push && !st.disconn_wanted && (st.cork || (!st.nodelay && st.sig_in_flight()));
+                !st.push && !st.disconn_wanted && (st.cork || (!st.nodelay && st.tx_inflight > 0));
             if last && hold && len < max {
                 // Held by the cork alone (not by a send in flight whose
                 // completion would release it): nothing to wait for.
@@ -1877,7 +1846,6 @@ impl Shared {
                 break;
             };
             let base = self.slot_base(slot);
-            let seq = (st.tx_seq + 1) & SEQ_MASK;
             let res = self
                 .tx_mr
                 .write(base, &out[..hl])
@@ -1890,12 +1858,9 @@ impl Shared {
                 .and_then(|sge| {
                     self.qp
                         .post_send(
-                            &SendWr::new(
-                                SEND_DATA | u64::from(slot) | u64::from(seq) << SEQ_SHIFT,
-                                SendOp::Send,
-                            )
-                            .sg_list(&[sge])
-                            .signaled(),
+                            &SendWr::new(SEND_DATA | u64::from(slot), SendOp::Send)
+                                .sg_list(&[sge])
+                                .signaled(),
                         )
                         .map_err(|e| e.to_string())
                 });
@@ -1905,9 +1870,6 @@ impl Shared {
             }
             st.tx_queue.pop_front();
             st.tx_inflight += 1;
-            st.tx_seq = seq;
-            st.tx_sig_seq = seq;
-            st.tx_unsig_run = 0;
         }
         if st.tx_queue.is_empty() {
             st.push = false;
@@ -1939,37 +1901,16 @@ impl Shared {
             }
             return;
         };
-        // A credit update may go unsignaled; DisConn and the zero-copy
-        // messages are waited for.
-        let may_skip = matches!(m, Message::Data { payload_len: 0 });
-        if let Err(e) = self.post_inline(st, &out[..n], may_skip) {
-            st.link_lost(e);
+        {
+            match self.qp.post_send(
+                &SendWr::new(SEND_CTRL, SendOp::Send)
+                    .inline(&out[..n])
+                    .signaled(),
+            ) {
+                Ok(()) => st.tx_inflight += 1,
+                Err(e) => st.link_lost(e.to_string()),
+            }
         }
-    }
-
-    /// Posts an inline send (a control message or a small Data message):
-    /// signaled, unless `may_skip`, the connection has `TCP_NODELAY` (no
-    /// small write waits for a completion) and fewer than
-    /// `signal_every - 1` unsignaled sends came since the last signaled
-    /// one. An unsignaled send holds no staging buffer (its bytes are in
-    /// the request); it is done when a later send completes.
-    fn post_inline(&self, st: &mut State, bytes: &[u8], may_skip: bool) -> Result<(), String> {
-        let unsignaled =
-            may_skip && st.nodelay && u32::from(st.tx_unsig_run) + 1 < u32::from(self.signal_every);
-        let seq = (st.tx_seq + 1) & SEQ_MASK;
-        let wr = SendWr::new(SEND_CTRL | u64::from(seq) << SEQ_SHIFT, SendOp::Send).inline(bytes);
-        let wr = if unsignaled { wr } else { wr.signaled() };
-        self.qp.post_send(&wr).map_err(|e| e.to_string())?;
-        st.tx_seq = seq;
-        st.tx_inflight += 1;
-        if unsignaled {
-            st.tx_unsig_run += 1;
-            st.unsignaled_sends += 1;
-        } else {
-            st.tx_unsig_run = 0;
-            st.tx_sig_seq = seq;
-        }
-        Ok(())
     }
 
     /// Waits for progress: busy-polls for the spin time, then, if no
@@ -2933,318 +2874,5 @@ mod zcopy_tests {
             .expect_err("the write must fail");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
         super::tests::close_pair(c, s);
-    }
-}
-
-/// Tests of selective signaling (`Config::signal_every`).
-#[cfg(test)]
-mod signal_tests {
-    use super::*;
-    use rand::{Rng, SeedableRng, rngs::StdRng};
-    use softrdma_engine::WorkCompletion;
-
-    fn pattern(i: usize) -> u8 {
-        (i.wrapping_mul(131) ^ (i >> 7)) as u8
-    }
-
-    /// Waits (bounded) until `c`'s staging buffers are all free and every
-    /// send is known complete; returns the free slots, sorted.
-    fn settle_tx(c: &Offload) -> Vec<u32> {
-        let limit = Instant::now() + Duration::from_secs(30);
-        loop {
-            {
-                let mut st = c.sh.lock();
-                c.sh.progress(&mut st);
-                if st.tx_free.len() >= usize::from(Config::default().tx_bufs) && st.tx_inflight == 0
-                {
-                    let mut v = st.tx_free.clone();
-                    v.sort_unstable();
-                    return v;
-                }
-                assert!(
-                    Instant::now() < limit,
-                    "sends never completed: {} free, {} in flight",
-                    st.tx_free.len(),
-                    st.tx_inflight
-                );
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
-    /// The send count of a connection agrees with its numbering: every
-    /// posted send is counted once until a completion covers it.
-    fn counts_agree(st: &State) {
-        assert_eq!(
-            st.tx_inflight,
-            st.tx_seq.wrapping_sub(st.tx_done_seq) & SEQ_MASK,
-            "sends in flight against their numbers"
-        );
-    }
-
-    /// Writes of random sizes (inline, across staging buffers) with
-    /// random pacing and `TCP_NODELAY` switched on and off, in both
-    /// directions at once, under selective signaling: every octet arrives
-    /// once and in order, sends went unsignaled, and afterwards every
-    /// staging buffer is free exactly once and no send is left counted.
-    #[test]
-    fn unsignaled_sends_keep_random_transfers_byte_exact() {
-        let (c, s) = super::tests::pair();
-        assert_eq!(c.sh.signal_every, Config::default().signal_every);
-        const TOTAL: usize = 3_000_000;
-        let c = Arc::new(c);
-        let s = Arc::new(s);
-        let writer = |o: Arc<Offload>, seed: u64| {
-            std::thread::spawn(move || {
-                let mut rng = StdRng::seed_from_u64(seed);
-                let mut sent = 0;
-                while sent < TOTAL {
-                    if rng.random_bool(0.05) {
-                        o.set_nodelay(rng.random_bool(0.7));
-                    }
-                    let n = match rng.random_range(0..20) {
-                        0..=16 => rng.random_range(1..=INLINE_PAYLOAD),
-                        17..=18 => rng.random_range(INLINE_PAYLOAD..5000),
-                        _ => rng.random_range(5000..100_000),
-                    }
-                    .min(TOTAL - sent);
-                    let chunk: Vec<u8> = (sent..sent + n).map(pattern).collect();
-                    let mut off = 0;
-                    while off < n {
-                        off += o.write(&chunk[off..], false, None).unwrap();
-                    }
-                    sent += n;
-                    match rng.random_range(0..50) {
-                        0 => std::thread::sleep(Duration::from_micros(rng.random_range(1..300))),
-                        1..=3 => std::thread::yield_now(),
-                        _ => {}
-                    }
-                }
-                o.flush(None).unwrap();
-            })
-        };
-        let reader = |o: Arc<Offload>, seed: u64| {
-            std::thread::spawn(move || {
-                let mut rng = StdRng::seed_from_u64(seed);
-                let mut got = 0;
-                let mut buf = vec![0u8; 70_000];
-                while got < TOTAL {
-                    let want = rng.random_range(1..buf.len());
-                    let n = o.read(&mut buf[..want], false, false, None).unwrap();
-                    assert!(n > 0, "early end after {got} octets");
-                    for (k, &b) in buf[..n].iter().enumerate() {
-                        assert_eq!(b, pattern(got + k), "octet {}", got + k);
-                    }
-                    got += n;
-                    if rng.random_range(0..40) == 0 {
-                        std::thread::sleep(Duration::from_micros(rng.random_range(1..500)));
-                    }
-                }
-            })
-        };
-        let ts = [
-            writer(c.clone(), 1),
-            writer(s.clone(), 2),
-            reader(c.clone(), 3),
-            reader(s.clone(), 4),
-        ];
-        for t in ts {
-            t.join().unwrap();
-        }
-        for o in [&c, &s] {
-            {
-                let st = o.sh.lock();
-                assert!(st.unsignaled_sends > 0, "no send went unsignaled");
-                counts_agree(&st);
-            }
-            // A last signaled send covers the unsignaled ones before it.
-            o.set_nodelay(false);
-            assert_eq!(o.write(b"x", false, None).unwrap(), 1);
-            assert_eq!(
-                settle_tx(o),
-                (0..u32::from(Config::default().tx_bufs)).collect::<Vec<_>>()
-            );
-        }
-        let mut one = [0u8; 1];
-        for o in [&c, &s] {
-            let n = o.read(&mut one, false, false, None).unwrap();
-            assert_eq!((n, one[0]), (1, b'x'));
-        }
-        let c = Arc::into_inner(c).unwrap();
-        let s = Arc::into_inner(s).unwrap();
-        super::tests::close_pair(c, s);
-    }
-
-    /// `signal_every = 1` signals every send (the behaviour before
-    /// selective signaling).
-    #[test]
-    fn signal_every_one_signals_every_send() {
-        let cfg = Config {
-            signal_every: 1,
-            ..Config::default()
-        };
-        let (c, s) = super::tests::pair_with(&cfg);
-        c.set_nodelay(true);
-        for i in 0..100u8 {
-            assert_eq!(c.write(&[i; 10], false, None).unwrap(), 10);
-        }
-        let mut buf = [0u8; 1000];
-        let mut got = 0;
-        while got < 1000 {
-            got += s.read(&mut buf[got..], false, false, None).unwrap();
-        }
-        assert!(
-            buf.chunks(10)
-                .enumerate()
-                .all(|(i, ch)| ch == [i as u8; 10])
-        );
-        assert_eq!(c.sh.lock().unsignaled_sends, 0);
-        settle_tx(&c);
-        super::tests::close_pair(c, s);
-    }
-
-    /// An abort while unsignaled sends are outstanding: what was written
-    /// and acknowledged before arrived byte-exact, the unsignaled sends
-    /// are counted once (no send stays counted, none twice), every staging
-    /// buffer is free exactly once, and the peer's data is an exact prefix
-    /// of what was written.
-    #[test]
-    fn abort_with_unsignaled_sends_outstanding_releases_everything_once() {
-        let (c, s) = super::tests::pair();
-        let got = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let g = got.clone();
-        let reader = std::thread::spawn(move || {
-            let mut buf = vec![0u8; 9000];
-            let mut n_all = 0;
-            loop {
-                match s.read(&mut buf, false, false, Some(Duration::from_secs(30))) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => {
-                        for (k, &b) in buf[..n].iter().enumerate() {
-                            assert_eq!(b, pattern(n_all + k), "octet {}", n_all + k);
-                        }
-                        n_all += n;
-                        g.store(n_all, Ordering::SeqCst);
-                    }
-                }
-            }
-            (s, n_all)
-        });
-        c.set_nodelay(true);
-        let mut sent = 0;
-        let mut rng = StdRng::seed_from_u64(7);
-        // Inline writes and a few through staging buffers.
-        for i in 0..400 {
-            let n = if i % 50 == 49 {
-                20_000
-            } else {
-                rng.random_range(1..=INLINE_PAYLOAD)
-            };
-            let chunk: Vec<u8> = (sent..sent + n).map(pattern).collect();
-            let mut off = 0;
-            while off < n {
-                off += c.write(&chunk[off..], false, None).unwrap();
-            }
-            sent += n;
-        }
-        c.flush(None).unwrap();
-        // Everything written so far arrives.
-        let limit = Instant::now() + Duration::from_secs(30);
-        while got.load(Ordering::SeqCst) < sent {
-            assert!(Instant::now() < limit, "written data did not arrive");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        // Now a few unsignaled sends, then the abort.
-        let mut k = 0;
-        while c.sh.lock().tx_unsig_run == 0 || k < 3 {
-            let chunk: Vec<u8> = (sent..sent + 16).map(pattern).collect();
-            assert_eq!(c.write(&chunk, false, None).unwrap(), 16);
-            sent += 16;
-            k += 1;
-        }
-        {
-            let st = c.sh.lock();
-            assert!(st.tx_inflight > 0 && st.tx_unsig_run > 0);
-            counts_agree(&st);
-        }
-        c.abort();
-        assert_eq!(
-            settle_tx(&c),
-            (0..u32::from(Config::default().tx_bufs)).collect::<Vec<_>>()
-        );
-        assert!(c.write(b"late", false, None).is_err());
-        let (s, n_all) = reader.join().unwrap();
-        assert!(n_all <= sent);
-        drop(c);
-        drop(s);
-    }
-
-    /// The accounting alone, with completions as the engine reports them
-    /// (a failed unsignaled send is reported, a successful one is not;
-    /// a flush reports each remaining request once): every send is
-    /// counted once and every staging buffer comes back once, whatever
-    /// the order of success, error and flush reports.
-    #[test]
-    fn error_and_flush_reports_count_each_send_once() {
-        let (c, s) = super::tests::pair();
-        let sh = &c.sh;
-        let mut st = sh.lock();
-        // Pretend sends 1..=7 were posted: 1-3 unsignaled Ctrl, 4 Data in
-        // slot 0 (signaled), 5-6 unsignaled Ctrl, 7 Data in slot 1.
-        let free_before = st.tx_free.clone();
-        st.tx_free.retain(|&x| x > 1);
-        st.tx_seq = 7;
-        st.tx_done_seq = 0;
-        st.tx_sig_seq = 7;
-        st.tx_inflight = 7;
-        let id =
-            |kind: u64, seq: u32, slot: u32| kind | u64::from(slot) | u64::from(seq) << SEQ_SHIFT;
-        sh.on_wc(
-            &mut st,
-            &WorkCompletion::success(id(SEND_DATA, 4, 0), WcOpcode::Send, 0),
-        );
-        assert_eq!(st.tx_inflight, 3);
-        assert!(st.sig_in_flight());
-        // Send 5 fails (reported although unsignaled): the link is lost,
-        // no send stays counted.
-        sh.on_wc(
-            &mut st,
-            &WorkCompletion::error(
-                id(SEND_CTRL, 5, 0),
-                WcOpcode::Send,
-                0,
-                WcStatus::LocalProtection,
-            ),
-        );
-        assert!(st.failed());
-        assert_eq!(st.tx_inflight, 0);
-        assert!(!st.sig_in_flight());
-        // The flush reports 6 and 7, and a stale 4 again: counted nothing
-        // more, slot 1 comes back once.
-        for wc in [
-            WorkCompletion::error(id(SEND_CTRL, 6, 0), WcOpcode::Send, 0, WcStatus::WrFlush),
-            WorkCompletion::error(id(SEND_DATA, 7, 1), WcOpcode::Send, 0, WcStatus::WrFlush),
-        ] {
-            sh.on_wc(&mut st, &wc);
-        }
-        assert_eq!(st.tx_inflight, 0);
-        let mut now = st.tx_free.clone();
-        now.sort_unstable();
-        let mut before = free_before;
-        before.sort_unstable();
-        assert_eq!(now, before);
-        drop(st);
-        drop(c);
-        drop(s);
-    }
-
-    /// Send numbers compare across the 24-bit wrap.
-    #[test]
-    fn send_numbers_wrap() {
-        assert!(seq_after(1, 0));
-        assert!(seq_after(0, SEQ_MASK));
-        assert!(seq_after(3, SEQ_MASK - 2));
-        assert!(!seq_after(SEQ_MASK - 2, 3));
-        assert!(!seq_after(5, 5));
     }
 }
