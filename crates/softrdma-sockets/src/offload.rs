@@ -2901,7 +2901,6 @@ mod zcopy_tests {
 /// Tests of the send queue's bound.
 #[cfg(test)]
 mod send_queue_tests {
-    use super::*;
 
     fn pattern(i: usize) -> u8 {
         (i.wrapping_mul(131) ^ (i >> 7)) as u8
