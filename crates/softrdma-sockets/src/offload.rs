@@ -435,6 +435,11 @@ struct Shared {
     rx_max: u32,
     /// Largest write sent inline (see `Shared::send_small`).
     inline_max: usize,
+    /// Sends (`State::tx_inflight`) the send queue takes: its depth less
+    /// room for the zero-copy Read and a reset's AbortConn. While this
+    /// many are outstanding, small writes wait in staging buffers and
+    /// control messages wait for the next `flush_tx`.
+    sq_cap: u32,
     spin: Duration,
     linger: Duration,
     /// Duplicate of the kernel socket (the QP owns the original).
@@ -554,6 +559,7 @@ impl Offload {
             .map_err(local)?;
         let mut attr = QpInitAttr::new(&cq, &cq);
         attr.cap = QpCap {
+            // `Shared::sq_cap` sends, the zero-copy Read, an AbortConn.
             max_send_wr: u32::try_from(tx_bufs + 8).unwrap_or(u32::MAX),
             max_recv_wr: u32::try_from(rx_bufs).unwrap_or(u32::MAX),
             max_send_sge: 1,
@@ -712,6 +718,7 @@ impl Offload {
             rx_max: rx_bufs as u32,
             zc_timeout: cfg.zcopy_timeout,
             inline_max,
+            sq_cap: u32::try_from(tx_bufs + 6).unwrap_or(u32::MAX),
             spin: cfg.spin,
             linger: cfg.linger,
             sock: dup,
@@ -1127,6 +1134,7 @@ impl Shared {
                 || st.wakers.iter().any(Option::is_some)
                 || (!st.tx_queue.is_empty() && !st.cork_held)
                 || !st.ctrl_pending.is_empty()
+                || st.tx_inflight >= self.sq_cap
                 || (st.disconn_wanted && !st.sdp.close.local_disconn))
     }
 
@@ -1719,6 +1727,7 @@ impl Shared {
     /// be corked, and a credit allows. Returns whether it was sent.
     fn send_small(&self, st: &mut State, bufs: &[io::IoSlice<'_>], total: usize) -> bool {
         if total > self.inline_max
+            || st.tx_inflight >= self.sq_cap
             || !st.tx_queue.is_empty()
             || !st.ctrl_pending.is_empty()
             || st.failed()
@@ -1753,7 +1762,7 @@ impl Shared {
             }
             Err(e) => st.link_lost(e.to_string()),
         }
-        if st.sdp.wants_credit_update() {
+        if st.sdp.wants_credit_update() && st.tx_inflight < self.sq_cap {
             self.send_ctrl(st, &Message::Data { payload_len: 0 });
         }
         true
@@ -1810,6 +1819,9 @@ impl Shared {
             return;
         }
         while let Some(m) = st.ctrl_pending.front().copied() {
+            if st.tx_inflight >= self.sq_cap {
+                break;
+            }
             let mut out = [0u8; AVAIL_LEN];
             let Some(n) = st.sdp.header(&m, &mut out) else {
                 break;
@@ -1830,6 +1842,10 @@ impl Shared {
         let max = st.sdp.max_payload();
         st.cork_held = false;
         while let Some(&(slot, len)) = st.tx_queue.front() {
+            if st.tx_inflight >= self.sq_cap {
+                // A completion (every send is signaled) flushes again.
+                break;
+            }
             let last = st.tx_queue.len() == 1;
             // Held: a partial last buffer while corked (TCP_CORK), or
             // while earlier sends are in flight (no TCP_NODELAY).
@@ -1874,12 +1890,17 @@ impl Shared {
         if st.tx_queue.is_empty() {
             st.push = false;
         }
-        if st.tx_queue.is_empty() && st.disconn_wanted && !st.sdp.close.local_disconn {
+        if st.tx_queue.is_empty()
+            && st.disconn_wanted
+            && !st.sdp.close.local_disconn
+            && st.tx_inflight < self.sq_cap
+        {
             self.send_ctrl(st, &Message::DisConn);
         }
         // Also after the peer's DisConn: it needs credits for its own
         // updates while our data still flows (see `sdp`'s credit rules).
-        if st.sdp.wants_credit_update() {
+        // With the send queue full it goes with the next flush.
+        if st.sdp.wants_credit_update() && st.tx_inflight < self.sq_cap {
             self.send_ctrl(st, &Message::Data { payload_len: 0 });
         }
     }
@@ -1890,7 +1911,7 @@ impl Shared {
             m,
             Message::SendSm | Message::RdmaRdCompl { .. } | Message::SrcAvailCancel
         );
-        if zc_ctrl && !st.ctrl_pending.is_empty() {
+        if zc_ctrl && (!st.ctrl_pending.is_empty() || st.tx_inflight >= self.sq_cap) {
             st.ctrl_pending.push_back(*m);
             return;
         }
@@ -2873,6 +2894,58 @@ mod zcopy_tests {
             .write(&data, false, None)
             .expect_err("the write must fail");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+        super::tests::close_pair(c, s);
+    }
+}
+
+/// Tests of the send queue's bound.
+#[cfg(test)]
+mod send_queue_tests {
+
+    fn pattern(i: usize) -> u8 {
+        (i.wrapping_mul(131) ^ (i >> 7)) as u8
+    }
+
+    /// Regression: with `TCP_NODELAY`, every small write went at once as
+    /// an inline message, limited only by the peer's credits (up to its
+    /// receive ring, 64), while the send queue holds `tx_bufs + 8`
+    /// requests: a writer faster than the engine's socket filled it, the
+    /// post failed ("send queue full") and the connection was lost
+    /// (`softrdma perf stream -s 64 --nodelay`). Writes now wait in the
+    /// staging buffers while the queue is full; every octet arrives.
+    #[test]
+    fn nodelay_small_writes_never_overrun_the_send_queue() {
+        let (c, s) = super::tests::pair();
+        c.set_nodelay(true);
+        const N: usize = 40_000;
+        const SZ: usize = 64;
+        let reader = std::thread::spawn(move || {
+            let mut got = 0;
+            let mut buf = vec![0u8; 65536];
+            while got < N * SZ {
+                let n = s.read(&mut buf, false, false, None).unwrap();
+                assert!(n > 0, "early end after {got} octets");
+                for (k, &b) in buf[..n].iter().enumerate() {
+                    assert_eq!(b, pattern(got + k), "octet {}", got + k);
+                }
+                got += n;
+            }
+            s
+        });
+        let mut sent = 0;
+        let mut most = 0;
+        for _ in 0..N {
+            let chunk: Vec<u8> = (sent..sent + SZ).map(pattern).collect();
+            let mut off = 0;
+            while off < SZ {
+                off += c.write(&chunk[off..], false, None).unwrap();
+            }
+            sent += SZ;
+            most = most.max(c.sh.lock().tx_inflight);
+        }
+        c.flush(None).unwrap();
+        let s = reader.join().unwrap();
+        assert!(most <= c.sh.sq_cap, "{most} sends outstanding");
         super::tests::close_pair(c, s);
     }
 }
