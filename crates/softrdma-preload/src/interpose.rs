@@ -1177,6 +1177,23 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
 /// stream;
 /// everything goes to the kernel socket as well.
 ///
+/// An on/off socket option's `int` value: `EFAULT` for a null pointer,
+/// `EINVAL` for a length shorter than an `int`, as the kernel answers.
+///
+/// # Safety
+/// `val` is null or points to `len` readable bytes.
+unsafe fn int_flag(val: *const c_void, len: socklen_t) -> Result<bool, c_int> {
+    if val.is_null() {
+        return Err(libc::EFAULT);
+    }
+    if (len as usize) < size_of::<c_int>() {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: not null and at least an `int` long (checked); read
+    // unaligned, as the caller's buffer may be any bytes.
+    Ok(unsafe { val.cast::<c_int>().read_unaligned() } != 0)
+}
+
 /// # Safety
 /// As `setsockopt(2)`.
 #[unsafe(no_mangle)]
@@ -1197,14 +1214,11 @@ pub unsafe extern "C" fn setsockopt(
         if level == libc::IPPROTO_TCP && name == libc::TCP_CORK {
             // The stream's only: corking the kernel socket would hold the
             // engine's own messages (credit updates, other data) too.
-            if val.is_null() {
-                return fail(libc::EFAULT);
-            }
-            if (len as usize) < size_of::<c_int>() {
-                return fail(libc::EINVAL);
-            }
-            // SAFETY: TCP_CORK's value is an int, `len` checked.
-            let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
+            // SAFETY: the caller's option value, as `setsockopt(2)` has it.
+            let on = match unsafe { int_flag(val, len) } {
+                Ok(on) => on,
+                Err(e) => return fail(e),
+            };
             return guard(|| {
                 let s = c.stream()?;
                 // The application's cork from now on (a MSG_MORE send's
@@ -1223,14 +1237,11 @@ pub unsafe extern "C" fn setsockopt(
             // The stream's only: the kernel socket carries the engine's
             // framed messages and keeps the engine's TCP_NODELAY (turned
             // off, Nagle would hold them behind unacknowledged data).
-            if val.is_null() {
-                return fail(libc::EFAULT);
-            }
-            if (len as usize) < size_of::<c_int>() {
-                return fail(libc::EINVAL);
-            }
-            // SAFETY: TCP_NODELAY's value is an int, `len` checked.
-            let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
+            // SAFETY: the caller's option value, as `setsockopt(2)` has it.
+            let on = match unsafe { int_flag(val, len) } {
+                Ok(on) => on,
+                Err(e) => return fail(e),
+            };
             return guard(|| {
                 s.set_nodelay(on)
                     .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
