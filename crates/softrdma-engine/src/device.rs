@@ -84,7 +84,8 @@ pub struct DeviceConfig {
     /// a Read or atomic is outstanding or another thread polls the CQ, is
     /// written at once, so a ping-pong is never delayed. Default on, unless
     /// the environment has `SOFTRDMA_TX_BATCH=0`; off: every post is
-    /// written as it is posted.
+    /// written as it is posted. Batching needs `poll_driven_receive` (the
+    /// polls' hooks write the deferred posts); without it, it is off.
     pub tx_batch: bool,
 }
 

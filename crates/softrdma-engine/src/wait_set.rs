@@ -91,15 +91,14 @@ const ALWAYS_READY: i16 = libc::POLLIN | libc::POLLOUT | libc::POLLRDNORM | libc
 pub type SigSet = libc::sigset_t;
 
 /// How far the claim on the QPs' sockets reaches past the start of a
-/// sleep, and the longest sleep of a wait with a timeout before the set
-/// looks again. A wait without a timeout sleeps until something wakes it
-/// (every way a CQ becomes ready does: bytes on a claimed socket, a push
-/// signalling the CQ's event fd), with no timer: a `poll(2)` or
-/// `epoll_wait(2)` with a timeout arms and cancels a kernel timer and
-/// reads the clock twice per sleep, which cost 3–4 % of the CPU of a
-/// blocking 64-byte ping-pong whose two threads share a CPU. A sleep that
-/// outlasts the claim loses nothing: the engine's receive threads take the
-/// sockets back and their pushes wake the sleeper through the event fd.
+/// sleep, and the longest sleep before the set looks again, with or
+/// without a timeout. Every way a CQ becomes ready wakes a sleeper (bytes
+/// on a claimed socket, a push signalling its waker), but a caller may
+/// wait for more than its CQs: another thread's `shutdown` of a stream it
+/// reads, or data held for a later flush, pushes nothing, so a sleep
+/// without a bound could last for good. (A `poll(2)` with a timeout arms a
+/// kernel timer per sleep, 3–4 % of the CPU of a blocking 64-byte
+/// ping-pong whose threads share a CPU: the price of that safety.)
 const NAP_MAX: Duration = Duration::from_millis(100);
 
 /// How long the QPs' sockets stay claimed from the engine's receive threads
@@ -600,10 +599,13 @@ impl WaitSet {
             return Ok(n);
         }
         let Some(timeout) = timeout else {
-            // No timeout: sleeps until woken, with no timer and no clock
-            // read (see `NAP_MAX`).
+            // No timeout: sleeps of at most `NAP_MAX`, no clock read. Not
+            // until woken: a change that pushes nothing (another thread's
+            // `shutdown` of a stream a caller waits on, data it holds for
+            // a later flush) wakes no one, and the caller must still look
+            // again (see `NAP_MAX`).
             loop {
-                let (n, woke) = self.round(None, mask)?;
+                let (n, woke) = self.round(Some(NAP_MAX), mask)?;
                 if n > 0 || woke {
                     return Ok(n);
                 }

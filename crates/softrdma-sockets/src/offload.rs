@@ -2014,11 +2014,11 @@ impl Shared {
         let Some(mut gate) = self.poller.try_lock() else {
             return self.sleep(st, nap, deadline, seen, interruptible);
         };
-        // Without a deadline the CQ's wait sleeps until woken (no timer
-        // per wait): every completion wakes it, and no other thread takes
-        // completions out while this one holds the gate.
-        let timeout = deadline.map(|_| nap);
-        let res = st.unlocked(|| gate.wait(timeout));
+        // A bounded sleep even without a deadline: a completion wakes it,
+        // but data held by a cork (its `CORK_MAX` ceiling is checked after
+        // a wait) or another thread's change of the state push nothing,
+        // and this call must look again.
+        let res = st.unlocked(|| gate.wait(Some(nap)));
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
         let n = self.take_completions(st);

@@ -46,6 +46,12 @@ impl QpInner {
 
     /// The last handle is gone: flush and close.
     pub(super) fn destroy(&self) {
+        // Small posts a poster left for its next poll are written first: a
+        // destroy after posting (without waiting for the completions) sent
+        // them before batching, and must still.
+        if self.tx_batch.take_deferred() {
+            self.core_kick();
+        }
         if self.state() != QpState::Error {
             // Destroying a connected QP closes its connection in order (FIN
             // after what is already in the socket), like closing a socket;

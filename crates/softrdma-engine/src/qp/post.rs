@@ -73,6 +73,14 @@ pub(crate) const BATCH_POLLED_NS: u64 = 200_000;
 /// A poster that stopped polling has its deferred posts written after this.
 pub(crate) const BATCH_BACKSTOP: std::time::Duration = std::time::Duration::from_millis(1);
 
+impl TxBatch {
+    /// Whether posts were deferred (and now are not: the caller writes
+    /// them).
+    pub(crate) fn take_deferred(&self) -> bool {
+        self.deferred.swap(0, Ordering::SeqCst) > 0
+    }
+}
+
 impl Default for TxBatch {
     fn default() -> Self {
         TxBatch {
@@ -191,7 +199,14 @@ impl QpInner {
         let b = &self.tx_batch;
         let urgent = b.urgent.swap(false, Ordering::Relaxed);
         // The first post after a poll that found nothing to write: at once.
-        if b.idle.swap(false, Ordering::Relaxed) || urgent || !self.device.config().tx_batch {
+        // Batching needs the CQ polls' hooks, which run only with
+        // poll-driven receive: without it a poll would never write them.
+        let config = self.device.config();
+        if b.idle.swap(false, Ordering::Relaxed)
+            || urgent
+            || !config.tx_batch
+            || !config.poll_driven_receive
+        {
             return false;
         }
         // Another thread polls the CQ: it may be the one waiting for these.
