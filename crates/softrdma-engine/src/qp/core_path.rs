@@ -911,6 +911,16 @@ mod tests {
         (a, b, cqa, cqb, pd)
     }
 
+    /// Posts signaled 8-byte Sends with the ids of `ids`, each carrying
+    /// `1000 + id` (what `check_received` expects).
+    fn post_small_sends(q: &QueuePair, ids: std::ops::Range<u64>) {
+        for i in ids {
+            let m = (1000 + i).to_le_bytes();
+            q.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
+                .unwrap();
+        }
+    }
+
     /// (bytes written, `writev` calls) of a QP's connection.
     fn tx_counts(q: &QueuePair) -> (u64, u64) {
         let g = q.qp().lock_core();
@@ -979,11 +989,7 @@ mod tests {
         // This thread polls the sending CQ: it will poll again.
         assert_eq!(cqa.poll(&mut wc), 0);
         let (bytes0, writes0) = tx_counts(&a);
-        for i in 0..10u64 {
-            let m = (1000 + i).to_le_bytes();
-            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
-                .unwrap();
-        }
+        post_small_sends(&a, 0..10u64);
         let (bytes1, writes1) = tx_counts(&a);
         assert_eq!(writes1 - writes0, 1, "only the first post wrote");
         let one = bytes1 - bytes0;
@@ -1012,11 +1018,7 @@ mod tests {
         post_receives(&b, &dst, 5);
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
         assert_eq!(cqa.poll(&mut wc), 0);
-        for i in 0..5u64 {
-            let m = (1000 + i).to_le_bytes();
-            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
-                .unwrap();
-        }
+        post_small_sends(&a, 0..5u64);
         assert_eq!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed), 4);
         // `a`'s CQ is not polled: the peer gets the messages all the same.
         check_received(&b, &cqb, &dst, 5);
@@ -1052,11 +1054,7 @@ mod tests {
         post_receives(&b, &dst, 5);
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
         assert_eq!(cqa.poll(&mut wc), 0);
-        for i in 0..5u64 {
-            let m = (1000 + i).to_le_bytes();
-            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
-                .unwrap();
-        }
+        post_small_sends(&a, 0..5u64);
         let st = &a.qp().tx_batch.stats;
         assert_eq!(st[0].load(super::Ordering::Relaxed), 4);
         let polls = st[1].load(super::Ordering::Relaxed);
@@ -1089,11 +1087,7 @@ mod tests {
             });
         });
         let (_, writes0) = tx_counts(&a);
-        for i in 0..5u64 {
-            let m = (1000 + i).to_le_bytes();
-            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
-                .unwrap();
-        }
+        post_small_sends(&a, 0..5u64);
         assert_eq!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed), 0);
         assert_eq!(tx_counts(&a).1 - writes0, 5, "one writev per post");
         check_received(&b, &cqb, &dst, 5);
@@ -1236,11 +1230,7 @@ mod tests {
         post_receives(&b, &dst, 12);
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
         assert_eq!(cqa.poll(&mut wc), 0);
-        for i in 0..12u64 {
-            let m = (1000 + i).to_le_bytes();
-            a.post_send(&SendWr::new(i, SendOp::Send).inline(&m).signaled())
-                .unwrap();
-        }
+        post_small_sends(&a, 0..12u64);
         assert!(a.qp().tx_batch.stats[0].load(super::Ordering::Relaxed) > 0);
         check_received(&b, &cqb, &dst, 12);
         let ids: Vec<u64> = take(&cqa, 12).iter().map(|w| w.wr_id).collect();
