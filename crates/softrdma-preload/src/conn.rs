@@ -405,14 +405,6 @@ pub(crate) fn dup_stream(fd: c_int) -> Option<std::net::TcpStream> {
     Some(unsafe { std::net::TcpStream::from_raw_fd(d) })
 }
 
-fn nonblocking_now(fd: c_int) -> bool {
-    REAL_FCNTL.get().is_some_and(|f| {
-        // SAFETY: F_GETFL has no argument.
-        let fl = unsafe { f(fd, libc::F_GETFL, 0) };
-        fl >= 0 && fl & libc::O_NONBLOCK != 0
-    })
-}
-
 impl Conn {
     fn new(nonblock: bool) -> Conn {
         Conn {
@@ -433,22 +425,22 @@ impl Conn {
         }
     }
 
-    /// Client side: switches `fd` now (it is connected); `Err` if the
-    /// switch failed (the connection is then unusable).
-    pub(crate) fn connect_switch(fd: c_int) -> Result<Arc<Conn>, c_int> {
-        let nb = nonblocking_now(fd);
+    /// Client side: switches `fd` now (it is connected; `nonblock`: the
+    /// application's `O_NONBLOCK`); `Err` if the switch failed (the
+    /// connection is then unusable).
+    pub(crate) fn connect_switch(fd: c_int, nonblock: bool) -> Result<Arc<Conn>, c_int> {
         let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
-        let c = Conn::new(nb);
+        let c = Conn::new(nonblock);
         let s = switch(dup, true)?;
         c.adopt(s);
         Ok(Arc::new(c))
     }
 
-    /// Server side: `fd` will be switched on first use.
-    pub(crate) fn accepted(fd: c_int) -> Option<Arc<Conn>> {
-        let nb = nonblocking_now(fd);
+    /// Server side: `fd` will be switched on first use; `nonblock`: its
+    /// `O_NONBLOCK` as accepted.
+    pub(crate) fn accepted(fd: c_int, nonblock: bool) -> Option<Arc<Conn>> {
         let dup = dup_stream(fd)?;
-        let c = Conn::new(nb);
+        let c = Conn::new(nonblock);
         *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(dup);
         Some(Arc::new(c))
     }

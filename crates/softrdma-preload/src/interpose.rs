@@ -13,7 +13,7 @@ use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::Duration;
 
 use libc::{c_int, c_ulong, c_void, sockaddr, socklen_t};
-use softrdma_sockets::external::{self, PeerAnswer};
+use softrdma_sockets::external::{self, LateAnswer, PeerAnswer, PendingQuery};
 
 use crate::conn::{self, Conn, ENGINE_PID};
 use crate::policy::{Mode, Policy, Role};
@@ -279,6 +279,11 @@ enum ClientPlan {
     Refuse(&'static str),
     /// The peer's twin agreed: connect and switch.
     Switch,
+    /// The peer's twin decides late queries (it said so before): the query
+    /// is on its way; connect, then read the answer (the query's round
+    /// trip overlaps the handshake, and the answer is mostly there by then:
+    /// no sleep for it).
+    SwitchLate(PendingQuery),
 }
 
 /// An `int` socket option of `fd` (`None` if it cannot be read).
@@ -477,11 +482,19 @@ fn client_plan_bound(
     if external::known_plain(dest) {
         return plain(PlainReason::PeerNotCapable, not_capable);
     }
-    let v6 = int_opt(fd, libc::SOL_SOCKET, libc::SO_DOMAIN) == Some(libc::AF_INET6);
+    // The address's family is the socket's (connect takes no other for an
+    // IP stream socket, and a mismatch fails the bind and the connect).
+    let v6 = ip.is_ipv6();
     let Some((local_port, was_chosen)) = bind_for_query(fd, v6, choose) else {
         return plain(PlainReason::PeerNotCapable, not_capable);
     };
     *chosen = was_chosen;
+    if !required
+        && external::known_late_queries(dest)
+        && let Some(p) = external::send_query(dest, local_port)
+    {
+        return ClientPlan::SwitchLate(p);
+    }
     match external::query(dest, local_port, PROBE_TIMEOUT) {
         PeerAnswer::Accept => ClientPlan::Switch,
         PeerAnswer::Decline => plain(PlainReason::PeerDeclined, "the peer declined offload"),
@@ -565,7 +578,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     }
     let _ = catch_unwind(AssertUnwindSafe(|| match plan {
         ClientPlan::Plain(why) => state().stats.plain(why),
-        ClientPlan::Switch => {
+        plan @ (ClientPlan::Switch | ClientPlan::SwitchLate(_)) => {
             if r != 0 && !wait_connected(fd) {
                 // The connection failed: the application learns it from
                 // SO_ERROR as usual.
@@ -576,7 +589,36 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                 let fl = unsafe { f(fd, libc::F_GETFL, 0) };
                 fl >= 0 && fl & libc::O_NONBLOCK != 0
             });
-            match Conn::connect_switch(fd) {
+            if let ClientPlan::SwitchLate(p) = plan {
+                match p.wait_late(PROBE_TIMEOUT) {
+                    LateAnswer::Accept => {}
+                    LateAnswer::Decline { .. } => {
+                        // Too late (accepted before the query came) or
+                        // declined: the listener keeps it plain too.
+                        state().stats.plain(PlainReason::PeerDeclined);
+                        return;
+                    }
+                    LateAnswer::NoTwin => {
+                        state().stats.plain(PlainReason::PeerNotCapable);
+                        return;
+                    }
+                    LateAnswer::Unknown => {
+                        // The listener may switch this connection or not:
+                        // it must not carry data. A fresh plain connection,
+                        // which asks nobody (so the listener keeps it
+                        // plain), takes its place; the next connection
+                        // asks first.
+                        state().stats.plain(PlainReason::SetupFailed);
+                        // SAFETY: the caller's address, as for the real call.
+                        if !unsafe { reconnect_plain(fd, addr, len, app_nonblock) } {
+                            // SAFETY: shutting down the caller's socket.
+                            unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                        }
+                        return;
+                    }
+                }
+            }
+            match Conn::connect_switch(fd, app_nonblock) {
                 Ok(c) => {
                     state().stats.offloaded();
                     let cloexec = fd_cloexec(fd);
@@ -754,30 +796,39 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 
 /// Bookkeeping for a connection `fd` accepted on `lfd`: pending switch if
 /// its client asked the twin, plain otherwise (or refused when offload is
-/// required).
-fn on_accepted(lfd: c_int, fd: c_int, flags: c_int) -> c_int {
+/// required). `peer`: the peer's address as the real call returned it, if
+/// the caller asked for it (saves a `getpeername`).
+fn on_accepted(lfd: c_int, fd: c_int, flags: c_int, peer: Option<(IpAddr, u16)>) -> c_int {
     if fd < 0 {
         return fd;
     }
     let e = errno();
     let refused = catch_unwind(|| {
+        // A listener with a twin is a TCP listener (see `listen`): its
+        // connections are streams without asking the kernel.
+        let twin = listener_twin(lfd);
+        if twin.is_none() && !is_stream(fd) {
+            return false;
+        }
         let Some((ip, port)) = local_ip_port(fd) else {
             return false;
         };
-        if !is_stream(fd) {
-            return false;
-        }
         let s = state();
         let mode = s.policy.decide(&s.program, Role::Server, ip, port);
         let why = if mode == Mode::Tcp {
             PlainReason::Policy
         } else {
-            match listener_twin(lfd) {
+            match twin {
                 None => PlainReason::NoTwin,
                 Some(t) => {
-                    let asked = peer_ip_port(fd)
+                    let asked = peer
+                        .or_else(|| peer_ip_port(fd))
                         .is_some_and(|(pip, pport)| t.take(SocketAddr::new(pip, pport)));
-                    if asked && let Some(c) = Conn::accepted(fd) {
+                    // A socket from accept is blocking unless accept4 was
+                    // asked for SOCK_NONBLOCK (it does not inherit the
+                    // listener's flags).
+                    let nonblock = flags & libc::SOCK_NONBLOCK != 0;
+                    if asked && let Some(c) = Conn::accepted(fd, nonblock) {
                         // Counted when it is switched (first use).
                         conn::insert(fd, c, flags & libc::SOCK_CLOEXEC != 0);
                         return false;
@@ -816,8 +867,44 @@ pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut sockle
     let Some(real) = REAL_ACCEPT.get() else {
         return fail(libc::ENOSYS);
     };
+    let cap = addr_room(addr, len);
     // SAFETY: forwarding the caller's arguments unchanged.
-    on_accepted(fd, unsafe { real(fd, addr, len) }, 0)
+    let r = unsafe { real(fd, addr, len) };
+    // SAFETY: the caller's buffer, as the real call filled it.
+    on_accepted(fd, r, 0, unsafe { accepted_peer(r, addr, len, cap) })
+}
+
+/// The room of an address buffer given to `accept` (0 without one).
+fn addr_room(addr: *mut sockaddr, len: *mut socklen_t) -> socklen_t {
+    if addr.is_null() || len.is_null() {
+        return 0;
+    }
+    // SAFETY: the caller of accept guarantees `len` is readable.
+    unsafe { *len }
+}
+
+/// The peer address accept wrote into the caller's buffer of `cap` octets
+/// (`None` without a buffer, after a failure, or if it did not fit).
+///
+/// # Safety
+/// `addr`/`len` are the caller's arguments of the accept that returned `r`.
+unsafe fn accepted_peer(
+    r: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    cap: socklen_t,
+) -> Option<(IpAddr, u16)> {
+    if r < 0 || addr.is_null() || len.is_null() {
+        return None;
+    }
+    // SAFETY: as for the real call; the kernel sets `*len` to the full
+    // length, which is only read within the `cap` octets it filled.
+    let got = unsafe { *len };
+    if got > cap {
+        return None;
+    }
+    // SAFETY: `got` octets of the caller's buffer were written.
+    unsafe { ip_port(addr, got) }
 }
 
 /// `accept4(2)`.
@@ -834,8 +921,11 @@ pub unsafe extern "C" fn accept4(
     let Some(real) = REAL_ACCEPT4.get() else {
         return fail(libc::ENOSYS);
     };
+    let cap = addr_room(addr, len);
     // SAFETY: forwarding the caller's arguments unchanged.
-    on_accepted(fd, unsafe { real(fd, addr, len, flags) }, flags)
+    let r = unsafe { real(fd, addr, len, flags) };
+    // SAFETY: the caller's buffer, as the real call filled it.
+    on_accepted(fd, r, flags, unsafe { accepted_peer(r, addr, len, cap) })
 }
 
 /// `close(2)`: an offloaded connection ends with its last descriptor; a

@@ -106,6 +106,18 @@ impl Drop for Held<'_> {
     }
 }
 
+/// This process's id: the library's cached one (a forked child sets its
+/// own), not a `getpid` per query and per accept.
+#[cfg(not(test))]
+fn my_pid() -> u32 {
+    crate::conn::pid() as u32
+}
+
+#[cfg(test)]
+fn my_pid() -> u32 {
+    std::process::id()
+}
+
 /// Whether process `pid` exists.
 fn alive(pid: u32) -> bool {
     let Ok(p) = libc::pid_t::try_from(pid) else {
@@ -148,8 +160,7 @@ impl Records {
 
     /// Takes the lock (a holder that died is replaced).
     fn lock(&self) -> Held<'_> {
-        // SAFETY: getpid has no arguments and cannot fail.
-        let me = unsafe { libc::getpid() } as u32;
+        let me = my_pid();
         let l = &self.head.lock;
         let mut spins = 0u32;
         loop {

@@ -178,3 +178,61 @@ fn settings_survive_a_program_clearing_its_environment() {
         "the mode was still known: {lines:?}"
     );
 }
+
+/// A server whose twin said it decides late queries is asked without
+/// waiting: the client's next connection goes out while its query is
+/// still unanswered, and the answer is read after the connect. The twin
+/// here answers the second query only once that connection has arrived; a
+/// client that waited for the answer before its SYN would time out and
+/// count the server as not capable.
+#[test]
+fn a_twin_deciding_late_queries_is_asked_beside_the_syn() {
+    use softrdma_sockets::detect::{FLAG_LATE_QUERY, Kind, Probe};
+    if !have_python() {
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let u = std::net::UdpSocket::bind(("127.0.0.1", port)).unwrap();
+    let t = std::thread::spawn(move || {
+        let mut b = [0u8; 64];
+        let mut answer = |kind: Kind, then: &mut dyn FnMut()| {
+            let (n, from) = u.recv_from(&mut b).unwrap();
+            let q = Probe::decode(&b[..n]).unwrap();
+            then();
+            let a = Probe {
+                kind,
+                flags: FLAG_LATE_QUERY,
+                ..q
+            };
+            u.send_to(&a.encode(), from).unwrap();
+        };
+        // The first query is accepted at once. This listener cannot
+        // switch: its connection is dropped, and the client makes a plain
+        // one in its place.
+        answer(Kind::Accept, &mut || {});
+        drop(l.accept().unwrap());
+        let first = received(&l);
+        // The second: declined once its connection is there.
+        let mut second = None;
+        answer(Kind::Decline, &mut || second = Some(l.accept().unwrap().0));
+        let mut s = second.unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut v = Vec::new();
+        s.read_to_end(&mut v).unwrap();
+        (first, v)
+    });
+    let script = format!(
+        "import socket\n\
+         for i in range(2):\n    s=socket.create_connection(('127.0.0.1',{port})); s.sendall(bytes(range(256))*40); s.close()\n"
+    );
+    let (out, lines) = python(&script, &[]);
+    assert!(out.status.success(), "{out:?}");
+    let (first, second) = t.join().unwrap();
+    assert_eq!(first.len(), 256 * 40);
+    assert_eq!(second.len(), 256 * 40);
+    let l = &lines[0];
+    assert_eq!(field(l, "plain"), "2", "{l}");
+    assert!(l.contains("\"peer declined\":1"), "{l}");
+    assert!(l.contains("\"offload setup failed\":1"), "{l}");
+}

@@ -327,7 +327,11 @@ pub(crate) fn send_query(dest: SocketAddr, client_port: u16) -> io::Result<Pendi
 
 /// [`send_query`]; `keep`: the socket is kept for the thread's next
 /// query (see [`QUERY_SOCK`]).
-fn send_query_with(dest: SocketAddr, client_port: u16, keep: bool) -> io::Result<Pending> {
+pub(crate) fn send_query_with(
+    dest: SocketAddr,
+    client_port: u16,
+    keep: bool,
+) -> io::Result<Pending> {
     let (s, client_addr, pid) = query_socket(dest, keep)?;
     let q = Probe {
         kind: Kind::Query,
