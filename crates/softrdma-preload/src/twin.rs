@@ -278,6 +278,12 @@ impl Records {
     /// Reads and answers the queries queued on `sock` without blocking
     /// (lock held).
     fn drain(&self, sock: &UdpSocket) {
+        while self.answer_one(sock) {}
+    }
+
+    /// Reads and answers one query queued on `sock` without blocking (lock
+    /// held); false if none was there.
+    fn answer_one(&self, sock: &UdpSocket) -> bool {
         let sr = socket2::SockRef::from(sock);
         let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 64];
         loop {
@@ -289,9 +295,10 @@ impl Records {
                     if let Some(from) = from.as_socket() {
                         self.reply(sock, got, from);
                     }
+                    return true;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => return,
+                Err(_) => return false,
             }
         }
     }
@@ -367,8 +374,10 @@ fn serve(sock: &UdpSocket, records: Records, stop: &AtomicBool) {
         if stop.load(Ordering::Relaxed) {
             break;
         }
+        // One datagram per look: a next one queued makes the next peek
+        // return at once, and none costs no receive that finds nothing.
         let _g = records.lock();
-        records.drain(sock);
+        records.answer_one(sock);
     }
 }
 
