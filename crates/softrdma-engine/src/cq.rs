@@ -137,6 +137,11 @@ pub(crate) trait Progress: Send + Sync {
     fn renew_claim(&self, until_ns: u64) {
         let _ = self.sleep_on(Some(until_ns));
     }
+
+    /// A poll of the CQ took completions while a QP of the CQ had posts
+    /// waiting for its poster's next poll ([`CompletionQueue::note_deferred`]):
+    /// write them now (this is that poll).
+    fn polled(&self) {}
 }
 
 /// Why a completion queue could not be created.
@@ -296,6 +301,11 @@ struct CqShared {
     waiters: Mutex<Vec<Arc<Waker>>>,
     /// Whether `wait` busy-polls first or sleeps at once.
     spin_choice: SpinChoice,
+    /// A QP of this CQ has posts waiting for its poster's next poll: a
+    /// poll that takes completions runs the hooks' [`Progress::polled`]
+    /// (one load when it is clear; a poll that finds the CQ empty runs
+    /// every hook anyway).
+    tx_deferred: AtomicBool,
 }
 
 /// Per CQ, whether [`CompletionQueue::wait`] busy-polls for
@@ -521,6 +531,7 @@ impl<'a> CqBuilder<'a> {
                 waiter_count: AtomicU32::new(0),
                 waiters: Mutex::new(Vec::new()),
                 spin_choice: SpinChoice::default(),
+                tx_deferred: AtomicBool::new(false),
             }),
         })
     }
@@ -703,9 +714,18 @@ impl CompletionQueue {
         }
         let mut n = self.poll_ring(out);
         let mut progressed = false;
-        if n == 0 && self.shared.device.config().poll_driven_receive && self.run_progress() {
-            progressed = true;
-            n = self.poll_ring(out);
+        if n == 0 && self.shared.device.config().poll_driven_receive {
+            // Every hook runs (and writes what its posts left).
+            self.take_deferred_mark();
+            if self.run_progress() {
+                progressed = true;
+                n = self.poll_ring(out);
+            }
+        } else if n > 0 && self.take_deferred_mark() {
+            // A poster whose CQ keeps returning completions (a server
+            // answering requests) polls all the same: what its posts left
+            // for its next poll goes now, not at the backstop.
+            self.run_polled();
         }
         if n > 0 {
             self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
@@ -990,6 +1010,36 @@ impl CompletionQueue {
             }
         }
         n
+    }
+
+    /// Clears the mark of [`note_deferred`](Self::note_deferred); whether
+    /// it was set.
+    fn take_deferred_mark(&self) -> bool {
+        // SeqCst: a QP that defers after this swap sets the mark again;
+        // one that deferred before it is seen by the hooks run after it.
+        self.shared.tx_deferred.load(Ordering::Relaxed)
+            && self.shared.tx_deferred.swap(false, Ordering::SeqCst)
+    }
+
+    /// A QP of this CQ deferred a post to its poster's next poll (see
+    /// `qp::post::TxBatch`): the next poll, also one that takes
+    /// completions, lets the CQ's QPs write theirs.
+    pub(crate) fn note_deferred(&self) {
+        // After the QP's count (SeqCst both): the poll that clears the
+        // mark sees the count.
+        if !self.shared.tx_deferred.load(Ordering::SeqCst) {
+            self.shared.tx_deferred.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Runs the hooks' [`Progress::polled`].
+    fn run_polled(&self) {
+        let hooks = Arc::clone(&self.shared.progress.read());
+        for hook in hooks.iter() {
+            if let Some(hook) = hook.upgrade() {
+                hook.polled();
+            }
+        }
     }
 
     fn run_progress(&self) -> bool {

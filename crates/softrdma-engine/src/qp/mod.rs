@@ -1029,6 +1029,10 @@ impl Progress for QpInner {
         }
     }
 
+    fn polled(&self) {
+        self.batch_poll();
+    }
+
     fn progress_readable(&self) -> bool {
         self.batch_poll();
         if !self.device.config().poll_driven_receive {
