@@ -587,8 +587,14 @@ impl Offload {
         }
         let dup = stream.try_clone().map_err(local)?;
         let local_addr = stream.local_addr();
-        let peer_addr = stream.peer_addr();
-        let ipv = if peer_addr.as_ref().map(|a| a.is_ipv6()).unwrap_or(false) {
+        // The addresses go into the initiator's Hello; the responder needs
+        // only the family (one system call less).
+        let peer_addr = if initiator {
+            stream.peer_addr()
+        } else {
+            Err(io::ErrorKind::Unsupported.into())
+        };
+        let ipv = if local_addr.as_ref().map(|a| a.is_ipv6()).unwrap_or(false) {
             0x60
         } else {
             0x40
