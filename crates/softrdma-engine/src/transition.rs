@@ -754,7 +754,9 @@ impl StreamConnection {
         let prefix = self.rbuf.get(self.rpos..).unwrap_or_default().to_vec();
         self.rbuf = Vec::new();
         self.rpos = 0;
-        Ok(hs.with_prefix(prefix))
+        // The octets read past the handshake go to the QP with the rest
+        // of the read-ahead (`step`).
+        Ok(hs.with_prefix(prefix).reading_ahead())
     }
 }
 
