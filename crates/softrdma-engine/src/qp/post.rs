@@ -38,7 +38,7 @@ use crate::wr::SendFlags;
 /// or the [`DEFERRED_POLLS`]th that takes completions (the QP marks its
 /// CQs, [`CompletionQueue::note_deferred`]: a poll that takes completions
 /// and finds no mark costs one load). A
-/// backstop timer ([`BATCH_BACKSTOP`], one per QP at a time) writes what a
+/// backstop timer ([`BATCH_BACKSTOP`], one for all QPs) writes what a
 /// poster left if it stops polling; a process that exits (`exit(3)`, a
 /// return from `main`) writes what its QPs left first
 /// ([`flush_at_exit`]). [`DeviceConfig::tx_batch`] off
@@ -64,7 +64,7 @@ pub(crate) struct TxBatch {
     polled_by: AtomicU64,
     /// When it did, after the poll's own transmit (engine clock, ns).
     polled_ns: AtomicU64,
-    /// The backstop timer is armed.
+    /// The QP is on the backstop's list (the shared timer is armed).
     backstop: AtomicBool,
     /// A post was deferred since the backstop last ran (it arms the next
     /// one itself, from the timer thread, which needs no wake-up then).
@@ -158,36 +158,75 @@ fn deferrable(wr: &SendWr<'_>) -> bool {
         )
 }
 
-/// Arms the backstop of a QP's deferred posts; `false` if no timer could
-/// be armed.
-fn arm_backstop(weak: Weak<QpInner>) -> bool {
-    crate::timer::arm(BATCH_BACKSTOP, move || backstop_fired(weak)).is_ok()
+/// QPs waiting for the backstop (their `backstop` flag set), with the
+/// fork generation they were listed in: one timer for all of them, not one
+/// per QP. Many short connections (each deferring a few posts while it is
+/// set up and closed) then cost the timer thread one wake-up per
+/// [`BATCH_BACKSTOP`] at most, not one per connection. A forked child
+/// writes none of its parent's (their sockets are the parent's too).
+static BACKSTOP_QPS: parking_lot::Mutex<Vec<(Weak<QpInner>, u64)>> =
+    parking_lot::Mutex::new(Vec::new());
+
+/// The shared backstop timer is armed (or its callback has not yet taken
+/// the list): the fork generation it was armed in, plus one; 0: not armed
+/// (a child, whose parent's timer does not run in it, arms its own).
+static BACKSTOP_ARMED: AtomicU64 = AtomicU64::new(0);
+
+/// Puts a QP on the backstop's list (its `backstop` flag was just set) and
+/// arms the shared timer if it is not; `false` if no timer could be armed
+/// (the caller writes its posts now).
+fn arm_backstop(qp: Weak<QpInner>) -> bool {
+    let generation = crate::sys::epoll::fork_generation();
+    BACKSTOP_QPS.lock().push((qp, generation));
+    // After the push: a callback that cleared the mark takes the list
+    // after this push, or this sees the mark clear and arms.
+    if BACKSTOP_ARMED.swap(generation + 1, Ordering::SeqCst) == generation + 1 {
+        return true;
+    }
+    if crate::timer::arm(BATCH_BACKSTOP, backstop_fired).is_ok() {
+        return true;
+    }
+    BACKSTOP_ARMED.store(0, Ordering::SeqCst);
+    false
 }
 
-/// The backstop ran (timer thread): writes what is deferred; while posts
-/// keep being deferred it stays armed.
-fn backstop_fired(weak: Weak<QpInner>) {
-    let Some(qp) = weak.upgrade() else {
-        return;
-    };
-    let b = &qp.tx_batch;
-    if b.deferred.swap(0, Ordering::SeqCst) > 0 {
-        b.stats[2].fetch_add(1, Ordering::Relaxed);
-        qp.core_kick();
-    }
-    // Still batching: armed again from here (no wake-up of this thread).
-    if b.used.swap(false, Ordering::Relaxed) && arm_backstop(weak.clone()) {
-        return;
-    }
-    b.backstop.store(false, Ordering::SeqCst);
-    // A post deferred meanwhile saw the flag set and armed nothing.
-    if b.deferred.load(Ordering::SeqCst) > 0
-        && !b.backstop.swap(true, Ordering::SeqCst)
-        && !arm_backstop(weak)
-    {
-        b.backstop.store(false, Ordering::SeqCst);
+/// The backstop ran (timer thread): writes what the listed QPs deferred;
+/// QPs whose posts keep being deferred stay listed (the timer is armed
+/// again from here, which needs no wake-up of this thread).
+fn backstop_fired() {
+    BACKSTOP_ARMED.store(0, Ordering::SeqCst);
+    let generation = crate::sys::epoll::fork_generation();
+    let qps = std::mem::take(&mut *BACKSTOP_QPS.lock());
+    let mut again = Vec::new();
+    for (weak, g) in qps {
+        let Some(qp) = weak.upgrade().filter(|_| g == generation) else {
+            continue;
+        };
+        let b = &qp.tx_batch;
         if b.deferred.swap(0, Ordering::SeqCst) > 0 {
+            b.stats[2].fetch_add(1, Ordering::Relaxed);
             qp.core_kick();
+        }
+        // Still batching: listed again.
+        if b.used.swap(false, Ordering::Relaxed) {
+            again.push(weak);
+            continue;
+        }
+        b.backstop.store(false, Ordering::SeqCst);
+        // A post deferred meanwhile saw the flag set and listed nothing.
+        if b.deferred.load(Ordering::SeqCst) > 0 && !b.backstop.swap(true, Ordering::SeqCst) {
+            again.push(weak);
+        }
+    }
+    for weak in again {
+        if !arm_backstop(weak.clone()) {
+            // No timer: written now (the next deferral lists it again).
+            if let Some(qp) = weak.upgrade() {
+                qp.tx_batch.backstop.store(false, Ordering::SeqCst);
+                if qp.tx_batch.deferred.swap(0, Ordering::SeqCst) > 0 {
+                    qp.core_kick();
+                }
+            }
         }
     }
 }
@@ -679,6 +718,40 @@ mod tests {
         assert_eq!(deferred(&a), d0, "the large Write's kick deferred");
         check_received(&cqb, &dst, 2, 0);
         let _ = cqa;
+    }
+
+    /// The backstop is one timer for every QP: posts deferred on several
+    /// QPs whose posters stop polling are all written by it, and a QP that
+    /// keeps deferring stays on its list.
+    #[test]
+    fn one_backstop_writes_the_deferred_posts_of_several_qps() {
+        let pairs: Vec<_> = (0..3).map(|_| pair()).collect();
+        let mut dsts = Vec::new();
+        for (a, b, cqa, _, pd) in &pairs {
+            let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+            post_receives(b, &dst, 4);
+            let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+            assert_eq!(cqa.poll(&mut wc), 0);
+            for i in 0..4 {
+                send(a, i);
+            }
+            assert_eq!(deferred(a), 3);
+            dsts.push(dst);
+        }
+        // Nobody polls the senders' CQs: the backstop writes all three.
+        for ((a, _, _, cqb, _), dst) in pairs.iter().zip(&dsts) {
+            check_received(cqb, dst, 4, 0);
+            assert!(a.qp().tx_batch.stats[2].load(Ordering::Relaxed) >= 1);
+        }
+        // A second burst on one of them, still without polling.
+        let (a, _, _, cqb, pd) = &pairs[0];
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        let b = &pairs[0].1;
+        post_receives(b, &dst, 4);
+        for i in 0..4 {
+            send(a, 4 + i);
+        }
+        check_received(cqb, &dst, 4, 4);
     }
 
     /// Child half of `deferred_posts_are_written_when_the_process_exits`
