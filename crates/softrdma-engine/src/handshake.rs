@@ -247,6 +247,10 @@ pub(crate) struct Handshake {
     done: Option<Negotiated>,
     /// Octets received from the peer so far.
     received: usize,
+    /// Reads take what the socket has (not just what the handshake
+    /// wants); octets past the handshake are kept with the prefix's rest
+    /// ([`take_prefix_rest`](Self::take_prefix_rest)).
+    read_ahead: bool,
 }
 
 impl Handshake {
@@ -274,7 +278,19 @@ impl Handshake {
             ppos: 0,
             done: None,
             received: 0,
+            read_ahead: false,
         }
+    }
+
+    /// Reads take what the socket has, up to one frame of the largest
+    /// size, instead of what the handshake needs next (a header and its
+    /// private data in one read, not two): for a caller that takes the
+    /// octets past the handshake with
+    /// [`take_prefix_rest`](Self::take_prefix_rest) (at most one frame's
+    /// worth).
+    pub(crate) fn reading_ahead(mut self) -> Self {
+        self.read_ahead = true;
+        self
     }
 
     /// Octets already read from the socket, to be consumed first.
@@ -284,7 +300,9 @@ impl Handshake {
         self
     }
 
-    /// The prefix octets the handshake did not consume.
+    /// The prefix octets the handshake did not consume (with
+    /// [`reading_ahead`](Self::reading_ahead), also those it read past
+    /// its end).
     pub(crate) fn take_prefix_rest(&mut self) -> Vec<u8> {
         let rest = self.prefix.get(self.ppos..).unwrap_or_default().to_vec();
         self.prefix = Vec::new();
@@ -373,12 +391,14 @@ impl Handshake {
         }
     }
 
-    /// Writes what can be written; `false` if the socket is full.
-    fn flush(&mut self, stream: &mut TcpStream) -> Result<bool, HandshakeError> {
+    /// Writes what can be written; `None` if the socket is full, else
+    /// whether anything was written.
+    fn flush(&mut self, stream: &mut TcpStream) -> Result<Option<bool>, HandshakeError> {
+        let mut wrote = false;
         loop {
             let out = self.transmit();
             if out.is_empty() {
-                return Ok(true);
+                return Ok(Some(wrote));
             }
             match stream.write(out) {
                 Ok(0) => {
@@ -386,9 +406,12 @@ impl Handshake {
                         stage: self.stage(),
                     });
                 }
-                Ok(n) => self.consumed(n),
+                Ok(n) => {
+                    wrote = true;
+                    self.consumed(n);
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
                 Err(e) => return Err(HandshakeError::from_io(e, self.stage())),
             }
         }
@@ -399,9 +422,9 @@ impl Handshake {
     pub(crate) fn advance(&mut self, stream: &mut TcpStream) -> Result<Step, HandshakeError> {
         let mut buf = [0u8; RX_CHUNK];
         loop {
-            if !self.flush(stream)? {
+            let Some(wrote) = self.flush(stream)? else {
                 return Ok(Step::Wait(Readiness::Write));
-            }
+            };
             if let Some(n) = self.done.take() {
                 return Ok(Step::Done(Outcome::Established(n)));
             }
@@ -446,6 +469,13 @@ impl Handshake {
                 return Err(MpaNegotiationError::Over.into());
             }
             let from_prefix = self.ppos < self.prefix.len();
+            if wrote && !from_prefix && matches!(self.m, Machine::I(_)) {
+                // The initiator just sent what the responder answers: the
+                // answer is a round trip away, so no read now (it would
+                // find nothing: one system call less); the caller waits
+                // for the socket to be readable.
+                return Ok(Step::Wait(Readiness::Read));
+            }
             let r = if from_prefix {
                 let avail = self.prefix.get(self.ppos..).unwrap_or_default();
                 let r = self.receive(avail.to_vec().as_slice());
@@ -457,7 +487,12 @@ impl Handshake {
                 }
                 r
             } else {
-                let dst = buf.get_mut(..want.clamp(1, RX_CHUNK)).unwrap_or_default();
+                let ask = if self.read_ahead {
+                    RX_CHUNK
+                } else {
+                    want.clamp(1, RX_CHUNK)
+                };
+                let dst = buf.get_mut(..ask).unwrap_or_default();
                 let n = match stream.read(dst) {
                     Ok(0) => {
                         return Err(HandshakeError::PeerClosed {
@@ -472,7 +507,17 @@ impl Handshake {
                     Err(e) => return Err(HandshakeError::from_io(e, self.stage())),
                 };
                 let got = buf.get(..n).unwrap_or_default().to_vec();
-                self.receive(&got)
+                let r = self.receive(&got);
+                if let Ok(used) = r
+                    && used < got.len()
+                {
+                    // Read ahead: the rest is consumed from the prefix
+                    // (empty here: it is read before the socket), and
+                    // what the handshake does not take is handed back.
+                    self.prefix = got.get(used..).unwrap_or_default().to_vec();
+                    self.ppos = 0;
+                }
+                r
             };
             if let Err(e) = r {
                 if let Machine::R(m) = &mut self.m
@@ -596,6 +641,67 @@ mod tests {
         let got = drive_read(&mut a, &mut reply);
         assert!(got >= 20);
         assert_eq!(&reply[..16], b"MPA ID Rep Frame");
+    }
+
+    /// Reading ahead, the Request (header and private data) comes in one
+    /// read, and the octets that followed it on the socket are handed back
+    /// with the prefix's rest, not lost.
+    #[test]
+    fn a_read_ahead_hands_back_what_it_read_past_the_handshake() {
+        let (mut a, mut b) = tcp_pair();
+        let mut init = Initiator::new(MpaConfig::default(), b"hello").unwrap();
+        let mut wire = init.transmit().to_vec();
+        init.consumed(wire.len());
+        wire.extend_from_slice(b"FPDU");
+        a.write_all(&wire).unwrap();
+        let mut hs = Handshake::responder(
+            MpaConfig::default(),
+            Answer::Accept {
+                private_data: b"ok".to_vec(),
+                ird: 4,
+                ord: 4,
+            },
+        )
+        .unwrap()
+        .reading_ahead();
+        let n = loop {
+            match hs.advance(&mut b).unwrap() {
+                Step::Done(Outcome::Established(n)) => break n,
+                Step::Wait(r) => {
+                    wait_ready(b.as_fd(), r, Duration::from_secs(10)).unwrap();
+                }
+                Step::Done(o) => panic!("{o:?}"),
+            }
+        };
+        assert_eq!(n.peer_private_data, b"hello");
+        assert_eq!(hs.take_prefix_rest(), b"FPDU");
+        let mut reply = [0u8; 64];
+        assert!(drive_read(&mut a, &mut reply) >= 20);
+        assert_eq!(&reply[..16], b"MPA ID Rep Frame");
+    }
+
+    /// The initiator does not read right after sending its Request (the
+    /// Reply is a round trip away): it waits for the socket, and reads the
+    /// Reply once it is there.
+    #[test]
+    fn the_initiator_waits_for_the_reply_before_reading() {
+        let (mut a, mut b) = tcp_pair();
+        let mut hs = Handshake::initiator(MpaConfig::default(), b"").unwrap();
+        assert!(matches!(
+            hs.advance(&mut a),
+            Ok(Step::Wait(Readiness::Read))
+        ));
+        let mut resp = Handshake::responder(
+            MpaConfig::default(),
+            Answer::Accept {
+                private_data: Vec::new(),
+                ird: 4,
+                ord: 4,
+            },
+        )
+        .unwrap();
+        drive_blocking(&mut resp, &mut b, Duration::from_secs(10)).unwrap();
+        drive_blocking(&mut hs, &mut a, Duration::from_secs(10)).unwrap();
     }
 
     #[test]

@@ -142,6 +142,15 @@ pub use remote::{RemoteBuf, RemoteBufError};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;
 pub use sys::io::{process_context_switches, signal_blocked, thread_context_switches};
+
+/// How many `fork(2)`s lie between the process that first called this and
+/// the calling process (0 in that process, 1 in its child, ...): state
+/// kept per process (a socket, a descriptor shared with the parent) is made
+/// again when it changes. Cheaper than comparing process ids (no system
+/// call).
+pub fn fork_generation() -> u64 {
+    sys::epoll::fork_generation()
+}
 pub use wait_set::WaitSet;
 pub use wc::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 pub use wr::{RecvWr, SendFlags, SendOp, SendWr};

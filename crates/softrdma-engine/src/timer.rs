@@ -8,10 +8,18 @@
 //! removed from the callback table and skipped when its deadline comes.
 //! The thread is started on first use and lives as long as the process; it
 //! costs nothing while idle.
+//!
+//! A `fork(2)`ed child has no timer thread (only the forking thread lives
+//! on in it): its first timer starts one, on a table of its own (the
+//! parent's table may have been locked at the fork, and its condition
+//! variable still counts the parent's sleeping thread). Timers the parent
+//! had armed do not run in the child: they belong to the parent's
+//! connections.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -28,7 +36,6 @@ pub(crate) struct TimerId(u64);
 struct Table {
     heap: BinaryHeap<Reverse<(Instant, u64)>>,
     callbacks: HashMap<u64, Callback>,
-    next_id: u64,
     thread_started: bool,
     /// While the thread sleeps: until when (`None`: no deadline). A timer
     /// due no sooner needs no wake-up, even if the timer the thread sleeps
@@ -42,12 +49,46 @@ struct Timers {
     wake: Condvar,
 }
 
+impl Timers {
+    fn new() -> Timers {
+        Timers {
+            table: Mutex::new(Table::default()),
+            wake: Condvar::new(),
+        }
+    }
+}
+
+/// Timer identifiers, unique in the process and in its forked children
+/// (a child's table never takes an identifier the parent handed out).
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+/// The timers of this process: the table made in the fork generation
+/// ([`fork_generation`](crate::sys::epoll::fork_generation)) that first
+/// used timers, or, in a forked child, one of its own.
 fn timers() -> &'static Timers {
-    static TIMERS: OnceLock<Timers> = OnceLock::new();
-    TIMERS.get_or_init(|| Timers {
-        table: Mutex::new(Table::default()),
-        wake: Condvar::new(),
-    })
+    static FIRST: OnceLock<(u64, Timers)> = OnceLock::new();
+    let generation = crate::sys::epoll::fork_generation();
+    let first = FIRST.get_or_init(|| (generation, Timers::new()));
+    if first.0 == generation {
+        return &first.1;
+    }
+    child_timers(generation)
+}
+
+/// The table of a forked child (made once per generation, and kept for
+/// the process's life, as the first one).
+#[cold]
+fn child_timers(generation: u64) -> &'static Timers {
+    static CHILD: Mutex<Option<(u64, &'static Timers)>> = Mutex::new(None);
+    let mut child = CHILD.lock();
+    match *child {
+        Some((g, t)) if g == generation => t,
+        _ => {
+            let t: &'static Timers = Box::leak(Box::new(Timers::new()));
+            *child = Some((generation, t));
+            t
+        }
+    }
 }
 
 /// Runs `f` on the timer thread once `after` has passed, unless cancelled.
@@ -60,11 +101,10 @@ pub(crate) fn arm(after: Duration, f: impl FnOnce() + Send + 'static) -> std::io
         .unwrap_or_else(|| clock::now() + Duration::from_secs(365 * 24 * 3600));
     let mut table = t.table.lock();
     if !table.thread_started {
-        crate::sys::io::spawn_engine_thread("softrdma-timer".into(), run)?;
+        crate::sys::io::spawn_engine_thread("softrdma-timer".into(), move || run(t))?;
         table.thread_started = true;
     }
-    let id = table.next_id;
-    table.next_id += 1;
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let wake = match table.sleeps_until {
         Some(until) => until.is_none_or(|u| deadline < u),
         // Awake: it looks at the heap before it sleeps again.
@@ -105,8 +145,7 @@ pub(crate) fn armed() -> usize {
     timers().table.lock().callbacks.len()
 }
 
-fn run() {
-    let t = timers();
+fn run(t: &'static Timers) {
     let mut due: Vec<Callback> = Vec::new();
     let mut table = t.table.lock();
     loop {
@@ -202,5 +241,55 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(*fired.lock(), vec![1, 3]);
+    }
+
+    /// A `fork(2)`ed child inherited the started flag of the parent's
+    /// timer thread but not the thread: its timers never fired (a batching
+    /// backstop, a close timer). Its first timer now starts a thread of
+    /// its own.
+    #[test]
+    fn timers_fire_in_a_forked_child() {
+        // The parent's thread runs (the flag the child inherits is set).
+        let fired = Arc::new(AtomicUsize::new(0));
+        let f2 = fired.clone();
+        arm(Duration::from_millis(1), move || {
+            f2.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while fired.load(Ordering::SeqCst) == 0 {
+            assert!(std::time::Instant::now() < deadline, "parent timer");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // A timer the parent armed for later does not run in the child.
+        let parents = Arc::new(AtomicUsize::new(0));
+        let p2 = parents.clone();
+        let later = arm(Duration::from_millis(200), move || {
+            p2.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        let ok = crate::sys::process::in_child(Duration::from_secs(20), || {
+            let fired = Arc::new(AtomicUsize::new(0));
+            let f2 = fired.clone();
+            if arm(Duration::from_millis(5), move || {
+                f2.fetch_add(1, Ordering::SeqCst);
+            })
+            .is_err()
+            {
+                return false;
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while fired.load(Ordering::SeqCst) == 0 {
+                if std::time::Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // The parent's timer is not the child's to run or cancel.
+            std::thread::sleep(Duration::from_millis(300));
+            parents.load(Ordering::SeqCst) == 0 && !cancel(later)
+        });
+        assert!(ok, "the child's timer did not fire (or ran the parent's)");
+        let _ = cancel(later);
     }
 }

@@ -10,7 +10,9 @@
 //!
 //! Without `--server`/`--connect`, one process runs a server thread per
 //! transport on 127.0.0.1 and measures both, printing medians of `--runs`
-//! and the ratio to TCP. `--server` serves every connection (both
+//! and the ratio to TCP (`--mode tcp|offload`: that transport only;
+//! `--sizes ""`: no bandwidth or latency run, e.g. for `--setup` alone).
+//! `--server` serves every connection (both
 //! transports: the listener takes plain and offloaded clients);
 //! `--connect` measures against such a server with the given mode. Every
 //! result is also printed as a JSON line (prefix `{`).
@@ -57,7 +59,13 @@ fn parse() -> Args {
     while let Some(k) = it.next() {
         let mut v = || it.next().expect("missing value");
         match k.as_str() {
-            "--sizes" => a.sizes = v().split(',').map(|s| s.parse().expect("size")).collect(),
+            "--sizes" => {
+                a.sizes = v()
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.parse().expect("size"))
+                    .collect()
+            }
             "--bytes" => a.bytes = v().parse().expect("bytes"),
             "--lat" => a.lat = true,
             "--iters" => a.iters = v().parse().expect("iters"),
@@ -297,8 +305,10 @@ fn main() {
                 vec![(a.mode, addr)]
             }
         }
+        // `--mode tcp|offload` without `--connect`: that transport only.
         None => [Mode::Tcp, Mode::Offload]
             .into_iter()
+            .filter(|&m| a.mode == Mode::Auto || m == a.mode)
             .map(|m| {
                 let l = TcpListener::bind_with("127.0.0.1:0", &config(Mode::Auto)).expect("bind");
                 let addr = l.local_addr().expect("addr");

@@ -243,8 +243,8 @@ pub(crate) struct Pending {
     client_addr: Ipv6Addr,
     /// Keep the socket for the thread's next query.
     keep: bool,
-    /// The process that made the socket.
-    pid: u32,
+    /// The fork generation the socket was made in.
+    generation: u64,
     q: Probe,
     sent: Instant,
 }
@@ -260,7 +260,7 @@ impl Drop for Pending {
         if let Some(s) = self.sock.take()
             && self.keep
         {
-            let kept = (self.dest, s, self.client_addr, self.pid);
+            let kept = (self.dest, s, self.client_addr, self.generation);
             QUERY_SOCK.with(|c| *c.borrow_mut() = Some(kept));
         }
     }
@@ -280,30 +280,29 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// A kept query socket: destination, socket, local address, process id.
-type QuerySock = (SocketAddr, UdpSocket, Ipv6Addr, u32);
+/// A kept query socket: destination, socket, local address, the fork
+/// generation ([`softrdma_engine::fork_generation`]) it was made in.
+type QuerySock = (SocketAddr, UdpSocket, Ipv6Addr, u64);
 
 /// A query socket for `dest`: with `reuse`, this thread's last one if it
-/// was for `dest` and made by this process (emptied of late datagrams and
-/// errors of earlier queries), else a new one.
-fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Addr, u32)> {
+/// was for `dest` and made by this process (not by a parent it was forked
+/// from), else a new one (`true`: reused). Late answers to earlier queries
+/// queued on a reused socket are skipped by nonce when the answer is read
+/// (no read to empty it first: one system call less per connection); an
+/// earlier query's error is handled where it shows (see
+/// [`send_query_with`]).
+fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Addr, u64, bool)> {
     let kept = if reuse {
         QUERY_SOCK.with(|c| c.borrow_mut().take())
     } else {
         None
     };
-    let me = std::process::id();
-    if let Some((d, s, a, pid)) = kept
+    let me = softrdma_engine::fork_generation();
+    if let Some((d, s, a, generation)) = kept
         && d == dest
-        && pid == me
+        && generation == me
     {
-        let mut b = [0u8; 64];
-        // A late answer, or an error of an earlier query (a refused one
-        // reports ECONNREFUSED once): dropped.
-        while let Ok(_) | Err(rustix::io::Errno::CONNREFUSED | rustix::io::Errno::INTR) =
-            rustix::net::recv(&s, &mut b[..], rustix::net::RecvFlags::DONTWAIT)
-        {}
-        return Ok((s, a, me));
+        return Ok((s, a, me, true));
     }
     let bind: SocketAddr = if dest.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
@@ -316,7 +315,7 @@ fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Add
         IpAddr::V4(v4) => v4.to_ipv6_mapped(),
         IpAddr::V6(v6) => v6,
     };
-    Ok((s, client_addr, me))
+    Ok((s, client_addr, me, false))
 }
 
 /// Sends the query for the connection from `client_port` to `dest`.
@@ -332,7 +331,7 @@ pub(crate) fn send_query_with(
     client_port: u16,
     keep: bool,
 ) -> io::Result<Pending> {
-    let (s, client_addr, pid) = query_socket(dest, keep)?;
+    let (s, client_addr, generation, reused) = query_socket(dest, keep)?;
     let q = Probe {
         kind: Kind::Query,
         nonce: nonce(),
@@ -341,13 +340,24 @@ pub(crate) fn send_query_with(
         client_addr,
         flags: 0,
     };
-    s.send(&q.encode())?;
+    match s.send(&q.encode()) {
+        // An earlier query's refusal (its ICMP error, reported once) shows
+        // on the next call on the socket: this query is sent again. A
+        // refusal that comes later than that is taken for this query's:
+        // the connection stays plain, as for a twin that is gone.
+        Err(e) if reused && e.kind() == io::ErrorKind::ConnectionRefused => {
+            s.send(&q.encode())?;
+        }
+        r => {
+            r?;
+        }
+    }
     Ok(Pending {
         dest,
         sock: Some(s),
         client_addr,
         keep,
-        pid,
+        generation,
         q,
         sent: Instant::now(),
     })
@@ -557,6 +567,17 @@ impl Twin {
     pub(crate) fn take(&self, peer: SocketAddr) -> bool {
         let key = canonical(peer);
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        // The twin thread answered the query already (the usual case):
+        // no read of the socket (it would find nothing: one system call
+        // less per connection). Queries of other connections queued
+        // meanwhile are the twin thread's.
+        if let Some(&(Record::Asked, until)) = r.map.get(&key)
+            && until > now
+        {
+            r.map.remove(&key);
+            return true;
+        }
         drain(&self.sock, &mut r, &self.stop, self.accept);
         let now = Instant::now();
         match r.map.remove(&key) {
@@ -667,9 +688,12 @@ fn answer(
 }
 
 /// The twin thread: waits (peeking) until a datagram is there, then reads
-/// and answers what is queued with the records locked.
+/// and answers it with the records locked, and peeks again (a peek finds
+/// the next one queued at once: no read that finds the queue empty, one
+/// system call less per query).
 fn serve(sock: &UdpSocket, records: &Records, stop: &AtomicBool, accept: bool) {
     let mut b = [0u8; 1];
+    let mut q = [0u8; 64];
     while !stop.load(Ordering::Relaxed) {
         if sock.peek_from(&mut b).is_err() {
             continue;
@@ -678,7 +702,13 @@ fn serve(sock: &UdpSocket, records: &Records, stop: &AtomicBool, accept: bool) {
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        drain(sock, &mut r, stop, accept);
+        // An accepting thread may have taken it meanwhile (`drain`).
+        if let Ok((n, _, Some(from))) =
+            rustix::net::recvfrom(sock, &mut q[..], rustix::net::RecvFlags::DONTWAIT)
+            && let Ok(from) = SocketAddr::try_from(from)
+        {
+            answer(sock, &mut r, stop, accept, &q[..n.min(q.len())], from);
+        }
     }
 }
 
@@ -777,10 +807,10 @@ mod tests {
     }
 
     /// A thread's next query to the same destination goes from the same
-    /// socket, emptied first: a duplicate answer to the first query left
-    /// on it is not taken for the second's.
+    /// socket: a duplicate answer to the first query left on it is skipped
+    /// (its nonce), not taken for the second's.
     #[test]
-    fn query_socket_is_reused_and_emptied() {
+    fn query_socket_is_reused_and_late_answers_skipped() {
         let fake = UdpSocket::bind("127.0.0.1:0").unwrap();
         let addr = fake.local_addr().unwrap();
         let th = std::thread::spawn(move || {
@@ -792,7 +822,7 @@ mod tests {
                 flags: FLAG_LATE_QUERY,
                 ..q
             };
-            // The answer, and a duplicate that stays unread.
+            // The answer, and a duplicate the next query's read skips.
             fake.send_to(&a.encode(), from1).unwrap();
             fake.send_to(&a.encode(), from1).unwrap();
             let (n, from2) = fake.recv_from(&mut b).unwrap();

@@ -587,8 +587,14 @@ impl Offload {
         }
         let dup = stream.try_clone().map_err(local)?;
         let local_addr = stream.local_addr();
-        let peer_addr = stream.peer_addr();
-        let ipv = if peer_addr.as_ref().map(|a| a.is_ipv6()).unwrap_or(false) {
+        // The addresses go into the initiator's Hello; the responder needs
+        // only the family (one system call less).
+        let peer_addr = if initiator {
+            stream.peer_addr()
+        } else {
+            Err(io::ErrorKind::Unsupported.into())
+        };
+        let ipv = if local_addr.as_ref().map(|a| a.is_ipv6()).unwrap_or(false) {
             0x60
         } else {
             0x40
@@ -1588,7 +1594,13 @@ impl Shared {
                     if let Some(e) = st.error() {
                         return Err(e);
                     }
-                    if st.sdp.credits.can_send_data() && st.ctrl_pending.is_empty() {
+                    // A credit, and room in the send queue as for Data
+                    // (`sq_cap`: the queue also holds the peer's RDMA Read
+                    // response's slot and an AbortConn).
+                    if st.sdp.credits.can_send_data()
+                        && st.ctrl_pending.is_empty()
+                        && st.tx_inflight < self.sq_cap
+                    {
                         break;
                     }
                     self.wait(st, false, deadline)?;
@@ -2894,6 +2906,58 @@ mod zcopy_tests {
             .write(&data, false, None)
             .expect_err("the write must fail");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+        super::tests::close_pair(c, s);
+    }
+
+    /// Regression: a zero-copy write waited for a credit but not for room
+    /// in the send queue: with `sq_cap` sends outstanding its SrcAvail
+    /// went over the bound Data sends keep (the queue of `tx_bufs + 8`
+    /// also has to hold an AbortConn). It now waits for room as Data does.
+    #[test]
+    fn a_zero_copy_offer_waits_for_room_in_the_send_queue() {
+        let (c, s) = super::tests::pair_with(&zc_cfg());
+        assert!(c.zero_copy() && s.zero_copy());
+        s.sh.lock().test.ignore_src_avail = true;
+        s.readiness_fd().unwrap();
+        // Sends the test counts as outstanding: the queue is at its bound.
+        let phantom = {
+            let mut st = c.sh.lock();
+            let k = c.sh.sq_cap - st.tx_inflight;
+            st.tx_inflight += k;
+            k
+        };
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let err = c
+            .write(&data, false, Some(Duration::from_millis(200)))
+            .expect_err("no room: the write must time out");
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock, "{err}");
+        // Time for an offer to arrive, had one been sent.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            s.sh.lock().test.ignored.is_empty(),
+            "SrcAvail sent with the send queue full"
+        );
+        assert!(c.sh.lock().tx_inflight <= c.sh.sq_cap);
+        // Room again: the same write goes by zero copy and arrives.
+        c.sh.lock().tx_inflight -= phantom;
+        s.sh.lock().test.ignore_src_avail = false;
+        let want = data.clone();
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            let mut b = vec![0u8; 65536];
+            while got.len() < want.len() {
+                let n = s.read(&mut b, false, false, None).unwrap();
+                assert!(n > 0, "early end");
+                got.extend_from_slice(&b[..n]);
+            }
+            assert!(got == want, "data differs");
+            s
+        });
+        let mut off = 0;
+        while off < data.len() {
+            off += c.write(&data[off..], false, None).unwrap();
+        }
+        let s = reader.join().unwrap();
         super::tests::close_pair(c, s);
     }
 }

@@ -183,7 +183,7 @@ impl QpInner {
             // Reads or atomics await their responses (or an error that
             // ends the connection): what is posted behind them goes out
             // at once, as the poster expects (`TxBatch`).
-            self.tx_batch.urgent.store(true, Ordering::Relaxed);
+            self.tx_batch.mark_urgent();
         }
         self.core_outputs(cc);
         r.map_err(|e| send_error(e, self.qp_num, wr))

@@ -737,6 +737,20 @@ impl QueuePair {
         params: &LinkParams,
         already_read: &[u8],
     ) -> Result<(), EstablishError> {
+        stream.set_nodelay(true)?;
+        stream.set_nonblocking(true)?;
+        self.establish_prepared(stream, params, already_read)
+    }
+
+    /// [`establish_with_prefix`](Self::establish_with_prefix) for a stream
+    /// that is non-blocking with `TCP_NODELAY` set already (a stream-to-RDMA
+    /// transition set both for its handshake): two system calls less.
+    pub(crate) fn establish_prepared(
+        &self,
+        stream: TcpStream,
+        params: &LinkParams,
+        already_read: &[u8],
+    ) -> Result<(), EstablishError> {
         if already_read.len() > 16 * 1024 {
             return Err(EstablishError::Io(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -752,8 +766,6 @@ impl QueuePair {
                 state,
             });
         }
-        stream.set_nodelay(true)?;
-        stream.set_nonblocking(true)?;
         let fd = stream.as_raw_fd();
         // The first FPDU size; the transmitter follows the MSS from then
         // on (`datapath::conn_io::TxIo`: right after the handshake the
@@ -1027,6 +1039,10 @@ impl Progress for QpInner {
         if self.rx_registered.load(Ordering::Acquire) {
             self.last_poll.store(until_ns, Ordering::Relaxed);
         }
+    }
+
+    fn polled(&self) {
+        self.batch_poll();
     }
 
     fn progress_readable(&self) -> bool {

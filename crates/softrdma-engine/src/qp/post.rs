@@ -18,10 +18,13 @@ use crate::wr::SendFlags;
 /// connection and written by the poster's next CQ poll or wait (the QP's
 /// [`Progress`] hooks), all in one `writev`. A post is deferred only when
 ///
-/// * it is small (at most [`BATCH_MAX_BYTES`] of payload, no Read or
-///   atomic, which wait for a response) and no Read or atomic is
-///   outstanding on the connection (posts behind one go out at once, as
-///   without batching, also when its error ends the connection),
+/// * no request of the same `post_send_list` call is large (more than
+///   [`BATCH_MAX_BYTES`] of payload) or a Read or atomic (which wait for a
+///   response), and the call found no Read or atomic outstanding on the
+///   connection (posts behind one go out at once, as without batching,
+///   also when its error ends the connection); this is the call's own
+///   (kept per thread, not on the QP: another thread's post on the QP
+///   cannot take it),
 /// * no other thread is the CQ's poller (the posting thread is the one
 ///   whose poll last found the CQ empty, or none did yet: a thread whose
 ///   completions another thread waits for keeps writing at once), and the
@@ -31,14 +34,23 @@ use crate::wr::SendFlags;
 /// * fewer than [`BATCH_MAX`] posts are deferred (the post that reaches it
 ///   writes them all).
 ///
-/// A backstop timer ([`BATCH_BACKSTOP`], one per QP at a time) writes what
-/// a poster left if it stops polling. [`DeviceConfig::tx_batch`] off
+/// The poster's next poll of the QP's CQ that finds it empty writes them,
+/// or the [`DEFERRED_POLLS`]th that takes completions (the QP marks its
+/// CQs, [`CompletionQueue::note_deferred`]: a poll that takes completions
+/// and finds no mark costs one load). A
+/// backstop timer ([`BATCH_BACKSTOP`], one for all QPs) writes what a
+/// poster left if it stops polling; a process that exits (`exit(3)`, a
+/// return from `main`) writes what its QPs left first
+/// ([`flush_at_exit`]). [`DeviceConfig::tx_batch`] off
 /// (`SOFTRDMA_TX_BATCH=0` in the environment) turns batching off (every
 /// post writes at once, as before).
 ///
-/// [`DeviceConfig::tx_batch`]: crate::DeviceConfig::tx_batch Whoever transmits on the connection
-/// for any reason (a receive path's responses, the datamover) writes the
-/// deferred requests too: they are in the connection's queue.
+/// Whoever transmits on the connection for any reason (a receive path's
+/// responses, the datamover) writes the deferred requests too: they are in
+/// the connection's queue.
+///
+/// [`DeviceConfig::tx_batch`]: crate::DeviceConfig::tx_batch
+/// [`DEFERRED_POLLS`]: crate::cq::DEFERRED_POLLS
 #[derive(Debug)]
 pub(crate) struct TxBatch {
     /// Posts queued and not written by their poster (an upper bound: a
@@ -46,15 +58,13 @@ pub(crate) struct TxBatch {
     deferred: AtomicU32,
     /// A CQ poll found nothing deferred: the next post is written at once.
     idle: AtomicBool,
-    /// A request not to defer was posted, or Reads or atomics are
-    /// outstanding (set by `post_one` and `core_post_send`, read by the
-    /// kick after the list).
-    pub(super) urgent: AtomicBool,
+    /// The QP is in the list written at exit ([`flush_at_exit`]).
+    listed: AtomicBool,
     /// The thread that last polled the CQ (a [`thread_token`]), 0: none.
     polled_by: AtomicU64,
     /// When it did, after the poll's own transmit (engine clock, ns).
     polled_ns: AtomicU64,
-    /// The backstop timer is armed.
+    /// The QP is on the backstop's list (the shared timer is armed).
     backstop: AtomicBool,
     /// A post was deferred since the backstop last ran (it arms the next
     /// one itself, from the timer thread, which needs no wake-up then).
@@ -79,6 +89,23 @@ impl TxBatch {
     pub(crate) fn take_deferred(&self) -> bool {
         self.deferred.swap(0, Ordering::SeqCst) > 0
     }
+
+    /// The calling thread's `post_send_list` call must not defer: Reads or
+    /// atomics are outstanding (`core_post_send`, under the connection's
+    /// lock).
+    pub(crate) fn mark_urgent(&self) {
+        URGENT.with(|u| u.set(true));
+    }
+}
+
+thread_local! {
+    /// The calling thread's current `post_send_list` call posted a request
+    /// not to defer or found Reads or atomics outstanding (set by
+    /// `post_one` and `core_post_send`, taken by the call's kick). Per
+    /// thread, as the call: a flag on the QP could be taken by another
+    /// thread's kick between this call's post and its kick, leaving this
+    /// call's request deferred.
+    static URGENT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 impl Default for TxBatch {
@@ -86,7 +113,7 @@ impl Default for TxBatch {
         TxBatch {
             deferred: AtomicU32::new(0),
             idle: AtomicBool::new(true),
-            urgent: AtomicBool::new(false),
+            listed: AtomicBool::new(false),
             polled_by: AtomicU64::new(0),
             polled_ns: AtomicU64::new(0),
             backstop: AtomicBool::new(false),
@@ -131,45 +158,150 @@ fn deferrable(wr: &SendWr<'_>) -> bool {
         )
 }
 
-/// Arms the backstop of a QP's deferred posts; `false` if no timer could
-/// be armed.
-fn arm_backstop(weak: Weak<QpInner>) -> bool {
-    crate::timer::arm(BATCH_BACKSTOP, move || backstop_fired(weak)).is_ok()
+/// QPs waiting for the backstop (their `backstop` flag set), with the
+/// fork generation they were listed in: one timer for all of them, not one
+/// per QP. Many short connections (each deferring a few posts while it is
+/// set up and closed) then cost the timer thread one wake-up per
+/// [`BATCH_BACKSTOP`] at most, not one per connection. A forked child
+/// writes none of its parent's (their sockets are the parent's too).
+static BACKSTOP_QPS: parking_lot::Mutex<Vec<(Weak<QpInner>, u64)>> =
+    parking_lot::Mutex::new(Vec::new());
+
+/// The shared backstop timer is armed (or its callback has not yet taken
+/// the list): the fork generation it was armed in, plus one; 0: not armed
+/// (a child, whose parent's timer does not run in it, arms its own).
+static BACKSTOP_ARMED: AtomicU64 = AtomicU64::new(0);
+
+/// Puts a QP on the backstop's list (its `backstop` flag was just set) and
+/// arms the shared timer if it is not; `false` if no timer could be armed
+/// (the caller writes its posts now).
+fn arm_backstop(qp: Weak<QpInner>) -> bool {
+    let generation = crate::sys::epoll::fork_generation();
+    BACKSTOP_QPS.lock().push((qp, generation));
+    // After the push: a callback that cleared the mark takes the list
+    // after this push, or this sees the mark clear and arms.
+    if BACKSTOP_ARMED.swap(generation + 1, Ordering::SeqCst) == generation + 1 {
+        return true;
+    }
+    if crate::timer::arm(BATCH_BACKSTOP, backstop_fired).is_ok() {
+        return true;
+    }
+    BACKSTOP_ARMED.store(0, Ordering::SeqCst);
+    false
 }
 
-/// The backstop ran (timer thread): writes what is deferred; while posts
-/// keep being deferred it stays armed.
-fn backstop_fired(weak: Weak<QpInner>) {
-    let Some(qp) = weak.upgrade() else {
-        return;
-    };
-    let b = &qp.tx_batch;
-    if b.deferred.swap(0, Ordering::SeqCst) > 0 {
-        b.stats[2].fetch_add(1, Ordering::Relaxed);
-        qp.core_kick();
-    }
-    // Still batching: armed again from here (no wake-up of this thread).
-    if b.used.swap(false, Ordering::Relaxed) && arm_backstop(weak.clone()) {
-        return;
-    }
-    b.backstop.store(false, Ordering::SeqCst);
-    // A post deferred meanwhile saw the flag set and armed nothing.
-    if b.deferred.load(Ordering::SeqCst) > 0
-        && !b.backstop.swap(true, Ordering::SeqCst)
-        && !arm_backstop(weak)
-    {
-        b.backstop.store(false, Ordering::SeqCst);
+/// The backstop ran (timer thread): writes what the listed QPs deferred;
+/// QPs whose posts keep being deferred stay listed (the timer is armed
+/// again from here, which needs no wake-up of this thread).
+fn backstop_fired() {
+    BACKSTOP_ARMED.store(0, Ordering::SeqCst);
+    let generation = crate::sys::epoll::fork_generation();
+    let qps = std::mem::take(&mut *BACKSTOP_QPS.lock());
+    let mut again = Vec::new();
+    for (weak, g) in qps {
+        let Some(qp) = weak.upgrade().filter(|_| g == generation) else {
+            continue;
+        };
+        let b = &qp.tx_batch;
         if b.deferred.swap(0, Ordering::SeqCst) > 0 {
+            b.stats[2].fetch_add(1, Ordering::Relaxed);
             qp.core_kick();
         }
+        // Still batching: listed again.
+        if b.used.swap(false, Ordering::Relaxed) {
+            again.push(weak);
+            continue;
+        }
+        b.backstop.store(false, Ordering::SeqCst);
+        // A post deferred meanwhile saw the flag set and listed nothing.
+        if b.deferred.load(Ordering::SeqCst) > 0 && !b.backstop.swap(true, Ordering::SeqCst) {
+            again.push(weak);
+        }
     }
+    for weak in again {
+        if !arm_backstop(weak.clone()) {
+            // No timer: written now (the next deferral lists it again).
+            if let Some(qp) = weak.upgrade() {
+                qp.tx_batch.backstop.store(false, Ordering::SeqCst);
+                if qp.tx_batch.deferred.swap(0, Ordering::SeqCst) > 0 {
+                    qp.core_kick();
+                }
+            }
+        }
+    }
+}
+
+/// QPs that deferred posts, with the fork generation they were made in
+/// (a child does not write its parent's).
+static EXIT_LIST: parking_lot::Mutex<Vec<(Weak<QpInner>, u64)>> =
+    parking_lot::Mutex::new(Vec::new());
+
+/// Puts a QP that defers posts in the list written at exit (once; the
+/// exit handler is registered with the first).
+fn list_for_exit(qp: &QpInner) {
+    if qp.tx_batch.listed.load(Ordering::Relaxed)
+        || qp.tx_batch.listed.swap(true, Ordering::Relaxed)
+    {
+        return;
+    }
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        crate::sys::process::at_exit(flush_at_exit);
+    });
+    let generation = crate::sys::epoll::fork_generation();
+    let mut list = EXIT_LIST.lock();
+    if list.len() == list.capacity() {
+        // Destroyed QPs go before the list grows.
+        list.retain(|(w, _)| w.strong_count() > 0);
+    }
+    list.push((qp.self_weak.clone(), generation));
+}
+
+/// At `exit(3)`: writes the posts the process's QPs deferred to their
+/// posters' next polls. A request posted is sent as without batching,
+/// also if its poster exits right after posting, without polling or
+/// destroying the QP (the kernel then closes the socket in order, after
+/// what was written). The other threads still run: as any transmit, this
+/// one writes only if no other thread holds the connection (which then
+/// writes them itself), and leaves a connection the datamover has to it.
+/// Not at `_exit(2)`, a fatal signal or an abort.
+pub(crate) extern "C" fn flush_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        let generation = crate::sys::epoll::fork_generation();
+        let qps: Vec<Arc<QpInner>> = EXIT_LIST
+            .lock()
+            .iter()
+            .filter(|(_, g)| *g == generation)
+            .filter_map(|(w, _)| w.upgrade())
+            .collect();
+        for qp in qps {
+            if qp.tx_batch.take_deferred() {
+                qp.core_kick();
+            }
+        }
+    });
 }
 
 impl QpInner {
     pub(super) fn post_one(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
-        if !deferrable(wr) {
-            self.tx_batch.urgent.store(true, Ordering::Relaxed);
+        // What the earlier requests of the call set, kept if this one is
+        // refused (a call that posts nothing kicks nothing and must leave
+        // no mark for the thread's next call).
+        let before = URGENT.with(|u| {
+            let before = u.get();
+            if !deferrable(wr) {
+                u.set(true);
+            }
+            before
+        });
+        let r = self.post_one_inner(wr);
+        if r.is_err() {
+            URGENT.with(|u| u.set(before));
         }
+        r
+    }
+
+    fn post_one_inner(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
         match self.core_post_send(wr) {
             Err(PostSendError::QueueFull { .. })
                 if self.tx_batch.deferred.swap(0, Ordering::SeqCst) > 0 =>
@@ -197,7 +329,7 @@ impl QpInner {
     /// Whether the requests just posted wait for the next poll.
     fn batch_defer(&self) -> bool {
         let b = &self.tx_batch;
-        let urgent = b.urgent.swap(false, Ordering::Relaxed);
+        let urgent = URGENT.with(|u| u.replace(false));
         // The first post after a poll that found nothing to write: at once.
         // Batching needs the CQ polls' hooks, which run only with
         // poll-driven receive: without it a poll would never write them.
@@ -215,10 +347,11 @@ impl QpInner {
             return false;
         }
         // The poster polls again soon: it did lately, or the send CQ holds
-        // completions not taken yet (a poll that finds some runs no hook:
-        // a stream whose requests complete as they are posted never finds
-        // the CQ empty, and stamps no time), or posts are deferred already
-        // (the poll that writes them is due anyway).
+        // completions not taken yet (a stream whose requests complete as
+        // they are posted may never find the CQ empty, and a poll that
+        // takes completions stamps a time only if posts were deferred),
+        // or posts are deferred already (the poll that writes them is due
+        // anyway).
         // (The clock last: most posts of a burst find posts deferred.)
         if b.deferred.load(Ordering::Relaxed) == 0
             && self.send_cq.is_empty()
@@ -233,6 +366,13 @@ impl QpInner {
         }
         b.stats[0].fetch_add(1, Ordering::Relaxed);
         b.used.store(true, Ordering::Relaxed);
+        // After the count: a poll of either CQ that takes completions
+        // writes them (the poster may poll only one of them).
+        self.send_cq.note_deferred();
+        if !self.recv_cq.same_as(&self.send_cq) {
+            self.recv_cq.note_deferred();
+        }
+        list_for_exit(self);
         // After the count (SeqCst both): a backstop that has just let go
         // of its flag sees the count, or this sees the flag clear and arms.
         if !b.backstop.swap(true, Ordering::SeqCst) && !arm_backstop(self.self_weak.clone()) {
@@ -371,6 +511,333 @@ impl QpInner {
     pub(super) fn schedule_dm(&self) {
         if let Some(me) = self.self_weak.upgrade() {
             self.device.threads().schedule(&me);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use softrdma_proto::mpa::MpaConfig;
+
+    use super::Ordering;
+    use crate::{
+        Access, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain, QpInitAttr,
+        QueuePair, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    };
+
+    /// A device whose CQ polls drive the receive path (batching is on).
+    fn device() -> Device {
+        Device::open_with(DeviceConfig {
+            pin_threads: false,
+            poll_driven_receive: true,
+            ..DeviceConfig::default()
+        })
+        .unwrap()
+    }
+
+    /// `a` (both queues on `cqa`) connected on loopback to `b` (on `cqb`).
+    fn pair() -> (
+        QueuePair,
+        QueuePair,
+        CompletionQueue,
+        CompletionQueue,
+        ProtectionDomain,
+    ) {
+        let dev = device();
+        let pd = ProtectionDomain::new(&dev);
+        let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
+        let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        (a, b, cqa, cqb, pd)
+    }
+
+    /// The QP's backstop counts as armed: only polls (and the tests) write
+    /// deferred posts, whatever the machine's timing.
+    fn no_backstop(q: &QueuePair) {
+        q.qp().tx_batch.backstop.store(true, Ordering::SeqCst);
+    }
+
+    fn deferred(q: &QueuePair) -> u64 {
+        q.qp().tx_batch.stats[0].load(Ordering::Relaxed)
+    }
+
+    /// Times a CQ poll wrote a QP's deferred posts.
+    fn poll_flushes(q: &QueuePair) -> u64 {
+        q.qp().tx_batch.stats[1].load(Ordering::Relaxed)
+    }
+
+    fn send(q: &QueuePair, id: u64) {
+        let m = (1000 + id).to_le_bytes();
+        q.post_send(&SendWr::new(id, SendOp::Send).inline(&m).signaled())
+            .unwrap();
+    }
+
+    /// Posts `n` receives of 64 bytes, slot `i` at `i * 64`, ids from 100.
+    fn post_receives(q: &QueuePair, dst: &MemoryRegion, n: u64) {
+        for i in 0..n {
+            let sge = [Sge {
+                lkey: dst.lkey(),
+                addr: dst.addr() + i * 64,
+                length: 64,
+            }];
+            q.post_recv(&RecvWr::new(100 + i, &sge)).unwrap();
+        }
+    }
+
+    /// Takes `n` receive completions of 8-byte Sends from `cq` and checks
+    /// them: in order, byte for byte (the first carrying `1000 + first`).
+    /// Send completions of the CQ's own QP are skipped.
+    fn check_received(cq: &CompletionQueue, dst: &MemoryRegion, n: usize, first: u64) {
+        let mut got: Vec<WorkCompletion> = Vec::new();
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while got.len() < n {
+            assert!(Instant::now() < deadline, "{} of {n} received", got.len());
+            let k = cq.poll(&mut wc);
+            got.extend(
+                wc[..k]
+                    .iter()
+                    .filter(|w| w.opcode != WcOpcode::Send)
+                    .copied(),
+            );
+        }
+        for (i, wc) in got.iter().enumerate() {
+            assert_eq!(
+                (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+                (100 + i as u64, WcStatus::Success, WcOpcode::Recv, 8),
+                "receive {i}"
+            );
+            let mut m = [0u8; 8];
+            dst.read(i * 64, &mut m).unwrap();
+            assert_eq!(
+                u64::from_le_bytes(m),
+                1000 + first + i as u64,
+                "message {i}"
+            );
+        }
+    }
+
+    /// A CQ poll that took completions ran no `Progress` hook: a poster
+    /// whose CQ kept returning completions (a server answering requests
+    /// while receive completions keep coming) left its posts to the 1 ms
+    /// backstop. The few polls that take completions after the posts
+    /// were deferred now write them.
+    #[test]
+    fn a_poll_that_takes_completions_writes_the_deferred_posts() {
+        const N: u64 = crate::cq::DEFERRED_POLLS as u64;
+        let (a, b, cqa, cqb, pd) = pair();
+        no_backstop(&a);
+        let adst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        let bdst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&a, &adst, N + 1);
+        post_receives(&b, &bdst, 4);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        // `a`'s thread polls its CQ (and will again).
+        assert_eq!(cqa.poll(&mut wc), 0);
+        // Requests come in: `a`'s CQ holds their receive completions.
+        for i in 0..=N {
+            send(&b, 50 + i);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while cqa.len() < N as usize + 1 {
+            assert!(Instant::now() < deadline, "{} requests", cqa.len());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // `a` answers: the first at once, three deferred (its CQ is not
+        // empty: it polls again soon).
+        assert_eq!(cqa.poll(&mut wc[..1]), 1);
+        for i in 0..4 {
+            send(&a, i);
+        }
+        assert_eq!(deferred(&a), 3);
+        let f0 = poll_flushes(&a);
+        // Polls that each take one completion write the three.
+        let mut polls = 0;
+        while poll_flushes(&a) == f0 {
+            assert!(polls < N, "{polls} polls took completions, nothing written");
+            assert_eq!(cqa.poll(&mut wc[..1]), 1);
+            polls += 1;
+        }
+        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
+        check_received(&cqb, &bdst, 4, 0);
+        // Polls that take completions with nothing deferred run no hook.
+        let f1 = poll_flushes(&a);
+        let mut got = 0;
+        while got < 4 {
+            got += cqa.poll(&mut wc);
+        }
+        assert_eq!(poll_flushes(&a), f1);
+    }
+
+    /// The shared urgent flag raced: a request not to defer (a large one,
+    /// a Read) posted by one thread was marked on the QP; another
+    /// thread's post on the QP took the mark in its kick, and the first
+    /// thread's kick then deferred its request. The mark is the call's now.
+    #[test]
+    fn an_urgent_post_is_not_deferred_when_another_thread_posts_meanwhile() {
+        let (a, b, cqa, cqb, pd) = pair();
+        no_backstop(&a);
+        let dst = pd
+            .register(64 * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        post_receives(&b, &dst, 4);
+        let src = pd.register(4096, Access::LOCAL_WRITE).unwrap();
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        // This thread is the CQ's poller and posted lately: a small post
+        // of its own would be deferred.
+        assert_eq!(cqa.poll(&mut wc), 0);
+        send(&a, 0);
+        let qp = a.qp();
+        // Its next call posts a 1 KiB Write (never deferred) ...
+        let big = [Sge {
+            lkey: src.lkey(),
+            addr: src.addr(),
+            length: 1024,
+        }];
+        let write = SendWr::new(
+            50,
+            SendOp::Write {
+                remote_addr: dst.addr() + 1024,
+                rkey: dst.rkey(),
+            },
+        )
+        .sg_list(&big)
+        .signaled();
+        let d0 = deferred(&a);
+        qp.post_one(&write).unwrap();
+        // ... while another thread posts on the QP (and kicks) before this
+        // call's kick.
+        std::thread::scope(|s| {
+            s.spawn(|| send(&a, 1));
+        });
+        qp.kick_posted();
+        assert_eq!(deferred(&a), d0, "the large Write's kick deferred");
+        check_received(&cqb, &dst, 2, 0);
+        let _ = cqa;
+    }
+
+    /// The backstop is one timer for every QP: posts deferred on several
+    /// QPs whose posters stop polling are all written by it, and a QP that
+    /// keeps deferring stays on its list.
+    #[test]
+    fn one_backstop_writes_the_deferred_posts_of_several_qps() {
+        let pairs: Vec<_> = (0..3).map(|_| pair()).collect();
+        let mut dsts = Vec::new();
+        for (a, b, cqa, _, pd) in &pairs {
+            let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+            post_receives(b, &dst, 4);
+            let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+            assert_eq!(cqa.poll(&mut wc), 0);
+            for i in 0..4 {
+                send(a, i);
+            }
+            assert_eq!(deferred(a), 3);
+            dsts.push(dst);
+        }
+        // Nobody polls the senders' CQs: the backstop writes all three.
+        for ((a, _, _, cqb, _), dst) in pairs.iter().zip(&dsts) {
+            check_received(cqb, dst, 4, 0);
+            assert!(a.qp().tx_batch.stats[2].load(Ordering::Relaxed) >= 1);
+        }
+        // A second burst on one of them, still without polling.
+        let (a, _, _, cqb, pd) = &pairs[0];
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        let b = &pairs[0].1;
+        post_receives(b, &dst, 4);
+        for i in 0..4 {
+            send(a, 4 + i);
+        }
+        check_received(cqb, &dst, 4, 4);
+    }
+
+    /// Child half of `deferred_posts_are_written_when_the_process_exits`
+    /// (run in a process of its own).
+    #[test]
+    #[ignore = "the child process of deferred_posts_are_written_when_the_process_exits"]
+    fn exit_child() {
+        let Ok(addr) = std::env::var("SOFTRDMA_TEST_EXIT_PEER") else {
+            return;
+        };
+        let dev = device();
+        let pd = ProtectionDomain::new(&dev);
+        let cq = CompletionQueue::new(&dev, 64, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_nodelay(true).unwrap();
+        let mut cfg = MpaConfig::default();
+        let q = a.query();
+        (cfg.ird, cfg.ord) = (q.ird, q.ord);
+        let n = crate::connect::mpa_connect(&mut s, &cfg, &[], Duration::from_secs(20)).unwrap();
+        a.establish(s, &crate::LinkParams::from(&n)).unwrap();
+        no_backstop(&a);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cq.poll(&mut wc), 0);
+        for i in 0..8 {
+            send(&a, i);
+        }
+        assert_eq!(deferred(&a), 7, "posts deferred");
+        // Exits without polling, destroying the QP or closing the device.
+        std::process::exit(0);
+    }
+
+    /// A process that exited right after posting (no poll, no destroy)
+    /// lost the posts it had deferred to its next poll: the peer got only
+    /// the first. They are written at exit now.
+    #[test]
+    fn deferred_posts_are_written_when_the_process_exits() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "qp::post::tests::exit_child",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("SOFTRDMA_TEST_EXIT_PEER", addr.to_string())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_nodelay(true).unwrap();
+        let dev = device();
+        let pd = ProtectionDomain::new(&dev);
+        let cq = CompletionQueue::new(&dev, 64, None).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 8);
+        let mut cfg = MpaConfig::default();
+        let q = b.query();
+        (cfg.ird, cfg.ord) = (q.ird, q.ord);
+        let n = crate::connect::mpa_accept(&mut s, &cfg, &[], Duration::from_secs(20)).unwrap();
+        b.establish(s, &crate::LinkParams::from(&n)).unwrap();
+        let mut got = Vec::new();
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 8];
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while got.len() < 8 && Instant::now() < deadline {
+            let k = cq.wait(&mut wc, Some(Duration::from_millis(10)));
+            got.extend_from_slice(&wc[..k]);
+            if got.last().is_some_and(|w| w.status != WcStatus::Success) {
+                break;
+            }
+        }
+        let status = child.wait().unwrap();
+        assert!(status.success(), "child: {status}");
+        let ok: Vec<u64> = got
+            .iter()
+            .filter(|w| w.status == WcStatus::Success)
+            .map(|w| w.wr_id)
+            .collect();
+        assert_eq!(ok, (100..108).collect::<Vec<u64>>(), "{got:?}");
+        for i in 0..8 {
+            let mut m = [0u8; 8];
+            dst.read(i * 64, &mut m).unwrap();
+            assert_eq!(u64::from_le_bytes(m), 1000 + i as u64, "message {i}");
         }
     }
 }

@@ -17,4 +17,5 @@ pub(crate) mod io;
 pub(crate) mod mem;
 pub(crate) mod poll;
 pub(crate) mod ppoll;
+pub(crate) mod process;
 pub(crate) mod wait;
