@@ -133,6 +133,11 @@ pub(crate) struct RxIo {
     small: bool,
     /// The last read came back short.
     drained_hint: bool,
+    /// Bytes were staged by a read outside the run ([`put_staging`]),
+    /// which came back short: the run starts drained (`begin`).
+    ///
+    /// [`put_staging`]: Self::put_staging
+    staged_short: bool,
     iov: IoVecs,
     /// Bytes read from the socket.
     pub(crate) bytes_received: u64,
@@ -153,6 +158,7 @@ impl RxIo {
             end: n,
             small: true,
             drained_hint: false,
+            staged_short: false,
             iov: IoVecs::new(),
             bytes_received: 0,
             bytes_placed: 0,
@@ -184,7 +190,29 @@ impl RxIo {
 
     /// Starts a receive run ([`step`](Self::step) until it stops).
     pub(crate) fn begin(&mut self) {
-        self.drained_hint = false;
+        self.drained_hint = std::mem::take(&mut self.staged_short);
+    }
+
+    /// Takes the staging buffer out for a read made without the
+    /// connection's lock (a receive that sleeps in the kernel), if it
+    /// holds no bytes; give it back with [`put_staging`](Self::put_staging).
+    pub(crate) fn take_staging(&mut self) -> Option<Vec<u8>> {
+        if self.end > self.start || self.buf.is_empty() {
+            return None;
+        }
+        self.start = 0;
+        self.end = 0;
+        Some(std::mem::take(&mut self.buf))
+    }
+
+    /// Gives back the buffer of [`take_staging`](Self::take_staging) with
+    /// `n` bytes read into its front: the next run feeds them to the
+    /// connection first (and reads no more if they came short).
+    pub(crate) fn put_staging(&mut self, buf: Vec<u8>, n: usize) {
+        self.staged_short = n > 0 && n < buf.len();
+        self.buf = buf;
+        self.start = 0;
+        self.end = n.min(self.buf.len());
     }
 
     /// Feeds `conn` from the staging buffer and the socket until it stops,
