@@ -2720,9 +2720,11 @@ mod drive_tests {
     }
 
     /// The application may make its descriptor (a duplicate of the QP's
-    /// socket: one open file) non-blocking: a read then stops sleeping in
-    /// `recv` (which would return at once) and waits in `poll(2)` again,
-    /// and the traffic goes on.
+    /// socket: one open file) non-blocking: a read whose wait then finds
+    /// the socket empty sees its `recv` return at once, and the
+    /// connection's reads stop sleeping in `recv` (they would spin: no
+    /// further wait counts as one) and wait in `poll(2)` again; the
+    /// traffic goes on.
     #[test]
     fn reads_go_on_when_the_application_makes_the_socket_non_blocking() {
         no_safety_net();
@@ -2736,6 +2738,10 @@ mod drive_tests {
                     let n = s.read(&mut buf, false, false, None).unwrap();
                     if n == 0 {
                         return;
+                    }
+                    if buf[0] == 20 {
+                        // The client's read waits on an empty socket.
+                        std::thread::sleep(Duration::from_millis(200));
                     }
                     s.write(&buf[..n], false, None).unwrap();
                 }
