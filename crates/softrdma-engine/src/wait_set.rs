@@ -60,6 +60,11 @@
 //! another look at it. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
 //! way for every set.
 //!
+//! A set of one CQ with one QP can also sleep in that QP's socket's
+//! `recv` ([`WaitSet::wait_receiving`]), as a blocking TCP read does: one
+//! system call per wait instead of `poll(2)` and a read, for callers that
+//! know nothing but bytes on that socket can end their wait.
+//!
 //! Wake-ups: a `ppoll(2)` set sleeps on one wake-up descriptor of its own
 //! for all its CQs (`sys::fd::Waker`, registered with each CQ for the
 //! sleep; a push writes it at most once per sleep), which no other waiter

@@ -23,7 +23,10 @@
 //! itself ([`CompletionQueue::wait`]) if no other thread does: the engine
 //! then sleeps in `poll(2)` on the QP's socket and runs the receive path
 //! in this thread when bytes come, so a message reaches a blocked reader
-//! with one wake-up and no thread hand-off. That thread holds the
+//! with one wake-up and no thread hand-off. When nothing but bytes can
+//! end its wait (see `Shared::may_sleep_in_recv`), it sleeps in the
+//! socket's `recv` instead ([`WaitSet::wait_receiving`]): one system call
+//! per wait, as a blocking TCP read. That thread holds the
 //! connection's `poller` gate while it waits, handles what it took out of
 //! the CQ, updates the readiness descriptor and async wakers, and wakes
 //! the calls that sleep meanwhile (a `try_clone`d writer, say); one of
