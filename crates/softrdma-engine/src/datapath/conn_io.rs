@@ -138,6 +138,12 @@ pub(crate) struct RxIo {
     ///
     /// [`put_staging`]: Self::put_staging
     staged_short: bool,
+    /// A read outside the run ([`put_staging_error`]) failed: the run
+    /// acts on that error before it reads again (after a reset the socket
+    /// reads as at its end).
+    ///
+    /// [`put_staging_error`]: Self::put_staging_error
+    staged_error: Option<io::Error>,
     iov: IoVecs,
     /// Bytes read from the socket.
     pub(crate) bytes_received: u64,
@@ -159,6 +165,7 @@ impl RxIo {
             small: true,
             drained_hint: false,
             staged_short: false,
+            staged_error: None,
             iov: IoVecs::new(),
             bytes_received: 0,
             bytes_placed: 0,
@@ -215,6 +222,13 @@ impl RxIo {
         self.end = n.min(self.buf.len());
     }
 
+    /// Gives back the buffer of [`take_staging`](Self::take_staging)
+    /// after its read failed with `e`: the next run acts on `e` first.
+    pub(crate) fn put_staging_error(&mut self, buf: Vec<u8>, e: io::Error) {
+        self.put_staging(buf, 0);
+        self.staged_error = Some(e);
+    }
+
     /// Feeds `conn` from the staging buffer and the socket until it stops,
     /// or until the next payload is large enough to be read straight into
     /// its destination: that read ([`DirectRead::read`]) touches neither
@@ -242,6 +256,11 @@ impl RxIo {
             }
             self.start = 0;
             self.end = 0;
+            if let Some(e) = self.staged_error.take()
+                && let Some(stop) = self.after_read(conn, Err(e), now)
+            {
+                return RxStep::Stop(stop);
+            }
             let want = conn.rx_want();
             let got = match want {
                 RxWant::Closed => return RxStep::Stop(RxStop::Done),

@@ -733,23 +733,23 @@ impl QpInner {
         };
         match r {
             Ok(n) => cc.rx.put_staging(buf, n),
-            Err(e) => {
-                cc.rx.put_staging(buf, 0);
-                match e.kind() {
-                    io::ErrorKind::WouldBlock => {
-                        if crate::sys::io::is_nonblocking(fd) {
-                            cc.sleep_off = true;
-                            return end(g, receiving, RxSleep::Unable);
-                        }
-                        return end(g, receiving, RxSleep::TimedOut);
+            Err(e) => match e.kind() {
+                io::ErrorKind::WouldBlock => {
+                    cc.rx.put_staging(buf, 0);
+                    if crate::sys::io::is_nonblocking(fd) {
+                        cc.sleep_off = true;
+                        return end(g, receiving, RxSleep::Unable);
                     }
-                    io::ErrorKind::Interrupted => {
-                        return end(g, receiving, RxSleep::Interrupted);
-                    }
-                    // The run's own read meets the error and acts on it.
-                    _ => {}
+                    return end(g, receiving, RxSleep::TimedOut);
                 }
-            }
+                io::ErrorKind::Interrupted => {
+                    cc.rx.put_staging(buf, 0);
+                    return end(g, receiving, RxSleep::Interrupted);
+                }
+                // The run acts on it (a reset: the socket now reads as
+                // at its end, which would pass for the peer's FIN).
+                _ => cc.rx.put_staging_error(buf, e),
+            },
         }
         self.core_rx_wanted.store(false, Ordering::SeqCst);
         let (g, _, to_dm) = self.core_rx_locked(g);
@@ -1088,6 +1088,39 @@ mod tests {
         assert_eq!(t.join().unwrap(), crate::cq::RxSleep::Received);
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
         assert_eq!(cqb.poll(&mut wc), 1);
+    }
+
+    /// Regression: a reset that ended a sleep in `recv` was taken by that
+    /// `recv` (`ECONNRESET`), and the receive run after it read the end
+    /// of the socket: the connection began to close as if the peer had
+    /// sent its FIN, and failed only when its own FIN could not go out
+    /// ("not connected"). The run now acts on the sleep's error: the QP
+    /// reports the peer's reset.
+    #[test]
+    fn a_reset_that_ends_a_sleep_in_recv_is_reported_as_the_peers_reset() {
+        let (a, b, _cqb, _pd) = quiet_core_pair();
+        let sleeper = b.clone();
+        let t = std::thread::spawn(move || sleeper.qp().core_rx_sleep(Duration::from_secs(600)));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the waiter never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The peer's connection is reset (RST), as by a process that died.
+        let fd = a.qp().core_fd.load(super::Ordering::Acquire);
+        crate::sys::io::reset_connection(fd).unwrap();
+        assert_eq!(t.join().unwrap(), crate::cq::RxSleep::Received);
+        assert_eq!(b.state(), crate::QpState::Error);
+        let mut resets = Vec::new();
+        while let Some(ev) = b.qp().device.async_events().try_get() {
+            if ev.qp_num == Some(b.qp_num()) && ev.kind == crate::AsyncEventKind::LlpReset {
+                resets.push(ev.detail.unwrap_or_default());
+            }
+        }
+        assert!(
+            resets.iter().any(|d| d.contains("reset by peer")),
+            "no reset by the peer reported: {resets:?}"
+        );
     }
 
     /// Another holder of the socket's open file may make it non-blocking
