@@ -145,6 +145,15 @@ pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
             Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
             r => return r,
         }
+    } else if let Some(r) = send_gathered(fd, iov) {
+        // A few small pieces (an FPDU whose payload fits its header
+        // buffer: the header and the trailer): gathered on the stack and
+        // sent as one buffer, without `sendmsg(2)`'s header and vector
+        // copy-in (about 3 % of a 64-byte ping-pong's CPU).
+        match r {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
+            r => return r,
+        }
     } else {
         match sendmsg_nosignal(fd, iov) {
             Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
@@ -217,6 +226,40 @@ fn send_one(fd: RawFd, one: libc::iovec) -> io::Result<usize> {
             r => return r,
         }
     }
+}
+
+/// The most octets [`writev`] gathers into one buffer on the stack.
+const GATHER_MAX: usize = 512;
+
+/// [`send_one`] of the list gathered into a buffer on the stack, if it is
+/// at most [`GATHER_MAX`] octets (`None` otherwise).
+fn send_gathered(fd: RawFd, iov: &IoVecs) -> Option<io::Result<usize>> {
+    let total: usize = iov.v.iter().map(|e| e.iov_len).sum();
+    if total > GATHER_MAX {
+        return None;
+    }
+    let mut buf = [0u8; GATHER_MAX];
+    let mut at = 0;
+    for e in &iov.v {
+        // SAFETY: every entry points to live memory of at least `iov_len`
+        // bytes (see `IoVecs`), and `at + iov_len <= total <= GATHER_MAX`;
+        // the bytes are copied through raw pointers (registered memory a
+        // peer may write meanwhile is never borrowed as a slice), into a
+        // buffer that does not overlap it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                e.iov_base.cast_const().cast::<u8>(),
+                buf.as_mut_ptr().add(at),
+                e.iov_len,
+            );
+        }
+        at += e.iov_len;
+    }
+    let one = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: at,
+    };
+    Some(send_one(fd, one))
 }
 
 /// One `sendmsg(2)` of the whole list with [`SEND_FLAGS`] (the vectored
@@ -788,5 +831,52 @@ mod tests {
         let e = make_blocking(u.as_raw_fd(), std::time::Duration::from_secs(1)).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ENOTSOCK));
         assert!(is_nonblocking(u.as_raw_fd()));
+    }
+
+    /// Several pieces go out byte-exact and in order whether they are
+    /// gathered on the stack and sent as one buffer (at most
+    /// `GATHER_MAX` octets), sent with `sendmsg` (more), or written with
+    /// `writev` (a pipe, no socket).
+    #[test]
+    fn small_and_large_lists_of_pieces_arrive_byte_exact() {
+        let data: Vec<u8> = (0..2048u32).map(|i| (i * 7 + i / 256) as u8).collect();
+        for sizes in [
+            &[14usize, 4][..],
+            &[100, 1, 50, 300],
+            &[GATHER_MAX - 1, 1],
+            &[GATHER_MAX, 1],
+            &[700, 900],
+        ] {
+            let total: usize = sizes.iter().sum();
+            let mut out = IoVecs::new();
+            let mut at = 0;
+            for &n in sizes {
+                out.push_slice(&data[at..at + n]);
+                at += n;
+            }
+            let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+            assert_eq!(writev(b.as_raw_fd(), &out).unwrap(), total, "{sizes:?}");
+            let mut got = vec![0u8; total];
+            a.read_exact(&mut got).unwrap();
+            assert_eq!(got, data[..total], "{sizes:?}");
+
+            let mut fds = [0; 2];
+            // SAFETY: `pipe` fills the two descriptors, owned below.
+            let made = unsafe { libc::pipe(fds.as_mut_ptr()) };
+            assert_eq!(made, 0);
+            // SAFETY: both descriptors were just made and are owned once.
+            let (mut r, w) = unsafe {
+                use std::os::fd::FromRawFd;
+                (
+                    std::fs::File::from_raw_fd(fds[0]),
+                    std::fs::File::from_raw_fd(fds[1]),
+                )
+            };
+            assert_eq!(writev(w.as_raw_fd(), &out).unwrap(), total, "{sizes:?}");
+            drop(w);
+            let mut got = Vec::new();
+            r.read_to_end(&mut got).unwrap();
+            assert_eq!(got, data[..total], "pipe {sizes:?}");
+        }
     }
 }
