@@ -146,6 +146,31 @@ pub(crate) trait Progress: Send + Sync {
     /// waiting for its poster's next poll ([`CompletionQueue::note_deferred`]):
     /// write them now (this is that poll).
     fn polled(&self) {}
+
+    /// A waiter with the socket of [`sleep_on`](Self::sleep_on) claimed
+    /// sleeps in the socket's `recv(2)` (at most `timeout`) and receives
+    /// what it brings: one system call per wait instead of a `poll(2)`
+    /// and a read. Nothing but bytes on the socket (or its end), a signal
+    /// or the timeout ends the sleep: the caller makes sure nothing else
+    /// can be waited for meanwhile.
+    fn progress_sleep(&self, _timeout: std::time::Duration) -> RxSleep {
+        RxSleep::Unable
+    }
+}
+
+/// What [`Progress::progress_sleep`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RxSleep {
+    /// Bytes (or the end of the stream, an error) came and were received.
+    Received,
+    /// The time was up, nothing came.
+    TimedOut,
+    /// A signal was handled (`EINTR`).
+    Interrupted,
+    /// No sleep: another thread receives, the QP has no socket to sleep
+    /// on, or it cannot sleep in it (not a stream socket, or made
+    /// non-blocking again by another holder of its descriptor).
+    Unable,
 }
 
 /// Why a completion queue could not be created.

@@ -60,6 +60,11 @@
 //! another look at it. `SOFTRDMA_WAIT_SET=ppoll` (or `epoll`) chooses one
 //! way for every set.
 //!
+//! A set of one CQ with one QP can also sleep in that QP's socket's
+//! `recv` ([`WaitSet::wait_receiving`]), as a blocking TCP read does: one
+//! system call per wait instead of `poll(2)` and a read, for callers that
+//! know nothing but bytes on that socket can end their wait.
+//!
 //! Wake-ups: a `ppoll(2)` set sleeps on one wake-up descriptor of its own
 //! for all its CQs (`sys::fd::Waker`, registered with each CQ for the
 //! sleep; a push writes it at most once per sleep), which no other waiter
@@ -142,6 +147,11 @@ impl WaitError {
 pub struct WaitSet {
     cqs: Vec<CompletionQueue>,
     cq_ready: Vec<bool>,
+    /// CQs added with [`add_cq_completions`](WaitSet::add_cq_completions):
+    /// their QPs' sockets are not watched.
+    cq_quiet: Vec<bool>,
+    /// The last [`wait_receiving`](WaitSet::wait_receiving) slept in `recv`.
+    slept_in_recv: bool,
     /// The foreign descriptors, with their interest and last `revents`.
     fds: Vec<libc::pollfd>,
     /// Scratch: the `ppoll` array (foreign, then QP sockets, then wake fds).
@@ -512,6 +522,7 @@ impl WaitSet {
     pub fn clear(&mut self) {
         self.cqs.clear();
         self.cq_ready.clear();
+        self.cq_quiet.clear();
         self.fds.clear();
     }
 
@@ -525,7 +536,21 @@ impl WaitSet {
     pub fn add_cq(&mut self, cq: &CompletionQueue) -> usize {
         self.cqs.push(cq.clone());
         self.cq_ready.push(false);
+        self.cq_quiet.push(false);
         self.cqs.len() - 1
+    }
+
+    /// Adds a completion queue whose completions alone are waited for:
+    /// the sockets of its QPs are not watched (nor claimed from the
+    /// receive threads), so bytes arriving for them do not end the wait
+    /// until they are received (by the receive threads, or by another
+    /// thread that waits on the CQ with [`add_cq`](Self::add_cq) or
+    /// [`wait_receiving`](Self::wait_receiving)). Such a set sleeps in
+    /// `ppoll(2)`. Returns its index for [`cq_ready`](Self::cq_ready).
+    pub fn add_cq_completions(&mut self, cq: &CompletionQueue) -> usize {
+        let i = self.add_cq(cq);
+        self.cq_quiet[i] = true;
+        i
     }
 
     /// Adds a foreign descriptor with `poll(2)` interest `events`
@@ -624,6 +649,79 @@ impl WaitSet {
         }
     }
 
+    /// [`wait`](Self::wait) for a set of one CQ with one QP (added with
+    /// [`add_cq`](Self::add_cq), no foreign descriptor), sleeping in the
+    /// QP's socket's `recv(2)` instead of `poll(2)`, as a blocking TCP
+    /// reader does: one system call per wait (`poll(2)` and then a read
+    /// otherwise), and the bytes received are processed at once. At most
+    /// `timeout` (the socket's receive time limit, set once and kept);
+    /// 0 ready entries when the time is up.
+    ///
+    /// Nothing but bytes on the socket (or its end, an error), a signal
+    /// or the time limit ends that sleep: not a completion pushed to the
+    /// CQ by another thread (a send the engine's thread finished, a post
+    /// of another thread, a flush). Use it only while nothing of that
+    /// kind can be needed before the time limit; another thread that
+    /// waits meanwhile can wait for the CQ's completions with
+    /// [`add_cq_completions`](Self::add_cq_completions).
+    ///
+    /// `Ok(None)`: it could not wait that way (another thread receives,
+    /// the set is not one CQ with one QP, the QP has no socket or its
+    /// socket cannot block: another holder of its descriptor made it
+    /// non-blocking); nothing was waited for, and the caller waits with
+    /// [`wait`](Self::wait).
+    ///
+    /// # Errors
+    ///
+    /// [`WaitError::Interrupted`] if a signal was handled meanwhile.
+    pub fn wait_receiving(&mut self, timeout: Duration) -> Result<Option<usize>, WaitError> {
+        self.slept_in_recv = false;
+        if self.cqs.len() != 1 || !self.fds.is_empty() || self.cq_quiet[0] {
+            return Ok(None);
+        }
+        let Some(list) = self.cqs[0].wait_set_hooks() else {
+            return Ok(None);
+        };
+        let [one] = &list[..] else {
+            return Ok(None);
+        };
+        let Some(hook) = one.upgrade() else {
+            return Ok(None);
+        };
+        drop(list);
+        // The claim (the receive threads leave the socket alone), and
+        // what the waiter's own posts left is written. Not for the whole
+        // sleep, as a `poll(2)` wait's: the sleeper holds the QP's receive
+        // lock, which keeps the receive threads out meanwhile, and a
+        // receive thread that met the claim leaves the socket until the
+        // claim's end (bytes that come after this thread stopped waiting,
+        // a peer's close, are served by it that much later).
+        let until = crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS);
+        if hook.sleep_on(Some(until)).is_none() {
+            return Ok(None);
+        }
+        let ready = self.look_cqs();
+        let r = if ready > 0 {
+            crate::cq::RxSleep::Received
+        } else {
+            let r = hook.progress_sleep(timeout);
+            self.slept_in_recv = r != crate::cq::RxSleep::Unable;
+            r
+        };
+        hook.renew_claim(crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS));
+        match r {
+            crate::cq::RxSleep::Unable => Ok(None),
+            crate::cq::RxSleep::Interrupted if self.look_cqs() == 0 => Err(WaitError::Interrupted),
+            _ => Ok(Some(self.look_cqs())),
+        }
+    }
+
+    /// Whether the last [`wait_receiving`](Self::wait_receiving) slept in
+    /// the socket's `recv` (not: it found a completion first, or could not).
+    pub fn slept_in_recv(&self) -> bool {
+        self.slept_in_recv
+    }
+
     /// One sleep of at most `nap` (`None`: until woken); returns the number
     /// of ready entries and whether a CQ's socket or event fd woke it.
     fn round(
@@ -632,6 +730,7 @@ impl WaitSet {
         mask: Option<&SigSet>,
     ) -> Result<(usize, bool), WaitError> {
         let epoll = !self.ep_off
+            && !self.cq_quiet.contains(&true)
             && match mode() {
                 Mode::Ppoll => false,
                 Mode::Epoll => true,
@@ -697,6 +796,9 @@ impl WaitSet {
             .saturating_add(u64::try_from(claim.as_nanos()).unwrap_or(u64::MAX))
             .saturating_add(1_000_000);
         for (i, cq) in self.cqs.iter().enumerate() {
+            if self.cq_quiet[i] {
+                continue;
+            }
             let Some(list) = cq.wait_set_hooks() else {
                 continue;
             };

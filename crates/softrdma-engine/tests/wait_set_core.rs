@@ -141,3 +141,83 @@ fn ping_pong_through_wait_sets_on_the_core_path() {
         echoer.join().unwrap();
     }
 }
+
+/// [`wait_for`] with the sleep in the QP's socket's `recv`
+/// (`WaitSet::wait_receiving`); counts the waits that slept there.
+fn wait_receiving_for(
+    set: &mut WaitSet,
+    cq: &CompletionQueue,
+    opcode: WcOpcode,
+    sends: &mut usize,
+    slept: &mut usize,
+) -> WorkCompletion {
+    let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 1];
+    loop {
+        if cq.poll(&mut buf) == 1 {
+            assert_eq!(buf[0].status, WcStatus::Success, "{:?}", buf[0]);
+            if buf[0].opcode == opcode {
+                return buf[0];
+            }
+            *sends += 1;
+            continue;
+        }
+        // The 10 s are a hang detector only.
+        match set.wait_receiving(Duration::from_secs(10)).expect("wait") {
+            Some(_) => *slept += usize::from(set.slept_in_recv()),
+            None => {
+                set.wait(Some(Duration::from_secs(10))).expect("wait");
+            }
+        }
+    }
+}
+
+/// A 64-byte ping-pong in which the initiator waits for each answer in
+/// its socket's `recv` (`WaitSet::wait_receiving`: one system call per
+/// wait) and the echoing side in `poll(2)`: every message byte-exact,
+/// and the waits did sleep in `recv`.
+#[test]
+fn ping_pong_sleeping_in_recv_on_the_core_path() {
+    let mut cfg = DeviceConfig::default();
+    cfg.poll_spin = Duration::ZERO;
+    cfg.pin_threads = false;
+    let dev = softrdma_engine::Device::open_with(cfg).unwrap();
+    let p = common::pair_with(dev, false, |_| {});
+    let (a_src, a_dst) = (common::mr(&p.a, SIZE), common::mr(&p.a, SIZE));
+    let (b_src, b_dst) = (common::mr(&p.b, SIZE), common::mr(&p.b, SIZE));
+    post_recv(&p.a, &a_dst, 0);
+    post_recv(&p.b, &b_dst, 0);
+    let common::Pair { a, b, dev: _dev } = p;
+    let echoer = std::thread::spawn(move || echo(b, b_src, b_dst, 0));
+    let mut set = WaitSet::new();
+    set.add_cq(&a.cq);
+    let (mut sends, mut slept) = (0, 0);
+    let mut msg = [0u8; SIZE];
+    for i in 0..ROUNDS {
+        a_src.write(0, &common::pattern(SIZE, i as u8)).unwrap();
+        a.qp.post_send(
+            &SendWr::new(i as u64, SendOp::Send)
+                .sg_list(&[a_src.sge(0, SIZE as u32).unwrap()])
+                .signaled(),
+        )
+        .unwrap();
+        // The send's completion first (a sleep in `recv` would not end
+        // for it): written by this thread's post or the next poll.
+        while sends <= i {
+            let mut buf = [WorkCompletion::success(0, WcOpcode::Send, 0); 1];
+            if a.cq.poll(&mut buf) == 1 {
+                assert_eq!(buf[0].opcode, WcOpcode::Send);
+                sends += 1;
+            } else {
+                set.wait(Some(Duration::from_secs(10))).expect("wait");
+            }
+        }
+        let wc = wait_receiving_for(&mut set, &a.cq, WcOpcode::Recv, &mut sends, &mut slept);
+        assert_eq!(wc.byte_len as usize, SIZE);
+        a_dst.read(0, &mut msg).unwrap();
+        let want = common::pattern(SIZE, (i as u8).wrapping_add(100));
+        assert_eq!(msg, want[..], "answer {i}");
+        post_recv(&a, &a_dst, i + 1);
+    }
+    echoer.join().unwrap();
+    assert!(slept > 0, "no wait slept in recv");
+}

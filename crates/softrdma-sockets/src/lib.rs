@@ -130,4 +130,4 @@ pub use config::{
     Transport,
 };
 pub use net::{TcpListener, TcpStream, choose_port};
-pub use offload::{lost_wakeups, zero_copy_fallbacks, zero_copy_octets};
+pub use offload::{lost_wakeups, recv_sleeps, zero_copy_fallbacks, zero_copy_octets};

@@ -424,7 +424,11 @@ impl TcpStream {
     pub fn upgrade(stream: std::net::TcpStream, initiator: bool, cfg: &Config) -> io::Result<Self> {
         stream.set_nonblocking(false)?;
         Offload::establish(stream, initiator, cfg)
-            .map(Self::offloaded)
+            .map(|o| {
+                // Not our descriptor: its `O_NONBLOCK` stays as it is.
+                o.no_recv_sleep();
+                Self::offloaded(o)
+            })
             .map_err(|e| io::Error::other(format!("offload setup failed: {e}")))
     }
 

@@ -23,7 +23,10 @@
 //! itself ([`CompletionQueue::wait`]) if no other thread does: the engine
 //! then sleeps in `poll(2)` on the QP's socket and runs the receive path
 //! in this thread when bytes come, so a message reaches a blocked reader
-//! with one wake-up and no thread hand-off. That thread holds the
+//! with one wake-up and no thread hand-off. When nothing but bytes can
+//! end its wait (see `Shared::may_sleep_in_recv`), it sleeps in the
+//! socket's `recv` instead ([`WaitSet::wait_receiving`]): one system call
+//! per wait, as a blocking TCP read. That thread holds the
 //! connection's `poller` gate while it waits, handles what it took out of
 //! the CQ, updates the readiness descriptor and async wakers, and wakes
 //! the calls that sleep meanwhile (a `try_clone`d writer, say); one of
@@ -312,6 +315,14 @@ struct State {
     /// Send a corked buffer now (flush requested).
     push: bool,
     waiters: u32,
+    /// The call driving the connection (holding `poller`) sleeps in the
+    /// QP's socket's `recv` ([`WaitSet::wait_receiving`]): it holds no
+    /// completion taken out of the CQ, and a completion pushed meanwhile
+    /// does not wake it, so whoever holds this lock handles completions
+    /// without `poller` (see [`Shared::progress`]).
+    recv_sleeping: bool,
+    /// Waits made in the socket's `recv` (see [`recv_sleeps`]).
+    recv_sleeps: u64,
     /// Completions handled so far: a call that let go of the lock while
     /// waiting sees from it that another thread (the one driving the
     /// connection, or the callback) handled some, and looks again.
@@ -465,6 +476,10 @@ struct Shared {
     /// and wakes sleepers. Lock order: `poller`, then `st`.
     /// Holds the wait set (this connection's CQ) its holder sleeps in.
     poller: Mutex<WaitSet>,
+    /// A blocked call may sleep in the QP's socket's `recv` (see
+    /// [`Shared::wait_inner`]); off for descriptors the application owns
+    /// ([`Offload::no_recv_sleep`]).
+    recv_sleep: AtomicBool,
 }
 
 /// The locked state of a connection. Letting go of it (dropping it, or
@@ -745,6 +760,8 @@ impl Offload {
                 cork_held: false,
                 push: false,
                 waiters: 0,
+                recv_sleeping: false,
+                recv_sleeps: 0,
                 handled: 0,
                 armed: false,
                 ready: None,
@@ -766,6 +783,7 @@ impl Offload {
             arrivals: AtomicU64::new(0),
             waker: OnceLock::new(),
             poller: Mutex::new(poller_set),
+            recv_sleep: AtomicBool::new(true),
         });
         let _ = slot.set(Arc::downgrade(&sh));
         {
@@ -791,6 +809,13 @@ impl Offload {
     /// Read zero copy in use (both ends offered it).
     pub(crate) fn zero_copy(&self) -> bool {
         self.sh.zc_send
+    }
+
+    /// Blocked calls never sleep in the socket's `recv`: the descriptor
+    /// is the application's (an interposed one), whose `O_NONBLOCK` the
+    /// engine must not clear (see [`Shared::wait_inner`]).
+    pub(crate) fn no_recv_sleep(&self) {
+        self.sh.recv_sleep.store(false, Ordering::Relaxed);
     }
 
     /// The duplicate kernel socket (names, options, descriptor).
@@ -1202,8 +1227,12 @@ impl Shared {
     /// while a blocked call waits in the CQ (see [`Shared::poller`]): that
     /// call handles them.
     fn progress(&self, st: &mut State) -> bool {
-        let Some(_gate) = self.poller.try_lock() else {
-            return false;
+        let _gate = match self.poller.try_lock() {
+            Some(g) => Some(g),
+            // The driving call sleeps in `recv` and holds no completion:
+            // handled here, in order, under the state lock.
+            None if st.recv_sleeping => None,
+            None => return false,
         };
         let mut any = false;
         // In batches, until one comes back short: a CQ found empty runs
@@ -1229,8 +1258,10 @@ impl Shared {
     /// Handles the completions the CQ holds, without a receive attempt;
     /// nothing if another thread drives the connection.
     fn progress_completions(&self, st: &mut State) {
-        let Some(_gate) = self.poller.try_lock() else {
-            return;
+        let _gate = match self.poller.try_lock() {
+            Some(g) => Some(g),
+            None if st.recv_sleeping => None,
+            None => return,
         };
         if self.take_completions(st) > 0 {
             self.flush_tx(st);
@@ -2030,7 +2061,28 @@ impl Shared {
         // but data held by a cork (its `CORK_MAX` ceiling is checked after
         // a wait) or another thread's change of the state push nothing,
         // and this call must look again.
-        let res = st.unlocked(|| gate.wait(Some(nap)));
+        let res = if self.may_sleep_in_recv(st, deadline) {
+            // One system call per wait, as a blocking TCP read: the
+            // sleep in the socket's `recv`, bounded by the same re-poll
+            // time. Whoever comes meanwhile handles completions itself
+            // (`recv_sleeping`).
+            st.recv_sleeping = true;
+            let r = st.unlocked(|| gate.wait_receiving(nap));
+            st.recv_sleeping = false;
+            match r {
+                Ok(Some(n)) => {
+                    if gate.slept_in_recv() {
+                        st.recv_sleeps += 1;
+                        RECV_SLEEPS.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(n)
+                }
+                Err(e) => Err(e),
+                Ok(None) => st.unlocked(|| gate.wait(Some(nap))),
+            }
+        } else {
+            st.unlocked(|| gate.wait(Some(nap)))
+        };
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
         let n = self.take_completions(st);
@@ -2057,8 +2109,43 @@ impl Shared {
         Ok(())
     }
 
+    /// Whether a blocked call (holding `poller`) may sleep in the QP's
+    /// socket's `recv`, which nothing but bytes (or the socket's end), a
+    /// signal or the time limit wakes: only while this call is the only
+    /// one waiting, no deadline is to be kept (the socket's time limit is
+    /// the re-poll time, set once), and nothing it might wait for can come
+    /// as a completion pushed by another thread or as a timer: no send in
+    /// flight (the engine's thread completes sends the socket could not
+    /// take at once), no data queued or held by the cork (its ceiling is
+    /// checked after a wait), no control message waiting, no zero-copy
+    /// transfer under way, and no async task or readiness descriptor to
+    /// serve. What could still happen meanwhile (another thread's
+    /// `shutdown(Read)`) is seen after the re-poll time at the latest, as
+    /// with the `poll(2)` wait; a call that comes meanwhile handles
+    /// completions itself (`State::recv_sleeping`).
+    fn may_sleep_in_recv(&self, st: &State, deadline: Option<Instant>) -> bool {
+        self.recv_sleep.load(Ordering::Relaxed)
+            && deadline.is_none()
+            && st.waiters == 0
+            && st.tx_inflight == 0
+            && st.tx_queue.is_empty()
+            && st.ctrl_pending.is_empty()
+            && st.zc_tx.is_none()
+            && !st.zc_reading
+            && st.zc_read_done.is_none()
+            && st.corked_at.is_none()
+            && !st.push
+            && !st.disconn_wanted
+            && st.ready.is_none()
+            && st.wakers.iter().all(Option::is_none)
+            && !st.failed()
+            && !st.rd_shut
+            && !self.event_pending.load(Ordering::SeqCst)
+    }
+
     /// Handles the completions the CQ holds, without a receive attempt
-    /// (the `poller` gate is held); returns how many.
+    /// (the `poller` gate is held, or its holder sleeps in `recv`); returns
+    /// how many.
     fn take_completions(&self, st: &mut State) -> usize {
         let mut n = 0;
         // In batches: a look at the ring per batch, not per completion (a
@@ -2128,6 +2215,40 @@ impl Shared {
             }
         };
         st.waiters += 1;
+        if st.recv_sleeping {
+            // The driving call sleeps in the socket's `recv`, which a
+            // completion does not end: this call waits for the CQ's
+            // completions itself (and for the driver's wake-up), and
+            // handles them (`progress` without the gate).
+            let mut set = WaitSet::new();
+            set.add_cq_completions(&self.cq);
+            set.add_fd(
+                std::os::fd::AsRawFd::as_raw_fd(&waker.0),
+                rustix::event::PollFlags::IN.bits() as i16,
+            );
+            let r = st.unlocked(|| {
+                let r = set.wait(Some(nap));
+                if set.fd_revents(1) != 0 {
+                    let mut b = [0u8; 1];
+                    let _ = waker.0.recv(&mut b);
+                }
+                r
+            });
+            st.waiters -= 1;
+            let found = self.progress(st);
+            if found {
+                self.after(st);
+                self.wake_sleepers(st);
+            }
+            if matches!(r, Err(WaitError::Interrupted)) && interruptible && !found {
+                return Err(io::Error::from(io::ErrorKind::Interrupted));
+            }
+            let timed_out = matches!(r, Ok(0)) && deadline.is_some_and(|d| Instant::now() >= d);
+            if timed_out && !found {
+                return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
+            }
+            return Ok(());
+        }
         let ts = rustix::time::Timespec {
             tv_sec: nap.as_secs() as i64,
             tv_nsec: i64::from(nap.subsec_nanos()),
@@ -2181,6 +2302,10 @@ fn repoll() -> Duration {
     }
 }
 
+/// Waits of blocked calls that slept in the socket's `recv`; see
+/// [`recv_sleeps`].
+static RECV_SLEEPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Sleeps that ended by the re-poll timer and found completions; see
 /// [`lost_wakeups`].
 static LOST_WAKEUPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -2210,6 +2335,13 @@ pub fn zero_copy_fallbacks() -> u64 {
 /// by another connection). Kept under its old name; ideally 0.
 pub fn lost_wakeups() -> u64 {
     LOST_WAKEUPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Number of waits in which a blocked call slept in the QP's socket's
+/// `recv` (one system call per wait, as a blocking TCP read) rather than
+/// in `poll(2)` and read after it; see the crate's README, *Ping-pong*.
+pub fn recv_sleeps() -> u64 {
+    RECV_SLEEPS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn slot_base(size: usize, slot: u32) -> usize {
@@ -2465,6 +2597,197 @@ mod drive_tests {
 
     fn pattern(i: usize) -> u8 {
         (i.wrapping_mul(31) ^ (i >> 9)) as u8
+    }
+
+    /// Runs `f` on a thread of its own; fails the test if it has not
+    /// ended within `limit` (a lost wake-up hangs it: see
+    /// [`no_safety_net`]). A panic of `f` is the test's.
+    fn within(limit: Duration, f: impl FnOnce() + Send + 'static) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            f();
+            let _ = tx.send(());
+        });
+        match rx.recv_timeout(limit) {
+            Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => t.join().unwrap(),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("hung for {limit:?}"),
+        }
+    }
+
+    /// Waits (bounded) until a read of `o` sleeps in the socket's `recv`.
+    fn until_sleeping_in_recv(o: &Offload) {
+        for _ in 0..20_000 {
+            if o.sh.lock().recv_sleeping {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        panic!("the blocked read never slept in recv");
+    }
+
+    /// A blocked read sleeps in the QP's socket's `recv` (one system call
+    /// per wait, as a blocking TCP read) and a 64-octet ping-pong stays
+    /// byte-exact, both ends sleeping that way.
+    #[test]
+    fn a_blocked_read_sleeps_in_recv_and_a_ping_pong_is_byte_exact() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let (c, s) = super::tests::pair();
+            c.set_nodelay(true);
+            s.set_nodelay(true);
+            const ROUNDS: usize = 300;
+            let server = std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                for _ in 0..ROUNDS {
+                    let mut got = 0;
+                    while got < 64 {
+                        let n = s.read(&mut buf[got..], false, false, None).unwrap();
+                        assert!(n > 0);
+                        got += n;
+                    }
+                    s.write(&buf, false, None).unwrap();
+                }
+                s.sh.lock().recv_sleeps
+            });
+            let mut back = [0u8; 64];
+            for i in 0..ROUNDS {
+                let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
+                c.write(&msg, false, None).unwrap();
+                let mut got = 0;
+                while got < 64 {
+                    let n = c.read(&mut back[got..], false, false, None).unwrap();
+                    assert!(n > 0);
+                    got += n;
+                }
+                assert_eq!(&back[..], &msg[..], "round {i}");
+            }
+            let server_sleeps = server.join().unwrap();
+            let client_sleeps = c.sh.lock().recv_sleeps;
+            assert!(client_sleeps > 0, "the client never slept in recv");
+            assert!(server_sleeps > 0, "the server never slept in recv");
+        });
+    }
+
+    /// A writer on a clone of a connection whose reader sleeps in the
+    /// socket's `recv` needs the completions of its own sends (two
+    /// staging buffers for four buffers' worth): the reader's sleep does
+    /// not end for them, so the writer handles them itself. Before it
+    /// could, the writer waited for the reader to wake it: until the
+    /// re-poll time (here 10 minutes, a hang).
+    #[test]
+    fn a_writer_beside_a_reader_sleeping_in_recv_handles_its_own_completions() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let cfg = Config {
+                tx_bufs: 2,
+                zcopy_threshold: 0,
+                ..Config::default()
+            };
+            let (c, s) = super::tests::pair_with(&cfg);
+            c.set_nodelay(true);
+            // Three full messages: the third needs a staging buffer the
+            // first one's send completion frees (the peer's first credits
+            // cover all three).
+            let payload = cfg.buf_size - BSDH_LEN;
+            let total = 3 * payload;
+            let reader = c.clone();
+            let r = std::thread::spawn(move || {
+                let mut b = [0u8; 8];
+                let n = reader.read(&mut b, false, false, None).unwrap();
+                (n, b[0])
+            });
+            until_sleeping_in_recv(&c);
+            let data: Vec<u8> = (0..total).map(pattern).collect();
+            for k in 0..3 {
+                let mut off = 0;
+                while off < payload {
+                    off += c
+                        .write(&data[k * payload + off..(k + 1) * payload], false, None)
+                        .unwrap();
+                }
+            }
+            recv_all(&s, total);
+            s.write(b"x", false, None).unwrap();
+            s.flush(None).unwrap();
+            assert_eq!(r.join().unwrap(), (1, b'x'));
+        });
+    }
+
+    /// Another thread's abort ends a read that sleeps in the socket's
+    /// `recv` (the reset shuts the socket down), at once.
+    #[test]
+    fn an_abort_ends_a_read_sleeping_in_recv() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let (c, _s) = super::tests::pair();
+            let reader = c.clone();
+            let r = std::thread::spawn(move || {
+                let mut b = [0u8; 8];
+                reader.read(&mut b, false, false, None)
+            });
+            until_sleeping_in_recv(&c);
+            c.abort();
+            match r.join().unwrap() {
+                Ok(0) | Err(_) => {}
+                Ok(n) => panic!("read {n} octets from an aborted connection"),
+            }
+        });
+    }
+
+    /// The application may make its descriptor (a duplicate of the QP's
+    /// socket: one open file) non-blocking: a read whose wait then finds
+    /// the socket empty sees its `recv` return at once, and the
+    /// connection's reads stop sleeping in `recv` (they would spin: no
+    /// further wait counts as one) and wait in `poll(2)` again; the
+    /// traffic goes on.
+    #[test]
+    fn reads_go_on_when_the_application_makes_the_socket_non_blocking() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let (c, s) = super::tests::pair();
+            c.set_nodelay(true);
+            s.set_nodelay(true);
+            let server = std::thread::spawn(move || {
+                let mut buf = [0u8; 1];
+                loop {
+                    let n = s.read(&mut buf, false, false, None).unwrap();
+                    if n == 0 {
+                        return;
+                    }
+                    if buf[0] == 20 {
+                        // The client's read waits on an empty socket.
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                    s.write(&buf[..n], false, None).unwrap();
+                }
+            });
+            let mut b = [0u8; 1];
+            let ping = |i: u8, b: &mut [u8; 1]| {
+                c.write(&[i], false, None).unwrap();
+                assert_eq!(c.read(b, false, false, None).unwrap(), 1);
+                assert_eq!(b[0], i);
+            };
+            for i in 0..20 {
+                ping(i, &mut b);
+            }
+            let sock = socket2::SockRef::from(c.socket());
+            assert!(
+                !sock.nonblocking().unwrap(),
+                "the reads did not make it blocking"
+            );
+            sock.set_nonblocking(true).unwrap();
+            let before = c.sh.lock().recv_sleeps;
+            for i in 20..60 {
+                ping(i, &mut b);
+            }
+            assert_eq!(
+                c.sh.lock().recv_sleeps,
+                before,
+                "reads still slept in a non-blocking recv"
+            );
+            c.shutdown(Shutdown::Write).unwrap();
+            server.join().unwrap();
+        });
     }
 
     fn send_all(o: &Offload, total: usize) {

@@ -133,6 +133,17 @@ pub(crate) struct RxIo {
     small: bool,
     /// The last read came back short.
     drained_hint: bool,
+    /// Bytes were staged by a read outside the run ([`put_staging`]),
+    /// which came back short: the run starts drained (`begin`).
+    ///
+    /// [`put_staging`]: Self::put_staging
+    staged_short: bool,
+    /// A read outside the run ([`put_staging_error`]) failed: the run
+    /// acts on that error before it reads again (after a reset the socket
+    /// reads as at its end).
+    ///
+    /// [`put_staging_error`]: Self::put_staging_error
+    staged_error: Option<io::Error>,
     iov: IoVecs,
     /// Bytes read from the socket.
     pub(crate) bytes_received: u64,
@@ -153,6 +164,8 @@ impl RxIo {
             end: n,
             small: true,
             drained_hint: false,
+            staged_short: false,
+            staged_error: None,
             iov: IoVecs::new(),
             bytes_received: 0,
             bytes_placed: 0,
@@ -184,7 +197,36 @@ impl RxIo {
 
     /// Starts a receive run ([`step`](Self::step) until it stops).
     pub(crate) fn begin(&mut self) {
-        self.drained_hint = false;
+        self.drained_hint = std::mem::take(&mut self.staged_short);
+    }
+
+    /// Takes the staging buffer out for a read made without the
+    /// connection's lock (a receive that sleeps in the kernel), if it
+    /// holds no bytes; give it back with [`put_staging`](Self::put_staging).
+    pub(crate) fn take_staging(&mut self) -> Option<Vec<u8>> {
+        if self.end > self.start || self.buf.is_empty() {
+            return None;
+        }
+        self.start = 0;
+        self.end = 0;
+        Some(std::mem::take(&mut self.buf))
+    }
+
+    /// Gives back the buffer of [`take_staging`](Self::take_staging) with
+    /// `n` bytes read into its front: the next run feeds them to the
+    /// connection first (and reads no more if they came short).
+    pub(crate) fn put_staging(&mut self, buf: Vec<u8>, n: usize) {
+        self.staged_short = n > 0 && n < buf.len();
+        self.buf = buf;
+        self.start = 0;
+        self.end = n.min(self.buf.len());
+    }
+
+    /// Gives back the buffer of [`take_staging`](Self::take_staging)
+    /// after its read failed with `e`: the next run acts on `e` first.
+    pub(crate) fn put_staging_error(&mut self, buf: Vec<u8>, e: io::Error) {
+        self.put_staging(buf, 0);
+        self.staged_error = Some(e);
     }
 
     /// Feeds `conn` from the staging buffer and the socket until it stops,
@@ -214,6 +256,11 @@ impl RxIo {
             }
             self.start = 0;
             self.end = 0;
+            if let Some(e) = self.staged_error.take()
+                && let Some(stop) = self.after_read(conn, Err(e), now)
+            {
+                return RxStep::Stop(stop);
+            }
             let want = conn.rx_want();
             let got = match want {
                 RxWant::Closed => return RxStep::Stop(RxStop::Done),

@@ -46,6 +46,14 @@ pub(crate) struct CoreConn {
     /// Which connection this is (a receive path that let the lock go
     /// checks it is still the same one).
     epoch: u64,
+    /// The socket was made blocking with this receive time limit for
+    /// waiters that sleep in its `recv` (`core_rx_sleep`; `None`: still
+    /// non-blocking).
+    sleep_timeout: Option<std::time::Duration>,
+    /// Waiters do not sleep in the socket's `recv` (it is no stream
+    /// socket, or another holder of its descriptor made it non-blocking
+    /// again).
+    sleep_off: bool,
 }
 
 /// The next [`CoreConn::epoch`].
@@ -138,6 +146,8 @@ impl QpInner {
             quiet_reset: false,
             timer_at: None,
             epoch: NEXT_EPOCH.fetch_add(1, Ordering::Relaxed),
+            sleep_timeout: None,
+            sleep_off: false,
         };
         // Raw lock: the state lock is held, nothing to hand off yet.
         let mut g = self.core.lock();
@@ -513,7 +523,19 @@ impl QpInner {
         // re-arming the still readable socket and spinning on it while a
         // CQ poller reads.
         let receiving = if blocking {
-            self.rx.lock()
+            // Not behind a waiter that sleeps in the socket's `recv`
+            // (`core_rx_sleep`): it receives what comes (a receive thread
+            // woken for those bytes would wait for it, and the other QPs
+            // with it). A short timed try, so that a sleep that starts
+            // after the look below is seen too.
+            loop {
+                if self.core_rx_sleeping.load(Ordering::SeqCst) {
+                    return (false, true);
+                }
+                if let Some(r) = self.rx.try_lock_for(std::time::Duration::from_micros(500)) {
+                    break r;
+                }
+            }
         } else {
             match self.rx.try_lock() {
                 Some(r) => r,
@@ -640,6 +662,102 @@ impl QpInner {
             }
         }
         (g, (got, matches!(stop, RxStop::Drained)), false)
+    }
+
+    /// [`Progress::progress_sleep`] on the core path: sleeps in the
+    /// socket's `recv(2)` (at most `timeout`, its `SO_RCVTIMEO`) with the
+    /// receive lock held and the connection's lock let go, into the
+    /// staging buffer taken out of the connection, then runs the receive
+    /// path on what came (as [`core_rx`](Self::core_rx)). The socket is
+    /// made blocking on the first sleep; every other read and write of
+    /// the engine passes `MSG_DONTWAIT` (`sys::io`), so only this `recv`
+    /// sleeps. A socket made non-blocking again (another holder of its
+    /// descriptor) ends these sleeps for the connection: `Unable`, and
+    /// the caller waits with `poll(2)` as before.
+    pub(crate) fn core_rx_sleep(&self, timeout: std::time::Duration) -> crate::cq::RxSleep {
+        use crate::cq::RxSleep;
+        let Some(receiving) = self.rx.try_lock() else {
+            return RxSleep::Unable;
+        };
+        self.core_rx_sleeping.store(true, Ordering::SeqCst);
+        let g = self.core.lock();
+        let mut g = g;
+        let prepared = g.as_mut().and_then(|cc| {
+            if cc.sleep_off {
+                return None;
+            }
+            if cc.sleep_timeout != Some(timeout) {
+                let r = match cc.sleep_timeout {
+                    None => crate::sys::io::make_blocking(cc.fd, timeout),
+                    Some(_) => crate::sys::io::set_recv_timeout(cc.fd, timeout),
+                };
+                if r.is_err() {
+                    cc.sleep_off = true;
+                    return None;
+                }
+                cc.sleep_timeout = Some(timeout);
+            }
+            // Bytes staged already (the connection stopped taking them):
+            // nothing to sleep for.
+            let buf = cc.rx.take_staging()?;
+            Some((cc.epoch, cc.fd, cc.stream.clone(), buf))
+        });
+        let Some((epoch, fd, stream, mut buf)) = prepared else {
+            self.core_rx_sleeping.store(false, Ordering::SeqCst);
+            drop(receiving);
+            if self.core.release(g) {
+                self.core_kick();
+            }
+            return RxSleep::Unable;
+        };
+        if self.core.release(g) {
+            self.core_kick();
+        }
+        // The stream's `Arc` keeps the descriptor open across a reset
+        // meanwhile (whose `shutdown` ends the sleep).
+        let r = crate::sys::io::recv_wait(fd, &mut buf);
+        let mut g = self.core.lock();
+        drop(stream);
+        let end = |g, receiving, out| {
+            self.core_rx_sleeping.store(false, Ordering::SeqCst);
+            drop(receiving);
+            if self.core.release(g) {
+                self.core_kick();
+            }
+            out
+        };
+        let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch) else {
+            // Reset (and maybe connected again) meanwhile: the bytes read
+            // belonged to the old connection.
+            return end(g, receiving, RxSleep::Received);
+        };
+        match r {
+            Ok(n) => cc.rx.put_staging(buf, n),
+            Err(e) => match e.kind() {
+                io::ErrorKind::WouldBlock => {
+                    cc.rx.put_staging(buf, 0);
+                    if crate::sys::io::is_nonblocking(fd) {
+                        cc.sleep_off = true;
+                        return end(g, receiving, RxSleep::Unable);
+                    }
+                    return end(g, receiving, RxSleep::TimedOut);
+                }
+                io::ErrorKind::Interrupted => {
+                    cc.rx.put_staging(buf, 0);
+                    return end(g, receiving, RxSleep::Interrupted);
+                }
+                // The run acts on it (a reset: the socket now reads as
+                // at its end, which would pass for the peer's FIN).
+                _ => cc.rx.put_staging_error(buf, e),
+            },
+        }
+        self.core_rx_wanted.store(false, Ordering::SeqCst);
+        let (g, _, to_dm) = self.core_rx_locked(g);
+        let out = end(g, receiving, RxSleep::Received);
+        if to_dm {
+            self.schedule_dm();
+        }
+        out
     }
 
     /// [`core_rx`](Self::core_rx) for a waiter whose `poll(2)` found the
@@ -892,6 +1010,140 @@ mod tests {
         let mut got = [0u8; 8];
         dst.read(0, &mut got).unwrap();
         assert_eq!(got, [7u8; 8]);
+    }
+
+    /// A Send from `a` (8 octets of 7) to `b`, whose receive is posted.
+    fn send_seven(a: &QueuePair, b: &QueuePair, pd: &ProtectionDomain) -> crate::MemoryRegion {
+        let src = pd.register(64, Access::LOCAL_WRITE).unwrap();
+        src.write(0, &[7u8; 8]).unwrap();
+        let dst = pd.register(64, Access::LOCAL_WRITE).unwrap();
+        let rsge = [Sge {
+            lkey: dst.lkey(),
+            addr: dst.addr(),
+            length: 64,
+        }];
+        b.post_recv(&RecvWr::new(1, &rsge)).unwrap();
+        let ssge = [Sge {
+            lkey: src.lkey(),
+            addr: src.addr(),
+            length: 8,
+        }];
+        a.post_send(&SendWr::new(2, SendOp::Send).sg_list(&ssge).signaled())
+            .unwrap();
+        dst
+    }
+
+    /// Runs `f` on a thread of its own; fails if it has not returned
+    /// within a minute (a call that waited for a sleeper, or slept itself
+    /// when it should not, hangs the test).
+    fn bounded<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("the call did not return")
+    }
+
+    /// A waiter sleeps in the socket's `recv` (made blocking for it) and
+    /// receives what comes into the connection: the Send completes
+    /// byte-exact.
+    #[test]
+    fn a_receive_sleeping_in_recv_takes_what_comes() {
+        let (a, b, cqb, pd) = quiet_core_pair();
+        let sleeper = b.clone();
+        let t = std::thread::spawn(move || sleeper.qp().core_rx_sleep(Duration::from_secs(600)));
+        let dst = send_seven(&a, &b, &pd);
+        assert_eq!(t.join().unwrap(), crate::cq::RxSleep::Received);
+        let fd = b.qp().core_fd.load(super::Ordering::Acquire);
+        assert!(!crate::sys::io::is_nonblocking(fd));
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqb.poll(&mut wc), 1);
+        assert_eq!(
+            (wc[0].wr_id, wc[0].status, wc[0].opcode, wc[0].byte_len),
+            (1, WcStatus::Success, WcOpcode::Recv, 8)
+        );
+        let mut got = [0u8; 8];
+        dst.read(0, &mut got).unwrap();
+        assert_eq!(got, [7u8; 8]);
+    }
+
+    /// A receive thread woken for a QP whose waiter sleeps in `recv`
+    /// leaves the bytes to it at once instead of waiting for its receive
+    /// lock (held through the sleep): other QPs of that thread would wait
+    /// as long.
+    #[test]
+    fn a_receive_thread_does_not_wait_behind_a_sleep_in_recv() {
+        let (a, b, cqb, pd) = quiet_core_pair();
+        let sleeper = b.clone();
+        let t = std::thread::spawn(move || sleeper.qp().core_rx_sleep(Duration::from_secs(600)));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the waiter never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let thread = b.clone();
+        assert_eq!(bounded(move || thread.qp().core_rx(true)), (false, true));
+        let _dst = send_seven(&a, &b, &pd);
+        assert_eq!(t.join().unwrap(), crate::cq::RxSleep::Received);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqb.poll(&mut wc), 1);
+    }
+
+    /// Regression: a reset that ended a sleep in `recv` was taken by that
+    /// `recv` (`ECONNRESET`), and the receive run after it read the end
+    /// of the socket: the connection began to close as if the peer had
+    /// sent its FIN, and failed only when its own FIN could not go out
+    /// ("not connected"). The run now acts on the sleep's error: the QP
+    /// reports the peer's reset.
+    #[test]
+    fn a_reset_that_ends_a_sleep_in_recv_is_reported_as_the_peers_reset() {
+        let (a, b, _cqb, _pd) = quiet_core_pair();
+        let sleeper = b.clone();
+        let t = std::thread::spawn(move || sleeper.qp().core_rx_sleep(Duration::from_secs(600)));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the waiter never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The peer's connection is reset (RST), as by a process that died.
+        let fd = a.qp().core_fd.load(super::Ordering::Acquire);
+        crate::sys::io::reset_connection(fd).unwrap();
+        assert_eq!(t.join().unwrap(), crate::cq::RxSleep::Received);
+        assert_eq!(b.state(), crate::QpState::Error);
+        let mut resets = Vec::new();
+        while let Some(ev) = b.qp().device.async_events().try_get() {
+            if ev.qp_num == Some(b.qp_num()) && ev.kind == crate::AsyncEventKind::LlpReset {
+                resets.push(ev.detail.unwrap_or_default());
+            }
+        }
+        assert!(
+            resets.iter().any(|d| d.contains("reset by peer")),
+            "no reset by the peer reported: {resets:?}"
+        );
+    }
+
+    /// Another holder of the socket's open file may make it non-blocking
+    /// again: the sleep's `recv` then returns at once, which is told from
+    /// its time limit, and the connection's waiters stop sleeping in
+    /// `recv` (they would spin) and wait in `poll(2)` again.
+    #[test]
+    fn a_socket_made_non_blocking_again_ends_sleeps_in_recv() {
+        let (_a, b, _cqb, _pd) = quiet_core_pair();
+        assert_eq!(
+            b.qp().core_rx_sleep(Duration::from_millis(20)),
+            crate::cq::RxSleep::TimedOut
+        );
+        let fd = b.qp().core_fd.load(super::Ordering::Acquire);
+        crate::sys::io::set_nonblocking(fd, true).unwrap();
+        let q = b.clone();
+        let r = bounded(move || {
+            [
+                q.qp().core_rx_sleep(Duration::from_secs(600)),
+                q.qp().core_rx_sleep(Duration::from_secs(600)),
+            ]
+        });
+        assert_eq!(r, [crate::cq::RxSleep::Unable; 2]);
     }
 
     /// A pair whose both sides have their engine threads (for the batching

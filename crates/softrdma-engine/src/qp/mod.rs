@@ -462,6 +462,9 @@ pub(crate) struct QpInner {
     pub(crate) core_rx_wanted: AtomicBool,
     /// Held by whoever runs the receive path (engine thread or CQ poller).
     pub(crate) rx: Mutex<()>,
+    /// A waiter holds `rx` while it sleeps in the socket's `recv`
+    /// (`core_rx_sleep`): the receive threads do not wait for it.
+    pub(crate) core_rx_sleeping: AtomicBool,
     /// Set while the QP is registered with the receive threads.
     pub(crate) rx_registered: AtomicBool,
     /// Set while a datamover lists the QP (active or paused).
@@ -537,6 +540,7 @@ impl QueuePair {
             core_fd: std::sync::atomic::AtomicI32::new(-1),
             core_rx_wanted: AtomicBool::new(false),
             rx: Mutex::new(()),
+            core_rx_sleeping: AtomicBool::new(false),
             rx_registered: AtomicBool::new(false),
             dm_listed: AtomicBool::new(false),
             last_poll: AtomicU64::new(0),
@@ -1051,6 +1055,13 @@ impl Progress for QpInner {
             return false;
         }
         self.core_rx_readable().0
+    }
+
+    fn progress_sleep(&self, timeout: std::time::Duration) -> crate::cq::RxSleep {
+        if !self.device.config().poll_driven_receive {
+            return crate::cq::RxSleep::Unable;
+        }
+        self.core_rx_sleep(timeout)
     }
 }
 

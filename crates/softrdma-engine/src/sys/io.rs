@@ -125,12 +125,14 @@ pub(crate) fn readable_now(fd: RawFd) -> bool {
     ret != 0
 }
 
-/// One write of the list (non-blocking if the socket is). Retries on
-/// `EINTR`. On a socket it is `send(2)` (one buffer) or `sendmsg(2)` with
+/// One write of the list. Retries on `EINTR`. On a socket it is `send(2)`
+/// (one buffer) or `sendmsg(2)` with `MSG_DONTWAIT` (non-blocking whatever
+/// the descriptor's `O_NONBLOCK`, which a waiter may clear to sleep in a
+/// `recv`: see [`recv_wait`]) and
 /// `MSG_NOSIGNAL`: a peer that reset the connection gives `EPIPE`, never a
 /// `SIGPIPE` to the process (whose default action ends it — the engine
 /// writes from application threads, in programs that do not ignore it);
-/// on anything else `writev(2)`.
+/// on anything else `writev(2)` (non-blocking if the descriptor is).
 pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     if iov.v.is_empty() {
         return Ok(0);
@@ -140,6 +142,15 @@ pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
         // call without the vector's copy-in and the file layer's checks
         // (`writev(2)` on anything but a socket).
         match send_one(fd, one) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
+            r => return r,
+        }
+    } else if let Some(r) = send_gathered(fd, iov) {
+        // A few small pieces (an FPDU whose payload fits its header
+        // buffer: the header and the trailer): gathered on the stack and
+        // sent as one buffer, without `sendmsg(2)`'s header and vector
+        // copy-in (about 3 % of a 64-byte ping-pong's CPU).
+        match r {
             Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
             r => return r,
         }
@@ -161,7 +172,10 @@ pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     }
 }
 
-/// One `readv(2)` into the list. Retries on `EINTR`.
+/// One read into the list. Retries on `EINTR`. On a socket it is
+/// `recv(2)` (one buffer) or `recvmsg(2)` with `MSG_DONTWAIT`:
+/// non-blocking whatever the descriptor's `O_NONBLOCK` (see [`writev`]);
+/// on anything else `readv(2)` (non-blocking if the descriptor is).
 pub(crate) fn readv(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     if iov.v.is_empty() {
         return Ok(0);
@@ -171,6 +185,11 @@ pub(crate) fn readv(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
         // plain TCP reader makes it, without the vector's copy-in and the
         // file layer's checks (`readv(2)` on anything but a socket).
         match recv_one(fd, one) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
+            r => return r,
+        }
+    } else {
+        match recvmsg_dontwait(fd, iov) {
             Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
             r => return r,
         }
@@ -190,13 +209,18 @@ pub(crate) fn readv(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     }
 }
 
-/// One `send(2)` of one entry of an [`IoVecs`] (`MSG_NOSIGNAL`: a
-/// `write(2)` on a socket that never raises `SIGPIPE`). Retries on `EINTR`.
+/// The flags of the engine's socket writes: never a `SIGPIPE`, never a
+/// sleep (whatever the descriptor's `O_NONBLOCK`).
+const SEND_FLAGS: libc::c_int = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
+
+/// One `send(2)` of one entry of an [`IoVecs`] ([`SEND_FLAGS`]: a
+/// non-blocking `write(2)` on a socket that never raises `SIGPIPE`).
+/// Retries on `EINTR`.
 fn send_one(fd: RawFd, one: libc::iovec) -> io::Result<usize> {
     loop {
         // SAFETY: the entry points to live memory of at least `iov_len`
         // bytes (see `IoVecs`); the kernel only reads from it.
-        let ret = unsafe { libc::send(fd, one.iov_base, one.iov_len, libc::MSG_NOSIGNAL) };
+        let ret = unsafe { libc::send(fd, one.iov_base, one.iov_len, SEND_FLAGS) };
         match check(ret) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             r => return r,
@@ -204,8 +228,43 @@ fn send_one(fd: RawFd, one: libc::iovec) -> io::Result<usize> {
     }
 }
 
-/// One `sendmsg(2)` of the whole list with `MSG_NOSIGNAL` (the vectored
-/// write of a socket that never raises `SIGPIPE`). Retries on `EINTR`.
+/// The most octets [`writev`] gathers into one buffer on the stack.
+const GATHER_MAX: usize = 512;
+
+/// [`send_one`] of the list gathered into a buffer on the stack, if it is
+/// at most [`GATHER_MAX`] octets (`None` otherwise).
+fn send_gathered(fd: RawFd, iov: &IoVecs) -> Option<io::Result<usize>> {
+    let total: usize = iov.v.iter().map(|e| e.iov_len).sum();
+    if total > GATHER_MAX {
+        return None;
+    }
+    let mut buf = [0u8; GATHER_MAX];
+    let mut at = 0;
+    for e in &iov.v {
+        // SAFETY: every entry points to live memory of at least `iov_len`
+        // bytes (see `IoVecs`), and `at + iov_len <= total <= GATHER_MAX`;
+        // the bytes are copied through raw pointers (registered memory a
+        // peer may write meanwhile is never borrowed as a slice), into a
+        // buffer that does not overlap it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                e.iov_base.cast_const().cast::<u8>(),
+                buf.as_mut_ptr().add(at),
+                e.iov_len,
+            );
+        }
+        at += e.iov_len;
+    }
+    let one = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: at,
+    };
+    Some(send_one(fd, one))
+}
+
+/// One `sendmsg(2)` of the whole list with [`SEND_FLAGS`] (the vectored
+/// non-blocking write of a socket that never raises `SIGPIPE`). Retries on
+/// `EINTR`.
 fn sendmsg_nosignal(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     // SAFETY: `msghdr` is plain data; all-zero is a valid empty header
     // (no name, no control data, no flags).
@@ -216,7 +275,7 @@ fn sendmsg_nosignal(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
         // SAFETY: `msg` points at the list, whose entries point to live
         // memory of at least `iov_len` bytes (see `IoVecs`); the kernel
         // only reads from them and does not keep the pointers.
-        let ret = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+        let ret = unsafe { libc::sendmsg(fd, &msg, SEND_FLAGS) };
         match check(ret) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             r => return r,
@@ -224,19 +283,144 @@ fn sendmsg_nosignal(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     }
 }
 
-/// One `recv(2)` into one entry of an [`IoVecs`] (flags 0: the same as a
-/// `read(2)` on a socket). Retries on `EINTR`.
+/// One `recv(2)` into one entry of an [`IoVecs`] (`MSG_DONTWAIT`: a
+/// non-blocking `read(2)` on a socket). Retries on `EINTR`.
 fn recv_one(fd: RawFd, one: libc::iovec) -> io::Result<usize> {
     loop {
         // SAFETY: the entry points to live, writable memory of at least
         // `iov_len` bytes (see `readv`); the kernel copies bytes into it,
         // it never forms references.
-        let ret = unsafe { libc::recv(fd, one.iov_base, one.iov_len, 0) };
+        let ret = unsafe { libc::recv(fd, one.iov_base, one.iov_len, libc::MSG_DONTWAIT) };
         match check(ret) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             r => return r,
         }
     }
+}
+
+/// One `recvmsg(2)` into the whole list with `MSG_DONTWAIT` (the vectored
+/// non-blocking read of a socket). Retries on `EINTR`.
+fn recvmsg_dontwait(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
+    // SAFETY: `msghdr` is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.v.as_ptr().cast_mut();
+    msg.msg_iovlen = iov.v.len().min(libc::UIO_MAXIOV as usize) as _;
+    loop {
+        // SAFETY: `msg` points at the list, whose entries point to live,
+        // writable memory of at least `iov_len` bytes (see `readv`); the
+        // kernel copies bytes into them and does not keep the pointers.
+        let ret = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+        match check(ret) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+/// One `recv(2)` into `buf` that sleeps until bytes come if the socket is
+/// blocking (see [`make_blocking`]): at most its `SO_RCVTIMEO`, then
+/// `WouldBlock`. A signal handled meanwhile ends it with `Interrupted`
+/// (not retried: the caller's wait ends, as `poll(2)`'s does). On a
+/// non-blocking socket it is a non-blocking read.
+pub(crate) fn recv_wait(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is a live, writable buffer of the length passed; the
+    // kernel copies bytes into it.
+    let ret = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+    check(ret)
+}
+
+/// Whether `fd` is non-blocking (`O_NONBLOCK`; `true` if that cannot be
+/// told).
+pub(crate) fn is_nonblocking(fd: RawFd) -> bool {
+    // SAFETY: F_GETFL has no argument; `fd` is only inspected.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    fl < 0 || fl & libc::O_NONBLOCK != 0
+}
+
+/// Makes the stream socket `fd` blocking (clears `O_NONBLOCK` of its open
+/// file) with a receive time limit of `timeout` (`SO_RCVTIMEO`), for
+/// [`recv_wait`]. Every other read and write of the engine passes
+/// `MSG_DONTWAIT` ([`readv`], [`writev`]), so they stay non-blocking.
+/// Fails with `ENOTSOCK` (and changes nothing) on anything but a stream
+/// socket, whose reads could not pass `MSG_DONTWAIT`.
+pub(crate) fn make_blocking(fd: RawFd, timeout: std::time::Duration) -> io::Result<()> {
+    let mut ty: libc::c_int = 0;
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).unwrap_or(4);
+    // SAFETY: `ty` is a valid int of the size passed.
+    let ret = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_TYPE,
+            (&raw mut ty).cast(),
+            &mut len,
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if ty != libc::SOCK_STREAM {
+        return Err(io::Error::from_raw_os_error(libc::ENOTSOCK));
+    }
+    set_recv_timeout(fd, timeout)?;
+    // SAFETY: F_GETFL has no argument.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if fl < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if fl & libc::O_NONBLOCK != 0 {
+        // SAFETY: F_SETFL with an int argument.
+        if unsafe { libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Sets or clears `O_NONBLOCK` of `fd` (tests: another holder of the
+/// descriptor changes it).
+#[cfg(test)]
+pub(crate) fn set_nonblocking(fd: RawFd, on: bool) -> io::Result<()> {
+    // SAFETY: F_GETFL/F_SETFL on a descriptor the caller keeps open.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if fl < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fl = if on {
+        fl | libc::O_NONBLOCK
+    } else {
+        fl & !libc::O_NONBLOCK
+    };
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, fl) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sets `SO_RCVTIMEO` of `fd` (rounded up to whole microseconds; at least
+/// one, as zero would mean no limit).
+pub(crate) fn set_recv_timeout(fd: RawFd, timeout: std::time::Duration) -> io::Result<()> {
+    let us = timeout.as_micros().max(1);
+    let tv = libc::timeval {
+        tv_sec: libc::time_t::try_from(us / 1_000_000).unwrap_or(libc::time_t::MAX),
+        tv_usec: (us % 1_000_000) as libc::suseconds_t,
+    };
+    let len = libc::socklen_t::try_from(std::mem::size_of::<libc::timeval>()).unwrap_or(16);
+    // SAFETY: `tv` is a valid `struct timeval` of the size passed.
+    let ret = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&raw const tv).cast(),
+            len,
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Feeds `len` bytes at `offset` of `mem` to a CRC; `false` if the range is
@@ -546,5 +730,153 @@ mod tests {
         assert_eq!(readv(r.as_raw_fd(), &iov).unwrap(), 4);
         iov.clear();
         assert_eq!(&buf[..4], b"pipe");
+    }
+
+    /// Runs `f` on a thread of its own; fails if it has not returned
+    /// within a minute (a call that blocked would hang the test).
+    fn bounded<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .expect("a call blocked")
+    }
+
+    /// Once a waiter made the socket blocking (to sleep in `recv_wait`),
+    /// every other read and write of the engine still returns at once:
+    /// they pass `MSG_DONTWAIT` (one buffer and several).
+    #[test]
+    fn engine_reads_and_writes_never_block_on_a_blocking_socket() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        make_blocking(b.as_raw_fd(), std::time::Duration::from_secs(600)).unwrap();
+        assert!(!is_nonblocking(b.as_raw_fd()));
+        let kinds = bounded(move || {
+            let mut x = [0u8; 16];
+            let mut y = [0u8; 16];
+            let mut one = IoVecs::new();
+            one.push_slice_mut(&mut x);
+            let r1 = readv(b.as_raw_fd(), &one).unwrap_err().kind();
+            let mut two = IoVecs::new();
+            two.push_slice_mut(&mut x);
+            two.push_slice_mut(&mut y);
+            let r2 = readv(b.as_raw_fd(), &two).unwrap_err().kind();
+            // Writes until the socket is full: one buffer, then two.
+            let big = vec![1u8; 64 * 1024];
+            let mut out = IoVecs::new();
+            out.push_slice(&big);
+            let w1 = loop {
+                match writev(b.as_raw_fd(), &out) {
+                    Ok(_) => continue,
+                    Err(e) => break e.kind(),
+                }
+            };
+            let mut out2 = IoVecs::new();
+            out2.push_slice(&big[..10]);
+            out2.push_slice(&big[..10]);
+            let w2 = writev(b.as_raw_fd(), &out2).unwrap_err().kind();
+            drop(a);
+            [r1, r2, w1, w2]
+        });
+        assert_eq!(kinds, [io::ErrorKind::WouldBlock; 4]);
+    }
+
+    /// `recv_wait` sleeps until bytes come, at most the socket's time
+    /// limit (then `WouldBlock`), and returns 0 at the end of the stream.
+    #[test]
+    fn recv_wait_sleeps_until_bytes_or_its_time_limit() {
+        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        make_blocking(b.as_raw_fd(), std::time::Duration::from_millis(20)).unwrap();
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            recv_wait(b.as_raw_fd(), &mut buf).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock
+        );
+        make_blocking(b.as_raw_fd(), std::time::Duration::from_secs(600)).unwrap();
+        let t = std::thread::spawn(move || {
+            let mut buf = [0u8; 8];
+            let n = recv_wait(b.as_raw_fd(), &mut buf).unwrap();
+            let end = recv_wait(b.as_raw_fd(), &mut buf[n..]).unwrap();
+            (buf, n, end)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        a.write_all(b"wake").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        drop(a);
+        let (buf, n, end) = t.join().unwrap();
+        assert_eq!((&buf[..n], end), (&b"wake"[..], 0));
+    }
+
+    /// Only a stream socket is made blocking: a pipe (whose reads could
+    /// not pass `MSG_DONTWAIT`) and a datagram socket stay as they are.
+    #[test]
+    fn make_blocking_refuses_what_is_no_stream_socket() {
+        let mut fds = [0; 2];
+        // SAFETY: `pipe2` fills the two descriptors, owned below.
+        let made = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK) };
+        assert_eq!(made, 0);
+        // SAFETY: both descriptors were just made and are owned once.
+        let (r, _w) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::fs::File::from_raw_fd(fds[1]),
+            )
+        };
+        let e = make_blocking(r.as_raw_fd(), std::time::Duration::from_secs(1)).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOTSOCK));
+        assert!(is_nonblocking(r.as_raw_fd()));
+        let u = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        u.set_nonblocking(true).unwrap();
+        let e = make_blocking(u.as_raw_fd(), std::time::Duration::from_secs(1)).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOTSOCK));
+        assert!(is_nonblocking(u.as_raw_fd()));
+    }
+
+    /// Several pieces go out byte-exact and in order whether they are
+    /// gathered on the stack and sent as one buffer (at most
+    /// `GATHER_MAX` octets), sent with `sendmsg` (more), or written with
+    /// `writev` (a pipe, no socket).
+    #[test]
+    fn small_and_large_lists_of_pieces_arrive_byte_exact() {
+        let data: Vec<u8> = (0..2048u32).map(|i| (i * 7 + i / 256) as u8).collect();
+        for sizes in [
+            &[14usize, 4][..],
+            &[100, 1, 50, 300],
+            &[GATHER_MAX - 1, 1],
+            &[GATHER_MAX, 1],
+            &[700, 900],
+        ] {
+            let total: usize = sizes.iter().sum();
+            let mut out = IoVecs::new();
+            let mut at = 0;
+            for &n in sizes {
+                out.push_slice(&data[at..at + n]);
+                at += n;
+            }
+            let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+            assert_eq!(writev(b.as_raw_fd(), &out).unwrap(), total, "{sizes:?}");
+            let mut got = vec![0u8; total];
+            a.read_exact(&mut got).unwrap();
+            assert_eq!(got, data[..total], "{sizes:?}");
+
+            let mut fds = [0; 2];
+            // SAFETY: `pipe` fills the two descriptors, owned below.
+            let made = unsafe { libc::pipe(fds.as_mut_ptr()) };
+            assert_eq!(made, 0);
+            // SAFETY: both descriptors were just made and are owned once.
+            let (mut r, w) = unsafe {
+                use std::os::fd::FromRawFd;
+                (
+                    std::fs::File::from_raw_fd(fds[0]),
+                    std::fs::File::from_raw_fd(fds[1]),
+                )
+            };
+            assert_eq!(writev(w.as_raw_fd(), &out).unwrap(), total, "{sizes:?}");
+            drop(w);
+            let mut got = Vec::new();
+            r.read_to_end(&mut got).unwrap();
+            assert_eq!(got, data[..total], "pipe {sizes:?}");
+        }
     }
 }
