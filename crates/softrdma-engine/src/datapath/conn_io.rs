@@ -133,6 +133,10 @@ pub(crate) struct RxIo {
     small: bool,
     /// The last read came back short.
     drained_hint: bool,
+    /// A short payload next is read straight into place too: the last
+    /// read filled all it asked for (the socket likely holds more), or
+    /// ended inside the payload it read into place (see [`Self::step`]).
+    direct_next: bool,
     iov: IoVecs,
     /// Bytes read from the socket.
     pub(crate) bytes_received: u64,
@@ -153,6 +157,7 @@ impl RxIo {
             end: n,
             small: true,
             drained_hint: false,
+            direct_next: false,
             iov: IoVecs::new(),
             bytes_received: 0,
             bytes_placed: 0,
@@ -217,8 +222,19 @@ impl RxIo {
             let want = conn.rx_want();
             let got = match want {
                 RxWant::Closed => return RxStep::Stop(RxStop::Done),
-                RxWant::Place { dst } if dst.len >= DIRECT_MIN => {
-                    self.small = false;
+                // A short payload is read into place as well (with the
+                // read-ahead after it, `small` unchanged) when the socket
+                // likely holds more or it continues a direct read: read
+                // through the staging buffer, the large FPDUs after it
+                // would be copied through the buffer, each 32 KiB read
+                // ending a few bytes further into the next FPDU's payload,
+                // for a whole message or more (a 1 MiB Write of 32 744-byte
+                // payloads ends with an 808-byte FPDU; with 16 KiB
+                // payloads every read is two FPDUs and 40 bytes).
+                RxWant::Place { dst } if dst.len >= DIRECT_MIN || self.direct_next => {
+                    if dst.len >= DIRECT_MIN {
+                        self.small = false;
+                    }
                     let mut iov = std::mem::take(&mut self.iov);
                     iov.clear();
                     if iov.push_mem(&dst.region, dst.offset, dst.len) {
@@ -264,6 +280,7 @@ impl RxIo {
         self.end = 0;
         let r = r.inspect(|&n| {
             let placed = n.min(dst.len);
+            self.direct_next = n >= dst.len + READAHEAD_LARGE || (n > 0 && placed < dst.len);
             let took = conn.handle_rx_placed_in(placed, mem);
             self.bytes_placed += took as u64;
             self.end = n - placed;
@@ -314,6 +331,7 @@ impl RxIo {
         self.iov.clear();
         if let Ok(n) = r {
             self.drained_hint = n > 0 && n < limit;
+            self.direct_next = n == limit;
             self.end = n;
         }
         r

@@ -554,3 +554,57 @@ fn max_payload_for_mss_keeps_one_fpdu_per_segment() {
     }
     assert_eq!(max_payload_for_mss(0), 64);
 }
+
+/// Regression: a Write whose last FPDU is short (the 808-byte tail of a
+/// 1 MiB Write in 32 744-byte FPDUs) switched the reader to reading the
+/// whole staging buffer, and the large FPDUs of the next Writes were then
+/// copied through it, each 32 KiB read ending a few bytes further into
+/// the next FPDU's payload, for a whole message or more. What is left of a
+/// payload that continues one read straight into place is now read into
+/// place too; only the first read (before any large payload is known) and
+/// the read-ahead after each direct read go through the staging buffer.
+#[test]
+fn writes_after_a_short_last_fpdu_are_placed_not_copied() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    const FPDU: usize = 16 * 1024;
+    const FIRST: usize = 2 * FPDU + 600;
+    const NEXT: usize = 6 * FPDU;
+    const AT: usize = 256 * 1024;
+    let src = region(&pa, AT + NEXT, 1);
+    let dst = region(&pb, AT + NEXT, 2);
+    let (sa, sb) = sockets();
+    let mut a = Side::new(config(false), sa);
+    let mut b = Side::new(config(false), sb);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    let first = sge(&src, 0, FIRST as u32);
+    let next = sge(&src, AT as u64, NEXT as u32);
+    for (id, sgl, at) in [(1, &first, 0), (2, &next, AT), (3, &next, AT)] {
+        let mut wr = SendWr::new(
+            id,
+            SendOp::Write {
+                rkey: dst.rkey(),
+                remote_addr: dst.addr() + at as u64,
+                imm: None,
+            },
+            sgl,
+        );
+        wr.signaled = true;
+        a.conn.post_send(&wr, &mut ma).unwrap();
+    }
+    run(&mut a, &mut ma, &mut b, &mut mb, |a, b| {
+        a.done.len() >= 3 && b.rx.bytes_received >= (FIRST + 2 * NEXT) as u64
+    });
+    let (s, d) = (src.to_vec(), dst.to_vec());
+    assert_eq!(first_diff(&d[..FIRST], &s[..FIRST]), None);
+    assert_eq!(first_diff(&d[AT..], &s[AT..]), None);
+    let payload = (FIRST + 2 * NEXT) as u64;
+    let copied = payload - b.rx.bytes_placed;
+    // The first staging read (at most 32 KiB) and up to 256 bytes of
+    // read-ahead per FPDU (15 FPDUs).
+    assert!(
+        copied <= (STAGING + 15 * READAHEAD_LARGE) as u64,
+        "{copied} of {payload} payload bytes copied through the staging buffer"
+    );
+}
