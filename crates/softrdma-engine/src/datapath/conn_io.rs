@@ -40,6 +40,18 @@ use crate::sys::mem::Memory;
 const STAGING: usize = 32 * 1024;
 /// Payloads at least this long are read straight into their destination.
 const DIRECT_MIN: usize = 1024;
+/// A read while the reader is behind: the staging buffer grows to this.
+const BATCH: usize = 256 * 1024;
+/// Direct reads in a row that came back full (the socket held at least
+/// the payload and its read-ahead) that say the reader is behind.
+const BEHIND_READS: u32 = 4;
+
+/// Whether a reader that is behind reads in batches of [`BATCH`] bytes
+/// (`SOFTRDMA_RX_BATCH=0` turns it off; read once).
+fn rx_batch_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SOFTRDMA_RX_BATCH").map_or(true, |v| v.trim() != "0"))
+}
 /// Bytes read ahead of a large payload (its trailer and the next header).
 const READAHEAD_LARGE: usize = 256;
 /// FPDUs with at most this many payload bytes are copied into one buffer.
@@ -90,33 +102,41 @@ pub(crate) enum RxStop {
 pub(crate) enum RxStep {
     /// Receiving stopped.
     Stop(RxStop),
-    /// A payload to read straight into registered memory.
+    /// A payload to read straight into registered memory, or a batch to
+    /// read into the staging buffer.
     Direct(DirectRead),
 }
 
 /// One `readv` of a payload straight into its destination plus the
-/// read-ahead after it, taken out of [`RxIo`] so that it can run without
-/// the connection's lock (the `Arc<Memory>` of `dst` keeps the memory
-/// mapped; the staging buffer moves with it).
+/// read-ahead after it, or of a batch into the staging buffer, taken out
+/// of [`RxIo`] so that it can run without the connection's lock (the
+/// `Arc<Memory>` of `dst` keeps the memory mapped; the staging buffer
+/// moves with it).
 #[derive(Debug)]
 pub(crate) struct DirectRead {
-    dst: Span<Arc<Memory>>,
+    /// Where the payload goes; `None` for a batch ([`BATCH`] bytes into
+    /// the staging buffer).
+    dst: Option<Span<Arc<Memory>>>,
     buf: Vec<u8>,
     iov: IoVecs,
 }
 
 impl DirectRead {
-    /// The `readv`: payload bytes first, then up to 256 bytes of read-ahead.
+    /// The `readv`: payload bytes first, then up to 256 bytes of
+    /// read-ahead; or a batch.
     pub(crate) fn read(&mut self, fd: RawFd) -> io::Result<usize> {
         self.iov.clear();
-        let r = if self
-            .iov
-            .push_mem(&self.dst.region, self.dst.offset, self.dst.len)
-        {
-            self.iov.push_slice_mut(&mut self.buf[..READAHEAD_LARGE]);
-            readv(fd, &self.iov)
-        } else {
-            Err(io::ErrorKind::InvalidInput.into())
+        let r = match &self.dst {
+            Some(dst) if self.iov.push_mem(&dst.region, dst.offset, dst.len) => {
+                self.iov.push_slice_mut(&mut self.buf[..READAHEAD_LARGE]);
+                readv(fd, &self.iov)
+            }
+            Some(_) => Err(io::ErrorKind::InvalidInput.into()),
+            None => {
+                let n = BATCH.min(self.buf.len());
+                self.iov.push_slice_mut(&mut self.buf[..n]);
+                readv(fd, &self.iov)
+            }
         };
         self.iov.clear();
         r
@@ -137,6 +157,17 @@ pub(crate) struct RxIo {
     /// read filled all it asked for (the socket likely holds more), or
     /// ended inside the payload it read into place (see [`Self::step`]).
     direct_next: bool,
+    /// Direct reads in a row that came back full.
+    full_reads: u32,
+    /// Batched reads are allowed ([`rx_batch_on`]).
+    batch: bool,
+    /// The last read was a batch that came back full: read the next one
+    /// as a batch too.
+    batching: bool,
+    /// Batched reads made.
+    pub(crate) batches: u64,
+    /// Reads made (each `readv`/`recv` on the socket).
+    pub(crate) reads: u64,
     iov: IoVecs,
     /// Bytes read from the socket.
     pub(crate) bytes_received: u64,
@@ -158,6 +189,11 @@ impl RxIo {
             small: true,
             drained_hint: false,
             direct_next: false,
+            full_reads: 0,
+            batch: rx_batch_on(),
+            batching: false,
+            batches: 0,
+            reads: 0,
             iov: IoVecs::new(),
             bytes_received: 0,
             bytes_placed: 0,
@@ -220,6 +256,30 @@ impl RxIo {
             self.start = 0;
             self.end = 0;
             let want = conn.rx_want();
+            // A reader that is behind (its direct reads of large payloads
+            // keep coming back full) reads the socket in batches through
+            // the staging buffer, copying the payloads, until a batch
+            // comes back short: each read of one FPDU frees the window
+            // from about zero, which makes TCP send a window update at once
+            // and the sender's queued bytes go out in segments of one FPDU;
+            // a batch frees a quarter of a MiB at once
+            // (`docs/core-path-performance.md`).
+            if self.batch
+                && (self.batching && !matches!(want, RxWant::Closed)
+                    || self.full_reads >= BEHIND_READS
+                        && matches!(&want, RxWant::Place { dst } if dst.len >= DIRECT_MIN))
+            {
+                if self.buf.len() < BATCH {
+                    self.buf.resize(BATCH, 0);
+                }
+                self.full_reads = 0;
+                self.batches += 1;
+                return RxStep::Direct(DirectRead {
+                    dst: None,
+                    buf: std::mem::take(&mut self.buf),
+                    iov: std::mem::take(&mut self.iov),
+                });
+            }
             let got = match want {
                 RxWant::Closed => return RxStep::Stop(RxStop::Done),
                 // A short payload is read into place as well (with the
@@ -240,7 +300,7 @@ impl RxIo {
                     if iov.push_mem(&dst.region, dst.offset, dst.len) {
                         iov.clear();
                         return RxStep::Direct(DirectRead {
-                            dst,
+                            dst: Some(dst),
                             buf: std::mem::take(&mut self.buf),
                             iov,
                         });
@@ -274,13 +334,27 @@ impl RxIo {
         now: u64,
     ) -> Option<RxStop> {
         let DirectRead { dst, buf, iov } = d;
+        self.reads += 1;
         self.buf = buf;
         self.iov = iov;
         self.start = 0;
         self.end = 0;
+        let Some(dst) = dst else {
+            // A batch: a full one keeps the reader batching, a short one
+            // (the socket is drained) sends it back to direct reads.
+            let r = r.inspect(|&n| {
+                self.batching = n == BATCH;
+                self.drained_hint = n > 0 && n < BATCH;
+                self.direct_next = false;
+                self.end = n;
+            });
+            return self.after_read(conn, r, now);
+        };
         let r = r.inspect(|&n| {
             let placed = n.min(dst.len);
-            self.direct_next = n >= dst.len + READAHEAD_LARGE || (n > 0 && placed < dst.len);
+            let full = n >= dst.len + READAHEAD_LARGE;
+            self.direct_next = full || (n > 0 && placed < dst.len);
+            self.full_reads = if full { self.full_reads + 1 } else { 0 };
             let took = conn.handle_rx_placed_in(placed, mem);
             self.bytes_placed += took as u64;
             self.end = n - placed;
@@ -320,14 +394,12 @@ impl RxIo {
         if self.drained_hint {
             return Err(io::ErrorKind::WouldBlock.into());
         }
-        let limit = if self.small {
-            self.buf.len()
-        } else {
-            READAHEAD_LARGE
-        };
+        self.batching = false;
+        let limit = if self.small { STAGING } else { READAHEAD_LARGE };
         self.iov.clear();
         self.iov.push_slice_mut(&mut self.buf[..limit]);
         let r = readv(fd, &self.iov);
+        self.reads += 1;
         self.iov.clear();
         if let Ok(n) = r {
             self.drained_hint = n > 0 && n < limit;

@@ -576,6 +576,8 @@ fn writes_after_a_short_last_fpdu_are_placed_not_copied() {
     let (sa, sb) = sockets();
     let mut a = Side::new(config(false), sa);
     let mut b = Side::new(config(false), sb);
+    // Direct reads only (a reader that is behind would read in batches).
+    b.rx.batch = false;
     let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
     let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
     let first = sge(&src, 0, FIRST as u32);
@@ -607,4 +609,75 @@ fn writes_after_a_short_last_fpdu_are_placed_not_copied() {
         copied <= (STAGING + 15 * READAHEAD_LARGE) as u64,
         "{copied} of {payload} payload bytes copied through the staging buffer"
     );
+}
+
+/// A reader that is behind (the socket full of large FPDUs) reads it in
+/// batches: far fewer reads than FPDUs, every byte in place, each Write
+/// complete once. With batching off the same backlog takes at least one
+/// read per FPDU.
+#[test]
+fn a_reader_that_is_behind_reads_in_batches() {
+    for batch in [true, false] {
+        let dev = device();
+        let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+        const MIB: usize = 1 << 20;
+        const WRITES: usize = 4;
+        let src = region(&pa, WRITES * MIB, 1);
+        let dst = region(&pb, WRITES * MIB, 2);
+        let (sa, sb) = sockets();
+        let mut a = Side::new(config(false), sa);
+        let mut b = Side::new(config(false), sb);
+        b.rx.batch = batch;
+        let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+        let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+        for i in 0..WRITES {
+            let w = sge(&src, (i * MIB) as u64, MIB as u32);
+            let mut wr = SendWr::new(
+                i as u64,
+                SendOp::Write {
+                    rkey: dst.rkey(),
+                    remote_addr: dst.addr() + (i * MIB) as u64,
+                    imm: None,
+                },
+                &w,
+            );
+            wr.signaled = true;
+            a.conn.post_send(&wr, &mut ma).unwrap();
+        }
+        // The writer fills the socket before the reader reads.
+        let fd_a = a.sock.as_raw_fd();
+        while !matches!(
+            a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX),
+            TxStop::WouldBlock | TxStop::Idle
+        ) {}
+        run(&mut a, &mut ma, &mut b, &mut mb, |a, b| {
+            a.done.len() >= WRITES && b.rx.bytes_received >= (WRITES * MIB) as u64
+        });
+        let (s, d) = (src.to_vec(), dst.to_vec());
+        assert_eq!(first_diff(&d, &s), None, "batch {batch}");
+        let ids: Vec<_> = a.done.iter().map(|c| (c.wr_id, c.status)).collect();
+        let want: Vec<_> = (0..WRITES as u64).map(|i| (i, WcStatus::Success)).collect();
+        assert_eq!(ids, want, "batch {batch}");
+        let fpdus = (WRITES * MIB / (16 * 1024)) as u64;
+        eprintln!(
+            "batch {batch}: {} reads, {} batches, {fpdus} FPDUs",
+            b.rx.reads, b.rx.batches
+        );
+        if batch {
+            assert!(b.rx.batches > 0, "no batch");
+            assert!(
+                b.rx.reads < fpdus / 2,
+                "{} reads for {fpdus} FPDUs ({} batches)",
+                b.rx.reads,
+                b.rx.batches
+            );
+        } else {
+            assert_eq!(b.rx.batches, 0);
+            assert!(
+                b.rx.reads >= fpdus,
+                "{} reads for {fpdus} FPDUs",
+                b.rx.reads
+            );
+        }
+    }
 }
