@@ -613,11 +613,11 @@ fn writes_after_a_short_last_fpdu_are_placed_not_copied() {
 
 /// A reader that is behind (the socket full of large FPDUs) reads it in
 /// batches: far fewer reads than FPDUs, every byte in place, each Write
-/// complete once. With batching off the same backlog takes at least one
-/// read per FPDU.
+/// complete once, with and without the CRC. With batching off the same
+/// backlog takes at least one read per FPDU.
 #[test]
 fn a_reader_that_is_behind_reads_in_batches() {
-    for batch in [true, false] {
+    for (batch, crc) in [(true, false), (true, true), (false, false)] {
         let dev = device();
         let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
         const MIB: usize = 1 << 20;
@@ -625,8 +625,8 @@ fn a_reader_that_is_behind_reads_in_batches() {
         let src = region(&pa, WRITES * MIB, 1);
         let dst = region(&pb, WRITES * MIB, 2);
         let (sa, sb) = sockets();
-        let mut a = Side::new(config(false), sa);
-        let mut b = Side::new(config(false), sb);
+        let mut a = Side::new(config(crc), sa);
+        let mut b = Side::new(config(crc), sb);
         b.rx.batch = batch;
         let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
         let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
@@ -654,13 +654,13 @@ fn a_reader_that_is_behind_reads_in_batches() {
             a.done.len() >= WRITES && b.rx.bytes_received >= (WRITES * MIB) as u64
         });
         let (s, d) = (src.to_vec(), dst.to_vec());
-        assert_eq!(first_diff(&d, &s), None, "batch {batch}");
+        assert_eq!(first_diff(&d, &s), None, "batch {batch}, crc {crc}");
         let ids: Vec<_> = a.done.iter().map(|c| (c.wr_id, c.status)).collect();
         let want: Vec<_> = (0..WRITES as u64).map(|i| (i, WcStatus::Success)).collect();
-        assert_eq!(ids, want, "batch {batch}");
+        assert_eq!(ids, want, "batch {batch}, crc {crc}");
         let fpdus = (WRITES * MIB / (16 * 1024)) as u64;
         eprintln!(
-            "batch {batch}: {} reads, {} batches, {fpdus} FPDUs",
+            "batch {batch}, crc {crc}: {} reads, {} batches, {fpdus} FPDUs",
             b.rx.reads, b.rx.batches
         );
         if batch {
