@@ -154,8 +154,10 @@ pub(crate) struct RxIo {
     /// The last read came back short.
     drained_hint: bool,
     /// A short payload next is read straight into place too: the last
-    /// read filled all it asked for (the socket likely holds more), or
-    /// ended inside the payload it read into place (see [`Self::step`]).
+    /// read was a direct read of a large payload that came back full (the
+    /// socket likely holds more), or a full read of the read-ahead after
+    /// one, or a direct read that ended inside its payload (see
+    /// [`Self::step`]).
     direct_next: bool,
     /// Direct reads in a row that came back full.
     full_reads: u32,
@@ -282,15 +284,15 @@ impl RxIo {
             }
             let got = match want {
                 RxWant::Closed => return RxStep::Stop(RxStop::Done),
-                // A short payload is read into place as well (with the
-                // read-ahead after it, `small` unchanged) when the socket
-                // likely holds more or it continues a direct read: read
-                // through the staging buffer, the large FPDUs after it
-                // would be copied through the buffer, each 32 KiB read
-                // ending a few bytes further into the next FPDU's payload,
-                // for a whole message or more (a 1 MiB Write of 32 744-byte
-                // payloads ends with an 808-byte FPDU; with 16 KiB
-                // payloads every read is two FPDUs and 40 bytes).
+                // A short payload after a direct read of a large one (the
+                // last FPDU of a large message; what is left after a short
+                // read) is read into place as well, with the read-ahead
+                // after it and `small` unchanged: read through the whole
+                // staging buffer, the large FPDUs after it would be copied
+                // through the buffer, each 32 KiB read ending a few bytes
+                // further into the next FPDU's payload, for a whole
+                // message or more (a 1 MiB Write of 32 744-byte payloads
+                // ends with an 808-byte FPDU; see `direct_next`).
                 RxWant::Place { dst } if dst.len >= DIRECT_MIN || self.direct_next => {
                     if dst.len >= DIRECT_MIN {
                         self.small = false;
@@ -353,7 +355,10 @@ impl RxIo {
         let r = r.inspect(|&n| {
             let placed = n.min(dst.len);
             let full = n >= dst.len + READAHEAD_LARGE;
-            self.direct_next = full || (n > 0 && placed < dst.len);
+            // Not after a full read of a short payload: messages of a few
+            // hundred bytes would each be read that way, one `readv` per
+            // message instead of a 32 KiB read for dozens.
+            self.direct_next = (full && dst.len >= DIRECT_MIN) || (n > 0 && placed < dst.len);
             self.full_reads = if full { self.full_reads + 1 } else { 0 };
             let took = conn.handle_rx_placed_in(placed, mem);
             self.bytes_placed += took as u64;
@@ -403,7 +408,7 @@ impl RxIo {
         self.iov.clear();
         if let Ok(n) = r {
             self.drained_hint = n > 0 && n < limit;
-            self.direct_next = n == limit;
+            self.direct_next = n == limit && !self.small;
             self.end = n;
         }
         r
