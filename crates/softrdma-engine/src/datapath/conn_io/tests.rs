@@ -754,3 +754,73 @@ fn a_reader_that_is_behind_reads_in_batches() {
         }
     }
 }
+
+/// A batch is read without the connection's lock like a direct read; a
+/// reset meanwhile makes the connection take none of its bytes, and
+/// receiving stops.
+#[test]
+fn a_batch_read_after_a_reset_takes_nothing_and_stops() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    const MIB: usize = 1 << 20;
+    let src = region(&pa, MIB, 1);
+    let dst = region(&pb, MIB, 2);
+    let (sa, sb) = sockets();
+    let mut a = Side::new(config(false), sa);
+    let mut b = Side::new(config(false), sb);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    let w = sge(&src, 0, MIB as u32);
+    let wr = SendWr::new(
+        1,
+        SendOp::Write {
+            rkey: dst.rkey(),
+            remote_addr: dst.addr(),
+            imm: None,
+        },
+        &w,
+    );
+    a.conn.post_send(&wr, &mut ma).unwrap();
+    let (fd_a, fd) = (a.sock.as_raw_fd(), b.sock.as_raw_fd());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    b.rx.begin();
+    // Direct reads (each into place) until the reader is behind and the
+    // next read is a batch.
+    let mut d = loop {
+        assert!(Instant::now() < deadline, "no batch");
+        let _ = a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX);
+        match b.rx.step(&mut b.conn, &mut mb, fd, 1) {
+            RxStep::Direct(d) if d.dst.is_none() => break d,
+            RxStep::Direct(mut d) => {
+                let r = d.read(fd);
+                if let Some(s) = b.rx.placed(&mut b.conn, &mut mb, d, r, 1) {
+                    assert!(matches!(s, RxStop::Drained), "{s:?}");
+                    b.rx.begin();
+                }
+            }
+            RxStep::Stop(RxStop::Drained) => {
+                b.rx.begin();
+                std::thread::yield_now();
+            }
+            RxStep::Stop(s) => panic!("stopped: {s:?}"),
+        }
+    };
+    let placed = b.rx.bytes_placed;
+    b.conn.handle_reset();
+    let r = loop {
+        let _ = a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX);
+        match d.read(fd) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+            r => break r,
+        }
+    };
+    assert!(*r.as_ref().unwrap() > 0);
+    let stop = b.rx.placed(&mut b.conn, &mut mb, d, r, 1);
+    let next = match stop {
+        Some(s) => RxStep::Stop(s),
+        None => b.rx.step(&mut b.conn, &mut mb, fd, 1),
+    };
+    assert!(matches!(next, RxStep::Stop(RxStop::Done)), "{next:?}");
+    assert_eq!(b.rx.bytes_placed, placed);
+    assert_eq!(b.rx.batches, 1);
+}
