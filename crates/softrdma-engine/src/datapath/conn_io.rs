@@ -9,7 +9,13 @@
 //!   into the destination of a payload of at least 1 KiB plus a read-ahead
 //!   of the bytes after it (`handle_rx_placed_in`: the placed bytes are
 //!   reported by length, the CRC fed from registered memory), and no
-//!   `read` after a short one (the socket is very likely empty).
+//!   `read` after a short one (the socket is very likely empty). A short
+//!   payload after a direct read of a large one (a large message's last
+//!   FPDU) is read into place too. A reader that is behind (four direct
+//!   reads in a row came back full) reads 256 KiB batches into the
+//!   staging buffer until one comes back short: one window update per
+//!   batch instead of one per FPDU (`SOFTRDMA_RX_BATCH=0` turns it off;
+//!   `docs/core-path-performance.md`).
 //! * [`TxIo`] frames with `poll_transmit` into a queue of FPDUs and writes
 //!   them with one `writev` (several messages per call), payloads by
 //!   reference into registered memory; FPDUs of at most [`COPY_MAX`]
@@ -45,13 +51,6 @@ const BATCH: usize = 256 * 1024;
 /// Direct reads in a row that came back full (the socket held at least
 /// the payload and its read-ahead) that say the reader is behind.
 const BEHIND_READS: u32 = 4;
-
-/// Whether a reader that is behind reads in batches of [`BATCH`] bytes
-/// (`SOFTRDMA_RX_BATCH=0` turns it off; read once).
-fn rx_batch_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SOFTRDMA_RX_BATCH").map_or(true, |v| v.trim() != "0"))
-}
 /// Bytes read ahead of a large payload (its trailer and the next header).
 const READAHEAD_LARGE: usize = 256;
 /// FPDUs with at most this many payload bytes are copied into one buffer.
@@ -61,6 +60,13 @@ const MAX_OUT: usize = 32;
 /// Bytes written between two looks at the socket's MSS (one
 /// `getsockopt` per 256 KiB: nothing beside the writes).
 pub(crate) const MSS_EVERY: u64 = 256 * 1024;
+
+/// Whether a reader that is behind reads in batches of [`BATCH`] bytes
+/// (`SOFTRDMA_RX_BATCH=0` turns it off; read once).
+fn rx_batch_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SOFTRDMA_RX_BATCH").map_or(true, |v| v.trim() != "0"))
+}
 
 /// Whether the transmitter follows the socket's MSS: only with
 /// `SOFTRDMA_FPDU_FOLLOW_MSS=1` (read once). Off by default: FPDUs keep
