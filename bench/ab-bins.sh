@@ -13,6 +13,8 @@
 #   slat    perf send --lat -s 8 -n 5000             one-way µs: mean, p50, p99
 #   wlat    perf write --lat -s 8 -n 5000            one-way µs: mean, p50, p99
 #   wlat1m  perf write --lat -s 1M -n 200            one-way µs: mean, p50, p99
+#   slat64k perf send --lat -s 64K -n 2000           one-way µs: mean, p50, p99
+#   wlat64k perf write --lat -s 64K -n 2000          one-way µs: mean, p50, p99
 #   rate    perf send -s 8 -n 200000                 Mmsg/s, CPU µs/msg
 # --load N keeps N CPUs busy with a CPU hog (`bash -c 'while :; do :; done'`,
 # hog i pinned to CPU i mod nproc) for the whole comparison, both sides and
@@ -62,10 +64,11 @@ run() { # side test
     write)
         out=$(timeout 120 "${cmd[@]}" perf write -s 1M -n 500 --baseline tcp --json 2>/dev/null | tail -1) || out=
         echo "$side $t load=$la mb_s=$(field "$out" mb_s) tcp_mb_s=$(field "$out" tcp_mb_s) ratio=$(field "$out" ratio) cpu_us=$(field "$out" cpu_us_per_msg)" ;;
-    slat | wlat | wlat1m)
+    slat | wlat | wlat1m | slat64k | wlat64k)
         local op=send size=8 n=5000
-        [ "$t" = slat ] || op=write
+        case $t in wlat*) op=write ;; esac
         [ "$t" = wlat1m ] && { size=1M; n=200; }
+        case $t in *64k) size=64K; n=2000 ;; esac
         out=$(timeout 120 "${cmd[@]}" perf $op --lat -s $size -n $n --json 2>/dev/null | tail -1) || out=
         echo "$side $t load=$la mean=$(field "$out" lat_mean_us) p50=$(field "$out" lat_p50_us) p99=$(field "$out" lat_p99_us) cpu_us=$(field "$out" cpu_us_per_msg)" ;;
     rate)

@@ -9,7 +9,13 @@
 //!   into the destination of a payload of at least 1 KiB plus a read-ahead
 //!   of the bytes after it (`handle_rx_placed_in`: the placed bytes are
 //!   reported by length, the CRC fed from registered memory), and no
-//!   `read` after a short one (the socket is very likely empty).
+//!   `read` after a short one (the socket is very likely empty). A short
+//!   payload after a direct read of a large one (a large message's last
+//!   FPDU) is read into place too. A reader that is behind (four direct
+//!   reads in a row came back full) reads 256 KiB batches into the
+//!   staging buffer until one comes back short: one window update per
+//!   batch instead of one per FPDU (`SOFTRDMA_RX_BATCH=0` turns it off;
+//!   `docs/core-path-performance.md`).
 //! * [`TxIo`] frames with `poll_transmit` into a queue of FPDUs and writes
 //!   them with one `writev` (several messages per call), payloads by
 //!   reference into registered memory; FPDUs of at most [`COPY_MAX`]
@@ -40,6 +46,11 @@ use crate::sys::mem::Memory;
 const STAGING: usize = 32 * 1024;
 /// Payloads at least this long are read straight into their destination.
 const DIRECT_MIN: usize = 1024;
+/// A read while the reader is behind: the staging buffer grows to this.
+const BATCH: usize = 256 * 1024;
+/// Direct reads in a row that came back full (the socket held at least
+/// the payload and its read-ahead) that say the reader is behind.
+const BEHIND_READS: u32 = 4;
 /// Bytes read ahead of a large payload (its trailer and the next header).
 const READAHEAD_LARGE: usize = 256;
 /// FPDUs with at most this many payload bytes are copied into one buffer.
@@ -49,6 +60,13 @@ const MAX_OUT: usize = 32;
 /// Bytes written between two looks at the socket's MSS (one
 /// `getsockopt` per 256 KiB: nothing beside the writes).
 pub(crate) const MSS_EVERY: u64 = 256 * 1024;
+
+/// Whether a reader that is behind reads in batches of [`BATCH`] bytes
+/// (`SOFTRDMA_RX_BATCH=0` turns it off; read once).
+fn rx_batch_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SOFTRDMA_RX_BATCH").map_or(true, |v| v.trim() != "0"))
+}
 
 /// Whether the transmitter follows the socket's MSS: only with
 /// `SOFTRDMA_FPDU_FOLLOW_MSS=1` (read once). Off by default: FPDUs keep
@@ -90,33 +108,41 @@ pub(crate) enum RxStop {
 pub(crate) enum RxStep {
     /// Receiving stopped.
     Stop(RxStop),
-    /// A payload to read straight into registered memory.
+    /// A payload to read straight into registered memory, or a batch to
+    /// read into the staging buffer.
     Direct(DirectRead),
 }
 
 /// One `readv` of a payload straight into its destination plus the
-/// read-ahead after it, taken out of [`RxIo`] so that it can run without
-/// the connection's lock (the `Arc<Memory>` of `dst` keeps the memory
-/// mapped; the staging buffer moves with it).
+/// read-ahead after it, or of a batch into the staging buffer, taken out
+/// of [`RxIo`] so that it can run without the connection's lock (the
+/// `Arc<Memory>` of `dst` keeps the memory mapped; the staging buffer
+/// moves with it).
 #[derive(Debug)]
 pub(crate) struct DirectRead {
-    dst: Span<Arc<Memory>>,
+    /// Where the payload goes; `None` for a batch ([`BATCH`] bytes into
+    /// the staging buffer).
+    dst: Option<Span<Arc<Memory>>>,
     buf: Vec<u8>,
     iov: IoVecs,
 }
 
 impl DirectRead {
-    /// The `readv`: payload bytes first, then up to 256 bytes of read-ahead.
+    /// The `readv`: payload bytes first, then up to 256 bytes of
+    /// read-ahead; or a batch.
     pub(crate) fn read(&mut self, fd: RawFd) -> io::Result<usize> {
         self.iov.clear();
-        let r = if self
-            .iov
-            .push_mem(&self.dst.region, self.dst.offset, self.dst.len)
-        {
-            self.iov.push_slice_mut(&mut self.buf[..READAHEAD_LARGE]);
-            readv(fd, &self.iov)
-        } else {
-            Err(io::ErrorKind::InvalidInput.into())
+        let r = match &self.dst {
+            Some(dst) if self.iov.push_mem(&dst.region, dst.offset, dst.len) => {
+                self.iov.push_slice_mut(&mut self.buf[..READAHEAD_LARGE]);
+                readv(fd, &self.iov)
+            }
+            Some(_) => Err(io::ErrorKind::InvalidInput.into()),
+            None => {
+                let n = BATCH.min(self.buf.len());
+                self.iov.push_slice_mut(&mut self.buf[..n]);
+                readv(fd, &self.iov)
+            }
         };
         self.iov.clear();
         r
@@ -144,6 +170,23 @@ pub(crate) struct RxIo {
     ///
     /// [`put_staging_error`]: Self::put_staging_error
     staged_error: Option<io::Error>,
+    /// A short payload next is read straight into place too: the last
+    /// read was a direct read of a large payload that came back full (the
+    /// socket likely holds more), or a full read of the read-ahead after
+    /// one, or a direct read that ended inside its payload (see
+    /// [`Self::step`]).
+    direct_next: bool,
+    /// Direct reads in a row that came back full.
+    full_reads: u32,
+    /// Batched reads are allowed ([`rx_batch_on`]).
+    batch: bool,
+    /// The last read was a batch that came back full: read the next one
+    /// as a batch too.
+    batching: bool,
+    /// Batched reads made.
+    pub(crate) batches: u64,
+    /// Reads made (each `readv`/`recv` on the socket).
+    pub(crate) reads: u64,
     iov: IoVecs,
     /// Bytes read from the socket.
     pub(crate) bytes_received: u64,
@@ -166,6 +209,12 @@ impl RxIo {
             drained_hint: false,
             staged_short: false,
             staged_error: None,
+            direct_next: false,
+            full_reads: 0,
+            batch: rx_batch_on(),
+            batching: false,
+            batches: 0,
+            reads: 0,
             iov: IoVecs::new(),
             bytes_received: 0,
             bytes_placed: 0,
@@ -262,16 +311,51 @@ impl RxIo {
                 return RxStep::Stop(stop);
             }
             let want = conn.rx_want();
+            // A reader that is behind (its direct reads of large payloads
+            // keep coming back full) reads the socket in batches through
+            // the staging buffer, copying the payloads, until a batch
+            // comes back short: each read of one FPDU frees the window
+            // from about zero, which makes TCP send a window update at once
+            // and the sender's queued bytes go out in segments of one FPDU;
+            // a batch frees a quarter of a MiB at once
+            // (`docs/core-path-performance.md`).
+            if self.batch
+                && (self.batching && !matches!(want, RxWant::Closed)
+                    || self.full_reads >= BEHIND_READS
+                        && matches!(&want, RxWant::Place { dst } if dst.len >= DIRECT_MIN))
+            {
+                if self.buf.len() < BATCH {
+                    self.buf.resize(BATCH, 0);
+                }
+                self.full_reads = 0;
+                self.batches += 1;
+                return RxStep::Direct(DirectRead {
+                    dst: None,
+                    buf: std::mem::take(&mut self.buf),
+                    iov: std::mem::take(&mut self.iov),
+                });
+            }
             let got = match want {
                 RxWant::Closed => return RxStep::Stop(RxStop::Done),
-                RxWant::Place { dst } if dst.len >= DIRECT_MIN => {
-                    self.small = false;
+                // A short payload after a direct read of a large one (the
+                // last FPDU of a large message; what is left after a short
+                // read) is read into place as well, with the read-ahead
+                // after it and `small` unchanged: read through the whole
+                // staging buffer, the large FPDUs after it would be copied
+                // through the buffer, each 32 KiB read ending a few bytes
+                // further into the next FPDU's payload, for a whole
+                // message or more (a 1 MiB Write of 32 744-byte payloads
+                // ends with an 808-byte FPDU; see `direct_next`).
+                RxWant::Place { dst } if dst.len >= DIRECT_MIN || self.direct_next => {
+                    if dst.len >= DIRECT_MIN {
+                        self.small = false;
+                    }
                     let mut iov = std::mem::take(&mut self.iov);
                     iov.clear();
                     if iov.push_mem(&dst.region, dst.offset, dst.len) {
                         iov.clear();
                         return RxStep::Direct(DirectRead {
-                            dst,
+                            dst: Some(dst),
                             buf: std::mem::take(&mut self.buf),
                             iov,
                         });
@@ -305,12 +389,30 @@ impl RxIo {
         now: u64,
     ) -> Option<RxStop> {
         let DirectRead { dst, buf, iov } = d;
+        self.reads += 1;
         self.buf = buf;
         self.iov = iov;
         self.start = 0;
         self.end = 0;
+        let Some(dst) = dst else {
+            // A batch: a full one keeps the reader batching, a short one
+            // (the socket is drained) sends it back to direct reads.
+            let r = r.inspect(|&n| {
+                self.batching = n == BATCH;
+                self.drained_hint = n > 0 && n < BATCH;
+                self.direct_next = false;
+                self.end = n;
+            });
+            return self.after_read(conn, r, now);
+        };
         let r = r.inspect(|&n| {
             let placed = n.min(dst.len);
+            let full = n >= dst.len + READAHEAD_LARGE;
+            // Not after a full read of a short payload: messages of a few
+            // hundred bytes would each be read that way, one `readv` per
+            // message instead of a 32 KiB read for dozens.
+            self.direct_next = (full && dst.len >= DIRECT_MIN) || (n > 0 && placed < dst.len);
+            self.full_reads = if full { self.full_reads + 1 } else { 0 };
             let took = conn.handle_rx_placed_in(placed, mem);
             self.bytes_placed += took as u64;
             self.end = n - placed;
@@ -350,17 +452,16 @@ impl RxIo {
         if self.drained_hint {
             return Err(io::ErrorKind::WouldBlock.into());
         }
-        let limit = if self.small {
-            self.buf.len()
-        } else {
-            READAHEAD_LARGE
-        };
+        self.batching = false;
+        let limit = if self.small { STAGING } else { READAHEAD_LARGE };
         self.iov.clear();
         self.iov.push_slice_mut(&mut self.buf[..limit]);
         let r = readv(fd, &self.iov);
+        self.reads += 1;
         self.iov.clear();
         if let Ok(n) = r {
             self.drained_hint = n > 0 && n < limit;
+            self.direct_next = n == limit && !self.small;
             self.end = n;
         }
         r

@@ -554,3 +554,273 @@ fn max_payload_for_mss_keeps_one_fpdu_per_segment() {
     }
     assert_eq!(max_payload_for_mss(0), 64);
 }
+
+/// Regression: a Write whose last FPDU is short (the 808-byte tail of a
+/// 1 MiB Write in 32 744-byte FPDUs) switched the reader to reading the
+/// whole staging buffer, and the large FPDUs of the next Writes were then
+/// copied through it, each 32 KiB read ending a few bytes further into
+/// the next FPDU's payload, for a whole message or more. A short payload
+/// after a direct read of a large one is now read into place too; only
+/// the first read (before any large payload is known) and the read-ahead
+/// after each direct read go through the staging buffer.
+#[test]
+fn writes_after_a_short_last_fpdu_are_placed_not_copied() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    // Not a divisor of the 32 KiB first read: the reader is in its
+    // large-payload mode from the second read on.
+    const FPDU: usize = 20_000;
+    const FIRST: usize = 3 * FPDU + 600;
+    const NEXT: usize = 3 * FPDU;
+    const AT: usize = 256 * 1024;
+    let src = region(&pa, AT + NEXT, 1);
+    let dst = region(&pb, AT + NEXT, 2);
+    let (sa, sb) = sockets();
+    let cfg = Config {
+        max_payload: FPDU,
+        ..Config::new(false)
+    };
+    let mut a = Side::new(cfg, sa);
+    let mut b = Side::new(cfg, sb);
+    // Direct reads only (a reader that is behind would read in batches).
+    b.rx.batch = false;
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    let first = sge(&src, 0, FIRST as u32);
+    let next = sge(&src, AT as u64, NEXT as u32);
+    for (id, sgl, at) in [(1, &first, 0), (2, &next, AT), (3, &next, AT)] {
+        let mut wr = SendWr::new(
+            id,
+            SendOp::Write {
+                rkey: dst.rkey(),
+                remote_addr: dst.addr() + at as u64,
+                imm: None,
+            },
+            sgl,
+        );
+        wr.signaled = true;
+        a.conn.post_send(&wr, &mut ma).unwrap();
+    }
+    // Everything written before the reader starts.
+    let fd_a = a.sock.as_raw_fd();
+    while !matches!(
+        a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX),
+        TxStop::WouldBlock | TxStop::Idle
+    ) {}
+    run(&mut a, &mut ma, &mut b, &mut mb, |a, b| {
+        a.done.len() >= 3 && b.rx.bytes_received >= (FIRST + 2 * NEXT) as u64
+    });
+    let (s, d) = (src.to_vec(), dst.to_vec());
+    assert_eq!(first_diff(&d[..FIRST], &s[..FIRST]), None);
+    assert_eq!(first_diff(&d[AT..], &s[AT..]), None);
+    let payload = (FIRST + 2 * NEXT) as u64;
+    let copied = payload - b.rx.bytes_placed;
+    // The first staging read (at most 32 KiB) and up to 256 bytes of
+    // read-ahead per FPDU (10 FPDUs).
+    assert!(
+        copied <= (STAGING + 10 * READAHEAD_LARGE) as u64,
+        "{copied} of {payload} payload bytes copied through the staging buffer"
+    );
+}
+
+/// Sends of a few hundred bytes queued behind each other are read many
+/// per read through the staging buffer, not one `readv` each (a short
+/// payload after a full direct read of a short one is not read into
+/// place).
+#[test]
+fn small_sends_queued_up_are_read_many_per_read() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    const MSG: usize = 512;
+    const N: usize = 120;
+    let src = region(&pa, MSG, 1);
+    let dst = region(&pb, MSG * N, 2);
+    let (sa, sb) = sockets();
+    let mut a = Side::new(config(false), sa);
+    let mut b = Side::new(config(false), sb);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    for i in 0..N {
+        let r = sge(&dst, (i * MSG) as u64, MSG as u32);
+        b.conn
+            .post_recv(
+                &RecvWr {
+                    wr_id: i as u64,
+                    sgl: &r,
+                },
+                &mut mb,
+            )
+            .unwrap();
+    }
+    let s = sge(&src, 0, MSG as u32);
+    for i in 0..N {
+        a.conn
+            .post_send(
+                &SendWr::new(
+                    i as u64,
+                    SendOp::Send {
+                        inv: None,
+                        imm: None,
+                    },
+                    &s,
+                ),
+                &mut ma,
+            )
+            .unwrap();
+    }
+    let fd_a = a.sock.as_raw_fd();
+    while !matches!(
+        a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX),
+        TxStop::WouldBlock | TxStop::Idle
+    ) {}
+    run(&mut a, &mut ma, &mut b, &mut mb, |_, b| b.done.len() >= N);
+    assert!(b.done.iter().all(|c| c.status == WcStatus::Success));
+    assert!(
+        b.rx.reads < (N / 10) as u64,
+        "{} reads for {N} Sends of {MSG} bytes",
+        b.rx.reads
+    );
+}
+
+/// A reader that is behind (the socket full of large FPDUs) reads it in
+/// batches: far fewer reads than FPDUs, every byte in place, each Write
+/// complete once, with and without the CRC. With batching off the same
+/// backlog takes about one read per FPDU.
+#[test]
+fn a_reader_that_is_behind_reads_in_batches() {
+    for (batch, crc) in [(true, false), (true, true), (false, false)] {
+        let dev = device();
+        let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+        const MIB: usize = 1 << 20;
+        const WRITES: usize = 4;
+        let src = region(&pa, WRITES * MIB, 1);
+        let dst = region(&pb, WRITES * MIB, 2);
+        let (sa, sb) = sockets();
+        let mut a = Side::new(config(crc), sa);
+        let mut b = Side::new(config(crc), sb);
+        b.rx.batch = batch;
+        let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+        let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+        for i in 0..WRITES {
+            let w = sge(&src, (i * MIB) as u64, MIB as u32);
+            let mut wr = SendWr::new(
+                i as u64,
+                SendOp::Write {
+                    rkey: dst.rkey(),
+                    remote_addr: dst.addr() + (i * MIB) as u64,
+                    imm: None,
+                },
+                &w,
+            );
+            wr.signaled = true;
+            a.conn.post_send(&wr, &mut ma).unwrap();
+        }
+        // The writer fills the socket before the reader reads.
+        let fd_a = a.sock.as_raw_fd();
+        while !matches!(
+            a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX),
+            TxStop::WouldBlock | TxStop::Idle
+        ) {}
+        run(&mut a, &mut ma, &mut b, &mut mb, |a, b| {
+            a.done.len() >= WRITES && b.rx.bytes_received >= (WRITES * MIB) as u64
+        });
+        let (s, d) = (src.to_vec(), dst.to_vec());
+        assert_eq!(first_diff(&d, &s), None, "batch {batch}, crc {crc}");
+        let ids: Vec<_> = a.done.iter().map(|c| (c.wr_id, c.status)).collect();
+        let want: Vec<_> = (0..WRITES as u64).map(|i| (i, WcStatus::Success)).collect();
+        assert_eq!(ids, want, "batch {batch}, crc {crc}");
+        let fpdus = (WRITES * MIB / (16 * 1024)) as u64;
+        eprintln!(
+            "batch {batch}, crc {crc}: {} reads, {} batches, {fpdus} FPDUs",
+            b.rx.reads, b.rx.batches
+        );
+        if batch {
+            assert!(b.rx.batches > 0, "no batch");
+            assert!(
+                b.rx.reads < fpdus / 2,
+                "{} reads for {fpdus} FPDUs ({} batches)",
+                b.rx.reads,
+                b.rx.batches
+            );
+        } else {
+            assert_eq!(b.rx.batches, 0);
+            // About one read per FPDU (the first read, into the staging
+            // buffer, holds two).
+            assert!(
+                b.rx.reads >= fpdus * 3 / 4,
+                "{} reads for {fpdus} FPDUs without batches",
+                b.rx.reads
+            );
+        }
+    }
+}
+
+/// A batch is read without the connection's lock like a direct read; a
+/// reset meanwhile makes the connection take none of its bytes, and
+/// receiving stops.
+#[test]
+fn a_batch_read_after_a_reset_takes_nothing_and_stops() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    const MIB: usize = 1 << 20;
+    let src = region(&pa, MIB, 1);
+    let dst = region(&pb, MIB, 2);
+    let (sa, sb) = sockets();
+    let mut a = Side::new(config(false), sa);
+    let mut b = Side::new(config(false), sb);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    let w = sge(&src, 0, MIB as u32);
+    let wr = SendWr::new(
+        1,
+        SendOp::Write {
+            rkey: dst.rkey(),
+            remote_addr: dst.addr(),
+            imm: None,
+        },
+        &w,
+    );
+    a.conn.post_send(&wr, &mut ma).unwrap();
+    let (fd_a, fd) = (a.sock.as_raw_fd(), b.sock.as_raw_fd());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    b.rx.begin();
+    // Direct reads (each into place) until the reader is behind and the
+    // next read is a batch.
+    let mut d = loop {
+        assert!(Instant::now() < deadline, "no batch");
+        let _ = a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX);
+        match b.rx.step(&mut b.conn, &mut mb, fd, 1) {
+            RxStep::Direct(d) if d.dst.is_none() => break d,
+            RxStep::Direct(mut d) => {
+                let r = d.read(fd);
+                if let Some(s) = b.rx.placed(&mut b.conn, &mut mb, d, r, 1) {
+                    assert!(matches!(s, RxStop::Drained), "{s:?}");
+                    b.rx.begin();
+                }
+            }
+            RxStep::Stop(RxStop::Drained) => {
+                b.rx.begin();
+                std::thread::yield_now();
+            }
+            RxStep::Stop(s) => panic!("stopped: {s:?}"),
+        }
+    };
+    let placed = b.rx.bytes_placed;
+    b.conn.handle_reset();
+    let r = loop {
+        let _ = a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX);
+        match d.read(fd) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+            r => break r,
+        }
+    };
+    assert!(*r.as_ref().unwrap() > 0);
+    let stop = b.rx.placed(&mut b.conn, &mut mb, d, r, 1);
+    let next = match stop {
+        Some(s) => RxStep::Stop(s),
+        None => b.rx.step(&mut b.conn, &mut mb, fd, 1),
+    };
+    assert!(matches!(next, RxStep::Stop(RxStop::Done)), "{next:?}");
+    assert_eq!(b.rx.bytes_placed, placed);
+    assert_eq!(b.rx.batches, 1);
+}
