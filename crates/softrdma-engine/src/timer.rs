@@ -323,12 +323,14 @@ mod tests {
             let _ = release_rx.recv();
         });
         locked_rx.recv().unwrap();
-        let ok = crate::sys::process::in_child(Duration::from_secs(20), || {
+        let ok = crate::sys::process::in_child(Duration::from_secs(60), || {
             if !fires(1) {
                 return false;
             }
             // A child's thread arms and cancels without pause while the
-            // child forks grandchildren: each must arm its own timers.
+            // child forks grandchildren: each must arm its own timers
+            // (a lock every arm took in a child, held by that thread at
+            // one of the forks, hung a grandchild within 200 forks).
             let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let s2 = stop.clone();
             let busy = std::thread::spawn(move || {
@@ -339,7 +341,7 @@ mod tests {
                 }
             });
             let mut all = true;
-            for _ in 0..20 {
+            for _ in 0..200 {
                 all &= crate::sys::process::in_child(Duration::from_secs(5), || fires(1));
             }
             stop.store(true, Ordering::Relaxed);

@@ -14,7 +14,8 @@ pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
 /// Runs `f` in a `fork(2)`ed child of this (multi-threaded) process and
 /// returns whether it returned `true` there; a child that does not end
 /// within `limit` is killed (`false`). The child ends with `_exit(2)`
-/// (no exit handlers, no destructors of the parent's copies).
+/// (no exit handlers, no destructors of the parent's copies); it is
+/// killed if the forking thread ends first.
 ///
 /// Only the forking thread lives on in the child: `f` must not wait for
 /// anything another thread of the parent would have done.
@@ -25,6 +26,10 @@ pub(crate) fn in_child(limit: std::time::Duration, f: impl FnOnce() -> bool) -> 
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
     if pid == 0 {
+        // SAFETY: asks for SIGKILL when the forking thread ends (a child
+        // killed at its limit takes a hung grandchild of its own with it,
+        // instead of leaving it behind for ever); no pointers.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
         let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(false);
         // SAFETY: ends the child at once, as documented above.
         unsafe { libc::_exit(if ok { 0 } else { 1 }) };
