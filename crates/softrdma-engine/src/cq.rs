@@ -753,11 +753,8 @@ impl CompletionQueue {
                 progressed = true;
                 n = self.poll_ring(out);
             }
-        } else if n > 0 && self.deferred_polls_due() {
-            // A poster whose CQ keeps returning completions (a server
-            // answering requests) polls all the same: what its posts left
-            // for its polls goes after a few of them, not at the backstop.
-            self.run_polled();
+        } else if n > 0 {
+            self.took_completions();
         }
         if n > 0 {
             self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
@@ -841,6 +838,7 @@ impl CompletionQueue {
             let n = self.poll_ring(out);
             if n > 0 {
                 self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+                self.took_completions();
             }
             (n, false)
         } else {
@@ -1024,6 +1022,7 @@ impl CompletionQueue {
             }
             if n > 0 {
                 shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+                self.took_completions();
                 return Some(n);
             }
         }
@@ -1042,6 +1041,17 @@ impl CompletionQueue {
             }
         }
         n
+    }
+
+    /// A poll or a wait took completions from the ring: a poster whose CQ
+    /// keeps returning completions (a server answering requests) polls
+    /// all the same, so what its posts left for its polls goes after a
+    /// few of them ([`deferred_polls_due`](Self::deferred_polls_due)), not
+    /// at the backstop.
+    fn took_completions(&self) {
+        if self.deferred_polls_due() {
+            self.run_polled();
+        }
     }
 
     /// Clears the mark of [`note_deferred`](Self::note_deferred); whether

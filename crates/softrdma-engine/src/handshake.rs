@@ -310,7 +310,8 @@ impl Handshake {
         rest
     }
 
-    /// Octets received from the peer so far (0: a silent peer).
+    /// Octets of the handshake received from the peer so far (0: a silent
+    /// peer); octets read past its end are not counted.
     pub(crate) fn received(&self) -> usize {
         self.received
     }
@@ -532,12 +533,19 @@ impl Handshake {
         }
     }
 
+    /// Feeds the machine; counts the octets it took (those read ahead
+    /// past the handshake are counted when it takes them from the rest,
+    /// not twice), or all of them if it refused them.
     fn receive(&mut self, bytes: &[u8]) -> Result<usize, MpaNegotiationError> {
-        self.received += bytes.len();
-        match &mut self.m {
+        let r = match &mut self.m {
             Machine::I(m) => m.receive(bytes),
             Machine::R(m) => m.receive(bytes),
-        }
+        };
+        self.received += match r {
+            Ok(n) => n,
+            Err(_) => bytes.len(),
+        };
+        r
     }
 }
 
@@ -686,12 +694,45 @@ mod tests {
     #[test]
     fn the_initiator_waits_for_the_reply_before_reading() {
         let (mut a, mut b) = tcp_pair();
+        // The Reply is in the initiator's socket before it sends the
+        // Request (made by a responder fed with the same Request): a
+        // read after the send would find it, and a test that only looked
+        // for `Wait(Read)` could not tell a read that found nothing from
+        // no read.
+        let init = Initiator::new(MpaConfig::default(), b"").unwrap();
+        let mut resp = Responder::new(MpaConfig::default()).unwrap();
+        let request = init.transmit().to_vec();
+        assert_eq!(resp.receive(&request).unwrap(), request.len());
+        assert!(matches!(resp.poll(), Some(ResponderEvent::Request(_))));
+        resp.accept(&[], 4, 4).unwrap();
+        let reply = resp.transmit().to_vec();
+        b.write_all(&reply).unwrap();
+        wait_ready(a.as_fd(), Readiness::Read, Duration::from_secs(5)).unwrap();
         let mut hs = Handshake::initiator(MpaConfig::default(), b"").unwrap();
         assert!(matches!(
             hs.advance(&mut a),
             Ok(Step::Wait(Readiness::Read))
         ));
-        let mut resp = Handshake::responder(
+        assert_eq!(hs.received(), 0, "the initiator read right after sending");
+        // The next advance (the socket is readable) reads the Reply.
+        let out = drive_blocking(&mut hs, &mut a, Duration::from_secs(10)).unwrap();
+        assert!(matches!(out, Outcome::Established(_)), "{out:?}");
+        assert_eq!(hs.received(), reply.len());
+        let mut got = vec![0u8; request.len()];
+        b.set_nonblocking(false).unwrap();
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(got, request);
+    }
+
+    /// With read-ahead, octets read past the handshake were counted as
+    /// received twice: when read, and again when taken from the rest.
+    #[test]
+    fn octets_read_ahead_are_counted_once() {
+        let (mut a, mut b) = tcp_pair();
+        let mut init = Initiator::new(MpaConfig::default(), b"").unwrap();
+        let request = init.transmit().to_vec();
+        init.consumed(request.len());
+        let mut hs = Handshake::responder(
             MpaConfig::default(),
             Answer::Accept {
                 private_data: Vec::new(),
@@ -699,9 +740,17 @@ mod tests {
                 ord: 4,
             },
         )
-        .unwrap();
-        drive_blocking(&mut resp, &mut b, Duration::from_secs(10)).unwrap();
-        drive_blocking(&mut hs, &mut a, Duration::from_secs(10)).unwrap();
+        .unwrap()
+        .reading_ahead();
+        // The Request and 8 octets of full operation, in one read.
+        let mut wire = request.clone();
+        wire.extend_from_slice(b"FPDU1234");
+        a.write_all(&wire).unwrap();
+        wait_ready(b.as_fd(), Readiness::Read, Duration::from_secs(5)).unwrap();
+        let out = drive_blocking(&mut hs, &mut b, Duration::from_secs(10)).unwrap();
+        assert!(matches!(out, Outcome::Established(_)), "{out:?}");
+        assert_eq!(hs.take_prefix_rest(), b"FPDU1234");
+        assert_eq!(hs.received(), request.len());
     }
 
     #[test]

@@ -18,7 +18,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -62,39 +61,26 @@ impl Timers {
 /// (a child's table never takes an identifier the parent handed out).
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
-/// The timers of this process: the table made in the fork generation
-/// ([`fork_generation`](crate::sys::epoll::fork_generation)) that first
-/// used timers, or, in a forked child, one of its own.
+/// The timers of this process: the table of this fork generation
+/// ([`fork_generation`](crate::sys::epoll::fork_generation)); a forked
+/// child makes one of its own on first use. No lock is taken to find it
+/// (one atomic load): a child never waits for a lock a thread of its
+/// parent held at the fork, and a pre-forked server's children pay
+/// nothing per timer for being children.
 fn timers() -> &'static Timers {
-    static FIRST: OnceLock<(u64, Timers)> = OnceLock::new();
-    let generation = crate::sys::epoll::fork_generation();
-    let first = FIRST.get_or_init(|| (generation, Timers::new()));
-    if first.0 == generation {
-        return &first.1;
-    }
-    child_timers(generation)
-}
-
-/// The table of a forked child (made once per generation, and kept for
-/// the process's life, as the first one).
-#[cold]
-fn child_timers(generation: u64) -> &'static Timers {
-    static CHILD: Mutex<Option<(u64, &'static Timers)>> = Mutex::new(None);
-    let mut child = CHILD.lock();
-    match *child {
-        Some((g, t)) if g == generation => t,
-        _ => {
-            let t: &'static Timers = Box::leak(Box::new(Timers::new()));
-            *child = Some((generation, t));
-            t
-        }
-    }
+    static TIMERS: crate::sys::process::PerFork<Timers> = crate::sys::process::PerFork::new();
+    TIMERS.get(Timers::new)
 }
 
 /// Runs `f` on the timer thread once `after` has passed, unless cancelled.
 /// `Err` if the timer thread could not be started (the caller acts at once
 /// instead).
 pub(crate) fn arm(after: Duration, f: impl FnOnce() + Send + 'static) -> std::io::Result<TimerId> {
+    #[cfg(test)]
+    if let Some(f) = FAIL_NEXT_ARM.with(|c| c.take()) {
+        f();
+        return Err(std::io::Error::other("timer failure injected by a test"));
+    }
     let t = timers();
     let deadline = clock::now()
         .checked_add(after)
@@ -121,6 +107,14 @@ pub(crate) fn arm(after: Duration, f: impl FnOnce() + Send + 'static) -> std::io
         t.wake.notify_one();
     }
     Ok(TimerId(id))
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: the calling thread's next [`arm`] runs this and fails (as
+    /// when no timer thread can be started).
+    pub(crate) static FAIL_NEXT_ARM: std::cell::Cell<Option<Box<dyn FnOnce()>>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// Cancels a timer; `false` if it already ran (or is running).
@@ -291,5 +285,74 @@ mod tests {
         });
         assert!(ok, "the child's timer did not fire (or ran the parent's)");
         let _ = cancel(later);
+    }
+
+    /// Fires a timer armed `ms` from now in this process; whether it ran
+    /// within a few seconds.
+    fn fires(ms: u64) -> bool {
+        let fired = Arc::new(AtomicUsize::new(0));
+        let f2 = fired.clone();
+        let armed = arm(Duration::from_millis(ms), move || {
+            f2.fetch_add(1, Ordering::SeqCst);
+        });
+        if armed.is_err() {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while fired.load(Ordering::SeqCst) == 0 {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// A forked child found its timer table under a process-wide lock
+    /// that every arm and cancel took: a thread of its parent that held
+    /// it (or the parent's table lock) at the fork made the child's first
+    /// timer wait for ever. The child's table is found without a lock now.
+    #[test]
+    fn a_forked_child_does_not_wait_for_timer_locks_a_parent_thread_held() {
+        // A parent thread holds this process's table lock across the fork.
+        let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _g = timers().table.lock();
+            locked_tx.send(()).unwrap();
+            let _ = release_rx.recv();
+        });
+        locked_rx.recv().unwrap();
+        let ok = crate::sys::process::in_child(Duration::from_secs(60), || {
+            if !fires(1) {
+                return false;
+            }
+            // A child's thread arms and cancels without pause while the
+            // child forks grandchildren: each must arm its own timers
+            // (a lock every arm took in a child, held by that thread at
+            // one of the forks, hung a grandchild within 200 forks).
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let s2 = stop.clone();
+            let busy = std::thread::spawn(move || {
+                while !s2.load(Ordering::Relaxed) {
+                    if let Ok(id) = arm(Duration::from_secs(60), || {}) {
+                        cancel(id);
+                    }
+                }
+            });
+            let mut all = true;
+            for _ in 0..200 {
+                all &= crate::sys::process::in_child(Duration::from_secs(5), || fires(1));
+            }
+            stop.store(true, Ordering::Relaxed);
+            let _ = busy.join();
+            all
+        });
+        release_tx.send(()).unwrap();
+        holder.join().unwrap();
+        assert!(
+            ok,
+            "a forked child waited for a lock its parent's thread held"
+        );
     }
 }

@@ -629,3 +629,100 @@ fn switch_with_shared_receive_queue() {
     let _ca = ta.join().unwrap();
     verify_rdma(&a, &b, &ra, &rb);
 }
+
+/// The initiator posts right after sending its RTR, before the responder
+/// has read the RTR: the responder's handshake reads the RTR and the
+/// FPDUs behind it in one read (it reads ahead). The FPDUs go to the QP,
+/// each delivered exactly once.
+#[test]
+fn octets_read_past_the_rtr_by_the_handshake_go_to_the_qp_once() {
+    let dev = device(false);
+    let a = side(&dev, |_| {});
+    let b = side(&dev, |_| {});
+    let ra = mr(&a, 4096);
+    let rb = mr(&b, 4096);
+    let (sa, sb) = tcp_pair();
+    let peek = sb.try_clone().unwrap();
+    let mode = |role| p2p(role, RtrKind::Write);
+    let mut ca = conn(sa, mode(MpaRole::Initiator));
+    let mut cb = conn(sb, mode(MpaRole::Responder));
+    ca.reserve(&a.qp).unwrap();
+    cb.reserve(&b.qp).unwrap();
+    ca.request_switch().unwrap();
+    cb.request_switch().unwrap();
+    // b waits for the Request; a sends it.
+    assert!(
+        !cb.post_recv_and_begin_switch(&RecvWr::new(100, &recv_wr(&rb)))
+            .unwrap()
+    );
+    let rb2 = [rb.sge(1024, 256).unwrap()];
+    b.qp.post_recv(&RecvWr::new(101, &rb2)).unwrap();
+    let rb3 = [rb.sge(2048, 256).unwrap()];
+    b.qp.post_recv(&RecvWr::new(102, &rb3)).unwrap();
+    assert!(
+        !ca.post_recv_and_begin_switch(&RecvWr::new(100, &recv_wr(&ra)))
+            .unwrap()
+    );
+    // b answers; a reads the Reply and sends its RTR. b is not driven
+    // once a is in RDMA mode: the RTR stays in b's socket.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(!cb.poll_switch().unwrap(), "b switched before the RTR");
+        if ca.poll_switch().unwrap() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a did not switch");
+        thread::sleep(Duration::from_millis(1));
+    }
+    // a sends two messages at once, behind its RTR.
+    let src = mr(&a, 4096);
+    let data = pattern(64, 3);
+    src.write(0, &data).unwrap();
+    for (id, off) in [(1u64, 0usize), (2, 32)] {
+        let sge = [src.sge(off, 32).unwrap()];
+        a.qp.post_send(&SendWr::new(id, SendOp::Send).sg_list(&sge).signaled())
+            .unwrap();
+    }
+    let s = wait(&a.cq, 2);
+    assert!(s.iter().all(|w| w.status == WcStatus::Success), "{s:?}");
+    // The RTR (a zero-length Write, 20 octets framed) and both Sends (32
+    // octets of payload each, 56 framed) are in b's socket.
+    wait_readable(&peek, 20 + 2 * 56);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cb.poll_switch().unwrap() {
+        assert!(Instant::now() < deadline, "b did not switch");
+        thread::sleep(Duration::from_millis(1));
+    }
+    let r = wait(&b.cq, 2);
+    assert!(
+        r.iter()
+            .all(|w| w.status == WcStatus::Success && w.byte_len == 32),
+        "{r:?}"
+    );
+    assert_eq!(r.iter().map(|w| w.wr_id).collect::<Vec<_>>(), [100, 101]);
+    let got = rb.to_vec();
+    assert_eq!(got[..32], data[..32]);
+    assert_eq!(got[1024..1056], data[32..]);
+    // Nothing more: the octets were not given to the QP twice.
+    thread::sleep(Duration::from_millis(50));
+    let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+    assert_eq!(b.cq.poll(&mut wc), 0, "{:?}", &wc[..1]);
+    assert_eq!(b.qp.state(), QpState::Rts);
+    assert_eq!(got[2048..2080], [0u8; 32]);
+    verify_rdma_after(&a, &b, &ra);
+}
+
+/// One more Send from b to a after the switch (the connection works both
+/// ways).
+fn verify_rdma_after(a: &Side, b: &Side, ra: &softrdma_engine::MemoryRegion) {
+    let src = mr(b, 64);
+    src.write(0, b"reply from b").unwrap();
+    let sge = [src.sge(0, 12).unwrap()];
+    b.qp.post_send(&SendWr::new(3, SendOp::Send).sg_list(&sge).signaled())
+        .unwrap();
+    assert_eq!(wait(&b.cq, 1)[0].status, WcStatus::Success);
+    let r = wait(&a.cq, 1);
+    assert_eq!(r[0].status, WcStatus::Success, "{r:?}");
+    assert_eq!(r[0].wr_id, 100);
+    assert_eq!(&ra.to_vec()[..12], b"reply from b");
+}

@@ -1626,8 +1626,8 @@ impl Shared {
                         return Err(e);
                     }
                     // A credit, and room in the send queue as for Data
-                    // (`sq_cap`: the queue also holds the peer's RDMA Read
-                    // response's slot and an AbortConn).
+                    // (`sq_cap`: the queue also holds this side's
+                    // zero-copy Read and an AbortConn).
                     if st.sdp.credits.can_send_data()
                         && st.ctrl_pending.is_empty()
                         && st.tx_inflight < self.sq_cap

@@ -816,6 +816,7 @@ impl QueuePair {
     /// like ibverbs' `bad_wr`.
     pub fn post_send_list(&self, wrs: &[SendWr<'_>]) -> Result<(), PostSendListError> {
         let qp = self.qp();
+        let _mark = post::UrgentScope::enter();
         let mut posted = 0usize;
         let mut result = Ok(());
         for (i, wr) in wrs.iter().enumerate() {

@@ -108,6 +108,25 @@ thread_local! {
     static URGENT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// The urgency mark of one `post_send_list` call: a call made inside
+/// another on the same thread (a callback that posts) starts without the
+/// outer call's mark and gives it back when it ends (it could otherwise
+/// take it, and the outer call's request not to defer would be deferred).
+pub(crate) struct UrgentScope(bool);
+
+impl UrgentScope {
+    /// Keeps the thread's mark (set by an outer call) aside until dropped.
+    pub(crate) fn enter() -> UrgentScope {
+        UrgentScope(URGENT.with(|u| u.replace(false)))
+    }
+}
+
+impl Drop for UrgentScope {
+    fn drop(&mut self) {
+        URGENT.with(|u| u.set(self.0));
+    }
+}
+
 impl Default for TxBatch {
     fn default() -> Self {
         TxBatch {
@@ -158,35 +177,56 @@ fn deferrable(wr: &SendWr<'_>) -> bool {
         )
 }
 
-/// QPs waiting for the backstop (their `backstop` flag set), with the
-/// fork generation they were listed in: one timer for all of them, not one
-/// per QP. Many short connections (each deferring a few posts while it is
-/// set up and closed) then cost the timer thread one wake-up per
-/// [`BATCH_BACKSTOP`] at most, not one per connection. A forked child
-/// writes none of its parent's (their sockets are the parent's too).
-static BACKSTOP_QPS: parking_lot::Mutex<Vec<(Weak<QpInner>, u64)>> =
-    parking_lot::Mutex::new(Vec::new());
+/// The shared backstop of a fork generation: QPs waiting for it (their
+/// `backstop` flag set), one timer for all of them, not one per QP. Many
+/// short connections (each deferring a few posts while it is set up and
+/// closed) then cost the timer thread one wake-up per [`BATCH_BACKSTOP`]
+/// at most, not one per connection. A forked child has one of its own
+/// (found without a lock, see [`PerFork`]): it writes none of its
+/// parent's QPs (their sockets are the parent's too), and never waits for
+/// the parent's list lock, which a parent thread may have held at the
+/// fork.
+///
+/// [`PerFork`]: crate::sys::process::PerFork
+#[derive(Default)]
+struct Backstop {
+    qps: parking_lot::Mutex<Vec<Weak<QpInner>>>,
+    /// The timer is armed (or its callback has not yet taken the list).
+    armed: AtomicBool,
+}
 
-/// The shared backstop timer is armed (or its callback has not yet taken
-/// the list): the fork generation it was armed in, plus one; 0: not armed
-/// (a child, whose parent's timer does not run in it, arms its own).
-static BACKSTOP_ARMED: AtomicU64 = AtomicU64::new(0);
+/// This fork generation's backstop.
+fn backstop() -> &'static Backstop {
+    static BACKSTOP: crate::sys::process::PerFork<Backstop> = crate::sys::process::PerFork::new();
+    BACKSTOP.get(Backstop::default)
+}
 
 /// Puts a QP on the backstop's list (its `backstop` flag was just set) and
 /// arms the shared timer if it is not; `false` if no timer could be armed
 /// (the caller writes its posts now).
 fn arm_backstop(qp: Weak<QpInner>) -> bool {
-    let generation = crate::sys::epoll::fork_generation();
-    BACKSTOP_QPS.lock().push((qp, generation));
+    let bs = backstop();
+    bs.qps.lock().push(qp);
     // After the push: a callback that cleared the mark takes the list
     // after this push, or this sees the mark clear and arms.
-    if BACKSTOP_ARMED.swap(generation + 1, Ordering::SeqCst) == generation + 1 {
+    if bs.armed.swap(true, Ordering::SeqCst) {
         return true;
     }
     if crate::timer::arm(BATCH_BACKSTOP, backstop_fired).is_ok() {
         return true;
     }
-    BACKSTOP_ARMED.store(0, Ordering::SeqCst);
+    // No timer. QPs another thread listed since the swap above were
+    // listed on the word of this call (they saw the mark set): written
+    // now with this one's, as the mark is cleared (the next deferral
+    // tries to arm again).
+    bs.armed.store(false, Ordering::SeqCst);
+    let listed = std::mem::take(&mut *bs.qps.lock());
+    for qp in listed.iter().filter_map(Weak::upgrade) {
+        qp.tx_batch.backstop.store(false, Ordering::SeqCst);
+        if qp.tx_batch.deferred.swap(0, Ordering::SeqCst) > 0 {
+            qp.core_kick();
+        }
+    }
     false
 }
 
@@ -194,12 +234,12 @@ fn arm_backstop(qp: Weak<QpInner>) -> bool {
 /// QPs whose posts keep being deferred stay listed (the timer is armed
 /// again from here, which needs no wake-up of this thread).
 fn backstop_fired() {
-    BACKSTOP_ARMED.store(0, Ordering::SeqCst);
-    let generation = crate::sys::epoll::fork_generation();
-    let qps = std::mem::take(&mut *BACKSTOP_QPS.lock());
+    let bs = backstop();
+    bs.armed.store(false, Ordering::SeqCst);
+    let qps = std::mem::take(&mut *bs.qps.lock());
     let mut again = Vec::new();
-    for (weak, g) in qps {
-        let Some(qp) = weak.upgrade().filter(|_| g == generation) else {
+    for weak in qps {
+        let Some(qp) = weak.upgrade() else {
             continue;
         };
         let b = &qp.tx_batch;
@@ -219,22 +259,24 @@ fn backstop_fired() {
         }
     }
     for weak in again {
-        if !arm_backstop(weak.clone()) {
-            // No timer: written now (the next deferral lists it again).
-            if let Some(qp) = weak.upgrade() {
-                qp.tx_batch.backstop.store(false, Ordering::SeqCst);
-                if qp.tx_batch.deferred.swap(0, Ordering::SeqCst) > 0 {
-                    qp.core_kick();
-                }
-            }
-        }
+        // No timer: `arm_backstop` wrote them (the next deferral lists
+        // them again).
+        arm_backstop(weak);
     }
 }
 
-/// QPs that deferred posts, with the fork generation they were made in
-/// (a child does not write its parent's).
-static EXIT_LIST: parking_lot::Mutex<Vec<(Weak<QpInner>, u64)>> =
-    parking_lot::Mutex::new(Vec::new());
+/// QPs that deferred posts, of this fork generation (a child writes none
+/// of its parent's, and never waits for the parent's lock, see
+/// [`Backstop`]).
+static EXIT_LIST: crate::sys::process::PerFork<parking_lot::Mutex<Vec<Weak<QpInner>>>> =
+    crate::sys::process::PerFork::new();
+
+/// The process is exiting ([`flush_at_exit`] began): no post is deferred
+/// any more. Exit handlers registered before the engine's run after it
+/// (`atexit(3)` runs the last registered first), and other threads still
+/// run: a post one of them makes is written at once, not left to a poll
+/// that never comes.
+static EXITING: AtomicBool = AtomicBool::new(false);
 
 /// Puts a QP that defers posts in the list written at exit (once; the
 /// exit handler is registered with the first).
@@ -244,36 +286,42 @@ fn list_for_exit(qp: &QpInner) {
     {
         return;
     }
-    static REGISTERED: std::sync::Once = std::sync::Once::new();
-    REGISTERED.call_once(|| {
+    // (Not a `Once`: a forked child could wait for a parent thread that
+    // was in it at the fork.)
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
+    if !REGISTERED.load(Ordering::Relaxed) && !REGISTERED.swap(true, Ordering::Relaxed) {
         crate::sys::process::at_exit(flush_at_exit);
-    });
-    let generation = crate::sys::epoll::fork_generation();
-    let mut list = EXIT_LIST.lock();
+    }
+    let mut list = EXIT_LIST.get(Default::default).lock();
     if list.len() == list.capacity() {
         // Destroyed QPs go before the list grows.
-        list.retain(|(w, _)| w.strong_count() > 0);
+        list.retain(|w| w.strong_count() > 0);
     }
-    list.push((qp.self_weak.clone(), generation));
+    list.push(qp.self_weak.clone());
 }
 
 /// At `exit(3)`: writes the posts the process's QPs deferred to their
 /// posters' next polls. A request posted is sent as without batching,
 /// also if its poster exits right after posting, without polling or
 /// destroying the QP (the kernel then closes the socket in order, after
-/// what was written). The other threads still run: as any transmit, this
-/// one writes only if no other thread holds the connection (which then
-/// writes them itself), and leaves a connection the datamover has to it.
-/// Not at `_exit(2)`, a fatal signal or an abort.
+/// what was written). From here no post is deferred ([`EXITING`]): a post
+/// made by a later exit handler, or by another thread meanwhile, is
+/// written by its poster. The other threads still run: as any transmit,
+/// this one writes only if no other thread holds the connection (which
+/// then writes them itself, unless the process ends first), and leaves a
+/// connection the datamover has to it. Not at `_exit(2)`, a fatal signal
+/// or an abort.
 pub(crate) extern "C" fn flush_at_exit() {
+    // First (SeqCst, as the posters' count and check): a post deferred
+    // before this is seen below, one after it is not deferred.
+    EXITING.store(true, Ordering::SeqCst);
     let _ = std::panic::catch_unwind(|| {
-        let generation = crate::sys::epoll::fork_generation();
-        let qps: Vec<Arc<QpInner>> = EXIT_LIST
-            .lock()
-            .iter()
-            .filter(|(_, g)| *g == generation)
-            .filter_map(|(w, _)| w.upgrade())
-            .collect();
+        // A generation that listed no QP takes no lock (a forked child
+        // must not wait for its parent's).
+        let Some(list) = EXIT_LIST.peek() else {
+            return;
+        };
+        let qps: Vec<Arc<QpInner>> = list.lock().iter().filter_map(Weak::upgrade).collect();
         for qp in qps {
             if qp.tx_batch.take_deferred() {
                 qp.core_kick();
@@ -361,7 +409,11 @@ impl QpInner {
         {
             return false;
         }
-        if b.deferred.fetch_add(1, Ordering::SeqCst) + 1 >= BATCH_MAX {
+        if b.deferred.fetch_add(1, Ordering::SeqCst) + 1 >= BATCH_MAX
+            // After the count (SeqCst both): the exit flush sees the count
+            // or this sees the flag (the caller writes them all).
+            || EXITING.load(Ordering::SeqCst)
+        {
             return false;
         }
         b.stats[0].fetch_add(1, Ordering::Relaxed);
@@ -839,5 +891,309 @@ mod tests {
             dst.read(i * 64, &mut m).unwrap();
             assert_eq!(u64::from_le_bytes(m), 1000 + i as u64, "message {i}");
         }
+    }
+
+    /// Child half of `a_post_made_by_an_exit_handler_after_the_engines_is_written`.
+    static LATE_QP: std::sync::OnceLock<QueuePair> = std::sync::OnceLock::new();
+
+    extern "C" fn late_post() {
+        if let Some(a) = LATE_QP.get() {
+            send(a, 8);
+        }
+    }
+
+    /// Child half of `a_post_made_by_an_exit_handler_after_the_engines_is_written`
+    /// (run in a process of its own).
+    #[test]
+    #[ignore = "the child process of a_post_made_by_an_exit_handler_after_the_engines_is_written"]
+    fn late_exit_child() {
+        let Ok(addr) = std::env::var("SOFTRDMA_TEST_LATE_EXIT_PEER") else {
+            return;
+        };
+        // Registered before the engine's (which comes with the first
+        // deferral): runs after it.
+        assert!(crate::sys::process::at_exit(late_post));
+        let dev = device();
+        let pd = ProtectionDomain::new(&dev);
+        let cq = CompletionQueue::new(&dev, 64, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_nodelay(true).unwrap();
+        let mut cfg = MpaConfig::default();
+        let q = a.query();
+        (cfg.ird, cfg.ord) = (q.ird, q.ord);
+        let n = crate::connect::mpa_connect(&mut s, &cfg, &[], Duration::from_secs(20)).unwrap();
+        a.establish(s, &crate::LinkParams::from(&n)).unwrap();
+        no_backstop(&a);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cq.poll(&mut wc), 0);
+        for i in 0..8 {
+            send(&a, i);
+        }
+        assert_eq!(deferred(&a), 7, "posts deferred");
+        let _ = LATE_QP.set(a);
+        std::process::exit(0);
+    }
+
+    /// Exit handlers run last registered first: one registered before the
+    /// engine's (a preload's, which releases held sends into posts) ran
+    /// after the engine's flush, and its small Send was deferred to a poll
+    /// that never came (lost). No post is deferred once the exit began.
+    #[test]
+    fn a_post_made_by_an_exit_handler_after_the_engines_is_written() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "qp::post::tests::late_exit_child",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("SOFTRDMA_TEST_LATE_EXIT_PEER", addr.to_string())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_nodelay(true).unwrap();
+        let dev = device();
+        let pd = ProtectionDomain::new(&dev);
+        let cq = CompletionQueue::new(&dev, 64, None).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 9);
+        let mut cfg = MpaConfig::default();
+        let q = b.query();
+        (cfg.ird, cfg.ord) = (q.ird, q.ord);
+        let n = crate::connect::mpa_accept(&mut s, &cfg, &[], Duration::from_secs(20)).unwrap();
+        b.establish(s, &crate::LinkParams::from(&n)).unwrap();
+        let mut got = Vec::new();
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 9];
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while got.len() < 9 && Instant::now() < deadline {
+            let k = cq.wait(&mut wc, Some(Duration::from_millis(10)));
+            got.extend_from_slice(&wc[..k]);
+            if got.last().is_some_and(|w| w.status != WcStatus::Success) {
+                break;
+            }
+        }
+        let status = child.wait().unwrap();
+        assert!(status.success(), "child: {status}");
+        let ok: Vec<u64> = got
+            .iter()
+            .filter(|w| w.status == WcStatus::Success)
+            .map(|w| w.wr_id)
+            .collect();
+        assert_eq!(ok, (100..109).collect::<Vec<u64>>(), "{got:?}");
+        for i in 0..9 {
+            let mut m = [0u8; 8];
+            dst.read(i * 64, &mut m).unwrap();
+            assert_eq!(u64::from_le_bytes(m), 1000 + i as u64, "message {i}");
+        }
+    }
+
+    /// `wait` took completions without running the hooks when it slept
+    /// at once (no spinning): it looked only at the ring, so a poster
+    /// that waits instead of polling left its posts to the backstop.
+    #[test]
+    fn a_wait_that_takes_completions_writes_the_deferred_posts() {
+        const N: u64 = crate::cq::DEFERRED_POLLS as u64;
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            poll_driven_receive: true,
+            poll_spin: Duration::ZERO,
+            poll_spin_adaptive: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
+        let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        no_backstop(&a);
+        let adst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        let bdst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&a, &adst, N + 1);
+        post_receives(&b, &bdst, 4);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        for i in 0..=N {
+            send(&b, 50 + i);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while cqa.len() < N as usize + 1 {
+            assert!(Instant::now() < deadline, "{} requests", cqa.len());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(cqa.wait(&mut wc[..1], Some(Duration::from_secs(5))), 1);
+        for i in 0..4 {
+            send(&a, i);
+        }
+        assert_eq!(deferred(&a), 3);
+        let f0 = poll_flushes(&a);
+        let mut waits = 0;
+        while poll_flushes(&a) == f0 {
+            assert!(waits < N, "{waits} waits took completions, nothing written");
+            assert_eq!(cqa.wait(&mut wc[..1], Some(Duration::from_secs(5))), 1);
+            waits += 1;
+        }
+        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
+        check_received(&cqb, &bdst, 4, 0);
+    }
+
+    /// A post made inside another `post_send_list` call of the same
+    /// thread (a callback that posts) took the outer call's urgency mark
+    /// in its kick: the outer call's large Write was then deferred.
+    #[test]
+    fn a_nested_post_does_not_take_the_outer_calls_urgency_mark() {
+        let (a, b, cqa, cqb, pd) = pair();
+        no_backstop(&a);
+        let dst = pd
+            .register(64 * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        post_receives(&b, &dst, 4);
+        let src = pd.register(4096, Access::LOCAL_WRITE).unwrap();
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        send(&a, 0);
+        let qp = a.qp();
+        let big = [Sge {
+            lkey: src.lkey(),
+            addr: src.addr(),
+            length: 1024,
+        }];
+        let write = SendWr::new(
+            50,
+            SendOp::Write {
+                remote_addr: dst.addr() + 1024,
+                rkey: dst.rkey(),
+            },
+        )
+        .sg_list(&big)
+        .signaled();
+        let d0 = deferred(&a);
+        // The outer call (as `post_send_list`): posts the Write ...
+        let outer = super::UrgentScope::enter();
+        qp.post_one(&write).unwrap();
+        // ... then a post made inside it on this thread ...
+        send(&a, 1);
+        // ... then the outer call's kick.
+        let d1 = deferred(&a);
+        qp.kick_posted();
+        drop(outer);
+        assert_eq!(deferred(&a), d1, "the large Write's kick deferred");
+        assert!(d1 >= d0);
+        check_received(&cqb, &dst, 2, 0);
+    }
+
+    /// `arm_backstop` cleared the armed mark when its timer could not be
+    /// armed, also when another QP had been listed meanwhile on the word
+    /// of that mark: that QP was left listed with no timer (its posts
+    /// waited for someone else's deferral). They are written now.
+    #[test]
+    fn a_qp_listed_while_the_backstop_failed_to_arm_is_written() {
+        let (a, b, cqa, cqb, pd) = pair();
+        no_backstop(&a);
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 4);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        for i in 0..4 {
+            send(&a, i);
+        }
+        assert_eq!(deferred(&a), 3);
+        // Other tests share the backstop: wait until it is not armed, then
+        // fail the arming and list `a` (as another thread) meanwhile.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            assert!(Instant::now() < deadline, "the backstop stayed armed");
+            let weak = a.qp().self_weak.clone();
+            let listed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let l2 = listed.clone();
+            crate::timer::FAIL_NEXT_ARM.with(|c| {
+                c.set(Some(Box::new(move || {
+                    l2.store(super::arm_backstop(weak), Ordering::SeqCst);
+                })))
+            });
+            let armed = super::arm_backstop(std::sync::Weak::new());
+            // The hook is left if the timer was not armed by this call.
+            if crate::timer::FAIL_NEXT_ARM.with(|c| c.take()).is_some() {
+                // The mark was set (another test's timer): try again.
+                assert!(armed);
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            assert!(!armed, "the arming failed");
+            assert!(listed.load(Ordering::SeqCst), "listed on the mark");
+            break;
+        }
+        assert_eq!(
+            a.qp().tx_batch.deferred.load(Ordering::SeqCst),
+            0,
+            "a QP listed with no timer"
+        );
+        check_received(&cqb, &dst, 4, 0);
+    }
+
+    /// Runs `f` in a forked child while another thread of this process
+    /// holds `lock` across the fork; whether the child finished (a child
+    /// that waits for the lock is killed after a while).
+    fn in_child_while_held<T>(
+        lock: &'static parking_lot::Mutex<T>,
+        f: impl FnOnce() -> bool,
+    ) -> bool
+    where
+        T: Send + 'static,
+    {
+        let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _g = lock.lock();
+            locked_tx.send(()).unwrap();
+            let _ = release_rx.recv();
+        });
+        locked_rx.recv().unwrap();
+        let ok = crate::sys::process::in_child(Duration::from_secs(20), f);
+        release_tx.send(()).unwrap();
+        holder.join().unwrap();
+        ok
+    }
+
+    /// The backstop's list was one process-wide lock: a forked child whose
+    /// parent's timer thread held it at the fork waited for ever at its
+    /// first deferral. A child lists on a backstop of its own.
+    #[test]
+    fn a_forked_child_does_not_wait_for_the_backstop_list_a_parent_thread_held() {
+        let ok = in_child_while_held(&super::backstop().qps, || {
+            // Listed, the child's timer armed; it fires and takes the list.
+            if !super::arm_backstop(std::sync::Weak::new()) {
+                return false;
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while super::backstop().armed.load(Ordering::SeqCst) {
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            true
+        });
+        assert!(ok, "the child waited for its parent's backstop list");
+    }
+
+    /// The exit flush locked the process-wide list of QPs before looking
+    /// at the fork generation: a forked child that exited while a parent
+    /// thread held the list at the fork waited for ever. A child that
+    /// listed no QP takes no lock.
+    #[test]
+    fn a_forked_child_does_not_wait_for_the_exit_list_a_parent_thread_held() {
+        let ok = in_child_while_held(super::EXIT_LIST.get(Default::default), || {
+            super::flush_at_exit();
+            true
+        });
+        assert!(ok, "the child waited for its parent's exit list");
     }
 }

@@ -14,7 +14,8 @@ pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
 /// Runs `f` in a `fork(2)`ed child of this (multi-threaded) process and
 /// returns whether it returned `true` there; a child that does not end
 /// within `limit` is killed (`false`). The child ends with `_exit(2)`
-/// (no exit handlers, no destructors of the parent's copies).
+/// (no exit handlers, no destructors of the parent's copies); it is
+/// killed if the forking thread ends first.
 ///
 /// Only the forking thread lives on in the child: `f` must not wait for
 /// anything another thread of the parent would have done.
@@ -25,6 +26,10 @@ pub(crate) fn in_child(limit: std::time::Duration, f: impl FnOnce() -> bool) -> 
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
     if pid == 0 {
+        // SAFETY: asks for SIGKILL when the forking thread ends (a child
+        // killed at its limit takes a hung grandchild of its own with it,
+        // instead of leaving it behind for ever); no pointers.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
         let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(false);
         // SAFETY: ends the child at once, as documented above.
         unsafe { libc::_exit(if ok { 0 } else { 1 }) };
@@ -46,5 +51,79 @@ pub(crate) fn in_child(limit: std::time::Duration, f: impl FnOnce() -> bool) -> 
             return false;
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// A process-wide value of which each fork generation
+/// ([`fork_generation`](super::epoll::fork_generation)) has its own,
+/// reached through one atomic pointer (no lock): a `fork(2)`ed child never
+/// uses its parent's value, whose locks may have been held at the fork by
+/// threads that do not exist in the child (it would wait for them for
+/// ever). The child's first use makes a value of its own and puts it in
+/// the slot; the parent's copy is left as it is (leaked: small, once per
+/// fork that uses it). Values live as long as the process.
+pub(crate) struct PerFork<T: 'static> {
+    slot: std::sync::atomic::AtomicPtr<(u64, T)>,
+}
+
+// SAFETY: the slot hands out `&'static T` to any thread (so `T: Sync`)
+// and a value made by one thread may be dropped by another (a lost race,
+// so `T: Send`).
+unsafe impl<T: Send + Sync> Sync for PerFork<T> {}
+
+impl<T: 'static> PerFork<T> {
+    /// An empty slot.
+    pub(crate) const fn new() -> Self {
+        PerFork {
+            slot: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+
+    /// The value in the slot, whichever generation made it.
+    fn current(&self) -> (*mut (u64, T), Option<&'static (u64, T)>) {
+        use std::sync::atomic::Ordering;
+        let p = self.slot.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer in the slot comes from `Box::into_raw`
+        // (made and published with Release by `get`) and is never freed.
+        (p, unsafe { p.as_ref() })
+    }
+
+    /// This generation's value, if it made one.
+    pub(crate) fn peek(&self) -> Option<&'static T> {
+        let generation = super::epoll::fork_generation();
+        match self.current().1 {
+            Some((g, v)) if *g == generation => Some(v),
+            _ => None,
+        }
+    }
+
+    /// This generation's value, made by `make` on its first use.
+    pub(crate) fn get(&self, make: impl Fn() -> T) -> &'static T {
+        use std::sync::atomic::Ordering;
+        let generation = super::epoll::fork_generation();
+        let (mut p, mut cur) = self.current();
+        loop {
+            if let Some((g, v)) = cur
+                && *g == generation
+            {
+                return v;
+            }
+            let new = Box::into_raw(Box::new((generation, make())));
+            match self
+                .slot
+                .compare_exchange(p, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                // SAFETY: just made from a box, and now never freed.
+                Ok(_) => return unsafe { &(*new).1 },
+                Err(actual) => {
+                    // Another thread of this generation put its own first.
+                    // SAFETY: `new` was not published: still ours alone.
+                    drop(unsafe { Box::from_raw(new) });
+                    p = actual;
+                    // SAFETY: as in `current`.
+                    cur = unsafe { actual.as_ref() };
+                }
+            }
+        }
     }
 }
