@@ -110,7 +110,9 @@ impl<R: Clone> TxFpdu<R> {
         true
     }
 
-    fn clear(&mut self) {
+    /// Empties the descriptor: lets go of its payload's regions (the span
+    /// list keeps its capacity), without touching the header buffer.
+    pub fn clear(&mut self) {
         self.head_len = 0;
         self.payload.clear();
         self.payload_len = 0;
