@@ -626,6 +626,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 }
                 self.push_recv_info(&r, inv);
                 self.completions.push_back(wc);
+                self.recycle_segs(r.segs);
                 Ok(())
             }
         }

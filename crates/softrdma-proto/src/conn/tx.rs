@@ -534,7 +534,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     }
 
     fn finish_front(&mut self) {
-        self.sq.pop_front();
+        if let Some(e) = self.sq.pop_front() {
+            self.recycle_sq(e);
+        }
         self.tx.cur_off = 0;
         self.tx.cur_started = false;
         self.tx.cur_imm_next = false;
