@@ -39,8 +39,8 @@ mod tests {
         let a = super::monotonic_ns();
         let i = super::now();
         std::thread::sleep(std::time::Duration::from_millis(20));
-        let b = super::monotonic_ns();
         let waited = u64::try_from(i.elapsed().as_nanos()).unwrap();
+        let b = super::monotonic_ns();
         assert!(b >= a + 20_000_000, "{a} {b}");
         assert!(
             b - a >= waited,
