@@ -400,6 +400,7 @@ pub(crate) struct TxIo {
     /// Boxed: an `Out` is about 400 bytes (the header buffer), moved
     /// between the pool and the queue once per FPDU.
     out: VecDeque<Box<Out>>,
+    #[allow(clippy::vec_box)] // moved per FPDU: a pointer, not 400 bytes
     pool: Vec<Box<Out>>,
     /// Bytes of the front FPDU already written.
     written: usize,
