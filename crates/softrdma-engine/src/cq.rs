@@ -125,6 +125,12 @@ pub(crate) trait Progress: Send + Sync {
         None
     }
 
+    /// [`sleep_on`](Self::sleep_on) until `after_ns` from now (an
+    /// implementation that reads the clock anyway reads it once).
+    fn sleep_on_for(&self, after_ns: u64) -> Option<RawFd> {
+        self.sleep_on(Some(crate::datamover::now_ns().saturating_add(after_ns)))
+    }
+
     /// A waiter that slept on the socket of [`sleep_on`](Self::sleep_on)
     /// found it readable: receive now, without looking at the socket
     /// first (the waiter's `poll(2)` just did) and without counting as a

@@ -696,8 +696,7 @@ impl WaitSet {
         // receive thread that met the claim leaves the socket until the
         // claim's end (bytes that come after this thread stopped waiting,
         // a peer's close, are served by it that much later).
-        let until = crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS);
-        if hook.sleep_on(Some(until)).is_none() {
+        if hook.sleep_on_for(CLAIM_AFTER_NS).is_none() {
             return Ok(None);
         }
         let ready = self.look_cqs();

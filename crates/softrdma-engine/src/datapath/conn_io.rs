@@ -498,8 +498,11 @@ struct Out {
 /// The transmit side of a connection's socket.
 #[derive(Debug)]
 pub(crate) struct TxIo {
-    out: VecDeque<Out>,
-    pool: Vec<Out>,
+    /// Boxed: an `Out` is about 400 bytes (the header buffer), moved
+    /// between the pool and the queue once per FPDU.
+    out: VecDeque<Box<Out>>,
+    #[allow(clippy::vec_box)] // moved per FPDU: a pointer, not 400 bytes
+    pool: Vec<Box<Out>>,
     /// Bytes of the front FPDU already written.
     written: usize,
     iov: IoVecs,
@@ -582,10 +585,12 @@ impl TxIo {
                 self.follow_mss(conn, fd);
             }
             while self.out.len() < MAX_OUT {
-                let mut o = self.pool.pop().unwrap_or_else(|| Out {
-                    fpdu: TxFpdu::new(),
-                    copy: Vec::new(),
-                    copied: false,
+                let mut o = self.pool.pop().unwrap_or_else(|| {
+                    Box::new(Out {
+                        fpdu: TxFpdu::new(),
+                        copy: Vec::new(),
+                        copied: false,
+                    })
                 });
                 if !conn.poll_transmit(mem, &mut o.fpdu) {
                     self.pool.push(o);
@@ -687,7 +692,7 @@ impl TxIo {
             if let Some(mut o) = self.out.pop_front() {
                 // Let go of the payload's memory now (lent memory waits
                 // for every reference, see `mr::LentRegion`).
-                o.fpdu = TxFpdu::new();
+                o.fpdu.clear();
                 self.pool.push(o);
             }
         }

@@ -354,9 +354,9 @@ fn duration_ns(d: Duration) -> u64 {
 
 /// Nanoseconds since the engine's clock started.
 pub(crate) fn now_ns() -> u64 {
-    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    let start = START.get_or_init(crate::sys::clock::now);
-    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(crate::sys::clock::monotonic_ns);
+    crate::sys::clock::monotonic_ns().saturating_sub(start)
 }
 
 /// A QP whose CQ was polled this recently is left to the poller: its

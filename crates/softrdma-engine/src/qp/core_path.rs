@@ -344,7 +344,10 @@ impl QpInner {
             }
             let chunk = left.min(DELIVER_EVERY);
             let mut mem = self.core_mem();
-            let stop = if cc.link_done {
+            // Nothing framed and waiting, nothing to frame: idle without
+            // a round through the transmit path (after a receive, and after
+            // the write that completed the only request).
+            let stop = if cc.link_done || (cc.tx.pending() == 0 && !cc.conn.may_transmit()) {
                 TxStop::Idle
             } else {
                 cc.tx.progress(&mut cc.conn, &mut mem, cc.fd, chunk)
@@ -355,6 +358,9 @@ impl QpInner {
             }
             self.core_outputs(cc);
             match stop {
+                TxStop::Completed if cc.tx.pending() == 0 && !cc.conn.may_transmit() => {
+                    return TxStop::Idle;
+                }
                 TxStop::Budget | TxStop::Completed => {}
                 _ => return stop,
             }

@@ -1025,6 +1025,15 @@ impl Progress for QpInner {
         self.device.threads().claim_rx(self, until_ns)
     }
 
+    fn sleep_on_for(&self, after_ns: u64) -> Option<std::os::fd::RawFd> {
+        // As `sleep_on(Some(now + after_ns))`, with one reading of the
+        // clock: the one that stamps the poll.
+        let now = self.batch_poll();
+        self.device
+            .threads()
+            .claim_rx(self, Some(now.saturating_add(after_ns)))
+    }
+
     fn progress(&self, armed: bool) -> bool {
         let now = self.batch_poll();
         if !self.device.config().poll_driven_receive {

@@ -219,8 +219,9 @@ struct SqEntry<R> {
     seq: u64,
     kind: Kind<R>,
     segs: Vec<Span<R>>,
-    /// Inline payload, copied at post (then `segs` is empty).
-    inline: Option<Box<[u8]>>,
+    /// Inline payload, copied at post (then `segs` is empty); its buffer
+    /// comes from and goes back to [`Connection`]'s `inline_pool`.
+    inline: Option<Vec<u8>>,
     len: usize,
     fence: bool,
     solicited: bool,
@@ -301,12 +302,43 @@ pub struct Connection<R> {
     /// in the same order.
     msg_infos: VecDeque<MsgInfo<R>>,
     outputs: VecDeque<Output>,
+    // ---- buffers reused from one request to the next ----
+    /// Emptied gather/scatter lists of finished requests (a post takes
+    /// one instead of allocating).
+    seg_pool: Vec<Vec<Span<R>>>,
+    /// Emptied inline payload buffers of sent requests.
+    inline_pool: Vec<Vec<u8>>,
     // ---- close ----
     fin_pending: bool,
     fin_sent: bool,
     peer_fin: bool,
     peer_closed: bool,
     close_deadline: Option<u64>,
+}
+
+/// Most emptied buffers kept for reuse per pool.
+const POOL_MAX: usize = 32;
+
+impl<R> Connection<R> {
+    /// Keeps a finished request's list for the next post (its spans, and
+    /// with them the references to registered memory, are let go now).
+    fn recycle_segs(&mut self, mut segs: Vec<Span<R>>) {
+        segs.clear();
+        if segs.capacity() > 0 && self.seg_pool.len() < POOL_MAX {
+            self.seg_pool.push(segs);
+        }
+    }
+
+    /// Keeps the buffers of a send request that left the send queue.
+    fn recycle_sq(&mut self, e: SqEntry<R>) {
+        if let Some(mut v) = e.inline {
+            v.clear();
+            if self.inline_pool.len() < POOL_MAX {
+                self.inline_pool.push(v);
+            }
+        }
+        self.recycle_segs(e.segs);
+    }
 }
 
 impl<R: Clone + core::fmt::Debug> Connection<R> {
@@ -338,6 +370,8 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             slots: InOrder::new(),
             completions: VecDeque::new(),
             msg_infos: VecDeque::new(),
+            seg_pool: Vec::new(),
+            inline_pool: Vec::new(),
             outputs: VecDeque::new(),
             fin_pending: false,
             fin_sent: false,
@@ -386,6 +420,16 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     #[must_use]
     pub const fn ird_used(&self) -> u32 {
         self.ird.used()
+    }
+
+    /// Whether [`Connection::poll_transmit`] may have something to hand
+    /// out (a Terminate, a response, a send-queue request, the FIN): when
+    /// `false`, it would return `false` at once, so a caller may skip it.
+    #[must_use]
+    pub fn may_transmit(&self) -> bool {
+        self.tx.term.is_some()
+            || (matches!(self.state, QpState::Rts | QpState::Closing)
+                && (!self.resp.is_empty() || !self.sq.is_empty() || self.fin_pending))
     }
 
     /// Send-queue requests posted and not yet completed.
@@ -496,11 +540,19 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             return Err(PostError::Invalid("message longer than 4 GiB"));
         }
         let mut failed = None;
+        let inline = wr.inline.map(|data| {
+            let mut v = self.inline_pool.pop().unwrap_or_default();
+            v.extend_from_slice(data);
+            v
+        });
+        let seg_pool = &mut self.seg_pool;
         let mut segs_for = |mem: &mut M, write: bool| -> Vec<Span<R>> {
             if wr.inline.is_some() {
                 return Vec::new();
             }
-            let mut v = Vec::with_capacity(wr.sgl.len());
+            let mut v = seg_pool
+                .pop()
+                .unwrap_or_else(|| Vec::with_capacity(wr.sgl.len()));
             for s in wr.sgl {
                 match mem.local(s.lkey, s.addr, s.len, write) {
                     Ok(sp) => v.push(sp),
@@ -516,7 +568,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             seq: 0,
             kind: Kind::Local,
             segs: Vec::new(),
-            inline: wr.inline.map(Box::from),
+            inline,
             len,
             fence: wr.fence,
             solicited: wr.solicited,
@@ -703,7 +755,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if self.rq.len() >= self.cfg.max_recv_wr as usize {
             return Err(PostError::QueueFull(self.cfg.max_recv_wr));
         }
-        let mut segs = Vec::with_capacity(wr.sgl.len());
+        let mut segs = self
+            .seg_pool
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(wr.sgl.len()));
         for s in wr.sgl {
             match mem.local(s.lkey, s.addr, s.len, true) {
                 Ok(sp) => segs.push(sp),

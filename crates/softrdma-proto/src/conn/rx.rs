@@ -185,8 +185,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if !self.receiving() {
             return 0;
         }
-        self.rx.deframer_last_want = self.rx.deframer.next_read().len();
-        let r = match self.rx.deframer.next_read() {
+        self.bytes_for(self.rx.deframer.next_read(), bytes, mem)
+    }
+
+    /// [`Connection::handle_rx_bytes`] once receiving is checked and the
+    /// deframer's `want` read.
+    fn bytes_for<M: Memory<Region = R>>(&mut self, want: Want, bytes: &[u8], mem: &mut M) -> usize {
+        self.rx.deframer_last_want = want.len();
+        let r = match want {
             Want::Payload { len } => {
                 if self.rx.mode == Mode::Place {
                     return 0;
@@ -216,10 +222,15 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             return 0;
         };
         let n = dst.len.min(placed.len());
-        let r = self
-            .rx
-            .deframer
-            .handle_payload(placed.get(..n).unwrap_or_default());
+        drop(dst);
+        self.placed_for(placed.get(..n).unwrap_or_default(), mem)
+    }
+
+    /// [`Connection::handle_rx_placed`] of bytes known to fit the current
+    /// [`RxWant::Place`] span.
+    fn placed_for<M: Memory<Region = R>>(&mut self, placed: &[u8], mem: &mut M) -> usize {
+        let n = placed.len();
+        let r = self.rx.deframer.handle_payload(placed);
         if let Ok(h) = r {
             self.rx.dest_off += h.consumed;
             if let Some(d) = self.rx.dest.get(self.rx.dest_idx)
@@ -283,20 +294,29 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             if rest.is_empty() {
                 break;
             }
-            let n = match self.rx_want() {
-                RxWant::Closed => break,
-                RxWant::Bytes { len } => {
-                    let k = len.min(rest.len());
-                    self.handle_rx_bytes(rest.get(..k).unwrap_or_default(), mem)
-                }
-                RxWant::Place { dst } => {
-                    let k = dst.len.min(rest.len());
+            // As `rx_want`, then `handle_rx_bytes` or `handle_rx_placed`,
+            // with the connection's state and the deframer's want looked
+            // at once per piece.
+            if !self.receiving() {
+                break;
+            }
+            let want = self.rx.deframer.next_read();
+            let n = match want {
+                Want::Payload { len } if self.rx.mode == Mode::Place => {
+                    let Some(d) = self.rx.dest.get(self.rx.dest_idx) else {
+                        break;
+                    };
+                    let k = (d.len - self.rx.dest_off).min(len).min(rest.len());
                     let chunk = rest.get(..k).unwrap_or_default();
-                    if !mem.copy_in(&dst, 0, chunk) {
+                    if !mem.copy_in(d, self.rx.dest_off, chunk) {
                         self.violate(TermError::DdpLocalCatastrophic, false, mem);
                         break;
                     }
-                    self.handle_rx_placed(chunk, mem)
+                    self.placed_for(chunk, mem)
+                }
+                w => {
+                    let k = w.len().min(rest.len());
+                    self.bytes_for(w, rest.get(..k).unwrap_or_default(), mem)
                 }
             };
             if n == 0 {
@@ -626,6 +646,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 }
                 self.push_recv_info(&r, inv);
                 self.completions.push_back(wc);
+                self.recycle_segs(r.segs);
                 Ok(())
             }
         }

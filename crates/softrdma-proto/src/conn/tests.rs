@@ -1156,3 +1156,45 @@ fn max_payload_changed_mid_message_delivers_byte_exact_data() {
         assert_eq!(b.state(), QpState::Rts);
     }
 }
+
+/// Inline buffers and gather/scatter lists are reused from one request to
+/// the next: a shorter message after a longer one carries its own bytes
+/// only, and every receive lands in its own buffer.
+#[test]
+fn reused_request_buffers_carry_only_their_own_bytes() {
+    let mut t = setup(true);
+    let send = SendOp::Send {
+        inv: None,
+        imm: None,
+    };
+    assert!(!t.c.may_transmit(), "nothing posted");
+    for (i, len) in [60usize, 3, 0, 64, 17].into_iter().enumerate() {
+        let data: Vec<u8> = (0..len).map(|k| (k as u8) ^ (i as u8 * 31)).collect();
+        let wr = SendWr::new(i as u64, send, &[]).with_inline(&data);
+        t.c.post_send(&wr, &mut t.m).unwrap();
+        assert!(t.c.may_transmit());
+        let f = t.sent().expect("the Send is framed");
+        assert!(!t.c.may_transmit(), "the only request is framed");
+        let d = fpdu::decode(&f, true).unwrap();
+        let u = UlpduRepr::parse(d.ulpdu).unwrap();
+        let UlpduBody::Payload(p) = u.body else {
+            panic!("no payload")
+        };
+        assert_eq!(p, data.as_slice(), "send {i}");
+        t.c.handle_sent(1);
+        let c = t.c.poll_completion().expect("the Send completes");
+        assert_eq!((c.wr_id, c.byte_len), (i as u64, len as u32));
+    }
+    for (i, len) in [8u32, 40, 2].into_iter().enumerate() {
+        let (region, _, _) = t.post_recv_buf(100 + i as u64, len);
+        let msg: Vec<u8> = (0..len as u8).map(|k| k.wrapping_add(i as u8)).collect();
+        let s = UlpduRepr::send(Opcode::Send, None, Msn(1 + i as u32), 0, true, &msg);
+        t.feed(&s, |_| {});
+        let c = t.c.poll_completion().expect("the receive completes");
+        assert_eq!(
+            (c.wr_id, c.status, c.byte_len),
+            (100 + i as u64, WcStatus::Success, len)
+        );
+        assert_eq!(&t.m.region(region)[..len as usize], msg.as_slice());
+    }
+}

@@ -110,7 +110,9 @@ impl<R: Clone> TxFpdu<R> {
         true
     }
 
-    fn clear(&mut self) {
+    /// Empties the descriptor: lets go of its payload's regions (the span
+    /// list keeps its capacity), without touching the header buffer.
+    pub fn clear(&mut self) {
         self.head_len = 0;
         self.payload.clear();
         self.payload_len = 0;
@@ -532,7 +534,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     }
 
     fn finish_front(&mut self) {
-        self.sq.pop_front();
+        if let Some(e) = self.sq.pop_front() {
+            self.recycle_sq(e);
+        }
         self.tx.cur_off = 0;
         self.tx.cur_started = false;
         self.tx.cur_imm_next = false;
