@@ -817,7 +817,13 @@ fn on_accepted(lfd: c_int, fd: c_int, flags: c_int, peer: Option<(IpAddr, u16)>)
         if twin.is_none() && !is_stream(fd) {
             return false;
         }
-        let Some((ip, port)) = local_ip_port(fd) else {
+        // The local address of a connection accepted by a listener bound
+        // to one address is that address (no `getsockname`).
+        let local = match &twin {
+            Some(t) if !t.addr.ip().is_unspecified() => Some((t.addr.ip(), t.addr.port())),
+            _ => local_ip_port(fd),
+        };
+        let Some((ip, port)) = local else {
             return false;
         };
         let s = state();
