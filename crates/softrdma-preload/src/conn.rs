@@ -226,10 +226,11 @@ pub(crate) fn any() -> bool {
 }
 
 /// Records `fd` as a descriptor of `conn`; the kernel descriptor is made
-/// close-on-exec (the application's view is `cloexec`).
+/// close-on-exec (the application's view is `cloexec`, which every caller
+/// takes from the kernel's flag: when it is set, there is nothing to do).
 pub(crate) fn insert(fd: c_int, conn: Arc<Conn>, cloexec: bool) {
     pid();
-    if let Some(f) = REAL_FCNTL.get() {
+    if !cloexec && let Some(f) = REAL_FCNTL.get() {
         // SAFETY: F_SETFD with an int argument on a descriptor we were given.
         unsafe { f(fd, libc::F_SETFD, libc::FD_CLOEXEC as usize) };
     }

@@ -325,11 +325,10 @@ const CHOSEN_PORT_TRIES: usize = 16;
 /// it. A chosen port may still have a connection to the same address in
 /// `TIME_WAIT`: `connect` then fails with `EADDRNOTAVAIL`, and is made
 /// again from a port the kernel picks ([`connect`]).
-fn bind_for_query(fd: c_int, v6: bool, choose: bool) -> Option<(u16, bool)> {
-    if let Some((_, p)) = local_ip_port(fd)
-        && p != 0
-    {
-        return Some((p, false));
+/// `bound`: the socket's local port, as `getsockname` gave it (0: unbound).
+fn bind_for_query(fd: c_int, v6: bool, choose: bool, bound: u16) -> Option<(u16, bool)> {
+    if bound != 0 {
+        return Some((bound, false));
     }
     let bind = |port: u16| -> c_int {
         let any: SocketAddr = if v6 {
@@ -454,7 +453,15 @@ fn client_plan_bound(
     let Some((ip, port)) = target else {
         return ClientPlan::Pass;
     };
-    if !is_stream(fd) || peer_ip_port(fd).is_some() || conn::lookup(fd).is_some() {
+    if !is_stream(fd) || conn::lookup(fd).is_some() {
+        return ClientPlan::Pass;
+    }
+    // A connected socket has a local port: an unbound one (the usual
+    // client's) needs no `getpeername` to know it is not connected.
+    let Some((_, bound)) = local_ip_port(fd) else {
+        return ClientPlan::Pass;
+    };
+    if bound != 0 && peer_ip_port(fd).is_some() {
         return ClientPlan::Pass;
     }
     let s = state();
@@ -485,7 +492,7 @@ fn client_plan_bound(
     // The address's family is the socket's (connect takes no other for an
     // IP stream socket, and a mismatch fails the bind and the connect).
     let v6 = ip.is_ipv6();
-    let Some((local_port, was_chosen)) = bind_for_query(fd, v6, choose) else {
+    let Some((local_port, was_chosen)) = bind_for_query(fd, v6, choose, bound) else {
         return plain(PlainReason::PeerNotCapable, not_capable);
     };
     *chosen = was_chosen;
@@ -810,7 +817,13 @@ fn on_accepted(lfd: c_int, fd: c_int, flags: c_int, peer: Option<(IpAddr, u16)>)
         if twin.is_none() && !is_stream(fd) {
             return false;
         }
-        let Some((ip, port)) = local_ip_port(fd) else {
+        // The local address of a connection accepted by a listener bound
+        // to one address is that address (no `getsockname`).
+        let local = match &twin {
+            Some(t) if !t.addr.ip().is_unspecified() => Some((t.addr.ip(), t.addr.port())),
+            _ => local_ip_port(fd),
+        };
+        let Some((ip, port)) = local else {
             return false;
         };
         let s = state();

@@ -325,6 +325,8 @@ pub(crate) struct Twin {
     /// The twin's socket (forked children have it too: their accepts
     /// answer the queued queries).
     pub(crate) sock: Arc<UdpSocket>,
+    /// The listener's address (as bound: its IP may be unspecified).
+    pub(crate) addr: SocketAddr,
     stop: Arc<AtomicBool>,
 }
 
@@ -345,6 +347,7 @@ impl Twin {
         Ok(Twin {
             records,
             sock,
+            addr,
             stop,
         })
     }

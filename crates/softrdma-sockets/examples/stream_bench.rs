@@ -368,6 +368,31 @@ fn main() {
             let per = (after.saturating_sub(before)) as f64 / f64::from(a.idle) / f64::from(ends);
             report("idle", 0, "KiB/conn", &[(m, per)]);
             drop(conns);
+            // Idle connections whose buffers come from the pool of
+            // closed ones: a wave that sent 256 KiB over every
+            // connection is closed first, then the same number opened.
+            // What they hold counts from before the first wave.
+            let before = rss_kib();
+            let wave: Vec<TcpStream> = (0..a.idle)
+                .map(|_| {
+                    let mut s = connect(addr, m);
+                    let data = vec![0x5au8; 256 * 1024];
+                    s.write_all(&cmd(b'B', 64 * 1024, data.len() as u64))
+                        .expect("cmd");
+                    s.write_all(&data).expect("w");
+                    let mut k = [0u8; 1];
+                    s.read_exact(&mut k).expect("r");
+                    s
+                })
+                .collect();
+            drop(wave);
+            thread::sleep(Duration::from_millis(500));
+            let conns: Vec<TcpStream> = (0..a.idle).map(|_| connect(addr, m)).collect();
+            thread::sleep(Duration::from_millis(200));
+            let after = rss_kib();
+            let per = (after.saturating_sub(before)) as f64 / f64::from(a.idle) / f64::from(ends);
+            report("idle-reused", 0, "KiB/conn", &[(m, per)]);
+            drop(conns);
         }
         println!(
             "(configured buffers per offloaded connection: {} KiB)",

@@ -304,13 +304,25 @@ fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Add
     {
         return Ok((s, a, me, true));
     }
-    let bind: SocketAddr = if dest.is_ipv4() {
-        (Ipv4Addr::UNSPECIFIED, 0).into()
+    // Made and connected with system calls of its own (rustix), not
+    // through the C library's `connect`: in a process running the
+    // `LD_PRELOAD` library that symbol is the library's, which looked at
+    // the socket's type first (a `getsockopt` per query). The connect
+    // binds the socket (no `bind` to port 0 first): two system calls less
+    // per query socket.
+    let family = if dest.is_ipv4() {
+        rustix::net::AddressFamily::INET
     } else {
-        (Ipv6Addr::UNSPECIFIED, 0).into()
+        rustix::net::AddressFamily::INET6
     };
-    let s = UdpSocket::bind(bind)?;
-    s.connect(dest)?;
+    let fd = rustix::net::socket_with(
+        family,
+        rustix::net::SocketType::DGRAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::connect(&fd, &dest)?;
+    let s = UdpSocket::from(fd);
     let client_addr = match s.local_addr()?.ip() {
         IpAddr::V4(v4) => v4.to_ipv6_mapped(),
         IpAddr::V6(v6) => v6,

@@ -422,7 +422,9 @@ impl TcpStream {
     /// byte stream, one with `initiator` true; see the crate docs). The
     /// ports, names and socket options stay those of `stream`.
     pub fn upgrade(stream: std::net::TcpStream, initiator: bool, cfg: &Config) -> io::Result<Self> {
-        stream.set_nonblocking(false)?;
+        // Its blocking mode is left as it is: nothing before the switch
+        // reads or writes it, and the switch makes it non-blocking (one
+        // system call less per side).
         Offload::establish(stream, initiator, cfg)
             .map(|o| {
                 // Not our descriptor: its `O_NONBLOCK` stays as it is.
@@ -855,7 +857,8 @@ impl TcpListener {
     pub(crate) fn decide(&self, s: std::net::TcpStream, peer: SocketAddr) -> Option<TcpStream> {
         let asked = self.twin.as_ref().is_some_and(|t| t.take(peer));
         if asked {
-            s.set_nonblocking(false).ok()?;
+            // No `set_nonblocking(false)`: the switch makes the stream
+            // non-blocking before its first read or write.
             return Offload::establish(s, false, &self.cfg)
                 .ok()
                 .map(TcpStream::offloaded);
