@@ -979,22 +979,7 @@ mod tests {
     #[test]
     fn bytes_a_busy_connection_left_are_received_by_its_holder() {
         let (a, b, cqb, pd) = quiet_core_pair();
-        let src = pd.register(64, Access::LOCAL_WRITE).unwrap();
-        src.write(0, &[7u8; 8]).unwrap();
-        let dst = pd.register(64, Access::LOCAL_WRITE).unwrap();
-        let rsge = [Sge {
-            lkey: dst.lkey(),
-            addr: dst.addr(),
-            length: 64,
-        }];
-        b.post_recv(&RecvWr::new(1, &rsge)).unwrap();
-        let ssge = [Sge {
-            lkey: src.lkey(),
-            addr: src.addr(),
-            length: 8,
-        }];
-        a.post_send(&SendWr::new(2, SendOp::Send).sg_list(&ssge).signaled())
-            .unwrap();
+        let dst = send_seven(&a, &b, &pd);
         let fd = b.qp().core_fd.load(super::Ordering::Acquire);
         let deadline = Instant::now() + Duration::from_secs(20);
         while !crate::sys::io::readable_now(fd) {

@@ -836,22 +836,23 @@ mod tests {
         std::process::exit(0);
     }
 
-    /// A process that exited right after posting (no poll, no destroy)
-    /// lost the posts it had deferred to its next poll: the peer got only
-    /// the first. They are written at exit now.
-    #[test]
-    fn deferred_posts_are_written_when_the_process_exits() {
+    /// Runs the ignored test `child` in a child process that connects to
+    /// a listener here (its address in the environment variable `env`),
+    /// accepts its connection as the passive side, and checks that the
+    /// child's `n` Sends (wr_ids from 100, payloads 1000 + i) all arrive
+    /// in order before the child exits successfully.
+    fn child_sends_arrive(child: &str, env: &str, n: usize) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
-                "qp::post::tests::exit_child",
+                child,
                 "--exact",
                 "--ignored",
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env("SOFTRDMA_TEST_EXIT_PEER", addr.to_string())
+            .env(env, addr.to_string())
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
@@ -862,16 +863,16 @@ mod tests {
         let cq = CompletionQueue::new(&dev, 64, None).unwrap();
         let b = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
         let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
-        post_receives(&b, &dst, 8);
+        post_receives(&b, &dst, n as u64);
         let mut cfg = MpaConfig::default();
         let q = b.query();
         (cfg.ird, cfg.ord) = (q.ird, q.ord);
-        let n = crate::connect::mpa_accept(&mut s, &cfg, &[], Duration::from_secs(20)).unwrap();
-        b.establish(s, &crate::LinkParams::from(&n)).unwrap();
+        let m = crate::connect::mpa_accept(&mut s, &cfg, &[], Duration::from_secs(20)).unwrap();
+        b.establish(s, &crate::LinkParams::from(&m)).unwrap();
         let mut got = Vec::new();
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 8];
+        let mut wc = vec![WorkCompletion::success(0, WcOpcode::Send, 0); n];
         let deadline = Instant::now() + Duration::from_secs(30);
-        while got.len() < 8 && Instant::now() < deadline {
+        while got.len() < n && Instant::now() < deadline {
             let k = cq.wait(&mut wc, Some(Duration::from_millis(10)));
             got.extend_from_slice(&wc[..k]);
             if got.last().is_some_and(|w| w.status != WcStatus::Success) {
@@ -885,12 +886,20 @@ mod tests {
             .filter(|w| w.status == WcStatus::Success)
             .map(|w| w.wr_id)
             .collect();
-        assert_eq!(ok, (100..108).collect::<Vec<u64>>(), "{got:?}");
-        for i in 0..8 {
+        assert_eq!(ok, (100..100 + n as u64).collect::<Vec<u64>>(), "{got:?}");
+        for i in 0..n {
             let mut m = [0u8; 8];
             dst.read(i * 64, &mut m).unwrap();
             assert_eq!(u64::from_le_bytes(m), 1000 + i as u64, "message {i}");
         }
+    }
+
+    /// A process that exited right after posting (no poll, no destroy)
+    /// lost the posts it had deferred to its next poll: the peer got only
+    /// the first. They are written at exit now.
+    #[test]
+    fn deferred_posts_are_written_when_the_process_exits() {
+        child_sends_arrive("qp::post::tests::exit_child", "SOFTRDMA_TEST_EXIT_PEER", 8);
     }
 
     /// Child half of `a_post_made_by_an_exit_handler_after_the_engines_is_written`.
@@ -941,56 +950,11 @@ mod tests {
     /// that never came (lost). No post is deferred once the exit began.
     #[test]
     fn a_post_made_by_an_exit_handler_after_the_engines_is_written() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "qp::post::tests::late_exit_child",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("SOFTRDMA_TEST_LATE_EXIT_PEER", addr.to_string())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let (mut s, _) = listener.accept().unwrap();
-        s.set_nodelay(true).unwrap();
-        let dev = device();
-        let pd = ProtectionDomain::new(&dev);
-        let cq = CompletionQueue::new(&dev, 64, None).unwrap();
-        let b = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
-        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
-        post_receives(&b, &dst, 9);
-        let mut cfg = MpaConfig::default();
-        let q = b.query();
-        (cfg.ird, cfg.ord) = (q.ird, q.ord);
-        let n = crate::connect::mpa_accept(&mut s, &cfg, &[], Duration::from_secs(20)).unwrap();
-        b.establish(s, &crate::LinkParams::from(&n)).unwrap();
-        let mut got = Vec::new();
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 9];
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while got.len() < 9 && Instant::now() < deadline {
-            let k = cq.wait(&mut wc, Some(Duration::from_millis(10)));
-            got.extend_from_slice(&wc[..k]);
-            if got.last().is_some_and(|w| w.status != WcStatus::Success) {
-                break;
-            }
-        }
-        let status = child.wait().unwrap();
-        assert!(status.success(), "child: {status}");
-        let ok: Vec<u64> = got
-            .iter()
-            .filter(|w| w.status == WcStatus::Success)
-            .map(|w| w.wr_id)
-            .collect();
-        assert_eq!(ok, (100..109).collect::<Vec<u64>>(), "{got:?}");
-        for i in 0..9 {
-            let mut m = [0u8; 8];
-            dst.read(i * 64, &mut m).unwrap();
-            assert_eq!(u64::from_le_bytes(m), 1000 + i as u64, "message {i}");
-        }
+        child_sends_arrive(
+            "qp::post::tests::late_exit_child",
+            "SOFTRDMA_TEST_LATE_EXIT_PEER",
+            9,
+        );
     }
 
     /// `wait` took completions without running the hooks when it slept
