@@ -158,8 +158,11 @@ pub(crate) trait Progress: Send + Sync {
     /// what it brings: one system call per wait instead of a `poll(2)`
     /// and a read. Nothing but bytes on the socket (or its end), a signal
     /// or the timeout ends the sleep: the caller makes sure nothing else
-    /// can be waited for meanwhile.
-    fn progress_sleep(&self, _timeout: std::time::Duration) -> RxSleep {
+    /// can be waited for meanwhile. `ready` is asked once the receive is
+    /// this waiter's (no other thread receives from then on): if it says
+    /// yes (the waiter's CQ got completions from a receive that ended
+    /// just before), nothing sleeps and `Received` is returned.
+    fn progress_sleep(&self, _timeout: std::time::Duration, _ready: &dyn Fn() -> bool) -> RxSleep {
         RxSleep::Unable
     }
 }

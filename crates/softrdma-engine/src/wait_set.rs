@@ -655,7 +655,12 @@ impl WaitSet {
     /// reader does: one system call per wait (`poll(2)` and then a read
     /// otherwise), and the bytes received are processed at once. At most
     /// `timeout` (the socket's receive time limit, set once and kept);
-    /// 0 ready entries when the time is up.
+    /// 0 ready entries when the time is up. The first such sleep makes the
+    /// QP's socket blocking (clears `O_NONBLOCK` of the open socket, which
+    /// every holder of a duplicate of its descriptor sees; the engine's
+    /// own reads and writes say `MSG_DONTWAIT`) and sets its
+    /// `SO_RCVTIMEO`: a caller that changes those on its duplicate
+    /// changes the sleep (non-blocking ends these sleeps for the QP).
     ///
     /// Nothing but bytes on the socket (or its end, an error), a signal
     /// or the time limit ends that sleep: not a completion pushed to the
@@ -703,7 +708,12 @@ impl WaitSet {
         let r = if ready > 0 {
             crate::cq::RxSleep::Received
         } else {
-            let r = hook.progress_sleep(timeout);
+            // Looked at again once the receive is this waiter's: a
+            // receive thread that held it when the CQ was looked at above
+            // may have pushed a completion since (it would wait for the
+            // sleep's timeout).
+            let cq = &self.cqs[0];
+            let r = hook.progress_sleep(timeout, &|| !cq.is_empty());
             self.slept_in_recv = r != crate::cq::RxSleep::Unable;
             r
         };

@@ -493,7 +493,9 @@ impl TcpStream {
     pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
         match &self.inner {
             Inner::Plain(s) => s.set_nonblocking(on)?,
-            // The kernel socket stays non-blocking for the engine.
+            // The engine's IO does not depend on the kernel socket's
+            // mode (every read and write says `MSG_DONTWAIT`); a blocked
+            // call may make it blocking to sleep in its `recv`.
             Inner::Offload(_) => {}
         }
         self.opts.nonblocking.store(on, Ordering::Relaxed);
@@ -759,7 +761,9 @@ impl Write for &TcpStream {
 
 impl AsRawFd for TcpStream {
     /// The kernel TCP socket (offloaded: a duplicate of the one the queue
-    /// pair uses; for names and options only, never for reading/writing).
+    /// pair uses; for names and options only, never for reading/writing;
+    /// the engine owns its `O_NONBLOCK`, `SO_RCVTIMEO` and `SO_RCVLOWAT`,
+    /// which a blocked call's sleep in `recv` relies on).
     fn as_raw_fd(&self) -> RawFd {
         self.kernel().as_raw_fd()
     }

@@ -118,7 +118,9 @@ fn engine() -> io::Result<&'static Engine> {
 ///
 /// The pool follows the working set: of each size (a connection takes a
 /// receive and a send region) it keeps as many regions as the most
-/// connections this process had open at once, at least [`MR_POOL_MIN`], so that a server whose
+/// connections this process had open at once, at least [`MR_POOL_MIN`]
+/// (one count per size: when a connection's receive and send regions
+/// have the same size, half as many connections), so that a server whose
 /// clients come and go in waves (redis-benchmark's 50) finds every new
 /// connection's regions there. It is bounded by memory twice: a region is
 /// kept only if what its connection can have touched of it
@@ -175,8 +177,15 @@ impl MrPool {
     }
 
     /// Keeps `mr` if the bounds allow (`max_regions` of its size); else it
-    /// is unregistered (dropped).
-    fn give(&mut self, mr: MemoryRegion, resident: usize, max_regions: usize) {
+    /// is handed back, for the caller to unregister (drop) after it let
+    /// go of the pool's lock (an unmap takes microseconds).
+    #[must_use]
+    fn give(
+        &mut self,
+        mr: MemoryRegion,
+        resident: usize,
+        max_regions: usize,
+    ) -> Option<MemoryRegion> {
         let resident = resident.min(mr.len());
         if resident <= POOL_REGION_RESIDENT_MAX
             && self.resident + resident <= POOL_RESIDENT_MAX
@@ -189,6 +198,9 @@ impl MrPool {
         {
             self.resident += resident;
             self.regions.push((mr, resident));
+            None
+        } else {
+            Some(mr)
         }
     }
 }
@@ -235,8 +247,8 @@ impl Drop for PooledMr {
         {
             let resident = self.resident_max.load(Ordering::Relaxed);
             let max = pool_max_regions();
-            let mut pool = mr_pool().lock();
-            pool.give(mr, resident, max);
+            let rejected = mr_pool().lock().give(mr, resident, max);
+            drop(rejected);
         }
     }
 }
@@ -3281,23 +3293,23 @@ mod pool_tests {
         let mut pool = MrPool::default();
         let len = 2 * POOL_REGION_RESIDENT_MAX;
         let mr = pd.register(len, Access::LOCAL_WRITE).unwrap();
-        pool.give(mr, len, 100);
+        assert!(pool.give(mr, len, 100).is_some());
         assert!(pool.regions.is_empty(), "a region that can be all resident");
         let mr = pd.register(len, Access::LOCAL_WRITE).unwrap();
-        pool.give(mr, 4096, 100);
+        assert!(pool.give(mr, 4096, 100).is_none());
         assert_eq!((pool.regions.len(), pool.resident), (1, 4096));
         // The count bound, per size.
         let mr = pd.register(len, Access::LOCAL_WRITE).unwrap();
-        pool.give(mr, 4096, 1);
+        assert!(pool.give(mr, 4096, 1).is_some());
         assert_eq!(pool.regions.len(), 1);
         let mr = pd.register(4096, Access::LOCAL_WRITE).unwrap();
-        pool.give(mr, 4096, 1);
+        assert!(pool.give(mr, 4096, 1).is_none());
         assert_eq!((pool.regions.len(), pool.resident), (2, 8192));
         assert!(pool.take(4096).is_some());
         // The total bound.
         pool.resident = POOL_RESIDENT_MAX - 4096;
         let mr = pd.register(8192, Access::LOCAL_WRITE).unwrap();
-        pool.give(mr, 8192, 100);
+        assert!(pool.give(mr, 8192, 100).is_some());
         assert_eq!(pool.regions.len(), 1);
         pool.resident = 4096;
         assert!(pool.take(len).is_some());

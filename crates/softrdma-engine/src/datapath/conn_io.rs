@@ -265,6 +265,11 @@ impl RxIo {
     /// `n` bytes read into its front: the next run feeds them to the
     /// connection first (and reads no more if they came short).
     pub(crate) fn put_staging(&mut self, buf: Vec<u8>, n: usize) {
+        // A read of the socket like the run's own: counted the same way.
+        if n > 0 {
+            self.bytes_received += n as u64;
+            self.reads += 1;
+        }
         self.staged_short = n > 0 && n < buf.len();
         self.buf = buf;
         self.start = 0;
@@ -396,7 +401,9 @@ impl RxIo {
         self.end = 0;
         let Some(dst) = dst else {
             // A batch: a full one keeps the reader batching, a short one
-            // (the socket is drained) sends it back to direct reads.
+            // (the socket is drained) or a failed one sends it back to
+            // direct reads.
+            self.batching = false;
             let r = r.inspect(|&n| {
                 self.batching = n == BATCH;
                 self.drained_hint = n > 0 && n < BATCH;

@@ -680,11 +680,20 @@ impl QpInner {
     /// sleeps. A socket made non-blocking again (another holder of its
     /// descriptor) ends these sleeps for the connection: `Unable`, and
     /// the caller waits with `poll(2)` as before.
-    pub(crate) fn core_rx_sleep(&self, timeout: std::time::Duration) -> crate::cq::RxSleep {
+    pub(crate) fn core_rx_sleep(
+        &self,
+        timeout: std::time::Duration,
+        ready: &dyn Fn() -> bool,
+    ) -> crate::cq::RxSleep {
         use crate::cq::RxSleep;
         let Some(receiving) = self.rx.try_lock() else {
             return RxSleep::Unable;
         };
+        // What a receive that held the lock until now completed is seen
+        // here (the lock orders it before): not slept on.
+        if ready() {
+            return RxSleep::Received;
+        }
         self.core_rx_sleeping.store(true, Ordering::SeqCst);
         let g = self.core.lock();
         let mut g = g;
@@ -1043,11 +1052,18 @@ mod tests {
     fn a_receive_sleeping_in_recv_takes_what_comes() {
         let (a, b, cqb, pd) = quiet_core_pair();
         let sleeper = b.clone();
-        let t = std::thread::spawn(move || sleeper.qp().core_rx_sleep(Duration::from_secs(600)));
+        let t = std::thread::spawn(move || {
+            sleeper
+                .qp()
+                .core_rx_sleep(Duration::from_secs(600), &|| false)
+        });
         let dst = send_seven(&a, &b, &pd);
         assert_eq!(t.join().unwrap(), crate::cq::RxSleep::Received);
         let fd = b.qp().core_fd.load(super::Ordering::Acquire);
         assert!(!crate::sys::io::is_nonblocking(fd));
+        // The bytes the sleep read count as received, as any read's (they
+        // did not: the sleep's read went around the run's accounting).
+        assert!(b.qp().core_counters().unwrap().1 > 0, "bytes received");
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
         assert_eq!(cqb.poll(&mut wc), 1);
         assert_eq!(
@@ -1059,6 +1075,29 @@ mod tests {
         assert_eq!(got, [7u8; 8]);
     }
 
+    /// A waiter looked at its CQ (empty) while a receive thread still
+    /// held the receive; the thread pushed a completion and let go, and
+    /// the waiter slept in `recv` beside it until the sleep's timeout. The
+    /// CQ is looked at again once the receive is the sleeper's.
+    #[test]
+    fn a_sleep_in_recv_looks_at_the_cq_once_the_receive_is_its_own() {
+        let (_a, b, _cqb, _pd) = quiet_core_pair();
+        // Nothing comes: without the look the sleep would end by its
+        // timeout (`TimedOut`), not `Received`.
+        let asked = std::sync::atomic::AtomicUsize::new(0);
+        let r = b.qp().core_rx_sleep(Duration::from_millis(50), &|| {
+            asked.fetch_add(1, super::Ordering::SeqCst);
+            true
+        });
+        assert_eq!(r, crate::cq::RxSleep::Received);
+        assert_eq!(asked.load(super::Ordering::SeqCst), 1);
+        // The receive lock was let go: the next sleep may take it.
+        assert_eq!(
+            b.qp().core_rx_sleep(Duration::from_millis(20), &|| false),
+            crate::cq::RxSleep::TimedOut
+        );
+    }
+
     /// A receive thread woken for a QP whose waiter sleeps in `recv`
     /// leaves the bytes to it at once instead of waiting for its receive
     /// lock (held through the sleep): other QPs of that thread would wait
@@ -1067,7 +1106,11 @@ mod tests {
     fn a_receive_thread_does_not_wait_behind_a_sleep_in_recv() {
         let (a, b, cqb, pd) = quiet_core_pair();
         let sleeper = b.clone();
-        let t = std::thread::spawn(move || sleeper.qp().core_rx_sleep(Duration::from_secs(600)));
+        let t = std::thread::spawn(move || {
+            sleeper
+                .qp()
+                .core_rx_sleep(Duration::from_secs(600), &|| false)
+        });
         let deadline = Instant::now() + Duration::from_secs(20);
         while !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst) {
             assert!(Instant::now() < deadline, "the waiter never slept");
@@ -1091,7 +1134,11 @@ mod tests {
     fn a_reset_that_ends_a_sleep_in_recv_is_reported_as_the_peers_reset() {
         let (a, b, _cqb, _pd) = quiet_core_pair();
         let sleeper = b.clone();
-        let t = std::thread::spawn(move || sleeper.qp().core_rx_sleep(Duration::from_secs(600)));
+        let t = std::thread::spawn(move || {
+            sleeper
+                .qp()
+                .core_rx_sleep(Duration::from_secs(600), &|| false)
+        });
         let deadline = Instant::now() + Duration::from_secs(20);
         while !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst) {
             assert!(Instant::now() < deadline, "the waiter never slept");
@@ -1122,7 +1169,7 @@ mod tests {
     fn a_socket_made_non_blocking_again_ends_sleeps_in_recv() {
         let (_a, b, _cqb, _pd) = quiet_core_pair();
         assert_eq!(
-            b.qp().core_rx_sleep(Duration::from_millis(20)),
+            b.qp().core_rx_sleep(Duration::from_millis(20), &|| false),
             crate::cq::RxSleep::TimedOut
         );
         let fd = b.qp().core_fd.load(super::Ordering::Acquire);
@@ -1130,8 +1177,8 @@ mod tests {
         let q = b.clone();
         let r = bounded(move || {
             [
-                q.qp().core_rx_sleep(Duration::from_secs(600)),
-                q.qp().core_rx_sleep(Duration::from_secs(600)),
+                q.qp().core_rx_sleep(Duration::from_secs(600), &|| false),
+                q.qp().core_rx_sleep(Duration::from_secs(600), &|| false),
             ]
         });
         assert_eq!(r, [crate::cq::RxSleep::Unable; 2]);

@@ -1067,11 +1067,15 @@ impl Progress for QpInner {
         self.core_rx_readable().0
     }
 
-    fn progress_sleep(&self, timeout: std::time::Duration) -> crate::cq::RxSleep {
+    fn progress_sleep(
+        &self,
+        timeout: std::time::Duration,
+        ready: &dyn Fn() -> bool,
+    ) -> crate::cq::RxSleep {
         if !self.device.config().poll_driven_receive {
             return crate::cq::RxSleep::Unable;
         }
-        self.core_rx_sleep(timeout)
+        self.core_rx_sleep(timeout, ready)
     }
 }
 
