@@ -401,9 +401,11 @@ impl RxIo {
         self.end = 0;
         let Some(dst) = dst else {
             // A batch: a full one keeps the reader batching, a short one
-            // (the socket is drained) or a failed one sends it back to
-            // direct reads.
-            self.batching = false;
+            // (the socket is drained) sends it back to direct reads. One
+            // that found nothing (`EAGAIN`: the writer is behind for a
+            // moment) leaves it batching, as measured: ending it there
+            // took 211 reads instead of 51 for 4 MiB of Writes with the
+            // CRC on (`a_reader_that_is_behind_reads_in_batches`).
             let r = r.inspect(|&n| {
                 self.batching = n == BATCH;
                 self.drained_hint = n > 0 && n < BATCH;
