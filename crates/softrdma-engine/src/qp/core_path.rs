@@ -34,6 +34,14 @@ pub(crate) struct CoreConn {
     link: Option<LinkAction>,
     /// The link was shut down or reset.
     link_done: bool,
+    /// The connection closed in order (both FINs went: the QP reached
+    /// IDLE) before a reset was asked for: the reset makes no system call
+    /// (the kernel sends no RST for a socket whose FINs both went, in
+    /// `LAST_ACK`, `CLOSING` or `TIME_WAIT`; nobody can sleep in its
+    /// `recv`, which returns end of file).
+    ended_in_order: bool,
+    /// Resets made on the socket (`SO_LINGER` 0 and a disconnect).
+    pub(crate) resets: u32,
     /// Close in order instead of resetting (the QP is destroyed).
     orderly: bool,
     /// Detail of the next reset event (the socket error).
@@ -144,6 +152,8 @@ impl QpInner {
             orderly: false,
             reset_detail: None,
             quiet_reset: false,
+            ended_in_order: false,
+            resets: 0,
             timer_at: None,
             epoch: NEXT_EPOCH.fetch_add(1, Ordering::Relaxed),
             sleep_timeout: None,
@@ -390,9 +400,12 @@ impl QpInner {
                     Output::Link(LinkAction::Reset) => {
                         cc.link_done = true;
                         cc.tx.discard();
-                        if cc.orderly {
+                        if cc.ended_in_order {
+                            // Nothing left to reset (see `ended_in_order`).
+                        } else if cc.orderly {
                             let _ = cc.stream.shutdown(Shutdown::Both);
                         } else {
+                            cc.resets += 1;
                             let _ = crate::sys::io::reset_connection(cc.fd);
                         }
                     }
@@ -832,6 +845,9 @@ impl QpInner {
                 {
                     self.device.events().push(AsyncEvent::qp(kind, self.qp_num));
                 }
+                // An abort after the close completed (IDLE) only moves the QP
+                // to ERROR: its connection is over on both sides.
+                cc.ended_in_order = cc.conn.state() == QpState::Idle;
                 cc.conn.abort();
                 self.core_outputs(cc);
             }
