@@ -62,6 +62,9 @@ pub(crate) struct CoreConn {
     /// socket, or another holder of its descriptor made it non-blocking
     /// again).
     sleep_off: bool,
+    /// The socket answered `TCP_MAXSEG` at the connection: a TCP socket
+    /// (the first sleep in its `recv` need not ask its type).
+    tcp: bool,
 }
 
 /// The next [`CoreConn::epoch`].
@@ -118,13 +121,15 @@ impl QpInner {
         )
     }
 
-    /// `establish` on the core path (state lock held, QP in IDLE or RTR).
+    /// `establish` on the core path (state lock held, QP in IDLE or RTR);
+    /// `tcp`: the stream is known to be a TCP socket.
     pub(crate) fn core_establish(
         &self,
         stream: Arc<TcpStream>,
         params: &LinkParams,
         max_payload: usize,
         already_read: &[u8],
+        tcp: bool,
     ) {
         let setup = ConnSetup {
             cap: self.cap,
@@ -158,6 +163,7 @@ impl QpInner {
             epoch: NEXT_EPOCH.fetch_add(1, Ordering::Relaxed),
             sleep_timeout: None,
             sleep_off: false,
+            tcp,
         };
         // Raw lock: the state lock is held, nothing to hand off yet.
         let mut g = self.core.lock();
@@ -716,6 +722,11 @@ impl QpInner {
             }
             if cc.sleep_timeout != Some(timeout) {
                 let r = match cc.sleep_timeout {
+                    // A TCP socket: its time limit and one `ioctl(FIONBIO)`
+                    // (two system calls; asking its type and changing its
+                    // flags with `F_GETFL`/`F_SETFL` took four).
+                    None if cc.tcp => crate::sys::io::set_recv_timeout(cc.fd, timeout)
+                        .and_then(|()| cc.stream.set_nonblocking(false)),
                     None => crate::sys::io::make_blocking(cc.fd, timeout),
                     Some(_) => crate::sys::io::set_recv_timeout(cc.fd, timeout),
                 };
