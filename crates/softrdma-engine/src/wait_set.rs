@@ -776,6 +776,18 @@ impl WaitSet {
             self.waker = Waker::new().ok().map(|w| (Arc::new(w), generation));
         }
         let waker = self.waker.as_ref().map(|w| Arc::clone(&w.0));
+        // What the waiter's own posts left for its next poll is written
+        // before it registers: their completions are found by the look
+        // below, not signalled to this very thread.
+        for (i, cq) in self.cqs.iter().enumerate() {
+            if !self.cq_quiet[i]
+                && let Some(list) = cq.wait_set_hooks()
+            {
+                for hook in list.iter().filter_map(std::sync::Weak::upgrade) {
+                    hook.write_deferred();
+                }
+            }
+        }
         let mut wake_fds = std::mem::take(&mut self.wake_fds);
         wake_fds.clear();
         for cq in &self.cqs {
@@ -1209,9 +1221,20 @@ mod tests {
         readable: AtomicUsize,
         sleep_on: AtomicUsize,
         renewed: AtomicU64,
+        /// A Send left for the poster's next poll (a completion at once
+        /// when written).
+        deferred: std::sync::atomic::AtomicBool,
     }
 
     impl Hook {
+        fn write_deferred_send(&self) {
+            if self.deferred.swap(false, Ordering::SeqCst) {
+                self.cq
+                    .push(WorkCompletion::success(99, WcOpcode::Send, 0), false)
+                    .unwrap();
+            }
+        }
+
         fn receive(&self) -> bool {
             let mut b = [0u8; 16];
             match (&self.sock).read(&mut b) {
@@ -1242,7 +1265,13 @@ mod tests {
             self.receive()
         }
 
+        fn write_deferred(&self) {
+            self.write_deferred_send();
+        }
+
         fn sleep_on(&self, until_ns: Option<u64>) -> Option<RawFd> {
+            // A sleeping waiter is a poll: deferred posts go (as a QP's).
+            self.write_deferred_send();
             self.sleep_on.fetch_add(1, Ordering::Relaxed);
             if let Some(u) = until_ns {
                 self.renewed.store(u, Ordering::Relaxed);
@@ -1276,6 +1305,7 @@ mod tests {
             readable: AtomicUsize::new(0),
             sleep_on: AtomicUsize::new(0),
             renewed: AtomicU64::new(0),
+            deferred: std::sync::atomic::AtomicBool::new(false),
         });
         let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
         cq.attach_progress(weak);
@@ -1326,6 +1356,27 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A waiter whose own Send was left for its next poll finds the Send's
+    /// completion when it looks at the CQ, without waking itself: the Send
+    /// is written before the waiter registers with the CQ. (It was written
+    /// when the waiter claimed the socket, after it registered: its
+    /// completion wrote the waiter's own event fd, and the wait returned
+    /// at once to read it: two system calls and a wasted wait per
+    /// connection of sockets direct.)
+    #[test]
+    fn a_waiters_own_deferred_send_does_not_wake_it() {
+        let (cq, hook, _peer, _) = hooked(0);
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        // A first wait makes the set's waker.
+        assert_eq!(set.wait(Some(Duration::from_millis(1))).unwrap(), 0);
+        hook.deferred.store(true, Ordering::SeqCst);
+        assert_eq!(set.wait(Some(Duration::from_secs(10))).unwrap(), 1);
+        assert_eq!(cq.poll_one().map(|wc| wc.wr_id), Some(99));
+        let waker = set.waker.as_ref().expect("the set's waker");
+        assert_eq!(waker.0.writes(), 0, "the waiter woke itself");
     }
 
     /// A timeout within one nap ends the wait after one sleep with nothing

@@ -1061,6 +1061,13 @@ impl Progress for QpInner {
         self.batch_poll();
     }
 
+    fn write_deferred(&self) {
+        if self.tx_batch.take_deferred() {
+            self.tx_batch.stats[1].fetch_add(1, Ordering::Relaxed);
+            self.core_kick();
+        }
+    }
+
     fn progress_readable(&self) -> bool {
         self.batch_poll();
         if !self.device.config().poll_driven_receive {
