@@ -44,7 +44,7 @@ use crate::sys::mem::Memory;
 
 /// Staging buffer: headers, trailers, small payloads and read-ahead
 /// (taken at the first read that needs it, from a free list: `staging`).
-use super::staging::{POOL as STAGING_POOL, STAGING};
+use super::staging::{STAGING, pool as staging_pool};
 /// Payloads at least this long are read straight into their destination.
 const DIRECT_MIN: usize = 1024;
 /// A read while the reader is behind: the staging buffer grows to this.
@@ -203,7 +203,7 @@ impl RxIo {
         let buf = if n == 0 {
             Vec::new()
         } else {
-            let mut buf = STAGING_POOL.take();
+            let mut buf = staging_pool().take();
             buf[..n].copy_from_slice(&already_read[..n]);
             buf
         };
@@ -253,7 +253,7 @@ impl RxIo {
     /// Takes the staging buffer at the first read that needs it.
     fn staging(&mut self) {
         if self.buf.is_empty() {
-            self.buf = STAGING_POOL.take();
+            self.buf = staging_pool().take();
         }
     }
 
@@ -501,7 +501,7 @@ impl RxIo {
 
 impl Drop for RxIo {
     fn drop(&mut self) {
-        STAGING_POOL.give(std::mem::take(&mut self.buf));
+        staging_pool().give(std::mem::take(&mut self.buf));
     }
 }
 

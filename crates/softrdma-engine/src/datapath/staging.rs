@@ -5,6 +5,7 @@
 //! free list, so a new connection reuses one: no allocation and no zeroing
 //! of 32 KiB per connection (a buffer is zeroed once, when first made;
 //! the receive path only ever looks at the bytes a read put into it).
+//! A `fork(2)`ed child keeps a free list of its own.
 
 use parking_lot::Mutex;
 
@@ -57,8 +58,13 @@ impl Pool {
     }
 }
 
-/// The process's free list.
-pub(crate) static POOL: Pool = Pool::new(KEEP);
+/// The process's free list: one per fork generation (a `fork(2)`ed child
+/// never takes the lock of its parent's, which a thread that does not
+/// exist in the child may have held at the fork).
+pub(crate) fn pool() -> &'static Pool {
+    static POOL: crate::sys::process::PerFork<Pool> = crate::sys::process::PerFork::new();
+    POOL.get(|| Pool::new(KEEP))
+}
 
 #[cfg(test)]
 mod tests {

@@ -228,6 +228,13 @@ impl Waker {
         self.pending.swap(false, Ordering::SeqCst);
     }
 
+    /// Whether no wake is pending: the descriptor is not readable (the
+    /// count of a wake is read, by [`reset`](Self::reset), before the wake
+    /// may write again).
+    pub(crate) fn quiet(&self) -> bool {
+        !self.pending.load(Ordering::SeqCst)
+    }
+
     /// Writes made so far.
     #[cfg(test)]
     pub(crate) fn writes(&self) -> u32 {
