@@ -129,9 +129,7 @@ impl TimerFd {
             // A zero value disarms: expire at once instead.
             Some(d) => libc::timespec {
                 tv_sec: libc::time_t::try_from(d.as_secs()).unwrap_or(libc::time_t::MAX),
-                tv_nsec: libc::c_long::try_from(d.subsec_nanos())
-                    .unwrap_or(0)
-                    .max(libc::c_long::from(d.is_zero())),
+                tv_nsec: libc::c_long::from(d.subsec_nanos().max(u32::from(d.is_zero()))),
             },
             None => libc::timespec {
                 tv_sec: 0,
