@@ -1385,7 +1385,11 @@ impl Shared {
                 if wc.opcode == WcOpcode::Send {
                     st.tx_inflight = st.tx_inflight.saturating_sub(1);
                 }
-                st.link_lost(format!("connection lost ({})", wc.status.name()));
+                // (Every posted receive is flushed at the close: the
+                // message is made once.)
+                if st.link.is_none() {
+                    st.link_lost(format!("connection lost ({})", wc.status.name()));
+                }
                 return;
             }
             match wc.opcode {
