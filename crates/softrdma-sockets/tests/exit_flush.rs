@@ -1,0 +1,268 @@
+//! Data an offloaded stream holds when its process calls `exit` without
+//! closing or flushing it: held by `TCP_CORK`, by Nagle (a send in
+//! flight), or waiting for the peer's credits. The kernel's TCP sends such
+//! data at the implicit close; so does sockets direct's exit flush.
+//!
+//! Each test runs a child process (this test binary again, running one of
+//! the `*_child` tests, which do nothing when run alone) that connects to
+//! the test's listener, writes, and calls `std::process::exit` with the
+//! stream still open.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsFd;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use softrdma_sockets::{Config, Mode, TcpListener, TcpStream};
+
+/// Where the child connects (set by the parent).
+const ADDR_ENV: &str = "SD_EXIT_FLUSH_ADDR";
+/// The exit flush's bound (read by the library at the exit).
+const LIMIT_ENV: &str = "SOFTRDMA_SOCKETS_EXIT_FLUSH_MS";
+
+fn offload() -> Config {
+    Config::with_mode(Mode::Offload)
+}
+
+fn pattern(i: usize) -> u8 {
+    (i.wrapping_mul(31) ^ (i >> 9)) as u8
+}
+
+fn patterned(from: usize, len: usize) -> Vec<u8> {
+    (from..from + len).map(pattern).collect()
+}
+
+/// Runs the child test `name` against `addr`, with the exit flush bounded
+/// by `limit_ms` (generous unless the test is about the bound). Its
+/// standard output is piped (the child says when it is about to exit).
+/// `timeout` only guards against a hang.
+fn spawn_child(name: &str, addr: std::net::SocketAddr, limit_ms: u64) -> Child {
+    Command::new("timeout")
+        .arg("120")
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--include-ignored", "--nocapture", "-q"])
+        .env(ADDR_ENV, addr.to_string())
+        .env(LIMIT_ENV, limit_ms.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// In the child: the connected stream, or `None` when run alone.
+fn child_stream() -> Option<TcpStream> {
+    let addr = std::env::var(ADDR_ENV).ok()?;
+    let s = TcpStream::connect_with(&addr, &offload()).unwrap();
+    assert!(s.transport().is_offloaded(), "{}", s.transport());
+    Some(s)
+}
+
+/// In the child: tells the parent how many octets it wrote, then exits
+/// without closing the stream (`exit(3)`: the exit handlers run).
+fn exit_now(s: TcpStream, wrote: usize) -> ! {
+    println!("wrote {wrote}");
+    std::io::stdout().flush().unwrap();
+    // Not dropped: `exit` runs no destructor of this thread's values.
+    let _kept = s;
+    std::process::exit(0);
+}
+
+/// In the parent: the child's "wrote N" line.
+fn wrote(child: &mut Child) -> usize {
+    let mut out = BufReader::new(child.stdout.as_mut().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = out.read_line(&mut line).unwrap();
+        assert!(n > 0, "the child ended without saying what it wrote");
+        if let Some(v) = line.trim().strip_prefix("wrote ") {
+            return v.parse().unwrap();
+        }
+    }
+}
+
+/// In the parent: reads to EOF in `piece`-octet reads, sleeping `pause`
+/// between them (a slow reader); every octet must come, then EOF.
+fn read_all(s: &mut TcpStream, piece: usize, pause: Duration) -> Vec<u8> {
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; piece];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return got,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("after {} octets: {e}", got.len()),
+        }
+        if !pause.is_zero() {
+            std::thread::sleep(pause);
+        }
+    }
+}
+
+fn exited_ok(mut child: Child) {
+    let status = child.wait().unwrap();
+    assert!(status.success(), "child: {status}");
+}
+
+fn listener() -> (TcpListener, std::net::SocketAddr) {
+    let l = TcpListener::bind_with("127.0.0.1:0", &offload()).unwrap();
+    let addr = l.local_addr().unwrap();
+    (l, addr)
+}
+
+/// Child of `corked_data_is_sent_when_the_process_exits_without_closing`.
+#[test]
+#[ignore = "child process of corked_data_is_sent_when_the_process_exits_without_closing"]
+fn corked_child() {
+    let Some(mut s) = child_stream() else { return };
+    s.set_nodelay(true).unwrap();
+    s.set_cork(true).unwrap();
+    let mut at = 0;
+    for len in [17, 300, 1, 4000, 90] {
+        s.write_all(&patterned(at, len)).unwrap();
+        at += len;
+    }
+    exit_now(s, at);
+}
+
+/// Regression: small writes held by `TCP_CORK` (for up to 200 ms) were
+/// lost when the process exited without closing the stream, and the peer
+/// got a reset instead of EOF; the kernel's TCP sends a corked socket's
+/// data at the implicit close.
+#[test]
+fn corked_data_is_sent_when_the_process_exits_without_closing() {
+    let (l, addr) = listener();
+    let mut child = spawn_child("corked_child", addr, 60_000);
+    let (mut s, _) = l.accept().unwrap();
+    assert!(s.transport().is_offloaded());
+    let n = wrote(&mut child);
+    let got = read_all(&mut s, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n), "{} of {n} octets", got.len());
+    exited_ok(child);
+}
+
+/// Child of `data_waiting_for_credits_is_sent_when_the_process_exits`:
+/// writes until the peer's credits and the staging buffers are used up.
+#[test]
+#[ignore = "child process of data_waiting_for_credits_is_sent_when_the_process_exits"]
+fn credits_child() {
+    let Some(mut s) = child_stream() else { return };
+    s.set_nonblocking(true).unwrap();
+    let chunk = 16 * 1024;
+    let mut at = 0;
+    loop {
+        match s.write(&patterned(at, chunk)) {
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    exit_now(s, at);
+}
+
+/// Regression: data queued beyond the peer's credits (the peer had not
+/// read yet) was lost when the writer's process exited without closing:
+/// the exit now waits (bounded) for the credits of a peer that reads,
+/// here slowly, starting once the writer is exiting.
+#[test]
+fn data_waiting_for_credits_is_sent_when_the_process_exits() {
+    let (l, addr) = listener();
+    let mut child = spawn_child("credits_child", addr, 60_000);
+    let (mut s, _) = l.accept().unwrap();
+    assert!(s.transport().is_offloaded());
+    // Nothing is read before the child has written all it could: its
+    // writes ran out of credits.
+    let n = wrote(&mut child);
+    assert!(n > 0);
+    std::thread::sleep(Duration::from_millis(50));
+    let got = read_all(&mut s, 24 * 1024, Duration::from_millis(1));
+    assert!(got == patterned(0, n), "{} of {n} octets", got.len());
+    exited_ok(child);
+}
+
+/// Child of `a_write_held_by_nagle_is_sent_when_the_process_exits`.
+#[test]
+#[ignore = "child process of a_write_held_by_nagle_is_sent_when_the_process_exits"]
+fn nagle_child() {
+    let Some(mut s) = child_stream() else { return };
+    // A small send buffer, and a peer that does not read yet: the first
+    // message stays in flight, and the next small write is held (Nagle,
+    // no TCP_NODELAY) until it completes.
+    socket2::SockRef::from(&s.as_fd())
+        .set_send_buffer_size(4096)
+        .unwrap();
+    let big = 60 * 1024;
+    s.write_all(&patterned(0, big)).unwrap();
+    let mut at = big;
+    for len in [10, 200, 33] {
+        s.write_all(&patterned(at, len)).unwrap();
+        at += len;
+    }
+    exit_now(s, at);
+}
+
+/// Regression: a small write held by Nagle (no `TCP_NODELAY`, a send in
+/// flight) was lost when the process exited without closing; the kernel
+/// sends what Nagle held back at the implicit close.
+#[test]
+fn a_write_held_by_nagle_is_sent_when_the_process_exits() {
+    // A small receive buffer at the peer (set on the listener, inherited
+    // by the accepted connection), so that the child's sends stay in
+    // flight until it reads.
+    let (l, addr) = listener();
+    socket2::SockRef::from(&l.as_fd())
+        .set_recv_buffer_size(4096)
+        .unwrap();
+    let mut child = spawn_child("nagle_child", addr, 60_000);
+    let (mut s, _) = l.accept().unwrap();
+    assert!(s.transport().is_offloaded());
+    let n = wrote(&mut child);
+    std::thread::sleep(Duration::from_millis(20));
+    let got = read_all(&mut s, 8 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n), "{} of {n} octets", got.len());
+    exited_ok(child);
+}
+
+/// Child of `exit_is_not_held_up_by_a_peer_that_does_not_read`.
+#[test]
+#[ignore = "child process of exit_is_not_held_up_by_a_peer_that_does_not_read"]
+fn stuck_child() {
+    credits_child();
+}
+
+/// The exit flush is bounded: a peer that never reads (its credits never
+/// come back) does not keep the writer's process from exiting.
+#[test]
+fn exit_is_not_held_up_by_a_peer_that_does_not_read() {
+    let (l, addr) = listener();
+    let mut child = spawn_child("stuck_child", addr, 200);
+    let (s, _) = l.accept().unwrap();
+    assert!(s.transport().is_offloaded());
+    assert!(wrote(&mut child) > 0);
+    // The child exits (after its bound) while this end still reads
+    // nothing; `timeout` (120 s) would kill a hung child: a failure.
+    exited_ok(child);
+    drop(s);
+}
+
+/// Child of `exit_flush_off_leaves_held_data_unsent`.
+#[test]
+#[ignore = "child process of exit_flush_off_leaves_held_data_unsent"]
+fn off_child() {
+    corked_child();
+}
+
+/// `SOFTRDMA_SOCKETS_EXIT_FLUSH_MS=0` turns the exit flush off: the
+/// corked octets are not sent and the peer sees the connection end
+/// without EOF.
+#[test]
+fn exit_flush_off_leaves_held_data_unsent() {
+    let (l, addr) = listener();
+    let mut child = spawn_child("off_child", addr, 0);
+    let (mut s, _) = l.accept().unwrap();
+    assert!(wrote(&mut child) > 0);
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut buf = [0u8; 8192];
+    let r = s.read(&mut buf);
+    assert!(r.is_err(), "{r:?}");
+    exited_ok(child);
+}
