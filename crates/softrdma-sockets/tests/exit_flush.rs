@@ -266,3 +266,71 @@ fn exit_flush_off_leaves_held_data_unsent() {
     assert!(r.is_err(), "{r:?}");
     exited_ok(child);
 }
+
+/// The stream an application's own exit handler uncorks (as the preload's
+/// autocork handler does at exit).
+static UNCORK_AT_EXIT: std::sync::OnceLock<TcpStream> = std::sync::OnceLock::new();
+
+extern "C" fn uncork_at_exit() {
+    if let Some(s) = UNCORK_AT_EXIT.get() {
+        let _ = s.set_cork(false);
+    }
+}
+
+/// A corked stream whose cork another exit handler takes out, registered
+/// before the library's (`first`: runs after it) or after it (runs
+/// before it).
+fn uncork_child(first: bool) {
+    if std::env::var(ADDR_ENV).is_err() {
+        return;
+    }
+    if first {
+        assert!(softrdma_engine::at_exit(uncork_at_exit));
+    }
+    let s = child_stream().unwrap();
+    if !first {
+        // After the first offloaded connection: after the library's.
+        assert!(softrdma_engine::at_exit(uncork_at_exit));
+    }
+    s.set_cork(true).unwrap();
+    let mut at = 0;
+    for len in [5, 700, 64] {
+        (&s).write_all(&patterned(at, len)).unwrap();
+        at += len;
+    }
+    UNCORK_AT_EXIT.set(s.try_clone().unwrap()).unwrap();
+    exit_now(s, at);
+}
+
+#[test]
+#[ignore = "child process of corked_data_is_sent_whatever_the_order_of_exit_handlers"]
+fn uncork_after_child() {
+    uncork_child(true);
+}
+
+#[test]
+#[ignore = "child process of corked_data_is_sent_whatever_the_order_of_exit_handlers"]
+fn uncork_before_child() {
+    uncork_child(false);
+}
+
+/// Another exit handler that takes the cork out (the preload's autocork
+/// handler does) runs before or after the library's exit flush: either
+/// way every octet goes, in order, then EOF.
+#[test]
+fn corked_data_is_sent_whatever_the_order_of_exit_handlers() {
+    for name in ["uncork_after_child", "uncork_before_child"] {
+        let (l, addr) = listener();
+        let mut child = spawn_child(name, addr, 60_000);
+        let (mut s, _) = l.accept().unwrap();
+        let n = wrote(&mut child);
+        let got = read_all(&mut s, 64 * 1024, Duration::ZERO);
+        assert!(
+            got == patterned(0, n),
+            "{name}: {} of {n} octets",
+            got.len()
+        );
+        drop(s);
+        exited_ok(child);
+    }
+}
