@@ -113,6 +113,12 @@ impl<T: 'static> std::fmt::Debug for PerFork<T> {
     }
 }
 
+impl<T: 'static> Default for PerFork<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T: 'static> PerFork<T> {
     /// An empty slot.
     pub const fn new() -> Self {
