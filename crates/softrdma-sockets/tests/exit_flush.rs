@@ -98,6 +98,33 @@ fn read_all(s: &mut TcpStream, piece: usize, pause: Duration) -> Vec<u8> {
     }
 }
 
+/// In the parent: runs the child test `name` against `l` (exit flush
+/// bounded generously) and checks that every octet it wrote arrives, in
+/// order, then EOF, read in `piece`-octet reads `pause` apart, starting
+/// `start` after the child said it is exiting.
+fn child_writes_arrive(
+    l: &TcpListener,
+    name: &str,
+    start: Duration,
+    piece: usize,
+    pause: Duration,
+) {
+    let mut child = spawn_child(name, l.local_addr().unwrap(), 60_000);
+    let (mut s, _) = l.accept().unwrap();
+    assert!(s.transport().is_offloaded());
+    let n = wrote(&mut child);
+    assert!(n > 0);
+    std::thread::sleep(start);
+    let got = read_all(&mut s, piece, pause);
+    assert!(
+        got == patterned(0, n),
+        "{name}: {} of {n} octets",
+        got.len()
+    );
+    drop(s);
+    exited_ok(child);
+}
+
 fn exited_ok(mut child: Child) {
     let status = child.wait().unwrap();
     assert!(status.success(), "child: {status}");
@@ -130,14 +157,14 @@ fn corked_child() {
 /// data at the implicit close.
 #[test]
 fn corked_data_is_sent_when_the_process_exits_without_closing() {
-    let (l, addr) = listener();
-    let mut child = spawn_child("corked_child", addr, 60_000);
-    let (mut s, _) = l.accept().unwrap();
-    assert!(s.transport().is_offloaded());
-    let n = wrote(&mut child);
-    let got = read_all(&mut s, 64 * 1024, Duration::ZERO);
-    assert!(got == patterned(0, n), "{} of {n} octets", got.len());
-    exited_ok(child);
+    let (l, _) = listener();
+    child_writes_arrive(
+        &l,
+        "corked_child",
+        Duration::ZERO,
+        64 * 1024,
+        Duration::ZERO,
+    );
 }
 
 /// Child of `data_waiting_for_credits_is_sent_when_the_process_exits`:
@@ -165,18 +192,16 @@ fn credits_child() {
 /// here slowly, starting once the writer is exiting.
 #[test]
 fn data_waiting_for_credits_is_sent_when_the_process_exits() {
-    let (l, addr) = listener();
-    let mut child = spawn_child("credits_child", addr, 60_000);
-    let (mut s, _) = l.accept().unwrap();
-    assert!(s.transport().is_offloaded());
-    // Nothing is read before the child has written all it could: its
-    // writes ran out of credits.
-    let n = wrote(&mut child);
-    assert!(n > 0);
-    std::thread::sleep(Duration::from_millis(50));
-    let got = read_all(&mut s, 24 * 1024, Duration::from_millis(1));
-    assert!(got == patterned(0, n), "{} of {n} octets", got.len());
-    exited_ok(child);
+    let (l, _) = listener();
+    // Nothing is read before the child has written all it could (its
+    // writes ran out of credits) and is exiting.
+    child_writes_arrive(
+        &l,
+        "credits_child",
+        Duration::from_millis(50),
+        24 * 1024,
+        Duration::from_millis(1),
+    );
 }
 
 /// Child of `a_write_held_by_nagle_is_sent_when_the_process_exits`.
@@ -208,18 +233,17 @@ fn a_write_held_by_nagle_is_sent_when_the_process_exits() {
     // A small receive buffer at the peer (set on the listener, inherited
     // by the accepted connection), so that the child's sends stay in
     // flight until it reads.
-    let (l, addr) = listener();
+    let (l, _) = listener();
     socket2::SockRef::from(&l.as_fd())
         .set_recv_buffer_size(4096)
         .unwrap();
-    let mut child = spawn_child("nagle_child", addr, 60_000);
-    let (mut s, _) = l.accept().unwrap();
-    assert!(s.transport().is_offloaded());
-    let n = wrote(&mut child);
-    std::thread::sleep(Duration::from_millis(20));
-    let got = read_all(&mut s, 8 * 1024, Duration::ZERO);
-    assert!(got == patterned(0, n), "{} of {n} octets", got.len());
-    exited_ok(child);
+    child_writes_arrive(
+        &l,
+        "nagle_child",
+        Duration::from_millis(20),
+        8 * 1024,
+        Duration::ZERO,
+    );
 }
 
 /// Child of `exit_is_not_held_up_by_a_peer_that_does_not_read`.
@@ -320,17 +344,7 @@ fn uncork_before_child() {
 #[test]
 fn corked_data_is_sent_whatever_the_order_of_exit_handlers() {
     for name in ["uncork_after_child", "uncork_before_child"] {
-        let (l, addr) = listener();
-        let mut child = spawn_child(name, addr, 60_000);
-        let (mut s, _) = l.accept().unwrap();
-        let n = wrote(&mut child);
-        let got = read_all(&mut s, 64 * 1024, Duration::ZERO);
-        assert!(
-            got == patterned(0, n),
-            "{name}: {} of {n} octets",
-            got.len()
-        );
-        drop(s);
-        exited_ok(child);
+        let (l, _) = listener();
+        child_writes_arrive(&l, name, Duration::ZERO, 64 * 1024, Duration::ZERO);
     }
 }
