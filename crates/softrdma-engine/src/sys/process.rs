@@ -15,8 +15,7 @@
 /// handler that posts calls [`flush_posts_at_exit`] itself first, so that
 /// its posts are written whatever the order. `f` must not unwind (catch
 /// panics in it: none may unwind into libc). A handler registered while
-/// the handlers run (from one of them) runs too, before the ones
-/// registered earlier.
+/// the handlers run (from one of them) runs too with glibc, next.
 pub fn at_exit(f: extern "C" fn()) -> bool {
     // SAFETY: registers a plain `extern "C" fn()` without arguments; the
     // handlers catch panics themselves (none unwinds into libc).
