@@ -48,12 +48,45 @@ fn spawn_child(name: &str, addr: std::net::SocketAddr, limit_ms: u64) -> Child {
         .unwrap()
 }
 
+/// Where the child makes its second connection, if the test wants one.
+const ADDR2_ENV: &str = "SD_EXIT_FLUSH_ADDR2";
+
 /// In the child: the connected stream, or `None` when run alone.
 fn child_stream() -> Option<TcpStream> {
     let addr = std::env::var(ADDR_ENV).ok()?;
     let s = TcpStream::connect_with(&addr, &offload()).unwrap();
     assert!(s.transport().is_offloaded(), "{}", s.transport());
     Some(s)
+}
+
+/// In the child: writes until the peer's credits and the staging buffers
+/// are used up (the peer does not read yet); returns how much.
+fn write_until_out_of_credits(s: &mut TcpStream) -> usize {
+    s.set_nonblocking(true).unwrap();
+    let chunk = 16 * 1024;
+    let mut at = 0;
+    loop {
+        match s.write(&patterned(at, chunk)) {
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    s.set_nonblocking(false).unwrap();
+    at
+}
+
+/// In the child: small writes of `lens` octets on a corked stream;
+/// returns how much.
+fn write_corked(s: &mut TcpStream, lens: &[usize]) -> usize {
+    s.set_nodelay(true).unwrap();
+    s.set_cork(true).unwrap();
+    let mut at = 0;
+    for &len in lens {
+        s.write_all(&patterned(at, len)).unwrap();
+        at += len;
+    }
+    at
 }
 
 /// In the child: tells the parent how many octets it wrote, then exits
@@ -68,6 +101,11 @@ fn exit_now(s: TcpStream, wrote: usize) -> ! {
 
 /// In the parent: the child's "wrote N" line.
 fn wrote(child: &mut Child) -> usize {
+    wrote_each(child)[0]
+}
+
+/// In the parent: the child's "wrote N M ..." line (one count a stream).
+fn wrote_each(child: &mut Child) -> Vec<usize> {
     let mut out = BufReader::new(child.stdout.as_mut().unwrap());
     let mut line = String::new();
     loop {
@@ -75,7 +113,7 @@ fn wrote(child: &mut Child) -> usize {
         let n = out.read_line(&mut line).unwrap();
         assert!(n > 0, "the child ended without saying what it wrote");
         if let Some(v) = line.trim().strip_prefix("wrote ") {
-            return v.parse().unwrap();
+            return v.split(' ').map(|n| n.parse().unwrap()).collect();
         }
     }
 }
@@ -141,14 +179,8 @@ fn listener() -> (TcpListener, std::net::SocketAddr) {
 #[ignore = "child process of corked_data_is_sent_when_the_process_exits_without_closing"]
 fn corked_child() {
     let Some(mut s) = child_stream() else { return };
-    s.set_nodelay(true).unwrap();
-    s.set_cork(true).unwrap();
-    let mut at = 0;
-    for len in [17, 300, 1, 4000, 90] {
-        s.write_all(&patterned(at, len)).unwrap();
-        at += len;
-    }
-    exit_now(s, at);
+    let n = write_corked(&mut s, &[17, 300, 1, 4000, 90]);
+    exit_now(s, n);
 }
 
 /// Regression: small writes held by `TCP_CORK` (for up to 200 ms) were
@@ -173,17 +205,8 @@ fn corked_data_is_sent_when_the_process_exits_without_closing() {
 #[ignore = "child process of data_waiting_for_credits_is_sent_when_the_process_exits"]
 fn credits_child() {
     let Some(mut s) = child_stream() else { return };
-    s.set_nonblocking(true).unwrap();
-    let chunk = 16 * 1024;
-    let mut at = 0;
-    loop {
-        match s.write(&patterned(at, chunk)) {
-            Ok(n) => at += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-            Err(e) => panic!("{e}"),
-        }
-    }
-    exit_now(s, at);
+    let n = write_until_out_of_credits(&mut s);
+    exit_now(s, n);
 }
 
 /// Regression: data queued beyond the peer's credits (the peer had not
@@ -347,4 +370,90 @@ fn corked_data_is_sent_whatever_the_order_of_exit_handlers() {
         let (l, _) = listener();
         child_writes_arrive(&l, name, Duration::ZERO, 64 * 1024, Duration::ZERO);
     }
+}
+
+/// Child of `a_stream_whose_peer_does_not_read_does_not_hold_up_the_others`.
+#[test]
+#[ignore = "child process of a_stream_whose_peer_does_not_read_does_not_hold_up_the_others"]
+fn two_streams_child() {
+    let Some(mut stuck) = child_stream() else {
+        return;
+    };
+    let n_stuck = write_until_out_of_credits(&mut stuck);
+    let addr2 = std::env::var(ADDR2_ENV).unwrap();
+    let mut corked = TcpStream::connect_with(&addr2, &offload()).unwrap();
+    assert!(corked.transport().is_offloaded());
+    let n_corked = write_corked(&mut corked, &[100, 2000, 7]);
+    println!("wrote {n_stuck} {n_corked}");
+    std::io::stdout().flush().unwrap();
+    // Neither is dropped: `exit` runs no destructor of this thread's
+    // values.
+    let _kept = (stuck, corked);
+    std::process::exit(0);
+}
+
+/// The exit flush serves the process's streams in turn: one whose peer
+/// does not read (yet) does not keep the others' held data from going.
+/// Here the first stream's peer reads only after it has read the second
+/// to EOF: flushed one after the other, in either order, the two would
+/// wait for each other until the bound (60 s here).
+#[test]
+fn a_stream_whose_peer_does_not_read_does_not_hold_up_the_others() {
+    let (l1, addr1) = listener();
+    let (l2, addr2) = listener();
+    let mut child = Command::new("timeout")
+        .arg("120")
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "two_streams_child",
+            "--include-ignored",
+            "--nocapture",
+            "-q",
+        ])
+        .env(ADDR_ENV, addr1.to_string())
+        .env(ADDR2_ENV, addr2.to_string())
+        .env(LIMIT_ENV, "60000")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut stuck, _) = l1.accept().unwrap();
+    let (mut corked, _) = l2.accept().unwrap();
+    let n = wrote_each(&mut child);
+    let (n_stuck, n_corked) = (n[0], n[1]);
+    let got = read_all(&mut corked, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n_corked), "{} of {n_corked}", got.len());
+    drop(corked);
+    let got = read_all(&mut stuck, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n_stuck), "{} of {n_stuck}", got.len());
+    drop(stuck);
+    exited_ok(child);
+}
+
+/// Child of `held_data_is_discarded_at_exit_with_so_linger_zero`.
+#[test]
+#[ignore = "child process of held_data_is_discarded_at_exit_with_so_linger_zero"]
+fn linger_zero_child() {
+    let Some(mut s) = child_stream() else { return };
+    socket2::SockRef::from(&s.as_fd())
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    let n = write_corked(&mut s, &[50, 60]);
+    exit_now(s, n);
+}
+
+/// As the kernel's implicit close of a socket with `SO_LINGER` on and a
+/// zero time (an abortive close): the held data is not sent, the
+/// connection is reset.
+#[test]
+fn held_data_is_discarded_at_exit_with_so_linger_zero() {
+    let (l, addr) = listener();
+    let mut child = spawn_child("linger_zero_child", addr, 60_000);
+    let (mut s, _) = l.accept().unwrap();
+    assert!(wrote(&mut child) > 0);
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut buf = [0u8; 8192];
+    let r = s.read(&mut buf);
+    assert!(r.is_err(), "{r:?}");
+    exited_ok(child);
 }
