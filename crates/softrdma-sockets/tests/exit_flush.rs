@@ -457,3 +457,39 @@ fn held_data_is_discarded_at_exit_with_so_linger_zero() {
     assert!(r.is_err(), "{r:?}");
     exited_ok(child);
 }
+
+/// Child of `a_stream_with_unread_data_is_reset_at_exit`.
+#[test]
+#[ignore = "child process of a_stream_with_unread_data_is_reset_at_exit"]
+fn unread_child() {
+    let Some(mut s) = child_stream() else { return };
+    // The peer's octets are here (peeked: still unread).
+    let mut b = [0u8; 4];
+    let mut seen = 0;
+    while seen < 4 {
+        seen = s.peek(&mut b).unwrap();
+    }
+    let n = write_corked(&mut s, &[40]);
+    exit_now(s, n);
+}
+
+/// As a close with unread data, and as the kernel's close of a socket
+/// with unread data: the process that exits without reading what its
+/// peer sent resets the connection (its held data is not sent).
+#[test]
+fn a_stream_with_unread_data_is_reset_at_exit() {
+    let (l, addr) = listener();
+    let mut child = spawn_child("unread_child", addr, 60_000);
+    let (mut s, _) = l.accept().unwrap();
+    s.write_all(b"ping").unwrap();
+    assert!(wrote(&mut child) > 0);
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut buf = [0u8; 8192];
+    let r = s.read(&mut buf);
+    assert!(
+        r.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "{r:?}"
+    );
+    exited_ok(child);
+}
