@@ -718,6 +718,40 @@ mod tests {
         (adst, bdst)
     }
 
+    /// After [`requests_came_in`]: `a` takes one request (`take`, which
+    /// takes at most `wc.len()` completions, as a CQ poll or wait does) and
+    /// answers four: the first at once, three deferred (its CQ is not
+    /// empty: it polls again soon). Then `take` called for one completion
+    /// at a time (`what`: "polls", "waits") writes the three within
+    /// `max` calls, and `b` receives the four in `dst`.
+    fn answers_written_by(
+        a: &QueuePair,
+        cqb: &CompletionQueue,
+        dst: &MemoryRegion,
+        max: u64,
+        what: &str,
+        take: impl Fn(&mut [WorkCompletion]) -> usize,
+    ) {
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        assert_eq!(take(&mut wc[..1]), 1);
+        for i in 0..4 {
+            send(a, i);
+        }
+        assert_eq!(deferred(a), 3);
+        let f0 = poll_flushes(a);
+        let mut calls = 0;
+        while poll_flushes(a) == f0 {
+            assert!(
+                calls < max,
+                "{calls} {what} took completions, nothing written"
+            );
+            assert_eq!(take(&mut wc[..1]), 1);
+            calls += 1;
+        }
+        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
+        check_received(cqb, dst, 4, 0);
+    }
+
     /// For the urgency tests: a pair whose `a` (no backstop) is its CQ's
     /// poller and posted lately (a small post of its own would be
     /// deferred: Send 0 went), `b` with 4 receives posted in `dst`
@@ -770,24 +804,9 @@ mod tests {
         const N: u64 = crate::cq::DEFERRED_POLLS as u64;
         let (a, b, cqa, cqb, pd) = pair();
         let (_adst, bdst) = requests_came_in(&a, &b, &cqa, &pd, N + 1);
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        // `a` answers: the first at once, three deferred (its CQ is not
-        // empty: it polls again soon).
-        assert_eq!(cqa.poll(&mut wc[..1]), 1);
-        for i in 0..4 {
-            send(&a, i);
-        }
-        assert_eq!(deferred(&a), 3);
-        let f0 = poll_flushes(&a);
         // Polls that each take one completion write the three.
-        let mut polls = 0;
-        while poll_flushes(&a) == f0 {
-            assert!(polls < N, "{polls} polls took completions, nothing written");
-            assert_eq!(cqa.poll(&mut wc[..1]), 1);
-            polls += 1;
-        }
-        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
-        check_received(&cqb, &bdst, 4, 0);
+        answers_written_by(&a, &cqb, &bdst, N, "polls", |wc| cqa.poll(wc));
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
         // Polls that take completions with nothing deferred run no hook.
         let f1 = poll_flushes(&a);
         let mut got = 0;
@@ -1009,21 +1028,9 @@ mod tests {
             ..DeviceConfig::default()
         }));
         let (_adst, bdst) = requests_came_in(&a, &b, &cqa, &pd, N + 1);
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        assert_eq!(cqa.wait(&mut wc[..1], Some(Duration::from_secs(5))), 1);
-        for i in 0..4 {
-            send(&a, i);
-        }
-        assert_eq!(deferred(&a), 3);
-        let f0 = poll_flushes(&a);
-        let mut waits = 0;
-        while poll_flushes(&a) == f0 {
-            assert!(waits < N, "{waits} waits took completions, nothing written");
-            assert_eq!(cqa.wait(&mut wc[..1], Some(Duration::from_secs(5))), 1);
-            waits += 1;
-        }
-        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
-        check_received(&cqb, &bdst, 4, 0);
+        answers_written_by(&a, &cqb, &bdst, N, "waits", |wc| {
+            cqa.wait(wc, Some(Duration::from_secs(5)))
+        });
     }
 
     /// A post made inside another `post_send_list` call of the same
