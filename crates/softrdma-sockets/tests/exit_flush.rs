@@ -163,6 +163,30 @@ fn child_writes_arrive(
     exited_ok(child);
 }
 
+/// In the parent: runs the child test `name` against a listener here
+/// (exit flush bounded by `limit_ms`), lets `first` use the accepted
+/// stream, and returns the error its first read gets once the child
+/// exits: none of the child's octets arrive.
+fn child_writes_lost(
+    name: &str,
+    limit_ms: u64,
+    first: impl FnOnce(&mut TcpStream),
+) -> std::io::Error {
+    let (l, addr) = listener();
+    let mut child = spawn_child(name, addr, limit_ms);
+    let (mut s, _) = l.accept().unwrap();
+    first(&mut s);
+    assert!(wrote(&mut child) > 0);
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut buf = [0u8; 8192];
+    let r = s.read(&mut buf);
+    exited_ok(child);
+    match r {
+        Ok(n) => panic!("read {n} octets"),
+        Err(e) => e,
+    }
+}
+
 fn exited_ok(mut child: Child) {
     let status = child.wait().unwrap();
     assert!(status.success(), "child: {status}");
@@ -303,15 +327,7 @@ fn off_child() {
 /// without EOF.
 #[test]
 fn exit_flush_off_leaves_held_data_unsent() {
-    let (l, addr) = listener();
-    let mut child = spawn_child("off_child", addr, 0);
-    let (mut s, _) = l.accept().unwrap();
-    assert!(wrote(&mut child) > 0);
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut buf = [0u8; 8192];
-    let r = s.read(&mut buf);
-    assert!(r.is_err(), "{r:?}");
-    exited_ok(child);
+    child_writes_lost("off_child", 0, |_| {});
 }
 
 /// The stream an application's own exit handler uncorks (as the preload's
@@ -447,15 +463,7 @@ fn linger_zero_child() {
 /// connection is reset.
 #[test]
 fn held_data_is_discarded_at_exit_with_so_linger_zero() {
-    let (l, addr) = listener();
-    let mut child = spawn_child("linger_zero_child", addr, 60_000);
-    let (mut s, _) = l.accept().unwrap();
-    assert!(wrote(&mut child) > 0);
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut buf = [0u8; 8192];
-    let r = s.read(&mut buf);
-    assert!(r.is_err(), "{r:?}");
-    exited_ok(child);
+    child_writes_lost("linger_zero_child", 60_000, |_| {});
 }
 
 /// Child of `a_stream_with_unread_data_is_reset_at_exit`.
@@ -478,18 +486,6 @@ fn unread_child() {
 /// peer sent resets the connection (its held data is not sent).
 #[test]
 fn a_stream_with_unread_data_is_reset_at_exit() {
-    let (l, addr) = listener();
-    let mut child = spawn_child("unread_child", addr, 60_000);
-    let (mut s, _) = l.accept().unwrap();
-    s.write_all(b"ping").unwrap();
-    assert!(wrote(&mut child) > 0);
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut buf = [0u8; 8192];
-    let r = s.read(&mut buf);
-    assert!(
-        r.as_ref()
-            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
-        "{r:?}"
-    );
-    exited_ok(child);
+    let e = child_writes_lost("unread_child", 60_000, |s| s.write_all(b"ping").unwrap());
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
 }
