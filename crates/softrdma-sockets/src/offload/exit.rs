@@ -191,6 +191,11 @@ pub(super) fn flush_streams(streams: &[Arc<Shared>], deadline: Instant) {
             if *phase == Phase::Done {
                 continue;
             }
+            // (Also within a round: with many streams whose peers do not
+            // read, a round takes a step of each.)
+            if Instant::now() >= deadline {
+                return;
+            }
             *phase = match sh.try_lock_until(deadline) {
                 Some(mut st) => sh.exit_step(&mut st, *phase, deadline),
                 None => Phase::Done,
