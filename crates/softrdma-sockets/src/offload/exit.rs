@@ -70,7 +70,8 @@
 //! - an application's handler that writes to a connection and runs after
 //!   this one (registered before the process's first offloaded
 //!   connection) gets `EPIPE`: the connection has been shut down for
-//!   writing. Such a handler should flush or close the stream itself.
+//!   writing. Registered after that connection is made, it runs before
+//!   this one, and what it writes is flushed with the rest.
 //!
 //! Fork: the list is per fork generation ([`PerFork`]): a `fork(2)`ed
 //! child never takes a lock its parent's threads may have held at the
