@@ -152,6 +152,9 @@ pub(crate) fn watch(c: &Arc<Conn>, hold: u64) {
 }
 
 /// A thread that exits the process right after a held send: it goes.
+/// Before or after sockets direct's own exit flush (which sends what every
+/// live stream holds, then a DisConn; see its `offload/exit.rs` for the
+/// order of the handlers): either way the octets go, in order.
 extern "C" fn at_exit() {
     let _ = std::panic::catch_unwind(end_burst);
 }

@@ -93,6 +93,13 @@
 //! still being sent from it. Other blocked calls go on after a signal, as
 //! the kernel restarts calls interrupted by an `SA_RESTART` handler.
 //!
+//! A process that exits (`exit(3)`) without closing an offloaded stream
+//! still sends what the library held for it (corked, Nagle-held, waiting
+//! for credits), then a DisConn, within a bounded time
+//! (`SOFTRDMA_SOCKETS_EXIT_FLUSH_MS`, default 1000, `0`: off), as the
+//! kernel's TCP sends a socket's data at the implicit close; see the
+//! crate's README, *Data at exit*.
+//!
 //! ## Readiness
 //!
 //! [`TcpStream::readiness_fd`] gives a descriptor for poll/epoll that is

@@ -57,6 +57,8 @@ use crate::sdp::{
     self, AVAIL_LEN, Action, Avail, BSDH_LEN, CAP_READ_ZCOPY, Hello, HelloAck, Message, Session,
 };
 
+mod exit;
+
 const SEND_DATA: u64 = 1 << 32;
 const SEND_CTRL: u64 = 2 << 32;
 /// The RDMA Read of a zero-copy transfer (at most one at a time).
@@ -513,6 +515,8 @@ struct CloseOnDrop(Arc<Shared>);
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
         self.0.close();
+        // After the close (an exit meanwhile still flushes it).
+        exit::unregister(&self.0);
     }
 }
 
@@ -878,6 +882,8 @@ impl Offload {
             recv_sleep: AtomicBool::new(true),
         });
         let _ = slot.set(Arc::downgrade(&sh));
+        // Flushed at `exit(3)` until closed (see `exit`).
+        exit::register(&sh);
         {
             // Messages that arrived with the switch (the read-ahead the
             // engine processed when it took the stream over) are in the
@@ -2493,28 +2499,36 @@ impl Shared {
             // an engine thread leaves a socket that was just polled alone
             // for a while, and waiting for it made every close take
             // milliseconds.
-            let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
-            loop {
-                let now = Instant::now();
-                if now >= deadline
-                    || matches!(
-                        self.qp.state(),
-                        softrdma_engine::QpState::Idle | softrdma_engine::QpState::Error
-                    )
-                {
-                    break;
-                }
-                let step = (deadline - now).min(Duration::from_millis(2));
-                match self.poller.try_lock() {
-                    Some(_gate) => {
-                        let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
-                        for wc in &out[..n] {
-                            self.on_wc(&mut st, wc);
-                        }
+            self.wait_fin(&mut st, deadline);
+        }
+    }
+
+    /// After our FIN (`QueuePair::disconnect`): waits until the peer's
+    /// FIN has come too (the QP is idle, or in error), or `deadline`;
+    /// returns whether it came.
+    fn wait_fin(&self, st: &mut Locked<'_>, deadline: Instant) -> bool {
+        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        loop {
+            if matches!(
+                self.qp.state(),
+                softrdma_engine::QpState::Idle | softrdma_engine::QpState::Error
+            ) {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            let step = (deadline - now).min(Duration::from_millis(2));
+            match self.poller.try_lock() {
+                Some(_gate) => {
+                    let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
+                    for wc in &out[..n] {
+                        self.on_wc(st, wc);
                     }
-                    // A completion callback is handling the CQ right now.
-                    None => st.unlocked(|| std::thread::sleep(Duration::from_micros(50))),
                 }
+                // A completion callback is handling the CQ right now.
+                None => st.unlocked(|| std::thread::sleep(Duration::from_micros(50))),
             }
         }
     }

@@ -55,6 +55,8 @@ mod core_path;
 mod dm;
 mod post;
 
+pub(crate) use post::flush_at_exit;
+
 /// How long a graceful close waits for the peer's FIN before it resets the
 /// connection, unless changed with [`QueuePair::set_close_timeout`].
 pub const DEFAULT_CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);

@@ -581,23 +581,36 @@ mod tests {
 
     /// A device whose CQ polls drive the receive path (batching is on).
     fn device() -> Device {
+        device_with(DeviceConfig::default())
+    }
+
+    /// [`device`] with the rest of its configuration from `cfg`.
+    fn device_with(cfg: DeviceConfig) -> Device {
         Device::open_with(DeviceConfig {
             pin_threads: false,
             poll_driven_receive: true,
-            ..DeviceConfig::default()
+            ..cfg
         })
         .unwrap()
     }
 
-    /// `a` (both queues on `cqa`) connected on loopback to `b` (on `cqb`).
-    fn pair() -> (
+    /// A connected pair and the resources its tests use.
+    type Pair = (
         QueuePair,
         QueuePair,
         CompletionQueue,
         CompletionQueue,
         ProtectionDomain,
-    ) {
-        let dev = device();
+    );
+
+    /// `a` (both queues on `cqa`) connected on loopback to `b` (on `cqb`).
+    fn pair() -> Pair {
+        pair_on(&device())
+    }
+
+    /// [`pair`] on `dev`.
+    fn pair_on(dev: &Device) -> Pair {
+        let dev = dev.clone();
         let pd = ProtectionDomain::new(&dev);
         let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
         let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
@@ -673,6 +686,114 @@ mod tests {
         }
     }
 
+    /// For the tests of polls and waits that take completions: `a` (no
+    /// backstop) polled its CQ and found it empty (its thread will poll
+    /// again), then `n` requests of `b` came in (`a`'s CQ holds their
+    /// receive completions), and `b` has 4 receives posted for the
+    /// answers. Returns the receive regions, `a`'s and `b`'s.
+    fn requests_came_in(
+        a: &QueuePair,
+        b: &QueuePair,
+        cqa: &CompletionQueue,
+        pd: &ProtectionDomain,
+        n: u64,
+    ) -> (MemoryRegion, MemoryRegion) {
+        no_backstop(a);
+        let adst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        let bdst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(a, &adst, n);
+        post_receives(b, &bdst, 4);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        // `a`'s thread polls its CQ (and will again).
+        assert_eq!(cqa.poll(&mut wc), 0);
+        // Requests come in: `a`'s CQ holds their receive completions.
+        for i in 0..n {
+            send(b, 50 + i);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while cqa.len() < n as usize {
+            assert!(Instant::now() < deadline, "{} requests", cqa.len());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        (adst, bdst)
+    }
+
+    /// After [`requests_came_in`]: `a` takes one request (`take`, which
+    /// takes at most `wc.len()` completions, as a CQ poll or wait does) and
+    /// answers four: the first at once, three deferred (its CQ is not
+    /// empty: it polls again soon). Then `take` called for one completion
+    /// at a time (`what`: "polls", "waits") writes the three within
+    /// `max` calls, and `b` receives the four in `dst`.
+    fn answers_written_by(
+        a: &QueuePair,
+        cqb: &CompletionQueue,
+        dst: &MemoryRegion,
+        max: u64,
+        what: &str,
+        take: impl Fn(&mut [WorkCompletion]) -> usize,
+    ) {
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        assert_eq!(take(&mut wc[..1]), 1);
+        for i in 0..4 {
+            send(a, i);
+        }
+        assert_eq!(deferred(a), 3);
+        let f0 = poll_flushes(a);
+        let mut calls = 0;
+        while poll_flushes(a) == f0 {
+            assert!(
+                calls < max,
+                "{calls} {what} took completions, nothing written"
+            );
+            assert_eq!(take(&mut wc[..1]), 1);
+            calls += 1;
+        }
+        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
+        check_received(cqb, dst, 4, 0);
+    }
+
+    /// For the urgency tests: a pair whose `a` (no backstop) is its CQ's
+    /// poller and posted lately (a small post of its own would be
+    /// deferred: Send 0 went), `b` with 4 receives posted in `dst`
+    /// (remotely writable), and `src`, 4 KiB to write from.
+    fn poster_that_defers() -> (Pair, MemoryRegion, MemoryRegion) {
+        let (a, b, cqa, cqb, pd) = pair();
+        no_backstop(&a);
+        let dst = pd
+            .register(64 * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        post_receives(&b, &dst, 4);
+        let src = pd.register(4096, Access::LOCAL_WRITE).unwrap();
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        // This thread is the CQ's poller and posted lately: a small post
+        // of its own would be deferred.
+        assert_eq!(cqa.poll(&mut wc), 0);
+        send(&a, 0);
+        ((a, b, cqa, cqb, pd), dst, src)
+    }
+
+    /// The first 1 KiB of `src`, for [`large_write`].
+    fn large_sge(src: &MemoryRegion) -> [Sge; 1] {
+        [Sge {
+            lkey: src.lkey(),
+            addr: src.addr(),
+            length: 1024,
+        }]
+    }
+
+    /// A 1 KiB Write (never deferred) of `big` to `dst` at 1024, id 50.
+    fn large_write<'a>(big: &'a [Sge], dst: &MemoryRegion) -> SendWr<'a> {
+        SendWr::new(
+            50,
+            SendOp::Write {
+                remote_addr: dst.addr() + 1024,
+                rkey: dst.rkey(),
+            },
+        )
+        .sg_list(big)
+        .signaled()
+    }
+
     /// A CQ poll that took completions ran no `Progress` hook: a poster
     /// whose CQ kept returning completions (a server answering requests
     /// while receive completions keep coming) left its posts to the 1 ms
@@ -682,40 +803,10 @@ mod tests {
     fn a_poll_that_takes_completions_writes_the_deferred_posts() {
         const N: u64 = crate::cq::DEFERRED_POLLS as u64;
         let (a, b, cqa, cqb, pd) = pair();
-        no_backstop(&a);
-        let adst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
-        let bdst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
-        post_receives(&a, &adst, N + 1);
-        post_receives(&b, &bdst, 4);
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        // `a`'s thread polls its CQ (and will again).
-        assert_eq!(cqa.poll(&mut wc), 0);
-        // Requests come in: `a`'s CQ holds their receive completions.
-        for i in 0..=N {
-            send(&b, 50 + i);
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while cqa.len() < N as usize + 1 {
-            assert!(Instant::now() < deadline, "{} requests", cqa.len());
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        // `a` answers: the first at once, three deferred (its CQ is not
-        // empty: it polls again soon).
-        assert_eq!(cqa.poll(&mut wc[..1]), 1);
-        for i in 0..4 {
-            send(&a, i);
-        }
-        assert_eq!(deferred(&a), 3);
-        let f0 = poll_flushes(&a);
+        let (_adst, bdst) = requests_came_in(&a, &b, &cqa, &pd, N + 1);
         // Polls that each take one completion write the three.
-        let mut polls = 0;
-        while poll_flushes(&a) == f0 {
-            assert!(polls < N, "{polls} polls took completions, nothing written");
-            assert_eq!(cqa.poll(&mut wc[..1]), 1);
-            polls += 1;
-        }
-        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
-        check_received(&cqb, &bdst, 4, 0);
+        answers_written_by(&a, &cqb, &bdst, N, "polls", |wc| cqa.poll(wc));
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
         // Polls that take completions with nothing deferred run no hook.
         let f1 = poll_flushes(&a);
         let mut got = 0;
@@ -731,34 +822,11 @@ mod tests {
     /// thread's kick then deferred its request. The mark is the call's now.
     #[test]
     fn an_urgent_post_is_not_deferred_when_another_thread_posts_meanwhile() {
-        let (a, b, cqa, cqb, pd) = pair();
-        no_backstop(&a);
-        let dst = pd
-            .register(64 * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-            .unwrap();
-        post_receives(&b, &dst, 4);
-        let src = pd.register(4096, Access::LOCAL_WRITE).unwrap();
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        // This thread is the CQ's poller and posted lately: a small post
-        // of its own would be deferred.
-        assert_eq!(cqa.poll(&mut wc), 0);
-        send(&a, 0);
+        let ((a, _b, cqa, cqb, _pd), dst, src) = poster_that_defers();
         let qp = a.qp();
         // Its next call posts a 1 KiB Write (never deferred) ...
-        let big = [Sge {
-            lkey: src.lkey(),
-            addr: src.addr(),
-            length: 1024,
-        }];
-        let write = SendWr::new(
-            50,
-            SendOp::Write {
-                remote_addr: dst.addr() + 1024,
-                rkey: dst.rkey(),
-            },
-        )
-        .sg_list(&big)
-        .signaled();
+        let big = large_sge(&src);
+        let write = large_write(&big, &dst);
         let d0 = deferred(&a);
         qp.post_one(&write).unwrap();
         // ... while another thread posts on the QP (and kicks) before this
@@ -806,14 +874,10 @@ mod tests {
         check_received(cqb, &dst, 4, 4);
     }
 
-    /// Child half of `deferred_posts_are_written_when_the_process_exits`
-    /// (run in a process of its own).
-    #[test]
-    #[ignore = "the child process of deferred_posts_are_written_when_the_process_exits"]
-    fn exit_child() {
-        let Ok(addr) = std::env::var("SOFTRDMA_TEST_EXIT_PEER") else {
-            return;
-        };
+    /// In a child process: a QP connected to the listener at `addr`
+    /// (the active side), which posted eight Sends (ids 0 to 7) without
+    /// polling after a poll that found nothing: seven are deferred.
+    fn eight_sends_deferred(addr: &str) -> (QueuePair, CompletionQueue) {
         let dev = device();
         let pd = ProtectionDomain::new(&dev);
         let cq = CompletionQueue::new(&dev, 64, None).unwrap();
@@ -832,6 +896,18 @@ mod tests {
             send(&a, i);
         }
         assert_eq!(deferred(&a), 7, "posts deferred");
+        (a, cq)
+    }
+
+    /// Child half of `deferred_posts_are_written_when_the_process_exits`
+    /// (run in a process of its own).
+    #[test]
+    #[ignore = "the child process of deferred_posts_are_written_when_the_process_exits"]
+    fn exit_child() {
+        let Ok(addr) = std::env::var("SOFTRDMA_TEST_EXIT_PEER") else {
+            return;
+        };
+        let (_a, _cq) = eight_sends_deferred(&addr);
         // Exits without polling, destroying the QP or closing the device.
         std::process::exit(0);
     }
@@ -922,24 +998,7 @@ mod tests {
         // Registered before the engine's (which comes with the first
         // deferral): runs after it.
         assert!(crate::sys::process::at_exit(late_post));
-        let dev = device();
-        let pd = ProtectionDomain::new(&dev);
-        let cq = CompletionQueue::new(&dev, 64, None).unwrap();
-        let a = QueuePair::new(&pd, &QpInitAttr::new(&cq, &cq)).unwrap();
-        let mut s = std::net::TcpStream::connect(addr).unwrap();
-        s.set_nodelay(true).unwrap();
-        let mut cfg = MpaConfig::default();
-        let q = a.query();
-        (cfg.ird, cfg.ord) = (q.ird, q.ord);
-        let n = crate::connect::mpa_connect(&mut s, &cfg, &[], Duration::from_secs(20)).unwrap();
-        a.establish(s, &crate::LinkParams::from(&n)).unwrap();
-        no_backstop(&a);
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
-        assert_eq!(cq.poll(&mut wc), 0);
-        for i in 0..8 {
-            send(&a, i);
-        }
-        assert_eq!(deferred(&a), 7, "posts deferred");
+        let (a, _cq) = eight_sends_deferred(&addr);
         let _ = LATE_QP.set(a);
         std::process::exit(0);
     }
@@ -963,49 +1022,15 @@ mod tests {
     #[test]
     fn a_wait_that_takes_completions_writes_the_deferred_posts() {
         const N: u64 = crate::cq::DEFERRED_POLLS as u64;
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            poll_driven_receive: true,
+        let (a, b, cqa, cqb, pd) = pair_on(&device_with(DeviceConfig {
             poll_spin: Duration::ZERO,
             poll_spin_adaptive: false,
             ..DeviceConfig::default()
-        })
-        .unwrap();
-        let pd = ProtectionDomain::new(&dev);
-        let cqa = CompletionQueue::new(&dev, 256, None).unwrap();
-        let cqb = CompletionQueue::new(&dev, 256, None).unwrap();
-        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
-        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
-        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
-        no_backstop(&a);
-        let adst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
-        let bdst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
-        post_receives(&a, &adst, N + 1);
-        post_receives(&b, &bdst, 4);
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        assert_eq!(cqa.poll(&mut wc), 0);
-        for i in 0..=N {
-            send(&b, 50 + i);
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while cqa.len() < N as usize + 1 {
-            assert!(Instant::now() < deadline, "{} requests", cqa.len());
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(cqa.wait(&mut wc[..1], Some(Duration::from_secs(5))), 1);
-        for i in 0..4 {
-            send(&a, i);
-        }
-        assert_eq!(deferred(&a), 3);
-        let f0 = poll_flushes(&a);
-        let mut waits = 0;
-        while poll_flushes(&a) == f0 {
-            assert!(waits < N, "{waits} waits took completions, nothing written");
-            assert_eq!(cqa.wait(&mut wc[..1], Some(Duration::from_secs(5))), 1);
-            waits += 1;
-        }
-        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
-        check_received(&cqb, &bdst, 4, 0);
+        }));
+        let (_adst, bdst) = requests_came_in(&a, &b, &cqa, &pd, N + 1);
+        answers_written_by(&a, &cqb, &bdst, N, "waits", |wc| {
+            cqa.wait(wc, Some(Duration::from_secs(5)))
+        });
     }
 
     /// A post made inside another `post_send_list` call of the same
@@ -1013,31 +1038,10 @@ mod tests {
     /// in its kick: the outer call's large Write was then deferred.
     #[test]
     fn a_nested_post_does_not_take_the_outer_calls_urgency_mark() {
-        let (a, b, cqa, cqb, pd) = pair();
-        no_backstop(&a);
-        let dst = pd
-            .register(64 * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-            .unwrap();
-        post_receives(&b, &dst, 4);
-        let src = pd.register(4096, Access::LOCAL_WRITE).unwrap();
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        assert_eq!(cqa.poll(&mut wc), 0);
-        send(&a, 0);
+        let ((a, _b, _cqa, cqb, _pd), dst, src) = poster_that_defers();
         let qp = a.qp();
-        let big = [Sge {
-            lkey: src.lkey(),
-            addr: src.addr(),
-            length: 1024,
-        }];
-        let write = SendWr::new(
-            50,
-            SendOp::Write {
-                remote_addr: dst.addr() + 1024,
-                rkey: dst.rkey(),
-            },
-        )
-        .sg_list(&big)
-        .signaled();
+        let big = large_sge(&src);
+        let write = large_write(&big, &dst);
         let d0 = deferred(&a);
         // The outer call (as `post_send_list`): posts the Write ...
         let outer = super::UrgentScope::enter();

@@ -1,14 +1,39 @@
 //! The process's life: work at its exit (`atexit(3)`), and (tests) a
 //! `fork(2)`ed child. Forks are counted by [`super::epoll::fork_generation`].
+//!
+//! Public (re-exported at the crate's root) for the layers above that hold
+//! data of their own before posting it (sockets direct's staged writes):
+//! [`at_exit`], [`flush_posts_at_exit`] and [`PerFork`].
 
 /// Registers `f` to run when the process exits through `exit(3)` (a
 /// return from `main`, `std::process::exit`), in the exiting thread,
 /// while the other threads still run. `false` if it could not be
 /// registered. Not at `_exit(2)`, a fatal signal or an abort.
-pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
+///
+/// Handlers run last registered first, the engine's own among them (it
+/// registers [`flush_posts_at_exit`] at the first post it defers): a
+/// handler that posts calls [`flush_posts_at_exit`] itself first, so that
+/// its posts are written whatever the order. `f` must not unwind (catch
+/// panics in it: none may unwind into libc). A handler registered while
+/// the handlers run (from one of them) runs too with glibc, next.
+pub fn at_exit(f: extern "C" fn()) -> bool {
     // SAFETY: registers a plain `extern "C" fn()` without arguments; the
     // handlers catch panics themselves (none unwinds into libc).
     unsafe { libc::atexit(f) == 0 }
+}
+
+/// Writes now the posts that the process's queue pairs deferred to their
+/// posters' next polls, and from here on defers none (a post is written
+/// by its poster): what the engine's own exit handler does at `exit(3)`.
+/// For exit handlers of the layers above that post (run before or after
+/// the engine's, see [`at_exit`]): calling it first makes their posts
+/// written whatever the order. Idempotent; the process is taken as
+/// exiting from the first call (batching stays off), so call it only
+/// from an exit handler. Never blocks on another thread's work: a
+/// connection another thread is transmitting on is written by that
+/// thread.
+pub fn flush_posts_at_exit() {
+    crate::qp::flush_at_exit();
 }
 
 /// Runs `f` in a `fork(2)`ed child of this (multi-threaded) process and
@@ -55,14 +80,22 @@ pub(crate) fn in_child(limit: std::time::Duration, f: impl FnOnce() -> bool) -> 
 }
 
 /// A process-wide value of which each fork generation
-/// ([`fork_generation`](super::epoll::fork_generation)) has its own,
+/// ([`fork_generation`](crate::fork_generation)) has its own,
 /// reached through one atomic pointer (no lock): a `fork(2)`ed child never
 /// uses its parent's value, whose locks may have been held at the fork by
 /// threads that do not exist in the child (it would wait for them for
 /// ever). The child's first use makes a value of its own and puts it in
 /// the slot; the parent's copy is left as it is (leaked: small, once per
 /// fork that uses it). Values live as long as the process.
-pub(crate) struct PerFork<T: 'static> {
+///
+/// ```
+/// use softrdma_engine::PerFork;
+/// static COUNT: PerFork<std::sync::atomic::AtomicU32> = PerFork::new();
+/// assert!(COUNT.peek().is_none());
+/// COUNT.get(Default::default).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+/// assert!(COUNT.peek().is_some());
+/// ```
+pub struct PerFork<T: 'static> {
     slot: std::sync::atomic::AtomicPtr<(u64, T)>,
 }
 
@@ -71,9 +104,23 @@ pub(crate) struct PerFork<T: 'static> {
 // so `T: Send`).
 unsafe impl<T: Send + Sync> Sync for PerFork<T> {}
 
+impl<T: 'static> std::fmt::Debug for PerFork<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PerFork")
+            .field("made", &self.peek().is_some())
+            .finish()
+    }
+}
+
+impl<T: 'static> Default for PerFork<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T: 'static> PerFork<T> {
     /// An empty slot.
-    pub(crate) const fn new() -> Self {
+    pub const fn new() -> Self {
         PerFork {
             slot: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
         }
@@ -89,7 +136,7 @@ impl<T: 'static> PerFork<T> {
     }
 
     /// This generation's value, if it made one.
-    pub(crate) fn peek(&self) -> Option<&'static T> {
+    pub fn peek(&self) -> Option<&'static T> {
         let generation = super::epoll::fork_generation();
         match self.current().1 {
             Some((g, v)) if *g == generation => Some(v),
@@ -98,7 +145,7 @@ impl<T: 'static> PerFork<T> {
     }
 
     /// This generation's value, made by `make` on its first use.
-    pub(crate) fn get(&self, make: impl Fn() -> T) -> &'static T {
+    pub fn get(&self, make: impl Fn() -> T) -> &'static T {
         use std::sync::atomic::Ordering;
         let generation = super::epoll::fork_generation();
         let (mut p, mut cur) = self.current();
