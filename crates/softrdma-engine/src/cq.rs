@@ -153,6 +153,14 @@ pub(crate) trait Progress: Send + Sync {
     /// write them now (this is that poll).
     fn polled(&self) {}
 
+    /// A waiter is about to register with the CQ (after which a push
+    /// signals its wake-up descriptor) and to look at it: posts left for
+    /// the poster's next poll are written first, so that the completions
+    /// they make at once (a small Send on a socket with room) are found by
+    /// that look instead of waking the waiter itself (a write to its event
+    /// fd, a wait that returns at once, a read).
+    fn write_deferred(&self) {}
+
     /// A waiter with the socket of [`sleep_on`](Self::sleep_on) claimed
     /// sleeps in the socket's `recv(2)` (at most `timeout`) and receives
     /// what it brings: one system call per wait instead of a `poll(2)`

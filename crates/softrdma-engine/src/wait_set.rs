@@ -173,6 +173,53 @@ pub struct WaitSet {
     waker: Option<(Arc<Waker>, u64)>,
 }
 
+/// Wakers most kept for reuse.
+const SPARE_WAKERS: usize = 64;
+
+/// The wakers of dropped wait sets, for the next ones (a wait set per
+/// connection made an event fd at its first wait and closed it with the
+/// connection: two system calls per connection). One list per fork
+/// generation (a child never takes its parent's lock).
+fn spare_wakers() -> &'static parking_lot::Mutex<Vec<Waker>> {
+    static SPARE: crate::sys::process::PerFork<parking_lot::Mutex<Vec<Waker>>> =
+        crate::sys::process::PerFork::new();
+    SPARE.get(|| parking_lot::Mutex::new(Vec::new()))
+}
+
+/// A spare waker of `spare`, or a new one.
+fn take_waker(spare: &parking_lot::Mutex<Vec<Waker>>) -> io::Result<Waker> {
+    match spare.lock().pop() {
+        Some(w) => Ok(w),
+        None => Waker::new(),
+    }
+}
+
+/// Keeps `w` in `spare` for the next wait set if nobody else holds it (no
+/// CQ lists it as a waiter), it is not readable (no wake count left in it
+/// for the next set to find) and fewer than [`SPARE_WAKERS`] are kept.
+fn give_waker(spare: &parking_lot::Mutex<Vec<Waker>>, w: Arc<Waker>) {
+    if let Some(w) = Arc::into_inner(w)
+        && w.quiet()
+    {
+        let mut spare = spare.lock();
+        if spare.len() < SPARE_WAKERS {
+            spare.push(w);
+        }
+    }
+}
+
+impl Drop for WaitSet {
+    fn drop(&mut self) {
+        // (Not one made by a parent before a fork: its list is the
+        // parent's.)
+        if let Some((w, generation)) = self.waker.take()
+            && generation == crate::sys::epoll::fork_generation()
+        {
+            give_waker(spare_wakers(), w);
+        }
+    }
+}
+
 /// How a wait set sleeps (`SOFTRDMA_WAIT_SET`: `ppoll`, `epoll` or
 /// `auto`, the default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -773,9 +820,23 @@ impl WaitSet {
         // look below wakes the sleep.
         let generation = crate::sys::epoll::fork_generation();
         if self.waker.as_ref().is_none_or(|w| w.1 != generation) {
-            self.waker = Waker::new().ok().map(|w| (Arc::new(w), generation));
+            self.waker = take_waker(spare_wakers())
+                .ok()
+                .map(|w| (Arc::new(w), generation));
         }
         let waker = self.waker.as_ref().map(|w| Arc::clone(&w.0));
+        // What the waiter's own posts left for its next poll is written
+        // before it registers: their completions are found by the look
+        // below, not signalled to this very thread.
+        for (i, cq) in self.cqs.iter().enumerate() {
+            if !self.cq_quiet[i]
+                && let Some(list) = cq.wait_set_hooks()
+            {
+                for hook in list.iter().filter_map(std::sync::Weak::upgrade) {
+                    hook.write_deferred();
+                }
+            }
+        }
         let mut wake_fds = std::mem::take(&mut self.wake_fds);
         wake_fds.clear();
         for cq in &self.cqs {
@@ -1209,9 +1270,20 @@ mod tests {
         readable: AtomicUsize,
         sleep_on: AtomicUsize,
         renewed: AtomicU64,
+        /// A Send left for the poster's next poll (a completion at once
+        /// when written).
+        deferred: std::sync::atomic::AtomicBool,
     }
 
     impl Hook {
+        fn write_deferred_send(&self) {
+            if self.deferred.swap(false, Ordering::SeqCst) {
+                self.cq
+                    .push(WorkCompletion::success(99, WcOpcode::Send, 0), false)
+                    .unwrap();
+            }
+        }
+
         fn receive(&self) -> bool {
             let mut b = [0u8; 16];
             match (&self.sock).read(&mut b) {
@@ -1242,7 +1314,13 @@ mod tests {
             self.receive()
         }
 
+        fn write_deferred(&self) {
+            self.write_deferred_send();
+        }
+
         fn sleep_on(&self, until_ns: Option<u64>) -> Option<RawFd> {
+            // A sleeping waiter is a poll: deferred posts go (as a QP's).
+            self.write_deferred_send();
             self.sleep_on.fetch_add(1, Ordering::Relaxed);
             if let Some(u) = until_ns {
                 self.renewed.store(u, Ordering::Relaxed);
@@ -1276,6 +1354,7 @@ mod tests {
             readable: AtomicUsize::new(0),
             sleep_on: AtomicUsize::new(0),
             renewed: AtomicU64::new(0),
+            deferred: std::sync::atomic::AtomicBool::new(false),
         });
         let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
         cq.attach_progress(weak);
@@ -1326,6 +1405,54 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A waiter whose own Send was left for its next poll finds the Send's
+    /// completion when it looks at the CQ, without waking itself: the Send
+    /// is written before the waiter registers with the CQ. (It was written
+    /// when the waiter claimed the socket, after it registered: its
+    /// completion wrote the waiter's own event fd, and the wait returned
+    /// at once to read it: two system calls and a wasted wait per
+    /// connection of sockets direct.)
+    #[test]
+    fn a_waiters_own_deferred_send_does_not_wake_it() {
+        let (cq, hook, _peer, _) = hooked(0);
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        // A first wait makes the set's waker (or takes a spare one).
+        assert_eq!(set.wait(Some(Duration::from_millis(1))).unwrap(), 0);
+        let writes = set.waker.as_ref().expect("the set's waker").0.writes();
+        hook.deferred.store(true, Ordering::SeqCst);
+        assert_eq!(set.wait(Some(Duration::from_secs(10))).unwrap(), 1);
+        assert_eq!(cq.poll_one().map(|wc| wc.wr_id), Some(99));
+        let waker = set.waker.as_ref().expect("the set's waker");
+        assert_eq!(waker.0.writes(), writes, "the waiter woke itself");
+    }
+
+    /// A dropped wait set's waker is kept for the next set (no event fd
+    /// made and closed per connection), unless another holder still has
+    /// it or a wake count is left in it; a new one is made when none is
+    /// kept.
+    #[test]
+    fn wakers_of_dropped_sets_are_reused() {
+        let spare = parking_lot::Mutex::new(Vec::new());
+        let w = Arc::new(take_waker(&spare).unwrap());
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&*w);
+        give_waker(&spare, w);
+        assert_eq!(spare.lock().len(), 1);
+        let again = take_waker(&spare).unwrap();
+        assert_eq!(std::os::fd::AsRawFd::as_raw_fd(&again), fd);
+        assert!(spare.lock().is_empty());
+        // Readable (a wake not yet read): not kept.
+        again.wake();
+        give_waker(&spare, Arc::new(again));
+        assert!(spare.lock().is_empty());
+        // Held elsewhere (a CQ's waiter list): not kept.
+        let held = Arc::new(take_waker(&spare).unwrap());
+        let other = Arc::clone(&held);
+        give_waker(&spare, held);
+        assert!(spare.lock().is_empty());
+        drop(other);
     }
 
     /// A timeout within one nap ends the wait after one sleep with nothing

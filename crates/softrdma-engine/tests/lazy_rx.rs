@@ -143,3 +143,60 @@ fn an_unpolled_qp_after_many_short_connections_still_receives() {
         dst.to_vec() == data
     });
 }
+
+/// Connections whose owners drive them with CQ polls, from the connection
+/// to the close, never wake an engine thread: a registration only sets the
+/// thread's hand-over timer (before, the first connection after the thread
+/// went idle woke it through its event fd, and so did most connections of
+/// a sparse stream: the idle thread sleeps 500 ms, longer than the
+/// hand-over is due). A connection that outlives the quiet period is
+/// looked at when the timer expires, which is not counted here.
+#[test]
+fn connections_driven_by_their_pollers_never_wake_the_engine_threads() {
+    let dev = device(false);
+    for i in 0..20u8 {
+        let p = pair_with(dev.clone(), false, |_| {});
+        let buf = mr(&p.b, 8);
+        let sge = [buf.sge(0, 8).unwrap()];
+        p.b.qp.post_recv(&RecvWr::new(1, &sge)).unwrap();
+        p.a.qp
+            .post_send(&SendWr::new(1, SendOp::Send).inline(&[i; 8]).signaled())
+            .unwrap();
+        assert_eq!(wait(&p.a.cq, 1)[0].status, WcStatus::Success);
+        assert_eq!(wait(&p.b.cq, 1)[0].status, WcStatus::Success);
+        assert_eq!(buf.to_vec(), [i; 8]);
+        // Between connections the threads go idle (sleeping 500 ms).
+        std::thread::sleep(Duration::from_millis(3));
+    }
+    let stats = dev.datamover_stats();
+    let woken: u64 = stats.iter().map(|s| s.rx_wakeups).sum();
+    assert_eq!(woken, 0, "{stats:?}");
+}
+
+/// The hand-over of a QP nobody polls comes from the engine thread's
+/// hand-over timer (the thread is not woken at the registration): the
+/// Write is placed, and the timer expired for it.
+#[test]
+fn an_unpolled_qp_is_handed_over_by_the_timer() {
+    let dev = device(false);
+    // The engine threads start their first (500 ms) sleep; the QPs are
+    // registered during it, well before it ends.
+    std::thread::sleep(Duration::from_millis(20));
+    let p = pair_with(dev, false, |_| {});
+    let dst = mr(&p.b, 4096);
+    let data = pattern(4096, 5);
+    write_to(&p, &dst, &data, 1);
+    until("the Write placed by the engine thread", || {
+        dst.to_vec() == data
+    });
+    let stats = p.dev.datamover_stats();
+    assert!(
+        stats.iter().map(|s| s.handover_timeouts).sum::<u64>() >= 1,
+        "{stats:?}"
+    );
+    assert_eq!(
+        stats.iter().map(|s| s.rx_wakeups).sum::<u64>(),
+        0,
+        "{stats:?}"
+    );
+}

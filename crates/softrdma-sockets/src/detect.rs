@@ -667,11 +667,24 @@ fn answer(
     b: &[u8],
     from: SocketAddr,
 ) {
-    let Some(q) = Probe::decode(b) else {
-        return;
-    };
+    if let Some(a) = decide(r, stop, accept, b, from) {
+        // A lost answer makes the client time out and stay plain.
+        let _ = sock.send_to(&a, from);
+    }
+}
+
+/// Decides one datagram (if it is a query: its record is kept or its
+/// plain mark consumed) and returns the answer to send to `from`.
+fn decide(
+    r: &mut Table,
+    stop: &AtomicBool,
+    accept: bool,
+    b: &[u8],
+    from: SocketAddr,
+) -> Option<[u8; MSG_LEN]> {
+    let q = Probe::decode(b)?;
     if q.kind != Kind::Query {
-        return;
+        return None;
     }
     let mut flags = FLAG_LATE_QUERY;
     let kind = if accept {
@@ -694,15 +707,16 @@ fn answer(
     } else {
         Kind::Decline
     };
-    let a = Probe { kind, flags, ..q };
-    // A lost answer makes the client time out and stay plain.
-    let _ = sock.send_to(&a.encode(), from);
+    Some(Probe { kind, flags, ..q }.encode())
 }
 
 /// The twin thread: waits (peeking) until a datagram is there, then reads
-/// and answers it with the records locked, and peeks again (a peek finds
-/// the next one queued at once: no read that finds the queue empty, one
-/// system call less per query).
+/// and decides it with the records locked, answers it once the lock is let
+/// go, and peeks again (a peek finds the next one queued at once: no read
+/// that finds the queue empty, one system call less per query). The
+/// answer's send is outside the lock: on loopback it delivers the answer
+/// and wakes the client, and an accepting thread that came meanwhile
+/// waited for it (a sleep on the lock and a wake-up per connection).
 fn serve(sock: &UdpSocket, records: &Records, stop: &AtomicBool, accept: bool) {
     let mut b = [0u8; 1];
     let mut q = [0u8; 64];
@@ -715,11 +729,20 @@ fn serve(sock: &UdpSocket, records: &Records, stop: &AtomicBool, accept: bool) {
             break;
         }
         // An accepting thread may have taken it meanwhile (`drain`).
-        if let Ok((n, _, Some(from))) =
-            rustix::net::recvfrom(sock, &mut q[..], rustix::net::RecvFlags::DONTWAIT)
-            && let Ok(from) = SocketAddr::try_from(from)
-        {
-            answer(sock, &mut r, stop, accept, &q[..n.min(q.len())], from);
+        let decided =
+            match rustix::net::recvfrom(sock, &mut q[..], rustix::net::RecvFlags::DONTWAIT) {
+                Ok((n, _, Some(from))) => SocketAddr::try_from(from).ok().and_then(|from| {
+                    Some((
+                        decide(&mut r, stop, accept, &q[..n.min(q.len())], from)?,
+                        from,
+                    ))
+                }),
+                _ => None,
+            };
+        drop(r);
+        if let Some((a, from)) = decided {
+            // A lost answer makes the client time out and stay plain.
+            let _ = sock.send_to(&a, from);
         }
     }
 }

@@ -42,8 +42,9 @@ use softrdma_proto::mem::{Memory as CoreMemory, Span};
 use crate::sys::io::{IoVecs, readv, tcp_maxseg, writev};
 use crate::sys::mem::Memory;
 
-/// Staging buffer: headers, trailers, small payloads and read-ahead.
-const STAGING: usize = 32 * 1024;
+/// Staging buffer: headers, trailers, small payloads and read-ahead
+/// (taken at the first read that needs it, from a free list: `staging`).
+use super::staging::{STAGING, pool as staging_pool};
 /// Payloads at least this long are read straight into their destination.
 const DIRECT_MIN: usize = 1024;
 /// A read while the reader is behind: the staging buffer grows to this.
@@ -198,9 +199,14 @@ impl RxIo {
     /// Receive state for a socket from which `already_read` (at most 32 KiB)
     /// was read already.
     pub(crate) fn new(already_read: &[u8]) -> Self {
-        let mut buf = vec![0u8; STAGING];
         let n = already_read.len().min(STAGING);
-        buf[..n].copy_from_slice(&already_read[..n]);
+        let buf = if n == 0 {
+            Vec::new()
+        } else {
+            let mut buf = staging_pool().take();
+            buf[..n].copy_from_slice(&already_read[..n]);
+            buf
+        };
         RxIo {
             buf,
             start: 0,
@@ -244,6 +250,19 @@ impl RxIo {
         }
     }
 
+    /// Takes the staging buffer at the first read that needs it.
+    fn staging(&mut self) {
+        if self.buf.is_empty() {
+            self.buf = staging_pool().take();
+        }
+    }
+
+    /// Bytes of staging buffer held (0 until the first read needing one).
+    #[cfg(test)]
+    pub(crate) fn staging_capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
     /// Starts a receive run ([`step`](Self::step) until it stops).
     pub(crate) fn begin(&mut self) {
         self.drained_hint = std::mem::take(&mut self.staged_short);
@@ -253,9 +272,10 @@ impl RxIo {
     /// connection's lock (a receive that sleeps in the kernel), if it
     /// holds no bytes; give it back with [`put_staging`](Self::put_staging).
     pub(crate) fn take_staging(&mut self) -> Option<Vec<u8>> {
-        if self.end > self.start || self.buf.is_empty() {
+        if self.end > self.start {
             return None;
         }
+        self.staging();
         self.start = 0;
         self.end = 0;
         Some(std::mem::take(&mut self.buf))
@@ -359,6 +379,7 @@ impl RxIo {
                     iov.clear();
                     if iov.push_mem(&dst.region, dst.offset, dst.len) {
                         iov.clear();
+                        self.staging();
                         return RxStep::Direct(DirectRead {
                             dst: Some(dst),
                             buf: std::mem::take(&mut self.buf),
@@ -462,6 +483,7 @@ impl RxIo {
             return Err(io::ErrorKind::WouldBlock.into());
         }
         self.batching = false;
+        self.staging();
         let limit = if self.small { STAGING } else { READAHEAD_LARGE };
         self.iov.clear();
         self.iov.push_slice_mut(&mut self.buf[..limit]);
@@ -474,6 +496,12 @@ impl RxIo {
             self.end = n;
         }
         r
+    }
+}
+
+impl Drop for RxIo {
+    fn drop(&mut self) {
+        staging_pool().give(std::mem::take(&mut self.buf));
     }
 }
 

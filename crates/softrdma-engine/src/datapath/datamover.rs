@@ -30,12 +30,18 @@
 //! [`POLL_QUIET_NS`], or at once when the CQ is armed for notification
 //! (the caller leaves the socket to the engine). Registering and
 //! unregistering a socket queue the change for the thread without waking
-//! it: the thread picks it up at its next turn, and sleeps no longer than
-//! the first such hand-over is due (see [`Threads::register_rx`]). A
-//! short-lived connection whose caller drives it (a connect, a few
-//! messages, a close) thus costs its engine thread no wake-up of its own:
-//! at most one wake-up when the thread was idle, and one look when the
-//! hand-over is due, which also covers every connection made meanwhile.
+//! it: the thread picks it up at its next turn. If it sleeps past the
+//! time the hand-over is due, the registering thread sets the thread's
+//! *hand-over timer* (a timer fd in its epoll set: setting it does not
+//! wake the thread) to that time, and the QP's unregistering clears it
+//! again if no other registration waits for it (see
+//! [`Threads::register_rx`]). A short-lived connection whose caller
+//! drives it (a connect, a few messages, a close, all within the quiet
+//! period) thus never wakes its engine thread: two `timerfd_settime`
+//! calls at most, instead of a wake-up (an event fd write, a context
+//! switch, the thread's reads) per QP when the thread was idle. A
+//! connection that lives longer is looked at once when the hand-over is
+//! due, a look that also covers every connection made meanwhile.
 //!
 //! Each QP is assigned at creation to the thread with the fewest QPs. There
 //! are never more engine threads than usable CPUs (affinity mask and cgroup
@@ -85,6 +91,7 @@ pub(crate) trait DmQp: Send + Sync + std::fmt::Debug {
 
 /// Statistics of one engine thread (datamover and receiver).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct DatamoverStats {
     /// CPU the thread runs on (pinned if configured).
     pub cpu: usize,
@@ -98,10 +105,38 @@ pub struct DatamoverStats {
     pub resumes: u64,
     /// Times the thread ran the receive path of a readable socket.
     pub receives: u64,
+    /// Times another thread woke it (wrote its event fd while it slept)
+    /// about a socket to watch: the registration of a QP nobody else
+    /// receives for, or a CQ armed for notification. A registration
+    /// driven by its caller's polls never wakes it (it sets the hand-over
+    /// timer instead).
+    pub rx_wakeups: u64,
+    /// Times its hand-over timer woke it: a registered QP's quiet period
+    /// ended while the thread slept.
+    pub handover_timeouts: u64,
 }
 
 /// A QP whose socket an engine thread receives from, and the socket.
 type RxEntry = (Weak<dyn DmQp>, RawFd);
+
+/// Registrations the engine thread has not looked at yet, and its
+/// hand-over timer.
+#[derive(Debug, Default)]
+struct Handover {
+    /// Keys registered lazily and not yet taken from the receive inbox.
+    pending: std::collections::HashSet<usize>,
+    /// When the hand-over timer is set to expire (engine clock), if set.
+    timer_at: Option<u64>,
+}
+
+impl Handover {
+    /// Clears the hand-over timer of `e`, if set.
+    fn clear_timer(&mut self, e: &Engine) {
+        if self.timer_at.take().is_some() {
+            let _ = e.poll.set_timer(None);
+        }
+    }
+}
 
 #[derive(Debug)]
 struct Engine {
@@ -113,6 +148,9 @@ struct Engine {
     rx_inbox: SegQueue<usize>,
     /// Connected QPs whose sockets this thread receives from.
     qps: Mutex<HashMap<usize, RxEntry>>,
+    /// Lazy registrations not yet seen by the thread, and the hand-over
+    /// timer (taken after `qps` when both are held).
+    handover: Mutex<Handover>,
     poll: EpollSet,
     /// When the thread's current (or last) sleep ends at the latest (engine
     /// clock): a hand-over due earlier must wake it
@@ -123,6 +161,17 @@ struct Engine {
     pauses: AtomicU64,
     resumes: AtomicU64,
     receives: AtomicU64,
+    rx_wakeups: AtomicU64,
+    handover_timeouts: AtomicU64,
+}
+
+impl Engine {
+    /// Wakes the thread about a socket to watch (counted if it slept).
+    fn notify_rx(&self) {
+        if self.poll.notify() {
+            self.rx_wakeups.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// The engine threads of a device.
@@ -161,6 +210,7 @@ impl Threads {
                 inbox: SegQueue::new(),
                 rx_inbox: SegQueue::new(),
                 qps: Mutex::new(HashMap::new()),
+                handover: Mutex::new(Handover::default()),
                 poll: EpollSet::new()?,
                 sleep_until: AtomicU64::new(0),
                 stop: AtomicBool::new(false),
@@ -168,6 +218,8 @@ impl Threads {
                 pauses: AtomicU64::new(0),
                 resumes: AtomicU64::new(0),
                 receives: AtomicU64::new(0),
+                rx_wakeups: AtomicU64::new(0),
+                handover_timeouts: AtomicU64::new(0),
             });
             {
                 let e = e.clone();
@@ -216,11 +268,16 @@ impl Threads {
     /// the calling thread (which just connected the QP) counts as its CQ
     /// poller now, so the engine thread watches the socket only once
     /// nobody has polled for [`POLL_QUIET_NS`], or when the CQ is armed
-    /// ([`Threads::wake_rx`]). The engine thread is not woken for this
-    /// unless it sleeps past that time (with pollers driving it, a QP thus
-    /// costs its engine thread no wake-up). Without
+    /// ([`Threads::wake_rx`]). The engine thread is never woken for this:
+    /// if it sleeps past that time, its hand-over timer is set to it
+    /// (which does not wake it), and cleared again when the QP is
+    /// unregistered before the thread looked at it
+    /// ([`Threads::unregister`]). A QP driven by its caller from the
+    /// connection to its close within the quiet period thus costs its
+    /// engine thread nothing. Without
     /// [`poll_driven_receive`](crate::DeviceConfig::poll_driven_receive)
-    /// nobody else receives: the thread watches the socket at once.
+    /// nobody else receives: the thread is woken to watch the socket at
+    /// once.
     pub(crate) fn register_rx<Q: DmQp + 'static>(&self, qp: &Arc<Q>, fd: RawFd) {
         let Some(e) = self.engines.get(qp.datamover()) else {
             return;
@@ -234,19 +291,38 @@ impl Threads {
         }
         let weak: Weak<Q> = Arc::downgrade(qp);
         let weak: Weak<dyn DmQp> = weak;
+        if lazy {
+            // Before the key is in the inbox: the thread forgets it when it
+            // takes it from there.
+            e.handover.lock().pending.insert(key);
+        }
         e.qps.lock().insert(key, (weak, fd));
         qp.rx_registered().store(true, Ordering::Release);
         e.rx_inbox.push(key);
         if !lazy {
-            e.poll.notify();
+            e.notify_rx();
             return;
         }
         // Against the thread's check of the inbox before it sleeps (it
         // publishes `sleep_until`, then looks): either it sees this key,
         // or this sees its deadline.
         std::sync::atomic::fence(Ordering::SeqCst);
-        if e.sleep_until.load(Ordering::SeqCst) > now.saturating_add(POLL_QUIET_NS) {
-            e.poll.notify();
+        let due = now.saturating_add(POLL_QUIET_NS);
+        if e.sleep_until.load(Ordering::SeqCst) > due {
+            let mut h = e.handover.lock();
+            // (Unregistered meanwhile, or taken by the thread: nothing to
+            // hand over.)
+            if h.pending.contains(&key) && h.timer_at.is_none_or(|t| t > due) {
+                if e.poll
+                    .set_timer(Some(Duration::from_nanos(POLL_QUIET_NS)))
+                    .is_ok()
+                {
+                    h.timer_at = Some(due);
+                } else {
+                    drop(h);
+                    e.notify_rx();
+                }
+            }
         }
     }
 
@@ -277,7 +353,7 @@ impl Threads {
     /// pollers.
     pub(crate) fn wake_rx(&self, idx: usize) {
         if let Some(e) = self.engines.get(idx) {
-            e.poll.notify();
+            e.notify_rx();
         }
     }
 
@@ -298,8 +374,21 @@ impl Threads {
         // The thread need not be woken for this: a stale watch is dropped
         // at its next event or turn, whichever comes first (an armed
         // registration is ignored once the key left the table).
-        e.qps.lock().remove(&(qp.qp_num() as usize));
-        e.rx_inbox.push(qp.qp_num() as usize);
+        let key = qp.qp_num() as usize;
+        e.qps.lock().remove(&key);
+        let mut h = e.handover.lock();
+        if h.pending.remove(&key) {
+            // The thread never looked at the registration (its key, still
+            // in the inbox, now finds nothing in the table): nothing to
+            // tell it, and its hand-over timer is cleared if nothing else
+            // waits for it.
+            if h.pending.is_empty() {
+                h.clear_timer(e);
+            }
+            return;
+        }
+        drop(h);
+        e.rx_inbox.push(key);
     }
 
     /// Statistics of every engine thread.
@@ -313,6 +402,8 @@ impl Threads {
                 pauses: e.pauses.load(Ordering::Relaxed),
                 resumes: e.resumes.load(Ordering::Relaxed),
                 receives: e.receives.load(Ordering::Relaxed),
+                rx_wakeups: e.rx_wakeups.load(Ordering::Relaxed),
+                handover_timeouts: e.handover_timeouts.load(Ordering::Relaxed),
             })
             .collect()
     }
@@ -631,15 +722,32 @@ fn run_engine(e: &Engine, slice: usize, pin: bool) {
     };
     let mut ready: Vec<Ready> = Vec::new();
     let mut last_look = 0u64;
+    let mut timer_fired = false;
     while !e.stop.load(Ordering::Acquire) {
         e.poll.clear_notified();
         while let Some(qp) = e.inbox.pop() {
             l.active.push_back(qp);
         }
+        let mut took = false;
         while let Some(key) = e.rx_inbox.pop() {
+            e.handover.lock().pending.remove(&key);
             l.rx_update(e, key);
+            took = true;
         }
         let now = now_ns();
+        if took || timer_fired {
+            // The registrations seen are deferred (or watched) here now:
+            // the hand-over timer is needed no more, unless one came after
+            // the inbox was emptied. An expired timer is cleared (its fd
+            // stays readable until then).
+            let mut h = e.handover.lock();
+            if h.pending.is_empty() || h.timer_at.is_some_and(|t| t <= now) {
+                h.clear_timer(e);
+            }
+        }
+        if std::mem::take(&mut timer_fired) {
+            e.handover_timeouts.fetch_add(1, Ordering::Relaxed);
+        }
         let next_deferred = l.undefer(e, now);
         // With transmit work, only look at the sockets, at most every
         // LOOK_EVERY_NS (a round of one QP's turn is a quarter of a MiB:
@@ -666,7 +774,7 @@ fn run_engine(e: &Engine, slice: usize, pin: bool) {
                     t = Duration::ZERO;
                 }
             }
-            let _ = e.poll.wait(&mut ready, Some(t));
+            timer_fired = e.poll.wait(&mut ready, Some(t)).unwrap_or(false);
             last_look = now;
         }
         if !ready.is_empty() {

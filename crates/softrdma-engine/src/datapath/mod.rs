@@ -16,3 +16,4 @@
 
 pub(crate) mod conn_io;
 pub(crate) mod datamover;
+pub(crate) mod staging;

@@ -92,10 +92,68 @@ impl QpInner {
 #[cfg(test)]
 mod tests {
     use std::sync::mpsc;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
+    use crate::proto::mpa::MpaConfig;
     use crate::qp::unconnected_qp;
     use crate::state::QpState;
+    use crate::{CompletionQueue, Device, DeviceConfig, ProtectionDomain, QpInitAttr, QueuePair};
+
+    /// Two QPs connected on loopback, on a device of their own.
+    fn pair() -> (QueuePair, QueuePair, CompletionQueue, CompletionQueue) {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let cqa = CompletionQueue::new(&dev, 64, None).unwrap();
+        let cqb = CompletionQueue::new(&dev, 64, None).unwrap();
+        let a = QueuePair::new(&pd, &QpInitAttr::new(&cqa, &cqa)).unwrap();
+        let b = QueuePair::new(&pd, &QpInitAttr::new(&cqb, &cqb)).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        (a, b, cqa, cqb)
+    }
+
+    fn resets(q: &QueuePair) -> u32 {
+        q.qp().lock_core().as_ref().map_or(0, |cc| cc.resets)
+    }
+
+    /// Polls `cq` (driving its QPs) until `q` reaches `state`.
+    fn poll_until(q: &QueuePair, cq: &CompletionQueue, state: QpState) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut out = [crate::WorkCompletion::success(0, crate::WcOpcode::Send, 0); 8];
+        while q.state() != state {
+            assert!(
+                Instant::now() < deadline,
+                "{:?} never reached {state:?}",
+                q.state()
+            );
+            cq.poll(&mut out);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// An abort after the connection closed in order (both FINs went: the
+    /// QP is IDLE) moves the QP to ERROR without touching its socket:
+    /// before, it reset it (`SO_LINGER` 0, `connect(AF_UNSPEC)` and
+    /// `shutdown`, three system calls for a socket the kernel sends no
+    /// RST for any more). An abort of a connected QP still resets.
+    #[test]
+    fn abort_after_an_orderly_close_makes_no_reset() {
+        let (a, b, cqa, cqb) = pair();
+        a.disconnect().unwrap();
+        poll_until(&b, &cqb, QpState::Idle);
+        poll_until(&a, &cqa, QpState::Idle);
+        b.abort();
+        assert_eq!(b.state(), QpState::Error);
+        assert_eq!(resets(&b), 0);
+
+        let (c, _d, _cqc, _cqd) = pair();
+        c.abort();
+        assert_eq!(c.state(), QpState::Error);
+        assert_eq!(resets(&c), 1);
+    }
 
     /// A receive path that was already running when the QP entered ERROR
     /// holds `rx` and, finding the link failed, takes `state_lock` to enter

@@ -34,6 +34,14 @@ pub(crate) struct CoreConn {
     link: Option<LinkAction>,
     /// The link was shut down or reset.
     link_done: bool,
+    /// The connection closed in order (both FINs went: the QP reached
+    /// IDLE) before a reset was asked for: the reset makes no system call
+    /// (the kernel sends no RST for a socket whose FINs both went, in
+    /// `LAST_ACK`, `CLOSING` or `TIME_WAIT`; nobody can sleep in its
+    /// `recv`, which returns end of file).
+    ended_in_order: bool,
+    /// Resets made on the socket (`SO_LINGER` 0 and a disconnect).
+    pub(crate) resets: u32,
     /// Close in order instead of resetting (the QP is destroyed).
     orderly: bool,
     /// Detail of the next reset event (the socket error).
@@ -54,6 +62,9 @@ pub(crate) struct CoreConn {
     /// socket, or another holder of its descriptor made it non-blocking
     /// again).
     sleep_off: bool,
+    /// The socket answered `TCP_MAXSEG` at the connection: a TCP socket
+    /// (the first sleep in its `recv` need not ask its type).
+    tcp: bool,
 }
 
 /// The next [`CoreConn::epoch`].
@@ -110,13 +121,15 @@ impl QpInner {
         )
     }
 
-    /// `establish` on the core path (state lock held, QP in IDLE or RTR).
+    /// `establish` on the core path (state lock held, QP in IDLE or RTR);
+    /// `tcp`: the stream is known to be a TCP socket.
     pub(crate) fn core_establish(
         &self,
         stream: Arc<TcpStream>,
         params: &LinkParams,
         max_payload: usize,
         already_read: &[u8],
+        tcp: bool,
     ) {
         let setup = ConnSetup {
             cap: self.cap,
@@ -144,10 +157,13 @@ impl QpInner {
             orderly: false,
             reset_detail: None,
             quiet_reset: false,
+            ended_in_order: false,
+            resets: 0,
             timer_at: None,
             epoch: NEXT_EPOCH.fetch_add(1, Ordering::Relaxed),
             sleep_timeout: None,
             sleep_off: false,
+            tcp,
         };
         // Raw lock: the state lock is held, nothing to hand off yet.
         let mut g = self.core.lock();
@@ -390,9 +406,12 @@ impl QpInner {
                     Output::Link(LinkAction::Reset) => {
                         cc.link_done = true;
                         cc.tx.discard();
-                        if cc.orderly {
+                        if cc.ended_in_order {
+                            // Nothing left to reset (see `ended_in_order`).
+                        } else if cc.orderly {
                             let _ = cc.stream.shutdown(Shutdown::Both);
                         } else {
+                            cc.resets += 1;
                             let _ = crate::sys::io::reset_connection(cc.fd);
                         }
                     }
@@ -703,6 +722,11 @@ impl QpInner {
             }
             if cc.sleep_timeout != Some(timeout) {
                 let r = match cc.sleep_timeout {
+                    // A TCP socket: its time limit and one `ioctl(FIONBIO)`
+                    // (two system calls; asking its type and changing its
+                    // flags with `F_GETFL`/`F_SETFL` took four).
+                    None if cc.tcp => crate::sys::io::set_recv_timeout(cc.fd, timeout)
+                        .and_then(|()| cc.stream.set_nonblocking(false)),
                     None => crate::sys::io::make_blocking(cc.fd, timeout),
                     Some(_) => crate::sys::io::set_recv_timeout(cc.fd, timeout),
                 };
@@ -832,6 +856,9 @@ impl QpInner {
                 {
                     self.device.events().push(AsyncEvent::qp(kind, self.qp_num));
                 }
+                // An abort after the close completed (IDLE) only moves the QP
+                // to ERROR: its connection is over on both sides.
+                cc.ended_in_order = cc.conn.state() == QpState::Idle;
                 cc.conn.abort();
                 self.core_outputs(cc);
             }

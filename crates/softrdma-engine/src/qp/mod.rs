@@ -776,11 +776,13 @@ impl QueuePair {
         // The first FPDU size; the transmitter follows the MSS from then
         // on (`datapath::conn_io::TxIo`: right after the handshake the
         // MSS is bounded by half the peer's small first window).
-        let mss = tcp_maxseg(fd).unwrap_or(1460);
-        let max_payload = crate::datapath::conn_io::max_payload_for_mss(mss);
+        let mss = tcp_maxseg(fd);
+        // (A `TCP_MAXSEG` only a TCP socket answers: a stream socket.)
+        let tcp = mss.is_ok();
+        let max_payload = crate::datapath::conn_io::max_payload_for_mss(mss.unwrap_or(1460));
         *qp.peer.lock() = stream.peer_addr().ok();
         let stream = Arc::new(stream);
-        qp.core_establish(stream, params, max_payload, already_read);
+        qp.core_establish(stream, params, max_payload, already_read, tcp);
         qp.closed.store(false, Ordering::SeqCst);
         *qp.last_terminate.lock() = None;
         qp.set_state(QpState::Rts);
@@ -1059,6 +1061,13 @@ impl Progress for QpInner {
 
     fn polled(&self) {
         self.batch_poll();
+    }
+
+    fn write_deferred(&self) {
+        if self.tx_batch.take_deferred() {
+            self.tx_batch.stats[1].fetch_add(1, Ordering::Relaxed);
+            self.core_kick();
+        }
     }
 
     fn progress_readable(&self) -> bool {

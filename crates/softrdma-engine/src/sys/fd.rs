@@ -93,6 +93,80 @@ impl EventFd {
     }
 }
 
+/// A non-blocking, close-on-exec `timerfd(2)` on the monotonic clock: a
+/// deadline another thread can set or clear for a thread that sleeps in
+/// `epoll_wait` on it, without waking that thread (an engine thread's
+/// hand-over deadline, see `datapath/datamover.rs`).
+#[derive(Debug)]
+pub(crate) struct TimerFd {
+    fd: OwnedFd,
+}
+
+impl TimerFd {
+    /// A new, disarmed timer.
+    pub(crate) fn new() -> io::Result<TimerFd> {
+        // SAFETY: timerfd_create takes no pointers; it returns a new
+        // descriptor or -1.
+        let raw = unsafe {
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_CLOEXEC | libc::TFD_NONBLOCK,
+            )
+        };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a freshly created descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        Ok(TimerFd { fd })
+    }
+
+    /// Arms the timer to expire once, `after` from now (`None`: disarms
+    /// it). Either way an expiry not yet read is forgotten: the descriptor
+    /// is not readable until the new deadline passes.
+    pub(crate) fn set(&self, after: Option<Duration>) -> io::Result<()> {
+        let value = match after {
+            // A zero value disarms: expire at once instead.
+            Some(d) => libc::timespec {
+                tv_sec: libc::time_t::try_from(d.as_secs()).unwrap_or(libc::time_t::MAX),
+                tv_nsec: libc::c_long::from(d.subsec_nanos().max(u32::from(d.is_zero()))),
+            },
+            None => libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+        };
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: value,
+        };
+        // SAFETY: `spec` is a valid itimerspec that lives across the call;
+        // the old value is not asked for (null); the descriptor is owned by
+        // `self`.
+        let r = unsafe {
+            libc::timerfd_settime(
+                self.fd.as_raw_fd(),
+                0,
+                &raw const spec,
+                std::ptr::null_mut(),
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl AsRawFd for TimerFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
 /// The wake-up descriptor of one sleeping waiter (a thread in
 /// `CompletionQueue::wait`, a wait set): an [`EventFd`] written at most
 /// once per sleep, however many completions are pushed meanwhile.
@@ -150,6 +224,13 @@ impl Waker {
         // push made visible before (a SeqCst store is an `xchg` on x86
         // anyway).
         self.pending.swap(false, Ordering::SeqCst);
+    }
+
+    /// Whether no wake is pending: the descriptor is not readable (the
+    /// count of a wake is read, by [`reset`](Self::reset), before the wake
+    /// may write again).
+    pub(crate) fn quiet(&self) -> bool {
+        !self.pending.load(Ordering::SeqCst)
     }
 
     /// Writes made so far.
@@ -230,6 +311,26 @@ impl AsRawFd for EventFd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A timer expires once; clearing it (or setting it again) forgets an
+    /// expiry not yet read, so a sleeper on it is not woken for nothing.
+    #[test]
+    fn timer_expires_once_and_clearing_forgets_an_expiry() {
+        let t = TimerFd::new().unwrap();
+        let ready = |ms| wait_readable(t.fd.as_fd(), Some(Duration::from_millis(ms))).unwrap();
+        assert!(!ready(0));
+        t.set(Some(Duration::from_millis(1))).unwrap();
+        // Generous: only a hang fails.
+        assert!(ready(20_000));
+        t.set(None).unwrap();
+        assert!(!ready(0));
+        t.set(Some(Duration::ZERO)).unwrap();
+        assert!(ready(20_000));
+        t.set(Some(Duration::from_secs(3600))).unwrap();
+        assert!(!ready(5));
+        t.set(None).unwrap();
+        assert!(!ready(5));
+    }
 
     #[test]
     fn signal_wait_drain() {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use polling::{Event, Events, Poller};
 
-use super::fd::EventFd;
+use super::fd::{EventFd, TimerFd};
 
 /// Waits until one of `fds` is readable (or has an error or hang-up), at
 /// most `timeout`; `Ok(false)` when the time is up. For a CQ waiter that
@@ -114,9 +114,13 @@ pub(crate) struct Ready {
 
 /// The key of the wake-up event fd in the epoll set.
 const WAKE_KEY: u64 = u64::MAX;
+/// The key of the deadline timer fd in the epoll set.
+const TIMER_KEY: u64 = u64::MAX - 1;
 
 /// The epoll set of an engine thread: its QPs' sockets, each armed one-shot
-/// for reading, writing or both under one key, and a wake-up event fd.
+/// for reading, writing or both under one key, a wake-up event fd, and a
+/// deadline timer fd other threads may set without waking the owner
+/// ([`set_timer`](Self::set_timer)).
 ///
 /// Leaner than [`Reactor`] (the `polling` crate) where it matters for a
 /// thread that wakes once per message: a wait is one `epoll_wait` (the
@@ -129,6 +133,7 @@ const WAKE_KEY: u64 = u64::MAX;
 pub(crate) struct EpollSet {
     epfd: OwnedFd,
     wake: EventFd,
+    timer: TimerFd,
     /// The owner is in (or about to enter) a blocking `epoll_wait`.
     sleeping: AtomicBool,
     /// Someone called `notify` since the owner last cleared it.
@@ -163,9 +168,28 @@ impl EpollSet {
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
+        let timer = TimerFd::new()?;
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: TIMER_KEY,
+        };
+        // SAFETY: as above (the set keeps the timer fd as long as the
+        // epoll fd).
+        let r = unsafe {
+            libc::epoll_ctl(
+                epfd.as_raw_fd(),
+                libc::EPOLL_CTL_ADD,
+                timer.as_raw_fd(),
+                &raw mut ev,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
         Ok(EpollSet {
             epfd,
             wake,
+            timer,
             sleeping: AtomicBool::new(false),
             notified: AtomicBool::new(false),
         })
@@ -217,9 +241,20 @@ impl EpollSet {
         self.notified.store(false, Ordering::SeqCst);
     }
 
+    /// Sets the deadline timer to expire `after` from now (`None`: clears
+    /// it), without waking the owner: its `wait` returns when the timer
+    /// expires. An expiry not yet seen is forgotten (the timer fd is
+    /// level-triggered: whoever sets or clears it makes it silent until
+    /// the new deadline).
+    pub(crate) fn set_timer(&self, after: Option<Duration>) -> io::Result<()> {
+        self.timer.set(after)
+    }
+
     /// Waits for sockets (appended to `out`) at most `timeout` (`None`: no
-    /// limit; rounded up to milliseconds), or until [`notify`](Self::notify).
-    pub(crate) fn wait(&self, out: &mut Vec<Ready>, timeout: Option<Duration>) -> io::Result<()> {
+    /// limit; rounded up to milliseconds), or until [`notify`](Self::notify)
+    /// or the deadline timer expires. `Ok(true)`: the timer expired (it
+    /// stays readable until set or cleared again).
+    pub(crate) fn wait(&self, out: &mut Vec<Ready>, timeout: Option<Duration>) -> io::Result<bool> {
         let mut ms: libc::c_int = timeout.map_or(-1, |t| {
             libc::c_int::try_from(t.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
         });
@@ -237,14 +272,19 @@ impl EpollSet {
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
-                return Ok(());
+                return Ok(false);
             }
             return Err(e);
         }
+        let mut timer = false;
         for ev in &evs[..usize::try_from(n).unwrap_or(0)] {
             let (flags, key) = (ev.events, ev.u64);
             if key == WAKE_KEY {
                 self.wake.drain();
+                continue;
+            }
+            if key == TIMER_KEY {
+                timer = true;
                 continue;
             }
             let err = flags & (libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0;
@@ -254,15 +294,19 @@ impl EpollSet {
                 writable: err || flags & libc::EPOLLOUT as u32 != 0,
             });
         }
-        Ok(())
+        Ok(timer)
     }
 
     /// Makes the owner's current or next [`wait`](Self::wait) return.
-    pub(crate) fn notify(&self) {
+    /// Returns whether it wrote the wake-up event fd (the owner slept, or
+    /// was about to: a wake-up).
+    pub(crate) fn notify(&self) -> bool {
         self.notified.store(true, Ordering::SeqCst);
         if self.sleeping.load(Ordering::SeqCst) {
             self.wake.signal();
+            return true;
         }
+        false
     }
 }
 
