@@ -1310,6 +1310,11 @@ impl Shared {
     }
 
     fn sync_ready(&self, st: &mut State) {
+        // Nothing to bring up to date (a blocking call, the usual case):
+        // no look at the state (three calls per message).
+        if st.ready.is_none() && st.wakers.iter().all(Option::is_none) {
+            return;
+        }
         let (readable, writable) = Self::readiness(st);
         if let Some(r) = st.ready.as_mut() {
             r.set(readable, writable);
@@ -1336,7 +1341,7 @@ impl Shared {
         // In batches, until one comes back short: a CQ found empty runs
         // the receive path (a read of the socket), so polling it once more
         // after the last completion cost a read that said EAGAIN.
-        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); WC_BATCH];
         loop {
             let n = self.cq.poll(&mut out);
             for wc in &out[..n] {
@@ -2248,7 +2253,7 @@ impl Shared {
         let mut n = 0;
         // In batches: a look at the ring per batch, not per completion (a
         // poll of a non-empty CQ makes no receive attempt).
-        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); WC_BATCH];
         while !self.cq.is_empty() {
             let k = self.cq.poll(&mut out);
             for wc in &out[..k] {
@@ -2381,6 +2386,12 @@ impl Shared {
         Ok(())
     }
 }
+
+/// Completions taken from the CQ per poll: a connection's calls find one
+/// or two at a time (a message and the completion of the last send), and
+/// the batch is made (initialised) at every look, several per message; a
+/// larger backlog is taken in several polls.
+const WC_BATCH: usize = 4;
 
 /// A busy-polling call yields the CPU after this many empty polls.
 const SPIN_YIELD_EVERY: u32 = 4;

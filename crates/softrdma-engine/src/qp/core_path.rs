@@ -368,13 +368,17 @@ impl QpInner {
     }
 
     /// Delivers the core's completions and acts on its outputs.
+    ///
+    /// One pass, unless the pass itself made the core produce more (the
+    /// FIN it asked for was sent or failed): delivering completions and
+    /// events never calls into the connection, so a second look, which
+    /// every call of the data path made (four per message), found nothing.
     fn core_outputs(&self, cc: &mut CoreConn) {
         loop {
-            let mut any = false;
+            let mut again = false;
             // Events and state changes first, as the engine raises them:
             // whoever has seen a flush completion can see its event.
             while let Some(o) = cc.conn.poll_output() {
-                any = true;
                 match o {
                     Output::State { to, .. } => {
                         if to == QpState::Idle {
@@ -400,7 +404,6 @@ impl QpInner {
                 }
             }
             while let Some((c, info)) = cc.conn.poll_completion_with_info() {
-                any = true;
                 let wc = super::conn::work_completion(&c, self.qp_num);
                 let lost = match self.proxy.get() {
                     Some(link) => link.core_completion(self, &c, wc, info),
@@ -426,7 +429,9 @@ impl QpInner {
                 cc.link = None;
                 match a {
                     LinkAction::SendFin => {
-                        any = true;
+                        // The core's answer (state, events) is delivered
+                        // by the next pass.
+                        again = true;
                         match crate::sys::io::shutdown_write(cc.fd) {
                             Ok(()) => cc.conn.handle_fin_sent(true),
                             Err(e) => {
@@ -442,7 +447,7 @@ impl QpInner {
                     }
                 }
             }
-            if !any {
+            if !again {
                 break;
             }
         }
