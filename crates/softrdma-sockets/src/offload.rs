@@ -602,7 +602,13 @@ impl Locked<'_> {
     /// Handles pending events (the lock is held).
     fn settle(&mut self) {
         let sh = self.sh;
-        while sh.event_pending.swap(false, Ordering::SeqCst) {
+        // A load first: a swap is a locked instruction, and the flag is
+        // rarely set (every lock held and let go settles, several times
+        // per message). A load that reads false is ordered before the
+        // callback's store as a swap that returns false would be.
+        while sh.event_pending.load(Ordering::SeqCst)
+            && sh.event_pending.swap(false, Ordering::SeqCst)
+        {
             sh.handle_event(self);
         }
     }
@@ -1234,7 +1240,10 @@ impl Shared {
     }
 
     /// Handles a completion event: the CQ is disarmed; process what it
-    /// holds, re-arm if someone needs events, wake sleepers.
+    /// holds, re-arm if someone needs events, wake sleepers. Not inlined:
+    /// [`Locked::settle`] runs at every letting go of the lock, and calls
+    /// this rarely.
+    #[inline(never)]
     fn handle_event(&self, st: &mut State) {
         st.armed = false;
         self.progress(st);
