@@ -527,6 +527,10 @@ struct Shared {
     // After `qp` (fields drop in order): the QP is gone before the
     // regions go back to the pool.
     rx_mr: PooledMr,
+    /// The receive region's whole span: a slot's SGE is its part (no look
+    /// at the region's table entry per repost; the post checks it as it
+    /// checks every SGE).
+    rx_span: softrdma_engine::Sge,
     tx_mr: PooledMr,
     buf_size: usize,
     crc: bool,
@@ -685,6 +689,9 @@ impl Offload {
         let inline_max = (attr.cap.max_inline_data as usize).saturating_sub(BSDH_LEN);
         let qp = QueuePair::new(&eng.pd, &attr).map_err(local)?;
         let rx_mr = PooledMr::take(&eng.pd, rx_bufs * size).map_err(local)?;
+        let rx_span = rx_mr
+            .sge(0, u32::try_from(rx_bufs * size).map_err(local)?)
+            .map_err(local)?;
         let post_rx = |i: usize| -> Result<(), SetupError> {
             let sge = rx_mr.sge(i * size, size as u32).map_err(local)?;
             qp.post_recv(&RecvWr::new(i as u64, &[sge]))
@@ -832,6 +839,7 @@ impl Offload {
             qp,
             cq,
             rx_mr,
+            rx_span,
             tx_mr,
             buf_size: size,
             crc,
@@ -1529,10 +1537,16 @@ impl Shared {
 
     /// Posts receive buffer `slot` (its work request id is the slot).
     fn post_slot(&self, slot: u32) -> Result<(), String> {
-        let sge = self
-            .rx_mr
-            .sge(self.slot_base(slot), self.buf_size as u32)
-            .map_err(|e| e.to_string())?;
+        if slot >= self.rx_max {
+            return Err(format!("receive slot {slot} out of range"));
+        }
+        // Within the region: `slot < rx_max` and the region holds
+        // `rx_max` buffers.
+        let sge = softrdma_engine::Sge {
+            addr: self.rx_span.addr + self.slot_base(slot) as u64,
+            length: self.buf_size as u32,
+            lkey: self.rx_span.lkey,
+        };
         self.qp
             .post_recv(&RecvWr::new(u64::from(slot), &[sge]))
             .map_err(|e| e.to_string())
