@@ -905,7 +905,7 @@ impl Offload {
             // first wait, and an attempt here mostly found nothing (a
             // `recvfrom` saying EAGAIN per connection).
             let mut st = sh.lock();
-            sh.progress_completions(&mut st);
+            sh.progress_completions(&mut st, false);
         }
         Ok(Offload {
             _close: Arc::new(CloseOnDrop(sh.clone())),
@@ -952,7 +952,7 @@ impl Offload {
                 if nonblocking {
                     sh.progress(&mut st);
                 } else if !sh.cq.is_empty() {
-                    sh.progress_completions(&mut st);
+                    sh.progress_completions(&mut st, true);
                 }
             }
             if st.rd_shut || buf.is_empty() {
@@ -1376,14 +1376,15 @@ impl Shared {
     }
 
     /// Handles the completions the CQ holds, without a receive attempt;
-    /// nothing if another thread drives the connection.
-    fn progress_completions(&self, st: &mut State) {
+    /// nothing if another thread drives the connection. `seen`: see
+    /// [`take_completions`](Self::take_completions).
+    fn progress_completions(&self, st: &mut State, seen: bool) {
         let _gate = match self.poller.try_lock() {
             Some(g) => Some(g),
             None if st.recv_sleeping => None,
             None => return,
         };
-        if self.take_completions(st) > 0 {
+        if self.take_completions(st, seen) > 0 {
             self.flush_tx(st);
         }
     }
@@ -2211,7 +2212,7 @@ impl Shared {
         };
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
-        let n = self.take_completions(st);
+        let n = self.take_completions(st, false);
         drop(gate);
         if n > 0 {
             self.flush_tx(st);
@@ -2271,13 +2272,14 @@ impl Shared {
 
     /// Handles the completions the CQ holds, without a receive attempt
     /// (the `poller` gate is held, or its holder sleeps in `recv`); returns
-    /// how many.
-    fn take_completions(&self, st: &mut State) -> usize {
+    /// how many. `seen`: the caller found the CQ non-empty just now (no
+    /// second look before the first poll).
+    fn take_completions(&self, st: &mut State, mut seen: bool) -> usize {
         let mut n = 0;
         // In batches: a look at the ring per batch, not per completion (a
         // poll of a non-empty CQ makes no receive attempt).
         let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); WC_BATCH];
-        while !self.cq.is_empty() {
+        while std::mem::take(&mut seen) || !self.cq.is_empty() {
             let k = self.cq.poll(&mut out);
             for wc in &out[..k] {
                 self.on_wc(st, wc);

@@ -665,7 +665,12 @@ impl QpInner {
             cc.on_dm = true;
             return (g, (true, true), true);
         }
-        if !cc.on_dm {
+        // Nothing framed and waiting, nothing to frame (a receive that
+        // queued no response, the usual case): `core_transmit` would stop
+        // at once, and its look at the outputs would find none (they were
+        // delivered just now).
+        let idle = cc.link_done || (cc.tx.pending() == 0 && !cc.conn.may_transmit());
+        if !cc.on_dm && !idle {
             let stop = self.core_transmit(cc, usize::MAX);
             if matches!(stop, TxStop::WouldBlock) {
                 cc.on_dm = true;
