@@ -1538,19 +1538,22 @@ impl Shared {
 
     /// Posts receive buffer `slot` (its work request id is the slot).
     fn post_slot(&self, slot: u32) -> Result<(), String> {
-        if slot >= self.rx_max {
-            return Err(format!("receive slot {slot} out of range"));
-        }
-        // Within the region: `slot < rx_max` and the region holds
-        // `rx_max` buffers.
-        let sge = softrdma_engine::Sge {
-            addr: self.rx_span.addr + self.slot_base(slot) as u64,
-            length: self.buf_size as u32,
-            lkey: self.rx_span.lkey,
-        };
+        let sge = self
+            .slot_sge(slot)
+            .ok_or_else(|| format!("receive slot {slot} out of range"))?;
         self.qp
             .post_recv(&RecvWr::new(u64::from(slot), &[sge]))
             .map_err(|e| e.to_string())
+    }
+
+    /// The SGE of receive buffer `slot` (`None` past the ring): its part
+    /// of the region's span, which holds `rx_max` buffers.
+    fn slot_sge(&self, slot: u32) -> Option<softrdma_engine::Sge> {
+        (slot < self.rx_max).then(|| softrdma_engine::Sge {
+            addr: self.rx_span.addr + self.slot_base(slot) as u64,
+            length: self.buf_size as u32,
+            lkey: self.rx_span.lkey,
+        })
     }
 
     fn repost(&self, st: &mut State, slot: u32) {
@@ -2634,6 +2637,27 @@ mod tests {
     /// flight are held while corked and go as one message when the cork is
     /// taken out (an HTTP server's header and body: one message, one
     /// arrival at the reader).
+    /// A receive slot's SGE, computed from the region's span, is the one
+    /// the region gives for the slot's range, for every slot of the ring;
+    /// none past it.
+    #[test]
+    fn slot_sges_are_the_regions_own() {
+        let (c, s) = pair();
+        for o in [&c, &s] {
+            let sh = &o.sh;
+            for slot in 0..sh.rx_max {
+                let want = sh
+                    .rx_mr
+                    .sge(sh.slot_base(slot), sh.buf_size as u32)
+                    .unwrap();
+                assert_eq!(sh.slot_sge(slot), Some(want), "slot {slot}");
+            }
+            assert_eq!(sh.slot_sge(sh.rx_max), None);
+            assert!(sh.post_slot(sh.rx_max).is_err());
+        }
+        close_pair(c, s);
+    }
+
     #[test]
     fn cork_holds_small_writes_and_uncork_sends_them_as_one_message() {
         let (c, s) = pair();
