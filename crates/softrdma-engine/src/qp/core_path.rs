@@ -195,7 +195,12 @@ impl QpInner {
             // at once, as the poster expects (`TxBatch`).
             self.tx_batch.mark_urgent();
         }
-        self.core_outputs(cc);
+        // A queued request produces nothing until it is written (the
+        // usual case); a local operation, a refusal's flush or an error
+        // does.
+        if cc.conn.has_output() {
+            self.core_outputs(cc);
+        }
         r.map_err(|e| send_error(e, self.qp_num, wr))
     }
 
@@ -207,7 +212,11 @@ impl QpInner {
     ) -> Result<(), PostRecvError> {
         let mut mem = self.core_mem();
         let r = with_core_recv(wr, |w| cc.conn.post_recv(w, &mut mem));
-        self.core_outputs(cc);
+        // A queued receive produces nothing (a flushed or refused one
+        // does).
+        if cc.conn.has_output() {
+            self.core_outputs(cc);
+        }
         r.map_err(|e| {
             recv_error(e, self.qp_num).unwrap_or(PostRecvError::InvalidState {
                 qp_num: self.qp_num,

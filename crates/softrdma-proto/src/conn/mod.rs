@@ -460,6 +460,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         Some((c, info))
     }
 
+    /// Whether [`Connection::poll_output`] or
+    /// [`Connection::poll_completion`] has something to hand out (a post
+    /// that produced neither needs no look at them).
+    #[must_use]
+    pub fn has_output(&self) -> bool {
+        !self.outputs.is_empty() || !self.completions.is_empty()
+    }
+
     /// The next state change, event or link action.
     pub fn poll_output(&mut self) -> Option<Output> {
         self.outputs.pop_front()
