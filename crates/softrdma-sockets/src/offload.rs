@@ -527,6 +527,10 @@ struct Shared {
     // After `qp` (fields drop in order): the QP is gone before the
     // regions go back to the pool.
     rx_mr: PooledMr,
+    /// The receive region's whole span: a slot's SGE is its part (no look
+    /// at the region's table entry per repost; the post checks it as it
+    /// checks every SGE).
+    rx_span: softrdma_engine::Sge,
     tx_mr: PooledMr,
     buf_size: usize,
     crc: bool,
@@ -602,7 +606,13 @@ impl Locked<'_> {
     /// Handles pending events (the lock is held).
     fn settle(&mut self) {
         let sh = self.sh;
-        while sh.event_pending.swap(false, Ordering::SeqCst) {
+        // A load first: a swap is a locked instruction, and the flag is
+        // rarely set (every lock held and let go settles, several times
+        // per message). A load that reads false is ordered before the
+        // callback's store as a swap that returns false would be.
+        while sh.event_pending.load(Ordering::SeqCst)
+            && sh.event_pending.swap(false, Ordering::SeqCst)
+        {
             sh.handle_event(self);
         }
     }
@@ -679,6 +689,9 @@ impl Offload {
         let inline_max = (attr.cap.max_inline_data as usize).saturating_sub(BSDH_LEN);
         let qp = QueuePair::new(&eng.pd, &attr).map_err(local)?;
         let rx_mr = PooledMr::take(&eng.pd, rx_bufs * size).map_err(local)?;
+        let rx_span = rx_mr
+            .sge(0, u32::try_from(rx_bufs * size).map_err(local)?)
+            .map_err(local)?;
         let post_rx = |i: usize| -> Result<(), SetupError> {
             let sge = rx_mr.sge(i * size, size as u32).map_err(local)?;
             qp.post_recv(&RecvWr::new(i as u64, &[sge]))
@@ -826,6 +839,7 @@ impl Offload {
             qp,
             cq,
             rx_mr,
+            rx_span,
             tx_mr,
             buf_size: size,
             crc,
@@ -891,7 +905,7 @@ impl Offload {
             // first wait, and an attempt here mostly found nothing (a
             // `recvfrom` saying EAGAIN per connection).
             let mut st = sh.lock();
-            sh.progress_completions(&mut st);
+            sh.progress_completions(&mut st, false);
         }
         Ok(Offload {
             _close: Arc::new(CloseOnDrop(sh.clone())),
@@ -938,7 +952,7 @@ impl Offload {
                 if nonblocking {
                     sh.progress(&mut st);
                 } else if !sh.cq.is_empty() {
-                    sh.progress_completions(&mut st);
+                    sh.progress_completions(&mut st, true);
                 }
             }
             if st.rd_shut || buf.is_empty() {
@@ -1234,7 +1248,10 @@ impl Shared {
     }
 
     /// Handles a completion event: the CQ is disarmed; process what it
-    /// holds, re-arm if someone needs events, wake sleepers.
+    /// holds, re-arm if someone needs events, wake sleepers. Not inlined:
+    /// [`Locked::settle`] runs at every letting go of the lock, and calls
+    /// this rarely.
+    #[inline(never)]
     fn handle_event(&self, st: &mut State) {
         st.armed = false;
         self.progress(st);
@@ -1310,6 +1327,11 @@ impl Shared {
     }
 
     fn sync_ready(&self, st: &mut State) {
+        // Nothing to bring up to date (a blocking call, the usual case):
+        // no look at the state (three calls per message).
+        if st.ready.is_none() && st.wakers.iter().all(Option::is_none) {
+            return;
+        }
         let (readable, writable) = Self::readiness(st);
         if let Some(r) = st.ready.as_mut() {
             r.set(readable, writable);
@@ -1336,7 +1358,7 @@ impl Shared {
         // In batches, until one comes back short: a CQ found empty runs
         // the receive path (a read of the socket), so polling it once more
         // after the last completion cost a read that said EAGAIN.
-        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
+        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); WC_BATCH];
         loop {
             let n = self.cq.poll(&mut out);
             for wc in &out[..n] {
@@ -1354,14 +1376,15 @@ impl Shared {
     }
 
     /// Handles the completions the CQ holds, without a receive attempt;
-    /// nothing if another thread drives the connection.
-    fn progress_completions(&self, st: &mut State) {
+    /// nothing if another thread drives the connection. `seen`: see
+    /// [`take_completions`](Self::take_completions).
+    fn progress_completions(&self, st: &mut State, seen: bool) {
         let _gate = match self.poller.try_lock() {
             Some(g) => Some(g),
             None if st.recv_sleeping => None,
             None => return,
         };
-        if self.take_completions(st) > 0 {
+        if self.take_completions(st, seen) > 0 {
             self.flush_tx(st);
         }
     }
@@ -1520,12 +1543,21 @@ impl Shared {
     /// Posts receive buffer `slot` (its work request id is the slot).
     fn post_slot(&self, slot: u32) -> Result<(), String> {
         let sge = self
-            .rx_mr
-            .sge(self.slot_base(slot), self.buf_size as u32)
-            .map_err(|e| e.to_string())?;
+            .slot_sge(slot)
+            .ok_or_else(|| format!("receive slot {slot} out of range"))?;
         self.qp
             .post_recv(&RecvWr::new(u64::from(slot), &[sge]))
             .map_err(|e| e.to_string())
+    }
+
+    /// The SGE of receive buffer `slot` (`None` past the ring): its part
+    /// of the region's span, which holds `rx_max` buffers.
+    fn slot_sge(&self, slot: u32) -> Option<softrdma_engine::Sge> {
+        (slot < self.rx_max).then(|| softrdma_engine::Sge {
+            addr: self.rx_span.addr + self.slot_base(slot) as u64,
+            length: self.buf_size as u32,
+            lkey: self.rx_span.lkey,
+        })
     }
 
     fn repost(&self, st: &mut State, slot: u32) {
@@ -2187,7 +2219,7 @@ impl Shared {
         };
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
-        let n = self.take_completions(st);
+        let n = self.take_completions(st, false);
         drop(gate);
         if n > 0 {
             self.flush_tx(st);
@@ -2247,13 +2279,14 @@ impl Shared {
 
     /// Handles the completions the CQ holds, without a receive attempt
     /// (the `poller` gate is held, or its holder sleeps in `recv`); returns
-    /// how many.
-    fn take_completions(&self, st: &mut State) -> usize {
+    /// how many. `seen`: the caller found the CQ non-empty just now (no
+    /// second look before the first poll).
+    fn take_completions(&self, st: &mut State, mut seen: bool) -> usize {
         let mut n = 0;
         // In batches: a look at the ring per batch, not per completion (a
         // poll of a non-empty CQ makes no receive attempt).
-        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 16];
-        while !self.cq.is_empty() {
+        let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); WC_BATCH];
+        while std::mem::take(&mut seen) || !self.cq.is_empty() {
             let k = self.cq.poll(&mut out);
             for wc in &out[..k] {
                 self.on_wc(st, wc);
@@ -2385,6 +2418,12 @@ impl Shared {
         Ok(())
     }
 }
+
+/// Completions taken from the CQ per poll: a connection's calls find one
+/// or two at a time (a message and the completion of the last send), and
+/// the batch is made (initialised) at every look, several per message; a
+/// larger backlog is taken in several polls.
+const WC_BATCH: usize = 4;
 
 /// A busy-polling call yields the CPU after this many empty polls.
 const SPIN_YIELD_EVERY: u32 = 4;
@@ -2592,6 +2631,27 @@ mod tests {
     /// flight are held while corked and go as one message when the cork is
     /// taken out (an HTTP server's header and body: one message, one
     /// arrival at the reader).
+    /// A receive slot's SGE, computed from the region's span, is the one
+    /// the region gives for the slot's range, for every slot of the ring;
+    /// none past it.
+    #[test]
+    fn slot_sges_are_the_regions_own() {
+        let (c, s) = pair();
+        for o in [&c, &s] {
+            let sh = &o.sh;
+            for slot in 0..sh.rx_max {
+                let want = sh
+                    .rx_mr
+                    .sge(sh.slot_base(slot), sh.buf_size as u32)
+                    .unwrap();
+                assert_eq!(sh.slot_sge(slot), Some(want), "slot {slot}");
+            }
+            assert_eq!(sh.slot_sge(sh.rx_max), None);
+            assert!(sh.post_slot(sh.rx_max).is_err());
+        }
+        close_pair(c, s);
+    }
+
     #[test]
     fn cork_holds_small_writes_and_uncork_sends_them_as_one_message() {
         let (c, s) = pair();

@@ -211,7 +211,12 @@ impl QpInner {
             // at once, as the poster expects (`TxBatch`).
             self.tx_batch.mark_urgent();
         }
-        self.core_outputs(cc);
+        // A queued request produces nothing until it is written (the
+        // usual case); a local operation, a refusal's flush or an error
+        // does.
+        if cc.conn.has_output() {
+            self.core_outputs(cc);
+        }
         r.map_err(|e| send_error(e, self.qp_num, wr))
     }
 
@@ -223,7 +228,11 @@ impl QpInner {
     ) -> Result<(), PostRecvError> {
         let mut mem = self.core_mem();
         let r = with_core_recv(wr, |w| cc.conn.post_recv(w, &mut mem));
-        self.core_outputs(cc);
+        // A queued receive produces nothing (a flushed or refused one
+        // does).
+        if cc.conn.has_output() {
+            self.core_outputs(cc);
+        }
         r.map_err(|e| {
             recv_error(e, self.qp_num).unwrap_or(PostRecvError::InvalidState {
                 qp_num: self.qp_num,
@@ -384,13 +393,17 @@ impl QpInner {
     }
 
     /// Delivers the core's completions and acts on its outputs.
+    ///
+    /// One pass, unless the pass itself made the core produce more (the
+    /// FIN it asked for was sent or failed): delivering completions and
+    /// events never calls into the connection, so a second look, which
+    /// every call of the data path made (four per message), found nothing.
     fn core_outputs(&self, cc: &mut CoreConn) {
         loop {
-            let mut any = false;
+            let mut again = false;
             // Events and state changes first, as the engine raises them:
             // whoever has seen a flush completion can see its event.
             while let Some(o) = cc.conn.poll_output() {
-                any = true;
                 match o {
                     Output::State { to, .. } => {
                         if to == QpState::Idle {
@@ -419,7 +432,6 @@ impl QpInner {
                 }
             }
             while let Some((c, info)) = cc.conn.poll_completion_with_info() {
-                any = true;
                 let wc = super::conn::work_completion(&c, self.qp_num);
                 let lost = match self.proxy.get() {
                     Some(link) => link.core_completion(self, &c, wc, info),
@@ -445,7 +457,9 @@ impl QpInner {
                 cc.link = None;
                 match a {
                     LinkAction::SendFin => {
-                        any = true;
+                        // The core's answer (state, events) is delivered
+                        // by the next pass.
+                        again = true;
                         match crate::sys::io::shutdown_write(cc.fd) {
                             Ok(()) => cc.conn.handle_fin_sent(true),
                             Err(e) => {
@@ -461,7 +475,7 @@ impl QpInner {
                     }
                 }
             }
-            if !any {
+            if !again {
                 break;
             }
         }
@@ -679,7 +693,12 @@ impl QpInner {
             cc.on_dm = true;
             return (g, (true, true), true);
         }
-        if !cc.on_dm {
+        // Nothing framed and waiting, nothing to frame (a receive that
+        // queued no response, the usual case): `core_transmit` would stop
+        // at once, and its look at the outputs would find none (they were
+        // delivered just now).
+        let idle = cc.link_done || (cc.tx.pending() == 0 && !cc.conn.may_transmit());
+        if !cc.on_dm && !idle {
             let stop = self.core_transmit(cc, usize::MAX);
             if matches!(stop, TxStop::WouldBlock) {
                 cc.on_dm = true;

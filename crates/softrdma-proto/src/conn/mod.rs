@@ -460,6 +460,14 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         Some((c, info))
     }
 
+    /// Whether [`Connection::poll_output`] or
+    /// [`Connection::poll_completion`] has something to hand out (a post
+    /// that produced neither needs no look at them).
+    #[must_use]
+    pub fn has_output(&self) -> bool {
+        !self.outputs.is_empty() || !self.completions.is_empty()
+    }
+
     /// The next state change, event or link action.
     pub fn poll_output(&mut self) -> Option<Output> {
         self.outputs.pop_front()
@@ -486,8 +494,8 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         wr: &SendWr<'_>,
         mem: &mut M,
     ) -> Result<(), PostError> {
-        let p = self.prepare_send(wr, mem)?;
-        self.post_prepared(p)
+        let p = self.prepare_inner(wr, mem)?;
+        self.queue_prepared(p)
     }
 
     /// The first half of [`Connection::post_send`]: checks `wr` and executes
@@ -499,6 +507,17 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     ///
     /// As [`Connection::post_send`].
     pub fn prepare_send<M: Memory<Region = R>>(
+        &mut self,
+        wr: &SendWr<'_>,
+        mem: &mut M,
+    ) -> Result<Prepared<R>, PostError> {
+        self.prepare_inner(wr, mem)
+    }
+
+    /// [`Connection::prepare_send`], inlined into
+    /// [`Connection::post_send`] (see [`Connection::queue_prepared`]).
+    #[inline(always)]
+    fn prepare_inner<M: Memory<Region = R>>(
         &mut self,
         wr: &SendWr<'_>,
         mem: &mut M,
@@ -707,6 +726,15 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// [`PostError::QueueFull`] if the send queue is full; nothing is
     /// queued then.
     pub fn post_prepared(&mut self, p: Prepared<R>) -> Result<(), PostError> {
+        self.queue_prepared(p)
+    }
+
+    /// [`Connection::post_prepared`], inlined into
+    /// [`Connection::post_send`]: the request (some 200 octets) is moved
+    /// into the queue from where it was prepared, not copied into an
+    /// argument first.
+    #[inline(always)]
+    fn queue_prepared(&mut self, p: Prepared<R>) -> Result<(), PostError> {
         let policy = self.send_policy();
         if policy == PostPolicy::Reject {
             return Err(PostError::InvalidState(self.state));

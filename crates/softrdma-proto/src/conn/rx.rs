@@ -365,6 +365,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     // Header time: validate, pick the destination
     // ------------------------------------------------------------------
 
+    // Not inlined (nor `on_fpdu_end`): the deframer's result is handled
+    // three times per FPDU (header, payload, trailer), with an event at two
+    // of them; inlined, both made every call save and restore as much as
+    // the largest of them needs.
+    #[inline(never)]
     fn on_header<M: Memory<Region = R>>(&mut self, mem: &mut M) {
         let Some(h) = self.rx.deframer.header() else {
             return;
@@ -575,6 +580,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     // FPDU end: message effects
     // ------------------------------------------------------------------
 
+    #[inline(never)]
     fn on_fpdu_end<M: Memory<Region = R>>(&mut self, mem: &mut M) {
         // The payload is placed: let go of its memory now, not at the next
         // FPDU (the engine's lent memory waits for every reference).
