@@ -131,7 +131,7 @@ mean() {
     awk '{s+=$1; n++} END {if (n==0) print ""; else printf "%.4g\n", s/n}'
 }
 col() { # tag key stat
-    grep "^$1 " "$results" | tr ' ' '\n' | sed -n "s|^$2=\(.\+\)$|\1|p" | $3
+    { grep "^$1 " "$results" || true; } | tr ' ' '\n' | sed -n "s|^$2=\(.\+\)$|\1|p" | $3
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "" || b == "" || b + 0 == 0) print "n/a"; else printf "%.2f", a / b }'; }
 echo "# loadavg at the end: $(cat /proc/loadavg)"
