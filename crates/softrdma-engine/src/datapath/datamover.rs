@@ -291,12 +291,16 @@ impl Threads {
         }
         let weak: Weak<Q> = Arc::downgrade(qp);
         let weak: Weak<dyn DmQp> = weak;
+        // In the table before the pending mark: the thread may take an
+        // older copy of this key from the inbox (an earlier registration's
+        // unregister) at any point and clear the mark; it then finds this
+        // entry in the table and watches it.
+        e.qps.lock().insert(key, (weak, fd));
         if lazy {
             // Before the key is in the inbox: the thread forgets it when it
             // takes it from there.
             e.handover.lock().pending.insert(key);
         }
-        e.qps.lock().insert(key, (weak, fd));
         qp.rx_registered().store(true, Ordering::Release);
         e.rx_inbox.push(key);
         if !lazy {

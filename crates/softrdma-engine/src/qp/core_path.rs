@@ -36,9 +36,13 @@ pub(crate) struct CoreConn {
     link_done: bool,
     /// The connection closed in order (both FINs went: the QP reached
     /// IDLE) before a reset was asked for: the reset makes no system call
-    /// (the kernel sends no RST for a socket whose FINs both went, in
-    /// `LAST_ACK`, `CLOSING` or `TIME_WAIT`; nobody can sleep in its
-    /// `recv`, which returns end of file).
+    /// (nobody can sleep in the socket's `recv`, which returns end of
+    /// file, and every octet was handed to the kernel in order). The
+    /// kernel would still have sent an RST, and dropped what it had not
+    /// transmitted yet, for a socket in `LAST_ACK` or `CLOSING` whose last
+    /// data or FIN was still unsent (the peer's window closed); without
+    /// the reset those octets, all of them already completed to the
+    /// application, still go out after the close.
     ended_in_order: bool,
     /// Resets made on the socket (`SO_LINGER` 0 and a disconnect).
     pub(crate) resets: u32,
