@@ -192,6 +192,8 @@ pub(crate) struct RxIo {
     pub(crate) bytes_received: u64,
     /// Of those, bytes read straight into their destination.
     pub(crate) bytes_placed: u64,
+    /// Of those, bytes read by batches.
+    pub(crate) bytes_batched: u64,
 }
 
 impl RxIo {
@@ -218,6 +220,7 @@ impl RxIo {
             iov: IoVecs::new(),
             bytes_received: 0,
             bytes_placed: 0,
+            bytes_batched: 0,
         }
     }
 
@@ -406,10 +409,20 @@ impl RxIo {
             // moment) leaves it batching, as measured: ending it there
             // took 211 reads instead of 51 for 4 MiB of Writes with the
             // CRC on (`a_reader_that_is_behind_reads_in_batches`).
+            // After a short one the tail of the FPDU it ended in is read
+            // into place, as after a direct read that ended inside its
+            // payload: the socket drains at a TCP segment's end, a few
+            // hundred bytes before an FPDU's end more often than not, and
+            // that short `Place` read through the staging buffer started
+            // the chain of 32 KiB staging reads each ending 4 bytes
+            // further into the next FPDU (`direct_next`), which copied up
+            // to 8 MiB of a Write through the buffer
+            // (`a_short_batch_does_not_start_a_chain_of_staging_reads`).
             let r = r.inspect(|&n| {
                 self.batching = n == BATCH;
                 self.drained_hint = n > 0 && n < BATCH;
-                self.direct_next = false;
+                self.direct_next = n > 0 && n < BATCH;
+                self.bytes_batched += n as u64;
                 self.end = n;
             });
             return self.after_read(conn, r, now);
