@@ -15,7 +15,8 @@
 //!   reads in a row came back full) reads 256 KiB batches into the
 //!   staging buffer until one comes back short: one window update per
 //!   batch instead of one per FPDU (`SOFTRDMA_RX_BATCH=0` turns it off;
-//!   `docs/core-path-performance.md`).
+//!   `docs/core-path-performance.md`); the buffer shrinks back to 32 KiB
+//!   after 1024 reads without a batch.
 //! * [`TxIo`] frames with `poll_transmit` into a queue of FPDUs and writes
 //!   them with one `writev` (several messages per call), payloads by
 //!   reference into registered memory; FPDUs of at most [`COPY_MAX`]
@@ -51,6 +52,11 @@ const BATCH: usize = 256 * 1024;
 /// Direct reads in a row that came back full (the socket held at least
 /// the payload and its read-ahead) that say the reader is behind.
 const BEHIND_READS: u32 = 4;
+/// Reads without a batch after which the batch buffer is given back (the
+/// staging buffer shrinks to [`STAGING`] bytes again): 32 MiB of large
+/// payloads read into place, so that a reader that falls behind now and
+/// then does not allocate the buffer again every few MiB.
+const BATCH_RELEASE_READS: u64 = 1024;
 /// Bytes read ahead of a large payload (its trailer and the next header).
 const READAHEAD_LARGE: usize = 256;
 /// FPDUs with at most this many payload bytes are copied into one buffer.
@@ -185,6 +191,9 @@ pub(crate) struct RxIo {
     batching: bool,
     /// Batched reads made.
     pub(crate) batches: u64,
+    /// [`Self::reads`] at the last batch: the staging buffer grown for
+    /// batches shrinks back after [`BATCH_RELEASE_READS`] reads without one.
+    batch_reads: u64,
     /// Reads made (each `readv`/`recv` on the socket).
     pub(crate) reads: u64,
     iov: IoVecs,
@@ -216,6 +225,7 @@ impl RxIo {
             batch: rx_batch_on(),
             batching: false,
             batches: 0,
+            batch_reads: 0,
             reads: 0,
             iov: IoVecs::new(),
             bytes_received: 0,
@@ -313,6 +323,12 @@ impl RxIo {
             }
             self.start = 0;
             self.end = 0;
+            if self.buf.len() > STAGING && self.reads - self.batch_reads >= BATCH_RELEASE_READS {
+                // Back to reads into place for a while: the 256 KiB batch
+                // buffer is given back (it is empty here).
+                self.buf.truncate(STAGING);
+                self.buf.shrink_to_fit();
+            }
             if let Some(e) = self.staged_error.take()
                 && let Some(stop) = self.after_read(conn, Err(e), now)
             {
@@ -337,6 +353,7 @@ impl RxIo {
                 }
                 self.full_reads = 0;
                 self.batches += 1;
+                self.batch_reads = self.reads;
                 return RxStep::Direct(DirectRead {
                     dst: None,
                     buf: std::mem::take(&mut self.buf),

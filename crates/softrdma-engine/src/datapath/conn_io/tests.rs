@@ -696,6 +696,16 @@ fn a_reader_that_is_behind_reads_in_batches() {
         let src = region(&pa, WRITES * MIB, 1);
         let dst = region(&pb, WRITES * MIB, 2);
         let (sa, sb) = sockets();
+        // Room for the backlog (the kernel caps these at
+        // `net.core.wmem_max` / `rmem_max`): with the autotuned sizes the
+        // reader sometimes caught up with the writer, whose CRC is slow in
+        // a debug build, and its batches came back short (219 reads).
+        socket2::SockRef::from(&sa)
+            .set_send_buffer_size(WRITES * MIB)
+            .unwrap();
+        socket2::SockRef::from(&sb)
+            .set_recv_buffer_size(WRITES * MIB)
+            .unwrap();
         let mut a = Side::new(config(crc), sa);
         let mut b = Side::new(config(crc), sb);
         b.rx.batch = batch;
@@ -973,4 +983,99 @@ fn a_short_batch_does_not_start_a_chain_of_staging_reads() {
         "{staged} of {} bytes read through the staging buffer outside batches",
         wire.len()
     );
+}
+
+/// Queues `writes` Writes of `len` bytes each from `src` at `at` to `dst`
+/// at `at` (wr_id `first` on) and lets `a` write what fits.
+#[allow(clippy::too_many_arguments)]
+fn queue_writes(
+    a: &mut Side,
+    ma: &mut PdMemory<'_>,
+    src: &MemoryRegion,
+    dst: &MemoryRegion,
+    at: usize,
+    len: usize,
+    writes: usize,
+    first: u64,
+) {
+    for i in 0..writes {
+        let off = at + i * len;
+        let w = sge(src, off as u64, len as u32);
+        let mut wr = SendWr::new(
+            first + i as u64,
+            SendOp::Write {
+                rkey: dst.rkey(),
+                remote_addr: dst.addr() + off as u64,
+                imm: None,
+            },
+            &w,
+        );
+        wr.signaled = true;
+        a.conn.post_send(&wr, ma).unwrap();
+    }
+    let fd_a = a.sock.as_raw_fd();
+    while !matches!(
+        a.tx.progress(&mut a.conn, ma, fd_a, usize::MAX),
+        TxStop::WouldBlock | TxStop::Idle
+    ) {}
+}
+
+/// The staging buffer grows to 256 KiB for batches; once the reader has
+/// gone back to reads into place for 1024 reads it shrinks to 32 KiB
+/// again (it used to be kept for the connection's life), and grows again
+/// when the reader falls behind again.
+#[test]
+fn the_batch_buffer_is_given_back_after_reads_without_batches() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    const MIB: usize = 1 << 20;
+    const SMALL: usize = 4096;
+    let src = region(&pa, 4 * MIB, 1);
+    let dst = region(&pb, 4 * MIB, 2);
+    let (sa, sb) = sockets();
+    let mut a = Side::new(config(false), sa);
+    let mut b = Side::new(config(false), sb);
+    assert!(b.rx.batch, "batching on (SOFTRDMA_RX_BATCH=0 set?)");
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    assert_eq!(b.rx.buf.len(), STAGING);
+    // A backlog of 2 MiB: the reader batches.
+    queue_writes(&mut a, &mut ma, &src, &dst, 0, MIB, 2, 0);
+    run(&mut a, &mut ma, &mut b, &mut mb, |a, _| a.done.len() >= 2);
+    assert!(b.rx.batches > 0, "no batch");
+    assert_eq!(b.rx.buf.len(), BATCH);
+    // Writes of 4 KiB one at a time: reads into place and read-aheads.
+    let mut n = 2;
+    let mut kept_until = 0;
+    while b.rx.buf.len() > STAGING {
+        assert!(n < 2 + 2 * BATCH_RELEASE_READS, "never given back");
+        kept_until = b.rx.reads - b.rx.batch_reads;
+        let at = 2 * MIB + (n as usize % 256) * SMALL;
+        queue_writes(&mut a, &mut ma, &src, &dst, at, SMALL, 1, n);
+        n += 1;
+        run(&mut a, &mut ma, &mut b, &mut mb, |a, _| {
+            a.done.len() as u64 >= n
+        });
+    }
+    let batches = b.rx.batches;
+    assert!(
+        (BATCH_RELEASE_READS - 8..=BATCH_RELEASE_READS + 8).contains(&kept_until),
+        "given back after {kept_until} reads"
+    );
+    assert_eq!(batches, b.rx.batches, "batched meanwhile");
+    assert!(b.rx.buf.capacity() < BATCH, "{}", b.rx.buf.capacity());
+    // Behind again: batches in a buffer grown again, every byte in place.
+    queue_writes(&mut a, &mut ma, &src, &dst, 0, MIB, 2, n);
+    run(&mut a, &mut ma, &mut b, &mut mb, |a, _| {
+        a.done.len() as u64 >= n + 2
+    });
+    assert!(
+        b.rx.batches > batches,
+        "no batch after the buffer was given back"
+    );
+    assert_eq!(b.rx.buf.len(), BATCH);
+    assert!(a.done.iter().all(|c| c.status == WcStatus::Success));
+    let (s, d) = (src.to_vec(), dst.to_vec());
+    assert_eq!(first_diff(&d[..2 * MIB], &s[..2 * MIB]), None);
+    assert_eq!(first_diff(&d[2 * MIB..3 * MIB], &s[2 * MIB..3 * MIB]), None);
 }
