@@ -374,6 +374,11 @@ impl RxIo {
                 RxWant::Place { dst } if dst.len >= DIRECT_MIN || self.direct_next => {
                     if dst.len >= DIRECT_MIN {
                         self.small = false;
+                    } else if self.drained_hint {
+                        // The tail after a batch that came back short: the
+                        // socket is very likely empty (no `read` to find
+                        // `EAGAIN`, as for the staging buffer).
+                        return RxStep::Stop(RxStop::Drained);
                     }
                     let mut iov = std::mem::take(&mut self.iov);
                     iov.clear();
