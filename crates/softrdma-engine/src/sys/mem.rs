@@ -27,10 +27,16 @@ pub(crate) const PAGE_SIZE: usize = 4096;
 /// lazily by the kernel) instead of allocator memory.
 const MAP_MIN: usize = 64 * 1024;
 
-/// Regions of at least this many bytes are backed by transparent huge
-/// pages where the kernel allows it (`madvise(MADV_HUGEPAGE)` on their
-/// 2 MiB-aligned interior): far fewer page faults at first touch and TLB
-/// misses as the data path copies megabytes into them.
+/// Buffers taken over from a `Vec` ([`Memory::from_vec`]) of at least
+/// this many bytes are backed by transparent huge pages where the kernel
+/// allows it (`madvise(MADV_HUGEPAGE)` on their 2 MiB-aligned interior):
+/// far fewer page faults at first touch and TLB misses as the data path
+/// copies megabytes into them. The caller made that buffer (and usually
+/// wrote it), so it costs no more memory. Not for regions the engine maps
+/// itself ([`Memory::alloc_zeroed`]): those are backed only where touched,
+/// 4 KiB at a time, and users rely on that (a socket's 4 MiB receive ring
+/// of which an idle connection touches 512 KiB, `softrdma-sockets`); a huge
+/// page would make 2 MiB resident at the first touch and zero it at once.
 pub(crate) const HUGE_MIN: usize = 2 * 1024 * 1024;
 
 /// Asks for transparent huge pages on the 2 MiB-aligned interior of the
@@ -158,7 +164,6 @@ impl Memory {
             if ptr != libc::MAP_FAILED
                 && let Some(base) = NonNull::new(ptr.cast::<u8>())
             {
-                advise_huge(base.as_ptr(), len);
                 return Ok(Arc::new(Memory {
                     base,
                     len,
@@ -442,29 +447,42 @@ mod tests {
         0
     }
 
-    /// Large regions, allocated here or taken from a `Vec`, are backed by
-    /// huge pages once touched (2048 page faults fewer per 8 MiB, and the
-    /// TLB misses of copying into them); the 2 MiB-aligned interior only.
+    /// Large buffers taken from a `Vec` are backed by huge pages once
+    /// touched (2048 page faults fewer per 8 MiB, and the TLB misses of
+    /// copying into them); the 2 MiB-aligned interior only.
     #[test]
-    fn large_regions_are_backed_by_huge_pages() {
+    fn large_vec_buffers_are_backed_by_huge_pages() {
         if !thp_on_advice() {
             eprintln!("transparent huge pages off: nothing to check");
             return;
         }
         const LEN: usize = 8 << 20;
-        let m = Memory::alloc_zeroed(LEN).unwrap();
-        assert!(m.fill(0, LEN, 1));
         let v = Memory::from_vec(vec![0u8; LEN]);
         assert!(v.fill(0, LEN, 1));
-        for (what, r) in [("mapped", &m), ("from a Vec", &v)] {
-            let mid = r.base() as usize + LEN / 2;
-            let kb = huge_kb_at(mid);
-            assert!(kb >= 2048, "{what}: {kb} kB in huge pages");
-        }
+        let kb = huge_kb_at(v.base() as usize + LEN / 2);
+        assert!(kb >= 2048, "{kb} kB in huge pages");
         // Small ones are left alone.
         let s = Memory::alloc_zeroed(HUGE_MIN - PAGE_SIZE).unwrap();
         assert!(s.fill(0, s.len(), 1));
         assert!(!advise_huge(s.base(), s.len()));
+    }
+
+    /// A large region the engine maps stays backed 4 KiB at a time where
+    /// touched (a socket's 4 MiB receive ring of which an idle connection
+    /// uses 512 KiB): no huge page, which would make 2 MiB resident.
+    #[test]
+    fn mapped_regions_stay_backed_only_where_touched() {
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        if !thp.contains("[madvise]") {
+            eprintln!("transparent huge pages not on advice: nothing to check");
+            return;
+        }
+        const LEN: usize = 8 << 20;
+        let m = Memory::alloc_zeroed(LEN).unwrap();
+        let mid = LEN / 2;
+        assert!(m.copy_in(mid, b"x"));
+        assert_eq!(huge_kb_at(m.base() as usize + mid), 0);
     }
 
     #[test]
