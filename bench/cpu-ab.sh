@@ -8,7 +8,8 @@
 #   bench/cpu-ab.sh A B [ROUNDS] [--load N] [--mib MIB] [--args "perf write -s 1M"]
 #
 # Prints every run (task-clock µs per MiB, context switches, `recvfrom`
-# and `readv` calls per MiB, MB/s) and per side the medians and means.
+# calls and reads into place (`readv` + `recvmsg`: the engine reads into
+# place with `recvmsg`) per MiB, MB/s) and per side the medians and means.
 # Needs `perf` with the syscalls tracepoints (run as root).
 set -euo pipefail
 
@@ -51,13 +52,13 @@ run() { # side
     if [ "$side" = B ]; then cmd=("${run_b[@]}"); else cmd=("${run_a[@]}"); fi
     la=$(cut -d' ' -f1 /proc/loadavg)
     out=$(timeout 120 perf stat -x, -o "$stat_out" \
-        -e task-clock,context-switches,syscalls:sys_enter_recvfrom,syscalls:sys_enter_readv \
+        -e task-clock,context-switches,syscalls:sys_enter_recvfrom,syscalls:sys_enter_readv,syscalls:sys_enter_recvmsg \
         "${cmd[@]}" "${extra[@]}" -n "$mib" --json 2>/dev/null | tail -1) || out=
     awk -F, -v side="$side" -v la="$la" -v mib="$mib" -v mbs="$(field "$out" mb_s)" '
         $3 == "task-clock" { cpu = $1 }
         $3 == "context-switches" { cs = $1 }
         $3 ~ /recvfrom/ { rf = $1 }
-        $3 ~ /readv/ { rv = $1 }
+        $3 ~ /readv|recvmsg/ { rv += $1 }
         END { printf "%s load=%s cpu_us_per_mib=%.1f cs_per_mib=%.2f recv_per_mib=%.2f readv_per_mib=%.2f mb_s=%s\n",
               side, la, cpu * 1000 / mib, cs / mib, rf / mib, rv / mib, mbs }' "$stat_out" | tee -a "$results"
 }

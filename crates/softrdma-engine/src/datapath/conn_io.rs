@@ -15,7 +15,8 @@
 //!   reads in a row came back full) reads 256 KiB batches into the
 //!   staging buffer until one comes back short: one window update per
 //!   batch instead of one per FPDU (`SOFTRDMA_RX_BATCH=0` turns it off;
-//!   `docs/core-path-performance.md`).
+//!   `docs/core-path-performance.md`); the buffer shrinks back to 32 KiB
+//!   after 1024 reads without a batch.
 //! * [`TxIo`] frames with `poll_transmit` into a queue of FPDUs and writes
 //!   them with one `writev` (several messages per call), payloads by
 //!   reference into registered memory; FPDUs of at most [`COPY_MAX`]
@@ -52,6 +53,11 @@ const BATCH: usize = 256 * 1024;
 /// Direct reads in a row that came back full (the socket held at least
 /// the payload and its read-ahead) that say the reader is behind.
 const BEHIND_READS: u32 = 4;
+/// Reads without a batch after which the batch buffer is given back (the
+/// staging buffer shrinks to [`STAGING`] bytes again): 32 MiB of large
+/// payloads read into place, so that a reader that falls behind now and
+/// then does not allocate the buffer again every few MiB.
+const BATCH_RELEASE_READS: u64 = 1024;
 /// Bytes read ahead of a large payload (its trailer and the next header).
 const READAHEAD_LARGE: usize = 256;
 /// FPDUs with at most this many payload bytes are copied into one buffer.
@@ -186,6 +192,9 @@ pub(crate) struct RxIo {
     batching: bool,
     /// Batched reads made.
     pub(crate) batches: u64,
+    /// [`Self::reads`] at the last batch: the staging buffer grown for
+    /// batches shrinks back after [`BATCH_RELEASE_READS`] reads without one.
+    batch_reads: u64,
     /// Reads made (each `readv`/`recv` on the socket).
     pub(crate) reads: u64,
     iov: IoVecs,
@@ -193,6 +202,8 @@ pub(crate) struct RxIo {
     pub(crate) bytes_received: u64,
     /// Of those, bytes read straight into their destination.
     pub(crate) bytes_placed: u64,
+    /// Of those, bytes read by batches.
+    pub(crate) bytes_batched: u64,
 }
 
 impl RxIo {
@@ -220,10 +231,12 @@ impl RxIo {
             batch: rx_batch_on(),
             batching: false,
             batches: 0,
+            batch_reads: 0,
             reads: 0,
             iov: IoVecs::new(),
             bytes_received: 0,
             bytes_placed: 0,
+            bytes_batched: 0,
         }
     }
 
@@ -330,6 +343,12 @@ impl RxIo {
             }
             self.start = 0;
             self.end = 0;
+            if self.buf.len() > STAGING && self.reads - self.batch_reads >= BATCH_RELEASE_READS {
+                // Back to reads into place for a while: the 256 KiB batch
+                // buffer is given back (it is empty here).
+                self.buf.truncate(STAGING);
+                self.buf.shrink_to_fit();
+            }
             if let Some(e) = self.staged_error.take()
                 && let Some(stop) = self.after_read(conn, Err(e), now)
             {
@@ -354,6 +373,7 @@ impl RxIo {
                 }
                 self.full_reads = 0;
                 self.batches += 1;
+                self.batch_reads = self.reads;
                 return RxStep::Direct(DirectRead {
                     dst: None,
                     buf: std::mem::take(&mut self.buf),
@@ -374,6 +394,11 @@ impl RxIo {
                 RxWant::Place { dst } if dst.len >= DIRECT_MIN || self.direct_next => {
                     if dst.len >= DIRECT_MIN {
                         self.small = false;
+                    } else if self.drained_hint {
+                        // The tail after a batch that came back short: the
+                        // socket is very likely empty (no `read` to find
+                        // `EAGAIN`, as for the staging buffer).
+                        return RxStep::Stop(RxStop::Drained);
                     }
                     let mut iov = std::mem::take(&mut self.iov);
                     iov.clear();
@@ -427,10 +452,20 @@ impl RxIo {
             // moment) leaves it batching, as measured: ending it there
             // took 211 reads instead of 51 for 4 MiB of Writes with the
             // CRC on (`a_reader_that_is_behind_reads_in_batches`).
+            // After a short one the tail of the FPDU it ended in is read
+            // into place, as after a direct read that ended inside its
+            // payload: the socket drains at a TCP segment's end, a few
+            // hundred bytes before an FPDU's end more often than not, and
+            // that short `Place` read through the staging buffer started
+            // the chain of 32 KiB staging reads each ending 4 bytes
+            // further into the next FPDU (`direct_next`), which copied up
+            // to 8 MiB of a Write through the buffer
+            // (`a_short_batch_does_not_start_a_chain_of_staging_reads`).
             let r = r.inspect(|&n| {
                 self.batching = n == BATCH;
                 self.drained_hint = n > 0 && n < BATCH;
-                self.direct_next = false;
+                self.direct_next = n > 0 && n < BATCH;
+                self.bytes_batched += n as u64;
                 self.end = n;
             });
             return self.after_read(conn, r, now);

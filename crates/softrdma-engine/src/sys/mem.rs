@@ -27,6 +27,43 @@ pub(crate) const PAGE_SIZE: usize = 4096;
 /// lazily by the kernel) instead of allocator memory.
 const MAP_MIN: usize = 64 * 1024;
 
+/// Buffers taken over from a `Vec` ([`Memory::from_vec`]) of at least
+/// this many bytes are backed by transparent huge pages where the kernel
+/// allows it (`madvise(MADV_HUGEPAGE)` on their 2 MiB-aligned interior):
+/// far fewer page faults at first touch and TLB misses as the data path
+/// copies megabytes into them. The caller made that buffer (and usually
+/// wrote it), so it costs no more memory. Not for regions the engine maps
+/// itself ([`Memory::alloc_zeroed`]): those are backed only where touched,
+/// 4 KiB at a time, and users rely on that (a socket's 4 MiB receive ring
+/// of which an idle connection touches 512 KiB, `softrdma-sockets`); a huge
+/// page would make 2 MiB resident at the first touch and zero it at once.
+pub(crate) const HUGE_MIN: usize = 2 * 1024 * 1024;
+
+/// Asks for transparent huge pages on the 2 MiB-aligned interior of the
+/// `len` bytes at `base` (a hint: the kernel's `transparent_hugepage`
+/// setting decides; `never` ignores it, `always` needs no hint). Returns
+/// whether the kernel took the hint for a non-empty range.
+fn advise_huge(base: *mut u8, len: usize) -> bool {
+    if len < HUGE_MIN {
+        return false;
+    }
+    let start = (base as usize).next_multiple_of(HUGE_MIN);
+    let end = (base as usize + len) / HUGE_MIN * HUGE_MIN;
+    if end <= start {
+        return false;
+    }
+    // SAFETY: the range lies inside memory this module owns (a mapping or
+    // an allocation of at least `len` bytes at `base`); MADV_HUGEPAGE
+    // changes how its pages are backed, never their contents.
+    unsafe {
+        libc::madvise(
+            std::ptr::without_provenance_mut(start),
+            end - start,
+            libc::MADV_HUGEPAGE,
+        ) == 0
+    }
+}
+
 /// Who frees the buffer when the [`Memory`] is dropped.
 #[derive(Debug)]
 enum Owner {
@@ -153,6 +190,7 @@ impl Memory {
         let capacity = v.capacity();
         // A Vec's pointer is never null (dangling but non-null when empty).
         let base = NonNull::new(v.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        advise_huge(base.as_ptr(), capacity);
         let owner = if capacity == 0 {
             Owner::None
         } else {
@@ -381,6 +419,71 @@ impl Lend {
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering;
+
+    /// The kernel backs `madvise(MADV_HUGEPAGE)` ranges with huge pages
+    /// (`transparent_hugepage` is `always` or `madvise`).
+    fn thp_on_advice() -> bool {
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"))
+    }
+
+    /// `AnonHugePages` (kB) of the mapping holding `addr`, from
+    /// `/proc/self/smaps`.
+    fn huge_kb_at(addr: usize) -> usize {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for l in smaps.lines() {
+            let head = l.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = head.split_once('-')
+                && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+            {
+                inside = (a..b).contains(&addr);
+                continue;
+            }
+            if inside && let Some(v) = l.strip_prefix("AnonHugePages:") {
+                return v.trim().trim_end_matches("kB").trim().parse().unwrap();
+            }
+        }
+        0
+    }
+
+    /// Large buffers taken from a `Vec` are backed by huge pages once
+    /// touched (2048 page faults fewer per 8 MiB, and the TLB misses of
+    /// copying into them); the 2 MiB-aligned interior only.
+    #[test]
+    fn large_vec_buffers_are_backed_by_huge_pages() {
+        if !thp_on_advice() {
+            eprintln!("transparent huge pages off: nothing to check");
+            return;
+        }
+        const LEN: usize = 8 << 20;
+        let v = Memory::from_vec(vec![0u8; LEN]);
+        assert!(v.fill(0, LEN, 1));
+        let kb = huge_kb_at(v.base() as usize + LEN / 2);
+        assert!(kb >= 2048, "{kb} kB in huge pages");
+        // Small ones are left alone.
+        let s = Memory::alloc_zeroed(HUGE_MIN - PAGE_SIZE).unwrap();
+        assert!(s.fill(0, s.len(), 1));
+        assert!(!advise_huge(s.base(), s.len()));
+    }
+
+    /// A large region the engine maps stays backed 4 KiB at a time where
+    /// touched (a socket's 4 MiB receive ring of which an idle connection
+    /// uses 512 KiB): no huge page, which would make 2 MiB resident.
+    #[test]
+    fn mapped_regions_stay_backed_only_where_touched() {
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        if !thp.contains("[madvise]") {
+            eprintln!("transparent huge pages not on advice: nothing to check");
+            return;
+        }
+        const LEN: usize = 8 << 20;
+        let m = Memory::alloc_zeroed(LEN).unwrap();
+        let mid = LEN / 2;
+        assert!(m.copy_in(mid, b"x"));
+        assert_eq!(huge_kb_at(m.base() as usize + mid), 0);
+    }
 
     #[test]
     fn large_allocations_are_mapped_lazily() {
