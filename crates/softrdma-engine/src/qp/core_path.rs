@@ -30,6 +30,9 @@ pub(crate) struct CoreConn {
     fd: RawFd,
     /// The QP is listed with its datamover for transmission.
     pub(crate) on_dm: bool,
+    /// A poster waits for the socket's room to go on transmitting: a
+    /// receive path leaves the transmit to it.
+    poster_waits: bool,
     /// A FIN or shutdown to do once the framed FPDUs are written.
     link: Option<LinkAction>,
     /// The link was shut down or reset.
@@ -164,6 +167,7 @@ impl QpInner {
         let conn = Connection::new(config(&setup, params));
         let fd = stream.as_raw_fd();
         let cc = CoreConn {
+            poster_waits: false,
             conn,
             rx: RxIo::new(already_read),
             tx: TxIo::new(),
@@ -382,6 +386,7 @@ impl QpInner {
                         // across a reset meanwhile (whose `shutdown` wakes
                         // the wait).
                         let stream = cc.stream.clone();
+                        cc.poster_waits = true;
                         let _ = self.core.release(g);
                         let _ = crate::sys::wait::wait_ready(
                             std::os::fd::AsFd::as_fd(&*stream),
@@ -389,6 +394,11 @@ impl QpInner {
                             end - now,
                         );
                         drop(stream);
+                        let mut g = self.core.lock();
+                        if let Some(cc) = g.as_mut() {
+                            cc.poster_waits = false;
+                        }
+                        let _ = self.core.release(g);
                         // Claimed again at the top; a holder meanwhile
                         // sees the announcement and transmits (or hands
                         // over) when it lets the connection go.
@@ -752,7 +762,7 @@ impl QpInner {
         // at once, and its look at the outputs would find none (they were
         // delivered just now).
         let idle = cc.link_done || (cc.tx.pending() == 0 && !cc.conn.may_transmit());
-        if !cc.on_dm && !idle {
+        if !cc.on_dm && !idle && !cc.poster_waits {
             let stop = self.core_transmit(cc, usize::MAX);
             if matches!(stop, TxStop::WouldBlock) {
                 cc.on_dm = true;
