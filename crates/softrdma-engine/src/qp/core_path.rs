@@ -30,9 +30,6 @@ pub(crate) struct CoreConn {
     fd: RawFd,
     /// The QP is listed with its datamover for transmission.
     pub(crate) on_dm: bool,
-    /// A poster waits for the socket's room to go on transmitting: a
-    /// receive path leaves the transmit to it.
-    poster_waits: bool,
     /// A FIN or shutdown to do once the framed FPDUs are written.
     link: Option<LinkAction>,
     /// The link was shut down or reset.
@@ -109,20 +106,6 @@ impl Drop for CoreGuard<'_> {
     }
 }
 
-/// How long a poster whose transmit found the socket full goes on
-/// transmitting (waiting for room between writes) before it hands the
-/// rest to the engine thread: `SOFTRDMA_POSTER_SEND_US` (µs), 0 (hand over
-/// at once) unless set.
-fn poster_send_budget() -> std::time::Duration {
-    static US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    std::time::Duration::from_micros(*US.get_or_init(|| {
-        std::env::var("SOFTRDMA_POSTER_SEND_US")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    }))
-}
-
 impl QpInner {
     /// Takes the connection's lock (blocking); see [`CoreGuard`].
     pub(crate) fn lock_core(&self) -> CoreGuard<'_> {
@@ -167,7 +150,6 @@ impl QpInner {
         let conn = Connection::new(config(&setup, params));
         let fd = stream.as_raw_fd();
         let cc = CoreConn {
-            poster_waits: false,
             conn,
             rx: RxIo::new(already_read),
             tx: TxIo::new(),
@@ -318,20 +300,6 @@ impl QpInner {
     /// Direct sending on the core path: transmit in the calling thread if
     /// no one else holds the connection.
     pub(crate) fn core_kick(&self) {
-        self.core_kick_for(std::time::Duration::ZERO);
-    }
-
-    /// [`core_kick`](Self::core_kick) for the thread that just posted: a
-    /// transmit that finds the socket full waits for room (`poll(2)`, the
-    /// connection's lock let go) and goes on, for at most
-    /// [`poster_send_budget`] in all, before it hands the rest to the
-    /// engine thread.
-    pub(crate) fn core_kick_posted(&self) {
-        self.core_kick_for(poster_send_budget());
-    }
-
-    fn core_kick_for(&self, budget: std::time::Duration) {
-        let mut deadline: Option<std::time::Instant> = None;
         self.core.announce();
         loop {
             let Some(mut g) = self.core.try_claim() else {
@@ -378,34 +346,6 @@ impl QpInner {
             }
             let stop = self.core_transmit(cc, usize::MAX);
             if matches!(stop, TxStop::WouldBlock) {
-                if !budget.is_zero() {
-                    let now = crate::sys::clock::now();
-                    let end = *deadline.get_or_insert(now + budget);
-                    if now < end {
-                        // The stream's `Arc` keeps the descriptor open
-                        // across a reset meanwhile (whose `shutdown` wakes
-                        // the wait).
-                        let stream = cc.stream.clone();
-                        cc.poster_waits = true;
-                        let _ = self.core.release(g);
-                        let _ = crate::sys::wait::wait_ready(
-                            std::os::fd::AsFd::as_fd(&*stream),
-                            crate::sys::wait::Readiness::Write,
-                            end - now,
-                        );
-                        drop(stream);
-                        let mut g = self.core.lock();
-                        if let Some(cc) = g.as_mut() {
-                            cc.poster_waits = false;
-                        }
-                        let _ = self.core.release(g);
-                        // Claimed again at the top; a holder meanwhile
-                        // sees the announcement and transmits (or hands
-                        // over) when it lets the connection go.
-                        self.core.announce();
-                        continue;
-                    }
-                }
                 cc.on_dm = true;
                 let _ = self.core.release(g);
                 self.schedule_dm();
@@ -762,7 +702,7 @@ impl QpInner {
         // at once, and its look at the outputs would find none (they were
         // delivered just now).
         let idle = cc.link_done || (cc.tx.pending() == 0 && !cc.conn.may_transmit());
-        if !cc.on_dm && !idle && !cc.poster_waits {
+        if !cc.on_dm && !idle {
             let stop = self.core_transmit(cc, usize::MAX);
             if matches!(stop, TxStop::WouldBlock) {
                 cc.on_dm = true;

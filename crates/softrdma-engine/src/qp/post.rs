@@ -371,7 +371,7 @@ impl QpInner {
             return;
         }
         self.tx_batch.deferred.store(0, Ordering::SeqCst);
-        self.core_kick_posted();
+        self.core_kick();
     }
 
     /// Whether the requests just posted wait for the next poll.
