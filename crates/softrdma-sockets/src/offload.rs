@@ -388,6 +388,9 @@ struct State {
     tx_queue: VecDeque<(u32, usize)>,
     tx_inflight: u32,
     disconn_wanted: bool,
+    /// The exit flush wants the DisConn (`disconn_wanted` is its): a
+    /// write of another thread meanwhile is no error (see `exit`).
+    exit_flush: bool,
     /// Link lost (flushed work, QP no longer accepting work): messages
     /// that completed before are still delivered; then calls fail.
     link: Option<String>,
@@ -846,6 +849,7 @@ impl Offload {
                 tx_queue: VecDeque::new(),
                 tx_inflight: 0,
                 disconn_wanted: false,
+                exit_flush: false,
                 err: None,
                 link: None,
                 rd_shut: false,
@@ -998,7 +1002,15 @@ impl Offload {
         let mut polled = false;
         let mut zc_ok = sh.zc_send && !nonblocking && bufs.len() == 1 && total >= sh.zc_threshold;
         loop {
-            if st.wr_shut || st.sdp.close.local_disconn || st.disconn_wanted {
+            if st.exit_flush && !st.wr_shut {
+                // The process is exiting: accepted until the exit flush's
+                // DisConn goes (sent before it), then held until the
+                // process ends (see `exit`).
+                if st.sdp.close.local_disconn {
+                    drop(st);
+                    return exit::write_after_exit_flush(nonblocking, deadline);
+                }
+            } else if st.wr_shut || st.sdp.close.local_disconn || st.disconn_wanted {
                 return Err(io::Error::new(
                     io::ErrorKind::BrokenPipe,
                     "connection shut down for writing",
