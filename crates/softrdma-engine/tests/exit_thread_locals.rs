@@ -4,7 +4,6 @@
 //! direct's exit flush). A thread's own end destroys them the same way
 //! (last made first), which these tests use.
 
-
 use std::cell::RefCell;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -21,7 +20,8 @@ impl Drop for WaitLate {
     fn drop(&mut self) {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut out = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-            self.0.wait_progress(&mut out, Some(Duration::from_millis(5)))
+            self.0
+                .wait_progress(&mut out, Some(Duration::from_millis(5)))
         }))
         .map_err(|e| {
             e.downcast_ref::<String>()
@@ -52,7 +52,10 @@ fn a_cq_wait_after_the_threads_locals_were_destroyed_does_not_panic() {
         // Made first: destroyed after the sleep set the wait below makes.
         LATE.with(|l| *l.borrow_mut() = Some(WaitLate(cq.clone())));
         let mut out = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        assert_eq!(cq.wait_progress(&mut out, Some(Duration::from_millis(2))), 0);
+        assert_eq!(
+            cq.wait_progress(&mut out, Some(Duration::from_millis(2))),
+            0
+        );
     })
     .join()
     .unwrap();
