@@ -378,8 +378,10 @@ fn exit_flush_off_leaves_held_data_unsent() {
     child_writes_arrive(&l, "off_child", Duration::ZERO, 64 * 1024, Duration::ZERO);
 }
 
-/// The stream an application's own exit handler uncorks (as the preload's
-/// autocork handler does at exit).
+/// The stream an application's own exit handler uncorks, reached through
+/// a static (the exiting thread's thread-locals are destroyed before the
+/// exit handlers run): as the preload's autocork handler reaches its
+/// holds, through its flusher's process-wide list.
 static UNCORK_AT_EXIT: std::sync::OnceLock<TcpStream> = std::sync::OnceLock::new();
 
 extern "C" fn uncork_at_exit() {

@@ -28,10 +28,20 @@
 //!   connection with nothing left to send gets its DisConn only (the exit
 //!   of a process with idle connections does not wait for their peers);
 //! - the whole wait is bounded: [`DEFAULT_EXIT_FLUSH`] (1 s) unless
-//!   `SOFTRDMA_SOCKETS_EXIT_FLUSH_MS` says otherwise (`0`: no exit flush,
-//!   held data is lost as before). A peer that is gone or does not read
-//!   costs the exit that long at most, and what could not be sent by then
-//!   is lost (the kernel would have kept sending it after the exit).
+//!   `SOFTRDMA_SOCKETS_EXIT_FLUSH_MS` says otherwise (read once, at the
+//!   process's first offloaded connection, not at the exit, which must not
+//!   take the environment's lock; `0`: no exit flush, no handler, no
+//!   listing, held data is lost as before; a value that is not a number
+//!   is reported on standard error and means the default). A peer that
+//!   is gone or does not read costs the exit that long at most, and what
+//!   could not be sent by then is lost (the kernel would have kept
+//!   sending it after the exit);
+//! - the connections are served together, in rounds: a round takes one
+//!   step of each (post what can be posted, handle what has come, never
+//!   wait), and a round that changed nothing is followed by one wait on
+//!   all their completion queues at once ([`WaitSet`]). However many
+//!   connections have a peer that does not read, every other one gets
+//!   its data and DisConn in the first round.
 //!
 //! As the kernel's implicit close:
 //!
@@ -46,11 +56,28 @@
 //!   close with unread data is, and as the kernel resets a socket closed
 //!   with unread data.
 //!
-//! Other threads still run while exit handlers do: a connection another
-//! thread works on is shared through its lock as always (taken with the
-//! deadline: a lock held past it leaves that connection alone), and a
-//! write after the exit flush started fails with `EPIPE` (the DisConn is
-//! sent or about to be).
+//! Other threads still run while exit handlers do:
+//!
+//! - a connection's lock is only tried: one another thread holds (or the
+//!   exiting thread itself: `exit` called from a signal handler or a
+//!   panic hook inside a call on that connection) is tried again next
+//!   round, the others go meanwhile; a connection whose completion gate
+//!   (`poller`) another thread holds gets its posts, and its completions
+//!   are handled by that thread (if it does not, the connection waits
+//!   until the bound). The engine's list of QPs is taken with a bounded
+//!   try too;
+//! - a write of another thread is no error (the kernel's TCP takes such
+//!   writes until the process ends; `EPIPE` would raise `SIGPIPE` under
+//!   the preload and kill the exiting process): until the exit flush's
+//!   DisConn is sent, it is queued and sent before it; after that it
+//!   waits until the process ends (a non-blocking write gets
+//!   `WouldBlock`, one with a send timeout times out). Its octets after
+//!   the DisConn are not sent (as the kernel's after its FIN, there are
+//!   none: the FIN comes at the exit);
+//! - the exiting thread's own locals are gone (glibc's `exit` destroys
+//!   them before it runs the exit handlers): nothing here uses one that
+//!   has a destructor, and the engine's CQ wait falls back to a sleep set
+//!   of its own.
 //!
 //! **Order of exit handlers.** `atexit(3)` runs the last registered first.
 //! Around this one:
@@ -60,17 +87,20 @@
 //!   ([`softrdma_engine::flush_posts_at_exit`]): run before the engine's,
 //!   its own posts would otherwise be deferred to polls that only its wait
 //!   makes (they would still go, later); run after it, nothing changes.
-//! - the preload's autocork handler ends the exiting thread's hold (it
-//!   uncorks the stream, which sends the held octets). Its holds are a
-//!   cork on the stream, data already queued here: run before this one, the
-//!   data is sent and this handler finds the stream uncorked; run after
-//!   it, this handler has sent the data already (the DisConn ends the
-//!   holds whatever the cork says) and the uncork finds nothing queued.
-//!   Either way the octets go, in order, before the DisConn.
+//! - the preload's autocork handler ends every hold of the process (it
+//!   uncorks the streams, which posts the held octets). It is registered
+//!   at the first hold, which comes after the process's first offloaded
+//!   connection, so it runs before this one; this one then finds the
+//!   octets posted or queued and sends the DisConn behind them. (Were it
+//!   to run after this one, it would find nothing held: the DisConn ends
+//!   the holds whatever the cork says.) It finds the holds in its
+//!   flusher's process-wide list, not through the exiting thread's
+//!   locals, so with this flush off the held octets still go.
 //! - an application's handler that writes to a connection and runs after
 //!   this one (registered before the process's first offloaded
-//!   connection) gets `EPIPE`: the connection has been shut down for
-//!   writing. Registered after that connection is made, it runs before
+//!   connection) gets `EPIPE` once the DisConn is sent: the connection
+//!   has been shut down for writing (the exiting thread is told apart
+//!   from the others, which wait instead, see above). Registered after that connection is made, it runs before
 //!   this one, and what it writes is flushed with the rest.
 //!
 //! Fork: the list is per fork generation ([`PerFork`]): a `fork(2)`ed
@@ -450,11 +480,12 @@ mod tests {
 
     /// Small buffers: a few writes use up the peer's credits.
     fn small() -> Config {
-        let mut c = Config::default();
-        c.buf_size = 4096;
-        c.rx_bufs = 4;
-        c.tx_bufs = 2;
-        c
+        Config {
+            buf_size: 4096,
+            rx_bufs: 4,
+            tx_bufs: 2,
+            ..Config::default()
+        }
     }
 
     /// A connection whose peer does not read: writes until out of
