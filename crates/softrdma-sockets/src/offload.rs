@@ -1318,6 +1318,9 @@ impl Shared {
                 .tx_queue
                 .back()
                 .is_some_and(|&(_, len)| len < st.sdp.max_payload());
+        // After the exit flush's DisConn a write waits for the process to
+        // end (see `exit`): not writable, or a waiting writer would spin.
+        let writable = writable && !(st.exit_flush && st.sdp.close.local_disconn && !st.failed());
         (readable, writable)
     }
 
