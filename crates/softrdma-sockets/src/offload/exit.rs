@@ -134,6 +134,9 @@ pub(crate) const EXIT_FLUSH_ENV: &str = "SOFTRDMA_SOCKETS_EXIT_FLUSH_MS";
 /// sooner).
 const NAP: Duration = Duration::from_millis(10);
 
+/// Longest wait for the list of connections at exit.
+const LIST_WAIT: Duration = Duration::from_millis(100);
+
 /// The live offloaded connections of this fork generation, by address.
 type Live = Mutex<HashMap<usize, Weak<Shared>>>;
 
@@ -249,7 +252,10 @@ fn flush_live() {
     // What we post from here is written by us, whichever exit handler
     // runs first (see the module docs).
     softrdma_engine::flush_posts_at_exit();
-    let Some(list) = live.try_lock_until(deadline) else {
+    // Bounded below the deadline too: the exiting thread itself may hold
+    // it (`exit` from a signal handler that interrupted a setup or close).
+    let Some(list) = live.try_lock_until(deadline.min(deadline_after(Instant::now(), LIST_WAIT)))
+    else {
         return;
     };
     let streams: Vec<Arc<Shared>> = list.values().filter_map(Weak::upgrade).collect();
