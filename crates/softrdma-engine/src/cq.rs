@@ -911,20 +911,22 @@ impl CompletionQueue {
         }
         // The caller has just looked if there was no spinning.
         let mut look = !spin.is_zero();
-        SLEEP_SET.with(|cell| {
-            // A nested wait (none is known) gets buffers of its own.
-            let mut own = SleepSet::default();
-            let mut borrowed = cell.try_borrow_mut();
-            let set = match borrowed.as_deref_mut() {
-                Ok(set) => set,
-                Err(_) => &mut own,
-            };
+        let mut sleep = |set: &mut SleepSet| {
             let waker = set.waker();
             let r = self.sleep_loop(out, deadline, on_progress, waker.as_ref(), &mut look, set);
             set.hooks.clear();
             set.fds.clear();
             r
-        })
+        };
+        // A nested wait (none is known) gets buffers of its own, as does a
+        // wait after the thread's locals were destroyed: glibc's `exit`
+        // destroys the exiting thread's before the exit handlers run,
+        // which may wait.
+        SLEEP_SET
+            .try_with(|cell| cell.try_borrow_mut().ok().map(|mut set| sleep(&mut set)))
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| sleep(&mut SleepSet::default()))
     }
 
     /// The sleeping step of [`wait_for`](Self::wait_for).

@@ -894,6 +894,26 @@ impl ProtectionDomain {
         MemoryRegion::new(self, mem, access, false)
     }
 
+    /// As [`ProtectionDomain::register`], and a region of 2 MiB or more
+    /// asks the kernel for transparent huge pages (`MADV_HUGEPAGE`, where
+    /// `/sys/kernel/mm/transparent_hugepage/enabled` allows it): fewer page
+    /// faults and TLB misses when megabytes are copied into it (an 8 MiB
+    /// RDMA Write target), at the price of memory made resident 2 MiB at a
+    /// time instead of 4 KiB where touched. The advice ends with the
+    /// region.
+    ///
+    /// # Errors
+    ///
+    /// As [`ProtectionDomain::register`].
+    pub fn register_huge(&self, len: usize, access: Access) -> Result<MemoryRegion, RegError> {
+        if !access.is_valid() {
+            return Err(RegError::InvalidAccess(access));
+        }
+        self.check_len(len)?;
+        let mem = Memory::alloc_zeroed_huge(len)?;
+        MemoryRegion::new(self, mem, access, false)
+    }
+
     /// Registers the bytes of `buf`, taking ownership (no copy). The
     /// region's length is `buf.len()`.
     ///

@@ -151,12 +151,62 @@ pub(crate) fn watch(c: &Arc<Conn>, hold: u64) {
     }
 }
 
-/// A thread that exits the process right after a held send: it goes.
-/// Before or after sockets direct's own exit flush (which sends what every
-/// live stream holds, then a DisConn; see its `offload/exit.rs` for the
-/// order of the handlers): either way the octets go, in order.
+/// At `exit(3)`: every hold of the process ends, its octets go. The
+/// holds are taken from the flusher's list (process-wide), not from the
+/// exiting thread's `LAST_SEND`: glibc's `exit` destroys the exiting
+/// thread's locals before the exit handlers run. Registered at the first
+/// hold, after the process's first offloaded connection, so it runs
+/// before sockets direct's exit flush (its `offload/exit.rs`), which then
+/// sends the DisConn behind these octets; with that flush off
+/// (`SOFTRDMA_SOCKETS_EXIT_FLUSH_MS=0`) the octets still go, then the
+/// connection ends as the process does.
 extern "C" fn at_exit() {
-    let _ = std::panic::catch_unwind(end_burst);
+    let _ = std::panic::catch_unwind(|| {
+        end_burst();
+        end_all_holds();
+    });
+}
+
+/// Longest wait for the flusher's list at exit (another thread may be
+/// adding to it).
+const EXIT_LIST_WAIT: Duration = Duration::from_millis(100);
+
+/// Ends every hold the flusher watches (at exit).
+fn end_all_holds() {
+    let Some(f) = FLUSHER.get() else {
+        return;
+    };
+    // A forked child holds nothing (its parent's list, and lock, are not
+    // its own).
+    if f.pid != conn::pid() {
+        return;
+    }
+    let deadline = std::time::Instant::now() + EXIT_LIST_WAIT;
+    let batch = loop {
+        match f.q.try_lock() {
+            Ok(mut q) => break std::mem::take(&mut *q),
+            Err(std::sync::TryLockError::Poisoned(e)) => {
+                break std::mem::take(&mut *e.into_inner());
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {
+                if std::time::Instant::now() >= deadline {
+                    return;
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    };
+    end_holds(batch);
+}
+
+/// Ends the holds of `batch` that are still on.
+fn end_holds(batch: Vec<(Weak<Conn>, u64)>) {
+    for (w, hold) in batch {
+        if let Some(c) = w.upgrade() {
+            c.end_hold_if(hold);
+            conn::release(c);
+        }
+    }
 }
 
 fn run() {
@@ -169,22 +219,26 @@ fn run() {
         }
     };
     loop {
-        let batch = {
+        // The holds queued now; they stay listed while the thread sleeps
+        // (the exit handler ends them if the process exits meanwhile).
+        let n = {
             let mut q = f.q.lock().unwrap_or_else(|e| e.into_inner());
             while q.is_empty() {
                 f.idle.store(true, Ordering::Relaxed);
                 q = f.cv.wait(q).unwrap_or_else(|e| e.into_inner());
             }
             f.idle.store(false, Ordering::Relaxed);
-            std::mem::take(&mut *q)
+            q.len()
         };
         // Every hold of the batch is at least this old afterwards.
         std::thread::sleep(crate::interpose::autocork_limit());
-        for (w, hold) in batch {
-            if let Some(c) = w.upgrade() {
-                c.end_hold_if(hold);
-                conn::release(c);
-            }
-        }
+        let batch: Vec<_> = {
+            let mut q = f.q.lock().unwrap_or_else(|e| e.into_inner());
+            // (Fewer if the exit handler took them: a later hold ended
+            // early costs only its coalescing.)
+            let n = n.min(q.len());
+            q.drain(..n).collect()
+        };
+        end_holds(batch);
     }
 }

@@ -388,6 +388,9 @@ struct State {
     tx_queue: VecDeque<(u32, usize)>,
     tx_inflight: u32,
     disconn_wanted: bool,
+    /// The exit flush wants the DisConn (`disconn_wanted` is its): a
+    /// write of another thread meanwhile is no error (see `exit`).
+    exit_flush: bool,
     /// Link lost (flushed work, QP no longer accepting work): messages
     /// that completed before are still delivered; then calls fail.
     link: Option<String>,
@@ -860,6 +863,7 @@ impl Offload {
                 tx_queue: VecDeque::new(),
                 tx_inflight: 0,
                 disconn_wanted: false,
+                exit_flush: false,
                 err: None,
                 link: None,
                 rd_shut: false,
@@ -1012,7 +1016,15 @@ impl Offload {
         let mut polled = false;
         let mut zc_ok = sh.zc_send && !nonblocking && bufs.len() == 1 && total >= sh.zc_threshold;
         loop {
-            if st.wr_shut || st.sdp.close.local_disconn || st.disconn_wanted {
+            if st.exit_flush && !st.wr_shut {
+                // The process is exiting: accepted until the exit flush's
+                // DisConn goes (sent before it), then held until the
+                // process ends (see `exit`).
+                if st.sdp.close.local_disconn {
+                    drop(st);
+                    return exit::write_after_exit_flush(nonblocking, deadline);
+                }
+            } else if st.wr_shut || st.sdp.close.local_disconn || st.disconn_wanted {
                 return Err(io::Error::new(
                     io::ErrorKind::BrokenPipe,
                     "connection shut down for writing",
@@ -1323,6 +1335,9 @@ impl Shared {
                 .tx_queue
                 .back()
                 .is_some_and(|&(_, len)| len < st.sdp.max_payload());
+        // After the exit flush's DisConn a write waits for the process to
+        // end (see `exit`): not writable, or a waiting writer would spin.
+        let writable = writable && !(st.exit_flush && st.sdp.close.local_disconn && !st.failed());
         (readable, writable)
     }
 

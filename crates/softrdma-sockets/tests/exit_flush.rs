@@ -50,6 +50,41 @@ fn spawn_child(name: &str, addr: std::net::SocketAddr, limit_ms: u64) -> Child {
 
 /// Where the child makes its second connection, if the test wants one.
 const ADDR2_ENV: &str = "SD_EXIT_FLUSH_ADDR2";
+/// Where the child makes its third connection, if the test wants one.
+const ADDR3_ENV: &str = "SD_EXIT_FLUSH_ADDR3";
+
+/// As [`spawn_child`], with the child's connections made to `addrs` (in
+/// the order of `ADDR_ENV`, `ADDR2_ENV`, `ADDR3_ENV`) and its standard
+/// error piped too (read with [`ended`]).
+fn spawn_child_at(name: &str, addrs: &[std::net::SocketAddr], limit_ms: u64) -> Child {
+    let mut cmd = Command::new("timeout");
+    cmd.arg("120")
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--include-ignored", "--nocapture", "-q"])
+        .env(LIMIT_ENV, limit_ms.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (env, addr) in [ADDR_ENV, ADDR2_ENV, ADDR3_ENV].iter().zip(addrs) {
+        cmd.env(env, addr.to_string());
+    }
+    cmd.spawn().unwrap()
+}
+
+/// In the parent: waits for the child; its exit status must be success
+/// and its standard error (piped) free of panics. Returns that output.
+fn ended(mut child: Child) -> String {
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(status.success(), "child: {status}\nstderr: {err}");
+    assert!(!err.contains("panicked"), "child stderr: {err}");
+    err
+}
 
 /// In the child: the connected stream, or `None` when run alone.
 fn child_stream() -> Option<TcpStream> {
@@ -301,17 +336,28 @@ fn stuck_child() {
 }
 
 /// The exit flush is bounded: a peer that never reads (its credits never
-/// come back) does not keep the writer's process from exiting.
+/// come back) does not keep the writer's process from exiting. The
+/// flush does wait for it, up to its bound (it had data to send): the
+/// child ends no sooner than the bound after saying it exits, and well
+/// before the hang guard (`timeout`, 120 s).
 #[test]
 fn exit_is_not_held_up_by_a_peer_that_does_not_read() {
+    const LIMIT_MS: u64 = 1500;
     let (l, addr) = listener();
-    let mut child = spawn_child("stuck_child", addr, 200);
+    let mut child = spawn_child("stuck_child", addr, LIMIT_MS);
     let (s, _) = l.accept().unwrap();
     assert!(s.transport().is_offloaded());
     assert!(wrote(&mut child) > 0);
-    // The child exits (after its bound) while this end still reads
-    // nothing; `timeout` (120 s) would kill a hung child: a failure.
+    let exiting = std::time::Instant::now();
     exited_ok(child);
+    let took = exiting.elapsed();
+    // Measured from after the child said it exits: the flush started
+    // later, and ends at its bound at the earliest (nothing is read).
+    assert!(
+        took >= Duration::from_millis(LIMIT_MS),
+        "the exit did not wait for the flush: {took:?}"
+    );
+    assert!(took < Duration::from_secs(60), "{took:?}");
     drop(s);
 }
 
@@ -324,14 +370,18 @@ fn off_child() {
 
 /// `SOFTRDMA_SOCKETS_EXIT_FLUSH_MS=0` turns the exit flush off: the
 /// corked octets are not sent and the peer sees the connection end
-/// without EOF.
+/// without EOF; the same child with the flush on sends them.
 #[test]
 fn exit_flush_off_leaves_held_data_unsent() {
     child_writes_lost("off_child", 0, |_| {});
+    let (l, _) = listener();
+    child_writes_arrive(&l, "off_child", Duration::ZERO, 64 * 1024, Duration::ZERO);
 }
 
-/// The stream an application's own exit handler uncorks (as the preload's
-/// autocork handler does at exit).
+/// The stream an application's own exit handler uncorks, reached through
+/// a static (the exiting thread's thread-locals are destroyed before the
+/// exit handlers run): as the preload's autocork handler reaches its
+/// holds, through its flusher's process-wide list.
 static UNCORK_AT_EXIT: std::sync::OnceLock<TcpStream> = std::sync::OnceLock::new();
 
 extern "C" fn uncork_at_exit() {
@@ -446,7 +496,8 @@ fn a_stream_whose_peer_does_not_read_does_not_hold_up_the_others() {
     exited_ok(child);
 }
 
-/// Child of `held_data_is_discarded_at_exit_with_so_linger_zero`.
+/// Child of `held_data_is_discarded_at_exit_with_so_linger_zero`: a
+/// corked stream with `SO_LINGER` zero, and a corked one without.
 #[test]
 #[ignore = "child process of held_data_is_discarded_at_exit_with_so_linger_zero"]
 fn linger_zero_child() {
@@ -455,15 +506,37 @@ fn linger_zero_child() {
         .set_linger(Some(Duration::ZERO))
         .unwrap();
     let n = write_corked(&mut s, &[50, 60]);
-    exit_now(s, n);
+    let addr2 = std::env::var(ADDR2_ENV).unwrap();
+    let mut plain = TcpStream::connect_with(&addr2, &offload()).unwrap();
+    let m = write_corked(&mut plain, &[70, 80]);
+    println!("wrote {n} {m}");
+    std::io::stdout().flush().unwrap();
+    let _kept = (s, plain);
+    std::process::exit(0);
 }
 
 /// As the kernel's implicit close of a socket with `SO_LINGER` on and a
 /// zero time (an abortive close): the held data is not sent, the
-/// connection is reset.
+/// connection is reset; the same process's other stream, without it, is
+/// flushed.
 #[test]
 fn held_data_is_discarded_at_exit_with_so_linger_zero() {
-    child_writes_lost("linger_zero_child", 60_000, |_| {});
+    let (l1, addr1) = listener();
+    let (l2, addr2) = listener();
+    let mut child = spawn_child_at("linger_zero_child", &[addr1, addr2], 60_000);
+    let (mut lingering, _) = l1.accept().unwrap();
+    let (mut plain, _) = l2.accept().unwrap();
+    let n = wrote_each(&mut child);
+    let got = read_all(&mut plain, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n[1]), "{} of {}", got.len(), n[1]);
+    drop(plain);
+    lingering
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let r = lingering.read(&mut buf);
+    ended(child);
+    assert!(r.is_err(), "read {r:?}");
 }
 
 /// Child of `a_stream_with_unread_data_is_reset_at_exit`.
@@ -488,4 +561,113 @@ fn unread_child() {
 fn a_stream_with_unread_data_is_reset_at_exit() {
     let e = child_writes_lost("unread_child", 60_000, |s| s.write_all(b"ping").unwrap());
     assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+    // The exit flush's reset, not the link lost at the exit.
+    assert!(e.to_string().contains("AbortConn"), "{e}");
+}
+
+/// Child of `exit_after_a_close_in_the_same_thread_flushes_every_stream`:
+/// closes a stream first (its close waits for the peer's FIN in the CQ:
+/// the thread's CQ sleep set is made), then exits with a stream out of
+/// credits and a corked one.
+#[test]
+#[ignore = "child process of exit_after_a_close_in_the_same_thread_flushes_every_stream"]
+fn closed_first_child() {
+    let Some(first) = child_stream() else { return };
+    (&first).write_all(b"first").unwrap();
+    drop(first);
+    let addr2 = std::env::var(ADDR2_ENV).unwrap();
+    let mut stuck = TcpStream::connect_with(&addr2, &offload()).unwrap();
+    let n_stuck = write_until_out_of_credits(&mut stuck);
+    let addr3 = std::env::var(ADDR3_ENV).unwrap();
+    let mut corked = TcpStream::connect_with(&addr3, &offload()).unwrap();
+    let n_corked = write_corked(&mut corked, &[100, 2000, 7]);
+    println!("wrote {n_stuck} {n_corked}");
+    std::io::stdout().flush().unwrap();
+    let _kept = (stuck, corked);
+    std::process::exit(0);
+}
+
+/// Regression: glibc's `exit` destroys the exiting thread's locals
+/// before the exit handlers run; a thread that had slept in a CQ wait
+/// before (a close) panicked in the exit flush's wait ("cannot access a
+/// Thread Local Storage value during or after destruction"): the flush
+/// was abandoned (data lost) and the panic printed on stderr.
+#[test]
+fn exit_after_a_close_in_the_same_thread_flushes_every_stream() {
+    let (l1, addr1) = listener();
+    let (l2, addr2) = listener();
+    let (l3, addr3) = listener();
+    let mut child = spawn_child_at("closed_first_child", &[addr1, addr2, addr3], 60_000);
+    let (mut first, _) = l1.accept().unwrap();
+    assert_eq!(read_all(&mut first, 64, Duration::ZERO), b"first");
+    drop(first);
+    let (mut stuck, _) = l2.accept().unwrap();
+    let (mut corked, _) = l3.accept().unwrap();
+    let n = wrote_each(&mut child);
+    let (n_stuck, n_corked) = (n[0], n[1]);
+    let got = read_all(&mut corked, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n_corked), "{} of {n_corked}", got.len());
+    drop(corked);
+    let got = read_all(&mut stuck, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n_stuck), "{} of {n_stuck}", got.len());
+    drop(stuck);
+    let err = ended(child);
+    assert!(!err.contains("Thread Local"), "child stderr: {err}");
+}
+
+/// Child of `another_threads_write_during_the_exit_flush_does_not_fail`:
+/// a thread writes to its stream all along (one octet at a time) while
+/// the main thread exits with a corked stream.
+#[test]
+#[ignore = "child process of another_threads_write_during_the_exit_flush_does_not_fail"]
+fn writer_thread_child() {
+    let Some(mut corked) = child_stream() else {
+        return;
+    };
+    let addr2 = std::env::var(ADDR2_ENV).unwrap();
+    let busy = TcpStream::connect_with(&addr2, &offload()).unwrap();
+    busy.set_nodelay(true).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut first = Some(tx);
+        loop {
+            if let Err(e) = (&busy).write(b"x") {
+                eprintln!("WRITER ERROR: {e}");
+                return;
+            }
+            if let Some(tx) = first.take() {
+                tx.send(()).unwrap();
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    });
+    rx.recv().unwrap();
+    let n = write_corked(&mut corked, &[30, 40]);
+    exit_now(corked, n);
+}
+
+/// Regression: a write of another thread while the exit flush ran
+/// failed with `EPIPE` (the flush wants the DisConn), which raises
+/// `SIGPIPE` under the preload and kills the exiting process. The
+/// kernel's TCP takes such writes until the process ends: they are now
+/// sent before the DisConn, or wait for the process to end.
+#[test]
+fn another_threads_write_during_the_exit_flush_does_not_fail() {
+    let (l1, addr1) = listener();
+    let (l2, addr2) = listener();
+    let mut child = spawn_child_at("writer_thread_child", &[addr1, addr2], 60_000);
+    let (mut corked, _) = l1.accept().unwrap();
+    let (mut busy, _) = l2.accept().unwrap();
+    let n = wrote(&mut child);
+    let got = read_all(&mut corked, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n), "{} of {n}", got.len());
+    // The flush waits for this end's FIN (the corked stream had data):
+    // the writer writes meanwhile.
+    std::thread::sleep(Duration::from_millis(200));
+    drop(corked);
+    let got = read_all(&mut busy, 64 * 1024, Duration::ZERO);
+    assert!(!got.is_empty() && got.iter().all(|&b| b == b'x'));
+    drop(busy);
+    let err = ended(child);
+    assert!(!err.contains("WRITER ERROR"), "child stderr: {err}");
 }

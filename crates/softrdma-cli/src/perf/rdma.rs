@@ -197,15 +197,19 @@ impl End {
         QueuePair::new(&self.pd, &attr).map_err(eng)
     }
 
-    /// Registers `len` bytes (at least 8) with `access`, in memory that
-    /// the kernel backs only once touched (`vec![0; n]` is a `calloc`: fresh
-    /// zero pages), so a large buffer costs memory only as far as the test
-    /// uses it. (`ProtectionDomain::register` page-aligns its allocation,
-    /// and the allocator zero-fills aligned allocations by writing them.)
+    /// Registers `len` bytes (at least 8) with `access`, zeroed memory the
+    /// kernel backs only once touched, so a large buffer costs memory only
+    /// as far as the test uses it; from 2 MiB on, backed by transparent
+    /// huge pages where the kernel allows it
+    /// (`ProtectionDomain::register_huge`: an 8 MiB Write target took 10.6
+    /// page faults per MiB instead of 1.7).
     pub(super) fn mr(&self, len: usize, access: Access) -> Result<MemoryRegion, PerfError> {
-        self.pd
-            .register_vec(vec![0u8; len.max(8)], access)
-            .map_err(eng)
+        let len = len.max(8);
+        if len >= 2 << 20 {
+            self.pd.register_huge(len, access).map_err(eng)
+        } else {
+            self.pd.register_vec(vec![0u8; len], access).map_err(eng)
+        }
     }
 
     fn need(&self, n: Need) -> Result<MemoryRegion, PerfError> {

@@ -300,6 +300,9 @@ fn list_for_exit(qp: &QpInner) {
     list.push(qp.self_weak.clone());
 }
 
+/// Longest wait for the exit list's lock at exit.
+pub(crate) const EXIT_LIST_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// At `exit(3)`: writes the posts the process's QPs deferred to their
 /// posters' next polls. A request posted is sent as without batching,
 /// also if its poster exits right after posting, without polling or
@@ -321,7 +324,15 @@ pub(crate) extern "C" fn flush_at_exit() {
         let Some(list) = EXIT_LIST.peek() else {
             return;
         };
-        let qps: Vec<Arc<QpInner>> = list.lock().iter().filter_map(Weak::upgrade).collect();
+        // Bounded: the exiting thread itself may hold it (`exit` called
+        // from a signal handler that interrupted `list_for_exit`), or
+        // another thread that is stuck; the deferred posts then go with
+        // their posters' polls, if any come.
+        let Some(list) = list.try_lock_for(EXIT_LIST_WAIT) else {
+            return;
+        };
+        let qps: Vec<Arc<QpInner>> = list.iter().filter_map(Weak::upgrade).collect();
+        drop(list);
         for qp in qps {
             if qp.tx_batch.take_deferred() {
                 qp.core_kick();
@@ -1163,5 +1174,21 @@ mod tests {
             true
         });
         assert!(ok, "the child waited for its parent's exit list");
+    }
+
+    /// The exit flush took the exit list with a blocking lock: a process
+    /// whose exiting thread held it already (`exit` from a signal handler
+    /// that interrupted the listing of a QP) hung for ever at exit. The
+    /// lock is now tried for a bounded time. (In a child: the flush marks
+    /// the process as exiting.)
+    #[test]
+    fn the_exit_flush_does_not_hang_on_an_exit_list_the_exiting_thread_holds() {
+        let ok = crate::sys::process::in_child(Duration::from_secs(20), || {
+            let held = super::EXIT_LIST.get(Default::default).lock();
+            super::flush_at_exit();
+            drop(held);
+            true
+        });
+        assert!(ok, "the exit flush hung on the exit list's lock");
     }
 }

@@ -27,16 +27,17 @@ pub(crate) const PAGE_SIZE: usize = 4096;
 /// lazily by the kernel) instead of allocator memory.
 const MAP_MIN: usize = 64 * 1024;
 
-/// Buffers taken over from a `Vec` ([`Memory::from_vec`]) of at least
-/// this many bytes are backed by transparent huge pages where the kernel
-/// allows it (`madvise(MADV_HUGEPAGE)` on their 2 MiB-aligned interior):
-/// far fewer page faults at first touch and TLB misses as the data path
-/// copies megabytes into them. The caller made that buffer (and usually
-/// wrote it), so it costs no more memory. Not for regions the engine maps
-/// itself ([`Memory::alloc_zeroed`]): those are backed only where touched,
-/// 4 KiB at a time, and users rely on that (a socket's 4 MiB receive ring
-/// of which an idle connection touches 512 KiB, `softrdma-sockets`); a huge
-/// page would make 2 MiB resident at the first touch and zero it at once.
+/// Regions asked for with [`Memory::alloc_zeroed_huge`] of at least this
+/// many bytes are backed by transparent huge pages where the kernel allows
+/// it (`madvise(MADV_HUGEPAGE)` on their 2 MiB-aligned interior): far
+/// fewer page faults at first touch and TLB misses as the data path copies
+/// megabytes into them, at the price of memory made resident 2 MiB at a
+/// time. Only on request and only on mappings the engine makes and
+/// unmaps itself, so the advice ends with the region: other regions are
+/// backed only where touched, 4 KiB at a time, and users rely on that (a
+/// socket's 4 MiB receive ring of which an idle connection touches
+/// 512 KiB, `softrdma-sockets`); a buffer taken over from a `Vec` goes
+/// back to the allocator, where advice would outlive it.
 pub(crate) const HUGE_MIN: usize = 2 * 1024 * 1024;
 
 /// Asks for transparent huge pages on the 2 MiB-aligned interior of the
@@ -182,6 +183,21 @@ impl Memory {
         }))
     }
 
+    /// As [`Memory::alloc_zeroed`], and a region of at least [`HUGE_MIN`]
+    /// bytes that is a mapping of its own asks for transparent huge pages
+    /// (see [`HUGE_MIN`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Memory::alloc_zeroed`].
+    pub(crate) fn alloc_zeroed_huge(len: usize) -> Result<Arc<Memory>, MemError> {
+        let m = Memory::alloc_zeroed(len)?;
+        if matches!(m.owner, Owner::Map(_)) {
+            advise_huge(m.base(), m.len());
+        }
+        Ok(m)
+    }
+
     /// Takes ownership of the bytes of `v` (no copy). The memory is
     /// `v.len()` bytes long; spare capacity is kept and freed with it.
     pub(crate) fn from_vec(v: Vec<u8>) -> Arc<Memory> {
@@ -190,7 +206,6 @@ impl Memory {
         let capacity = v.capacity();
         // A Vec's pointer is never null (dangling but non-null when empty).
         let base = NonNull::new(v.as_mut_ptr()).unwrap_or(NonNull::dangling());
-        advise_huge(base.as_ptr(), capacity);
         let owner = if capacity == 0 {
             Owner::None
         } else {
@@ -447,24 +462,59 @@ mod tests {
         0
     }
 
-    /// Large buffers taken from a `Vec` are backed by huge pages once
+    /// `thp_fault_fallback` of `/proc/vmstat`: faults that wanted a huge
+    /// page and got small ones (memory too fragmented).
+    fn thp_fallbacks() -> u64 {
+        std::fs::read_to_string("/proc/vmstat")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("thp_fault_fallback "))
+                    .and_then(|v| v.trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
+    /// Large regions asked for with huge pages are backed by them once
     /// touched (2048 page faults fewer per 8 MiB, and the TLB misses of
     /// copying into them); the 2 MiB-aligned interior only.
     #[test]
-    fn large_vec_buffers_are_backed_by_huge_pages() {
+    fn huge_regions_are_backed_by_huge_pages() {
         if !thp_on_advice() {
             eprintln!("transparent huge pages off: nothing to check");
             return;
         }
         const LEN: usize = 8 << 20;
-        let v = Memory::from_vec(vec![0u8; LEN]);
+        let fallbacks = thp_fallbacks();
+        let v = Memory::alloc_zeroed_huge(LEN).unwrap();
         assert!(v.fill(0, LEN, 1));
         let kb = huge_kb_at(v.base() as usize + LEN / 2);
+        if kb == 0 && thp_fallbacks() > fallbacks {
+            eprintln!("the kernel fell back to small pages (fragmented memory)");
+            return;
+        }
         assert!(kb >= 2048, "{kb} kB in huge pages");
         // Small ones are left alone.
-        let s = Memory::alloc_zeroed(HUGE_MIN - PAGE_SIZE).unwrap();
+        let s = Memory::alloc_zeroed_huge(HUGE_MIN - PAGE_SIZE).unwrap();
         assert!(s.fill(0, s.len(), 1));
         assert!(!advise_huge(s.base(), s.len()));
+    }
+
+    /// A buffer taken over from a `Vec` gets no huge-page advice: its
+    /// memory goes back to the allocator with the region, where the
+    /// advice would outlive it (later allocations there, malloc's trims).
+    #[test]
+    fn vec_buffers_get_no_huge_page_advice() {
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        if !thp.contains("[madvise]") {
+            eprintln!("transparent huge pages not on advice: nothing to check");
+            return;
+        }
+        const LEN: usize = 8 << 20;
+        let v = Memory::from_vec(vec![0u8; LEN]);
+        assert!(v.fill(0, LEN, 1));
+        assert_eq!(huge_kb_at(v.base() as usize + LEN / 2), 0);
     }
 
     /// A large region the engine maps stays backed 4 KiB at a time where

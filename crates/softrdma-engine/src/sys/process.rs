@@ -95,14 +95,40 @@ pub(crate) fn in_child(limit: std::time::Duration, f: impl FnOnce() -> bool) -> 
 /// COUNT.get(Default::default).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 /// assert!(COUNT.peek().is_some());
 /// ```
+///
+/// The value is reached from any thread that reaches the slot, so a slot
+/// is `Send` and `Sync` only if `T` is both: a value that is not `Sync`
+/// cannot be shared through it.
+///
+/// ```compile_fail
+/// use softrdma_engine::PerFork;
+/// let p: PerFork<std::cell::Cell<u64>> = PerFork::new();
+/// let mine = p.get(|| std::cell::Cell::new(0));
+/// // `PerFork<Cell<_>>` is not `Send`: the same `&'static Cell` would be
+/// // used from two threads.
+/// std::thread::spawn(move || p.peek().unwrap().set(1));
+/// mine.set(2);
+/// ```
+///
+/// ```compile_fail
+/// use softrdma_engine::PerFork;
+/// static P: PerFork<std::cell::Cell<u64>> = PerFork::new();
+/// ```
 pub struct PerFork<T: 'static> {
     slot: std::sync::atomic::AtomicPtr<(u64, T)>,
+    /// Neither `Send` nor `Sync` of its own (an `AtomicPtr` is both, for
+    /// any `T`): the impls below say when.
+    _not_auto: std::marker::PhantomData<*const T>,
 }
 
-// SAFETY: the slot hands out `&'static T` to any thread (so `T: Sync`)
-// and a value made by one thread may be dropped by another (a lost race,
-// so `T: Send`).
+// SAFETY: the slot hands out `&'static T` to any thread that reaches it
+// (so `T: Sync`, for a shared slot as for one sent to another thread) and
+// a value made by one thread may be dropped by another (a lost race, so
+// `T: Send`).
 unsafe impl<T: Send + Sync> Sync for PerFork<T> {}
+// SAFETY: as for `Sync` above: a slot sent to another thread hands the
+// same `&'static T` out there.
+unsafe impl<T: Send + Sync> Send for PerFork<T> {}
 
 impl<T: 'static> std::fmt::Debug for PerFork<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -123,6 +149,7 @@ impl<T: 'static> PerFork<T> {
     pub const fn new() -> Self {
         PerFork {
             slot: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+            _not_auto: std::marker::PhantomData,
         }
     }
 

@@ -1038,7 +1038,10 @@ fn the_batch_buffer_is_given_back_after_reads_without_batches() {
     assert!(b.rx.batch, "batching on (SOFTRDMA_RX_BATCH=0 set?)");
     let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
     let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
-    assert_eq!(b.rx.buf.len(), STAGING);
+    assert!(
+        b.rx.buf.len() <= STAGING,
+        "no more than a staging buffer before any batch"
+    );
     // A backlog of 2 MiB: the reader batches.
     queue_writes(&mut a, &mut ma, &src, &dst, 0, MIB, 2, 0);
     run(&mut a, &mut ma, &mut b, &mut mb, |a, _| a.done.len() >= 2);
