@@ -442,6 +442,13 @@ mod tests {
             .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"))
     }
 
+    /// Transparent huge pages only where advised (`madvise`), so memory
+    /// without advice must show none.
+    fn thp_only_on_advice() -> bool {
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|s| s.contains("[madvise]"))
+    }
+
     /// `AnonHugePages` (kB) of the mapping holding `addr`, from
     /// `/proc/self/smaps`.
     fn huge_kb_at(addr: usize) -> usize {
@@ -505,9 +512,7 @@ mod tests {
     /// advice would outlive it (later allocations there, malloc's trims).
     #[test]
     fn vec_buffers_get_no_huge_page_advice() {
-        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-            .unwrap_or_default();
-        if !thp.contains("[madvise]") {
+        if !thp_only_on_advice() {
             eprintln!("transparent huge pages not on advice: nothing to check");
             return;
         }
@@ -522,9 +527,7 @@ mod tests {
     /// uses 512 KiB): no huge page, which would make 2 MiB resident.
     #[test]
     fn mapped_regions_stay_backed_only_where_touched() {
-        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-            .unwrap_or_default();
-        if !thp.contains("[madvise]") {
+        if !thp_only_on_advice() {
             eprintln!("transparent huge pages not on advice: nothing to check");
             return;
         }
