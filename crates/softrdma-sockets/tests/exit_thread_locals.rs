@@ -137,9 +137,10 @@ extern "C" fn connect_late() {
 }
 
 /// Regression: a connect took the thread's kept detection query socket
-/// (and kept its own) with `with`, and registered memory with STags drawn
-/// from `rand::rng()`; an exit handler that connected on a thread that had
-/// connected before panicked (the process aborted).
+/// (and kept its own) with `with`; an exit handler that connected on a
+/// thread that had connected before panicked (the process aborted).
+/// (Memory registration in an exit handler, whose STags came from
+/// `rand::rng()`, is the engine's `exit_thread_locals` test.)
 #[test]
 fn connecting_in_an_exit_handler_after_the_thread_connected_does_not_panic() {
     run_child("connecting_in_an_exit_handler_child");
