@@ -1,8 +1,10 @@
-//! Waits after the calling thread's locals were destroyed: glibc's `exit`
+//! Calls after the calling thread's locals were destroyed: glibc's `exit`
 //! destroys the exiting thread's thread-locals before it runs the exit
 //! handlers, and an exit handler may wait on a completion queue (sockets
-//! direct's exit flush). A thread's own end destroys them the same way
-//! (last made first), which these tests use.
+//! direct's exit flush) or register memory. A thread's own end destroys
+//! them the same way (last made first), which the CQ wait test uses; the
+//! registration test runs a child process (this test binary again) that
+//! calls `exit`.
 
 use std::cell::RefCell;
 use std::sync::Mutex;
