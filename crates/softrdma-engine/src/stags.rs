@@ -4,10 +4,12 @@
 //! the public types of this module. The table is a module of its own, below
 //! the device that owns it, so that the device does not import `mr`.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use parking_lot::RwLock;
-use rand::Rng;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use softrdma_wire::errcode::TermError;
 
 use crate::sys::mem::{MemError, Memory};
@@ -406,15 +408,40 @@ pub(crate) const fn stag(index: u32, key: u8) -> u32 {
     (index << 8) | key as u32
 }
 
+thread_local! {
+    /// The calling thread's generator of STag indices and keys, seeded
+    /// from the operating system (ChaCha: STags stay hard to guess). Not
+    /// `rand::rng()`: that is a thread-local with a destructor, and
+    /// glibc's `exit` destroys the exiting thread's thread-locals before
+    /// it runs the exit handlers, which may register memory or connect
+    /// (`with` then panics). This one has no destructor.
+    static RNG: Cell<Option<StdRng>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with a random generator: the thread's own (see [`RNG`]), or
+/// one seeded from the operating system for this call if it cannot be had
+/// (a nested call, or the thread's locals already destroyed).
+fn with_rng<R>(f: impl FnOnce(&mut StdRng) -> R) -> R {
+    let mut rng = RNG
+        .try_with(Cell::take)
+        .ok()
+        .flatten()
+        .unwrap_or_else(StdRng::from_os_rng);
+    let r = f(&mut rng);
+    let _ = RNG.try_with(|c| c.set(Some(rng)));
+    r
+}
+
 /// A random key different from `previous`.
 pub(crate) fn fresh_key(previous: Option<u8>) -> u8 {
-    let mut rng = rand::rng();
-    loop {
-        let k: u8 = rng.random();
-        if Some(k) != previous {
-            return k;
+    with_rng(|rng| {
+        loop {
+            let k: u8 = rng.random();
+            if Some(k) != previous {
+                return k;
+            }
         }
-    }
+    })
 }
 
 /// What a window bind asks for: the range of the region, the rights, and
@@ -515,17 +542,21 @@ impl Slots {
     /// A random unused index: random draws, then (if the table is very
     /// full) the next unused index after a random start.
     fn free_index(&self) -> Option<u32> {
-        let mut rng = rand::rng();
-        for _ in 0..64 {
-            let i = rng.random_range(1..=MAX_INDEX);
-            if !self.entries.contains_key(&i) {
-                return Some(i);
+        let start = with_rng(|rng| {
+            for _ in 0..64 {
+                let i = rng.random_range(1..=MAX_INDEX);
+                if !self.entries.contains_key(&i) {
+                    return Ok(i);
+                }
             }
+            Err(rng.random_range(1..=MAX_INDEX))
+        });
+        match start {
+            Ok(i) => Some(i),
+            Err(start) => (start..=MAX_INDEX)
+                .chain(1..start)
+                .find(|i| !self.entries.contains_key(i)),
         }
-        let start = rng.random_range(1..=MAX_INDEX);
-        (start..=MAX_INDEX)
-            .chain(1..start)
-            .find(|i| !self.entries.contains_key(i))
     }
 }
 

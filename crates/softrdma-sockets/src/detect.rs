@@ -261,7 +261,13 @@ impl Drop for Pending {
             && self.keep
         {
             let kept = (self.dest, s, self.client_addr, self.generation);
-            QUERY_SOCK.with(|c| *c.borrow_mut() = Some(kept));
+            // Not kept (closed) after the thread's locals were destroyed
+            // (see [`QUERY_SOCK`]).
+            let _ = QUERY_SOCK.try_with(|c| {
+                if let Ok(mut c) = c.try_borrow_mut() {
+                    *c = Some(kept);
+                }
+            });
         }
     }
 }
@@ -275,7 +281,9 @@ thread_local! {
     /// connects keep one (not [`crate::external`]'s callers, which
     /// interpose on applications that may count or close descriptors),
     /// and a forked child makes its own (a shared socket would let parent
-    /// and child take each other's answers).
+    /// and child take each other's answers). Used with `try_with`: glibc's
+    /// `exit` destroys the exiting thread's locals before it runs the exit
+    /// handlers, which may connect (a new socket then, not kept).
     static QUERY_SOCK: std::cell::RefCell<Option<QuerySock>> =
         const { std::cell::RefCell::new(None) };
 }
@@ -293,7 +301,10 @@ type QuerySock = (SocketAddr, UdpSocket, Ipv6Addr, u64);
 /// [`send_query_with`]).
 fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Addr, u64, bool)> {
     let kept = if reuse {
-        QUERY_SOCK.with(|c| c.borrow_mut().take())
+        QUERY_SOCK
+            .try_with(|c| c.try_borrow_mut().ok()?.take())
+            .ok()
+            .flatten()
     } else {
         None
     };

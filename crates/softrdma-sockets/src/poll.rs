@@ -177,16 +177,21 @@ fn wait(
     on_progress: bool,
 ) -> io::Result<usize> {
     let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-    SET.with(|set| match set.try_borrow_mut() {
-        Ok(mut set) => {
-            let r = wait_in(&mut set, entries, deadline, mask, on_progress);
-            // Holds no connection's CQ between calls.
-            set.clear();
-            r
-        }
-        // Called again from a signal handler that interrupted a call.
-        Err(_) => wait_in(&mut WaitSet::new(), entries, deadline, mask, on_progress),
-    })
+    // A call from a signal handler that interrupted a call gets a set of
+    // its own, as does a call after the thread's locals were destroyed:
+    // glibc's `exit` destroys the exiting thread's before it runs the exit
+    // handlers, which may poll (`with` would panic there).
+    let r = SET.try_with(|set| {
+        let mut set = set.try_borrow_mut().ok()?;
+        let r = wait_in(&mut set, entries, deadline, mask, on_progress);
+        // Holds no connection's CQ between calls.
+        set.clear();
+        Some(r)
+    });
+    match r {
+        Ok(Some(r)) => r,
+        _ => wait_in(&mut WaitSet::new(), entries, deadline, mask, on_progress),
+    }
 }
 
 fn wait_in(

@@ -164,7 +164,10 @@ pub(crate) struct RxIo {
     end: usize,
     /// The last payload was small: read as much as there is.
     small: bool,
-    /// The last read came back short.
+    /// The last read through the staging buffer (a batch, a read of the
+    /// staging buffer, one outside the run: [`Self::staged_short`]) came
+    /// back short, and no direct read came back full since: the socket is
+    /// very likely empty.
     drained_hint: bool,
     /// Bytes were staged by a read outside the run ([`put_staging`]),
     /// which came back short: the run starts drained (`begin`).
@@ -192,8 +195,9 @@ pub(crate) struct RxIo {
     batching: bool,
     /// Batched reads made.
     pub(crate) batches: u64,
-    /// [`Self::reads`] at the last batch: the staging buffer grown for
-    /// batches shrinks back after [`BATCH_RELEASE_READS`] reads without one.
+    /// [`Self::reads`] after the last batch (its own read counted): the
+    /// staging buffer grown for batches shrinks back after
+    /// [`BATCH_RELEASE_READS`] reads without one.
     batch_reads: u64,
     /// Reads made (each `readv`/`recv` on the socket).
     pub(crate) reads: u64,
@@ -343,7 +347,9 @@ impl RxIo {
             }
             self.start = 0;
             self.end = 0;
-            if self.buf.len() > STAGING && self.reads - self.batch_reads >= BATCH_RELEASE_READS {
+            if self.buf.len() > STAGING
+                && self.reads.saturating_sub(self.batch_reads) >= BATCH_RELEASE_READS
+            {
                 // Back to reads into place for a while: the 256 KiB batch
                 // buffer is given back (it is empty here).
                 self.buf.truncate(STAGING);
@@ -373,7 +379,8 @@ impl RxIo {
                 }
                 self.full_reads = 0;
                 self.batches += 1;
-                self.batch_reads = self.reads;
+                // The batch's own read is counted when it is placed.
+                self.batch_reads = self.reads + 1;
                 return RxStep::Direct(DirectRead {
                     dst: None,
                     buf: std::mem::take(&mut self.buf),
@@ -395,9 +402,14 @@ impl RxIo {
                     if dst.len >= DIRECT_MIN {
                         self.small = false;
                     } else if self.drained_hint {
-                        // The tail after a batch that came back short: the
-                        // socket is very likely empty (no `read` to find
-                        // `EAGAIN`, as for the staging buffer).
+                        // A read through the staging buffer came back
+                        // short (a batch ending inside this payload, or a
+                        // staging read, in this run or before it) and no
+                        // direct read came back full since: the socket is
+                        // very likely empty (no `read` to find `EAGAIN`, as
+                        // for the staging buffer). Wrong at worst when data
+                        // came meanwhile: one wake-up more, not a stall
+                        // (the socket is readable).
                         return RxStep::Stop(RxStop::Drained);
                     }
                     let mut iov = std::mem::take(&mut self.iov);
@@ -478,6 +490,11 @@ impl RxIo {
             // message instead of a 32 KiB read for dozens.
             self.direct_next = (full && dst.len >= DIRECT_MIN) || (n > 0 && placed < dst.len);
             self.full_reads = if full { self.full_reads + 1 } else { 0 };
+            if full {
+                // The socket held more than was asked for: an earlier
+                // short read no longer says it is empty.
+                self.drained_hint = false;
+            }
             let took = conn.handle_rx_placed_in(placed, mem);
             self.bytes_placed += took as u64;
             self.end = n - placed;

@@ -983,6 +983,98 @@ fn a_short_batch_does_not_start_a_chain_of_staging_reads() {
         "{staged} of {} bytes read through the staging buffer outside batches",
         wire.len()
     );
+    // Reads: the first staging reads, then per piece four direct reads
+    // and a batch that comes back short, after which the rest of the FPDU
+    // it ended in waits for the next piece (the socket is drained: no
+    // read to find `EAGAIN`). Without that stop, one read more per piece
+    // (85 here instead of 73).
+    let pieces = wire.len().div_ceil(PIECE) as u64;
+    assert!(
+        b.rx.reads <= 4 + 5 * pieces,
+        "{} reads for {pieces} pieces",
+        b.rx.reads
+    );
+}
+
+/// A read through the staging buffer that came back short said the
+/// socket was drained, and still did after a direct read that came back
+/// full (the socket held more): the short tail of a large Write after
+/// that read was taken as "the socket is empty" and left unread until the
+/// next wake-up. Here the reader's first read gets the start of a Write
+/// (short), the rest arrives before its direct read of the first FPDU's
+/// payload, and the whole Write must be read in the same run.
+#[test]
+fn a_short_read_before_a_full_direct_read_does_not_stop_the_run() {
+    use std::io::Write as _;
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    const PAYLOAD: usize = 16 * 1024;
+    // Two FPDUs: a full one and a last one of 500 bytes (less than
+    // `DIRECT_MIN`; what is left of it after the read-ahead too).
+    const LEN: usize = PAYLOAD + 500;
+    let src = region(&pa, LEN, 1);
+    let dst = region(&pb, LEN, 2);
+    let (sa, mut sc) = sockets();
+    let mut a = Side::new(config(false), sa);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    let w = sge(&src, 0, LEN as u32);
+    let wr = SendWr::new(
+        1,
+        SendOp::Write {
+            rkey: dst.rkey(),
+            remote_addr: dst.addr(),
+            imm: None,
+        },
+        &w,
+    );
+    a.conn.post_send(&wr, &mut ma).unwrap();
+    let wire = wire_of(&mut a, &mut ma, &mut sc, 0);
+    assert!(wire.len() > LEN, "{} bytes", wire.len());
+    let (mut sd, sb) = sockets();
+    let mut b = Side::new(config(false), sb);
+    let fd = b.sock.as_raw_fd();
+    // The start of the first FPDU: read through the staging buffer,
+    // short.
+    const FIRST: usize = 1000;
+    sd.write_all(&wire[..FIRST]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut rest = Some(&wire[FIRST..]);
+    b.rx.begin();
+    let stop = loop {
+        assert!(Instant::now() < deadline, "reader stuck");
+        match b.rx.step(&mut b.conn, &mut mb, fd, 1) {
+            RxStep::Stop(RxStop::Drained) if b.rx.bytes_received < FIRST as u64 => {
+                // The first bytes are not there yet.
+                b.rx.begin();
+                std::thread::yield_now();
+            }
+            RxStep::Stop(stop) => break stop,
+            RxStep::Direct(mut d) => {
+                if let Some(rest) = rest.take() {
+                    // The rest arrives before the direct read.
+                    assert!(b.rx.drained_hint, "the first read was not short");
+                    sd.write_all(rest).unwrap();
+                    let mut peek = vec![0u8; 2 * rest.len()];
+                    while b.sock.peek(&mut peek).unwrap_or(0) < rest.len() {
+                        assert!(Instant::now() < deadline, "rest not arriving");
+                        std::thread::yield_now();
+                    }
+                }
+                let r = d.read(fd);
+                if let Some(stop) = b.rx.placed(&mut b.conn, &mut mb, d, r, 1) {
+                    break stop;
+                }
+            }
+        }
+    };
+    assert!(rest.is_none(), "no direct read");
+    assert_eq!(
+        b.rx.bytes_received,
+        wire.len() as u64,
+        "stopped ({stop:?}) before the end of the Write"
+    );
+    assert_eq!(first_diff(&dst.to_vec(), &src.to_vec()), None);
 }
 
 /// Queues `writes` Writes of `len` bytes each from `src` at `at` to `dst`
