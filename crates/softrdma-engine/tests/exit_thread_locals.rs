@@ -99,11 +99,10 @@ fn is_child(name: &str) -> bool {
 /// Registers `f` as an exit handler and calls `exit` (glibc destroys the
 /// calling thread's thread-locals, then runs `f`).
 fn exit_with(f: extern "C" fn()) -> ! {
-    // SAFETY: `f` is a plain function that does not return early or
-    // unwind (a panic in it aborts).
-    assert_eq!(unsafe { libc::atexit(f) }, 0);
-    // SAFETY: ends the process; nothing of this thread is used after.
-    unsafe { libc::exit(0) }
+    // (A panic in `f`, an `extern "C"` function, aborts the child.)
+    assert!(softrdma_engine::at_exit(f));
+    // `exit(3)`, as the C library's: thread-locals, then exit handlers.
+    std::process::exit(0)
 }
 
 /// The protection domain the child's exit handler registers memory in.
