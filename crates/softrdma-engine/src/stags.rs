@@ -414,21 +414,27 @@ thread_local! {
     /// `rand::rng()`: that is a thread-local with a destructor, and
     /// glibc's `exit` destroys the exiting thread's thread-locals before
     /// it runs the exit handlers, which may register memory or connect
-    /// (`with` then panics). This one has no destructor.
-    static RNG: Cell<Option<StdRng>> = const { Cell::new(None) };
+    /// (`with` then panics). This one has no destructor. Kept with the
+    /// fork generation that seeded it: a `fork(2)`ed child (and each of
+    /// its siblings) would otherwise draw the same STags as its parent's
+    /// thread, which a peer of one could learn to predict another's.
+    static RNG: Cell<Option<(u64, StdRng)>> = const { Cell::new(None) };
 }
 
-/// Runs `f` with a random generator: the thread's own (see [`RNG`]), or
-/// one seeded from the operating system for this call if it cannot be had
-/// (a nested call, or the thread's locals already destroyed).
+/// Runs `f` with a random generator: the thread's own (see [`RNG`]), one
+/// seeded from the operating system for this call if it cannot be had (a
+/// nested call, or the thread's locals already destroyed), or a new one
+/// after a fork.
 fn with_rng<R>(f: impl FnOnce(&mut StdRng) -> R) -> R {
+    let generation = crate::sys::epoll::fork_generation();
     let mut rng = RNG
         .try_with(Cell::take)
         .ok()
         .flatten()
-        .unwrap_or_else(StdRng::from_os_rng);
+        .filter(|(g, _)| *g == generation)
+        .map_or_else(StdRng::from_os_rng, |(_, rng)| rng);
     let r = f(&mut rng);
-    let _ = RNG.try_with(|c| c.set(Some(rng)));
+    let _ = RNG.try_with(|c| c.set(Some((generation, rng))));
     r
 }
 
@@ -1024,5 +1030,35 @@ impl StagTable {
         if slots.get(index).is_some_and(|e| e.key == key) {
             slots.entries.remove(&index);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A `fork(2)`ed child draws other STags than its parent's thread
+    /// would: the thread's generator is seeded anew in a new fork
+    /// generation (a copied generator would repeat the parent's sequence
+    /// in every child of a preforking server).
+    #[test]
+    fn a_forked_child_draws_other_stags_than_its_parent() {
+        let _ = fresh_key(None);
+        let parent = RNG
+            .with(|c| {
+                let v = c.take();
+                let copy = v.clone();
+                c.set(v);
+                copy
+            })
+            .expect("the thread's generator");
+        let ok = crate::sys::process::in_child(Duration::from_secs(20), move || {
+            let mut twin = parent.1;
+            let mine: Vec<u64> = (0..4).map(|_| with_rng(|r| r.random())).collect();
+            let theirs: Vec<u64> = (0..4).map(|_| twin.random()).collect();
+            mine != theirs
+        });
+        assert!(ok, "the child drew its parent's sequence");
     }
 }

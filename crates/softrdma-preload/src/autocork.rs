@@ -196,7 +196,12 @@ fn end_all_holds() {
             }
         }
     };
-    end_holds(batch);
+    for (w, hold) in batch {
+        if let Some(c) = w.upgrade() {
+            c.end_hold_at_exit(hold);
+            conn::release(c);
+        }
+    }
 }
 
 /// Ends the holds of `batch` that are still on.

@@ -560,6 +560,20 @@ impl Conn {
         }
     }
 
+    /// Ends hold number `hold` if it is still on, at exit: without waiting
+    /// for the stream's lock, which the exiting thread may hold itself
+    /// (`exit` from a signal handler that interrupted a send). A hold left
+    /// on is sent by sockets direct's exit flush, which tries its locks in
+    /// rounds.
+    pub(crate) fn end_hold_at_exit(&self, hold: u64) {
+        if self.auto_gen.load(Ordering::Relaxed) == hold
+            && let Ok(s) = self.stream()
+            && s.try_uncork().unwrap_or(false)
+        {
+            self.auto.store(false, Ordering::Relaxed);
+        }
+    }
+
     /// Whether the readiness descriptor was made.
     pub(crate) fn readiness_made(&self) -> bool {
         self.rfd.load(Ordering::Relaxed) >= 0

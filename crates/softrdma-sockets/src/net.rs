@@ -578,6 +578,24 @@ impl TcpStream {
         }
     }
 
+    /// `TCP_CORK` off, as [`set_cork(false)`](Self::set_cork), unless that
+    /// would wait for another call on the stream to finish (an offloaded
+    /// stream's lock is taken): then `Ok(false)` and nothing changes. For
+    /// exit handlers and signal handlers, which may have interrupted a
+    /// call on the same stream in their own thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`set_cork`](Self::set_cork) for a plain connection.
+    pub fn try_uncork(&self) -> io::Result<bool> {
+        match &self.inner {
+            Inner::Plain(s) => rustix::net::sockopt::set_tcp_cork(s, false)
+                .map(|()| true)
+                .map_err(io::Error::from),
+            Inner::Offload(o) => Ok(o.try_uncork()),
+        }
+    }
+
     /// The `TCP_CORK` setting.
     pub fn cork(&self) -> io::Result<bool> {
         match &self.inner {

@@ -1018,11 +1018,13 @@ impl Offload {
         loop {
             if st.exit_flush && !st.wr_shut {
                 // The process is exiting: accepted until the exit flush's
-                // DisConn goes (sent before it), then held until the
-                // process ends (see `exit`).
-                if st.sdp.close.local_disconn {
+                // DisConn goes (sent before it, by copy: no zero copy
+                // offer may follow the DisConn), then dropped (see `exit`),
+                // also once the peer has closed in turn.
+                zc_ok = false;
+                if st.sdp.close.local_disconn || st.disconn_wanted && st.failed() {
                     drop(st);
-                    return exit::write_after_exit_flush(nonblocking, deadline);
+                    return exit::write_after_exit_flush(total);
                 }
             } else if st.wr_shut || st.sdp.close.local_disconn || st.disconn_wanted {
                 return Err(io::Error::new(
@@ -1335,9 +1337,9 @@ impl Shared {
                 .tx_queue
                 .back()
                 .is_some_and(|&(_, len)| len < st.sdp.max_payload());
-        // After the exit flush's DisConn a write waits for the process to
-        // end (see `exit`): not writable, or a waiting writer would spin.
-        let writable = writable && !(st.exit_flush && st.sdp.close.local_disconn && !st.failed());
+        // After the exit flush's DisConn a write is accepted and dropped
+        // (see `exit`): writable.
+        let writable = writable || st.exit_flush && st.sdp.close.local_disconn;
         (readable, writable)
     }
 
@@ -3446,6 +3448,36 @@ mod zcopy_tests {
             zcopy_timeout: Duration::from_millis(300),
             ..Config::default()
         }
+    }
+
+    /// A large write while the exit flush runs (another thread's) goes by
+    /// copy, queued ahead of the flush's DisConn: a zero-copy offer could
+    /// follow the DisConn (the write failed with a lost link). The peer
+    /// ignores offers here, so an offer would never complete.
+    #[test]
+    fn a_large_write_during_the_exit_flush_goes_by_copy() {
+        let (c, s) = super::tests::pair_with(&zc_cfg());
+        assert!(c.zero_copy() && s.zero_copy());
+        s.sh.lock().test.ignore_src_avail = true;
+        c.sh.lock().exit_flush = true;
+        let reader = std::thread::spawn(move || {
+            let mut got = 0;
+            let mut b = vec![0u8; 65536];
+            while got < 200_000 {
+                let k = s
+                    .read(&mut b, false, false, Some(Duration::from_secs(60)))
+                    .unwrap();
+                assert!(k > 0 && b[..k].iter().all(|&x| x == 0x5a));
+                got += k;
+            }
+            s.sh.lock().test.ignored.len()
+        });
+        let data = vec![0x5au8; 200_000];
+        let n = c
+            .write(&data, false, Some(Duration::from_secs(60)))
+            .expect("written by copy");
+        assert_eq!(n, data.len());
+        assert_eq!(reader.join().unwrap(), 0, "a zero-copy offer was made");
     }
 
     /// A receiver that takes SrcAvail offers and never reads them nor

@@ -100,7 +100,7 @@ pub(crate) fn in_child(limit: std::time::Duration, f: impl FnOnce() -> bool) -> 
 /// is `Send` and `Sync` only if `T` is both: a value that is not `Sync`
 /// cannot be shared through it.
 ///
-/// ```compile_fail
+/// ```compile_fail,E0277
 /// use softrdma_engine::PerFork;
 /// let p: PerFork<std::cell::Cell<u64>> = PerFork::new();
 /// let mine = p.get(|| std::cell::Cell::new(0));
@@ -110,7 +110,7 @@ pub(crate) fn in_child(limit: std::time::Duration, f: impl FnOnce() -> bool) -> 
 /// mine.set(2);
 /// ```
 ///
-/// ```compile_fail
+/// ```compile_fail,E0277
 /// use softrdma_engine::PerFork;
 /// static P: PerFork<std::cell::Cell<u64>> = PerFork::new();
 /// ```

@@ -69,11 +69,12 @@
 //! - a write of another thread is no error (the kernel's TCP takes such
 //!   writes until the process ends; `EPIPE` would raise `SIGPIPE` under
 //!   the preload and kill the exiting process): until the exit flush's
-//!   DisConn is sent, it is queued and sent before it; after that it
-//!   waits until the process ends (a non-blocking write gets
-//!   `WouldBlock`, one with a send timeout times out). Its octets after
-//!   the DisConn are not sent (as the kernel's after its FIN, there are
-//!   none: the FIN comes at the exit);
+//!   DisConn is sent, it is queued (by copy: no zero-copy offer may
+//!   follow the DisConn) and sent before it; after that, from any thread,
+//!   it is accepted and dropped and the stream stays writable: nothing
+//!   can follow the DisConn, a wait would never return to an exit
+//!   handler that joins the writer (and a non-blocking writer would spin
+//!   on `WouldBlock`);
 //! - the exiting thread's own locals are gone (glibc's `exit` destroys
 //!   them before it runs the exit handlers): nothing here uses one that
 //!   has a destructor, and the engine's CQ wait falls back to a sleep set
@@ -117,9 +118,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use softrdma_engine::{PerFork, WaitSet};
 
-#[cfg(test)]
-use super::Offload;
-use super::{Locked, Shared};
+use super::{Locked, Offload, Shared};
 
 /// How long the exit flush may make the exit wait, unless
 /// [`EXIT_FLUSH_ENV`] says otherwise.
@@ -145,12 +144,6 @@ static LIVE: PerFork<Live> = PerFork::new();
 /// The bound in milliseconds, read at the first connection (`u64::MAX`:
 /// not read yet).
 static LIMIT_MS: AtomicU64 = AtomicU64::new(u64::MAX);
-
-thread_local! {
-    /// This thread runs the exit flush. (No destructor: still there after
-    /// `exit` destroyed the thread's other locals.)
-    static EXITING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
 
 fn key(sh: &Shared) -> usize {
     std::ptr::from_ref(sh) as usize
@@ -248,7 +241,6 @@ fn flush_live() {
         return;
     };
     let deadline = deadline_after(Instant::now(), limit);
-    EXITING.with(|e| e.set(true));
     // What we post from here is written by us, whichever exit handler
     // runs first (see the module docs).
     softrdma_engine::flush_posts_at_exit();
@@ -263,39 +255,17 @@ fn flush_live() {
     flush_streams(&streams, deadline);
 }
 
-/// A write on a connection whose exit-flush DisConn was sent: the
-/// exiting thread's (an exit handler that runs after the flush) fails
-/// with `EPIPE`, the connection is shut down for writing; another
-/// thread's waits for the process to end (as its write to a kernel
-/// socket would succeed until then, without its octets reaching the
-/// peer after the FIN): `WouldBlock` if non-blocking, or at its
-/// `deadline` (a send timeout).
-pub(super) fn write_after_exit_flush(
-    nonblocking: bool,
-    deadline: Option<Instant>,
-) -> io::Result<usize> {
-    if EXITING.with(std::cell::Cell::get) {
-        return Err(io::Error::new(
-            io::ErrorKind::BrokenPipe,
-            "connection shut down for writing (the process is exiting)",
-        ));
-    }
-    if nonblocking {
-        return Err(io::ErrorKind::WouldBlock.into());
-    }
-    loop {
-        let nap = match deadline {
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
-                }
-                left.min(Duration::from_secs(1))
-            }
-            None => Duration::from_secs(1),
-        };
-        std::thread::sleep(nap);
-    }
+/// A write of `len` octets on a connection whose exit-flush DisConn was
+/// sent: accepted and dropped, by any thread (an exit handler that runs
+/// after the flush, or a thread still running while the process ends).
+/// Nothing can follow the DisConn on the wire, and the process is ending
+/// (a kernel socket would still send them, which is not possible here).
+/// Not an error: `EPIPE` would raise `SIGPIPE` under the preload and kill
+/// the process in the middle of its exit. Not a wait: a thread waiting
+/// for the process to end would never return to an exit handler that
+/// joins it, and a waiting non-blocking writer would spin on `WouldBlock`.
+pub(super) fn write_after_exit_flush(len: usize) -> io::Result<usize> {
+    Ok(len)
 }
 
 /// Where a connection's exit flush stands.
@@ -369,6 +339,28 @@ pub(super) fn flush_streams(streams: &[Arc<Shared>], deadline: Instant) {
             std::thread::sleep(nap.min(Duration::from_millis(1)));
         }
         stalled = woken;
+    }
+}
+
+impl Offload {
+    /// Ends the cork (`TCP_CORK` off: the held octets are posted) if the
+    /// stream's lock is free now; `false` if it is not. For exit handlers:
+    /// the exiting thread may hold the lock itself (`exit` from a signal
+    /// handler that interrupted a send), and waiting for it would never
+    /// end.
+    pub(crate) fn try_uncork(&self) -> bool {
+        let sh = &*self.sh;
+        let Some(mut st) = sh.try_lock_now() else {
+            return false;
+        };
+        st.cork = false;
+        st.corked_at = None;
+        if !st.tx_queue.is_empty() {
+            st.push = true;
+            sh.flush_tx(&mut st);
+        }
+        sh.after(&mut st);
+        true
     }
 }
 
@@ -635,18 +627,16 @@ mod tests {
         // The flush waits for the peer's FIN (it had data to send).
         drop(s);
         t.join().unwrap();
-        // Another thread's write after the exit flush's DisConn: not an
-        // error (`EPIPE` would raise `SIGPIPE` under the preload), it
-        // waits for the process to end (here: its time limit).
-        assert_eq!(
-            c.write(b"late", true, None).unwrap_err().kind(),
-            std::io::ErrorKind::WouldBlock
-        );
-        assert_eq!(
-            c.write(b"late", false, Some(Duration::from_millis(20)))
-                .unwrap_err()
-                .kind(),
-            std::io::ErrorKind::WouldBlock
+        // A write after the exit flush's DisConn, now that the peer has
+        // closed too (the connection failed): accepted and dropped, not an
+        // error (`EPIPE` would raise `SIGPIPE` under the preload), not a
+        // wait (a thread joined by an exit handler must return), and the
+        // stream is writable (a poller must not spin on `WouldBlock`).
+        assert_eq!(c.write(b"late", true, None).unwrap(), 4);
+        assert_eq!(c.write(b"late", false, None).unwrap(), 4);
+        assert!(
+            Shared::readiness(&c.sh.lock()).1,
+            "not writable after the exit flush"
         );
     }
 }
