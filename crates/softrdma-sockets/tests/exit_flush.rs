@@ -446,15 +446,26 @@ fn two_streams_child() {
         return;
     };
     let n_stuck = write_until_out_of_credits(&mut stuck);
-    let addr2 = std::env::var(ADDR2_ENV).unwrap();
-    let mut corked = TcpStream::connect_with(&addr2, &offload()).unwrap();
+    let (corked, n_corked) = corked_at(ADDR2_ENV);
     assert!(corked.transport().is_offloaded());
-    let n_corked = write_corked(&mut corked, &[100, 2000, 7]);
+    exit_keeping(n_stuck, n_corked, (stuck, corked));
+}
+
+/// A stream to the address in the environment variable `env`, with
+/// corked writes of 100, 2000 and 7 octets held, and how many it wrote.
+fn corked_at(env: &str) -> (TcpStream, usize) {
+    let addr = std::env::var(env).unwrap();
+    let mut corked = TcpStream::connect_with(&addr, &offload()).unwrap();
+    let n = write_corked(&mut corked, &[100, 2000, 7]);
+    (corked, n)
+}
+
+/// Prints what a child wrote and exits with `kept` alive: `exit` runs no
+/// destructor of this thread's values, so no stream is dropped.
+fn exit_keeping(n_stuck: usize, n_corked: usize, kept: impl Sized) -> ! {
     println!("wrote {n_stuck} {n_corked}");
     std::io::stdout().flush().unwrap();
-    // Neither is dropped: `exit` runs no destructor of this thread's
-    // values.
-    let _kept = (stuck, corked);
+    let _kept = kept;
     std::process::exit(0);
 }
 
@@ -578,13 +589,8 @@ fn closed_first_child() {
     let addr2 = std::env::var(ADDR2_ENV).unwrap();
     let mut stuck = TcpStream::connect_with(&addr2, &offload()).unwrap();
     let n_stuck = write_until_out_of_credits(&mut stuck);
-    let addr3 = std::env::var(ADDR3_ENV).unwrap();
-    let mut corked = TcpStream::connect_with(&addr3, &offload()).unwrap();
-    let n_corked = write_corked(&mut corked, &[100, 2000, 7]);
-    println!("wrote {n_stuck} {n_corked}");
-    std::io::stdout().flush().unwrap();
-    let _kept = (stuck, corked);
-    std::process::exit(0);
+    let (corked, n_corked) = corked_at(ADDR3_ENV);
+    exit_keeping(n_stuck, n_corked, (stuck, corked));
 }
 
 /// Regression: glibc's `exit` destroys the exiting thread's locals
