@@ -137,12 +137,13 @@ pub use event::{AsyncEvent, AsyncEventKind, AsyncEventQueue};
 pub use handlers::{Binding, HandlerId, HandlerPolicy, HandlerStats};
 pub use mr::{Access, MemoryRegion, MemoryWindow, Sge};
 pub use pd::ProtectionDomain;
+pub use qp::post::flush_posts_at_exit;
 pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair, TerminateDirection, TerminateInfo};
 pub use remote::{RemoteBuf, RemoteBufError};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;
 pub use sys::io::{process_context_switches, signal_blocked, thread_context_switches};
-pub use sys::process::{PerFork, at_exit, flush_posts_at_exit};
+pub use sys::process::{PerFork, at_exit};
 
 /// How many `fork(2)`s lie between the process that first called this and
 /// the calling process (0 in that process, 1 in its child, ...): state

@@ -94,6 +94,7 @@ use crate::device::Device;
 use crate::event::{AsyncEvent, AsyncEventKind};
 use crate::mr::{Access, LocalAccessError};
 use crate::pd::ProtectionDomain;
+use crate::qp::offload::CompletionRoute;
 use crate::qp::{CreateQpError, PostSendError, QpInitAttr, QpInner, QueuePair};
 use crate::state::QpState;
 use crate::sys::io::pin_current_thread;
@@ -217,44 +218,8 @@ pub type ProxyHandler = Box<
         + Send,
 >;
 
-/// Why a QP could not become a proxy QP.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ProxySetupError {
-    /// The QP is not IDLE.
-    #[error("QP {qp_num} is in state {state}; it can become a proxy QP only in IDLE")]
-    NotIdle {
-        /// The QP.
-        qp_num: u32,
-        /// Its state.
-        state: QpState,
-    },
-    /// The QP is already a proxy QP.
-    #[error("QP {qp_num} is already a proxy QP")]
-    AlreadyProxy {
-        /// The QP.
-        qp_num: u32,
-    },
-    /// A CQ of the QP is not a proxy CQ of this proxy.
-    #[error(
-        "QP {qp_num}: its {queue} CQ {cq_id} is not a proxy CQ of proxy {proxy} (it belongs to {found:?})"
-    )]
-    CqNotProxy {
-        /// The QP.
-        qp_num: u32,
-        /// `"send"` or `"receive"`.
-        queue: &'static str,
-        /// The CQ.
-        cq_id: u32,
-        /// The proxy the QP is attached to.
-        proxy: u32,
-        /// The proxy the CQ belongs to, if any.
-        found: Option<u32>,
-    },
-    /// The proxy has been shut down.
-    #[error("proxy {0} is shut down")]
-    ProxyStopped(u32),
-}
+// Defined beside the QP, whose `CreateQpError::Proxy` carries it.
+pub use crate::qp::offload::ProxySetupError;
 
 /// Proxy counters ([`Proxy::stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -1246,6 +1211,32 @@ impl ProxyLink {
     }
 }
 
+/// The QP's completions go through its proxy link (one indirect call per
+/// completion of a proxy QP, where it was a direct one).
+impl CompletionRoute for ProxyLink {
+    fn deliver(&self, qp: &QpInner, wc: WorkCompletion, send: bool, solicited: bool) -> bool {
+        ProxyLink::deliver(self, qp, wc, send, solicited)
+    }
+
+    fn core_completion(
+        &self,
+        qp: &QpInner,
+        c: &softrdma_proto::types::Completion,
+        wc: WorkCompletion,
+        info: Option<softrdma_proto::conn::MsgInfo<Arc<Memory>>>,
+    ) -> bool {
+        ProxyLink::core_completion(self, qp, c, wc, info)
+    }
+}
+
+impl ProxyLink {
+    /// The proxy link of a proxy QP.
+    fn of(qp: &QpInner) -> Option<&ProxyLink> {
+        let route: &dyn std::any::Any = &**qp.proxy.get()?;
+        route.downcast_ref()
+    }
+}
+
 /// The next message for the proxy thread: polled for `spin`, then waited
 /// for; `None` once the queue is closed and empty.
 fn next_job(rx: &mpsc::Receiver<Job>, spin: Duration) -> Option<Job> {
@@ -1280,7 +1271,7 @@ fn serve(shared: &ProxyShared, job: Job) -> Option<Arc<QpInner>> {
         solicited,
         meta,
     } = job;
-    let Some(link) = qp.proxy.get() else {
+    let Some(link) = ProxyLink::of(&qp) else {
         shared.finished_one();
         return None;
     };
@@ -1461,7 +1452,7 @@ impl QueuePair {
             seq: Mutex::new(Sequencer::new()),
         };
         qp.proxy
-            .set(link)
+            .set(Box::new(link))
             .map_err(|_| ProxySetupError::AlreadyProxy { qp_num: qp.qp_num })
     }
 

@@ -53,9 +53,8 @@ mod close;
 mod conn;
 mod core_path;
 mod dm;
-mod post;
-
-pub(crate) use post::flush_at_exit;
+pub(crate) mod offload;
+pub(crate) mod post;
 
 /// How long a graceful close waits for the peer's FIN before it resets the
 /// connection, unless changed with [`QueuePair::set_close_timeout`].
@@ -182,7 +181,7 @@ pub enum CreateQpError {
     WrongDevice,
     /// The QP could not become a proxy QP.
     #[error(transparent)]
-    Proxy(#[from] crate::proxy::ProxySetupError),
+    Proxy(#[from] offload::ProxySetupError),
 }
 
 /// Why a send request was refused (nothing was queued).
@@ -489,8 +488,8 @@ pub(crate) struct QpInner {
     /// The close timer armed by the current close, if any.
     close_timer: Mutex<Option<crate::timer::TimerId>>,
     /// Proxy offload, once attached (IDLE only): filter, handler and the
-    /// completion sequencer.
-    pub(crate) proxy: std::sync::OnceLock<crate::proxy::ProxyLink>,
+    /// completion sequencer (`proxy::ProxyLink`).
+    pub(crate) proxy: std::sync::OnceLock<Box<dyn offload::CompletionRoute>>,
     pub(crate) self_weak: Weak<QpInner>,
     /// The connection manager's watch: told of every state change.
     state_watch: Mutex<Option<Box<dyn StateWatch>>>,

@@ -341,6 +341,20 @@ pub(crate) extern "C" fn flush_at_exit() {
     });
 }
 
+/// Writes now the posts that the process's queue pairs deferred to their
+/// posters' next polls, and from here on defers none (a post is written
+/// by its poster): what the engine's own exit handler does at `exit(3)`.
+/// For exit handlers of the layers above that post (run before or after
+/// the engine's, see [`at_exit`](crate::at_exit)): calling it first makes
+/// their posts written whatever the order. Idempotent; the process is
+/// taken as exiting from the first call (batching stays off), so call it
+/// only from an exit handler. Never blocks on another thread's work: a
+/// connection another thread is transmitting on is written by that
+/// thread.
+pub fn flush_posts_at_exit() {
+    flush_at_exit();
+}
+
 impl QpInner {
     pub(super) fn post_one(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
         // What the earlier requests of the call set, kept if this one is

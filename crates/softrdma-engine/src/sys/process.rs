@@ -3,7 +3,8 @@
 //!
 //! Public (re-exported at the crate's root) for the layers above that hold
 //! data of their own before posting it (sockets direct's staged writes):
-//! [`at_exit`], [`flush_posts_at_exit`] and [`PerFork`].
+//! [`at_exit`] and [`PerFork`] (and, beside the queue pairs' posting,
+//! [`flush_posts_at_exit`](crate::flush_posts_at_exit)).
 
 /// Registers `f` to run when the process exits through `exit(3)` (a
 /// return from `main`, `std::process::exit`), in the exiting thread,
@@ -11,8 +12,8 @@
 /// registered. Not at `_exit(2)`, a fatal signal or an abort.
 ///
 /// Handlers run last registered first, the engine's own among them (it
-/// registers [`flush_posts_at_exit`] at the first post it defers): a
-/// handler that posts calls [`flush_posts_at_exit`] itself first, so that
+/// registers [`flush_posts_at_exit`](crate::flush_posts_at_exit) at the
+/// first post it defers): a handler that posts calls it itself first, so that
 /// its posts are written whatever the order. `f` must not unwind (catch
 /// panics in it: none may unwind into libc). A handler registered while
 /// the handlers run (from one of them) runs too with glibc, next.
@@ -20,20 +21,6 @@ pub fn at_exit(f: extern "C" fn()) -> bool {
     // SAFETY: registers a plain `extern "C" fn()` without arguments; the
     // handlers catch panics themselves (none unwinds into libc).
     unsafe { libc::atexit(f) == 0 }
-}
-
-/// Writes now the posts that the process's queue pairs deferred to their
-/// posters' next polls, and from here on defers none (a post is written
-/// by its poster): what the engine's own exit handler does at `exit(3)`.
-/// For exit handlers of the layers above that post (run before or after
-/// the engine's, see [`at_exit`]): calling it first makes their posts
-/// written whatever the order. Idempotent; the process is taken as
-/// exiting from the first call (batching stays off), so call it only
-/// from an exit handler. Never blocks on another thread's work: a
-/// connection another thread is transmitting on is written by that
-/// thread.
-pub fn flush_posts_at_exit() {
-    crate::qp::flush_at_exit();
 }
 
 /// Runs `f` in a `fork(2)`ed child of this (multi-threaded) process and
