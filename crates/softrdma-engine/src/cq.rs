@@ -870,7 +870,7 @@ impl CompletionQueue {
             Some(n) => {
                 // Completions, or (`wait_progress`) bytes received.
                 if adaptive {
-                    choice.record(spin, start.elapsed());
+                    choice.record(spin, crate::sys::clock::elapsed(start));
                 }
                 n
             }

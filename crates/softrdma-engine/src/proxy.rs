@@ -340,7 +340,7 @@ impl ProxyShared {
 
     fn end_no_offload(g: &mut GuardState, flag: &AtomicBool) {
         if let Some(t) = g.since.take() {
-            g.total += t.elapsed();
+            g.total += crate::sys::clock::elapsed(t);
         }
         flag.store(false, Ordering::Release);
     }
@@ -370,7 +370,7 @@ impl ProxyShared {
             mismatched: ld(&c.mismatched),
             no_offload_entries: g.guard.entries(),
             no_offload_passed: ld(&c.no_offload_passed),
-            no_offload_time: g.total + g.since.map_or(Duration::ZERO, |t| t.elapsed()),
+            no_offload_time: g.total + g.since.map_or(Duration::ZERO, crate::sys::clock::elapsed),
             no_offload: g.guard.is_no_offload(),
             queued: self.queued.load(Ordering::Relaxed),
             max_queued: self.max_queued.load(Ordering::Relaxed),

@@ -10,6 +10,11 @@ pub(crate) fn now() -> Instant {
     Instant::now()
 }
 
+/// The time since `since` (`Instant::elapsed`, which reads the clock).
+pub(crate) fn elapsed(since: Instant) -> std::time::Duration {
+    now().saturating_duration_since(since)
+}
+
 /// The monotonic clock in nanoseconds (the clock [`Instant`] reads, from
 /// an arbitrary start): one `clock_gettime` and no conversion through
 /// `Instant`/`Duration`, for the data path's time stamps (several per
