@@ -12,6 +12,8 @@
 //!
 //! The binary (`src/main.rs`) only parses arguments and calls [`run_dissect`].
 
+#![forbid(unsafe_code)]
+
 pub mod capture;
 pub mod decode;
 pub mod demo;

@@ -6,7 +6,7 @@
 //! clock readings and all `unsafe` of softrdma live here, in the private
 //! `sys/` directory, each block with a `// SAFETY:` comment (the private
 //! `sys` module, and `sys/register_raw.rs`, which defines
-//! [`ProtectionDomain::register_raw`] as a child of `pd`).
+//! [`ProtectionDomain::register_raw`] as a child of `mr`).
 //!
 //! The protocol rules come from [`softrdma_proto`] and the wire formats from
 //! [`softrdma_wire`]: each connected QP is driven by the protocol core's

@@ -425,6 +425,10 @@ impl Drop for QpHandle {
 /// RTS); the reset ERROR → IDLE takes `rx` first (a receive path can still
 /// be finishing then) and never `state_lock` with `core`. A `CoreGuard` is
 /// never dropped under `state_lock` (its drop may claim announced work).
+/// A proxy QP adds the proxy link's locks (`proxy.rs`): its `handler` →
+/// `core` (a handler's reply is checked under `core`), and `core` → the
+/// proxy's `gate` (read) → its load guard or the link's `seq` → CQ
+/// internals (completions through the sequencer).
 /// See `docs/engine.md`.
 #[derive(Debug)]
 pub(crate) struct QpInner {

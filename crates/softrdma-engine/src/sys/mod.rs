@@ -4,7 +4,8 @@
 //! `sys` imports nothing else of the engine: it is the bottom layer
 //! (`scripts/module-graph.py`). The public API's one `unsafe` entry point,
 //! `ProtectionDomain::register_raw`, is in `sys/register_raw.rs`, compiled
-//! as a child of `pd` so that this module never names the PD type.
+//! as a child of `mr` so that this module never names the PD or region
+//! types.
 
 #[cfg(feature = "tokio")]
 pub(crate) mod async_fd;
