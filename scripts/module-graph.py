@@ -8,18 +8,25 @@ re-exported at the crate root (`crate::Device`) count as an edge to the
 module that defines them.  Comments, string literals and items under a
 `cfg` that mentions `test` (test modules, loom models) are left out.
 
+`sys` is also the only place of `unsafe`: every file outside `sys/` that
+says `unsafe` (code, not comments or strings; test code included), and
+every `allow(unsafe_code)` / `expect(unsafe_code)` other than on `mod sys`
+or on a module whose file is under `sys/` (`#[path = "sys/..."]`), is
+reported as `unsafe outside sys/`.
+
 Usage:
     scripts/module-graph.py [--src DIR] [--why] [--check]
 
     --src DIR   the crate's `src` (default: crates/softrdma-engine/src)
     --why       after each edge, the places (file:line) that make it
-    --check     print only the import loops (or nothing) and exit 1 if
-                there is one: for CI
+    --check     print only the import loops and `unsafe` outside `sys/`
+                (or nothing) and exit 1 if there is any: for CI
 
 Output: one line per module with the modules it imports, then every
 strongly connected component with more than one module (an import loop),
-largest first.  Exit status 0 without `--check` (it measures); with
-`--check`, 1 if there is a loop.
+largest first, and any `unsafe` outside `sys/`.  Exit status 0 without
+`--check` (it measures); with `--check`, 1 if there is a loop or `unsafe`
+outside `sys/`.
 """
 
 import argparse
@@ -201,6 +208,47 @@ def parse_use_tree(text, i):
     return paths, i
 
 
+ALLOW_UNSAFE = re.compile(r"#!?\[\s*(?:allow|expect)\s*\(\s*unsafe_code\s*\)\s*\]")
+
+
+def unsafe_outside_sys(src):
+    """`file:line: what` for each `unsafe` outside `sys/` (see the docs)."""
+    found = []
+    for root, _, files in os.walk(src):
+        for f in sorted(files):
+            if not f.endswith(".rs"):
+                continue
+            path = os.path.join(root, f)
+            rel = os.path.relpath(path, src)
+            raw = open(path, encoding="utf-8").read()
+            text = strip_code(raw)
+            raw_lines = raw.split("\n")
+            if rel.startswith("sys" + os.sep):
+                continue
+            for m in re.finditer(r"\bunsafe\b", text):
+                line = text.count("\n", 0, m.start()) + 1
+                found.append(f"{rel}:{line}: `unsafe` outside sys/")
+            for m in ALLOW_UNSAFE.finditer(text):
+                line = text.count("\n", 0, m.start()) + 1
+                # the item the attribute is on: the next few lines of code
+                after = " ".join(re.sub(r"//.*", "", ln) for ln in raw_lines[line - 1:line + 3])
+                after = ALLOW_UNSAFE.sub("", after, count=1)
+                item = re.match(
+                    r'\s*(#\[path\s*=\s*"([^"]+)"\]\s*)?(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;', after
+                )
+                ok = False
+                if item:
+                    target = item.group(2)
+                    if target is not None:
+                        target = os.path.normpath(os.path.join(os.path.dirname(rel), target))
+                        ok = target.startswith("sys" + os.sep)
+                    else:
+                        ok = rel == "lib.rs" and item.group(3) == "sys"
+                if not ok:
+                    found.append(f"{rel}:{line}: `allow(unsafe_code)` outside sys/")
+    return found
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     here = os.path.dirname(os.path.abspath(__file__))
@@ -323,15 +371,20 @@ def main():
         if v not in index:
             visit(v)
     loops = sorted((c for c in sccs if len(c) > 1), key=lambda c: (-len(c), c))
+    unsafe = unsafe_outside_sys(src)
     if args.check:
         for c in loops:
             print(f"import loop ({len(c)} modules): {', '.join(c)}", file=sys.stderr)
-        return 1 if loops else 0
+        for u in unsafe:
+            print(u, file=sys.stderr)
+        return 1 if loops or unsafe else 0
     print()
     if not loops:
         print("import loops: none")
     for c in loops:
         print(f"import loop ({len(c)} modules): {', '.join(c)}")
+    for u in unsafe:
+        print(u)
     return 0
 
 

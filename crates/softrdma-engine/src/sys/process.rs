@@ -13,8 +13,8 @@
 ///
 /// Handlers run last registered first, the engine's own among them (it
 /// registers [`flush_posts_at_exit`](crate::flush_posts_at_exit) at the
-/// first post it defers): a handler that posts calls it itself first, so that
-/// its posts are written whatever the order. `f` must not unwind (catch
+/// first post it defers): a handler that posts calls it itself first, so
+/// that its posts are written whatever the order. `f` must not unwind (catch
 /// panics in it: none may unwind into libc). A handler registered while
 /// the handlers run (from one of them) runs too with glibc, next.
 pub fn at_exit(f: extern "C" fn()) -> bool {
