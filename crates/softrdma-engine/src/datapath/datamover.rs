@@ -573,12 +573,16 @@ struct Watch {
     busy_step: u64,
     /// Paused for lack of send space: watched for writing.
     paused: Option<Arc<dyn DmQp>>,
+    /// Armed in this thread's epoll set before (else the next arm adds
+    /// the socket rather than modify a registration first).
+    registered: bool,
 }
 
 impl Watch {
     fn new(fd: RawFd) -> Watch {
         Watch {
             fd,
+            registered: false,
             read: false,
             deferred: None,
             busy_step: 0,
@@ -610,8 +614,9 @@ impl Local {
             // closed), so the descriptor is not a recycled one.
             let table = e.qps.lock();
             if table.get(&key).is_some_and(|(_, fd)| *fd == w.fd)
-                && e.poll.arm(w.fd, key, true, write).is_ok()
+                && e.poll.arm(w.fd, key, true, write, !w.registered).is_ok()
             {
+                w.registered = true;
                 return;
             }
             drop(table);
@@ -619,7 +624,8 @@ impl Local {
         }
         if w.paused.is_some() {
             // The paused QP (held) keeps its socket open.
-            if e.poll.arm(w.fd, key, false, true).is_ok() {
+            if e.poll.arm(w.fd, key, false, true, !w.registered).is_ok() {
+                w.registered = true;
                 return;
             }
             // The socket is gone: back to the round (its next write fails
@@ -655,7 +661,10 @@ impl Local {
             Some(fd) => {
                 let w = self.watches.entry(key).or_insert_with(|| Watch::new(fd));
                 // (A new socket after a reconnect: the old one is closed.)
-                w.fd = fd;
+                if w.fd != fd {
+                    w.fd = fd;
+                    w.registered = false;
+                }
                 w.read = true;
                 // Registered lazily: left to the thread that connected it
                 // (its poller) until nobody has polled for a while.
