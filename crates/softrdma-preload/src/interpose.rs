@@ -510,7 +510,9 @@ fn client_plan_bound(
 }
 
 /// Waits until a non-blocking connect completes; whether it connected
-/// (without consuming `SO_ERROR`, which the application reads).
+/// (without consuming `SO_ERROR`, which the application reads): writable
+/// without an error or hang-up (a failed connect reports both), which
+/// needs no `getpeername`.
 fn wait_connected(fd: c_int) -> bool {
     let Some(poll) = REAL_POLL.get() else {
         return false;
@@ -526,7 +528,9 @@ fn wait_connected(fd: c_int) -> bool {
         if r < 0 && errno() == libc::EINTR {
             continue;
         }
-        return r > 0 && peer_ip_port(fd).is_some();
+        return r > 0
+            && p.revents & libc::POLLOUT != 0
+            && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) == 0;
     }
 }
 
