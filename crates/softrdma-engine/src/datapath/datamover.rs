@@ -50,7 +50,7 @@
 //! application) for the same CPU time. A thread (its epoll set and its OS
 //! thread) is started when the first QP is assigned to it: a process with
 //! one connection at a time runs one engine thread, not one per CPU (each
-//! thread cost its process about 0.4 ms of CPU to start and end: the
+//! thread cost its process about 0.35 ms of CPU to start and end: the
 //! clone, its stack, the allocator's per-thread state, the exit).
 
 use std::collections::{HashMap, VecDeque};
