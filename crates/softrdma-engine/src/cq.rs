@@ -215,7 +215,8 @@ pub enum CreateCqError {
     #[error("a completion queue takes a completion channel or a callback, not both")]
     ChannelAndCallback,
     /// The thread of the CQ's completion event handler could not be
-    /// started (handler threads start with the first CQ with a callback).
+    /// started. Not returned by [`CqBuilder::build`] any more: a handler's
+    /// thread starts with the first event delivered to it.
     #[error("cannot start the completion event handler thread: {0}")]
     Thread(#[source] io::Error),
 }
@@ -554,10 +555,8 @@ impl<'a> CqBuilder<'a> {
         if self.channel.is_some() && self.callback.is_some() {
             return Err(CreateCqError::ChannelAndCallback);
         }
+        // A callback CQ's handler thread starts with its first event.
         let handler = device.handlers().choose(self.binding)?;
-        if self.callback.is_some() {
-            handler.start().map_err(CreateCqError::Thread)?;
-        }
         let polled = Arc::new(PollCounter::default());
         handler.bind(&polled);
         Ok(CompletionQueue {

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::datamover::{DatamoverStats, Threads};
@@ -158,7 +157,7 @@ pub struct DeviceAttr {
     /// Max pages of a fast-register region.
     pub max_fast_reg_page_list_len: u32,
     /// Number of engine threads (each the datamover and receiver of its
-    /// QPs).
+    /// QPs; each starts with the first QP assigned to it).
     pub datamovers: u32,
     /// Number of completion event handlers.
     pub completion_handlers: u32,
@@ -212,7 +211,8 @@ pub(crate) struct DeviceInner {
     handlers: Handlers,
     next_qp_num: AtomicU32,
     next_pd_id: AtomicU32,
-    threads: OnceLock<Threads>,
+    /// The engine threads, each started with the first QP assigned to it.
+    threads: Threads,
 }
 
 /// Why a device could not be opened.
@@ -252,13 +252,18 @@ impl Device {
                 "slice_size must be a power of two of at least 512",
             ));
         }
-        let datamovers = crate::datamover::engine_cpus(&config.datamover_cpus).len();
+        // Read once: the affinity mask and the cgroup quota (a few files).
+        let usable = crate::sys::io::usable_cpus();
+        let engine_cpus = crate::datamover::engine_cpus(&config.datamover_cpus, &usable);
+        let datamovers = engine_cpus.len();
         let handlers = Handlers::start(HandlersConfig {
             cpus: &config.handler_cpus,
+            usable: &usable,
             policy: &config.handler_policy,
             pin_threads: config.pin_threads,
             spin: config.handler_spin,
         })?;
+        let (slice, pin) = (config.slice_size, config.pin_threads);
         let attr = DeviceAttr::new(
             &config,
             u32::try_from(datamovers).unwrap_or(u32::MAX),
@@ -274,7 +279,7 @@ impl Device {
                 handlers,
                 next_qp_num: AtomicU32::new(1),
                 next_pd_id: AtomicU32::new(1),
-                threads: OnceLock::new(),
+                threads: Threads::new(engine_cpus, slice, pin),
             }),
         })
     }
@@ -350,27 +355,16 @@ impl Device {
         self.inner.handlers.stats()
     }
 
-    /// Statistics of the datamover threads (empty until the first QP is
-    /// created).
+    /// Statistics of the datamover threads, one per engine thread (each
+    /// starts with the first QP assigned to it: see
+    /// [`DatamoverStats::running`](crate::DatamoverStats::running)).
     pub fn datamover_stats(&self) -> Vec<DatamoverStats> {
-        self.inner
-            .threads
-            .get()
-            .map(Threads::stats)
-            .unwrap_or_default()
+        self.inner.threads.stats()
     }
 
-    /// The engine threads, started with the first QP.
+    /// The engine threads.
     pub(crate) fn threads(&self) -> &Threads {
-        self.inner.threads.get_or_init(|| {
-            let c = &self.inner.config;
-            match Threads::start(&c.datamover_cpus, c.slice_size, c.pin_threads) {
-                Ok(t) => t,
-                // Without threads the device cannot move data; this happens only
-                // when the process cannot create threads or epoll instances.
-                Err(e) => panic!("softrdma: cannot start the device threads: {e}"),
-            }
-        })
+        &self.inner.threads
     }
 
     /// The registration table of the device.

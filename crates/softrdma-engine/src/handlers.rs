@@ -13,9 +13,10 @@
 //! A device has one completion event handler per participating CPU
 //! ([`DeviceConfig::handler_cpus`]; by default every usable CPU: the
 //! affinity mask, capped by the cgroup CPU quota), each with a
-//! [`HandlerId`] (`0..n`). A handler's thread starts when the first CQ with
-//! a callback is bound to it (devices whose CQs use channels or polling run
-//! no handler threads), is pinned to its CPU only when
+//! [`HandlerId`] (`0..n`). A handler's thread starts when the first event of
+//! a CQ with a callback bound to it is delivered (devices whose CQs use
+//! channels or polling, or whose callback CQs are never armed, run no
+//! handler threads), is pinned to its CPU only when
 //! [`DeviceConfig::pin_threads`] is set, and blocks every signal. [`Device::handler_table`] maps identifiers to CPUs.
 //!
 //! Every CQ is bound to one handler when it is created: explicitly
@@ -122,7 +123,9 @@ use crossbeam_queue::SegQueue;
 use parking_lot::Mutex;
 
 use crate::event::{AsyncEvent, AsyncEventQueue};
-use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
+#[cfg(doc)]
+use crate::sys::io::usable_cpus;
+use crate::sys::io::{pin_current_thread, spawn_engine_thread};
 
 /// What a handler thread runs for an event: the callback of a completion
 /// queue (implemented in `cq`, so that handlers need not know CQs).
@@ -306,8 +309,9 @@ pub struct HandlerStats {
     pub cpu: usize,
     /// Whether its thread is pinned to the CPU.
     pub pinned: bool,
-    /// Whether its thread runs (it starts with the first CQ with a callback
-    /// bound to the handler).
+    /// Whether its thread runs (it starts with the first event of a CQ
+    /// with a callback bound to the handler: the first completion after an
+    /// arm).
     pub running: bool,
     /// Completion events delivered to it (armed CQs with a callback that
     /// got a matching completion).
@@ -332,8 +336,8 @@ pub(crate) struct Handler {
     /// Events to run, in arrival order.
     queue: SegQueue<HandlerEvent>,
     thread: OnceLock<Thread>,
-    /// The thread, once started (by the first CQ with a callback bound to
-    /// this handler).
+    /// The thread, once started (by the first event delivered to this
+    /// handler).
     join: Mutex<Option<JoinHandle<()>>>,
     /// Pin the thread to `cpu` when it starts.
     pin: bool,
@@ -383,21 +387,34 @@ impl Handler {
     }
 
     /// Queues an event for the handler thread (the data path: cheap, never
-    /// blocks).
-    pub(crate) fn deliver(&self, event: HandlerEvent) {
+    /// blocks once the thread runs). The first event starts the thread: a
+    /// process whose callback CQs are never armed (its connections are
+    /// driven by their callers' polls and waits) never runs one. If the
+    /// thread cannot be started, the event stays queued and the next one
+    /// tries again.
+    pub(crate) fn deliver(self: &Arc<Self>, event: HandlerEvent) {
         self.events.fetch_add(1, Ordering::Relaxed);
         self.queue.push(event);
         if let Some(t) = self.thread.get() {
             // An atomic swap unless the thread is parked.
             t.unpark();
+        } else {
+            let _ = self.start();
         }
     }
 
-    /// Starts the handler's thread if it is not running yet (called when a
-    /// CQ with a callback is bound to it). The thread blocks every signal.
+    /// Starts the handler's thread if it is not running yet (called with
+    /// its first event, [`Handler::deliver`]). The thread blocks every
+    /// signal.
     pub(crate) fn start(self: &Arc<Self>) -> io::Result<()> {
         let mut join = self.join.lock();
         if join.is_some() || self.stop.load(Ordering::Acquire) {
+            // Started by another caller meanwhile: the thread is known now
+            // (set under this lock), and an event queued before it was may
+            // have found it parked already.
+            if let Some(t) = self.thread.get() {
+                t.unpark();
+            }
             return Ok(());
         }
         let h = Arc::clone(self);
@@ -553,6 +570,8 @@ impl fmt::Debug for Handlers {
 pub(crate) struct HandlersConfig<'a> {
     /// CPUs, one handler each (all usable CPUs if empty).
     pub(crate) cpus: &'a [usize],
+    /// The usable CPUs ([`usable_cpus`]).
+    pub(crate) usable: &'a [usize],
     /// How new CQs choose their handler.
     pub(crate) policy: &'a HandlerPolicy,
     /// Pin each handler thread to its CPU.
@@ -563,12 +582,13 @@ pub(crate) struct HandlersConfig<'a> {
 
 impl Handlers {
     /// Sets up one handler per CPU of `config.cpus` (all usable CPUs if
-    /// empty). A handler's thread starts when the first CQ with a callback
-    /// is bound to it ([`Handler::start`]): a device whose CQs use channels
-    /// or polling has no handler threads.
+    /// empty). A handler's thread starts when the first event of a CQ with
+    /// a callback is delivered to it ([`Handler::deliver`]): a device whose
+    /// CQs use channels or polling, or whose callback CQs are never armed,
+    /// has no handler threads.
     pub(crate) fn start(config: HandlersConfig<'_>) -> io::Result<Handlers> {
         let cpus = if config.cpus.is_empty() {
-            usable_cpus()
+            config.usable.to_vec()
         } else {
             config.cpus.to_vec()
         };

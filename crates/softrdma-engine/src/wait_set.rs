@@ -400,10 +400,12 @@ impl EpState {
         (u64::from(token) << 32) | u64::from(fd as u32)
     }
 
-    /// Makes sure `fd` is registered for `what` with `events` (`MOD`
-    /// before `ADD`: a number whose file changed gets `ENOENT` and is
-    /// added anew); `Err(errno)` if epoll refuses it. A foreign descriptor
-    /// is re-armed every time (one-shot).
+    /// Makes sure `fd` is registered for `what` with `events` (a known
+    /// registration is modified, and added anew if the kernel says its
+    /// number now names another file: `ENOENT`; a new one is added, and
+    /// modified if the instance has it already: `EEXIST`); `Err(errno)` if
+    /// epoll refuses it. A foreign descriptor is re-armed every time
+    /// (one-shot).
     fn want(&mut self, fd: RawFd, what: What, events: u32, slot: usize) -> Result<(), i32> {
         let i = usize::try_from(fd).map_err(|_| libc::EBADF)?;
         if i >= self.regs.len() {
@@ -450,11 +452,11 @@ impl EpState {
         let token = self.next_token;
         self.next_token = self.next_token.wrapping_add(1);
         let d = Self::data(fd, token);
-        let r = match self.ep.ctl(libc::EPOLL_CTL_MOD, fd, events, d) {
-            Err(libc::ENOENT) => match self.ep.ctl(libc::EPOLL_CTL_ADD, fd, events, d) {
-                Err(libc::EEXIST) => self.ep.ctl(libc::EPOLL_CTL_MOD, fd, events, d),
-                r => r,
-            },
+        // Not registered for this set's records: mostly not in the
+        // instance either (one `ADD`); one still there (a record swept while
+        // its file lived) is modified.
+        let r = match self.ep.ctl(libc::EPOLL_CTL_ADD, fd, events, d) {
+            Err(libc::EEXIST) => self.ep.ctl(libc::EPOLL_CTL_MOD, fd, events, d),
             r => r,
         };
         match r {
@@ -1362,6 +1364,41 @@ mod tests {
             .map(|_| UnixStream::pair().unwrap())
             .collect();
         (cq, hook, theirs, quiet)
+    }
+
+    /// A descriptor new to a set's records is added (the common case, one
+    /// `epoll_ctl`), and one the instance has already (a record forgotten
+    /// while its file lived) is modified instead; either way it reports
+    /// its readiness. A known foreign descriptor is re-armed.
+    #[test]
+    fn new_registrations_are_added_and_known_ones_modified() {
+        use std::io::Write;
+        let mut st = EpState::new().unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        let (c, d) = UnixStream::pair().unwrap();
+        let ev = libc::EPOLLIN as u32 | libc::EPOLLONESHOT as u32;
+        // In the instance, unknown to the records.
+        st.ep.ctl(libc::EPOLL_CTL_ADD, c.as_raw_fd(), 0, 0).unwrap();
+        st.want(a.as_raw_fd(), What::Foreign, ev, 0).unwrap();
+        st.want(c.as_raw_fd(), What::Foreign, ev, 1).unwrap();
+        let ready = |st: &mut EpState| {
+            let mut buf = [libc::epoll_event { events: 0, u64: 0 }; 8];
+            let n = st.ep.wait(&mut buf, Some(Duration::ZERO), None).unwrap();
+            let mut fds: Vec<RawFd> = buf[..n].iter().map(|e| e.u64 as u32 as RawFd).collect();
+            fds.sort_unstable();
+            fds
+        };
+        assert!(ready(&mut st).is_empty());
+        (&b).write_all(b"x").unwrap();
+        (&d).write_all(b"y").unwrap();
+        let mut both = vec![a.as_raw_fd(), c.as_raw_fd()];
+        both.sort_unstable();
+        assert_eq!(ready(&mut st), both);
+        // One-shot: silent until re-armed in the next round.
+        assert!(ready(&mut st).is_empty());
+        st.round += 1;
+        st.want(a.as_raw_fd(), What::Foreign, ev, 0).unwrap();
+        assert_eq!(ready(&mut st), vec![a.as_raw_fd()]);
     }
 
     /// A wait woken by bytes on a QP's socket receives through

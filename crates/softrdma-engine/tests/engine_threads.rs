@@ -94,14 +94,17 @@ fn engine_threads_start_lazily_are_not_pinned_and_block_signals() {
     );
     assert!(named("softrdma-dm").is_empty());
     assert!(named("softrdma-rx").is_empty());
-    assert!(dev.datamover_stats().is_empty());
+    let dm = dev.datamover_stats();
+    assert_eq!(dm.len(), dev.attr().datamovers as usize);
+    assert!(dm.iter().all(|s| !s.running), "{dm:?}");
 
     // A polled CQ needs no handler thread.
     let _polled = CompletionQueue::new(&dev, 16, None).unwrap();
     assert!(named("softrdma-cq").is_empty());
 
-    // A CQ with a callback starts its handler's thread, which blocks
-    // signals; the callback sees them blocked.
+    // A CQ with a callback starts no thread either: its handler's thread
+    // starts with the first event (below). The callback sees signals
+    // blocked.
     let blocked_in_callback = Arc::new(AtomicBool::new(false));
     let ran = Arc::new(AtomicBool::new(false));
     let (b2, r2) = (blocked_in_callback.clone(), ran.clone());
@@ -114,38 +117,33 @@ fn engine_threads_start_lazily_are_not_pinned_and_block_signals() {
         cq.drain_and_arm(false, |_| {});
     })
     .unwrap();
-    let cq_threads = named_eventually("softrdma-cq", 1);
-    assert_eq!(cq_threads.len(), 1, "{:?}", threads());
-    assert_eq!(dev.handler_stats().iter().filter(|s| s.running).count(), 1);
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(named("softrdma-cq").is_empty(), "{:?}", threads());
+    assert!(dev.handler_stats().iter().all(|s| !s.running));
 
-    // The first QP starts the engine threads: one per usable CPU at most,
-    // each both datamover and receiver (no separate receive threads),
-    // none pinned. Side b's receive CQ is the callback CQ.
+    // The first QP starts one engine thread (the one it is assigned to),
+    // not one per CPU; each later QP goes to the least-loaded thread,
+    // which starts then. Each thread is both datamover and receiver (no
+    // separate receive threads); none is pinned. Side b's receive CQ is
+    // the callback CQ.
     let a = common::side(&dev, |_| {});
+    let dm = named_eventually("softrdma-dm", 1);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(named("softrdma-dm").len(), 1, "{:?}", threads());
+    let running = |dev: &Device| dev.datamover_stats().iter().filter(|s| s.running).count();
+    assert_eq!(running(&dev), 1, "{dm:?}");
     let pd = ProtectionDomain::new(&dev);
     let send_cq = CompletionQueue::new(&dev, 16, None).unwrap();
     let qp_b = QueuePair::new(&pd, &QpInitAttr::new(&send_cq, &cb)).unwrap();
     connect_pair(&a.qp, &qp_b, &MpaConfig::default()).unwrap();
-    let dm = named_eventually("softrdma-dm", dev.attr().datamovers as usize);
-    assert!(!dm.is_empty() && dm.len() <= usable_cpus(), "{dm:?}");
+    let want = usable_cpus().min(2);
+    let dm = named_eventually("softrdma-dm", want);
+    assert_eq!(dm.len(), want, "{:?}", threads());
+    assert_eq!(running(&dev), want);
     assert!(named("softrdma-rx").is_empty(), "{:?}", threads());
-    assert_eq!(dev.attr().datamovers as usize, dm.len());
+    assert!(dm.len() <= dev.attr().datamovers as usize);
 
-    // Every engine thread blocks the usual process signals; the test's
-    // own thread does not. (Threads still named after this test are new
-    // engine threads that have not named themselves yet.)
-    for (name, blk) in threads() {
-        if name.starts_with("softrdma-") {
-            assert_eq!(
-                blk & must_block(),
-                must_block(),
-                "{name} accepts signals: SigBlk {blk:016x}"
-            );
-        }
-    }
-    assert!(!softrdma_engine::signal_blocked(libc::SIGINT));
-
-    // The callback runs on the handler thread, with signals blocked.
+    // The callback runs on the handler thread, started by its first event.
     let mr_a = common::mr(&a, 64);
     let mr_b = pd.register(64, Access::LOCAL_WRITE).unwrap();
     qp_b.post_recv(&RecvWr::new(1, &[mr_b.sge(0, 64).unwrap()]))
@@ -164,4 +162,21 @@ fn engine_threads_start_lazily_are_not_pinned_and_block_signals() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(blocked_in_callback.load(Ordering::SeqCst));
+    let cq_threads = named_eventually("softrdma-cq", 1);
+    assert_eq!(cq_threads.len(), 1, "{:?}", threads());
+    assert_eq!(dev.handler_stats().iter().filter(|s| s.running).count(), 1);
+
+    // Every engine thread blocks the usual process signals; the test's
+    // own thread does not. (Threads still named after this test are new
+    // engine threads that have not named themselves yet.)
+    for (name, blk) in threads() {
+        if name.starts_with("softrdma-") {
+            assert_eq!(
+                blk & must_block(),
+                must_block(),
+                "{name} accepts signals: SigBlk {blk:016x}"
+            );
+        }
+    }
+    assert!(!softrdma_engine::signal_blocked(libc::SIGINT));
 }

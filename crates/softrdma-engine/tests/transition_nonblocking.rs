@@ -141,3 +141,60 @@ fn nonblocking_switch_times_out_against_a_silent_peer() {
     // The pre-posted receive was flushed.
     assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::WrFlush);
 }
+
+/// The switch sets `TCP_NODELAY` and `O_NONBLOCK` itself, unless its
+/// caller says the socket has them already
+/// (`StreamConnection::socket_already_set`): then it leaves the socket's
+/// options alone (a system call less for each). Here the initiator's
+/// caller says so of a socket it made non-blocking but left without
+/// `TCP_NODELAY` (which only costs latency): the option is still off after
+/// the switch, and the connection works; the responder's is set as before.
+#[test]
+fn a_socket_said_to_be_set_is_left_alone_by_the_switch() {
+    let dev = device(false);
+    let a = side(&dev, |_| {});
+    let b = side(&dev, |_| {});
+    let ra = mr(&a, 256);
+    let rb = mr(&b, 256);
+    let (sa, sb) = tcp_pair();
+    sa.set_nonblocking(true).unwrap();
+    let (ka, kb) = (sa.try_clone().unwrap(), sb.try_clone().unwrap());
+    assert!(!ka.nodelay().unwrap() && !kb.nodelay().unwrap());
+    let mut ca = StreamConnection::new(sa, SwitchMode::mpa(MpaRole::Initiator));
+    let mut cb = StreamConnection::new(sb, SwitchMode::mpa(MpaRole::Responder));
+    ca.socket_already_set(true, true);
+    ca.reserve(&a.qp).unwrap();
+    cb.reserve(&b.qp).unwrap();
+    ca.request_switch().unwrap();
+    cb.request_switch().unwrap();
+    let mut done_b = cb
+        .post_recv_and_begin_switch(&RecvWr::new(100, &[rb.sge(0, 256).unwrap()]))
+        .unwrap();
+    let mut done_a = ca
+        .post_recv_and_begin_switch(&RecvWr::new(100, &[ra.sge(0, 256).unwrap()]))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(done_a && done_b) {
+        assert!(Instant::now() < deadline, "switch did not finish");
+        wait_either(&ca, &cb);
+        if !done_a {
+            done_a = ca.poll_switch().unwrap();
+        }
+        if !done_b {
+            done_b = cb.poll_switch().unwrap();
+        }
+    }
+    assert!(!ka.nodelay().unwrap(), "the switch set TCP_NODELAY again");
+    assert!(kb.nodelay().unwrap());
+    let src = mr(&a, 64);
+    src.write(0, b"left alone").unwrap();
+    a.qp.post_send(
+        &SendWr::new(1, SendOp::Send)
+            .sg_list(&[src.sge(0, 10).unwrap()])
+            .signaled(),
+    )
+    .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    assert_eq!(wait(&b.cq, 1)[0].status, WcStatus::Success);
+    assert_eq!(&rb.to_vec()[..10], b"left alone");
+}

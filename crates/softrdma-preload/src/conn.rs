@@ -12,13 +12,14 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::net::SocketAddr;
 use std::os::fd::FromRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use libc::c_int;
-use softrdma_sockets::{Config, TcpStream as SdStream};
+use softrdma_sockets::{Config, Known, TcpStream as SdStream};
 
 use crate::interpose::{REAL_FCNTL, state};
 use crate::stats::PlainReason;
@@ -33,7 +34,7 @@ pub(crate) struct Conn {
     /// duplicate descriptor to switch (as responder). The switch is made
     /// by whichever process touches the connection first, so a server that
     /// forks after accept serves it from the child.
-    pending: Mutex<Option<std::net::TcpStream>>,
+    pending: Mutex<Option<(std::net::TcpStream, Known)>>,
     /// The process that switched it (0 while pending). Another process (a
     /// forked child) has the memory but not the engine threads behind it.
     owner: AtomicI32,
@@ -371,8 +372,10 @@ fn config() -> Config {
 }
 
 /// Why a switch could not be made (the connection is unusable: bytes of
-/// the switch may already be on it).
-fn switch(dup: std::net::TcpStream, initiator: bool) -> Result<SdStream, c_int> {
+/// the switch may already be on it). `known`: the peer's address and
+/// whether the socket is non-blocking, if known (its `TCP_NODELAY` is
+/// asked here: the application's setting, kept for its view).
+fn switch(dup: std::net::TcpStream, initiator: bool, known: Known) -> Result<SdStream, c_int> {
     let me = pid();
     let started = ENGINE_PID.load(Ordering::Relaxed);
     if started != 0 && started != me {
@@ -380,8 +383,11 @@ fn switch(dup: std::net::TcpStream, initiator: bool) -> Result<SdStream, c_int> 
     }
     ENGINE_PID.store(me, Ordering::Relaxed);
     let nodelay = dup.nodelay().unwrap_or(false);
-    let s = signals_blocked(|| as_internal(|| SdStream::upgrade(dup, initiator, &config())))
-        .map_err(|_| libc::ECONNRESET)?;
+    let known = Known { nodelay, ..known };
+    let s = signals_blocked(|| {
+        as_internal(|| SdStream::upgrade_known(dup, initiator, &config(), &known))
+    })
+    .map_err(|_| libc::ECONNRESET)?;
     let _ = s.set_nonblocking(true);
     if nodelay {
         let _ = s.set_nodelay(true);
@@ -427,22 +433,43 @@ impl Conn {
     }
 
     /// Client side: switches `fd` now (it is connected; `nonblock`: the
-    /// application's `O_NONBLOCK`); `Err` if the switch failed (the
+    /// application's `O_NONBLOCK`, the socket's as well; `peer`: the
+    /// address it connected to); `Err` if the switch failed (the
     /// connection is then unusable).
-    pub(crate) fn connect_switch(fd: c_int, nonblock: bool) -> Result<Arc<Conn>, c_int> {
+    pub(crate) fn connect_switch(
+        fd: c_int,
+        nonblock: bool,
+        peer: Option<SocketAddr>,
+    ) -> Result<Arc<Conn>, c_int> {
         let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
         let c = Conn::new(nonblock);
-        let s = switch(dup, true)?;
+        let known = Known {
+            peer,
+            nonblocking: nonblock,
+            ..Known::default()
+        };
+        let s = switch(dup, true, known)?;
         c.adopt(s);
         Ok(Arc::new(c))
     }
 
     /// Server side: `fd` will be switched on first use; `nonblock`: its
-    /// `O_NONBLOCK` as accepted.
-    pub(crate) fn accepted(fd: c_int, nonblock: bool) -> Option<Arc<Conn>> {
+    /// `O_NONBLOCK` as accepted; `peer`: the client's address, if known.
+    /// (The socket stays non-blocking once it is: the application's
+    /// `F_SETFL` keeps `O_NONBLOCK` on, `FIONBIO` only changes its view.)
+    pub(crate) fn accepted(
+        fd: c_int,
+        nonblock: bool,
+        peer: Option<SocketAddr>,
+    ) -> Option<Arc<Conn>> {
         let dup = dup_stream(fd)?;
         let c = Conn::new(nonblock);
-        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(dup);
+        let known = Known {
+            peer,
+            nonblocking: nonblock,
+            ..Known::default()
+        };
+        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some((dup, known));
         Some(Arc::new(c))
     }
 
@@ -461,8 +488,8 @@ impl Conn {
         if self.sw.get().is_none() {
             // Held during the switch: other threads' calls wait for it.
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(dup) = pending.take() {
-                let r = switch(dup, false);
+            if let Some((dup, known)) = pending.take() {
+                let r = switch(dup, false, known);
                 match &r {
                     Ok(_) => state().stats.offloaded(),
                     Err(_) => state().stats.plain(PlainReason::SetupFailed),

@@ -510,7 +510,9 @@ fn client_plan_bound(
 }
 
 /// Waits until a non-blocking connect completes; whether it connected
-/// (without consuming `SO_ERROR`, which the application reads).
+/// (without consuming `SO_ERROR`, which the application reads): writable
+/// without an error or hang-up (a failed connect reports both), which
+/// needs no `getpeername`.
 fn wait_connected(fd: c_int) -> bool {
     let Some(poll) = REAL_POLL.get() else {
         return false;
@@ -526,7 +528,9 @@ fn wait_connected(fd: c_int) -> bool {
         if r < 0 && errno() == libc::EINTR {
             continue;
         }
-        return r > 0 && peer_ip_port(fd).is_some();
+        return r > 0
+            && p.revents & libc::POLLOUT != 0
+            && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) == 0;
     }
 }
 
@@ -625,7 +629,9 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                     }
                 }
             }
-            match Conn::connect_switch(fd, app_nonblock) {
+            // SAFETY: the caller's guarantee for `addr`/`len`.
+            let peer = unsafe { ip_port(addr, len) }.map(|(ip, port)| SocketAddr::new(ip, port));
+            match Conn::connect_switch(fd, app_nonblock, peer) {
                 Ok(c) => {
                     state().stats.offloaded();
                     let cloexec = fd_cloexec(fd);
@@ -834,14 +840,15 @@ fn on_accepted(lfd: c_int, fd: c_int, flags: c_int, peer: Option<(IpAddr, u16)>)
             match twin {
                 None => PlainReason::NoTwin,
                 Some(t) => {
-                    let asked = peer
+                    let peer = peer
                         .or_else(|| peer_ip_port(fd))
-                        .is_some_and(|(pip, pport)| t.take(SocketAddr::new(pip, pport)));
+                        .map(|(pip, pport)| SocketAddr::new(pip, pport));
+                    let asked = peer.is_some_and(|p| t.take(p));
                     // A socket from accept is blocking unless accept4 was
                     // asked for SOCK_NONBLOCK (it does not inherit the
                     // listener's flags).
                     let nonblock = flags & libc::SOCK_NONBLOCK != 0;
-                    if asked && let Some(c) = Conn::accepted(fd, nonblock) {
+                    if asked && let Some(c) = Conn::accepted(fd, nonblock, peer) {
                         // Counted when it is switched (first use).
                         conn::insert(fd, c, flags & libc::SOCK_CLOEXEC != 0);
                         return false;

@@ -659,6 +659,33 @@ fn a_client_asks_from_a_chosen_ephemeral_port_and_keeps_its_options() {
     assert_eq!(field(&lines[0], "offloaded"), "36", "{lines:?}");
 }
 
+/// A non-blocking `connect` is waited for and switched once the
+/// connection is up (writable without an error), and still returns
+/// `EINPROGRESS`; one to a port nobody listens on is left to the
+/// application, which reads the refusal from `SO_ERROR` (not consumed).
+#[test]
+fn a_non_blocking_connect_is_switched_once_up_and_a_refused_one_keeps_its_error() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        port=l.getsockname()[1]\n\
+        r=[]\n\
+        def nb():\n    x=socket.socket(); x.setblocking(False); r.append(x.connect_ex(('127.0.0.1',port))); r.append(x)\n\
+        t=threading.Thread(target=nb); t.start()\n\
+        s,_=l.accept(); select.select([],[s],[],5); t.join()\n\
+        assert r[0]==errno.EINPROGRESS, r\n\
+        x=r[1]; select.select([],[x],[],5)\n\
+        assert x.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)==0\n\
+        x.setblocking(True); x.sendall(b'nb'); assert s.recv(2)==b'nb'\n\
+        d=socket.socket(); d.bind(('127.0.0.1',0)); dead=d.getsockname()[1]; d.close()\n\
+        y=socket.socket(); y.setblocking(False); e=y.connect_ex(('127.0.0.1',dead))\n\
+        assert e in (errno.EINPROGRESS, errno.ECONNREFUSED), e\n\
+        select.select([],[y],[],5)\n\
+        assert y.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)==errno.ECONNREFUSED\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
 /// A sockets-direct client (`softrdma_sockets`) connecting to a preloaded
 /// listener learns from the twin's first answer that it decides late
 /// queries, and sends its next queries beside the SYN: those connections

@@ -183,6 +183,20 @@ pub fn choose_port() -> u16 {
     port
 }
 
+/// What the caller of [`TcpStream::upgrade_known`] knows of the stream's
+/// socket, so that the switch need not ask the kernel (a system call less
+/// for each). Wrong values make a wrong Hello (addresses) or a switch on a
+/// blocking socket: give only what is certain.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Known {
+    /// The peer's address, as `getpeername(2)` says it.
+    pub peer: Option<SocketAddr>,
+    /// `TCP_NODELAY` is set on the socket.
+    pub nodelay: bool,
+    /// `O_NONBLOCK` is set on the socket.
+    pub nonblocking: bool,
+}
+
 fn declined() -> io::Error {
     io::Error::new(
         io::ErrorKind::ConnectionRefused,
@@ -349,7 +363,11 @@ impl TcpStream {
         let Some(stream) = stream else {
             return Err(io::ErrorKind::AddrNotAvailable.into());
         };
-        match Offload::establish(stream, true, cfg) {
+        let known = Known {
+            peer: Some(addr),
+            ..Known::default()
+        };
+        match Offload::establish(stream, true, cfg, &known) {
             Ok(o) => Ok(Self::offloaded(o)),
             Err(e) => {
                 if required {
@@ -422,10 +440,22 @@ impl TcpStream {
     /// byte stream, one with `initiator` true; see the crate docs). The
     /// ports, names and socket options stay those of `stream`.
     pub fn upgrade(stream: std::net::TcpStream, initiator: bool, cfg: &Config) -> io::Result<Self> {
+        Self::upgrade_known(stream, initiator, cfg, &Known::default())
+    }
+
+    /// [`upgrade`](Self::upgrade) of a stream whose socket the caller
+    /// knows something of (see [`Known`]): the switch does not ask the
+    /// kernel for it.
+    pub fn upgrade_known(
+        stream: std::net::TcpStream,
+        initiator: bool,
+        cfg: &Config,
+        known: &Known,
+    ) -> io::Result<Self> {
         // Its blocking mode is left as it is: nothing before the switch
         // reads or writes it, and the switch makes it non-blocking (one
         // system call less per side).
-        Offload::establish(stream, initiator, cfg)
+        Offload::establish(stream, initiator, cfg, known)
             .map(|o| {
                 // Not our descriptor: its `O_NONBLOCK` stays as it is.
                 o.no_recv_sleep();
@@ -881,7 +911,11 @@ impl TcpListener {
         if asked {
             // No `set_nonblocking(false)`: the switch makes the stream
             // non-blocking before its first read or write.
-            return Offload::establish(s, false, &self.cfg)
+            let known = Known {
+                peer: Some(peer),
+                ..Known::default()
+            };
+            return Offload::establish(s, false, &self.cfg, &known)
                 .ok()
                 .map(TcpStream::offloaded);
         }

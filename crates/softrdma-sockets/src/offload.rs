@@ -663,6 +663,7 @@ impl Offload {
         stream: TcpStream,
         initiator: bool,
         cfg: &Config,
+        known: &crate::net::Known,
     ) -> Result<Offload, SetupError> {
         cfg.checked().map_err(local)?;
         let eng = engine().map_err(local)?;
@@ -712,15 +713,20 @@ impl Offload {
             post_rx(i)?;
         }
         let dup = stream.try_clone().map_err(local)?;
-        let local_addr = stream.local_addr();
         // The addresses go into the initiator's Hello; the responder needs
-        // only the family (one system call less).
-        let peer_addr = if initiator {
-            stream.peer_addr()
-        } else {
-            Err(io::ErrorKind::Unsupported.into())
+        // only the family, which a known peer address tells (a socket's
+        // local and peer addresses have the same family): no system call.
+        // (A connect to the unspecified address reaches a local one: the
+        // kernel says which.)
+        let peer = known.peer.filter(|p| !p.ip().is_unspecified());
+        let (local_addr, peer_addr) = match (initiator, peer) {
+            (true, Some(p)) => (stream.local_addr(), Ok(p)),
+            (true, None) => (stream.local_addr(), stream.peer_addr()),
+            (false, Some(p)) => (Err(io::ErrorKind::Unsupported.into()), Ok(p)),
+            (false, None) => (stream.local_addr(), Err(io::ErrorKind::Unsupported.into())),
         };
-        let ipv = if local_addr.as_ref().map(|a| a.is_ipv6()).unwrap_or(false) {
+        let v6 = |a: &io::Result<std::net::SocketAddr>| a.as_ref().is_ok_and(|a| a.is_ipv6());
+        let ipv = if v6(&local_addr) || v6(&peer_addr) {
             0x60
         } else {
             0x40
@@ -776,6 +782,7 @@ impl Offload {
             },
         );
         sc.set_switch_timeout(cfg.setup_timeout);
+        sc.socket_already_set(known.nodelay, known.nonblocking);
         sc.reserve(&qp)?;
         sc.request_switch()?;
         let first = early - 1;
@@ -2638,9 +2645,21 @@ mod tests {
         let cfg = cfg.clone();
         let c = cfg.clone();
         let t = std::thread::spawn(move || {
-            Offload::establish(TcpStream::connect(addr).unwrap(), true, &c).unwrap()
+            Offload::establish(
+                TcpStream::connect(addr).unwrap(),
+                true,
+                &c,
+                &crate::net::Known::default(),
+            )
+            .unwrap()
         });
-        let s = Offload::establish(l.accept().unwrap().0, false, &cfg).unwrap();
+        let s = Offload::establish(
+            l.accept().unwrap().0,
+            false,
+            &cfg,
+            &crate::net::Known::default(),
+        )
+        .unwrap();
         (t.join().unwrap(), s)
     }
 

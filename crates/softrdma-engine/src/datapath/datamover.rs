@@ -43,10 +43,15 @@
 //! connection that lives longer is looked at once when the hand-over is
 //! due, a look that also covers every connection made meanwhile.
 //!
-//! Each QP is assigned at creation to the thread with the fewest QPs. There
-//! are never more engine threads than usable CPUs (affinity mask and cgroup
-//! CPU quota): a second thread per CPU would only compete with the first
-//! (and with the application) for the same CPU time.
+//! Each QP is assigned at creation to the thread with the fewest QPs (the
+//! lowest-numbered of those with as few). There are never more engine
+//! threads than usable CPUs (affinity mask and cgroup CPU quota): a second
+//! thread per CPU would only compete with the first (and with the
+//! application) for the same CPU time. A thread (its epoll set and its OS
+//! thread) is started when the first QP is assigned to it: a process with
+//! one connection at a time runs one engine thread, not one per CPU (each
+//! thread cost its process about 0.35 ms of CPU to start and end: the
+//! clone, its stack, the allocator's per-thread state, the exit).
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::RawFd;
@@ -57,7 +62,9 @@ use std::time::Duration;
 use crossbeam_queue::SegQueue;
 use parking_lot::Mutex;
 
-use crate::sys::io::{pin_current_thread, spawn_engine_thread, usable_cpus};
+#[cfg(doc)]
+use crate::sys::io::usable_cpus;
+use crate::sys::io::{pin_current_thread, spawn_engine_thread};
 use crate::sys::poll::{EpollSet, Ready};
 
 /// What the engine threads need from a QP: its keys, the flags they share
@@ -95,6 +102,8 @@ pub(crate) trait DmQp: Send + Sync + std::fmt::Debug {
 pub struct DatamoverStats {
     /// CPU the thread runs on (pinned if configured).
     pub cpu: usize,
+    /// Whether the thread runs: it starts with the first QP assigned to it.
+    pub running: bool,
     /// QPs assigned.
     pub qps: usize,
     /// Slices served.
@@ -141,7 +150,6 @@ impl Handover {
 #[derive(Debug)]
 struct Engine {
     cpu: usize,
-    load: AtomicUsize,
     /// QPs with transmit work, handed over by other threads.
     inbox: SegQueue<Arc<dyn DmQp>>,
     /// Keys of QPs whose socket is to be watched for reading (again).
@@ -174,19 +182,32 @@ impl Engine {
     }
 }
 
+/// One engine thread of a device: its CPU and load, and the thread's
+/// state once started (by the first QP assigned to it).
+#[derive(Debug)]
+struct Slot {
+    cpu: usize,
+    /// QPs assigned (kept here: the least-loaded choice looks at threads
+    /// not started yet too).
+    load: AtomicUsize,
+    engine: std::sync::OnceLock<Arc<Engine>>,
+}
+
 /// The engine threads of a device.
 #[derive(Debug)]
 pub(crate) struct Threads {
-    engines: Vec<Arc<Engine>>,
+    slots: Vec<Slot>,
+    /// Bytes served per turn, and whether to pin: for threads started later.
+    slice: usize,
+    pin: bool,
 }
 
 /// The CPUs of the engine threads for the configured `datamover_cpus`:
-/// one thread per entry, or one per usable CPU if empty, and never more
-/// than usable CPUs.
-pub(crate) fn engine_cpus(datamover_cpus: &[usize]) -> Vec<usize> {
-    let usable = usable_cpus();
+/// one thread per entry, or one per CPU of `usable` (the usable CPUs,
+/// [`usable_cpus`]) if empty, and never more than usable CPUs.
+pub(crate) fn engine_cpus(datamover_cpus: &[usize], usable: &[usize]) -> Vec<usize> {
     if datamover_cpus.is_empty() {
-        usable
+        usable.to_vec()
     } else {
         let mut cpus = datamover_cpus.to_vec();
         cpus.truncate(usable.len().max(1));
@@ -195,58 +216,94 @@ pub(crate) fn engine_cpus(datamover_cpus: &[usize]) -> Vec<usize> {
 }
 
 impl Threads {
-    /// Starts the threads: one per CPU of [`engine_cpus`]`(datamover_cpus)`,
-    /// serving `slice` bytes per turn, pinned if `pin`.
-    pub(crate) fn start(
-        datamover_cpus: &[usize],
-        slice: usize,
-        pin: bool,
-    ) -> std::io::Result<Threads> {
-        let mut engines = Vec::new();
-        for (i, cpu) in engine_cpus(datamover_cpus).into_iter().enumerate() {
-            let e = Arc::new(Engine {
-                cpu,
-                load: AtomicUsize::new(0),
-                inbox: SegQueue::new(),
-                rx_inbox: SegQueue::new(),
-                qps: Mutex::new(HashMap::new()),
-                handover: Mutex::new(Handover::default()),
-                poll: EpollSet::new()?,
-                sleep_until: AtomicU64::new(0),
-                stop: AtomicBool::new(false),
-                slices: AtomicU64::new(0),
-                pauses: AtomicU64::new(0),
-                resumes: AtomicU64::new(0),
-                receives: AtomicU64::new(0),
-                rx_wakeups: AtomicU64::new(0),
-                handover_timeouts: AtomicU64::new(0),
-            });
-            {
-                let e = e.clone();
-                spawn_engine_thread(format!("softrdma-dm{i}"), move || {
-                    run_engine(&e, slice, pin);
-                })?;
-            }
-            engines.push(e);
+    /// The engine threads for `cpus` (one each, from [`engine_cpus`]),
+    /// serving `slice` bytes per turn, pinned if `pin`. None is started
+    /// yet: each starts with the first QP assigned to it
+    /// ([`Threads::assign`]).
+    pub(crate) fn new(cpus: Vec<usize>, slice: usize, pin: bool) -> Threads {
+        Threads {
+            slots: cpus
+                .into_iter()
+                .map(|cpu| Slot {
+                    cpu,
+                    load: AtomicUsize::new(0),
+                    engine: std::sync::OnceLock::new(),
+                })
+                .collect(),
+            slice,
+            pin,
         }
-        Ok(Threads { engines })
     }
 
-    /// Assigns a new QP to the least-loaded engine thread.
+    /// Engine thread `idx`, if started.
+    fn engine(&self, idx: usize) -> Option<&Arc<Engine>> {
+        self.slots.get(idx).and_then(|s| s.engine.get())
+    }
+
+    /// Starts engine thread `idx` (its epoll set and its OS thread) unless
+    /// it runs already.
+    fn start(&self, idx: usize) -> std::io::Result<&Arc<Engine>> {
+        let slot = &self.slots[idx];
+        if let Some(e) = slot.engine.get() {
+            return Ok(e);
+        }
+        // Serialises the starts (a second caller finds the first's thread).
+        static STARTING: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+        let _starting = STARTING.lock();
+        if let Some(e) = slot.engine.get() {
+            return Ok(e);
+        }
+        let e = Arc::new(Engine {
+            cpu: slot.cpu,
+            inbox: SegQueue::new(),
+            rx_inbox: SegQueue::new(),
+            qps: Mutex::new(HashMap::new()),
+            handover: Mutex::new(Handover::default()),
+            poll: EpollSet::new()?,
+            sleep_until: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            slices: AtomicU64::new(0),
+            pauses: AtomicU64::new(0),
+            resumes: AtomicU64::new(0),
+            receives: AtomicU64::new(0),
+            rx_wakeups: AtomicU64::new(0),
+            handover_timeouts: AtomicU64::new(0),
+        });
+        {
+            let e = e.clone();
+            let (slice, pin) = (self.slice, self.pin);
+            spawn_engine_thread(format!("softrdma-dm{idx}"), move || {
+                run_engine(&e, slice, pin);
+            })?;
+        }
+        Ok(slot.engine.get_or_init(|| e))
+    }
+
+    /// Assigns a new QP to the least-loaded engine thread (the
+    /// lowest-numbered of those with as few QPs), starting it if it is not
+    /// running yet.
+    ///
+    /// # Panics
+    ///
+    /// If the thread cannot be started (the process can create no thread
+    /// or epoll instance): without it the device cannot move data.
     pub(crate) fn assign(&self) -> usize {
-        let (idx, e) = self
-            .engines
+        let idx = self
+            .slots
             .iter()
             .enumerate()
-            .min_by_key(|(_, e)| e.load.load(Ordering::Relaxed))
-            .unwrap_or((0, &self.engines[0]));
-        e.load.fetch_add(1, Ordering::Relaxed);
+            .min_by_key(|(_, s)| s.load.load(Ordering::Relaxed))
+            .map_or(0, |(i, _)| i);
+        if let Err(e) = self.start(idx) {
+            panic!("softrdma: cannot start the device threads: {e}");
+        }
+        self.slots[idx].load.fetch_add(1, Ordering::Relaxed);
         idx
     }
 
     /// A QP assigned to `idx` is gone.
     pub(crate) fn release(&self, idx: usize) {
-        if let Some(e) = self.engines.get(idx) {
+        if let Some(e) = self.slots.get(idx) {
             let _ = e
                 .load
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
@@ -258,7 +315,7 @@ impl Threads {
         if qp.dm_listed().swap(true, Ordering::AcqRel) {
             return;
         }
-        if let Some(e) = self.engines.get(qp.datamover()) {
+        if let Some(e) = self.engine(qp.datamover()) {
             e.inbox.push(qp.clone());
             e.poll.notify();
         }
@@ -279,7 +336,7 @@ impl Threads {
     /// nobody else receives: the thread is woken to watch the socket at
     /// once.
     pub(crate) fn register_rx<Q: DmQp + 'static>(&self, qp: &Arc<Q>, fd: RawFd) {
-        let Some(e) = self.engines.get(qp.datamover()) else {
+        let Some(e) = self.engine(qp.datamover()) else {
             return;
         };
         let key = qp.qp_num() as usize;
@@ -342,7 +399,7 @@ impl Threads {
         if !qp.rx_registered().load(Ordering::Acquire) || !qp.receiving() {
             return None;
         }
-        let e = self.engines.get(qp.datamover())?;
+        let e = self.engine(qp.datamover())?;
         let fd = e
             .qps
             .lock()
@@ -356,7 +413,7 @@ impl Threads {
     /// Wakes engine thread `idx` so it re-checks the QPs it left to CQ
     /// pollers.
     pub(crate) fn wake_rx(&self, idx: usize) {
-        if let Some(e) = self.engines.get(idx) {
+        if let Some(e) = self.engine(idx) {
             e.notify_rx();
         }
     }
@@ -366,7 +423,7 @@ impl Threads {
         if !qp.rx_registered().swap(false, Ordering::AcqRel) {
             return;
         }
-        let Some(e) = self.engines.get(qp.datamover()) else {
+        let Some(e) = self.engine(qp.datamover()) else {
             return;
         };
         // The engine thread arms a socket for reading only under the
@@ -395,19 +452,30 @@ impl Threads {
         e.rx_inbox.push(key);
     }
 
-    /// Statistics of every engine thread.
+    /// Statistics of every engine thread (zero for those not started).
     pub(crate) fn stats(&self) -> Vec<DatamoverStats> {
-        self.engines
+        self.slots
             .iter()
-            .map(|e| DatamoverStats {
-                cpu: e.cpu,
-                qps: e.load.load(Ordering::Relaxed),
-                slices: e.slices.load(Ordering::Relaxed),
-                pauses: e.pauses.load(Ordering::Relaxed),
-                resumes: e.resumes.load(Ordering::Relaxed),
-                receives: e.receives.load(Ordering::Relaxed),
-                rx_wakeups: e.rx_wakeups.load(Ordering::Relaxed),
-                handover_timeouts: e.handover_timeouts.load(Ordering::Relaxed),
+            .map(|s| {
+                let qps = s.load.load(Ordering::Relaxed);
+                let Some(e) = s.engine.get() else {
+                    return DatamoverStats {
+                        cpu: s.cpu,
+                        qps,
+                        ..DatamoverStats::default()
+                    };
+                };
+                DatamoverStats {
+                    cpu: s.cpu,
+                    running: true,
+                    qps,
+                    slices: e.slices.load(Ordering::Relaxed),
+                    pauses: e.pauses.load(Ordering::Relaxed),
+                    resumes: e.resumes.load(Ordering::Relaxed),
+                    receives: e.receives.load(Ordering::Relaxed),
+                    rx_wakeups: e.rx_wakeups.load(Ordering::Relaxed),
+                    handover_timeouts: e.handover_timeouts.load(Ordering::Relaxed),
+                }
             })
             .collect()
     }
@@ -415,7 +483,7 @@ impl Threads {
 
 impl Drop for Threads {
     fn drop(&mut self) {
-        for e in &self.engines {
+        for e in self.slots.iter().filter_map(|s| s.engine.get()) {
             e.stop.store(true, Ordering::Release);
             e.poll.notify();
         }
@@ -505,12 +573,16 @@ struct Watch {
     busy_step: u64,
     /// Paused for lack of send space: watched for writing.
     paused: Option<Arc<dyn DmQp>>,
+    /// Armed in this thread's epoll set before (else the next arm adds
+    /// the socket rather than modify a registration first).
+    registered: bool,
 }
 
 impl Watch {
     fn new(fd: RawFd) -> Watch {
         Watch {
             fd,
+            registered: false,
             read: false,
             deferred: None,
             busy_step: 0,
@@ -542,8 +614,9 @@ impl Local {
             // closed), so the descriptor is not a recycled one.
             let table = e.qps.lock();
             if table.get(&key).is_some_and(|(_, fd)| *fd == w.fd)
-                && e.poll.arm(w.fd, key, true, write).is_ok()
+                && e.poll.arm(w.fd, key, true, write, !w.registered).is_ok()
             {
+                w.registered = true;
                 return;
             }
             drop(table);
@@ -551,7 +624,8 @@ impl Local {
         }
         if w.paused.is_some() {
             // The paused QP (held) keeps its socket open.
-            if e.poll.arm(w.fd, key, false, true).is_ok() {
+            if e.poll.arm(w.fd, key, false, true, !w.registered).is_ok() {
+                w.registered = true;
                 return;
             }
             // The socket is gone: back to the round (its next write fails
@@ -587,7 +661,10 @@ impl Local {
             Some(fd) => {
                 let w = self.watches.entry(key).or_insert_with(|| Watch::new(fd));
                 // (A new socket after a reconnect: the old one is closed.)
-                w.fd = fd;
+                if w.fd != fd {
+                    w.fd = fd;
+                    w.registered = false;
+                }
                 w.read = true;
                 // Registered lazily: left to the thread that connected it
                 // (its poller) until nobody has polled for a while.

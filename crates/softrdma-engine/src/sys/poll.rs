@@ -201,9 +201,21 @@ impl EpollSet {
     /// armed again (for both directions: the caller re-arms what it still
     /// wants).
     ///
+    /// `fresh`: `fd` is probably not registered yet (a socket new to the
+    /// caller): it is added first (one system call; a registration that
+    /// exists after all is modified), where a known one is modified first
+    /// (and added if the kernel had dropped it).
+    ///
     /// The owner of `fd` keeps it open while registered (as for
     /// [`Reactor::arm`]); the kernel drops the registration when it closes.
-    pub(crate) fn arm(&self, fd: RawFd, key: usize, read: bool, write: bool) -> io::Result<()> {
+    pub(crate) fn arm(
+        &self,
+        fd: RawFd,
+        key: usize,
+        read: bool,
+        write: bool,
+        fresh: bool,
+    ) -> io::Result<()> {
         let mut events = libc::EPOLLONESHOT as u32;
         if read {
             events |= (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
@@ -215,20 +227,23 @@ impl EpollSet {
             events,
             u64: key as u64,
         };
+        let (first, then, missing) = if fresh {
+            (libc::EPOLL_CTL_ADD, libc::EPOLL_CTL_MOD, libc::EEXIST)
+        } else {
+            (libc::EPOLL_CTL_MOD, libc::EPOLL_CTL_ADD, libc::ENOENT)
+        };
         // SAFETY: `fd` is open for the duration of the call (the caller
         // holds the QP that owns it); `ev` is a valid event.
-        let r =
-            unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, &raw mut ev) };
+        let r = unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), first, fd, &raw mut ev) };
         if r == 0 {
             return Ok(());
         }
         let e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::ENOENT) {
+        if e.raw_os_error() != Some(missing) {
             return Err(e);
         }
         // SAFETY: as above.
-        let r =
-            unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &raw mut ev) };
+        let r = unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), then, fd, &raw mut ev) };
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -411,5 +426,39 @@ mod tests {
         );
         set.clear();
         assert!(set.is_empty());
+    }
+
+    /// Arming works whatever the guess about the registration: a socket
+    /// armed as fresh is added (and one armed again as fresh, registered
+    /// already, is modified), one armed as known but never registered is
+    /// added; each reports the readiness it was armed for, once.
+    #[test]
+    fn arming_as_fresh_or_known_registers_either_way() {
+        let set = EpollSet::new().unwrap();
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (c, d) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut out = Vec::new();
+        let ready = |set: &EpollSet, out: &mut Vec<Ready>| {
+            out.clear();
+            set.wait(out, Some(Duration::ZERO)).unwrap();
+            let mut keys: Vec<usize> = out.iter().filter(|r| r.readable).map(|r| r.key).collect();
+            keys.sort_unstable();
+            keys
+        };
+        // Fresh: added with one call.
+        set.arm(a.as_raw_fd(), 1, true, false, true).unwrap();
+        // Known but not registered: modified first, then added.
+        set.arm(c.as_raw_fd(), 2, true, false, false).unwrap();
+        assert!(ready(&set, &mut out).is_empty());
+        use std::io::Write;
+        (&b).write_all(b"x").unwrap();
+        (&d).write_all(b"y").unwrap();
+        assert_eq!(ready(&set, &mut out), vec![1, 2]);
+        // One-shot: silent until armed again; fresh again on a registered
+        // socket modifies its registration.
+        assert!(ready(&set, &mut out).is_empty());
+        set.arm(a.as_raw_fd(), 3, true, false, true).unwrap();
+        set.arm(c.as_raw_fd(), 4, true, false, false).unwrap();
+        assert_eq!(ready(&set, &mut out), vec![3, 4]);
     }
 }
