@@ -774,7 +774,7 @@ impl CompletionQueue {
             self.took_completions();
         }
         if n > 0 {
-            self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+            self.shared.polled.add(n);
         }
         (n, progressed)
     }
@@ -854,7 +854,7 @@ impl CompletionQueue {
         let (n, progressed) = if sleeps_on_sockets {
             let n = self.poll_ring(out);
             if n > 0 {
-                self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+                self.shared.polled.add(n);
                 self.took_completions();
             }
             (n, false)
@@ -1040,7 +1040,7 @@ impl CompletionQueue {
                 wake.reset();
             }
             if n > 0 {
-                shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+                shared.polled.add(n);
                 self.took_completions();
                 return Some(n);
             }

@@ -650,8 +650,7 @@ impl QpInner {
             };
             let before = cc.rx.bytes_received;
             let mut mem = self.core_mem();
-            let now = crate::datamover::now_ns();
-            let step = cc.rx.step(&mut cc.conn, &mut mem, cc.fd, now);
+            let step = cc.rx.step(&mut cc.conn, &mut mem, cc.fd, &crate::datamover::now_ns);
             got |= cc.rx.bytes_received != before;
             let mut direct = match step {
                 RxStep::Stop(stop) => break stop,
@@ -676,8 +675,7 @@ impl QpInner {
             };
             let before = cc.rx.bytes_received;
             let mut mem = self.core_mem();
-            let now = crate::datamover::now_ns();
-            let stop = cc.rx.placed(&mut cc.conn, &mut mem, direct, r, now);
+            let stop = cc.rx.placed(&mut cc.conn, &mut mem, direct, r, &crate::datamover::now_ns);
             got |= cc.rx.bytes_received != before;
             if let Some(stop) = stop {
                 break stop;

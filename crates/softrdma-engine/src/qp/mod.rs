@@ -469,6 +469,8 @@ pub(crate) struct QpInner {
     pub(crate) core_rx_sleeping: AtomicBool,
     /// Set while the QP is registered with the receive threads.
     pub(crate) rx_registered: AtomicBool,
+    /// The socket it was registered with (-1: never registered).
+    pub(crate) rx_fd: std::sync::atomic::AtomicI32,
     /// Set while a datamover lists the QP (active or paused).
     pub(crate) dm_listed: AtomicBool,
     /// When a CQ poll last drove this QP's receive path (engine clock, ns).
@@ -544,6 +546,7 @@ impl QueuePair {
             rx: Mutex::new(()),
             core_rx_sleeping: AtomicBool::new(false),
             rx_registered: AtomicBool::new(false),
+            rx_fd: std::sync::atomic::AtomicI32::new(-1),
             dm_listed: AtomicBool::new(false),
             last_poll: AtomicU64::new(0),
             tx_batch: post::TxBatch::default(),
