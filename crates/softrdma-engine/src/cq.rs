@@ -10,8 +10,9 @@
 //!                             CompletionChannel ──get_event / fd──▶ application
 //! ```
 //!
-//! A [`CompletionQueue`] is a bounded, lock-free ring of
-//! [`WorkCompletion`]s. The data path pushes completions from whichever
+//! A [`CompletionQueue`] is a bounded, lock-free queue of
+//! [`WorkCompletion`]s (`crossbeam`'s `SegQueue` and a bound, which
+//! [`resize`](CompletionQueue::resize) changes without a lock). The data path pushes completions from whichever
 //! thread finished the work; the application takes them with
 //! [`poll`](CompletionQueue::poll), which never blocks. Completions pushed by
 //! one thread come out in the order it pushed them.
@@ -30,18 +31,18 @@
 //! for the handlers, the callback rules (poll, re-arm, poll again:
 //! [`CompletionQueue::drain_and_arm`]) and the rule for unsignaled work.
 //!
-//! When the ring is full the completion is lost: the CQ is marked overflowed
+//! When the CQ is full the completion is lost: the CQ is marked overflowed
 //! and an [`AsyncEventKind::CqError`] event is queued on the device (once).
 //! Size the CQ for all the work requests that may complete into it.
 
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use crossbeam_queue::ArrayQueue;
+use crossbeam_queue::SegQueue;
 use parking_lot::{Mutex, RwLock};
 
 use crate::device::Device;
@@ -306,9 +307,17 @@ pub struct CompletionQueue {
 struct CqShared {
     id: u32,
     device: Device,
-    /// The ring. Read-locked by push and poll (which are lock-free on the
-    /// ring itself), write-locked only by resize.
-    ring: RwLock<ArrayQueue<WorkCompletion>>,
+    /// The completions: a lock-free queue of blocks, bounded by `capacity`
+    /// (a push that finds `capacity` completions queued fails). Unlike a
+    /// fixed ring it needs no lock against a resize, which only changes
+    /// the bound: a read lock taken and let go by every push, poll and
+    /// look was two locked instructions each, some fourteen per message
+    /// of a ping-pong.
+    ring: SegQueue<WorkCompletion>,
+    /// The CQ's size: the most completions `ring` holds. Pushers that
+    /// race may each see room for one more (the bound is then passed by
+    /// at most the number of those pushers, and no completion is lost).
+    capacity: AtomicUsize,
     /// One of `ARM_*`.
     arm: AtomicU8,
     /// Set on the first lost completion; never cleared.
@@ -319,6 +328,10 @@ struct CqShared {
     /// Receive-progress hooks of the QPs using this CQ. Copy on write: a
     /// poll clones the `Arc` and runs the hooks without holding the lock.
     progress: RwLock<Arc<[Weak<dyn Progress>]>>,
+    /// Counts the changes of `progress` (bumped under its write lock,
+    /// after the change): a wait set that kept a hook of the list knows
+    /// it is still there while this holds.
+    progress_gen: AtomicU64,
     /// The completion event handler the CQ is bound to.
     handler: Arc<Handler>,
     /// Runs on the handler's thread when an armed CQ gets a completion.
@@ -564,12 +577,14 @@ impl<'a> CqBuilder<'a> {
             shared: Arc::new(CqShared {
                 id: NEXT_CQ_ID.fetch_add(1, Ordering::Relaxed),
                 device: device.clone(),
-                ring: RwLock::new(ArrayQueue::new(self.cqe)),
+                ring: SegQueue::new(),
+                capacity: AtomicUsize::new(self.cqe),
                 arm: AtomicU8::new(ARM_NONE),
                 overflowed: AtomicBool::new(false),
                 channel: self.channel.cloned(),
                 unacked: AtomicU32::new(0),
                 progress: RwLock::new(Arc::new([])),
+                progress_gen: AtomicU64::new(0),
                 handler,
                 callback: self.callback.map(Mutex::new),
                 polled,
@@ -720,19 +735,19 @@ impl CompletionQueue {
 
     /// The number of completions the CQ holds.
     pub fn capacity(&self) -> usize {
-        self.shared.ring.read().capacity()
+        self.shared.capacity.load(Ordering::Relaxed)
     }
 
     /// The number of completions queued now.
     pub fn len(&self) -> usize {
-        self.shared.ring.read().len()
+        self.shared.ring.len()
     }
 
     /// Whether no completion is queued now.
     pub fn is_empty(&self) -> bool {
         // Two loads, where `len` loops until it reads head and tail of one
         // moment: waiters look here several times per wait.
-        self.shared.ring.read().is_empty()
+        self.shared.ring.is_empty()
     }
 
     /// The device the CQ was created on.
@@ -1048,9 +1063,14 @@ impl CompletionQueue {
     }
 
     fn poll_ring(&self, out: &mut [WorkCompletion]) -> usize {
-        let ring = self.shared.ring.read();
+        let ring = &self.shared.ring;
         let mut n = 0;
         for slot in out.iter_mut() {
+            // Two loads: the queue's `pop` finds it empty only after a
+            // full fence (a locked instruction), which ended every poll.
+            if ring.is_empty() {
+                break;
+            }
             match ring.pop() {
                 Some(wc) => {
                     *slot = wc;
@@ -1195,20 +1215,17 @@ impl CompletionQueue {
     pub fn resize(&self, cqe: usize) -> Result<(), ResizeError> {
         check_size(&self.shared.device, cqe)
             .map_err(|(requested, max)| ResizeError::InvalidSize { requested, max })?;
-        let mut ring = self.shared.ring.write();
-        if ring.len() > cqe {
+        // The queued completions stay where they are: only the bound
+        // changes. (Completions pushed meanwhile count against the old
+        // or the new bound, as they come.)
+        let queued = self.shared.ring.len();
+        if queued > cqe {
             return Err(ResizeError::TooSmall {
                 requested: cqe,
-                queued: ring.len(),
+                queued,
             });
         }
-        let new = ArrayQueue::new(cqe);
-        while let Some(wc) = ring.pop() {
-            // Cannot fail: the new ring holds at least ring.len() entries and
-            // nobody else touches it.
-            let _ = new.push(wc);
-        }
-        *ring = new;
+        self.shared.capacity.store(cqe, Ordering::Relaxed);
         Ok(())
     }
 
@@ -1248,7 +1265,10 @@ impl CompletionQueue {
     #[allow(dead_code)] // used by the data path
     pub(crate) fn push(&self, wc: WorkCompletion, solicited: bool) -> Result<(), CqOverflow> {
         let shared = &*self.shared;
-        let stored = shared.ring.read().push(wc).is_ok();
+        let stored = shared.ring.len() < shared.capacity.load(Ordering::Relaxed);
+        if stored {
+            shared.ring.push(wc);
+        }
         if !stored {
             if !shared.overflowed.swap(true, Ordering::Relaxed) {
                 shared.device.events().push(
@@ -1262,7 +1282,7 @@ impl CompletionQueue {
         }
         // Pairs with the fence in req_notify: either this load sees the arm,
         // or the application's poll after arming sees the completion. The
-        // fence is needed: the ring publishes the completion with a Release
+        // fence is needed: the queue publishes the completion with a Release
         // store, and a Release store followed by a SeqCst load may be
         // reordered (on x86 the store waits in the store buffer while the
         // load reads the old arm), so both sides could miss each other and
@@ -1313,6 +1333,7 @@ impl CompletionQueue {
             .collect();
         new.push(hook);
         *hooks = new.into();
+        self.shared.progress_gen.fetch_add(1, Ordering::Release);
     }
 
     /// Removes a hook registered with [`attach_progress`](Self::attach_progress).
@@ -1325,6 +1346,7 @@ impl CompletionQueue {
             .cloned()
             .collect();
         *hooks = new.into();
+        self.shared.progress_gen.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -1391,6 +1413,12 @@ impl CompletionQueue {
             return None;
         }
         Some(Arc::clone(&self.shared.progress.read()))
+    }
+
+    /// How many times the hook list of [`wait_set_hooks`](Self::wait_set_hooks)
+    /// changed: while it holds, a hook taken from the list is still on it.
+    pub(crate) fn hooks_generation(&self) -> u64 {
+        self.shared.progress_gen.load(Ordering::Acquire)
     }
 
     /// The CQ's identity while it lives (the address of its shared state;

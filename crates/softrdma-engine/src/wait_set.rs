@@ -171,6 +171,12 @@ pub struct WaitSet {
     /// with each CQ for the sleep: one descriptor for all its CQs, read
     /// by nobody else), with the fork generation it was made in.
     waker: Option<(Arc<Waker>, u64)>,
+    /// [`wait_receiving`](Self::wait_receiving)'s QP: the one hook of the
+    /// set's one CQ, with the CQ's hook generation it was taken at. While
+    /// the generation holds, the hook is the same, and a wait upgrades it
+    /// without taking the list (a read lock, a reference count taken and
+    /// dropped). Forgotten when the set's CQs change.
+    one_hook: Option<(u64, std::sync::Weak<dyn crate::cq::Progress>)>,
 }
 
 /// Wakers most kept for reuse.
@@ -567,6 +573,7 @@ impl WaitSet {
 
     /// Empties the set (keeps its buffers).
     pub fn clear(&mut self) {
+        self.one_hook = None;
         self.cqs.clear();
         self.cq_ready.clear();
         self.cq_quiet.clear();
@@ -581,6 +588,7 @@ impl WaitSet {
     /// Adds a completion queue; returns its index for
     /// [`cq_ready`](Self::cq_ready).
     pub fn add_cq(&mut self, cq: &CompletionQueue) -> usize {
+        self.one_hook = None;
         self.cqs.push(cq.clone());
         self.cq_ready.push(false);
         self.cq_quiet.push(false);
@@ -731,16 +739,9 @@ impl WaitSet {
         if self.cqs.len() != 1 || !self.fds.is_empty() || self.cq_quiet[0] {
             return Ok(None);
         }
-        let Some(list) = self.cqs[0].wait_set_hooks() else {
+        let Some(hook) = self.one_hook() else {
             return Ok(None);
         };
-        let [one] = &list[..] else {
-            return Ok(None);
-        };
-        let Some(hook) = one.upgrade() else {
-            return Ok(None);
-        };
-        drop(list);
         // The claim (the receive threads leave the socket alone), and
         // what the waiter's own posts left is written. Not for the whole
         // sleep, as a `poll(2)` wait's: the sleeper holds the QP's receive
@@ -770,6 +771,26 @@ impl WaitSet {
             crate::cq::RxSleep::Interrupted if self.look_cqs() == 0 => Err(WaitError::Interrupted),
             _ => Ok(Some(self.look_cqs())),
         }
+    }
+
+    /// The one QP hook of the set's one CQ (`None`: none, or more than
+    /// one), from the cache while the CQ's hooks are unchanged.
+    fn one_hook(&mut self) -> Option<Arc<dyn crate::cq::Progress>> {
+        let cq = &self.cqs[0];
+        // Before the list: a change after this is seen at the next wait.
+        let generation = cq.hooks_generation();
+        if let Some((g, w)) = &self.one_hook
+            && *g == generation
+        {
+            return w.upgrade();
+        }
+        self.one_hook = None;
+        let list = cq.wait_set_hooks()?;
+        let [one] = &list[..] else {
+            return None;
+        };
+        self.one_hook = Some((generation, one.clone()));
+        one.upgrade()
     }
 
     /// Whether the last [`wait_receiving`](Self::wait_receiving) slept in
