@@ -1796,6 +1796,54 @@ mod tests {
         assert!(out[..10].iter().map(|w| w.wr_id).eq(0..10));
     }
 
+    /// Resizes while another thread pushes and this one polls lose no
+    /// completion and keep the pusher's order (the bound changes, the
+    /// queued completions stay where they are), and the bound holds after
+    /// each resize.
+    #[test]
+    fn resizes_while_a_thread_pushes_lose_nothing() {
+        const N: u64 = 20_000;
+        let cq = CompletionQueue::new(&dev(), 256, None).unwrap();
+        let pusher = {
+            let cq = cq.clone();
+            std::thread::spawn(move || {
+                for i in 0..N {
+                    // Never more than 100 queued: every size below holds them.
+                    while cq.len() >= 100 {
+                        std::thread::yield_now();
+                    }
+                    cq.push(wc(i), false).unwrap();
+                }
+            })
+        };
+        let mut out = [wc(0); 16];
+        let mut next = 0;
+        let mut round = 0usize;
+        while next < N {
+            round += 1;
+            let size = [128, 1024, 101][round % 3];
+            cq.resize(size).unwrap();
+            assert_eq!(cq.capacity(), size);
+            let n = cq.poll(&mut out);
+            for w in &out[..n] {
+                assert_eq!(w.wr_id, next, "in order, none lost");
+                next += 1;
+            }
+            if n == 0 {
+                std::thread::yield_now();
+            }
+        }
+        pusher.join().unwrap();
+        assert!(cq.is_empty());
+        assert!(!cq.is_overflowed());
+        // The bound of the last resize holds.
+        cq.resize(2).unwrap();
+        cq.push(wc(1), false).unwrap();
+        cq.push(wc(2), false).unwrap();
+        assert!(cq.push(wc(3), false).is_err());
+        assert_eq!(cq.len(), 2);
+    }
+
     /// `is_empty` (two loads) says what `len` says, a full ring and
     /// rings that went round several times included.
     #[test]

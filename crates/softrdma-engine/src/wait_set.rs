@@ -1533,4 +1533,44 @@ mod tests {
             assert!(cq.poll_one().is_some());
         }
     }
+
+    /// A wait that sleeps in a QP's `recv` takes the CQ's one hook from
+    /// the set's cache while the CQ's hooks are unchanged, and the new one
+    /// once they changed (a hook gone, another one come); with two hooks
+    /// it takes none. (The stand-in cannot sleep in `recv`: each wait
+    /// claims the hook's socket, `sleep_on`, and returns `None`.)
+    #[test]
+    fn a_wait_in_recv_follows_a_change_of_the_cqs_hook() {
+        let (cq, first, _peer, _) = hooked(0);
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        let short = Duration::from_millis(1);
+        assert_eq!(set.wait_receiving(short).unwrap(), None);
+        assert_eq!(set.wait_receiving(short).unwrap(), None);
+        assert_eq!(first.sleep_on.load(Ordering::Relaxed), 2);
+        // Another QP's hook instead of the first one.
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let second = Arc::new(Hook {
+            cq: cq.clone(),
+            sock: ours,
+            progress: AtomicUsize::new(0),
+            readable: AtomicUsize::new(0),
+            sleep_on: AtomicUsize::new(0),
+            renewed: AtomicU64::new(0),
+            deferred: std::sync::atomic::AtomicBool::new(false),
+        });
+        let first_weak: Weak<dyn Progress> = Arc::downgrade(&(first.clone() as Arc<dyn Progress>));
+        let second_weak: Weak<dyn Progress> =
+            Arc::downgrade(&(second.clone() as Arc<dyn Progress>));
+        cq.detach_progress(&first_weak);
+        cq.attach_progress(second_weak);
+        assert_eq!(set.wait_receiving(short).unwrap(), None);
+        assert_eq!(first.sleep_on.load(Ordering::Relaxed), 2, "the old hook");
+        assert_eq!(second.sleep_on.load(Ordering::Relaxed), 1, "the new hook");
+        // Two hooks: no sleep in `recv` (the caller waits with `ppoll`).
+        cq.attach_progress(first_weak);
+        assert_eq!(set.wait_receiving(short).unwrap(), None);
+        assert_eq!(first.sleep_on.load(Ordering::Relaxed), 2);
+        assert_eq!(second.sleep_on.load(Ordering::Relaxed), 1);
+    }
 }

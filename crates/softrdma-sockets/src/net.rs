@@ -975,6 +975,20 @@ impl AsFd for TcpListener {
 mod tests {
     use super::*;
 
+    /// A time limit reads back as set, changed and cleared (the lock-free
+    /// answer is `None` only while none is set).
+    #[test]
+    fn time_limits_read_back_as_set() {
+        let t = Timeout::default();
+        assert_eq!(t.get(), None);
+        t.put(Some(Duration::from_millis(5)));
+        assert_eq!(t.get(), Some(Duration::from_millis(5)));
+        t.put(Some(Duration::MAX));
+        assert_eq!(t.get(), Some(Duration::MAX));
+        t.put(None);
+        assert_eq!(t.get(), None);
+    }
+
     /// Chosen ports are in the host's ephemeral range and not reserved,
     /// and a socket bound to one connects (the switch's bind path).
     #[test]

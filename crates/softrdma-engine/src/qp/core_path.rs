@@ -650,7 +650,9 @@ impl QpInner {
             };
             let before = cc.rx.bytes_received;
             let mut mem = self.core_mem();
-            let step = cc.rx.step(&mut cc.conn, &mut mem, cc.fd, &crate::datamover::now_ns);
+            let step = cc
+                .rx
+                .step(&mut cc.conn, &mut mem, cc.fd, &crate::datamover::now_ns);
             got |= cc.rx.bytes_received != before;
             let mut direct = match step {
                 RxStep::Stop(stop) => break stop,
@@ -675,7 +677,9 @@ impl QpInner {
             };
             let before = cc.rx.bytes_received;
             let mut mem = self.core_mem();
-            let stop = cc.rx.placed(&mut cc.conn, &mut mem, direct, r, &crate::datamover::now_ns);
+            let stop = cc
+                .rx
+                .placed(&mut cc.conn, &mut mem, direct, r, &crate::datamover::now_ns);
             got |= cc.rx.bytes_received != before;
             if let Some(stop) = stop {
                 break stop;

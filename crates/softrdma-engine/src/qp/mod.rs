@@ -1150,4 +1150,23 @@ mod claim_tests {
         assert_eq!(inner.last_poll.load(Ordering::Relaxed), 456);
         inner.rx_registered.store(false, Ordering::Release);
     }
+
+    /// A waiter's claim hands out the socket the QP was registered with
+    /// (read from the QP, not the engine thread's table), and nothing
+    /// before the registration or after it ended.
+    #[test]
+    fn a_claim_hands_out_the_registered_socket_while_registered() {
+        use std::os::fd::AsRawFd;
+        let qp = super::unconnected_qp();
+        let inner = qp.qp();
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        inner.set_state(crate::state::QpState::Rts);
+        let threads = inner.device.threads();
+        assert_eq!(threads.claim_rx(&**inner, Some(1)), None, "not registered");
+        threads.register_rx(inner, ours.as_raw_fd());
+        assert_eq!(threads.claim_rx(&**inner, Some(1)), Some(ours.as_raw_fd()));
+        threads.unregister(&**inner);
+        assert_eq!(threads.claim_rx(&**inner, Some(1)), None, "unregistered");
+        inner.set_state(crate::state::QpState::Error);
+    }
 }
