@@ -10,9 +10,8 @@
 //!                             CompletionChannel ──get_event / fd──▶ application
 //! ```
 //!
-//! A [`CompletionQueue`] is a bounded, lock-free queue of
-//! [`WorkCompletion`]s (`crossbeam`'s `SegQueue` and a bound, which
-//! [`resize`](CompletionQueue::resize) changes without a lock). The data path pushes completions from whichever
+//! A [`CompletionQueue`] is a bounded, lock-free ring of
+//! [`WorkCompletion`]s. The data path pushes completions from whichever
 //! thread finished the work; the application takes them with
 //! [`poll`](CompletionQueue::poll), which never blocks. Completions pushed by
 //! one thread come out in the order it pushed them.
@@ -31,18 +30,18 @@
 //! for the handlers, the callback rules (poll, re-arm, poll again:
 //! [`CompletionQueue::drain_and_arm`]) and the rule for unsignaled work.
 //!
-//! When the CQ is full the completion is lost: the CQ is marked overflowed
+//! When the ring is full the completion is lost: the CQ is marked overflowed
 //! and an [`AsyncEventKind::CqError`] event is queued on the device (once).
 //! Size the CQ for all the work requests that may complete into it.
 
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use crossbeam_queue::SegQueue;
+use crossbeam_queue::ArrayQueue;
 use parking_lot::{Mutex, RwLock};
 
 use crate::device::Device;
@@ -307,17 +306,9 @@ pub struct CompletionQueue {
 struct CqShared {
     id: u32,
     device: Device,
-    /// The completions: a lock-free queue of blocks, bounded by `capacity`
-    /// (a push that finds `capacity` completions queued fails). Unlike a
-    /// fixed ring it needs no lock against a resize, which only changes
-    /// the bound: a read lock taken and let go by every push, poll and
-    /// look was two locked instructions each, some fourteen per message
-    /// of a ping-pong.
-    ring: SegQueue<WorkCompletion>,
-    /// The CQ's size: the most completions `ring` holds. Pushers that
-    /// race may each see room for one more (the bound is then passed by
-    /// at most the number of those pushers, and no completion is lost).
-    capacity: AtomicUsize,
+    /// The ring. Read-locked by push and poll (which are lock-free on the
+    /// ring itself), write-locked only by resize.
+    ring: RwLock<ArrayQueue<WorkCompletion>>,
     /// One of `ARM_*`.
     arm: AtomicU8,
     /// Set on the first lost completion; never cleared.
@@ -577,8 +568,7 @@ impl<'a> CqBuilder<'a> {
             shared: Arc::new(CqShared {
                 id: NEXT_CQ_ID.fetch_add(1, Ordering::Relaxed),
                 device: device.clone(),
-                ring: SegQueue::new(),
-                capacity: AtomicUsize::new(self.cqe),
+                ring: RwLock::new(ArrayQueue::new(self.cqe)),
                 arm: AtomicU8::new(ARM_NONE),
                 overflowed: AtomicBool::new(false),
                 channel: self.channel.cloned(),
@@ -735,19 +725,19 @@ impl CompletionQueue {
 
     /// The number of completions the CQ holds.
     pub fn capacity(&self) -> usize {
-        self.shared.capacity.load(Ordering::Relaxed)
+        self.shared.ring.read().capacity()
     }
 
     /// The number of completions queued now.
     pub fn len(&self) -> usize {
-        self.shared.ring.len()
+        self.shared.ring.read().len()
     }
 
     /// Whether no completion is queued now.
     pub fn is_empty(&self) -> bool {
         // Two loads, where `len` loops until it reads head and tail of one
         // moment: waiters look here several times per wait.
-        self.shared.ring.is_empty()
+        self.shared.ring.read().is_empty()
     }
 
     /// The device the CQ was created on.
@@ -1063,11 +1053,11 @@ impl CompletionQueue {
     }
 
     fn poll_ring(&self, out: &mut [WorkCompletion]) -> usize {
-        let ring = &self.shared.ring;
+        let ring = self.shared.ring.read();
         let mut n = 0;
         for slot in out.iter_mut() {
-            // Two loads: the queue's `pop` finds it empty only after a
-            // full fence (a locked instruction), which ended every poll.
+            // Two loads: `pop` finds the ring empty only after a full
+            // fence (a locked instruction), which ended every poll.
             if ring.is_empty() {
                 break;
             }
@@ -1215,17 +1205,20 @@ impl CompletionQueue {
     pub fn resize(&self, cqe: usize) -> Result<(), ResizeError> {
         check_size(&self.shared.device, cqe)
             .map_err(|(requested, max)| ResizeError::InvalidSize { requested, max })?;
-        // The queued completions stay where they are: only the bound
-        // changes. (Completions pushed meanwhile count against the old
-        // or the new bound, as they come.)
-        let queued = self.shared.ring.len();
-        if queued > cqe {
+        let mut ring = self.shared.ring.write();
+        if ring.len() > cqe {
             return Err(ResizeError::TooSmall {
                 requested: cqe,
-                queued,
+                queued: ring.len(),
             });
         }
-        self.shared.capacity.store(cqe, Ordering::Relaxed);
+        let new = ArrayQueue::new(cqe);
+        while let Some(wc) = ring.pop() {
+            // Cannot fail: the new ring holds at least ring.len() entries and
+            // nobody else touches it.
+            let _ = new.push(wc);
+        }
+        *ring = new;
         Ok(())
     }
 
@@ -1265,10 +1258,7 @@ impl CompletionQueue {
     #[allow(dead_code)] // used by the data path
     pub(crate) fn push(&self, wc: WorkCompletion, solicited: bool) -> Result<(), CqOverflow> {
         let shared = &*self.shared;
-        let stored = shared.ring.len() < shared.capacity.load(Ordering::Relaxed);
-        if stored {
-            shared.ring.push(wc);
-        }
+        let stored = shared.ring.read().push(wc).is_ok();
         if !stored {
             if !shared.overflowed.swap(true, Ordering::Relaxed) {
                 shared.device.events().push(
@@ -1282,7 +1272,7 @@ impl CompletionQueue {
         }
         // Pairs with the fence in req_notify: either this load sees the arm,
         // or the application's poll after arming sees the completion. The
-        // fence is needed: the queue publishes the completion with a Release
+        // fence is needed: the ring publishes the completion with a Release
         // store, and a Release store followed by a SeqCst load may be
         // reordered (on x86 the store waits in the store buffer while the
         // load reads the old arm), so both sides could miss each other and
@@ -1797,8 +1787,7 @@ mod tests {
     }
 
     /// Resizes while another thread pushes and this one polls lose no
-    /// completion and keep the pusher's order (the bound changes, the
-    /// queued completions stay where they are), and the bound holds after
+    /// completion and keep the pusher's order, and the size holds after
     /// each resize.
     #[test]
     fn resizes_while_a_thread_pushes_lose_nothing() {
