@@ -320,6 +320,10 @@ struct CqShared {
     /// Receive-progress hooks of the QPs using this CQ. Copy on write: a
     /// poll clones the `Arc` and runs the hooks without holding the lock.
     progress: RwLock<Arc<[Weak<dyn Progress>]>>,
+    /// Counts the changes of `progress` (bumped under its write lock,
+    /// after the change): a wait set that kept a hook of the list knows
+    /// it is still there while this holds.
+    progress_gen: AtomicU64,
     /// The completion event handler the CQ is bound to.
     handler: Arc<Handler>,
     /// Runs on the handler's thread when an armed CQ gets a completion.
@@ -569,6 +573,7 @@ impl<'a> CqBuilder<'a> {
                 channel: self.channel.cloned(),
                 unacked: AtomicU32::new(0),
                 progress: RwLock::new(Arc::new([])),
+                progress_gen: AtomicU64::new(0),
                 handler,
                 callback: self.callback.map(Mutex::new),
                 polled,
@@ -773,7 +778,7 @@ impl CompletionQueue {
             self.took_completions();
         }
         if n > 0 {
-            self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+            self.shared.polled.add(n);
         }
         (n, progressed)
     }
@@ -853,7 +858,7 @@ impl CompletionQueue {
         let (n, progressed) = if sleeps_on_sockets {
             let n = self.poll_ring(out);
             if n > 0 {
-                self.shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+                self.shared.polled.add(n);
                 self.took_completions();
             }
             (n, false)
@@ -1039,7 +1044,7 @@ impl CompletionQueue {
                 wake.reset();
             }
             if n > 0 {
-                shared.polled.0.fetch_add(n as u64, Ordering::Relaxed);
+                shared.polled.add(n);
                 self.took_completions();
                 return Some(n);
             }
@@ -1050,6 +1055,11 @@ impl CompletionQueue {
         let ring = self.shared.ring.read();
         let mut n = 0;
         for slot in out.iter_mut() {
+            // Two loads: `pop` finds the ring empty only after a full
+            // fence (a locked instruction), which ended every poll.
+            if ring.is_empty() {
+                break;
+            }
             match ring.pop() {
                 Some(wc) => {
                     *slot = wc;
@@ -1312,6 +1322,7 @@ impl CompletionQueue {
             .collect();
         new.push(hook);
         *hooks = new.into();
+        self.shared.progress_gen.fetch_add(1, Ordering::Release);
     }
 
     /// Removes a hook registered with [`attach_progress`](Self::attach_progress).
@@ -1324,6 +1335,7 @@ impl CompletionQueue {
             .cloned()
             .collect();
         *hooks = new.into();
+        self.shared.progress_gen.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -1390,6 +1402,12 @@ impl CompletionQueue {
             return None;
         }
         Some(Arc::clone(&self.shared.progress.read()))
+    }
+
+    /// How many times the hook list of [`wait_set_hooks`](Self::wait_set_hooks)
+    /// changed: while it holds, a hook taken from the list is still on it.
+    pub(crate) fn hooks_generation(&self) -> u64 {
+        self.shared.progress_gen.load(Ordering::Acquire)
     }
 
     /// The CQ's identity while it lives (the address of its shared state;
@@ -1765,6 +1783,53 @@ mod tests {
         let mut out = [wc(0); 16];
         assert_eq!(cq.poll(&mut out), 10);
         assert!(out[..10].iter().map(|w| w.wr_id).eq(0..10));
+    }
+
+    /// Resizes while another thread pushes and this one polls lose no
+    /// completion and keep the pusher's order, and the size holds after
+    /// each resize.
+    #[test]
+    fn resizes_while_a_thread_pushes_lose_nothing() {
+        const N: u64 = 20_000;
+        let cq = CompletionQueue::new(&dev(), 256, None).unwrap();
+        let pusher = {
+            let cq = cq.clone();
+            std::thread::spawn(move || {
+                for i in 0..N {
+                    // Never more than 100 queued: every size below holds them.
+                    while cq.len() >= 100 {
+                        std::thread::yield_now();
+                    }
+                    cq.push(wc(i), false).unwrap();
+                }
+            })
+        };
+        let mut out = [wc(0); 16];
+        let mut next = 0;
+        let mut round = 0usize;
+        while next < N {
+            round += 1;
+            let size = [128, 1024, 101][round % 3];
+            cq.resize(size).unwrap();
+            assert_eq!(cq.capacity(), size);
+            let n = cq.poll(&mut out);
+            for w in &out[..n] {
+                assert_eq!(w.wr_id, next, "in order, none lost");
+                next += 1;
+            }
+            if n == 0 {
+                std::thread::yield_now();
+            }
+        }
+        pusher.join().unwrap();
+        assert!(cq.is_empty());
+        assert!(!cq.is_overflowed());
+        // The bound of the last resize holds.
+        cq.resize(2).unwrap();
+        cq.push(wc(1), false).unwrap();
+        cq.push(wc(2), false).unwrap();
+        assert!(cq.push(wc(3), false).is_err());
+        assert_eq!(cq.len(), 2);
     }
 
     /// `is_empty` (two loads) says what `len` says, a full ring and

@@ -358,6 +358,17 @@ pub(crate) struct Handler {
 #[repr(align(128))]
 pub(crate) struct PollCounter(pub(crate) AtomicU64);
 
+impl PollCounter {
+    /// Counts `n` completions polled: a load and a store, not a locked
+    /// add (one per poll). The count feeds the handlers' load estimate
+    /// (a rate); two threads polling one CQ at the same moment may lose
+    /// one of their additions, which the estimate does not notice.
+    pub(crate) fn add(&self, n: usize) {
+        let v = self.0.load(Ordering::Relaxed);
+        self.0.store(v.wrapping_add(n as u64), Ordering::Relaxed);
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     live: Vec<Weak<PollCounter>>,

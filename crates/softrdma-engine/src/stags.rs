@@ -508,6 +508,16 @@ impl Entry {
 }
 
 /// Hashes an STag index (already random) with one multiplication.
+///
+/// Not a keyed hash, and safe from hash flooding all the same: only the
+/// engine inserts, with indices it draws at random from the 24-bit space
+/// (`Slots::free_index`), so the table's layout is random whatever a peer
+/// does. A peer chooses only which STags to *look up* (those of the RDMA
+/// Writes, Reads and invalidations it sends): a look-up of a missing
+/// index probes one run of occupied buckets, whose length the random
+/// layout and the map's load factor bound, and cannot lengthen, so no
+/// choice of keys makes look-ups slow. (SipHash's key would only matter
+/// if a peer could choose the inserted keys.)
 #[derive(Debug, Default, Clone, Copy)]
 struct IndexHasher(u64);
 

@@ -171,6 +171,12 @@ pub struct WaitSet {
     /// with each CQ for the sleep: one descriptor for all its CQs, read
     /// by nobody else), with the fork generation it was made in.
     waker: Option<(Arc<Waker>, u64)>,
+    /// [`wait_receiving`](Self::wait_receiving)'s QP: the one hook of the
+    /// set's one CQ, with the CQ's hook generation it was taken at. While
+    /// the generation holds, the hook is the same, and a wait upgrades it
+    /// without taking the list (a read lock, a reference count taken and
+    /// dropped). Forgotten when the set's CQs change.
+    one_hook: Option<(u64, std::sync::Weak<dyn crate::cq::Progress>)>,
 }
 
 /// Wakers most kept for reuse.
@@ -569,6 +575,7 @@ impl WaitSet {
 
     /// Empties the set (keeps its buffers).
     pub fn clear(&mut self) {
+        self.one_hook = None;
         self.cqs.clear();
         self.cq_ready.clear();
         self.cq_quiet.clear();
@@ -583,6 +590,7 @@ impl WaitSet {
     /// Adds a completion queue; returns its index for
     /// [`cq_ready`](Self::cq_ready).
     pub fn add_cq(&mut self, cq: &CompletionQueue) -> usize {
+        self.one_hook = None;
         self.cqs.push(cq.clone());
         self.cq_ready.push(false);
         self.cq_quiet.push(false);
@@ -733,16 +741,9 @@ impl WaitSet {
         if self.cqs.len() != 1 || !self.fds.is_empty() || self.cq_quiet[0] {
             return Ok(None);
         }
-        let Some(list) = self.cqs[0].wait_set_hooks() else {
+        let Some(hook) = self.one_hook() else {
             return Ok(None);
         };
-        let [one] = &list[..] else {
-            return Ok(None);
-        };
-        let Some(hook) = one.upgrade() else {
-            return Ok(None);
-        };
-        drop(list);
         // The claim (the receive threads leave the socket alone), and
         // what the waiter's own posts left is written. Not for the whole
         // sleep, as a `poll(2)` wait's: the sleeper holds the QP's receive
@@ -772,6 +773,26 @@ impl WaitSet {
             crate::cq::RxSleep::Interrupted if self.look_cqs() == 0 => Err(WaitError::Interrupted),
             _ => Ok(Some(self.look_cqs())),
         }
+    }
+
+    /// The one QP hook of the set's one CQ (`None`: none, or more than
+    /// one), from the cache while the CQ's hooks are unchanged.
+    fn one_hook(&mut self) -> Option<Arc<dyn crate::cq::Progress>> {
+        let cq = &self.cqs[0];
+        // Before the list: a change after this is seen at the next wait.
+        let generation = cq.hooks_generation();
+        if let Some((g, w)) = &self.one_hook
+            && *g == generation
+        {
+            return w.upgrade();
+        }
+        self.one_hook = None;
+        let list = cq.wait_set_hooks()?;
+        let [one] = &list[..] else {
+            return None;
+        };
+        self.one_hook = Some((generation, one.clone()));
+        one.upgrade()
     }
 
     /// Whether the last [`wait_receiving`](Self::wait_receiving) slept in
@@ -1548,5 +1569,45 @@ mod tests {
             }
             assert!(cq.poll_one().is_some());
         }
+    }
+
+    /// A wait that sleeps in a QP's `recv` takes the CQ's one hook from
+    /// the set's cache while the CQ's hooks are unchanged, and the new one
+    /// once they changed (a hook gone, another one come); with two hooks
+    /// it takes none. (The stand-in cannot sleep in `recv`: each wait
+    /// claims the hook's socket, `sleep_on`, and returns `None`.)
+    #[test]
+    fn a_wait_in_recv_follows_a_change_of_the_cqs_hook() {
+        let (cq, first, _peer, _) = hooked(0);
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        let short = Duration::from_millis(1);
+        assert_eq!(set.wait_receiving(short).unwrap(), None);
+        assert_eq!(set.wait_receiving(short).unwrap(), None);
+        assert_eq!(first.sleep_on.load(Ordering::Relaxed), 2);
+        // Another QP's hook instead of the first one.
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let second = Arc::new(Hook {
+            cq: cq.clone(),
+            sock: ours,
+            progress: AtomicUsize::new(0),
+            readable: AtomicUsize::new(0),
+            sleep_on: AtomicUsize::new(0),
+            renewed: AtomicU64::new(0),
+            deferred: std::sync::atomic::AtomicBool::new(false),
+        });
+        let first_weak: Weak<dyn Progress> = Arc::downgrade(&(first.clone() as Arc<dyn Progress>));
+        let second_weak: Weak<dyn Progress> =
+            Arc::downgrade(&(second.clone() as Arc<dyn Progress>));
+        cq.detach_progress(&first_weak);
+        cq.attach_progress(second_weak);
+        assert_eq!(set.wait_receiving(short).unwrap(), None);
+        assert_eq!(first.sleep_on.load(Ordering::Relaxed), 2, "the old hook");
+        assert_eq!(second.sleep_on.load(Ordering::Relaxed), 1, "the new hook");
+        // Two hooks: no sleep in `recv` (the caller waits with `ppoll`).
+        cq.attach_progress(first_weak);
+        assert_eq!(set.wait_receiving(short).unwrap(), None);
+        assert_eq!(first.sleep_on.load(Ordering::Relaxed), 2);
+        assert_eq!(second.sleep_on.load(Ordering::Relaxed), 1);
     }
 }

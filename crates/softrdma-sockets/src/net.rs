@@ -25,8 +25,33 @@ enum Inner {
 #[derive(Debug, Default)]
 struct Opts {
     nonblocking: AtomicBool,
-    read_timeout: Mutex<Option<Duration>>,
-    write_timeout: Mutex<Option<Duration>>,
+    read_timeout: Timeout,
+    write_timeout: Timeout,
+}
+
+/// A read or write time limit, asked for by every read and write: a
+/// stream without one (the usual case) answers with one plain load, no
+/// lock (a lock and unlock, two locked instructions, per call).
+#[derive(Debug, Default)]
+struct Timeout {
+    /// Whether `limit` holds one.
+    set: AtomicBool,
+    limit: Mutex<Option<Duration>>,
+}
+
+impl Timeout {
+    fn get(&self) -> Option<Duration> {
+        if !self.set.load(Ordering::Acquire) {
+            return None;
+        }
+        *self.limit.lock()
+    }
+
+    fn put(&self, t: Option<Duration>) {
+        let mut limit = self.limit.lock();
+        *limit = t;
+        self.set.store(t.is_some(), Ordering::Release);
+    }
 }
 
 /// What an async reactor watches for a stream.
@@ -544,7 +569,7 @@ impl TcpStream {
         if let Inner::Plain(s) = &self.inner {
             s.set_read_timeout(t)?;
         }
-        *self.opts.read_timeout.lock() = t;
+        self.opts.read_timeout.put(t);
         Ok(())
     }
 
@@ -559,18 +584,18 @@ impl TcpStream {
         if let Inner::Plain(s) = &self.inner {
             s.set_write_timeout(t)?;
         }
-        *self.opts.write_timeout.lock() = t;
+        self.opts.write_timeout.put(t);
         Ok(())
     }
 
     /// The read time limit.
     pub fn read_timeout(&self) -> io::Result<Option<Duration>> {
-        Ok(*self.opts.read_timeout.lock())
+        Ok(self.opts.read_timeout.get())
     }
 
     /// The write time limit.
     pub fn write_timeout(&self) -> io::Result<Option<Duration>> {
-        Ok(*self.opts.write_timeout.lock())
+        Ok(self.opts.write_timeout.get())
     }
 
     /// `TCP_NODELAY`: offloaded, small writes are no longer corked while
@@ -743,7 +768,7 @@ impl TcpStream {
     fn flush_inner(&self) -> io::Result<()> {
         match &self.inner {
             Inner::Plain(_) => Ok(()),
-            Inner::Offload(o) => o.flush(*self.opts.write_timeout.lock()),
+            Inner::Offload(o) => o.flush(self.opts.write_timeout.get()),
         }
     }
 
@@ -983,6 +1008,20 @@ impl AsFd for TcpListener {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A time limit reads back as set, changed and cleared (the lock-free
+    /// answer is `None` only while none is set).
+    #[test]
+    fn time_limits_read_back_as_set() {
+        let t = Timeout::default();
+        assert_eq!(t.get(), None);
+        t.put(Some(Duration::from_millis(5)));
+        assert_eq!(t.get(), Some(Duration::from_millis(5)));
+        t.put(Some(Duration::MAX));
+        assert_eq!(t.get(), Some(Duration::MAX));
+        t.put(None);
+        assert_eq!(t.get(), None);
+    }
 
     /// Chosen ports are in the host's ephemeral range and not reserved,
     /// and a socket bound to one connects (the switch's bind path).

@@ -1417,7 +1417,10 @@ impl Shared {
     fn on_wc(&self, st: &mut State, wc: &softrdma_engine::WorkCompletion) {
         st.handled = st.handled.wrapping_add(1);
         if wc.opcode == WcOpcode::Recv || wc.status != WcStatus::Success {
-            self.arrivals.fetch_add(1, Ordering::Relaxed);
+            // Only here, under the state lock: a load and a store, not a
+            // locked add.
+            let n = self.arrivals.load(Ordering::Relaxed);
+            self.arrivals.store(n.wrapping_add(1), Ordering::Relaxed);
         }
         if wc.wr_id == ZC_READ {
             st.zc_read_done = Some(if wc.status == WcStatus::Success {
@@ -2219,6 +2222,9 @@ impl Shared {
         // but data held by a cork (its `CORK_MAX` ceiling is checked after
         // a wait) or another thread's change of the state push nothing,
         // and this call must look again.
+        // The wait's last look found the CQ non-empty (no second look
+        // before the first poll).
+        let mut seen = false;
         let res = if self.may_sleep_in_recv(st, deadline) {
             // One system call per wait, as a blocking TCP read: the
             // sleep in the socket's `recv`, bounded by the same re-poll
@@ -2229,6 +2235,7 @@ impl Shared {
             st.recv_sleeping = false;
             match r {
                 Ok(Some(n)) => {
+                    seen = n > 0;
                     if gate.slept_in_recv() {
                         st.recv_sleeps += 1;
                         RECV_SLEEPS.fetch_add(1, Ordering::Relaxed);
@@ -2243,7 +2250,7 @@ impl Shared {
         };
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
-        let n = self.take_completions(st, false);
+        let n = self.take_completions(st, seen);
         drop(gate);
         if n > 0 {
             self.flush_tx(st);

@@ -245,13 +245,15 @@ impl RxIo {
     }
 
     /// Feeds `conn` from socket `fd` until the socket is drained or the
-    /// connection stops receiving. `now`: the engine clock, for a FIN.
+    /// connection stops receiving. `now`: the engine clock, read only for
+    /// a FIN (a clock read per receive cost more than the rest of the
+    /// step's bookkeeping).
     pub(crate) fn run(
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
         mem: &mut impl CoreMemory<Region = Arc<Memory>>,
         fd: RawFd,
-        now: u64,
+        now: &dyn Fn() -> u64,
     ) -> RxStop {
         self.drained_hint = false;
         loop {
@@ -333,7 +335,7 @@ impl RxIo {
         conn: &mut Connection<Arc<Memory>>,
         mem: &mut impl CoreMemory<Region = Arc<Memory>>,
         fd: RawFd,
-        now: u64,
+        now: &dyn Fn() -> u64,
     ) -> RxStep {
         loop {
             if self.end > self.start {
@@ -449,7 +451,7 @@ impl RxIo {
         mem: &mut impl CoreMemory<Region = Arc<Memory>>,
         d: DirectRead,
         r: io::Result<usize>,
-        now: u64,
+        now: &dyn Fn() -> u64,
     ) -> Option<RxStop> {
         let DirectRead { dst, buf, iov } = d;
         self.reads += 1;
@@ -507,11 +509,11 @@ impl RxIo {
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
         got: io::Result<usize>,
-        now: u64,
+        now: &dyn Fn() -> u64,
     ) -> Option<RxStop> {
         match got {
             Ok(0) => {
-                conn.handle_fin(now);
+                conn.handle_fin(now());
                 Some(RxStop::Closed)
             }
             Ok(n) => {

@@ -55,7 +55,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -80,6 +80,10 @@ pub(crate) trait DmQp: Send + Sync + std::fmt::Debug {
     fn dm_listed(&self) -> &AtomicBool;
     /// Set while the QP is registered with the receive threads.
     fn rx_registered(&self) -> &AtomicBool;
+    /// The socket it was registered with ([`Threads::register_rx`]):
+    /// what [`Threads::claim_rx`] hands a waiter, read without the engine
+    /// thread's table (its lock and hash per wait).
+    fn rx_fd(&self) -> &AtomicI32;
     /// When a CQ poll last drove the QP's receive path ([`now_ns`] clock).
     fn last_poll(&self) -> &AtomicU64;
     /// Whether CQ pollers drive the receive path
@@ -353,6 +357,8 @@ impl Threads {
         // unregister) at any point and clear the mark; it then finds this
         // entry in the table and watches it.
         e.qps.lock().insert(key, (weak, fd));
+        // Before the flag that publishes it (`claim_rx` reads it after).
+        qp.rx_fd().store(fd, Ordering::Relaxed);
         if lazy {
             // Before the key is in the inbox: the thread forgets it when it
             // takes it from there.
@@ -399,12 +405,15 @@ impl Threads {
         if !qp.rx_registered().load(Ordering::Acquire) || !qp.receiving() {
             return None;
         }
-        let e = self.engine(qp.datamover())?;
-        let fd = e
-            .qps
-            .lock()
-            .get(&(qp.qp_num() as usize))
-            .map(|(_, fd)| *fd)?;
+        // The socket it was registered with, as the engine thread's table
+        // holds it (stored before the flag, which was set with `Release`
+        // and read above with `Acquire`; the QP keeps it open while
+        // registered, as for the table).
+        self.engine(qp.datamover())?;
+        let fd = qp.rx_fd().load(Ordering::Relaxed);
+        if fd < 0 {
+            return None;
+        }
         qp.last_poll()
             .store(until_ns.unwrap_or_else(now_ns), Ordering::Relaxed);
         Some(fd)

@@ -650,8 +650,9 @@ impl QpInner {
             };
             let before = cc.rx.bytes_received;
             let mut mem = self.core_mem();
-            let now = crate::datamover::now_ns();
-            let step = cc.rx.step(&mut cc.conn, &mut mem, cc.fd, now);
+            let step = cc
+                .rx
+                .step(&mut cc.conn, &mut mem, cc.fd, &crate::datamover::now_ns);
             got |= cc.rx.bytes_received != before;
             let mut direct = match step {
                 RxStep::Stop(stop) => break stop,
@@ -676,8 +677,9 @@ impl QpInner {
             };
             let before = cc.rx.bytes_received;
             let mut mem = self.core_mem();
-            let now = crate::datamover::now_ns();
-            let stop = cc.rx.placed(&mut cc.conn, &mut mem, direct, r, now);
+            let stop = cc
+                .rx
+                .placed(&mut cc.conn, &mut mem, direct, r, &crate::datamover::now_ns);
             got |= cc.rx.bytes_received != before;
             if let Some(stop) = stop {
                 break stop;
@@ -736,7 +738,11 @@ impl QpInner {
         if ready() {
             return RxSleep::Received;
         }
-        self.core_rx_sleeping.store(true, Ordering::SeqCst);
+        // Release, not SeqCst (an `xchg`): the flag orders nothing for its
+        // readers, a receive thread that met the receive lock held
+        // (`core_rx`); one that reads it late waits a timed try for the
+        // lock and looks again.
+        self.core_rx_sleeping.store(true, Ordering::Release);
         let g = self.core.lock();
         let mut g = g;
         let prepared = g.as_mut().and_then(|cc| {
@@ -765,7 +771,7 @@ impl QpInner {
             Some((cc.epoch, cc.fd, cc.stream.clone(), buf))
         });
         let Some((epoch, fd, stream, mut buf)) = prepared else {
-            self.core_rx_sleeping.store(false, Ordering::SeqCst);
+            self.core_rx_sleeping.store(false, Ordering::Release);
             drop(receiving);
             if self.core.release(g) {
                 self.core_kick();
@@ -781,7 +787,7 @@ impl QpInner {
         let mut g = self.core.lock();
         drop(stream);
         let end = |g, receiving, out| {
-            self.core_rx_sleeping.store(false, Ordering::SeqCst);
+            self.core_rx_sleeping.store(false, Ordering::Release);
             drop(receiving);
             if self.core.release(g) {
                 self.core_kick();
@@ -813,7 +819,13 @@ impl QpInner {
                 _ => cc.rx.put_staging_error(buf, e),
             },
         }
-        self.core_rx_wanted.store(false, Ordering::SeqCst);
+        // Cleared only when set (a SeqCst store is a locked instruction):
+        // a receiver that sets it after this look leaves it set, and the
+        // next holder receives once more than needed, as when it sets it
+        // after the receive below.
+        if self.core_rx_wanted.load(Ordering::SeqCst) {
+            self.core_rx_wanted.store(false, Ordering::SeqCst);
+        }
         let (g, _, to_dm) = self.core_rx_locked(g);
         let out = end(g, receiving, RxSleep::Received);
         if to_dm {

@@ -1,6 +1,6 @@
 //! The QP as the engine threads see it ([`DmQp`]).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 
 use super::QpInner;
 use crate::datamover::{DmQp, Served};
@@ -21,6 +21,10 @@ impl DmQp for QpInner {
 
     fn rx_registered(&self) -> &AtomicBool {
         &self.rx_registered
+    }
+
+    fn rx_fd(&self) -> &AtomicI32 {
+        &self.rx_fd
     }
 
     fn last_poll(&self) -> &AtomicU64 {

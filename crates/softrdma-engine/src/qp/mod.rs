@@ -472,6 +472,8 @@ pub(crate) struct QpInner {
     pub(crate) core_rx_sleeping: AtomicBool,
     /// Set while the QP is registered with the receive threads.
     pub(crate) rx_registered: AtomicBool,
+    /// The socket it was registered with (-1: never registered).
+    pub(crate) rx_fd: std::sync::atomic::AtomicI32,
     /// Set while a datamover lists the QP (active or paused).
     pub(crate) dm_listed: AtomicBool,
     /// When a CQ poll last drove this QP's receive path (engine clock, ns).
@@ -547,6 +549,7 @@ impl QueuePair {
             rx: Mutex::new(()),
             core_rx_sleeping: AtomicBool::new(false),
             rx_registered: AtomicBool::new(false),
+            rx_fd: std::sync::atomic::AtomicI32::new(-1),
             dm_listed: AtomicBool::new(false),
             last_poll: AtomicU64::new(0),
             tx_batch: post::TxBatch::default(),
@@ -1149,5 +1152,24 @@ mod claim_tests {
         p.renew_claim(456);
         assert_eq!(inner.last_poll.load(Ordering::Relaxed), 456);
         inner.rx_registered.store(false, Ordering::Release);
+    }
+
+    /// A waiter's claim hands out the socket the QP was registered with
+    /// (read from the QP, not the engine thread's table), and nothing
+    /// before the registration or after it ended.
+    #[test]
+    fn a_claim_hands_out_the_registered_socket_while_registered() {
+        use std::os::fd::AsRawFd;
+        let qp = super::unconnected_qp();
+        let inner = qp.qp();
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        inner.set_state(crate::state::QpState::Rts);
+        let threads = inner.device.threads();
+        assert_eq!(threads.claim_rx(&**inner, Some(1)), None, "not registered");
+        threads.register_rx(inner, ours.as_raw_fd());
+        assert_eq!(threads.claim_rx(&**inner, Some(1)), Some(ours.as_raw_fd()));
+        threads.unregister(&**inner);
+        assert_eq!(threads.claim_rx(&**inner, Some(1)), None, "unregistered");
+        inner.set_state(crate::state::QpState::Error);
     }
 }

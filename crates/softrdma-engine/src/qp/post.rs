@@ -395,7 +395,13 @@ impl QpInner {
         if self.batch_defer() {
             return;
         }
-        self.tx_batch.deferred.store(0, Ordering::SeqCst);
+        // Stored only when not 0 already (a SeqCst store is a locked
+        // instruction; a count another poster raises meanwhile is then
+        // left for the next poll, as if it came after this store).
+        let deferred = &self.tx_batch.deferred;
+        if deferred.load(Ordering::Relaxed) != 0 {
+            deferred.store(0, Ordering::SeqCst);
+        }
         self.core_kick();
     }
 
@@ -407,11 +413,14 @@ impl QpInner {
         // Batching needs the CQ polls' hooks, which run only with
         // poll-driven receive: without it a poll would never write them.
         let config = self.device.config();
-        if b.idle.swap(false, Ordering::Relaxed)
-            || urgent
-            || !config.tx_batch
-            || !config.poll_driven_receive
-        {
+        // A load, and a store only when set (a swap is a locked
+        // instruction): two posters that both find it set both write at
+        // once, as posts that found it clear one after the other would.
+        let idle = b.idle.load(Ordering::Relaxed);
+        if idle {
+            b.idle.store(false, Ordering::Relaxed);
+        }
+        if idle || urgent || !config.tx_batch || !config.poll_driven_receive {
             return false;
         }
         // Another thread polls the CQ: it may be the one waiting for these.

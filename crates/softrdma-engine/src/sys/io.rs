@@ -238,7 +238,9 @@ fn send_gathered(fd: RawFd, iov: &IoVecs) -> Option<io::Result<usize>> {
     if total > GATHER_MAX {
         return None;
     }
-    let mut buf = [0u8; GATHER_MAX];
+    // Not zeroed (a `memset` per small FPDU): only the `at` octets
+    // copied below are handed to the kernel.
+    let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); GATHER_MAX];
     let mut at = 0;
     for e in &iov.v {
         // SAFETY: every entry points to live memory of at least `iov_len`
@@ -249,12 +251,13 @@ fn send_gathered(fd: RawFd, iov: &IoVecs) -> Option<io::Result<usize>> {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 e.iov_base.cast_const().cast::<u8>(),
-                buf.as_mut_ptr().add(at),
+                buf.as_mut_ptr().cast::<u8>().add(at),
                 e.iov_len,
             );
         }
         at += e.iov_len;
     }
+    // The kernel reads the first `at` octets, each written above.
     let one = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: at,

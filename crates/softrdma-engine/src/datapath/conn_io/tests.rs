@@ -62,7 +62,7 @@ impl Side {
         let fd = self.sock.as_raw_fd();
         let (sent, got) = (self.tx.bytes_sent, self.rx.bytes_received);
         let _ = self.tx.progress(&mut self.conn, mem, fd, usize::MAX);
-        let _ = self.rx.run(&mut self.conn, mem, fd, now);
+        let _ = self.rx.run(&mut self.conn, mem, fd, &|| now);
         let _ = self.tx.progress(&mut self.conn, mem, fd, usize::MAX);
         while let Some(o) = self.conn.poll_output() {
             if let Output::Link(LinkAction::SendFin | LinkAction::Shutdown) = o {
@@ -341,7 +341,7 @@ fn direct_read_after(reset: bool) -> (u64, RxStep) {
     b.rx.begin();
     let mut d = loop {
         assert!(Instant::now() < deadline, "no direct read");
-        match b.rx.step(&mut b.conn, &mut mb, fd, 1) {
+        match b.rx.step(&mut b.conn, &mut mb, fd, &|| 1) {
             RxStep::Direct(d) => break d,
             RxStep::Stop(RxStop::Drained) => {
                 b.rx.begin();
@@ -360,10 +360,10 @@ fn direct_read_after(reset: bool) -> (u64, RxStep) {
         }
     };
     assert!(*r.as_ref().unwrap() > 0);
-    let stop = b.rx.placed(&mut b.conn, &mut mb, d, r, 1);
+    let stop = b.rx.placed(&mut b.conn, &mut mb, d, r, &|| 1);
     let next = match stop {
         Some(s) => RxStep::Stop(s),
-        None => b.rx.step(&mut b.conn, &mut mb, fd, 1),
+        None => b.rx.step(&mut b.conn, &mut mb, fd, &|| 1),
     };
     (b.rx.bytes_placed, next)
 }
@@ -799,11 +799,11 @@ fn a_batch_read_after_a_reset_takes_nothing_and_stops() {
     let mut d = loop {
         assert!(Instant::now() < deadline, "no batch");
         let _ = a.tx.progress(&mut a.conn, &mut ma, fd_a, usize::MAX);
-        match b.rx.step(&mut b.conn, &mut mb, fd, 1) {
+        match b.rx.step(&mut b.conn, &mut mb, fd, &|| 1) {
             RxStep::Direct(d) if d.dst.is_none() => break d,
             RxStep::Direct(mut d) => {
                 let r = d.read(fd);
-                if let Some(s) = b.rx.placed(&mut b.conn, &mut mb, d, r, 1) {
+                if let Some(s) = b.rx.placed(&mut b.conn, &mut mb, d, r, &|| 1) {
                     assert!(matches!(s, RxStop::Drained), "{s:?}");
                     b.rx.begin();
                 }
@@ -825,10 +825,10 @@ fn a_batch_read_after_a_reset_takes_nothing_and_stops() {
         }
     };
     assert!(*r.as_ref().unwrap() > 0);
-    let stop = b.rx.placed(&mut b.conn, &mut mb, d, r, 1);
+    let stop = b.rx.placed(&mut b.conn, &mut mb, d, r, &|| 1);
     let next = match stop {
         Some(s) => RxStep::Stop(s),
-        None => b.rx.step(&mut b.conn, &mut mb, fd, 1),
+        None => b.rx.step(&mut b.conn, &mut mb, fd, &|| 1),
     };
     assert!(matches!(next, RxStep::Stop(RxStop::Done)), "{next:?}");
     assert_eq!(b.rx.bytes_placed, placed);
@@ -949,7 +949,7 @@ fn a_short_batch_does_not_start_a_chain_of_staging_reads() {
             match sd.write(&piece[at..]) {
                 Ok(n) => at += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let _ = b.rx.run(&mut b.conn, &mut mb, fd, 1);
+                    let _ = b.rx.run(&mut b.conn, &mut mb, fd, &|| 1);
                 }
                 Err(e) => panic!("{e}"),
             }
@@ -958,7 +958,7 @@ fn a_short_batch_does_not_start_a_chain_of_staging_reads() {
         // Until the reader has read it all (and found the socket empty).
         while b.rx.bytes_received < fed {
             assert!(Instant::now() < deadline, "reader stuck");
-            if let RxStop::Drained = b.rx.run(&mut b.conn, &mut mb, fd, 1) {
+            if let RxStop::Drained = b.rx.run(&mut b.conn, &mut mb, fd, &|| 1) {
                 std::thread::yield_now();
             }
         }
@@ -1043,7 +1043,7 @@ fn a_short_read_before_a_full_direct_read_does_not_stop_the_run() {
     b.rx.begin();
     let stop = loop {
         assert!(Instant::now() < deadline, "reader stuck");
-        match b.rx.step(&mut b.conn, &mut mb, fd, 1) {
+        match b.rx.step(&mut b.conn, &mut mb, fd, &|| 1) {
             RxStep::Stop(RxStop::Drained) if b.rx.bytes_received < FIRST as u64 => {
                 // The first bytes are not there yet.
                 b.rx.begin();
@@ -1062,7 +1062,7 @@ fn a_short_read_before_a_full_direct_read_does_not_stop_the_run() {
                     }
                 }
                 let r = d.read(fd);
-                if let Some(stop) = b.rx.placed(&mut b.conn, &mut mb, d, r, 1) {
+                if let Some(stop) = b.rx.placed(&mut b.conn, &mut mb, d, r, &|| 1) {
                     break stop;
                 }
             }
