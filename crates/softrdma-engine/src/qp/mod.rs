@@ -729,13 +729,15 @@ impl QueuePair {
     /// last segment of a work request to TCP whether the connection went
     /// down meanwhile, and if it did completes that request with
     /// `IB_WC_LOC_QP_OP_ERR` although all of it went out
-    /// (`siw_qp_sq_proc_tx`, `drivers/infiniband/sw/siw/siw_qp_tx.c`). An
-    /// answer and a close that arrive while its sending thread still holds
-    /// the socket are both processed when it lets the socket go, just
-    /// before that check: a request/answer exchange that ends with a close
-    /// right after the answer fails on the peer's side. The peer's TCP
-    /// acknowledges the answer only when it processes it, so a close sent
-    /// after that acknowledgement arrives after the check.
+    /// (`siw_qp_sq_proc_tx`, `drivers/infiniband/sw/siw/siw_qp_tx.c`; a FIN
+    /// and an RST count alike). On a slow host the answer to that request
+    /// and a close sent right after it can both be processed before the
+    /// check (in an emulated guest its send call outlasted the answer and
+    /// the close of a fast peer): a request/answer exchange that ends with
+    /// a close right after the answer fails on siw's side. siw's TCP
+    /// acknowledges the answer only once it has processed it, so a close
+    /// sent after that acknowledgement arrives after the check (unless
+    /// siw's thread is stalled between the two).
     pub fn close_acknowledged(&self, linger: std::time::Duration) {
         self.qp().close_acknowledged(linger);
     }
