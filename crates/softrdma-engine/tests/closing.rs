@@ -299,3 +299,133 @@ fn reconnect_after_a_graceful_close_sends_again() {
     assert_eq!((s[0].wr_id, s[0].status), (9, WcStatus::Success));
     assert_eq!(target.to_vec(), 5u64.to_le_bytes());
 }
+
+/// A scripted peer whose receive window is closed: it accepts the MPA
+/// exchange, then reads nothing until `read_after` has passed since `go`
+/// fired, then reads to the end of the stream. Returns the bytes read and
+/// how the stream ended (`None`: FIN; else the error).
+fn late_reader(
+    listener: TcpListener,
+    go: std::sync::mpsc::Receiver<()>,
+    read_after: Duration,
+) -> std::thread::JoinHandle<(usize, Option<std::io::ErrorKind>)> {
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        mpa_accept(&mut s, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+        go.recv().unwrap();
+        std::thread::sleep(read_after);
+        use std::io::Read;
+        let mut buf = vec![0u8; 65536];
+        let mut got = 0;
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return (got, None),
+                Ok(n) => got += n,
+                Err(e) => return (got, Some(e.kind())),
+            }
+        }
+    })
+}
+
+/// Our side of [`late_reader`]: a QP connected to it whose socket can hold
+/// a large answer unacknowledged.
+fn connect_to_late_reader(dev: &Device) -> (Side, std::net::SocketAddr, TcpListener) {
+    let s = side(dev, |_| {});
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    // The smallest receive buffer: a window of a few KiB.
+    socket2::SockRef::from(&listener)
+        .set_recv_buffer_size(2048)
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    (s, addr, listener)
+}
+
+fn establish_with_room(s: &Side, addr: std::net::SocketAddr) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    socket2::SockRef::from(&stream)
+        .set_send_buffer_size(1 << 20)
+        .unwrap();
+    let n = mpa_connect(&mut stream, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+    s.qp.establish(stream, &LinkParams::from(&n)).unwrap();
+}
+
+/// Sends `len` bytes and waits for the Send's completion (the bytes are in
+/// the socket then, most of them unacknowledged by a peer that does not
+/// read).
+fn send_answer(s: &Side, len: usize) {
+    let src = mr(s, len);
+    src.write(0, &pattern(len, 9)).unwrap();
+    s.qp.post_send(
+        &SendWr::new(1, SendOp::Send)
+            .sg_list(&[src.sge(0, u32::try_from(len).unwrap()).unwrap()])
+            .signaled(),
+    )
+    .unwrap();
+    let c = wait(&s.cq, 1);
+    assert_eq!((c[0].wr_id, c[0].status), (1, WcStatus::Success));
+}
+
+/// Regression (kernel siw's `ib_write_bw -R` client against the drop-in
+/// server failed perftest's closing handshake with `Bad wc status 2`): a QP
+/// destroyed right after answering its peer's last message reset the
+/// connection at once, and kernel siw as that peer completed the Send it
+/// was still completing with `IB_WC_LOC_QP_OP_ERR` (it processes the answer
+/// and the reset together when its sending thread lets the socket go, then
+/// finds the connection down). The peer's TCP had not acknowledged the
+/// answer then. Here the scripted peer acknowledges late (its window is
+/// closed until it reads): the close must wait for that acknowledgement,
+/// come in order (FIN, no reset) and leave the answer whole.
+#[test]
+fn close_right_after_the_answer_waits_for_the_peers_ack() {
+    const READ_AFTER: Duration = Duration::from_millis(400);
+    const ANSWER: usize = 64 * 1024;
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, READ_AFTER);
+    establish_with_room(&s, addr);
+    send_answer(&s, ANSWER);
+    let t0 = Instant::now();
+    go.send(()).unwrap();
+    s.qp.close_acknowledged(Duration::from_secs(5));
+    let waited = t0.elapsed();
+    assert_eq!(s.qp.state(), QpState::Error);
+    let (got, end) = peer.join().unwrap();
+    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
+    assert!(got >= ANSWER, "the peer got the whole answer: {got} bytes");
+    assert!(
+        waited >= READ_AFTER / 2,
+        "the close waited until the peer read and acknowledged: {waited:?}"
+    );
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    // Its Send completed before; nothing else is reported.
+    let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+    assert_eq!(s.cq.poll(&mut out), 0);
+}
+
+/// A peer that does not acknowledge within the linger gets the close then
+/// (in order: its TCP still receives everything before the FIN).
+#[test]
+fn close_acknowledged_gives_up_after_the_linger() {
+    const LINGER: Duration = Duration::from_millis(300);
+    const ANSWER: usize = 64 * 1024;
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, Duration::from_secs(2));
+    establish_with_room(&s, addr);
+    send_answer(&s, ANSWER);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    s.qp.close_acknowledged(LINGER);
+    let waited = t0.elapsed();
+    assert_eq!(s.qp.state(), QpState::Error);
+    assert!(
+        waited >= LINGER && waited < Duration::from_secs(2),
+        "gave up after the linger: {waited:?}"
+    );
+    let (got, end) = peer.join().unwrap();
+    assert_eq!(end, None, "the stream ended with FIN, not a reset");
+    assert!(got >= ANSWER, "{got} bytes");
+}

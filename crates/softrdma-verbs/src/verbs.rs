@@ -1553,7 +1553,14 @@ pub extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
     qp.cast()
 }
 
-/// `ibv_destroy_qp`.
+/// How long `ibv_destroy_qp` of a connected QP waits at most for the peer to
+/// acknowledge the last bytes sent before closing: above Linux's longest
+/// delayed acknowledgement (200 ms), so a live peer always answers in time.
+pub const DESTROY_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// `ibv_destroy_qp`: a connected QP closes its connection in order (FIN, as
+/// kernel siw does) once the peer has acknowledged the bytes sent, at most
+/// [`DESTROY_LINGER`] later.
 #[unsafe(no_mangle)]
 pub extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
     guard_errno(|| {
@@ -1569,8 +1576,13 @@ pub extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
         unsafe { ctx_of(q.qpx.qp_base.context) }
             .async_q
             .retain(|e| e.element != qp.cast());
-        if matches!(q.inner.state(), QpState::Rts | QpState::Rtr) {
-            q.inner.abort();
+        // A connected QP closes in order once the peer has acknowledged
+        // what was sent (kernel siw, as the peer, fails a Send it was still
+        // completing when the close arrives: `QueuePair::close_acknowledged`).
+        match q.inner.state() {
+            QpState::Rts => q.inner.close_acknowledged(DESTROY_LINGER),
+            QpState::Rtr => q.inner.abort(),
+            _ => {}
         }
         drop(q);
         Ok(())

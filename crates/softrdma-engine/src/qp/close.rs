@@ -4,7 +4,13 @@
 //! Terminates sent and received) are the protocol core's `Connection`'s;
 //! these enter it through `core_path`.
 
+use std::os::fd::AsRawFd;
+
 use super::*;
+
+/// How often [`QpInner::close_acknowledged`] asks the socket whether the
+/// peer has acknowledged everything.
+const ACK_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl QpInner {
     /// RTS → CLOSING: the connection lets the send queue drain, then sends
@@ -42,6 +48,31 @@ impl QpInner {
     /// ERROR → IDLE: forget the connection, keep the queues' sizes.
     pub(super) fn reset(&self) {
         self.core_reset();
+    }
+
+    /// See [`QueuePair::close_acknowledged`].
+    pub(crate) fn close_acknowledged(&self, linger: std::time::Duration) {
+        if self.tx_batch.take_deferred() {
+            self.core_kick();
+        }
+        if self.state() != QpState::Rts {
+            return;
+        }
+        if let Some(stream) = self.core_stream() {
+            let deadline = crate::sys::clock::now() + linger;
+            // Until the peer's TCP has acknowledged every byte handed to the
+            // socket (an error: the socket is gone, nothing to wait for).
+            while matches!(crate::sys::tcp::unacked_bytes(stream.as_raw_fd()), Ok(n) if n > 0)
+                && crate::sys::clock::now() < deadline
+                && self.state() == QpState::Rts
+            {
+                std::thread::sleep(ACK_POLL);
+            }
+        }
+        if self.state() != QpState::Error {
+            self.orderly_close.store(true, Ordering::Release);
+            self.enter_error(None);
+        }
     }
 
     /// The last handle is gone: flush and close.

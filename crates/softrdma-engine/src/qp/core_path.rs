@@ -933,6 +933,13 @@ impl QpInner {
         self.set_state(QpState::Idle);
     }
 
+    /// The connection's socket, while connected (a handle that keeps the
+    /// descriptor open).
+    pub(crate) fn core_stream(&self) -> Option<Arc<TcpStream>> {
+        let g = self.lock_core();
+        g.as_ref().map(|cc| cc.stream.clone())
+    }
+
     /// The connection's ORD (min of ours and the peer's IRD), once
     /// connected.
     pub(crate) fn core_ord(&self) -> Option<u32> {

@@ -722,6 +722,32 @@ impl QueuePair {
         self.qp().abort();
     }
 
+    /// Closes the connection of a QP that is about to be destroyed, the way
+    /// destroying a connected QP does in kernel siw: in order (FIN after the
+    /// bytes already in the socket, no reset; the QP enters ERROR and every
+    /// outstanding request is flushed, without an async event), but not
+    /// before the peer's TCP has acknowledged every byte handed to the
+    /// socket, or `linger` has passed. Does nothing unless the QP is in
+    /// RTS.
+    ///
+    /// The wait is for peers that cannot take a close right after their last
+    /// message was answered. Kernel siw (Linux 6.1) checks after handing the
+    /// last segment of a work request to TCP whether the connection went
+    /// down meanwhile, and if it did completes that request with
+    /// `IB_WC_LOC_QP_OP_ERR` although all of it went out
+    /// (`siw_qp_sq_proc_tx`, `drivers/infiniband/sw/siw/siw_qp_tx.c`; a FIN
+    /// and an RST count alike). On a slow host the answer to that request
+    /// and a close sent right after it can both be processed before the
+    /// check (in an emulated guest its send call outlasted the answer and
+    /// the close of a fast peer): a request/answer exchange that ends with
+    /// a close right after the answer fails on siw's side. siw's TCP
+    /// acknowledges the answer only once it has processed it, so a close
+    /// sent after that acknowledgement arrives after the check (unless
+    /// siw's thread is stalled between the two).
+    pub fn close_acknowledged(&self, linger: std::time::Duration) {
+        self.qp().close_acknowledged(linger);
+    }
+
     /// How long a graceful close waits for the peer's FIN
     /// ([`DEFAULT_CLOSE_TIMEOUT`] unless set).
     pub fn set_close_timeout(&self, timeout: std::time::Duration) {

@@ -19,4 +19,5 @@ pub(crate) mod mem;
 pub(crate) mod poll;
 pub(crate) mod ppoll;
 pub(crate) mod process;
+pub(crate) mod tcp;
 pub(crate) mod wait;

@@ -1,0 +1,62 @@
+//! TCP socket queries that the standard library does not offer.
+
+use std::io;
+use std::os::fd::RawFd;
+
+/// Bytes handed to a TCP socket that its peer has not acknowledged yet
+/// (sent and unacknowledged, plus not sent yet): `ioctl(SIOCOUTQ)`.
+pub(crate) fn unacked_bytes(fd: RawFd) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (= TIOCOUTQ) writes one int through the pointer,
+    // which points to a live, writable `c_int`; the descriptor is the
+    // caller's and stays open for the call.
+    let ret = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &raw mut n) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{ErrorKind, Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+    use std::time::{Duration, Instant};
+
+    /// Bytes a peer with a small window does not read stay counted; once it
+    /// reads them all, the count drops to nothing.
+    #[test]
+    fn counts_what_the_peer_has_not_acknowledged() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        socket2::SockRef::from(&l)
+            .set_recv_buffer_size(4096)
+            .unwrap();
+        let mut a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        assert_eq!(super::unacked_bytes(a.as_raw_fd()).unwrap(), 0);
+        a.set_nonblocking(true).unwrap();
+        let chunk = [7u8; 4096];
+        let mut written = 0;
+        loop {
+            match a.write(&chunk) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let pending = super::unacked_bytes(a.as_raw_fd()).unwrap();
+        assert!(pending > 0 && pending <= written, "{pending} of {written}");
+        let mut got = 0;
+        let mut buf = vec![0u8; 65536];
+        while got < written {
+            got += b.read(&mut buf).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while super::unacked_bytes(a.as_raw_fd()).unwrap() != 0 {
+            assert!(Instant::now() < deadline, "never acknowledged");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
