@@ -200,6 +200,11 @@ pub(crate) struct Threads {
     /// Bytes served per turn, and whether to pin: for threads started later.
     slice: usize,
     pin: bool,
+    /// Serialises the starts (a second caller finds the first's thread).
+    /// The device's own: a process-wide one, held by a thread starting
+    /// one at a `fork(2)`, stayed held in the child, whose own devices
+    /// then could start no thread.
+    starting: Mutex<()>,
 }
 
 /// The CPUs of the engine threads for the configured `datamover_cpus`:
@@ -232,6 +237,7 @@ impl Threads {
                 .collect(),
             slice,
             pin,
+            starting: Mutex::new(()),
         }
     }
 
@@ -247,9 +253,7 @@ impl Threads {
         if let Some(e) = slot.engine.get() {
             return Ok(e);
         }
-        // Serialises the starts (a second caller finds the first's thread).
-        static STARTING: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
-        let _starting = STARTING.lock();
+        let _starting = self.starting.lock();
         if let Some(e) = slot.engine.get() {
             return Ok(e);
         }
@@ -944,5 +948,36 @@ mod tests {
             first == 0 && second == 0 && st[0].running && !st[1].running && st[0].qps == 2
         });
         assert!(ok, "the second QP found no engine thread");
+    }
+
+    /// Regression: engine thread starts were serialised by one lock of the
+    /// process, held while the thread was made: a `fork(2)` while another
+    /// thread started one (for any device) left the lock held for ever in
+    /// the child, whose first QP of a device of its own then waited for
+    /// it. Each device has its own lock now.
+    #[test]
+    fn a_forked_child_starts_its_own_devices_threads_while_the_parent_starts_others() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = Arc::clone(&stop);
+        let starter = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let t = Threads::new(vec![0], 1 << 16, false);
+                t.assign();
+            }
+        });
+        let mut hung = 0;
+        for _ in 0..40 {
+            let ok = crate::sys::process::in_child(Duration::from_secs(2), || {
+                let t = Threads::new(vec![0], 1 << 16, false);
+                t.assign() == 0 && t.stats()[0].running
+            });
+            if !ok {
+                hung += 1;
+                break;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        starter.join().unwrap();
+        assert_eq!(hung, 0, "a forked child waited for its parent's start lock");
     }
 }
