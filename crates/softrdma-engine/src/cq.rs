@@ -216,7 +216,8 @@ pub enum CreateCqError {
     ChannelAndCallback,
     /// The thread of the CQ's completion event handler could not be
     /// started. Not returned by [`CqBuilder::build`] any more: a handler's
-    /// thread starts with the first event delivered to it.
+    /// thread starts with the first arm of a callback CQ bound to it
+    /// ([`NotifyError::HandlerThread`]).
     #[error("cannot start the completion event handler thread: {0}")]
     Thread(#[source] io::Error),
 }
@@ -238,6 +239,11 @@ pub enum NotifyError {
     /// is nowhere to deliver the event.
     #[error("the completion queue has no completion channel and no callback")]
     NoChannel,
+    /// The thread of the CQ's completion event handler, which runs the
+    /// callback, could not be started (it starts with the first arm of a
+    /// CQ with a callback bound to the handler). The CQ is not armed.
+    #[error("cannot start the completion event handler thread")]
+    HandlerThread,
 }
 
 /// Why [`CompletionQueue::resize`] failed.
@@ -559,7 +565,7 @@ impl<'a> CqBuilder<'a> {
         if self.channel.is_some() && self.callback.is_some() {
             return Err(CreateCqError::ChannelAndCallback);
         }
-        // A callback CQ's handler thread starts with its first event.
+        // A callback CQ's handler thread starts with its first arm.
         let handler = device.handlers().choose(self.binding)?;
         let polled = Arc::new(PollCounter::default());
         handler.bind(&polled);
@@ -694,7 +700,7 @@ impl CompletionQueue {
     /// [`req_notify`](Self::req_notify)) and was seen empty after arming.
     ///
     /// Without a channel or callback the CQ cannot be armed: this then just
-    /// polls until empty.
+    /// polls until empty (as when [`req_notify`](Self::req_notify) fails).
     pub fn drain_and_arm(&self, solicited_only: bool, mut f: impl FnMut(&WorkCompletion)) -> usize {
         let mut buf = [WorkCompletion::success(0, crate::wc::WcOpcode::Send, 0); 32];
         let mut total = 0;
@@ -1166,10 +1172,22 @@ impl CompletionQueue {
     /// # Errors
     ///
     /// [`NotifyError::NoChannel`] if the CQ has neither a completion channel
-    /// nor a callback.
+    /// nor a callback; [`NotifyError::HandlerThread`] if the thread that
+    /// would run the callback cannot be started (the CQ is not armed: its
+    /// event would wait for ever).
     pub fn req_notify(&self, solicited_only: bool) -> Result<(), NotifyError> {
-        if self.shared.channel.is_none() && self.shared.callback.is_none() {
-            return Err(NotifyError::NoChannel);
+        if self.shared.channel.is_none() {
+            if self.shared.callback.is_none() {
+                return Err(NotifyError::NoChannel);
+            }
+            // The handler's thread starts with the first arm of a callback
+            // CQ (an event comes only after one): a thread that cannot
+            // start is reported here, to the caller that waits for the
+            // callback.
+            self.shared
+                .handler
+                .ensure_started()
+                .map_err(|_| NotifyError::HandlerThread)?;
         }
         let want = if solicited_only {
             ARM_SOLICITED

@@ -13,8 +13,9 @@
 //! A device has one completion event handler per participating CPU
 //! ([`DeviceConfig::handler_cpus`]; by default every usable CPU: the
 //! affinity mask, capped by the cgroup CPU quota), each with a
-//! [`HandlerId`] (`0..n`). A handler's thread starts when the first event of
-//! a CQ with a callback bound to it is delivered (devices whose CQs use
+//! [`HandlerId`] (`0..n`). A handler's thread starts when a CQ with a
+//! callback bound to it is first armed ([`CompletionQueue::req_notify`],
+//! which reports a thread that cannot start; devices whose CQs use
 //! channels or polling, or whose callback CQs are never armed, run no
 //! handler threads), is pinned to its CPU only when
 //! [`DeviceConfig::pin_threads`] is set, and blocks every signal. [`Device::handler_table`] maps identifiers to CPUs.
@@ -106,6 +107,7 @@
 //! [`CompletionQueue::handler`]: crate::CompletionQueue::handler
 //! [`CompletionQueue::req_notify`]: crate::CompletionQueue::req_notify
 //! [`CompletionQueue::with_callback`]: crate::CompletionQueue::with_callback
+//! [`CompletionQueue::req_notify`]: crate::CompletionQueue::req_notify
 //! [`CompletionQueue::drain_and_arm`]: crate::CompletionQueue::drain_and_arm
 //! [`CqBuilder::callback`]: crate::cq::CqBuilder::callback
 
@@ -309,9 +311,8 @@ pub struct HandlerStats {
     pub cpu: usize,
     /// Whether its thread is pinned to the CPU.
     pub pinned: bool,
-    /// Whether its thread runs (it starts with the first event of a CQ
-    /// with a callback bound to the handler: the first completion after an
-    /// arm).
+    /// Whether its thread runs (it starts with the first arm of a CQ with
+    /// a callback bound to the handler).
     pub running: bool,
     /// Completion events delivered to it (armed CQs with a callback that
     /// got a matching completion).
@@ -336,8 +337,8 @@ pub(crate) struct Handler {
     /// Events to run, in arrival order.
     queue: SegQueue<HandlerEvent>,
     thread: OnceLock<Thread>,
-    /// The thread, once started (by the first event delivered to this
-    /// handler).
+    /// The thread, once started (by the first arm of a callback CQ bound
+    /// to this handler).
     join: Mutex<Option<JoinHandle<()>>>,
     /// Pin the thread to `cpu` when it starts.
     pin: bool,
@@ -398,11 +399,9 @@ impl Handler {
     }
 
     /// Queues an event for the handler thread (the data path: cheap, never
-    /// blocks once the thread runs). The first event starts the thread: a
-    /// process whose callback CQs are never armed (its connections are
-    /// driven by their callers' polls and waits) never runs one. If the
-    /// thread cannot be started, the event stays queued and the next one
-    /// tries again.
+    /// blocks once the thread runs). The thread was started by the arm that
+    /// let the event come ([`Handler::ensure_started`]); the start here
+    /// only backs that up.
     pub(crate) fn deliver(self: &Arc<Self>, event: HandlerEvent) {
         self.events.fetch_add(1, Ordering::Relaxed);
         self.queue.push(event);
@@ -415,8 +414,8 @@ impl Handler {
     }
 
     /// Starts the handler's thread if it is not running yet (called with
-    /// its first event, [`Handler::deliver`]). The thread blocks every
-    /// signal.
+    /// the first arm of a callback CQ bound to it,
+    /// [`Handler::ensure_started`]). The thread blocks every signal.
     pub(crate) fn start(self: &Arc<Self>) -> io::Result<()> {
         let mut join = self.join.lock();
         if join.is_some() || self.stop.load(Ordering::Acquire) {
@@ -434,6 +433,15 @@ impl Handler {
         let _ = self.thread.set(jh.thread().clone());
         *join = Some(jh);
         Ok(())
+    }
+
+    /// Starts the handler's thread unless it runs (one atomic load once it
+    /// does): called when a CQ with a callback bound to it is armed.
+    pub(crate) fn ensure_started(self: &Arc<Self>) -> io::Result<()> {
+        if self.thread.get().is_some() {
+            return Ok(());
+        }
+        self.start()
     }
 
     /// Whether the handler's thread is running.
@@ -593,10 +601,10 @@ pub(crate) struct HandlersConfig<'a> {
 
 impl Handlers {
     /// Sets up one handler per CPU of `config.cpus` (all usable CPUs if
-    /// empty). A handler's thread starts when the first event of a CQ with
-    /// a callback is delivered to it ([`Handler::deliver`]): a device whose
-    /// CQs use channels or polling, or whose callback CQs are never armed,
-    /// has no handler threads.
+    /// empty). A handler's thread starts when a CQ with a callback bound to
+    /// it is first armed ([`Handler::ensure_started`]): a device whose CQs
+    /// use channels or polling, or whose callback CQs are never armed, has
+    /// no handler threads.
     pub(crate) fn start(config: HandlersConfig<'_>) -> io::Result<Handlers> {
         let cpus = if config.cpus.is_empty() {
             config.usable.to_vec()
@@ -1155,6 +1163,39 @@ mod tests {
         wait_until("the second callback", || calls.load(Ordering::SeqCst) == 2);
         let st = &dev.handler_stats()[0];
         assert_eq!((st.events, st.callbacks), (2, 2));
+    }
+
+    /// Regression: a handler's thread started with the first event
+    /// delivered to it, and one that could not start (the process at its
+    /// thread limit) left the event queued with nothing to run it: the arm
+    /// succeeded, the completion came, and the callback its caller waited
+    /// for never ran (a CQ with a callback is not polled). The arm now
+    /// starts the thread and fails if it cannot.
+    #[test]
+    fn arming_a_callback_cq_fails_when_its_handler_thread_cannot_start() {
+        let ok = crate::sys::process::in_child(Duration::from_secs(20), || {
+            let dev = device(1);
+            let calls = Arc::new(AtomicU32::new(0));
+            let c = Arc::clone(&calls);
+            let cq = CompletionQueue::with_callback(&dev, 8, move |_: &CompletionQueue| {
+                c.fetch_add(1, Ordering::SeqCst);
+            })
+            .unwrap();
+            if !crate::sys::process::forbid_new_threads() {
+                return false;
+            }
+            let armed = cq.req_notify(false);
+            cq.push(wc(1, 0), false).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            armed == Err(crate::cq::NotifyError::HandlerThread)
+                && dev.handler_stats()[0].events == 0
+                && !dev.handler_stats()[0].running
+                && calls.load(Ordering::SeqCst) == 0
+        });
+        assert!(
+            ok,
+            "a callback CQ was armed with no thread to run its callback"
+        );
     }
 
     #[test]

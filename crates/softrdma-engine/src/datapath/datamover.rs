@@ -204,6 +204,11 @@ pub(crate) struct Threads {
     /// Bytes served per turn, and whether to pin: for threads started later.
     slice: usize,
     pin: bool,
+    /// Serialises the starts (a second caller finds the first's thread).
+    /// The device's own: a process-wide one, held by a thread starting
+    /// one at a `fork(2)`, stayed held in the child, whose own devices
+    /// then could start no thread.
+    starting: Mutex<()>,
 }
 
 /// The CPUs of the engine threads for the configured `datamover_cpus`:
@@ -236,6 +241,7 @@ impl Threads {
                 .collect(),
             slice,
             pin,
+            starting: Mutex::new(()),
         }
     }
 
@@ -251,9 +257,7 @@ impl Threads {
         if let Some(e) = slot.engine.get() {
             return Ok(e);
         }
-        // Serialises the starts (a second caller finds the first's thread).
-        static STARTING: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
-        let _starting = STARTING.lock();
+        let _starting = self.starting.lock();
         if let Some(e) = slot.engine.get() {
             return Ok(e);
         }
@@ -287,19 +291,31 @@ impl Threads {
     /// lowest-numbered of those with as few QPs), starting it if it is not
     /// running yet.
     ///
+    /// If that thread cannot be started (the process can create no more
+    /// threads or epoll instances now), the QP goes to the least-loaded
+    /// thread that runs: a process that reached its thread limit after its
+    /// first QPs keeps making connections, as when every thread started
+    /// with the first QP.
+    ///
     /// # Panics
     ///
-    /// If the thread cannot be started (the process can create no thread
-    /// or epoll instance): without it the device cannot move data.
+    /// If no thread runs and none can be started: without one the device
+    /// cannot move data.
     pub(crate) fn assign(&self) -> usize {
-        let idx = self
-            .slots
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, s)| s.load.load(Ordering::Relaxed))
-            .map_or(0, |(i, _)| i);
+        let least = |running_only: bool| {
+            self.slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| !running_only || s.engine.get().is_some())
+                .min_by_key(|(_, s)| s.load.load(Ordering::Relaxed))
+                .map(|(i, _)| i)
+        };
+        let mut idx = least(false).unwrap_or(0);
         if let Err(e) = self.start(idx) {
-            panic!("softrdma: cannot start the device threads: {e}");
+            match least(true) {
+                Some(i) => idx = i,
+                None => panic!("softrdma: cannot start the device threads: {e}"),
+            }
         }
         self.slots[idx].load.fetch_add(1, Ordering::Relaxed);
         idx
@@ -915,5 +931,62 @@ fn run_engine(e: &Engine, slice: usize, pin: bool) {
                 Served::Done => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: engine threads start with the first QP assigned to each,
+    /// and a QP whose thread could not be started (the process at its
+    /// thread limit) panicked in `assign`, though a running thread could
+    /// serve it: a process that reached the limit after its first
+    /// connection could make no more (when every thread started with the
+    /// first QP, later QPs needed none).
+    #[test]
+    fn a_qp_whose_thread_cannot_start_goes_to_a_running_one() {
+        let ok = crate::sys::process::in_child(Duration::from_secs(20), || {
+            let t = Threads::new(vec![0, 1], 1 << 16, false);
+            let first = t.assign();
+            if !crate::sys::process::forbid_new_threads() {
+                return false;
+            }
+            let second = t.assign();
+            let st = t.stats();
+            first == 0 && second == 0 && st[0].running && !st[1].running && st[0].qps == 2
+        });
+        assert!(ok, "the second QP found no engine thread");
+    }
+
+    /// Regression: engine thread starts were serialised by one lock of the
+    /// process, held while the thread was made: a `fork(2)` while another
+    /// thread started one (for any device) left the lock held for ever in
+    /// the child, whose first QP of a device of its own then waited for
+    /// it. Each device has its own lock now.
+    #[test]
+    fn a_forked_child_starts_its_own_devices_threads_while_the_parent_starts_others() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = Arc::clone(&stop);
+        let starter = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let t = Threads::new(vec![0], 1 << 16, false);
+                t.assign();
+            }
+        });
+        let mut hung = 0;
+        for _ in 0..40 {
+            let ok = crate::sys::process::in_child(Duration::from_secs(2), || {
+                let t = Threads::new(vec![0], 1 << 16, false);
+                t.assign() == 0 && t.stats()[0].running
+            });
+            if !ok {
+                hung += 1;
+                break;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        starter.join().unwrap();
+        assert_eq!(hung, 0, "a forked child waited for its parent's start lock");
     }
 }

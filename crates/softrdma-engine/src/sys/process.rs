@@ -66,6 +66,30 @@ pub(crate) fn in_child(limit: std::time::Duration, f: impl FnOnce() -> bool) -> 
     }
 }
 
+/// Makes every later thread creation of this process fail (`EAGAIN`):
+/// `RLIMIT_NPROC` of 0, after giving up root (whose limit is not
+/// enforced) for `nobody`. For a `fork(2)`ed test child only
+/// ([`in_child`]): the process cannot get its privileges back. Whether a
+/// thread creation now fails.
+#[cfg(test)]
+pub(crate) fn forbid_new_threads() -> bool {
+    // SAFETY: plain system calls on this process's credentials and
+    // limits; no pointers but `lim`, valid for reads.
+    unsafe {
+        if libc::geteuid() == 0 && (libc::setgid(65534) != 0 || libc::setuid(65534) != 0) {
+            return false;
+        }
+        let lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::setrlimit(libc::RLIMIT_NPROC, &lim) != 0 {
+            return false;
+        }
+    }
+    std::thread::Builder::new().spawn(|| {}).is_err()
+}
+
 /// A process-wide value of which each fork generation
 /// ([`fork_generation`](crate::fork_generation)) has its own,
 /// reached through one atomic pointer (no lock): a `fork(2)`ed child never
