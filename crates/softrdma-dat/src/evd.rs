@@ -281,6 +281,12 @@ impl Evd {
             let Some(cq) = &inner.cq else {
                 return Err(err(ErrorType::InsufficientResources, Subtype::ResourceTevd));
             };
+            // Armed once first: a callback CQ's handler thread starts at its
+            // first arm, and an EVD whose completions could never be
+            // delivered must not be created (`drain_and_arm` drops the
+            // error).
+            cq.req_notify(false)
+                .map_err(|_| err(ErrorType::InsufficientResources, Subtype::ResourceTevd))?;
             let e = inner.clone();
             let _g = e.reap.lock();
             cq.drain_and_arm(false, |wc| e.on_completion(wc));
