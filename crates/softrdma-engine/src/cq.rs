@@ -831,6 +831,12 @@ impl CompletionQueue {
     /// `poll(2)` on the sockets returns at once if bytes are already
     /// there, so no `recv` is spent finding nothing).
     ///
+    /// While the thread sleeps on the sockets, and for 10 ms after a wait
+    /// that ran out of time (a caller waiting with a timeout in a loop is
+    /// back by then), the engine threads leave those sockets to it; they
+    /// receive for them once it has not polled for a while, or at once when
+    /// the CQ is armed.
+    ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
