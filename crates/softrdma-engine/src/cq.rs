@@ -58,6 +58,16 @@ use crate::wc::WorkCompletion;
 /// no kernel timer (see [`crate::wait_set`]).
 const SLEEP_MAX: Duration = Duration::from_millis(10);
 
+/// How long the QPs' sockets stay claimed from the engine's receive
+/// threads after a [`CompletionQueue::wait`] ran out of time, as a [`WaitSet`](crate::wait_set::WaitSet) keeps them after every
+/// wait: a caller that waits with a timeout in a loop (a server waiting
+/// for requests, the target of a Write stream, whose CQ gets nothing) is
+/// back within that time, and an engine thread that took the socket over
+/// between two waits (the caller waiting for a CPU longer than the quiet
+/// period) would receive beside it, a hand-off and a third busy thread on
+/// a machine that has no CPU to spare.
+const CLAIM_AFTER_TIMEOUT_NS: u64 = 10_000_000;
+
 /// What a sleeping waiter watches ([`CompletionQueue::wait`]): kept per
 /// thread, so a wait that sleeps allocates nothing.
 #[derive(Default)]
@@ -831,6 +841,12 @@ impl CompletionQueue {
     /// `poll(2)` on the sockets returns at once if bytes are already
     /// there, so no `recv` is spent finding nothing).
     ///
+    /// While the thread sleeps on the sockets, and for 10 ms after a wait
+    /// that ran out of time (a caller waiting with a timeout in a loop is
+    /// back by then), the engine threads leave those sockets to it; they
+    /// receive for them once it has not polled for a while, or at once when
+    /// the CQ is armed.
+    ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> usize {
@@ -978,6 +994,9 @@ impl CompletionQueue {
                                 return Some(n);
                             }
                         }
+                        if config.poll_driven_receive && wake.is_some() {
+                            self.claim_after_timeout();
+                        }
                         return None;
                     }
                     Some(d.saturating_duration_since(now).min(SLEEP_MAX))
@@ -1053,6 +1072,18 @@ impl CompletionQueue {
                 shared.polled.add(n);
                 self.took_completions();
                 return Some(n);
+            }
+        }
+    }
+
+    /// A wait ran out of time: the claim on its QPs' sockets reaches
+    /// [`CLAIM_AFTER_TIMEOUT_NS`] further (see there).
+    fn claim_after_timeout(&self) {
+        let until = crate::datamover::now_ns().saturating_add(CLAIM_AFTER_TIMEOUT_NS);
+        let hooks = Arc::clone(&self.shared.progress.read());
+        for hook in hooks.iter() {
+            if let Some(hook) = hook.upgrade() {
+                hook.renew_claim(until);
             }
         }
     }
@@ -1885,6 +1916,64 @@ mod tests {
             } else {
                 false
             }
+        }
+    }
+
+    /// A QP hook whose socket never becomes readable; records the claims.
+    struct ClaimHook {
+        sock: std::os::unix::net::UnixStream,
+        claimed: AtomicU64,
+    }
+
+    impl Progress for ClaimHook {
+        fn progress(&self, _armed: bool) -> bool {
+            false
+        }
+
+        fn sleep_on(&self, until_ns: Option<u64>) -> Option<RawFd> {
+            use std::os::fd::AsRawFd;
+            self.claimed.store(until_ns.unwrap_or(0), Ordering::Relaxed);
+            Some(self.sock.as_raw_fd())
+        }
+
+        fn renew_claim(&self, until_ns: u64) {
+            self.claimed.store(until_ns, Ordering::Relaxed);
+        }
+    }
+
+    /// A wait that runs out of time leaves its QPs' sockets claimed for
+    /// `CLAIM_AFTER_TIMEOUT_NS` more (a caller waiting with a timeout in a
+    /// loop is back by then), whether it spun first or slept at once. (The
+    /// claim ended with the wait: an engine thread took the socket over whenever the caller
+    /// waited for a CPU longer than the quiet period between two waits.)
+    #[test]
+    fn a_wait_that_times_out_keeps_its_sockets_claimed() {
+        for spin in [Duration::ZERO, Duration::from_micros(50)] {
+            let dev = Device::open_with(DeviceConfig {
+                poll_spin: spin,
+                poll_spin_adaptive: false,
+                pin_threads: false,
+                ..DeviceConfig::default()
+            })
+            .unwrap();
+            let cq = CompletionQueue::new(&dev, 16, None).unwrap();
+            let (sock, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+            let hook = Arc::new(ClaimHook {
+                sock,
+                claimed: AtomicU64::new(0),
+            });
+            let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
+            cq.attach_progress(weak);
+            let mut out = [wc(0); 4];
+            let timeout = Duration::from_millis(3);
+            let before = crate::datamover::now_ns();
+            assert_eq!(cq.wait(&mut out, Some(timeout)), 0);
+            let least = before + 3_000_000 + CLAIM_AFTER_TIMEOUT_NS;
+            assert!(
+                hook.claimed.load(Ordering::Relaxed) >= least,
+                "spin {spin:?}: claimed until {} ns, at least {least} wanted",
+                hook.claimed.load(Ordering::Relaxed)
+            );
         }
     }
 

@@ -1075,9 +1075,13 @@ impl Progress for QpInner {
         if !self.device.config().poll_driven_receive {
             return false;
         }
-        // `rx_poll`, with the clock read once for both.
+        // `rx_poll`, with the clock read once for both. A claim of a
+        // waiter that reaches further stands (the waiter's own polls
+        // between its sleeps cut it short, and an engine thread took the
+        // socket over whenever the waiter then waited for a CPU for longer
+        // than the quiet period); `sleep_on(None)` and `armed` end it.
         if !armed {
-            self.last_poll.store(now, Ordering::Relaxed);
+            self.last_poll.fetch_max(now, Ordering::Relaxed);
         }
         self.core_rx(false).0
     }
@@ -1197,5 +1201,35 @@ mod claim_tests {
         threads.unregister(&**inner);
         assert_eq!(threads.claim_rx(&**inner, Some(1)), None, "unregistered");
         inner.set_state(crate::state::QpState::Error);
+    }
+
+    /// A poll of the CQ (the waiter's own look between two sleeps, or a
+    /// busy poll) marks the QP as polled now without cutting short a
+    /// waiter's claim that reaches further; only the waiter's release
+    /// (`sleep_on(None)`) and arming the CQ end it. (A poll stored its
+    /// time over the claim: an engine thread took the socket over
+    /// whenever the waiter then waited for a CPU longer than the quiet
+    /// period.)
+    #[test]
+    fn a_poll_does_not_cut_a_waiters_claim_short() {
+        let qp = super::unconnected_qp();
+        let inner = qp.qp();
+        let p: &dyn crate::cq::Progress = &**inner;
+        inner.rx_registered.store(true, Ordering::Release);
+        let far = crate::datamover::now_ns() + 60_000_000_000;
+        p.renew_claim(far);
+        p.progress(false);
+        assert_eq!(
+            inner.last_poll.load(Ordering::Relaxed),
+            far,
+            "the claim stands"
+        );
+        inner.last_poll.store(1, Ordering::Relaxed);
+        p.progress(false);
+        assert!(
+            inner.last_poll.load(Ordering::Relaxed) > 1,
+            "a poll after the claim is marked"
+        );
+        inner.rx_registered.store(false, Ordering::Release);
     }
 }
