@@ -135,6 +135,14 @@ pub(crate) trait Progress: Send + Sync {
         None
     }
 
+    /// Which connection of the QP the socket of [`sleep_on`](Self::sleep_on)
+    /// belongs to, read before it: a QP connected again may have its new
+    /// socket at its old socket's number, and a waiter that registered
+    /// the old one (gone with its file) must register the new one.
+    fn connection(&self) -> u64 {
+        0
+    }
+
     /// [`sleep_on`](Self::sleep_on) until `after_ns` from now (an
     /// implementation that reads the clock anyway reads it once).
     fn sleep_on_for(&self, after_ns: u64) -> Option<RawFd> {

@@ -20,6 +20,10 @@
 //!   `wake`, and the `arm` compare-exchange that raises one event.
 //! * [`Cq::req_notify`]: `CompletionQueue::req_notify`: the `arm`
 //!   `fetch_max` and the SeqCst fence.
+//! * [`Ring::poll`]: `CompletionQueue::poll_ring`, a look at the ring
+//!   (`ArrayQueue::is_empty`, SeqCst loads of `head` and `tail`) before
+//!   each pop, so that a poll of an empty ring does not reach `pop`'s
+//!   fence: the consumer's polls around `req_notify` are made so.
 //! * [`Cq::sleep`]: the sleeping step of `CompletionQueue::wait`
 //!   (`sleep_loop`): `sleepers` incremented, one look at the ring.
 //!
@@ -70,6 +74,20 @@ impl Ring {
             .expect("the only producer");
         // (the value is written into the slot here)
         self.stamp.store(tail + 1, Ordering::Release);
+    }
+
+    /// `ArrayQueue::is_empty`: `head`, then `tail`, both SeqCst loads.
+    fn is_empty(&self) -> bool {
+        let head = self.head.load(Ordering::SeqCst);
+        let tail = self.tail.load(Ordering::SeqCst);
+        head == tail
+    }
+
+    /// `CompletionQueue::poll_ring` for one completion: a look first, and
+    /// a pop only if the look found the ring not empty (a look that finds
+    /// it empty ends the poll without `pop`'s fence).
+    fn poll(&self) -> bool {
+        !self.is_empty() && self.pop()
     }
 
     /// `ArrayQueue::pop`: whether a completion was taken.
@@ -171,6 +189,18 @@ impl Cq {
     /// then sleeps and stays counted in `sleepers` for the rest of the
     /// model (its `fetch_sub` comes after it wakes; a push after that is
     /// found by the next round of `sleep_loop`).
+    ///
+    /// The look here is `pop` (its SeqCst fence on an empty ring), not
+    /// `poll_ring`'s look first ([`Ring::poll`]): the code's look is two
+    /// SeqCst loads after the SeqCst increment, and what makes the push
+    /// see the sleeper or the look see the push is the single order of
+    /// SeqCst operations (the look reading the tail from before the push
+    /// puts it before the push's compare-exchange in that order, and the
+    /// increment before it, so the push's later load of the count sees
+    /// the increment), which loom does not model: it treats SeqCst loads
+    /// as Acquire and, with the look first, reports the signal lost. A
+    /// SeqCst fence after the increment would make the rule one of
+    /// fences, which loom checks.
     fn sleep(&self) -> bool {
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         self.ring.pop()
@@ -181,11 +211,11 @@ impl Cq {
 /// with `poll_after_arm`, poll again before waiting for the event.
 /// Whether a poll found the completion.
 fn consumer(cq: &Cq, poll_after_arm: bool) -> bool {
-    if cq.ring.pop() {
+    if cq.ring.poll() {
         return true;
     }
     cq.req_notify();
-    poll_after_arm && cq.ring.pop()
+    poll_after_arm && cq.ring.poll()
 }
 
 /// A completion pushed by the data path while the consumer arms: it must
@@ -265,7 +295,7 @@ fn loom_cq_widening_arm_against_unsolicited_push_never_loses_the_wakeup() {
             thread::spawn(move || cq.push(false))
         };
         cq.req_notify();
-        let found = cq.ring.pop();
+        let found = cq.ring.poll();
         pusher.join().unwrap();
         assert!(
             found || cq.events.load(Ordering::SeqCst) == 1,

@@ -254,11 +254,13 @@ fn mode() -> Mode {
 }
 
 /// What a persistent registration is for; a registration is reused only
-/// for the same thing (the same QP, the same CQ), never for a descriptor
-/// number that merely matches.
+/// for the same thing (the same connection of the same QP, the same CQ),
+/// never for a descriptor number that merely matches.
 enum What {
-    /// A QP's socket (the QP's receive hook, by identity).
-    Socket(std::sync::Weak<dyn Progress>),
+    /// A QP's socket (the QP's receive hook, by identity, and its
+    /// connection: a QP connected again may have its new socket at the
+    /// number of its old one, whose registration went with its file).
+    Socket(std::sync::Weak<dyn Progress>, u64),
     /// A CQ's wake-up event fd (the CQ, by identity).
     Wake(std::sync::Weak<dyn std::any::Any + Send + Sync>),
     /// A foreign descriptor: registered one-shot and re-armed (`MOD`) on
@@ -270,7 +272,7 @@ enum What {
 impl Clone for What {
     fn clone(&self) -> What {
         match self {
-            What::Socket(w) => What::Socket(w.clone()),
+            What::Socket(w, c) => What::Socket(w.clone(), *c),
             What::Wake(w) => What::Wake(w.clone()),
             What::Foreign => What::Foreign,
         }
@@ -280,7 +282,7 @@ impl Clone for What {
 impl What {
     fn same(&self, other: &What) -> bool {
         match (self, other) {
-            (What::Socket(a), What::Socket(b)) => std::sync::Weak::ptr_eq(a, b),
+            (What::Socket(a, x), What::Socket(b, y)) => std::sync::Weak::ptr_eq(a, b) && x == y,
             (What::Wake(a), What::Wake(b)) => std::sync::Weak::ptr_eq(a, b),
             (What::Foreign, What::Foreign) => true,
             _ => false,
@@ -289,7 +291,7 @@ impl What {
 
     fn dead(&self) -> bool {
         match self {
-            What::Socket(w) => w.strong_count() == 0,
+            What::Socket(w, _) => w.strong_count() == 0,
             What::Wake(w) => w.strong_count() == 0,
             What::Foreign => false,
         }
@@ -324,8 +326,9 @@ struct Member {
     /// The CQ's hook list when its sockets were last claimed (the same
     /// `Arc` while no QP came or went).
     hooks: Option<Arc<[std::sync::Weak<dyn Progress>]>>,
-    /// The socket of each hook then (`None`: nothing to watch).
-    fds: Vec<Option<RawFd>>,
+    /// The socket of each hook then, with its connection (`None`:
+    /// nothing to watch).
+    fds: Vec<Option<(RawFd, u64)>>,
     /// The claim on those sockets runs until then ([`crate::datamover::now_ns`]).
     claimed_until: u64,
     /// The CQ's wake-up event fd, registered.
@@ -535,17 +538,22 @@ impl EpState {
         if let Some(list) = &hooks {
             m.fds.resize(list.len(), None);
             for (w, slot) in list.iter().zip(m.fds.iter_mut()) {
-                let fd = w.upgrade().and_then(|h| h.sleep_on(Some(until)));
+                // The connection before its socket (a newer one than the
+                // socket's is only registered again at the next claim).
+                let fd = w.upgrade().and_then(|h| {
+                    let c = h.connection();
+                    h.sleep_on(Some(until)).map(|fd| (fd, c))
+                });
                 match fd {
-                    Some(fd) => {
-                        match self.want(fd, What::Socket(w.clone()), libc::EPOLLIN as u32, id) {
+                    Some((fd, c)) => {
+                        match self.want(fd, What::Socket(w.clone(), c), libc::EPOLLIN as u32, id) {
                             Ok(()) | Err(libc::EBADF) => {}
                             Err(_) => broken = true,
                         }
                     }
                     None => {
-                        if let Some(old) = *slot {
-                            self.drop_reg(old, &What::Socket(w.clone()));
+                        if let Some((old, c)) = *slot {
+                            self.drop_reg(old, &What::Socket(w.clone(), c));
                         }
                     }
                 }
@@ -1164,7 +1172,7 @@ impl WaitSet {
                         continue;
                     }
                     match &what {
-                        What::Socket(w) => {
+                        What::Socket(w, _) => {
                             // Bytes (or an error) on the QP's socket:
                             // receive in this thread.
                             let hook = w.upgrade();
@@ -1191,7 +1199,7 @@ impl WaitSet {
                                 ep.drop_reg(fd, &what);
                                 if let Some(m) = member.and_then(|id| members.get_mut(&id)) {
                                     for f in &mut m.fds {
-                                        if *f == Some(fd) {
+                                        if f.is_some_and(|(f, _)| f == fd) {
                                             *f = None;
                                         }
                                     }

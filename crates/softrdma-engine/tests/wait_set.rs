@@ -400,3 +400,95 @@ fn a_large_set_keeps_its_cqs_across_waits() {
     }
     assert_eq!(got.iter().sum::<u64>(), rounds);
 }
+
+/// Connects `a` to `b` over loopback with `b`'s socket at descriptor
+/// number `at` (closed before: asserted).
+fn connect_at(a: &softrdma_engine::QueuePair, b: &softrdma_engine::QueuePair, at: libc::c_int) {
+    use softrdma_engine::LinkParams;
+    use softrdma_engine::connect::{mpa_accept, mpa_connect};
+    use softrdma_engine::proto::mpa::MpaConfig;
+    use std::net::{Ipv4Addr, TcpListener, TcpStream};
+    const T: Duration = Duration::from_secs(10);
+    // SAFETY: `F_GETFD` only asks about the number.
+    let flags = unsafe { libc::fcntl(at, libc::F_GETFD) };
+    assert_eq!(flags, -1, "{at} is free");
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let acceptor = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        // SAFETY: `s` is open and `at` free (asserted above): `at` then
+        // names `s`'s socket, owned by the stream made from it below.
+        assert_eq!(unsafe { libc::dup2(s.as_raw_fd(), at) }, at);
+        drop(s);
+        // SAFETY: `at` is open and owned by nothing else.
+        let mut s = unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(at) };
+        let n = mpa_accept(&mut s, &MpaConfig::default(), &[], T).unwrap();
+        (s, n)
+    });
+    let mut s = TcpStream::connect(addr).unwrap();
+    let n = mpa_connect(&mut s, &MpaConfig::default(), &[], T).unwrap();
+    let (rs, rn) = acceptor.join().unwrap();
+    a.establish(s, &LinkParams::from(&n)).unwrap();
+    b.establish(rs, &LinkParams::from(&rn)).unwrap();
+}
+
+/// Aborts both QPs of `p` and resets them to IDLE (their sockets closed).
+fn abort_and_reset(p: &common::Pair) {
+    use softrdma_engine::QpState;
+    p.a.qp.abort();
+    p.b.qp.abort();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while p.a.qp.state() != QpState::Error || p.b.qp.state() != QpState::Error {
+        assert!(Instant::now() < deadline, "not in ERROR");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    p.a.qp.modify(QpState::Idle).unwrap();
+    p.b.qp.modify(QpState::Idle).unwrap();
+}
+
+/// A QP reset and connected again, its new socket at the number its old
+/// one had, in a set large enough to keep persistent epoll registrations
+/// (and the old socket's registration went with its file): the new socket
+/// is watched, and a message on it wakes the wait.
+#[test]
+fn a_qp_connected_again_at_its_old_descriptor_number_wakes_the_wait() {
+    const AT: libc::c_int = 911;
+    let p = common::pair_with(device(true), false, |_| {});
+    abort_and_reset(&p);
+    connect_at(&p.a.qp, &p.b.qp, AT);
+    let mut set = WaitSet::new();
+    set.add_cq(&p.b.cq);
+    // Three foreign descriptors that never become ready: with the CQ, a
+    // set that waits with its own epoll instance.
+    let others: Vec<_> = (0..3).map(|_| pipe()).collect();
+    for (r, _) in &others {
+        set.add_fd(r.as_raw_fd(), libc::POLLIN);
+    }
+    let (src, dst) = (common::mr(&p.a, 64), common::mr(&p.b, 64));
+    for round in 0..2 {
+        if round == 1 {
+            // The old socket (registered with the set) closed, the new
+            // one at its number.
+            abort_and_reset(&p);
+            assert!(take(&p.b.cq).is_empty());
+            connect_at(&p.a.qp, &p.b.qp, AT);
+        }
+        p.b.qp
+            .post_recv(&RecvWr::new(round, &[dst.sge(0, 64).unwrap()]))
+            .unwrap();
+        // A wait first, with nothing to find (the sockets are claimed and
+        // registered), then the message.
+        assert_eq!(set.wait(Some(Duration::from_millis(20))).unwrap(), 0);
+        send(&p.a, &src, 100 + round);
+        let start = Instant::now();
+        let n = set.wait(Some(Duration::from_secs(3))).unwrap();
+        assert_eq!(n, 1, "round {round}: the message did not wake the wait");
+        assert!(start.elapsed() < Duration::from_secs(3));
+        let mut got = take(&p.b.cq);
+        while got.is_empty() {
+            got = take(&p.b.cq);
+        }
+        assert_eq!((got[0].wr_id, got[0].status), (round, WcStatus::Success));
+        while take(&p.a.cq).is_empty() {}
+    }
+}

@@ -177,6 +177,7 @@ impl QpInner {
         for w in std::mem::take(&mut *self.pre_rq.lock()) {
             let _ = cc.conn.repost_recv(w.wr_id, spans_of(w.segs));
         }
+        self.core_epoch.store(cc.epoch, Ordering::Release);
         *g = Some(cc);
         let _ = self.core.release(g);
         self.core_rx_wanted.store(false, Ordering::SeqCst);

@@ -462,6 +462,9 @@ pub(crate) struct QpInner {
     pub(crate) core: HandOff<Option<Box<core_path::CoreConn>>>,
     /// Its socket (-1: none), to look for bytes without the lock.
     pub(crate) core_fd: std::sync::atomic::AtomicI32,
+    /// The epoch of the last connection (`CoreConn::epoch`), for
+    /// [`Progress::connection`](crate::cq::Progress::connection).
+    pub(crate) core_epoch: AtomicU64,
     /// Bytes wait on the socket for whoever holds `core` (a receiver
     /// found it busy and left them to it, `core_rx`).
     pub(crate) core_rx_wanted: AtomicBool,
@@ -545,6 +548,7 @@ impl QueuePair {
             pre_rq: Mutex::new(std::collections::VecDeque::new()),
             core: HandOff::new(None),
             core_fd: std::sync::atomic::AtomicI32::new(-1),
+            core_epoch: AtomicU64::new(0),
             core_rx_wanted: AtomicBool::new(false),
             rx: Mutex::new(()),
             core_rx_sleeping: AtomicBool::new(false),
@@ -1059,6 +1063,12 @@ impl Progress for QpInner {
             self.batch_poll();
         }
         self.device.threads().claim_rx(self, until_ns)
+    }
+
+    fn connection(&self) -> u64 {
+        // Stored before the connection's socket is registered: a waiter
+        // that reads the new epoch here claims the new socket after it.
+        self.core_epoch.load(Ordering::Acquire)
     }
 
     fn sleep_on_for(&self, after_ns: u64) -> Option<std::os::fd::RawFd> {
