@@ -324,7 +324,9 @@ pub struct HandlerStats {
     /// CQs bound to it now.
     pub cqs_bound: usize,
     /// Completions polled from its CQs (by anyone), including CQs since
-    /// dropped.
+    /// dropped: an estimate for the load balancing, not an exact count
+    /// (threads polling one CQ at the same moment may lose each other's
+    /// additions).
     pub completions: u64,
 }
 
@@ -362,8 +364,10 @@ pub(crate) struct PollCounter(pub(crate) AtomicU64);
 impl PollCounter {
     /// Counts `n` completions polled: a load and a store, not a locked
     /// add (one per poll). The count feeds the handlers' load estimate
-    /// (a rate); two threads polling one CQ at the same moment may lose
-    /// one of their additions, which the estimate does not notice.
+    /// (a rate); threads polling one CQ at the same moment may lose
+    /// each other's additions (a thread delayed between its load and its
+    /// store overwrites what was added meanwhile, so the count can even
+    /// go back), which the rate (`saturating_sub`) tolerates.
     pub(crate) fn add(&self, n: usize) {
         let v = self.0.load(Ordering::Relaxed);
         self.0.store(v.wrapping_add(n as u64), Ordering::Relaxed);
