@@ -27,7 +27,9 @@
 //! unreachable (the connected UDP socket reports `ECONNREFUSED` at once) or
 //! nothing (a firewall): after [`Config::probe_timeout`] the client gives
 //! up. Either answer is cached per destination for [`NEGATIVE_TTL`], so
-//! later connections to a plain peer cost nothing. A plain client never
+//! later connections to a plain peer cost nothing (a listener of the same
+//! process that binds the port, with its twin, ends the cached answer at
+//! once). A plain client never
 //! queries, so the listener never finds a record and keeps its connection
 //! plain: every byte flows exactly as sent, whoever speaks first.
 //!
@@ -214,6 +216,25 @@ fn forget(dest: SocketAddr) {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&dest);
+}
+
+/// A twin now answers on `local` (a listener of this process bound it):
+/// a "no twin" answer this process remembers for that port there (on any
+/// address if `local`'s is unspecified) is stale. The port may have been
+/// another server's (an ephemeral port, a restarted server): its clients
+/// would otherwise connect plain for the rest of [`NEGATIVE_TTL`], and a
+/// listener requiring offload would drop them. (Another process's cache
+/// keeps its answer until then.)
+fn forget_plain_at(local: SocketAddr) {
+    let ip = local.ip().to_canonical();
+    cache()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|dest, (k, _)| {
+            !(*k == Known::Plain
+                && dest.port() == local.port()
+                && (ip.is_unspecified() || dest.ip().to_canonical() == ip))
+        });
 }
 
 /// Forgets the cached answers (tests, or after a configuration change).
@@ -569,6 +590,7 @@ impl Twin {
     pub(crate) fn start(addr: SocketAddr, accept: bool) -> io::Result<Twin> {
         let sock = Arc::new(UdpSocket::bind(addr)?);
         sock.set_read_timeout(Some(Duration::from_millis(100)))?;
+        forget_plain_at(sock.local_addr()?);
         let records: Records = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let (r, s, k) = (records.clone(), stop.clone(), sock.clone());

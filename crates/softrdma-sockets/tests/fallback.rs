@@ -8,17 +8,24 @@ use std::thread;
 use std::time::Duration;
 
 use softrdma_sockets::detect::{Kind, Probe};
-use softrdma_sockets::{Config, Mode, PlainReason, TcpListener, TcpStream, Transport};
+use softrdma_sockets::{Config, Mode, PlainReason, TcpListener, TcpStream, Transport, external};
 
 const BANNER: &[u8] = b"220 server speaks first\r\n";
 
 /// A TCP listener and a UDP socket on the same loopback port (a fake
 /// capability twin or a query sink). The TCP port the kernel picks may be
-/// taken for UDP (another test's twin): then try another.
+/// taken for UDP (another test's twin): then try another. So is a port
+/// this process still remembers an answer for (an earlier test's server
+/// had it: plain, or a twin deciding late queries, cached per destination
+/// for `NEGATIVE_TTL`): a client would not ask the fake as the test
+/// expects, but connect plain at once, or send its query beside the SYN.
 fn tcp_and_udp_on_one_port() -> (std::net::TcpListener, UdpSocket, SocketAddr) {
     for _ in 0..64 {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
+        if external::known_plain(addr) || external::known_late_queries(addr) {
+            continue;
+        }
         match UdpSocket::bind(addr) {
             Ok(u) => return (l, u, addr),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
@@ -408,6 +415,39 @@ fn query_beside_syn_to_a_listener_back_plain() {
         "{}",
         c.transport()
     );
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    t.join().unwrap();
+}
+
+/// Regression: a destination remembered as plain (no twin answered) stayed
+/// plain for `NEGATIVE_TTL` although this process then bound a listener,
+/// with its twin, on that very port: a client connected plain to it (and
+/// a listener requiring offload dropped the connection). A listener's
+/// twin now makes the process forget what it knew of its address.
+#[test]
+fn cached_not_capable_answer_outlived_a_new_listener_on_the_port() {
+    let (l, udp, addr) = tcp_and_udp_on_one_port();
+    // No twin: the query is refused, the answer cached.
+    drop(udp);
+    let t = thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        serve(s);
+    });
+    let c = TcpStream::connect_with(addr, &patient()).unwrap();
+    assert_eq!(c.transport(), Transport::Plain(PlainReason::PeerNotCapable));
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    t.join().unwrap();
+    assert!(external::known_plain(addr));
+    // A sockets-direct listener (offload required) on the same port now.
+    let l = TcpListener::bind_with(addr, &Config::with_mode(Mode::Offload)).unwrap();
+    assert!(!external::known_plain(addr), "the stale answer is kept");
+    let t = thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        assert!(s.transport().is_offloaded(), "{}", s.transport());
+        serve(s);
+    });
+    let c = TcpStream::connect_with(addr, &patient()).unwrap();
+    assert!(c.transport().is_offloaded(), "{}", c.transport());
     session(c, |s| s.shutdown(Shutdown::Write).unwrap());
     t.join().unwrap();
 }

@@ -90,6 +90,15 @@ impl TxBatch {
         self.deferred.swap(0, Ordering::SeqCst) > 0
     }
 
+    /// Counts the QP's backstop as armed without a timer: only polls and
+    /// arms write its deferred posts, whatever the machine's timing
+    /// (tests of what a poll writes: a backstop that fires amid a burst
+    /// would write part of it).
+    #[cfg(test)]
+    pub(crate) fn hold_backstop(&self) {
+        self.backstop.store(true, Ordering::SeqCst);
+    }
+
     /// The calling thread's `post_send_list` call must not defer: Reads or
     /// atomics are outstanding (`core_post_send`, under the connection's
     /// lock).
