@@ -174,7 +174,10 @@ fn connections_driven_by_their_pollers_never_wake_the_engine_threads() {
 /// hand-over timer (the thread is not woken at the registration): the
 /// Write is placed, and the timer expired for it.
 ///
-/// The case needs the thread asleep when the QP registers. On a busy
+/// The case needs the thread asleep when the QP registers: the threads are
+/// started first (a thread starts with the first QP assigned to it, so one
+/// started by the pair itself was still starting when the pair's QPs
+/// registered and took them without a timer). On a busy
 /// machine it may still be awake then and take the registration itself
 /// (placed, no timer, no wake-up): such a try is repeated with a new
 /// device. A thread woken through its event fd fails at once; a timer that
@@ -186,6 +189,17 @@ fn an_unpolled_qp_is_handed_over_by_the_timer() {
     let mut seen = Vec::new();
     for _ in 0..TRIES {
         let dev = device(false);
+        // An engine thread starts with the first QP assigned to it: QPs
+        // held on every thread at once start them all (each goes to the
+        // least-loaded thread), and are gone again before the pair's.
+        let threads = dev.datamover_stats().len();
+        let starters: Vec<Side> = (0..threads).map(|_| side(&dev, |_| {})).collect();
+        assert!(
+            dev.datamover_stats().iter().all(|s| s.running),
+            "{:?}",
+            dev.datamover_stats()
+        );
+        drop(starters);
         // The engine threads start their first (500 ms) sleep; the QPs are
         // registered during it, well before it ends.
         std::thread::sleep(Duration::from_millis(20));
