@@ -783,6 +783,10 @@ impl Offload {
         );
         sc.set_switch_timeout(cfg.setup_timeout);
         sc.socket_already_set(known.nodelay, known.nonblocking);
+        // The QP's peer for its `query`: the one known or asked above.
+        if let Ok(p) = peer_addr {
+            sc.peer_already_known(p);
+        }
         sc.reserve(&qp)?;
         sc.request_switch()?;
         let first = early - 1;
