@@ -287,6 +287,9 @@ pub struct StreamConnection {
     /// The caller said the socket has `TCP_NODELAY` (`.0`) and
     /// `O_NONBLOCK` (`.1`) set ([`StreamConnection::socket_already_set`]).
     socket_set: (bool, bool),
+    /// The peer's address, as the caller knows it
+    /// ([`StreamConnection::peer_already_known`]).
+    peer: Option<SocketAddr>,
 }
 
 /// A switch in progress: the stream (non-blocking), the handshake (MPA
@@ -316,6 +319,7 @@ impl StreamConnection {
             negotiated: None,
             pending: None,
             socket_set: (false, false),
+            peer: None,
         }
     }
 
@@ -328,6 +332,14 @@ impl StreamConnection {
     /// could be partial).
     pub fn socket_already_set(&mut self, nodelay: bool, nonblocking: bool) {
         self.socket_set = (nodelay, nonblocking);
+    }
+
+    /// Tells the switch the peer's address (what `getpeername(2)` says of
+    /// the socket, as the `accept` or the `connect` that made it gave it):
+    /// the QP takes it for [`QueuePair::query`]'s `peer` instead of asking
+    /// the kernel, a system call less per switch.
+    pub fn peer_already_known(&mut self, peer: SocketAddr) {
+        self.peer = Some(peer);
     }
 
     /// The connection's state.
@@ -745,7 +757,7 @@ impl StreamConnection {
         let params = p.params.ok_or(TransitionError::PeerClosed)?;
         let prefix = self.rbuf.get(self.rpos..).unwrap_or_default();
         // The stream is non-blocking with `TCP_NODELAY` already (`begin`).
-        qp.establish_prepared(p.stream, &params, prefix)?;
+        qp.establish_prepared(p.stream, &params, prefix, self.peer)?;
         self.rbuf = Vec::new();
         self.rpos = 0;
         Ok(true)

@@ -198,3 +198,46 @@ fn a_socket_said_to_be_set_is_left_alone_by_the_switch() {
     assert_eq!(wait(&b.cq, 1)[0].status, WcStatus::Success);
     assert_eq!(&rb.to_vec()[..10], b"left alone");
 }
+
+/// A caller that knows the peer's address (from its `accept` or its
+/// `connect`) says so, and the QP takes it instead of asking the kernel
+/// (`getpeername`, a system call less per switch). The address said here
+/// is not the socket's, to tell where the QP's `peer` came from; the end
+/// that said nothing gets the kernel's answer as before.
+#[test]
+fn a_peer_said_to_be_known_is_taken_without_asking_the_kernel() {
+    let dev = device(false);
+    let a = side(&dev, |_| {});
+    let b = side(&dev, |_| {});
+    let ra = mr(&a, 256);
+    let rb = mr(&b, 256);
+    let (sa, sb) = tcp_pair();
+    let a_addr = sa.local_addr().unwrap();
+    let said: std::net::SocketAddr = "192.0.2.7:4242".parse().unwrap();
+    let mut ca = StreamConnection::new(sa, SwitchMode::mpa(MpaRole::Initiator));
+    let mut cb = StreamConnection::new(sb, SwitchMode::mpa(MpaRole::Responder));
+    ca.peer_already_known(said);
+    ca.reserve(&a.qp).unwrap();
+    cb.reserve(&b.qp).unwrap();
+    ca.request_switch().unwrap();
+    cb.request_switch().unwrap();
+    let mut done_b = cb
+        .post_recv_and_begin_switch(&RecvWr::new(100, &[rb.sge(0, 256).unwrap()]))
+        .unwrap();
+    let mut done_a = ca
+        .post_recv_and_begin_switch(&RecvWr::new(100, &[ra.sge(0, 256).unwrap()]))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(done_a && done_b) {
+        assert!(Instant::now() < deadline, "switch did not finish");
+        wait_either(&ca, &cb);
+        if !done_a {
+            done_a = ca.poll_switch().unwrap();
+        }
+        if !done_b {
+            done_b = cb.poll_switch().unwrap();
+        }
+    }
+    assert_eq!(a.qp.query().peer, Some(said), "the QP asked the kernel");
+    assert_eq!(b.qp.query().peer, Some(a_addr));
+}

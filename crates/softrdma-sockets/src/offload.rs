@@ -393,7 +393,7 @@ struct State {
     exit_flush: bool,
     /// Link lost (flushed work, QP no longer accepting work): messages
     /// that completed before are still delivered; then calls fail.
-    link: Option<String>,
+    link: Option<LinkLost>,
     /// First error: later calls report it.
     err: Option<(io::ErrorKind, String)>,
     rd_shut: bool,
@@ -477,7 +477,7 @@ impl State {
         self.err.is_some() || self.link.is_some()
     }
 
-    fn link_lost(&mut self, why: impl Into<String>) {
+    fn link_lost(&mut self, why: impl Into<LinkLost>) {
         if self.link.is_none() {
             self.link = Some(why.into());
         }
@@ -491,7 +491,38 @@ impl State {
         }
         self.link
             .as_ref()
-            .map(|m| io::Error::new(io::ErrorKind::ConnectionReset, m.clone()))
+            .map(|m| io::Error::new(io::ErrorKind::ConnectionReset, m.to_string()))
+    }
+}
+
+/// Why the link was lost, said in words only when a call reports it:
+/// every connection loses its link at the close (the receives still
+/// posted are flushed, a repost is refused), and formatting the message
+/// there cost about 2 000 instructions a connection for a message that is
+/// rarely read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum LinkLost {
+    /// A work request completed with this status (not success).
+    Status(WcStatus),
+    /// A receive buffer could not be posted again.
+    PostRecv(softrdma_engine::qp::PostRecvError),
+    /// Anything else.
+    Message(String),
+}
+
+impl std::fmt::Display for LinkLost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LinkLost::Status(s) => write!(f, "connection lost ({})", s.name()),
+            LinkLost::PostRecv(e) => e.fmt(f),
+            LinkLost::Message(m) => f.write_str(m),
+        }
+    }
+}
+
+impl From<String> for LinkLost {
+    fn from(m: String) -> LinkLost {
+        LinkLost::Message(m)
     }
 }
 
@@ -783,6 +814,10 @@ impl Offload {
         );
         sc.set_switch_timeout(cfg.setup_timeout);
         sc.socket_already_set(known.nodelay, known.nonblocking);
+        // The QP's peer for its `query`: the one known or asked above.
+        if let Ok(p) = peer_addr {
+            sc.peer_already_known(p);
+        }
         sc.reserve(&qp)?;
         sc.request_switch()?;
         let first = early - 1;
@@ -1429,7 +1464,7 @@ impl Shared {
                 Err(format!("zero-copy read failed ({})", wc.status.name()))
             });
             if wc.status != WcStatus::Success {
-                st.link_lost(format!("connection lost ({})", wc.status.name()));
+                st.link_lost(LinkLost::Status(wc.status));
             }
             return;
         }
@@ -1442,10 +1477,9 @@ impl Shared {
                     st.tx_inflight = st.tx_inflight.saturating_sub(1);
                 }
                 // (Every posted receive is flushed at the close: the
-                // message is made once.)
-                if st.link.is_none() {
-                    st.link_lost(format!("connection lost ({})", wc.status.name()));
-                }
+                // first status is kept, put in words only if a call
+                // reports it.)
+                st.link_lost(LinkLost::Status(wc.status));
                 return;
             }
             match wc.opcode {
@@ -1568,13 +1602,13 @@ impl Shared {
     }
 
     /// Posts receive buffer `slot` (its work request id is the slot).
-    fn post_slot(&self, slot: u32) -> Result<(), String> {
+    fn post_slot(&self, slot: u32) -> Result<(), LinkLost> {
         let sge = self
             .slot_sge(slot)
-            .ok_or_else(|| format!("receive slot {slot} out of range"))?;
+            .ok_or_else(|| LinkLost::Message(format!("receive slot {slot} out of range")))?;
         self.qp
             .post_recv(&RecvWr::new(u64::from(slot), &[sge]))
-            .map_err(|e| e.to_string())
+            .map_err(LinkLost::PostRecv)
     }
 
     /// The SGE of receive buffer `slot` (`None` past the ring): its part
@@ -2692,6 +2726,30 @@ mod tests {
             assert_eq!(sh.slot_sge(sh.rx_max), None);
             assert!(sh.post_slot(sh.rx_max).is_err());
         }
+        close_pair(c, s);
+    }
+
+    /// A connection whose QP went into error reports the lost link in the
+    /// words it always had (the status of the first flushed work request),
+    /// though they are made only when a call reports them; a refused
+    /// repost is said in the engine's words.
+    #[test]
+    fn a_lost_link_is_reported_with_the_first_flushed_status() {
+        let (c, s) = pair();
+        c.sh.qp.abort();
+        let mut b = [0u8; 8];
+        let e = c.read(&mut b, false, false, Some(Duration::from_secs(10)));
+        let e = e.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+        assert_eq!(e.to_string(), "connection lost (IBV_WC_WR_FLUSH_ERR)");
+        // A second loss does not replace the first.
+        c.sh.lock().link_lost(String::from("later"));
+        assert_eq!(
+            c.sh.lock().error().unwrap().to_string(),
+            "connection lost (IBV_WC_WR_FLUSH_ERR)"
+        );
+        let refused = softrdma_engine::qp::PostRecvError::QueueFull { depth: 4 };
+        assert_eq!(LinkLost::PostRecv(refused).to_string(), refused.to_string());
         close_pair(c, s);
     }
 

@@ -781,17 +781,20 @@ impl QueuePair {
     ) -> Result<(), EstablishError> {
         stream.set_nodelay(true)?;
         stream.set_nonblocking(true)?;
-        self.establish_prepared(stream, params, already_read)
+        self.establish_prepared(stream, params, already_read, None)
     }
 
     /// [`establish_with_prefix`](Self::establish_with_prefix) for a stream
     /// that is non-blocking with `TCP_NODELAY` set already (a stream-to-RDMA
     /// transition set both for its handshake): two system calls less.
+    /// `peer`: the stream's peer address if the caller knows it (one more
+    /// system call less); asked of the kernel otherwise.
     pub(crate) fn establish_prepared(
         &self,
         stream: TcpStream,
         params: &LinkParams,
         already_read: &[u8],
+        peer: Option<SocketAddr>,
     ) -> Result<(), EstablishError> {
         if already_read.len() > 16 * 1024 {
             return Err(EstablishError::Io(io::Error::new(
@@ -816,7 +819,7 @@ impl QueuePair {
         // (A `TCP_MAXSEG` only a TCP socket answers: a stream socket.)
         let tcp = mss.is_ok();
         let max_payload = crate::datapath::conn_io::max_payload_for_mss(mss.unwrap_or(1460));
-        *qp.peer.lock() = stream.peer_addr().ok();
+        *qp.peer.lock() = peer.or_else(|| stream.peer_addr().ok());
         let stream = Arc::new(stream);
         qp.core_establish(stream, params, max_payload, already_read, tcp);
         qp.closed.store(false, Ordering::SeqCst);
