@@ -852,8 +852,10 @@ impl CompletionQueue {
     /// While the thread sleeps on the sockets, and for 10 ms after a wait
     /// that ran out of time (a caller waiting with a timeout in a loop is
     /// back by then), the engine threads leave those sockets to it; they
-    /// receive for them once it has not polled for a while, or at once when
-    /// the CQ is armed.
+    /// receive for them once it has not polled for a while (a wait that
+    /// returns completions gives the sockets back at once, so they are the
+    /// engine threads' after the usual quiet period), or at once when the
+    /// CQ is armed.
     ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ
     /// still raises its event).
@@ -979,12 +981,22 @@ impl CompletionQueue {
         // sleeps at once has only looked at the ring; if its time is up
         // before it sleeps (a zero timeout), it still receives once.
         let mut received = *look || !config.poll_driven_receive;
+        // Whether this wait claimed its QPs' sockets for a sleep: a wait
+        // that then returns what it received gives them back (the claim
+        // reaches up to `SLEEP_MAX` past the sleep's start, and a poll no
+        // longer cuts it short; a caller that goes on without waiting, for
+        // example spinning on memory for a Write, would see the bytes
+        // placed only once it ran out).
+        let mut claimed = false;
         loop {
             // Receive and look once more before sleeping.
             if *look {
                 received = true;
                 let (n, progressed) = self.poll_progress(out);
                 if n > 0 || (on_progress && progressed) {
+                    if claimed {
+                        self.release_claims();
+                    }
                     return Some(n);
                 }
             }
@@ -1030,6 +1042,7 @@ impl CompletionQueue {
                 for h in &set.hooks {
                     if let Some(fd) = h.sleep_on(Some(until)) {
                         set.fds.push(fd);
+                        claimed = true;
                     }
                 }
             } else {
@@ -1080,6 +1093,18 @@ impl CompletionQueue {
                 shared.polled.add(n);
                 self.took_completions();
                 return Some(n);
+            }
+        }
+    }
+
+    /// A wait that slept on its QPs' sockets returns what it received:
+    /// the sockets are the engine threads' again after the usual quiet
+    /// period.
+    fn release_claims(&self) {
+        let hooks = Arc::clone(&self.shared.progress.read());
+        for hook in hooks.iter() {
+            if let Some(hook) = hook.upgrade() {
+                let _ = hook.sleep_on(None);
             }
         }
     }
@@ -1983,6 +2008,77 @@ mod tests {
                 hook.claimed.load(Ordering::Relaxed)
             );
         }
+    }
+
+    /// A QP hook whose socket wakes a sleeping wait: its receive takes the
+    /// byte and pushes a completion; records the claims as `ClaimHook`.
+    struct ReadableHook {
+        cq: CompletionQueue,
+        sock: std::os::unix::net::UnixStream,
+        claimed: AtomicU64,
+    }
+
+    impl Progress for ReadableHook {
+        fn progress(&self, _armed: bool) -> bool {
+            use std::io::Read;
+            let mut b = [0u8; 1];
+            if (&self.sock).read(&mut b).is_ok_and(|n| n == 1) {
+                self.cq.push(wc(7), false).unwrap();
+                return true;
+            }
+            false
+        }
+
+        fn sleep_on(&self, until_ns: Option<u64>) -> Option<RawFd> {
+            use std::os::fd::AsRawFd;
+            self.claimed.store(until_ns.unwrap_or(0), Ordering::Relaxed);
+            Some(self.sock.as_raw_fd())
+        }
+
+        fn renew_claim(&self, until_ns: u64) {
+            self.claimed.store(until_ns, Ordering::Relaxed);
+        }
+    }
+
+    /// A wait that slept on its QPs' sockets and returns what it received
+    /// gives the sockets back (a poll no longer ends a claim: the claim of
+    /// the sleep, up to `SLEEP_MAX` past its start, outlived the wait, and
+    /// bytes for a caller that went on without waiting, a Write it spins
+    /// for, were placed only once it ran out).
+    #[test]
+    fn a_wait_that_returns_what_woke_it_gives_its_sockets_back() {
+        let dev = Device::open_with(DeviceConfig {
+            poll_spin: Duration::ZERO,
+            poll_spin_adaptive: false,
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let cq = CompletionQueue::new(&dev, 16, None).unwrap();
+        let (sock, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        sock.set_nonblocking(true).unwrap();
+        let hook = Arc::new(ReadableHook {
+            cq: cq.clone(),
+            sock,
+            claimed: AtomicU64::new(0),
+        });
+        let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
+        cq.attach_progress(weak);
+        let writer = std::thread::spawn(move || {
+            use std::io::Write;
+            std::thread::sleep(Duration::from_millis(20));
+            peer.write_all(&[1]).unwrap();
+            peer
+        });
+        let mut out = [wc(0); 4];
+        assert_eq!(cq.wait(&mut out, None), 1);
+        assert_eq!(out[0].wr_id, 7);
+        let _peer = writer.join().unwrap();
+        assert_eq!(
+            hook.claimed.load(Ordering::Relaxed),
+            0,
+            "the sockets stay claimed after the wait returned"
+        );
     }
 
     /// A wait that sleeps at once looks only at the ring before sleeping on
