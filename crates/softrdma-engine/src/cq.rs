@@ -1952,14 +1952,26 @@ mod tests {
         }
     }
 
-    /// A QP hook whose socket never becomes readable; records the claims.
+    /// A QP hook that records the claims on its socket; with a CQ, its
+    /// receive takes a byte from the (non-blocking) socket and pushes a
+    /// completion (`wr_id` 7) for it.
     struct ClaimHook {
         sock: std::os::unix::net::UnixStream,
         claimed: AtomicU64,
+        cq: Option<CompletionQueue>,
     }
 
     impl Progress for ClaimHook {
         fn progress(&self, _armed: bool) -> bool {
+            use std::io::Read;
+            let Some(cq) = &self.cq else {
+                return false;
+            };
+            let mut b = [0u8; 1];
+            if (&self.sock).read(&mut b).is_ok_and(|n| n == 1) {
+                cq.push(wc(7), false).unwrap();
+                return true;
+            }
             false
         }
 
@@ -1994,6 +2006,7 @@ mod tests {
             let hook = Arc::new(ClaimHook {
                 sock,
                 claimed: AtomicU64::new(0),
+                cq: None,
             });
             let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
             cq.attach_progress(weak);
@@ -2007,36 +2020,6 @@ mod tests {
                 "spin {spin:?}: claimed until {} ns, at least {least} wanted",
                 hook.claimed.load(Ordering::Relaxed)
             );
-        }
-    }
-
-    /// A QP hook whose socket wakes a sleeping wait: its receive takes the
-    /// byte and pushes a completion; records the claims as `ClaimHook`.
-    struct ReadableHook {
-        cq: CompletionQueue,
-        sock: std::os::unix::net::UnixStream,
-        claimed: AtomicU64,
-    }
-
-    impl Progress for ReadableHook {
-        fn progress(&self, _armed: bool) -> bool {
-            use std::io::Read;
-            let mut b = [0u8; 1];
-            if (&self.sock).read(&mut b).is_ok_and(|n| n == 1) {
-                self.cq.push(wc(7), false).unwrap();
-                return true;
-            }
-            false
-        }
-
-        fn sleep_on(&self, until_ns: Option<u64>) -> Option<RawFd> {
-            use std::os::fd::AsRawFd;
-            self.claimed.store(until_ns.unwrap_or(0), Ordering::Relaxed);
-            Some(self.sock.as_raw_fd())
-        }
-
-        fn renew_claim(&self, until_ns: u64) {
-            self.claimed.store(until_ns, Ordering::Relaxed);
         }
     }
 
@@ -2057,10 +2040,10 @@ mod tests {
         let cq = CompletionQueue::new(&dev, 16, None).unwrap();
         let (sock, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
         sock.set_nonblocking(true).unwrap();
-        let hook = Arc::new(ReadableHook {
-            cq: cq.clone(),
+        let hook = Arc::new(ClaimHook {
             sock,
             claimed: AtomicU64::new(0),
+            cq: Some(cq.clone()),
         });
         let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
         cq.attach_progress(weak);

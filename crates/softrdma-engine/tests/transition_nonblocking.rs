@@ -13,7 +13,7 @@ use common::*;
 use softrdma_engine::transition::{
     ConnState, MpaRole, StreamConnection, SwitchMode, TransitionError,
 };
-use softrdma_engine::{RecvWr, SendOp, SendWr, WcStatus};
+use softrdma_engine::{MemoryRegion, RecvWr, SendOp, SendWr, WcStatus};
 
 fn tcp_pair() -> (TcpStream, TcpStream) {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
@@ -53,6 +53,37 @@ fn wait_either(a: &StreamConnection, b: &StreamConnection) {
 struct Watched {
     fd: i32,
     write: bool,
+}
+
+/// Switches both ends from this thread (each posts one 256-octet receive
+/// from its region), driven by readiness.
+fn switch_both(
+    ca: &mut StreamConnection,
+    cb: &mut StreamConnection,
+    (a, b): (&Side, &Side),
+    (ra, rb): (&MemoryRegion, &MemoryRegion),
+) {
+    ca.reserve(&a.qp).unwrap();
+    cb.reserve(&b.qp).unwrap();
+    ca.request_switch().unwrap();
+    cb.request_switch().unwrap();
+    let mut done_b = cb
+        .post_recv_and_begin_switch(&RecvWr::new(100, &[rb.sge(0, 256).unwrap()]))
+        .unwrap();
+    let mut done_a = ca
+        .post_recv_and_begin_switch(&RecvWr::new(100, &[ra.sge(0, 256).unwrap()]))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(done_a && done_b) {
+        assert!(Instant::now() < deadline, "switch did not finish");
+        wait_either(ca, cb);
+        if !done_a {
+            done_a = ca.poll_switch().unwrap();
+        }
+        if !done_b {
+            done_b = cb.poll_switch().unwrap();
+        }
+    }
 }
 
 #[test]
@@ -163,27 +194,7 @@ fn a_socket_said_to_be_set_is_left_alone_by_the_switch() {
     let mut ca = StreamConnection::new(sa, SwitchMode::mpa(MpaRole::Initiator));
     let mut cb = StreamConnection::new(sb, SwitchMode::mpa(MpaRole::Responder));
     ca.socket_already_set(true, true);
-    ca.reserve(&a.qp).unwrap();
-    cb.reserve(&b.qp).unwrap();
-    ca.request_switch().unwrap();
-    cb.request_switch().unwrap();
-    let mut done_b = cb
-        .post_recv_and_begin_switch(&RecvWr::new(100, &[rb.sge(0, 256).unwrap()]))
-        .unwrap();
-    let mut done_a = ca
-        .post_recv_and_begin_switch(&RecvWr::new(100, &[ra.sge(0, 256).unwrap()]))
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !(done_a && done_b) {
-        assert!(Instant::now() < deadline, "switch did not finish");
-        wait_either(&ca, &cb);
-        if !done_a {
-            done_a = ca.poll_switch().unwrap();
-        }
-        if !done_b {
-            done_b = cb.poll_switch().unwrap();
-        }
-    }
+    switch_both(&mut ca, &mut cb, (&a, &b), (&ra, &rb));
     assert!(!ka.nodelay().unwrap(), "the switch set TCP_NODELAY again");
     assert!(kb.nodelay().unwrap());
     let src = mr(&a, 64);
@@ -217,27 +228,7 @@ fn a_peer_said_to_be_known_is_taken_without_asking_the_kernel() {
     let mut ca = StreamConnection::new(sa, SwitchMode::mpa(MpaRole::Initiator));
     let mut cb = StreamConnection::new(sb, SwitchMode::mpa(MpaRole::Responder));
     ca.peer_already_known(said);
-    ca.reserve(&a.qp).unwrap();
-    cb.reserve(&b.qp).unwrap();
-    ca.request_switch().unwrap();
-    cb.request_switch().unwrap();
-    let mut done_b = cb
-        .post_recv_and_begin_switch(&RecvWr::new(100, &[rb.sge(0, 256).unwrap()]))
-        .unwrap();
-    let mut done_a = ca
-        .post_recv_and_begin_switch(&RecvWr::new(100, &[ra.sge(0, 256).unwrap()]))
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !(done_a && done_b) {
-        assert!(Instant::now() < deadline, "switch did not finish");
-        wait_either(&ca, &cb);
-        if !done_a {
-            done_a = ca.poll_switch().unwrap();
-        }
-        if !done_b {
-            done_b = cb.poll_switch().unwrap();
-        }
-    }
+    switch_both(&mut ca, &mut cb, (&a, &b), (&ra, &rb));
     assert_eq!(a.qp.query().peer, Some(said), "the QP asked the kernel");
     assert_eq!(b.qp.query().peer, Some(a_addr));
 }
