@@ -339,6 +339,9 @@ impl Twin {
         let records = Records::new_shared().ok_or_else(std::io::Error::last_os_error)?;
         let sock = Arc::new(UdpSocket::bind(addr)?);
         sock.set_read_timeout(Some(Duration::from_millis(200)))?;
+        // This process may have cached the port as plain (another server
+        // had it): its own connections would not ask this twin.
+        softrdma_sockets::external::forget_plain_at(sock.local_addr()?);
         let stop = Arc::new(AtomicBool::new(false));
         let (s2, k2) = (stop.clone(), sock.clone());
         std::thread::Builder::new()

@@ -790,3 +790,47 @@ fn select_without_a_timeout_waits_in_the_engine_without_a_readiness_descriptor()
         assert s.recv(1)==b'y'\n\
         assert fds()==n0, (n0, fds())\n");
 }
+
+/// Regression: a destination remembered as plain (no twin answered: a
+/// plain server had the port) stayed plain for 60 s although this process
+/// then listened on that very port itself, with a twin: its connections to
+/// its own listener went plain (and a listener requiring offload dropped
+/// them). A preloaded listener's twin now makes the process forget the
+/// plain answers it had for its port.
+#[test]
+fn cached_not_capable_answer_outlived_a_new_preloaded_listener_on_the_port() {
+    if !have_python() {
+        return;
+    }
+    // A plain server (not preloaded) on a port the kernel picks: the
+    // preloaded client's query is refused, the answer cached, the
+    // connection plain. The client closes first (no TIME_WAIT on the
+    // listener's side); the process then listens on that port itself.
+    let script = "import socket,os,sys,subprocess,select,threading\n\
+        env={k:v for k,v in os.environ.items() if k!='LD_PRELOAD'}\n\
+        code='import socket\\nl=socket.socket(); l.bind((\"127.0.0.1\",0)); l.listen(1)\\nprint(l.getsockname()[1], flush=True)\\ns,_=l.accept(); s.sendall(s.recv(5, socket.MSG_WAITALL).upper()); s.recv(1)'\n\
+        p=subprocess.Popen([sys.executable,'-c',code], env=env, stdout=subprocess.PIPE, text=True)\n\
+        port=int(p.stdout.readline())\n\
+        c=socket.create_connection(('127.0.0.1',port)); c.sendall(b'plain'); assert c.recv(5, socket.MSG_WAITALL)==b'PLAIN'\n\
+        c.close(); assert p.wait(10)==0\n\
+        l=socket.socket(); l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+        l.bind(('127.0.0.1',port)); l.listen(8)\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',port)))); t.start()\n\
+        s,_=l.accept(); select.select([],[s],[],5); t.join()\n\
+        r[0].sendall(b'again'); assert s.recv(5, socket.MSG_WAITALL)==b'again'\n\
+        print('DONE')\n";
+    let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("DONE"),
+        "{out:?}"
+    );
+    assert_eq!(
+        field(&lines[0], "offloaded"),
+        "2",
+        "the connection to the process's own listener was switched (both ends): {lines:?}"
+    );
+    assert!(
+        lines[0].contains("\"peer not capable\":1"),
+        "only the first connection found no twin: {lines:?}"
+    );
+}

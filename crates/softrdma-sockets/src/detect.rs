@@ -225,7 +225,7 @@ fn forget(dest: SocketAddr) {
 /// would otherwise connect plain for the rest of [`NEGATIVE_TTL`], and a
 /// listener requiring offload would drop them. (Another process's cache
 /// keeps its answer until then.)
-fn forget_plain_at(local: SocketAddr) {
+pub(crate) fn forget_plain_at(local: SocketAddr) {
     let ip = local.ip().to_canonical();
     cache()
         .lock()

@@ -54,6 +54,16 @@ pub fn known_late_queries(dest: SocketAddr) -> bool {
     detect::known_late_queries(dest)
 }
 
+/// A twin of this process now answers on `local` (the address its
+/// listener bound; an unspecified IP means every address): the "no twin"
+/// answers this process cached for that port are forgotten, so that its
+/// connections to its own new listener ask the twin instead of going plain
+/// for the rest of the cache's lifetime. A library serving its own twins
+/// calls this once the twin's socket is bound.
+pub fn forget_plain_at(local: SocketAddr) {
+    detect::forget_plain_at(local)
+}
+
 /// A capability query on its way, its answer not read yet.
 #[derive(Debug)]
 pub struct PendingQuery(detect::Pending);
