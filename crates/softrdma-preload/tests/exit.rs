@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{have_python, python};
+use common::{have_python, python_done};
 
 /// The reader (the parent) and the writer (a forked child, running
 /// `child`, which ends by `exit(0)` with the socket `c` open); the parent
@@ -46,14 +46,7 @@ fn child_exits_with_data_held(child: &str, want: &str, env: &[(&str, &str)]) {
     );
     let mut all = vec![("SOFTRDMA_SOCKETS", "auto")];
     all.extend_from_slice(env);
-    let (out, lines) = python(&script, &all);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("DONE"),
-        "status {:?}\nstdout {stdout}\nstderr {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let lines = python_done(&script, &all);
     // The parent's line and the child's: the connection was offloaded.
     assert!(
         lines.iter().any(|l| l.contains("\"offloaded\":1")),
@@ -174,20 +167,13 @@ fn an_autocork_hold_is_sent_at_exit_with_the_exit_flush_off() {
         exe = exe.display().to_string()
     );
     for flush in ["0", "60000"] {
-        let (out, lines) = python(
+        let lines = python_done(
             &script,
             &[
                 ("SOFTRDMA_SOCKETS", "auto"),
                 ("SOFTRDMA_SOCKETS_AUTOCORK", "100000"),
                 ("SOFTRDMA_SOCKETS_EXIT_FLUSH_MS", flush),
             ],
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("DONE"),
-            "flush {flush}: status {:?}\nstdout {stdout}\nstderr {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
         );
         assert!(
             lines.iter().any(|l| l.contains("\"offloaded\":1")),
@@ -244,12 +230,5 @@ fn a_write_of_another_thread_during_the_exit_flush_does_not_raise_sigpipe() {
          assert len(got2)>0 and set(got2)=={ord('x')}, got2[:50]\n\
          _,st=os.waitpid(pid,0); assert st==0, st\n\
          print('DONE')\n";
-    let (out, _) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("DONE"),
-        "status {:?}\nstdout {stdout}\nstderr {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python_done(script, &[("SOFTRDMA_SOCKETS", "auto")]);
 }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{field, have_python, python};
+use common::{field, have_python, python, python_done};
 
 /// Common prelude: a listener and a connected, offloaded pair (c: client,
 /// s: server side). The client connects from a thread: its `connect`
@@ -24,15 +24,7 @@ fn run_with(body: &str, env: &[(&str, &str)]) -> Vec<String> {
     let script = format!("{PAIR}{body}\nprint('DONE')\n");
     let mut all = vec![("SOFTRDMA_SOCKETS", "auto")];
     all.extend_from_slice(env);
-    let (out, lines) = python(&script, &all);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("DONE"),
-        "status {:?}\nstdout {stdout}\nstderr {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    lines
+    python_done(&script, &all)
 }
 
 #[test]
@@ -356,11 +348,7 @@ fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
         assert cl.communicate()[0].strip()=='CLIENT OK'\n\
         assert os.waitpid(pid,0)[1]==0\n\
         print('DONE')\n";
-    let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("DONE"),
-        "{out:?}"
-    );
+    let lines = python_done(script, &[("SOFTRDMA_SOCKETS", "auto")]);
     // The client process (offloaded: the child switched the server end)
     // and the parent (0: it only accepted); the child leaves with _exit
     // (no stats line).
@@ -550,11 +538,7 @@ fn a_failed_switch_reconnects_plain_before_any_byte() {
         assert out=='CLIENT OK', out\n\
         assert os.waitpid(pid,0)[1]==0\n\
         print('DONE')\n";
-    let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("DONE"),
-        "{out:?}"
-    );
+    let lines = python_done(script, &[("SOFTRDMA_SOCKETS", "auto")]);
     assert!(
         lines
             .iter()
@@ -819,11 +803,7 @@ fn cached_not_capable_answer_outlived_a_new_preloaded_listener_on_the_port() {
         s,_=l.accept(); select.select([],[s],[],5); t.join()\n\
         r[0].sendall(b'again'); assert s.recv(5, socket.MSG_WAITALL)==b'again'\n\
         print('DONE')\n";
-    let (out, lines) = python(script, &[("SOFTRDMA_SOCKETS", "auto")]);
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("DONE"),
-        "{out:?}"
-    );
+    let lines = python_done(script, &[("SOFTRDMA_SOCKETS", "auto")]);
     assert_eq!(
         field(&lines[0], "offloaded"),
         "2",

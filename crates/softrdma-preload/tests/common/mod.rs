@@ -56,6 +56,20 @@ pub(crate) fn python(script: &str, env: &[(&str, &str)]) -> (Output, Vec<String>
     (out, lines)
 }
 
+/// [`python`], asserting that the script ran to the end (exit status 0
+/// and its `DONE` line); returns the stats lines.
+pub(crate) fn python_done(script: &str, env: &[(&str, &str)]) -> Vec<String> {
+    let (out, lines) = python(script, env);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("DONE"),
+        "env {env:?}: status {:?}\nstdout {stdout}\nstderr {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    lines
+}
+
 pub(crate) fn field(line: &str, key: &str) -> String {
     let at = line.find(&format!("\"{key}\":")).unwrap() + key.len() + 3;
     line[at..]
