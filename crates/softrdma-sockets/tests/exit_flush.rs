@@ -222,6 +222,21 @@ fn child_writes_lost(
     }
 }
 
+/// In the parent: reads the corked stream to its end, then the stuck one
+/// (whose peer reads only after that), and checks that each carries
+/// exactly what the child said it wrote to it ([`wrote_each`]: the stuck
+/// stream's count first).
+fn corked_then_stuck_complete(child: &mut Child, mut stuck: TcpStream, mut corked: TcpStream) {
+    let n = wrote_each(child);
+    let (n_stuck, n_corked) = (n[0], n[1]);
+    let got = read_all(&mut corked, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n_corked), "{} of {n_corked}", got.len());
+    drop(corked);
+    let got = read_all(&mut stuck, 64 * 1024, Duration::ZERO);
+    assert!(got == patterned(0, n_stuck), "{} of {n_stuck}", got.len());
+    drop(stuck);
+}
+
 fn exited_ok(mut child: Child) {
     let status = child.wait().unwrap();
     assert!(status.success(), "child: {status}");
@@ -494,16 +509,9 @@ fn a_stream_whose_peer_does_not_read_does_not_hold_up_the_others() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let (mut stuck, _) = l1.accept().unwrap();
-    let (mut corked, _) = l2.accept().unwrap();
-    let n = wrote_each(&mut child);
-    let (n_stuck, n_corked) = (n[0], n[1]);
-    let got = read_all(&mut corked, 64 * 1024, Duration::ZERO);
-    assert!(got == patterned(0, n_corked), "{} of {n_corked}", got.len());
-    drop(corked);
-    let got = read_all(&mut stuck, 64 * 1024, Duration::ZERO);
-    assert!(got == patterned(0, n_stuck), "{} of {n_stuck}", got.len());
-    drop(stuck);
+    let (stuck, _) = l1.accept().unwrap();
+    let (corked, _) = l2.accept().unwrap();
+    corked_then_stuck_complete(&mut child, stuck, corked);
     exited_ok(child);
 }
 
@@ -607,16 +615,9 @@ fn exit_after_a_close_in_the_same_thread_flushes_every_stream() {
     let (mut first, _) = l1.accept().unwrap();
     assert_eq!(read_all(&mut first, 64, Duration::ZERO), b"first");
     drop(first);
-    let (mut stuck, _) = l2.accept().unwrap();
-    let (mut corked, _) = l3.accept().unwrap();
-    let n = wrote_each(&mut child);
-    let (n_stuck, n_corked) = (n[0], n[1]);
-    let got = read_all(&mut corked, 64 * 1024, Duration::ZERO);
-    assert!(got == patterned(0, n_corked), "{} of {n_corked}", got.len());
-    drop(corked);
-    let got = read_all(&mut stuck, 64 * 1024, Duration::ZERO);
-    assert!(got == patterned(0, n_stuck), "{} of {n_stuck}", got.len());
-    drop(stuck);
+    let (stuck, _) = l2.accept().unwrap();
+    let (corked, _) = l3.accept().unwrap();
+    corked_then_stuck_complete(&mut child, stuck, corked);
     let err = ended(child);
     assert!(!err.contains("Thread Local"), "child stderr: {err}");
 }
