@@ -29,9 +29,10 @@
 //! up. Either answer is cached per destination for [`NEGATIVE_TTL`], so
 //! later connections to a plain peer cost nothing (a listener of the same
 //! process that binds the port, with its twin, ends the cached answer at
-//! once). A plain client never
-//! queries, so the listener never finds a record and keeps its connection
-//! plain: every byte flows exactly as sent, whoever speaks first.
+//! once, and an answer to a query sent before that bind is not cached). A
+//! plain client never queries, so the listener never finds a record and
+//! keeps its connection plain: every byte flows exactly as sent, whoever
+//! speaks first.
 //!
 //! ## Query and SYN together
 //!
@@ -61,7 +62,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -204,6 +205,53 @@ pub(crate) fn known_late_queries(dest: SocketAddr) -> bool {
 
 fn remember(dest: SocketAddr, k: Known) {
     let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
+    insert(&mut c, dest, k);
+}
+
+/// Twins this process has started ([`forget_plain_at`]; counted under the
+/// cache's lock).
+static TWINS_STARTED: AtomicU64 = AtomicU64::new(0);
+
+/// The ports twins of this process started on, with the count of
+/// [`TWINS_STARTED`] each was started as (locked inside the cache's lock).
+/// Past 1 024 ports it starts again, from a floor: an answer to a query
+/// sent before the floor is not cached.
+#[derive(Default)]
+struct TwinStarts {
+    by_port: HashMap<u16, u64>,
+    floor: u64,
+}
+
+fn twin_starts() -> &'static Mutex<TwinStarts> {
+    static STARTS: OnceLock<Mutex<TwinStarts>> = OnceLock::new();
+    STARTS.get_or_init(Mutex::default)
+}
+
+/// The count of twins started, read before a query is sent: see
+/// [`remember_plain`].
+fn twins_started() -> u64 {
+    TWINS_STARTED.load(Ordering::Relaxed)
+}
+
+/// Remembers `dest` as plain (no twin answered a query sent when
+/// [`twins_started`] said `twins_then`), unless a twin of this process
+/// started on its port since: the answer may be older than that twin, and
+/// [`forget_plain_at`] has already run for it.
+fn remember_plain(dest: SocketAddr, twins_then: u64) {
+    let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
+    let starts = twin_starts().lock().unwrap_or_else(|e| e.into_inner());
+    let newer = starts
+        .by_port
+        .get(&dest.port())
+        .is_some_and(|&n| n > twins_then);
+    if newer || twins_then < starts.floor {
+        return;
+    }
+    drop(starts);
+    insert(&mut c, dest, Known::Plain);
+}
+
+fn insert(c: &mut HashMap<SocketAddr, (Known, Instant)>, dest: SocketAddr, k: Known) {
     if c.len() > 4096 {
         let now = Instant::now();
         c.retain(|_, (_, until)| *until > now);
@@ -227,14 +275,22 @@ fn forget(dest: SocketAddr) {
 /// keeps its answer until then.)
 pub(crate) fn forget_plain_at(local: SocketAddr) {
     let ip = local.ip().to_canonical();
-    cache()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .retain(|dest, (k, _)| {
-            !(*k == Known::Plain
-                && dest.port() == local.port()
-                && (ip.is_unspecified() || dest.ip().to_canonical() == ip))
-        });
+    let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
+    // A query to the port on its way now may have been refused before
+    // this twin was there: its answer is not cached (`remember_plain`).
+    let n = TWINS_STARTED.fetch_add(1, Ordering::Relaxed) + 1;
+    let mut starts = twin_starts().lock().unwrap_or_else(|e| e.into_inner());
+    if starts.by_port.len() >= 1024 {
+        starts.by_port.clear();
+        starts.floor = n;
+    }
+    starts.by_port.insert(local.port(), n);
+    drop(starts);
+    c.retain(|dest, (k, _)| {
+        !(*k == Known::Plain
+            && dest.port() == local.port()
+            && (ip.is_unspecified() || dest.ip().to_canonical() == ip))
+    });
 }
 
 /// Forgets the cached answers (tests, or after a configuration change).
@@ -266,6 +322,8 @@ pub(crate) struct Pending {
     keep: bool,
     /// The fork generation the socket was made in.
     generation: u64,
+    /// [`twins_started`] before the query was sent.
+    twins: u64,
     q: Probe,
     sent: Instant,
 }
@@ -375,6 +433,7 @@ pub(crate) fn send_query_with(
     client_port: u16,
     keep: bool,
 ) -> io::Result<Pending> {
+    let twins = twins_started();
     let (s, client_addr, generation, reused) = query_socket(dest, keep)?;
     let q = Probe {
         kind: Kind::Query,
@@ -402,6 +461,7 @@ pub(crate) fn send_query_with(
         client_addr,
         keep,
         generation,
+        twins,
         q,
         sent: Instant::now(),
     })
@@ -505,7 +565,7 @@ impl Pending {
                 }
             }
             Ok((Answer::NotCapable, _)) => {
-                remember(self.dest, Known::Plain);
+                remember_plain(self.dest, self.twins);
                 LateAnswer::NoTwin
             }
             Err(_) => {
@@ -521,14 +581,14 @@ impl Pending {
         match wait_answer(&self, timeout) {
             Ok((a, flags)) => {
                 if a == Answer::NotCapable {
-                    remember(self.dest, Known::Plain);
+                    remember_plain(self.dest, self.twins);
                 } else if a == Answer::Accept && flags & FLAG_LATE_QUERY != 0 {
                     remember(self.dest, Known::LateQueries);
                 }
                 a
             }
             Err(_) => {
-                remember(self.dest, Known::Plain);
+                remember_plain(self.dest, self.twins);
                 Answer::NotCapable
             }
         }
@@ -539,10 +599,11 @@ impl Pending {
 /// offloaded; `keep`: the query socket is kept for the thread's next
 /// query. Caches a negative answer.
 pub(crate) fn query(dest: SocketAddr, client_port: u16, timeout: Duration, keep: bool) -> Answer {
+    let twins = twins_started();
     match send_query_with(dest, client_port, keep) {
         Ok(p) => p.wait(timeout),
         Err(_) => {
-            remember(dest, Known::Plain);
+            remember_plain(dest, twins);
             Answer::NotCapable
         }
     }
@@ -813,6 +874,33 @@ mod tests {
 
     fn twin_addr(t: &Twin) -> SocketAddr {
         t.sock.local_addr().unwrap()
+    }
+
+    /// Regression: a "no twin" answer (the query refused) read after a
+    /// listener of this process started its twin on the port was cached
+    /// anyway: the twin had already ended the port's cached answers, so the
+    /// stale one stayed for [`NEGATIVE_TTL`] (a client thread connecting
+    /// while another thread started the server connected plain for a
+    /// minute, and a listener requiring offload dropped it).
+    #[test]
+    fn a_refusal_read_after_the_ports_twin_started_was_cached() {
+        let dest = UdpSocket::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let p = send_query_with(dest, 40010, false).unwrap();
+        // The refusal (an ICMP error on loopback) is on the query's socket.
+        std::thread::sleep(Duration::from_millis(20));
+        let t = Twin::start(dest, true).unwrap();
+        assert_eq!(p.wait(Duration::from_secs(5)), Answer::NotCapable);
+        assert!(
+            !known_plain(dest),
+            "a refusal from before the twin outlived it"
+        );
+        // A query sent now asks the twin.
+        let p = send_query_with(dest, 40011, false).unwrap();
+        assert_eq!(p.wait(Duration::from_secs(5)), Answer::Accept);
+        drop(t);
     }
 
     /// A connection accepted before its query came is marked plain, and the

@@ -561,10 +561,24 @@ const RX_BUSY_RETRY_NS: u64 = 1_000_000;
 /// still drives a QP it left to it.
 const RECHECK_MAX_NS: u64 = 16_000_000;
 
-/// Reading left to a poller that polled at `polled`.
-fn poller_defer(polled: u64) -> Defer {
+/// Reading left to a poller that polled at `polled`, seen at `now`.
+///
+/// A claim that reaches past `now` (a CQ waiter sleeping on the socket,
+/// [`Threads::claim_rx`]) is looked at again two quiet periods from `now`,
+/// not at its end: the waiter, woken by the bytes that brought this thread
+/// here, gives the socket back when it returns with what they completed,
+/// and its quiet period has then ended by that look. (Looked at only at
+/// the claim's end, the socket stayed unwatched up to 10 ms after the
+/// waiter returned: a caller that then waited for a Write without
+/// polling, spinning on memory, saw it placed that late.)
+fn poller_defer(polled: u64, now: u64) -> Defer {
+    let recheck = if polled > now {
+        now.saturating_add(2 * POLL_QUIET_NS)
+    } else {
+        polled.saturating_add(POLL_QUIET_NS)
+    };
     Defer::Poller {
-        recheck: polled.saturating_add(POLL_QUIET_NS),
+        recheck,
         step: POLL_QUIET_NS,
     }
 }
@@ -699,8 +713,9 @@ impl Local {
                     .get(&key)
                     .and_then(|(q, _)| q.upgrade())
                     .map_or(0, |qp| qp.last_poll().load(Ordering::Relaxed));
+                let now = now_ns();
                 let defer =
-                    (polled.saturating_add(POLL_QUIET_NS) > now_ns()).then(|| poller_defer(polled));
+                    (polled.saturating_add(POLL_QUIET_NS) > now).then(|| poller_defer(polled, now));
                 self.set_deferred(key, defer);
             }
             None => {
@@ -728,7 +743,7 @@ impl Local {
         if polled.saturating_add(POLL_QUIET_NS) > now {
             // A CQ poller drives this QP (it may sleep on this very
             // socket and is woken by the same bytes): leave them to it.
-            self.set_deferred(key, Some(poller_defer(polled)));
+            self.set_deferred(key, Some(poller_defer(polled, now)));
             return;
         }
         e.receives.fetch_add(1, Ordering::Relaxed);
@@ -758,7 +773,7 @@ impl Local {
             }
             let polled = qp.last_poll().load(Ordering::Relaxed);
             if polled.saturating_add(POLL_QUIET_NS) > now {
-                self.set_deferred(key, Some(poller_defer(polled)));
+                self.set_deferred(key, Some(poller_defer(polled, now)));
             }
         }
     }
@@ -937,6 +952,114 @@ fn run_engine(e: &Engine, slice: usize, pin: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connected QP as an engine thread's receive side sees it: its
+    /// claim (`last_poll`) is the test's to set.
+    #[derive(Debug, Default)]
+    struct PolledQp {
+        listed: AtomicBool,
+        registered: AtomicBool,
+        fd: AtomicI32,
+        last_poll: AtomicU64,
+    }
+
+    impl DmQp for PolledQp {
+        fn qp_num(&self) -> u32 {
+            7
+        }
+        fn datamover(&self) -> usize {
+            0
+        }
+        fn dm_listed(&self) -> &AtomicBool {
+            &self.listed
+        }
+        fn rx_registered(&self) -> &AtomicBool {
+            &self.registered
+        }
+        fn rx_fd(&self) -> &AtomicI32 {
+            &self.fd
+        }
+        fn last_poll(&self) -> &AtomicU64 {
+            &self.last_poll
+        }
+        fn poll_driven_receive(&self) -> bool {
+            true
+        }
+        fn receiving(&self) -> bool {
+            true
+        }
+        fn rx_busy(&self) -> bool {
+            false
+        }
+        fn serve(&self, _slice: usize) -> Served {
+            Served::Done
+        }
+        fn rx_poll(&self, _busy: bool) -> bool {
+            false
+        }
+    }
+
+    /// Regression: a readable socket whose QP a CQ waiter had claimed (it
+    /// sleeps on the socket, woken by the same bytes) was looked at again
+    /// only at the claim's end, up to 10 ms on, although the waiter gives
+    /// the socket back as it returns with what the bytes completed: a
+    /// caller that then waited for a Write without polling (spinning on
+    /// memory) saw it placed up to 10 ms late.
+    #[test]
+    fn a_claim_given_back_early_was_waited_out_to_its_end() {
+        let e = Engine {
+            cpu: 0,
+            inbox: SegQueue::new(),
+            rx_inbox: SegQueue::new(),
+            qps: Mutex::new(HashMap::new()),
+            handover: Mutex::new(Handover::default()),
+            poll: EpollSet::new().unwrap(),
+            sleep_until: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            slices: AtomicU64::new(0),
+            pauses: AtomicU64::new(0),
+            resumes: AtomicU64::new(0),
+            receives: AtomicU64::new(0),
+            rx_wakeups: AtomicU64::new(0),
+            handover_timeouts: AtomicU64::new(0),
+        };
+        let (sock, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&sock);
+        let qp = Arc::new(PolledQp::default());
+        qp.registered.store(true, Ordering::Relaxed);
+        qp.fd.store(fd, Ordering::Relaxed);
+        let key = 7;
+        let weak: Weak<dyn DmQp> = Arc::downgrade(&(qp.clone() as Arc<dyn DmQp>));
+        e.qps.lock().insert(key, (weak, fd));
+        let mut l = Local {
+            active: VecDeque::new(),
+            watches: HashMap::new(),
+            deferred: 0,
+        };
+        let mut w = Watch::new(fd);
+        w.read = true;
+        l.watches.insert(key, w);
+
+        let now = 5_000_000_000;
+        // A waiter sleeps on the socket, its claim reaching 10 ms on; bytes
+        // come: this thread leaves them to the waiter.
+        qp.last_poll.store(now + 10_000_000, Ordering::Relaxed);
+        l.receive(&e, key, now);
+        assert!(l.watches[&key].deferred.is_some());
+        assert_eq!(e.receives.load(Ordering::Relaxed), 0);
+        // The waiter received them and returned, giving the socket back.
+        let returned = now + 50_000;
+        qp.last_poll.store(returned, Ordering::Relaxed);
+        let next = l.undefer(&e, returned).expect("still deferred");
+        assert!(
+            next <= now + 2 * POLL_QUIET_NS,
+            "looked at again {} µs on, not within two quiet periods",
+            (next - now) / 1000
+        );
+        // Nobody polled since: at that look the socket is watched again.
+        assert_eq!(l.undefer(&e, next), None);
+        assert!(l.watches[&key].deferred.is_none());
+    }
 
     /// Regression: engine threads start with the first QP assigned to each,
     /// and a QP whose thread could not be started (the process at its
