@@ -854,7 +854,8 @@ impl CompletionQueue {
     /// back by then), the engine threads leave those sockets to it; they
     /// receive for them once it has not polled for a while (a wait that
     /// returns completions gives the sockets back at once, so they are the
-    /// engine threads' after the usual quiet period), or at once when the
+    /// engine threads' after the usual quiet period, or two of them when an
+    /// engine thread had already left bytes to the wait), or at once when the
     /// CQ is armed.
     ///
     /// Needs no completion channel and does not arm the CQ (an armed CQ

@@ -765,6 +765,9 @@ fn drop_listener(fd: c_int) {
 
 /// `listen(2)`: a TCP listener whose policy allows offload gets a UDP twin
 /// on the same address and port answering clients' capability queries.
+/// The twin of a bound socket starts before the port listens: a client
+/// that connected in between would find no twin to ask and go plain (and
+/// a listener that requires offload would refuse it).
 ///
 /// # Safety
 /// As `listen(2)`.
@@ -773,38 +776,76 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
     let Some(real) = REAL_LISTEN.get() else {
         return fail(libc::ENOSYS);
     };
+    let e = errno();
+    let early = catch_unwind(|| listener_twin_start(fd, false)).unwrap_or(TwinStart::No);
+    set_errno(e);
     // SAFETY: forwarding the caller's arguments unchanged.
     let r = unsafe { real(fd, backlog) };
     if r != 0 {
+        let e = errno();
+        drop(early);
+        set_errno(e);
         return r;
     }
     let e = errno();
-    let _ = catch_unwind(|| {
-        if listener_twin(fd).is_some() || !is_stream(fd) {
-            return;
-        }
-        let Some((ip, port)) = local_ip_port(fd) else {
-            return;
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        let t = match early {
+            TwinStart::Started(t) => Some(t),
+            // Not bound before `listen`: the kernel picked its port now.
+            TwinStart::Unbound => match listener_twin_start(fd, true) {
+                TwinStart::Started(t) => Some(t),
+                _ => None,
+            },
+            TwinStart::No => None,
         };
-        let s = state();
-        if s.policy.decide(&s.program, Role::Server, ip, port) == Mode::Tcp {
-            return;
-        }
-        let started = ENGINE_PID.load(Ordering::Relaxed);
-        if started != 0 && started != conn::pid() {
-            // Forked from a process whose engine runs: this one cannot
-            // switch, so its listener does not offer it.
-            return;
-        }
-        conn::pid();
-        if let Ok(t) = conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port))) {
+        if let Some(t) = t {
             let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
             l.insert(fd, Arc::new(t));
             LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
         }
-    });
+    }));
     set_errno(e);
     0
+}
+
+/// What [`listener_twin_start`] did.
+enum TwinStart {
+    /// The twin answers on the socket's address and port.
+    Started(Twin),
+    /// The socket has no port yet (`listen` binds it): ask again after.
+    Unbound,
+    /// No twin: one runs already, not a TCP socket, policy `tcp`, a forked
+    /// child of a process whose engine runs, or the twin could not start.
+    No,
+}
+
+/// Starts a twin for the TCP socket `fd` if its policy allows offload;
+/// `listening`: `listen` has bound it already.
+fn listener_twin_start(fd: c_int, listening: bool) -> TwinStart {
+    if listener_twin(fd).is_some() || !is_stream(fd) {
+        return TwinStart::No;
+    }
+    let Some((ip, port)) = local_ip_port(fd) else {
+        return TwinStart::No;
+    };
+    if port == 0 && !listening {
+        return TwinStart::Unbound;
+    }
+    let s = state();
+    if s.policy.decide(&s.program, Role::Server, ip, port) == Mode::Tcp {
+        return TwinStart::No;
+    }
+    let started = ENGINE_PID.load(Ordering::Relaxed);
+    if started != 0 && started != conn::pid() {
+        // Forked from a process whose engine runs: this one cannot
+        // switch, so its listener does not offer it.
+        return TwinStart::No;
+    }
+    conn::pid();
+    match conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port))) {
+        Ok(t) => TwinStart::Started(t),
+        Err(_) => TwinStart::No,
+    }
 }
 
 /// Bookkeeping for a connection `fd` accepted on `lfd`: pending switch if

@@ -643,6 +643,26 @@ fn a_client_asks_from_a_chosen_ephemeral_port_and_keeps_its_options() {
     assert_eq!(field(&lines[0], "offloaded"), "36", "{lines:?}");
 }
 
+/// A listener's twin starts before its port listens when the socket is
+/// bound (a client connecting in between found no twin and went plain),
+/// and after `listen` when `listen` binds the port itself; a `listen` that
+/// fails keeps its errno.
+#[test]
+fn a_listener_bound_by_listen_itself_gets_its_twin_and_a_failed_listen_its_errno() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(
+        "u=socket.socket(); u.listen(8); up=u.getsockname()[1]; assert up!=0\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',up)))); t.start()\n\
+        s2,_=u.accept(); select.select([],[s2],[],5); t.join(); c2=r[0]\n\
+        c2.sendall(b'z'); assert s2.recv(1)==b'z'\n\
+        try:\n    c2.listen(1); assert False, 'listen on a connected socket'\n\
+        except OSError as e:\n    assert e.errno==errno.EINVAL, e\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
 /// A non-blocking `connect` is waited for and switched once the
 /// connection is up (writable without an error), and still returns
 /// `EINPROGRESS`; one to a port nobody listens on is left to the

@@ -848,6 +848,22 @@ impl AsFd for TcpStream {
     }
 }
 
+/// The backlog `std::net::TcpListener::bind` gives a listener.
+const LISTEN_BACKLOG: i32 = 128;
+
+/// A TCP socket bound to `a` as `std::net::TcpListener::bind` binds one
+/// (`SO_REUSEADDR`, close-on-exec), not listening yet.
+fn bound_unlistened(a: SocketAddr) -> io::Result<Socket> {
+    let sock = Socket::new(
+        Domain::for_address(a),
+        Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&a.into())?;
+    Ok(sock)
+}
+
 /// A listener accepting plain TCP clients and offloaded clients alike on
 /// one port. Mirrors [`std::net::TcpListener`].
 #[derive(Debug)]
@@ -865,47 +881,47 @@ impl TcpListener {
 
     /// Binds with `cfg`. Unless the mode is [`Mode::Tcp`], a UDP twin on
     /// the same address and port answers clients' capability queries (for
-    /// port 0 a port free for both is picked).
+    /// port 0 a port free for both is picked); the port listens only once
+    /// its twin answers, so no client connects without being able to ask.
     pub fn bind_with<A: ToSocketAddrs>(addr: A, cfg: &Config) -> io::Result<TcpListener> {
         if cfg.mode != Mode::Tcp {
             cfg.checked()?;
         }
         each_addr(addr, |a| {
+            if cfg.mode == Mode::Tcp {
+                return Ok(TcpListener {
+                    inner: std::net::TcpListener::bind(a)?,
+                    cfg: cfg.clone(),
+                    twin: None,
+                });
+            }
             let mut tries = 0;
             loop {
                 tries += 1;
-                let inner = std::net::TcpListener::bind(a)?;
-                if cfg.mode == Mode::Tcp {
-                    return Ok(TcpListener {
-                        inner,
-                        cfg: cfg.clone(),
-                        twin: None,
-                    });
-                }
-                let local = inner.local_addr()?;
-                match Twin::start(local, true) {
-                    Ok(t) => {
-                        return Ok(TcpListener {
-                            inner,
-                            cfg: cfg.clone(),
-                            twin: Some(Arc::new(t)),
-                        });
-                    }
-                    Err(e) if a.port() == 0 && tries < 16 => {
-                        let _ = e;
-                    }
-                    Err(e) => {
-                        if cfg.mode == Mode::Offload {
-                            return Err(e);
-                        }
-                        // Plain only: clients' queries go unanswered.
-                        return Ok(TcpListener {
-                            inner,
-                            cfg: cfg.clone(),
-                            twin: None,
-                        });
-                    }
-                }
+                // Bound but not yet listening while the twin starts: a
+                // client that connected in between would have found no
+                // twin to ask and gone plain (dropped by an offload-only
+                // listener). Until `listen` it is refused, as by a server
+                // not started yet.
+                let sock = bound_unlistened(a)?;
+                let local = sock.local_addr()?.as_socket().ok_or_else(|| {
+                    io::Error::new(io::ErrorKind::InvalidInput, "not an IP address")
+                })?;
+                #[cfg(test)]
+                tests_hooks::before_twin(local);
+                let twin = match Twin::start(local, true) {
+                    Ok(t) => Some(Arc::new(t)),
+                    Err(_) if a.port() == 0 && tries < 16 => continue,
+                    Err(e) if cfg.mode == Mode::Offload => return Err(e),
+                    // Plain only: clients' queries go unanswered.
+                    Err(_) => None,
+                };
+                sock.listen(LISTEN_BACKLOG)?;
+                return Ok(TcpListener {
+                    inner: sock.into(),
+                    cfg: cfg.clone(),
+                    twin,
+                });
             }
         })
     }
@@ -1005,9 +1021,72 @@ impl AsFd for TcpListener {
     }
 }
 
+/// Test hooks inside [`TcpListener::bind_with`].
+#[cfg(test)]
+mod tests_hooks {
+    use std::cell::RefCell;
+    use std::net::SocketAddr;
+
+    type Hook = Box<dyn Fn(SocketAddr)>;
+
+    thread_local! {
+        static BEFORE_TWIN: RefCell<Option<Hook>> = const { RefCell::new(None) };
+    }
+
+    /// Runs `f` (on this thread) just before each twin of a listener bound
+    /// by this thread starts, with the listener's address.
+    pub(super) fn set_before_twin(f: Option<Hook>) {
+        BEFORE_TWIN.with(|h| *h.borrow_mut() = f);
+    }
+
+    pub(super) fn before_twin(a: SocketAddr) {
+        BEFORE_TWIN.with(|h| {
+            if let Some(f) = h.borrow().as_ref() {
+                f(a)
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client that connected between the listener's `listen` and its
+    /// twin's start found no twin to ask: it went plain, and an
+    /// offload-only listener dropped it. The port now listens only once
+    /// the twin answers.
+    #[test]
+    fn a_client_connecting_before_the_listeners_twin_started_was_accepted_plain() {
+        let refused = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let r = refused.clone();
+        tests_hooks::set_before_twin(Some(Box::new(move |a| {
+            let e = std::net::TcpStream::connect_timeout(&a, Duration::from_secs(2));
+            r.store(
+                matches!(&e, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused),
+                std::sync::atomic::Ordering::SeqCst,
+            );
+        })));
+        let cfg = Config {
+            mode: Mode::Offload,
+            ..Config::default()
+        };
+        let l = TcpListener::bind_with("127.0.0.1:0", &cfg);
+        tests_hooks::set_before_twin(None);
+        let l = l.expect("bind");
+        assert!(
+            refused.load(std::sync::atomic::Ordering::SeqCst),
+            "the port took a connection before its twin answered queries"
+        );
+        assert!(l.offload_capable());
+        // It listens now, with its twin.
+        let a = l.local_addr().unwrap();
+        let server = std::thread::spawn(move || l.accept().map(|(s, _)| s.transport()));
+        let c = TcpStream::connect_with(a, &cfg).expect("connect");
+        let t = server.join().unwrap().expect("accept");
+        assert!(t.is_offloaded(), "{t:?}");
+        assert!(c.transport().is_offloaded());
+    }
 
     /// A time limit reads back as set, changed and cleared (the lock-free
     /// answer is `None` only while none is set).
