@@ -1369,6 +1369,7 @@ pub unsafe extern "C" fn setsockopt(
                 {
                     // SAFETY: TCP_NODELAY's value is an int, `len` checked.
                     let on = unsafe { *val.cast::<c_int>() } != 0;
+                    c.nodelay_set(on);
                     if let Ok(s) = c.stream() {
                         let _ = s.set_nodelay(on);
                     }
