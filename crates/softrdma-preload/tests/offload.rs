@@ -646,8 +646,9 @@ fn sendmmsg_and_recvmmsg_go_through_the_offloaded_stream() {
 /// at random in the ephemeral range (one look-up in the kernel), not by a
 /// `bind` to port 0 (which searches the range, `TIME_WAIT` included, and
 /// gives odd ports first: 16 connections from port-0 binds would all have
-/// odd ports). `SO_REUSEADDR`, set for that bind only, reads as the
-/// application left it; a port the application bound itself is kept.
+/// odd ports). `SO_REUSEADDR`, set for that bind only if the port was in
+/// use, reads as the application left it; a port the application bound
+/// itself is kept.
 #[test]
 fn a_client_asks_from_a_chosen_ephemeral_port_and_keeps_its_options() {
     if !have_python() {
