@@ -917,9 +917,6 @@ mod tests {
         assert_eq!(p.wait_late(Duration::from_secs(5)), LateAnswer::Accept);
     }
 
-    /// A thread's next query to the same destination goes from the same
-    /// socket: a duplicate answer to the first query left on it is skipped
-    /// (its nonce), not taken for the second's.
     /// A thread's kept query socket keeps the read timeout set for its
     /// first wait, and knows it: the next connection's wait (within the
     /// slack of the same span) sets none. (The kernel keeps the timeout in
@@ -961,6 +958,9 @@ mod tests {
         assert_eq!(kept.1.read_timeout().unwrap(), Some(wait / 2));
     }
 
+    /// A thread's next query to the same destination goes from the same
+    /// socket: a duplicate answer to the first query left on it is skipped
+    /// (its nonce), not taken for the second's.
     #[test]
     fn query_socket_is_reused_and_late_answers_skipped() {
         let fake = UdpSocket::bind("127.0.0.1:0").unwrap();
