@@ -95,6 +95,7 @@ const CQ_SPARE: usize = 16;
 fn cq_entries(rx_slots: usize, tx_bufs: usize) -> usize {
     rx_slots + tx_bufs + CQ_SPARE
 }
+
 /// Large writes copied without an offer after the peer declined one.
 const ZC_SKIP_AFTER_DECLINE: u32 = 64;
 /// Longest time corked data is held (`TCP_CORK`), as the kernel's
