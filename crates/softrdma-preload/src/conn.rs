@@ -33,8 +33,10 @@ pub(crate) struct Conn {
     /// Server side, until the first call that needs the stream: the
     /// duplicate descriptor to switch (as responder). The switch is made
     /// by whichever process touches the connection first, so a server that
-    /// forks after accept serves it from the child.
-    pending: Mutex<Option<(std::net::TcpStream, Known)>>,
+    /// forks after accept serves it from the child. With it the
+    /// application's `TCP_NODELAY` if it set it meanwhile (see
+    /// [`Conn::nodelay_set`]).
+    pending: Mutex<Option<(std::net::TcpStream, Known, Option<bool>)>>,
     /// The process that switched it (0 while pending). Another process (a
     /// forked child) has the memory but not the engine threads behind it.
     owner: AtomicI32,
@@ -373,16 +375,22 @@ fn config() -> Config {
 
 /// Why a switch could not be made (the connection is unusable: bytes of
 /// the switch may already be on it). `known`: the peer's address and
-/// whether the socket is non-blocking, if known (its `TCP_NODELAY` is
-/// asked here: the application's setting, kept for its view).
-fn switch(dup: std::net::TcpStream, initiator: bool, known: Known) -> Result<SdStream, c_int> {
+/// whether the socket is non-blocking, if known; `nodelay`: the
+/// application's `TCP_NODELAY`, if known (else it is asked here: the
+/// application's setting, kept for its view).
+fn switch(
+    dup: std::net::TcpStream,
+    initiator: bool,
+    known: Known,
+    nodelay: Option<bool>,
+) -> Result<SdStream, c_int> {
     let me = pid();
     let started = ENGINE_PID.load(Ordering::Relaxed);
     if started != 0 && started != me {
         return Err(libc::ECONNRESET);
     }
     ENGINE_PID.store(me, Ordering::Relaxed);
-    let nodelay = dup.nodelay().unwrap_or(false);
+    let nodelay = nodelay.unwrap_or_else(|| dup.nodelay().unwrap_or(false));
     let known = Known { nodelay, ..known };
     let s = signals_blocked(|| {
         as_internal(|| SdStream::upgrade_known(dup, initiator, &config(), &known))
@@ -448,7 +456,7 @@ impl Conn {
             nonblocking: nonblock,
             ..Known::default()
         };
-        let s = switch(dup, true, known)?;
+        let s = switch(dup, true, known, None)?;
         c.adopt(s);
         Ok(Arc::new(c))
     }
@@ -469,8 +477,27 @@ impl Conn {
             nonblocking: nonblock,
             ..Known::default()
         };
-        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some((dup, known));
+        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some((dup, known, None));
         Some(Arc::new(c))
+    }
+
+    /// The application set `TCP_NODELAY` to `on` on the socket (the kernel
+    /// took it): a pending switch takes that as the application's setting
+    /// instead of asking the kernel (a server commonly sets it right after
+    /// the accept, and that call is the one that switches: a `getsockopt`
+    /// less per connection).
+    pub(crate) fn nodelay_set(&self, on: bool) {
+        if self.sw.get().is_some() {
+            return;
+        }
+        if let Some(p) = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            p.2 = Some(on);
+        }
     }
 
     fn adopt(&self, s: SdStream) {
@@ -488,8 +515,8 @@ impl Conn {
         if self.sw.get().is_none() {
             // Held during the switch: other threads' calls wait for it.
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((dup, known)) = pending.take() {
-                let r = switch(dup, false, known);
+            if let Some((dup, known, nodelay)) = pending.take() {
+                let r = switch(dup, false, known, nodelay);
                 match &r {
                     Ok(_) => state().stats.offloaded(),
                     Err(_) => state().stats.plain(PlainReason::SetupFailed),

@@ -317,8 +317,11 @@ const CHOSEN_PORT_TRIES: usize = 16;
 /// port) so that the capability query can name its port; returns the port
 /// and whether it was chosen here. `choose`: a random port of the
 /// ephemeral range ([`softrdma_sockets::choose_port`], one look-up in the
-/// kernel), bound with `SO_REUSEADDR` for the bind only (the application's
-/// value of the option is put back), another one on `EADDRINUSE`, and
+/// kernel), bound as the socket is first (a port nobody holds, the usual
+/// case, takes it: no socket option read, set and put back), then, on
+/// `EADDRINUSE`, with `SO_REUSEADDR` for the bind only (the application's
+/// value of the option is put back; a port whose other connections are
+/// closing takes it), another one on `EADDRINUSE`, and
 /// port 0 after [`CHOSEN_PORT_TRIES`]: a `bind` to port 0 searches the
 /// range for a port no socket holds, those in `TIME_WAIT` included, which
 /// takes milliseconds once a client making short connections has filled
@@ -342,12 +345,22 @@ fn bind_for_query(fd: c_int, v6: bool, choose: bool, bound: u16) -> Option<(u16,
         let r = unsafe { libc::bind(fd, sa.as_ptr().cast(), sa.len()) };
         if r == 0 { 0 } else { errno() }
     };
+    let mut tries = CHOSEN_PORT_TRIES;
+    if choose {
+        let port = softrdma_sockets::choose_port();
+        match bind(port) {
+            0 => return Some((port, true)),
+            libc::EADDRINUSE => tries -= 1,
+            _ => tries = 0,
+        }
+    }
     if choose
+        && tries > 0
         && let Some(old) = int_opt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR)
         && set_int_opt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)
     {
         let mut got = None;
-        for _ in 0..CHOSEN_PORT_TRIES {
+        for _ in 0..tries {
             let port = softrdma_sockets::choose_port();
             match bind(port) {
                 0 => {
@@ -1410,6 +1423,7 @@ pub unsafe extern "C" fn setsockopt(
                 {
                     // SAFETY: TCP_NODELAY's value is an int, `len` checked.
                     let on = unsafe { *val.cast::<c_int>() } != 0;
+                    c.nodelay_set(on);
                     if let Ok(s) = c.stream() {
                         let _ = s.set_nodelay(on);
                     }

@@ -329,6 +329,32 @@ fn tcp_nodelay_is_the_streams_after_the_switch() {
         except OSError as e: assert e.errno==errno.EINVAL, e\n");
 }
 
+/// A server whose first call on an accepted socket sets `TCP_NODELAY`
+/// (redis, nginx) switches the connection in that call: the switch takes
+/// the application's setting from the call (no `getsockopt`), so the
+/// stream's view is the value set, on or off, and both connections are
+/// offloaded and carry data both ways.
+#[test]
+fn tcp_nodelay_set_by_the_first_call_of_an_accepted_socket_is_the_streams() {
+    if !have_python() {
+        return;
+    }
+    let script = "import socket,threading\n\
+        T=(socket.IPPROTO_TCP, socket.TCP_NODELAY)\n\
+        l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
+        for on in (1, 0):\n    \
+            r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',l.getsockname()[1])))); t.start()\n    \
+            s,_=l.accept(); s.setsockopt(*T, on); t.join(); c=r[0]\n    \
+            assert s.getsockopt(*T)==on, (on, s.getsockopt(*T))\n    \
+            c.sendall(b'q'*3000); assert s.recv(3000, socket.MSG_WAITALL)==b'q'*3000\n    \
+            s.sendall(b'a'); assert c.recv(1)==b'a'\n    \
+            s.setsockopt(*T, 1-on); assert s.getsockopt(*T)==1-on\n    \
+            c.close(); assert s.recv(1)==b''; s.close()\n\
+        print('DONE')\n";
+    let lines = python_done(script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
 #[test]
 fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
     if !have_python() {
@@ -620,8 +646,9 @@ fn sendmmsg_and_recvmmsg_go_through_the_offloaded_stream() {
 /// at random in the ephemeral range (one look-up in the kernel), not by a
 /// `bind` to port 0 (which searches the range, `TIME_WAIT` included, and
 /// gives odd ports first: 16 connections from port-0 binds would all have
-/// odd ports). `SO_REUSEADDR`, set for that bind only, reads as the
-/// application left it; a port the application bound itself is kept.
+/// odd ports). `SO_REUSEADDR`, set for that bind only if the port was in
+/// use, reads as the application left it; a port the application bound
+/// itself is kept.
 #[test]
 fn a_client_asks_from_a_chosen_ephemeral_port_and_keeps_its_options() {
     if !have_python() {

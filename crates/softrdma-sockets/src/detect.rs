@@ -326,6 +326,9 @@ pub(crate) struct Pending {
     twins: u64,
     q: Probe,
     sent: Instant,
+    /// The socket's read timeout as last set, if known (see
+    /// [`set_wait`]).
+    rcvtimeo: std::cell::Cell<Option<Duration>>,
 }
 
 impl Pending {
@@ -339,7 +342,13 @@ impl Drop for Pending {
         if let Some(s) = self.sock.take()
             && self.keep
         {
-            let kept = (self.dest, s, self.client_addr, self.generation);
+            let kept = (
+                self.dest,
+                s,
+                self.client_addr,
+                self.generation,
+                self.rcvtimeo.get(),
+            );
             // Not kept (closed) after the thread's locals were destroyed
             // (see [`QUERY_SOCK`]).
             let _ = QUERY_SOCK.try_with(|c| {
@@ -368,8 +377,13 @@ thread_local! {
 }
 
 /// A kept query socket: destination, socket, local address, the fork
-/// generation ([`softrdma_engine::fork_generation`]) it was made in.
-type QuerySock = (SocketAddr, UdpSocket, Ipv6Addr, u64);
+/// generation ([`softrdma_engine::fork_generation`]) it was made in, its
+/// read timeout as last set.
+type QuerySock = (SocketAddr, UdpSocket, Ipv6Addr, u64, Option<Duration>);
+
+/// A query socket, its local address, fork generation and read timeout
+/// as last set (if known), and whether it is a kept one reused.
+type QuerySocket = (UdpSocket, Ipv6Addr, u64, Option<Duration>, bool);
 
 /// A query socket for `dest`: with `reuse`, this thread's last one if it
 /// was for `dest` and made by this process (not by a parent it was forked
@@ -378,7 +392,7 @@ type QuerySock = (SocketAddr, UdpSocket, Ipv6Addr, u64);
 /// (no read to empty it first: one system call less per connection); an
 /// earlier query's error is handled where it shows (see
 /// [`send_query_with`]).
-fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Addr, u64, bool)> {
+fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<QuerySocket> {
     let kept = if reuse {
         QUERY_SOCK
             .try_with(|c| c.try_borrow_mut().ok()?.take())
@@ -388,11 +402,11 @@ fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Add
         None
     };
     let me = softrdma_engine::fork_generation();
-    if let Some((d, s, a, generation)) = kept
+    if let Some((d, s, a, generation, rcvtimeo)) = kept
         && d == dest
         && generation == me
     {
-        return Ok((s, a, me, true));
+        return Ok((s, a, me, rcvtimeo, true));
     }
     // Made and connected with system calls of its own (rustix), not
     // through the C library's `connect`: in a process running the
@@ -417,7 +431,7 @@ fn query_socket(dest: SocketAddr, reuse: bool) -> io::Result<(UdpSocket, Ipv6Add
         IpAddr::V4(v4) => v4.to_ipv6_mapped(),
         IpAddr::V6(v6) => v6,
     };
-    Ok((s, client_addr, me, false))
+    Ok((s, client_addr, me, None, false))
 }
 
 /// Sends the query for the connection from `client_port` to `dest`.
@@ -434,7 +448,7 @@ pub(crate) fn send_query_with(
     keep: bool,
 ) -> io::Result<Pending> {
     let twins = twins_started();
-    let (s, client_addr, generation, reused) = query_socket(dest, keep)?;
+    let (s, client_addr, generation, rcvtimeo, reused) = query_socket(dest, keep)?;
     let q = Probe {
         kind: Kind::Query,
         nonce: nonce(),
@@ -464,7 +478,36 @@ pub(crate) fn send_query_with(
         twins,
         q,
         sent: Instant::now(),
+        rcvtimeo: std::cell::Cell::new(rcvtimeo),
     })
+}
+
+/// How much later than asked a wait for an answer may end (see
+/// [`set_wait`]).
+const RCVTIMEO_SLACK: Duration = Duration::from_millis(1);
+
+/// Sets the query socket's read timeout for a wait of `left`, unless the
+/// one set already ends it at most [`RCVTIMEO_SLACK`] late. The wait's
+/// whole span (`full`, from the send) is set when `left` is within the
+/// slack of it: a thread's kept socket then waits each connection's
+/// answer (which mostly comes within a millisecond of the send) with the
+/// timeout set for the first one, a system call less per connection.
+fn set_wait(p: &Pending, left: Duration, full: Duration) -> io::Result<()> {
+    if let Some(t) = p.rcvtimeo.get()
+        && t >= left
+        && t - left <= RCVTIMEO_SLACK
+    {
+        return Ok(());
+    }
+    let t = if full >= left && full - left <= RCVTIMEO_SLACK {
+        full
+    } else {
+        left
+    };
+    p.rcvtimeo.set(None);
+    p.sock().set_read_timeout(Some(t))?;
+    p.rcvtimeo.set(Some(t));
+    Ok(())
 }
 
 /// The answer to a query (`timeout` counted from the send), and whether it
@@ -495,7 +538,7 @@ fn wait_answer(p: &Pending, timeout: Duration) -> io::Result<(Answer, u8)> {
                     .map(|(n, _)| n)
                     .map_err(io::Error::from)
             } else {
-                p.sock().set_read_timeout(Some(left))?;
+                set_wait(p, left, until.saturating_duration_since(p.sent))?;
                 p.sock().recv(&mut b)
             };
             match got {
@@ -960,6 +1003,47 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         assert!(t.take("127.0.0.1:40002".parse().unwrap()));
         assert_eq!(p.wait_late(Duration::from_secs(5)), LateAnswer::Accept);
+    }
+
+    /// A thread's kept query socket keeps the read timeout set for its
+    /// first wait, and knows it: the next connection's wait (within the
+    /// slack of the same span) sets none. (The kernel keeps the timeout in
+    /// clock ticks, so its value cannot tell a second setting within the
+    /// slack; the system calls are counted in the crate's README.)
+    #[test]
+    fn a_kept_query_socket_sets_its_read_timeout_once() {
+        let fake = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = fake.local_addr().unwrap();
+        let th = std::thread::spawn(move || {
+            let mut b = [0u8; 64];
+            for _ in 0..2 {
+                let (n, from) = fake.recv_from(&mut b).unwrap();
+                let q = Probe::decode(&b[..n]).unwrap();
+                let a = Probe {
+                    kind: Kind::Accept,
+                    flags: FLAG_LATE_QUERY,
+                    ..q
+                };
+                // Late enough that the client sleeps for it.
+                std::thread::sleep(Duration::from_millis(30));
+                fake.send_to(&a.encode(), from).unwrap();
+            }
+        });
+        let wait = Duration::from_secs(1);
+        let p = send_query(addr, 40030).unwrap();
+        assert_eq!(p.rcvtimeo.get(), None, "a new socket");
+        assert_eq!(p.wait_late(wait), LateAnswer::Accept);
+        let p = send_query(addr, 40031).unwrap();
+        // The same socket, its timeout known: the first wait's whole span.
+        assert_eq!(p.rcvtimeo.get(), Some(wait / 2));
+        assert_eq!(p.sock().read_timeout().unwrap(), Some(wait / 2));
+        let dest = p.dest;
+        assert_eq!(p.wait_late(wait), LateAnswer::Accept);
+        th.join().unwrap();
+        let kept = QUERY_SOCK.with(|c| c.borrow_mut().take()).unwrap();
+        assert_eq!(kept.0, dest);
+        assert_eq!(kept.4, Some(wait / 2));
+        assert_eq!(kept.1.read_timeout().unwrap(), Some(wait / 2));
     }
 
     /// A thread's next query to the same destination goes from the same

@@ -79,6 +79,23 @@ const RX_INITIAL: usize = 8;
 /// Data octets received before the receive ring grows to `Config::rx_bufs`
 /// (eight full messages of the default size).
 const RING_GROW_AFTER: u64 = 512 * 1024;
+/// Completions a connection's CQ has room for beyond its posted receives
+/// and its send buffers: the send queue's other requests (`sq_cap` is the
+/// send buffers and 6 more; the zero-copy Read; an AbortConn) and a margin.
+const CQ_SPARE: usize = 16;
+
+/// Entries of a connection's CQ while `rx_slots` receive buffers are in
+/// use: every posted receive and every outstanding send completes once
+/// and is taken from the CQ before its buffer is posted again (a receive)
+/// or counted free (`State::tx_inflight`), so this many can be queued at
+/// most. The CQ starts at the first slots' size and is resized when the
+/// ring grows ([`Shared::grow_ring`]): its ring is made (and each slot
+/// written) at set-up, 152 slots for the default ring and 4 send buffers
+/// where 28 hold a short connection's completions.
+fn cq_entries(rx_slots: usize, tx_bufs: usize) -> usize {
+    rx_slots + tx_bufs + CQ_SPARE
+}
+
 /// Large writes copied without an offer after the peer declined one.
 const ZC_SKIP_AFTER_DECLINE: u32 = 64;
 /// Longest time corked data is held (`TCP_CORK`), as the kernel's
@@ -577,6 +594,8 @@ struct Shared {
     /// Receive buffers of a full ring (`Config::rx_bufs`); the connection
     /// starts with fewer (see [`RX_INITIAL`]).
     rx_max: u32,
+    /// Send staging buffers (`Config::tx_bufs`; the CQ's size counts them).
+    tx_bufs: usize,
     /// Largest write sent inline (see `Shared::send_small`).
     inline_max: usize,
     /// Sends (`State::tx_inflight`) the send queue takes: its depth less
@@ -704,7 +723,9 @@ impl Offload {
         let size = cfg.buf_size;
         let slot: Arc<OnceLock<Weak<Shared>>> = Arc::new(OnceLock::new());
         let cb_slot = slot.clone();
-        let cq = CompletionQueue::builder(&dev, 2 * (rx_bufs + tx_bufs) + 16)
+        // The ring posted at first; grown with it.
+        let initial = rx_bufs.min(RX_INITIAL.max(usize::from(crate::sdp::MIN_RING)));
+        let cq = CompletionQueue::builder(&dev, cq_entries(initial, tx_bufs))
             .callback(move |cq| {
                 if let Some(sh) = cb_slot.get().and_then(Weak::upgrade) {
                     sh.on_event(cq);
@@ -738,7 +759,6 @@ impl Offload {
         // may end as soon as its Reply is written (no RTR to wait for), so
         // all its receives are posted first; the initiator's cannot end
         // before the peer's Reply, so it posts all but the first later.
-        let initial = rx_bufs.min(RX_INITIAL.max(usize::from(crate::sdp::MIN_RING)));
         let early = if initiator { 1 } else { initial };
         for i in 0..early - 1 {
             post_rx(i)?;
@@ -892,6 +912,7 @@ impl Offload {
             zc_send: zc && peer_cap & CAP_READ_ZCOPY != 0,
             zc_threshold: cfg.zcopy_threshold.max(1),
             rx_max: rx_bufs as u32,
+            tx_bufs,
             zc_timeout: cfg.zcopy_timeout,
             inline_max,
             sq_cap: u32::try_from(tx_bufs + 6).unwrap_or(u32::MAX),
@@ -1636,6 +1657,12 @@ impl Shared {
     /// credit update at once (the posted buffers are then at least half the
     /// ring ahead of the peer's view, see `sdp::Credits::wants_update`).
     fn grow_ring(&self, st: &mut State) {
+        // Room in the CQ for every receive of the grown ring first (see
+        // `cq_entries`); a CQ that cannot grow keeps the ring as it is.
+        let want = cq_entries(self.rx_max as usize, self.tx_bufs);
+        if self.cq.capacity() < want && self.cq.resize(want).is_err() {
+            return;
+        }
         while st.rx_slots < self.rx_max {
             if let Err(e) = self.post_slot(st.rx_slots) {
                 st.link_lost(e);
@@ -3165,6 +3192,46 @@ mod drive_tests {
         let s = reader.join().unwrap();
         assert_eq!(s.sh.lock().rx_slots, s.sh.rx_max);
         assert!(most > RX_INITIAL as u32, "{most}");
+    }
+
+    /// A connection's CQ is made for the receives it posts at first and
+    /// its sends (not for the full ring: its ring of slots is written at
+    /// set-up), and grows before the receive ring does: a bulk transfer
+    /// whose reader lets its completions queue loses none.
+    #[test]
+    fn the_cq_starts_small_and_grows_with_the_receive_ring() {
+        let (c, s) = super::tests::pair();
+        let tx = usize::from(Config::default().tx_bufs);
+        for e in [&c, &s] {
+            assert_eq!(e.sh.cq.capacity(), RX_INITIAL + tx + CQ_SPARE);
+        }
+        const TOTAL: usize = 3 << 20;
+        let reader = std::thread::spawn(move || {
+            // Let the first messages' completions queue unpolled.
+            std::thread::sleep(Duration::from_millis(20));
+            recv_all(&s, TOTAL);
+            s
+        });
+        send_all_watching(&c, TOTAL, || {});
+        let s = reader.join().unwrap();
+        assert_eq!(s.sh.lock().rx_slots, s.sh.rx_max);
+        assert_eq!(
+            s.sh.cq.capacity(),
+            s.sh.rx_max as usize + tx + CQ_SPARE,
+            "the CQ grows with the ring"
+        );
+        for e in [&c, &s] {
+            assert!(!e.sh.cq.is_overflowed());
+        }
+        // Both ends still carry data both ways.
+        s.write(b"back", false, None).unwrap();
+        s.flush(None).unwrap();
+        let mut b = [0u8; 4];
+        let mut n = 0;
+        while n < 4 {
+            n += c.read(&mut b[n..], false, false, None).unwrap();
+        }
+        assert_eq!(&b, b"back");
     }
 
     /// The wake-up pair of sleeping calls is made only when a call sleeps
