@@ -77,21 +77,27 @@ struct Reg {
 impl Reg {
     /// The interest a wait looks for now (0: nothing can be reported).
     fn interest(&self, c: &Conn) -> u32 {
-        if self.disabled {
-            return 0;
-        }
-        let mut want = 0;
-        for (i, bit) in [EPOLLIN, EPOLLOUT].into_iter().enumerate() {
-            if self.events & bit == 0 {
-                continue;
-            }
-            let fresh = self.events & EPOLLET == 0 || self.fired[i] != Some(marks(c)[i]);
-            if fresh {
-                want |= bit;
-            }
-        }
-        want
+        interest(self.events, self.disabled, self.fired, c)
     }
+}
+
+/// The interest a registration with `events`, `disabled` and `fired` (see
+/// [`Reg`]) looks for now on `c` (0: nothing can be reported).
+fn interest(events: u32, disabled: bool, fired: [Option<u64>; 2], c: &Conn) -> u32 {
+    if disabled {
+        return 0;
+    }
+    let mut want = 0;
+    for (i, bit) in [EPOLLIN, EPOLLOUT].into_iter().enumerate() {
+        if events & bit == 0 {
+            continue;
+        }
+        let fresh = events & EPOLLET == 0 || fired[i] != Some(marks(c)[i]);
+        if fresh {
+            want |= bit;
+        }
+    }
+    want
 }
 
 /// The registrations of one epoll instance.
@@ -104,6 +110,11 @@ struct Instance {
     /// (turns alternate, so that neither kind starves with a small
     /// `maxevents`).
     ours_first: bool,
+    /// Changes with every change of `regs` (a registration added, changed,
+    /// removed, reported edge-triggered or one-shot): a wait that finds it
+    /// as it was at its snapshot uses the snapshot's copies of the
+    /// registrations instead of looking each one up again.
+    generation: u64,
 }
 
 static INSTANCES: LazyLock<RwLock<FdMap<Arc<Mutex<Instance>>>>> = LazyLock::new(RwLock::default);
@@ -199,6 +210,7 @@ pub(crate) fn ctl(
         .is_some_and(|r| r.conn.strong_count() == 0)
     {
         inst.regs.remove(&fd);
+        inst.generation += 1;
     }
     let mine = inst
         .regs
@@ -219,6 +231,7 @@ pub(crate) fn ctl(
                     return Err(libc::EINVAL);
                 }
             }
+            inst.generation += 1;
             inst.regs.insert(
                 fd,
                 Reg {
@@ -237,6 +250,7 @@ pub(crate) fn ctl(
                 return Err(libc::ENOENT);
             }
             inst.regs.remove(&fd);
+            inst.generation += 1;
             Ok(())
         }
         _ => Err(libc::EINVAL),
@@ -272,11 +286,17 @@ pub(crate) fn take_all(epfd: c_int) -> Vec<(c_int, Arc<Conn>, u32, u64)> {
         .collect()
 }
 
-/// What a wait saw of one registration.
+/// What a wait saw of one registration: its descriptor and version, its
+/// connection, and a copy of its rules (valid while the instance's
+/// generation is the snapshot's).
 struct Seen {
     fd: c_int,
     version: u64,
     conn: Arc<Conn>,
+    events: u32,
+    data: u64,
+    disabled: bool,
+    fired: [Option<u64>; 2],
 }
 
 /// `epoll_wait` on an instance with registrations kept here: `kernel(ptr,
@@ -306,9 +326,15 @@ pub(crate) unsafe fn wait(
         // Snapshot: the live, usable registrations and what they wait for.
         let mut seen: Vec<Seen>;
         let mut interest: Vec<u32>;
+        let generation;
         {
             let mut g = lock(&inst);
+            let before = g.regs.len();
             g.regs.retain(|_, r| r.conn.strong_count() > 0);
+            if g.regs.len() != before {
+                g.generation += 1;
+            }
+            generation = g.generation;
             // Sized once (an event loop with many connections grew them
             // step by step on every call).
             seen = Vec::with_capacity(g.regs.len());
@@ -323,6 +349,10 @@ pub(crate) unsafe fn wait(
                     fd,
                     version: r.version,
                     conn: c,
+                    events: r.events,
+                    data: r.data,
+                    disabled: r.disabled,
+                    fired: r.fired,
                 });
             }
         }
@@ -350,12 +380,19 @@ pub(crate) unsafe fn wait(
         let mut hits: Vec<(usize, u32)> = Vec::new();
         {
             let g = lock(&inst);
+            // Nothing changed meanwhile: the snapshot's copies serve (no
+            // look-up per registration).
+            let same = g.generation == generation;
             for (k, &pre) in interest.iter().enumerate() {
                 let Some(e) = entries.get(k + 1) else { break };
                 let s = &seen[k];
-                let want = match g.regs.get(&s.fd) {
-                    Some(r) if r.version == s.version => r.interest(&s.conn),
-                    _ => 0,
+                let want = if same {
+                    interest_of_seen(s)
+                } else {
+                    match g.regs.get(&s.fd) {
+                        Some(r) if r.version == s.version => r.interest(&s.conn),
+                        _ => 0,
+                    }
                 };
                 let got = if want == pre {
                     epoll_bits(e.revents()) & want
@@ -405,6 +442,7 @@ pub(crate) unsafe fn wait(
         }
         if !hits.is_empty() && n < max {
             let mut g = lock(&inst);
+            let same = g.generation == generation;
             let len = hits.len();
             let start = g.cursor % len;
             let mut used = 0;
@@ -415,25 +453,36 @@ pub(crate) unsafe fn wait(
                 }
                 let (k, got) = hits[(start + j) % len];
                 let s = &seen[k];
-                let Some(r) = g.regs.get_mut(&s.fd) else {
-                    continue;
-                };
-                if r.version != s.version || r.disabled {
-                    continue;
-                }
-                let ev = got | closed_bits(&s.conn, got, r.events);
-                let m = marks(&s.conn);
-                for (i, bit) in [EPOLLIN, EPOLLOUT].into_iter().enumerate() {
-                    if ev & bit != 0 {
-                        r.fired[i] = Some(m[i]);
+                let (ev, data) = if same && s.events & (EPOLLET | EPOLLONESHOT) == 0 {
+                    // Level-triggered and unchanged since the snapshot:
+                    // reporting it changes nothing of the registration.
+                    (got | closed_bits(&s.conn, got, s.events), s.data)
+                } else {
+                    let Some(r) = g.regs.get_mut(&s.fd) else {
+                        continue;
+                    };
+                    if r.version != s.version || r.disabled {
+                        continue;
                     }
-                }
-                if r.events & EPOLLONESHOT != 0 {
-                    r.disabled = true;
-                }
+                    let ev = got | closed_bits(&s.conn, got, r.events);
+                    let m = marks(&s.conn);
+                    for (i, bit) in [EPOLLIN, EPOLLOUT].into_iter().enumerate() {
+                        if ev & bit != 0 {
+                            r.fired[i] = Some(m[i]);
+                        }
+                    }
+                    if r.events & EPOLLONESHOT != 0 {
+                        r.disabled = true;
+                    }
+                    let data = r.data;
+                    if r.events & (EPOLLET | EPOLLONESHOT) != 0 {
+                        g.generation += 1;
+                    }
+                    (ev, data)
+                };
                 let e = libc::epoll_event {
                     events: ev,
-                    u64: r.data,
+                    u64: data,
                 };
                 // SAFETY: `n < maxevents`: within the caller's array (an
                 // epoll_event may be packed: written unaligned).
@@ -455,6 +504,11 @@ pub(crate) unsafe fn wait(
             return Some(Ok(n as c_int));
         }
     }
+}
+
+/// [`interest`] from a wait's copy of a registration.
+fn interest_of_seen(s: &Seen) -> u32 {
+    interest(s.events, s.disabled, s.fired, &s.conn)
 }
 
 /// What makes an edge: for reading, the messages the connection took in

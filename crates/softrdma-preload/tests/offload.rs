@@ -480,6 +480,28 @@ fn edge_triggered_reports_every_arrival_to_a_reader_that_stops_at_a_short_read()
         assert s.recv(10)==b''\n");
 }
 
+/// A registration changed by another thread while a wait sleeps on it
+/// (level-triggered made one-shot) is reported by its new rules: once,
+/// then silent though its data stays unread (a wait that reported it by
+/// the rules it saw when it went to sleep would report it again and
+/// again).
+#[test]
+fn a_registration_made_one_shot_during_a_wait_is_reported_once() {
+    if !have_python() {
+        return;
+    }
+    run("s.setblocking(False)\n\
+        e=select.epoll(); e.register(s.fileno(), select.EPOLLIN)\n\
+        def later(): time.sleep(0.3); e.modify(s.fileno(), select.EPOLLIN|select.EPOLLONESHOT); c.sendall(b'x')\n\
+        t=threading.Thread(target=later); t.start()\n\
+        ev=e.poll(5); t.join(); assert ev==[(s.fileno(), select.EPOLLIN)], ev\n\
+        assert e.poll(0.2)==[], 'one-shot: reported once'\n\
+        e.modify(s.fileno(), select.EPOLLIN)\n\
+        assert e.poll(2)==[(s.fileno(), select.EPOLLIN)], 'level-triggered again'\n\
+        assert e.poll(2)==[(s.fileno(), select.EPOLLIN)], 'and again while unread'\n\
+        assert s.recv(10)==b'x'\n");
+}
+
 /// An epoll instance with an offloaded connection and a plain descriptor
 /// (a pipe), both ready, waited on one event at a time: they take turns
 /// (neither starves the other).
