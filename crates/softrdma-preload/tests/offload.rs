@@ -631,10 +631,18 @@ fn the_librarys_threads_block_every_signal() {
         return;
     }
     // Twin and engine threads (started by the listener and the switch)
-    // never run the application's signal handlers.
+    // never run the application's signal handlers. The connecting Python
+    // thread is joined, but its task can still be listed for a moment
+    // after `join` returns: wait (up to 1 s) until no other task has the
+    // main thread's name.
     run("import glob\n\
         c.sendall(b'x'); assert s.recv(1)==b'x'\n\
-        others=[t for t in glob.glob('/proc/self/task/*') if int(t.split('/')[-1])!=os.getpid()]\n\
+        tasks=lambda: [t for t in glob.glob('/proc/self/task/*') if int(t.split('/')[-1])!=os.getpid()]\n\
+        main=open('/proc/self/comm').read().strip()\n\
+        for _ in range(100):\n\
+        \x20   if all(open(t+'/comm').read().strip()!=main for t in tasks()): break\n\
+        \x20   time.sleep(0.01)\n\
+        others=tasks()\n\
         assert others, 'the library started threads'\n\
         for t in others:\n\
         \x20   blk=[l for l in open(t+'/status') if l.startswith('SigBlk:')][0].split()[1]\n\
