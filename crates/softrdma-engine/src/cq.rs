@@ -284,6 +284,10 @@ pub enum ResizeError {
         /// Completions queued at the time.
         queued: usize,
     },
+    /// The CQ was made with [`CqBuilder::exclusive`]: its ring has a fixed
+    /// size.
+    #[error("an exclusive completion queue cannot be resized")]
+    Exclusive,
 }
 
 /// Why [`CompletionChannel::get_event`] returned without an event.
@@ -327,13 +331,33 @@ pub struct CompletionQueue {
     shared: Arc<CqShared>,
 }
 
+/// A CQ's ring of completions. `ArrayQueue` is lock-free; the lock around
+/// a resizable ring is for [`CompletionQueue::resize`] only (read-locked by
+/// every push, poll and look: two locked instructions each), which an
+/// exclusive CQ ([`CqBuilder::exclusive`]) refuses, so its ring needs none.
+enum Ring {
+    Resizable(RwLock<ArrayQueue<WorkCompletion>>),
+    Fixed(ArrayQueue<WorkCompletion>),
+}
+
+impl Ring {
+    #[inline]
+    fn with<R>(&self, f: impl FnOnce(&ArrayQueue<WorkCompletion>) -> R) -> R {
+        match self {
+            Ring::Fixed(r) => f(r),
+            Ring::Resizable(r) => f(&r.read()),
+        }
+    }
+}
+
 /// The state of a CQ shared by its handles.
 struct CqShared {
     id: u32,
     device: Device,
-    /// The ring. Read-locked by push and poll (which are lock-free on the
-    /// ring itself), write-locked only by resize.
-    ring: RwLock<ArrayQueue<WorkCompletion>>,
+    /// The ring (see [`Ring`]).
+    ring: Ring,
+    /// Made with [`CqBuilder::exclusive`].
+    exclusive: bool,
     /// One of `ARM_*`.
     arm: AtomicU8,
     /// Set on the first lost completion; never cleared.
@@ -529,6 +553,7 @@ pub struct CqBuilder<'a> {
     callback: Option<CqCallback>,
     /// Set by `CqBuilder::proxy` (in `proxy.rs`).
     pub(crate) proxy: Option<u32>,
+    exclusive: bool,
 }
 
 impl fmt::Debug for CqBuilder<'_> {
@@ -554,6 +579,29 @@ impl<'a> CqBuilder<'a> {
     /// device's load-balancing policy).
     pub fn binding(mut self, binding: Binding) -> Self {
         self.binding = binding;
+        self
+    }
+
+    /// An exclusive CQ: the completion queue of one QP (its send and
+    /// receive queue may both use it), polled by one consumer at a time
+    /// (whoever polls it serializes its polls and its posts on the QP, as
+    /// the sockets layer does under its connection's lock). What it gives:
+    ///
+    /// - its ring has a fixed size: [`CompletionQueue::resize`] fails with
+    ///   [`ResizeError::Exclusive`], and pushes, polls and looks take no
+    ///   lock around the ring;
+    /// - a send posted with [`QueuePair::post_send_now`] that the posting
+    ///   thread writes entirely within the call, while the CQ is empty,
+    ///   unarmed and has no waiter, completes in the call: its completion
+    ///   is returned to the poster instead of being queued (as if it was
+    ///   queued and the poster polled it at once).
+    ///
+    /// A second QP made with an exclusive CQ is refused
+    /// ([`CreateQpError::CqInUse`](crate::qp::CreateQpError::CqInUse)).
+    ///
+    /// [`QueuePair::post_send_now`]: crate::QueuePair::post_send_now
+    pub fn exclusive(mut self) -> Self {
+        self.exclusive = true;
         self
     }
 
@@ -591,7 +639,12 @@ impl<'a> CqBuilder<'a> {
             shared: Arc::new(CqShared {
                 id: NEXT_CQ_ID.fetch_add(1, Ordering::Relaxed),
                 device: device.clone(),
-                ring: RwLock::new(ArrayQueue::new(self.cqe)),
+                ring: if self.exclusive {
+                    Ring::Fixed(ArrayQueue::new(self.cqe))
+                } else {
+                    Ring::Resizable(RwLock::new(ArrayQueue::new(self.cqe)))
+                },
+                exclusive: self.exclusive,
                 arm: AtomicU8::new(ARM_NONE),
                 overflowed: AtomicBool::new(false),
                 channel: self.channel.cloned(),
@@ -668,6 +721,7 @@ impl CompletionQueue {
             binding: Binding::Balanced,
             callback: None,
             proxy: None,
+            exclusive: false,
         }
     }
 
@@ -709,6 +763,26 @@ impl CompletionQueue {
         self.shared.callback.is_some()
     }
 
+    /// Whether the CQ was made with [`CqBuilder::exclusive`].
+    pub fn is_exclusive(&self) -> bool {
+        self.shared.exclusive
+    }
+
+    /// Whether a completion produced now may go straight to the poster of
+    /// its request instead of the ring ([`CqBuilder::exclusive`]): the CQ
+    /// is exclusive, holds nothing (nothing older waits to be polled), is
+    /// not armed and nobody waits on it (a push would raise no event and
+    /// wake nobody). Its QP's connection lock must be held (every push of
+    /// its only QP is made under it).
+    pub(crate) fn may_complete_directly(&self) -> bool {
+        let s = &*self.shared;
+        s.exclusive
+            && s.arm.load(Ordering::Relaxed) == ARM_NONE
+            && s.sleepers.load(Ordering::Relaxed) == 0
+            && s.waiter_count.load(Ordering::Relaxed) == 0
+            && self.is_empty()
+    }
+
     /// Takes every completion, arms the CQ and looks again, until a look
     /// after arming finds nothing: the verbs rule for event-driven
     /// consumers (a completion that arrives between the last poll and the
@@ -748,19 +822,19 @@ impl CompletionQueue {
 
     /// The number of completions the CQ holds.
     pub fn capacity(&self) -> usize {
-        self.shared.ring.read().capacity()
+        self.shared.ring.with(ArrayQueue::capacity)
     }
 
     /// The number of completions queued now.
     pub fn len(&self) -> usize {
-        self.shared.ring.read().len()
+        self.shared.ring.with(ArrayQueue::len)
     }
 
     /// Whether no completion is queued now.
     pub fn is_empty(&self) -> bool {
         // Two loads, where `len` loops until it reads head and tail of one
         // moment: waiters look here several times per wait.
-        self.shared.ring.read().is_empty()
+        self.shared.ring.with(ArrayQueue::is_empty)
     }
 
     /// The device the CQ was created on.
@@ -1123,7 +1197,10 @@ impl CompletionQueue {
     }
 
     fn poll_ring(&self, out: &mut [WorkCompletion]) -> usize {
-        let ring = self.shared.ring.read();
+        self.shared.ring.with(|ring| Self::pop_into(ring, out))
+    }
+
+    fn pop_into(ring: &ArrayQueue<WorkCompletion>, out: &mut [WorkCompletion]) -> usize {
         let mut n = 0;
         for slot in out.iter_mut() {
             // Two loads: `pop` finds the ring empty only after a full
@@ -1287,7 +1364,10 @@ impl CompletionQueue {
     pub fn resize(&self, cqe: usize) -> Result<(), ResizeError> {
         check_size(&self.shared.device, cqe)
             .map_err(|(requested, max)| ResizeError::InvalidSize { requested, max })?;
-        let mut ring = self.shared.ring.write();
+        let Ring::Resizable(ring) = &self.shared.ring else {
+            return Err(ResizeError::Exclusive);
+        };
+        let mut ring = ring.write();
         if ring.len() > cqe {
             return Err(ResizeError::TooSmall {
                 requested: cqe,
@@ -1340,7 +1420,7 @@ impl CompletionQueue {
     #[allow(dead_code)] // used by the data path
     pub(crate) fn push(&self, wc: WorkCompletion, solicited: bool) -> Result<(), CqOverflow> {
         let shared = &*self.shared;
-        let stored = shared.ring.read().push(wc).is_ok();
+        let stored = shared.ring.with(|r| r.push(wc).is_ok());
         if !stored {
             if !shared.overflowed.swap(true, Ordering::Relaxed) {
                 shared.device.events().push(
@@ -1391,6 +1471,15 @@ impl CompletionQueue {
             }
         }
         Ok(())
+    }
+
+    /// Whether a live QP uses this CQ (its hook is attached).
+    pub(crate) fn serves_a_qp(&self) -> bool {
+        self.shared
+            .progress
+            .read()
+            .iter()
+            .any(|h| h.strong_count() > 0)
     }
 
     /// Registers a QP's receive-progress hook (see [`Progress`]). Dead hooks

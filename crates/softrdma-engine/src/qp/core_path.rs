@@ -69,6 +69,11 @@ pub(crate) struct CoreConn {
     /// The socket answered `TCP_MAXSEG` at the connection: a TCP socket
     /// (the first sleep in its `recv` need not ask its type).
     tcp: bool,
+    /// `Some` while a [`core_post_send_now`](QpInner::core_post_send_now)
+    /// transmits: the first send completion delivered meanwhile that may go
+    /// straight to the poster ([`CompletionQueue::may_complete_directly`])
+    /// is kept here instead of being queued on the send CQ.
+    direct_wc: Option<Option<WorkCompletion>>,
 }
 
 /// The next [`CoreConn::epoch`].
@@ -168,6 +173,7 @@ impl QpInner {
             sleep_timeout: None,
             sleep_off: false,
             tcp,
+            direct_wc: None,
         };
         // Raw lock: the state lock is held, nothing to hand off yet.
         let mut g = self.core.lock();
@@ -223,6 +229,51 @@ impl QpInner {
             self.core_outputs(cc);
         }
         r.map_err(|e| send_error(e, self.qp_num, wr))
+    }
+
+    /// [`QueuePair::post_send_now`] on the core path: the request is
+    /// queued and transmitted under one hold of the connection's lock (no
+    /// hand-off: no announcement, no claim, no second lock); its
+    /// completion, if it is produced meanwhile and may go straight to the
+    /// poster, is returned. Whatever does not fit that path (no
+    /// connection, the datamover's socket, a receive left to the holder,
+    /// other requests outstanding, a proxy, a CQ that is not exclusive)
+    /// is left to an ordinary post: `None`.
+    pub(crate) fn core_post_send_now(
+        &self,
+        wr: &SendWr<'_>,
+    ) -> Option<Result<Option<WorkCompletion>, PostSendError>> {
+        let direct = self.send_cq.is_exclusive()
+            && self.proxy.get().is_none()
+            && !self.device.config().force_datamover
+            && !self.core_rx_wanted.load(Ordering::Relaxed);
+        let mut g = self.lock_core();
+        let cc = g
+            .as_mut()
+            .filter(|cc| direct && !cc.on_dm && !cc.link_done && cc.conn.send_queue_len() == 0)?;
+        let mut mem = self.core_mem();
+        let r = with_core_send(wr, self.sq_sig_all, self.device.stags(), |w| {
+            cc.conn.post_send(w, &mut mem)
+        });
+        if let Err(e) = r {
+            if cc.conn.has_output() {
+                self.core_outputs(cc);
+            }
+            return Some(Err(send_error(e, self.qp_num, wr)));
+        }
+        cc.direct_wc = Some(None);
+        if cc.conn.has_output() {
+            self.core_outputs(cc);
+        }
+        let stop = self.core_transmit(cc, usize::MAX);
+        let wc = cc.direct_wc.take().flatten();
+        if matches!(stop, TxStop::WouldBlock) {
+            // The rest goes with the datamover (as `core_kick`).
+            cc.on_dm = true;
+            drop(g);
+            self.schedule_dm();
+        }
+        Some(Ok(wc))
     }
 
     /// `post_recv` once connected (the caller holds the lock).
@@ -441,6 +492,13 @@ impl QpInner {
                 let lost = match self.proxy.get() {
                     Some(link) => link.core_completion(self, &c, wc, info),
                     None => match c.cq {
+                        ct::CqKind::Send
+                            if matches!(cc.direct_wc, Some(None))
+                                && self.send_cq.may_complete_directly() =>
+                        {
+                            cc.direct_wc = Some(Some(wc));
+                            false
+                        }
                         ct::CqKind::Send => self.send_cq.push(wc, false).is_err(),
                         ct::CqKind::Recv => self.recv_cq.push(wc, c.solicited).is_err(),
                     },

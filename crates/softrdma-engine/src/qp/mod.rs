@@ -182,6 +182,13 @@ pub enum CreateQpError {
     /// The QP could not become a proxy QP.
     #[error(transparent)]
     Proxy(#[from] offload::ProxySetupError),
+    /// An exclusive CQ ([`CqBuilder::exclusive`](crate::cq::CqBuilder::exclusive))
+    /// already serves another QP.
+    #[error("the exclusive completion queue {cq_id} already serves a QP")]
+    CqInUse {
+        /// The CQ.
+        cq_id: u32,
+    },
 }
 
 /// Why a send request was refused (nothing was queued).
@@ -527,6 +534,11 @@ impl QueuePair {
         )?;
         check("ird", u32::from(attr.ird), a.max_qp_rd_atom)?;
         check("ord", u32::from(attr.ord), a.max_qp_init_rd_atom)?;
+        for cq in [&attr.send_cq, &attr.recv_cq] {
+            if cq.is_exclusive() && cq.serves_a_qp() {
+                return Err(CreateQpError::CqInUse { cq_id: cq.id() });
+            }
+        }
         let qp_num = device.alloc_qp_num();
         let datamover = device.threads().assign();
         let inner = Arc::new_cyclic(|weak| QpInner {
@@ -851,6 +863,34 @@ impl QueuePair {
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), PostSendError> {
         self.post_send_list(std::slice::from_ref(wr))
             .map_err(|e| e.error)
+    }
+
+    /// Posts one send-queue request and, where it can, writes it in the
+    /// calling thread at once and returns its completion: `Ok(Some(wc))`
+    /// when the request was written entirely within the call and its send
+    /// CQ is exclusive ([`CqBuilder::exclusive`](crate::cq::CqBuilder::exclusive)),
+    /// empty, unarmed and without waiters. That completion is not queued
+    /// on the CQ and raises no event: it is the caller's, as if the CQ had
+    /// queued it and the caller polled it at once. Otherwise (`Ok(None)`)
+    /// the request is posted as by [`post_send`](Self::post_send) and
+    /// completes through the CQ (an unsignaled request produces no
+    /// completion either way).
+    ///
+    /// When nothing else is outstanding on the send queue (and the CQ is
+    /// exclusive), the request is queued and written under one hold of
+    /// the connection's lock, never deferred to the poster's next poll
+    /// ([`DeviceConfig::tx_batch`](crate::DeviceConfig::tx_batch)): the
+    /// fast path of a ping-pong, with no hand-off between threads and no
+    /// completion queued and polled back.
+    ///
+    /// # Errors
+    ///
+    /// As [`post_send`](Self::post_send).
+    pub fn post_send_now(&self, wr: &SendWr<'_>) -> Result<Option<WorkCompletion>, PostSendError> {
+        match self.qp().core_post_send_now(wr) {
+            Some(r) => r,
+            None => self.post_send(wr).map(|()| None),
+        }
     }
 
     /// Posts several send-queue requests in order; they are framed and
