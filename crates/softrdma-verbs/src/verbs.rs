@@ -1560,7 +1560,9 @@ pub const DESTROY_LINGER: std::time::Duration = std::time::Duration::from_millis
 
 /// `ibv_destroy_qp`: a connected QP closes its connection in order (FIN, as
 /// kernel siw does) once the peer has acknowledged the bytes sent, at most
-/// [`DESTROY_LINGER`] later.
+/// [`DESTROY_LINGER`] later. The call does not wait for that: the engine
+/// does, and closes the socket (`QueuePair::close_acknowledged`; a process
+/// that exits right after waits at exit).
 #[unsafe(no_mangle)]
 pub extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
     guard_errno(|| {
@@ -1578,7 +1580,8 @@ pub extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
             .retain(|e| e.element != qp.cast());
         // A connected QP closes in order once the peer has acknowledged
         // what was sent (kernel siw, as the peer, fails a Send it was still
-        // completing when the close arrives: `QueuePair::close_acknowledged`).
+        // completing when the close arrives: `QueuePair::close_acknowledged`,
+        // which leaves the wait to the engine and returns at once).
         match q.inner.state() {
             QpState::Rts => q.inner.close_acknowledged(DESTROY_LINGER),
             QpState::Rtr => q.inner.abort(),

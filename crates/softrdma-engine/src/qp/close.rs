@@ -4,13 +4,7 @@
 //! Terminates sent and received) are the protocol core's `Connection`'s;
 //! these enter it through `core_path`.
 
-use std::os::fd::AsRawFd;
-
 use super::*;
-
-/// How often [`QpInner::close_acknowledged`] asks the socket whether the
-/// peer has acknowledged everything.
-const ACK_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl QpInner {
     /// RTS → CLOSING: the connection lets the send queue drain, then sends
@@ -58,17 +52,8 @@ impl QpInner {
         if self.state() != QpState::Rts {
             return;
         }
-        if let Some(stream) = self.core_stream() {
-            let deadline = crate::sys::clock::now() + linger;
-            // Until the peer's TCP has acknowledged every byte handed to the
-            // socket (an error: the socket is gone, nothing to wait for).
-            while matches!(crate::sys::tcp::unacked_bytes(stream.as_raw_fd()), Ok(n) if n > 0)
-                && crate::sys::clock::now() < deadline
-                && self.state() == QpState::Rts
-            {
-                std::thread::sleep(ACK_POLL);
-            }
-        }
+        // The wait for the peer's acknowledgement is the engine's (`linger`).
+        self.core_linger(linger);
         if self.state() != QpState::Error {
             self.orderly_close.store(true, Ordering::Release);
             self.enter_error(None);

@@ -48,6 +48,10 @@ pub(crate) struct CoreConn {
     pub(crate) resets: u32,
     /// Close in order instead of resetting (the QP is destroyed).
     orderly: bool,
+    /// With `orderly`: the socket is closed once the peer has acknowledged
+    /// every byte in it, at most this long after (`close_acknowledged`),
+    /// by the engine (`linger`); `None`: shut down at once.
+    linger: Option<std::time::Duration>,
     /// Detail of the next reset event (the socket error).
     reset_detail: Option<String>,
     /// The core's `LlpReset` of an abort is not reported (the QP is
@@ -159,6 +163,7 @@ impl QpInner {
             link: None,
             link_done: false,
             orderly: false,
+            linger: None,
             reset_detail: None,
             quiet_reset: false,
             ended_in_order: false,
@@ -427,7 +432,14 @@ impl QpInner {
                         if cc.ended_in_order {
                             // Nothing left to reset (see `ended_in_order`).
                         } else if cc.orderly {
-                            let _ = cc.stream.shutdown(Shutdown::Both);
+                            match cc.linger.take() {
+                                Some(linger) => {
+                                    super::linger::close_after_ack(cc.stream.clone(), linger);
+                                }
+                                None => {
+                                    let _ = cc.stream.shutdown(Shutdown::Both);
+                                }
+                            }
                         } else {
                             cc.resets += 1;
                             let _ = crate::sys::io::reset_connection(cc.fd);
@@ -934,11 +946,14 @@ impl QpInner {
         self.set_state(QpState::Idle);
     }
 
-    /// The connection's socket, while connected (a handle that keeps the
-    /// descriptor open).
-    pub(crate) fn core_stream(&self) -> Option<Arc<TcpStream>> {
-        let g = self.lock_core();
-        g.as_ref().map(|cc| cc.stream.clone())
+    /// The next orderly close of the connection (`core_abort` with
+    /// `orderly`) leaves its socket to the engine, which closes it once
+    /// the peer has acknowledged every byte in it, at most `linger` later.
+    pub(crate) fn core_linger(&self, linger: std::time::Duration) {
+        let mut g = self.lock_core();
+        if let Some(cc) = g.as_mut() {
+            cc.linger = Some(linger);
+        }
     }
 
     /// The connection's ORD (min of ours and the peer's IRD), once

@@ -53,6 +53,7 @@ mod close;
 mod conn;
 mod core_path;
 mod dm;
+mod linger;
 pub(crate) mod offload;
 pub(crate) mod post;
 
@@ -733,6 +734,16 @@ impl QueuePair {
     /// before the peer's TCP has acknowledged every byte handed to the
     /// socket, or `linger` has passed. Does nothing unless the QP is in
     /// RTS.
+    ///
+    /// Returns at once: the QP is in ERROR on return, and the engine waits
+    /// for the acknowledgement (its timer looks every millisecond) and then
+    /// sends the FIN and lets the socket go (its descriptor is closed once
+    /// the QP is destroyed or reset too). A process that exits
+    /// (`exit(3)`) right after waits at exit until those sockets are
+    /// closed, at most `linger`; one that ends without exit handlers
+    /// (`_exit(2)`, a fatal signal) leaves them to the kernel, which closes
+    /// them at once (a FIN after the bytes sent, without waiting for the
+    /// acknowledgement).
     ///
     /// The wait is for peers that cannot take a close right after their last
     /// message was answered. Kernel siw (Linux 6.1) checks after handing the
