@@ -408,6 +408,16 @@ fn watch_close(inode: u64, t0: Instant) -> (Duration, Duration) {
     }
 }
 
+/// Watches our socket (inode `inode`) every millisecond from `t0` until it
+/// leaves [`ESTABLISHED`] (its FIN queued): when, since `t0`.
+fn watch_fin(inode: u64, t0: Instant) -> Duration {
+    while tcp_state(inode) == Some(ESTABLISHED) {
+        assert!(t0.elapsed() < TIMEOUT, "no FIN");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    t0.elapsed()
+}
+
 /// Sends `len` bytes and waits for the Send's completion (the bytes are in
 /// the socket then, most of them unacknowledged by a peer that does not
 /// read).
@@ -508,6 +518,83 @@ fn close_acknowledged_against_a_stalled_peer_does_not_block() {
          before the peer read ({closed:?})"
     );
     assert_eq!(end, None, "the stream ended with FIN, not a reset");
+    assert!(got >= ANSWER, "{got} bytes");
+}
+
+/// Regression (`rdma_disconnect` sent its FIN as soon as the send queue
+/// was written, without the wait `ibv_destroy_qp`'s close has: kernel
+/// siw's check counts a FIN as a close, so a disconnect right after the
+/// answer opened the same window): the FIN of `disconnect_acknowledged`
+/// waits until the peer has read and acknowledged the answer (the call
+/// returns at once), then the close goes on as any graceful one (the
+/// peer's FIN, IDLE), without a reset.
+#[test]
+fn disconnect_right_after_the_answer_waits_for_the_peers_ack() {
+    const READ_AFTER: Duration = Duration::from_millis(400);
+    const ANSWER: usize = 64 * 1024;
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, READ_AFTER);
+    let inode = establish_with_room(&s, addr);
+    send_answer(&s, ANSWER);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    s.qp.disconnect_acknowledged(Duration::from_secs(5))
+        .unwrap();
+    let returned = t0.elapsed();
+    assert_eq!(s.qp.state(), QpState::Closing);
+    let fin = watch_fin(inode, t0);
+    // The peer reads to our FIN and closes (its FIN): IDLE.
+    let (got, end, reading_at) = peer.join().unwrap();
+    until("IDLE", || s.qp.state() == QpState::Idle);
+    assert!(
+        returned < READ_AFTER / 2,
+        "disconnect_acknowledged returned at once: {returned:?}"
+    );
+    assert!(
+        t0 + fin >= reading_at,
+        "the FIN waited until the peer read and acknowledged: FIN at {fin:?}, \
+         the peer read {:?} after the call",
+        reading_at.saturating_duration_since(t0)
+    );
+    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
+    assert!(got >= ANSWER, "{got} bytes");
+}
+
+/// A QP destroyed (with `close_acknowledged`) while the FIN of its
+/// `disconnect_acknowledged` still waits, as `rdma_disconnect` then
+/// `rdma_destroy_qp` do: the FIN still waits for the peer's
+/// acknowledgement, and the socket is closed after it.
+#[test]
+fn close_while_the_disconnects_fin_waits_still_waits_for_the_ack() {
+    const READ_AFTER: Duration = Duration::from_millis(400);
+    const ANSWER: usize = 64 * 1024;
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, READ_AFTER);
+    let inode = establish_with_room(&s, addr);
+    send_answer(&s, ANSWER);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    s.qp.disconnect_acknowledged(Duration::from_secs(5))
+        .unwrap();
+    s.qp.close_acknowledged(Duration::from_secs(5));
+    let returned = t0.elapsed();
+    assert_eq!(s.qp.state(), QpState::Error);
+    drop(s);
+    let (fin, closed) = watch_close(inode, t0);
+    let (got, end, reading_at) = peer.join().unwrap();
+    assert!(returned < READ_AFTER / 2, "returned at once: {returned:?}");
+    assert!(
+        t0 + fin >= reading_at,
+        "the FIN waited until the peer read: FIN at {fin:?}, the peer read \
+         {:?} after the call",
+        reading_at.saturating_duration_since(t0)
+    );
+    assert!(closed < Duration::from_secs(5), "closed at {closed:?}");
+    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
     assert!(got >= ANSWER, "{got} bytes");
 }
 

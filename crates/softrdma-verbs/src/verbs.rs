@@ -1553,9 +1553,10 @@ pub extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
     qp.cast()
 }
 
-/// How long `ibv_destroy_qp` of a connected QP waits at most for the peer to
-/// acknowledge the last bytes sent before closing: above Linux's longest
-/// delayed acknowledgement (200 ms), so a live peer always answers in time.
+/// How long the close of a connected QP (`ibv_destroy_qp`, and the FIN of
+/// `rdma_disconnect`) waits at most for the peer to acknowledge the last
+/// bytes sent: above Linux's longest delayed acknowledgement (200 ms), so a
+/// live peer always answers in time. The engine waits, not the caller.
 pub const DESTROY_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// `ibv_destroy_qp`: a connected QP closes its connection in order (FIN, as
@@ -1583,7 +1584,8 @@ pub extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
         // completing when the close arrives: `QueuePair::close_acknowledged`,
         // which leaves the wait to the engine and returns at once).
         match q.inner.state() {
-            QpState::Rts => q.inner.close_acknowledged(DESTROY_LINGER),
+            // (CLOSING: `rdma_disconnect`'s FIN may still wait for it.)
+            QpState::Rts | QpState::Closing => q.inner.close_acknowledged(DESTROY_LINGER),
             QpState::Rtr => q.inner.abort(),
             _ => {}
         }
@@ -1621,7 +1623,12 @@ pub extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c
                 q.inner.abort();
                 Ok(())
             }
-            (QPS_RTS, QPS_SQD) => q.inner.disconnect().map_err(|_| libc::EINVAL),
+            // The FIN waits for the peer's acknowledgement, as
+            // `rdma_disconnect`'s.
+            (QPS_RTS, QPS_SQD) => q
+                .inner
+                .disconnect_acknowledged(DESTROY_LINGER)
+                .map_err(|_| libc::EINVAL),
             (QPS_ERR | QPS_SQD, QPS_RESET) => {
                 let r = q.inner.modify(QpState::Idle).map_err(|_| libc::EINVAL);
                 if r.is_ok() {

@@ -10,8 +10,10 @@ impl QpInner {
     /// RTS → CLOSING: the connection lets the send queue drain, then sends
     /// its FIN and arms the close timer (`Connection::close`). The posted
     /// receives stay until the close ends (IDLE) or fails (ERROR).
-    pub(crate) fn begin_close(&self) {
-        self.core_close();
+    /// `fin_linger`: the FIN waits for the peer's acknowledgement of every
+    /// byte in the socket, at most this long (`disconnect_acknowledged`).
+    pub(crate) fn begin_close(&self, fin_linger: Option<std::time::Duration>) {
+        self.core_close(fin_linger);
     }
 
     /// Abortive close: reset the connection, then ERROR.
@@ -49,7 +51,7 @@ impl QpInner {
         if self.tx_batch.take_deferred() {
             self.core_kick();
         }
-        if self.state() != QpState::Rts {
+        if !matches!(self.state(), QpState::Rts | QpState::Closing) {
             return;
         }
         // The wait for the peer's acknowledgement is the engine's (`linger`).
