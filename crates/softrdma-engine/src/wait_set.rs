@@ -541,11 +541,16 @@ impl EpState {
                 // The connection before its socket (a newer one than the
                 // socket's is only registered again at the next claim).
                 let h = w.upgrade();
-                let mut fd = h.as_ref().and_then(|h| {
-                    let c = h.connection();
-                    h.sleep_on(Some(until)).map(|fd| (fd, c))
-                });
-                if let Some((fd_now, c)) = fd {
+                let mut fd = None;
+                // Twice at most: a connection made meanwhile is claimed
+                // again at once.
+                for _ in 0..2 {
+                    let Some((fd_now, c)) = h.as_ref().and_then(|h| {
+                        let c = h.connection();
+                        h.sleep_on(Some(until)).map(|fd| (fd, c))
+                    }) else {
+                        break;
+                    };
                     let what = What::Socket(w.clone(), c);
                     match self.want(fd_now, what.clone(), libc::EPOLLIN as u32, id) {
                         Ok(()) | Err(libc::EBADF) => {}
@@ -560,8 +565,10 @@ impl EpState {
                     // a connection still the same now was the same then.
                     if h.as_ref().is_some_and(|h| h.connection() != c) {
                         self.drop_reg(fd_now, &what);
-                        fd = None;
+                        continue;
                     }
+                    fd = Some((fd_now, c));
+                    break;
                 }
                 // The socket of an earlier connection (or none any more):
                 // its registration goes (its number may name another file).
