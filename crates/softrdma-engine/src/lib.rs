@@ -117,6 +117,8 @@ pub mod pd;
 pub mod proxy;
 pub mod qp;
 pub mod remote;
+#[cfg(all(test, loom))]
+mod rx_loom;
 pub mod srq;
 mod stags;
 #[allow(unsafe_code)] // the one module with `unsafe`: see its docs

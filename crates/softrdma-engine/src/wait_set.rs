@@ -540,22 +540,42 @@ impl EpState {
             for (w, slot) in list.iter().zip(m.fds.iter_mut()) {
                 // The connection before its socket (a newer one than the
                 // socket's is only registered again at the next claim).
-                let fd = w.upgrade().and_then(|h| {
-                    let c = h.connection();
-                    h.sleep_on(Some(until)).map(|fd| (fd, c))
-                });
-                match fd {
-                    Some((fd, c)) => {
-                        match self.want(fd, What::Socket(w.clone(), c), libc::EPOLLIN as u32, id) {
-                            Ok(()) | Err(libc::EBADF) => {}
-                            Err(_) => broken = true,
-                        }
+                let h = w.upgrade();
+                let mut fd = None;
+                // Twice at most: a connection made meanwhile is claimed
+                // again at once.
+                for _ in 0..2 {
+                    let Some((fd_now, c)) = h.as_ref().and_then(|h| {
+                        let c = h.connection();
+                        h.sleep_on(Some(until)).map(|fd| (fd, c))
+                    }) else {
+                        break;
+                    };
+                    let what = What::Socket(w.clone(), c);
+                    match self.want(fd_now, what.clone(), libc::EPOLLIN as u32, id) {
+                        Ok(()) | Err(libc::EBADF) => {}
+                        Err(_) => broken = true,
                     }
-                    None => {
-                        if let Some((old, c)) = *slot {
-                            self.drop_reg(old, &What::Socket(w.clone(), c));
-                        }
+                    // The claim named the socket by its number: a QP reset
+                    // and connected again between the claim and the
+                    // registration had its old socket closed, and the
+                    // number may name another file now (another QP's
+                    // socket), which must not stay registered as this
+                    // QP's. Registered, the file is held by the instance:
+                    // a connection still the same now was the same then.
+                    if h.as_ref().is_some_and(|h| h.connection() != c) {
+                        self.drop_reg(fd_now, &what);
+                        continue;
                     }
+                    fd = Some((fd_now, c));
+                    break;
+                }
+                // The socket of an earlier connection (or none any more):
+                // its registration goes (its number may name another file).
+                if let Some((old, c)) = *slot
+                    && fd.is_none_or(|f| f != (old, c))
+                {
+                    self.drop_reg(old, &What::Socket(w.clone(), c));
                 }
                 *slot = fd;
             }
@@ -1172,6 +1192,12 @@ impl WaitSet {
                         continue;
                     }
                     match &what {
+                        What::Socket(w, c) if w.upgrade().is_some_and(|h| h.connection() != *c) => {
+                            // A socket of the QP's earlier connection (its
+                            // number may name another file now): not this
+                            // QP's to receive for, nor to end the wait.
+                            ep.drop_reg(fd, &what);
+                        }
                         What::Socket(w, _) => {
                             // Bytes (or an error) on the QP's socket:
                             // receive in this thread.
@@ -1577,6 +1603,118 @@ mod tests {
             }
             assert!(cq.poll_one().is_some());
         }
+    }
+
+    /// A QP's stand-in that is reset and connected again between its
+    /// first claim and that claim's use: the claim names `stale` (the
+    /// number of its old socket, which another socket took once the old
+    /// one was closed), its connection changes meanwhile, and its later
+    /// claims name its new socket, `sock`.
+    struct Reconnects {
+        cq: CompletionQueue,
+        sock: UnixStream,
+        stale: RawFd,
+        connection: AtomicU64,
+        claimed: std::sync::atomic::AtomicBool,
+        readable: AtomicUsize,
+    }
+
+    impl Progress for Reconnects {
+        fn progress(&self, _armed: bool) -> bool {
+            self.progress_readable()
+        }
+
+        fn progress_readable(&self) -> bool {
+            self.readable.fetch_add(1, Ordering::Relaxed);
+            let mut b = [0u8; 16];
+            match (&self.sock).read(&mut b) {
+                Ok(n) if n > 0 => {
+                    for &id in &b[..n] {
+                        self.cq
+                            .push(
+                                WorkCompletion::success(u64::from(id), WcOpcode::Recv, 1),
+                                false,
+                            )
+                            .unwrap();
+                    }
+                    true
+                }
+                _ => false,
+            }
+        }
+
+        fn connection(&self) -> u64 {
+            self.connection.load(Ordering::Relaxed)
+        }
+
+        fn sleep_on(&self, until_ns: Option<u64>) -> Option<RawFd> {
+            if until_ns.is_some() && !self.claimed.swap(true, Ordering::Relaxed) {
+                // Read before the reset; the QP is connected again by the
+                // time the number is used.
+                self.connection.store(1, Ordering::Relaxed);
+                return Some(self.stale);
+            }
+            Some(self.sock.as_raw_fd())
+        }
+    }
+
+    /// Regression (a wait's claim names the QP's socket by its number): a
+    /// QP reset and connected again between its claim and the wait's
+    /// registration of the number had its old socket closed, and the
+    /// number, taken by another QP's socket meanwhile, stayed registered
+    /// as this QP's: every byte for the other QP woke the set and ran this
+    /// QP's receive path, for as long as that socket lived. The claim's
+    /// connection is checked once the number is registered (and a
+    /// registration of an earlier connection is dropped when it fires).
+    #[test]
+    fn a_claimed_number_that_names_another_socket_by_its_use_is_not_watched() {
+        let dev = Device::open_with(crate::DeviceConfig {
+            poll_spin: Duration::ZERO,
+            pin_threads: false,
+            ..crate::DeviceConfig::default()
+        })
+        .unwrap();
+        let cq = CompletionQueue::new(&dev, 64, None).unwrap();
+        // The other QP's socket, with bytes its own receiver has not read.
+        let (other, mut other_peer) = UnixStream::pair().unwrap();
+        other_peer.write_all(b"x").unwrap();
+        let (ours, mut our_peer) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let hook = Arc::new(Reconnects {
+            cq: cq.clone(),
+            sock: ours,
+            stale: other.as_raw_fd(),
+            connection: AtomicU64::new(0),
+            claimed: std::sync::atomic::AtomicBool::new(false),
+            readable: AtomicUsize::new(0),
+        });
+        let weak: Weak<dyn Progress> = Arc::downgrade(&(hook.clone() as Arc<dyn Progress>));
+        cq.attach_progress(weak);
+        // Four entries: the set sleeps in epoll.
+        let quiet: Vec<_> = (0..3).map(|_| UnixStream::pair().unwrap()).collect();
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        for q in &quiet {
+            set.add_fd(q.0.as_raw_fd(), libc::POLLIN);
+        }
+        for _ in 0..5 {
+            assert_eq!(set.wait(Some(Duration::from_millis(5))).unwrap(), 0);
+        }
+        assert_eq!(
+            hook.readable.load(Ordering::Relaxed),
+            0,
+            "the other QP's bytes ran this QP's receive path"
+        );
+        // Its own socket is watched.
+        our_peer.write_all(&[7]).unwrap();
+        let mut out = [WorkCompletion::success(0, WcOpcode::Send, 0); 1];
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while cq.poll(&mut out) == 0 {
+            assert!(std::time::Instant::now() < deadline, "never received");
+            let _ = set.wait(Some(Duration::from_millis(50))).unwrap();
+        }
+        assert_eq!(out[0].wr_id, 7);
+        drop(other);
     }
 
     /// A wait that sleeps in a QP's `recv` takes the CQ's one hook from

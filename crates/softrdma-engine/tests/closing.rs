@@ -300,29 +300,33 @@ fn reconnect_after_a_graceful_close_sends_again() {
     assert_eq!(target.to_vec(), 5u64.to_le_bytes());
 }
 
+/// How a [`late_reader`] peer's stream went: bytes read, how it ended
+/// (`None`: FIN; else the error) and when it began to read.
+type PeerEnd = (usize, Option<std::io::ErrorKind>, Instant);
+
 /// A scripted peer whose receive window is closed: it accepts the MPA
 /// exchange, then reads nothing until `read_after` has passed since `go`
-/// fired, then reads to the end of the stream. Returns the bytes read and
-/// how the stream ended (`None`: FIN; else the error).
+/// fired, then reads to the end of the stream.
 fn late_reader(
     listener: TcpListener,
     go: std::sync::mpsc::Receiver<()>,
     read_after: Duration,
-) -> std::thread::JoinHandle<(usize, Option<std::io::ErrorKind>)> {
+) -> std::thread::JoinHandle<PeerEnd> {
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         mpa_accept(&mut s, &MpaConfig::default(), &[], TIMEOUT).unwrap();
         go.recv().unwrap();
         std::thread::sleep(read_after);
+        let reading_at = Instant::now();
         use std::io::Read;
         let mut buf = vec![0u8; 65536];
         let mut got = 0;
         s.set_read_timeout(Some(TIMEOUT)).unwrap();
         loop {
             match s.read(&mut buf) {
-                Ok(0) => return (got, None),
+                Ok(0) => return (got, None, reading_at),
                 Ok(n) => got += n,
-                Err(e) => return (got, Some(e.kind())),
+                Err(e) => return (got, Some(e.kind()), reading_at),
             }
         }
     })
@@ -332,22 +336,86 @@ fn late_reader(
 /// a large answer unacknowledged.
 fn connect_to_late_reader(dev: &Device) -> (Side, std::net::SocketAddr, TcpListener) {
     let s = side(dev, |_| {});
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-    // The smallest receive buffer: a window of a few KiB.
-    socket2::SockRef::from(&listener)
-        .set_recv_buffer_size(2048)
-        .unwrap();
+    let listener = late_listener();
     let addr = listener.local_addr().unwrap();
     (s, addr, listener)
 }
 
-fn establish_with_room(s: &Side, addr: std::net::SocketAddr) {
+/// A listener whose connections have the smallest receive buffer: a
+/// window of a few KiB.
+fn late_listener() -> TcpListener {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    socket2::SockRef::from(&listener)
+        .set_recv_buffer_size(2048)
+        .unwrap();
+    listener
+}
+
+/// Connects `s` to `addr`; returns the inode of its socket (see
+/// [`tcp_state`]).
+fn establish_with_room(s: &Side, addr: std::net::SocketAddr) -> u64 {
     let mut stream = TcpStream::connect(addr).unwrap();
     socket2::SockRef::from(&stream)
         .set_send_buffer_size(1 << 20)
         .unwrap();
     let n = mpa_connect(&mut stream, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+    let inode = socket_inode(&stream);
     s.qp.establish(stream, &LinkParams::from(&n)).unwrap();
+    inode
+}
+
+/// The inode of a socket (its `/proc/self/fd` link reads `socket:[N]`).
+fn socket_inode(s: &TcpStream) -> u64 {
+    use std::os::fd::AsRawFd;
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", s.as_raw_fd())).unwrap();
+    let link = link.to_string_lossy();
+    link.strip_prefix("socket:[")
+        .and_then(|l| l.strip_suffix(']'))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("not a socket: {link}"))
+}
+
+/// `/proc/net/tcp`'s state of a connection.
+const ESTABLISHED: u8 = 0x01;
+
+/// The TCP state (as `/proc/net/tcp` numbers it: [`ESTABLISHED`], 4
+/// `FIN_WAIT1`, ...) of the IPv4 socket with inode `inode`, while a
+/// descriptor holds it; `None` once its last descriptor is closed (the
+/// kernel lists a socket nobody holds with inode 0).
+fn tcp_state(inode: u64) -> Option<u8> {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.get(9)?.parse::<u64>().ok()? == inode).then(|| u8::from_str_radix(f[3], 16).unwrap())
+    })
+}
+
+/// Watches our socket (inode `inode`) every millisecond from `t0` until no
+/// descriptor holds it: when it left [`ESTABLISHED`] (its FIN queued)
+/// and when it was closed, both since `t0`.
+fn watch_close(inode: u64, t0: Instant) -> (Duration, Duration) {
+    let mut fin = None;
+    loop {
+        let st = tcp_state(inode);
+        if st != Some(ESTABLISHED) && fin.is_none() {
+            fin = Some(t0.elapsed());
+        }
+        if st.is_none() {
+            return (fin.unwrap(), t0.elapsed());
+        }
+        assert!(t0.elapsed() < TIMEOUT, "the socket was never closed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Watches our socket (inode `inode`) every millisecond from `t0` until it
+/// leaves [`ESTABLISHED`] (its FIN queued): when, since `t0`.
+fn watch_fin(inode: u64, t0: Instant) -> Duration {
+    while tcp_state(inode) == Some(ESTABLISHED) {
+        assert!(t0.elapsed() < TIMEOUT, "no FIN");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    t0.elapsed()
 }
 
 /// Sends `len` bytes and waits for the Send's completion (the bytes are in
@@ -374,8 +442,11 @@ fn send_answer(s: &Side, len: usize) {
 /// and the reset together when its sending thread lets the socket go, then
 /// finds the connection down). The peer's TCP had not acknowledged the
 /// answer then. Here the scripted peer acknowledges late (its window is
-/// closed until it reads): the close must wait for that acknowledgement,
-/// come in order (FIN, no reset) and leave the answer whole.
+/// closed until it reads): the FIN must wait for that acknowledgement
+/// (our socket stays `ESTABLISHED`, no FIN queued, until the peer reads),
+/// come in order (no reset), leave the answer whole, and the socket be
+/// closed soon after, although the QP was destroyed right after the call,
+/// which returned at once.
 #[test]
 fn close_right_after_the_answer_waits_for_the_peers_ack() {
     const READ_AFTER: Duration = Duration::from_millis(400);
@@ -384,48 +455,205 @@ fn close_right_after_the_answer_waits_for_the_peers_ack() {
     let (s, addr, listener) = connect_to_late_reader(&dev);
     let (go, went) = std::sync::mpsc::channel();
     let peer = late_reader(listener, went, READ_AFTER);
-    establish_with_room(&s, addr);
+    let inode = establish_with_room(&s, addr);
     send_answer(&s, ANSWER);
-    let t0 = Instant::now();
     go.send(()).unwrap();
+    let t0 = Instant::now();
     s.qp.close_acknowledged(Duration::from_secs(5));
-    let waited = t0.elapsed();
+    let returned = t0.elapsed();
     assert_eq!(s.qp.state(), QpState::Error);
-    let (got, end) = peer.join().unwrap();
-    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
-    assert!(got >= ANSWER, "the peer got the whole answer: {got} bytes");
-    assert!(
-        waited >= READ_AFTER / 2,
-        "the close waited until the peer read and acknowledged: {waited:?}"
-    );
-    assert!(waited < Duration::from_secs(5), "{waited:?}");
     // Its Send completed before; nothing else is reported.
     let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 4];
     assert_eq!(s.cq.poll(&mut out), 0);
+    drop(s);
+    let (fin, closed) = watch_close(inode, t0);
+    let (got, end, reading_at) = peer.join().unwrap();
+    assert!(
+        returned < READ_AFTER / 2,
+        "close_acknowledged returned at once: {returned:?}"
+    );
+    assert!(
+        t0 + fin >= reading_at,
+        "the FIN waited until the peer read and acknowledged: FIN at {fin:?}, \
+         the peer read {:?} after the call",
+        reading_at.saturating_duration_since(t0)
+    );
+    assert!(closed < Duration::from_secs(5), "closed at {closed:?}");
+    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
+    assert!(got >= ANSWER, "the peer got the whole answer: {got} bytes");
 }
 
-/// A peer that does not acknowledge within the linger gets the close then
-/// (in order: its TCP still receives everything before the FIN).
+/// Regression (`ibv_destroy_qp` of a connected QP blocked for up to its
+/// linger, 250 ms, against a dead or stalled peer, waiting for its
+/// acknowledgement): the call returns at once; the engine still gives the
+/// peer until the linger to acknowledge, then sends the FIN (in order: the
+/// peer's TCP still receives everything before it) and closes the
+/// socket, long before the stalled peer reads.
 #[test]
-fn close_acknowledged_gives_up_after_the_linger() {
+fn close_acknowledged_against_a_stalled_peer_does_not_block() {
     const LINGER: Duration = Duration::from_millis(300);
+    const STALLED: Duration = Duration::from_secs(3);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
     let (s, addr, listener) = connect_to_late_reader(&dev);
     let (go, went) = std::sync::mpsc::channel();
-    let peer = late_reader(listener, went, Duration::from_secs(2));
-    establish_with_room(&s, addr);
+    let peer = late_reader(listener, went, STALLED);
+    let inode = establish_with_room(&s, addr);
     send_answer(&s, ANSWER);
     go.send(()).unwrap();
     let t0 = Instant::now();
     s.qp.close_acknowledged(LINGER);
-    let waited = t0.elapsed();
+    let returned = t0.elapsed();
     assert_eq!(s.qp.state(), QpState::Error);
+    drop(s);
+    let (fin, closed) = watch_close(inode, t0);
+    let (got, end, _) = peer.join().unwrap();
     assert!(
-        waited >= LINGER && waited < Duration::from_secs(2),
-        "gave up after the linger: {waited:?}"
+        returned < LINGER / 2,
+        "close_acknowledged returned at once: {returned:?}"
     );
-    let (got, end) = peer.join().unwrap();
+    assert!(
+        fin >= LINGER && closed < STALLED,
+        "the FIN went after the linger ({fin:?}), the socket was closed \
+         before the peer read ({closed:?})"
+    );
     assert_eq!(end, None, "the stream ended with FIN, not a reset");
     assert!(got >= ANSWER, "{got} bytes");
+}
+
+/// Regression (`rdma_disconnect` sent its FIN as soon as the send queue
+/// was written, without the wait `ibv_destroy_qp`'s close has: kernel
+/// siw's check counts a FIN as a close, so a disconnect right after the
+/// answer opened the same window): the FIN of `disconnect_acknowledged`
+/// waits until the peer has read and acknowledged the answer (the call
+/// returns at once), then the close goes on as any graceful one (the
+/// peer's FIN, IDLE), without a reset.
+#[test]
+fn disconnect_right_after_the_answer_waits_for_the_peers_ack() {
+    const READ_AFTER: Duration = Duration::from_millis(400);
+    const ANSWER: usize = 64 * 1024;
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, READ_AFTER);
+    let inode = establish_with_room(&s, addr);
+    send_answer(&s, ANSWER);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    s.qp.disconnect_acknowledged(Duration::from_secs(5))
+        .unwrap();
+    let returned = t0.elapsed();
+    assert_eq!(s.qp.state(), QpState::Closing);
+    let fin = watch_fin(inode, t0);
+    // The peer reads to our FIN and closes (its FIN): IDLE.
+    let (got, end, reading_at) = peer.join().unwrap();
+    until("IDLE", || s.qp.state() == QpState::Idle);
+    assert!(
+        returned < READ_AFTER / 2,
+        "disconnect_acknowledged returned at once: {returned:?}"
+    );
+    assert!(
+        t0 + fin >= reading_at,
+        "the FIN waited until the peer read and acknowledged: FIN at {fin:?}, \
+         the peer read {:?} after the call",
+        reading_at.saturating_duration_since(t0)
+    );
+    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
+    assert!(got >= ANSWER, "{got} bytes");
+}
+
+/// A QP destroyed (with `close_acknowledged`) while the FIN of its
+/// `disconnect_acknowledged` still waits, as `rdma_disconnect` then
+/// `rdma_destroy_qp` do: the FIN still waits for the peer's
+/// acknowledgement, and the socket is closed after it.
+#[test]
+fn close_while_the_disconnects_fin_waits_still_waits_for_the_ack() {
+    const READ_AFTER: Duration = Duration::from_millis(400);
+    const ANSWER: usize = 64 * 1024;
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, READ_AFTER);
+    let inode = establish_with_room(&s, addr);
+    send_answer(&s, ANSWER);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    s.qp.disconnect_acknowledged(Duration::from_secs(5))
+        .unwrap();
+    s.qp.close_acknowledged(Duration::from_secs(5));
+    let returned = t0.elapsed();
+    assert_eq!(s.qp.state(), QpState::Error);
+    drop(s);
+    let (fin, closed) = watch_close(inode, t0);
+    let (got, end, reading_at) = peer.join().unwrap();
+    assert!(returned < READ_AFTER / 2, "returned at once: {returned:?}");
+    assert!(
+        t0 + fin >= reading_at,
+        "the FIN waited until the peer read: FIN at {fin:?}, the peer read \
+         {:?} after the call",
+        reading_at.saturating_duration_since(t0)
+    );
+    assert!(closed < Duration::from_secs(5), "closed at {closed:?}");
+    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
+    assert!(got >= ANSWER, "{got} bytes");
+}
+
+/// Set in the child process of [`exit_right_after_the_close_waits_for_the_peers_ack`]:
+/// the address of its scripted peer.
+const EXIT_CHILD_ENV: &str = "SOFTRDMA_CLOSING_EXIT_CHILD";
+
+/// The peer of a process that closes with `close_acknowledged` and exits
+/// (`exit(3)`) right after: the exit waits until the peer has
+/// acknowledged the answer (its exit handler), so the FIN still comes
+/// after the acknowledgement. (Without the handler the process ended at
+/// once and the kernel sent the FIN then.)
+#[test]
+fn exit_right_after_the_close_waits_for_the_peers_ack() {
+    const READ_AFTER: Duration = Duration::from_millis(400);
+    let listener = late_listener();
+    let addr = listener.local_addr().unwrap();
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, READ_AFTER);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_closes_and_exits",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(EXIT_CHILD_ENV, addr.to_string())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    let exited = Instant::now();
+    let (got, end, reading_at) = peer.join().unwrap();
+    assert!(status.success(), "{status}");
+    assert!(
+        exited >= reading_at,
+        "the child exited {:?} after it started, before the peer read ({:?})",
+        exited - t0,
+        reading_at.saturating_duration_since(t0)
+    );
+    assert_eq!(end, None, "the stream ended with FIN, not a reset");
+    assert!(got >= 64 * 1024, "{got} bytes");
+}
+
+/// The child of [`exit_right_after_the_close_waits_for_the_peers_ack`]:
+/// answers, closes and exits at once.
+#[test]
+#[ignore = "run by exit_right_after_the_close_waits_for_the_peers_ack"]
+fn child_closes_and_exits() {
+    let Ok(addr) = std::env::var(EXIT_CHILD_ENV) else {
+        return;
+    };
+    let dev = device(false);
+    let s = side(&dev, |_| {});
+    establish_with_room(&s, addr.parse().unwrap());
+    send_answer(&s, 64 * 1024);
+    s.qp.close_acknowledged(Duration::from_secs(5));
+    drop(s);
+    std::process::exit(0);
 }

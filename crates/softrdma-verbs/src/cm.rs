@@ -988,7 +988,14 @@ pub extern "C" fn rdma_disconnect(id: *mut rdma_cm_id) -> c_int {
         // SAFETY: an id of ours.
         let i = unsafe { id_ref(id) };
         let conn = i.st.conn.lock().clone().ok_or(libc::ENOTCONN)?;
-        if conn.disconnect().is_err() {
+        // The FIN waits for the peer's acknowledgement of what was sent, as
+        // `ibv_destroy_qp`'s close does (kernel siw fails a Send it is still
+        // completing when a FIN arrives); the call returns at once.
+        if conn
+            .qp()
+            .disconnect_acknowledged(crate::verbs::DESTROY_LINGER)
+            .is_err()
+        {
             // Not in RTS any more (peer closed, error): nothing to close.
         }
         Ok(())

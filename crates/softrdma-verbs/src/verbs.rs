@@ -1553,14 +1553,17 @@ pub extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
     qp.cast()
 }
 
-/// How long `ibv_destroy_qp` of a connected QP waits at most for the peer to
-/// acknowledge the last bytes sent before closing: above Linux's longest
-/// delayed acknowledgement (200 ms), so a live peer always answers in time.
+/// How long the close of a connected QP (`ibv_destroy_qp`, and the FIN of
+/// `rdma_disconnect`) waits at most for the peer to acknowledge the last
+/// bytes sent: above Linux's longest delayed acknowledgement (200 ms), so a
+/// live peer always answers in time. The engine waits, not the caller.
 pub const DESTROY_LINGER: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// `ibv_destroy_qp`: a connected QP closes its connection in order (FIN, as
 /// kernel siw does) once the peer has acknowledged the bytes sent, at most
-/// [`DESTROY_LINGER`] later.
+/// [`DESTROY_LINGER`] later. The call does not wait for that: the engine
+/// does, and closes the socket (`QueuePair::close_acknowledged`; a process
+/// that exits right after waits at exit).
 #[unsafe(no_mangle)]
 pub extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
     guard_errno(|| {
@@ -1578,9 +1581,11 @@ pub extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
             .retain(|e| e.element != qp.cast());
         // A connected QP closes in order once the peer has acknowledged
         // what was sent (kernel siw, as the peer, fails a Send it was still
-        // completing when the close arrives: `QueuePair::close_acknowledged`).
+        // completing when the close arrives: `QueuePair::close_acknowledged`,
+        // which leaves the wait to the engine and returns at once).
         match q.inner.state() {
-            QpState::Rts => q.inner.close_acknowledged(DESTROY_LINGER),
+            // (CLOSING: `rdma_disconnect`'s FIN may still wait for it.)
+            QpState::Rts | QpState::Closing => q.inner.close_acknowledged(DESTROY_LINGER),
             QpState::Rtr => q.inner.abort(),
             _ => {}
         }
@@ -1618,7 +1623,12 @@ pub extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c
                 q.inner.abort();
                 Ok(())
             }
-            (QPS_RTS, QPS_SQD) => q.inner.disconnect().map_err(|_| libc::EINVAL),
+            // The FIN waits for the peer's acknowledgement, as
+            // `rdma_disconnect`'s.
+            (QPS_RTS, QPS_SQD) => q
+                .inner
+                .disconnect_acknowledged(DESTROY_LINGER)
+                .map_err(|_| libc::EINVAL),
             (QPS_ERR | QPS_SQD, QPS_RESET) => {
                 let r = q.inner.modify(QpState::Idle).map_err(|_| libc::EINVAL);
                 if r.is_ok() {

@@ -4,20 +4,16 @@
 //! Terminates sent and received) are the protocol core's `Connection`'s;
 //! these enter it through `core_path`.
 
-use std::os::fd::AsRawFd;
-
 use super::*;
-
-/// How often [`QpInner::close_acknowledged`] asks the socket whether the
-/// peer has acknowledged everything.
-const ACK_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl QpInner {
     /// RTS → CLOSING: the connection lets the send queue drain, then sends
     /// its FIN and arms the close timer (`Connection::close`). The posted
     /// receives stay until the close ends (IDLE) or fails (ERROR).
-    pub(crate) fn begin_close(&self) {
-        self.core_close();
+    /// `fin_linger`: the FIN waits for the peer's acknowledgement of every
+    /// byte in the socket, at most this long (`disconnect_acknowledged`).
+    pub(crate) fn begin_close(&self, fin_linger: Option<std::time::Duration>) {
+        self.core_close(fin_linger);
     }
 
     /// Abortive close: reset the connection, then ERROR.
@@ -55,20 +51,11 @@ impl QpInner {
         if self.tx_batch.take_deferred() {
             self.core_kick();
         }
-        if self.state() != QpState::Rts {
+        if !matches!(self.state(), QpState::Rts | QpState::Closing) {
             return;
         }
-        if let Some(stream) = self.core_stream() {
-            let deadline = crate::sys::clock::now() + linger;
-            // Until the peer's TCP has acknowledged every byte handed to the
-            // socket (an error: the socket is gone, nothing to wait for).
-            while matches!(crate::sys::tcp::unacked_bytes(stream.as_raw_fd()), Ok(n) if n > 0)
-                && crate::sys::clock::now() < deadline
-                && self.state() == QpState::Rts
-            {
-                std::thread::sleep(ACK_POLL);
-            }
-        }
+        // The wait for the peer's acknowledgement is the engine's (`linger`).
+        self.core_linger(linger);
         if self.state() != QpState::Error {
             self.orderly_close.store(true, Ordering::Release);
             self.enter_error(None);

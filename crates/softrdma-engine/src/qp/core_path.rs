@@ -48,6 +48,18 @@ pub(crate) struct CoreConn {
     pub(crate) resets: u32,
     /// Close in order instead of resetting (the QP is destroyed).
     orderly: bool,
+    /// With `orderly`: the socket is closed once the peer has acknowledged
+    /// every byte in it, at most this long after (`close_acknowledged`),
+    /// by the engine (`linger`); `None`: shut down at once.
+    linger: Option<std::time::Duration>,
+    /// The FIN of a graceful close waits until the peer has acknowledged
+    /// every byte in the socket, at most until this time ([`now_ns`]
+    /// clock; `disconnect_acknowledged`).
+    ///
+    /// [`now_ns`]: crate::datamover::now_ns
+    fin_after_ack: Option<u64>,
+    /// A timer looks again at a FIN that waits (`fin_after_ack`).
+    fin_timer: bool,
     /// Detail of the next reset event (the socket error).
     reset_detail: Option<String>,
     /// The core's `LlpReset` of an abort is not reported (the QP is
@@ -164,6 +176,9 @@ impl QpInner {
             link: None,
             link_done: false,
             orderly: false,
+            linger: None,
+            fin_after_ack: None,
+            fin_timer: false,
             reset_detail: None,
             quiet_reset: false,
             ended_in_order: false,
@@ -478,7 +493,14 @@ impl QpInner {
                         if cc.ended_in_order {
                             // Nothing left to reset (see `ended_in_order`).
                         } else if cc.orderly {
-                            let _ = cc.stream.shutdown(Shutdown::Both);
+                            match cc.linger.take() {
+                                Some(linger) => {
+                                    super::linger::close_after_ack(cc.stream.clone(), linger);
+                                }
+                                None => {
+                                    let _ = cc.stream.shutdown(Shutdown::Both);
+                                }
+                            }
                         } else {
                             cc.resets += 1;
                             let _ = crate::sys::io::reset_connection(cc.fd);
@@ -516,6 +538,7 @@ impl QpInner {
             if let Some(a) = cc.link
                 && cc.tx.pending() == 0
                 && !cc.link_done
+                && !(matches!(a, LinkAction::SendFin) && self.core_fin_waits(cc))
             {
                 cc.link = None;
                 match a {
@@ -543,6 +566,39 @@ impl QpInner {
             }
         }
         self.core_arm_timer(cc);
+    }
+
+    /// Whether the FIN the connection asked for waits for the peer's
+    /// acknowledgement of every byte in the socket (`fin_after_ack`): a
+    /// timer then looks again every [`ACK_POLL`](super::linger::ACK_POLL).
+    /// Once acknowledged, past the deadline, or without a timer, it goes.
+    fn core_fin_waits(&self, cc: &mut CoreConn) -> bool {
+        let Some(deadline) = cc.fin_after_ack else {
+            return false;
+        };
+        if cc.fin_timer {
+            return true;
+        }
+        let unacked = crate::sys::tcp::unacked_bytes(cc.fd).is_ok_and(|n| n > 0);
+        if unacked && crate::datamover::now_ns() < deadline {
+            let weak = self.self_weak.clone();
+            let epoch = cc.epoch;
+            cc.fin_timer = crate::timer::arm(super::linger::ACK_POLL, move || {
+                if let Some(qp) = weak.upgrade() {
+                    let mut g = qp.lock_core();
+                    if let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch) {
+                        cc.fin_timer = false;
+                        qp.core_outputs(cc);
+                    }
+                }
+            })
+            .is_ok();
+            if cc.fin_timer {
+                return true;
+            }
+        }
+        cc.fin_after_ack = None;
+        false
     }
 
     fn core_event(&self, cc: &mut CoreConn, e: &ct::AsyncEvent) {
@@ -925,11 +981,16 @@ impl QpInner {
         }
     }
 
-    /// RTS → CLOSING on the core path.
-    pub(crate) fn core_close(&self) {
+    /// RTS → CLOSING on the core path; `fin_linger`: the FIN waits until
+    /// the peer has acknowledged every byte in the socket, at most this
+    /// long.
+    pub(crate) fn core_close(&self, fin_linger: Option<std::time::Duration>) {
         let mut g = self.lock_core();
         if let Some(cc) = g.as_mut() {
-            cc.conn.close(crate::datamover::now_ns());
+            let now = crate::datamover::now_ns();
+            cc.fin_after_ack = fin_linger
+                .map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));
+            cc.conn.close(now);
             self.core_outputs(cc);
         }
         drop(g);
@@ -992,11 +1053,14 @@ impl QpInner {
         self.set_state(QpState::Idle);
     }
 
-    /// The connection's socket, while connected (a handle that keeps the
-    /// descriptor open).
-    pub(crate) fn core_stream(&self) -> Option<Arc<TcpStream>> {
-        let g = self.lock_core();
-        g.as_ref().map(|cc| cc.stream.clone())
+    /// The next orderly close of the connection (`core_abort` with
+    /// `orderly`) leaves its socket to the engine, which closes it once
+    /// the peer has acknowledged every byte in it, at most `linger` later.
+    pub(crate) fn core_linger(&self, linger: std::time::Duration) {
+        let mut g = self.lock_core();
+        if let Some(cc) = g.as_mut() {
+            cc.linger = Some(linger);
+        }
     }
 
     /// The connection's ORD (min of ours and the peer's IRD), once

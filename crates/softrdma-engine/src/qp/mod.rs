@@ -53,6 +53,7 @@ mod close;
 mod conn;
 mod core_path;
 mod dm;
+mod linger;
 pub(crate) mod offload;
 pub(crate) mod post;
 
@@ -668,7 +669,7 @@ impl QueuePair {
                 Ok(())
             }
             QpState::Closing => {
-                qp.begin_close();
+                qp.begin_close(None);
                 Ok(())
             }
             QpState::Idle if from == QpState::Error => {
@@ -717,7 +718,33 @@ impl QueuePair {
                 to: QpState::Closing,
             });
         }
-        qp.begin_close();
+        qp.begin_close(None);
+        Ok(())
+    }
+
+    /// [`disconnect`](Self::disconnect) whose FIN waits until the peer's
+    /// TCP has acknowledged every byte handed to the socket (the requests
+    /// posted before the call included), at most `linger` after the call:
+    /// for peers that fail a request they are still completing when a
+    /// close arrives (kernel siw, see
+    /// [`close_acknowledged`](Self::close_acknowledged); its check counts
+    /// a FIN as a close). Returns at once: the engine's timer looks every
+    /// millisecond. The close timer runs from the call, as for
+    /// [`disconnect`](Self::disconnect); a QP destroyed while its FIN
+    /// waits should be closed with
+    /// [`close_acknowledged`](Self::close_acknowledged), which keeps
+    /// waiting.
+    pub fn disconnect_acknowledged(&self, linger: std::time::Duration) -> Result<(), ModifyError> {
+        let qp = self.qp();
+        let from = qp.state();
+        if from != QpState::Rts {
+            return Err(ModifyError::InvalidTransition {
+                qp_num: qp.qp_num,
+                from,
+                to: QpState::Closing,
+            });
+        }
+        qp.begin_close(Some(linger));
         Ok(())
     }
 
@@ -744,7 +771,19 @@ impl QueuePair {
     /// outstanding request is flushed, without an async event), but not
     /// before the peer's TCP has acknowledged every byte handed to the
     /// socket, or `linger` has passed. Does nothing unless the QP is in
-    /// RTS.
+    /// RTS or CLOSING (a FIN that still waits, see
+    /// [`disconnect_acknowledged`](Self::disconnect_acknowledged), goes
+    /// with the close).
+    ///
+    /// Returns at once: the QP is in ERROR on return, and the engine waits
+    /// for the acknowledgement (its timer looks every millisecond) and then
+    /// sends the FIN and lets the socket go (its descriptor is closed once
+    /// the QP is destroyed or reset too). A process that exits
+    /// (`exit(3)`) right after waits at exit until those sockets are
+    /// closed, at most `linger`; one that ends without exit handlers
+    /// (`_exit(2)`, a fatal signal) leaves them to the kernel, which closes
+    /// them at once (a FIN after the bytes sent, without waiting for the
+    /// acknowledgement).
     ///
     /// The wait is for peers that cannot take a close right after their last
     /// message was answered. Kernel siw (Linux 6.1) checks after handing the

@@ -1,0 +1,176 @@
+//! Lingering closes: the socket of a QP closed with
+//! [`QueuePair::close_acknowledged`] is closed in order (FIN) once its peer
+//! has acknowledged every byte handed to it, or once the linger has passed,
+//! by the engine: the caller returns at once.
+//!
+//! The sockets waiting are kept in one list (of this fork generation), which
+//! one timer looks at every [`ACK_POLL`] while it is not empty
+//! (`ioctl(SIOCOUTQ)` per socket). A socket whose wait is over has what it
+//! received and nobody read dropped (a socket closed with unread bytes
+//! resets its connection), is shut down both ways (the FIN after the bytes
+//! in the socket) and is let go: its descriptor is closed once the QP has
+//! let go of it too (at its destroy, or its reset to IDLE).
+//!
+//! **At exit.** A process that exits right after closing (a return from
+//! `main`, `exit(3)`) waits in its exit handler, registered with the first
+//! lingering close, until every socket in the list has been closed: at
+//! most the longest linger, not at all once the peers have acknowledged.
+//! A process that ends without exit handlers (`_exit(2)`, a fatal signal,
+//! an abort) leaves the sockets to the kernel, which closes them at once:
+//! in order (FIN after the bytes sent) unless bytes received were unread
+//! (then with a reset), without waiting for the acknowledgement. A forked
+//! child closes none of its parent's sockets and does not wait for them.
+//!
+//! [`QueuePair::close_acknowledged`]: super::QueuePair::close_acknowledged
+
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::sys::process::PerFork;
+
+/// How often the sockets waiting are asked whether their peers have
+/// acknowledged everything.
+pub(crate) const ACK_POLL: Duration = Duration::from_millis(1);
+
+/// Longest wait for the list's lock at exit (the exiting thread may hold it
+/// itself: `exit` called from a signal handler).
+const EXIT_LOCK_WAIT: Duration = Duration::from_millis(100);
+
+/// A socket waiting for its peer's acknowledgement.
+struct Lingering {
+    stream: Arc<TcpStream>,
+    deadline: Instant,
+}
+
+impl Lingering {
+    /// Whether the wait is over at `now`: the peer acknowledged every byte
+    /// (or the socket cannot tell: it is gone), or the linger has passed.
+    fn over(&self, now: Instant) -> bool {
+        now >= self.deadline
+            || !matches!(crate::sys::tcp::unacked_bytes(self.stream.as_raw_fd()), Ok(n) if n > 0)
+    }
+
+    /// Closes in order: drops what was received and not read, FIN after
+    /// the bytes in the socket.
+    fn close(self) {
+        crate::sys::tcp::discard_received(self.stream.as_raw_fd());
+        let _ = self.stream.shutdown(Shutdown::Both);
+        #[cfg(test)]
+        CLOSED.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Default)]
+struct Pending {
+    list: Vec<Lingering>,
+    /// The timer that looks at the list is armed.
+    armed: bool,
+}
+
+impl Pending {
+    /// Takes the sockets whose wait is over at `now` out of the list.
+    fn take_over(&mut self, now: Instant) -> Vec<Lingering> {
+        let mut over = Vec::new();
+        let mut i = 0;
+        while i < self.list.len() {
+            if self.list[i].over(now) {
+                over.push(self.list.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        over
+    }
+}
+
+/// The sockets waiting, of this fork generation.
+static PENDING: PerFork<Mutex<Pending>> = PerFork::new();
+
+#[cfg(test)]
+/// Tests: sockets closed by this module so far.
+pub(crate) static CLOSED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Closes `stream` in order once its peer has acknowledged every byte
+/// handed to it, at most `linger` from now, without waiting for that: the
+/// engine's timer does. Ends any receive sleeping in the socket at once
+/// (`shutdown(SHUT_RD)`, which sends nothing).
+pub(crate) fn close_after_ack(stream: Arc<TcpStream>, linger: Duration) {
+    let _ = stream.shutdown(Shutdown::Read);
+    let now = crate::sys::clock::now();
+    let l = Lingering {
+        stream,
+        deadline: now.checked_add(linger).unwrap_or(now),
+    };
+    if l.over(now) {
+        l.close();
+        return;
+    }
+    register_exit_handler();
+    let mut p = PENDING.get(Default::default).lock();
+    p.list.push(l);
+    if !p.armed {
+        p.armed = crate::timer::arm(ACK_POLL, tick).is_ok();
+        if !p.armed {
+            // No timer thread: closed at once (in order), as without the
+            // wait.
+            let all = std::mem::take(&mut p.list);
+            drop(p);
+            all.into_iter().for_each(Lingering::close);
+        }
+    }
+}
+
+/// The timer: closes the sockets whose wait is over, and looks again
+/// [`ACK_POLL`] later while any is left.
+fn tick() {
+    let Some(pending) = PENDING.peek() else {
+        return;
+    };
+    let mut p = pending.lock();
+    let mut over = p.take_over(crate::sys::clock::now());
+    p.armed = !p.list.is_empty() && crate::timer::arm(ACK_POLL, tick).is_ok();
+    if !p.armed {
+        over.append(&mut p.list);
+    }
+    drop(p);
+    over.into_iter().for_each(Lingering::close);
+}
+
+/// Registers [`close_at_exit`] (once per process).
+fn register_exit_handler() {
+    // (Not a `Once`: a forked child could wait for a parent thread that
+    // was in it at the fork.)
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
+    if !REGISTERED.load(Ordering::Relaxed) && !REGISTERED.swap(true, Ordering::Relaxed) {
+        crate::sys::process::at_exit(close_at_exit);
+    }
+}
+
+/// At `exit(3)`: waits until every socket of the list is closed (their
+/// lingers bound it), closing those whose wait is over as the timer does.
+extern "C" fn close_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        // A generation that lingered on no socket takes no lock.
+        let Some(pending) = PENDING.peek() else {
+            return;
+        };
+        loop {
+            let Some(mut p) = pending.try_lock_for(EXIT_LOCK_WAIT) else {
+                return;
+            };
+            let over = p.take_over(crate::sys::clock::now());
+            let left = p.list.len();
+            drop(p);
+            over.into_iter().for_each(Lingering::close);
+            if left == 0 {
+                return;
+            }
+            std::thread::sleep(ACK_POLL);
+        }
+    });
+}
