@@ -813,7 +813,7 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
         };
         if let Some(t) = t {
             let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
-            l.insert(fd, Arc::new(t));
+            l.insert(fd, t);
             LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
         }
     }));
@@ -823,8 +823,9 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 
 /// What [`listener_twin_start`] did.
 enum TwinStart {
-    /// The twin answers on the socket's address and port.
-    Started(Twin),
+    /// The twin answers on the socket's address and port (its own, or
+    /// that of another listener of this process on the port).
+    Started(Arc<Twin>),
     /// The socket has no port yet (`listen` binds it): ask again after.
     Unbound,
     /// No twin: one runs already, not a TCP socket, policy `tcp`, a forked
@@ -856,9 +857,31 @@ fn listener_twin_start(fd: c_int, listening: bool) -> TwinStart {
     }
     conn::pid();
     match conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port))) {
-        Ok(t) => TwinStart::Started(t),
+        Ok(t) => TwinStart::Started(Arc::new(t)),
+        // The port's twin runs already: another listener of this process
+        // shares the port (`SO_REUSEPORT`, nginx's `reuseport`), and the
+        // kernel spreads the connections among them. Its twin answers for
+        // both (the records are the process's): without one, a client that
+        // asked it and came to this listener was accepted plain.
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            sibling_twin(ip, port).map_or(TwinStart::No, TwinStart::Started)
+        }
         Err(_) => TwinStart::No,
     }
+}
+
+/// The twin of a listener of this process that answers the queries for
+/// `ip` and `port` (bound to that address, or to the wildcard address of
+/// its family).
+fn sibling_twin(ip: IpAddr, port: u16) -> Option<Arc<Twin>> {
+    let l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+    l.values()
+        .find(|t| {
+            let a = t.addr;
+            a.port() == port
+                && (a.ip() == ip || (a.ip().is_unspecified() && a.is_ipv4() == ip.is_ipv4()))
+        })
+        .cloned()
 }
 
 /// Bookkeeping for a connection `fd` accepted on `lfd`: pending switch if

@@ -690,6 +690,25 @@ fn a_listener_bound_by_listen_itself_gets_its_twin_and_a_failed_listen_its_errno
     assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
 }
 
+/// Regression: of listeners sharing a port by `SO_REUSEPORT` (nginx's
+/// `reuseport`: one per worker) only the first got a twin (the port's UDP
+/// twin was bound already): a client that asked it was switched, but its
+/// connection, spread by the kernel to another listener, was accepted
+/// plain, and the application read the switch's MPA request as data.
+#[test]
+fn a_second_reuseport_listener_had_no_twin_and_read_the_switch_as_data() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("ls=[]\n\
+        for i in range(2):\n    x=socket.socket(); x.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEPORT,1)\n    x.bind(('127.0.0.1',ls[0].getsockname()[1] if ls else 0)); x.listen(16); ls.append(x)\n\
+        got=[0,0]\n\
+        for i in range(16):\n    r=[]\n    def cl():\n        k=socket.create_connection(('127.0.0.1',ls[0].getsockname()[1])); k.sendall(b'ping'); r.append(k.recv(4)); k.close()\n    t=threading.Thread(target=cl,daemon=True); t.start()\n    rd,_,_=select.select(ls,[],[],5); assert rd\n    a,_=rd[0].accept(); got[ls.index(rd[0])]+=1; a.settimeout(5)\n    d=a.recv(4); assert d==b'ping', (ls.index(rd[0]), d)\n    a.sendall(b'pong'); t.join(5); assert r==[b'pong'], r; a.close()\n\
+        assert min(got)>0, got\n");
+    assert_eq!(field(&lines[0], "offloaded"), "34", "{lines:?}");
+    assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
+}
+
 /// A non-blocking `connect` is waited for and switched once the
 /// connection is up (writable without an error), and still returns
 /// `EINPROGRESS`; one to a port nobody listens on is left to the
