@@ -1148,6 +1148,20 @@ fn duplicated(old: c_int, new: c_int, cloexec: bool) {
     }
     let e = errno();
     let _ = catch_unwind(|| {
+        // A duplicate of a listener accepts its connections: their clients
+        // asked its twin (the number it replaced, if a listener, is not
+        // one any more).
+        if LISTENER_COUNT.load(Ordering::Relaxed) != 0 && !conn::in_vfork_child() && old != new {
+            let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+            let gone = match l.get(&old).cloned() {
+                Some(t) => l.insert(new, t),
+                None => l.remove(&new),
+            };
+            LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
+            drop(l);
+            // (A twin is dropped outside the lock: its drop wakes its thread.)
+            drop(gone);
+        }
         if let Some(c) = conn::lookup(old) {
             if conn::in_vfork_child() {
                 // The parent's memory: only the kernel's close-on-exec
@@ -1237,7 +1251,14 @@ fn fcntl_common(
     }
     let Some(slot) = conn::slot(fd) else {
         // SAFETY: forwarding the caller's arguments unchanged.
-        return unsafe { real(fd, cmd, arg) };
+        let r = unsafe { real(fd, cmd, arg) };
+        if (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC)
+            && LISTENER_COUNT.load(Ordering::Relaxed) != 0
+        {
+            // A listener's duplicate (see `duplicated`).
+            duplicated(fd, r, cmd == libc::F_DUPFD_CLOEXEC);
+        }
+        return r;
     };
     let c = &slot.conn;
     match cmd {

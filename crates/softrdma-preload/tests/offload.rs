@@ -709,6 +709,29 @@ fn a_second_reuseport_listener_had_no_twin_and_read_the_switch_as_data() {
     assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
 }
 
+/// Regression: a duplicate of a listening descriptor (`dup`, `dup2`,
+/// `fcntl(F_DUPFD)`, Python's `socket.dup`/`fromfd`) had no twin: a
+/// client that asked the listener's twin was switched, but the connection
+/// accepted on the duplicate stayed plain, and the application read the
+/// switch's MPA request as data. A descriptor replaced by `dup2` is no
+/// longer the listener it was.
+#[test]
+fn a_duplicated_listener_had_no_twin_and_read_the_switch_as_data() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(
+        "l2=l.dup(); l3=socket.socket(); os.dup2(l.fileno(), l3.fileno())\n\
+        for x in [l2, l3, l2, l3]:\n    r=[]\n    def cl():\n        k=socket.create_connection(('127.0.0.1',l.getsockname()[1])); k.sendall(b'ping'); r.append(k.recv(4)); k.close()\n    t=threading.Thread(target=cl,daemon=True); t.start()\n    a,_=x.accept(); a.settimeout(5)\n    d=a.recv(4); assert d==b'ping', d\n    a.sendall(b'pong'); t.join(5); assert r==[b'pong'], r; a.close()\n\
+        u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); os.dup2(u.fileno(), l2.fileno())\n\
+        x=socket.socket(fileno=os.dup(l3.fileno())); l.close(); l3.close()\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',x.getsockname()[1]))),daemon=True); t.start()\n\
+        a,_=x.accept(); select.select([],[a],[],5); t.join(5); r[0].sendall(b'z'); assert a.recv(1)==b'z'\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "12", "{lines:?}");
+    assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
+}
+
 /// A non-blocking `connect` is waited for and switched once the
 /// connection is up (writable without an error), and still returns
 /// `EINPROGRESS`; one to a port nobody listens on is left to the
