@@ -732,6 +732,28 @@ fn a_duplicated_listener_had_no_twin_and_read_the_switch_as_data() {
     assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
 }
 
+/// Regression: every listener's twin mapped 516 KiB of shared memory for
+/// its records and never unmapped it, nor the one of a twin that could
+/// not start: a process that opened listeners one after another (a
+/// passive-mode FTP server, a test harness) kept a mapping per listener
+/// ever opened, up to the kernel's limit on mappings (65530), past which
+/// every `mmap` of the process fails.
+#[test]
+fn a_closed_listeners_twin_records_stayed_mapped() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(
+        "def recs():\n    n=0\n    for m in open('/proc/self/maps'):\n        a,b=m.split()[0].split('-')\n        n+=int(b,16)-int(a,16)==(16384*32+4096)\n    return n\n\
+        n0=recs()\n\
+        for i in range(200):\n    x=socket.socket(); x.bind(('127.0.0.1',0)); x.listen(1); x.close()\n\
+        for i in range(50):\n    x=socket.socket(); x.bind(('127.0.0.1',0)); y=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); y.bind(x.getsockname()); x.listen(1); x.close(); y.close()\n\
+        time.sleep(1)\n\
+        assert recs()<=n0+2, (n0, recs())\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "2", "{lines:?}");
+}
+
 /// A non-blocking `connect` is waited for and switched once the
 /// connection is up (writable without an error), and still returns
 /// `EINPROGRESS`; one to a port nobody listens on is left to the
