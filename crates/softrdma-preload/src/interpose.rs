@@ -856,7 +856,12 @@ fn listener_twin_start(fd: c_int, listening: bool) -> TwinStart {
         return TwinStart::No;
     }
     conn::pid();
-    match conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port))) {
+    let v6only = ip
+        .is_ipv6()
+        .then(|| int_opt(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY))
+        .flatten()
+        .map(|v| v != 0);
+    match conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port), v6only)) {
         Ok(t) => TwinStart::Started(Arc::new(t)),
         // The port's twin runs already: another listener of this process
         // shares the port (`SO_REUSEPORT`, nginx's `reuseport`), and the

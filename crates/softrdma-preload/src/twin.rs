@@ -356,10 +356,21 @@ pub(crate) struct Twin {
 impl Twin {
     /// Binds a UDP socket to the listener's address `addr` and answers
     /// queries on a thread (started with every signal blocked by the
-    /// caller).
-    pub(crate) fn start(addr: SocketAddr) -> std::io::Result<Twin> {
+    /// caller). `v6only`: the IPv6 listener's `IPV6_V6ONLY`, which the
+    /// twin takes (a dual-stack twin of a listener for IPv6 only took the
+    /// port's IPv4 queries from the IPv4 listener of the port).
+    pub(crate) fn start(addr: SocketAddr, v6only: Option<bool>) -> std::io::Result<Twin> {
         // The port first: a twin that cannot have it maps nothing.
-        let sock = Arc::new(UdpSocket::bind(addr)?);
+        let sock = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::DGRAM,
+            None,
+        )?;
+        if let (true, Some(only)) = (addr.is_ipv6(), v6only) {
+            sock.set_only_v6(only)?;
+        }
+        sock.bind(&addr.into())?;
+        let sock = Arc::new(UdpSocket::from(sock));
         let records = Records::new_shared().ok_or_else(std::io::Error::last_os_error)?;
         sock.set_read_timeout(Some(Duration::from_millis(200)))?;
         // This process may have cached the port as plain (another server

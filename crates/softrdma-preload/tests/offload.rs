@@ -754,6 +754,25 @@ fn a_closed_listeners_twin_records_stayed_mapped() {
     assert_eq!(field(&lines[0], "offloaded"), "2", "{lines:?}");
 }
 
+/// Regression: the twin of an IPv6 listener with `IPV6_V6ONLY` (nginx's
+/// `listen [::]:80`, before its `listen 80`) took the port for IPv4
+/// queries as well: the IPv4 listener of the port got no twin, its
+/// clients asked the IPv6 one and switched, and the connection accepted
+/// plain read the switch's MPA request as data.
+#[test]
+fn a_v6only_listeners_twin_answered_for_the_v4_listener_of_its_port() {
+    if !have_python() || std::net::TcpListener::bind("[::1]:0").is_err() {
+        return;
+    }
+    let lines = run(
+        "x6=socket.socket(socket.AF_INET6); x6.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_V6ONLY,1); x6.bind(('::',0)); P=x6.getsockname()[1]; x6.listen(8)\n\
+        x4=socket.socket(); x4.bind(('0.0.0.0',P)); x4.listen(8)\n\
+        for x,host in [(x4,'127.0.0.1'),(x6,'::1')]:\n    r=[]\n    def cl():\n        k=socket.create_connection((host,P)); k.sendall(b'ping'); r.append(k.recv(4)); k.close()\n    t=threading.Thread(target=cl,daemon=True); t.start()\n    a,_=x.accept(); a.settimeout(5)\n    d=a.recv(4); assert d==b'ping', (host, d)\n    a.sendall(b'pong'); t.join(5); assert r==[b'pong'], r; a.close()\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "6", "{lines:?}");
+    assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
+}
+
 /// A non-blocking `connect` is waited for and switched once the
 /// connection is up (writable without an error), and still returns
 /// `EINPROGRESS`; one to a port nobody listens on is left to the
