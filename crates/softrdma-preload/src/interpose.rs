@@ -1470,8 +1470,9 @@ pub unsafe extern "C" fn setsockopt(
                     && name == libc::TCP_NODELAY
                     && len as usize >= size_of::<c_int>()
                 {
-                    // SAFETY: TCP_NODELAY's value is an int, `len` checked.
-                    let on = unsafe { *val.cast::<c_int>() } != 0;
+                    // SAFETY: TCP_NODELAY's value is an int, `len` checked;
+                    // read unaligned, as the caller's buffer may be any bytes.
+                    let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
                     c.nodelay_set(on);
                     if let Ok(s) = c.stream() {
                         let _ = s.set_nodelay(on);
@@ -1481,8 +1482,9 @@ pub unsafe extern "C" fn setsockopt(
                     && (name == libc::SO_RCVTIMEO || name == libc::SO_SNDTIMEO)
                     && len as usize >= size_of::<libc::timeval>()
                 {
-                    // SAFETY: the value is a timeval, `len` checked.
-                    let tv = unsafe { *val.cast::<libc::timeval>() };
+                    // SAFETY: the value is a timeval, `len` checked; read
+                    // unaligned, as the caller's buffer may be any bytes.
+                    let tv = unsafe { val.cast::<libc::timeval>().read_unaligned() };
                     let us = (tv.tv_sec.max(0) as u64) * 1_000_000 + tv.tv_usec.max(0) as u64;
                     let slot = if name == libc::SO_RCVTIMEO {
                         &c.rcvtimeo

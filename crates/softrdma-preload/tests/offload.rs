@@ -773,6 +773,34 @@ fn a_v6only_listeners_twin_answered_for_the_v4_listener_of_its_port() {
     assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
 }
 
+/// Regression: `setsockopt(TCP_NODELAY)` and `SO_RCVTIMEO` on a
+/// connection read the caller's value as an aligned `int` / `timeval`: a
+/// value at an odd address (legal in C) was undefined behaviour, and a
+/// build with debug assertions aborted the process.
+#[test]
+fn an_unaligned_option_value_aborted_the_process() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("import ctypes\n\
+        libc=ctypes.CDLL(None, use_errno=True)\n\
+        b=ctypes.create_string_buffer(64); at=ctypes.addressof(b)+1\n\
+        ctypes.memmove(at, struct.pack('i',1), 4)\n\
+        assert libc.setsockopt(s.fileno(), socket.IPPROTO_TCP, socket.TCP_NODELAY, ctypes.c_void_p(at), 4)==0\n\
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)!=0\n\
+        ctypes.memmove(at, struct.pack('ll',0,300000), 16)\n\
+        assert libc.setsockopt(s.fileno(), socket.SOL_SOCKET, socket.SO_RCVTIMEO, ctypes.c_void_p(at), 16)==0\n\
+        t0=time.time()\n\
+        try:\n    s.recv(1); assert False\n\
+        except OSError as e:\n    assert e.errno in (errno.EAGAIN, errno.EWOULDBLOCK), e\n\
+        assert 0.2 < time.time()-t0 < 3, time.time()-t0\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',l.getsockname()[1]))),daemon=True); t.start()\n\
+        s2,_=l.accept(); ctypes.memmove(at, struct.pack('i',1), 4)\n\
+        assert libc.setsockopt(s2.fileno(), socket.IPPROTO_TCP, socket.TCP_NODELAY, ctypes.c_void_p(at), 4)==0\n\
+        t.join(5); r[0].sendall(b'z'); assert s2.recv(1)==b'z'\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
 /// A non-blocking `connect` is waited for and switched once the
 /// connection is up (writable without an error), and still returns
 /// `EINPROGRESS`; one to a port nobody listens on is left to the
