@@ -813,7 +813,7 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
         };
         if let Some(t) = t {
             let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
-            l.insert(fd, Arc::new(t));
+            l.insert(fd, t);
             LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
         }
     }));
@@ -823,8 +823,9 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 
 /// What [`listener_twin_start`] did.
 enum TwinStart {
-    /// The twin answers on the socket's address and port.
-    Started(Twin),
+    /// The twin answers on the socket's address and port (its own, or
+    /// that of another listener of this process on the port).
+    Started(Arc<Twin>),
     /// The socket has no port yet (`listen` binds it): ask again after.
     Unbound,
     /// No twin: one runs already, not a TCP socket, policy `tcp`, a forked
@@ -855,10 +856,37 @@ fn listener_twin_start(fd: c_int, listening: bool) -> TwinStart {
         return TwinStart::No;
     }
     conn::pid();
-    match conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port))) {
-        Ok(t) => TwinStart::Started(t),
+    let v6only = ip
+        .is_ipv6()
+        .then(|| int_opt(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY))
+        .flatten()
+        .map(|v| v != 0);
+    match conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port), v6only)) {
+        Ok(t) => TwinStart::Started(Arc::new(t)),
+        // The port's twin runs already: another listener of this process
+        // shares the port (`SO_REUSEPORT`, nginx's `reuseport`), and the
+        // kernel spreads the connections among them. Its twin answers for
+        // both (the records are the process's): without one, a client that
+        // asked it and came to this listener was accepted plain.
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            sibling_twin(ip, port).map_or(TwinStart::No, TwinStart::Started)
+        }
         Err(_) => TwinStart::No,
     }
+}
+
+/// The twin of a listener of this process that answers the queries for
+/// `ip` and `port` (bound to that address, or to the wildcard address of
+/// its family).
+fn sibling_twin(ip: IpAddr, port: u16) -> Option<Arc<Twin>> {
+    let l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+    l.values()
+        .find(|t| {
+            let a = t.addr;
+            a.port() == port
+                && (a.ip() == ip || (a.ip().is_unspecified() && a.is_ipv4() == ip.is_ipv4()))
+        })
+        .cloned()
 }
 
 /// Bookkeeping for a connection `fd` accepted on `lfd`: pending switch if
@@ -1125,6 +1153,20 @@ fn duplicated(old: c_int, new: c_int, cloexec: bool) {
     }
     let e = errno();
     let _ = catch_unwind(|| {
+        // A duplicate of a listener accepts its connections: their clients
+        // asked its twin (the number it replaced, if a listener, is not
+        // one any more).
+        if LISTENER_COUNT.load(Ordering::Relaxed) != 0 && !conn::in_vfork_child() && old != new {
+            let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+            let gone = match l.get(&old).cloned() {
+                Some(t) => l.insert(new, t),
+                None => l.remove(&new),
+            };
+            LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
+            drop(l);
+            // (A twin is dropped outside the lock: its drop wakes its thread.)
+            drop(gone);
+        }
         if let Some(c) = conn::lookup(old) {
             if conn::in_vfork_child() {
                 // The parent's memory: only the kernel's close-on-exec
@@ -1214,7 +1256,14 @@ fn fcntl_common(
     }
     let Some(slot) = conn::slot(fd) else {
         // SAFETY: forwarding the caller's arguments unchanged.
-        return unsafe { real(fd, cmd, arg) };
+        let r = unsafe { real(fd, cmd, arg) };
+        if (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC)
+            && LISTENER_COUNT.load(Ordering::Relaxed) != 0
+        {
+            // A listener's duplicate (see `duplicated`).
+            duplicated(fd, r, cmd == libc::F_DUPFD_CLOEXEC);
+        }
+        return r;
     };
     let c = &slot.conn;
     match cmd {
@@ -1421,8 +1470,9 @@ pub unsafe extern "C" fn setsockopt(
                     && name == libc::TCP_NODELAY
                     && len as usize >= size_of::<c_int>()
                 {
-                    // SAFETY: TCP_NODELAY's value is an int, `len` checked.
-                    let on = unsafe { *val.cast::<c_int>() } != 0;
+                    // SAFETY: TCP_NODELAY's value is an int, `len` checked;
+                    // read unaligned, as the caller's buffer may be any bytes.
+                    let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
                     c.nodelay_set(on);
                     if let Ok(s) = c.stream() {
                         let _ = s.set_nodelay(on);
@@ -1432,8 +1482,9 @@ pub unsafe extern "C" fn setsockopt(
                     && (name == libc::SO_RCVTIMEO || name == libc::SO_SNDTIMEO)
                     && len as usize >= size_of::<libc::timeval>()
                 {
-                    // SAFETY: the value is a timeval, `len` checked.
-                    let tv = unsafe { *val.cast::<libc::timeval>() };
+                    // SAFETY: the value is a timeval, `len` checked; read
+                    // unaligned, as the caller's buffer may be any bytes.
+                    let tv = unsafe { val.cast::<libc::timeval>().read_unaligned() };
                     let us = (tv.tv_sec.max(0) as u64) * 1_000_000 + tv.tv_usec.max(0) as u64;
                     let slot = if name == libc::SO_RCVTIMEO {
                         &c.rcvtimeo

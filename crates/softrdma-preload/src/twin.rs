@@ -132,11 +132,14 @@ impl Records {
     /// Shared memory for the records (inherited by forked children); `None`
     /// if it cannot be mapped.
     pub(crate) fn new_shared() -> Option<Records> {
-        let len = size_of::<Header>() + SLOTS * size_of::<Record>();
+        let len = Self::MAP_LEN;
         // SAFETY: a fresh anonymous shared mapping; zero-filled, which is
-        // an unlocked header and FREE for every slot. It is never unmapped
-        // (an accept in any process may read it at any time), so 'static
-        // holds; the slots follow the header, 8-aligned as both are.
+        // an unlocked header and FREE for every slot. A process unmaps its
+        // mapping only once nothing of it uses the records any more
+        // ([`Records::unmap`]; other processes keep theirs: an accept in
+        // any of them may read them at any time), so 'static holds while
+        // they are used; the slots follow the header, 8-aligned as both
+        // are.
         unsafe {
             let p = libc::mmap(
                 std::ptr::null_mut(),
@@ -155,6 +158,25 @@ impl Records {
                 head,
                 slots: std::slice::from_raw_parts(slots, SLOTS),
             })
+        }
+    }
+
+    /// Octets of the mapping.
+    const MAP_LEN: usize = size_of::<Header>() + SLOTS * size_of::<Record>();
+
+    /// Unmaps this process's mapping of the records (other processes
+    /// keep theirs).
+    ///
+    /// # Safety
+    /// Nothing in this process uses these records (any copy) afterwards.
+    unsafe fn unmap(self) {
+        // SAFETY: the mapping `new_shared` made (its start and length),
+        // unused from now on (the caller's promise).
+        unsafe {
+            libc::munmap(
+                std::ptr::from_ref(self.head).cast_mut().cast(),
+                Self::MAP_LEN,
+            );
         }
     }
 
@@ -334,10 +356,22 @@ pub(crate) struct Twin {
 impl Twin {
     /// Binds a UDP socket to the listener's address `addr` and answers
     /// queries on a thread (started with every signal blocked by the
-    /// caller).
-    pub(crate) fn start(addr: SocketAddr) -> std::io::Result<Twin> {
+    /// caller). `v6only`: the IPv6 listener's `IPV6_V6ONLY`, which the
+    /// twin takes (a dual-stack twin of a listener for IPv6 only took the
+    /// port's IPv4 queries from the IPv4 listener of the port).
+    pub(crate) fn start(addr: SocketAddr, v6only: Option<bool>) -> std::io::Result<Twin> {
+        // The port first: a twin that cannot have it maps nothing.
+        let sock = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::DGRAM,
+            None,
+        )?;
+        if let (true, Some(only)) = (addr.is_ipv6(), v6only) {
+            sock.set_only_v6(only)?;
+        }
+        sock.bind(&addr.into())?;
+        let sock = Arc::new(UdpSocket::from(sock));
         let records = Records::new_shared().ok_or_else(std::io::Error::last_os_error)?;
-        let sock = Arc::new(UdpSocket::bind(addr)?);
         sock.set_read_timeout(Some(Duration::from_millis(200)))?;
         // This process may have cached the port as plain (another server
         // had it): its own connections would not ask this twin.
@@ -364,7 +398,7 @@ impl Twin {
 
 impl Drop for Twin {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.store(true, Ordering::Release);
     }
 }
 
@@ -373,11 +407,11 @@ impl Drop for Twin {
 #[cfg_attr(test, allow(dead_code))]
 fn serve(sock: &UdpSocket, records: Records, stop: &AtomicBool) {
     let mut b = [0u8; 1];
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.load(Ordering::Acquire) {
         if sock.peek_from(&mut b).is_err() {
             continue;
         }
-        if stop.load(Ordering::Relaxed) {
+        if stop.load(Ordering::Acquire) {
             break;
         }
         // One datagram per look: a next one queued makes the next peek
@@ -385,6 +419,12 @@ fn serve(sock: &UdpSocket, records: Records, stop: &AtomicBool) {
         let _g = records.lock();
         records.answer_one(sock);
     }
+    // Stopped: the twin is dropped (its last listener of this process is
+    // closed), and with it every use of the records in this process but
+    // this thread's. Kept mapped, they were a mapping per listener ever
+    // opened, up to the kernel's limit on a process's mappings.
+    // SAFETY: nothing in this process uses them after this.
+    unsafe { records.unmap() };
 }
 
 #[cfg(test)]

@@ -720,6 +720,117 @@ fn a_listener_bound_by_listen_itself_gets_its_twin_and_a_failed_listen_its_errno
     assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
 }
 
+/// Regression: of listeners sharing a port by `SO_REUSEPORT` (nginx's
+/// `reuseport`: one per worker) only the first got a twin (the port's UDP
+/// twin was bound already): a client that asked it was switched, but its
+/// connection, spread by the kernel to another listener, was accepted
+/// plain, and the application read the switch's MPA request as data.
+#[test]
+fn a_second_reuseport_listener_had_no_twin_and_read_the_switch_as_data() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("ls=[]\n\
+        for i in range(2):\n    x=socket.socket(); x.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEPORT,1)\n    x.bind(('127.0.0.1',ls[0].getsockname()[1] if ls else 0)); x.listen(16); ls.append(x)\n\
+        got=[0,0]\n\
+        for i in range(16):\n    r=[]\n    def cl():\n        k=socket.create_connection(('127.0.0.1',ls[0].getsockname()[1])); k.sendall(b'ping'); r.append(k.recv(4)); k.close()\n    t=threading.Thread(target=cl,daemon=True); t.start()\n    rd,_,_=select.select(ls,[],[],5); assert rd\n    a,_=rd[0].accept(); got[ls.index(rd[0])]+=1; a.settimeout(5)\n    d=a.recv(4); assert d==b'ping', (ls.index(rd[0]), d)\n    a.sendall(b'pong'); t.join(5); assert r==[b'pong'], r; a.close()\n\
+        assert min(got)>0, got\n");
+    assert_eq!(field(&lines[0], "offloaded"), "34", "{lines:?}");
+    assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
+}
+
+/// Regression: a duplicate of a listening descriptor (`dup`, `dup2`,
+/// `fcntl(F_DUPFD)`, Python's `socket.dup`/`fromfd`) had no twin: a
+/// client that asked the listener's twin was switched, but the connection
+/// accepted on the duplicate stayed plain, and the application read the
+/// switch's MPA request as data. A descriptor replaced by `dup2` is no
+/// longer the listener it was.
+#[test]
+fn a_duplicated_listener_had_no_twin_and_read_the_switch_as_data() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(
+        "l2=l.dup(); l3=socket.socket(); os.dup2(l.fileno(), l3.fileno())\n\
+        for x in [l2, l3, l2, l3]:\n    r=[]\n    def cl():\n        k=socket.create_connection(('127.0.0.1',l.getsockname()[1])); k.sendall(b'ping'); r.append(k.recv(4)); k.close()\n    t=threading.Thread(target=cl,daemon=True); t.start()\n    a,_=x.accept(); a.settimeout(5)\n    d=a.recv(4); assert d==b'ping', d\n    a.sendall(b'pong'); t.join(5); assert r==[b'pong'], r; a.close()\n\
+        u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); os.dup2(u.fileno(), l2.fileno())\n\
+        x=socket.socket(fileno=os.dup(l3.fileno())); l.close(); l3.close()\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',x.getsockname()[1]))),daemon=True); t.start()\n\
+        a,_=x.accept(); select.select([],[a],[],5); t.join(5); r[0].sendall(b'z'); assert a.recv(1)==b'z'\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "12", "{lines:?}");
+    assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
+}
+
+/// Regression: every listener's twin mapped 516 KiB of shared memory for
+/// its records and never unmapped it, nor the one of a twin that could
+/// not start: a process that opened listeners one after another (a
+/// passive-mode FTP server, a test harness) kept a mapping per listener
+/// ever opened, up to the kernel's limit on mappings (65530), past which
+/// every `mmap` of the process fails.
+#[test]
+fn a_closed_listeners_twin_records_stayed_mapped() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(
+        "def recs():\n    n=0\n    for m in open('/proc/self/maps'):\n        a,b=m.split()[0].split('-')\n        n+=int(b,16)-int(a,16)==(16384*32+4096)\n    return n\n\
+        n0=recs()\n\
+        for i in range(200):\n    x=socket.socket(); x.bind(('127.0.0.1',0)); x.listen(1); x.close()\n\
+        for i in range(50):\n    x=socket.socket(); x.bind(('127.0.0.1',0)); y=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); y.bind(x.getsockname()); x.listen(1); x.close(); y.close()\n\
+        time.sleep(1)\n\
+        assert recs()<=n0+2, (n0, recs())\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "2", "{lines:?}");
+}
+
+/// Regression: the twin of an IPv6 listener with `IPV6_V6ONLY` (nginx's
+/// `listen [::]:80`, before its `listen 80`) took the port for IPv4
+/// queries as well: the IPv4 listener of the port got no twin, its
+/// clients asked the IPv6 one and switched, and the connection accepted
+/// plain read the switch's MPA request as data.
+#[test]
+fn a_v6only_listeners_twin_answered_for_the_v4_listener_of_its_port() {
+    if !have_python() || std::net::TcpListener::bind("[::1]:0").is_err() {
+        return;
+    }
+    let lines = run(
+        "x6=socket.socket(socket.AF_INET6); x6.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_V6ONLY,1); x6.bind(('::',0)); P=x6.getsockname()[1]; x6.listen(8)\n\
+        x4=socket.socket(); x4.bind(('0.0.0.0',P)); x4.listen(8)\n\
+        for x,host in [(x4,'127.0.0.1'),(x6,'::1')]:\n    r=[]\n    def cl():\n        k=socket.create_connection((host,P)); k.sendall(b'ping'); r.append(k.recv(4)); k.close()\n    t=threading.Thread(target=cl,daemon=True); t.start()\n    a,_=x.accept(); a.settimeout(5)\n    d=a.recv(4); assert d==b'ping', (host, d)\n    a.sendall(b'pong'); t.join(5); assert r==[b'pong'], r; a.close()\n",
+    );
+    assert_eq!(field(&lines[0], "offloaded"), "6", "{lines:?}");
+    assert_eq!(field(&lines[0], "plain"), "0", "{lines:?}");
+}
+
+/// Regression: `setsockopt(TCP_NODELAY)` and `SO_RCVTIMEO` on a
+/// connection read the caller's value as an aligned `int` / `timeval`: a
+/// value at an odd address (legal in C) was undefined behaviour, and a
+/// build with debug assertions aborted the process.
+#[test]
+fn an_unaligned_option_value_aborted_the_process() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("import ctypes\n\
+        libc=ctypes.CDLL(None, use_errno=True)\n\
+        b=ctypes.create_string_buffer(64); at=ctypes.addressof(b)+1\n\
+        ctypes.memmove(at, struct.pack('i',1), 4)\n\
+        assert libc.setsockopt(s.fileno(), socket.IPPROTO_TCP, socket.TCP_NODELAY, ctypes.c_void_p(at), 4)==0\n\
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)!=0\n\
+        ctypes.memmove(at, struct.pack('ll',0,300000), 16)\n\
+        assert libc.setsockopt(s.fileno(), socket.SOL_SOCKET, socket.SO_RCVTIMEO, ctypes.c_void_p(at), 16)==0\n\
+        t0=time.time()\n\
+        try:\n    s.recv(1); assert False\n\
+        except OSError as e:\n    assert e.errno in (errno.EAGAIN, errno.EWOULDBLOCK), e\n\
+        assert 0.2 < time.time()-t0 < 3, time.time()-t0\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',l.getsockname()[1]))),daemon=True); t.start()\n\
+        s2,_=l.accept(); ctypes.memmove(at, struct.pack('i',1), 4)\n\
+        assert libc.setsockopt(s2.fileno(), socket.IPPROTO_TCP, socket.TCP_NODELAY, ctypes.c_void_p(at), 4)==0\n\
+        t.join(5); r[0].sendall(b'z'); assert s2.recv(1)==b'z'\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
 /// A non-blocking `connect` is waited for and switched once the
 /// connection is up (writable without an error), and still returns
 /// `EINPROGRESS`; one to a port nobody listens on is left to the
