@@ -197,3 +197,36 @@ fn an_exclusive_cq_serves_one_qp_and_keeps_its_size() {
     let _q1 = QueuePair::new(&pd, &QpInitAttr::new(&plain, &plain)).unwrap();
     let _q2 = QueuePair::new(&pd, &QpInitAttr::new(&plain, &plain)).unwrap();
 }
+
+/// Two QPs created at the same moment on one exclusive CQ: the check that
+/// the CQ serves no QP yet and the QP's attachment to it were two steps,
+/// so both could pass the check and both be made.
+#[test]
+fn two_qps_created_at_once_on_an_exclusive_cq_are_not_both_made() {
+    const THREADS: usize = 4;
+    let dev = device(false);
+    let pd = ProtectionDomain::new(&dev);
+    for round in 0..1000 {
+        let cq = CompletionQueue::builder(&dev, 32)
+            .exclusive()
+            .build()
+            .unwrap();
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(THREADS));
+        let made = std::thread::scope(|s| {
+            let ts: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    let (cq, pd, barrier) = (&cq, &pd, barrier.clone());
+                    s.spawn(move || {
+                        barrier.wait();
+                        QueuePair::new(pd, &QpInitAttr::new(cq, cq)).ok()
+                    })
+                })
+                .collect();
+            ts.into_iter()
+                .map(|t| t.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        let n = made.iter().filter(|q| q.is_some()).count();
+        assert_eq!(n, 1, "round {round}: {n} QPs made on one exclusive CQ");
+    }
+}

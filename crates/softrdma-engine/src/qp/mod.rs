@@ -423,6 +423,10 @@ impl Drop for QpHandle {
     }
 }
 
+/// Serializes the making of QPs on exclusive CQs (see `QueuePair::new`):
+/// the check that such a CQ serves no QP and the attachment of the new one.
+static EXCLUSIVE_ATTACH: Mutex<()> = Mutex::new(());
+
 /// The shared state of a QP.
 ///
 /// Lock order (never the reverse): `rx` (who receives) → `state_lock` →
@@ -535,6 +539,10 @@ impl QueuePair {
         )?;
         check("ird", u32::from(attr.ird), a.max_qp_rd_atom)?;
         check("ord", u32::from(attr.ord), a.max_qp_init_rd_atom)?;
+        // Held from the check until the QP is attached to its CQs: two QPs
+        // made at once on one exclusive CQ could otherwise both pass it.
+        let _exclusive = (attr.send_cq.is_exclusive() || attr.recv_cq.is_exclusive())
+            .then(|| EXCLUSIVE_ATTACH.lock());
         for cq in [&attr.send_cq, &attr.recv_cq] {
             if cq.is_exclusive() && cq.serves_a_qp() {
                 return Err(CreateQpError::CqInUse { cq_id: cq.id() });
