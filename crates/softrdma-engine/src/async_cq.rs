@@ -128,6 +128,11 @@ pub enum AsyncCqError {
     /// the callback polls it.
     #[error("CQ {0} has a completion callback; it cannot also be served asynchronously")]
     HasCallback(u32),
+    /// The CQ is exclusive ([`CqBuilder::exclusive`](crate::cq::CqBuilder::exclusive)):
+    /// its one consumer polls it, and `QueuePair::post_send_now` relies on
+    /// that; the adapter's driver would be a second one.
+    #[error("CQ {0} is exclusive; it cannot be served asynchronously")]
+    Exclusive(u32),
 }
 
 /// Why posting an awaited operation failed (nothing was posted).
@@ -629,10 +634,13 @@ impl AsyncCq {
     /// [`AsyncCqError::Notify`] if the CQ has no completion channel,
     /// [`AsyncCqError::HasCallback`] if it has a completion callback,
     /// [`AsyncCqError::AlreadyServed`] if an adapter on this channel already
-    /// serves it.
+    /// serves it, [`AsyncCqError::Exclusive`] if it is exclusive.
     pub fn serve(channel: &AsyncChannel, cq: CompletionQueue) -> Result<AsyncCq, AsyncCqError> {
         if cq.has_callback() {
             return Err(AsyncCqError::HasCallback(cq.id()));
+        }
+        if cq.is_exclusive() {
+            return Err(AsyncCqError::Exclusive(cq.id()));
         }
         // Arming checks that the CQ has a channel; the driver re-arms.
         cq.req_notify(false)?;

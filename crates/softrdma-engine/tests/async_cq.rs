@@ -446,6 +446,17 @@ fn outside_a_runtime_is_an_error() {
             AsyncCq::serve(&chan, cq),
             Err(AsyncCqError::HasCallback(_))
         ));
+        // Nor an exclusive CQ (its one consumer polls it; an adapter
+        // beside a `post_send_now` caller could reorder completions).
+        let cq = CompletionQueue::builder(&dev, 16)
+            .channel(chan.channel())
+            .exclusive()
+            .build()
+            .unwrap();
+        assert!(matches!(
+            AsyncCq::serve(&chan, cq),
+            Err(AsyncCqError::Exclusive(_))
+        ));
     });
 }
 

@@ -1488,7 +1488,8 @@ impl Shared {
         }
     }
 
-    /// Handles one completion (the `poller` gate is held).
+    /// Handles one completion (the `poller` gate is held, or the
+    /// completion was returned to the writing call: `send_small`).
     fn on_wc(&self, st: &mut State, wc: &softrdma_engine::WorkCompletion) {
         st.handled = st.handled.wrapping_add(1);
         if wc.opcode == WcOpcode::Recv || wc.status != WcStatus::Success {

@@ -930,6 +930,13 @@ impl QueuePair {
     /// fast path of a ping-pong, with no hand-off between threads and no
     /// completion queued and polled back.
     ///
+    /// The caller must serialize this call with every poll, arm and wait
+    /// of the exclusive CQ (as the CQ's one consumer): a completion
+    /// returned here while another thread holds completions it polled but
+    /// has not handled yet would be handled ahead of them. An exclusive CQ
+    /// cannot be served by [`AsyncCq`](crate::async_cq::AsyncCq) for that
+    /// reason.
+    ///
     /// # Errors
     ///
     /// As [`post_send`](Self::post_send).
