@@ -175,9 +175,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         }
     }
 
-    /// Takes the bytes of an [`RxWant::Bytes`] (at most its `len`). Returns
-    /// how many were consumed (0 if the connection no longer receives; the
-    /// bytes of a call that made the stream invalid count as consumed).
+    /// Takes the bytes of an [`RxWant::Bytes`] (at most its `len`; given
+    /// more, an untagged DDP header whole, as
+    /// [`Deframer::handle_bytes`] does). Returns how many were consumed (0
+    /// if the connection no longer receives; the bytes of a call that made
+    /// the stream invalid count as consumed).
     pub fn handle_rx_bytes<M: Memory<Region = R>>(&mut self, bytes: &[u8], mem: &mut M) -> usize {
         if !self.receiving() {
             return 0;
