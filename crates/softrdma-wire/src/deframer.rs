@@ -522,7 +522,10 @@ impl Deframer {
     }
 
     /// Consumes framing bytes: those of [`Want::Header`], [`Want::Marker`]
-    /// or [`Want::Trailer`] (up to the wanted length).
+    /// or [`Want::Trailer`] (up to the wanted length; without markers, a
+    /// header is taken up to its end, which its first DDP byte tells: an
+    /// untagged header in one call when `bytes` hold it, though the want
+    /// before it is the shortest header's length).
     ///
     /// # Errors
     ///
@@ -533,7 +536,18 @@ impl Deframer {
             return Err(e);
         }
         let want = self.next_read();
-        let n = want.len().min(bytes.len());
+        let mut n = want.len().min(bytes.len());
+        if let Want::Header { .. } = want
+            && self.hdr_have == 0
+            && !self.config.markers
+            && let Some(&first) = bytes.get(ULPDU_LENGTH_LEN)
+        {
+            // The header's first byte tells its length: an untagged
+            // header is taken whole in one call when `bytes` hold it, not
+            // as the shortest header's length and then the rest.
+            // `consume_header` checks the ULPDU Length against it.
+            n = (ULPDU_LENGTH_LEN + ddp::header_len(first)).min(bytes.len());
+        }
         let Some(b) = bytes.get(..n) else {
             return Ok(Handled {
                 consumed: 0,
@@ -1399,6 +1413,41 @@ mod tests {
         assert!(matches!(
             run_slice(DeframerConfig::new(true, true), &bad, &[]).1,
             Some(DeframeError::CrcMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn an_untagged_header_is_taken_in_one_call() {
+        let u = untagged(40, 5);
+        let wire = stream(std::slice::from_ref(&u), false, false, 0);
+        let mut d = Deframer::new(DeframerConfig::new(false, false));
+        // The want is the shortest header's; the bytes hold the whole one.
+        assert_eq!(d.next_read(), Want::Header { len: 16 });
+        let h = d.handle_bytes(&wire).unwrap();
+        assert_eq!((h.consumed, h.event), (20, Some(Event::Header)));
+        assert_eq!(d.header().unwrap().payload_len(), 40);
+        assert_eq!(d.next_read(), Want::Payload { len: 40 });
+        // Cut inside the header: what is given, then the rest.
+        let mut d = Deframer::new(DeframerConfig::new(false, false));
+        let h = d.handle_bytes(&wire[..17]).unwrap();
+        assert_eq!((h.consumed, h.event), (17, None));
+        assert_eq!(d.next_read(), Want::Header { len: 3 });
+        let h = d.handle_bytes(&wire[17..]).unwrap();
+        assert_eq!((h.consumed, h.event), (3, Some(Event::Header)));
+        // A tagged header is the shortest: 16 bytes, as wanted.
+        let t = tagged(40, 5);
+        let wire = stream(std::slice::from_ref(&t), false, false, 0);
+        let mut d = Deframer::new(DeframerConfig::new(false, false));
+        let h = d.handle_bytes(&wire).unwrap();
+        assert_eq!((h.consumed, h.event), (16, Some(Event::Header)));
+        // An untagged header in a ULPDU too short for it is refused.
+        let mut bad = wire.clone();
+        bad[2] &= !ddp::FLAG_TAGGED;
+        bad[0..2].copy_from_slice(&16u16.to_be_bytes());
+        let mut d = Deframer::new(DeframerConfig::new(false, false));
+        assert!(matches!(
+            d.handle_bytes(&bad),
+            Err(DeframeError::UlpduTooShort { min: 18, .. })
         ));
     }
 

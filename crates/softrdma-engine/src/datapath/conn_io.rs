@@ -433,7 +433,16 @@ impl RxIo {
                 }
                 RxWant::Place { dst } => {
                     self.small = dst.len < DIRECT_MIN;
+                    if self.drained_hint {
+                        return RxStep::Stop(RxStop::Drained);
+                    }
                     self.read_staging(fd)
+                }
+                // As `read_staging` would answer, without making and
+                // dropping an `io::Error` per receive run (a ping-pong's
+                // every message ends here).
+                RxWant::Bytes { .. } if self.drained_hint => {
+                    return RxStep::Stop(RxStop::Drained);
                 }
                 RxWant::Bytes { .. } => self.read_staging(fd),
             };

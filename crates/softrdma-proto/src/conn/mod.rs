@@ -316,7 +316,8 @@ pub struct Connection<R> {
     close_deadline: Option<u64>,
 }
 
-/// Most emptied buffers kept for reuse per pool.
+/// Most emptied inline buffers kept for reuse (and the least number of
+/// gather/scatter lists, see `Connection::seg_pool_max`).
 const POOL_MAX: usize = 32;
 
 impl<R> Connection<R> {
@@ -324,9 +325,22 @@ impl<R> Connection<R> {
     /// with them the references to registered memory, are let go now).
     fn recycle_segs(&mut self, mut segs: Vec<Span<R>>) {
         segs.clear();
-        if segs.capacity() > 0 && self.seg_pool.len() < POOL_MAX {
+        if segs.capacity() > 0 && self.seg_pool.len() < self.seg_pool_max() {
             self.seg_pool.push(segs);
         }
+    }
+
+    /// Most emptied gather/scatter lists kept: as many as both queues can
+    /// hold (at least [`POOL_MAX`]). A receive run that completes a whole
+    /// posted window of small Sends at once (hundreds from one read of
+    /// the socket) gives back a list per receive, and the reposts that
+    /// follow take them again; kept to 32, all but 32 were freed and
+    /// allocated again, a `malloc` and a `free` per message. The pool
+    /// never holds more lists than the queues held when full.
+    fn seg_pool_max(&self) -> usize {
+        (self.cfg.max_recv_wr as usize)
+            .saturating_add(self.cfg.max_send_wr as usize)
+            .max(POOL_MAX)
     }
 
     /// Keeps the buffers of a send request that left the send queue.

@@ -101,8 +101,6 @@ pub(super) struct RxState<R> {
     pub(super) expect: [Msn; 4],
     pub(super) recv: Option<RecvProgress<R>>,
     pub(super) imm_wait: Option<(RecvProgress<R>, bool)>,
-    /// Length of the last want (bytes a failing call looked at).
-    deframer_last_want: usize,
     /// The violation found at header time, raised once the CRC is checked.
     deferred: Option<TermError>,
     /// A receive too small for the Send being received: it completes with
@@ -133,7 +131,6 @@ impl<R> RxState<R> {
             expect: [Msn::INITIAL; 4],
             recv: None,
             imm_wait: None,
-            deframer_last_want: 0,
             deferred: None,
             too_long: None,
             dead: false,
@@ -178,9 +175,11 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         }
     }
 
-    /// Takes the bytes of an [`RxWant::Bytes`] (at most its `len`). Returns
-    /// how many were consumed (0 if the connection no longer receives; the
-    /// bytes of a call that made the stream invalid count as consumed).
+    /// Takes the bytes of an [`RxWant::Bytes`] (at most its `len`; given
+    /// more, an untagged DDP header whole, as
+    /// [`Deframer::handle_bytes`] does). Returns how many were consumed (0
+    /// if the connection no longer receives; the bytes of a call that made
+    /// the stream invalid count as consumed).
     pub fn handle_rx_bytes<M: Memory<Region = R>>(&mut self, bytes: &[u8], mem: &mut M) -> usize {
         if !self.receiving() {
             return 0;
@@ -191,7 +190,6 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// [`Connection::handle_rx_bytes`] once receiving is checked and the
     /// deframer's `want` read.
     fn bytes_for<M: Memory<Region = R>>(&mut self, want: Want, bytes: &[u8], mem: &mut M) -> usize {
-        self.rx.deframer_last_want = want.len();
         let r = match want {
             Want::Payload { len } => {
                 if self.rx.mode == Mode::Place {
@@ -210,7 +208,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             }
             _ => self.rx.deframer.handle_bytes(bytes),
         };
-        let attempted = self.rx.deframer_last_want.min(bytes.len());
+        // On an error: the bytes the deframer looked at (an untagged
+        // header's last 4 are not counted when they made the error).
+        let attempted = want.len().min(bytes.len());
         self.after_deframer(r, attempted, mem)
     }
 
@@ -314,10 +314,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                     }
                     self.placed_for(chunk, mem)
                 }
-                w => {
-                    let k = w.len().min(rest.len());
-                    self.bytes_for(w, rest.get(..k).unwrap_or_default(), mem)
-                }
+                // The deframer takes at most what it wants (and an
+                // untagged header whole when `rest` holds it).
+                w => self.bytes_for(w, rest, mem),
             };
             if n == 0 {
                 break;

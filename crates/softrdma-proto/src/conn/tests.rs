@@ -1198,3 +1198,40 @@ fn reused_request_buffers_carry_only_their_own_bytes() {
         assert_eq!(&t.m.region(region)[..len as usize], msg.as_slice());
     }
 }
+
+/// A receive run that completes more receives than the old pool bound
+/// (32) keeps every emptied scatter list, and the reposts that follow
+/// take them instead of allocating (`malloc` and `free` per message in a
+/// message-rate run with a deep receive queue).
+#[test]
+fn a_deep_receive_window_keeps_its_scatter_lists_for_the_reposts() {
+    let mut t = setup(false);
+    let n = 100u32;
+    let mut stream = Vec::new();
+    for i in 0..n {
+        t.post_recv_buf(u64::from(i), 16);
+        let s = UlpduRepr::send(Opcode::Send, None, Msn(1 + i), 0, true, b"x");
+        let mut b = vec![0u8; s.buffer_len()];
+        s.emit(&mut b).unwrap();
+        let mut f = vec![0u8; b.len() + 16];
+        let k = fpdu::emit(&b, false, &mut f).unwrap();
+        stream.extend_from_slice(&f[..k]);
+    }
+    assert!(t.c.seg_pool.is_empty());
+    // One run over all of them, as after one large read of the socket.
+    assert_eq!(t.c.handle_rx_stream(&stream, &mut t.m), stream.len());
+    for i in 0..n {
+        let c = t.c.poll_completion().expect("every receive completes");
+        assert_eq!((c.wr_id, c.status), (u64::from(i), WcStatus::Success));
+    }
+    assert_eq!(t.c.seg_pool.len(), n as usize, "every list kept");
+    for i in 0..n {
+        t.post_recv_buf(1000 + u64::from(i), 16);
+    }
+    assert!(t.c.seg_pool.is_empty(), "every repost took a kept list");
+    // Bounded by what the queues hold.
+    let mut small = setup(false);
+    small.c.cfg.max_recv_wr = 8;
+    small.c.cfg.max_send_wr = 8;
+    assert_eq!(small.c.seg_pool_max(), POOL_MAX);
+}
