@@ -340,11 +340,13 @@ fn bind_for_query(fd: c_int, v6: bool, choose: bool, bound: u16) -> Option<(u16,
             (Ipv4Addr::UNSPECIFIED, port).into()
         };
         let sa = socket2::SockAddr::from(any);
-        // SAFETY: binding the caller's socket to a valid address of its
-        // family.
+        // The real call: this library's `bind` would look at the
+        // socket's type on a failure.
         let Some(real) = REAL_BIND.get() else {
             return libc::ENOSYS;
         };
+        // SAFETY: binding the caller's socket to a valid address of its
+        // family.
         let r = unsafe { real(fd, sa.as_ptr().cast(), sa.len()) };
         if r == 0 { 0 } else { errno() }
     };
