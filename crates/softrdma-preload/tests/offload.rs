@@ -1114,3 +1114,32 @@ fn a_listen_after_a_udp_bind_on_the_same_port_stays_plain_and_correct() {
     // its port on another address left its twin alone.
     assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
 }
+
+/// Twins belong to the process that started them: a forked child's UDP
+/// bind to the parent's listener port fails as the kernel says and leaves
+/// the parent's twin answering; once the child is gone the parent's own
+/// bind gets the port. Sockets with `SO_REUSEPORT` share it among
+/// themselves only (the twin never had the option: no datagram of the
+/// program goes to it).
+#[test]
+fn a_forked_childs_udp_bind_leaves_its_parents_twin_and_reuseport_sockets_get_the_port() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(&format!(
+        "{ECHO_REVERSED}\
+        x=socket.socket(); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8)\n\
+        pid=os.fork()\n\
+        if pid==0:\n    u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n    try:\n        u.bind(('127.0.0.1',P)); os._exit(2)\n    except OSError as e:\n        os._exit(0 if e.errno==errno.EADDRINUSE else 3)\n\
+        assert os.waitpid(pid,0)[1]==0\n\
+        assert exchange(x, '127.0.0.1', os.urandom(100000))==0\n\
+        us=[]\n\
+        for i in range(2):\n    u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEPORT,1); u.bind(('127.0.0.1',P)); us.append(u)\n\
+        q=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); got=0\n\
+        for i in range(20):\n    q.sendto(b'n', ('127.0.0.1',P))\n\
+        for u in us:\n    u.setblocking(False)\n    while True:\n        try: u.recv(10); got+=1\n        except BlockingIOError: break\n\
+        assert got==20, got\n"
+    ));
+    // The pair of the prelude and the connection made before the UDP binds.
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
