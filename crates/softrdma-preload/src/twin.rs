@@ -442,7 +442,7 @@ impl Twin {
         // The last holder: dropping it tells the thread to stop.
         drop(t);
         if let Some(s) = sock.upgrade() {
-            // Wakes the thread from its wait at once (on an unbound
+            // Wakes the thread from its wait at once (on an unconnected
             // datagram socket the call reports `ENOTCONN` but still ends
             // every wait for a datagram); the thread then sees the stop.
             let _ = socket2::SockRef::from(&*s).shutdown(std::net::Shutdown::Read);
