@@ -340,9 +340,14 @@ fn bind_for_query(fd: c_int, v6: bool, choose: bool, bound: u16) -> Option<(u16,
             (Ipv4Addr::UNSPECIFIED, port).into()
         };
         let sa = socket2::SockAddr::from(any);
+        // The real call: this library's `bind` would look at the
+        // socket's type on a failure.
+        let Some(real) = REAL_BIND.get() else {
+            return libc::ENOSYS;
+        };
         // SAFETY: binding the caller's socket to a valid address of its
         // family.
-        let r = unsafe { libc::bind(fd, sa.as_ptr().cast(), sa.len()) };
+        let r = unsafe { real(fd, sa.as_ptr().cast(), sa.len()) };
         if r == 0 { 0 } else { errno() }
     };
     let mut tries = CHOSEN_PORT_TRIES;
@@ -861,7 +866,13 @@ fn listener_twin_start(fd: c_int, listening: bool) -> TwinStart {
         .then(|| int_opt(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY))
         .flatten()
         .map(|v| v != 0);
-    match conn::signals_blocked(|| Twin::start(SocketAddr::new(ip, port), v6only)) {
+    let start = || {
+        let was = TWIN_BIND.with(|b| b.replace(true));
+        let r = Twin::start(SocketAddr::new(ip, port), v6only);
+        TWIN_BIND.with(|b| b.set(was));
+        r
+    };
+    match conn::signals_blocked(start) {
         Ok(t) => TwinStart::Started(Arc::new(t)),
         // The port's twin runs already: another listener of this process
         // shares the port (`SO_REUSEPORT`, nginx's `reuseport`), and the
@@ -873,6 +884,91 @@ fn listener_twin_start(fd: c_int, listening: bool) -> TwinStart {
         }
         Err(_) => TwinStart::No,
     }
+}
+
+thread_local! {
+    /// Set while this thread binds a twin's socket: its `EADDRINUSE` is
+    /// the twin's own (another twin or a socket of the application holds
+    /// the port), never a reason to stop a twin.
+    static TWIN_BIND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// How long a `bind` waits for the twin it stops to let go of the port.
+const TWIN_STOP_WAIT: Duration = Duration::from_secs(1);
+
+/// `bind(2)`: a UDP socket of the application gets its port even when a
+/// listener's twin of this process holds it (the application listened on
+/// the TCP port first, then binds UDP to the same port, as DNS, syslog or
+/// SIP servers do): when the real call fails with `EADDRINUSE` and a twin
+/// this process started is bound to an overlapping address and the same
+/// port, the twin is stopped (its listeners offer offload to no new
+/// client) and the real call made once more; its result is returned.
+/// Every other call is the real one, with no system call added.
+///
+/// # Safety
+/// As `bind(2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    let Some(real) = REAL_BIND.get() else {
+        return fail(libc::ENOSYS);
+    };
+    // SAFETY: forwarding the caller's arguments unchanged.
+    let r = unsafe { real(fd, addr, len) };
+    if r == 0 || LISTENER_COUNT.load(Ordering::Relaxed) == 0 {
+        return r;
+    }
+    let e = errno();
+    if e != libc::EADDRINUSE || TWIN_BIND.with(std::cell::Cell::get) {
+        return r;
+    }
+    // SAFETY: the caller's `addr` points to `len` readable bytes (or the
+    // real call would have failed with `EFAULT`).
+    let Some((ip, port)) = (unsafe { ip_port(addr, len) }) else {
+        set_errno(e);
+        return r;
+    };
+    let stopped =
+        catch_unwind(|| release_twin_port(fd, SocketAddr::new(ip, port))).unwrap_or(false);
+    if !stopped {
+        set_errno(e);
+        return r;
+    }
+    // SAFETY: forwarding the caller's arguments unchanged; errno is the
+    // real call's.
+    unsafe { real(fd, addr, len) }
+}
+
+/// Stops the twins this process started that hold `addr`'s port on an
+/// address overlapping `addr`, if `fd` is a datagram socket; whether any
+/// was stopped (their listeners keep listening, plain from now on).
+fn release_twin_port(fd: c_int, addr: SocketAddr) -> bool {
+    if int_opt(fd, libc::SOL_SOCKET, libc::SO_TYPE) != Some(libc::SOCK_DGRAM) {
+        return false;
+    }
+    let v6only = addr.is_ipv6()
+        && int_opt(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY).is_some_and(|v| v != 0);
+    let found: Vec<Arc<Twin>> = {
+        let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut found: Vec<Arc<Twin>> = Vec::new();
+        for t in l.values() {
+            if t.is_own() && t.overlaps(addr, v6only) && !found.iter().any(|f| Arc::ptr_eq(f, t)) {
+                found.push(t.clone());
+            }
+        }
+        // Every listener of the twin (listeners sharing a port share it).
+        l.retain(|_, t| !found.iter().any(|f| Arc::ptr_eq(f, t)));
+        LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
+        found
+    };
+    if found.is_empty() {
+        return false;
+    }
+    for t in found {
+        // False if an accept still held it, or its thread did not stop in
+        // time: the second bind then fails as the first did.
+        let _ = Twin::stop_and_release(t, TWIN_STOP_WAIT);
+    }
+    true
 }
 
 /// The twin of a listener of this process that answers the queries for

@@ -62,6 +62,7 @@ macro_rules! reals {
 // a variadic int or pointer argument is passed where a fixed one would be.
 reals! {
     REAL_CONNECT = c"connect": fn(c_int, *const sockaddr, socklen_t) -> c_int;
+    REAL_BIND = c"bind": fn(c_int, *const sockaddr, socklen_t) -> c_int;
     REAL_ACCEPT = c"accept": fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int;
     REAL_ACCEPT4 = c"accept4": fn(c_int, *mut sockaddr, *mut socklen_t, c_int) -> c_int;
     REAL_LISTEN = c"listen": fn(c_int, c_int) -> c_int;

@@ -314,9 +314,13 @@ impl Records {
                     let n = n.min(b.len());
                     // SAFETY: the kernel initialized the first `n` octets.
                     let got: &[u8] = unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), n) };
-                    if let Some(from) = from.as_socket() {
-                        self.reply(sock, got, from);
-                    }
+                    // No sender: the socket was shut down (its twin was
+                    // stopped for an application's own UDP socket), and
+                    // every read returns at once from now on.
+                    let Some(from) = from.as_socket() else {
+                        return false;
+                    };
+                    self.reply(sock, got, from);
                     return true;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -349,7 +353,13 @@ pub(crate) struct Twin {
     pub(crate) sock: Arc<UdpSocket>,
     /// The listener's address (as bound: its IP may be unspecified).
     pub(crate) addr: SocketAddr,
+    /// The twin's `IPV6_V6ONLY` as the kernel has it (false for IPv4).
+    v6only: bool,
+    /// The process that started the twin (its thread runs there only).
+    owner: u32,
     stop: Arc<AtomicBool>,
+    /// Set by the twin's thread once it has let go of the socket.
+    done: Arc<AtomicBool>,
 }
 
 #[cfg_attr(test, allow(dead_code))]
@@ -370,6 +380,7 @@ impl Twin {
             sock.set_only_v6(only)?;
         }
         sock.bind(&addr.into())?;
+        let v6only = addr.is_ipv6() && sock.only_v6()?;
         let sock = Arc::new(UdpSocket::from(sock));
         let records = Records::new_shared().ok_or_else(std::io::Error::last_os_error)?;
         sock.set_read_timeout(Some(Duration::from_millis(200)))?;
@@ -377,16 +388,72 @@ impl Twin {
         // had it): its own connections would not ask this twin.
         softrdma_sockets::external::forget_plain_at(sock.local_addr()?);
         let stop = Arc::new(AtomicBool::new(false));
-        let (s2, k2) = (stop.clone(), sock.clone());
+        let done = Arc::new(AtomicBool::new(false));
+        let (s2, k2, d2) = (stop.clone(), sock.clone(), done.clone());
         std::thread::Builder::new()
             .name("softrdma-sd-twin".into())
-            .spawn(move || serve(&k2, records, &s2))?;
+            .spawn(move || {
+                serve(&k2, records, &s2);
+                drop(k2);
+                d2.store(true, Ordering::Release);
+            })?;
         Ok(Twin {
             records,
             sock,
             addr,
+            v6only,
+            owner: my_pid(),
             stop,
+            done,
         })
+    }
+
+    /// Whether this process started the twin (a forked child has a copy
+    /// of its socket but not its thread).
+    pub(crate) fn is_own(&self) -> bool {
+        self.owner == my_pid()
+    }
+
+    /// Whether the twin's port and address overlap those of a UDP socket
+    /// bound (or to be bound) to `other` with `other_v6only` (its
+    /// `IPV6_V6ONLY`, for an IPv6 address): the kernel would refuse the
+    /// second of the two the port, unless both share it.
+    pub(crate) fn overlaps(&self, other: SocketAddr, other_v6only: bool) -> bool {
+        self.addr.port() == other.port()
+            && Covers::of(self.addr.ip(), self.v6only).meets(Covers::of(other.ip(), other_v6only))
+    }
+
+    /// Stops the twin `t` (already taken out of every listener of this
+    /// process) and waits, at most `limit`, until its socket is closed and
+    /// its port free. False if the twin is still used elsewhere (an accept
+    /// in progress) or did not stop in time.
+    pub(crate) fn stop_and_release(t: Arc<Twin>, limit: Duration) -> bool {
+        let until = std::time::Instant::now() + limit;
+        // An accept of another thread may hold the twin for a moment: its
+        // records must stay mapped until it is done.
+        while Arc::strong_count(&t) > 1 {
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let sock = Arc::downgrade(&t.sock);
+        let done = t.done.clone();
+        // The last holder: dropping it tells the thread to stop.
+        drop(t);
+        if let Some(s) = sock.upgrade() {
+            // Wakes the thread from its wait at once (on an unconnected
+            // datagram socket the call reports `ENOTCONN` but still ends
+            // every wait for a datagram); the thread then sees the stop.
+            let _ = socket2::SockRef::from(&*s).shutdown(std::net::Shutdown::Read);
+        }
+        while !done.load(Ordering::Acquire) {
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 
     /// Whether a query asked for the connection from `peer`; see
@@ -399,6 +466,63 @@ impl Twin {
 impl Drop for Twin {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+    }
+}
+
+/// The addresses a UDP socket bound to an address takes its port on, as
+/// the kernel compares them: per family none, one, or all (the wildcard).
+#[derive(Debug, Clone, Copy)]
+struct Covers {
+    v4: Part<std::net::Ipv4Addr>,
+    v6: Part<std::net::Ipv6Addr>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part<A> {
+    None,
+    One(A),
+    All,
+}
+
+impl<A: PartialEq> Part<A> {
+    fn meets(self, o: Part<A>) -> bool {
+        match (self, o) {
+            (Part::None, _) | (_, Part::None) => false,
+            (Part::All, _) | (_, Part::All) => true,
+            (Part::One(a), Part::One(b)) => a == b,
+        }
+    }
+}
+
+impl Covers {
+    /// A socket bound to `ip`; `v6only`: its `IPV6_V6ONLY` (IPv6 only).
+    fn of(ip: IpAddr, v6only: bool) -> Covers {
+        match ip {
+            IpAddr::V4(a) if a.is_unspecified() => Covers {
+                v4: Part::All,
+                v6: Part::None,
+            },
+            IpAddr::V4(a) => Covers {
+                v4: Part::One(a),
+                v6: Part::None,
+            },
+            IpAddr::V6(a) => match a.to_ipv4_mapped() {
+                // An IPv4-mapped address is an IPv4 socket's.
+                Some(m) => Covers::of(IpAddr::V4(m), false),
+                None if a.is_unspecified() => Covers {
+                    v4: if v6only { Part::None } else { Part::All },
+                    v6: Part::All,
+                },
+                None => Covers {
+                    v4: Part::None,
+                    v6: Part::One(a),
+                },
+            },
+        }
+    }
+
+    fn meets(self, o: Covers) -> bool {
+        self.v4.meets(o.v4) || self.v6.meets(o.v6)
     }
 }
 
@@ -430,6 +554,28 @@ fn serve(sock: &UdpSocket, records: Records, stop: &AtomicBool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Overlap of bound UDP addresses as the kernel sees it: same address
+    /// or a wildcard of the family; an IPv6 wildcard takes IPv4 too unless
+    /// `IPV6_V6ONLY`; an IPv4-mapped address is IPv4.
+    #[test]
+    fn covers_meet_as_the_kernel_compares_bound_addresses() {
+        let m = |a: &str, a6: bool, b: &str, b6: bool| {
+            Covers::of(a.parse().unwrap(), a6).meets(Covers::of(b.parse().unwrap(), b6))
+        };
+        assert!(m("127.0.0.1", false, "127.0.0.1", false));
+        assert!(!m("127.0.0.1", false, "127.0.0.2", false));
+        assert!(m("0.0.0.0", false, "127.0.0.2", false));
+        assert!(m("::", false, "127.0.0.1", false));
+        assert!(!m("::", true, "127.0.0.1", false));
+        assert!(!m("::", true, "0.0.0.0", false));
+        assert!(m("::", true, "::1", true));
+        assert!(m("::", true, "::", false));
+        assert!(!m("::1", false, "0.0.0.0", false));
+        assert!(m("::ffff:127.0.0.1", false, "0.0.0.0", false));
+        assert!(m("::ffff:127.0.0.1", false, "127.0.0.1", false));
+        assert!(!m("::ffff:127.0.0.1", false, "::1", false));
+    }
 
     #[test]
     fn records_are_taken_once_and_match_address_and_port() {

@@ -1002,3 +1002,144 @@ fn cached_not_capable_answer_outlived_a_new_preloaded_listener_on_the_port() {
         "only the first connection found no twin: {lines:?}"
     );
 }
+
+/// Python: a client connection to port `P` from a thread sending `data`
+/// and reading all back (into `r`), and the server's side of it on `x`,
+/// which echoes the bytes reversed.
+const ECHO_REVERSED: &str = r#"def exchange(x, host, data):
+    r=[]
+    def cl():
+        k=socket.create_connection((host,P)); k.settimeout(10); k.sendall(data); k.shutdown(socket.SHUT_WR); b=bytearray()
+        while True:
+            y=k.recv(65536)
+            if not y: break
+            b+=y
+        r.append(bytes(b)); k.close()
+    t=threading.Thread(target=cl,daemon=True); t.start()
+    empty=0
+    while True:
+        a,_=x.accept(); a.settimeout(10); b=bytearray()
+        while True:
+            y=a.recv(65536)
+            if not y: break
+            b+=y
+        if b or empty: break
+        # A client that saw the twin decide late queries sent its query
+        # beside its SYN: unanswered, it closed that connection without a
+        # byte and connected again, plain.
+        empty+=1; a.close()
+    assert bytes(b)==data, len(b)
+    a.sendall(data[::-1]); a.close(); t.join(10); assert r==[data[::-1]], [len(v) for v in r]
+    return empty
+def datagram_reaches(u, to):
+    q=socket.socket(socket.AF_INET if '.' in to[0] else socket.AF_INET6, socket.SOCK_DGRAM); q.sendto(b'hello udp', to)
+    u.settimeout(5)
+    while True:
+        d,_=u.recvfrom(100)
+        if not d.startswith(b'SRSD'): break
+    assert d==b'hello udp', d; q.close()
+"#;
+
+/// Regression: a program serving TCP and UDP on one port (DNS, syslog,
+/// SIP) that listens on TCP before it binds its UDP socket got
+/// `EADDRINUSE` from that bind: the listener's twin held the UDP port.
+/// The twin gives way: the bind succeeds, the program's socket gets the
+/// datagrams, a connection offloaded before is unaffected, and a new
+/// client connects plain, byte-exact.
+#[test]
+fn a_udp_bind_after_listen_on_the_same_port_failed_with_eaddrinuse() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(&format!(
+        "{ECHO_REVERSED}\
+        x=socket.socket(); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8)\n\
+        r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',P)))); t.start()\n\
+        before,_=x.accept(); select.select([],[before],[],5); t.join()\n\
+        u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.bind(('127.0.0.1',P))\n\
+        datagram_reaches(u, ('127.0.0.1',P))\n\
+        r[0].sendall(b'still offloaded'); assert before.recv(100)==b'still offloaded'\n\
+        e=exchange(x, '127.0.0.1', os.urandom(300000))\n\
+        assert exchange(x, '127.0.0.1', os.urandom(1000))==0, 'remembered plain'\n\
+        datagram_reaches(u, ('127.0.0.1',P))\n"
+    ));
+    // The pair of the prelude and the connection made before the bind.
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
+/// The same with a dual-stack IPv6 listener and an IPv4 wildcard UDP
+/// socket (the twin's `[::]` takes the IPv4 port too).
+#[test]
+fn a_udp_bind_after_a_dual_stack_listen_on_the_same_port_gets_the_port() {
+    if !have_python() || std::net::TcpListener::bind("[::1]:0").is_err() {
+        return;
+    }
+    let lines = run(&format!(
+        "{ECHO_REVERSED}\
+        x=socket.socket(socket.AF_INET6); x.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_V6ONLY,0); x.bind(('::',0)); P=x.getsockname()[1]; x.listen(8)\n\
+        u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); u.bind(('0.0.0.0',P))\n\
+        datagram_reaches(u, ('127.0.0.1',P))\n\
+        exchange(x, '::1', os.urandom(100000))\n\
+        exchange(x, '127.0.0.1', os.urandom(100000))\n\
+        w=socket.socket(socket.AF_INET6,socket.SOCK_DGRAM); w.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_V6ONLY,1); w.bind(('::1',P))\n\
+        datagram_reaches(w, ('::1',P))\n"
+    ));
+    assert_eq!(field(&lines[0], "offloaded"), "2", "{lines:?}");
+}
+
+/// The other order: the program binds its UDP socket first, then listens
+/// on the TCP port: the twin cannot start, the listener stays plain and
+/// correct, and the program's socket keeps its datagrams; a second UDP
+/// bind to the port fails as the kernel says. A UDP bind to a listener's
+/// port on an address its twin does not hold leaves the twin running.
+#[test]
+fn a_listen_after_a_udp_bind_on_the_same_port_stays_plain_and_correct() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(&format!(
+        "{ECHO_REVERSED}\
+        u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.bind(('127.0.0.1',0)); P=u.getsockname()[1]\n\
+        x=socket.socket(); x.bind(('127.0.0.1',P)); x.listen(8)\n\
+        exchange(x, '127.0.0.1', os.urandom(200000))\n\
+        datagram_reaches(u, ('127.0.0.1',P))\n\
+        v=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n\
+        try:\n    v.bind(('127.0.0.1',P)); raise SystemExit('bound twice')\n\
+        except OSError as e:\n    assert e.errno==errno.EADDRINUSE, e\n\
+        L=l.getsockname()[1]\n\
+        v2=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); v2.bind(('127.0.0.2',L)); v2.close()\n\
+        c2,s2=connect(); c2.sendall(b'twin kept'); assert s2.recv(100)==b'twin kept'\n"
+    ));
+    // The pair of the prelude, and one more on its listener: a UDP bind to
+    // its port on another address left its twin alone.
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
+/// Twins belong to the process that started them: a forked child's UDP
+/// bind to the parent's listener port fails as the kernel says and leaves
+/// the parent's twin answering; once the child is gone the parent's own
+/// bind gets the port. Sockets with `SO_REUSEPORT` share it among
+/// themselves only (the twin never had the option: no datagram of the
+/// program goes to it).
+#[test]
+fn a_forked_childs_udp_bind_leaves_its_parents_twin_and_reuseport_sockets_get_the_port() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(&format!(
+        "{ECHO_REVERSED}\
+        x=socket.socket(); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8)\n\
+        pid=os.fork()\n\
+        if pid==0:\n    u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n    try:\n        u.bind(('127.0.0.1',P)); os._exit(2)\n    except OSError as e:\n        os._exit(0 if e.errno==errno.EADDRINUSE else 3)\n\
+        assert os.waitpid(pid,0)[1]==0\n\
+        assert exchange(x, '127.0.0.1', os.urandom(100000))==0\n\
+        us=[]\n\
+        for i in range(2):\n    u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEPORT,1); u.bind(('127.0.0.1',P)); us.append(u)\n\
+        q=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); got=0\n\
+        for i in range(20):\n    q.sendto(b'n', ('127.0.0.1',P))\n\
+        for u in us:\n    u.setblocking(False)\n    while True:\n        try: u.recv(10); got+=1\n        except BlockingIOError: break\n\
+        assert got==20, got\n"
+    ));
+    // The pair of the prelude and the connection made before the UDP binds.
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
