@@ -454,7 +454,11 @@ fn on_cm_event(ep: &Arc<EpInner>, conn: &Connection, ev: CmEvent) {
             return;
         }
         CmEvent::Disconnected { .. } => {
-            if ep.fatal.load(Ordering::Acquire) {
+            // A Terminate (sent or received) ended it: its async event is
+            // queued before this (the QP records the Terminate and raises
+            // the event before it enters ERROR), but this thread may have
+            // looked at the async events just before it came.
+            if ep.fatal.load(Ordering::Acquire) || ep.qp.last_terminate().is_some() {
                 EpEvent::Broken
             } else {
                 EpEvent::Closed

@@ -274,6 +274,14 @@ fn backstop_fired() {
     }
 }
 
+/// Tests: held shared by the tests that check that the backstop timer
+/// wrote a QP's deferred posts, and exclusively by the test that fails
+/// the backstop's arming. An arming that fails writes at once every QP
+/// listed meanwhile, those of tests running alongside too (as it should),
+/// which then find their posts written without the timer.
+#[cfg(test)]
+pub(crate) static BACKSTOP_ARMING_FAILS: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
+
 /// QPs that deferred posts, of this fork generation (a child writes none
 /// of its parent's, and never waits for the parent's lock, see
 /// [`Backstop`]).
@@ -888,6 +896,7 @@ mod tests {
     /// keeps deferring stays on its list.
     #[test]
     fn one_backstop_writes_the_deferred_posts_of_several_qps() {
+        let _timer_writes = super::BACKSTOP_ARMING_FAILS.read();
         let pairs: Vec<_> = (0..3).map(|_| pair()).collect();
         let mut dsts = Vec::new();
         for (a, b, cqa, _, pd) in &pairs {
@@ -1106,6 +1115,8 @@ mod tests {
     /// waited for someone else's deferral). They are written now.
     #[test]
     fn a_qp_listed_while_the_backstop_failed_to_arm_is_written() {
+        // (It writes the QPs other tests list meanwhile too.)
+        let _fails = super::BACKSTOP_ARMING_FAILS.write();
         let (a, b, cqa, cqb, pd) = pair();
         no_backstop(&a);
         let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();

@@ -1263,11 +1263,16 @@ fn differential_remote_errors_answer_reads_and_atomics() {
                     add: 1,
                 },
             };
+            // The Send goes out before the responder answers: held (an
+            // engine thread could otherwise answer with a Terminate before
+            // the Send is posted now and then, flushing it).
+            p.hold(1);
             p.send(0, &SendWr::new(1, op).sg_list(&sink).signaled())
                 .unwrap();
             let s = at(&m.buf[0], 0, 8);
             p.send(0, &SendWr::new(2, SendOp::Send).sg_list(&s).signaled())
                 .unwrap();
+            p.release();
         });
         same(&engine, &core);
         assert_ne!(engine.completions[0][0].vendor_err, 0, "case {case}");
