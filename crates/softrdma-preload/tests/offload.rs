@@ -634,21 +634,27 @@ fn the_librarys_threads_block_every_signal() {
     // never run the application's signal handlers. The connecting Python
     // thread is joined, but its task can still be listed for a moment
     // after `join` returns: wait (up to 1 s) until no other task has the
-    // main thread's name.
+    // main thread's name. A task that ends while it is looked at (its
+    // files gone) runs no handler: it is skipped.
     run("import glob\n\
         c.sendall(b'x'); assert s.recv(1)==b'x'\n\
         tasks=lambda: [t for t in glob.glob('/proc/self/task/*') if int(t.split('/')[-1])!=os.getpid()]\n\
+        def read(t,f):\n\
+        \x20   try:\n\
+        \x20       return open(t+'/'+f).read()\n\
+        \x20   except (FileNotFoundError, ProcessLookupError):\n\
+        \x20       return None\n\
         main=open('/proc/self/comm').read().strip()\n\
         for _ in range(100):\n\
-        \x20   if all(open(t+'/comm').read().strip()!=main for t in tasks()): break\n\
+        \x20   if all((read(t,'comm') or '').strip()!=main for t in tasks()): break\n\
         \x20   time.sleep(0.01)\n\
         others=tasks()\n\
         assert others, 'the library started threads'\n\
         for t in others:\n\
-        \x20   blk=[l for l in open(t+'/status') if l.startswith('SigBlk:')][0].split()[1]\n\
-        \x20   blk=int(blk,16)\n\
-        \x20   name=open(t+'/comm').read().strip()\n\
-        \x20   assert all(blk>>(n-1)&1 for n in range(1,32) if n not in (9,19)), (name, hex(blk))\n");
+        \x20   st,name=read(t,'status'),read(t,'comm')\n\
+        \x20   if st is None or name is None: continue\n\
+        \x20   blk=int([l for l in st.splitlines() if l.startswith('SigBlk:')][0].split()[1],16)\n\
+        \x20   assert all(blk>>(n-1)&1 for n in range(1,32) if n not in (9,19)), (name.strip(), hex(blk))\n");
 }
 
 #[test]
@@ -778,7 +784,8 @@ fn a_closed_listeners_twin_records_stayed_mapped() {
         n0=recs()\n\
         for i in range(200):\n    x=socket.socket(); x.bind(('127.0.0.1',0)); x.listen(1); x.close()\n\
         for i in range(50):\n    x=socket.socket(); x.bind(('127.0.0.1',0)); y=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); y.bind(x.getsockname()); x.listen(1); x.close(); y.close()\n\
-        time.sleep(1)\n\
+        end=time.time()+10\n\
+        while recs()>n0+2 and time.time()<end: time.sleep(0.05)\n\
         assert recs()<=n0+2, (n0, recs())\n",
     );
     assert_eq!(field(&lines[0], "offloaded"), "2", "{lines:?}");
