@@ -421,6 +421,23 @@ fn watch_fin(inode: u64, t0: Instant) -> Duration {
 /// Sends `len` bytes and waits for the Send's completion (the bytes are in
 /// the socket then, most of them unacknowledged by a peer that does not
 /// read).
+/// A connected side whose peer is a [`late_reader`] (reading after
+/// `read_after`), with an answer of `len` octets sent and the peer's clock
+/// started: the side, its socket's inode and the peer.
+fn answered_to_late_reader(
+    dev: &Device,
+    read_after: Duration,
+    len: usize,
+) -> (Side, u64, std::thread::JoinHandle<PeerEnd>) {
+    let (s, addr, listener) = connect_to_late_reader(dev);
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, read_after);
+    let inode = establish_with_room(&s, addr);
+    send_answer(&s, len);
+    go.send(()).unwrap();
+    (s, inode, peer)
+}
+
 fn send_answer(s: &Side, len: usize) {
     let src = mr(s, len);
     src.write(0, &pattern(len, 9)).unwrap();
@@ -452,12 +469,7 @@ fn close_right_after_the_answer_waits_for_the_peers_ack() {
     const READ_AFTER: Duration = Duration::from_millis(400);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
-    let (s, addr, listener) = connect_to_late_reader(&dev);
-    let (go, went) = std::sync::mpsc::channel();
-    let peer = late_reader(listener, went, READ_AFTER);
-    let inode = establish_with_room(&s, addr);
-    send_answer(&s, ANSWER);
-    go.send(()).unwrap();
+    let (s, inode, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
     let t0 = Instant::now();
     s.qp.close_acknowledged(Duration::from_secs(5));
     let returned = t0.elapsed();
@@ -495,12 +507,7 @@ fn close_acknowledged_against_a_stalled_peer_does_not_block() {
     const STALLED: Duration = Duration::from_secs(3);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
-    let (s, addr, listener) = connect_to_late_reader(&dev);
-    let (go, went) = std::sync::mpsc::channel();
-    let peer = late_reader(listener, went, STALLED);
-    let inode = establish_with_room(&s, addr);
-    send_answer(&s, ANSWER);
-    go.send(()).unwrap();
+    let (s, inode, peer) = answered_to_late_reader(&dev, STALLED, ANSWER);
     let t0 = Instant::now();
     s.qp.close_acknowledged(LINGER);
     let returned = t0.elapsed();
@@ -533,12 +540,7 @@ fn disconnect_right_after_the_answer_waits_for_the_peers_ack() {
     const READ_AFTER: Duration = Duration::from_millis(400);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
-    let (s, addr, listener) = connect_to_late_reader(&dev);
-    let (go, went) = std::sync::mpsc::channel();
-    let peer = late_reader(listener, went, READ_AFTER);
-    let inode = establish_with_room(&s, addr);
-    send_answer(&s, ANSWER);
-    go.send(()).unwrap();
+    let (s, inode, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
     let t0 = Instant::now();
     s.qp.disconnect_acknowledged(Duration::from_secs(5))
         .unwrap();
@@ -571,12 +573,7 @@ fn close_while_the_disconnects_fin_waits_still_waits_for_the_ack() {
     const READ_AFTER: Duration = Duration::from_millis(400);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
-    let (s, addr, listener) = connect_to_late_reader(&dev);
-    let (go, went) = std::sync::mpsc::channel();
-    let peer = late_reader(listener, went, READ_AFTER);
-    let inode = establish_with_room(&s, addr);
-    send_answer(&s, ANSWER);
-    go.send(()).unwrap();
+    let (s, inode, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
     let t0 = Instant::now();
     s.qp.disconnect_acknowledged(Duration::from_secs(5))
         .unwrap();
