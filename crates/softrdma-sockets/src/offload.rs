@@ -3007,12 +3007,7 @@ mod drive_tests {
             let server = std::thread::spawn(move || {
                 let mut buf = [0u8; 64];
                 for _ in 0..ROUNDS {
-                    let mut got = 0;
-                    while got < 64 {
-                        let n = s.read(&mut buf[got..], false, false, None).unwrap();
-                        assert!(n > 0);
-                        got += n;
-                    }
+                    read_full(&s, &mut buf);
                     s.write(&buf, false, None).unwrap();
                 }
                 s.sh.lock().recv_sleeps
@@ -3021,12 +3016,7 @@ mod drive_tests {
             for i in 0..ROUNDS {
                 let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
                 c.write(&msg, false, None).unwrap();
-                let mut got = 0;
-                while got < 64 {
-                    let n = c.read(&mut back[got..], false, false, None).unwrap();
-                    assert!(n > 0);
-                    got += n;
-                }
+                read_full(&c, &mut back);
                 assert_eq!(&back[..], &msg[..], "round {i}");
             }
             let server_sleeps = server.join().unwrap();
@@ -3051,12 +3041,7 @@ mod drive_tests {
             let server = std::thread::spawn(move || {
                 let mut buf = [0u8; 64];
                 for i in 0..ROUNDS {
-                    let mut got = 0;
-                    while got < 64 {
-                        let n = s.read(&mut buf[got..], false, false, None).unwrap();
-                        assert!(n > 0);
-                        got += n;
-                    }
+                    read_full(&s, &mut buf);
                     let want: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
                     assert_eq!(&buf[..], &want[..], "round {i} at the server");
                     buf.iter_mut().for_each(|b| *b = !*b);
@@ -3071,12 +3056,7 @@ mod drive_tests {
             for i in 0..ROUNDS {
                 let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
                 c.write(&msg, false, None).unwrap();
-                let mut got = 0;
-                while got < 64 {
-                    let n = c.read(&mut back[got..], false, false, None).unwrap();
-                    assert!(n > 0);
-                    got += n;
-                }
+                read_full(&c, &mut back);
                 let want: Vec<u8> = msg.iter().map(|b| !*b).collect();
                 assert_eq!(&back[..], &want[..], "round {i}");
             }
@@ -3280,6 +3260,16 @@ mod drive_tests {
             sent += n;
         }
         o.flush(None).unwrap();
+    }
+
+    /// Reads until `buf` is full (the stream must not end first).
+    fn read_full(o: &Offload, buf: &mut [u8]) {
+        let mut got = 0;
+        while got < buf.len() {
+            let n = o.read(&mut buf[got..], false, false, None).unwrap();
+            assert!(n > 0, "early end after {got} octets");
+            got += n;
+        }
     }
 
     fn recv_all(o: &Offload, total: usize) {
