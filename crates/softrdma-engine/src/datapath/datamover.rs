@@ -178,6 +178,26 @@ struct Engine {
 }
 
 impl Engine {
+    /// An engine thread's state for CPU slot `cpu`, before its thread runs.
+    fn new(cpu: usize) -> std::io::Result<Engine> {
+        Ok(Engine {
+            cpu,
+            inbox: SegQueue::new(),
+            rx_inbox: SegQueue::new(),
+            qps: Mutex::new(HashMap::new()),
+            handover: Mutex::new(Handover::default()),
+            poll: EpollSet::new()?,
+            sleep_until: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            slices: AtomicU64::new(0),
+            pauses: AtomicU64::new(0),
+            resumes: AtomicU64::new(0),
+            receives: AtomicU64::new(0),
+            rx_wakeups: AtomicU64::new(0),
+            handover_timeouts: AtomicU64::new(0),
+        })
+    }
+
     /// Wakes the thread about a socket to watch (counted if it slept).
     fn notify_rx(&self) {
         if self.poll.notify() {
@@ -261,22 +281,7 @@ impl Threads {
         if let Some(e) = slot.engine.get() {
             return Ok(e);
         }
-        let e = Arc::new(Engine {
-            cpu: slot.cpu,
-            inbox: SegQueue::new(),
-            rx_inbox: SegQueue::new(),
-            qps: Mutex::new(HashMap::new()),
-            handover: Mutex::new(Handover::default()),
-            poll: EpollSet::new()?,
-            sleep_until: AtomicU64::new(0),
-            stop: AtomicBool::new(false),
-            slices: AtomicU64::new(0),
-            pauses: AtomicU64::new(0),
-            resumes: AtomicU64::new(0),
-            receives: AtomicU64::new(0),
-            rx_wakeups: AtomicU64::new(0),
-            handover_timeouts: AtomicU64::new(0),
-        });
+        let e = Arc::new(Engine::new(slot.cpu)?);
         {
             let e = e.clone();
             let (slice, pin) = (self.slice, self.pin);
@@ -1007,22 +1012,7 @@ mod tests {
     /// memory) saw it placed up to 10 ms late.
     #[test]
     fn a_claim_given_back_early_was_waited_out_to_its_end() {
-        let e = Engine {
-            cpu: 0,
-            inbox: SegQueue::new(),
-            rx_inbox: SegQueue::new(),
-            qps: Mutex::new(HashMap::new()),
-            handover: Mutex::new(Handover::default()),
-            poll: EpollSet::new().unwrap(),
-            sleep_until: AtomicU64::new(0),
-            stop: AtomicBool::new(false),
-            slices: AtomicU64::new(0),
-            pauses: AtomicU64::new(0),
-            resumes: AtomicU64::new(0),
-            receives: AtomicU64::new(0),
-            rx_wakeups: AtomicU64::new(0),
-            handover_timeouts: AtomicU64::new(0),
-        };
+        let e = Engine::new(0).unwrap();
         let (sock, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&sock);
         let qp = Arc::new(PolledQp::default());

@@ -717,6 +717,12 @@ impl QueuePair {
     /// within the close timeout, the connection is reset: ERROR,
     /// everything flushed, [`AsyncEventKind::BadClose`].
     pub fn disconnect(&self) -> Result<(), ModifyError> {
+        self.disconnect_with(None)
+    }
+
+    /// [`disconnect`](Self::disconnect), its FIN waiting for the peer's
+    /// acknowledgement at most `linger` if given.
+    fn disconnect_with(&self, linger: Option<std::time::Duration>) -> Result<(), ModifyError> {
         let qp = self.qp();
         let from = qp.state();
         if from != QpState::Rts {
@@ -726,7 +732,7 @@ impl QueuePair {
                 to: QpState::Closing,
             });
         }
-        qp.begin_close(None);
+        qp.begin_close(linger);
         Ok(())
     }
 
@@ -743,17 +749,7 @@ impl QueuePair {
     /// [`close_acknowledged`](Self::close_acknowledged), which keeps
     /// waiting.
     pub fn disconnect_acknowledged(&self, linger: std::time::Duration) -> Result<(), ModifyError> {
-        let qp = self.qp();
-        let from = qp.state();
-        if from != QpState::Rts {
-            return Err(ModifyError::InvalidTransition {
-                qp_num: qp.qp_num,
-                from,
-                to: QpState::Closing,
-            });
-        }
-        qp.begin_close(Some(linger));
-        Ok(())
+        self.disconnect_with(Some(linger))
     }
 
     /// The Terminate message that ended the last connection, sent or
