@@ -759,3 +759,54 @@ fn child_closes_in_a_late_exit_handler() {
     std::mem::forget(s2);
     std::process::exit(0);
 }
+
+/// Regression: a peer that reset the connection while our close waited
+/// for its acknowledgement kept the socket waiting until the linger had
+/// passed (the kernel keeps counting the bytes it will never send as
+/// unacknowledged), and a process exiting then waited as long: a socket
+/// whose connection is gone has nothing left to wait for.
+#[test]
+fn a_peer_reset_during_the_close_ends_its_wait() {
+    const LINGER: Duration = Duration::from_secs(5);
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let (mut p, _) = listener.accept().unwrap();
+        mpa_accept(&mut p, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+        went.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        // A reset (SO_LINGER 0), our answer unread.
+        socket2::SockRef::from(&p)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(p);
+        Instant::now()
+    });
+    let inode = establish_with_room(&s, addr);
+    send_answer(&s, 64 * 1024);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    s.qp.close_acknowledged(LINGER);
+    drop(s);
+    // (A reset socket leaves `/proc/net/tcp`: its descriptor is looked for.)
+    let link = format!("socket:[{inode}]");
+    let held = || {
+        std::fs::read_dir("/proc/self/fd").unwrap().any(|e| {
+            std::fs::read_link(e.unwrap().path())
+                .is_ok_and(|l| l.to_string_lossy() == link.as_str())
+        })
+    };
+    while held() {
+        assert!(t0.elapsed() < TIMEOUT, "the socket was never closed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let closed = t0.elapsed();
+    let reset_at = peer.join().unwrap();
+    assert!(
+        t0 + closed < reset_at + LINGER / 2,
+        "the socket was closed {:?} after the call, {:?} after the peer's reset",
+        closed,
+        (t0 + closed).saturating_duration_since(reset_at)
+    );
+}
