@@ -654,3 +654,156 @@ fn child_closes_and_exits() {
     drop(s);
     std::process::exit(0);
 }
+
+/// Set in the child process of
+/// [`close_in_an_exit_handler_run_after_the_engines_waits_for_the_peers_ack`]:
+/// the addresses of its two scripted peers (`first,second`).
+const LATE_EXIT_CHILD_ENV: &str = "SOFTRDMA_CLOSING_LATE_EXIT_CHILD";
+
+/// Regression: the engine's exit handler is registered with the first
+/// lingering close, after the exit handlers the application registered
+/// before it, so it runs before them (`atexit(3)` runs the last registered
+/// first). A QP closed with `close_acknowledged` from such a handler (a
+/// cleanup registered at start, a C++ global's destructor) found the
+/// engine's handler done: the process ended at once and the kernel sent
+/// the FIN before the peer had acknowledged the answer. The exit must
+/// wait for that close too.
+#[test]
+fn close_in_an_exit_handler_run_after_the_engines_waits_for_the_peers_ack() {
+    const FIRST_READS_AFTER: Duration = Duration::from_millis(300);
+    const SECOND_READS_AFTER: Duration = Duration::from_millis(900);
+    let first = late_listener();
+    let second = late_listener();
+    let addrs = format!(
+        "{},{}",
+        first.local_addr().unwrap(),
+        second.local_addr().unwrap()
+    );
+    let (go1, went1) = std::sync::mpsc::channel();
+    let (go2, went2) = std::sync::mpsc::channel();
+    let peer1 = late_reader(first, went1, FIRST_READS_AFTER);
+    let peer2 = late_reader(second, went2, SECOND_READS_AFTER);
+    go1.send(()).unwrap();
+    go2.send(()).unwrap();
+    let t0 = Instant::now();
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_closes_in_a_late_exit_handler",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(LATE_EXIT_CHILD_ENV, addrs)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    let exited = Instant::now();
+    let (got1, end1, _) = peer1.join().unwrap();
+    let (got2, end2, reading_at) = peer2.join().unwrap();
+    assert!(status.success(), "{status}");
+    assert!(
+        exited >= reading_at,
+        "the child exited {:?} after it started, before the second peer read ({:?})",
+        exited - t0,
+        reading_at.saturating_duration_since(t0)
+    );
+    assert_eq!((end1, end2), (None, None), "the streams ended with FIN");
+    assert!(
+        got1 >= 64 * 1024 && got2 >= 64 * 1024,
+        "{got1}, {got2} bytes"
+    );
+}
+
+/// The QP the child of
+/// [`close_in_an_exit_handler_run_after_the_engines_waits_for_the_peers_ack`]
+/// closes from its exit handler.
+static CLOSED_AT_EXIT: std::sync::Mutex<Option<softrdma_engine::QueuePair>> =
+    std::sync::Mutex::new(None);
+
+extern "C" fn close_the_second_at_exit() {
+    if let Some(qp) = CLOSED_AT_EXIT.lock().unwrap().take() {
+        qp.close_acknowledged(Duration::from_secs(5));
+    }
+}
+
+/// The child of
+/// [`close_in_an_exit_handler_run_after_the_engines_waits_for_the_peers_ack`]:
+/// registers its exit handler, answers both peers, closes the first (the
+/// engine's exit handler is registered then), waits until that one is
+/// closed, and exits; its handler closes the second.
+#[test]
+#[ignore = "run by close_in_an_exit_handler_run_after_the_engines_waits_for_the_peers_ack"]
+fn child_closes_in_a_late_exit_handler() {
+    let Ok(addrs) = std::env::var(LATE_EXIT_CHILD_ENV) else {
+        return;
+    };
+    let (a1, a2) = addrs.split_once(',').unwrap();
+    assert!(softrdma_engine::at_exit(close_the_second_at_exit));
+    let dev = device(false);
+    let s1 = side(&dev, |_| {});
+    let s2 = side(&dev, |_| {});
+    let inode1 = establish_with_room(&s1, a1.parse().unwrap());
+    establish_with_room(&s2, a2.parse().unwrap());
+    send_answer(&s1, 64 * 1024);
+    send_answer(&s2, 64 * 1024);
+    *CLOSED_AT_EXIT.lock().unwrap() = Some(s2.qp.clone());
+    let t0 = Instant::now();
+    s1.qp.close_acknowledged(Duration::from_millis(50));
+    drop(s1);
+    // The first is closed (its linger passed): the engine's list is empty.
+    watch_close(inode1, t0);
+    std::mem::forget(s2);
+    std::process::exit(0);
+}
+
+/// Regression: a peer that reset the connection while our close waited
+/// for its acknowledgement kept the socket waiting until the linger had
+/// passed (the kernel keeps counting the bytes it will never send as
+/// unacknowledged), and a process exiting then waited as long: a socket
+/// whose connection is gone has nothing left to wait for.
+#[test]
+fn a_peer_reset_during_the_close_ends_its_wait() {
+    const LINGER: Duration = Duration::from_secs(5);
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let (mut p, _) = listener.accept().unwrap();
+        mpa_accept(&mut p, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+        went.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        // A reset (SO_LINGER 0), our answer unread.
+        socket2::SockRef::from(&p)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(p);
+        Instant::now()
+    });
+    let inode = establish_with_room(&s, addr);
+    send_answer(&s, 64 * 1024);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    s.qp.close_acknowledged(LINGER);
+    drop(s);
+    // (A reset socket leaves `/proc/net/tcp`: its descriptor is looked for.)
+    let link = format!("socket:[{inode}]");
+    let held = || {
+        std::fs::read_dir("/proc/self/fd").unwrap().any(|e| {
+            std::fs::read_link(e.unwrap().path())
+                .is_ok_and(|l| l.to_string_lossy() == link.as_str())
+        })
+    };
+    while held() {
+        assert!(t0.elapsed() < TIMEOUT, "the socket was never closed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let closed = t0.elapsed();
+    let reset_at = peer.join().unwrap();
+    assert!(
+        t0 + closed < reset_at + LINGER / 2,
+        "the socket was closed {:?} after the call, {:?} after the peer's reset",
+        closed,
+        (t0 + closed).saturating_duration_since(reset_at)
+    );
+}

@@ -463,9 +463,28 @@ impl Twin {
     }
 }
 
+/// How long dropping a twin waits for its thread to let go of the port.
+const STOP_WAIT: Duration = Duration::from_secs(1);
+
 impl Drop for Twin {
+    /// Stops the thread and, in the process that started it, waits (at
+    /// most [`STOP_WAIT`]) until the thread has let go of the socket: the
+    /// port is free once the last listener's `close` returns (a `listen`
+    /// or UDP `bind` right after on the port found it held for up to the
+    /// thread's read timeout: no twin, or `EADDRINUSE`). A forked child
+    /// only marks it (the socket is its parent's too: a shutdown would
+    /// wake the parent's thread for ever).
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        if !self.is_own() {
+            return;
+        }
+        // Wakes the thread from its wait at once (see `stop_and_release`).
+        let _ = socket2::SockRef::from(&*self.sock).shutdown(std::net::Shutdown::Read);
+        let until = std::time::Instant::now() + STOP_WAIT;
+        while !self.done.load(Ordering::Acquire) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
 

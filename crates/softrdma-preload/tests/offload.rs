@@ -1150,3 +1150,38 @@ fn a_forked_childs_udp_bind_leaves_its_parents_twin_and_reuseport_sockets_get_th
     // The pair of the prelude and the connection made before the UDP binds.
     assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
 }
+
+/// Regression: a UDP bind to the port of a listener just closed failed
+/// with `EADDRINUSE`: the listener's twin was stopped at the close, but its
+/// thread held the port until its next read timeout (up to 200 ms), and
+/// the twin, no listener's any more, was not one a bind stops.
+#[test]
+fn a_udp_bind_right_after_closing_a_listener_on_its_port_failed_with_eaddrinuse() {
+    if !have_python() {
+        return;
+    }
+    run(
+        "x=socket.socket(); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8); x.close()\n\
+        u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.bind(('127.0.0.1',P))\n",
+    );
+}
+
+/// Regression: a listener opened on the port of one just closed (a server
+/// that reopens its listening socket) had no twin, and its clients
+/// connected plain ("no capability twin"): the old twin's thread still
+/// held the UDP port (up to its read timeout, 200 ms) when the new
+/// listener's twin was started.
+#[test]
+fn a_listen_right_after_closing_a_listener_on_its_port_had_no_twin() {
+    if !have_python() {
+        return;
+    }
+    let lines = run(&format!(
+        "{ECHO_REVERSED}\
+        x=socket.socket(); x.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8); x.close()\n\
+        y=socket.socket(); y.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); y.bind(('127.0.0.1',P)); y.listen(8)\n\
+        exchange(y, '127.0.0.1', os.urandom(3000))\n"
+    ));
+    // The pair of the prelude and the exchange's connection.
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}

@@ -15,6 +15,9 @@
 //! `main`, `exit(3)`) waits in its exit handler, registered with the first
 //! lingering close, until every socket in the list has been closed: at
 //! most the longest linger, not at all once the peers have acknowledged.
+//! A close made after that handler returned (from an exit handler
+//! registered before it, which runs after it, or a destructor) registers
+//! it once more, and the exit waits for that socket too.
 //! A process that ends without exit handlers (`_exit(2)`, a fatal signal,
 //! an abort) leaves the sockets to the kernel, which closes them at once:
 //! in order (FIN after the bytes sent) unless bytes received were unread
@@ -70,6 +73,9 @@ struct Pending {
     list: Vec<Lingering>,
     /// The timer that looks at the list is armed.
     armed: bool,
+    /// [`close_at_exit`] found the list empty and returned: a socket put
+    /// in the list after that registers it once more.
+    exit_done: bool,
 }
 
 impl Pending {
@@ -113,6 +119,14 @@ pub(crate) fn close_after_ack(stream: Arc<TcpStream>, linger: Duration) {
     register_exit_handler();
     let mut p = PENDING.get(Default::default).lock();
     p.list.push(l);
+    if p.exit_done {
+        // The exit handler has found the list empty and returned (this
+        // close comes from an exit handler registered before it, or a
+        // destructor): another run waits for this socket (glibc runs a
+        // handler registered while the handlers run, next).
+        p.exit_done = false;
+        crate::sys::process::at_exit(close_at_exit);
+    }
     if !p.armed {
         p.armed = crate::timer::arm(ACK_POLL, tick).is_ok();
         if !p.armed {
@@ -155,16 +169,19 @@ fn register_exit_handler() {
 /// lingers bound it), closing those whose wait is over as the timer does.
 extern "C" fn close_at_exit() {
     let _ = std::panic::catch_unwind(|| {
-        // A generation that lingered on no socket takes no lock.
-        let Some(pending) = PENDING.peek() else {
-            return;
-        };
+        // This generation's list (a forked child's own, made here if it
+        // lingered on no socket yet: a later close then finds
+        // `exit_done`).
+        let pending = PENDING.get(Default::default);
         loop {
             let Some(mut p) = pending.try_lock_for(EXIT_LOCK_WAIT) else {
                 return;
             };
             let over = p.take_over(crate::sys::clock::now());
             let left = p.list.len();
+            // (Under the lock: a socket put in the list after this look
+            // finds it set.)
+            p.exit_done = left == 0;
             drop(p);
             over.into_iter().for_each(Lingering::close);
             if left == 0 {

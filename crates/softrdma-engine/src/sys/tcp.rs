@@ -4,7 +4,9 @@ use std::io;
 use std::os::fd::RawFd;
 
 /// Bytes handed to a TCP socket that its peer has not acknowledged yet
-/// (sent and unacknowledged, plus not sent yet): `ioctl(SIOCOUTQ)`.
+/// (sent and unacknowledged, plus not sent yet): `ioctl(SIOCOUTQ)`. 0 once
+/// the connection is gone (reset: the kernel keeps counting the bytes it
+/// will never send, which nobody will acknowledge).
 pub(crate) fn unacked_bytes(fd: RawFd) -> io::Result<usize> {
     let mut n: libc::c_int = 0;
     // SAFETY: SIOCOUTQ (= TIOCOUTQ) writes one int through the pointer,
@@ -14,7 +16,33 @@ pub(crate) fn unacked_bytes(fd: RawFd) -> io::Result<usize> {
     if ret < 0 {
         return Err(io::Error::last_os_error());
     }
+    if n > 0 && is_closed(fd) {
+        return Ok(0);
+    }
     Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// `TCP_CLOSE` in `tcp_info`'s `tcpi_state`.
+const TCP_CLOSE: u8 = 7;
+
+/// Whether a TCP socket's connection is gone (`TCP_CLOSE`: reset, or
+/// timed out), as `getsockopt(TCP_INFO)`'s first byte (`tcpi_state`) says.
+fn is_closed(fd: RawFd) -> bool {
+    let mut state = [0u8; 8];
+    let mut len = state.len() as libc::socklen_t;
+    // SAFETY: TCP_INFO writes at most `len` bytes (the buffer's size)
+    // through the pointer and the length written through `len`, both
+    // live and writable; the descriptor is the caller's.
+    let ret = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            state.as_mut_ptr().cast(),
+            &raw mut len,
+        )
+    };
+    ret == 0 && len >= 1 && state[0] == TCP_CLOSE
 }
 
 /// Drops the bytes a TCP socket has received and nobody read, without
