@@ -151,8 +151,12 @@ fn tick() {
     if !p.armed {
         over.append(&mut p.list);
     }
-    drop(p);
+    // Closed under the lock (`Lingering::close` does not block): the exit
+    // handler that finds the list empty must not return while a socket
+    // taken out of it is still open (the process would end and the kernel
+    // close it, a reset if received bytes were left unread).
     over.into_iter().for_each(Lingering::close);
+    drop(p);
 }
 
 /// Registers [`close_at_exit`] (once per process).
