@@ -230,7 +230,9 @@ pub enum Event {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Handled {
     /// Bytes consumed from the front of the slice passed (never more than
-    /// the current [`Want`] allowed; 0 if the call did not match it).
+    /// the current [`Want`] allows, except a whole untagged header when the
+    /// want is the shortest header's and markers are off: see
+    /// [`Deframer::handle_bytes`]; 0 if the call did not match it).
     pub consumed: usize,
     /// What these bytes completed, if anything.
     pub event: Option<Event>,
