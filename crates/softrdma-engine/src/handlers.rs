@@ -1141,6 +1141,17 @@ mod tests {
         }
     }
 
+    /// A CQ of 8 whose callback counts its calls.
+    fn counting_cq(dev: &Device) -> (CompletionQueue, Arc<AtomicU32>) {
+        let calls = Arc::new(AtomicU32::new(0));
+        let c = Arc::clone(&calls);
+        let cq = CompletionQueue::with_callback(dev, 8, move |_: &CompletionQueue| {
+            c.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        (cq, calls)
+    }
+
     #[test]
     fn a_panicking_callback_is_counted_and_the_handler_goes_on() {
         let dev = device(1);
@@ -1179,12 +1190,7 @@ mod tests {
     fn arming_a_callback_cq_fails_when_its_handler_thread_cannot_start() {
         let ok = crate::sys::process::in_child(Duration::from_secs(20), || {
             let dev = device(1);
-            let calls = Arc::new(AtomicU32::new(0));
-            let c = Arc::clone(&calls);
-            let cq = CompletionQueue::with_callback(&dev, 8, move |_: &CompletionQueue| {
-                c.fetch_add(1, Ordering::SeqCst);
-            })
-            .unwrap();
+            let (cq, calls) = counting_cq(&dev);
             if !crate::sys::process::forbid_new_threads() {
                 return false;
             }
@@ -1205,12 +1211,7 @@ mod tests {
     #[test]
     fn an_unarmed_callback_cq_raises_nothing_and_solicited_arms_wait() {
         let dev = device(1);
-        let calls = Arc::new(AtomicU32::new(0));
-        let c = Arc::clone(&calls);
-        let cq = CompletionQueue::with_callback(&dev, 8, move |_: &CompletionQueue| {
-            c.fetch_add(1, Ordering::SeqCst);
-        })
-        .unwrap();
+        let (cq, calls) = counting_cq(&dev);
         cq.push(wc(1, 0), false).unwrap();
         cq.req_notify(true).unwrap();
         cq.push(wc(2, 0), false).unwrap();

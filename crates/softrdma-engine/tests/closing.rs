@@ -421,6 +421,20 @@ fn watch_fin(inode: u64, t0: Instant) -> Duration {
 /// Sends `len` bytes and waits for the Send's completion (the bytes are in
 /// the socket then, most of them unacknowledged by a peer that does not
 /// read).
+/// The FIN (at `fin` after `t0`) came after the peer began reading, and
+/// the peer read the whole answer (`len` octets) to a FIN, not a reset.
+fn fin_after_the_peers_read(t0: Instant, fin: Duration, peer: PeerEnd, len: usize) {
+    let (got, end, reading_at) = peer;
+    assert!(
+        t0 + fin >= reading_at,
+        "the FIN waited until the peer read and acknowledged: FIN at {fin:?}, \
+         the peer read {:?} after the call",
+        reading_at.saturating_duration_since(t0)
+    );
+    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
+    assert!(got >= len, "{got} bytes");
+}
+
 /// A connected side whose peer is a [`late_reader`] (reading after
 /// `read_after`), with an answer of `len` octets sent and the peer's clock
 /// started: the side, its socket's inode and the peer.
@@ -548,20 +562,13 @@ fn disconnect_right_after_the_answer_waits_for_the_peers_ack() {
     assert_eq!(s.qp.state(), QpState::Closing);
     let fin = watch_fin(inode, t0);
     // The peer reads to our FIN and closes (its FIN): IDLE.
-    let (got, end, reading_at) = peer.join().unwrap();
+    let peer_end = peer.join().unwrap();
     until("IDLE", || s.qp.state() == QpState::Idle);
     assert!(
         returned < READ_AFTER / 2,
         "disconnect_acknowledged returned at once: {returned:?}"
     );
-    assert!(
-        t0 + fin >= reading_at,
-        "the FIN waited until the peer read and acknowledged: FIN at {fin:?}, \
-         the peer read {:?} after the call",
-        reading_at.saturating_duration_since(t0)
-    );
-    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
-    assert!(got >= ANSWER, "{got} bytes");
+    fin_after_the_peers_read(t0, fin, peer_end, ANSWER);
 }
 
 /// A QP destroyed (with `close_acknowledged`) while the FIN of its
@@ -582,17 +589,10 @@ fn close_while_the_disconnects_fin_waits_still_waits_for_the_ack() {
     assert_eq!(s.qp.state(), QpState::Error);
     drop(s);
     let (fin, closed) = watch_close(inode, t0);
-    let (got, end, reading_at) = peer.join().unwrap();
+    let peer_end = peer.join().unwrap();
     assert!(returned < READ_AFTER / 2, "returned at once: {returned:?}");
-    assert!(
-        t0 + fin >= reading_at,
-        "the FIN waited until the peer read: FIN at {fin:?}, the peer read \
-         {:?} after the call",
-        reading_at.saturating_duration_since(t0)
-    );
     assert!(closed < Duration::from_secs(5), "closed at {closed:?}");
-    assert_eq!(end, None, "the peer's stream ended with FIN, not a reset");
-    assert!(got >= ANSWER, "{got} bytes");
+    fin_after_the_peers_read(t0, fin, peer_end, ANSWER);
 }
 
 /// Set in the child process of [`exit_right_after_the_close_waits_for_the_peers_ack`]:
