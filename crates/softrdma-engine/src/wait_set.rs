@@ -1342,21 +1342,26 @@ mod tests {
         }
 
         fn receive(&self) -> bool {
-            let mut b = [0u8; 16];
-            match (&self.sock).read(&mut b) {
-                Ok(n) if n > 0 => {
-                    for &id in &b[..n] {
-                        self.cq
-                            .push(
-                                WorkCompletion::success(u64::from(id), WcOpcode::Recv, 1),
-                                false,
-                            )
-                            .unwrap();
-                    }
-                    true
+            receive_ids(&self.sock, &self.cq)
+        }
+    }
+
+    /// Reads what the socket has and completes a receive per octet (its
+    /// value the request id); whether it read anything.
+    fn receive_ids(sock: &UnixStream, cq: &CompletionQueue) -> bool {
+        let mut b = [0u8; 16];
+        match (&*sock).read(&mut b) {
+            Ok(n) if n > 0 => {
+                for &id in &b[..n] {
+                    cq.push(
+                        WorkCompletion::success(u64::from(id), WcOpcode::Recv, 1),
+                        false,
+                    )
+                    .unwrap();
                 }
-                _ => false,
+                true
             }
+            _ => false,
         }
     }
 
@@ -1626,21 +1631,7 @@ mod tests {
 
         fn progress_readable(&self) -> bool {
             self.readable.fetch_add(1, Ordering::Relaxed);
-            let mut b = [0u8; 16];
-            match (&self.sock).read(&mut b) {
-                Ok(n) if n > 0 => {
-                    for &id in &b[..n] {
-                        self.cq
-                            .push(
-                                WorkCompletion::success(u64::from(id), WcOpcode::Recv, 1),
-                                false,
-                            )
-                            .unwrap();
-                    }
-                    true
-                }
-                _ => false,
-            }
+            receive_ids(&self.sock, &self.cq)
         }
 
         fn connection(&self) -> u64 {
