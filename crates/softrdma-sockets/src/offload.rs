@@ -156,9 +156,25 @@ const POOL_RESIDENT_MAX: usize = 64 * 1024 * 1024;
 
 #[derive(Debug, Default)]
 struct MrPool {
-    /// Each region with the most of it that can be resident.
-    regions: Vec<(MemoryRegion, usize)>,
+    /// Each region with its registered length and the most of it that
+    /// can be resident. The length is kept here: asking a region for it
+    /// takes the engine's STag table lock, and every return to the pool
+    /// asked each pooled region twice: the 102 regions of 51 connections
+    /// closing made 10 004 look-ups (0.84 M instructions of the 18.3 M of
+    /// a preloaded `redis-benchmark -n 800 -c 50 -t get -P 16`,
+    /// `valgrind --tool=callgrind`).
+    regions: Vec<Pooled>,
     /// Sum of the regions' resident bounds.
+    resident: usize,
+}
+
+/// A region in the pool.
+#[derive(Debug)]
+struct Pooled {
+    mr: MemoryRegion,
+    /// `mr.len()`, its registered length.
+    len: usize,
+    /// The most of it that can be resident.
     resident: usize,
 }
 
@@ -188,10 +204,15 @@ fn pool_max_regions() -> usize {
 
 impl MrPool {
     fn take(&mut self, len: usize) -> Option<MemoryRegion> {
-        let i = self.regions.iter().position(|(m, _)| m.len() == len)?;
-        let (mr, resident) = self.regions.swap_remove(i);
-        self.resident -= resident;
-        Some(mr)
+        let i = self.regions.iter().position(|p| p.len == len)?;
+        let p = self.regions.swap_remove(i);
+        self.resident -= p.resident;
+        Some(p.mr)
+    }
+
+    /// Regions of registered length `len` in the pool.
+    fn count(&self, len: usize) -> usize {
+        self.regions.iter().filter(|p| p.len == len).count()
     }
 
     /// Keeps `mr` if the bounds allow (`max_regions` of its size); else it
@@ -204,18 +225,14 @@ impl MrPool {
         resident: usize,
         max_regions: usize,
     ) -> Option<MemoryRegion> {
-        let resident = resident.min(mr.len());
+        let len = mr.len();
+        let resident = resident.min(len);
         if resident <= POOL_REGION_RESIDENT_MAX
             && self.resident + resident <= POOL_RESIDENT_MAX
-            && self
-                .regions
-                .iter()
-                .filter(|(m, _)| m.len() == mr.len())
-                .count()
-                < max_regions
+            && self.count(len) < max_regions
         {
             self.resident += resident;
-            self.regions.push((mr, resident));
+            self.regions.push(Pooled { mr, len, resident });
             None
         } else {
             Some(mr)
@@ -3589,12 +3606,7 @@ mod pool_tests {
     use super::*;
 
     fn pooled(len: usize) -> usize {
-        mr_pool()
-            .lock()
-            .regions
-            .iter()
-            .filter(|(m, _)| m.len() == len)
-            .count()
+        mr_pool().lock().count(len)
     }
 
     /// The buffer regions of a cleanly closed connection serve the next
@@ -3714,8 +3726,8 @@ mod pool_tests {
             .lock()
             .regions
             .iter()
-            .filter(|(m, _)| m.len() == rx_len)
-            .map(|(_, r)| *r)
+            .filter(|p| p.len == rx_len)
+            .map(|p| p.resident)
             .sum();
         assert!(bound <= 2 * POOL_REGION_RESIDENT_MAX);
     }
