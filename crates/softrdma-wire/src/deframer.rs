@@ -284,6 +284,7 @@ pub struct WholeFpdu<'a> {
 impl<'a> WholeFpdu<'a> {
     /// The ULPDU: DDP header, then payload.
     #[must_use]
+    #[inline]
     pub fn ulpdu(&self) -> &'a [u8] {
         self.fpdu
             .get(ULPDU_LENGTH_LEN..ULPDU_LENGTH_LEN + usize::from(self.ulpdu_len))
@@ -292,6 +293,7 @@ impl<'a> WholeFpdu<'a> {
 
     /// Bytes of the stream the FPDU takes (length field, ULPDU, pad, CRC).
     #[must_use]
+    #[inline]
     pub const fn len(&self) -> usize {
         self.fpdu.len()
     }
@@ -681,6 +683,7 @@ impl Deframer {
     /// then report its error, in their order. Take the FPDU with
     /// [`Deframer::consume_whole`].
     #[must_use]
+    #[inline]
     pub fn peek_whole<'a>(&self, input: &'a [u8]) -> Option<WholeFpdu<'a>> {
         if self.error.is_some()
             || self.config.markers
@@ -717,6 +720,7 @@ impl Deframer {
     /// deframer as the byte-wise calls would have (at the next FPDU
     /// boundary, [`Deframer::header`] `None`). `false`, and nothing
     /// changed, if the deframer moved since the peek.
+    #[inline]
     pub fn consume_whole(&mut self, f: &WholeFpdu<'_>) -> bool {
         if f.position != self.pos
             || self.error.is_some()
@@ -730,8 +734,15 @@ impl Deframer {
             .fpdu
             .get(ULPDU_LENGTH_LEN)
             .map_or(MIN_HEADER_LEN, |&b| ULPDU_LENGTH_LEN + ddp::header_len(b));
-        if let (Some(dst), Some(src)) = (self.hdr.get_mut(..hdr_len), f.fpdu.get(..hdr_len)) {
-            dst.copy_from_slice(src);
+        match f.fpdu.first_chunk::<MAX_HEADER_LEN>() {
+            // An untagged header: a copy of fixed length (no `memcpy` call).
+            Some(h) if hdr_len == MAX_HEADER_LEN => self.hdr = *h,
+            _ => {
+                if let (Some(dst), Some(src)) = (self.hdr.get_mut(..hdr_len), f.fpdu.get(..hdr_len))
+                {
+                    dst.copy_from_slice(src);
+                }
+            }
         }
         if let Some(field) = f.fpdu.last_chunk::<CRC_LEN>() {
             self.crc_field = *field;

@@ -402,13 +402,20 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if len > w.total {
             return None;
         }
-        let mut placed = true;
-        let mut from = 0;
-        crate::order::scatter(w.segs.iter().map(|s| s.len), 0, len, |i, off, k| {
-            let chunk = payload.get(from..from + k).unwrap_or_default();
-            from += k;
-            placed = placed && w.segs.get(i).is_some_and(|s| mem.copy_in(s, off, chunk));
-        });
+        let placed = match w.segs.as_slice() {
+            // One buffer (a socket's receive): at its start.
+            [s] if len <= s.len => len == 0 || mem.copy_in(s, 0, payload),
+            segs => {
+                let mut placed = true;
+                let mut from = 0;
+                crate::order::scatter(segs.iter().map(|s| s.len), 0, len, |i, off, k| {
+                    let chunk = payload.get(from..from + k).unwrap_or_default();
+                    from += k;
+                    placed = placed && segs.get(i).is_some_and(|s| mem.copy_in(s, off, chunk));
+                });
+                placed
+            }
+        };
         if !placed || !self.rx.deframer.consume_whole(&fpdu) {
             return None;
         }
