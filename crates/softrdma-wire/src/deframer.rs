@@ -683,7 +683,7 @@ impl Deframer {
     /// then report its error, in their order. Take the FPDU with
     /// [`Deframer::consume_whole`].
     #[must_use]
-    #[inline]
+    #[inline(always)]
     pub fn peek_whole<'a>(&self, input: &'a [u8]) -> Option<WholeFpdu<'a>> {
         if self.error.is_some()
             || self.config.markers
@@ -720,7 +720,7 @@ impl Deframer {
     /// deframer as the byte-wise calls would have (at the next FPDU
     /// boundary, [`Deframer::header`] `None`). `false`, and nothing
     /// changed, if the deframer moved since the peek.
-    #[inline]
+    #[inline(always)]
     pub fn consume_whole(&mut self, f: &WholeFpdu<'_>) -> bool {
         if f.position != self.pos
             || self.error.is_some()
