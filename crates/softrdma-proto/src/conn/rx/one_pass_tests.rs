@@ -419,3 +419,37 @@ proptest! {
         prop_assert_eq!(a, b);
     }
 }
+
+/// The fuzz seeds of whole Sends (`fuzz/seeds/core_rx/send_whole_*`, fed
+/// by `sim::fuzz_rx` to a victim with two receives of 16 + 24 octets)
+/// reach the one pass: the valid ones complete there, the hostile ones
+/// get their Terminate from the general path.
+#[test]
+fn the_whole_send_fuzz_seeds_reach_the_one_pass() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/core_rx");
+    let cases = [
+        ("send_whole_fpdus", 2, None),
+        ("send_whole_fpdus_crc", 2, None),
+        (
+            "send_whole_wrong_msn_crc",
+            1,
+            Some(TermError::DdpUntaggedMsnRange),
+        ),
+        (
+            "send_whole_too_long_crc",
+            0,
+            Some(TermError::DdpUntaggedMessageTooLong),
+        ),
+        ("send_whole_bad_crc", 0, Some(TermError::MpaCrcError)),
+    ];
+    for (name, taken, term) in cases {
+        let data = std::fs::read(dir.join(name)).unwrap();
+        let crc = data[0] & 1 != 0;
+        let recvs = recvs_of(&[&[16, 24], &[16, 24]]);
+        let mut one = side(crc, true, &recvs);
+        feed(&mut one, &data[1..], &[]);
+        assert_eq!(one.c.rx.one_pass_taken, taken, "{name}");
+        let o = outcome(&mut one);
+        assert_eq!(terminate_error(&o, crc), term, "{name}");
+    }
+}
