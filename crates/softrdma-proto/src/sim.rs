@@ -1584,34 +1584,47 @@ fn node_region(n: &Node, r: usize) -> &[u8] {
 /// (key 0x10), a Read source (0x11), an atomic cell (0x12), two posted
 /// receives and an outstanding Read and atomic (so Read and Atomic
 /// Responses have something to match). The rest of the input is the
-/// stream, fed once whole and once byte by byte: both runs must give the
-/// same completions and outputs. Then every posted request must complete
-/// exactly once and nothing may be written outside a granted range.
+/// stream, fed once whole and once byte by byte, and once whole with the
+/// one-pass receive of single-FPDU Sends off
+/// ([`Connection::set_one_pass_rx`]): all three runs must give the same
+/// completions, outputs and memory. Then every posted request must
+/// complete exactly once and nothing may be written outside a granted
+/// range.
 ///
 /// # Errors
 ///
 /// The invariant broken.
 pub fn fuzz_rx(data: &[u8]) -> Result<(), String> {
     let (flags, stream) = data.split_first().unwrap_or((&0, &[]));
-    let whole = rx_victim(flags & 1 != 0, &[stream])?;
+    let whole = rx_victim(flags & 1 != 0, true, &[stream])?;
     let bytes: Vec<&[u8]> = stream.chunks(1).collect();
-    let split = rx_victim(flags & 1 != 0, &bytes)?;
+    let split = rx_victim(flags & 1 != 0, true, &bytes)?;
     if whole != split {
         return Err(format!(
             "segmentation changed the outcome:\n whole: {whole:?}\n split: {split:?}"
         ));
     }
+    let general = rx_victim(flags & 1 != 0, false, &[stream])?;
+    if whole != general {
+        return Err(format!(
+            "the one-pass receive changed the outcome:\n one pass: {whole:?}\n general: {general:?}"
+        ));
+    }
     Ok(())
 }
 
-/// Runs the receive victim over `chunks`; returns its completions and
-/// outputs.
-fn rx_victim(crc: bool, chunks: &[&[u8]]) -> Result<(Vec<Completion>, Vec<Output>), String> {
+/// What the receive victim did: completions, outputs, memory.
+type RxOutcome = (Vec<Completion>, Vec<Output>, String);
+
+/// Runs the receive victim over `chunks`; returns its completions,
+/// outputs and memory.
+fn rx_victim(crc: bool, one_pass: bool, chunks: &[&[u8]]) -> Result<RxOutcome, String> {
     let mut m = SimMemory::new(0x10);
     let write = m.add_region(64, REMOTE_WRITE, |_| 0);
     let _read = m.add_region(64, REMOTE_READ, |i| i as u8);
     let _cell = m.add_region(8, REMOTE_ATOMIC, |_| 7);
     let mut c: Connection<usize> = Connection::new(Config::new(crc));
+    c.set_one_pass_rx(one_pass);
     let mut ids = Vec::new();
     for wr_id in 1..=2u64 {
         let (_, k, a) = m.add_region(48, LOCAL_WRITE, |_| 0);
@@ -1695,7 +1708,7 @@ fn rx_victim(crc: bool, chunks: &[&[u8]]) -> Result<(Vec<Completion>, Vec<Output
     }
     m.check_canaries()?;
     let _ = write;
-    Ok((comps, outs))
+    Ok((comps, outs, format!("{:?}", m.bufs)))
 }
 
 /// Fuzzing entry: a [`Pair`] driven by fuzzer-chosen actions. Byte 0: bit

@@ -268,6 +268,49 @@ pub struct Deframed<'a> {
     pub position: u64,
 }
 
+/// A whole FPDU at the front of the bytes given to
+/// [`Deframer::peek_whole`], its lengths and CRC checked and nothing
+/// consumed yet: [`Deframer::consume_whole`] takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WholeFpdu<'a> {
+    /// The FPDU, ULPDU Length field to CRC field.
+    fpdu: &'a [u8],
+    /// Its ULPDU length.
+    ulpdu_len: u16,
+    /// Stream position of its ULPDU Length field.
+    position: u64,
+}
+
+impl<'a> WholeFpdu<'a> {
+    /// The ULPDU: DDP header, then payload.
+    #[must_use]
+    #[inline]
+    pub fn ulpdu(&self) -> &'a [u8] {
+        self.fpdu
+            .get(ULPDU_LENGTH_LEN..ULPDU_LENGTH_LEN + usize::from(self.ulpdu_len))
+            .unwrap_or_default()
+    }
+
+    /// Bytes of the stream the FPDU takes (length field, ULPDU, pad, CRC).
+    #[must_use]
+    #[inline]
+    pub const fn len(&self) -> usize {
+        self.fpdu.len()
+    }
+
+    /// Never true: an FPDU has at least its length and CRC fields.
+    #[must_use]
+    pub const fn is_empty(&self) -> bool {
+        self.fpdu.is_empty()
+    }
+
+    /// Stream position of its ULPDU Length field.
+    #[must_use]
+    pub const fn position(&self) -> u64 {
+        self.position
+    }
+}
+
 /// Where in the FPDU the next non-marker byte belongs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -630,6 +673,87 @@ impl Deframer {
             consumed: n,
             event: None,
         })
+    }
+
+    /// Direct-placement mode, one pass: when the deframer is at an FPDU
+    /// boundary without markers and `input` starts with a whole FPDU whose
+    /// lengths pass the checks of [`Deframer::handle_bytes`] and whose CRC
+    /// (when negotiated) is good, returns it; changes nothing. `None` in
+    /// every other case, an invalid FPDU included: the byte-wise calls
+    /// then report its error, in their order. Take the FPDU with
+    /// [`Deframer::consume_whole`].
+    #[must_use]
+    #[inline(always)]
+    pub fn peek_whole<'a>(&self, input: &'a [u8]) -> Option<WholeFpdu<'a>> {
+        if self.error.is_some()
+            || self.config.markers
+            || !matches!(self.phase, Phase::Header)
+            || self.hdr_have != 0
+        {
+            return None;
+        }
+        let &[l0, l1, first, ..] = input else {
+            return None;
+        };
+        let ulpdu_len = u16::from_be_bytes([l0, l1]);
+        let fpdu = input.get(..fpdu::fpdu_len(usize::from(ulpdu_len)))?;
+        let position = self.pos;
+        self.check_len(position, ulpdu_len).ok()?;
+        self.check_ddp_len(position, ulpdu_len, first).ok()?;
+        if self.config.crc {
+            let (covered, field) = fpdu.split_at(fpdu.len() - CRC_LEN);
+            let mut running = Crc32c::new();
+            running.update(covered);
+            let found = crc::from_wire([field[0], field[1], field[2], field[3]]);
+            if !crc::matches(running.finish(), found) {
+                return None;
+            }
+        }
+        Some(WholeFpdu {
+            fpdu,
+            ulpdu_len,
+            position,
+        })
+    }
+
+    /// Consumes the FPDU [`Deframer::peek_whole`] returned, leaving the
+    /// deframer as the byte-wise calls would have (at the next FPDU
+    /// boundary, [`Deframer::header`] `None`). `false`, and nothing
+    /// changed, if the deframer moved since the peek.
+    #[inline(always)]
+    pub fn consume_whole(&mut self, f: &WholeFpdu<'_>) -> bool {
+        if f.position != self.pos
+            || self.error.is_some()
+            || self.config.markers
+            || !matches!(self.phase, Phase::Header)
+            || self.hdr_have != 0
+        {
+            return false;
+        }
+        let hdr_len = f
+            .fpdu
+            .get(ULPDU_LENGTH_LEN)
+            .map_or(MIN_HEADER_LEN, |&b| ULPDU_LENGTH_LEN + ddp::header_len(b));
+        match f.fpdu.first_chunk::<MAX_HEADER_LEN>() {
+            // An untagged header: a copy of fixed length (no `memcpy` call).
+            Some(h) if hdr_len == MAX_HEADER_LEN => self.hdr = *h,
+            _ => {
+                if let (Some(dst), Some(src)) = (self.hdr.get_mut(..hdr_len), f.fpdu.get(..hdr_len))
+                {
+                    dst.copy_from_slice(src);
+                }
+            }
+        }
+        if let Some(field) = f.fpdu.last_chunk::<CRC_LEN>() {
+            self.crc_field = *field;
+        }
+        self.crc_have = CRC_LEN;
+        self.header_pos = self.pos;
+        self.pos += f.fpdu.len() as u64;
+        self.ulpdu_len = f.ulpdu_len;
+        self.payload_left = 0;
+        self.pad_left = 0;
+        true
     }
 
     /// Slice mode: deframes the next FPDU from `input`, the next bytes of the
@@ -1084,6 +1208,111 @@ mod tests {
             }
         }
         (out, None)
+    }
+
+    /// Feeds one FPDU at the front of `wire` through the byte-wise
+    /// direct-placement calls, each as large as its want allows: the bytes
+    /// taken, and the error if one came.
+    fn bytewise_one(d: &mut Deframer, wire: &[u8]) -> (usize, Option<DeframeError>) {
+        let mut at = 0;
+        loop {
+            let want = d.next_read();
+            let Some(rest) = wire.get(at..).filter(|r| !r.is_empty()) else {
+                return (at, None);
+            };
+            let bytes = &rest[..want.len().min(rest.len())];
+            let r = match want {
+                Want::Payload { .. } => d.handle_payload(bytes),
+                _ => d.handle_bytes(rest),
+            };
+            match r {
+                Err(e) => return (at, Some(e)),
+                Ok(h) => {
+                    at += h.consumed;
+                    if let Some(Event::FpduEnd { .. }) = h.event {
+                        return (at, None);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_whole_fpdu_taken_at_once_leaves_the_deframer_as_the_bytewise_calls() {
+        for crc in [false, true] {
+            let ulpdus = sample_ulpdus();
+            let wire = stream(&ulpdus, crc, false, 0);
+            let cfg = DeframerConfig::new(crc, false);
+            let mut whole = Deframer::new(cfg);
+            let mut bytewise = Deframer::new(cfg);
+            let mut at = 0;
+            for u in &ulpdus {
+                let rest = &wire[at..];
+                let f = whole.peek_whole(rest).expect("a whole, valid FPDU");
+                assert_eq!(f.ulpdu(), &u[..]);
+                assert_eq!(f.position(), at as u64);
+                assert!(whole.consume_whole(&f));
+                // A second take of the same FPDU is refused: the deframer moved.
+                assert!(!whole.consume_whole(&f));
+                let (n, e) = bytewise_one(&mut bytewise, rest);
+                assert_eq!(e, None);
+                assert_eq!(n, f.len());
+                assert_eq!(format!("{whole:?}"), format!("{bytewise:?}"));
+                at += n;
+            }
+            assert_eq!(at, wire.len());
+        }
+    }
+
+    #[test]
+    fn a_whole_fpdu_is_not_taken_where_the_bytewise_calls_fail_or_wait() {
+        let cfg = DeframerConfig::new(true, false);
+        let good = stream(&[untagged(5, 9)], true, false, 0);
+        let mut cases: Vec<(DeframerConfig, Vec<u8>, bool)> = Vec::new();
+        // A CRC field or payload byte flipped: a CRC mismatch byte-wise.
+        for at in [4, good.len() - 1, good.len() - 4] {
+            let mut w = good.clone();
+            w[at] ^= 0x20;
+            cases.push((cfg, w, true));
+        }
+        // ULPDU lengths below either DDP header, or above the limit.
+        for len in [0u16, 13, 14, 17] {
+            let mut w = good.clone();
+            w[..2].copy_from_slice(&len.to_be_bytes());
+            cases.push((cfg, w, true));
+        }
+        cases.push((cfg.with_max_ulpdu_len(20), good.clone(), true));
+        // Not all of it there yet.
+        for n in [0, 1, 2, 3, 20, good.len() - 1] {
+            cases.push((cfg, good[..n].to_vec(), false));
+        }
+        // Markers negotiated.
+        let marked = stream(&[untagged(5, 9)], true, true, 0);
+        cases.push((DeframerConfig::new(true, true), marked, false));
+        for (cfg, wire, fails) in cases {
+            let d = Deframer::new(cfg);
+            assert_eq!(d.peek_whole(&wire), None, "{wire:?}");
+            let mut b = Deframer::new(cfg);
+            let (_, e) = bytewise_one(&mut b, &wire);
+            assert_eq!(e.is_some(), fails, "{wire:?}: {e:?}");
+        }
+        // Inside an FPDU, or after an error: nothing is taken.
+        let mut d = Deframer::new(cfg);
+        d.handle_bytes(&good[..3]).unwrap();
+        assert_eq!(d.peek_whole(&good[3..]), None);
+        let mut bad = good.clone();
+        bad[0] = 0xff;
+        let mut d = Deframer::new(cfg.with_max_ulpdu_len(100));
+        assert!(d.handle_bytes(&bad).is_err());
+        assert_eq!(d.peek_whole(&good), None);
+        // A peeked FPDU is taken only where it was peeked.
+        let two = stream(&[untagged(5, 9), untagged(5, 9)], true, false, 0);
+        let mut d = Deframer::new(cfg);
+        let f = d.peek_whole(&two).unwrap();
+        let mut moved = Deframer::new(cfg);
+        assert!(moved.consume_whole(&moved.clone().peek_whole(&two).unwrap()));
+        assert!(!moved.consume_whole(&f));
+        assert!(d.consume_whole(&f));
     }
 
     fn sample_ulpdus() -> Vec<Vec<u8>> {

@@ -112,6 +112,12 @@ pub(super) struct RxState<R> {
     /// last one received completely.
     write_open: Option<WriteInfo>,
     last_write: Option<WriteInfo>,
+    /// Whole single-FPDU Sends are received in one pass
+    /// ([`Connection::set_one_pass_rx`]).
+    one_pass: bool,
+    /// FPDUs received in one pass.
+    #[cfg(test)]
+    pub(super) one_pass_taken: u64,
 }
 
 impl<R> RxState<R> {
@@ -136,6 +142,9 @@ impl<R> RxState<R> {
             dead: false,
             write_open: None,
             last_write: None,
+            one_pass: true,
+            #[cfg(test)]
+            one_pass_taken: 0,
         }
     }
 
@@ -300,6 +309,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             if !self.receiving() {
                 break;
             }
+            if self.rx.one_pass
+                && let Some(n) = self.one_pass_send(rest, mem)
+            {
+                done += n;
+                continue;
+            }
             let want = self.rx.deframer.next_read();
             let n = match want {
                 Want::Payload { len } if self.rx.mode == Mode::Place => {
@@ -324,6 +339,102 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             done += n;
         }
         done
+    }
+
+    /// Whether [`Connection::handle_rx_stream`] receives a whole
+    /// single-FPDU Send in one pass (on by default). Off, every FPDU takes
+    /// the general path; the results are the same either way.
+    pub fn set_one_pass_rx(&mut self, on: bool) {
+        self.rx.one_pass = on;
+    }
+
+    /// One pass for the FPDU a ping-pong is made of: an untagged Send (or
+    /// Send with Solicited Event) that is a whole DDP message in one FPDU,
+    /// all of it at the front of `bytes`, at an FPDU boundary: its header
+    /// checked, its payload placed into the next posted receive and the
+    /// receive completed, as the general path (header event, placement,
+    /// FPDU end) would, with every check that path makes for it: MPA
+    /// length and CRC (the deframer's), DDP version, last flag, queue
+    /// number, MSN and MO, RDMAP version and opcode, a receive posted and
+    /// long enough, each placement inside the receive's (checked) memory.
+    /// Returns the bytes consumed, or `None`, having changed nothing but
+    /// receive memory the general path writes the same way, whenever
+    /// anything else holds (a partial FPDU, markers, another opcode, a
+    /// message of several segments, a Send with Invalidate or one that
+    /// immediate data follows, a shared receive queue, message info, a
+    /// check that fails): the general path then takes the same bytes and
+    /// reports a violation, if any, in its own order.
+    #[inline]
+    fn one_pass_send<M: Memory<Region = R>>(&mut self, bytes: &[u8], mem: &mut M) -> Option<usize> {
+        let hdr: &[u8; HDR_MAX] = bytes.get(2..2 + HDR_MAX)?.try_into().ok()?;
+        let word = |at: usize| {
+            hdr.get(at..at + 4)
+                .map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        // DDP: untagged, last segment, version 1 (reserved bits ignored,
+        // as `UlpduRepr::parse` ignores them).
+        let ddp_ctl = ddp::FLAG_TAGGED | ddp::FLAG_LAST | ddp::VERSION_MASK;
+        if hdr[0] & ddp_ctl != ddp::FLAG_LAST | ddp::DDP_VERSION {
+            return None;
+        }
+        // RDMAP: version 1, Send or Send with Solicited Event.
+        let solicited = match parse_control(hdr[1]) {
+            Ok(Opcode::Send) => false,
+            Ok(Opcode::SendWithSolicitedEvent) => true,
+            _ => return None,
+        };
+        if word(2) == SEND_IMM_FOLLOWS
+            || Qn(word(6)) != QN_SEND
+            || Msn(word(10)) != self.rx.expect[QS]
+            || word(14) != 0
+            || self.rx.recv.is_some()
+            || self.rx.imm_wait.is_some()
+            || self.rx.too_long.is_some()
+            || self.cfg.srq
+            || self.cfg.message_info
+        {
+            return None;
+        }
+        let fpdu = self.rx.deframer.peek_whole(bytes)?;
+        let payload = fpdu.ulpdu().get(HDR_MAX..)?;
+        let len = payload.len();
+        let w = self.rq.front()?;
+        if len > w.total {
+            return None;
+        }
+        let placed = match w.segs.as_slice() {
+            // One buffer (a socket's receive): at its start.
+            [s] if len <= s.len => len == 0 || mem.copy_in(s, 0, payload),
+            segs => {
+                let mut placed = true;
+                let mut from = 0;
+                crate::order::scatter(segs.iter().map(|s| s.len), 0, len, |i, off, k| {
+                    let chunk = payload.get(from..from + k).unwrap_or_default();
+                    from += k;
+                    placed = placed && segs.get(i).is_some_and(|s| mem.copy_in(s, off, chunk));
+                });
+                placed
+            }
+        };
+        if !placed || !self.rx.deframer.consume_whole(&fpdu) {
+            return None;
+        }
+        let n = fpdu.len();
+        self.rx.hdr = *hdr;
+        self.rx.hdr_len = HDR_MAX;
+        self.rx.payload_len = len;
+        self.rx.consumed_len = 0;
+        self.rx.mode = Mode::Place;
+        self.rx.expect[QS] = self.rx.expect[QS].next();
+        let w = self.rq.pop_front()?;
+        self.completions
+            .push_back(recv_success(w.wr_id, WcOpcode::Recv, len, solicited));
+        self.recycle_segs(w.segs);
+        #[cfg(test)]
+        {
+            self.rx.one_pass_taken += 1;
+        }
+        Some(n)
     }
 
     fn after_deframer<M: Memory<Region = R>>(
@@ -891,6 +1002,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         self.tx.term = Some((buf, n));
     }
 }
+
+#[cfg(test)]
+mod one_pass_tests;
 
 fn recv_success(wr_id: u64, opcode: WcOpcode, len: usize, solicited: bool) -> Completion {
     Completion {
