@@ -807,3 +807,151 @@ fn a_peer_reset_during_the_close_ends_its_wait() {
         (t0 + closed).saturating_duration_since(reset_at)
     );
 }
+
+/// Set in the child process of
+/// [`exit_right_after_a_disconnect_waits_for_the_peers_ack`]: the address
+/// of its scripted peer.
+const DISCONNECT_EXIT_CHILD_ENV: &str = "SOFTRDMA_CLOSING_DISCONNECT_EXIT_CHILD";
+
+/// Regression: a process that disconnected with `disconnect_acknowledged`
+/// (`rdma_disconnect`) and exited right after, without destroying the QP,
+/// ended at once: the FIN, which the QP still held back for the peer's
+/// acknowledgement, was sent by the kernel as the process ended, right
+/// behind the answer the peer had not read (the peer still got every byte
+/// and then the FIN, but the close came before its acknowledgement: the
+/// window kernel siw fails a request in). The exit now waits for the
+/// acknowledgement, as after `close_acknowledged`.
+#[test]
+fn exit_right_after_a_disconnect_waits_for_the_peers_ack() {
+    const READ_AFTER: Duration = Duration::from_millis(400);
+    let listener = late_listener();
+    let addr = listener.local_addr().unwrap();
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, READ_AFTER);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_disconnects_and_exits",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(DISCONNECT_EXIT_CHILD_ENV, addr.to_string())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    let exited = Instant::now();
+    let (got, end, reading_at) = peer.join().unwrap();
+    assert!(status.success(), "{status}");
+    assert_eq!(end, None, "the stream ended with FIN, not a reset");
+    assert!(
+        got >= 64 * 1024,
+        "the peer got the whole answer: {got} bytes"
+    );
+    assert!(
+        exited >= reading_at,
+        "the child exited {:?} after it started, before the peer read ({:?})",
+        exited - t0,
+        reading_at.saturating_duration_since(t0)
+    );
+}
+
+/// The child of [`exit_right_after_a_disconnect_waits_for_the_peers_ack`]:
+/// answers, disconnects and exits at once, the QP not destroyed.
+#[test]
+#[ignore = "run by exit_right_after_a_disconnect_waits_for_the_peers_ack"]
+fn child_disconnects_and_exits() {
+    let Ok(addr) = std::env::var(DISCONNECT_EXIT_CHILD_ENV) else {
+        return;
+    };
+    let dev = device(false);
+    let s = side(&dev, |_| {});
+    establish_with_room(&s, addr.parse().unwrap());
+    send_answer(&s, 64 * 1024);
+    s.qp.disconnect_acknowledged(Duration::from_secs(5))
+        .unwrap();
+    std::mem::forget(s);
+    std::process::exit(0);
+}
+
+/// The identity (device, inode) of the file descriptor number `fd` names
+/// now, `None` if it is not open.
+fn fd_identity(fd: i32) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(format!("/proc/self/fd/{fd}")).ok()?;
+    Some((m.dev(), m.ino()))
+}
+
+/// Regression: a socket the engine closes after its linger waited by its
+/// descriptor number, which the application does not know about. An
+/// application that closed that number (a `close_range`/`closefrom`
+/// sweep, a stale `close`) and got it again for a socket of its own had
+/// that socket's unread bytes dropped, the socket shut down both ways and
+/// its descriptor closed when the linger ended. The engine now leaves a
+/// number alone once it names another file.
+#[test]
+fn a_socket_the_application_opened_on_a_closed_lingering_number_was_shut_down_and_closed() {
+    use std::io::{Read, Write};
+    use std::os::fd::{AsRawFd, FromRawFd};
+    const LINGER: Duration = Duration::from_millis(200);
+    let dev = device(false);
+    let (s, addr, listener) = connect_to_late_reader(&dev);
+    let (go, went) = std::sync::mpsc::channel();
+    // The peer never reads before the linger has passed.
+    let peer = late_reader(listener, went, LINGER * 3);
+    let stream = TcpStream::connect(addr).unwrap();
+    socket2::SockRef::from(&stream)
+        .set_send_buffer_size(1 << 20)
+        .unwrap();
+    let mut stream = stream;
+    let n = mpa_connect(&mut stream, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+    let number = stream.as_raw_fd();
+    s.qp.establish(stream, &LinkParams::from(&n)).unwrap();
+    send_answer(&s, 64 * 1024);
+    go.send(()).unwrap();
+    s.qp.close_acknowledged(LINGER);
+    // The QP is destroyed: the lingering socket is the engine's alone.
+    drop(s);
+    // The application closes the number and opens a connection of its own
+    // on it, with bytes waiting to be read.
+    let app_listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let mine = TcpStream::connect(app_listener.local_addr().unwrap()).unwrap();
+    let (mut other_end, _) = app_listener.accept().unwrap();
+    // SAFETY: closes the lingering socket's number (what the application
+    // does), then puts the application's socket on it; both numbers are
+    // this test's to manage from here.
+    let r = unsafe {
+        libc::close(number);
+        libc::dup2(mine.as_raw_fd(), number)
+    };
+    assert_eq!(r, number, "dup2: {}", std::io::Error::last_os_error());
+    drop(mine);
+    let id = fd_identity(number).unwrap();
+    other_end.write_all(b"unread").unwrap();
+    // Past the linger, when the engine ends its wait.
+    std::thread::sleep(LINGER * 2);
+    assert_eq!(
+        fd_identity(number),
+        Some(id),
+        "the application's descriptor was closed"
+    );
+    // SAFETY: `number` is open and names the application's socket (just
+    // checked); the stream owns it from here.
+    let mut app = unsafe { TcpStream::from_raw_fd(number) };
+    app.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut buf = [0u8; 6];
+    let r = app.read_exact(&mut buf);
+    assert!(
+        r.is_ok() && &buf == b"unread",
+        "the application's unread bytes were dropped or its socket shut down: {r:?}"
+    );
+    app.write_all(b"still open").unwrap();
+    let mut back = [0u8; 10];
+    other_end.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"still open");
+    drop(app);
+    // Whatever became of the lingering socket, the peer's stream ends.
+    let _ = peer.join().unwrap();
+}
