@@ -1535,7 +1535,6 @@ mod tests {
     /// by the backstop timer.
     #[test]
     fn deferred_posts_are_written_when_the_poster_stops_polling() {
-        let _timer_writes = crate::qp::post::BACKSTOP_ARMING_FAILS.read();
         let (a, b, cqa, cqb, pd) = batch_pair();
         let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
         post_receives(&b, &dst, 5);
