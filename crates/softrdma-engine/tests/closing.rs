@@ -351,21 +351,36 @@ fn late_listener() -> TcpListener {
     listener
 }
 
-/// Connects `s` to `addr`; returns the inode of its socket (see
-/// [`tcp_state`]).
-fn establish_with_room(s: &Side, addr: std::net::SocketAddr) -> u64 {
+/// Our socket of a connection, as the kernel's socket table knows it:
+/// its addresses and its inode (see [`tcp_state`]).
+struct Sock {
+    local: std::net::SocketAddrV4,
+    peer: std::net::SocketAddrV4,
+    inode: u32,
+}
+
+/// Connects `s` to `addr`; returns its socket (see [`tcp_state`]).
+fn establish_with_room(s: &Side, addr: std::net::SocketAddr) -> Sock {
     let mut stream = TcpStream::connect(addr).unwrap();
     socket2::SockRef::from(&stream)
         .set_send_buffer_size(1 << 20)
         .unwrap();
     let n = mpa_connect(&mut stream, &MpaConfig::default(), &[], TIMEOUT).unwrap();
-    let inode = socket_inode(&stream);
+    let v4 = |a| match a {
+        std::net::SocketAddr::V4(a) => a,
+        std::net::SocketAddr::V6(a) => panic!("not IPv4: {a}"),
+    };
+    let sock = Sock {
+        local: v4(stream.local_addr().unwrap()),
+        peer: v4(stream.peer_addr().unwrap()),
+        inode: socket_inode(&stream),
+    };
     s.qp.establish(stream, &LinkParams::from(&n)).unwrap();
-    inode
+    sock
 }
 
 /// The inode of a socket (its `/proc/self/fd` link reads `socket:[N]`).
-fn socket_inode(s: &TcpStream) -> u64 {
+fn socket_inode(s: &TcpStream) -> u32 {
     use std::os::fd::AsRawFd;
     let link = std::fs::read_link(format!("/proc/self/fd/{}", s.as_raw_fd())).unwrap();
     let link = link.to_string_lossy();
@@ -375,28 +390,75 @@ fn socket_inode(s: &TcpStream) -> u64 {
         .unwrap_or_else(|| panic!("not a socket: {link}"))
 }
 
-/// `/proc/net/tcp`'s state of a connection.
+/// TCP's `ESTABLISHED` (as the kernel numbers states: 4 is
+/// `FIN_WAIT1`, ...).
 const ESTABLISHED: u8 = 0x01;
 
-/// The TCP state (as `/proc/net/tcp` numbers it: [`ESTABLISHED`], 4
-/// `FIN_WAIT1`, ...) of the IPv4 socket with inode `inode`, while a
-/// descriptor holds it; `None` once its last descriptor is closed (the
-/// kernel lists a socket nobody holds with inode 0).
-fn tcp_state(inode: u64) -> Option<u8> {
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    table.lines().skip(1).find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        (f.get(9)?.parse::<u64>().ok()? == inode).then(|| u8::from_str_radix(f[3], 16).unwrap())
-    })
+/// The TCP state (as the kernel numbers them: [`ESTABLISHED`], 4
+/// `FIN_WAIT1`, ...) of our socket `s` while a descriptor holds it; `None`
+/// once its last descriptor is closed (the kernel gives a socket nobody
+/// holds inode 0) or it is gone.
+///
+/// Asked of the kernel for this one connection (`sock_diag` netlink, by
+/// its addresses and ports): reading all of `/proc/net/tcp` took long on a
+/// machine with many sockets, and a socket could be missed in it when
+/// other processes' sockets came and went between two reads of the table
+/// (a missed socket looked closed, or past `ESTABLISHED`).
+fn tcp_state(s: &Sock) -> Option<u8> {
+    use std::io::Read;
+    const SOCK_DIAG_BY_FAMILY: u16 = 20;
+    const NLM_F_REQUEST: u16 = 1;
+    const NLMSG_ERROR: u16 = 2;
+    let nl = socket2::Socket::new(
+        socket2::Domain::from(libc::AF_NETLINK),
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::from(libc::NETLINK_SOCK_DIAG)),
+    )
+    .unwrap();
+    nl.set_read_timeout(Some(TIMEOUT)).unwrap();
+    // nlmsghdr, then inet_diag_req_v2 (its inet_diag_sockid: ports and
+    // addresses in network order, no interface, no cookie).
+    let mut req = Vec::with_capacity(72);
+    req.extend(72u32.to_ne_bytes());
+    req.extend(SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    req.extend(NLM_F_REQUEST.to_ne_bytes());
+    req.extend(1u32.to_ne_bytes());
+    req.extend(0u32.to_ne_bytes());
+    req.extend([libc::AF_INET as u8, libc::IPPROTO_TCP as u8, 0, 0]);
+    req.extend(u32::MAX.to_ne_bytes()); // every state
+    req.extend(s.local.port().to_be_bytes());
+    req.extend(s.peer.port().to_be_bytes());
+    for ip in [s.local.ip(), s.peer.ip()] {
+        req.extend(ip.octets());
+        req.extend([0u8; 12]);
+    }
+    req.extend(0u32.to_ne_bytes());
+    req.extend([0xffu8; 8]);
+    assert_eq!(req.len(), 72);
+    assert_eq!(nl.send(&req).unwrap(), req.len(), "sock_diag request");
+    let mut buf = [0u8; 1024];
+    let n = (&nl).read(&mut buf).unwrap();
+    let u32_at = |i: usize| u32::from_ne_bytes(buf[i..i + 4].try_into().unwrap());
+    assert!(n >= 20, "sock_diag answer of {n} octets");
+    match u16::from_ne_bytes([buf[4], buf[5]]) {
+        // inet_diag_msg: its state at 1, its inode at 68.
+        SOCK_DIAG_BY_FAMILY if n >= 16 + 72 => (u32_at(16 + 68) == s.inode).then_some(buf[17]),
+        // No such connection (ENOENT).
+        NLMSG_ERROR if u32_at(16) as i32 == -libc::ENOENT => None,
+        other => panic!(
+            "sock_diag answered type {other}, {n} octets: {:?}",
+            &buf[..n]
+        ),
+    }
 }
 
-/// Watches our socket (inode `inode`) every millisecond from `t0` until no
+/// Watches our socket `s` every millisecond from `t0` until no
 /// descriptor holds it: when it left [`ESTABLISHED`] (its FIN queued)
 /// and when it was closed, both since `t0`.
-fn watch_close(inode: u64, t0: Instant) -> (Duration, Duration) {
+fn watch_close(s: &Sock, t0: Instant) -> (Duration, Duration) {
     let mut fin = None;
     loop {
-        let st = tcp_state(inode);
+        let st = tcp_state(s);
         if st != Some(ESTABLISHED) && fin.is_none() {
             fin = Some(t0.elapsed());
         }
@@ -408,10 +470,10 @@ fn watch_close(inode: u64, t0: Instant) -> (Duration, Duration) {
     }
 }
 
-/// Watches our socket (inode `inode`) every millisecond from `t0` until it
-/// leaves [`ESTABLISHED`] (its FIN queued): when, since `t0`.
-fn watch_fin(inode: u64, t0: Instant) -> Duration {
-    while tcp_state(inode) == Some(ESTABLISHED) {
+/// Watches our socket `s` every millisecond from `t0` until it leaves
+/// [`ESTABLISHED`] (its FIN queued): when, since `t0`.
+fn watch_fin(s: &Sock, t0: Instant) -> Duration {
+    while tcp_state(s) == Some(ESTABLISHED) {
         assert!(t0.elapsed() < TIMEOUT, "no FIN");
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -437,19 +499,19 @@ fn fin_after_the_peers_read(t0: Instant, fin: Duration, peer: PeerEnd, len: usiz
 
 /// A connected side whose peer is a [`late_reader`] (reading after
 /// `read_after`), with an answer of `len` octets sent and the peer's clock
-/// started: the side, its socket's inode and the peer.
+/// started: the side, its socket and the peer.
 fn answered_to_late_reader(
     dev: &Device,
     read_after: Duration,
     len: usize,
-) -> (Side, u64, std::thread::JoinHandle<PeerEnd>) {
+) -> (Side, Sock, std::thread::JoinHandle<PeerEnd>) {
     let (s, addr, listener) = connect_to_late_reader(dev);
     let (go, went) = std::sync::mpsc::channel();
     let peer = late_reader(listener, went, read_after);
-    let inode = establish_with_room(&s, addr);
+    let sock = establish_with_room(&s, addr);
     send_answer(&s, len);
     go.send(()).unwrap();
-    (s, inode, peer)
+    (s, sock, peer)
 }
 
 fn send_answer(s: &Side, len: usize) {
@@ -483,7 +545,7 @@ fn close_right_after_the_answer_waits_for_the_peers_ack() {
     const READ_AFTER: Duration = Duration::from_millis(400);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
-    let (s, inode, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
+    let (s, sock, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
     let t0 = Instant::now();
     s.qp.close_acknowledged(Duration::from_secs(5));
     let returned = t0.elapsed();
@@ -492,7 +554,7 @@ fn close_right_after_the_answer_waits_for_the_peers_ack() {
     let mut out = [softrdma_engine::WorkCompletion::success(0, WcOpcode::Send, 0); 4];
     assert_eq!(s.cq.poll(&mut out), 0);
     drop(s);
-    let (fin, closed) = watch_close(inode, t0);
+    let (fin, closed) = watch_close(&sock, t0);
     let (got, end, reading_at) = peer.join().unwrap();
     assert!(
         returned < READ_AFTER / 2,
@@ -521,13 +583,13 @@ fn close_acknowledged_against_a_stalled_peer_does_not_block() {
     const STALLED: Duration = Duration::from_secs(3);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
-    let (s, inode, peer) = answered_to_late_reader(&dev, STALLED, ANSWER);
+    let (s, sock, peer) = answered_to_late_reader(&dev, STALLED, ANSWER);
     let t0 = Instant::now();
     s.qp.close_acknowledged(LINGER);
     let returned = t0.elapsed();
     assert_eq!(s.qp.state(), QpState::Error);
     drop(s);
-    let (fin, closed) = watch_close(inode, t0);
+    let (fin, closed) = watch_close(&sock, t0);
     let (got, end, _) = peer.join().unwrap();
     assert!(
         returned < LINGER / 2,
@@ -554,13 +616,13 @@ fn disconnect_right_after_the_answer_waits_for_the_peers_ack() {
     const READ_AFTER: Duration = Duration::from_millis(400);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
-    let (s, inode, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
+    let (s, sock, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
     let t0 = Instant::now();
     s.qp.disconnect_acknowledged(Duration::from_secs(5))
         .unwrap();
     let returned = t0.elapsed();
     assert_eq!(s.qp.state(), QpState::Closing);
-    let fin = watch_fin(inode, t0);
+    let fin = watch_fin(&sock, t0);
     // The peer reads to our FIN and closes (its FIN): IDLE.
     let peer_end = peer.join().unwrap();
     until("IDLE", || s.qp.state() == QpState::Idle);
@@ -580,7 +642,7 @@ fn close_while_the_disconnects_fin_waits_still_waits_for_the_ack() {
     const READ_AFTER: Duration = Duration::from_millis(400);
     const ANSWER: usize = 64 * 1024;
     let dev = device(false);
-    let (s, inode, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
+    let (s, sock, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
     let t0 = Instant::now();
     s.qp.disconnect_acknowledged(Duration::from_secs(5))
         .unwrap();
@@ -588,7 +650,7 @@ fn close_while_the_disconnects_fin_waits_still_waits_for_the_ack() {
     let returned = t0.elapsed();
     assert_eq!(s.qp.state(), QpState::Error);
     drop(s);
-    let (fin, closed) = watch_close(inode, t0);
+    let (fin, closed) = watch_close(&sock, t0);
     let peer_end = peer.join().unwrap();
     assert!(returned < READ_AFTER / 2, "returned at once: {returned:?}");
     assert!(closed < Duration::from_secs(5), "closed at {closed:?}");
@@ -743,7 +805,7 @@ fn child_closes_in_a_late_exit_handler() {
     let dev = device(false);
     let s1 = side(&dev, |_| {});
     let s2 = side(&dev, |_| {});
-    let inode1 = establish_with_room(&s1, a1.parse().unwrap());
+    let sock1 = establish_with_room(&s1, a1.parse().unwrap());
     establish_with_room(&s2, a2.parse().unwrap());
     send_answer(&s1, 64 * 1024);
     send_answer(&s2, 64 * 1024);
@@ -752,7 +814,7 @@ fn child_closes_in_a_late_exit_handler() {
     s1.qp.close_acknowledged(Duration::from_millis(50));
     drop(s1);
     // The first is closed (its linger passed): the engine's list is empty.
-    watch_close(inode1, t0);
+    watch_close(&sock1, t0);
     std::mem::forget(s2);
     std::process::exit(0);
 }
@@ -780,14 +842,15 @@ fn a_peer_reset_during_the_close_ends_its_wait() {
         drop(p);
         Instant::now()
     });
-    let inode = establish_with_room(&s, addr);
+    let sock = establish_with_room(&s, addr);
     send_answer(&s, 64 * 1024);
     go.send(()).unwrap();
     let t0 = Instant::now();
     s.qp.close_acknowledged(LINGER);
     drop(s);
-    // (A reset socket leaves `/proc/net/tcp`: its descriptor is looked for.)
-    let link = format!("socket:[{inode}]");
+    // (A reset socket leaves the kernel's table: its descriptor is looked
+    // for, among this process's own.)
+    let link = format!("socket:[{}]", sock.inode);
     let held = || {
         std::fs::read_dir("/proc/self/fd").unwrap().any(|e| {
             std::fs::read_link(e.unwrap().path())
