@@ -983,18 +983,16 @@ fn a_socket_the_application_opened_on_a_closed_lingering_number_was_shut_down_an
     let mine = TcpStream::connect(app_listener.local_addr().unwrap()).unwrap();
     let (mut other_end, _) = app_listener.accept().unwrap();
     // SAFETY: closes the lingering socket's number (what the application
-    // does), then puts the application's socket on it; both numbers are
+    // does) and puts the application's socket on it, in one call (no other
+    // thread of the test can get the number in between); both numbers are
     // this test's to manage from here.
-    let r = unsafe {
-        libc::close(number);
-        libc::dup2(mine.as_raw_fd(), number)
-    };
+    let r = unsafe { libc::dup2(mine.as_raw_fd(), number) };
     assert_eq!(r, number, "dup2: {}", std::io::Error::last_os_error());
     drop(mine);
     let id = fd_identity(number).unwrap();
     other_end.write_all(b"unread").unwrap();
-    // Past the linger, when the engine ends its wait.
-    std::thread::sleep(LINGER * 2);
+    // Well past the linger, when the engine ends its wait.
+    std::thread::sleep(LINGER * 4);
     assert_eq!(
         fd_identity(number),
         Some(id),
