@@ -366,17 +366,22 @@ fn establish_with_room(s: &Side, addr: std::net::SocketAddr) -> Sock {
         .set_send_buffer_size(1 << 20)
         .unwrap();
     let n = mpa_connect(&mut stream, &MpaConfig::default(), &[], TIMEOUT).unwrap();
+    let sock = sock_of(&stream);
+    s.qp.establish(stream, &LinkParams::from(&n)).unwrap();
+    sock
+}
+
+/// The [`Sock`] of an IPv4 stream.
+fn sock_of(stream: &TcpStream) -> Sock {
     let v4 = |a| match a {
         std::net::SocketAddr::V4(a) => a,
         std::net::SocketAddr::V6(a) => panic!("not IPv4: {a}"),
     };
-    let sock = Sock {
+    Sock {
         local: v4(stream.local_addr().unwrap()),
         peer: v4(stream.peer_addr().unwrap()),
-        inode: socket_inode(&stream),
-    };
-    s.qp.establish(stream, &LinkParams::from(&n)).unwrap();
-    sock
+        inode: socket_inode(stream),
+    }
 }
 
 /// The inode of a socket (its `/proc/self/fd` link reads `socket:[N]`).
@@ -403,8 +408,27 @@ const ESTABLISHED: u8 = 0x01;
 /// its addresses and ports): reading all of `/proc/net/tcp` took long on a
 /// machine with many sockets, and a socket could be missed in it when
 /// other processes' sockets came and went between two reads of the table
-/// (a missed socket looked closed, or past `ESTABLISHED`).
+/// (a missed socket looked closed, or past `ESTABLISHED`). A kernel
+/// without TCP's `sock_diag` (no `tcp_diag`) is asked through
+/// `/proc/net/tcp` instead.
 fn tcp_state(s: &Sock) -> Option<u8> {
+    static DIAG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *DIAG.get_or_init(sock_diag_works) {
+        sock_diag(s).expect("sock_diag stopped answering")
+    } else {
+        proc_net_tcp(s)
+    }
+}
+
+/// Whether `sock_diag` finds a connection of ours.
+fn sock_diag_works() -> bool {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    sock_diag(&sock_of(&c)) == Some(Some(ESTABLISHED))
+}
+
+/// [`tcp_state`] through `sock_diag`; `None` if it cannot be asked.
+fn sock_diag(s: &Sock) -> Option<Option<u8>> {
     use std::io::Read;
     const SOCK_DIAG_BY_FAMILY: u16 = 20;
     const NLM_F_REQUEST: u16 = 1;
@@ -414,7 +438,7 @@ fn tcp_state(s: &Sock) -> Option<u8> {
         socket2::Type::DGRAM,
         Some(socket2::Protocol::from(libc::NETLINK_SOCK_DIAG)),
     )
-    .unwrap();
+    .ok()?;
     nl.set_read_timeout(Some(TIMEOUT)).unwrap();
     // nlmsghdr, then inet_diag_req_v2 (its inet_diag_sockid: ports and
     // addresses in network order, no interface, no cookie).
@@ -434,22 +458,33 @@ fn tcp_state(s: &Sock) -> Option<u8> {
     }
     req.extend(0u32.to_ne_bytes());
     req.extend([0xffu8; 8]);
-    assert_eq!(req.len(), 72);
-    assert_eq!(nl.send(&req).unwrap(), req.len(), "sock_diag request");
+    if nl.send(&req).ok()? != req.len() {
+        return None;
+    }
     let mut buf = [0u8; 1024];
-    let n = (&nl).read(&mut buf).unwrap();
+    let n = (&nl).read(&mut buf).ok()?;
     let u32_at = |i: usize| u32::from_ne_bytes(buf[i..i + 4].try_into().unwrap());
-    assert!(n >= 20, "sock_diag answer of {n} octets");
+    if n < 20 {
+        return None;
+    }
     match u16::from_ne_bytes([buf[4], buf[5]]) {
         // inet_diag_msg: its state at 1, its inode at 68.
-        SOCK_DIAG_BY_FAMILY if n >= 16 + 72 => (u32_at(16 + 68) == s.inode).then_some(buf[17]),
-        // No such connection (ENOENT).
-        NLMSG_ERROR if u32_at(16) as i32 == -libc::ENOENT => None,
-        other => panic!(
-            "sock_diag answered type {other}, {n} octets: {:?}",
-            &buf[..n]
-        ),
+        SOCK_DIAG_BY_FAMILY if n >= 16 + 72 => {
+            Some((u32_at(16 + 68) == s.inode).then_some(buf[17]))
+        }
+        // No such connection.
+        NLMSG_ERROR if u32_at(16) as i32 == -libc::ENOENT => Some(None),
+        _ => None,
     }
+}
+
+/// [`tcp_state`] from `/proc/net/tcp` (the socket with our inode).
+fn proc_net_tcp(s: &Sock) -> Option<u8> {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.get(9)?.parse::<u32>().ok()? == s.inode).then(|| u8::from_str_radix(f[3], 16).unwrap())
+    })
 }
 
 /// Watches our socket `s` every millisecond from `t0` until no
@@ -1015,4 +1050,21 @@ fn a_socket_the_application_opened_on_a_closed_lingering_number_was_shut_down_an
     drop(app);
     // Whatever became of the lingering socket, the peer's stream ends.
     let _ = peer.join().unwrap();
+}
+
+/// The closing tests' look at a socket's state ([`tcp_state`]): a live
+/// connection is `ESTABLISHED`, leaves it once shut down for writing (its
+/// FIN queued), and is gone once its descriptor is closed.
+#[test]
+fn the_state_of_our_own_connection_is_read() {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (_peer, _) = l.accept().unwrap();
+    let sock = sock_of(&c);
+    assert_eq!(tcp_state(&sock), Some(ESTABLISHED));
+    c.shutdown(std::net::Shutdown::Write).unwrap();
+    let st = tcp_state(&sock);
+    assert!(st.is_some() && st != Some(ESTABLISHED), "{st:?}");
+    drop(c);
+    until("the socket gone", || tcp_state(&sock).is_none());
 }
