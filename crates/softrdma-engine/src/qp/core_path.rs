@@ -60,6 +60,9 @@ pub(crate) struct CoreConn {
     fin_after_ack: Option<u64>,
     /// A timer looks again at a FIN that waits (`fin_after_ack`).
     fin_timer: bool,
+    /// The FIN that waits holds the process's exit until the peer's
+    /// acknowledgement (`linger::hold_exit_until_ack`).
+    fin_holds_exit: bool,
     /// Detail of the next reset event (the socket error).
     reset_detail: Option<String>,
     /// The core's `LlpReset` of an abort is not reported (the QP is
@@ -179,6 +182,7 @@ impl QpInner {
             linger: None,
             fin_after_ack: None,
             fin_timer: false,
+            fin_holds_exit: false,
             reset_detail: None,
             quiet_reset: false,
             ended_in_order: false,
@@ -594,6 +598,16 @@ impl QpInner {
             })
             .is_ok();
             if cc.fin_timer {
+                if !cc.fin_holds_exit {
+                    // A process that exits meanwhile (without destroying
+                    // the QP) waits for the acknowledgement too.
+                    cc.fin_holds_exit = true;
+                    let left = deadline.saturating_sub(crate::datamover::now_ns());
+                    super::linger::hold_exit_until_ack(
+                        cc.stream.clone(),
+                        std::time::Duration::from_nanos(left),
+                    );
+                }
                 return true;
             }
         }
@@ -990,6 +1004,7 @@ impl QpInner {
             let now = crate::datamover::now_ns();
             cc.fin_after_ack = fin_linger
                 .map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));
+            cc.fin_holds_exit = false;
             cc.conn.close(now);
             self.core_outputs(cc);
         }
@@ -1520,7 +1535,6 @@ mod tests {
     /// by the backstop timer.
     #[test]
     fn deferred_posts_are_written_when_the_poster_stops_polling() {
-        let _timer_writes = crate::qp::post::BACKSTOP_ARMING_FAILS.read();
         let (a, b, cqa, cqb, pd) = batch_pair();
         let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
         post_receives(&b, &dst, 5);

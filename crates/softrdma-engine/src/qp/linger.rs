@@ -24,10 +24,33 @@
 //! (then with a reset), without waiting for the acknowledgement. A forked
 //! child closes none of its parent's sockets and does not wait for them.
 //!
+//! **A FIN that waits** ([`QueuePair::disconnect_acknowledged`]) is the
+//! QP's own (its timer sends it); its socket is also listed here, as one
+//! to wait for at exit only ([`hold_exit_until_ack`]): a process that
+//! disconnects and exits without destroying the QP then ends once the
+//! peer has acknowledged (the FIN goes, from the QP's timer or from the
+//! kernel as the process ends, after that), not with the FIN right behind
+//! the bytes the peer has not acknowledged yet.
+//!
+//! **Descriptor numbers.** A socket waits here by its descriptor number,
+//! which the application does not know about: a `close_range(2)` /
+//! `closefrom(3)` sweep, or a plain `close` of a stale number, may close it
+//! while it waits, and a file the application opens next may get the
+//! number. Each socket's identity (device and inode, `fstat(2)`) is noted
+//! when it is listed and checked before every look and every act: a
+//! number that no longer names that socket ends its wait and is never
+//! read from, shut down or closed by this list (the sweep closed the
+//! socket itself, at once, as the kernel closes any socket). A
+//! sweep that closes the number and reopens it between the check and the
+//! act (some microseconds, in the engine's timer thread) is not covered,
+//! nor a QP not destroyed yet (its descriptor is its own, closed at its
+//! destroy; `ibv_destroy_qp` destroys it as it closes).
+//!
 //! [`QueuePair::close_acknowledged`]: super::QueuePair::close_acknowledged
+//! [`QueuePair::disconnect_acknowledged`]: super::QueuePair::disconnect_acknowledged
 
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, IntoRawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -47,24 +70,57 @@ const EXIT_LOCK_WAIT: Duration = Duration::from_millis(100);
 /// A socket waiting for its peer's acknowledgement.
 struct Lingering {
     stream: Arc<TcpStream>,
+    /// The socket's identity when it was listed (`None`: unknown, and then
+    /// nothing is done on its number any more).
+    id: Option<crate::sys::tcp::FileId>,
     deadline: Instant,
+    /// Closed in order when the wait is over ([`close_after_ack`]); else
+    /// only waited for at exit ([`hold_exit_until_ack`]).
+    close: bool,
 }
 
 impl Lingering {
+    fn new(stream: Arc<TcpStream>, linger: Duration, close: bool) -> Lingering {
+        let now = crate::sys::clock::now();
+        Lingering {
+            id: crate::sys::tcp::file_id(stream.as_raw_fd()),
+            stream,
+            deadline: now.checked_add(linger).unwrap_or(now),
+            close,
+        }
+    }
+
+    /// Whether its descriptor number still names the socket listed.
+    fn ours(&self) -> bool {
+        self.id.is_some() && crate::sys::tcp::file_id(self.stream.as_raw_fd()) == self.id
+    }
+
     /// Whether the wait is over at `now`: the peer acknowledged every byte
-    /// (or the socket cannot tell: it is gone), or the linger has passed.
+    /// (or the socket cannot tell: it is gone), the linger has passed, or
+    /// the number names another file now (see the module's docs).
     fn over(&self, now: Instant) -> bool {
         now >= self.deadline
+            || !self.ours()
             || !matches!(crate::sys::tcp::unacked_bytes(self.stream.as_raw_fd()), Ok(n) if n > 0)
     }
 
-    /// Closes in order: drops what was received and not read, FIN after
-    /// the bytes in the socket.
+    /// Ends the wait. A socket to close is closed in order: what was
+    /// received and not read is dropped, then the FIN goes after the bytes
+    /// in the socket. Its descriptor is closed here if the QP has let go
+    /// of it already; a number that no longer names the socket (the
+    /// application closed it) is left alone, never closed.
     fn close(self) {
-        crate::sys::tcp::discard_received(self.stream.as_raw_fd());
-        let _ = self.stream.shutdown(Shutdown::Both);
+        let ours = self.ours();
+        if ours && self.close {
+            crate::sys::tcp::discard_received(self.stream.as_raw_fd());
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
         #[cfg(test)]
         CLOSED.fetch_add(1, Ordering::Relaxed);
+        if !ours && let Ok(stream) = Arc::try_unwrap(self.stream) {
+            // Not ours to close any more.
+            let _ = stream.into_raw_fd();
+        }
     }
 }
 
@@ -107,12 +163,22 @@ pub(crate) static CLOSED: std::sync::atomic::AtomicUsize = std::sync::atomic::At
 /// (`shutdown(SHUT_RD)`, which sends nothing).
 pub(crate) fn close_after_ack(stream: Arc<TcpStream>, linger: Duration) {
     let _ = stream.shutdown(Shutdown::Read);
-    let now = crate::sys::clock::now();
-    let l = Lingering {
-        stream,
-        deadline: now.checked_add(linger).unwrap_or(now),
-    };
-    if l.over(now) {
+    list(Lingering::new(stream, linger, true));
+}
+
+/// Keeps a process that exits (`exit(3)`) from ending before the peer of
+/// `stream` has acknowledged every byte handed to it, at most `linger`
+/// from now: for a FIN that waits for that acknowledgement in its QP
+/// (`disconnect_acknowledged`), which sends it itself. Nothing is done on
+/// the socket here.
+pub(crate) fn hold_exit_until_ack(stream: Arc<TcpStream>, linger: Duration) {
+    list(Lingering::new(stream, linger, false));
+}
+
+/// Lists `l` (arming the timer, registering the exit handler), or ends it
+/// at once if its wait is over.
+fn list(l: Lingering) {
+    if l.over(crate::sys::clock::now()) {
         l.close();
         return;
     }

@@ -747,7 +747,9 @@ impl QueuePair {
     /// [`disconnect`](Self::disconnect); a QP destroyed while its FIN
     /// waits should be closed with
     /// [`close_acknowledged`](Self::close_acknowledged), which keeps
-    /// waiting.
+    /// waiting. A process that exits (`exit(3)`) while the FIN waits, the
+    /// QP not destroyed, waits at exit for the acknowledgement too (at
+    /// most `linger`), as after [`close_acknowledged`](Self::close_acknowledged).
     pub fn disconnect_acknowledged(&self, linger: std::time::Duration) -> Result<(), ModifyError> {
         self.disconnect_with(Some(linger))
     }

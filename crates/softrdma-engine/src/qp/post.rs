@@ -69,7 +69,8 @@ pub(crate) struct TxBatch {
     /// A post was deferred since the backstop last ran (it arms the next
     /// one itself, from the timer thread, which needs no wake-up then).
     used: AtomicBool,
-    /// Posts deferred, and flushes by a poll and by the backstop (tests,
+    /// Posts deferred, and flushes by a poll and by the backstop (its
+    /// timer, or its arming when no timer could be armed) (tests,
     /// measurements).
     pub(crate) stats: [AtomicU64; 3],
 }
@@ -233,6 +234,8 @@ fn arm_backstop(qp: Weak<QpInner>) -> bool {
     for qp in listed.iter().filter_map(Weak::upgrade) {
         qp.tx_batch.backstop.store(false, Ordering::SeqCst);
         if qp.tx_batch.deferred.swap(0, Ordering::SeqCst) > 0 {
+            // The backstop's flush, made without its timer.
+            qp.tx_batch.stats[2].fetch_add(1, Ordering::Relaxed);
             qp.core_kick();
         }
     }
@@ -273,14 +276,6 @@ fn backstop_fired() {
         arm_backstop(weak);
     }
 }
-
-/// Tests: held shared by the tests that check that the backstop timer
-/// wrote a QP's deferred posts, and exclusively by the test that fails
-/// the backstop's arming. An arming that fails writes at once every QP
-/// listed meanwhile, those of tests running alongside too (as it should),
-/// which then find their posts written without the timer.
-#[cfg(test)]
-pub(crate) static BACKSTOP_ARMING_FAILS: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
 
 /// QPs that deferred posts, of this fork generation (a child writes none
 /// of its parent's, and never waits for the parent's lock, see
@@ -896,7 +891,6 @@ mod tests {
     /// keeps deferring stays on its list.
     #[test]
     fn one_backstop_writes_the_deferred_posts_of_several_qps() {
-        let _timer_writes = super::BACKSTOP_ARMING_FAILS.read();
         let pairs: Vec<_> = (0..3).map(|_| pair()).collect();
         let mut dsts = Vec::new();
         for (a, b, cqa, _, pd) in &pairs {
@@ -1109,24 +1103,10 @@ mod tests {
         check_received(&cqb, &dst, 2, 0);
     }
 
-    /// `arm_backstop` cleared the armed mark when its timer could not be
-    /// armed, also when another QP had been listed meanwhile on the word
-    /// of that mark: that QP was left listed with no timer (its posts
-    /// waited for someone else's deferral). They are written now.
-    #[test]
-    fn a_qp_listed_while_the_backstop_failed_to_arm_is_written() {
-        // (It writes the QPs other tests list meanwhile too.)
-        let _fails = super::BACKSTOP_ARMING_FAILS.write();
-        let (a, b, cqa, cqb, pd) = pair();
-        no_backstop(&a);
-        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
-        post_receives(&b, &dst, 4);
-        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
-        assert_eq!(cqa.poll(&mut wc), 0);
-        for i in 0..4 {
-            send(&a, i);
-        }
-        assert_eq!(deferred(&a), 3);
+    /// Fails an arming of the shared backstop's timer (once it is not
+    /// armed: other tests share it) while `a` is listed (as by another
+    /// thread) on the word of the mark that arming set.
+    fn fail_the_arming_while_listing(a: &QueuePair) {
         // Other tests share the backstop: wait until it is not armed, then
         // fail the arming and list `a` (as another thread) meanwhile.
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -1152,6 +1132,51 @@ mod tests {
             assert!(listed.load(Ordering::SeqCst), "listed on the mark");
             break;
         }
+    }
+
+    /// A QP whose poster stopped polling, with three posts deferred (its
+    /// backstop counts as armed: only what the test does writes them).
+    fn three_deferred() -> (Pair, MemoryRegion) {
+        let (a, b, cqa, cqb, pd) = pair();
+        no_backstop(&a);
+        let dst = pd.register(64 * 64, Access::LOCAL_WRITE).unwrap();
+        post_receives(&b, &dst, 4);
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        assert_eq!(cqa.poll(&mut wc), 0);
+        for i in 0..4 {
+            send(&a, i);
+        }
+        assert_eq!(deferred(&a), 3);
+        ((a, b, cqa, cqb, pd), dst)
+    }
+
+    /// Regression: the backstop's flush made by an arming that failed (no
+    /// timer) was not counted as the backstop's: a test that checked the
+    /// backstop had written its posts failed when another test's failed
+    /// arming wrote them (a test-only lock kept the two apart).
+    #[test]
+    fn a_flush_by_a_backstop_that_could_not_arm_its_timer_was_not_counted() {
+        let ((a, _b, _cqa, cqb, _pd), dst) = three_deferred();
+        let flushed = a.qp().tx_batch.stats[2].load(Ordering::Relaxed);
+        fail_the_arming_while_listing(&a);
+        assert_eq!(a.qp().tx_batch.deferred.load(Ordering::SeqCst), 0);
+        assert!(
+            a.qp().tx_batch.stats[2].load(Ordering::Relaxed) > flushed,
+            "counted as the backstop's flush"
+        );
+        check_received(&cqb, &dst, 4, 0);
+    }
+
+    /// `arm_backstop` cleared the armed mark when its timer could not be
+    /// armed, also when another QP had been listed meanwhile on the word
+    /// of that mark: that QP was left listed with no timer (its posts
+    /// waited for someone else's deferral). They are written now.
+    #[test]
+    fn a_qp_listed_while_the_backstop_failed_to_arm_is_written() {
+        // (It writes the QPs other tests list meanwhile too, and counts
+        // those flushes as the backstop's, as its timer does.)
+        let ((a, _b, _cqa, cqb, _pd), dst) = three_deferred();
+        fail_the_arming_while_listing(&a);
         assert_eq!(
             a.qp().tx_batch.deferred.load(Ordering::SeqCst),
             0,

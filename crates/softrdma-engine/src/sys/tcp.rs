@@ -22,6 +22,25 @@ pub(crate) fn unacked_bytes(fd: RawFd) -> io::Result<usize> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
+/// What names an open file (a socket) whatever descriptor number it has:
+/// its device and inode (`fstat(2)`).
+pub(crate) type FileId = (u64, u64);
+
+/// The identity of the file `fd` names now; `None` if `fd` is not open.
+pub(crate) fn file_id(fd: RawFd) -> Option<FileId> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes one `struct stat` through the pointer, which
+    // points to room for one; it reads nothing else. Any descriptor
+    // number may be passed (a closed one fails with EBADF).
+    let ret = unsafe { libc::fstat(fd, st.as_mut_ptr()) };
+    if ret < 0 {
+        return None;
+    }
+    // SAFETY: fstat succeeded and filled the struct.
+    let st = unsafe { st.assume_init() };
+    Some((st.st_dev, st.st_ino))
+}
+
 /// `TCP_CLOSE` in `tcp_info`'s `tcpi_state`.
 const TCP_CLOSE: u8 = 7;
 
