@@ -41,7 +41,7 @@ use crate::types::{
 };
 
 pub use rx::RxWant;
-pub use tx::{HEAD_CAP, TxFpdu};
+pub use tx::{HEAD_CAP, SEND_NOW_MAX, TxFpdu};
 
 /// The value a softrdma sender puts in the (reserved, ignored by other
 /// implementations) Invalidate STag field of a Send to say that an
