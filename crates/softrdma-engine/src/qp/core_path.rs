@@ -252,7 +252,9 @@ impl QpInner {
     /// queued and transmitted under one hold of the connection's lock (no
     /// hand-off: no announcement, no claim, no second lock); its
     /// completion, if it is produced meanwhile and may go straight to the
-    /// poster, is returned. Whatever does not fit that path (no
+    /// poster, is returned. A small inline Send on an idle connection is
+    /// not queued at all: `TxIo::send_now` posts, frames, writes and
+    /// completes it in one pass. Whatever does not fit that path (no
     /// connection, the datamover's socket, a receive left to the holder,
     /// other requests outstanding, a proxy, a CQ that is not exclusive)
     /// is left to an ordinary post: `None`.
