@@ -230,3 +230,45 @@ fn two_qps_created_at_once_on_an_exclusive_cq_are_not_both_made() {
         assert_eq!(n, 1, "round {round}: {n} QPs made on one exclusive CQ");
     }
 }
+
+/// A Send posted with `post_send_now` behind an RDMA Write still being
+/// written goes after it (the one-pass send declines: the send queue is
+/// not empty): the peer's receive completes with every byte of the Write
+/// in place, and the poster's completions come in posting order.
+#[test]
+fn a_send_now_behind_a_large_write_goes_after_it() {
+    let (_dev, a, b) = pair(true, None);
+    const BIG: usize = 8 << 20;
+    let src = mr(&a, BIG);
+    let data: Vec<u8> = (0..BIG).map(|i| (i * 13 + i / 251) as u8).collect();
+    src.write(0, &data).unwrap();
+    let dst = mr(&b, BIG);
+    let rbuf = mr(&b, 64);
+    post_recvs(&b, &rbuf, 1);
+    let sge = [src.sge(0, BIG as u32).unwrap()];
+    let write = SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: dst.addr(),
+            rkey: dst.rkey(),
+        },
+    )
+    .sg_list(&sge)
+    .signaled();
+    a.qp.post_send(&write).unwrap();
+    let done = a.qp.post_send_now(&inline_send(2, b"after")).unwrap();
+    let got = wait(&b.cq, 1);
+    assert_eq!((got[0].wr_id, got[0].byte_len), (0, 5));
+    let mut back = vec![0u8; BIG];
+    dst.read(0, &mut back).unwrap();
+    assert!(
+        back == data,
+        "the Send's receive completed before the Write was placed"
+    );
+    let mut ids: Vec<u64> = wait(&a.cq, if done.is_some() { 1 } else { 2 })
+        .iter()
+        .map(|c| c.wr_id)
+        .collect();
+    ids.extend(done.map(|c| c.wr_id));
+    assert_eq!(ids, [1, 2]);
+}

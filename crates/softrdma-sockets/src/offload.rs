@@ -2046,15 +2046,15 @@ impl Shared {
         {
             return false;
         }
+        // The header straight into the message's first octets (a Data
+        // header is `BSDH_LEN` of them; the payload is copied after it).
         let mut frame = [0u8; BSDH_LEN + INLINE_PAYLOAD];
-        let mut head = [0u8; AVAIL_LEN];
-        let Some(hl) = st
-            .sdp
-            .header(&Message::Data { payload_len: total }, &mut head)
+        let Some(hl) = <&mut [u8; AVAIL_LEN]>::try_from(&mut frame[..AVAIL_LEN])
+            .ok()
+            .and_then(|head| st.sdp.header(&Message::Data { payload_len: total }, head))
         else {
             return false;
         };
-        frame[..hl].copy_from_slice(&head[..hl]);
         let mut at = hl;
         for b in bufs {
             frame[at..at + b.len()].copy_from_slice(b);

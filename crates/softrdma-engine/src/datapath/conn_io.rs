@@ -781,7 +781,14 @@ impl TxIo {
     fn advance(&mut self, mut n: usize) -> usize {
         let mut done = 0;
         while let Some(front) = self.out.front() {
-            let left = front.fpdu.len() - self.written;
+            // A copied FPDU's bytes are its copy (`send_now` queues one
+            // without a descriptor).
+            let whole = if front.copied {
+                front.copy.len()
+            } else {
+                front.fpdu.len()
+            };
+            let left = whole - self.written;
             if n < left {
                 self.written += n;
                 break;
@@ -799,6 +806,9 @@ impl TxIo {
         done
     }
 }
+
+mod send_now;
+pub(crate) use send_now::SendNow;
 
 #[cfg(test)]
 mod tests;

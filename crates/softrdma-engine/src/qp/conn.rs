@@ -245,6 +245,31 @@ pub(crate) fn with_core_send<T>(
     })
 }
 
+/// The core's form of `wr` if it is an inline Send without Immediate
+/// Data and without a gather list (the one-pass send's candidates,
+/// `Connection::post_send_framed`); `None` for anything else. As
+/// [`with_core_send`] would convert it, without the gather list's copy.
+pub(crate) fn core_inline_send<'a>(wr: &SendWr<'a>, sq_sig_all: bool) -> Option<ct::SendWr<'a>> {
+    let inv = match wr.op {
+        SendOp::Send => None,
+        SendOp::SendWithInv { invalidate_rkey } => Some(invalidate_rkey),
+        _ => return None,
+    };
+    if !wr.flags.contains(SendFlags::INLINE) || !wr.sg_list.is_empty() {
+        return None;
+    }
+    Some(ct::SendWr {
+        wr_id: wr.wr_id,
+        op: ct::SendOp::Send { inv, imm: None },
+        sgl: &[],
+        signaled: sq_sig_all || wr.flags.contains(SendFlags::SIGNALED),
+        fence: wr.flags.contains(SendFlags::FENCE),
+        solicited: wr.flags.contains(SendFlags::SOLICITED),
+        inline: Some(wr.inline),
+        internal: false,
+    })
+}
+
 /// Runs `f` on the core's form of the verbs receive `wr`.
 pub(crate) fn with_core_recv<T>(wr: &RecvWr<'_>, f: impl FnOnce(&ct::RecvWr<'_>) -> T) -> T {
     with_core_sgl(wr.sg_list, |sgl| {

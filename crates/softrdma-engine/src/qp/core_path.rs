@@ -14,9 +14,11 @@ use std::sync::atomic::Ordering;
 use softrdma_proto::conn::{Connection, Prepared};
 use softrdma_proto::types::{self as ct, LinkAction, Output};
 
-use super::conn::{ConnSetup, config, recv_error, send_error, with_core_recv, with_core_send};
+use super::conn::{
+    ConnSetup, config, core_inline_send, recv_error, send_error, with_core_recv, with_core_send,
+};
 use super::*;
-use crate::datapath::conn_io::{RxIo, RxStep, RxStop, TxIo, TxStop};
+use crate::datapath::conn_io::{RxIo, RxStep, RxStop, SendNow, TxIo, TxStop};
 use crate::mr::PdMemory;
 use crate::sys::mem::Memory;
 
@@ -254,7 +256,9 @@ impl QpInner {
     /// queued and transmitted under one hold of the connection's lock (no
     /// hand-off: no announcement, no claim, no second lock); its
     /// completion, if it is produced meanwhile and may go straight to the
-    /// poster, is returned. Whatever does not fit that path (no
+    /// poster, is returned. A small inline Send on an idle connection is
+    /// not queued at all: `TxIo::send_now` posts, frames, writes and
+    /// completes it in one pass. Whatever does not fit that path (no
     /// connection, the datamover's socket, a receive left to the holder,
     /// other requests outstanding, a proxy, a CQ that is not exclusive)
     /// is left to an ordinary post: `None`.
@@ -270,21 +274,51 @@ impl QpInner {
         let cc = g
             .as_mut()
             .filter(|cc| direct && !cc.on_dm && !cc.link_done && cc.conn.send_queue_len() == 0)?;
-        let mut mem = self.core_mem();
-        let r = with_core_send(wr, self.sq_sig_all, self.device.stags(), |w| {
-            cc.conn.post_send(w, &mut mem)
+        // A small inline Send: posted, framed, written and completed in
+        // one pass if the connection is idle (`TxIo::send_now`).
+        let fast = core_inline_send(wr, self.sq_sig_all).map(|w| {
+            cc.direct_wc = Some(None);
+            match cc.tx.send_now(&mut cc.conn, cc.fd, &w) {
+                SendNow::Declined => None,
+                SendNow::Written(c) => {
+                    if let Some(c) = c {
+                        self.core_send_now_done(cc, &c);
+                    }
+                    if cc.conn.has_output() {
+                        self.core_outputs(cc);
+                    }
+                    Some(TxStop::Idle)
+                }
+                // The rest by the general path, from where the write stopped.
+                SendNow::Rest => Some(self.core_transmit(cc, usize::MAX)),
+                SendNow::Failed(e) => {
+                    cc.reset_detail = Some(format!("connection failed: {e}"));
+                    cc.conn.handle_reset();
+                    self.core_outputs(cc);
+                    Some(TxStop::Failed(e))
+                }
+            }
         });
-        if let Err(e) = r {
+        let stop = if let Some(Some(stop)) = fast {
+            stop
+        } else {
+            cc.direct_wc = None;
+            let mut mem = self.core_mem();
+            let r = with_core_send(wr, self.sq_sig_all, self.device.stags(), |w| {
+                cc.conn.post_send(w, &mut mem)
+            });
+            if let Err(e) = r {
+                if cc.conn.has_output() {
+                    self.core_outputs(cc);
+                }
+                return Some(Err(send_error(e, self.qp_num, wr)));
+            }
+            cc.direct_wc = Some(None);
             if cc.conn.has_output() {
                 self.core_outputs(cc);
             }
-            return Some(Err(send_error(e, self.qp_num, wr)));
-        }
-        cc.direct_wc = Some(None);
-        if cc.conn.has_output() {
-            self.core_outputs(cc);
-        }
-        let stop = self.core_transmit(cc, usize::MAX);
+            self.core_transmit(cc, usize::MAX)
+        };
         let wc = cc.direct_wc.take().flatten();
         if matches!(stop, TxStop::WouldBlock) {
             // The rest goes with the datamover (as `core_kick`).
@@ -293,6 +327,24 @@ impl QpInner {
             self.schedule_dm();
         }
         Some(Ok(wc))
+    }
+
+    /// Delivers the completion of a send written by
+    /// [`core_post_send_now`](Self::core_post_send_now)'s one pass, which
+    /// the core returned instead of queuing it (nothing was queued before
+    /// it): as [`core_outputs`](Self::core_outputs) delivers a send
+    /// completion without a proxy.
+    fn core_send_now_done(&self, cc: &mut CoreConn, c: &ct::Completion) {
+        let wc = super::conn::work_completion(c, self.qp_num);
+        if matches!(cc.direct_wc, Some(None)) && self.send_cq.may_complete_directly() {
+            cc.direct_wc = Some(Some(wc));
+        } else if self.send_cq.push(wc, false).is_err() {
+            self.cq_overflow();
+        }
+        self.sq_outstanding.store(
+            u32::try_from(cc.conn.send_queue_len()).unwrap_or(u32::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     /// `post_recv` once connected (the caller holds the lock).

@@ -926,7 +926,10 @@ impl QueuePair {
     /// the connection's lock, never deferred to the poster's next poll
     /// ([`DeviceConfig::tx_batch`](crate::DeviceConfig::tx_batch)): the
     /// fast path of a ping-pong, with no hand-off between threads and no
-    /// completion queued and polled back.
+    /// completion queued and polled back. An inline Send without
+    /// Immediate Data whose payload fits one FPDU, with nothing queued or
+    /// unwritten before it, is not even queued: it is framed, written and
+    /// completed in one pass (the same bytes, MSN and completion order).
     ///
     /// The caller must serialize this call with every poll, arm and wait
     /// of the exclusive CQ (as the CQ's one consumer): a completion

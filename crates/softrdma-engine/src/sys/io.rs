@@ -172,6 +172,31 @@ pub(crate) fn writev(fd: RawFd, iov: &IoVecs) -> io::Result<usize> {
     }
 }
 
+/// [`writev`] of one buffer: one `send(2)` ([`SEND_FLAGS`]), or a
+/// `write(2)` if `fd` is not a socket. Retries on `EINTR`.
+pub(crate) fn write_bytes(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+    if buf.is_empty() {
+        return Ok(0);
+    }
+    let one = libc::iovec {
+        iov_base: buf.as_ptr().cast_mut().cast(),
+        iov_len: buf.len(),
+    };
+    match send_one(fd, one) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {}
+        r => return r,
+    }
+    loop {
+        // SAFETY: `buf` is a live slice of `buf.len()` bytes; the kernel
+        // only reads from it.
+        let ret = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
+        match check(ret) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
 /// One read into the list. Retries on `EINTR`. On a socket it is
 /// `recv(2)` (one buffer) or `recvmsg(2)` with `MSG_DONTWAIT`:
 /// non-blocking whatever the descriptor's `O_NONBLOCK` (see [`writev`]);

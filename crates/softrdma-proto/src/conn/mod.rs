@@ -17,7 +17,10 @@
 //! * **transmit**, zero copy: [`Connection::poll_transmit`] fills a reusable
 //!   [`TxFpdu`]: header bytes, payload [`Span`]s into registered memory and
 //!   the trailer (pad, CRC). The engine writes them (`writev`) and reports
-//!   whole FPDUs written with [`Connection::handle_sent`].
+//!   whole FPDUs written with [`Connection::handle_sent`]. A small inline
+//!   Send on an idle connection may be posted and framed in one pass
+//!   instead ([`Connection::post_send_framed`], then
+//!   [`Connection::handle_sent_framed`]).
 //! * **completions and events**: [`Connection::poll_completion`] (in posting
 //!   order per queue) and [`Connection::poll_output`] (state changes, async
 //!   events, link actions: FIN, orderly shutdown, reset).
@@ -41,7 +44,7 @@ use crate::types::{
 };
 
 pub use rx::RxWant;
-pub use tx::{HEAD_CAP, TxFpdu};
+pub use tx::{HEAD_CAP, SEND_NOW_MAX, TxFpdu};
 
 /// The value a softrdma sender puts in the (reserved, ignored by other
 /// implementations) Invalidate STag field of a Send to say that an

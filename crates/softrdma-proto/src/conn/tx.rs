@@ -1,22 +1,24 @@
 //! Transmit rules: framing send-queue work, responses and the Terminate
 //! into FPDU descriptors (header bytes + payload spans + trailer).
 
-use softrdma_wire::crc::Crc32c;
-use softrdma_wire::ddp::{Msn, Stag};
+use softrdma_wire::crc::{self, CRC_LEN, Crc32c};
+use softrdma_wire::ddp::{self, DdpUntaggedRepr, Msn, Stag};
 use softrdma_wire::fpdu::{FpduTrailer, pad_len};
-use softrdma_wire::rdmap::Opcode;
 use softrdma_wire::rdmap::atomic::AtomicResponseRepr;
 use softrdma_wire::rdmap::immediate::ImmediateDataRepr;
 use softrdma_wire::rdmap::read_request::ReadRequestRepr;
+use softrdma_wire::rdmap::{self, Opcode};
 use softrdma_wire::ulpdu::UlpduRepr;
 
 use super::{
     Connection, Done, Kind, OutKind, OutRead, QN_ARESP, QN_RREQ, QN_SEND, Response,
-    SEND_IMM_FOLLOWS,
+    SEND_IMM_FOLLOWS, Slot,
 };
 use crate::mem::{Memory, Span};
 use crate::qp_state::{ConnEvent, QpState};
-use crate::types::{AsyncKind, LinkAction, Output, WcStatus};
+use crate::types::{
+    AsyncKind, Completion, CqKind, LinkAction, Output, SendOp, SendWr, WcOpcode, WcStatus,
+};
 
 /// Longest Terminate ULPDU: untagged header + Terminate header.
 pub(super) const TERM_CAP: usize = 18 + softrdma_wire::rdmap::terminate::MAX_LEN;
@@ -32,6 +34,11 @@ pub const HEAD_CAP: usize = 2 + if TERM_CAP > 18 + INLINE_FPDU {
 } else {
     18 + INLINE_FPDU
 };
+
+/// The longest FPDU [`Connection::post_send_framed`] frames: the ULPDU
+/// length field, the untagged header, 256 octets of inline payload, at
+/// most 3 octets of pad and the CRC field.
+pub const SEND_NOW_MAX: usize = 2 + ddp::UNTAGGED_HEADER_LEN + INLINE_FPDU + 3 + CRC_LEN;
 
 /// One FPDU to transmit: `head()`, then the bytes of every `payload()` span
 /// (gathered from registered memory, in order), then `trailer()`.
@@ -269,6 +276,144 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 }
             }
         }
+    }
+
+    /// Posts a small inline Send and frames it into `out` in one pass, if
+    /// the connection is idle: [`post_send`](Self::post_send) followed by
+    /// [`poll_transmit`](Self::poll_transmit), without the queued request
+    /// in between. Returns the FPDU's length, the bytes at the start of
+    /// `out` (the ULPDU length, the untagged header, the payload, the pad
+    /// and the CRC field); the FPDU counts as handed out, exactly as if
+    /// `poll_transmit` had framed it: write it to the socket before
+    /// anything `poll_transmit` hands out later, and report it written
+    /// with [`handle_sent`](Self::handle_sent), which completes the
+    /// request.
+    ///
+    /// Taken only for an inline Send without Immediate Data (Send, with
+    /// Solicited Event, with Invalidate) whose payload fits one FPDU, in
+    /// RTS, with nothing queued or handed out and not yet written before
+    /// it (no request on the send queue, no response or Terminate owed, no
+    /// FPDU in flight), no fence to wait for, and room on the send queue;
+    /// the request would pass every check of `post_send`. Otherwise
+    /// `None`, and nothing changed: post it with `post_send`. The bytes,
+    /// the MSN, the completion and its order are those of the general
+    /// path (markers are never negotiated, see [`Config::crc`]).
+    ///
+    /// [`Config::crc`]: super::Config::crc
+    pub fn post_send_framed(&mut self, wr: &SendWr<'_>, out: &mut [u8]) -> Option<usize> {
+        let SendOp::Send { inv, imm: None } = wr.op else {
+            return None;
+        };
+        let data = wr.inline?;
+        let len = data.len();
+        let ulpdu_len = ddp::UNTAGGED_HEADER_LEN + len;
+        let pad = pad_len(ulpdu_len);
+        let total = 2 + ulpdu_len + pad + CRC_LEN;
+        if self.state != QpState::Rts
+            || !self.sq.is_empty()
+            || !self.inflight.is_empty()
+            || !self.resp.is_empty()
+            || self.tx.term.is_some()
+            || self.tx.cur_started
+            || len > self.cfg.max_inline
+            || len > self.cfg.max_payload.min(INLINE_FPDU)
+            || wr.sgl.len() > self.cfg.max_send_sge
+            || self.slots.len() >= self.cfg.max_send_wr as usize
+            || !self.ord.may_start(wr.fence, false)
+            || out.len() < total
+        {
+            return None;
+        }
+        let opcode = match (wr.solicited, inv.is_some()) {
+            (false, false) => Opcode::Send,
+            (true, false) => Opcode::SendWithSolicitedEvent,
+            (false, true) => Opcode::SendWithInvalidate,
+            (true, true) => Opcode::SendWithSolicitedEventAndInvalidate,
+        };
+        let msn = self.tx.msn[QN_SEND];
+        let hdr = DdpUntaggedRepr {
+            last: true,
+            rsvd_ulp: rdmap::control_byte(opcode),
+            rsvd_ulp_ext: inv.unwrap_or(0),
+            qn: ddp::QN_SEND,
+            msn,
+            mo: 0,
+        };
+        let covered = 2 + ulpdu_len + pad;
+        {
+            let (head, rest) = out.split_at_mut(2 + ddp::UNTAGGED_HEADER_LEN);
+            let (len_field, hdr_field) = head.split_at_mut(2);
+            // `ulpdu_len` is at most 18 + 256 (checked above).
+            len_field.copy_from_slice(&u16::try_from(ulpdu_len).ok()?.to_be_bytes());
+            hdr.emit(hdr_field).ok()?;
+            let (payload, rest) = rest.split_at_mut(len);
+            payload.copy_from_slice(data);
+            if let Some(p) = rest.get_mut(..pad) {
+                p.fill(0);
+            }
+        }
+        let c = if self.cfg.crc {
+            crc::crc32c(out.get(..covered).unwrap_or_default())
+        } else {
+            0
+        };
+        out.get_mut(covered..total)?
+            .copy_from_slice(&crc::to_wire(c));
+        // As `post_send` queues it and `frame_data_wqe` frames it.
+        let seq = self.slots.push(Slot {
+            wr_id: wr.wr_id,
+            opcode: WcOpcode::Send,
+            signaled: wr.signaled,
+            internal: wr.internal,
+            status: None,
+            byte_len: 0,
+            vendor_err: 0,
+        });
+        self.tx.msn[QN_SEND] = msn.next();
+        self.tx.cur_msn = msn;
+        self.inflight.push_back(Done::SqMessage {
+            seq,
+            byte_len: u32::try_from(len).unwrap_or(u32::MAX),
+        });
+        Some(total)
+    }
+
+    /// [`handle_sent`](Self::handle_sent)`(1)` for the FPDU of
+    /// [`post_send_framed`](Self::post_send_framed), written whole right
+    /// after it was framed: its request completes. When it was the only
+    /// request outstanding and nothing waits to be delivered before its
+    /// completion (no completion, event or state change queued), that
+    /// completion is returned instead of being queued for
+    /// [`poll_completion`](Self::poll_completion) (`None` for an
+    /// unsignaled request too): the one it would have been polled as
+    /// next. Otherwise `None`, and it is delivered as `handle_sent`
+    /// delivers it.
+    pub fn handle_sent_framed(&mut self) -> Option<Completion> {
+        if self.slots.len() == 1
+            && self.completions.is_empty()
+            && self.outputs.is_empty()
+            && let Some(&Done::SqMessage { seq, byte_len }) = self.inflight.front()
+            && self.slots.complete(seq, |_| {})
+        {
+            // The only request outstanding: its completion is the next
+            // one delivered, built as `complete_sq` builds it.
+            self.inflight.pop_front();
+            let s = self.slots.pop_ready()?;
+            return (s.signaled || s.internal).then_some(Completion {
+                cq: CqKind::Send,
+                wr_id: s.wr_id,
+                status: WcStatus::Success,
+                opcode: s.opcode,
+                byte_len,
+                imm: None,
+                invalidated: None,
+                solicited: false,
+                vendor_err: 0,
+                internal: s.internal,
+            });
+        }
+        self.handle_sent(1);
+        None
     }
 
     /// FPDUs handed out and not yet reported written.
@@ -640,3 +785,6 @@ fn frame_data<R: Clone, M: Memory<Region = R>>(
     }
     out.set_len_and_trailer(hdr, hdr + len, crc, c)
 }
+
+#[cfg(test)]
+mod tests;
