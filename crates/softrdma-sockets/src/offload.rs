@@ -443,6 +443,18 @@ struct State {
     cork_held: bool,
     /// Send a corked buffer now (flush requested).
     push: bool,
+    /// The `poller` gate: held by whoever takes completions out of the
+    /// CQ, from the poll until they are handled under this lock (so they
+    /// are handled in order). A blocked call holds it while it waits in
+    /// the CQ ([`CompletionQueue::wait`]), driving the receive path in its
+    /// own thread; the others only try it: if it is taken, its holder
+    /// handles the completions, syncs the readiness descriptor and wakes
+    /// sleepers. It is the wait set (this connection's CQ) its holder
+    /// sleeps in, taken out (`None`: held) and put back under this lock:
+    /// every try is made, and every release, with this lock held, so a
+    /// flag under it serves as a mutex would, without the two locked
+    /// instructions of a mutex's try and release per wait.
+    poller: Option<Box<WaitSet>>,
     waiters: u32,
     /// The call driving the connection (holding `poller`) sleeps in the
     /// QP's socket's `recv` ([`WaitSet::wait_receiving`]): it holds no
@@ -646,15 +658,6 @@ struct Shared {
     /// connection (most connections never have two calls blocked at once:
     /// five system calls per connection saved).
     waker: OnceLock<(UnixDatagram, UnixDatagram)>,
-    /// Held by whoever takes completions out of the CQ, from the poll until
-    /// they are handled under the state lock (so they are handled in
-    /// order). A blocked call holds it while it waits in the CQ
-    /// ([`CompletionQueue::wait`]), driving the receive path in its own
-    /// thread; the others (state lock held) only try it: if it is taken,
-    /// its holder handles the completions, syncs the readiness descriptor
-    /// and wakes sleepers. Lock order: `poller`, then `st`.
-    /// Holds the wait set (this connection's CQ) its holder sleeps in.
-    poller: Mutex<WaitSet>,
     /// A blocked call may sleep in the QP's socket's `recv` (see
     /// [`Shared::wait_inner`]); off for descriptors the application owns
     /// ([`Offload::no_recv_sleep`]).
@@ -930,7 +933,7 @@ impl Offload {
         // We never send more than our own staging buffer holds.
         let peer_rcv = peer_rcv.min(size as u32);
         let session = Session::new(initial as u16, size as u32, peer_bufs, peer_rcv);
-        let mut poller_set = WaitSet::new();
+        let mut poller_set = Box::new(WaitSet::new());
         poller_set.add_cq(&cq);
         conn_opened();
         let sh = Arc::new(Shared {
@@ -969,6 +972,7 @@ impl Offload {
                 corked_at: None,
                 cork_held: false,
                 push: false,
+                poller: Some(poller_set),
                 waiters: 0,
                 recv_sleeping: false,
                 recv_sleeps: 0,
@@ -994,7 +998,6 @@ impl Offload {
             event_pending: AtomicBool::new(false),
             arrivals: AtomicU64::new(0),
             waker: OnceLock::new(),
-            poller: Mutex::new(poller_set),
             recv_sleep: AtomicBool::new(true),
         });
         let _ = slot.set(Arc::downgrade(&sh));
@@ -1463,13 +1466,12 @@ impl Shared {
     /// while a blocked call waits in the CQ (see [`Shared::poller`]): that
     /// call handles them.
     fn progress(&self, st: &mut State) -> bool {
-        let _gate = match self.poller.try_lock() {
-            Some(g) => Some(g),
-            // The driving call sleeps in `recv` and holds no completion:
-            // handled here, in order, under the state lock.
-            None if st.recv_sleeping => None,
-            None => return false,
-        };
+        // The gate is free (and stays so: this runs under the state lock
+        // throughout), or the driving call sleeps in `recv` and holds no
+        // completion: handled here, in order, under the state lock.
+        if st.poller.is_none() && !st.recv_sleeping {
+            return false;
+        }
         let mut any = false;
         // In batches, until one comes back short: a CQ found empty runs
         // the receive path (a read of the socket), so polling it once more
@@ -1495,11 +1497,9 @@ impl Shared {
     /// nothing if another thread drives the connection. `seen`: see
     /// [`take_completions`](Self::take_completions).
     fn progress_completions(&self, st: &mut State, seen: bool) {
-        let _gate = match self.poller.try_lock() {
-            Some(g) => Some(g),
-            None if st.recv_sleeping => None,
-            None => return,
-        };
+        if st.poller.is_none() && !st.recv_sleeping {
+            return;
+        }
         if self.take_completions(st, seen) > 0 {
             self.flush_tx(st);
         }
@@ -2326,13 +2326,13 @@ impl Shared {
             Some(d) => d.saturating_duration_since(Instant::now()).min(repoll()),
             None => repoll(),
         };
-        // Taken with the state lock held (try only), held while waiting
-        // without it, and while the state lock is taken again: the order
-        // `poller` then `st` (see the field).
+        // Taken with the state lock held, held while waiting without it,
+        // and given back once the state lock is taken again (see
+        // `State::poller`).
         if st.handled != seen {
             return Ok(());
         }
-        let Some(mut gate) = self.poller.try_lock() else {
+        let Some(mut gate) = st.poller.take() else {
             return self.sleep(st, nap, deadline, seen, interruptible);
         };
         // A bounded sleep even without a deadline: a completion wakes it,
@@ -2368,7 +2368,7 @@ impl Shared {
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
         let n = self.take_completions(st, seen);
-        drop(gate);
+        st.poller = Some(gate);
         if n > 0 {
             self.flush_tx(st);
         }
@@ -2707,12 +2707,13 @@ impl Shared {
                 return false;
             }
             let step = (deadline - now).min(Duration::from_millis(2));
-            match self.poller.try_lock() {
-                Some(_gate) => {
+            match st.poller.take() {
+                Some(gate) => {
                     let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
                     for wc in &out[..n] {
                         self.on_wc(st, wc);
                     }
+                    st.poller = Some(gate);
                 }
                 // A completion callback is handling the CQ right now.
                 None => st.unlocked(|| std::thread::sleep(Duration::from_micros(50))),
