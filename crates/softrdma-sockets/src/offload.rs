@@ -1402,7 +1402,30 @@ impl Shared {
 
     /// After a call: arm the CQ if someone (readiness, corked data) needs
     /// events without calling in, and update the readiness descriptor.
+    /// Inlined for its usual case, a blocking call with nothing queued,
+    /// held or served (three calls per message): nothing to do, found
+    /// without a call.
+    #[inline]
     fn after(&self, st: &mut State) {
+        // Everything `after_slow` acts on is false here: no cork, nothing
+        // `wants_events` asks for events for, and nothing `sync_ready`
+        // updates.
+        if !st.cork
+            && st.ready.is_none()
+            && st.wakers[0].is_none()
+            && st.wakers[1].is_none()
+            && st.tx_queue.is_empty()
+            && st.ctrl_pending.is_empty()
+            && st.tx_inflight < self.sq_cap
+            && !st.disconn_wanted
+        {
+            return;
+        }
+        self.after_slow(st);
+    }
+
+    #[inline(never)]
+    fn after_slow(&self, st: &mut State) {
         if st.cork {
             self.cork_ceiling(st);
         }
@@ -1445,12 +1468,18 @@ impl Shared {
         (readable, writable)
     }
 
+    /// Inlined for its usual case: nothing to bring up to date (a
+    /// blocking call), found without a call.
+    #[inline]
     fn sync_ready(&self, st: &mut State) {
-        // Nothing to bring up to date (a blocking call, the usual case):
-        // no look at the state (three calls per message).
-        if st.ready.is_none() && st.wakers.iter().all(Option::is_none) {
+        if st.ready.is_none() && st.wakers[0].is_none() && st.wakers[1].is_none() {
             return;
         }
+        self.sync_ready_slow(st);
+    }
+
+    #[inline(never)]
+    fn sync_ready_slow(&self, st: &mut State) {
         let (readable, writable) = Self::readiness(st);
         if let Some(r) = st.ready.as_mut() {
             r.set(readable, writable);
