@@ -2404,7 +2404,7 @@ impl Shared {
                     seen = n > 0;
                     if gate.slept_in_recv() {
                         st.recv_sleeps += 1;
-                        RECV_SLEEPS.fetch_add(1, Ordering::Relaxed);
+                        count_recv_sleep();
                     }
                     Ok(n)
                 }
@@ -2640,9 +2640,56 @@ fn repoll() -> Duration {
     }
 }
 
-/// Waits of blocked calls that slept in the socket's `recv`; see
-/// [`recv_sleeps`].
-static RECV_SLEEPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Waits of blocked calls that slept in the socket's `recv` (see
+/// [`recv_sleeps`]), counted per thread: each thread adds to its own
+/// counter with a load and a store (a shared counter's locked add was one
+/// locked instruction per message). The counters of the threads that
+/// live, and what the ended ones counted.
+#[derive(Default)]
+struct RecvSleeps {
+    live: Vec<Arc<AtomicU64>>,
+    ended: u64,
+}
+
+fn recv_sleep_counters() -> &'static Mutex<RecvSleeps> {
+    static COUNTERS: OnceLock<Mutex<RecvSleeps>> = OnceLock::new();
+    COUNTERS.get_or_init(Mutex::default)
+}
+
+/// A thread's counter, listed at its first sleep in `recv`; at the
+/// thread's end its count goes to `ended` and it leaves the list (both
+/// under the list's lock, so a sum counts it once).
+struct ThreadRecvSleeps(Arc<AtomicU64>);
+
+impl ThreadRecvSleeps {
+    fn new() -> ThreadRecvSleeps {
+        let c = Arc::new(AtomicU64::new(0));
+        recv_sleep_counters().lock().live.push(Arc::clone(&c));
+        ThreadRecvSleeps(c)
+    }
+}
+
+impl Drop for ThreadRecvSleeps {
+    fn drop(&mut self) {
+        let mut all = recv_sleep_counters().lock();
+        all.ended += self.0.load(Ordering::Relaxed);
+        all.live.retain(|c| !Arc::ptr_eq(c, &self.0));
+    }
+}
+
+thread_local! {
+    static THREAD_RECV_SLEEPS: ThreadRecvSleeps = ThreadRecvSleeps::new();
+}
+
+/// Counts a wait that slept in `recv` (only this thread writes its
+/// counter: a load and a store lose nothing).
+fn count_recv_sleep() {
+    // (A thread whose locals are being torn down counts nothing more.)
+    let _ = THREAD_RECV_SLEEPS.try_with(|c| {
+        let n = c.0.load(Ordering::Relaxed);
+        c.0.store(n.wrapping_add(1), Ordering::Relaxed);
+    });
+}
 
 /// Sleeps that ended by the re-poll timer and found completions; see
 /// [`lost_wakeups`].
@@ -2679,7 +2726,10 @@ pub fn lost_wakeups() -> u64 {
 /// `recv` (one system call per wait, as a blocking TCP read) rather than
 /// in `poll(2)` and read after it; see the crate's README, *Ping-pong*.
 pub fn recv_sleeps() -> u64 {
-    RECV_SLEEPS.load(std::sync::atomic::Ordering::Relaxed)
+    let all = recv_sleep_counters().lock();
+    all.live
+        .iter()
+        .fold(all.ended, |n, c| n.wrapping_add(c.load(Ordering::Relaxed)))
 }
 
 fn slot_base(size: usize, slot: u32) -> usize {
@@ -3090,6 +3140,61 @@ mod drive_tests {
             let client_sleeps = c.sh.lock().recv_sleeps;
             assert!(client_sleeps > 0, "the client never slept in recv");
             assert!(server_sleeps > 0, "the server never slept in recv");
+        });
+    }
+
+    /// The process's count of sleeps in `recv` (counted per thread) holds
+    /// the sleeps of both ends of a ping-pong whose threads have ended,
+    /// and counts each once.
+    #[test]
+    fn recv_sleeps_counts_the_sleeps_of_threads_that_ended() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let before = super::recv_sleeps();
+            let (c, s) = super::tests::pair();
+            c.set_nodelay(true);
+            s.set_nodelay(true);
+            const ROUNDS: usize = 200;
+            let server = std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                for _ in 0..ROUNDS {
+                    read_full(&s, &mut buf);
+                    s.write(&buf, false, None).unwrap();
+                }
+                let n = s.sh.lock().recv_sleeps;
+                (n, s)
+            });
+            let client = std::thread::spawn(move || {
+                let mut back = [0u8; 64];
+                for i in 0..ROUNDS {
+                    let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
+                    c.write(&msg, false, None).unwrap();
+                    read_full(&c, &mut back);
+                    assert_eq!(&back[..], &msg[..], "round {i}");
+                }
+                let n = c.sh.lock().recv_sleeps;
+                (n, c)
+            });
+            let (server_sleeps, s) = server.join().unwrap();
+            let (client_sleeps, c) = client.join().unwrap();
+            assert!(server_sleeps > 0 && client_sleeps > 0, "no sleep in recv");
+            // Other tests of this process may sleep meanwhile: at least
+            // these.
+            let after = super::recv_sleeps();
+            assert!(
+                after - before >= server_sleeps + client_sleeps,
+                "{} counted, the ends slept {server_sleeps} + {client_sleeps}",
+                after - before
+            );
+            let list = super::recv_sleep_counters().lock();
+            assert!(
+                list.ended >= server_sleeps + client_sleeps,
+                "the ended threads' {} sleeps not kept ({} kept)",
+                server_sleeps + client_sleeps,
+                list.ended
+            );
+            drop(list);
+            super::tests::close_pair(c, s);
         });
     }
 
