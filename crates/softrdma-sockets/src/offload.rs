@@ -1492,7 +1492,7 @@ impl Shared {
     }
 
     /// Processes completions; returns whether any was found. Does nothing
-    /// while a blocked call waits in the CQ (see [`Shared::poller`]): that
+    /// while a blocked call waits in the CQ (see [`State::poller`]): that
     /// call handles them.
     fn progress(&self, st: &mut State) -> bool {
         // The gate is free (and stays so: this runs under the state lock
