@@ -443,6 +443,18 @@ struct State {
     cork_held: bool,
     /// Send a corked buffer now (flush requested).
     push: bool,
+    /// The `poller` gate: held by whoever takes completions out of the
+    /// CQ, from the poll until they are handled under this lock (so they
+    /// are handled in order). A blocked call holds it while it waits in
+    /// the CQ ([`CompletionQueue::wait`]), driving the receive path in its
+    /// own thread; the others only try it: if it is taken, its holder
+    /// handles the completions, syncs the readiness descriptor and wakes
+    /// sleepers. It is the wait set (this connection's CQ) its holder
+    /// sleeps in, taken out (`None`: held) and put back under this lock:
+    /// every try is made, and every release, with this lock held, so a
+    /// flag under it serves as a mutex would, without the two locked
+    /// instructions of a mutex's try and release per wait.
+    poller: Option<Box<WaitSet>>,
     waiters: u32,
     /// The call driving the connection (holding `poller`) sleeps in the
     /// QP's socket's `recv` ([`WaitSet::wait_receiving`]): it holds no
@@ -646,15 +658,6 @@ struct Shared {
     /// connection (most connections never have two calls blocked at once:
     /// five system calls per connection saved).
     waker: OnceLock<(UnixDatagram, UnixDatagram)>,
-    /// Held by whoever takes completions out of the CQ, from the poll until
-    /// they are handled under the state lock (so they are handled in
-    /// order). A blocked call holds it while it waits in the CQ
-    /// ([`CompletionQueue::wait`]), driving the receive path in its own
-    /// thread; the others (state lock held) only try it: if it is taken,
-    /// its holder handles the completions, syncs the readiness descriptor
-    /// and wakes sleepers. Lock order: `poller`, then `st`.
-    /// Holds the wait set (this connection's CQ) its holder sleeps in.
-    poller: Mutex<WaitSet>,
     /// A blocked call may sleep in the QP's socket's `recv` (see
     /// [`Shared::wait_inner`]); off for descriptors the application owns
     /// ([`Offload::no_recv_sleep`]).
@@ -930,7 +933,7 @@ impl Offload {
         // We never send more than our own staging buffer holds.
         let peer_rcv = peer_rcv.min(size as u32);
         let session = Session::new(initial as u16, size as u32, peer_bufs, peer_rcv);
-        let mut poller_set = WaitSet::new();
+        let mut poller_set = Box::new(WaitSet::new());
         poller_set.add_cq(&cq);
         conn_opened();
         let sh = Arc::new(Shared {
@@ -969,6 +972,7 @@ impl Offload {
                 corked_at: None,
                 cork_held: false,
                 push: false,
+                poller: Some(poller_set),
                 waiters: 0,
                 recv_sleeping: false,
                 recv_sleeps: 0,
@@ -994,7 +998,6 @@ impl Offload {
             event_pending: AtomicBool::new(false),
             arrivals: AtomicU64::new(0),
             waker: OnceLock::new(),
-            poller: Mutex::new(poller_set),
             recv_sleep: AtomicBool::new(true),
         });
         let _ = slot.set(Arc::downgrade(&sh));
@@ -1399,7 +1402,30 @@ impl Shared {
 
     /// After a call: arm the CQ if someone (readiness, corked data) needs
     /// events without calling in, and update the readiness descriptor.
+    /// Inlined for its usual case, a blocking call with nothing queued,
+    /// held or served (three calls per message): nothing to do, found
+    /// without a call.
+    #[inline]
     fn after(&self, st: &mut State) {
+        // Everything `after_slow` acts on is false here: no cork, nothing
+        // `wants_events` asks for events for, and nothing `sync_ready`
+        // updates.
+        if !st.cork
+            && st.ready.is_none()
+            && st.wakers[0].is_none()
+            && st.wakers[1].is_none()
+            && st.tx_queue.is_empty()
+            && st.ctrl_pending.is_empty()
+            && st.tx_inflight < self.sq_cap
+            && !st.disconn_wanted
+        {
+            return;
+        }
+        self.after_slow(st);
+    }
+
+    #[inline(never)]
+    fn after_slow(&self, st: &mut State) {
         if st.cork {
             self.cork_ceiling(st);
         }
@@ -1442,12 +1468,18 @@ impl Shared {
         (readable, writable)
     }
 
+    /// Inlined for its usual case: nothing to bring up to date (a
+    /// blocking call), found without a call.
+    #[inline]
     fn sync_ready(&self, st: &mut State) {
-        // Nothing to bring up to date (a blocking call, the usual case):
-        // no look at the state (three calls per message).
-        if st.ready.is_none() && st.wakers.iter().all(Option::is_none) {
+        if st.ready.is_none() && st.wakers[0].is_none() && st.wakers[1].is_none() {
             return;
         }
+        self.sync_ready_slow(st);
+    }
+
+    #[inline(never)]
+    fn sync_ready_slow(&self, st: &mut State) {
         let (readable, writable) = Self::readiness(st);
         if let Some(r) = st.ready.as_mut() {
             r.set(readable, writable);
@@ -1460,16 +1492,15 @@ impl Shared {
     }
 
     /// Processes completions; returns whether any was found. Does nothing
-    /// while a blocked call waits in the CQ (see [`Shared::poller`]): that
+    /// while a blocked call waits in the CQ (see [`State::poller`]): that
     /// call handles them.
     fn progress(&self, st: &mut State) -> bool {
-        let _gate = match self.poller.try_lock() {
-            Some(g) => Some(g),
-            // The driving call sleeps in `recv` and holds no completion:
-            // handled here, in order, under the state lock.
-            None if st.recv_sleeping => None,
-            None => return false,
-        };
+        // The gate is free (and stays so: this runs under the state lock
+        // throughout), or the driving call sleeps in `recv` and holds no
+        // completion: handled here, in order, under the state lock.
+        if st.poller.is_none() && !st.recv_sleeping {
+            return false;
+        }
         let mut any = false;
         // In batches, until one comes back short: a CQ found empty runs
         // the receive path (a read of the socket), so polling it once more
@@ -1495,11 +1526,9 @@ impl Shared {
     /// nothing if another thread drives the connection. `seen`: see
     /// [`take_completions`](Self::take_completions).
     fn progress_completions(&self, st: &mut State, seen: bool) {
-        let _gate = match self.poller.try_lock() {
-            Some(g) => Some(g),
-            None if st.recv_sleeping => None,
-            None => return,
-        };
+        if st.poller.is_none() && !st.recv_sleeping {
+            return;
+        }
         if self.take_completions(st, seen) > 0 {
             self.flush_tx(st);
         }
@@ -2135,7 +2164,27 @@ impl Shared {
 
     /// Sends queued buffers as credits allow; corks a small last buffer
     /// while earlier sends are still queued in the engine (unless NODELAY).
+    /// Sends what waits: control messages, queued data, a DisConn wanted,
+    /// a credit update. Inlined for its usual case (nothing queued: two
+    /// or three calls per message), which does what the whole would.
+    #[inline]
     fn flush_tx(&self, st: &mut State) {
+        if st.ctrl_pending.is_empty() && st.tx_queue.is_empty() && !st.disconn_wanted {
+            if st.failed() {
+                return;
+            }
+            st.cork_held = false;
+            st.push = false;
+            if st.sdp.wants_credit_update() && st.tx_inflight < self.sq_cap {
+                self.send_ctrl(st, &Message::Data { payload_len: 0 });
+            }
+            return;
+        }
+        self.flush_tx_slow(st);
+    }
+
+    #[inline(never)]
+    fn flush_tx_slow(&self, st: &mut State) {
         if st.failed() {
             return;
         }
@@ -2326,13 +2375,13 @@ impl Shared {
             Some(d) => d.saturating_duration_since(Instant::now()).min(repoll()),
             None => repoll(),
         };
-        // Taken with the state lock held (try only), held while waiting
-        // without it, and while the state lock is taken again: the order
-        // `poller` then `st` (see the field).
+        // Taken with the state lock held, held while waiting without it,
+        // and given back once the state lock is taken again (see
+        // `State::poller`).
         if st.handled != seen {
             return Ok(());
         }
-        let Some(mut gate) = self.poller.try_lock() else {
+        let Some(mut gate) = st.poller.take() else {
             return self.sleep(st, nap, deadline, seen, interruptible);
         };
         // A bounded sleep even without a deadline: a completion wakes it,
@@ -2355,7 +2404,7 @@ impl Shared {
                     seen = n > 0;
                     if gate.slept_in_recv() {
                         st.recv_sleeps += 1;
-                        RECV_SLEEPS.fetch_add(1, Ordering::Relaxed);
+                        count_recv_sleep();
                     }
                     Ok(n)
                 }
@@ -2368,7 +2417,7 @@ impl Shared {
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
         let n = self.take_completions(st, seen);
-        drop(gate);
+        st.poller = Some(gate);
         if n > 0 {
             self.flush_tx(st);
         }
@@ -2591,9 +2640,56 @@ fn repoll() -> Duration {
     }
 }
 
-/// Waits of blocked calls that slept in the socket's `recv`; see
-/// [`recv_sleeps`].
-static RECV_SLEEPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Waits of blocked calls that slept in the socket's `recv` (see
+/// [`recv_sleeps`]), counted per thread: each thread adds to its own
+/// counter with a load and a store (a shared counter's locked add was one
+/// locked instruction per message). The counters of the threads that
+/// live, and what the ended ones counted.
+#[derive(Default)]
+struct RecvSleeps {
+    live: Vec<Arc<AtomicU64>>,
+    ended: u64,
+}
+
+fn recv_sleep_counters() -> &'static Mutex<RecvSleeps> {
+    static COUNTERS: OnceLock<Mutex<RecvSleeps>> = OnceLock::new();
+    COUNTERS.get_or_init(Mutex::default)
+}
+
+/// A thread's counter, listed at its first sleep in `recv`; at the
+/// thread's end its count goes to `ended` and it leaves the list (both
+/// under the list's lock, so a sum counts it once).
+struct ThreadRecvSleeps(Arc<AtomicU64>);
+
+impl ThreadRecvSleeps {
+    fn new() -> ThreadRecvSleeps {
+        let c = Arc::new(AtomicU64::new(0));
+        recv_sleep_counters().lock().live.push(Arc::clone(&c));
+        ThreadRecvSleeps(c)
+    }
+}
+
+impl Drop for ThreadRecvSleeps {
+    fn drop(&mut self) {
+        let mut all = recv_sleep_counters().lock();
+        all.ended += self.0.load(Ordering::Relaxed);
+        all.live.retain(|c| !Arc::ptr_eq(c, &self.0));
+    }
+}
+
+thread_local! {
+    static THREAD_RECV_SLEEPS: ThreadRecvSleeps = ThreadRecvSleeps::new();
+}
+
+/// Counts a wait that slept in `recv` (only this thread writes its
+/// counter: a load and a store lose nothing).
+fn count_recv_sleep() {
+    // (A thread whose locals are being torn down counts nothing more.)
+    let _ = THREAD_RECV_SLEEPS.try_with(|c| {
+        let n = c.0.load(Ordering::Relaxed);
+        c.0.store(n.wrapping_add(1), Ordering::Relaxed);
+    });
+}
 
 /// Sleeps that ended by the re-poll timer and found completions; see
 /// [`lost_wakeups`].
@@ -2630,7 +2726,10 @@ pub fn lost_wakeups() -> u64 {
 /// `recv` (one system call per wait, as a blocking TCP read) rather than
 /// in `poll(2)` and read after it; see the crate's README, *Ping-pong*.
 pub fn recv_sleeps() -> u64 {
-    RECV_SLEEPS.load(std::sync::atomic::Ordering::Relaxed)
+    let all = recv_sleep_counters().lock();
+    all.live
+        .iter()
+        .fold(all.ended, |n, c| n.wrapping_add(c.load(Ordering::Relaxed)))
 }
 
 fn slot_base(size: usize, slot: u32) -> usize {
@@ -2707,12 +2806,13 @@ impl Shared {
                 return false;
             }
             let step = (deadline - now).min(Duration::from_millis(2));
-            match self.poller.try_lock() {
-                Some(_gate) => {
+            match st.poller.take() {
+                Some(gate) => {
                     let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
                     for wc in &out[..n] {
                         self.on_wc(st, wc);
                     }
+                    st.poller = Some(gate);
                 }
                 // A completion callback is handling the CQ right now.
                 None => st.unlocked(|| std::thread::sleep(Duration::from_micros(50))),
@@ -3040,6 +3140,61 @@ mod drive_tests {
             let client_sleeps = c.sh.lock().recv_sleeps;
             assert!(client_sleeps > 0, "the client never slept in recv");
             assert!(server_sleeps > 0, "the server never slept in recv");
+        });
+    }
+
+    /// The process's count of sleeps in `recv` (counted per thread) holds
+    /// the sleeps of both ends of a ping-pong whose threads have ended,
+    /// and counts each once.
+    #[test]
+    fn recv_sleeps_counts_the_sleeps_of_threads_that_ended() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let before = super::recv_sleeps();
+            let (c, s) = super::tests::pair();
+            c.set_nodelay(true);
+            s.set_nodelay(true);
+            const ROUNDS: usize = 200;
+            let server = std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                for _ in 0..ROUNDS {
+                    read_full(&s, &mut buf);
+                    s.write(&buf, false, None).unwrap();
+                }
+                let n = s.sh.lock().recv_sleeps;
+                (n, s)
+            });
+            let client = std::thread::spawn(move || {
+                let mut back = [0u8; 64];
+                for i in 0..ROUNDS {
+                    let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
+                    c.write(&msg, false, None).unwrap();
+                    read_full(&c, &mut back);
+                    assert_eq!(&back[..], &msg[..], "round {i}");
+                }
+                let n = c.sh.lock().recv_sleeps;
+                (n, c)
+            });
+            let (server_sleeps, s) = server.join().unwrap();
+            let (client_sleeps, c) = client.join().unwrap();
+            assert!(server_sleeps > 0 && client_sleeps > 0, "no sleep in recv");
+            // Other tests of this process may sleep meanwhile: at least
+            // these.
+            let after = super::recv_sleeps();
+            assert!(
+                after - before >= server_sleeps + client_sleeps,
+                "{} counted, the ends slept {server_sleeps} + {client_sleeps}",
+                after - before
+            );
+            let list = super::recv_sleep_counters().lock();
+            assert!(
+                list.ended >= server_sleeps + client_sleeps,
+                "the ended threads' {} sleeps not kept ({} kept)",
+                server_sleeps + client_sleeps,
+                list.ended
+            );
+            drop(list);
+            super::tests::close_pair(c, s);
         });
     }
 
