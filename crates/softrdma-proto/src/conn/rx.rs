@@ -395,8 +395,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         {
             return None;
         }
-        let fpdu = self.rx.deframer.peek_whole(bytes)?;
-        let payload = fpdu.ulpdu().get(HDR_MAX..)?;
+        // The deframer stays borrowed from its checks to the take.
+        let peeked = self.rx.deframer.peek_whole_mut(bytes)?;
+        let payload = peeked.fpdu().ulpdu().get(HDR_MAX..)?;
         let len = payload.len();
         let w = self.rq.front()?;
         if len > w.total {
@@ -416,9 +417,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 placed
             }
         };
-        if !placed || !self.rx.deframer.consume_whole(&fpdu) {
+        if !placed {
             return None;
         }
+        let fpdu = peeked.take();
         let n = fpdu.len();
         self.rx.hdr = *hdr;
         self.rx.hdr_len = HDR_MAX;
