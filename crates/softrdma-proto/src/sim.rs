@@ -707,6 +707,9 @@ pub struct Stats {
     pub injections: u64,
     /// Changes of the largest FPDU payload ([`Action::MaxPayload`]).
     pub max_payload_changes: u64,
+    /// FPDUs received in one pass ([`Connection::one_pass_rx_count`];
+    /// counted in builds with debug assertions only, else 0).
+    pub one_pass_recvs: u64,
 }
 
 impl core::ops::AddAssign for Stats {
@@ -735,6 +738,7 @@ impl core::ops::AddAssign for Stats {
         self.closes += o.closes;
         self.injections += o.injections;
         self.max_payload_changes += o.max_payload_changes;
+        self.one_pass_recvs += o.one_pass_recvs;
     }
 }
 
@@ -758,15 +762,27 @@ pub struct Pair {
 
 impl Pair {
     /// A connected pair. `srq`: side 1 takes its receives from an SRQ.
+    /// `message_info[i]`: side `i` reports what each receive carried
+    /// ([`Config::message_info`], checked against its completions); a
+    /// side without it and without an SRQ receives whole single-FPDU Sends
+    /// in one pass ([`Connection::set_one_pass_rx`]).
     #[must_use]
-    pub fn new(crc: bool, max_payload: usize, ird_ord: u32, srq: bool, faults: Faults) -> Self {
+    pub fn new(
+        crc: bool,
+        max_payload: usize,
+        ird_ord: u32,
+        srq: bool,
+        message_info: [bool; 2],
+        faults: Faults,
+    ) -> Self {
         let mut c = Config::new(crc);
         c.max_payload = max_payload.max(1);
-        c.message_info = true;
         c.ird = ird_ord;
         c.ord = ird_ord;
         c.close_timeout = 1000;
         let mut c1 = c;
+        c.message_info = message_info[0];
+        c1.message_info = message_info[1];
         c1.srq = srq;
         // Fuzzing builds (`--cfg fuzzing`) skip the CRC check in the wire
         // codecs: for the checks, CRC is then off.
@@ -884,6 +900,11 @@ impl Pair {
             }
         }
         self.drain_outputs()?;
+        self.stats.one_pass_recvs = self
+            .nodes
+            .iter()
+            .map(|n| n.conn.one_pass_rx_count().unwrap_or(0))
+            .sum();
         self.check()
     }
 
@@ -1281,11 +1302,13 @@ impl Pair {
 
     fn check_completions(&mut self, side: usize) -> Result<(), String> {
         let data_ok = self.crc || !(self.pipes[0].flipped || self.pipes[1].flipped);
+        let with_info = self.nodes[side].conn.config().message_info;
         while let Some((c, info)) = self.nodes[side].conn.poll_completion_with_info() {
-            // Every successful receive reports what it carried (proxy
-            // offload), nothing else does.
+            // With message info, every successful receive reports what it
+            // carried (proxy offload), nothing else does; without, nothing.
             let info_ok = match (&info, c.cq, c.status, c.opcode) {
-                (None, CqKind::Recv, WcStatus::Success, _) => false,
+                (Some(_), _, _, _) if !with_info => false,
+                (None, CqKind::Recv, WcStatus::Success, _) => !with_info,
                 (Some(_), CqKind::Send, _, _) => false,
                 (Some(_), CqKind::Recv, s, _) if s != WcStatus::Success => false,
                 (Some(crate::conn::MsgInfo::Send { segs, inv, .. }), _, _, op) => {
@@ -1719,20 +1742,39 @@ fn rx_victim(crc: bool, one_pass: bool, chunks: &[&[u8]]) -> Result<RxOutcome, S
 ///
 /// The invariant broken, with the log.
 pub fn fuzz_pair(data: &[u8]) -> Result<(), String> {
+    fuzz_pair_stats(data).map(|_| ())
+}
+
+/// [`fuzz_pair`], returning what the run did.
+///
+/// # Errors
+///
+/// The invariant broken, with the log.
+pub fn fuzz_pair_stats(data: &[u8]) -> Result<Stats, String> {
     let (flags, rest) = data.split_first().unwrap_or((&0, &[]));
     let max_payload = [16, 128, 1024, 4096][usize::from(flags >> 2 & 3)];
     let faults = Faults {
         flips: flags & 16 != 0,
         breaks: flags & 32 != 0,
     };
-    let mut p = Pair::new(flags & 1 != 0, max_payload, 2, flags & 2 != 0, faults);
+    let message_info =
+        [[false, true], [true, true], [false, false], [true, false]][usize::from(flags >> 6)];
+    let mut p = Pair::new(
+        flags & 1 != 0,
+        max_payload,
+        2,
+        flags & 2 != 0,
+        message_info,
+        faults,
+    );
     for ch in rest.chunks_exact(5).take(2000) {
         let mut b = [0u8; 5];
         b.copy_from_slice(ch);
         p.step(Action::decode(b))
             .map_err(|e| format!("{}\n{e}", p.log))?;
     }
-    p.finish().map_err(|e| format!("{}\n{e}", p.log))
+    p.finish().map_err(|e| format!("{}\n{e}", p.log))?;
+    Ok(p.stats)
 }
 
 /// A Terminate FPDU on the wire carries the code its sender reported, and
