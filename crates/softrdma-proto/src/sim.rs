@@ -1610,7 +1610,10 @@ fn node_region(n: &Node, r: usize) -> &[u8] {
 /// stream, fed once whole and once byte by byte, and once whole with the
 /// one-pass receive of single-FPDU Sends off
 /// ([`Connection::set_one_pass_rx`]): all three runs must give the same
-/// completions, outputs and memory. Then every posted request must
+/// completions, outputs, FPDUs sent (a Terminate) and memory, and the
+/// runs with and without the one pass the same connection state (its
+/// `Debug` form once the stream is fed; a split stream may leave the
+/// deframer elsewhere after an error). Then every posted request must
 /// complete exactly once and nothing may be written outside a granted
 /// range.
 ///
@@ -1622,7 +1625,17 @@ pub fn fuzz_rx(data: &[u8]) -> Result<(), String> {
     let whole = rx_victim(flags & 1 != 0, true, &[stream])?;
     let bytes: Vec<&[u8]> = stream.chunks(1).collect();
     let split = rx_victim(flags & 1 != 0, true, &bytes)?;
-    if whole != split {
+    if (
+        &whole.completions,
+        &whole.outputs,
+        &whole.sent,
+        &whole.memory,
+    ) != (
+        &split.completions,
+        &split.outputs,
+        &split.sent,
+        &split.memory,
+    ) {
         return Err(format!(
             "segmentation changed the outcome:\n whole: {whole:?}\n split: {split:?}"
         ));
@@ -1636,8 +1649,31 @@ pub fn fuzz_rx(data: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
-/// What the receive victim did: completions, outputs, memory.
-type RxOutcome = (Vec<Completion>, Vec<Output>, String);
+/// What the receive victim did.
+#[derive(Debug, PartialEq)]
+struct RxOutcome {
+    /// Its connection once the stream was fed (`Debug` form, without the
+    /// one-pass switch and count).
+    state: String,
+    completions: Vec<Completion>,
+    outputs: Vec<Output>,
+    /// The FPDUs it sent once the stream was fed (a Terminate).
+    sent: Vec<Vec<u8>>,
+    memory: String,
+}
+
+/// The `Debug` form of `c` without its one-pass switch and count
+/// ([`Connection::set_one_pass_rx`]), which are not part of what the
+/// connection did.
+pub(crate) fn state_without_one_pass<R: core::fmt::Debug>(c: &Connection<R>) -> String {
+    let mut state = format!("{c:?}");
+    if let Some(at) = state.find(", one_pass: ")
+        && let Some(end) = state[at..].find(" }")
+    {
+        state.replace_range(at..at + end, "");
+    }
+    state
+}
 
 /// Runs the receive victim over `chunks`; returns its completions,
 /// outputs and memory.
@@ -1709,14 +1745,17 @@ fn rx_victim(crc: bool, one_pass: bool, chunks: &[&[u8]]) -> Result<RxOutcome, S
     for ch in chunks {
         c.handle_rx_stream(ch, &mut m);
     }
+    let state = state_without_one_pass(&c);
     c.handle_fin(0);
-    let mut sent = 0;
+    let mut sent = Vec::new();
     while c.poll_transmit(&mut m, &mut tx) {
-        sent += 1;
         let mut v = Vec::new();
-        tx.write_to(&mut m, &mut v);
+        if !tx.write_to(&mut m, &mut v) {
+            return Err(format!("an FPDU sent is unreadable: {:?}", tx.head()));
+        }
+        sent.push(v);
     }
-    c.handle_sent(sent);
+    c.handle_sent(sent.len());
     c.abort();
     let comps: Vec<Completion> = std::iter::from_fn(|| c.poll_completion()).collect();
     let outs: Vec<Output> = std::iter::from_fn(|| c.poll_output()).collect();
@@ -1731,12 +1770,21 @@ fn rx_victim(crc: bool, one_pass: bool, chunks: &[&[u8]]) -> Result<RxOutcome, S
     }
     m.check_canaries()?;
     let _ = write;
-    Ok((comps, outs, format!("{:?}", m.bufs)))
+    Ok(RxOutcome {
+        state,
+        completions: comps,
+        outputs: outs,
+        sent,
+        memory: format!("{:?}", m.bufs),
+    })
 }
 
 /// Fuzzing entry: a [`Pair`] driven by fuzzer-chosen actions. Byte 0: bit
-/// 0 CRC, bit 1 SRQ, bits 2-3 FPDU size, bit 4 flips, bit 5 breaks; then
-/// 5 bytes an [`Action`] ([`Action::decode`]).
+/// 0 CRC, bit 1 SRQ, bits 2-3 FPDU size, bit 4 flips, bit 5 breaks, bits
+/// 6-7 which sides report message info (0: side 1 only, 1: both, 2:
+/// neither, 3: side 0 only; a side without it nor an SRQ receives whole
+/// single-FPDU Sends in one pass); then 5 bytes an [`Action`]
+/// ([`Action::decode`]).
 ///
 /// # Errors
 ///
