@@ -707,6 +707,9 @@ pub struct Stats {
     pub injections: u64,
     /// Changes of the largest FPDU payload ([`Action::MaxPayload`]).
     pub max_payload_changes: u64,
+    /// FPDUs received in one pass ([`Connection::one_pass_rx_count`];
+    /// counted in builds with debug assertions only, else 0).
+    pub one_pass_recvs: u64,
 }
 
 impl core::ops::AddAssign for Stats {
@@ -735,6 +738,7 @@ impl core::ops::AddAssign for Stats {
         self.closes += o.closes;
         self.injections += o.injections;
         self.max_payload_changes += o.max_payload_changes;
+        self.one_pass_recvs += o.one_pass_recvs;
     }
 }
 
@@ -758,15 +762,27 @@ pub struct Pair {
 
 impl Pair {
     /// A connected pair. `srq`: side 1 takes its receives from an SRQ.
+    /// `message_info[i]`: side `i` reports what each receive carried
+    /// ([`Config::message_info`], checked against its completions); a
+    /// side without it and without an SRQ receives whole single-FPDU Sends
+    /// in one pass ([`Connection::set_one_pass_rx`]).
     #[must_use]
-    pub fn new(crc: bool, max_payload: usize, ird_ord: u32, srq: bool, faults: Faults) -> Self {
+    pub fn new(
+        crc: bool,
+        max_payload: usize,
+        ird_ord: u32,
+        srq: bool,
+        message_info: [bool; 2],
+        faults: Faults,
+    ) -> Self {
         let mut c = Config::new(crc);
         c.max_payload = max_payload.max(1);
-        c.message_info = true;
         c.ird = ird_ord;
         c.ord = ird_ord;
         c.close_timeout = 1000;
         let mut c1 = c;
+        c.message_info = message_info[0];
+        c1.message_info = message_info[1];
         c1.srq = srq;
         // Fuzzing builds (`--cfg fuzzing`) skip the CRC check in the wire
         // codecs: for the checks, CRC is then off.
@@ -884,6 +900,11 @@ impl Pair {
             }
         }
         self.drain_outputs()?;
+        self.stats.one_pass_recvs = self
+            .nodes
+            .iter()
+            .map(|n| n.conn.one_pass_rx_count().unwrap_or(0))
+            .sum();
         self.check()
     }
 
@@ -1281,11 +1302,13 @@ impl Pair {
 
     fn check_completions(&mut self, side: usize) -> Result<(), String> {
         let data_ok = self.crc || !(self.pipes[0].flipped || self.pipes[1].flipped);
+        let with_info = self.nodes[side].conn.config().message_info;
         while let Some((c, info)) = self.nodes[side].conn.poll_completion_with_info() {
-            // Every successful receive reports what it carried (proxy
-            // offload), nothing else does.
+            // With message info, every successful receive reports what it
+            // carried (proxy offload), nothing else does; without, nothing.
             let info_ok = match (&info, c.cq, c.status, c.opcode) {
-                (None, CqKind::Recv, WcStatus::Success, _) => false,
+                (Some(_), _, _, _) if !with_info => false,
+                (None, CqKind::Recv, WcStatus::Success, _) => !with_info,
                 (Some(_), CqKind::Send, _, _) => false,
                 (Some(_), CqKind::Recv, s, _) if s != WcStatus::Success => false,
                 (Some(crate::conn::MsgInfo::Send { segs, inv, .. }), _, _, op) => {
@@ -1587,7 +1610,10 @@ fn node_region(n: &Node, r: usize) -> &[u8] {
 /// stream, fed once whole and once byte by byte, and once whole with the
 /// one-pass receive of single-FPDU Sends off
 /// ([`Connection::set_one_pass_rx`]): all three runs must give the same
-/// completions, outputs and memory. Then every posted request must
+/// completions, outputs, FPDUs sent (a Terminate) and memory, and the
+/// runs with and without the one pass the same connection state (its
+/// `Debug` form once the stream is fed; a split stream may leave the
+/// deframer elsewhere after an error). Then every posted request must
 /// complete exactly once and nothing may be written outside a granted
 /// range.
 ///
@@ -1599,7 +1625,17 @@ pub fn fuzz_rx(data: &[u8]) -> Result<(), String> {
     let whole = rx_victim(flags & 1 != 0, true, &[stream])?;
     let bytes: Vec<&[u8]> = stream.chunks(1).collect();
     let split = rx_victim(flags & 1 != 0, true, &bytes)?;
-    if whole != split {
+    if (
+        &whole.completions,
+        &whole.outputs,
+        &whole.sent,
+        &whole.memory,
+    ) != (
+        &split.completions,
+        &split.outputs,
+        &split.sent,
+        &split.memory,
+    ) {
         return Err(format!(
             "segmentation changed the outcome:\n whole: {whole:?}\n split: {split:?}"
         ));
@@ -1613,8 +1649,31 @@ pub fn fuzz_rx(data: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
-/// What the receive victim did: completions, outputs, memory.
-type RxOutcome = (Vec<Completion>, Vec<Output>, String);
+/// What the receive victim did.
+#[derive(Debug, PartialEq)]
+struct RxOutcome {
+    /// Its connection once the stream was fed (`Debug` form, without the
+    /// one-pass switch and count).
+    state: String,
+    completions: Vec<Completion>,
+    outputs: Vec<Output>,
+    /// The FPDUs it sent once the stream was fed (a Terminate).
+    sent: Vec<Vec<u8>>,
+    memory: String,
+}
+
+/// The `Debug` form of `c` without its one-pass switch and count
+/// ([`Connection::set_one_pass_rx`]), which are not part of what the
+/// connection did.
+pub(crate) fn state_without_one_pass<R: core::fmt::Debug>(c: &Connection<R>) -> String {
+    let mut state = format!("{c:?}");
+    if let Some(at) = state.find(", one_pass: ")
+        && let Some(end) = state[at..].find(" }")
+    {
+        state.replace_range(at..at + end, "");
+    }
+    state
+}
 
 /// Runs the receive victim over `chunks`; returns its completions,
 /// outputs and memory.
@@ -1686,14 +1745,17 @@ fn rx_victim(crc: bool, one_pass: bool, chunks: &[&[u8]]) -> Result<RxOutcome, S
     for ch in chunks {
         c.handle_rx_stream(ch, &mut m);
     }
+    let state = state_without_one_pass(&c);
     c.handle_fin(0);
-    let mut sent = 0;
+    let mut sent = Vec::new();
     while c.poll_transmit(&mut m, &mut tx) {
-        sent += 1;
         let mut v = Vec::new();
-        tx.write_to(&mut m, &mut v);
+        if !tx.write_to(&mut m, &mut v) {
+            return Err(format!("an FPDU sent is unreadable: {:?}", tx.head()));
+        }
+        sent.push(v);
     }
-    c.handle_sent(sent);
+    c.handle_sent(sent.len());
     c.abort();
     let comps: Vec<Completion> = std::iter::from_fn(|| c.poll_completion()).collect();
     let outs: Vec<Output> = std::iter::from_fn(|| c.poll_output()).collect();
@@ -1708,31 +1770,59 @@ fn rx_victim(crc: bool, one_pass: bool, chunks: &[&[u8]]) -> Result<RxOutcome, S
     }
     m.check_canaries()?;
     let _ = write;
-    Ok((comps, outs, format!("{:?}", m.bufs)))
+    Ok(RxOutcome {
+        state,
+        completions: comps,
+        outputs: outs,
+        sent,
+        memory: format!("{:?}", m.bufs),
+    })
 }
 
 /// Fuzzing entry: a [`Pair`] driven by fuzzer-chosen actions. Byte 0: bit
-/// 0 CRC, bit 1 SRQ, bits 2-3 FPDU size, bit 4 flips, bit 5 breaks; then
-/// 5 bytes an [`Action`] ([`Action::decode`]).
+/// 0 CRC, bit 1 SRQ, bits 2-3 FPDU size, bit 4 flips, bit 5 breaks, bits
+/// 6-7 which sides report message info (0: side 1 only, 1: both, 2:
+/// neither, 3: side 0 only; a side without it nor an SRQ receives whole
+/// single-FPDU Sends in one pass); then 5 bytes an [`Action`]
+/// ([`Action::decode`]).
 ///
 /// # Errors
 ///
 /// The invariant broken, with the log.
 pub fn fuzz_pair(data: &[u8]) -> Result<(), String> {
+    fuzz_pair_stats(data).map(|_| ())
+}
+
+/// [`fuzz_pair`], returning what the run did.
+///
+/// # Errors
+///
+/// The invariant broken, with the log.
+pub fn fuzz_pair_stats(data: &[u8]) -> Result<Stats, String> {
     let (flags, rest) = data.split_first().unwrap_or((&0, &[]));
     let max_payload = [16, 128, 1024, 4096][usize::from(flags >> 2 & 3)];
     let faults = Faults {
         flips: flags & 16 != 0,
         breaks: flags & 32 != 0,
     };
-    let mut p = Pair::new(flags & 1 != 0, max_payload, 2, flags & 2 != 0, faults);
+    let message_info =
+        [[false, true], [true, true], [false, false], [true, false]][usize::from(flags >> 6)];
+    let mut p = Pair::new(
+        flags & 1 != 0,
+        max_payload,
+        2,
+        flags & 2 != 0,
+        message_info,
+        faults,
+    );
     for ch in rest.chunks_exact(5).take(2000) {
         let mut b = [0u8; 5];
         b.copy_from_slice(ch);
         p.step(Action::decode(b))
             .map_err(|e| format!("{}\n{e}", p.log))?;
     }
-    p.finish().map_err(|e| format!("{}\n{e}", p.log))
+    p.finish().map_err(|e| format!("{}\n{e}", p.log))?;
+    Ok(p.stats)
 }
 
 /// A Terminate FPDU on the wire carries the code its sender reported, and

@@ -35,3 +35,24 @@ fn core_rx_seeds() {
 fn core_pair_seeds() {
     replay("core_pair", softrdma_proto::sim::fuzz_pair);
 }
+
+/// The pair seeds reach the one-pass receive (counted in builds with
+/// debug assertions).
+#[test]
+fn core_pair_seeds_reach_the_one_pass() {
+    if !cfg!(debug_assertions) {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/core_pair");
+    let mut taken = 0;
+    for e in std::fs::read_dir(&dir).expect("seed directory") {
+        let path = e.expect("directory entry").path();
+        let data = std::fs::read(&path).expect("seed file");
+        let n = softrdma_proto::sim::fuzz_pair_stats(&data)
+            .expect("a seed passes")
+            .one_pass_recvs;
+        eprintln!("{}: {n} in one pass", path.display());
+        taken += n;
+    }
+    assert!(taken > 0, "no seed receives in one pass");
+}

@@ -1,8 +1,11 @@
 //! Deterministic simulation of two protocol cores joined by a simulated
 //! stream (see `softrdma_proto::sim`). Each seed picks a configuration
-//! (CRC, FPDU size, ORD/IRD, SRQ, which faults) and a random workload from
-//! both sides, interleaved with re-segmented deliveries, stalls, lagging
-//! write acknowledgements, bit flips, truncation, resets and closes.
+//! (CRC, FPDU size, ORD/IRD, SRQ, which sides report message info, which
+//! faults) and a random workload from both sides, interleaved with
+//! re-segmented deliveries, stalls, lagging write acknowledgements, bit
+//! flips, truncation, resets and closes. A side without message info nor
+//! an SRQ receives whole single-FPDU Sends in one pass; the run counts
+//! them (`Stats::one_pass_recvs`).
 //!
 //! * `cargo test -p softrdma-proto --test sim`: 2000 seeds;
 //! * `SOFTRDMA_SIM_SEEDS=N`: N seeds;
@@ -109,7 +112,10 @@ fn run(seed: u64) -> Result<Stats, String> {
             breaks: true,
         },
     };
-    let mut pair = Pair::new(crc, max_payload, ird_ord, srq, faults);
+    // From the seed, not the PRNG (the rest of the run stays as it was):
+    // message info on side 0, side 1, both or neither.
+    let message_info = [seed & 1 != 0, seed & 2 != 0];
+    let mut pair = Pair::new(crc, max_payload, ird_ord, srq, message_info, faults);
     // Stock both receive queues first, most of the time.
     for side in 0..2 {
         for _ in 0..rng.usize(0..6) {
@@ -187,6 +193,15 @@ fn simulated_pairs_keep_every_invariant() {
             ("closes", total.closes),
             ("hostile FPDU injections", total.injections),
             ("FPDU size changes", total.max_payload_changes),
+            // Counted in builds with debug assertions only.
+            (
+                "one-pass receives",
+                if cfg!(debug_assertions) {
+                    total.one_pass_recvs
+                } else {
+                    1
+                },
+            ),
         ] {
             assert!(n > 0, "no {what} in {seeds} seeds");
         }
@@ -198,8 +213,15 @@ mod scenarios {
     use softrdma_proto::qp_state::QpState;
     use softrdma_proto::sim::{Action, Faults, Pair};
 
+    /// Side 0 receives whole Sends in one pass, side 1 reports message
+    /// info (and takes the general path).
     fn pair() -> Pair {
-        Pair::new(true, 512, 2, false, Faults::default())
+        Pair::new(true, 512, 2, false, [false, true], Faults::default())
+    }
+
+    /// FPDUs side `side` received in one pass (0 without debug assertions).
+    fn one_pass(p: &Pair, side: usize) -> u64 {
+        p.nodes[side].conn.one_pass_rx_count().unwrap_or(0)
     }
 
     fn run(p: &mut Pair, actions: &[Action]) {
@@ -252,6 +274,11 @@ mod scenarios {
         assert_eq!(p.stats.sends, 2);
         assert_eq!(p.stats.recvs, 2);
         assert_eq!(p.stats.graceful_closes, 2);
+        if cfg!(debug_assertions) {
+            // The answer, a whole Send, in one pass; side 1's Send the
+            // general way.
+            assert_eq!((one_pass(&p, 0), one_pass(&p, 1)), (1, 0));
+        }
         p.finish().unwrap_or_else(|e| panic!("{}\n{e}", p.log));
     }
 

@@ -269,8 +269,8 @@ pub struct Deframed<'a> {
 }
 
 /// A whole FPDU at the front of the bytes given to
-/// [`Deframer::peek_whole`], its lengths and CRC checked and nothing
-/// consumed yet: [`Deframer::consume_whole`] takes it.
+/// [`Deframer::peek_whole`] or [`Deframer::peek_whole_mut`], its lengths
+/// and CRC checked by that deframer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WholeFpdu<'a> {
     /// The FPDU, ULPDU Length field to CRC field.
@@ -308,6 +308,33 @@ impl<'a> WholeFpdu<'a> {
     #[must_use]
     pub const fn position(&self) -> u64 {
         self.position
+    }
+}
+
+/// A whole FPDU [`Deframer::peek_whole_mut`] checked, not taken yet: the
+/// deframer stays borrowed until [`PeekedWhole::take`] takes the FPDU or
+/// this is dropped (and nothing changes).
+#[derive(Debug)]
+pub struct PeekedWhole<'d, 'a> {
+    deframer: &'d mut Deframer,
+    fpdu: WholeFpdu<'a>,
+}
+
+impl<'a> PeekedWhole<'_, 'a> {
+    /// The FPDU.
+    #[must_use]
+    #[inline(always)]
+    pub const fn fpdu(&self) -> &WholeFpdu<'a> {
+        &self.fpdu
+    }
+
+    /// Takes the FPDU: the deframer is left as the byte-wise calls would
+    /// have left it (at the next FPDU boundary, [`Deframer::header`]
+    /// `None`).
+    #[inline(always)]
+    pub fn take(self) -> WholeFpdu<'a> {
+        self.deframer.consume_peeked(&self.fpdu);
+        self.fpdu
     }
 }
 
@@ -680,8 +707,8 @@ impl Deframer {
     /// lengths pass the checks of [`Deframer::handle_bytes`] and whose CRC
     /// (when negotiated) is good, returns it; changes nothing. `None` in
     /// every other case, an invalid FPDU included: the byte-wise calls
-    /// then report its error, in their order. Take the FPDU with
-    /// [`Deframer::consume_whole`].
+    /// then report its error, in their order. [`Deframer::peek_whole_mut`]
+    /// checks it so that it can be taken.
     #[must_use]
     #[inline(always)]
     pub fn peek_whole<'a>(&self, input: &'a [u8]) -> Option<WholeFpdu<'a>> {
@@ -716,20 +743,31 @@ impl Deframer {
         })
     }
 
-    /// Consumes the FPDU [`Deframer::peek_whole`] returned, leaving the
-    /// deframer as the byte-wise calls would have (at the next FPDU
-    /// boundary, [`Deframer::header`] `None`). `false`, and nothing
-    /// changed, if the deframer moved since the peek.
+    /// Direct-placement mode, one pass: the FPDU [`Deframer::peek_whole`]
+    /// finds at the front of `input`, held with the deframer borrowed
+    /// until [`PeekedWhole::take`] takes it (leaving the deframer as the
+    /// byte-wise calls would have: at the next FPDU boundary,
+    /// [`Deframer::header`] `None`); dropped untaken, nothing changes.
+    /// `None` when there is no whole valid FPDU there. The checks and the
+    /// take are made by the same deframer with nothing in between: an FPDU
+    /// checked under another configuration or elsewhere in the stream
+    /// cannot be taken.
+    #[must_use]
     #[inline(always)]
-    pub fn consume_whole(&mut self, f: &WholeFpdu<'_>) -> bool {
-        if f.position != self.pos
-            || self.error.is_some()
-            || self.config.markers
-            || !matches!(self.phase, Phase::Header)
-            || self.hdr_have != 0
-        {
-            return false;
-        }
+    pub fn peek_whole_mut<'d, 'a>(&'d mut self, input: &'a [u8]) -> Option<PeekedWhole<'d, 'a>> {
+        let fpdu = self.peek_whole(input)?;
+        Some(PeekedWhole {
+            deframer: self,
+            fpdu,
+        })
+    }
+
+    /// Takes `f`, which [`Deframer::peek_whole`] just returned for this
+    /// deframer unchanged since (so at its position, at an FPDU boundary,
+    /// without markers or an error).
+    #[inline(always)]
+    fn consume_peeked(&mut self, f: &WholeFpdu<'_>) {
+        debug_assert_eq!(f.position, self.pos);
         let hdr_len = f
             .fpdu
             .get(ULPDU_LENGTH_LEN)
@@ -753,7 +791,6 @@ impl Deframer {
         self.ulpdu_len = f.ulpdu_len;
         self.payload_left = 0;
         self.pad_left = 0;
-        true
     }
 
     /// Slice mode: deframes the next FPDU from `input`, the next bytes of the
@@ -1251,9 +1288,12 @@ mod tests {
                 let f = whole.peek_whole(rest).expect("a whole, valid FPDU");
                 assert_eq!(f.ulpdu(), &u[..]);
                 assert_eq!(f.position(), at as u64);
-                assert!(whole.consume_whole(&f));
-                // A second take of the same FPDU is refused: the deframer moved.
-                assert!(!whole.consume_whole(&f));
+                // Dropped untaken: nothing changes.
+                let before = format!("{whole:?}");
+                let peeked = whole.peek_whole_mut(rest).map(|p| *p.fpdu());
+                assert_eq!(peeked, Some(f));
+                assert_eq!(format!("{whole:?}"), before);
+                assert_eq!(whole.peek_whole_mut(rest).map(PeekedWhole::take), Some(f));
                 let (n, e) = bytewise_one(&mut bytewise, rest);
                 assert_eq!(e, None);
                 assert_eq!(n, f.len());
@@ -1305,14 +1345,31 @@ mod tests {
         let mut d = Deframer::new(cfg.with_max_ulpdu_len(100));
         assert!(d.handle_bytes(&bad).is_err());
         assert_eq!(d.peek_whole(&good), None);
-        // A peeked FPDU is taken only where it was peeked.
-        let two = stream(&[untagged(5, 9), untagged(5, 9)], true, false, 0);
+        // What `peek_whole` refuses, `peek_whole_mut` refuses.
         let mut d = Deframer::new(cfg);
-        let f = d.peek_whole(&two).unwrap();
-        let mut moved = Deframer::new(cfg);
-        assert!(moved.consume_whole(&moved.clone().peek_whole(&two).unwrap()));
-        assert!(!moved.consume_whole(&f));
-        assert!(d.consume_whole(&f));
+        d.handle_bytes(&good[..3]).unwrap();
+        let before = format!("{d:?}");
+        assert!(d.peek_whole_mut(&good[3..]).is_none());
+        assert_eq!(format!("{d:?}"), before);
+    }
+
+    /// The checks are those of the deframer that takes the FPDU: an FPDU
+    /// good for a deframer without CRC, or with a larger ULPDU limit, is
+    /// not taken by one with CRC or a smaller limit (each call of
+    /// `peek_whole_mut` checks, in its own configuration).
+    #[test]
+    fn a_whole_fpdu_is_checked_by_the_deframer_that_takes_it() {
+        let plain = stream(&[untagged(5, 9)], false, false, 0);
+        let mut no_crc = Deframer::new(DeframerConfig::new(false, false));
+        assert!(no_crc.peek_whole(&plain).is_some());
+        let mut crc = Deframer::new(DeframerConfig::new(true, false));
+        assert!(crc.peek_whole_mut(&plain).is_none());
+        let (_, e) = bytewise_one(&mut crc, &plain);
+        assert!(matches!(e, Some(DeframeError::CrcMismatch { .. })), "{e:?}");
+        let mut small = Deframer::new(DeframerConfig::new(false, false).with_max_ulpdu_len(20));
+        assert!(small.peek_whole_mut(&plain).is_none());
+        let taken = no_crc.peek_whole_mut(&plain).map(PeekedWhole::take);
+        assert_eq!(taken.map(|f| f.len()), Some(plain.len()));
     }
 
     fn sample_ulpdus() -> Vec<Vec<u8>> {

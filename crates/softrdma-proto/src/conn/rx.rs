@@ -115,8 +115,8 @@ pub(super) struct RxState<R> {
     /// Whole single-FPDU Sends are received in one pass
     /// ([`Connection::set_one_pass_rx`]).
     one_pass: bool,
-    /// FPDUs received in one pass.
-    #[cfg(test)]
+    /// FPDUs received in one pass (counted with debug assertions only).
+    #[cfg(any(test, debug_assertions))]
     pub(super) one_pass_taken: u64,
 }
 
@@ -143,7 +143,7 @@ impl<R> RxState<R> {
             write_open: None,
             last_write: None,
             one_pass: true,
-            #[cfg(test)]
+            #[cfg(any(test, debug_assertions))]
             one_pass_taken: 0,
         }
     }
@@ -348,6 +348,22 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         self.rx.one_pass = on;
     }
 
+    /// How many FPDUs [`Connection::handle_rx_stream`] received in one
+    /// pass so far: `Some` in builds with debug assertions (tests, the
+    /// simulation, fuzzing), `None` in others, which do not count (the
+    /// count would cost the one pass an instruction).
+    #[must_use]
+    pub fn one_pass_rx_count(&self) -> Option<u64> {
+        #[cfg(any(test, debug_assertions))]
+        {
+            Some(self.rx.one_pass_taken)
+        }
+        #[cfg(not(any(test, debug_assertions)))]
+        {
+            None
+        }
+    }
+
     /// One pass for the FPDU a ping-pong is made of: an untagged Send (or
     /// Send with Solicited Event) that is a whole DDP message in one FPDU,
     /// all of it at the front of `bytes`, at an FPDU boundary: its header
@@ -395,8 +411,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         {
             return None;
         }
-        let fpdu = self.rx.deframer.peek_whole(bytes)?;
-        let payload = fpdu.ulpdu().get(HDR_MAX..)?;
+        // The deframer stays borrowed from its checks to the take.
+        let peeked = self.rx.deframer.peek_whole_mut(bytes)?;
+        let payload = peeked.fpdu().ulpdu().get(HDR_MAX..)?;
         let len = payload.len();
         let w = self.rq.front()?;
         if len > w.total {
@@ -416,9 +433,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 placed
             }
         };
-        if !placed || !self.rx.deframer.consume_whole(&fpdu) {
+        if !placed {
             return None;
         }
+        let fpdu = peeked.take();
         let n = fpdu.len();
         self.rx.hdr = *hdr;
         self.rx.hdr_len = HDR_MAX;
@@ -430,7 +448,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         self.completions
             .push_back(recv_success(w.wr_id, WcOpcode::Recv, len, solicited));
         self.recycle_segs(w.segs);
-        #[cfg(test)]
+        #[cfg(any(test, debug_assertions))]
         {
             self.rx.one_pass_taken += 1;
         }
