@@ -435,6 +435,9 @@ fn declines_and_changes_nothing(
     (r, bytes, done, outputs)
 }
 
+/// A way to bring a connection into the state under test.
+type Setup = dyn Fn(&mut Connection<usize>, &mut SimMemory);
+
 /// Feeds `u` to `c` as one FPDU; all of it must be taken.
 fn feed(c: &mut Connection<usize>, m: &mut SimMemory, crc: bool, u: &UlpduRepr<'_>) {
     let mut b = vec![0u8; u.buffer_len()];
@@ -568,8 +571,7 @@ fn a_framed_send_declines_with_a_terminate_pending() {
         let n = softrdma_wire::fpdu::emit(&b, true, &mut fpdu).unwrap();
         c.handle_rx_stream(&fpdu[..n], m);
     };
-    let cases: [(&str, &dyn Fn(&mut Connection<usize>, &mut SimMemory)); 2] =
-        [("local", &local), ("peer", &peer)];
+    let cases: [(&str, &Setup); 2] = [("local", &local), ("peer", &peer)];
     for (what, setup) in cases {
         let (r, bytes, done, outputs) = declines_and_changes_nothing(
             what,
