@@ -1830,4 +1830,245 @@ mod tests {
         b.qp().device.threads().unregister(&**b.qp());
         (a, b, cqa, cqb, pda, pdb)
     }
+
+    /// A pair on one device whose CQs are exclusive (for
+    /// `post_send_now`), with room for 256-byte inline Sends and
+    /// `recv_wr` receives; no engine thread watches `b` and no CQ poll
+    /// receives for it: only what the test calls receives.
+    fn quiet_exclusive_pair(
+        recv_wr: u32,
+    ) -> (
+        QueuePair,
+        QueuePair,
+        CompletionQueue,
+        CompletionQueue,
+        ProtectionDomain,
+    ) {
+        let dev = test_device(false);
+        let pd = ProtectionDomain::new(&dev);
+        let cq = |n: u32| {
+            CompletionQueue::builder(&dev, n as usize)
+                .exclusive()
+                .build()
+                .unwrap()
+        };
+        let (cqa, cqb) = (cq(64), cq(recv_wr));
+        let mut attr = QpInitAttr::new(&cqa, &cqa);
+        attr.cap.max_inline_data = 256;
+        let mut attr_b = QpInitAttr::new(&cqb, &cqb);
+        attr_b.cap.max_inline_data = 256;
+        attr_b.cap.max_recv_wr = recv_wr;
+        let a = QueuePair::new(&pd, &attr).unwrap();
+        let b = QueuePair::new(&pd, &attr_b).unwrap();
+        crate::loopback::connect_pair(&a, &b, &MpaConfig::default()).unwrap();
+        b.qp().device.threads().unregister(&**b.qp());
+        for q in [&a, &b] {
+            // The one pass is never declined for a look at the MSS.
+            let mut g = q.qp().lock_core();
+            let cc = g.as_mut().expect("connected");
+            let tx = std::mem::replace(&mut cc.tx, super::TxIo::new());
+            cc.tx = tx.following_mss(false);
+        }
+        (a, b, cqa, cqb, pd)
+    }
+
+    /// Whether `q`'s connection is idle as the one-pass send needs it:
+    /// nothing queued, framed or unwritten, RTS, not on the datamover.
+    fn idle_for_one_pass(q: &QueuePair) -> bool {
+        let g = q.qp().lock_core();
+        let cc = g.as_ref().expect("connected");
+        cc.tx.pending() == 0
+            && cc.conn.send_queue_len() == 0
+            && cc.conn.fpdus_in_flight() == 0
+            && cc.conn.state() == crate::QpState::Rts
+            && !cc.on_dm
+            && !cc.link_done
+    }
+
+    /// What `post_send_now` of a Send left on a QP whose peer had reset
+    /// the connection (nobody had read the reset yet): by the one pass
+    /// (an inline Send) or the general path (the same Send from
+    /// registered memory).
+    fn send_now_into_a_reset(one_pass: bool) -> ResetEnd {
+        let (a, b, _cqa, cqb, pd) = quiet_exclusive_pair(16);
+        let src = pd.register(64, Access::LOCAL_WRITE).unwrap();
+        src.write(0, b"into a reset").unwrap();
+        let sge = [Sge {
+            lkey: src.lkey(),
+            addr: src.addr(),
+            length: 12,
+        }];
+        let wr = if one_pass {
+            SendWr::new(5, SendOp::Send)
+                .inline(b"into a reset")
+                .signaled()
+        } else {
+            SendWr::new(5, SendOp::Send).sg_list(&sge).signaled()
+        };
+        // The peer's connection is reset (RST), as by a process that died.
+        let fd = a.qp().core_fd.load(super::Ordering::Acquire);
+        crate::sys::io::reset_connection(fd).unwrap();
+        let bfd = b.qp().core_fd.load(super::Ordering::Acquire);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !crate::sys::io::readable_now(bfd) {
+            assert!(Instant::now() < deadline, "the reset never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(idle_for_one_pass(&b), "not idle before the post");
+        let wc = b
+            .post_send_now(&wr)
+            .unwrap()
+            .unwrap_or_else(|| take(&cqb, 1)[0]);
+        let state = b.state();
+        let mut resets = Vec::new();
+        while let Some(ev) = b.qp().device.async_events().try_get() {
+            if ev.qp_num == Some(b.qp_num()) && ev.kind == crate::AsyncEventKind::LlpReset {
+                resets.push(ev.detail.unwrap_or_default());
+            }
+        }
+        // A later post is flushed.
+        let later = b
+            .post_send_now(&SendWr::new(6, SendOp::Send).inline(b"later").signaled())
+            .unwrap()
+            .unwrap_or_else(|| take(&cqb, 1)[0]);
+        assert_eq!(later.wr_id, 6);
+        let mut wcs = [WorkCompletion::success(0, WcOpcode::Send, 0)];
+        assert_eq!(cqb.poll(&mut wcs), 0, "a completion given twice");
+        ResetEnd {
+            wc: (wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.vendor_err),
+            state,
+            resets,
+            later: later.status,
+        }
+    }
+
+    /// What [`send_now_into_a_reset`] found.
+    #[derive(Debug, PartialEq)]
+    struct ResetEnd {
+        /// The post's completion: (id, status, opcode, length, vendor error).
+        wc: (u64, WcStatus, WcOpcode, u32, u32),
+        state: crate::QpState,
+        /// The details of the QP's reset events.
+        resets: Vec<String>,
+        /// The status of a second post's completion.
+        later: WcStatus,
+    }
+
+    /// The one-pass send's write fails (the peer reset the connection):
+    /// the post returns, the QP is in ERROR, the reset is reported with
+    /// the socket's error, and the request completes flushed, exactly as
+    /// by the general path.
+    #[test]
+    fn a_one_pass_send_into_a_reset_fails_as_the_general_path() {
+        let one = send_now_into_a_reset(true);
+        assert_eq!(
+            one.wc,
+            (5, WcStatus::WrFlush, WcOpcode::Send, 0, 0),
+            "{one:?}"
+        );
+        assert_eq!(one.state, crate::QpState::Error);
+        assert_eq!(one.resets.len(), 1, "{:?}", one.resets);
+        assert!(
+            one.resets[0].starts_with("connection failed:")
+                && one.resets[0].contains("reset by peer"),
+            "{:?}",
+            one.resets
+        );
+        assert_eq!(one.later, WcStatus::WrFlush);
+        assert_eq!(one, send_now_into_a_reset(false));
+    }
+
+    /// The one-pass send into a socket the peer does not read: the posts
+    /// complete in their calls until the socket is full; the one that
+    /// finds it full returns with the rest queued, which goes out once the
+    /// peer reads. The peer gets every message byte for byte, in order,
+    /// once; that post completes once, through the CQ.
+    #[test]
+    fn a_one_pass_send_into_a_full_socket_is_finished_later() {
+        const MAX: u64 = 8192;
+        const LEN: usize = 256;
+        let (a, b, cqa, cqb, pd) = quiet_exclusive_pair(MAX as u32);
+        let dst = pd
+            .register(MAX as usize * LEN, Access::LOCAL_WRITE)
+            .unwrap();
+        for i in 0..MAX {
+            let sge = [Sge {
+                lkey: dst.lkey(),
+                addr: dst.addr() + i * LEN as u64,
+                length: LEN as u32,
+            }];
+            b.post_recv(&RecvWr::new(i, &sge)).unwrap();
+        }
+        {
+            // A small send buffer: the socket fills sooner.
+            let g = a.qp().lock_core();
+            let cc = g.as_ref().expect("connected");
+            socket2::SockRef::from(&*cc.stream)
+                .set_send_buffer_size(4096)
+                .unwrap();
+        }
+        let msg = |i: u64| -> Vec<u8> { (0..LEN).map(|k| (i as usize * 7 + k) as u8).collect() };
+        let mut last = None;
+        for i in 0..MAX {
+            assert!(idle_for_one_pass(&a), "post {i}: not idle");
+            let m = msg(i);
+            let wr = SendWr::new(i, SendOp::Send).inline(&m).signaled();
+            match a.post_send_now(&wr).unwrap() {
+                Some(wc) => {
+                    assert_eq!((wc.wr_id, wc.status), (i, WcStatus::Success));
+                    assert_eq!(wc.byte_len, LEN as u32);
+                }
+                None => {
+                    let g = a.qp().lock_core();
+                    let cc = g.as_ref().expect("connected");
+                    assert!(
+                        cc.tx.pending() > 0 || !cqa.is_empty(),
+                        "post {i}: neither written nor queued"
+                    );
+                    last = Some(i);
+                    break;
+                }
+            }
+        }
+        let last = last.expect("the socket never filled");
+        // The peer reads now: every message arrives, in order, once.
+        let mut got = Vec::new();
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 64];
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while got.len() < (last + 1) as usize {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {} received",
+                got.len(),
+                last + 1
+            );
+            let _ = b.qp().core_rx(false);
+            let k = cqb.poll(&mut wc);
+            got.extend_from_slice(&wc[..k]);
+            if k == 0 {
+                std::thread::yield_now();
+            }
+        }
+        for (i, w) in got.iter().enumerate() {
+            assert_eq!(
+                (w.wr_id, w.status, w.opcode, w.byte_len),
+                (i as u64, WcStatus::Success, WcOpcode::Recv, LEN as u32),
+                "receive {i}"
+            );
+            let mut back = vec![0u8; LEN];
+            dst.read(i * LEN, &mut back).unwrap();
+            assert!(back == msg(i as u64), "message {i} differs");
+        }
+        // The post that found the socket full completes once.
+        let done = take(&cqa, 1);
+        assert_eq!(
+            (done[0].wr_id, done[0].status, done[0].byte_len),
+            (last, WcStatus::Success, LEN as u32)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        let _ = b.qp().core_rx(false);
+        assert_eq!(cqa.poll(&mut wc), 0, "a send completed twice");
+        assert_eq!(cqb.poll(&mut wc), 0, "a message received twice");
+        assert_eq!(a.send_queue_len(), 0);
+    }
 }

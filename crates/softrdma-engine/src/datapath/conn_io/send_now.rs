@@ -124,11 +124,13 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use softrdma_proto::conn::Config;
-    use softrdma_proto::types::{SendOp, SendWr};
+    use softrdma_proto::qp_state::QpState;
+    use softrdma_proto::types::{SendOp, SendWr, WcOpcode, WcStatus};
 
     use super::super::TxStop;
     use super::*;
     use crate::mr::PdMemory;
+    use crate::sys::io::{readable_now, reset_connection};
     use crate::{Device, DeviceConfig, ProtectionDomain};
 
     const SEND: SendOp = SendOp::Send {
@@ -219,15 +221,107 @@ mod tests {
             assert_eq!(got, want, "{k}");
         }
         // A failed write: the FPDU stays queued, as the general path
-        // leaves one it could not write.
+        // leaves one it could not write; the caller's reset flushes the
+        // request and the QP enters ERROR.
         let mut conn = Connection::new(config());
         let mut tx = TxIo::new();
         let r = tx.send_now_with(&mut conn, &wr1, |_| {
             Err(io::ErrorKind::ConnectionReset.into())
         });
-        assert!(matches!(r, SendNow::Failed(_)), "{r:?}");
+        let SendNow::Failed(e) = r else {
+            panic!("{r:?}")
+        };
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
         assert_eq!(tx.pending(), 1);
         assert_eq!(conn.fpdus_in_flight(), 1);
+        conn.handle_reset();
+        assert_eq!(conn.state(), QpState::Error);
+        let done: Vec<_> = std::iter::from_fn(|| conn.poll_completion())
+            .map(|c| (c.wr_id, c.status))
+            .collect();
+        assert_eq!(done, [(1, WcStatus::WrFlush)]);
+    }
+
+    /// What a write into a socket the peer reset leaves, after the
+    /// caller's `handle_reset` (as `core_post_send_now` and
+    /// `core_transmit` do on a failure): the one pass (`send_now`) or the
+    /// general path (`post_send`, then `progress`).
+    fn after_a_reset(one_pass: bool, mem: &mut PdMemory<'_>) -> ResetOutcome {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let fd = a.as_raw_fd();
+        // The peer resets (RST); wait until it is in.
+        reset_connection(b.as_raw_fd()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !readable_now(fd) {
+            assert!(Instant::now() < deadline, "the reset never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut conn = Connection::new(config());
+        let mut tx = TxIo::new().following_mss(false);
+        let wr = SendWr::new(1, SEND, &[]).with_inline(b"into a reset");
+        let e = if one_pass {
+            match tx.send_now(&mut conn, fd, &wr) {
+                SendNow::Failed(e) => e,
+                r => panic!("{r:?}"),
+            }
+        } else {
+            conn.post_send(&wr, mem).unwrap();
+            match tx.progress(&mut conn, mem, fd, usize::MAX) {
+                TxStop::Failed(e) => e,
+                r => panic!("{r:?}"),
+            }
+        };
+        let queued = (tx.pending(), conn.fpdus_in_flight());
+        conn.handle_reset();
+        ResetOutcome {
+            error: e.kind(),
+            detail: format!("connection failed: {e}"),
+            queued,
+            state: conn.state(),
+            completions: std::iter::from_fn(|| conn.poll_completion()).collect(),
+            outputs: std::iter::from_fn(|| conn.poll_output()).collect(),
+        }
+    }
+
+    #[derive(Debug, PartialEq)]
+    struct ResetOutcome {
+        error: io::ErrorKind,
+        detail: String,
+        queued: (usize, usize),
+        state: QpState,
+        completions: Vec<softrdma_proto::types::Completion>,
+        outputs: Vec<softrdma_proto::types::Output>,
+    }
+
+    /// A peer that reset the connection: the one pass's write fails with
+    /// the reset, the FPDU stays queued, and the caller's reset leaves
+    /// exactly what the general path's leaves (the same error and detail,
+    /// ERROR, the request flushed, the reset event).
+    #[test]
+    fn a_write_into_a_reset_fails_as_the_general_paths() {
+        let dev = Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap();
+        let pd = ProtectionDomain::new(&dev);
+        let mut mem = PdMemory::new(dev.stags(), pd.id(), None);
+        let one = after_a_reset(true, &mut mem);
+        assert_eq!(one.error, io::ErrorKind::ConnectionReset, "{one:?}");
+        assert!(one.detail.contains("reset by peer"), "{}", one.detail);
+        assert_eq!(one.queued, (1, 1), "the FPDU stays queued");
+        assert_eq!(one.state, QpState::Error);
+        assert_eq!(
+            one.completions
+                .iter()
+                .map(|c| (c.wr_id, c.status, c.opcode))
+                .collect::<Vec<_>>(),
+            [(1, WcStatus::WrFlush, WcOpcode::Send)]
+        );
+        assert_eq!(one, after_a_reset(false, &mut mem));
     }
 
     /// A whole write completes the request in the call; with an FPDU

@@ -390,3 +390,210 @@ fn a_framed_sends_completion_waits_behind_one_already_queued() {
     assert!(c.poll_completion().is_none());
     assert_eq!(c.send_queue_len(), 0);
 }
+
+/// Two connections brought to the same state by `setup`; on the first the
+/// one pass must decline `wr` without changing anything; then both post
+/// `wr` by the general path and must agree on everything after it: the
+/// post's result, the bytes handed out, the completions, the outputs and
+/// the state. Returns the general path's (result, FPDUs, completions,
+/// outputs) for the caller's checks.
+#[allow(clippy::type_complexity)]
+fn declines_and_changes_nothing(
+    what: &str,
+    crc: bool,
+    setup: impl Fn(&mut Connection<usize>, &mut SimMemory),
+    wr: &SendWr<'_>,
+) -> (
+    Result<(), crate::types::PostError>,
+    Vec<Vec<u8>>,
+    Vec<Completion>,
+    Vec<crate::types::Output>,
+) {
+    let (mut f, mut fm) = conn(crc, 1024);
+    let (mut g, mut gm) = conn(crc, 1024);
+    setup(&mut f, &mut fm);
+    setup(&mut g, &mut gm);
+    let before = (f.state(), f.ird_used(), f.ord_outstanding());
+    assert_eq!(framed(&mut f, wr), None, "{what}: taken");
+    assert_eq!(
+        (f.state(), f.ird_used(), f.ord_outstanding()),
+        before,
+        "{what}"
+    );
+    assert_eq!(f.send_queue_len(), g.send_queue_len(), "{what}");
+    assert_eq!(f.fpdus_in_flight(), g.fpdus_in_flight(), "{what}");
+    let r = f.post_send(wr, &mut fm);
+    assert_eq!(r, g.post_send(wr, &mut gm), "{what}");
+    let bytes = drain(&mut f, &mut fm);
+    assert_eq!(bytes, drain(&mut g, &mut gm), "{what}: bytes");
+    let done = completions(&mut f);
+    assert_eq!(done, completions(&mut g), "{what}: completions");
+    let outputs: Vec<_> = std::iter::from_fn(|| f.poll_output()).collect();
+    let gout: Vec<_> = std::iter::from_fn(|| g.poll_output()).collect();
+    assert_eq!(outputs, gout, "{what}: outputs");
+    assert_eq!(f.state(), g.state(), "{what}");
+    (r, bytes, done, outputs)
+}
+
+/// A way to bring a connection into the state under test.
+type Setup = dyn Fn(&mut Connection<usize>, &mut SimMemory);
+
+/// Feeds `u` to `c` as one FPDU; all of it must be taken.
+fn feed(c: &mut Connection<usize>, m: &mut SimMemory, crc: bool, u: &UlpduRepr<'_>) {
+    let mut b = vec![0u8; u.buffer_len()];
+    u.emit(&mut b).unwrap();
+    let mut fpdu = vec![0u8; b.len() + 16];
+    let n = softrdma_wire::fpdu::emit(&b, crc, &mut fpdu).unwrap();
+    assert_eq!(c.handle_rx_stream(&fpdu[..n], m), n);
+}
+
+/// The opcodes of `fpdus`, in order.
+fn opcodes(fpdus: &[Vec<u8>], crc: bool) -> Vec<Opcode> {
+    fpdus
+        .iter()
+        .map(|f| {
+            let d = softrdma_wire::fpdu::decode(f, crc).unwrap();
+            UlpduRepr::parse(d.ulpdu).unwrap().opcode
+        })
+        .collect()
+}
+
+/// In CLOSING (after `close`) the one pass declines; the general path
+/// refuses the post, and the FIN still goes out after what was queued.
+#[test]
+fn a_framed_send_declines_in_closing() {
+    let wr = SendWr::new(1, SEND, &[]).with_inline(b"too late");
+    let (r, bytes, done, outputs) = declines_and_changes_nothing(
+        "closing",
+        true,
+        |c, _| {
+            c.close(0);
+            assert_eq!(c.state(), QpState::Closing);
+        },
+        &wr,
+    );
+    assert_eq!(
+        r,
+        Err(crate::types::PostError::InvalidState(QpState::Closing))
+    );
+    assert!(bytes.is_empty());
+    assert!(done.is_empty());
+    assert!(
+        outputs.contains(&crate::types::Output::Link(
+            crate::types::LinkAction::SendFin
+        )),
+        "{outputs:?}"
+    );
+}
+
+/// With a Read Response owed (an RDMA Read Request received, not yet
+/// answered) the one pass declines; the general path sends the Send and
+/// the response, and the Send completes.
+#[test]
+fn a_framed_send_declines_with_a_read_response_owed() {
+    let wr = SendWr::new(1, SEND, &[]).with_inline(b"meanwhile");
+    let (r, bytes, done, _) = declines_and_changes_nothing(
+        "read response",
+        true,
+        |c, m| {
+            let (_, key, addr) = m.add_region(64, crate::sim::REMOTE_READ, |i| i as u8);
+            let req = UlpduRepr::read_request(
+                Msn(1),
+                softrdma_wire::rdmap::read_request::ReadRequestRepr {
+                    sink_stag: Stag(7),
+                    sink_to: 0x1000,
+                    read_size: 48,
+                    src_stag: Stag(key),
+                    src_to: addr,
+                },
+            );
+            feed(c, m, true, &req);
+            assert_eq!(c.ird_used(), 1);
+        },
+        &wr,
+    );
+    assert_eq!(r, Ok(()));
+    let mut ops = opcodes(&bytes, true);
+    ops.sort_by_key(|o| *o as u8);
+    let mut want = vec![Opcode::Send, Opcode::RdmaReadResponse];
+    want.sort_by_key(|o| *o as u8);
+    assert_eq!(ops, want);
+    assert_eq!(done.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [1]);
+}
+
+/// With an Atomic Response owed (an Atomic Request received and
+/// executed, not yet answered) the one pass declines; the general path
+/// sends the Send and the response, and the Send completes.
+#[test]
+fn a_framed_send_declines_with_an_atomic_response_owed() {
+    let wr = SendWr::new(1, SEND, &[]).with_inline(b"meanwhile");
+    let (r, bytes, done, _) = declines_and_changes_nothing(
+        "atomic response",
+        false,
+        |c, m| {
+            let (_, key, addr) = m.add_region(8, crate::sim::REMOTE_ATOMIC, |_| 0);
+            let req = UlpduRepr::atomic_request(
+                Msn(1),
+                softrdma_wire::rdmap::atomic::AtomicRequestRepr::fetch_add(5, Stag(key), addr, 1),
+            );
+            feed(c, m, false, &req);
+            assert_eq!(c.ird_used(), 1);
+            assert_eq!(c.state(), QpState::Rts);
+        },
+        &wr,
+    );
+    assert_eq!(r, Ok(()));
+    let mut ops = opcodes(&bytes, false);
+    ops.sort_by_key(|o| *o as u8);
+    let mut want = vec![Opcode::Send, Opcode::AtomicResponse];
+    want.sort_by_key(|o| *o as u8);
+    assert_eq!(ops, want);
+    assert_eq!(done.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [1]);
+}
+
+/// With a Terminate waiting to go out (the application's move to
+/// TERMINATE, or the peer's violation) the one pass declines; the general
+/// path refuses the post, sends the Terminate alone, and the QP enters
+/// ERROR.
+#[test]
+fn a_framed_send_declines_with_a_terminate_pending() {
+    let wr = SendWr::new(1, SEND, &[]).with_inline(b"after the end");
+    let local = |c: &mut Connection<usize>, _: &mut SimMemory| {
+        c.terminate(softrdma_wire::errcode::TermError::RdmapLocalCatastrophic);
+    };
+    // A Send with no receive posted: "no buffer" (the receive stops
+    // there, whatever of the FPDU it took).
+    let peer = |c: &mut Connection<usize>, m: &mut SimMemory| {
+        let u = UlpduRepr::send(Opcode::Send, None, Msn(1), 0, true, b"unexpected");
+        let mut b = vec![0u8; u.buffer_len()];
+        u.emit(&mut b).unwrap();
+        let mut fpdu = vec![0u8; b.len() + 16];
+        let n = softrdma_wire::fpdu::emit(&b, true, &mut fpdu).unwrap();
+        c.handle_rx_stream(&fpdu[..n], m);
+    };
+    let cases: [(&str, &Setup); 2] = [("local", &local), ("peer", &peer)];
+    for (what, setup) in cases {
+        let (r, bytes, done, outputs) = declines_and_changes_nothing(
+            what,
+            true,
+            |c, m| {
+                setup(c, m);
+                assert_eq!(c.state(), QpState::Terminate, "{what}");
+            },
+            &wr,
+        );
+        assert_eq!(
+            r,
+            Err(crate::types::PostError::InvalidState(QpState::Terminate)),
+            "{what}"
+        );
+        assert_eq!(opcodes(&bytes, true), [Opcode::Terminate], "{what}");
+        assert!(done.is_empty(), "{what}: {done:?}");
+        assert!(
+            outputs.contains(&crate::types::Output::Link(
+                crate::types::LinkAction::Shutdown
+            )),
+            "{what}: {outputs:?}"
+        );
+    }
+}
