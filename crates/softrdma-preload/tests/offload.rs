@@ -15,13 +15,42 @@ l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
 def connect():\n    r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',l.getsockname()[1])))); t.start()\n    s,_=l.accept(); select.select([],[s],[],5); t.join(); return r[0],s\n\
 c,s=connect()\n";
 
+/// Python: `free_port((family, host, v6only), ...)` binds a TCP socket to
+/// each address on one port the kernel picks (the first address's) and
+/// returns them, not listening, once that port was free for UDP on every
+/// address as well (probed with a UDP socket bound and closed again). A
+/// port the kernel gives a TCP socket may be held for UDP by a socket of
+/// another process (a client's datagram socket), and one of UDP for TCP
+/// (a connection in `TIME_WAIT`): a test that puts a twin or a UDP socket
+/// of its own on a listener's port, or a listener on another one's port,
+/// starts from a port free for both, or fails with `EADDRINUSE` on a busy
+/// machine. `reuse`: `SO_REUSEADDR` on the TCP sockets.
+const FREE_PORT: &str = r#"def free_port(*addrs, reuse=False):
+    while True:
+        ks=[]; P=0
+        try:
+            for fam,host,v6only in addrs:
+                for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+                    k=socket.socket(fam,kind); ks.append(k)
+                    if v6only is not None: k.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_V6ONLY,v6only)
+                    if reuse and kind==socket.SOCK_STREAM: k.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)
+                    k.bind((host,P)); P=k.getsockname()[1]
+        except OSError as e:
+            for k in ks: k.close()
+            if e.errno!=errno.EADDRINUSE: raise
+            continue
+        for k in ks:
+            if k.type==socket.SOCK_DGRAM: k.close()
+        return [k for k in ks if k.type==socket.SOCK_STREAM]
+"#;
+
 fn run(body: &str) -> Vec<String> {
     run_with(body, &[])
 }
 
 /// [`run`] with more environment variables.
 fn run_with(body: &str, env: &[(&str, &str)]) -> Vec<String> {
-    let script = format!("{PAIR}{body}\nprint('DONE')\n");
+    let script = format!("{PAIR}{FREE_PORT}{body}\nprint('DONE')\n");
     let mut all = vec![("SOFTRDMA_SOCKETS", "auto")];
     all.extend_from_slice(env);
     python_done(&script, &all)
@@ -783,7 +812,7 @@ fn a_closed_listeners_twin_records_stayed_mapped() {
         "def recs():\n    n=0\n    for m in open('/proc/self/maps'):\n        a,b=m.split()[0].split('-')\n        n+=int(b,16)-int(a,16)==(16384*32+4096)\n    return n\n\
         n0=recs()\n\
         for i in range(200):\n    x=socket.socket(); x.bind(('127.0.0.1',0)); x.listen(1); x.close()\n\
-        for i in range(50):\n    x=socket.socket(); x.bind(('127.0.0.1',0)); y=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); y.bind(x.getsockname()); x.listen(1); x.close(); y.close()\n\
+        for i in range(50):\n    x,=free_port((socket.AF_INET,'127.0.0.1',None)); y=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); y.bind(x.getsockname()); x.listen(1); x.close(); y.close()\n\
         end=time.time()+10\n\
         while recs()>n0+2 and time.time()<end: time.sleep(0.05)\n\
         assert recs()<=n0+2, (n0, recs())\n",
@@ -802,8 +831,7 @@ fn a_v6only_listeners_twin_answered_for_the_v4_listener_of_its_port() {
         return;
     }
     let lines = run(
-        "x6=socket.socket(socket.AF_INET6); x6.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_V6ONLY,1); x6.bind(('::',0)); P=x6.getsockname()[1]; x6.listen(8)\n\
-        x4=socket.socket(); x4.bind(('0.0.0.0',P)); x4.listen(8)\n\
+        "x6,x4=free_port((socket.AF_INET6,'::',1),(socket.AF_INET,'0.0.0.0',None)); P=x6.getsockname()[1]; x6.listen(8); x4.listen(8)\n\
         for x,host in [(x4,'127.0.0.1'),(x6,'::1')]:\n    r=[]\n    def cl():\n        k=socket.create_connection((host,P)); k.sendall(b'ping'); r.append(k.recv(4)); k.close()\n    t=threading.Thread(target=cl,daemon=True); t.start()\n    a,_=x.accept(); a.settimeout(5)\n    d=a.recv(4); assert d==b'ping', (host, d)\n    a.sendall(b'pong'); t.join(5); assert r==[b'pong'], r; a.close()\n",
     );
     assert_eq!(field(&lines[0], "offloaded"), "6", "{lines:?}");
@@ -1060,7 +1088,7 @@ fn a_udp_bind_after_listen_on_the_same_port_failed_with_eaddrinuse() {
     }
     let lines = run(&format!(
         "{ECHO_REVERSED}\
-        x=socket.socket(); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8)\n\
+        x,=free_port((socket.AF_INET,'127.0.0.1',None)); P=x.getsockname()[1]; x.listen(8)\n\
         r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',P)))); t.start()\n\
         before,_=x.accept(); select.select([],[before],[],5); t.join()\n\
         u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.bind(('127.0.0.1',P))\n\
@@ -1083,7 +1111,7 @@ fn a_udp_bind_after_a_dual_stack_listen_on_the_same_port_gets_the_port() {
     }
     let lines = run(&format!(
         "{ECHO_REVERSED}\
-        x=socket.socket(socket.AF_INET6); x.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_V6ONLY,0); x.bind(('::',0)); P=x.getsockname()[1]; x.listen(8)\n\
+        x,=free_port((socket.AF_INET6,'::',0)); P=x.getsockname()[1]; x.listen(8)\n\
         u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); u.bind(('0.0.0.0',P))\n\
         datagram_reaches(u, ('127.0.0.1',P))\n\
         exchange(x, '::1', os.urandom(100000))\n\
@@ -1106,8 +1134,8 @@ fn a_listen_after_a_udp_bind_on_the_same_port_stays_plain_and_correct() {
     }
     let lines = run(&format!(
         "{ECHO_REVERSED}\
-        u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.bind(('127.0.0.1',0)); P=u.getsockname()[1]\n\
-        x=socket.socket(); x.bind(('127.0.0.1',P)); x.listen(8)\n\
+        x,=free_port((socket.AF_INET,'127.0.0.1',None)); P=x.getsockname()[1]\n\
+        u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.bind(('127.0.0.1',P)); x.listen(8)\n\
         exchange(x, '127.0.0.1', os.urandom(200000))\n\
         datagram_reaches(u, ('127.0.0.1',P))\n\
         v=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n\
@@ -1135,7 +1163,7 @@ fn a_forked_childs_udp_bind_leaves_its_parents_twin_and_reuseport_sockets_get_th
     }
     let lines = run(&format!(
         "{ECHO_REVERSED}\
-        x=socket.socket(); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8)\n\
+        x,=free_port((socket.AF_INET,'127.0.0.1',None)); P=x.getsockname()[1]; x.listen(8)\n\
         pid=os.fork()\n\
         if pid==0:\n    u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n    try:\n        u.bind(('127.0.0.1',P)); os._exit(2)\n    except OSError as e:\n        os._exit(0 if e.errno==errno.EADDRINUSE else 3)\n\
         assert os.waitpid(pid,0)[1]==0\n\
@@ -1161,7 +1189,7 @@ fn a_udp_bind_right_after_closing_a_listener_on_its_port_failed_with_eaddrinuse(
         return;
     }
     run(
-        "x=socket.socket(); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8); x.close()\n\
+        "x,=free_port((socket.AF_INET,'127.0.0.1',None)); P=x.getsockname()[1]; x.listen(8); x.close()\n\
         u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.bind(('127.0.0.1',P))\n",
     );
 }
@@ -1178,7 +1206,7 @@ fn a_listen_right_after_closing_a_listener_on_its_port_had_no_twin() {
     }
     let lines = run(&format!(
         "{ECHO_REVERSED}\
-        x=socket.socket(); x.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); x.bind(('127.0.0.1',0)); P=x.getsockname()[1]; x.listen(8); x.close()\n\
+        x,=free_port((socket.AF_INET,'127.0.0.1',None),reuse=True); P=x.getsockname()[1]; x.listen(8); x.close()\n\
         y=socket.socket(); y.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); y.bind(('127.0.0.1',P)); y.listen(8)\n\
         exchange(y, '127.0.0.1', os.urandom(3000))\n"
     ));
