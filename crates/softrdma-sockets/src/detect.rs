@@ -34,6 +34,37 @@
 //! keeps its connection plain: every byte flows exactly as sent, whoever
 //! speaks first.
 //!
+//! ## Giving up: the withdraw
+//!
+//! Silence does not prove there is no twin: a twin whose process is
+//! starved past the client's wait (stopped, or on a very busy machine)
+//! still takes the query from its socket when it runs again, and would
+//! record a connection the client has by then made plain. So a client that
+//! hears nothing in time sends a *withdraw* (kind 4: the query's octets,
+//! same nonce, client port and address, only the kind changed) from the
+//! query's socket *before* it connects plain, and the twin answers nothing
+//! to it. The twin turns the record of that query into a plain mark (a
+//! retry of the query that comes after it is declined, and the connection
+//! from the port is kept plain); a record of another query (another nonce)
+//! is left alone. The withdraw is queued on the twin's socket behind the
+//! query and ahead of the SYN, and the listener reads what is queued there
+//! before it decides an accepted connection, in every case (also when the
+//! twin thread took the query already: the withdraw may still be queued
+//! behind it), so the query and the withdraw are seen in order, by the
+//! twin thread or by the accepting one. [`crate::TcpStream`] connects plain
+//! from another port after silence too, and the withdraw keeps the query's
+//! record from switching a later connection from the port it named (another
+//! program's, within [`RECORD_TTL`]); the `LD_PRELOAD` library connects
+//! from the port the application's socket has, which may be the
+//! application's own choice, so the withdraw is what keeps it plain. A
+//! query sent with the SYN and not answered in time (below) is withdrawn
+//! as well. New kinds are added under the same [`VERSION`]: a twin that
+//! does not know a kind ignores the datagram (no answer, no record), so an
+//! older twin ignores a withdraw; the version changes only for a layout
+//! an older twin would misread. A withdraw that is lost (a LAN) leaves the
+//! case as it was before withdraws: the twin's record may switch the plain
+//! connection.
+//!
 //! ## Query and SYN together
 //!
 //! The query costs a round trip of its own before the TCP connect. A twin
@@ -43,9 +74,9 @@
 //! and a query that finds the mark is declined; a query and an accept
 //! decide under one lock, so an *accept* answer always means the listener
 //! switches the connection. Before it decides an accepted connection the
-//! listener also reads the queries already queued on its twin's socket, so
-//! a query sent before the SYN is never overtaken by the twin thread's
-//! scheduling. Flags were zero before: an older twin leaves the flag clear
+//! listener also reads the queries (and withdraws) already queued on its
+//! twin's socket, so a query sent before the SYN is never overtaken by the
+//! twin thread's scheduling. Flags were zero before: an older twin leaves the flag clear
 //! and is always asked first.
 //!
 //! A client that got the flag from a destination (cached for
@@ -53,8 +84,8 @@
 //! waits for the answer only after the connect: *accept* switches,
 //! *decline* or a refused query (no twin at all) keep the connection plain.
 //! Silence (no answer within the wait) leaves it undecided on the
-//! listener's side: the client closes that connection without a byte and
-//! connects again plain from another port, as before. Offload-required
+//! listener's side: the client withdraws the query, closes that connection
+//! without a byte and connects again plain from another port, as before. Offload-required
 //! connections always ask first (a late query's decline would fail them).
 //!
 //! [`Config::probe_timeout`]: crate::Config::probe_timeout

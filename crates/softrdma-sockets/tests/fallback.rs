@@ -253,7 +253,11 @@ fn a_query_the_client_gave_up_on_was_left_standing() {
         assert_eq!(q.kind, Kind::Query);
         assert_eq!((q.nonce, q.client_port), (last.nonce, last.client_port));
     }
-    assert_ne!(peer.port(), last.client_port, "connected from the named port");
+    assert_ne!(
+        peer.port(),
+        last.client_port,
+        "connected from the named port"
+    );
 }
 
 /// A twin that accepts, but a TCP side that cannot switch (it closes the
