@@ -60,8 +60,9 @@
 //! query sent with the SYN and not answered in time (below) is withdrawn
 //! as well. New kinds are added under the same [`VERSION`]: a twin that
 //! does not know a kind ignores the datagram (no answer, no record), so an
-//! older twin ignores a withdraw; the version changes only for a layout
-//! an older twin would misread. A withdraw that is lost (a LAN) leaves the
+//! older twin ignores a withdraw (and may still switch such a connection
+//! from the port the query named, as before); the version changes only for
+//! a layout an older twin would misread. A withdraw that is lost (a LAN) leaves the
 //! case as it was before withdraws: the twin's record may switch the plain
 //! connection.
 //!
