@@ -23,6 +23,13 @@
 //!   answered (the accepting process reads them under the lock), so a
 //!   query sent just before the SYN is not overtaken by the twin thread's
 //!   scheduling; the twin thread itself only peeks until it holds the lock.
+//! - A client that heard no answer in time *withdraws* its query (same
+//!   nonce) before it connects plain from the port it named: the withdraw
+//!   turns the query's record into a plain mark (a record of another
+//!   query is left alone) and is not answered. It is queued behind the
+//!   query and ahead of the SYN, so the twin thread and an accept's read
+//!   see it in that order (a twin starved past the client's wait no
+//!   longer switches the plain connection).
 //! - When a plain mark finds no room (the table is full), no query is
 //!   accepted for the records' lifetime (every answer declines): a late
 //!   query could otherwise be accepted for a connection decided plain.
@@ -57,6 +64,8 @@ struct Record {
     addr_lo: AtomicU64,
     /// The client's port, and the kind ([`ASKED`] or [`PLAIN`]).
     port: AtomicU64,
+    /// The nonce of the query that asked (a withdraw names it).
+    nonce: AtomicU64,
 }
 
 /// The start of the shared memory.
@@ -224,8 +233,9 @@ impl Records {
         })
     }
 
-    /// Records `k` as `kind` (lock held); false if its window is full.
-    fn insert(&self, k: (u64, u64, u64), kind: u64, now: u64) -> bool {
+    /// Records `k` as `kind` (lock held; `nonce`: the query's, for
+    /// [`ASKED`]); false if its window is full.
+    fn insert(&self, k: (u64, u64, u64), kind: u64, nonce: u64, now: u64) -> bool {
         let slot = self.find(k, now).or_else(|| {
             self.window(k).find(|r| {
                 let s = r.state.load(Ordering::Relaxed);
@@ -238,13 +248,14 @@ impl Records {
         r.addr_hi.store(k.0, Ordering::Relaxed);
         r.addr_lo.store(k.1, Ordering::Relaxed);
         r.port.store(k.2 | kind, Ordering::Relaxed);
+        r.nonce.store(nonce, Ordering::Relaxed);
         r.state.store(now + RECORD_SECS, Ordering::Relaxed);
         true
     }
 
-    /// Decides a query for a connection from `peer` (lock held): the kind
-    /// and flags of the answer.
-    fn answer(&self, peer: SocketAddr) -> (Kind, u8) {
+    /// Decides a query (its `nonce`) for a connection from `peer` (lock
+    /// held): the kind and flags of the answer.
+    fn answer(&self, peer: SocketAddr, nonce: u64) -> (Kind, u8) {
         let k = key(peer);
         let now = now_secs();
         if self.head.overflow_until.load(Ordering::Relaxed) >= now {
@@ -256,7 +267,7 @@ impl Records {
                 r.state.store(FREE, Ordering::Relaxed);
                 (Kind::Decline, FLAG_LATE_QUERY | FLAG_TOO_LATE)
             }
-            _ if self.insert(k, ASKED, now) => (Kind::Accept, FLAG_LATE_QUERY),
+            _ if self.insert(k, ASKED, nonce, now) => (Kind::Accept, FLAG_LATE_QUERY),
             _ => (Kind::Decline, FLAG_LATE_QUERY),
         }
     }
@@ -266,7 +277,32 @@ impl Records {
     #[cfg(test)]
     pub(crate) fn put(&self, peer: SocketAddr) -> bool {
         let _g = self.lock();
-        self.answer(peer).0 == Kind::Accept
+        self.answer(peer, 0).0 == Kind::Accept
+    }
+
+    /// A withdraw of the query `nonce` for the connection from `peer` (lock
+    /// held): the client gave up on the answer and connects plain from
+    /// that port, so the connection is marked plain (the query's record,
+    /// if it was accepted, becomes the mark; a retry of the query that
+    /// comes later is declined). A record of another query is left alone.
+    fn withdraw(&self, peer: SocketAddr, nonce: u64) {
+        let k = key(peer);
+        let now = now_secs();
+        match self.find(k, now) {
+            Some(r) if r.port.load(Ordering::Relaxed) & PLAIN != 0 => {}
+            Some(r) if r.nonce.load(Ordering::Relaxed) != nonce => {}
+            _ => self.mark_plain(k, now),
+        }
+    }
+
+    /// Marks `k` plain (lock held); with no room for the mark, no query is
+    /// accepted for the records' lifetime.
+    fn mark_plain(&self, k: (u64, u64, u64), now: u64) {
+        if !self.insert(k, PLAIN, 0, now) {
+            self.head
+                .overflow_until
+                .store(now + RECORD_SECS, Ordering::Relaxed);
+        }
     }
 
     /// Whether a query asked for the connection from `peer` (the record is
@@ -287,11 +323,7 @@ impl Records {
             }
             Some(_) => false,
             None => {
-                if !self.insert(k, PLAIN, now) {
-                    self.head
-                        .overflow_until
-                        .store(now + RECORD_SECS, Ordering::Relaxed);
-                }
+                self.mark_plain(k, now);
                 false
             }
         }
@@ -329,15 +361,21 @@ impl Records {
         }
     }
 
-    /// Answers one datagram (if it is a query; lock held).
+    /// Answers one datagram (if it is a query; a withdraw is decided and
+    /// not answered; lock held).
     fn reply(&self, sock: &UdpSocket, b: &[u8], from: SocketAddr) {
         let Some(q) = Probe::decode(b) else {
             return;
         };
+        let peer = SocketAddr::new(from.ip(), q.client_port);
+        if q.kind == Kind::Withdraw {
+            self.withdraw(peer, q.nonce);
+            return;
+        }
         if q.kind != Kind::Query {
             return;
         }
-        let (kind, flags) = self.answer(SocketAddr::new(from.ip(), q.client_port));
+        let (kind, flags) = self.answer(peer, q.nonce);
         // A lost answer makes the client time out and stay plain.
         let _ = sock.send_to(&Probe { kind, flags, ..q }.encode(), from);
     }
@@ -637,11 +675,11 @@ mod tests {
         assert!(!r.take(a, None));
         let g = r.lock();
         assert_eq!(
-            r.answer(a),
+            r.answer(a, 1),
             (Kind::Decline, FLAG_LATE_QUERY | FLAG_TOO_LATE)
         );
         assert_eq!(
-            r.answer(a),
+            r.answer(a, 1),
             (Kind::Accept, FLAG_LATE_QUERY),
             "mark consumed"
         );
@@ -685,6 +723,55 @@ mod tests {
             (Kind::Accept, 0x1234_5678, 4200)
         );
         assert_eq!(a.flags & FLAG_LATE_QUERY, FLAG_LATE_QUERY);
+    }
+
+    /// Regression: a client that heard no answer in time (the twin's
+    /// process starved past its wait) connected plain from the port it had
+    /// named, and the twin then took its query as accepted: the listener
+    /// switched the plain connection. The client's withdraw, queued behind
+    /// the query, is read before the accept decides, whether the twin
+    /// thread took the query already or not, and is not answered.
+    #[test]
+    fn a_query_the_client_withdrew_switched_its_plain_connection() {
+        let r = Records::new_shared().unwrap();
+        let twin = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let client = UdpSocket::bind("127.0.0.1:0").unwrap();
+        client.connect(twin.local_addr().unwrap()).unwrap();
+        for (port, thread_took_the_query) in [(4300, false), (4301, true)] {
+            let mut w = Probe::decode(&query(port)).unwrap();
+            w.kind = Kind::Withdraw;
+            client.send(&query(port)).unwrap();
+            client.send(&w.encode()).unwrap();
+            if thread_took_the_query {
+                let _g = r.lock();
+                assert!(r.answer_one(&twin));
+            }
+            assert!(
+                !r.take(SocketAddr::from(([127, 0, 0, 1], port)), Some(&twin)),
+                "switched (the twin thread took the query: {thread_took_the_query})"
+            );
+            // Only the query was answered (an accept, read by nobody).
+            client
+                .set_read_timeout(Some(Duration::from_millis(50)))
+                .unwrap();
+            let mut b = [0u8; 64];
+            let n = client.recv(&mut b).unwrap();
+            assert_eq!(Probe::decode(&b[..n]).unwrap().kind, Kind::Accept);
+            assert!(client.recv(&mut b).is_err(), "a withdraw was answered");
+        }
+    }
+
+    /// A withdraw naming another query (another nonce) leaves that query's
+    /// record: its connection is still switched.
+    #[test]
+    fn a_withdraw_of_another_query_leaves_the_record() {
+        let r = Records::new_shared().unwrap();
+        let a: SocketAddr = "127.0.0.1:4400".parse().unwrap();
+        let g = r.lock();
+        assert_eq!(r.answer(a, 1), (Kind::Accept, FLAG_LATE_QUERY));
+        r.withdraw(a, 2);
+        drop(g);
+        assert!(r.take(a, None));
     }
 
     /// Once a plain mark finds no room, no query is accepted for the

@@ -1213,3 +1213,39 @@ fn a_listen_right_after_closing_a_listener_on_its_port_had_no_twin() {
     // The pair of the prelude and the exchange's connection.
     assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
 }
+
+/// Regression: a client gave up waiting for the twin of a server starved
+/// past its wait (stopped for 400 ms, the client waiting 250 ms; here for
+/// 1 s, so that a slow client still connects while it is stopped),
+/// and connected plain from the port it had named; the resumed twin took
+/// the queued query as accepted and the listener switched that plain
+/// connection: the client's bytes were read as the switch's, the
+/// connection reset. The client now withdraws the query before it
+/// connects, and the listener reads the withdraw before it decides: both
+/// ends plain, byte-exact.
+#[test]
+fn a_query_the_client_gave_up_on_switched_the_servers_connection() {
+    if !have_python() {
+        return;
+    }
+    let script = "import socket,os,sys,subprocess,signal,threading,time\n\
+        code='import socket\\nl=socket.socket(); l.bind((\"127.0.0.1\",0)); l.listen(4)\\nprint(l.getsockname()[1], flush=True)\\ns,_=l.accept(); s.settimeout(10); b=bytearray()\\nwhile True:\\n    y=s.recv(65536)\\n    if not y: break\\n    b+=y\\ns.sendall(bytes(b)[::-1]); s.close()'\n\
+        p=subprocess.Popen([sys.executable,'-c',code], stdout=subprocess.PIPE, text=True)\n\
+        port=int(p.stdout.readline())\n\
+        os.kill(p.pid, signal.SIGSTOP)\n\
+        threading.Timer(1.0, lambda: os.kill(p.pid, signal.SIGCONT)).start()\n\
+        t0=time.monotonic()\n\
+        c=socket.create_connection(('127.0.0.1',port)); c.settimeout(10)\n\
+        assert time.monotonic()-t0 < 1.0, 'connected after the server resumed'\n\
+        data=os.urandom(200000); c.sendall(data); c.shutdown(socket.SHUT_WR); b=bytearray()\n\
+        while True:\n    y=c.recv(65536)\n    if not y: break\n    b+=y\n\
+        assert bytes(b)==data[::-1], len(b)\n\
+        assert p.wait(10)==0\n\
+        print('DONE')\n";
+    let lines = python_done(script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for l in &lines {
+        assert_eq!(field(l, "offloaded"), "0", "both ends plain: {lines:?}");
+        assert_eq!(field(l, "plain"), "1", "both ends plain: {lines:?}");
+    }
+}

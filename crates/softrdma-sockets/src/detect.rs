@@ -34,6 +34,38 @@
 //! keeps its connection plain: every byte flows exactly as sent, whoever
 //! speaks first.
 //!
+//! ## Giving up: the withdraw
+//!
+//! Silence does not prove there is no twin: a twin whose process is
+//! starved past the client's wait (stopped, or on a very busy machine)
+//! still takes the query from its socket when it runs again, and would
+//! record a connection the client has by then made plain. So a client that
+//! hears nothing in time sends a *withdraw* (kind 4: the query's octets,
+//! same nonce, client port and address, only the kind changed) from the
+//! query's socket *before* it connects plain, and the twin answers nothing
+//! to it. The twin turns the record of that query into a plain mark (a
+//! retry of the query that comes after it is declined, and the connection
+//! from the port is kept plain); a record of another query (another nonce)
+//! is left alone. The withdraw is queued on the twin's socket behind the
+//! query and ahead of the SYN, and the listener reads what is queued there
+//! before it decides an accepted connection, in every case (also when the
+//! twin thread took the query already: the withdraw may still be queued
+//! behind it), so the query and the withdraw are seen in order, by the
+//! twin thread or by the accepting one. [`crate::TcpStream`] connects plain
+//! from another port after silence too, and the withdraw keeps the query's
+//! record from switching a later connection from the port it named (another
+//! program's, within [`RECORD_TTL`]); the `LD_PRELOAD` library connects
+//! from the port the application's socket has, which may be the
+//! application's own choice, so the withdraw is what keeps it plain. A
+//! query sent with the SYN and not answered in time (below) is withdrawn
+//! as well. New kinds are added under the same [`VERSION`]: a twin that
+//! does not know a kind ignores the datagram (no answer, no record), so an
+//! older twin ignores a withdraw (and may still switch such a connection
+//! from the port the query named, as before); the version changes only for
+//! a layout an older twin would misread. A withdraw that is lost (a LAN) leaves the
+//! case as it was before withdraws: the twin's record may switch the plain
+//! connection.
+//!
 //! ## Query and SYN together
 //!
 //! The query costs a round trip of its own before the TCP connect. A twin
@@ -43,9 +75,9 @@
 //! and a query that finds the mark is declined; a query and an accept
 //! decide under one lock, so an *accept* answer always means the listener
 //! switches the connection. Before it decides an accepted connection the
-//! listener also reads the queries already queued on its twin's socket, so
-//! a query sent before the SYN is never overtaken by the twin thread's
-//! scheduling. Flags were zero before: an older twin leaves the flag clear
+//! listener also reads the queries (and withdraws) already queued on its
+//! twin's socket, so a query sent before the SYN is never overtaken by the
+//! twin thread's scheduling. Flags were zero before: an older twin leaves the flag clear
 //! and is always asked first.
 //!
 //! A client that got the flag from a destination (cached for
@@ -53,8 +85,8 @@
 //! waits for the answer only after the connect: *accept* switches,
 //! *decline* or a refused query (no twin at all) keep the connection plain.
 //! Silence (no answer within the wait) leaves it undecided on the
-//! listener's side: the client closes that connection without a byte and
-//! connects again plain from another port, as before. Offload-required
+//! listener's side: the client withdraws the query, closes that connection
+//! without a byte and connects again plain from another port, as before. Offload-required
 //! connections always ask first (a late query's decline would fail them).
 //!
 //! [`Config::probe_timeout`]: crate::Config::probe_timeout
@@ -98,6 +130,9 @@ pub enum Kind {
     Accept = 2,
     /// Listener: keep this connection plain.
     Decline = 3,
+    /// Client: "I gave up waiting for the answer to this query (same
+    /// nonce); the connection from that port will be plain". Not answered.
+    Withdraw = 4,
 }
 
 /// A detection message.
@@ -113,7 +148,7 @@ pub struct Probe {
     pub server_port: u16,
     /// The client's address as it knows it (informational).
     pub client_addr: Ipv6Addr,
-    /// Flags ([`FLAG_LATE_QUERY`]); zero in queries.
+    /// Flags ([`FLAG_LATE_QUERY`]); zero in queries and withdraws.
     pub flags: u8,
 }
 
@@ -141,6 +176,7 @@ impl Probe {
             1 => Kind::Query,
             2 => Kind::Accept,
             3 => Kind::Decline,
+            4 => Kind::Withdraw,
             _ => return None,
         };
         let mut nonce = [0u8; 8];
@@ -612,10 +648,25 @@ impl Pending {
                 LateAnswer::NoTwin
             }
             Err(_) => {
+                // The connection is closed without a byte; the query's
+                // record, if the twin accepts it yet, must not switch a
+                // later connection from the port.
+                self.withdraw();
                 forget(self.dest);
                 LateAnswer::Unknown
             }
         }
+    }
+
+    /// Withdraws the query (see the module docs): sent when its answer did
+    /// not come in time, before the connection from its port is made plain.
+    /// Best effort: a lost withdraw is a lost datagram like any other.
+    fn withdraw(&self) {
+        let w = Probe {
+            kind: Kind::Withdraw,
+            ..self.q
+        };
+        let _ = self.sock().send(&w.encode());
     }
 
     /// Waits (at most `timeout` from the send) for the answer to a query
@@ -631,6 +682,10 @@ impl Pending {
                 a
             }
             Err(_) => {
+                // Silence: the twin may still take the query (a starved
+                // process), and the connection that follows from the same
+                // port is plain. Withdrawn before it is made.
+                self.withdraw();
                 remember_plain(self.dest, self.twins);
                 Answer::NotCapable
             }
@@ -655,8 +710,9 @@ pub(crate) fn query(dest: SocketAddr, client_port: u16, timeout: Duration, keep:
 /// What a twin knows of a connection from a client address and port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Record {
-    /// A query asked for it (accepted): the listener switches it.
-    Asked,
+    /// A query (its nonce) asked for it (accepted): the listener switches
+    /// it, unless the query is withdrawn first.
+    Asked(u64),
     /// Accepted before any query asked: plain, a late query is declined.
     Plain,
 }
@@ -710,27 +766,21 @@ impl Twin {
     }
 
     /// Whether a client queried for the connection from `peer` (the record
-    /// is consumed). Answers the queries already queued first (one sent
-    /// with the SYN is there by now); a connection no query asked for is
-    /// marked plain, so that a later query for it is declined.
+    /// is consumed). Reads the datagrams already queued first (a query sent
+    /// with the SYN, or a withdraw sent before it, is there by now); a
+    /// connection no query asked for is marked plain, so that a later
+    /// query for it is declined.
     pub(crate) fn take(&self, peer: SocketAddr) -> bool {
         let key = canonical(peer);
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        // The twin thread answered the query already (the usual case):
-        // no read of the socket (it would find nothing: one system call
-        // less per connection). Queries of other connections queued
-        // meanwhile are the twin thread's.
-        if let Some(&(Record::Asked, until)) = r.map.get(&key)
-            && until > now
-        {
-            r.map.remove(&key);
-            return true;
-        }
+        // Read even when the twin thread accepted the query already: a
+        // client that gave up on the answer sent a withdraw before its
+        // SYN, which may still be queued behind the query the twin thread
+        // took (a twin thread starved past the client's wait).
         drain(&self.sock, &mut r, &self.stop, self.accept);
         let now = Instant::now();
         match r.map.remove(&key) {
-            Some((Record::Asked, until)) if until > now => true,
+            Some((Record::Asked(_), until)) if until > now => true,
             _ => {
                 insert_record(&mut r, key, Record::Plain, now);
                 false
@@ -810,8 +860,9 @@ fn answer(
     }
 }
 
-/// Decides one datagram (if it is a query: its record is kept or its
-/// plain mark consumed) and returns the answer to send to `from`.
+/// Decides one datagram (a query: its record is kept or its plain mark
+/// consumed; a withdraw: the connection is marked plain) and returns the
+/// answer to send to `from` (none to a withdraw).
 fn decide(
     r: &mut Table,
     stop: &AtomicBool,
@@ -820,6 +871,10 @@ fn decide(
     from: SocketAddr,
 ) -> Option<[u8; MSG_LEN]> {
     let q = Probe::decode(b)?;
+    if q.kind == Kind::Withdraw {
+        withdraw(r, &q, from);
+        return None;
+    }
     if q.kind != Kind::Query {
         return None;
     }
@@ -837,7 +892,7 @@ fn decide(
                 Kind::Decline
             }
             _ => {
-                insert_record(r, key, Record::Asked, now);
+                insert_record(r, key, Record::Asked(q.nonce), now);
                 Kind::Accept
             }
         }
@@ -845,6 +900,21 @@ fn decide(
         Kind::Decline
     };
     Some(Probe { kind, flags, ..q }.encode())
+}
+
+/// A withdraw of query `w` (same nonce) from `from`: the client connects
+/// plain from that port, so its connection is marked plain (the query's
+/// record, if it was accepted, is dropped). A query reordered behind the
+/// withdraw (a retry) then finds the mark and is declined. A record of
+/// another query (another nonce) is left alone.
+fn withdraw(r: &mut Table, w: &Probe, from: SocketAddr) {
+    let key = SocketAddr::new(from.ip().to_canonical(), w.client_port);
+    let now = Instant::now();
+    match r.map.get(&key) {
+        Some(&(Record::Asked(n), until)) if until > now && n != w.nonce => {}
+        Some(&(Record::Plain, until)) if until > now => {}
+        _ => insert_record(r, key, Record::Plain, now),
+    }
 }
 
 /// The twin thread: waits (peeking) until a datagram is there, then reads
@@ -1003,6 +1073,98 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         assert!(t.take("127.0.0.1:40002".parse().unwrap()));
         assert_eq!(p.wait_late(Duration::from_secs(5)), LateAnswer::Accept);
+    }
+
+    /// Regression: a client that gave up waiting for the answer (a twin
+    /// starved past its wait) connected plain, and the twin then took the
+    /// query as accepted: the listener switched the plain connection from
+    /// that port (the preload's, from the port it named) or a later one
+    /// from it ([`crate::TcpStream`]'s, which connects from another port
+    /// but left the record behind). Here the twin has no thread, so the
+    /// client hears nothing; its withdraw is read with the query when the
+    /// listener decides.
+    #[test]
+    fn a_query_the_client_gave_up_on_switched_its_plain_connection() {
+        let t = threadless_twin();
+        let addr = twin_addr(&t);
+        let p = send_query_with(addr, 40040, false).unwrap();
+        assert_eq!(p.wait(Duration::from_millis(40)), Answer::NotCapable);
+        assert!(!t.take("127.0.0.1:40040".parse().unwrap()));
+        // The mark stays: the query's retry, if it came late, is declined.
+        let q = Probe {
+            kind: Kind::Query,
+            nonce: 7,
+            client_port: 40040,
+            server_port: addr.port(),
+            client_addr: Ipv6Addr::LOCALHOST,
+            flags: 0,
+        };
+        let mut r = t.records.lock().unwrap();
+        let a = decide(
+            &mut r,
+            &t.stop,
+            true,
+            &q.encode(),
+            "127.0.0.1:9".parse().unwrap(),
+        );
+        let a = Probe::decode(&a.unwrap()).unwrap();
+        assert_eq!(a.kind, Kind::Decline);
+        assert_ne!(a.flags & FLAG_TOO_LATE, 0);
+    }
+
+    /// Regression: the twin thread took the query after the client had
+    /// given up, and the listener accepted the connection before the twin
+    /// thread read the withdraw behind it: the listener took the record
+    /// without reading its socket and switched the plain connection. It
+    /// now reads the queued datagrams first in every case.
+    #[test]
+    fn a_withdraw_queued_behind_a_query_the_twin_thread_took_is_read() {
+        let t = threadless_twin();
+        let addr = twin_addr(&t);
+        let p = send_query_with(addr, 40041, false).unwrap();
+        assert_eq!(p.wait(Duration::from_millis(40)), Answer::NotCapable);
+        // The query (and its retry) as the twin thread takes them: the
+        // withdraw stays queued.
+        let mut q = [0u8; 64];
+        for _ in 0..2 {
+            let (n, from) = t.sock.recv_from(&mut q).unwrap();
+            let mut r = t.records.lock().unwrap();
+            let a = decide(&mut r, &t.stop, true, &q[..n], from).unwrap();
+            assert_eq!(Probe::decode(&a).unwrap().kind, Kind::Accept);
+        }
+        assert!(!t.take("127.0.0.1:40041".parse().unwrap()));
+    }
+
+    /// A withdraw is answered with nothing, and one naming another query
+    /// (another nonce) leaves that query's record alone. A datagram of a
+    /// kind the twin does not know (as a withdraw is to a twin older than
+    /// it) is ignored: no answer, no record.
+    #[test]
+    fn a_withdraw_of_another_query_or_an_unknown_kind_changes_nothing() {
+        let t = threadless_twin();
+        let from: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let q = Probe {
+            kind: Kind::Query,
+            nonce: 1,
+            client_port: 40042,
+            server_port: 1,
+            client_addr: Ipv6Addr::LOCALHOST,
+            flags: 0,
+        };
+        let mut r = t.records.lock().unwrap();
+        assert!(decide(&mut r, &t.stop, true, &q.encode(), from).is_some());
+        let w = Probe {
+            kind: Kind::Withdraw,
+            nonce: 2,
+            ..q
+        };
+        assert!(decide(&mut r, &t.stop, true, &w.encode(), from).is_none());
+        let mut unknown = w.encode();
+        unknown[5] = 9;
+        assert!(decide(&mut r, &t.stop, true, &unknown, from).is_none());
+        assert_eq!(r.map.len(), 1);
+        drop(r);
+        assert!(t.take("127.0.0.1:40042".parse().unwrap()));
     }
 
     /// A thread's kept query socket keeps the read timeout set for its

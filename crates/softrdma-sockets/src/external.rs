@@ -36,7 +36,9 @@ pub fn known_plain(dest: SocketAddr) -> bool {
 
 /// Asks `dest`'s twin whether the connection from local TCP port
 /// `client_port` may be offloaded, waiting at most `timeout` (a negative
-/// answer is cached per destination).
+/// answer is cached per destination). A query not answered in time is
+/// withdrawn before this returns (see the [`detect`] module docs): the
+/// caller then connects plain, from that port or another.
 pub fn query(dest: SocketAddr, client_port: u16, timeout: Duration) -> PeerAnswer {
     // A socket of its own per query: no descriptor is kept open in the
     // application's process.

@@ -202,16 +202,62 @@ fn silent_host_costs_one_probe_then_cached() {
     session(c, |s| s.shutdown(Shutdown::Write).unwrap());
     let mut b = [0u8; 64];
     let mut queries = 0;
+    let mut withdraws = 0;
     while let Ok(n) = sink.recv(&mut b) {
-        assert!(Probe::decode(&b[..n]).is_some());
-        queries += 1;
+        match Probe::decode(&b[..n]).map(|p| p.kind) {
+            Some(Kind::Query) => queries += 1,
+            Some(Kind::Withdraw) => withdraws += 1,
+            k => panic!("{k:?}"),
+        }
     }
     assert!((1..=2).contains(&queries), "{queries} queries");
+    assert_eq!(withdraws, 1, "the unanswered query was not withdrawn");
     let c = TcpStream::connect_with(addr, &cfg).unwrap();
     assert_eq!(c.transport(), Transport::Plain(PlainReason::PeerNotCapable));
     session(c, |s| s.shutdown(Shutdown::Write).unwrap());
     assert!(sink.recv(&mut b).is_err(), "asked again");
     t.join().unwrap();
+}
+
+/// Regression: a client that heard no answer in time connected plain (from
+/// another port) and left its query standing: a twin that took it late
+/// (its process starved past the client's wait) kept a record that
+/// switched the next connection from the named port (another program's,
+/// plain) within the record's lifetime. The query is now withdrawn (same
+/// nonce and port) before the plain connection is made: the withdraw is
+/// on the twin's socket when the listener accepts.
+#[test]
+fn a_query_the_client_gave_up_on_was_left_standing() {
+    let (l, sink, addr) = tcp_and_udp_on_one_port();
+    let t = thread::spawn(move || {
+        let (s, peer) = l.accept().unwrap();
+        sink.set_nonblocking(true).unwrap();
+        let mut b = [0u8; 64];
+        let mut got = Vec::new();
+        while let Ok(n) = sink.recv(&mut b) {
+            got.push(Probe::decode(&b[..n]).unwrap());
+        }
+        serve(s);
+        (got, peer)
+    });
+    let mut cfg = Config::default();
+    cfg.probe_timeout = Duration::from_millis(40);
+    let c = TcpStream::connect_with(addr, &cfg).unwrap();
+    assert_eq!(c.transport(), Transport::Plain(PlainReason::PeerNotCapable));
+    session(c, |s| s.shutdown(Shutdown::Write).unwrap());
+    let (got, peer) = t.join().unwrap();
+    let (last, queries) = got.split_last().expect("no datagram");
+    assert!(!queries.is_empty(), "{got:?}");
+    assert_eq!(last.kind, Kind::Withdraw, "not withdrawn first: {got:?}");
+    for q in queries {
+        assert_eq!(q.kind, Kind::Query);
+        assert_eq!((q.nonce, q.client_port), (last.nonce, last.client_port));
+    }
+    assert_ne!(
+        peer.port(),
+        last.client_port,
+        "connected from the named port"
+    );
 }
 
 /// A twin that accepts, but a TCP side that cannot switch (it closes the
