@@ -703,36 +703,71 @@ const EXIT_CHILD_ENV: &str = "SOFTRDMA_CLOSING_EXIT_CHILD";
 /// once and the kernel sent the FIN then.)
 #[test]
 fn exit_right_after_the_close_waits_for_the_peers_ack() {
-    const READ_AFTER: Duration = Duration::from_millis(400);
-    let listener = late_listener();
-    let addr = listener.local_addr().unwrap();
-    let (go, went) = std::sync::mpsc::channel();
-    let peer = late_reader(listener, went, READ_AFTER);
-    go.send(()).unwrap();
-    let t0 = Instant::now();
+    child_exits_after_the_peers_read(
+        "child_closes_and_exits",
+        EXIT_CHILD_ENV,
+        Duration::from_millis(400),
+    );
+}
+
+/// Runs the ignored test `child` of this binary in a process of its own,
+/// `env` set to `value` and its output dropped; returns its exit status
+/// and the instant it ended.
+fn run_child(child: &str, env: &str, value: &str) -> (std::process::ExitStatus, Instant) {
     let status = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
-            "child_closes_and_exits",
+            child,
             "--exact",
             "--ignored",
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(EXIT_CHILD_ENV, addr.to_string())
+        .env(env, value)
         .stdout(std::process::Stdio::null())
         .status()
         .unwrap();
-    let exited = Instant::now();
+    (status, Instant::now())
+}
+
+/// Runs the ignored test `child` (which answers 64 KiB and exits) in a
+/// process of its own against a peer that reads the answer `read_after`
+/// after it connected (its address in `env`), and checks the peer's end:
+/// the child succeeded, the peer got the whole answer and then a FIN
+/// (not a reset), and the child had not ended before the peer read.
+fn child_exits_after_the_peers_read(child: &str, env: &str, read_after: Duration) {
+    let listener = late_listener();
+    let addr = listener.local_addr().unwrap();
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, read_after);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    let (status, exited) = run_child(child, env, &addr.to_string());
     let (got, end, reading_at) = peer.join().unwrap();
     assert!(status.success(), "{status}");
+    assert_eq!(end, None, "the stream ended with FIN, not a reset");
+    assert!(
+        got >= 64 * 1024,
+        "the peer got the whole answer: {got} bytes"
+    );
     assert!(
         exited >= reading_at,
         "the child exited {:?} after it started, before the peer read ({:?})",
         exited - t0,
         reading_at.saturating_duration_since(t0)
     );
-    assert_eq!(end, None, "the stream ended with FIN, not a reset");
-    assert!(got >= 64 * 1024, "{got} bytes");
+}
+
+/// In a child process [`child_exits_after_the_peers_read`] started: a
+/// side connected to the scripted peer at the address in `env`, its
+/// 64 KiB answer sent (with its device); `None` when `env` is not set
+/// (the child test run on its own).
+fn answered_child_side(env: &str) -> Option<(Device, Side)> {
+    let addr = std::env::var(env).ok()?;
+    let dev = device(false);
+    let s = side(&dev, |_| {});
+    establish_with_room(&s, addr.parse().unwrap());
+    send_answer(&s, 64 * 1024);
+    Some((dev, s))
 }
 
 /// The child of [`exit_right_after_the_close_waits_for_the_peers_ack`]:
@@ -740,13 +775,9 @@ fn exit_right_after_the_close_waits_for_the_peers_ack() {
 #[test]
 #[ignore = "run by exit_right_after_the_close_waits_for_the_peers_ack"]
 fn child_closes_and_exits() {
-    let Ok(addr) = std::env::var(EXIT_CHILD_ENV) else {
+    let Some((_dev, s)) = answered_child_side(EXIT_CHILD_ENV) else {
         return;
     };
-    let dev = device(false);
-    let s = side(&dev, |_| {});
-    establish_with_room(&s, addr.parse().unwrap());
-    send_answer(&s, 64 * 1024);
     s.qp.close_acknowledged(Duration::from_secs(5));
     drop(s);
     std::process::exit(0);
@@ -783,19 +814,11 @@ fn close_in_an_exit_handler_run_after_the_engines_waits_for_the_peers_ack() {
     go1.send(()).unwrap();
     go2.send(()).unwrap();
     let t0 = Instant::now();
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "child_closes_in_a_late_exit_handler",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(LATE_EXIT_CHILD_ENV, addrs)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    let exited = Instant::now();
+    let (status, exited) = run_child(
+        "child_closes_in_a_late_exit_handler",
+        LATE_EXIT_CHILD_ENV,
+        &addrs,
+    );
     let (got1, end1, _) = peer1.join().unwrap();
     let (got2, end2, reading_at) = peer2.join().unwrap();
     assert!(status.success(), "{status}");
@@ -921,38 +944,10 @@ const DISCONNECT_EXIT_CHILD_ENV: &str = "SOFTRDMA_CLOSING_DISCONNECT_EXIT_CHILD"
 /// acknowledgement, as after `close_acknowledged`.
 #[test]
 fn exit_right_after_a_disconnect_waits_for_the_peers_ack() {
-    const READ_AFTER: Duration = Duration::from_millis(400);
-    let listener = late_listener();
-    let addr = listener.local_addr().unwrap();
-    let (go, went) = std::sync::mpsc::channel();
-    let peer = late_reader(listener, went, READ_AFTER);
-    go.send(()).unwrap();
-    let t0 = Instant::now();
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "child_disconnects_and_exits",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(DISCONNECT_EXIT_CHILD_ENV, addr.to_string())
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    let exited = Instant::now();
-    let (got, end, reading_at) = peer.join().unwrap();
-    assert!(status.success(), "{status}");
-    assert_eq!(end, None, "the stream ended with FIN, not a reset");
-    assert!(
-        got >= 64 * 1024,
-        "the peer got the whole answer: {got} bytes"
-    );
-    assert!(
-        exited >= reading_at,
-        "the child exited {:?} after it started, before the peer read ({:?})",
-        exited - t0,
-        reading_at.saturating_duration_since(t0)
+    child_exits_after_the_peers_read(
+        "child_disconnects_and_exits",
+        DISCONNECT_EXIT_CHILD_ENV,
+        Duration::from_millis(400),
     );
 }
 
@@ -961,13 +956,9 @@ fn exit_right_after_a_disconnect_waits_for_the_peers_ack() {
 #[test]
 #[ignore = "run by exit_right_after_a_disconnect_waits_for_the_peers_ack"]
 fn child_disconnects_and_exits() {
-    let Ok(addr) = std::env::var(DISCONNECT_EXIT_CHILD_ENV) else {
+    let Some((_dev, s)) = answered_child_side(DISCONNECT_EXIT_CHILD_ENV) else {
         return;
     };
-    let dev = device(false);
-    let s = side(&dev, |_| {});
-    establish_with_room(&s, addr.parse().unwrap());
-    send_answer(&s, 64 * 1024);
     s.qp.disconnect_acknowledged(Duration::from_secs(5))
         .unwrap();
     std::mem::forget(s);

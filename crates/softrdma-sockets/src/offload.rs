@@ -3084,6 +3084,42 @@ mod drive_tests {
         (i.wrapping_mul(31) ^ (i >> 9)) as u8
     }
 
+    /// A connected pair, `TCP_NODELAY` at both ends: for ping-pongs.
+    fn nodelay_pair() -> (Offload, Offload) {
+        let (c, s) = super::tests::pair();
+        c.set_nodelay(true);
+        s.set_nodelay(true);
+        (c, s)
+    }
+
+    /// The 64-octet message of round `i` of a ping-pong.
+    fn ping_message(i: usize) -> Vec<u8> {
+        (0..64).map(|k| pattern(i * 64 + k)).collect()
+    }
+
+    /// The server end of a ping-pong: reads `rounds` 64-octet messages
+    /// and writes each back.
+    fn echo_rounds(s: &Offload, rounds: usize) {
+        let mut buf = [0u8; 64];
+        for _ in 0..rounds {
+            read_full(s, &mut buf);
+            s.write(&buf, false, None).unwrap();
+        }
+    }
+
+    /// The client end of a ping-pong against [`echo_rounds`]: writes
+    /// `rounds` messages, each after the echo of the one before, and
+    /// checks each echo is byte-exact.
+    fn ping_rounds(c: &Offload, rounds: usize) {
+        let mut back = [0u8; 64];
+        for i in 0..rounds {
+            let msg = ping_message(i);
+            c.write(&msg, false, None).unwrap();
+            read_full(c, &mut back);
+            assert_eq!(&back[..], &msg[..], "round {i}");
+        }
+    }
+
     /// Runs `f` on a thread of its own; fails the test if it has not
     /// ended within `limit` (a lost wake-up hangs it: see
     /// [`no_safety_net`]). A panic of `f` is the test's.
@@ -3117,25 +3153,13 @@ mod drive_tests {
     fn a_blocked_read_sleeps_in_recv_and_a_ping_pong_is_byte_exact() {
         no_safety_net();
         within(Duration::from_secs(120), || {
-            let (c, s) = super::tests::pair();
-            c.set_nodelay(true);
-            s.set_nodelay(true);
+            let (c, s) = nodelay_pair();
             const ROUNDS: usize = 300;
             let server = std::thread::spawn(move || {
-                let mut buf = [0u8; 64];
-                for _ in 0..ROUNDS {
-                    read_full(&s, &mut buf);
-                    s.write(&buf, false, None).unwrap();
-                }
+                echo_rounds(&s, ROUNDS);
                 s.sh.lock().recv_sleeps
             });
-            let mut back = [0u8; 64];
-            for i in 0..ROUNDS {
-                let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
-                c.write(&msg, false, None).unwrap();
-                read_full(&c, &mut back);
-                assert_eq!(&back[..], &msg[..], "round {i}");
-            }
+            ping_rounds(&c, ROUNDS);
             let server_sleeps = server.join().unwrap();
             let client_sleeps = c.sh.lock().recv_sleeps;
             assert!(client_sleeps > 0, "the client never slept in recv");
@@ -3151,27 +3175,15 @@ mod drive_tests {
         no_safety_net();
         within(Duration::from_secs(120), || {
             let before = super::recv_sleeps();
-            let (c, s) = super::tests::pair();
-            c.set_nodelay(true);
-            s.set_nodelay(true);
+            let (c, s) = nodelay_pair();
             const ROUNDS: usize = 200;
             let server = std::thread::spawn(move || {
-                let mut buf = [0u8; 64];
-                for _ in 0..ROUNDS {
-                    read_full(&s, &mut buf);
-                    s.write(&buf, false, None).unwrap();
-                }
+                echo_rounds(&s, ROUNDS);
                 let n = s.sh.lock().recv_sleeps;
                 (n, s)
             });
             let client = std::thread::spawn(move || {
-                let mut back = [0u8; 64];
-                for i in 0..ROUNDS {
-                    let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
-                    c.write(&msg, false, None).unwrap();
-                    read_full(&c, &mut back);
-                    assert_eq!(&back[..], &msg[..], "round {i}");
-                }
+                ping_rounds(&c, ROUNDS);
                 let n = c.sh.lock().recv_sleeps;
                 (n, c)
             });
@@ -3206,16 +3218,13 @@ mod drive_tests {
     fn ping_pong_writes_complete_in_the_writing_call() {
         no_safety_net();
         within(Duration::from_secs(120), || {
-            let (c, s) = super::tests::pair();
-            c.set_nodelay(true);
-            s.set_nodelay(true);
+            let (c, s) = nodelay_pair();
             const ROUNDS: usize = 300;
             let server = std::thread::spawn(move || {
                 let mut buf = [0u8; 64];
                 for i in 0..ROUNDS {
                     read_full(&s, &mut buf);
-                    let want: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
-                    assert_eq!(&buf[..], &want[..], "round {i} at the server");
+                    assert_eq!(&buf[..], &ping_message(i)[..], "round {i} at the server");
                     buf.iter_mut().for_each(|b| *b = !*b);
                     s.write(&buf, false, None).unwrap();
                     let st = s.sh.lock();
@@ -3226,7 +3235,7 @@ mod drive_tests {
             });
             let mut back = [0u8; 64];
             for i in 0..ROUNDS {
-                let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
+                let msg = ping_message(i);
                 c.write(&msg, false, None).unwrap();
                 read_full(&c, &mut back);
                 let want: Vec<u8> = msg.iter().map(|b| !*b).collect();
@@ -3270,8 +3279,7 @@ mod drive_tests {
                 got
             });
             for i in 0..WRITES {
-                let msg: Vec<u8> = (0..64).map(|k| pattern(i * 64 + k)).collect();
-                c.write(&msg, false, None).unwrap();
+                c.write(&ping_message(i), false, None).unwrap();
             }
             let got = reader.join().unwrap();
             let want: Vec<u8> = (0..WRITES * 64).map(pattern).collect();

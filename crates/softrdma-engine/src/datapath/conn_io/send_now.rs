@@ -145,6 +145,15 @@ mod tests {
         }
     }
 
+    /// A device whose threads are not pinned.
+    fn device() -> Device {
+        Device::open_with(DeviceConfig {
+            pin_threads: false,
+            ..DeviceConfig::default()
+        })
+        .unwrap()
+    }
+
     /// The bytes the general path puts on the wire for `wrs`, in order.
     fn general_bytes(wrs: &[SendWr<'_>], mem: &mut PdMemory<'_>) -> Vec<u8> {
         let mut c = Connection::new(config());
@@ -167,11 +176,7 @@ mod tests {
     /// complete, in order. The same when the write fails.
     #[test]
     fn a_short_write_mid_fpdu_is_finished_by_the_general_path() {
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
+        let dev = device();
         let pd = ProtectionDomain::new(&dev);
         let mut mem = PdMemory::new(dev.stags(), pd.id(), None);
         let first: Vec<u8> = (0..64u8).collect();
@@ -302,11 +307,7 @@ mod tests {
     /// ERROR, the request flushed, the reset event).
     #[test]
     fn a_write_into_a_reset_fails_as_the_general_paths() {
-        let dev = Device::open_with(DeviceConfig {
-            pin_threads: false,
-            ..DeviceConfig::default()
-        })
-        .unwrap();
+        let dev = device();
         let pd = ProtectionDomain::new(&dev);
         let mut mem = PdMemory::new(dev.stags(), pd.id(), None);
         let one = after_a_reset(true, &mut mem);

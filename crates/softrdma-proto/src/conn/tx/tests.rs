@@ -458,6 +458,25 @@ fn opcodes(fpdus: &[Vec<u8>], crc: bool) -> Vec<Opcode> {
         .collect()
 }
 
+/// Checks what the general path did with a Send (`wr_id` 1) posted
+/// while a `response` was owed: the post was taken, the Send and the
+/// response went out (in either order), and the Send completed.
+fn sent_the_send_and_the_response(
+    r: Result<(), crate::types::PostError>,
+    bytes: &[Vec<u8>],
+    done: &[Completion],
+    crc: bool,
+    response: Opcode,
+) {
+    assert_eq!(r, Ok(()));
+    let mut ops = opcodes(bytes, crc);
+    ops.sort_by_key(|o| *o as u8);
+    let mut want = vec![Opcode::Send, response];
+    want.sort_by_key(|o| *o as u8);
+    assert_eq!(ops, want);
+    assert_eq!(done.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [1]);
+}
+
 /// In CLOSING (after `close`) the one pass declines; the general path
 /// refuses the post, and the FIN still goes out after what was queued.
 #[test]
@@ -512,13 +531,7 @@ fn a_framed_send_declines_with_a_read_response_owed() {
         },
         &wr,
     );
-    assert_eq!(r, Ok(()));
-    let mut ops = opcodes(&bytes, true);
-    ops.sort_by_key(|o| *o as u8);
-    let mut want = vec![Opcode::Send, Opcode::RdmaReadResponse];
-    want.sort_by_key(|o| *o as u8);
-    assert_eq!(ops, want);
-    assert_eq!(done.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [1]);
+    sent_the_send_and_the_response(r, &bytes, &done, true, Opcode::RdmaReadResponse);
 }
 
 /// With an Atomic Response owed (an Atomic Request received and
@@ -542,13 +555,7 @@ fn a_framed_send_declines_with_an_atomic_response_owed() {
         },
         &wr,
     );
-    assert_eq!(r, Ok(()));
-    let mut ops = opcodes(&bytes, false);
-    ops.sort_by_key(|o| *o as u8);
-    let mut want = vec![Opcode::Send, Opcode::AtomicResponse];
-    want.sort_by_key(|o| *o as u8);
-    assert_eq!(ops, want);
-    assert_eq!(done.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [1]);
+    sent_the_send_and_the_response(r, &bytes, &done, false, Opcode::AtomicResponse);
 }
 
 /// With a Terminate waiting to go out (the application's move to
