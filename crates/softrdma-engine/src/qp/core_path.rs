@@ -6,7 +6,7 @@
 //! delivers completions and events, and acts on the link actions and the
 //! close timer.
 
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -28,7 +28,7 @@ pub(crate) struct CoreConn {
     conn: Connection<Arc<Memory>>,
     rx: RxIo,
     tx: TxIo,
-    stream: Arc<TcpStream>,
+    stream: Arc<super::linger::LinkStream>,
     fd: RawFd,
     /// The QP is listed with its datamover for transmission.
     pub(crate) on_dm: bool,
@@ -151,7 +151,7 @@ impl QpInner {
     /// `tcp`: the stream is known to be a TCP socket.
     pub(crate) fn core_establish(
         &self,
-        stream: Arc<TcpStream>,
+        stream: Arc<super::linger::LinkStream>,
         params: &LinkParams,
         max_payload: usize,
         already_read: &[u8],
@@ -2003,7 +2003,7 @@ mod tests {
             // A small send buffer: the socket fills sooner.
             let g = a.qp().lock_core();
             let cc = g.as_ref().expect("connected");
-            socket2::SockRef::from(&*cc.stream)
+            socket2::SockRef::from(&**cc.stream)
                 .set_send_buffer_size(4096)
                 .unwrap();
         }

@@ -39,8 +39,10 @@
 //! number. Each socket's identity (device and inode, `fstat(2)`) is noted
 //! when it is listed and checked before every look and every act: a
 //! number that no longer names that socket ends its wait and is never
-//! read from, shut down or closed by this list (the sweep closed the
-//! socket itself, at once, as the kernel closes any socket). A
+//! read from, shut down or closed by this list, nor by whoever holds the
+//! socket last (the QP's state, dropped after the list let go of it:
+//! [`LinkStream`] notes it); the sweep closed the socket itself, at once,
+//! as the kernel closes any socket. A
 //! sweep that closes the number and reopens it between the check and the
 //! act (some microseconds, in the engine's timer thread) is not covered,
 //! nor a QP not destroyed yet (its descriptor is its own, closed at its
@@ -50,7 +52,7 @@
 //! [`QueuePair::disconnect_acknowledged`]: super::QueuePair::disconnect_acknowledged
 
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, IntoRawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -67,9 +69,68 @@ pub(crate) const ACK_POLL: Duration = Duration::from_millis(1);
 /// itself: `exit` called from a signal handler).
 const EXIT_LOCK_WAIT: Duration = Duration::from_millis(100);
 
+/// A connection's socket, shared by its QP, the receive path and this
+/// list: its descriptor is closed when the last holder lets go, unless
+/// [`forget`](LinkStream::forget) found its number naming another file by
+/// then (the application closed it and reused the number), which is then
+/// left open, never closed.
+#[derive(Debug)]
+pub(crate) struct LinkStream {
+    /// `Some` until dropped.
+    stream: Option<TcpStream>,
+    /// The number is not ours any more: never close it.
+    forgotten: AtomicBool,
+}
+
+impl LinkStream {
+    /// Shares `stream`.
+    pub(crate) fn new(stream: TcpStream) -> LinkStream {
+        LinkStream {
+            stream: Some(stream),
+            forgotten: AtomicBool::new(false),
+        }
+    }
+
+    /// The number no longer names this socket: whoever lets go of it last
+    /// leaves the number alone instead of closing it.
+    fn forget(&self) {
+        self.forgotten.store(true, Ordering::Release);
+    }
+}
+
+impl std::ops::Deref for LinkStream {
+    type Target = TcpStream;
+    fn deref(&self) -> &TcpStream {
+        self.stream.as_ref().expect("open until dropped")
+    }
+}
+
+impl AsRawFd for LinkStream {
+    fn as_raw_fd(&self) -> RawFd {
+        (**self).as_raw_fd()
+    }
+}
+
+impl AsFd for LinkStream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        (**self).as_fd()
+    }
+}
+
+impl Drop for LinkStream {
+    fn drop(&mut self) {
+        if let Some(stream) = self.stream.take()
+            && self.forgotten.load(Ordering::Acquire)
+        {
+            // Not ours to close any more.
+            let _ = stream.into_raw_fd();
+        }
+    }
+}
+
 /// A socket waiting for its peer's acknowledgement.
 struct Lingering {
-    stream: Arc<TcpStream>,
+    stream: Arc<LinkStream>,
     /// The socket's identity when it was listed (`None`: unknown, and then
     /// nothing is done on its number any more).
     id: Option<crate::sys::tcp::FileId>,
@@ -80,7 +141,7 @@ struct Lingering {
 }
 
 impl Lingering {
-    fn new(stream: Arc<TcpStream>, linger: Duration, close: bool) -> Lingering {
+    fn new(stream: Arc<LinkStream>, linger: Duration, close: bool) -> Lingering {
         let now = crate::sys::clock::now();
         Lingering {
             id: crate::sys::tcp::file_id(stream.as_raw_fd()),
@@ -108,7 +169,8 @@ impl Lingering {
     /// received and not read is dropped, then the FIN goes after the bytes
     /// in the socket. Its descriptor is closed here if the QP has let go
     /// of it already; a number that no longer names the socket (the
-    /// application closed it) is left alone, never closed.
+    /// application closed it) is left alone, never closed, here or by
+    /// whoever holds the socket last ([`LinkStream::forget`]).
     fn close(self) {
         let ours = self.ours();
         if ours && self.close {
@@ -117,9 +179,8 @@ impl Lingering {
         }
         #[cfg(test)]
         CLOSED.fetch_add(1, Ordering::Relaxed);
-        if !ours && let Ok(stream) = Arc::try_unwrap(self.stream) {
-            // Not ours to close any more.
-            let _ = stream.into_raw_fd();
+        if !ours {
+            self.stream.forget();
         }
     }
 }
@@ -161,7 +222,7 @@ pub(crate) static CLOSED: std::sync::atomic::AtomicUsize = std::sync::atomic::At
 /// handed to it, at most `linger` from now, without waiting for that: the
 /// engine's timer does. Ends any receive sleeping in the socket at once
 /// (`shutdown(SHUT_RD)`, which sends nothing).
-pub(crate) fn close_after_ack(stream: Arc<TcpStream>, linger: Duration) {
+pub(crate) fn close_after_ack(stream: Arc<LinkStream>, linger: Duration) {
     let _ = stream.shutdown(Shutdown::Read);
     list(Lingering::new(stream, linger, true));
 }
@@ -171,7 +232,7 @@ pub(crate) fn close_after_ack(stream: Arc<TcpStream>, linger: Duration) {
 /// from now: for a FIN that waits for that acknowledgement in its QP
 /// (`disconnect_acknowledged`), which sends it itself. Nothing is done on
 /// the socket here.
-pub(crate) fn hold_exit_until_ack(stream: Arc<TcpStream>, linger: Duration) {
+pub(crate) fn hold_exit_until_ack(stream: Arc<LinkStream>, linger: Duration) {
     list(Lingering::new(stream, linger, false));
 }
 
@@ -260,4 +321,43 @@ extern "C" fn close_at_exit() {
             std::thread::sleep(ACK_POLL);
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{Ipv4Addr, TcpListener};
+
+    /// The list finds the number naming another file while someone else
+    /// (a QP's state not dropped yet, another entry) still holds the
+    /// socket: the last holder leaves the number alone too.
+    #[test]
+    fn a_reused_number_is_not_closed_by_the_streams_last_holder() {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (_peer, _) = l.accept().unwrap();
+        let number = c.as_raw_fd();
+        let id = crate::sys::tcp::file_id(number);
+        assert!(id.is_some());
+        let stream = Arc::new(LinkStream::new(c));
+        let other_holder = stream.clone();
+        // Listed with another identity: as if the application had closed
+        // the number and opened a file of its own on it (that file is
+        // this socket here, so that a close shows).
+        let l = Lingering {
+            stream,
+            id: Some((u64::MAX, u64::MAX)),
+            deadline: crate::sys::clock::now(),
+            close: true,
+        };
+        assert!(!l.ours());
+        l.close();
+        drop(other_holder);
+        assert_eq!(
+            crate::sys::tcp::file_id(number),
+            id,
+            "the number was closed by the stream's last holder"
+        );
+        // (The socket is left open: this test cannot close a bare number.)
+    }
 }

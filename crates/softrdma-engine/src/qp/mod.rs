@@ -877,7 +877,7 @@ impl QueuePair {
         let tcp = mss.is_ok();
         let max_payload = crate::datapath::conn_io::max_payload_for_mss(mss.unwrap_or(1460));
         *qp.peer.lock() = peer.or_else(|| stream.peer_addr().ok());
-        let stream = Arc::new(stream);
+        let stream = Arc::new(linger::LinkStream::new(stream));
         qp.core_establish(stream, params, max_payload, already_read, tcp);
         qp.closed.store(false, Ordering::SeqCst);
         *qp.last_terminate.lock() = None;
