@@ -965,6 +965,56 @@ fn child_disconnects_and_exits() {
     std::process::exit(0);
 }
 
+/// Set in the child process of
+/// [`exit_after_a_disconnect_and_a_destroy_does_not_wait_for_the_peer`]:
+/// the address of its scripted peer.
+const DESTROY_EXIT_CHILD_ENV: &str = "SOFTRDMA_CLOSING_DESTROY_EXIT_CHILD";
+
+/// Regression: the exit hold of a FIN that waits
+/// (`disconnect_acknowledged`) outlived the QP's destroy, whose close
+/// sends the FIN at once: a process that disconnected, destroyed the QP
+/// and exited still waited in its exit handler for the peer's
+/// acknowledgement (up to the whole linger against a stalled peer). The
+/// destroy now ends the hold.
+#[test]
+fn exit_after_a_disconnect_and_a_destroy_does_not_wait_for_the_peer() {
+    const READ_AFTER: Duration = Duration::from_secs(3);
+    let listener = late_listener();
+    let addr = listener.local_addr().unwrap();
+    let (go, went) = std::sync::mpsc::channel();
+    let peer = late_reader(listener, went, READ_AFTER);
+    go.send(()).unwrap();
+    let t0 = Instant::now();
+    let (status, exited) = run_child(
+        "child_disconnects_destroys_and_exits",
+        DESTROY_EXIT_CHILD_ENV,
+        &addr.to_string(),
+    );
+    let (_got, _end, reading_at) = peer.join().unwrap();
+    assert!(status.success(), "{status}");
+    assert!(
+        exited < reading_at,
+        "the child waited for the peer's read: exited {:?} after it started, the peer read at {:?}",
+        exited - t0,
+        reading_at.saturating_duration_since(t0)
+    );
+}
+
+/// The child of
+/// [`exit_after_a_disconnect_and_a_destroy_does_not_wait_for_the_peer`]:
+/// answers, disconnects, destroys the QP (no linger) and exits at once.
+#[test]
+#[ignore = "run by exit_after_a_disconnect_and_a_destroy_does_not_wait_for_the_peer"]
+fn child_disconnects_destroys_and_exits() {
+    let Some((_dev, s)) = answered_child_side(DESTROY_EXIT_CHILD_ENV) else {
+        return;
+    };
+    s.qp.disconnect_acknowledged(Duration::from_secs(30))
+        .unwrap();
+    drop(s);
+    std::process::exit(0);
+}
+
 /// The identity (device, inode) of the file descriptor number `fd` names
 /// now, `None` if it is not open.
 fn fd_identity(fd: i32) -> Option<(u64, u64)> {

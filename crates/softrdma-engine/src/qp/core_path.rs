@@ -93,6 +93,23 @@ pub(crate) struct CoreConn {
     direct_wc: Option<Option<WorkCompletion>>,
 }
 
+impl CoreConn {
+    /// Ends the exit hold of a FIN that waited (`fin_holds_exit`).
+    fn release_exit_hold(&mut self) {
+        if std::mem::take(&mut self.fin_holds_exit) {
+            super::linger::release_exit_hold(&self.stream);
+        }
+    }
+}
+
+impl Drop for CoreConn {
+    fn drop(&mut self) {
+        // The connection is gone (the QP reset to IDLE, or dropped): its
+        // FIN no longer holds the exit.
+        self.release_exit_hold();
+    }
+}
+
 /// The next [`CoreConn::epoch`].
 static NEXT_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -546,6 +563,9 @@ impl QpInner {
                     Output::Link(LinkAction::Reset) => {
                         cc.link_done = true;
                         cc.tx.discard();
+                        // The FIN that waited goes now (or a reset): the
+                        // exit no longer waits for it.
+                        cc.release_exit_hold();
                         if cc.ended_in_order {
                             // Nothing left to reset (see `ended_in_order`).
                         } else if cc.orderly {
@@ -1056,7 +1076,7 @@ impl QpInner {
             let now = crate::datamover::now_ns();
             cc.fin_after_ack = fin_linger
                 .map(|l| now.saturating_add(u64::try_from(l.as_nanos()).unwrap_or(u64::MAX)));
-            cc.fin_holds_exit = false;
+            cc.release_exit_hold();
             cc.conn.close(now);
             self.core_outputs(cc);
         }

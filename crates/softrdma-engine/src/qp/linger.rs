@@ -30,7 +30,9 @@
 //! disconnects and exits without destroying the QP then ends once the
 //! peer has acknowledged (the FIN goes, from the QP's timer or from the
 //! kernel as the process ends, after that), not with the FIN right behind
-//! the bytes the peer has not acknowledged yet.
+//! the bytes the peer has not acknowledged yet. The hold ends with the
+//! connection: a QP destroyed or reset (its FIN, or a reset, goes at
+//! once) no longer holds the exit.
 //!
 //! **Descriptor numbers.** A socket waits here by its descriptor number,
 //! which the application does not know about: a `close_range(2)` /
@@ -234,6 +236,31 @@ pub(crate) fn close_after_ack(stream: Arc<LinkStream>, linger: Duration) {
 /// the socket here.
 pub(crate) fn hold_exit_until_ack(stream: Arc<LinkStream>, linger: Duration) {
     list(Lingering::new(stream, linger, false));
+}
+
+/// Ends the exit hold of `stream` ([`hold_exit_until_ack`]), if it is
+/// listed: its connection was reset or closed without the wait (destroyed),
+/// or dropped.
+pub(crate) fn release_exit_hold(stream: &Arc<LinkStream>) {
+    let Some(pending) = PENDING.peek() else {
+        return;
+    };
+    let mut p = pending.lock();
+    let mut released = Vec::new();
+    let mut i = 0;
+    while i < p.list.len() {
+        if !p.list[i].close && Arc::ptr_eq(&p.list[i].stream, stream) {
+            released.push(p.list.swap_remove(i));
+        } else {
+            i += 1;
+        }
+    }
+    drop(p);
+    for l in released {
+        if !l.ours() {
+            l.stream.forget();
+        }
+    }
 }
 
 /// Lists `l` (arming the timer, registering the exit handler), or ends it
