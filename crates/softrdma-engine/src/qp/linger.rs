@@ -28,9 +28,14 @@
 //! QP's own (its timer sends it); its socket is also listed here, as one
 //! to wait for at exit only ([`hold_exit_until_ack`]): a process that
 //! disconnects and exits without destroying the QP then ends once the
-//! peer has acknowledged (the FIN goes, from the QP's timer or from the
-//! kernel as the process ends, after that), not with the FIN right behind
-//! the bytes the peer has not acknowledged yet. The hold ends with the
+//! peer has acknowledged what is in the socket (the FIN goes, from the
+//! QP's timer or from the kernel as the process ends, after that), not
+//! with the FIN right behind the bytes the peer has not acknowledged yet.
+//! The hold is listed only once the FIN is ready, every request posted
+//! before it handed to the socket: requests still in the engine's own
+//! queue at `exit` (the socket full, a slow peer) are not waited for (the
+//! process may end before they reach the socket), as a device flushes
+//! posted requests that never completed. The hold ends with the
 //! connection: a QP destroyed or reset (its FIN, or a reset, goes at
 //! once) no longer holds the exit.
 //!

@@ -749,7 +749,11 @@ impl QueuePair {
     /// [`close_acknowledged`](Self::close_acknowledged), which keeps
     /// waiting. A process that exits (`exit(3)`) while the FIN waits, the
     /// QP not destroyed, waits at exit for the acknowledgement too (at
-    /// most `linger`), as after [`close_acknowledged`](Self::close_acknowledged).
+    /// most `linger`), as after [`close_acknowledged`](Self::close_acknowledged),
+    /// once the FIN is ready: requests still in the engine's own queue at
+    /// exit (the socket full, a slow peer) are not waited for (the process
+    /// may end before they reach the socket), as a device flushes posted
+    /// requests that never completed.
     pub fn disconnect_acknowledged(&self, linger: std::time::Duration) -> Result<(), ModifyError> {
         self.disconnect_with(Some(linger))
     }
