@@ -1032,6 +1032,21 @@ fn fd_identity(fd: i32) -> Option<(u64, u64)> {
 /// number alone once it names another file.
 #[test]
 fn a_socket_the_application_opened_on_a_closed_lingering_number_was_shut_down_and_closed() {
+    // An attempt the test thread stalled in (the linger's wait could end
+    // before the number was reused) checks nothing: tried again.
+    for _ in 0..5 {
+        if reused_lingering_number_is_left_alone() {
+            return;
+        }
+    }
+    panic!("every attempt stalled past half the linger before the number was reused");
+}
+
+/// One attempt of
+/// [`a_socket_the_application_opened_on_a_closed_lingering_number_was_shut_down_and_closed`];
+/// `false` (nothing checked) if the number was reused only after half the
+/// linger had passed.
+fn reused_lingering_number_is_left_alone() -> bool {
     use std::io::{Read, Write};
     use std::os::fd::{AsRawFd, FromRawFd};
     const LINGER: Duration = Duration::from_millis(200);
@@ -1050,21 +1065,31 @@ fn a_socket_the_application_opened_on_a_closed_lingering_number_was_shut_down_an
     s.qp.establish(stream, &LinkParams::from(&n)).unwrap();
     send_answer(&s, 64 * 1024);
     go.send(()).unwrap();
+    // The application's connection, ready before the close.
+    let app_listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let mine = TcpStream::connect(app_listener.local_addr().unwrap()).unwrap();
+    let (mut other_end, _) = app_listener.accept().unwrap();
+    let closed_at = Instant::now();
     s.qp.close_acknowledged(LINGER);
     // The QP is destroyed: the lingering socket is the engine's alone.
     drop(s);
     // The application closes the number and opens a connection of its own
     // on it, with bytes waiting to be read.
-    let app_listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-    let mine = TcpStream::connect(app_listener.local_addr().unwrap()).unwrap();
-    let (mut other_end, _) = app_listener.accept().unwrap();
     // SAFETY: closes the lingering socket's number (what the application
     // does) and puts the application's socket on it, in one call (no other
     // thread of the test can get the number in between); both numbers are
     // this test's to manage from here.
     let r = unsafe { libc::dup2(mine.as_raw_fd(), number) };
+    let reused_after = closed_at.elapsed();
     assert_eq!(r, number, "dup2: {}", std::io::Error::last_os_error());
     drop(mine);
+    if reused_after >= LINGER / 2 {
+        // SAFETY: `number` names the application's socket (the `dup2`
+        // above); the stream owns it from here and closes it.
+        drop(unsafe { TcpStream::from_raw_fd(number) });
+        let _ = peer.join().unwrap();
+        return false;
+    }
     let id = fd_identity(number).unwrap();
     other_end.write_all(b"unread").unwrap();
     // Well past the linger, when the engine ends its wait.
@@ -1091,6 +1116,7 @@ fn a_socket_the_application_opened_on_a_closed_lingering_number_was_shut_down_an
     drop(app);
     // Whatever became of the lingering socket, the peer's stream ends.
     let _ = peer.join().unwrap();
+    true
 }
 
 /// The closing tests' look at a socket's state ([`tcp_state`]): a live
