@@ -939,7 +939,7 @@ impl QueuePair {
     /// of the exclusive CQ (as the CQ's one consumer): a completion
     /// returned here while another thread holds completions it polled but
     /// has not handled yet would be handled ahead of them. An exclusive CQ
-    /// cannot be served by [`AsyncCq`](crate::async_cq::AsyncCq) for that
+    /// cannot be served by `AsyncCq` (the `tokio` feature) for that
     /// reason.
     ///
     /// # Errors
