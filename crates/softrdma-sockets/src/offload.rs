@@ -2384,6 +2384,58 @@ impl Shared {
         let Some(mut gate) = st.poller.take() else {
             return self.sleep(st, nap, deadline, seen, interruptible);
         };
+        // The gate goes back even if what follows panics (a caller may
+        // turn the panic into an error and go on using the connection):
+        // without it every later blocking call would find it held for
+        // good. No cost unless it unwinds.
+        let section = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.wait_holding(st, &mut gate, nap, deadline)
+        }));
+        let (res, n) = match section {
+            Ok(r) => r,
+            Err(panic) => {
+                st.recv_sleeping = false;
+                st.poller = Some(gate);
+                self.wake_sleepers(st);
+                std::panic::resume_unwind(panic);
+            }
+        };
+        st.poller = Some(gate);
+        if n > 0 {
+            self.flush_tx(st);
+        }
+        // Completions handled here are nobody else's to see: bring the
+        // readiness descriptor and async tasks up to date, and wake the
+        // calls that sleep because this one drove (one of them drives
+        // next if this call returns).
+        self.after(st);
+        self.wake_sleepers(st);
+        match res {
+            Err(WaitError::Interrupted) if n == 0 => {
+                return Err(io::Error::from(io::ErrorKind::Interrupted));
+            }
+            Err(WaitError::Io(e)) if n == 0 => return Err(e),
+            _ => {}
+        }
+        if n == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
+        }
+        Ok(())
+    }
+
+    /// The part of [`wait_inner`](Self::wait_inner) run holding the
+    /// `poller` gate (taken out of the state as `gate`): the wait, then
+    /// the completions taken out of the CQ; returns the wait's result and
+    /// how many completions were handled.
+    fn wait_holding(
+        &self,
+        st: &mut Locked<'_>,
+        gate: &mut WaitSet,
+        nap: Duration,
+        deadline: Option<Instant>,
+    ) -> (Result<usize, WaitError>, usize) {
+        #[cfg(test)]
+        drive_tests::panic_in_wait_if_asked();
         // A bounded sleep even without a deadline: a completion wakes it,
         // but data held by a cork (its `CORK_MAX` ceiling is checked after
         // a wait) or another thread's change of the state push nothing,
@@ -2417,27 +2469,7 @@ impl Shared {
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
         let n = self.take_completions(st, seen);
-        st.poller = Some(gate);
-        if n > 0 {
-            self.flush_tx(st);
-        }
-        // Completions handled here are nobody else's to see: bring the
-        // readiness descriptor and async tasks up to date, and wake the
-        // calls that sleep because this one drove (one of them drives
-        // next if this call returns).
-        self.after(st);
-        self.wake_sleepers(st);
-        match res {
-            Err(WaitError::Interrupted) if n == 0 => {
-                return Err(io::Error::from(io::ErrorKind::Interrupted));
-            }
-            Err(WaitError::Io(e)) if n == 0 => return Err(e),
-            _ => {}
-        }
-        if n == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
-            return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
-        }
-        Ok(())
+        (res, n)
     }
 
     /// Whether a blocked call (holding `poller`) may sleep in the QP's
@@ -2808,11 +2840,18 @@ impl Shared {
             let step = (deadline - now).min(Duration::from_millis(2));
             match st.poller.take() {
                 Some(gate) => {
-                    let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
-                    for wc in &out[..n] {
-                        self.on_wc(st, wc);
-                    }
+                    // The gate goes back even if this panics (see
+                    // `wait_inner`).
+                    let section = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
+                        for wc in &out[..n] {
+                            self.on_wc(st, wc);
+                        }
+                    }));
                     st.poller = Some(gate);
+                    if let Err(panic) = section {
+                        std::panic::resume_unwind(panic);
+                    }
                 }
                 // A completion callback is handling the CQ right now.
                 None => st.unlocked(|| std::thread::sleep(Duration::from_micros(50))),
@@ -3072,6 +3111,51 @@ mod tests {
 #[cfg(test)]
 mod drive_tests {
     use super::*;
+
+    std::thread_local! {
+        /// The next wait of this thread holding the `poller` gate panics
+        /// (see [`panic_in_wait_if_asked`]).
+        static PANIC_IN_WAIT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Called by a wait holding the `poller` gate: panics once if this
+    /// thread asked for it (a panic anywhere in the wait, as a failed
+    /// assertion in the receive path would).
+    pub(super) fn panic_in_wait_if_asked() {
+        if PANIC_IN_WAIT.with(|p| p.replace(false)) {
+            panic!("panic asked for in the wait");
+        }
+    }
+
+    /// A panic while a blocked read held the `poller` gate (turned into an
+    /// error by its caller, as the preload's guard does) left the gate
+    /// taken out for good: every later blocking call on the connection
+    /// slept forever. The gate goes back on unwind: a later blocking read
+    /// gets the data.
+    #[test]
+    fn a_panic_in_the_wait_does_not_leave_the_poller_gate_taken() {
+        no_safety_net();
+        within(Duration::from_secs(60), || {
+            let (c, s) = nodelay_pair();
+            PANIC_IN_WAIT.with(|p| p.set(true));
+            let mut buf = [0u8; 64];
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                c.read(&mut buf, false, false, None)
+            }));
+            assert!(r.is_err(), "the read did not panic");
+            assert!(c.sh.lock().poller.is_some(), "the gate was not put back");
+            assert!(!c.sh.lock().recv_sleeping);
+            let writer = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                s.write(&ping_message(1), false, None).unwrap();
+                s
+            });
+            read_full(&c, &mut buf);
+            assert_eq!(&buf[..], &ping_message(1)[..]);
+            let s = writer.join().unwrap();
+            super::tests::close_pair(c, s);
+        });
+    }
 
     /// Makes the safety-net re-poll of sleeping calls 10 minutes: a
     /// wake-up the driving thread fails to give then hangs the test
