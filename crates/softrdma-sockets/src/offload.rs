@@ -2688,24 +2688,64 @@ fn recv_sleep_counters() -> &'static Mutex<RecvSleeps> {
     COUNTERS.get_or_init(Mutex::default)
 }
 
+/// Sleeps in `recv` counted by threads that could not list a counter of
+/// their own (see [`ThreadRecvSleeps`]): a locked add each, on that rare
+/// path only.
+static UNLISTED_RECV_SLEEPS: AtomicU64 = AtomicU64::new(0);
+
+/// Tries of the counters' list's lock made by a thread's start and end
+/// of counting before it gives up: the lock is held only for a push, a
+/// removal or a sum, so it stays taken for good only in a child forked
+/// while another thread of its parent held it (and there a thread's end
+/// must not block: its locals are torn down at its exit).
+const RECV_SLEEP_LOCK_TRIES: u32 = 1000;
+
+/// The counters' list, if its lock is taken within
+/// [`RECV_SLEEP_LOCK_TRIES`] tries (only a compare-and-swap each, no
+/// sleep on the lock: a forked child finds no waiter to wake it).
+fn try_lock_recv_sleep_counters() -> Option<MutexGuard<'static, RecvSleeps>> {
+    let list = recv_sleep_counters();
+    for _ in 0..RECV_SLEEP_LOCK_TRIES {
+        if let Some(g) = list.try_lock() {
+            return Some(g);
+        }
+        std::thread::yield_now();
+    }
+    None
+}
+
 /// A thread's counter, listed at its first sleep in `recv`; at the
 /// thread's end its count goes to `ended` and it leaves the list (both
-/// under the list's lock, so a sum counts it once).
-struct ThreadRecvSleeps(Arc<AtomicU64>);
+/// under the list's lock, so a sum counts it once). If the list's lock
+/// cannot be taken (see [`RECV_SLEEP_LOCK_TRIES`]), the thread counts in
+/// [`UNLISTED_RECV_SLEEPS`] instead, or, at its end, leaves its counter
+/// listed (still counted once).
+enum ThreadRecvSleeps {
+    Listed(Arc<AtomicU64>),
+    Unlisted,
+}
 
 impl ThreadRecvSleeps {
     fn new() -> ThreadRecvSleeps {
-        let c = Arc::new(AtomicU64::new(0));
-        recv_sleep_counters().lock().live.push(Arc::clone(&c));
-        ThreadRecvSleeps(c)
+        match try_lock_recv_sleep_counters() {
+            Some(mut all) => {
+                let c = Arc::new(AtomicU64::new(0));
+                all.live.push(Arc::clone(&c));
+                ThreadRecvSleeps::Listed(c)
+            }
+            None => ThreadRecvSleeps::Unlisted,
+        }
     }
 }
 
 impl Drop for ThreadRecvSleeps {
     fn drop(&mut self) {
-        let mut all = recv_sleep_counters().lock();
-        all.ended += self.0.load(Ordering::Relaxed);
-        all.live.retain(|c| !Arc::ptr_eq(c, &self.0));
+        if let ThreadRecvSleeps::Listed(c) = self
+            && let Some(mut all) = try_lock_recv_sleep_counters()
+        {
+            all.ended += c.load(Ordering::Relaxed);
+            all.live.retain(|l| !Arc::ptr_eq(l, c));
+        }
     }
 }
 
@@ -2717,9 +2757,14 @@ thread_local! {
 /// counter: a load and a store lose nothing).
 fn count_recv_sleep() {
     // (A thread whose locals are being torn down counts nothing more.)
-    let _ = THREAD_RECV_SLEEPS.try_with(|c| {
-        let n = c.0.load(Ordering::Relaxed);
-        c.0.store(n.wrapping_add(1), Ordering::Relaxed);
+    let _ = THREAD_RECV_SLEEPS.try_with(|c| match c {
+        ThreadRecvSleeps::Listed(c) => {
+            let n = c.load(Ordering::Relaxed);
+            c.store(n.wrapping_add(1), Ordering::Relaxed);
+        }
+        ThreadRecvSleeps::Unlisted => {
+            UNLISTED_RECV_SLEEPS.fetch_add(1, Ordering::Relaxed);
+        }
     });
 }
 
@@ -2759,9 +2804,12 @@ pub fn lost_wakeups() -> u64 {
 /// in `poll(2)` and read after it; see the crate's README, *Ping-pong*.
 pub fn recv_sleeps() -> u64 {
     let all = recv_sleep_counters().lock();
+    let unlisted = UNLISTED_RECV_SLEEPS.load(Ordering::Relaxed);
     all.live
         .iter()
-        .fold(all.ended, |n, c| n.wrapping_add(c.load(Ordering::Relaxed)))
+        .fold(all.ended.wrapping_add(unlisted), |n, c| {
+            n.wrapping_add(c.load(Ordering::Relaxed))
+        })
 }
 
 fn slot_base(size: usize, slot: u32) -> usize {
@@ -3251,6 +3299,19 @@ mod drive_tests {
         });
     }
 
+    /// Serializes the tests that look at (or hold) the list of per-thread
+    /// counters of sleeps in `recv`.
+    static RECV_SLEEP_LIST_TESTS: Mutex<()> = Mutex::new(());
+
+    /// This thread's counter of sleeps in `recv` (listed at its first use),
+    /// or `None` if it counts unlisted.
+    fn this_threads_recv_sleep_counter() -> Option<Arc<AtomicU64>> {
+        THREAD_RECV_SLEEPS.with(|c| match c {
+            ThreadRecvSleeps::Listed(c) => Some(Arc::clone(c)),
+            ThreadRecvSleeps::Unlisted => None,
+        })
+    }
+
     /// The process's count of sleeps in `recv` (counted per thread) holds
     /// the sleeps of both ends of a ping-pong whose threads have ended,
     /// and counts each once.
@@ -3258,6 +3319,7 @@ mod drive_tests {
     fn recv_sleeps_counts_the_sleeps_of_threads_that_ended() {
         no_safety_net();
         within(Duration::from_secs(120), || {
+            let _serial = RECV_SLEEP_LIST_TESTS.lock();
             let before = super::recv_sleeps();
             let (c, s) = nodelay_pair();
             const ROUNDS: usize = 200;
@@ -3291,6 +3353,60 @@ mod drive_tests {
             );
             drop(list);
             super::tests::close_pair(c, s);
+        });
+    }
+
+    /// A child forked while another thread held the lock of the list of
+    /// per-thread counters of sleeps in `recv` keeps it locked for good:
+    /// a thread's first count (listing its counter) and its end (its
+    /// counter leaving the list, run by its locals' destructors at exit)
+    /// blocked on it forever. Here the lock is held by this test instead:
+    /// a thread that starts counting and one that ends meanwhile both go
+    /// on, and the sleeps they counted are still counted once.
+    #[test]
+    fn a_thread_neither_starts_nor_ends_blocked_on_a_held_recv_sleep_list_lock() {
+        within(Duration::from_secs(60), || {
+            let _serial = RECV_SLEEP_LIST_TESTS.lock();
+            let before = super::recv_sleeps();
+            // Listed before the lock is taken; ends while it is held.
+            let (listed_tx, listed_rx) = std::sync::mpsc::channel();
+            let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+            let listed = std::thread::spawn(move || {
+                count_recv_sleep();
+                listed_tx.send(this_threads_recv_sleep_counter()).unwrap();
+                end_rx.recv().unwrap();
+            });
+            let counter = listed_rx
+                .recv()
+                .unwrap()
+                .expect("counted unlisted with the lock free");
+            let held = super::recv_sleep_counters().lock();
+            // Starts counting while it is held.
+            let unlisted = std::thread::spawn(|| {
+                count_recv_sleep();
+                this_threads_recv_sleep_counter().is_none()
+            });
+            let (done_tx, done_rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let was_unlisted = unlisted.join().unwrap();
+                end_tx.send(()).unwrap();
+                listed.join().unwrap();
+                let _ = done_tx.send(was_unlisted);
+            });
+            let was_unlisted = done_rx
+                .recv_timeout(Duration::from_secs(30))
+                .expect("a thread blocked on the held lock");
+            drop(held);
+            assert!(was_unlisted, "listed with the lock held by another");
+            let list = super::recv_sleep_counters().lock();
+            assert!(
+                list.live.iter().any(|l| Arc::ptr_eq(l, &counter)),
+                "the counter of the thread that ended with the lock held left the list"
+            );
+            drop(list);
+            assert_eq!(counter.load(Ordering::Relaxed), 1);
+            let after = super::recv_sleeps();
+            assert!(after - before >= 2, "{} counted, 2 made", after - before);
         });
     }
 
