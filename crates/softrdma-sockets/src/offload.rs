@@ -3314,7 +3314,9 @@ mod drive_tests {
 
     /// The process's count of sleeps in `recv` (counted per thread) holds
     /// the sleeps of both ends of a ping-pong whose threads have ended,
-    /// and counts each once.
+    /// and counts each once: each end's thread's counter held its sleeps
+    /// and left the list of live ones at the thread's end (its count went
+    /// to the ended threads').
     #[test]
     fn recv_sleeps_counts_the_sleeps_of_threads_that_ended() {
         no_safety_net();
@@ -3326,16 +3328,21 @@ mod drive_tests {
             let server = std::thread::spawn(move || {
                 echo_rounds(&s, ROUNDS);
                 let n = s.sh.lock().recv_sleeps;
-                (n, s)
+                (n, this_threads_recv_sleep_counter(), s)
             });
             let client = std::thread::spawn(move || {
                 ping_rounds(&c, ROUNDS);
                 let n = c.sh.lock().recv_sleeps;
-                (n, c)
+                (n, this_threads_recv_sleep_counter(), c)
             });
-            let (server_sleeps, s) = server.join().unwrap();
-            let (client_sleeps, c) = client.join().unwrap();
+            let (server_sleeps, server_counter, s) = server.join().unwrap();
+            let (client_sleeps, client_counter, c) = client.join().unwrap();
             assert!(server_sleeps > 0 && client_sleeps > 0, "no sleep in recv");
+            let server_counter = server_counter.expect("the server's thread counted unlisted");
+            let client_counter = client_counter.expect("the client's thread counted unlisted");
+            // Each thread slept only in its own end's reads.
+            assert_eq!(server_counter.load(Ordering::Relaxed), server_sleeps);
+            assert_eq!(client_counter.load(Ordering::Relaxed), client_sleeps);
             // Other tests of this process may sleep meanwhile: at least
             // these.
             let after = super::recv_sleeps();
@@ -3345,12 +3352,12 @@ mod drive_tests {
                 after - before
             );
             let list = super::recv_sleep_counters().lock();
-            assert!(
-                list.ended >= server_sleeps + client_sleeps,
-                "the ended threads' {} sleeps not kept ({} kept)",
-                server_sleeps + client_sleeps,
-                list.ended
-            );
+            for (who, counter) in [("server", &server_counter), ("client", &client_counter)] {
+                assert!(
+                    !list.live.iter().any(|l| Arc::ptr_eq(l, counter)),
+                    "the ended {who} thread's counter is still listed as live"
+                );
+            }
             drop(list);
             super::tests::close_pair(c, s);
         });
