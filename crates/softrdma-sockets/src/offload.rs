@@ -2384,6 +2384,58 @@ impl Shared {
         let Some(mut gate) = st.poller.take() else {
             return self.sleep(st, nap, deadline, seen, interruptible);
         };
+        // The gate goes back even if what follows panics (a caller may
+        // turn the panic into an error and go on using the connection):
+        // without it every later blocking call would find it held for
+        // good. No cost unless it unwinds.
+        let section = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.wait_holding(st, &mut gate, nap, deadline)
+        }));
+        let (res, n) = match section {
+            Ok(r) => r,
+            Err(panic) => {
+                st.recv_sleeping = false;
+                st.poller = Some(gate);
+                self.wake_sleepers(st);
+                std::panic::resume_unwind(panic);
+            }
+        };
+        st.poller = Some(gate);
+        if n > 0 {
+            self.flush_tx(st);
+        }
+        // Completions handled here are nobody else's to see: bring the
+        // readiness descriptor and async tasks up to date, and wake the
+        // calls that sleep because this one drove (one of them drives
+        // next if this call returns).
+        self.after(st);
+        self.wake_sleepers(st);
+        match res {
+            Err(WaitError::Interrupted) if n == 0 => {
+                return Err(io::Error::from(io::ErrorKind::Interrupted));
+            }
+            Err(WaitError::Io(e)) if n == 0 => return Err(e),
+            _ => {}
+        }
+        if n == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
+        }
+        Ok(())
+    }
+
+    /// The part of [`wait_inner`](Self::wait_inner) run holding the
+    /// `poller` gate (taken out of the state as `gate`): the wait, then
+    /// the completions taken out of the CQ; returns the wait's result and
+    /// how many completions were handled.
+    fn wait_holding(
+        &self,
+        st: &mut Locked<'_>,
+        gate: &mut WaitSet,
+        nap: Duration,
+        deadline: Option<Instant>,
+    ) -> (Result<usize, WaitError>, usize) {
+        #[cfg(test)]
+        drive_tests::panic_in_wait_if_asked();
         // A bounded sleep even without a deadline: a completion wakes it,
         // but data held by a cork (its `CORK_MAX` ceiling is checked after
         // a wait) or another thread's change of the state push nothing,
@@ -2417,27 +2469,7 @@ impl Shared {
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
         let n = self.take_completions(st, seen);
-        st.poller = Some(gate);
-        if n > 0 {
-            self.flush_tx(st);
-        }
-        // Completions handled here are nobody else's to see: bring the
-        // readiness descriptor and async tasks up to date, and wake the
-        // calls that sleep because this one drove (one of them drives
-        // next if this call returns).
-        self.after(st);
-        self.wake_sleepers(st);
-        match res {
-            Err(WaitError::Interrupted) if n == 0 => {
-                return Err(io::Error::from(io::ErrorKind::Interrupted));
-            }
-            Err(WaitError::Io(e)) if n == 0 => return Err(e),
-            _ => {}
-        }
-        if n == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
-            return Err(io::Error::new(io::ErrorKind::WouldBlock, "timed out"));
-        }
-        Ok(())
+        (res, n)
     }
 
     /// Whether a blocked call (holding `poller`) may sleep in the QP's
@@ -2656,24 +2688,64 @@ fn recv_sleep_counters() -> &'static Mutex<RecvSleeps> {
     COUNTERS.get_or_init(Mutex::default)
 }
 
+/// Sleeps in `recv` counted by threads that could not list a counter of
+/// their own (see [`ThreadRecvSleeps`]): a locked add each, on that rare
+/// path only.
+static UNLISTED_RECV_SLEEPS: AtomicU64 = AtomicU64::new(0);
+
+/// Tries of the counters' list's lock made by a thread's start and end
+/// of counting before it gives up: the lock is held only for a push, a
+/// removal or a sum, so it stays taken for good only in a child forked
+/// while another thread of its parent held it (and there a thread's end
+/// must not block: its locals are torn down at its exit).
+const RECV_SLEEP_LOCK_TRIES: u32 = 1000;
+
+/// The counters' list, if its lock is taken within
+/// [`RECV_SLEEP_LOCK_TRIES`] tries (only a compare-and-swap each, no
+/// sleep on the lock: a forked child finds no waiter to wake it).
+fn try_lock_recv_sleep_counters() -> Option<MutexGuard<'static, RecvSleeps>> {
+    let list = recv_sleep_counters();
+    for _ in 0..RECV_SLEEP_LOCK_TRIES {
+        if let Some(g) = list.try_lock() {
+            return Some(g);
+        }
+        std::thread::yield_now();
+    }
+    None
+}
+
 /// A thread's counter, listed at its first sleep in `recv`; at the
 /// thread's end its count goes to `ended` and it leaves the list (both
-/// under the list's lock, so a sum counts it once).
-struct ThreadRecvSleeps(Arc<AtomicU64>);
+/// under the list's lock, so a sum counts it once). If the list's lock
+/// cannot be taken (see [`RECV_SLEEP_LOCK_TRIES`]), the thread counts in
+/// [`UNLISTED_RECV_SLEEPS`] instead, or, at its end, leaves its counter
+/// listed (still counted once).
+enum ThreadRecvSleeps {
+    Listed(Arc<AtomicU64>),
+    Unlisted,
+}
 
 impl ThreadRecvSleeps {
     fn new() -> ThreadRecvSleeps {
-        let c = Arc::new(AtomicU64::new(0));
-        recv_sleep_counters().lock().live.push(Arc::clone(&c));
-        ThreadRecvSleeps(c)
+        match try_lock_recv_sleep_counters() {
+            Some(mut all) => {
+                let c = Arc::new(AtomicU64::new(0));
+                all.live.push(Arc::clone(&c));
+                ThreadRecvSleeps::Listed(c)
+            }
+            None => ThreadRecvSleeps::Unlisted,
+        }
     }
 }
 
 impl Drop for ThreadRecvSleeps {
     fn drop(&mut self) {
-        let mut all = recv_sleep_counters().lock();
-        all.ended += self.0.load(Ordering::Relaxed);
-        all.live.retain(|c| !Arc::ptr_eq(c, &self.0));
+        if let ThreadRecvSleeps::Listed(c) = self
+            && let Some(mut all) = try_lock_recv_sleep_counters()
+        {
+            all.ended += c.load(Ordering::Relaxed);
+            all.live.retain(|l| !Arc::ptr_eq(l, c));
+        }
     }
 }
 
@@ -2685,9 +2757,14 @@ thread_local! {
 /// counter: a load and a store lose nothing).
 fn count_recv_sleep() {
     // (A thread whose locals are being torn down counts nothing more.)
-    let _ = THREAD_RECV_SLEEPS.try_with(|c| {
-        let n = c.0.load(Ordering::Relaxed);
-        c.0.store(n.wrapping_add(1), Ordering::Relaxed);
+    let _ = THREAD_RECV_SLEEPS.try_with(|c| match c {
+        ThreadRecvSleeps::Listed(c) => {
+            let n = c.load(Ordering::Relaxed);
+            c.store(n.wrapping_add(1), Ordering::Relaxed);
+        }
+        ThreadRecvSleeps::Unlisted => {
+            UNLISTED_RECV_SLEEPS.fetch_add(1, Ordering::Relaxed);
+        }
     });
 }
 
@@ -2727,9 +2804,12 @@ pub fn lost_wakeups() -> u64 {
 /// in `poll(2)` and read after it; see the crate's README, *Ping-pong*.
 pub fn recv_sleeps() -> u64 {
     let all = recv_sleep_counters().lock();
+    let unlisted = UNLISTED_RECV_SLEEPS.load(Ordering::Relaxed);
     all.live
         .iter()
-        .fold(all.ended, |n, c| n.wrapping_add(c.load(Ordering::Relaxed)))
+        .fold(all.ended.wrapping_add(unlisted), |n, c| {
+            n.wrapping_add(c.load(Ordering::Relaxed))
+        })
 }
 
 fn slot_base(size: usize, slot: u32) -> usize {
@@ -2808,11 +2888,18 @@ impl Shared {
             let step = (deadline - now).min(Duration::from_millis(2));
             match st.poller.take() {
                 Some(gate) => {
-                    let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
-                    for wc in &out[..n] {
-                        self.on_wc(st, wc);
-                    }
+                    // The gate goes back even if this panics (see
+                    // `wait_inner`).
+                    let section = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let n = st.unlocked(|| self.cq.wait_progress(&mut out, Some(step)));
+                        for wc in &out[..n] {
+                            self.on_wc(st, wc);
+                        }
+                    }));
                     st.poller = Some(gate);
+                    if let Err(panic) = section {
+                        std::panic::resume_unwind(panic);
+                    }
                 }
                 // A completion callback is handling the CQ right now.
                 None => st.unlocked(|| std::thread::sleep(Duration::from_micros(50))),
@@ -3073,6 +3160,51 @@ mod tests {
 mod drive_tests {
     use super::*;
 
+    std::thread_local! {
+        /// The next wait of this thread holding the `poller` gate panics
+        /// (see [`panic_in_wait_if_asked`]).
+        static PANIC_IN_WAIT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Called by a wait holding the `poller` gate: panics once if this
+    /// thread asked for it (a panic anywhere in the wait, as a failed
+    /// assertion in the receive path would).
+    pub(super) fn panic_in_wait_if_asked() {
+        if PANIC_IN_WAIT.with(|p| p.replace(false)) {
+            panic!("panic asked for in the wait");
+        }
+    }
+
+    /// A panic while a blocked read held the `poller` gate (turned into an
+    /// error by its caller, as the preload's guard does) left the gate
+    /// taken out for good: every later blocking call on the connection
+    /// slept forever. The gate goes back on unwind: a later blocking read
+    /// gets the data.
+    #[test]
+    fn a_panic_in_the_wait_does_not_leave_the_poller_gate_taken() {
+        no_safety_net();
+        within(Duration::from_secs(60), || {
+            let (c, s) = nodelay_pair();
+            PANIC_IN_WAIT.with(|p| p.set(true));
+            let mut buf = [0u8; 64];
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                c.read(&mut buf, false, false, None)
+            }));
+            assert!(r.is_err(), "the read did not panic");
+            assert!(c.sh.lock().poller.is_some(), "the gate was not put back");
+            assert!(!c.sh.lock().recv_sleeping);
+            let writer = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                s.write(&ping_message(1), false, None).unwrap();
+                s
+            });
+            read_full(&c, &mut buf);
+            assert_eq!(&buf[..], &ping_message(1)[..]);
+            let s = writer.join().unwrap();
+            super::tests::close_pair(c, s);
+        });
+    }
+
     /// Makes the safety-net re-poll of sleeping calls 10 minutes: a
     /// wake-up the driving thread fails to give then hangs the test
     /// instead of costing 50 ms.
@@ -3167,29 +3299,50 @@ mod drive_tests {
         });
     }
 
+    /// Serializes the tests that look at (or hold) the list of per-thread
+    /// counters of sleeps in `recv`.
+    static RECV_SLEEP_LIST_TESTS: Mutex<()> = Mutex::new(());
+
+    /// This thread's counter of sleeps in `recv` (listed at its first use),
+    /// or `None` if it counts unlisted.
+    fn this_threads_recv_sleep_counter() -> Option<Arc<AtomicU64>> {
+        THREAD_RECV_SLEEPS.with(|c| match c {
+            ThreadRecvSleeps::Listed(c) => Some(Arc::clone(c)),
+            ThreadRecvSleeps::Unlisted => None,
+        })
+    }
+
     /// The process's count of sleeps in `recv` (counted per thread) holds
     /// the sleeps of both ends of a ping-pong whose threads have ended,
-    /// and counts each once.
+    /// and counts each once: each end's thread's counter held its sleeps
+    /// and left the list of live ones at the thread's end (its count went
+    /// to the ended threads').
     #[test]
     fn recv_sleeps_counts_the_sleeps_of_threads_that_ended() {
         no_safety_net();
         within(Duration::from_secs(120), || {
+            let _serial = RECV_SLEEP_LIST_TESTS.lock();
             let before = super::recv_sleeps();
             let (c, s) = nodelay_pair();
             const ROUNDS: usize = 200;
             let server = std::thread::spawn(move || {
                 echo_rounds(&s, ROUNDS);
                 let n = s.sh.lock().recv_sleeps;
-                (n, s)
+                (n, this_threads_recv_sleep_counter(), s)
             });
             let client = std::thread::spawn(move || {
                 ping_rounds(&c, ROUNDS);
                 let n = c.sh.lock().recv_sleeps;
-                (n, c)
+                (n, this_threads_recv_sleep_counter(), c)
             });
-            let (server_sleeps, s) = server.join().unwrap();
-            let (client_sleeps, c) = client.join().unwrap();
+            let (server_sleeps, server_counter, s) = server.join().unwrap();
+            let (client_sleeps, client_counter, c) = client.join().unwrap();
             assert!(server_sleeps > 0 && client_sleeps > 0, "no sleep in recv");
+            let server_counter = server_counter.expect("the server's thread counted unlisted");
+            let client_counter = client_counter.expect("the client's thread counted unlisted");
+            // Each thread slept only in its own end's reads.
+            assert_eq!(server_counter.load(Ordering::Relaxed), server_sleeps);
+            assert_eq!(client_counter.load(Ordering::Relaxed), client_sleeps);
             // Other tests of this process may sleep meanwhile: at least
             // these.
             let after = super::recv_sleeps();
@@ -3199,14 +3352,68 @@ mod drive_tests {
                 after - before
             );
             let list = super::recv_sleep_counters().lock();
-            assert!(
-                list.ended >= server_sleeps + client_sleeps,
-                "the ended threads' {} sleeps not kept ({} kept)",
-                server_sleeps + client_sleeps,
-                list.ended
-            );
+            for (who, counter) in [("server", &server_counter), ("client", &client_counter)] {
+                assert!(
+                    !list.live.iter().any(|l| Arc::ptr_eq(l, counter)),
+                    "the ended {who} thread's counter is still listed as live"
+                );
+            }
             drop(list);
             super::tests::close_pair(c, s);
+        });
+    }
+
+    /// A child forked while another thread held the lock of the list of
+    /// per-thread counters of sleeps in `recv` keeps it locked for good:
+    /// a thread's first count (listing its counter) and its end (its
+    /// counter leaving the list, run by its locals' destructors at exit)
+    /// blocked on it forever. Here the lock is held by this test instead:
+    /// a thread that starts counting and one that ends meanwhile both go
+    /// on, and the sleeps they counted are still counted once.
+    #[test]
+    fn a_thread_neither_starts_nor_ends_blocked_on_a_held_recv_sleep_list_lock() {
+        within(Duration::from_secs(60), || {
+            let _serial = RECV_SLEEP_LIST_TESTS.lock();
+            let before = super::recv_sleeps();
+            // Listed before the lock is taken; ends while it is held.
+            let (listed_tx, listed_rx) = std::sync::mpsc::channel();
+            let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+            let listed = std::thread::spawn(move || {
+                count_recv_sleep();
+                listed_tx.send(this_threads_recv_sleep_counter()).unwrap();
+                end_rx.recv().unwrap();
+            });
+            let counter = listed_rx
+                .recv()
+                .unwrap()
+                .expect("counted unlisted with the lock free");
+            let held = super::recv_sleep_counters().lock();
+            // Starts counting while it is held.
+            let unlisted = std::thread::spawn(|| {
+                count_recv_sleep();
+                this_threads_recv_sleep_counter().is_none()
+            });
+            let (done_tx, done_rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let was_unlisted = unlisted.join().unwrap();
+                end_tx.send(()).unwrap();
+                listed.join().unwrap();
+                let _ = done_tx.send(was_unlisted);
+            });
+            let was_unlisted = done_rx
+                .recv_timeout(Duration::from_secs(30))
+                .expect("a thread blocked on the held lock");
+            drop(held);
+            assert!(was_unlisted, "listed with the lock held by another");
+            let list = super::recv_sleep_counters().lock();
+            assert!(
+                list.live.iter().any(|l| Arc::ptr_eq(l, &counter)),
+                "the counter of the thread that ended with the lock held left the list"
+            );
+            drop(list);
+            assert_eq!(counter.load(Ordering::Relaxed), 1);
+            let after = super::recv_sleeps();
+            assert!(after - before >= 2, "{} counted, 2 made", after - before);
         });
     }
 
