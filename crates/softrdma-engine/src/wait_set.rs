@@ -1397,15 +1397,20 @@ mod tests {
 
     type Quiet = Vec<(UnixStream, UnixStream)>;
 
-    /// A CQ with a [`Hook`], the hook's peer end, and `extra_fds` quiet
-    /// stream pairs (both ends kept open: never readable).
-    fn hooked(extra_fds: usize) -> (CompletionQueue, Arc<Hook>, UnixStream, Quiet) {
-        let dev = Device::open_with(crate::DeviceConfig {
+    /// A device whose threads neither spin nor are pinned.
+    fn quiet_device() -> Device {
+        Device::open_with(crate::DeviceConfig {
             poll_spin: Duration::ZERO,
             pin_threads: false,
             ..crate::DeviceConfig::default()
         })
-        .unwrap();
+        .unwrap()
+    }
+
+    /// A CQ with a [`Hook`], the hook's peer end, and `extra_fds` quiet
+    /// stream pairs (both ends kept open: never readable).
+    fn hooked(extra_fds: usize) -> (CompletionQueue, Arc<Hook>, UnixStream, Quiet) {
+        let dev = quiet_device();
         let cq = CompletionQueue::new(&dev, 64, None).unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
@@ -1659,12 +1664,7 @@ mod tests {
     /// registration of an earlier connection is dropped when it fires).
     #[test]
     fn a_claimed_number_that_names_another_socket_by_its_use_is_not_watched() {
-        let dev = Device::open_with(crate::DeviceConfig {
-            poll_spin: Duration::ZERO,
-            pin_threads: false,
-            ..crate::DeviceConfig::default()
-        })
-        .unwrap();
+        let dev = quiet_device();
         let cq = CompletionQueue::new(&dev, 64, None).unwrap();
         // The other QP's socket, with bytes its own receiver has not read.
         let (other, mut other_peer) = UnixStream::pair().unwrap();

@@ -549,6 +549,25 @@ fn answered_to_late_reader(
     (s, sock, peer)
 }
 
+/// How late the peer of the disconnect tests reads.
+const DISCONNECT_READ_AFTER: Duration = Duration::from_millis(400);
+/// The answer the disconnect tests send before they disconnect.
+const DISCONNECT_ANSWER: usize = 64 * 1024;
+
+/// The disconnect tests' start: [`DISCONNECT_ANSWER`] octets sent to a
+/// peer that reads [`DISCONNECT_READ_AFTER`] late, then
+/// `disconnect_acknowledged`; the side, its socket, the peer and the
+/// instant before the disconnect.
+fn disconnected_after_an_answer(
+    dev: &Device,
+) -> (Side, Sock, std::thread::JoinHandle<PeerEnd>, Instant) {
+    let (s, sock, peer) = answered_to_late_reader(dev, DISCONNECT_READ_AFTER, DISCONNECT_ANSWER);
+    let t0 = Instant::now();
+    s.qp.disconnect_acknowledged(Duration::from_secs(5))
+        .unwrap();
+    (s, sock, peer, t0)
+}
+
 fn send_answer(s: &Side, len: usize) {
     let src = mr(s, len);
     src.write(0, &pattern(len, 9)).unwrap();
@@ -648,13 +667,10 @@ fn close_acknowledged_against_a_stalled_peer_does_not_block() {
 /// peer's FIN, IDLE), without a reset.
 #[test]
 fn disconnect_right_after_the_answer_waits_for_the_peers_ack() {
-    const READ_AFTER: Duration = Duration::from_millis(400);
-    const ANSWER: usize = 64 * 1024;
+    const READ_AFTER: Duration = DISCONNECT_READ_AFTER;
+    const ANSWER: usize = DISCONNECT_ANSWER;
     let dev = device(false);
-    let (s, sock, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
-    let t0 = Instant::now();
-    s.qp.disconnect_acknowledged(Duration::from_secs(5))
-        .unwrap();
+    let (s, sock, peer, t0) = disconnected_after_an_answer(&dev);
     let returned = t0.elapsed();
     assert_eq!(s.qp.state(), QpState::Closing);
     let fin = watch_fin(&sock, t0);
@@ -674,13 +690,10 @@ fn disconnect_right_after_the_answer_waits_for_the_peers_ack() {
 /// acknowledgement, and the socket is closed after it.
 #[test]
 fn close_while_the_disconnects_fin_waits_still_waits_for_the_ack() {
-    const READ_AFTER: Duration = Duration::from_millis(400);
-    const ANSWER: usize = 64 * 1024;
+    const READ_AFTER: Duration = DISCONNECT_READ_AFTER;
+    const ANSWER: usize = DISCONNECT_ANSWER;
     let dev = device(false);
-    let (s, sock, peer) = answered_to_late_reader(&dev, READ_AFTER, ANSWER);
-    let t0 = Instant::now();
-    s.qp.disconnect_acknowledged(Duration::from_secs(5))
-        .unwrap();
+    let (s, sock, peer, t0) = disconnected_after_an_answer(&dev);
     s.qp.close_acknowledged(Duration::from_secs(5));
     let returned = t0.elapsed();
     assert_eq!(s.qp.state(), QpState::Error);
