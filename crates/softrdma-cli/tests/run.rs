@@ -162,3 +162,22 @@ fn sockets_preload_counts_a_real_programs_connections() {
     assert!(line.contains("\"plain\":1"), "{line}");
     assert!(line.contains("\"policy\":1"), "{line}");
 }
+
+/// `softrdma` carries its own unwinder: starting it maps no
+/// `libgcc_s.so.1` (whose constructor runs `cpuid`s), one library fewer
+/// for every program `softrdma run` starts.
+#[test]
+fn the_softrdma_executable_loads_no_unwinder_library() {
+    if option_env!("SOFTRDMA_UNWINDER_LINKED_IN").is_none() {
+        println!("SKIPPED: no libgcc_eh.a to link the unwinder from");
+        return;
+    }
+    // glibc's loader lists the libraries it maps and runs nothing.
+    let out = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .env("LD_TRACE_LOADED_OBJECTS", "1")
+        .output()
+        .unwrap();
+    let libs = text(&out.stdout);
+    assert!(libs.contains("libc.so"), "{libs}");
+    assert!(!libs.contains("libgcc_s"), "{libs}");
+}
