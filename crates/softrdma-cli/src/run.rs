@@ -17,7 +17,8 @@
 //! (`--verbs` / `--dat` insist on it, `--no-verbs` / `--no-dat` leave it
 //! out); the preload is only used with `--sockets`.
 //!
-//! The private directory is `<lib dir>/softrdma-run/` when that is writable,
+//! The private directory, made only when the verbs libraries or the DAT
+//! provider are in, is `<lib dir>/softrdma-run/` when that is writable,
 //! else a per-user directory under the system temporary directory. Links and
 //! files in it are replaced atomically (rename), so concurrent runs are safe.
 
@@ -124,8 +125,9 @@ pub enum RunError {
 pub struct Prepared {
     /// Variables to set, in order.
     pub vars: Vec<(&'static str, OsString)>,
-    /// The private directory (links and `dat.conf`).
-    pub run_dir: PathBuf,
+    /// The private directory (links and `dat.conf`); none when neither
+    /// the verbs libraries nor the DAT provider are in.
+    pub run_dir: Option<PathBuf>,
     /// Which layers are in: verbs, DAT, sockets.
     pub layers: Vec<&'static str>,
 }
@@ -139,8 +141,14 @@ pub fn lib_dir(opt: Option<&Path>) -> Result<PathBuf, RunError> {
     if let Some(d) = std::env::var_os(LIB_DIR_VAR).filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(d));
     }
+    exe_dir()
+}
+
+/// The directory of the running executable. The kernel's
+/// `/proc/self/exe` is already an absolute path without symbolic links or
+/// `..` (what `canonicalize` would make of it).
+fn exe_dir() -> Result<PathBuf, RunError> {
     let exe = std::env::current_exe().map_err(RunError::NoExeDir)?;
-    let exe = exe.canonicalize().unwrap_or(exe);
     exe.parent()
         .map(Path::to_path_buf)
         .ok_or_else(|| RunError::NoExeDir(io::Error::other("the executable has no parent")))
@@ -282,6 +290,9 @@ fn wanted(
     artifact: &'static str,
     dir: &Path,
 ) -> Result<bool, RunError> {
+    if u == Use::Off {
+        return Ok(false);
+    }
     let present = dir.join(artifact).is_file();
     match u {
         Use::Off => Ok(false),
@@ -301,8 +312,15 @@ pub fn prepare(
     opts: &RunOptions,
     env: impl Fn(&str) -> Option<OsString>,
 ) -> Result<Prepared, RunError> {
-    let dir = lib_dir(opts.lib_dir.as_deref())?;
-    let dir = dir.canonicalize().unwrap_or(dir);
+    let given = opts.lib_dir.clone().or_else(|| {
+        env(LIB_DIR_VAR)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+    });
+    let dir = match given {
+        Some(d) => d.canonicalize().unwrap_or(d),
+        None => exe_dir()?,
+    };
     let verbs = wanted(opts.verbs, "--verbs", VERBS_ARTIFACT, &dir)?;
     let dat = wanted(opts.dat, "--dat", DAT_ARTIFACT, &dir)?;
     let sockets = wanted(
@@ -318,20 +336,25 @@ pub fn prepare(
     if !(verbs || dat || sockets) {
         return Err(RunError::NothingFound(dir));
     }
-    let rd = run_dir(&dir)?;
+    // Only the verbs links and the DAT configuration go there.
+    let rd = if verbs || dat {
+        Some(run_dir(&dir)?)
+    } else {
+        None
+    };
     let mut vars = Vec::new();
     let mut layers = Vec::new();
-    if verbs {
+    if let (true, Some(rd)) = (verbs, &rd) {
         for (name, artifact) in VERBS_LINKS {
-            link(&rd, name, &dir.join(artifact))?;
+            link(rd, name, &dir.join(artifact))?;
         }
-        vars.push(("LD_LIBRARY_PATH", prepend_path(&rd, env("LD_LIBRARY_PATH"))));
+        vars.push(("LD_LIBRARY_PATH", prepend_path(rd, env("LD_LIBRARY_PATH"))));
         layers.push("verbs");
     }
-    if dat {
+    if let (true, Some(rd)) = (dat, &rd) {
         let addr = ia_addr(opts.ia_addr)?;
         let conf = write_file(
-            &rd,
+            rd,
             &format!("dat-{addr}.conf"),
             &dat_conf(&dir.join(DAT_ARTIFACT), addr),
         )?;
@@ -419,14 +442,15 @@ mod tests {
         .unwrap();
         assert_eq!(p.layers, ["verbs"]);
         let dir = d.path().canonicalize().unwrap();
-        assert_eq!(p.run_dir, dir.join("softrdma-run"));
+        let rd = p.run_dir.clone().unwrap();
+        assert_eq!(rd, dir.join("softrdma-run"));
         for (name, artifact) in VERBS_LINKS {
             assert_eq!(
-                std::fs::read_link(p.run_dir.join(name)).unwrap(),
+                std::fs::read_link(rd.join(name)).unwrap(),
                 dir.join(artifact)
             );
         }
-        let want = format!("{}:/old", p.run_dir.display());
+        let want = format!("{}:/old", rd.display());
         assert_eq!(p.vars, [("LD_LIBRARY_PATH", OsString::from(want))]);
         // A second run reuses the links.
         let again = prepare(&opts, |_| None).unwrap();
@@ -491,6 +515,36 @@ mod tests {
         let v = p.vars[0].1.to_string_lossy().into_owned();
         assert!(v.ends_with("libsoftrdma_preload.so:/a.so"), "{v}");
         assert_eq!(p.vars[1], ("SOFTRDMA_SOCKETS", OsString::from("tcp")));
+    }
+
+    #[test]
+    fn the_sockets_layer_alone_makes_no_private_directory() {
+        let d = fake_libs(&[VERBS_ARTIFACT, DAT_ARTIFACT, PRELOAD_ARTIFACT]);
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            verbs: Use::Off,
+            dat: Use::Off,
+            sockets: true,
+            ..Default::default()
+        };
+        let p = prepare(&opts, |_| None).unwrap();
+        assert_eq!(p.layers, ["sockets"]);
+        assert_eq!(p.run_dir, None);
+        let lib = d.path().canonicalize().unwrap().join(PRELOAD_ARTIFACT);
+        assert_eq!(p.vars, [("LD_PRELOAD", lib.into_os_string())]);
+        assert!(!d.path().join("softrdma-run").exists());
+    }
+
+    #[test]
+    fn the_library_directory_comes_from_the_environment_before_the_executable() {
+        let d = fake_libs(&[PRELOAD_ARTIFACT]);
+        let opts = RunOptions {
+            sockets: true,
+            ..Default::default()
+        };
+        let p = prepare(&opts, |k| (k == LIB_DIR_VAR).then(|| d.path().into())).unwrap();
+        let lib = d.path().canonicalize().unwrap().join(PRELOAD_ARTIFACT);
+        assert_eq!(p.vars, [("LD_PRELOAD", lib.into_os_string())]);
     }
 
     #[test]
