@@ -243,11 +243,13 @@ fn run_dir(lib_dir: &Path) -> Result<PathBuf, RunError> {
     Ok(dir)
 }
 
+/// Whether files can be made in `dir`: one `access(2)` (write and search
+/// permission, a read-only or immutable file system), where writing and
+/// removing a probe file took four system calls and two changes of the
+/// directory on every run.
 fn writable(dir: &Path) -> bool {
-    let probe = dir.join(format!(".probe-{}", std::process::id()));
-    let ok = std::fs::write(&probe, b"").is_ok();
-    let _ = std::fs::remove_file(&probe);
-    ok
+    use nix::unistd::{AccessFlags, access};
+    access(dir, AccessFlags::W_OK | AccessFlags::X_OK).is_ok()
 }
 
 /// Make `dir/name` a symlink to `target`, atomically replacing what is there
@@ -533,6 +535,35 @@ mod tests {
         let lib = d.path().canonicalize().unwrap().join(PRELOAD_ARTIFACT);
         assert_eq!(p.vars, [("LD_PRELOAD", lib.into_os_string())]);
         assert!(!d.path().join("softrdma-run").exists());
+    }
+
+    #[test]
+    fn a_read_only_library_directory_puts_the_private_directory_under_tmp() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = fake_libs(&[VERBS_ARTIFACT]);
+        let set = |mode| {
+            std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        set(0o555);
+        if std::fs::write(d.path().join("x"), b"").is_ok() {
+            // Permissions do not stop this user (root).
+            set(0o755);
+            println!("SKIPPED: the directory is writable anyway");
+            return;
+        }
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            ..Default::default()
+        };
+        let p = prepare(&opts, |_| None);
+        set(0o755);
+        let rd = p.unwrap().run_dir.unwrap();
+        assert!(rd.starts_with(std::env::temp_dir()), "{}", rd.display());
+        assert_eq!(
+            std::fs::read_link(rd.join("libibverbs.so.1")).unwrap(),
+            d.path().canonicalize().unwrap().join(VERBS_ARTIFACT)
+        );
+        std::fs::remove_dir_all(rd).unwrap();
     }
 
     #[test]
