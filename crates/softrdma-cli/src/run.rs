@@ -167,14 +167,14 @@ pub fn ia_addr(opt: Option<Ipv4Addr>) -> Result<Ipv4Addr, RunError> {
     Ok(first_host_ipv4().unwrap_or(Ipv4Addr::LOCALHOST))
 }
 
-/// The first non-loopback IPv4 address of an interface that is up.
+/// The first non-loopback, specified IPv4 address of the host's
+/// interfaces (`getifaddrs(3)`), by interface name, then address.
 pub fn first_host_ipv4() -> Option<Ipv4Addr> {
-    let mut addrs: Vec<(String, Ipv4Addr)> = if_addrs::get_if_addrs()
+    let mut addrs: Vec<(String, Ipv4Addr)> = nix::ifaddrs::getifaddrs()
         .ok()?
-        .into_iter()
-        .filter_map(|i| match i.ip() {
-            std::net::IpAddr::V4(a) if !a.is_loopback() && !a.is_unspecified() => Some((i.name, a)),
-            _ => None,
+        .filter_map(|i| {
+            let a = i.address?.as_sockaddr_in()?.ip();
+            (!a.is_loopback() && !a.is_unspecified()).then_some((i.interface_name, a))
         })
         .collect();
     // Stable choice: by interface name, then address.
@@ -589,6 +589,17 @@ mod tests {
         };
         let p = prepare(&opts, |_| None).unwrap();
         assert_eq!(p.layers, ["dat"]);
+    }
+
+    #[test]
+    fn the_host_address_is_a_local_non_loopback_ipv4_address() {
+        let Some(a) = first_host_ipv4() else {
+            println!("SKIPPED: the host has no IPv4 address but loopback");
+            return;
+        };
+        assert!(!a.is_loopback() && !a.is_unspecified(), "{a}");
+        // Only an address of this host can be bound.
+        std::net::UdpSocket::bind((a, 0)).unwrap();
     }
 
     #[test]
