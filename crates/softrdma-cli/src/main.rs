@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::ffi::OsString;
 use std::io::{self, ErrorKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -130,7 +131,7 @@ enum Command {
 }
 
 /// Arguments of `softrdma run`.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Default, PartialEq, Eq, clap::Args)]
 #[command(after_help = "Examples:\n  \
     softrdma run -- ibv_devinfo -v\n  \
     softrdma run -- rping -s -a 127.0.0.1 -C 10\n  \
@@ -178,7 +179,7 @@ struct RunArgs {
         allow_hyphen_values = true,
         value_name = "CMD"
     )]
-    command: Vec<std::ffi::OsString>,
+    command: Vec<OsString>,
 }
 
 fn run_run_cmd(a: &RunArgs) -> ExitCode {
@@ -538,13 +539,97 @@ fn run_perf_cmd(a: &PerfArgs) -> ExitCode {
     }
 }
 
+/// `softrdma run`'s arguments (those after `run`) read without building
+/// the command line interface of every subcommand: `run` starts other
+/// programs, and each of them pays for what this process does before its
+/// `exec`. Only the plain cases are taken: the options of `run` each at
+/// most once (with `=VALUE` or the value as the next argument), then `--`
+/// or the program. Anything else (help, unknown or repeated options,
+/// conflicts, values that are not allowed, no program) is `None`, and the
+/// full parser takes it with its own messages; it reads the cases taken
+/// here the same way (a test compares the two).
+fn quick_run_args(args: &[OsString]) -> Option<RunArgs> {
+    let mut a = RunArgs::default();
+    let mut i = 0;
+    while let Some(arg) = args.get(i) {
+        let bytes = arg.as_encoded_bytes();
+        if bytes == b"--" {
+            i += 1;
+            break;
+        }
+        if !bytes.starts_with(b"-") {
+            break;
+        }
+        let (name, inline) = match arg.to_str()?.split_once('=') {
+            Some((n, v)) => (n, Some(v)),
+            None => (arg.to_str()?, None),
+        };
+        let flag = |seen: &mut bool| {
+            if *seen || inline.is_some() {
+                return None;
+            }
+            *seen = true;
+            Some(())
+        };
+        match name {
+            "--verbs" => flag(&mut a.verbs)?,
+            "--no-verbs" => flag(&mut a.no_verbs)?,
+            "--dat" => flag(&mut a.dat)?,
+            "--no-dat" => flag(&mut a.no_dat)?,
+            "--sockets" => flag(&mut a.sockets)?,
+            "--print-env" => flag(&mut a.print_env)?,
+            "--sockets-policy" | "--lib-dir" | "--ia-addr" => {
+                let value = match inline {
+                    Some(v) => v.to_owned().into(),
+                    None => {
+                        i += 1;
+                        args.get(i)?.clone()
+                    }
+                };
+                // Empty, or an option where a value belongs: the full
+                // parser's error.
+                if value.is_empty() || value.as_encoded_bytes().starts_with(b"-") {
+                    return None;
+                }
+                match name {
+                    "--sockets-policy" if a.sockets_policy.is_none() => {
+                        let v = value.to_str()?;
+                        if !["auto", "offload", "tcp"].contains(&v) {
+                            return None;
+                        }
+                        a.sockets_policy = Some(v.to_owned());
+                    }
+                    "--lib-dir" if a.lib_dir.is_none() => a.lib_dir = Some(value.into()),
+                    "--ia-addr" if a.ia_addr.is_none() => {
+                        a.ia_addr = Some(value.to_str()?.parse().ok()?);
+                    }
+                    _ => return None,
+                }
+            }
+            _ => return None,
+        }
+        i += 1;
+    }
+    a.command = args.get(i..)?.to_vec();
+    let conflict = (a.verbs && a.no_verbs)
+        || (a.dat && a.no_dat)
+        || (a.sockets_policy.is_some() && !a.sockets);
+    (!conflict && !a.command.is_empty()).then_some(a)
+}
+
 fn main() -> ExitCode {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    if argv.get(1).is_some_and(|a| a == "run")
+        && let Some(a) = quick_run_args(&argv[2..])
+    {
+        return run_run_cmd(&a);
+    }
     // `softrdma perf stream ...` has its own options (sockets direct).
-    let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).is_some_and(|a| a == "perf") && argv.get(2).is_some_and(|a| a == "stream") {
+        let argv: Vec<String> = std::env::args().collect();
         return softrdma_cli::perf::stream::main_with_args(&argv[2..]);
     }
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(argv);
     match cli.command {
         Command::Info { json } => {
             let stdout = io::stdout();
@@ -667,6 +752,104 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::ffi::OsStringExt;
+
+    fn os(args: &[&[u8]]) -> Vec<OsString> {
+        args.iter()
+            .map(|a| OsString::from_vec(a.to_vec()))
+            .collect()
+    }
+
+    /// `softrdma run ARGS` as the full parser reads it.
+    fn full(args: &[OsString]) -> Option<RunArgs> {
+        let argv = [OsString::from("softrdma"), OsString::from("run")]
+            .into_iter()
+            .chain(args.iter().cloned());
+        match Cli::try_parse_from(argv).ok()?.command {
+            Command::Run(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn the_quick_reading_of_run_takes_the_plain_cases_as_the_full_parser_does() {
+        let taken: &[&[&[u8]]] = &[
+            &[b"--", b"true"],
+            &[b"true"],
+            &[
+                b"--no-verbs",
+                b"--no-dat",
+                b"--sockets",
+                b"--",
+                b"/bin/true",
+            ],
+            &[b"--sockets", b"--", b"redis-server", b"--port", b"7000"],
+            &[b"--sockets", b"--sockets-policy", b"tcp", b"--", b"x"],
+            &[b"--sockets-policy=offload", b"--sockets", b"x", b"-y"],
+            &[b"--sockets", b"--sockets-policy", b"auto", b"x"],
+            &[b"--lib-dir", b"/my libs", b"--", b"x"],
+            &[b"--lib-dir=/l", b"x"],
+            &[b"--lib-dir", b"/l\xff", b"x"],
+            &[b"--ia-addr", b"10.0.0.1", b"x"],
+            &[b"--ia-addr=192.0.2.1", b"--", b"x"],
+            &[b"--verbs", b"--dat", b"x", b"--verbs", b"--verbs"],
+            &[b"--print-env", b"x"],
+            &[b"x", b"--", b"y"],
+            &[b"--", b"--", b"x"],
+            &[b"--", b"-x"],
+            &[b"--", b"--verbs"],
+            &[b"x", b"\xff"],
+            &[b"--no-verbs", b"--dat", b"--print-env", b"--sockets", b"x"],
+        ];
+        for args in taken {
+            let args = os(args);
+            let quick = quick_run_args(&args);
+            assert!(quick.is_some(), "not taken: {args:?}");
+            assert_eq!(quick, full(&args), "{args:?}");
+        }
+        // Left to the full parser (its help, errors and messages).
+        let left: &[&[&[u8]]] = &[
+            &[],
+            &[b"--"],
+            &[b"--sockets"],
+            &[b"--sockets", b"--print-env"],
+            &[b"--help"],
+            &[b"-h", b"x"],
+            &[b"--verbs", b"--no-verbs", b"x"],
+            &[b"--dat", b"--no-dat", b"x"],
+            &[b"--verbs", b"--verbs", b"x"],
+            &[b"--sockets-policy", b"tcp", b"x"],
+            &[b"--sockets", b"--sockets-policy", b"bogus", b"x"],
+            &[
+                b"--sockets",
+                b"--sockets-policy=tcp",
+                b"--sockets-policy=tcp",
+                b"x",
+            ],
+            &[b"--lib-dir"],
+            &[b"--lib-dir", b"--", b"x"],
+            &[b"--lib-dir=", b"x"],
+            &[b"--lib-dir=-l", b"x"],
+            &[b"--lib-dir", b"/a", b"--lib-dir", b"/b", b"x"],
+            &[b"--ia-addr", b"300.1.1.1", b"x"],
+            &[b"--ia-addr", b"::1", b"x"],
+            &[b"--verbs=1", b"x"],
+            &[b"--bogus", b"x"],
+            &[b"--sock", b"x"],
+            &[b"-x", b"y"],
+            &[b"-", b"y"],
+            &[b"--\xff", b"x"],
+        ];
+        for args in left {
+            let args = os(args);
+            assert_eq!(quick_run_args(&args), None, "taken: {args:?}");
         }
     }
 }

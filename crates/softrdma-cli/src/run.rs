@@ -17,7 +17,8 @@
 //! (`--verbs` / `--dat` insist on it, `--no-verbs` / `--no-dat` leave it
 //! out); the preload is only used with `--sockets`.
 //!
-//! The private directory is `<lib dir>/softrdma-run/` when that is writable,
+//! The private directory, made only when the verbs libraries or the DAT
+//! provider are in, is `<lib dir>/softrdma-run/` when that is writable,
 //! else a per-user directory under the system temporary directory. Links and
 //! files in it are replaced atomically (rename), so concurrent runs are safe.
 
@@ -124,8 +125,9 @@ pub enum RunError {
 pub struct Prepared {
     /// Variables to set, in order.
     pub vars: Vec<(&'static str, OsString)>,
-    /// The private directory (links and `dat.conf`).
-    pub run_dir: PathBuf,
+    /// The private directory (links and `dat.conf`); none when neither
+    /// the verbs libraries nor the DAT provider are in.
+    pub run_dir: Option<PathBuf>,
     /// Which layers are in: verbs, DAT, sockets.
     pub layers: Vec<&'static str>,
 }
@@ -139,8 +141,14 @@ pub fn lib_dir(opt: Option<&Path>) -> Result<PathBuf, RunError> {
     if let Some(d) = std::env::var_os(LIB_DIR_VAR).filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(d));
     }
+    exe_dir()
+}
+
+/// The directory of the running executable. The kernel's
+/// `/proc/self/exe` is already an absolute path without symbolic links or
+/// `..` (what `canonicalize` would make of it).
+fn exe_dir() -> Result<PathBuf, RunError> {
     let exe = std::env::current_exe().map_err(RunError::NoExeDir)?;
-    let exe = exe.canonicalize().unwrap_or(exe);
     exe.parent()
         .map(Path::to_path_buf)
         .ok_or_else(|| RunError::NoExeDir(io::Error::other("the executable has no parent")))
@@ -159,14 +167,14 @@ pub fn ia_addr(opt: Option<Ipv4Addr>) -> Result<Ipv4Addr, RunError> {
     Ok(first_host_ipv4().unwrap_or(Ipv4Addr::LOCALHOST))
 }
 
-/// The first non-loopback IPv4 address of an interface that is up.
+/// The first non-loopback, specified IPv4 address of the host's
+/// interfaces (`getifaddrs(3)`), by interface name, then address.
 pub fn first_host_ipv4() -> Option<Ipv4Addr> {
-    let mut addrs: Vec<(String, Ipv4Addr)> = if_addrs::get_if_addrs()
+    let mut addrs: Vec<(String, Ipv4Addr)> = nix::ifaddrs::getifaddrs()
         .ok()?
-        .into_iter()
-        .filter_map(|i| match i.ip() {
-            std::net::IpAddr::V4(a) if !a.is_loopback() && !a.is_unspecified() => Some((i.name, a)),
-            _ => None,
+        .filter_map(|i| {
+            let a = i.address?.as_sockaddr_in()?.ip();
+            (!a.is_loopback() && !a.is_unspecified()).then_some((i.interface_name, a))
         })
         .collect();
     // Stable choice: by interface name, then address.
@@ -235,11 +243,13 @@ fn run_dir(lib_dir: &Path) -> Result<PathBuf, RunError> {
     Ok(dir)
 }
 
+/// Whether files can be made in `dir`: one `access(2)` (write and search
+/// permission, a read-only or immutable file system), where writing and
+/// removing a probe file took four system calls and two changes of the
+/// directory on every run.
 fn writable(dir: &Path) -> bool {
-    let probe = dir.join(format!(".probe-{}", std::process::id()));
-    let ok = std::fs::write(&probe, b"").is_ok();
-    let _ = std::fs::remove_file(&probe);
-    ok
+    use nix::unistd::{AccessFlags, access};
+    access(dir, AccessFlags::W_OK | AccessFlags::X_OK).is_ok()
 }
 
 /// Make `dir/name` a symlink to `target`, atomically replacing what is there
@@ -282,6 +292,9 @@ fn wanted(
     artifact: &'static str,
     dir: &Path,
 ) -> Result<bool, RunError> {
+    if u == Use::Off {
+        return Ok(false);
+    }
     let present = dir.join(artifact).is_file();
     match u {
         Use::Off => Ok(false),
@@ -301,8 +314,15 @@ pub fn prepare(
     opts: &RunOptions,
     env: impl Fn(&str) -> Option<OsString>,
 ) -> Result<Prepared, RunError> {
-    let dir = lib_dir(opts.lib_dir.as_deref())?;
-    let dir = dir.canonicalize().unwrap_or(dir);
+    let given = opts.lib_dir.clone().or_else(|| {
+        env(LIB_DIR_VAR)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+    });
+    let dir = match given {
+        Some(d) => d.canonicalize().unwrap_or(d),
+        None => exe_dir()?,
+    };
     let verbs = wanted(opts.verbs, "--verbs", VERBS_ARTIFACT, &dir)?;
     let dat = wanted(opts.dat, "--dat", DAT_ARTIFACT, &dir)?;
     let sockets = wanted(
@@ -318,20 +338,25 @@ pub fn prepare(
     if !(verbs || dat || sockets) {
         return Err(RunError::NothingFound(dir));
     }
-    let rd = run_dir(&dir)?;
+    // Only the verbs links and the DAT configuration go there.
+    let rd = if verbs || dat {
+        Some(run_dir(&dir)?)
+    } else {
+        None
+    };
     let mut vars = Vec::new();
     let mut layers = Vec::new();
-    if verbs {
+    if let (true, Some(rd)) = (verbs, &rd) {
         for (name, artifact) in VERBS_LINKS {
-            link(&rd, name, &dir.join(artifact))?;
+            link(rd, name, &dir.join(artifact))?;
         }
-        vars.push(("LD_LIBRARY_PATH", prepend_path(&rd, env("LD_LIBRARY_PATH"))));
+        vars.push(("LD_LIBRARY_PATH", prepend_path(rd, env("LD_LIBRARY_PATH"))));
         layers.push("verbs");
     }
-    if dat {
+    if let (true, Some(rd)) = (dat, &rd) {
         let addr = ia_addr(opts.ia_addr)?;
         let conf = write_file(
-            &rd,
+            rd,
             &format!("dat-{addr}.conf"),
             &dat_conf(&dir.join(DAT_ARTIFACT), addr),
         )?;
@@ -419,14 +444,15 @@ mod tests {
         .unwrap();
         assert_eq!(p.layers, ["verbs"]);
         let dir = d.path().canonicalize().unwrap();
-        assert_eq!(p.run_dir, dir.join("softrdma-run"));
+        let rd = p.run_dir.clone().unwrap();
+        assert_eq!(rd, dir.join("softrdma-run"));
         for (name, artifact) in VERBS_LINKS {
             assert_eq!(
-                std::fs::read_link(p.run_dir.join(name)).unwrap(),
+                std::fs::read_link(rd.join(name)).unwrap(),
                 dir.join(artifact)
             );
         }
-        let want = format!("{}:/old", p.run_dir.display());
+        let want = format!("{}:/old", rd.display());
         assert_eq!(p.vars, [("LD_LIBRARY_PATH", OsString::from(want))]);
         // A second run reuses the links.
         let again = prepare(&opts, |_| None).unwrap();
@@ -494,6 +520,65 @@ mod tests {
     }
 
     #[test]
+    fn the_sockets_layer_alone_makes_no_private_directory() {
+        let d = fake_libs(&[VERBS_ARTIFACT, DAT_ARTIFACT, PRELOAD_ARTIFACT]);
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            verbs: Use::Off,
+            dat: Use::Off,
+            sockets: true,
+            ..Default::default()
+        };
+        let p = prepare(&opts, |_| None).unwrap();
+        assert_eq!(p.layers, ["sockets"]);
+        assert_eq!(p.run_dir, None);
+        let lib = d.path().canonicalize().unwrap().join(PRELOAD_ARTIFACT);
+        assert_eq!(p.vars, [("LD_PRELOAD", lib.into_os_string())]);
+        assert!(!d.path().join("softrdma-run").exists());
+    }
+
+    #[test]
+    fn a_read_only_library_directory_puts_the_private_directory_under_tmp() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = fake_libs(&[VERBS_ARTIFACT]);
+        let set = |mode| {
+            std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        set(0o555);
+        if std::fs::write(d.path().join("x"), b"").is_ok() {
+            // Permissions do not stop this user (root).
+            set(0o755);
+            println!("SKIPPED: the directory is writable anyway");
+            return;
+        }
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            ..Default::default()
+        };
+        let p = prepare(&opts, |_| None);
+        set(0o755);
+        let rd = p.unwrap().run_dir.unwrap();
+        assert!(rd.starts_with(std::env::temp_dir()), "{}", rd.display());
+        assert_eq!(
+            std::fs::read_link(rd.join("libibverbs.so.1")).unwrap(),
+            d.path().canonicalize().unwrap().join(VERBS_ARTIFACT)
+        );
+        std::fs::remove_dir_all(rd).unwrap();
+    }
+
+    #[test]
+    fn the_library_directory_comes_from_the_environment_before_the_executable() {
+        let d = fake_libs(&[PRELOAD_ARTIFACT]);
+        let opts = RunOptions {
+            sockets: true,
+            ..Default::default()
+        };
+        let p = prepare(&opts, |k| (k == LIB_DIR_VAR).then(|| d.path().into())).unwrap();
+        let lib = d.path().canonicalize().unwrap().join(PRELOAD_ARTIFACT);
+        assert_eq!(p.vars, [("LD_PRELOAD", lib.into_os_string())]);
+    }
+
+    #[test]
     fn off_leaves_a_present_layer_out() {
         let d = fake_libs(&[VERBS_ARTIFACT, DAT_ARTIFACT]);
         let opts = RunOptions {
@@ -504,6 +589,17 @@ mod tests {
         };
         let p = prepare(&opts, |_| None).unwrap();
         assert_eq!(p.layers, ["dat"]);
+    }
+
+    #[test]
+    fn the_host_address_is_a_local_non_loopback_ipv4_address() {
+        let Some(a) = first_host_ipv4() else {
+            println!("SKIPPED: the host has no IPv4 address but loopback");
+            return;
+        };
+        assert!(!a.is_loopback() && !a.is_unspecified(), "{a}");
+        // Only an address of this host can be bound.
+        std::net::UdpSocket::bind((a, 0)).unwrap();
     }
 
     #[test]

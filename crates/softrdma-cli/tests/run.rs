@@ -162,3 +162,134 @@ fn sockets_preload_counts_a_real_programs_connections() {
     assert!(line.contains("\"plain\":1"), "{line}");
     assert!(line.contains("\"policy\":1"), "{line}");
 }
+
+/// `softrdma` carries its own unwinder: starting it maps no
+/// `libgcc_s.so.1` (whose constructor runs `cpuid`s), one library fewer
+/// for every program `softrdma run` starts.
+#[test]
+fn the_softrdma_executable_loads_no_unwinder_library() {
+    if option_env!("SOFTRDMA_UNWINDER_LINKED_IN").is_none() {
+        println!("SKIPPED: no libgcc_eh.a to link the unwinder from");
+        return;
+    }
+    // glibc's loader lists the libraries it maps and runs nothing.
+    let out = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .env("LD_TRACE_LOADED_OBJECTS", "1")
+        .output()
+        .unwrap();
+    let libs = text(&out.stdout);
+    assert!(libs.contains("libc.so"), "{libs}");
+    assert!(!libs.contains("libgcc_s"), "{libs}");
+}
+
+/// `softrdma run ARGS -- /usr/bin/env -0` in an environment of exactly
+/// `vars`: the variables the program saw, in order.
+fn child_env(lib_dir: &Path, args: &[&str], vars: &[(&str, &std::ffi::OsStr)]) -> Vec<Vec<u8>> {
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("run")
+        .arg("--lib-dir")
+        .arg(lib_dir)
+        .args(args)
+        .args(["--", "/usr/bin/env", "-0"])
+        .env_clear()
+        .envs(vars.iter().copied())
+        .output()
+        .expect("run softrdma");
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    o.stdout
+        .split(|b| *b == 0)
+        .filter(|v| !v.is_empty())
+        .map(<[u8]>::to_vec)
+        .collect()
+}
+
+/// The program gets the environment of `softrdma run` with only the
+/// variables of its layers set, every other one (odd bytes included)
+/// passed as it was.
+#[test]
+fn the_program_sees_the_environment_with_only_the_layers_variables_changed() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let d = fake_libs(&[
+        "libsoftrdma_verbs.so",
+        "libsoftrdma_dapl.so",
+        "libsoftrdma_preload.so",
+    ]);
+    let dir = d.path().canonicalize().unwrap();
+    let dir = dir.to_str().unwrap();
+    let vars: [(&str, &OsStr); 5] = [
+        ("HOME", OsStr::new("/home/x")),
+        ("ODD", OsStr::from_bytes(b"a\xffb c=d")),
+        ("LD_PRELOAD", OsStr::new("/old.so")),
+        ("LD_LIBRARY_PATH", OsStr::new("/old/lib")),
+        ("EMPTY", OsStr::new("")),
+    ];
+    let sorted = |mut v: Vec<Vec<u8>>| {
+        v.sort();
+        v
+    };
+    let want = |extra: &[String]| {
+        let mut v: Vec<Vec<u8>> = vars
+            .iter()
+            .filter(|(k, _)| !extra.iter().any(|e| e.starts_with(&format!("{k}="))))
+            .map(|(k, v)| [k.as_bytes(), b"=", v.as_bytes()].concat())
+            .collect();
+        v.extend(extra.iter().map(|e| e.as_bytes().to_vec()));
+        sorted(v)
+    };
+    let got = child_env(
+        d.path(),
+        &[
+            "--no-verbs",
+            "--no-dat",
+            "--sockets",
+            "--sockets-policy",
+            "tcp",
+        ],
+        &vars,
+    );
+    assert_eq!(
+        sorted(got),
+        want(&[
+            format!("LD_PRELOAD={dir}/libsoftrdma_preload.so:/old.so"),
+            "SOFTRDMA_SOCKETS=tcp".into(),
+        ])
+    );
+    let got = child_env(d.path(), &["--ia-addr", "192.0.2.5"], &vars);
+    assert_eq!(
+        sorted(got),
+        want(&[
+            format!("LD_LIBRARY_PATH={dir}/softrdma-run:/old/lib"),
+            format!("DAT_OVERRIDE={dir}/softrdma-run/dat-192.0.2.5.conf"),
+            "SOFTRDMA_IA_ADDR=192.0.2.5".into(),
+        ])
+    );
+}
+
+/// An argument that is not UTF-8 reaches the program unchanged (the
+/// argument list was read as UTF-8 strings, which panicked), and the other
+/// subcommands take one as their parser does.
+#[test]
+fn run_passes_a_non_utf8_argument_through() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let d = fake_libs(&["libsoftrdma_verbs.so"]);
+    let odd = OsStr::from_bytes(b"a\xffb");
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("run")
+        .arg("--lib-dir")
+        .arg(d.path())
+        .args(["--", "printf", "%s"])
+        .arg(odd)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(o.stdout, b"a\xffb");
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("dissect")
+        .arg(odd)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).starts_with("softrdma dissect: error:"));
+}

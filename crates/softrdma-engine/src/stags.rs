@@ -8,8 +8,8 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use parking_lot::RwLock;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::rngs::OsRng;
+use rand::{Rng, RngCore, TryRngCore};
 use softrdma_wire::errcode::TermError;
 
 use crate::sys::mem::{MemError, Memory};
@@ -408,31 +408,82 @@ pub(crate) const fn stag(index: u32, key: u8) -> u32 {
     (index << 8) | key as u32
 }
 
+/// Random numbers from the kernel's generator (`getrandom(2)`), fetched
+/// 256 bytes at a time: as hard to guess as a generator seeded from it
+/// (STags stay unpredictable), one system call per 64 draws, and nothing
+/// to set up. A ChaCha generator asks the CPU for its vector features on
+/// its first use (`cpuid`, about 30 µs a process in a virtual machine),
+/// in every process that registers memory, for the handful of STags of a
+/// connection.
+#[derive(Clone)]
+struct KernelRandom {
+    buf: [u8; 256],
+    /// The first byte of `buf` not drawn yet.
+    next: usize,
+}
+
+impl KernelRandom {
+    fn new() -> KernelRandom {
+        KernelRandom {
+            buf: [0; 256],
+            next: 256,
+        }
+    }
+
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        if self.next + N > self.buf.len() {
+            OsRng
+                .try_fill_bytes(&mut self.buf)
+                .expect("the kernel's random generator");
+            self.next = 0;
+        }
+        let mut out = [0; N];
+        out.copy_from_slice(&self.buf[self.next..self.next + N]);
+        self.next += N;
+        out
+    }
+}
+
+impl RngCore for KernelRandom {
+    fn next_u32(&mut self) -> u32 {
+        u32::from_ne_bytes(self.take())
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        u64::from_ne_bytes(self.take())
+    }
+
+    fn fill_bytes(&mut self, dst: &mut [u8]) {
+        for chunk in dst.chunks_mut(8) {
+            let b: [u8; 8] = self.take();
+            chunk.copy_from_slice(&b[..chunk.len()]);
+        }
+    }
+}
+
 thread_local! {
-    /// The calling thread's generator of STag indices and keys, seeded
-    /// from the operating system (ChaCha: STags stay hard to guess). Not
+    /// The calling thread's random numbers (see [`KernelRandom`]). Not
     /// `rand::rng()`: that is a thread-local with a destructor, and
     /// glibc's `exit` destroys the exiting thread's thread-locals before
     /// it runs the exit handlers, which may register memory or connect
     /// (`with` then panics). This one has no destructor. Kept with the
-    /// fork generation that seeded it: a `fork(2)`ed child (and each of
+    /// fork generation that filled it: a `fork(2)`ed child (and each of
     /// its siblings) would otherwise draw the same STags as its parent's
     /// thread, which a peer of one could learn to predict another's.
-    static RNG: Cell<Option<(u64, StdRng)>> = const { Cell::new(None) };
+    static RNG: Cell<Option<(u64, KernelRandom)>> = const { Cell::new(None) };
 }
 
-/// Runs `f` with a random generator: the thread's own (see [`RNG`]), one
-/// seeded from the operating system for this call if it cannot be had (a
-/// nested call, or the thread's locals already destroyed), or a new one
-/// after a fork.
-fn with_rng<R>(f: impl FnOnce(&mut StdRng) -> R) -> R {
+/// Runs `f` with random numbers: the thread's own (see [`RNG`]), new ones
+/// for this call if they cannot be had (a nested call, or the thread's
+/// locals already destroyed), or new ones after a fork.
+fn with_rng<R>(f: impl FnOnce(&mut KernelRandom) -> R) -> R {
     let generation = crate::sys::epoll::fork_generation();
     let mut rng = RNG
         .try_with(Cell::take)
         .ok()
         .flatten()
         .filter(|(g, _)| *g == generation)
-        .map_or_else(StdRng::from_os_rng, |(_, rng)| rng);
+        .map_or_else(KernelRandom::new, |(_, rng)| rng);
     let r = f(&mut rng);
     let _ = RNG.try_with(|c| c.set(Some((generation, rng))));
     r
@@ -1049,9 +1100,25 @@ mod tests {
     use std::time::Duration;
 
     /// A `fork(2)`ed child draws other STags than its parent's thread
-    /// would: the thread's generator is seeded anew in a new fork
-    /// generation (a copied generator would repeat the parent's sequence
-    /// in every child of a preforking server).
+    /// would: the thread's random bytes are fetched anew in a new fork
+    /// generation (copied ones would repeat the parent's draws in every
+    /// child of a preforking server).
+    #[test]
+    fn draws_are_spread_over_the_whole_range() {
+        // 256 draws: more than one fetch of the buffer; every byte value
+        // of a key is as likely (a constant or a repeating buffer would
+        // fail), and the 24-bit indices differ.
+        let keys: std::collections::HashSet<u8> = (0..256).map(|_| fresh_key(None)).collect();
+        assert!(keys.len() > 100, "{} different keys of 256", keys.len());
+        let idx: std::collections::HashSet<u32> = (0..256)
+            .map(|_| with_rng(|r| r.random_range(1..=MAX_INDEX)))
+            .collect();
+        assert!(idx.len() > 250, "{} different indices of 256", idx.len());
+        let mut b = [0u8; 13];
+        with_rng(|r| r.fill_bytes(&mut b));
+        assert_ne!(b, [0; 13]);
+    }
+
     #[test]
     fn a_forked_child_draws_other_stags_than_its_parent() {
         let _ = fresh_key(None);

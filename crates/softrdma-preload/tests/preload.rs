@@ -236,3 +236,28 @@ fn a_twin_deciding_late_queries_is_asked_beside_the_syn() {
     assert!(l.contains("\"peer declined\":1"), "{l}");
     assert!(l.contains("\"offload setup failed\":1"), "{l}");
 }
+
+/// The libraries the dynamic loader maps for `/bin/true` with the library
+/// preloaded (glibc's `LD_TRACE_LOADED_OBJECTS`: list them, run nothing).
+fn loaded_with_preload() -> String {
+    let out = std::process::Command::new("/bin/true")
+        .env("LD_PRELOAD", common::library())
+        .env("LD_TRACE_LOADED_OBJECTS", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The library carries its own unwinder: a preloaded C program maps no
+/// `libgcc_s.so.1` (whose constructor runs `cpuid`s in every process).
+#[test]
+fn a_preloaded_program_loads_no_unwinder_library() {
+    if option_env!("SOFTRDMA_UNWINDER_LINKED_IN").is_none() {
+        println!("SKIPPED: no libgcc_eh.a to link the unwinder from");
+        return;
+    }
+    let libs = loaded_with_preload();
+    assert!(libs.contains("libsoftrdma_preload.so"), "{libs}");
+    assert!(!libs.contains("libgcc_s"), "{libs}");
+}
