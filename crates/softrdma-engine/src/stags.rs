@@ -6,6 +6,7 @@
 
 use std::cell::Cell;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
 use rand::rngs::StdRng;
@@ -594,6 +595,8 @@ pub(crate) struct Target {
 #[derive(Debug)]
 pub(crate) struct StagTable {
     slots: RwLock<Slots>,
+    /// Changes of existing entries so far ([`StagTable::epoch`]).
+    epoch: AtomicU64,
 }
 
 /// What a new entry is registered as.
@@ -623,6 +626,7 @@ impl StagTable {
     pub(crate) fn new() -> Self {
         StagTable {
             slots: RwLock::new(Slots::default()),
+            epoch: AtomicU64::new(0),
         }
     }
 
@@ -653,9 +657,30 @@ impl StagTable {
         Ok(index)
     }
 
+    /// The table's write lock for a change of existing entries: the
+    /// change counter ([`StagTable::epoch`]) moves on under it.
+    fn change(&self) -> parking_lot::RwLockWriteGuard<'_, Slots> {
+        let slots = self.slots.write();
+        self.epoch.fetch_add(1, Ordering::Release);
+        slots
+    }
+
+    /// The number of changes of existing entries so far (removals,
+    /// invalidations, binds, fast-registers, re-registrations; not
+    /// insertions, which change no answer about an existing key). Each
+    /// change counts under the write lock, so a value read *before* a
+    /// look-up is never newer than the table the look-up saw: a look-up
+    /// made after reading `e`, whose answer is kept, gives that same
+    /// answer again while `epoch()` is still `e` (the receive buffers a
+    /// QP keeps past their completion, `Config::keep_recvs` of the
+    /// protocol core). A plain load, no lock.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
     /// Removes the entry at `index`. A bound window releases its region.
     pub(crate) fn remove(&self, index: u32) {
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         let Some(entry) = slots.entries.remove(&index) else {
             return;
         };
@@ -841,7 +866,7 @@ impl StagTable {
         let _ = remote;
         let index = stag_value >> 8;
         let key = (stag_value & 0xff) as u8;
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         let entry = slots
             .get_mut(index)
             .filter(|e| e.key == key)
@@ -908,7 +933,7 @@ impl StagTable {
         if !Access::REMOTE.contains(access) {
             return Err(BindError::InvalidAccess(access));
         }
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         if slots.get(mw_index).is_some_and(|e| e.pd != pd)
             || slots.get(mr_index).is_some_and(|e| e.pd != pd)
         {
@@ -993,7 +1018,7 @@ impl StagTable {
         if iova.checked_add(len).is_none() {
             return Err(FastRegError::Wrap);
         }
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         let entry = slots
             .get_mut(index)
             .filter(|e| pd.is_none_or(|pd| e.pd == pd))
@@ -1016,7 +1041,7 @@ impl StagTable {
     /// Re-registration: new access and a fresh key for the region at
     /// `index`, same memory and range. Fails while windows are bound.
     pub(crate) fn rereg(&self, index: u32, access: Access) -> Result<u32, RegError> {
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         let entry = slots.get_mut(index).ok_or(RegError::TableFull)?;
         if let Kind::Region { windows, .. } = &entry.kind {
             let n = windows.load(std::sync::atomic::Ordering::Relaxed);
@@ -1036,7 +1061,7 @@ impl StagTable {
     pub(crate) fn remove_stag(&self, stag_value: u32) {
         let index = stag_value >> 8;
         let key = (stag_value & 0xff) as u8;
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         if slots.get(index).is_some_and(|e| e.key == key) {
             slots.entries.remove(&index);
         }
