@@ -1073,6 +1073,40 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// Every change of an existing entry moves the change counter on (a
+    /// kept receive buffer checked before it is checked again); an
+    /// insertion does not.
+    #[test]
+    fn the_epoch_counts_changes_of_existing_entries() {
+        let t = StagTable::new();
+        let region = |t: &StagTable| {
+            t.insert(NewEntry {
+                pd: 1,
+                access: Access::LOCAL_WRITE,
+                iova: 0x1000,
+                len: 64,
+                mem: Some(Memory::from_vec(vec![0; 64])),
+                valid: true,
+                kind: NewKind::Region,
+            })
+            .unwrap()
+        };
+        let e0 = t.epoch();
+        let a = region(&t);
+        let b = region(&t);
+        assert_eq!(t.epoch(), e0, "an insertion counted");
+        let lkey = t.stag_of(a);
+        assert!(t.local(lkey, 1, 0x1000, 64, true).is_ok());
+        t.rereg(a, Access::NONE).unwrap();
+        assert_eq!(t.epoch(), e0 + 1);
+        assert!(t.local(t.stag_of(a), 1, 0x1000, 64, true).is_err());
+        t.remove(b);
+        assert_eq!(t.epoch(), e0 + 2);
+        t.remove_stag(t.stag_of(a));
+        assert_eq!(t.epoch(), e0 + 3);
+        assert!(t.local(lkey, 1, 0x1000, 64, false).is_err());
+    }
+
     /// A `fork(2)`ed child draws other STags than its parent's thread
     /// would: the thread's generator is seeded anew in a new fork
     /// generation (a copied generator would repeat the parent's sequence
