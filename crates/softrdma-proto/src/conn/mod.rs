@@ -919,35 +919,24 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
 
     /// A receive that completed successfully: its buffer is kept for its
     /// next post ([`Config::keep_recvs`]) or let go.
-    #[inline]
-    pub(super) fn recv_done(
-        &mut self,
-        wr_id: u64,
-        segs: Vec<Span<R>>,
-        total: usize,
-        key: Option<RecvKey>,
-    ) {
+    #[inline(always)]
+    fn recv_done(&mut self, e: RecvEntry<R>) {
         let max = self.cfg.max_recv_wr as usize;
-        let at = match usize::try_from(wr_id) {
-            Ok(i) if key.is_some() && i < max => i,
-            _ => {
-                self.recycle_segs(segs);
-                return;
+        let slot = match usize::try_from(e.wr_id) {
+            Ok(i) if e.key.is_some() && i < max => {
+                if self.kept.len() < max {
+                    self.kept.resize_with(max, || None);
+                }
+                self.kept.get_mut(i)
             }
+            _ => None,
         };
-        if self.kept.len() < max {
-            self.kept.resize_with(max, || None);
-        }
-        let e = RecvEntry {
-            wr_id,
-            segs,
-            total,
-            key,
-        };
-        match self.kept.get_mut(at).map(|s| s.replace(e)) {
-            Some(Some(old)) => self.recycle_segs(old.segs),
-            Some(None) => self.kept_len += 1,
-            None => {}
+        match slot {
+            Some(s) => match s.replace(e) {
+                Some(old) => self.recycle_segs(old.segs),
+                None => self.kept_len += 1,
+            },
+            None => self.recycle_segs(e.segs),
         }
     }
 

@@ -449,7 +449,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         let w = self.rq.pop_front()?;
         self.completions
             .push_back(recv_success(w.wr_id, WcOpcode::Recv, len, solicited));
-        self.recv_done(w.wr_id, w.segs, w.total, w.key);
+        self.recv_done(w);
         #[cfg(any(test, debug_assertions))]
         {
             self.rx.one_pass_taken += 1;
@@ -784,8 +784,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 }
                 self.push_recv_info(&r, inv);
                 self.completions.push_back(wc);
-                let total = r.fill.total;
-                self.recv_done(r.wr_id, r.segs, total, r.key);
+                self.recv_done(RecvEntry {
+                    wr_id: r.wr_id,
+                    total: r.fill.total,
+                    segs: r.segs,
+                    key: r.key,
+                });
                 Ok(())
             }
         }
