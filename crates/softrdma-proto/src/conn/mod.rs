@@ -115,10 +115,10 @@ pub struct Config {
     /// Keep the checked buffer of each receive that completed successfully
     /// (one SGE, memory that [`Memory::may_keep`] allows, a `wr_id` below
     /// [`Config::max_recv_wr`]: a ring of receive slots numbered from 0)
-    /// and take it again,
-    /// without [`Memory::local`], when the same receive is posted again:
-    /// same `wr_id` and SGE, and [`Memory::recv_stamp`] unchanged since the
-    /// buffer was checked. See [`Connection::post_recv`].
+    /// and take it again, without [`Memory::local`], when the same receive
+    /// is posted again: same `wr_id` and SGE, and [`Memory::recv_stamp`]
+    /// unchanged since the buffer was checked. See
+    /// [`Connection::post_recv`].
     pub keep_recvs: bool,
 }
 
