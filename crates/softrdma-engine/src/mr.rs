@@ -662,6 +662,14 @@ impl softrdma_proto::mem::Memory for PdMemory<'_> {
         self.srq?.pop_recv()
     }
 
+    fn recv_stamp(&mut self) -> Option<u64> {
+        Some(self.stags.epoch())
+    }
+
+    fn may_keep(&mut self, span: &softrdma_proto::mem::Span<Arc<Memory>>) -> bool {
+        span.region.is_owned()
+    }
+
     fn copy_in(
         &mut self,
         dst: &softrdma_proto::mem::Span<Arc<Memory>>,

@@ -6,6 +6,7 @@
 
 use std::cell::Cell;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
 use rand::rngs::OsRng;
@@ -645,6 +646,8 @@ pub(crate) struct Target {
 #[derive(Debug)]
 pub(crate) struct StagTable {
     slots: RwLock<Slots>,
+    /// Changes of existing entries so far ([`StagTable::epoch`]).
+    epoch: AtomicU64,
 }
 
 /// What a new entry is registered as.
@@ -674,6 +677,7 @@ impl StagTable {
     pub(crate) fn new() -> Self {
         StagTable {
             slots: RwLock::new(Slots::default()),
+            epoch: AtomicU64::new(0),
         }
     }
 
@@ -704,9 +708,30 @@ impl StagTable {
         Ok(index)
     }
 
+    /// The table's write lock for a change of existing entries: the
+    /// change counter ([`StagTable::epoch`]) moves on under it.
+    fn change(&self) -> parking_lot::RwLockWriteGuard<'_, Slots> {
+        let slots = self.slots.write();
+        self.epoch.fetch_add(1, Ordering::Release);
+        slots
+    }
+
+    /// The number of changes of existing entries so far (removals,
+    /// invalidations, binds, fast-registers, re-registrations; not
+    /// insertions, which change no answer about an existing key). Each
+    /// change counts under the write lock, so a value read *before* a
+    /// look-up is never newer than the table the look-up saw: a look-up
+    /// made after reading `e`, whose answer is kept, gives that same
+    /// answer again while `epoch()` is still `e` (the receive buffers a
+    /// QP keeps past their completion, `Config::keep_recvs` of the
+    /// protocol core). A plain load, no lock.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
     /// Removes the entry at `index`. A bound window releases its region.
     pub(crate) fn remove(&self, index: u32) {
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         let Some(entry) = slots.entries.remove(&index) else {
             return;
         };
@@ -892,7 +917,7 @@ impl StagTable {
         let _ = remote;
         let index = stag_value >> 8;
         let key = (stag_value & 0xff) as u8;
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         let entry = slots
             .get_mut(index)
             .filter(|e| e.key == key)
@@ -959,7 +984,7 @@ impl StagTable {
         if !Access::REMOTE.contains(access) {
             return Err(BindError::InvalidAccess(access));
         }
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         if slots.get(mw_index).is_some_and(|e| e.pd != pd)
             || slots.get(mr_index).is_some_and(|e| e.pd != pd)
         {
@@ -1044,7 +1069,7 @@ impl StagTable {
         if iova.checked_add(len).is_none() {
             return Err(FastRegError::Wrap);
         }
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         let entry = slots
             .get_mut(index)
             .filter(|e| pd.is_none_or(|pd| e.pd == pd))
@@ -1067,7 +1092,7 @@ impl StagTable {
     /// Re-registration: new access and a fresh key for the region at
     /// `index`, same memory and range. Fails while windows are bound.
     pub(crate) fn rereg(&self, index: u32, access: Access) -> Result<u32, RegError> {
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         let entry = slots.get_mut(index).ok_or(RegError::TableFull)?;
         if let Kind::Region { windows, .. } = &entry.kind {
             let n = windows.load(std::sync::atomic::Ordering::Relaxed);
@@ -1087,7 +1112,7 @@ impl StagTable {
     pub(crate) fn remove_stag(&self, stag_value: u32) {
         let index = stag_value >> 8;
         let key = (stag_value & 0xff) as u8;
-        let mut slots = self.slots.write();
+        let mut slots = self.change();
         if slots.get(index).is_some_and(|e| e.key == key) {
             slots.entries.remove(&index);
         }
@@ -1098,6 +1123,40 @@ impl StagTable {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// Every change of an existing entry moves the change counter on (a
+    /// kept receive buffer checked before it is checked again); an
+    /// insertion does not.
+    #[test]
+    fn the_epoch_counts_changes_of_existing_entries() {
+        let t = StagTable::new();
+        let region = |t: &StagTable| {
+            t.insert(NewEntry {
+                pd: 1,
+                access: Access::LOCAL_WRITE,
+                iova: 0x1000,
+                len: 64,
+                mem: Some(Memory::from_vec(vec![0; 64])),
+                valid: true,
+                kind: NewKind::Region,
+            })
+            .unwrap()
+        };
+        let e0 = t.epoch();
+        let a = region(&t);
+        let b = region(&t);
+        assert_eq!(t.epoch(), e0, "an insertion counted");
+        let lkey = t.stag_of(a);
+        assert!(t.local(lkey, 1, 0x1000, 64, true).is_ok());
+        t.rereg(a, Access::NONE).unwrap();
+        assert_eq!(t.epoch(), e0 + 1);
+        assert!(t.local(t.stag_of(a), 1, 0x1000, 64, true).is_err());
+        t.remove(b);
+        assert_eq!(t.epoch(), e0 + 2);
+        t.remove_stag(t.stag_of(a));
+        assert_eq!(t.epoch(), e0 + 3);
+        assert!(t.local(lkey, 1, 0x1000, 64, false).is_err());
+    }
 
     /// A `fork(2)`ed child draws other STags than its parent's thread
     /// would: the thread's random bytes are fetched anew in a new fork

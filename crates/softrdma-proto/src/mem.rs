@@ -250,6 +250,25 @@ pub trait Memory {
     #[allow(clippy::result_unit_err)]
     fn local_op(&mut self, op: &LocalOp) -> Result<(), ()>;
 
+    /// A stamp of the registrations ([`crate::conn::Config::keep_recvs`]):
+    /// a value that changes whenever a change of any registration could
+    /// change what [`Memory::local`] answers (a region deregistered,
+    /// invalidated, re-registered with other rights or another range), and
+    /// is read before the check it stamps. `None` (the default): receive
+    /// buffers are never kept.
+    fn recv_stamp(&mut self) -> Option<u64> {
+        None
+    }
+
+    /// Whether a checked span may be kept past its receive's completion
+    /// ([`crate::conn::Config::keep_recvs`]): holding it must not keep
+    /// anyone waiting (memory lent for one call waits for every
+    /// reference). `false` by default.
+    fn may_keep(&mut self, span: &Span<Self::Region>) -> bool {
+        let _ = span;
+        false
+    }
+
     /// Takes the next receive of the shared receive queue (only asked when
     /// the connection was configured with an SRQ).
     fn srq_pop(&mut self) -> Option<SharedRecv<Self::Region>> {

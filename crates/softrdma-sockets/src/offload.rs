@@ -778,6 +778,10 @@ impl Offload {
             max_recv_sge: 1,
             max_inline_data: ((BSDH_LEN + INLINE_PAYLOAD) as u32).min(dev.attr().max_inline_data),
         };
+        // Every receive is slot `i`'s buffer, posted again as it is
+        // consumed (`Shared::repost`): the engine keeps the checked buffer
+        // and skips the key's look-up.
+        attr.keep_recvs = true;
         let inline_max = (attr.cap.max_inline_data as usize).saturating_sub(BSDH_LEN);
         let qp = QueuePair::new(&eng.pd, &attr).map_err(local)?;
         let rx_mr = PooledMr::take(&eng.pd, rx_bufs * size).map_err(local)?;

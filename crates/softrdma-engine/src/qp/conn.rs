@@ -44,6 +44,9 @@ pub(crate) struct ConnSetup {
     pub(crate) srq: bool,
     /// Proxy QP: the core reports what each receive carried.
     pub(crate) message_info: bool,
+    /// Receive buffers kept for their next post
+    /// ([`QpInitAttr::keep_recvs`](super::QpInitAttr::keep_recvs)).
+    pub(crate) keep_recvs: bool,
     /// Graceful close timeout, in the unit of the `now` values the engine
     /// passes (nanoseconds of the engine clock).
     pub(crate) close_timeout: u64,
@@ -68,6 +71,7 @@ pub(crate) fn config(setup: &ConnSetup, link: &LinkParams) -> Config {
         max_send_sge: cap.max_send_sge as usize,
         max_recv_sge: cap.max_recv_sge as usize,
         message_info: setup.message_info,
+        keep_recvs: setup.keep_recvs,
         // The engine reports whether its FIN went out (a reset after the
         // peer's FIN makes it fail: reported at once, not as a close).
         confirm_fin: true,

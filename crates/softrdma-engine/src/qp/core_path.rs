@@ -181,6 +181,7 @@ impl QpInner {
             max_payload,
             srq: self.srq.is_some(),
             message_info: self.proxy.get().is_some(),
+            keep_recvs: self.keep_recvs,
             close_timeout: self
                 .close_timeout_ms
                 .load(Ordering::Relaxed)
@@ -1208,6 +1209,9 @@ fn spans_of(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod keep_recvs;
 
 #[cfg(test)]
 mod tests {

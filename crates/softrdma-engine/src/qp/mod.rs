@@ -105,6 +105,22 @@ pub struct QpInitAttr {
     pub ird: u16,
     /// Outbound RDMA Read / atomic requests the QP keeps outstanding (ORD).
     pub ord: u16,
+    /// Keep the buffer of each receive that completed successfully, already
+    /// checked, for the same receive's next post: a receive posted again
+    /// with the same `wr_id` and the same single SGE (a ring of receive
+    /// slots numbered from 0, reposted as they are consumed; `wr_id`s from
+    /// `cap.max_recv_wr` up are never kept) then skips the look-up of its
+    /// key in the registration table. The result of every post is the same
+    /// as without it: the kept buffer is used only if no registration of
+    /// the device changed since it was checked (a deregistration,
+    /// invalidation, re-registration or bind in between makes the post
+    /// check the SGE again, and fail as it would have), and state checks
+    /// (ERROR, a full queue) are made as for any post. Only memory the
+    /// engine allocated is kept (not memory registered with
+    /// `register_raw` or lent for one call); a kept buffer holds its
+    /// memory until it is posted again (or another buffer with its `wr_id`
+    /// completes) or the connection ends. Off by default.
+    pub keep_recvs: bool,
 }
 
 impl QpInitAttr {
@@ -118,6 +134,7 @@ impl QpInitAttr {
             sq_sig_all: false,
             ird: 16,
             ord: 16,
+            keep_recvs: false,
         }
     }
 }
@@ -452,6 +469,8 @@ pub(crate) struct QpInner {
     pub(crate) srq: Option<SharedReceiveQueue>,
     pub(crate) cap: QpCap,
     sq_sig_all: bool,
+    /// [`QpInitAttr::keep_recvs`].
+    keep_recvs: bool,
     state: AtomicU8,
     state_lock: Mutex<()>,
     /// The IRD the QP negotiates (inbound Reads/atomics accepted at once;
@@ -559,6 +578,7 @@ impl QueuePair {
             srq: attr.srq.clone(),
             cap: attr.cap,
             sq_sig_all: attr.sq_sig_all,
+            keep_recvs: attr.keep_recvs,
             state: AtomicU8::new(QpState::Idle.as_u8()),
             state_lock: Mutex::new(()),
             ird: AtomicU32::new(u32::from(attr.ird)),

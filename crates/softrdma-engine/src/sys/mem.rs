@@ -244,6 +244,15 @@ impl Memory {
         self.len == 0
     }
 
+    /// Whether the memory is the engine's own (allocated, mapped or taken
+    /// over from a `Vec`, freed with the last reference): holding a
+    /// reference longer only delays the free. Memory of
+    /// [`Memory::external`] (an application's registration, memory lent
+    /// for one call) is not: its owner may wait for every reference.
+    pub(crate) fn is_owned(&self) -> bool {
+        !matches!(self.owner, Owner::None)
+    }
+
     /// Address of the first byte (for the IO layer: vectored reads and
     /// writes straight from and into registered memory). Valid for `len()`
     /// bytes while `self` lives.

@@ -40,7 +40,7 @@ use crate::order::{Credits, InOrder, OutKind, Outstanding};
 use crate::qp_state::{ConnEvent, PostPolicy, QpState};
 use crate::types::{
     AsyncEvent, AsyncKind, Completion, CqKind, LinkAction, Output, PostError, RecvWr, SendOp,
-    SendWr, WcOpcode, WcStatus,
+    SendWr, Sge, WcOpcode, WcStatus,
 };
 
 pub use rx::RxWant;
@@ -112,6 +112,14 @@ pub struct Config {
     /// peer's reset already in — is a reset, not a graceful close);
     /// without it the FIN counts as sent when it is asked for.
     pub confirm_fin: bool,
+    /// Keep the checked buffer of each receive that completed successfully
+    /// (one SGE, memory that [`Memory::may_keep`] allows, a `wr_id` below
+    /// [`Config::max_recv_wr`]: a ring of receive slots numbered from 0)
+    /// and take it again, without [`Memory::local`], when the same receive
+    /// is posted again: same `wr_id` and SGE, and [`Memory::recv_stamp`]
+    /// unchanged since the buffer was checked. See
+    /// [`Connection::post_recv`].
+    pub keep_recvs: bool,
 }
 
 impl Config {
@@ -134,6 +142,7 @@ impl Config {
             max_recv_sge: 4,
             message_info: false,
             confirm_fin: false,
+            keep_recvs: false,
         }
     }
 }
@@ -253,6 +262,17 @@ struct RecvEntry<R> {
     wr_id: u64,
     segs: Vec<Span<R>>,
     total: usize,
+    /// With [`Config::keep_recvs`]: what its buffer was checked as, if it
+    /// may be kept past its completion.
+    key: Option<RecvKey>,
+}
+
+/// The one SGE a receive was posted with and the registrations' stamp
+/// ([`Memory::recv_stamp`]) read before the SGE was checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct RecvKey {
+    sge: Sge,
+    stamp: u64,
 }
 
 /// An outstanding outbound Read or atomic (ORD entry): the shared type.
@@ -305,6 +325,15 @@ pub struct Connection<R> {
     /// in the same order.
     msg_infos: VecDeque<MsgInfo<R>>,
     outputs: VecDeque<Output>,
+    /// With [`Config::keep_recvs`]: receives that completed successfully,
+    /// their checked buffers kept for the same receive's next post, by
+    /// `wr_id` (those below `max_recv_wr`; empty until one is kept).
+    kept: Vec<Option<RecvEntry<R>>>,
+    /// Number of `Some` in `kept`.
+    kept_len: usize,
+    /// Posts that took a kept buffer (counted with debug assertions only).
+    #[cfg(any(test, debug_assertions))]
+    kept_taken: u64,
     // ---- buffers reused from one request to the next ----
     /// Emptied gather/scatter lists of finished requests (a post takes
     /// one instead of allocating).
@@ -387,6 +416,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             slots: InOrder::new(),
             completions: VecDeque::new(),
             msg_infos: VecDeque::new(),
+            kept: Vec::new(),
+            kept_len: 0,
+            #[cfg(any(test, debug_assertions))]
+            kept_taken: 0,
             seg_pool: Vec::new(),
             inline_pool: Vec::new(),
             outputs: VecDeque::new(),
@@ -775,6 +808,15 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// flushed (the engine's behaviour). In ERROR, and in IDLE (after a
     /// graceful close), the receive is accepted and flushed at once.
     ///
+    /// With [`Config::keep_recvs`], a receive of one SGE posted again after
+    /// it completed (same `wr_id`, same SGE) takes its kept, already
+    /// checked buffer instead of checking the SGE with [`Memory::local`],
+    /// if [`Memory::recv_stamp`] is the same as when the buffer was
+    /// checked: the registrations have not changed since, so the check
+    /// would give the same buffer again, and the post has exactly the
+    /// effect it has without the kept buffer. Otherwise the kept buffer is
+    /// let go and the SGE checked as usual.
+    ///
     /// # Errors
     ///
     /// [`PostError`] if the QP uses an SRQ, the state refuses receives or
@@ -800,6 +842,30 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         if self.rq.len() >= self.cfg.max_recv_wr as usize {
             return Err(PostError::QueueFull(self.cfg.max_recv_wr));
         }
+        // The stamp is read before the check: a change of the
+        // registrations after this read makes the key stale, never a
+        // buffer checked against a newer table look current.
+        let key = match wr.sgl {
+            [sge] if self.cfg.keep_recvs => {
+                mem.recv_stamp().map(|stamp| RecvKey { sge: *sge, stamp })
+            }
+            _ => None,
+        };
+        if let Some(key) = key
+            && let Some(e) = self.take_kept(wr.wr_id, key)
+        {
+            #[cfg(any(test, debug_assertions))]
+            {
+                self.kept_taken += 1;
+            }
+            if policy == PostPolicy::Flush {
+                self.recycle_segs(e.segs);
+                self.complete_recv(wr.wr_id, WcStatus::WrFlush);
+            } else {
+                self.rq.push_back(e);
+            }
+            return Ok(());
+        }
         let mut segs = self
             .seg_pool
             .pop()
@@ -820,12 +886,92 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             return Ok(());
         }
         let total = segs.iter().map(|s| s.len).sum();
+        let key = key.filter(|_| segs.iter().all(|s| mem.may_keep(s)));
         self.rq.push_back(RecvEntry {
             wr_id: wr.wr_id,
             segs,
             total,
+            key,
         });
         Ok(())
+    }
+
+    /// The kept buffer of receive `wr_id` posted with `key`'s SGE, taken
+    /// out of the kept list; `None` if there is none or the registrations
+    /// changed since it was checked (it is let go then).
+    #[inline]
+    fn take_kept(&mut self, wr_id: u64, key: RecvKey) -> Option<RecvEntry<R>> {
+        let slot = self.kept.get_mut(usize::try_from(wr_id).ok()?)?;
+        if !slot
+            .as_ref()
+            .is_some_and(|e| e.key.is_some_and(|k| k.sge == key.sge))
+        {
+            return None;
+        }
+        let e = slot.take()?;
+        self.kept_len -= 1;
+        if e.key.is_some_and(|k| k.stamp == key.stamp) {
+            return Some(e);
+        }
+        self.recycle_segs(e.segs);
+        None
+    }
+
+    /// A receive that completed successfully: its buffer is kept for its
+    /// next post ([`Config::keep_recvs`]) or let go.
+    #[inline(always)]
+    fn recv_done(&mut self, e: RecvEntry<R>) {
+        let max = self.cfg.max_recv_wr as usize;
+        let slot = match usize::try_from(e.wr_id) {
+            Ok(i) if e.key.is_some() && i < max => {
+                if self.kept.len() < max {
+                    self.kept.resize_with(max, || None);
+                }
+                self.kept.get_mut(i)
+            }
+            _ => None,
+        };
+        match slot {
+            Some(s) => match s.replace(e) {
+                Some(old) => self.recycle_segs(old.segs),
+                None => self.kept_len += 1,
+            },
+            None => self.recycle_segs(e.segs),
+        }
+    }
+
+    /// Lets go of every kept receive buffer (the connection failed or
+    /// closed: nothing is received any more).
+    fn drop_kept(&mut self) {
+        if self.kept_len == 0 {
+            return;
+        }
+        let kept = core::mem::take(&mut self.kept);
+        for e in kept.into_iter().flatten() {
+            self.recycle_segs(e.segs);
+        }
+        self.kept_len = 0;
+    }
+
+    /// Number of receive buffers kept for their next post
+    /// ([`Config::keep_recvs`]).
+    #[must_use]
+    pub fn kept_recvs(&self) -> usize {
+        self.kept_len
+    }
+
+    /// Posts that took a kept receive buffer instead of checking the SGE
+    /// (counted in debug builds and tests only; 0 otherwise).
+    #[must_use]
+    pub fn kept_recvs_taken(&self) -> u64 {
+        #[cfg(any(test, debug_assertions))]
+        {
+            self.kept_taken
+        }
+        #[cfg(not(any(test, debug_assertions)))]
+        {
+            0
+        }
     }
 
     /// What posting a send request does now. A connection reaches IDLE
@@ -861,7 +1007,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             return false;
         }
         let total = segs.iter().map(|s| s.len).sum();
-        self.rq.push_back(RecvEntry { wr_id, segs, total });
+        self.rq.push_back(RecvEntry {
+            wr_id,
+            segs,
+            total,
+            key: None,
+        });
         true
     }
 
@@ -1101,6 +1252,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         }
         self.flush_partial_recv();
         self.flush_rq();
+        self.drop_kept();
         self.resp.clear();
         self.ird.reset();
         self.tx.reset_current();
@@ -1137,5 +1289,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     }
 }
 
+#[cfg(test)]
+mod keep_tests;
 #[cfg(test)]
 mod tests;

@@ -48,6 +48,8 @@ pub enum RxWant<R> {
 pub(super) struct RecvProgress<R> {
     pub(super) wr_id: u64,
     segs: Vec<Span<R>>,
+    /// The receive's buffer's key ([`super::Config::keep_recvs`]).
+    key: Option<super::RecvKey>,
     /// The Send's MSN and the bytes received (the rule is the core's
     /// [`crate::order::SendFill`]).
     fill: crate::order::SendFill,
@@ -447,7 +449,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         let w = self.rq.pop_front()?;
         self.completions
             .push_back(recv_success(w.wr_id, WcOpcode::Recv, len, solicited));
-        self.recycle_segs(w.segs);
+        self.recv_done(w);
         #[cfg(any(test, debug_assertions))]
         {
             self.rx.one_pass_taken += 1;
@@ -629,6 +631,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 wr_id: s.wr_id,
                 total: s.segs.iter().map(|x| x.len).sum(),
                 segs: s.segs,
+                key: None,
             })
         } else {
             self.rq.pop_front()
@@ -663,6 +666,7 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             self.rx.recv = Some(RecvProgress {
                 wr_id: w.wr_id,
                 segs: w.segs,
+                key: w.key,
                 fill: crate::order::SendFill::new(msn, w.total),
                 opcode: repr.opcode,
                 header: self.rx.hdr,
@@ -780,7 +784,12 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
                 }
                 self.push_recv_info(&r, inv);
                 self.completions.push_back(wc);
-                self.recycle_segs(r.segs);
+                self.recv_done(RecvEntry {
+                    wr_id: r.wr_id,
+                    total: r.fill.total,
+                    segs: r.segs,
+                    key: r.key,
+                });
                 Ok(())
             }
         }

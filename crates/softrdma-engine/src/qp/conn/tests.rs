@@ -223,6 +223,7 @@ fn setup(cap: QpCap) -> ConnSetup {
         max_payload: 1024,
         srq: false,
         message_info: false,
+        keep_recvs: false,
         close_timeout: 5_000_000_000,
     }
 }
