@@ -464,6 +464,9 @@ struct State {
     recv_sleeping: bool,
     /// Waits made in the socket's `recv` (see [`recv_sleeps`]).
     recv_sleeps: u64,
+    /// Receive completions the wait in `recv` handed straight to its
+    /// caller (`WaitSet::wait_receiving_handed`) instead of the CQ.
+    handed_back: u64,
     /// Completions handled so far: a call that let go of the lock while
     /// waiting sees from it that another thread (the one driving the
     /// connection, or the callback) handled some, and looks again.
@@ -706,6 +709,28 @@ impl Locked<'_> {
         let g = self.g.as_mut().expect("locked");
         let r = MutexGuard::unlocked(g, f);
         self.settle();
+        r
+    }
+
+    /// Runs `f` without the lock, giving it a way to take the lock back
+    /// before it returns: a try (it never waits), which `f` may call
+    /// (`true`: the lock is this holder's again, and nobody else holds it
+    /// from then on). Otherwise the lock is taken once `f` has returned.
+    /// Unlike [`unlocked`](Self::unlocked), events are not settled after:
+    /// the caller settles once it has handled what `f` returned (an event
+    /// handled first would poll the CQ ahead of it).
+    fn unlocked_taking_back<R>(&mut self, f: impl FnOnce(&mut dyn FnMut() -> bool) -> R) -> R {
+        self.settle();
+        let sh = self.sh;
+        self.g = None;
+        let mut back = None;
+        let r = f(&mut || {
+            if back.is_none() {
+                back = sh.st.try_lock();
+            }
+            back.is_some()
+        });
+        self.g = Some(back.unwrap_or_else(|| sh.st.lock()));
         r
     }
 }
@@ -976,6 +1001,7 @@ impl Offload {
                 waiters: 0,
                 recv_sleeping: false,
                 recv_sleeps: 0,
+                handed_back: 0,
                 handled: 0,
                 armed: false,
                 ready: None,
@@ -2443,32 +2469,48 @@ impl Shared {
         // The wait's last look found the CQ non-empty (no second look
         // before the first poll).
         let mut seen = false;
+        let mut handed = 0;
         let res = if self.may_sleep_in_recv(st, deadline) {
             // One system call per wait, as a blocking TCP read: the
             // sleep in the socket's `recv`, bounded by the same re-poll
             // time. Whoever comes meanwhile handles completions itself
             // (`recv_sleeping`).
             st.recv_sleeping = true;
-            let r = st.unlocked(|| gate.wait_receiving(nap));
+            // The receive completion of what the sleep brings comes back
+            // straight to this call when the wait could take this lock
+            // back (a try) while it still held the QP's connection and
+            // the CQ was empty: every poll of the CQ is made under this
+            // lock, so none can take a newer completion before this call
+            // has handled it (see `WaitSet::wait_receiving_handed`).
+            let mut wc = None;
+            let r = st.unlocked_taking_back(|hand| gate.wait_receiving_handed(nap, hand, &mut wc));
             st.recv_sleeping = false;
-            match r {
+            let r = match r {
                 Ok(Some(n)) => {
                     seen = n > 0;
                     if gate.slept_in_recv() {
                         st.recv_sleeps += 1;
                         count_recv_sleep();
                     }
-                    Ok(n)
+                    if let Some(wc) = wc {
+                        // The oldest completion: before anything polled.
+                        st.handed_back += 1;
+                        handed = 1;
+                        self.on_wc(st, &wc);
+                    }
+                    Ok(n + handed)
                 }
                 Err(e) => Err(e),
                 Ok(None) => st.unlocked(|| gate.wait(Some(nap))),
-            }
+            };
+            st.settle();
+            r
         } else {
             st.unlocked(|| gate.wait(Some(nap)))
         };
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
-        let n = self.take_completions(st, seen);
+        let n = handed + self.take_completions(st, seen);
         (res, n)
     }
 
@@ -3460,6 +3502,111 @@ mod drive_tests {
                 "writes completed in the call: client {c_direct} of {c_inline}, \
                  server {s_direct} of {s_inline}"
             );
+        });
+    }
+
+    /// A ping-pong's reads sleep in `recv` and get their receive
+    /// completions handed straight back, while the connection's other
+    /// completions and receives keep their order.
+    #[test]
+    fn a_ping_pong_read_gets_its_receive_completion_handed_back() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let (c, s) = nodelay_pair();
+            const ROUNDS: usize = 300;
+            let server = std::thread::spawn(move || {
+                echo_rounds(&s, ROUNDS);
+                let st = s.sh.lock();
+                (st.handed_back, st.recv_sleeps)
+            });
+            let mut back = [0u8; 64];
+            for i in 0..ROUNDS {
+                let msg = ping_message(i);
+                c.write(&msg, false, None).unwrap();
+                read_full(&c, &mut back);
+                assert_eq!(&back[..], &msg[..], "round {i}");
+            }
+            let (s_handed, s_sleeps) = server.join().unwrap();
+            let (c_handed, c_sleeps) = {
+                let st = c.sh.lock();
+                (st.handed_back, st.recv_sleeps)
+            };
+            // Loopback: (nearly) every read that slept gets its own.
+            assert!(
+                c_handed * 10 >= c_sleeps * 9 && s_handed * 10 >= s_sleeps * 9,
+                "handed back: client {c_handed} of {c_sleeps} sleeps, server {s_handed} of \
+                 {s_sleeps}"
+            );
+            assert!(c_sleeps > 0 && s_sleeps > 0, "no read slept in recv");
+        });
+    }
+
+    /// Stress: a ping-pong whose answers come as two messages (two
+    /// writes: a sleep's receive run may take both, the first handed
+    /// back, the second queued behind it), while two more threads at
+    /// each end peek without blocking all along (taking the CQ's
+    /// completions, and receiving, under the state lock while the reader
+    /// sleeps in `recv`). Every answer byte-exact and in its round: a
+    /// completion handled out of its order, lost or handled twice would
+    /// show as a wrong, missing or repeated half (or as the connection's
+    /// reset), a deadlock as the time limit.
+    #[test]
+    fn handed_back_receives_stay_in_order_among_peeking_threads() {
+        no_safety_net();
+        within(Duration::from_secs(300), || {
+            let (c, s) = nodelay_pair();
+            const ROUNDS: usize = 3000;
+            let stop = Arc::new(AtomicBool::new(false));
+            let peekers: Vec<_> = [c.clone(), c.clone(), s.clone(), s.clone()]
+                .into_iter()
+                .map(|o| {
+                    let stop = stop.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 64];
+                        let mut peeked = 0u64;
+                        while !stop.load(Ordering::Relaxed) {
+                            match o.read(&mut buf, true, true, None) {
+                                Ok(n) => {
+                                    assert!(n > 0, "end of stream");
+                                    peeked += 1;
+                                }
+                                Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+                            }
+                            std::thread::yield_now();
+                        }
+                        peeked
+                    })
+                })
+                .collect();
+            let server = std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                for i in 0..ROUNDS {
+                    read_full(&s, &mut buf);
+                    assert_eq!(&buf[..], &ping_message(i)[..], "round {i} at the server");
+                    buf.iter_mut().for_each(|b| *b = !*b);
+                    s.write(&buf[..32], false, None).unwrap();
+                    s.write(&buf[32..], false, None).unwrap();
+                }
+                s.sh.lock().handed_back
+            });
+            let mut back = [0u8; 64];
+            for i in 0..ROUNDS {
+                let msg = ping_message(i);
+                c.write(&msg, false, None).unwrap();
+                read_full(&c, &mut back);
+                let want: Vec<u8> = msg.iter().map(|b| !*b).collect();
+                assert_eq!(&back[..], &want[..], "round {i}");
+            }
+            let s_handed = server.join().unwrap();
+            stop.store(true, Ordering::Relaxed);
+            let peeked: u64 = peekers.into_iter().map(|t| t.join().unwrap()).sum();
+            let c_handed = c.sh.lock().handed_back;
+            assert!(
+                c_handed > 0 && s_handed > 0,
+                "nothing handed back: client {c_handed}, server {s_handed}"
+            );
+            assert!(peeked > 0, "the peeking threads never saw data");
+            assert!(c.sh.lock().error().is_none());
         });
     }
 
