@@ -723,15 +723,28 @@ impl Locked<'_> {
         self.settle();
         let sh = self.sh;
         self.g = None;
-        let mut back = None;
-        let r = f(&mut || {
-            if back.is_none() {
-                back = sh.st.try_lock();
+        // Held again when `f` returns or unwinds (as `unlocked` does).
+        let mut back = TakeBack { to: self, g: None };
+        f(&mut || {
+            if back.g.is_none() {
+                back.g = sh.st.try_lock();
             }
-            back.is_some()
-        });
-        self.g = Some(back.unwrap_or_else(|| sh.st.lock()));
-        r
+            back.g.is_some()
+        })
+    }
+}
+
+/// The lock of [`Locked::unlocked_taking_back`]: taken back by the try,
+/// or else when this is dropped.
+struct TakeBack<'l, 'a> {
+    to: &'l mut Locked<'a>,
+    g: Option<MutexGuard<'a, State>>,
+}
+
+impl Drop for TakeBack<'_, '_> {
+    fn drop(&mut self) {
+        let g = self.g.take().unwrap_or_else(|| self.to.sh.st.lock());
+        self.to.g = Some(g);
     }
 }
 
@@ -2483,7 +2496,11 @@ impl Shared {
             // lock, so none can take a newer completion before this call
             // has handled it (see `WaitSet::wait_receiving_handed`).
             let mut wc = None;
-            let r = st.unlocked_taking_back(|hand| gate.wait_receiving_handed(nap, hand, &mut wc));
+            let r = st.unlocked_taking_back(|hand| {
+                #[cfg(test)]
+                drive_tests::panic_in_recv_wait_if_asked(hand);
+                gate.wait_receiving_handed(nap, hand, &mut wc)
+            });
             st.recv_sleeping = false;
             let r = match r {
                 Ok(Some(n)) => {
@@ -3215,6 +3232,68 @@ mod drive_tests {
         if PANIC_IN_WAIT.with(|p| p.replace(false)) {
             panic!("panic asked for in the wait");
         }
+    }
+
+    std::thread_local! {
+        /// The next sleep in `recv` of this thread panics without the
+        /// state lock (1), or after taking it back with `hand` (2).
+        static PANIC_IN_RECV_WAIT: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+    }
+
+    /// Called by a wait about to sleep in `recv`, the state lock let go:
+    /// panics once as this thread asked ([`PANIC_IN_RECV_WAIT`]).
+    pub(super) fn panic_in_recv_wait_if_asked(hand: &mut dyn FnMut() -> bool) {
+        match PANIC_IN_RECV_WAIT.with(|p| p.replace(0)) {
+            0 => {}
+            1 => panic!("panic asked for in the sleep in recv"),
+            _ => {
+                assert!(hand(), "the state lock was not free");
+                panic!("panic asked for in the sleep in recv, the lock taken back");
+            }
+        }
+    }
+
+    /// A panic in the wait in `recv`, where the state lock is let go (and
+    /// may be taken back early, `Locked::unlocked_taking_back`), with or
+    /// without the lock taken back: the lock is held again when the
+    /// panic reaches the wait's handler, which puts the gate back (a
+    /// handler that found the lock let go panicked again, and the gate
+    /// stayed taken out: a later blocking read slept for good).
+    #[test]
+    fn a_panic_in_the_sleep_in_recv_does_not_leave_the_poller_gate_taken() {
+        no_safety_net();
+        within(Duration::from_secs(60), || {
+            let (c, s) = nodelay_pair();
+            let mut buf = [0u8; 64];
+            for (round, mode) in [1u8, 2].into_iter().enumerate() {
+                PANIC_IN_RECV_WAIT.with(|p| p.set(mode));
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    c.read(&mut buf, false, false, None)
+                }));
+                let msg = r.expect_err("the read did not panic");
+                let msg = msg
+                    .downcast_ref::<&str>()
+                    .copied()
+                    .or(msg.downcast_ref::<String>().map(String::as_str))
+                    .unwrap_or("")
+                    .to_string();
+                assert!(
+                    msg.starts_with("panic asked for in the sleep in recv"),
+                    "{msg}"
+                );
+                assert!(c.sh.lock().poller.is_some(), "the gate was not put back");
+                assert!(!c.sh.lock().recv_sleeping);
+                let s2 = s.clone();
+                let writer = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(20));
+                    s2.write(&ping_message(round), false, None).unwrap();
+                });
+                read_full(&c, &mut buf);
+                assert_eq!(&buf[..], &ping_message(round)[..]);
+                writer.join().unwrap();
+            }
+            super::tests::close_pair(c, s);
+        });
     }
 
     /// A panic while a blocked read held the `poller` gate (turned into an
