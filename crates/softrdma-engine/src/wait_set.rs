@@ -766,7 +766,7 @@ impl WaitSet {
     ///
     /// [`WaitError::Interrupted`] if a signal was handled meanwhile.
     pub fn wait_receiving(&mut self, timeout: Duration) -> Result<Option<usize>, WaitError> {
-        self.wait_receiving_handed(timeout, &mut || false, &mut None)
+        self.wait_receiving_handed(timeout, &|| false, &mut || false, &mut None)
     }
 
     /// [`wait_receiving`](Self::wait_receiving) that may hand the receive
@@ -774,6 +774,12 @@ impl WaitSet {
     /// of queuing it on the CQ, saving the CQ's push and the caller's poll:
     /// that completion is put into `handed` (`None` there: none was), and
     /// the count of ready entries is the set's after it.
+    ///
+    /// `changed` is asked once the receive is the waiter's, just before
+    /// it would sleep, after the look at the CQ (as that look): `true`
+    /// (what the caller waits for may have come some other way, another
+    /// of its threads took it in) ends the wait without a sleep, as a
+    /// non-empty CQ does.
     ///
     /// `hand` is how the caller keeps every other consumer of the CQ away
     /// until it has handled the completion (typically: a try of the lock
@@ -803,6 +809,7 @@ impl WaitSet {
     pub fn wait_receiving_handed(
         &mut self,
         timeout: Duration,
+        changed: &dyn Fn() -> bool,
         hand: &mut dyn FnMut() -> bool,
         handed: &mut Option<WorkCompletion>,
     ) -> Result<Option<usize>, WaitError> {
@@ -832,7 +839,7 @@ impl WaitSet {
             // may have pushed a completion since (it would wait for the
             // sleep's timeout).
             let cq = &self.cqs[0];
-            let r = hook.progress_sleep(timeout, &|| !cq.is_empty(), hand, handed);
+            let r = hook.progress_sleep(timeout, &|| !cq.is_empty() || changed(), hand, handed);
             self.slept_in_recv = r != crate::cq::RxSleep::Unable;
             r
         };

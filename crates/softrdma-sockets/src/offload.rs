@@ -653,6 +653,11 @@ struct Shared {
     /// A completion event whose callback found the state locked: the
     /// thread holding the lock handles it when it lets go.
     event_pending: AtomicBool,
+    /// Polls of the CQ made beside a call that sleeps in `recv`
+    /// (`State::recv_sleeping`), counted before each such poll: that call
+    /// does not sleep once one was made since it let the state lock go
+    /// (what it waits for may have been taken in by the poll).
+    polled_beside: AtomicU64,
     /// Messages received and failed completions handled so far (see
     /// [`Offload::arrivals`]).
     arrivals: AtomicU64,
@@ -1035,6 +1040,7 @@ impl Offload {
                 test: TestHooks::default(),
             }),
             event_pending: AtomicBool::new(false),
+            polled_beside: AtomicU64::new(0),
             arrivals: AtomicU64::new(0),
             waker: OnceLock::new(),
             recv_sleep: AtomicBool::new(true),
@@ -1540,6 +1546,7 @@ impl Shared {
         if st.poller.is_none() && !st.recv_sleeping {
             return false;
         }
+        self.note_poll_beside(st);
         let mut any = false;
         // In batches, until one comes back short: a CQ found empty runs
         // the receive path (a read of the socket), so polling it once more
@@ -1568,8 +1575,19 @@ impl Shared {
         if st.poller.is_none() && !st.recv_sleeping {
             return;
         }
+        self.note_poll_beside(st);
         if self.take_completions(st, seen) > 0 {
             self.flush_tx(st);
+        }
+    }
+
+    /// Counts a poll about to be made beside a call that sleeps in `recv`
+    /// (see [`Shared::polled_beside`]). Before the poll, SeqCst: a
+    /// sleeper that finds the CQ empty after the poll took a completion
+    /// out reads the count after it (its look at the CQ, then the count).
+    fn note_poll_beside(&self, st: &State) {
+        if st.recv_sleeping {
+            self.polled_beside.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -2489,6 +2507,9 @@ impl Shared {
             // time. Whoever comes meanwhile handles completions itself
             // (`recv_sleeping`).
             st.recv_sleeping = true;
+            // Polls beside this call count from here (under the lock).
+            let beside = self.polled_beside.load(Ordering::Relaxed);
+            let handled = st.handled;
             // The receive completion of what the sleep brings comes back
             // straight to this call when the wait could take this lock
             // back (a try) while it still held the QP's connection and
@@ -2499,7 +2520,12 @@ impl Shared {
             let r = st.unlocked_taking_back(|hand| {
                 #[cfg(test)]
                 drive_tests::panic_in_recv_wait_if_asked(hand);
-                gate.wait_receiving_handed(nap, hand, &mut wc)
+                // Looked at once the receive is this call's, before it
+                // sleeps: a poll beside it since it let the lock go may
+                // have taken in what it waits for (and left the CQ
+                // empty); it then does not sleep, and looks again.
+                let polled = || self.polled_beside.load(Ordering::SeqCst) != beside;
+                gate.wait_receiving_handed(nap, &polled, hand, &mut wc)
             });
             st.recv_sleeping = false;
             let r = match r {
@@ -2518,6 +2544,10 @@ impl Shared {
                     Ok(n + handed)
                 }
                 Err(e) => Err(e),
+                // No sleep in `recv` (another thread received): what
+                // the calls beside it handled meanwhile is looked at
+                // first (the wait in `poll(2)` would not end for it).
+                Ok(None) if st.handled != handled => Ok(0),
                 Ok(None) => st.unlocked(|| gate.wait(Some(nap))),
             };
             st.settle();
@@ -3620,72 +3650,100 @@ mod drive_tests {
         });
     }
 
-    /// Stress: a ping-pong whose answers come as two messages (two
-    /// writes: a sleep's receive run may take both, the first handed
-    /// back, the second queued behind it), while two more threads at
-    /// each end peek without blocking all along (taking the CQ's
-    /// completions, and receiving, under the state lock while the reader
-    /// sleeps in `recv`). Every answer byte-exact and in its round: a
-    /// completion handled out of its order, lost or handled twice would
-    /// show as a wrong, missing or repeated half (or as the connection's
-    /// reset), a deadlock as the time limit.
+    /// A ping-pong of `rounds` 64-octet messages (each answer as two
+    /// writes of 32 octets if `split`) while two more threads at each end
+    /// peek without blocking all along (taking the CQ's completions, and
+    /// receiving, under the state lock while the reader sleeps in
+    /// `recv`). Every answer byte-exact and in its round. Returns the
+    /// completions handed back to the reads (client, server).
+    fn ping_pong_beside_peekers(rounds: usize, split: bool) -> (u64, u64) {
+        let (c, s) = nodelay_pair();
+        let stop = Arc::new(AtomicBool::new(false));
+        let peekers: Vec<_> = [c.clone(), c.clone(), s.clone(), s.clone()]
+            .into_iter()
+            .map(|o| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 64];
+                    while !stop.load(Ordering::Relaxed) {
+                        match o.read(&mut buf, true, true, None) {
+                            Ok(n) => assert!(n > 0, "end of stream"),
+                            Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+                        }
+                        std::thread::yield_now();
+                    }
+                })
+            })
+            .collect();
+        let server = std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            for i in 0..rounds {
+                read_full(&s, &mut buf);
+                assert_eq!(&buf[..], &ping_message(i)[..], "round {i} at the server");
+                buf.iter_mut().for_each(|b| *b = !*b);
+                if split {
+                    s.write(&buf[..32], false, None).unwrap();
+                    s.write(&buf[32..], false, None).unwrap();
+                } else {
+                    s.write(&buf, false, None).unwrap();
+                }
+            }
+            let handed = s.sh.lock().handed_back;
+            (s, handed)
+        });
+        let mut back = [0u8; 64];
+        for i in 0..rounds {
+            let msg = ping_message(i);
+            c.write(&msg, false, None).unwrap();
+            read_full(&c, &mut back);
+            let want: Vec<u8> = msg.iter().map(|b| !*b).collect();
+            assert_eq!(&back[..], &want[..], "round {i}");
+        }
+        let (s, s_handed) = server.join().unwrap();
+        stop.store(true, Ordering::Relaxed);
+        for t in peekers {
+            t.join().unwrap();
+        }
+        assert!(c.sh.lock().error().is_none() && s.sh.lock().error().is_none());
+        let c_handed = c.sh.lock().handed_back;
+        (c_handed, s_handed)
+    }
+
+    /// Regression: a read about to sleep in `recv` let the state lock go;
+    /// another thread of the connection (a non-blocking read, here a
+    /// peek) then polled the CQ, received the awaited message itself and
+    /// handled its completion (the data queued for the reader), and the
+    /// reader went to sleep (in `recv`, or in `poll(2)` when that thread
+    /// still held the receive) with the CQ and the socket empty: it slept
+    /// until the re-poll time (50 ms; with the tests' 10 minutes, the
+    /// ping-pong hung). A poll made beside a reader asleep in `recv` is
+    /// now counted, and the reader looks at the count once the receive
+    /// is its own, before it sleeps (and at what was handled, before a
+    /// `poll(2)` wait).
+    #[test]
+    fn regression_a_read_does_not_sleep_past_data_another_thread_took_in() {
+        no_safety_net();
+        within(Duration::from_secs(240), || {
+            ping_pong_beside_peekers(20_000, false);
+        });
+    }
+
+    /// Stress of the receive completions handed back: a ping-pong whose
+    /// answers come as two messages (a sleep's receive run may take
+    /// both: the first handed back, the second queued behind it) beside
+    /// peeking threads at both ends. A completion handled out of its
+    /// order, lost or handled twice would show as a wrong, missing or
+    /// repeated half (or as the connection's reset), a deadlock as the
+    /// time limit; and completions were handed back.
     #[test]
     fn handed_back_receives_stay_in_order_among_peeking_threads() {
         no_safety_net();
-        within(Duration::from_secs(300), || {
-            let (c, s) = nodelay_pair();
-            const ROUNDS: usize = 3000;
-            let stop = Arc::new(AtomicBool::new(false));
-            let peekers: Vec<_> = [c.clone(), c.clone(), s.clone(), s.clone()]
-                .into_iter()
-                .map(|o| {
-                    let stop = stop.clone();
-                    std::thread::spawn(move || {
-                        let mut buf = [0u8; 64];
-                        let mut peeked = 0u64;
-                        while !stop.load(Ordering::Relaxed) {
-                            match o.read(&mut buf, true, true, None) {
-                                Ok(n) => {
-                                    assert!(n > 0, "end of stream");
-                                    peeked += 1;
-                                }
-                                Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
-                            }
-                            std::thread::yield_now();
-                        }
-                        peeked
-                    })
-                })
-                .collect();
-            let server = std::thread::spawn(move || {
-                let mut buf = [0u8; 64];
-                for i in 0..ROUNDS {
-                    read_full(&s, &mut buf);
-                    assert_eq!(&buf[..], &ping_message(i)[..], "round {i} at the server");
-                    buf.iter_mut().for_each(|b| *b = !*b);
-                    s.write(&buf[..32], false, None).unwrap();
-                    s.write(&buf[32..], false, None).unwrap();
-                }
-                s.sh.lock().handed_back
-            });
-            let mut back = [0u8; 64];
-            for i in 0..ROUNDS {
-                let msg = ping_message(i);
-                c.write(&msg, false, None).unwrap();
-                read_full(&c, &mut back);
-                let want: Vec<u8> = msg.iter().map(|b| !*b).collect();
-                assert_eq!(&back[..], &want[..], "round {i}");
-            }
-            let s_handed = server.join().unwrap();
-            stop.store(true, Ordering::Relaxed);
-            let peeked: u64 = peekers.into_iter().map(|t| t.join().unwrap()).sum();
-            let c_handed = c.sh.lock().handed_back;
+        within(Duration::from_secs(240), || {
+            let (c_handed, s_handed) = ping_pong_beside_peekers(5_000, true);
             assert!(
                 c_handed > 0 && s_handed > 0,
                 "nothing handed back: client {c_handed}, server {s_handed}"
             );
-            assert!(peeked > 0, "the peeking threads never saw data");
-            assert!(c.sh.lock().error().is_none());
         });
     }
 
