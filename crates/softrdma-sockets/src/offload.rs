@@ -729,27 +729,31 @@ impl Locked<'_> {
         let sh = self.sh;
         self.g = None;
         // Held again when `f` returns or unwinds (as `unlocked` does).
-        let mut back = TakeBack { to: self, g: None };
+        let back = TakeBack {
+            sh,
+            g: &mut self.g,
+        };
         f(&mut || {
             if back.g.is_none() {
-                back.g = sh.st.try_lock();
+                *back.g = sh.st.try_lock();
             }
             back.g.is_some()
         })
     }
 }
 
-/// The lock of [`Locked::unlocked_taking_back`]: taken back by the try,
-/// or else when this is dropped.
+/// The lock of [`Locked::unlocked_taking_back`] (its guard's place `g`):
+/// taken back by the try, or else when this is dropped.
 struct TakeBack<'l, 'a> {
-    to: &'l mut Locked<'a>,
-    g: Option<MutexGuard<'a, State>>,
+    sh: &'a Shared,
+    g: &'l mut Option<MutexGuard<'a, State>>,
 }
 
 impl Drop for TakeBack<'_, '_> {
     fn drop(&mut self) {
-        let g = self.g.take().unwrap_or_else(|| self.to.sh.st.lock());
-        self.to.g = Some(g);
+        if self.g.is_none() {
+            *self.g = Some(self.sh.st.lock());
+        }
     }
 }
 
