@@ -729,10 +729,7 @@ impl Locked<'_> {
         let sh = self.sh;
         self.g = None;
         // Held again when `f` returns or unwinds (as `unlocked` does).
-        let back = TakeBack {
-            sh,
-            g: &mut self.g,
-        };
+        let back = TakeBack { sh, g: &mut self.g };
         f(&mut || {
             if back.g.is_none() {
                 *back.g = sh.st.try_lock();

@@ -2294,8 +2294,8 @@ mod tests {
     fn a_receive_completion_is_handed_to_the_sleeper() {
         let p = handing_pair(false);
         let (a, b, cqb, pd, dstb) = (&p.a, &p.b, &p.cqb, &p.pd, &p.dstb);
-        let (t, asked) = sleep_handing(&b, true);
-        send_eight(&a, &pd, 7, 2, false);
+        let (t, asked) = sleep_handing(b, true);
+        send_eight(a, pd, 7, 2, false);
         let (r, handed) = t.join().unwrap();
         assert_eq!(r, crate::cq::RxSleep::Received);
         assert_eq!(asked.load(super::Ordering::SeqCst), 1);
@@ -2317,8 +2317,8 @@ mod tests {
     fn a_receive_completion_is_queued_when_the_sleeper_cannot_take_it() {
         let p = handing_pair(false);
         let (a, b, cqb, pd) = (&p.a, &p.b, &p.cqb, &p.pd);
-        let (t, asked) = sleep_handing(&b, false);
-        send_eight(&a, &pd, 7, 2, false);
+        let (t, asked) = sleep_handing(b, false);
+        send_eight(a, pd, 7, 2, false);
         let (r, handed) = t.join().unwrap();
         assert_eq!(r, crate::cq::RxSleep::Received);
         assert_eq!(asked.load(super::Ordering::SeqCst), 1);
@@ -2337,10 +2337,10 @@ mod tests {
     fn an_older_completion_in_the_cq_keeps_the_order_of_a_receive() {
         let p = handing_pair(false);
         let (a, b, cqa, cqb, pd) = (&p.a, &p.b, &p.cqa, &p.cqb, &p.pd);
-        let (t, _asked) = sleep_handing(&b, true);
+        let (t, _asked) = sleep_handing(b, true);
         // `b`'s own Send, posted by this thread while `b` sleeps: written
         // and completed at once, its completion on `b`'s CQ.
-        send_eight(&b, &pd, 5, 5, true);
+        send_eight(b, pd, 5, 5, true);
         let deadline = Instant::now() + Duration::from_secs(20);
         while cqb.is_empty() {
             assert!(Instant::now() < deadline, "the Send never completed");
@@ -2354,7 +2354,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert_eq!((wc[0].wr_id, wc[0].opcode), (11, WcOpcode::Recv));
-        send_eight(&a, &pd, 7, 2, false);
+        send_eight(a, pd, 7, 2, false);
         let (r, handed) = t.join().unwrap();
         assert_eq!(r, crate::cq::RxSleep::Received);
         assert_eq!(handed, None, "the receive handed back ahead of the Send");
@@ -2374,8 +2374,8 @@ mod tests {
         let (a, b, cqb, pd) = (&p.a, &p.b, &p.cqb, &p.pd);
         let ch = p.ch.as_ref().unwrap();
         cqb.req_notify(false).unwrap();
-        let (t, asked) = sleep_handing(&b, true);
-        send_eight(&a, &pd, 7, 2, false);
+        let (t, asked) = sleep_handing(b, true);
+        send_eight(a, pd, 7, 2, false);
         let (r, handed) = t.join().unwrap();
         assert_eq!(r, crate::cq::RxSleep::Received);
         assert!(handed.is_none(), "handed back past the arm");
@@ -2403,8 +2403,8 @@ mod tests {
         }];
         b.post_recv(&RecvWr::new(3, &sge)).unwrap();
         // Both Sends are on the socket before the sleep's `recv`.
-        send_eight(&a, &pd, 7, 2, false);
-        send_eight(&a, &pd, 8, 4, false);
+        send_eight(a, pd, 7, 2, false);
+        send_eight(a, pd, 8, 4, false);
         let fd = b.qp().core_fd.load(super::Ordering::Acquire);
         let deadline = Instant::now() + Duration::from_secs(20);
         while !crate::sys::io::readable_now(fd) {
