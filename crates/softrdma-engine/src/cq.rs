@@ -188,7 +188,24 @@ pub(crate) trait Progress: Send + Sync {
     /// this waiter's (no other thread receives from then on): if it says
     /// yes (the waiter's CQ got completions from a receive that ended
     /// just before), nothing sleeps and `Received` is returned.
-    fn progress_sleep(&self, _timeout: std::time::Duration, _ready: &dyn Fn() -> bool) -> RxSleep {
+    ///
+    /// `hand` (see [`WaitSet::wait_receiving_handed`]) is called at most
+    /// once, with the QP's receive lock and connection's lock held, when
+    /// bytes came and the receive completion the run produces could go
+    /// straight to the waiter (the CQ is exclusive): it must not block.
+    /// If it answers yes, the run's first successful receive completion
+    /// is put into `handed` instead of the CQ if the CQ may take it
+    /// directly when it is made (empty, unarmed, without waiters);
+    /// everything after it goes to the CQ.
+    ///
+    /// [`WaitSet::wait_receiving_handed`]: crate::wait_set::WaitSet::wait_receiving_handed
+    fn progress_sleep(
+        &self,
+        _timeout: std::time::Duration,
+        _ready: &dyn Fn() -> bool,
+        _hand: &mut dyn FnMut() -> bool,
+        _handed: &mut Option<WorkCompletion>,
+    ) -> RxSleep {
         RxSleep::Unable
     }
 }

@@ -108,6 +108,8 @@ mod datapath;
 pub mod device;
 mod error;
 pub mod event;
+#[cfg(all(test, loom))]
+mod handback_loom;
 pub mod handlers;
 mod handoff;
 pub mod handshake;

@@ -87,6 +87,7 @@ use std::time::Duration;
 use crate::cq::{CompletionQueue, Progress};
 use crate::sys::clock;
 use crate::sys::fd::Waker;
+use crate::wc::WorkCompletion;
 
 /// `poll(2)` reports a file that epoll refuses (a regular file) ready for
 /// reading and writing.
@@ -765,6 +766,53 @@ impl WaitSet {
     ///
     /// [`WaitError::Interrupted`] if a signal was handled meanwhile.
     pub fn wait_receiving(&mut self, timeout: Duration) -> Result<Option<usize>, WaitError> {
+        self.wait_receiving_handed(timeout, &|| false, &mut || false, &mut None)
+    }
+
+    /// [`wait_receiving`](Self::wait_receiving) that may hand the receive
+    /// completion of the bytes it received straight to the caller instead
+    /// of queuing it on the CQ, saving the CQ's push and the caller's poll:
+    /// that completion is put into `handed` (`None` there: none was), and
+    /// the count of ready entries is the set's after it.
+    ///
+    /// `changed` is asked once the receive is the waiter's, just before
+    /// it would sleep, after the look at the CQ (as that look): `true`
+    /// (what the caller waits for may have come some other way, another
+    /// of its threads took it in) ends the wait without a sleep, as a
+    /// non-empty CQ does.
+    ///
+    /// `hand` is how the caller keeps every other consumer of the CQ away
+    /// until it has handled the completion (typically: a try of the lock
+    /// under which the caller's threads poll the CQ). It is called at most
+    /// once, from inside the wait, with the QP's locks held, when bytes
+    /// came and the CQ is exclusive ([`CqBuilder::exclusive`]). It must
+    /// not block (nor use the QP or the CQ). If it answers `true`, the
+    /// caller promises that no completion is taken out of the CQ, by any
+    /// thread, before it has handled `handed`; the wait then keeps the
+    /// run's first successful receive completion out of the CQ if the CQ
+    /// may take it directly when it is made (it holds nothing, is not
+    /// armed and nobody waits on it), and queues everything after it.
+    /// Whoever holds the QP's connection makes every push of the CQ's
+    /// only QP, and the wait holds it from that look to the capture: the
+    /// caller sees what it would have seen had the completion been queued
+    /// and polled at once. Anything else (a CQ that holds a completion, is
+    /// armed or has waiters, `hand` answering `false`, an error
+    /// completion) is queued as by [`wait_receiving`](Self::wait_receiving).
+    /// `handed` stays `None` whenever `hand` was not called or answered
+    /// `false`.
+    ///
+    /// [`CqBuilder::exclusive`]: crate::cq::CqBuilder::exclusive
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_receiving`](Self::wait_receiving).
+    pub fn wait_receiving_handed(
+        &mut self,
+        timeout: Duration,
+        changed: &dyn Fn() -> bool,
+        hand: &mut dyn FnMut() -> bool,
+        handed: &mut Option<WorkCompletion>,
+    ) -> Result<Option<usize>, WaitError> {
         self.slept_in_recv = false;
         if self.cqs.len() != 1 || !self.fds.is_empty() || self.cq_quiet[0] {
             return Ok(None);
@@ -791,14 +839,16 @@ impl WaitSet {
             // may have pushed a completion since (it would wait for the
             // sleep's timeout).
             let cq = &self.cqs[0];
-            let r = hook.progress_sleep(timeout, &|| !cq.is_empty());
+            let r = hook.progress_sleep(timeout, &|| !cq.is_empty() || changed(), hand, handed);
             self.slept_in_recv = r != crate::cq::RxSleep::Unable;
             r
         };
         hook.renew_claim(crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS));
         match r {
             crate::cq::RxSleep::Unable => Ok(None),
-            crate::cq::RxSleep::Interrupted if self.look_cqs() == 0 => Err(WaitError::Interrupted),
+            crate::cq::RxSleep::Interrupted if self.look_cqs() == 0 && handed.is_none() => {
+                Err(WaitError::Interrupted)
+            }
             _ => Ok(Some(self.look_cqs())),
         }
     }

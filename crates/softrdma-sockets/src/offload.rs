@@ -464,6 +464,9 @@ struct State {
     recv_sleeping: bool,
     /// Waits made in the socket's `recv` (see [`recv_sleeps`]).
     recv_sleeps: u64,
+    /// Receive completions the wait in `recv` handed straight to its
+    /// caller (`WaitSet::wait_receiving_handed`) instead of the CQ.
+    handed_back: u64,
     /// Completions handled so far: a call that let go of the lock while
     /// waiting sees from it that another thread (the one driving the
     /// connection, or the callback) handled some, and looks again.
@@ -650,6 +653,11 @@ struct Shared {
     /// A completion event whose callback found the state locked: the
     /// thread holding the lock handles it when it lets go.
     event_pending: AtomicBool,
+    /// Polls of the CQ made beside a call that sleeps in `recv`
+    /// (`State::recv_sleeping`), counted before each such poll: that call
+    /// does not sleep once one was made since it let the state lock go
+    /// (what it waits for may have been taken in by the poll).
+    polled_beside: AtomicU64,
     /// Messages received and failed completions handled so far (see
     /// [`Offload::arrivals`]).
     arrivals: AtomicU64,
@@ -707,6 +715,42 @@ impl Locked<'_> {
         let r = MutexGuard::unlocked(g, f);
         self.settle();
         r
+    }
+
+    /// Runs `f` without the lock, giving it a way to take the lock back
+    /// before it returns: a try (it never waits), which `f` may call
+    /// (`true`: the lock is this holder's again, and nobody else holds it
+    /// from then on). Otherwise the lock is taken once `f` has returned.
+    /// Unlike [`unlocked`](Self::unlocked), events are not settled after:
+    /// the caller settles once it has handled what `f` returned (an event
+    /// handled first would poll the CQ ahead of it).
+    fn unlocked_taking_back<R>(&mut self, f: impl FnOnce(&mut dyn FnMut() -> bool) -> R) -> R {
+        self.settle();
+        let sh = self.sh;
+        self.g = None;
+        // Held again when `f` returns or unwinds (as `unlocked` does).
+        let back = TakeBack { sh, g: &mut self.g };
+        f(&mut || {
+            if back.g.is_none() {
+                *back.g = sh.st.try_lock();
+            }
+            back.g.is_some()
+        })
+    }
+}
+
+/// The lock of [`Locked::unlocked_taking_back`] (its guard's place `g`):
+/// taken back by the try, or else when this is dropped.
+struct TakeBack<'l, 'a> {
+    sh: &'a Shared,
+    g: &'l mut Option<MutexGuard<'a, State>>,
+}
+
+impl Drop for TakeBack<'_, '_> {
+    fn drop(&mut self) {
+        if self.g.is_none() {
+            *self.g = Some(self.sh.st.lock());
+        }
     }
 }
 
@@ -980,6 +1024,7 @@ impl Offload {
                 waiters: 0,
                 recv_sleeping: false,
                 recv_sleeps: 0,
+                handed_back: 0,
                 handled: 0,
                 armed: false,
                 ready: None,
@@ -1000,6 +1045,7 @@ impl Offload {
                 test: TestHooks::default(),
             }),
             event_pending: AtomicBool::new(false),
+            polled_beside: AtomicU64::new(0),
             arrivals: AtomicU64::new(0),
             waker: OnceLock::new(),
             recv_sleep: AtomicBool::new(true),
@@ -1505,6 +1551,7 @@ impl Shared {
         if st.poller.is_none() && !st.recv_sleeping {
             return false;
         }
+        self.note_poll_beside(st);
         let mut any = false;
         // In batches, until one comes back short: a CQ found empty runs
         // the receive path (a read of the socket), so polling it once more
@@ -1533,8 +1580,19 @@ impl Shared {
         if st.poller.is_none() && !st.recv_sleeping {
             return;
         }
+        self.note_poll_beside(st);
         if self.take_completions(st, seen) > 0 {
             self.flush_tx(st);
+        }
+    }
+
+    /// Counts a poll about to be made beside a call that sleeps in `recv`
+    /// (see [`Shared::polled_beside`]). Before the poll, SeqCst: a
+    /// sleeper that finds the CQ empty after the poll took a completion
+    /// out reads the count after it (its look at the CQ, then the count).
+    fn note_poll_beside(&self, st: &State) {
+        if st.recv_sleeping {
+            self.polled_beside.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -2447,32 +2505,64 @@ impl Shared {
         // The wait's last look found the CQ non-empty (no second look
         // before the first poll).
         let mut seen = false;
+        let mut handed = 0;
         let res = if self.may_sleep_in_recv(st, deadline) {
             // One system call per wait, as a blocking TCP read: the
             // sleep in the socket's `recv`, bounded by the same re-poll
             // time. Whoever comes meanwhile handles completions itself
             // (`recv_sleeping`).
             st.recv_sleeping = true;
-            let r = st.unlocked(|| gate.wait_receiving(nap));
+            // Polls beside this call count from here (under the lock).
+            let beside = self.polled_beside.load(Ordering::Relaxed);
+            let handled = st.handled;
+            // The receive completion of what the sleep brings comes back
+            // straight to this call when the wait could take this lock
+            // back (a try) while it still held the QP's connection and
+            // the CQ was empty: every poll of the CQ is made under this
+            // lock, so none can take a newer completion before this call
+            // has handled it (see `WaitSet::wait_receiving_handed`).
+            let mut wc = None;
+            let r = st.unlocked_taking_back(|hand| {
+                #[cfg(test)]
+                drive_tests::panic_in_recv_wait_if_asked(hand);
+                // Looked at once the receive is this call's, before it
+                // sleeps: a poll beside it since it let the lock go may
+                // have taken in what it waits for (and left the CQ
+                // empty); it then does not sleep, and looks again.
+                let polled = || self.polled_beside.load(Ordering::SeqCst) != beside;
+                gate.wait_receiving_handed(nap, &polled, hand, &mut wc)
+            });
             st.recv_sleeping = false;
-            match r {
+            let r = match r {
                 Ok(Some(n)) => {
                     seen = n > 0;
                     if gate.slept_in_recv() {
                         st.recv_sleeps += 1;
                         count_recv_sleep();
                     }
-                    Ok(n)
+                    if let Some(wc) = wc {
+                        // The oldest completion: before anything polled.
+                        st.handed_back += 1;
+                        handed = 1;
+                        self.on_wc(st, &wc);
+                    }
+                    Ok(n + handed)
                 }
                 Err(e) => Err(e),
+                // No sleep in `recv` (another thread received): what
+                // the calls beside it handled meanwhile is looked at
+                // first (the wait in `poll(2)` would not end for it).
+                Ok(None) if st.handled != handled => Ok(0),
                 Ok(None) => st.unlocked(|| gate.wait(Some(nap))),
-            }
+            };
+            st.settle();
+            r
         } else {
             st.unlocked(|| gate.wait(Some(nap)))
         };
         // Completions only (the wait ran the receive path if bytes came):
         // no receive attempt that would find the socket empty.
-        let n = self.take_completions(st, seen);
+        let n = handed + self.take_completions(st, seen);
         (res, n)
     }
 
@@ -3179,6 +3269,68 @@ mod drive_tests {
         }
     }
 
+    std::thread_local! {
+        /// The next sleep in `recv` of this thread panics without the
+        /// state lock (1), or after taking it back with `hand` (2).
+        static PANIC_IN_RECV_WAIT: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+    }
+
+    /// Called by a wait about to sleep in `recv`, the state lock let go:
+    /// panics once as this thread asked ([`PANIC_IN_RECV_WAIT`]).
+    pub(super) fn panic_in_recv_wait_if_asked(hand: &mut dyn FnMut() -> bool) {
+        match PANIC_IN_RECV_WAIT.with(|p| p.replace(0)) {
+            0 => {}
+            1 => panic!("panic asked for in the sleep in recv"),
+            _ => {
+                assert!(hand(), "the state lock was not free");
+                panic!("panic asked for in the sleep in recv, the lock taken back");
+            }
+        }
+    }
+
+    /// A panic in the wait in `recv`, where the state lock is let go (and
+    /// may be taken back early, `Locked::unlocked_taking_back`), with or
+    /// without the lock taken back: the lock is held again when the
+    /// panic reaches the wait's handler, which puts the gate back (a
+    /// handler that found the lock let go panicked again, and the gate
+    /// stayed taken out: a later blocking read slept for good).
+    #[test]
+    fn a_panic_in_the_sleep_in_recv_does_not_leave_the_poller_gate_taken() {
+        no_safety_net();
+        within(Duration::from_secs(60), || {
+            let (c, s) = nodelay_pair();
+            let mut buf = [0u8; 64];
+            for (round, mode) in [1u8, 2].into_iter().enumerate() {
+                PANIC_IN_RECV_WAIT.with(|p| p.set(mode));
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    c.read(&mut buf, false, false, None)
+                }));
+                let msg = r.expect_err("the read did not panic");
+                let msg = msg
+                    .downcast_ref::<&str>()
+                    .copied()
+                    .or(msg.downcast_ref::<String>().map(String::as_str))
+                    .unwrap_or("")
+                    .to_string();
+                assert!(
+                    msg.starts_with("panic asked for in the sleep in recv"),
+                    "{msg}"
+                );
+                assert!(c.sh.lock().poller.is_some(), "the gate was not put back");
+                assert!(!c.sh.lock().recv_sleeping);
+                let s2 = s.clone();
+                let writer = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(20));
+                    s2.write(&ping_message(round), false, None).unwrap();
+                });
+                read_full(&c, &mut buf);
+                assert_eq!(&buf[..], &ping_message(round)[..]);
+                writer.join().unwrap();
+            }
+            super::tests::close_pair(c, s);
+        });
+    }
+
     /// A panic while a blocked read held the `poller` gate (turned into an
     /// error by its caller, as the preload's guard does) left the gate
     /// taken out for good: every later blocking call on the connection
@@ -3463,6 +3615,139 @@ mod drive_tests {
                 c_direct * 10 >= c_inline * 9 && s_direct * 10 >= s_inline * 9,
                 "writes completed in the call: client {c_direct} of {c_inline}, \
                  server {s_direct} of {s_inline}"
+            );
+        });
+    }
+
+    /// A ping-pong's reads sleep in `recv` and get their receive
+    /// completions handed straight back, while the connection's other
+    /// completions and receives keep their order.
+    #[test]
+    fn a_ping_pong_read_gets_its_receive_completion_handed_back() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let (c, s) = nodelay_pair();
+            const ROUNDS: usize = 300;
+            let server = std::thread::spawn(move || {
+                echo_rounds(&s, ROUNDS);
+                let st = s.sh.lock();
+                (st.handed_back, st.recv_sleeps)
+            });
+            let mut back = [0u8; 64];
+            for i in 0..ROUNDS {
+                let msg = ping_message(i);
+                c.write(&msg, false, None).unwrap();
+                read_full(&c, &mut back);
+                assert_eq!(&back[..], &msg[..], "round {i}");
+            }
+            let (s_handed, s_sleeps) = server.join().unwrap();
+            let (c_handed, c_sleeps) = {
+                let st = c.sh.lock();
+                (st.handed_back, st.recv_sleeps)
+            };
+            // Loopback: (nearly) every read that slept gets its own.
+            assert!(
+                c_handed * 10 >= c_sleeps * 9 && s_handed * 10 >= s_sleeps * 9,
+                "handed back: client {c_handed} of {c_sleeps} sleeps, server {s_handed} of \
+                 {s_sleeps}"
+            );
+            assert!(c_sleeps > 0 && s_sleeps > 0, "no read slept in recv");
+        });
+    }
+
+    /// A ping-pong of `rounds` 64-octet messages (each answer as two
+    /// writes of 32 octets if `split`) while two more threads at each end
+    /// peek without blocking all along (taking the CQ's completions, and
+    /// receiving, under the state lock while the reader sleeps in
+    /// `recv`). Every answer byte-exact and in its round. Returns the
+    /// completions handed back to the reads (client, server).
+    fn ping_pong_beside_peekers(rounds: usize, split: bool) -> (u64, u64) {
+        let (c, s) = nodelay_pair();
+        let stop = Arc::new(AtomicBool::new(false));
+        let peekers: Vec<_> = [c.clone(), c.clone(), s.clone(), s.clone()]
+            .into_iter()
+            .map(|o| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 64];
+                    while !stop.load(Ordering::Relaxed) {
+                        match o.read(&mut buf, true, true, None) {
+                            Ok(n) => assert!(n > 0, "end of stream"),
+                            Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+                        }
+                        std::thread::yield_now();
+                    }
+                })
+            })
+            .collect();
+        let server = std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            for i in 0..rounds {
+                read_full(&s, &mut buf);
+                assert_eq!(&buf[..], &ping_message(i)[..], "round {i} at the server");
+                buf.iter_mut().for_each(|b| *b = !*b);
+                if split {
+                    s.write(&buf[..32], false, None).unwrap();
+                    s.write(&buf[32..], false, None).unwrap();
+                } else {
+                    s.write(&buf, false, None).unwrap();
+                }
+            }
+            let handed = s.sh.lock().handed_back;
+            (s, handed)
+        });
+        let mut back = [0u8; 64];
+        for i in 0..rounds {
+            let msg = ping_message(i);
+            c.write(&msg, false, None).unwrap();
+            read_full(&c, &mut back);
+            let want: Vec<u8> = msg.iter().map(|b| !*b).collect();
+            assert_eq!(&back[..], &want[..], "round {i}");
+        }
+        let (s, s_handed) = server.join().unwrap();
+        stop.store(true, Ordering::Relaxed);
+        for t in peekers {
+            t.join().unwrap();
+        }
+        assert!(c.sh.lock().error().is_none() && s.sh.lock().error().is_none());
+        let c_handed = c.sh.lock().handed_back;
+        (c_handed, s_handed)
+    }
+
+    /// Regression: a read about to sleep in `recv` let the state lock go;
+    /// another thread of the connection (a non-blocking read, here a
+    /// peek) then polled the CQ, received the awaited message itself and
+    /// handled its completion (the data queued for the reader), and the
+    /// reader went to sleep (in `recv`, or in `poll(2)` when that thread
+    /// still held the receive) with the CQ and the socket empty: it slept
+    /// until the re-poll time (50 ms; with the tests' 10 minutes, the
+    /// ping-pong hung). A poll made beside a reader asleep in `recv` is
+    /// now counted, and the reader looks at the count once the receive
+    /// is its own, before it sleeps (and at what was handled, before a
+    /// `poll(2)` wait).
+    #[test]
+    fn regression_a_read_does_not_sleep_past_data_another_thread_took_in() {
+        no_safety_net();
+        within(Duration::from_secs(240), || {
+            ping_pong_beside_peekers(20_000, false);
+        });
+    }
+
+    /// Stress of the receive completions handed back: a ping-pong whose
+    /// answers come as two messages (a sleep's receive run may take
+    /// both: the first handed back, the second queued behind it) beside
+    /// peeking threads at both ends. A completion handled out of its
+    /// order, lost or handled twice would show as a wrong, missing or
+    /// repeated half (or as the connection's reset), a deadlock as the
+    /// time limit; and completions were handed back.
+    #[test]
+    fn handed_back_receives_stay_in_order_among_peeking_threads() {
+        no_safety_net();
+        within(Duration::from_secs(240), || {
+            let (c_handed, s_handed) = ping_pong_beside_peekers(5_000, true);
+            assert!(
+                c_handed > 0 && s_handed > 0,
+                "nothing handed back: client {c_handed}, server {s_handed}"
             );
         });
     }

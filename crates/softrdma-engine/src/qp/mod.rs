@@ -1250,11 +1250,13 @@ impl Progress for QpInner {
         &self,
         timeout: std::time::Duration,
         ready: &dyn Fn() -> bool,
+        hand: &mut dyn FnMut() -> bool,
+        handed: &mut Option<WorkCompletion>,
     ) -> crate::cq::RxSleep {
         if !self.device.config().poll_driven_receive {
             return crate::cq::RxSleep::Unable;
         }
-        self.core_rx_sleep(timeout, ready)
+        self.core_rx_sleep(timeout, ready, hand, handed)
     }
 }
 

@@ -1,0 +1,392 @@
+//! Loom models of the receive completion handed back to the waiter that
+//! slept in the socket's `recv` (`WaitSet::wait_receiving_handed`,
+//! `QpInner::core_rx_sleep`, `CoreConn::direct_rwc`; the sockets layer's
+//! `Shared::wait_holding`): the completion is never reordered against the
+//! others of its CQ, none is lost or handled twice, and nothing deadlocks.
+//!
+//! The parties, with the locks they take in the real code:
+//!
+//! * the **waiter** (the call holding the sockets layer's `poller` gate,
+//!   which marked itself `recv_sleeping` under the connection state's
+//!   lock and let that lock go): it takes the QP's receive lock (a try),
+//!   sleeps, takes the connection's lock (the [`HandOff`]), and runs the
+//!   receive, whose completion it either keeps (the CQ empty and the try
+//!   of the state lock, `hand`, succeeded) or pushes; it lets the
+//!   connection and the receive lock go, takes the state lock (unless it
+//!   has it already), clears `recv_sleeping`, handles the completion it
+//!   kept, then what the CQ holds;
+//! * **another application thread** (a read, a `poll` or `peek` of the
+//!   same connection) that, under the state lock, handles what the CQ
+//!   holds while the waiter sleeps in `recv` (`Shared::progress`);
+//! * an **engine receive thread** (`core_rx(true)`): tries the receive
+//!   lock, then receives under the connection's lock and pushes;
+//! * a **writer** (`Offload::write` → `post_send_now`): state lock, then
+//!   the connection's lock, and pushes its send's completion;
+//! * a **reset** under the state lock (`QpInner::core_reset` from a close):
+//!   state lock, then the connection's lock to flush (pushes), then the
+//!   receive lock *blocking* and the connection's lock again, and the
+//!   connection is gone.
+//!
+//! Every completion takes a number under the connection's lock when it is
+//! made (the order of the CQ); the handled numbers must be `0, 1, 2, ...`
+//! with no gap or repeat (what the last consumer leaves in the CQ is
+//! handled at the end, as the next call would). The CQ's ring is a loom
+//! `Mutex` around a queue: a linearizable stand-in for the lock-free ring
+//! (whose own wake-up rules `cq_loom` checks).
+//!
+//! The state lock and the receive lock, which are tried, are [`ModelLock`]s
+//! (a flag under a loom `Mutex` that is only ever locked, and a `Condvar`):
+//! loom 0.7's `Mutex::try_lock` marks the trying thread blocked while
+//! another thread holds the mutex, which reports deadlocks that cannot
+//! happen (tokio-rs/loom#376). The connection's lock is the real [`HandOff`]
+//! (only ever taken blocking here).
+//!
+//! The negative twins show what the model finds without each part of the
+//! rule: a waiter that keeps the completion without holding the state
+//! lock ([`loom_a_completion_kept_without_the_state_lock_is_overtaken`]),
+//! and one that keeps it without the look at the CQ
+//! ([`loom_a_completion_kept_past_an_older_one_is_reordered`]). A waiter
+//! that *waits* for the state lock with the connection's lock held is
+//! found to deadlock with the writer (loom: "deadlock; threads = ..."),
+//! but loom 0.7.3 then panics again while unwinding out of the blocked
+//! threads and aborts the test process, so that twin is not kept as a
+//! test. Build with `RUSTFLAGS="--cfg loom"` (see `.ci/run`).
+
+use std::collections::VecDeque;
+
+use loom::sync::{Arc, Condvar, Mutex};
+use loom::thread;
+
+use crate::handoff::HandOff;
+
+/// A lock whose try never blocks under loom (see the module's
+/// documentation): its taken flag under a loom `Mutex` that is only ever
+/// locked (briefly), and a `Condvar` for those who wait for it.
+struct ModelLock<T> {
+    taken: Mutex<bool>,
+    freed: Condvar,
+    /// The data, only touched with `taken` won (never contended).
+    data: std::sync::Mutex<T>,
+}
+
+/// A held [`ModelLock`].
+struct Held<'a, T> {
+    lock: &'a ModelLock<T>,
+    data: Option<std::sync::MutexGuard<'a, T>>,
+}
+
+impl<T> ModelLock<T> {
+    fn new(v: T) -> Self {
+        ModelLock {
+            taken: Mutex::new(false),
+            freed: Condvar::new(),
+            data: std::sync::Mutex::new(v),
+        }
+    }
+
+    fn held(&self) -> Held<'_, T> {
+        Held {
+            lock: self,
+            data: Some(self.data.lock().unwrap()),
+        }
+    }
+
+    fn try_lock(&self) -> Option<Held<'_, T>> {
+        let mut taken = self.taken.lock().unwrap();
+        if *taken {
+            return None;
+        }
+        *taken = true;
+        drop(taken);
+        Some(self.held())
+    }
+
+    fn lock(&self) -> Held<'_, T> {
+        let mut taken = self.taken.lock().unwrap();
+        while *taken {
+            taken = self.freed.wait(taken).unwrap();
+        }
+        *taken = true;
+        drop(taken);
+        self.held()
+    }
+}
+
+impl<T> std::ops::Deref for Held<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.data.as_ref().expect("held")
+    }
+}
+
+impl<T> std::ops::DerefMut for Held<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.data.as_mut().expect("held")
+    }
+}
+
+impl<T> Drop for Held<'_, T> {
+    fn drop(&mut self) {
+        // The data's own lock first: the next holder takes it at once.
+        self.data = None;
+        *self.lock.taken.lock().unwrap() = false;
+        self.lock.freed.notify_all();
+    }
+}
+
+/// The connection behind the QP's lock.
+struct Conn {
+    /// The next completion's number.
+    next: u32,
+    /// The connection exists (a reset drops it).
+    connected: bool,
+}
+
+/// The sockets layer's connection state (its lock is the state lock).
+struct State {
+    /// The waiter sleeps in `recv`: others handle completions.
+    recv_sleeping: bool,
+    /// Completions handled, in order.
+    handled: Vec<u32>,
+}
+
+struct Qp {
+    core: HandOff<Conn>,
+    rx: ModelLock<()>,
+    ring: Mutex<VecDeque<u32>>,
+    st: ModelLock<State>,
+}
+
+/// How the waiter treats its receive completion.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Waiter {
+    /// The rule: kept only if the CQ is empty and the try of the state
+    /// lock succeeded, with the connection's lock held.
+    Rule,
+    /// Kept whenever the CQ is empty; the state lock taken afterwards.
+    WithoutStateLock,
+    /// Kept whenever the state lock could be taken; no look at the CQ.
+    WithoutLook,
+}
+
+impl Qp {
+    fn new() -> Arc<Qp> {
+        Arc::new(Qp {
+            core: HandOff::new(Conn {
+                next: 0,
+                connected: true,
+            }),
+            rx: ModelLock::new(()),
+            ring: Mutex::new(VecDeque::new()),
+            st: ModelLock::new(State {
+                recv_sleeping: true,
+                handled: Vec::new(),
+            }),
+        })
+    }
+
+    /// A completion made under the connection's lock and pushed (nothing
+    /// if the connection is gone).
+    fn push_under(&self, c: &mut Conn) {
+        if c.connected {
+            let n = c.next;
+            c.next += 1;
+            self.ring.lock().unwrap().push_back(n);
+        }
+    }
+
+    /// Handles what the CQ holds (under the state lock).
+    fn drain(&self, st: &mut State) {
+        while let Some(n) = self.ring.lock().unwrap().pop_front() {
+            st.handled.push(n);
+        }
+    }
+
+    /// The waiter, from the sleep's end (the `recv` returned bytes) to
+    /// the completions handled.
+    fn waiter(&self, how: Waiter) {
+        let Some(receiving) = self.rx.try_lock() else {
+            // Another thread receives: no sleep in `recv` (`Unable`), the
+            // wait in `poll(2)`; the state lock taken back as usual.
+            let mut st = self.st.lock();
+            st.recv_sleeping = false;
+            self.drain(&mut st);
+            return;
+        };
+        let mut g = self.core.lock();
+        let mut kept = None;
+        let mut early = None;
+        if g.connected {
+            let n = g.next;
+            g.next += 1;
+            let empty = self.ring.lock().unwrap().is_empty();
+            let keep = match how {
+                Waiter::Rule => {
+                    if empty {
+                        early = self.st.try_lock();
+                    }
+                    early.is_some()
+                }
+                Waiter::WithoutStateLock => empty,
+                Waiter::WithoutLook => {
+                    early = self.st.try_lock();
+                    early.is_some()
+                }
+            };
+            if keep {
+                kept = Some(n);
+            } else {
+                self.ring.lock().unwrap().push_back(n);
+            }
+        }
+        // No work is announced in these models (every holder takes the
+        // lock blocking): nothing to claim after the release.
+        let _ = self.core.release(g);
+        drop(receiving);
+        let mut st = match early {
+            Some(st) => st,
+            None => self.st.lock(),
+        };
+        st.recv_sleeping = false;
+        if let Some(n) = kept {
+            st.handled.push(n);
+        }
+        self.drain(&mut st);
+    }
+
+    /// Another application thread (`Shared::progress` under the state
+    /// lock): handles the CQ's completions while the waiter sleeps in
+    /// `recv` (after that, the waiter holds the gate and handles them).
+    fn other_consumer(&self) {
+        let mut st = self.st.lock();
+        if st.recv_sleeping {
+            self.drain(&mut st);
+        }
+    }
+
+    /// An engine receive thread (`core_rx(true)`): receives if the
+    /// receive lock is free (a try; it backs off from a sleeper).
+    fn receive_thread(&self) {
+        if let Some(receiving) = self.rx.try_lock() {
+            let mut g = self.core.lock();
+            self.push_under(&mut g);
+            let _ = self.core.release(g);
+            drop(receiving);
+        }
+    }
+
+    /// A writer: the state lock, then the connection's; its send's
+    /// completion pushed.
+    fn writer(&self) {
+        let st = self.st.lock();
+        let mut g = self.core.lock();
+        self.push_under(&mut g);
+        let _ = self.core.release(g);
+        drop(st);
+    }
+
+    /// A reset under the state lock: a flush completion pushed, then the
+    /// receive lock taken blocking (`core_reset`) and the connection
+    /// dropped.
+    fn reset(&self) {
+        let st = self.st.lock();
+        let mut g = self.core.lock();
+        self.push_under(&mut g);
+        let _ = self.core.release(g);
+        let receiving = self.rx.lock();
+        let mut g = self.core.lock();
+        g.connected = false;
+        let _ = self.core.release(g);
+        drop(receiving);
+        drop(st);
+    }
+
+    /// After every party: what the CQ still holds is handled (by the next
+    /// call), and the order checked.
+    fn check(&self) {
+        let made = self.core.lock().next;
+        let mut st = self.st.lock();
+        self.drain(&mut st);
+        let want: Vec<u32> = (0..made).collect();
+        assert_eq!(st.handled, want, "completions out of order, lost or twice");
+    }
+}
+
+/// The waiter (`how`), another consumer and `third` (`None`: none).
+fn model(how: Waiter, third: Option<fn(&Qp)>) {
+    let mut model = loom::model::Builder::new();
+    model.preemption_bound = Some(3);
+    model.check(move || {
+        let qp = Qp::new();
+        let waiter = {
+            let qp = qp.clone();
+            thread::spawn(move || qp.waiter(how))
+        };
+        let other = {
+            let qp = qp.clone();
+            thread::spawn(move || qp.other_consumer())
+        };
+        let third = third.map(|f| {
+            let qp = qp.clone();
+            thread::spawn(move || f(&qp))
+        });
+        waiter.join().unwrap();
+        other.join().unwrap();
+        if let Some(t) = third {
+            t.join().unwrap();
+        }
+        qp.check();
+    });
+}
+
+#[test]
+fn loom_a_handed_receive_and_an_engine_receive_thread() {
+    model(Waiter::Rule, Some(Qp::receive_thread));
+}
+
+#[test]
+fn loom_a_handed_receive_and_a_writer() {
+    model(Waiter::Rule, Some(Qp::writer));
+}
+
+#[test]
+fn loom_a_handed_receive_and_a_reset_under_the_state_lock() {
+    model(Waiter::Rule, Some(Qp::reset));
+}
+
+/// All four parties but the reset, at a lower bound (the state space of
+/// five threads).
+#[test]
+fn loom_a_handed_receive_among_a_writer_and_a_receive_thread() {
+    let mut model = loom::model::Builder::new();
+    model.preemption_bound = Some(2);
+    model.check(|| {
+        let qp = Qp::new();
+        let spawn = |f: fn(&Qp)| {
+            let qp = qp.clone();
+            thread::spawn(move || f(&qp))
+        };
+        let ts = [
+            spawn(|q| q.waiter(Waiter::Rule)),
+            spawn(Qp::other_consumer),
+            spawn(Qp::receive_thread),
+            spawn(Qp::writer),
+        ];
+        for t in ts {
+            t.join().unwrap();
+        }
+        qp.check();
+    });
+}
+
+#[test]
+#[should_panic(expected = "completions out of order")]
+fn loom_a_completion_kept_without_the_state_lock_is_overtaken() {
+    model(Waiter::WithoutStateLock, Some(Qp::receive_thread));
+}
+
+#[test]
+#[should_panic(expected = "completions out of order")]
+fn loom_a_completion_kept_past_an_older_one_is_reordered() {
+    model(Waiter::WithoutLook, Some(Qp::writer));
+}
