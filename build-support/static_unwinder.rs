@@ -15,9 +15,13 @@ use std::process::Command;
 /// (`cpuid`, slow in a virtual machine).
 /// Linked in whole from the archive, the unwinder is defined in the
 /// binary itself: nothing is left for `libgcc_s.so.1` to supply, and the
-/// linker (rustc passes `--as-needed`) leaves it out. A linker that keeps
-/// it listed anyway (GNU ld decides at the library's place on the command
-/// line) still makes a working binary that uses its own copy.
+/// linker (rustc passes `--as-needed`) leaves it out. The archive has to
+/// come *before* std's `-lgcc_s` on the command line: GNU ld decides
+/// whether an `--as-needed` library is needed at its place in the command
+/// line, so an archive given after it (as a plain link argument is) leaves
+/// `libgcc_s.so.1` in the binary's `NEEDED` list; lld decides at the end.
+/// A `rustc-link-lib` library (see `link_static_unwinder`) is placed with
+/// the crate's own native libraries, before std's.
 /// In the preload library the unwinder's symbols stay local (rustc's
 /// version script exports only the interposed functions), so a program's
 /// own unwinder (C++ exceptions) is untouched.
@@ -39,4 +43,30 @@ fn static_unwinder() -> Option<PathBuf> {
         .ok()?;
     let path = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
     (out.status.success() && path.is_absolute() && path.is_file()).then_some(path)
+}
+
+/// Tell cargo to link the unwinder archive in whole into every binary of
+/// the package (executables, test harnesses, the shared library), and to
+/// run the build script again when the archive moves or another compiler
+/// would be asked.
+fn link_static_unwinder() {
+    println!("cargo:rerun-if-env-changed=RUSTC_LINKER");
+    // `cc` is looked up in `PATH`.
+    println!("cargo:rerun-if-env-changed=PATH");
+    let Some(archive) = static_unwinder() else {
+        return;
+    };
+    // A C compiler upgrade removes the archive: cargo then sees it changed
+    // and runs this again instead of linking a path that is gone.
+    println!("cargo:rerun-if-changed={}", archive.display());
+    let Some(dir) = archive.parent() else {
+        return;
+    };
+    println!("cargo:rustc-link-search=native={}", dir.display());
+    // `+whole-archive`: every member (nothing in the crate calls the
+    // unwinder directly, std does); `-bundle`: the `rlib` of a library
+    // crate names the archive for the final link instead of copying it.
+    println!("cargo:rustc-link-lib=static:+whole-archive,-bundle=gcc_eh");
+    // For the tests that check it.
+    println!("cargo:rustc-env=SOFTRDMA_UNWINDER_LINKED_IN=1");
 }

@@ -18,9 +18,14 @@
 //! out); the preload is only used with `--sockets`.
 //!
 //! The private directory, made only when the verbs libraries or the DAT
-//! provider are in, is `<lib dir>/softrdma-run/` when that is writable,
-//! else a per-user directory under the system temporary directory. Links and
-//! files in it are replaced atomically (rename), so concurrent runs are safe.
+//! provider are in, is `<lib dir>/softrdma-run/` when this user can write
+//! there, else `softrdma-run-<uid>-<hash of the lib dir>` in
+//! `$XDG_RUNTIME_DIR` (when set) or the system temporary directory. That
+//! one is made with mode 0700 and used only if it is a directory owned by
+//! the effective user that no one else can write (another user could
+//! otherwise make it first and choose the libraries the program loads).
+//! Links and files in it are replaced atomically (rename), so concurrent
+//! runs are safe.
 
 use std::ffi::{OsStr, OsString};
 use std::fmt::Write as _;
@@ -109,6 +114,17 @@ pub enum RunError {
     /// The library directory could not be determined.
     #[error("cannot find the directory of the softrdma executable: {0}")]
     NoExeDir(#[source] io::Error),
+    /// The private directory under the temporary directory exists but is
+    /// not this user's alone.
+    #[error(
+        "refusing to use {path}: {why}; another user may control what it holds (remove it, or point --lib-dir / {LIB_DIR_VAR} at a directory you can write)"
+    )]
+    NotPrivate {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The private directory or a file in it could not be written.
     #[error("preparing {path}: {source}")]
     Io {
@@ -134,14 +150,27 @@ pub struct Prepared {
 
 /// Resolve the library directory: the option, `$SOFTRDMA_LIB_DIR`, the
 /// executable's directory.
+/// A given directory is made absolute and free of symbolic links when it
+/// exists (the links made to its libraries must not depend on the working
+/// directory).
 pub fn lib_dir(opt: Option<&Path>) -> Result<PathBuf, RunError> {
-    if let Some(d) = opt {
-        return Ok(d.to_path_buf());
+    lib_dir_in(opt, |k| std::env::var_os(k))
+}
+
+/// [`lib_dir`] with `env` reading the variables.
+fn lib_dir_in(
+    opt: Option<&Path>,
+    env: impl Fn(&str) -> Option<OsString>,
+) -> Result<PathBuf, RunError> {
+    let given = opt.map(Path::to_path_buf).or_else(|| {
+        env(LIB_DIR_VAR)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+    });
+    match given {
+        Some(d) => Ok(d.canonicalize().unwrap_or(d)),
+        None => exe_dir(),
     }
-    if let Some(d) = std::env::var_os(LIB_DIR_VAR).filter(|d| !d.is_empty()) {
-        return Ok(PathBuf::from(d));
-    }
-    exe_dir()
 }
 
 /// The directory of the running executable. The kernel's
@@ -222,34 +251,92 @@ fn prepend_path(dir: &Path, old: Option<OsString>) -> OsString {
     v
 }
 
-/// The private directory for links and generated files.
-fn run_dir(lib_dir: &Path) -> Result<PathBuf, RunError> {
-    let preferred = lib_dir.join("softrdma-run");
-    if std::fs::create_dir_all(&preferred).is_ok() && writable(&preferred) {
-        return Ok(preferred);
-    }
-    // The library directory is read-only (an installed tree): one directory
-    // per user and library directory under the temporary directory.
+/// The private directory when the library directory cannot be written:
+/// one per effective user and library directory, in `$XDG_RUNTIME_DIR`
+/// (when it is a directory) or the temporary directory.
+fn fallback_run_dir(lib_dir: &Path, env: &impl Fn(&str) -> Option<OsString>) -> PathBuf {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in lib_dir.as_os_str().as_encoded_bytes() {
         h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
     }
-    let user = std::env::var("USER").unwrap_or_else(|_| "user".into());
-    let dir = std::env::temp_dir().join(format!("softrdma-run-{user}-{h:016x}"));
-    std::fs::create_dir_all(&dir).map_err(|source| RunError::Io {
-        path: dir.clone(),
-        source,
-    })?;
-    Ok(dir)
+    let base = env("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.is_absolute() && d.is_dir())
+        .unwrap_or_else(std::env::temp_dir);
+    let uid = nix::unistd::geteuid();
+    base.join(format!("softrdma-run-{uid}-{h:016x}"))
 }
 
-/// Whether files can be made in `dir`: one `access(2)` (write and search
-/// permission, a read-only or immutable file system), where writing and
-/// removing a probe file took four system calls and two changes of the
-/// directory on every run.
+/// Make (mode 0700) or open the directory `dir` in a directory that others
+/// can write, and check it is this user's alone: a directory (not a link),
+/// owned by the effective user, writable by no one else.
+fn private_dir(dir: &Path) -> Result<(), RunError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let io = |source| RunError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(io(e)),
+        _ => {}
+    }
+    let m = std::fs::symlink_metadata(dir).map_err(io)?;
+    let euid = nix::unistd::geteuid().as_raw();
+    let why = if !m.file_type().is_dir() {
+        Some("it is not a directory".to_string())
+    } else if m.uid() != euid {
+        Some(format!("it is owned by uid {}, not {euid}", m.uid()))
+    } else if m.mode() & 0o022 != 0 {
+        Some(format!(
+            "its mode {:o} lets others write in it",
+            m.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(RunError::NotPrivate {
+            path: dir.to_path_buf(),
+            why,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Whether the effective user can make files in `dir`: one
+/// `faccessat(AT_EACCESS)` (write and search permission, a read-only or
+/// immutable file system). Not seen: a full disk or quota, or a security
+/// module's rules; [`falls_back`] covers those.
 fn writable(dir: &Path) -> bool {
-    use nix::unistd::{AccessFlags, access};
-    access(dir, AccessFlags::W_OK | AccessFlags::X_OK).is_ok()
+    use nix::fcntl::{AT_FDCWD, AtFlags};
+    use nix::unistd::{AccessFlags, faccessat};
+    faccessat(
+        AT_FDCWD,
+        dir,
+        AccessFlags::W_OK | AccessFlags::X_OK,
+        AtFlags::AT_EACCESS,
+    )
+    .is_ok()
+}
+
+/// Whether preparing the library directory's private directory failed in
+/// a way the temporary directory may not (permission, a read-only file
+/// system, no space or quota left).
+fn falls_back(e: &RunError) -> bool {
+    use nix::errno::Errno;
+    let RunError::Io { source, .. } = e else {
+        return false;
+    };
+    source.raw_os_error().is_some_and(|n| {
+        [
+            Errno::EACCES,
+            Errno::EPERM,
+            Errno::EROFS,
+            Errno::ENOSPC,
+            Errno::EDQUOT,
+        ]
+        .contains(&Errno::from_raw(n))
+    })
 }
 
 /// Make `dir/name` a symlink to `target`, atomically replacing what is there
@@ -314,15 +401,7 @@ pub fn prepare(
     opts: &RunOptions,
     env: impl Fn(&str) -> Option<OsString>,
 ) -> Result<Prepared, RunError> {
-    let given = opts.lib_dir.clone().or_else(|| {
-        env(LIB_DIR_VAR)
-            .filter(|d| !d.is_empty())
-            .map(PathBuf::from)
-    });
-    let dir = match given {
-        Some(d) => d.canonicalize().unwrap_or(d),
-        None => exe_dir()?,
-    };
+    let dir = lib_dir_in(opts.lib_dir.as_deref(), &env)?;
     let verbs = wanted(opts.verbs, "--verbs", VERBS_ARTIFACT, &dir)?;
     let dat = wanted(opts.dat, "--dat", DAT_ARTIFACT, &dir)?;
     let sockets = wanted(
@@ -338,30 +417,58 @@ pub fn prepare(
     if !(verbs || dat || sockets) {
         return Err(RunError::NothingFound(dir));
     }
-    // Only the verbs links and the DAT configuration go there.
-    let rd = if verbs || dat {
-        Some(run_dir(&dir)?)
+    let addr = if dat {
+        Some(ia_addr(opts.ia_addr)?)
     } else {
         None
     };
-    let mut vars = Vec::new();
-    let mut layers = Vec::new();
-    if let (true, Some(rd)) = (verbs, &rd) {
-        for (name, artifact) in VERBS_LINKS {
-            link(rd, name, &dir.join(artifact))?;
+    // Only the verbs links and the DAT configuration go there.
+    let fill = |rd: &Path| -> Result<Vec<(&'static str, OsString)>, RunError> {
+        let mut vars = Vec::new();
+        if verbs {
+            for (name, artifact) in VERBS_LINKS {
+                link(rd, name, &dir.join(artifact))?;
+            }
+            vars.push(("LD_LIBRARY_PATH", prepend_path(rd, env("LD_LIBRARY_PATH"))));
         }
-        vars.push(("LD_LIBRARY_PATH", prepend_path(rd, env("LD_LIBRARY_PATH"))));
+        if let Some(addr) = addr {
+            let conf = write_file(
+                rd,
+                &format!("dat-{addr}.conf"),
+                &dat_conf(&dir.join(DAT_ARTIFACT), addr),
+            )?;
+            vars.push(("DAT_OVERRIDE", conf.into_os_string()));
+            vars.push((IA_ADDR_VAR, OsString::from(addr.to_string())));
+        }
+        Ok(vars)
+    };
+    let (mut vars, rd) = if verbs || dat {
+        let preferred = dir.join("softrdma-run");
+        let done = if std::fs::create_dir_all(&preferred).is_ok() && writable(&preferred) {
+            match fill(&preferred) {
+                Ok(vars) => Some(vars),
+                Err(e) if falls_back(&e) => None,
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        match done {
+            Some(vars) => (vars, Some(preferred)),
+            None => {
+                let rd = fallback_run_dir(&dir, &env);
+                private_dir(&rd)?;
+                (fill(&rd)?, Some(rd))
+            }
+        }
+    } else {
+        (Vec::new(), None)
+    };
+    let mut layers = Vec::new();
+    if verbs {
         layers.push("verbs");
     }
-    if let (true, Some(rd)) = (dat, &rd) {
-        let addr = ia_addr(opts.ia_addr)?;
-        let conf = write_file(
-            rd,
-            &format!("dat-{addr}.conf"),
-            &dat_conf(&dir.join(DAT_ARTIFACT), addr),
-        )?;
-        vars.push(("DAT_OVERRIDE", conf.into_os_string()));
-        vars.push((IA_ADDR_VAR, OsString::from(addr.to_string())));
+    if dat {
         layers.push("dat");
     }
     if sockets {
@@ -548,6 +655,7 @@ mod tests {
         if std::fs::write(d.path().join("x"), b"").is_ok() {
             // Permissions do not stop this user (root).
             set(0o755);
+            // (`tests/run.rs` makes a read-only mount for that case.)
             println!("SKIPPED: the directory is writable anyway");
             return;
         }
@@ -564,6 +672,82 @@ mod tests {
             d.path().canonicalize().unwrap().join(VERBS_ARTIFACT)
         );
         std::fs::remove_dir_all(rd).unwrap();
+    }
+
+    /// A library directory where the private directory cannot be made
+    /// (here `softrdma-run` is a file: works for root too), with
+    /// `XDG_RUNTIME_DIR` at `runtime`.
+    fn unwritable_lib_dir(runtime: &Path) -> (tempfile::TempDir, RunOptions, PathBuf) {
+        let d = fake_libs(&[VERBS_ARTIFACT, "softrdma-run"]);
+        let opts = RunOptions {
+            lib_dir: Some(d.path().into()),
+            ..Default::default()
+        };
+        let dir = d.path().canonicalize().unwrap();
+        let env = |k: &str| (k == "XDG_RUNTIME_DIR").then(|| runtime.into());
+        let rd = fallback_run_dir(&dir, &env);
+        (d, opts, rd)
+    }
+
+    #[test]
+    fn the_fallback_directory_is_private_named_by_uid_and_in_the_runtime_directory() {
+        use std::os::unix::fs::MetadataExt;
+        let runtime = tempfile::tempdir().unwrap();
+        let (_d, opts, rd) = unwritable_lib_dir(runtime.path());
+        let p = prepare(&opts, |k| {
+            (k == "XDG_RUNTIME_DIR").then(|| runtime.path().into())
+        })
+        .unwrap();
+        assert_eq!(p.run_dir.as_deref(), Some(&*rd));
+        assert_eq!(rd.parent(), Some(runtime.path()));
+        let uid = nix::unistd::geteuid().as_raw();
+        let name = rd.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with(&format!("softrdma-run-{uid}-")), "{name}");
+        let m = std::fs::symlink_metadata(&rd).unwrap();
+        assert_eq!((m.uid(), m.mode() & 0o777), (uid, 0o700));
+        // The next run opens it again.
+        prepare(&opts, |k| {
+            (k == "XDG_RUNTIME_DIR").then(|| runtime.path().into())
+        })
+        .unwrap();
+    }
+
+    /// Another local user could make the (predictable) directory under
+    /// `/tmp` first and so choose the libraries the program loads: one
+    /// that others can write, that is a link, or (as root) that another
+    /// user owns is refused.
+    #[test]
+    fn a_fallback_directory_another_user_could_control_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let runtime = tempfile::tempdir().unwrap();
+        let env = |k: &str| (k == "XDG_RUNTIME_DIR").then(|| runtime.path().into());
+        let (_d, opts, rd) = unwritable_lib_dir(runtime.path());
+        let refused = |why: &str| {
+            let e = prepare(&opts, env).unwrap_err();
+            assert!(matches!(e, RunError::NotPrivate { .. }), "{e}");
+            assert!(e.to_string().contains(why), "{e}");
+            assert!(std::fs::read_link(rd.join("libibverbs.so.1")).is_err());
+        };
+        // Writable by others.
+        std::fs::create_dir(&rd).unwrap();
+        std::fs::set_permissions(&rd, std::fs::Permissions::from_mode(0o777)).unwrap();
+        refused("mode 777");
+        std::fs::set_permissions(&rd, std::fs::Permissions::from_mode(0o730)).unwrap();
+        refused("mode 730");
+        std::fs::remove_dir(&rd).unwrap();
+        // A link (to a directory of this user's, even).
+        let elsewhere = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), &rd).unwrap();
+        refused("not a directory");
+        std::fs::remove_file(&rd).unwrap();
+        // Owned by another user (only root can give it away).
+        std::fs::create_dir(&rd).unwrap();
+        std::fs::set_permissions(&rd, std::fs::Permissions::from_mode(0o700)).unwrap();
+        if std::os::unix::fs::chown(&rd, Some(65534), Some(65534)).is_ok() {
+            refused("owned by uid 65534");
+        } else {
+            println!("SKIPPED (the other owner): not allowed to chown");
+        }
     }
 
     #[test]

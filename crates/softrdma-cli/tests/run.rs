@@ -293,3 +293,141 @@ fn run_passes_a_non_utf8_argument_through() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
     assert!(text(&o.stderr).starts_with("softrdma dissect: error:"));
 }
+
+/// Whether `tool --version` runs.
+fn have(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// The `LD_LIBRARY_PATH` that `softrdma run --print-env` printed.
+fn printed_library_path(out: &str) -> String {
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("export LD_LIBRARY_PATH="))
+        .unwrap_or_else(|| panic!("no LD_LIBRARY_PATH in {out}"));
+    line.trim_matches('\'').to_string()
+}
+
+/// Run `sh -c script` in a new user and mount namespace (`unshare -rm`)
+/// with `$SOFTRDMA` the executable, `$D` the library directory, `$T` the
+/// temporary directory; `None` when namespaces cannot be made here.
+fn in_namespace(script: &str, lib_dir: &Path, tmp: &Path) -> Option<Output> {
+    if !have("unshare") {
+        return None;
+    }
+    let probe = Command::new("unshare").args(["-rm", "true"]).output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        return None;
+    }
+    let o = Command::new("unshare")
+        .args(["-rm", "sh", "-c", script])
+        .env("SOFTRDMA", env!("CARGO_BIN_EXE_softrdma"))
+        .env("D", lib_dir)
+        .env("T", tmp)
+        .env("TMPDIR", tmp)
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("run unshare");
+    Some(o)
+}
+
+/// A library directory on a read-only mount (an installed tree; made here
+/// with a read-only bind mount, which stops root too): the private
+/// directory goes to the temporary directory.
+#[test]
+fn a_read_only_mount_puts_the_private_directory_under_tmp() {
+    let d = fake_libs(&["libsoftrdma_verbs.so"]);
+    let t = tempfile::tempdir().unwrap();
+    let script = r#"mount --bind "$D" "$D" && mount -o remount,bind,ro "$D" &&
+        "$SOFTRDMA" run --lib-dir "$D" --print-env"#;
+    let Some(o) = in_namespace(script, d.path(), t.path()) else {
+        println!("SKIPPED: no unshare -rm (user and mount namespaces)");
+        return;
+    };
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let path = printed_library_path(&text(&o.stdout));
+    assert!(path.starts_with(&*t.path().to_string_lossy()), "{path}");
+    assert!(!d.path().join("softrdma-run").exists());
+    let rd = Path::new(&path);
+    assert_eq!(
+        std::fs::read_link(rd.join("libibverbs.so.1")).unwrap(),
+        d.path()
+            .canonicalize()
+            .unwrap()
+            .join("libsoftrdma_verbs.so")
+    );
+}
+
+/// The library directory passes the permission check but writing in it
+/// fails (here a full file system: no inodes left; the same for a quota,
+/// or a security module's rules): the private directory is made again in
+/// the temporary directory instead of the run failing.
+#[test]
+fn a_full_library_directory_falls_back_to_tmp() {
+    let d = tempfile::tempdir().unwrap();
+    let t = tempfile::tempdir().unwrap();
+    let script = r#"mount -t tmpfs -o size=64k,nr_inodes=16 softrdma-test "$D" &&
+        echo stand-in > "$D/libsoftrdma_verbs.so" && mkdir "$D/softrdma-run" &&
+        i=0 && while touch "$D/fill$i" 2>/dev/null; do i=$((i+1)); done &&
+        "$SOFTRDMA" run --lib-dir "$D" --print-env"#;
+    let Some(o) = in_namespace(script, d.path(), t.path()) else {
+        println!("SKIPPED: no unshare -rm (user and mount namespaces)");
+        return;
+    };
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let path = printed_library_path(&text(&o.stdout));
+    assert!(path.starts_with(&*t.path().to_string_lossy()), "{path}");
+}
+
+/// `access(2)` checks the real user: a program whose effective user
+/// cannot write the library directory (setuid, `setpriv --euid`) was told
+/// it could, and failed with "Permission denied" making the links.
+#[test]
+fn the_writable_check_uses_the_effective_user_not_the_real_one() {
+    if !nix::unistd::geteuid().is_root() || !have("setpriv") {
+        println!("SKIPPED: needs root and setpriv");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let d = fake_libs(&["libsoftrdma_verbs.so"]);
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir(d.path().join("softrdma-run")).unwrap();
+    // The executable must be reachable by the other user.
+    let exe = Path::new(env!("CARGO_BIN_EXE_softrdma"));
+    let reachable = exe
+        .ancestors()
+        .skip(1)
+        .all(|a| std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 != 0));
+    if !reachable {
+        println!("SKIPPED: the executable's directory is closed to other users");
+        return;
+    }
+    let o = Command::new("setpriv")
+        .arg("--euid=65534")
+        .arg(exe)
+        .args(["run", "--lib-dir"])
+        .arg(d.path())
+        .arg("--print-env")
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let path = printed_library_path(&text(&o.stdout));
+    let rd = Path::new(&path);
+    // Under the temporary directory (glibc drops TMPDIR for a program whose
+    // users differ), named by the effective user.
+    assert!(
+        rd.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("softrdma-run-65534-"),
+        "{path}"
+    );
+    assert!(!rd.starts_with(d.path()), "{path}");
+    std::fs::remove_dir_all(rd).unwrap();
+}

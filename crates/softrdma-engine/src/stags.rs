@@ -1158,10 +1158,7 @@ mod tests {
         assert!(t.local(lkey, 1, 0x1000, 64, false).is_err());
     }
 
-    /// A `fork(2)`ed child draws other STags than its parent's thread
-    /// would: the thread's random bytes are fetched anew in a new fork
-    /// generation (copied ones would repeat the parent's draws in every
-    /// child of a preforking server).
+    /// Keys and indices are drawn from their whole ranges.
     #[test]
     fn draws_are_spread_over_the_whole_range() {
         // 256 draws: more than one fetch of the buffer; every byte value
@@ -1178,6 +1175,10 @@ mod tests {
         assert_ne!(b, [0; 13]);
     }
 
+    /// A `fork(2)`ed child draws other STags than its parent's thread
+    /// would: the thread's random bytes are fetched anew in a new fork
+    /// generation (copied ones would repeat the parent's draws in every
+    /// child of a preforking server).
     #[test]
     fn a_forked_child_draws_other_stags_than_its_parent() {
         let _ = fresh_key(None);
