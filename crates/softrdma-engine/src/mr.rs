@@ -396,7 +396,11 @@ impl MemoryRegion {
     }
 
     /// Deregisters the region (`ibv_dereg_mr`). Work requests in flight keep
-    /// the memory alive until they complete.
+    /// the memory alive until they complete, and so does a receive buffer
+    /// kept past its completion by a QP created with
+    /// [`QpInitAttr::keep_recvs`](crate::QpInitAttr::keep_recvs), until
+    /// the next post of that receive's `wr_id` or the end of its connection
+    /// (its key is gone at once: that post checks the SGE and fails).
     ///
     /// # Errors
     ///

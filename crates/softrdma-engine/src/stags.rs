@@ -708,23 +708,28 @@ impl StagTable {
         Ok(index)
     }
 
-    /// The table's write lock for a change of existing entries: the
-    /// change counter ([`StagTable::epoch`]) moves on under it.
+    /// The table's write lock for a change of existing entries; the
+    /// change is counted with [`StagTable::changed`] under it, once the
+    /// change is certain (a refused change counts nothing).
     fn change(&self) -> parking_lot::RwLockWriteGuard<'_, Slots> {
-        let slots = self.slots.write();
+        self.slots.write()
+    }
+
+    /// Counts a change of an existing entry ([`StagTable::epoch`]); called
+    /// with the write lock of [`StagTable::change`] held.
+    fn changed(&self) {
         self.epoch.fetch_add(1, Ordering::Release);
-        slots
     }
 
     /// The number of changes of existing entries so far (removals,
     /// invalidations, binds, fast-registers, re-registrations; not
-    /// insertions, which change no answer about an existing key). Each
-    /// change counts under the write lock, so a value read *before* a
-    /// look-up is never newer than the table the look-up saw: a look-up
-    /// made after reading `e`, whose answer is kept, gives that same
-    /// answer again while `epoch()` is still `e` (the receive buffers a
-    /// QP keeps past their completion, `Config::keep_recvs` of the
-    /// protocol core). A plain load, no lock.
+    /// insertions, which change no answer about an existing key, nor
+    /// refused changes). Each change counts under the write lock, so a
+    /// value read *before* a look-up is never newer than the table the
+    /// look-up saw: a look-up made after reading `e`, whose answer is
+    /// kept, gives that same answer again while `epoch()` is still `e`
+    /// (the receive buffers a QP keeps past their completion,
+    /// `Config::keep_recvs` of the protocol core). A plain load, no lock.
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
     }
@@ -735,6 +740,7 @@ impl StagTable {
         let Some(entry) = slots.entries.remove(&index) else {
             return;
         };
+        self.changed();
         if let Kind::Window {
             bound_to: Some(count),
         } = entry.kind
@@ -928,10 +934,9 @@ impl StagTable {
         match &mut entry.kind {
             Kind::Region {
                 fast_reg: false, ..
-            } => Err(InvalidateError::CannotInvalidate),
+            } => return Err(InvalidateError::CannotInvalidate),
             Kind::Region { fast_reg: true, .. } => {
                 entry.valid = false;
-                Ok(())
             }
             Kind::Window { bound_to } => {
                 if let Some(count) = bound_to.take() {
@@ -939,9 +944,10 @@ impl StagTable {
                 }
                 entry.valid = false;
                 entry.mem = None;
-                Ok(())
             }
         }
+        self.changed();
+        Ok(())
     }
 
     #[cfg_attr(not(test), allow(dead_code))] // see `PdMemory`
@@ -1019,6 +1025,7 @@ impl StagTable {
         }
         windows.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         *bound_to = Some(windows);
+        self.changed();
         window.key = key.unwrap_or_else(|| fresh_key(Some(window.key)));
         window.valid = true;
         window.access = access;
@@ -1080,6 +1087,7 @@ impl StagTable {
         if entry.valid {
             return Err(FastRegError::AlreadyValid);
         }
+        self.changed();
         entry.key = fresh_key(Some(entry.key));
         entry.valid = true;
         entry.iova = iova;
@@ -1100,6 +1108,7 @@ impl StagTable {
                 return Err(RegError::WindowsBound(n));
             }
         }
+        self.changed();
         entry.key = fresh_key(Some(entry.key));
         entry.access = access;
         Ok(stag(index, entry.key))
@@ -1115,6 +1124,7 @@ impl StagTable {
         let mut slots = self.change();
         if slots.get(index).is_some_and(|e| e.key == key) {
             slots.entries.remove(&index);
+            self.changed();
         }
     }
 }
@@ -1125,23 +1135,25 @@ mod tests {
     use std::time::Duration;
 
     /// Every change of an existing entry moves the change counter on (a
-    /// kept receive buffer checked before it is checked again); an
-    /// insertion does not.
+    /// kept receive buffer checked before it is checked again): removals,
+    /// re-registrations, fast-registers, invalidations (local or remote),
+    /// binds; an insertion does not, nor a change that is refused.
     #[test]
     fn the_epoch_counts_changes_of_existing_entries() {
         let t = StagTable::new();
-        let region = |t: &StagTable| {
+        let new = |t: &StagTable, kind, access, valid| {
             t.insert(NewEntry {
                 pd: 1,
-                access: Access::LOCAL_WRITE,
+                access,
                 iova: 0x1000,
                 len: 64,
                 mem: Some(Memory::from_vec(vec![0; 64])),
-                valid: true,
-                kind: NewKind::Region,
+                valid,
+                kind,
             })
             .unwrap()
         };
+        let region = |t: &StagTable| new(t, NewKind::Region, Access::LOCAL_WRITE, true);
         let e0 = t.epoch();
         let a = region(&t);
         let b = region(&t);
@@ -1156,6 +1168,68 @@ mod tests {
         t.remove_stag(t.stag_of(a));
         assert_eq!(t.epoch(), e0 + 3);
         assert!(t.local(lkey, 1, 0x1000, 64, false).is_err());
+
+        // A fast-register region: fast-registered, invalidated with the
+        // same key (the look-up's answer changes, the key does not),
+        // fast-registered again, invalidated by the peer.
+        let f = new(&t, NewKind::FastRegRegion, Access::NONE, false);
+        let e = t.epoch();
+        assert_eq!(e, e0 + 3, "an insertion counted");
+        let fkey = t
+            .fast_reg_at(Some(1), f, 64, 0x2000, 64, Access::LOCAL_WRITE)
+            .unwrap();
+        assert_eq!(t.epoch(), e + 1);
+        assert!(t.local(fkey, 1, 0x2000, 64, true).is_ok());
+        t.invalidate(fkey, 1, false).unwrap();
+        assert_eq!(t.epoch(), e + 2);
+        assert_eq!(t.stag_of(f), fkey, "the invalidation changed the key");
+        assert!(t.local(fkey, 1, 0x2000, 64, true).is_err());
+        let fkey = t
+            .fast_reg_at(Some(1), f, 64, 0x2000, 64, Access::LOCAL_WRITE)
+            .unwrap();
+        assert_eq!(t.epoch(), e + 3);
+        t.invalidate(fkey, 1, true).unwrap();
+        assert_eq!(t.epoch(), e + 4);
+
+        // A window bound to a region and invalidated.
+        let m = new(
+            &t,
+            NewKind::Region,
+            Access::LOCAL_WRITE | Access::MW_BIND,
+            true,
+        );
+        let w = new(&t, NewKind::Window, Access::NONE, false);
+        let e = t.epoch();
+        let bind = WindowBind {
+            addr: 0x1000,
+            len: 64,
+            access: Access::REMOTE_READ,
+            key: None,
+        };
+        let wkey = t.bind_at(1, w, m, bind).unwrap();
+        assert_eq!(t.epoch(), e + 1);
+        t.invalidate(wkey, 1, false).unwrap();
+        assert_eq!(t.epoch(), e + 2);
+
+        // Refused changes count nothing.
+        let e = t.epoch();
+        assert!(t.bind_at(2, w, m, bind).is_err(), "another PD's bind");
+        assert!(
+            t.bind_at(1, w, f, bind).is_err(),
+            "a bind to an invalid region"
+        );
+        assert!(
+            t.invalidate(t.stag_of(m), 1, false).is_err(),
+            "a registered region"
+        );
+        assert!(t.invalidate(fkey ^ 1, 1, false).is_err(), "a wrong key");
+        assert!(t.invalidate(fkey, 2, false).is_err(), "another PD");
+        assert!(t.fast_reg_at(Some(2), f, 64, 0, 64, Access::NONE).is_err());
+        assert!(t.fast_reg_at(Some(1), m, 64, 0, 64, Access::NONE).is_err());
+        assert!(t.fast_reg_at(Some(1), f, 64, 0, 65, Access::NONE).is_err());
+        t.remove(9999);
+        t.remove_stag(t.stag_of(m) ^ 1);
+        assert_eq!(t.epoch(), e, "a refused change counted");
     }
 
     /// Keys and indices are drawn from their whole ranges.

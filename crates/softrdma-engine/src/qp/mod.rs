@@ -117,9 +117,11 @@ pub struct QpInitAttr {
     /// check the SGE again, and fail as it would have), and state checks
     /// (ERROR, a full queue) are made as for any post. Only memory the
     /// engine allocated is kept (not memory registered with
-    /// `register_raw` or lent for one call); a kept buffer holds its
-    /// memory until it is posted again (or another buffer with its `wr_id`
-    /// completes) or the connection ends. Off by default.
+    /// `register_raw` or lent for one call). A kept buffer holds its
+    /// region's memory (all of it, also after the region is deregistered)
+    /// until the next post of its `wr_id`, whatever that post's SGEs (a
+    /// post that does not take it lets it go), or until the connection
+    /// ends. Off by default.
     pub keep_recvs: bool,
 }
 

@@ -223,7 +223,8 @@ fn a_changed_stamp_alone_only_costs_a_check() {
 }
 
 /// Another `wr_id`, another SGE, or a `wr_id` past the receive queue's
-/// depth: not the kept receive (checked as usual).
+/// depth: not the kept receive (checked as usual). A post of the kept
+/// receive's `wr_id` with another SGE lets its kept buffer go.
 #[test]
 fn only_the_same_wr_id_and_sge_take_the_kept_buffer() {
     let mut k = setup(true);
@@ -233,9 +234,14 @@ fn only_the_same_wr_id_and_sge_take_the_kept_buffer() {
     k.completions();
     let checks = k.mem.checks;
     k.post(1, s0).unwrap();
+    assert_eq!(k.c.kept_recvs(), 1, "another wr_id's post took it");
     k.post(0, s1).unwrap();
     assert_eq!(k.mem.checks, checks + 2);
-    assert_eq!((k.c.kept_recvs(), k.c.kept_recvs_taken()), (1, 0));
+    assert_eq!(
+        (k.c.kept_recvs(), k.c.kept_recvs_taken()),
+        (0, 0),
+        "the buffer of receive 0 kept past its post with another SGE"
+    );
     // Past the depth (4): never kept.
     k.send(b"x");
     k.send(b"y");

@@ -331,8 +331,7 @@ pub struct Connection<R> {
     kept: Vec<Option<RecvEntry<R>>>,
     /// Number of `Some` in `kept`.
     kept_len: usize,
-    /// Posts that took a kept buffer (counted with debug assertions only).
-    #[cfg(any(test, debug_assertions))]
+    /// Posts that took a kept buffer.
     kept_taken: u64,
     // ---- buffers reused from one request to the next ----
     /// Emptied gather/scatter lists of finished requests (a post takes
@@ -418,7 +417,6 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             msg_infos: VecDeque::new(),
             kept: Vec::new(),
             kept_len: 0,
-            #[cfg(any(test, debug_assertions))]
             kept_taken: 0,
             seg_pool: Vec::new(),
             inline_pool: Vec::new(),
@@ -814,8 +812,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// if [`Memory::recv_stamp`] is the same as when the buffer was
     /// checked: the registrations have not changed since, so the check
     /// would give the same buffer again, and the post has exactly the
-    /// effect it has without the kept buffer. Otherwise the kept buffer is
-    /// let go and the SGE checked as usual.
+    /// effect it has without the kept buffer. Otherwise the SGE is checked
+    /// as usual, and a buffer kept for `wr_id` is let go at this post
+    /// (whatever the post's SGEs), so a kept buffer never outlives the
+    /// next post of its `wr_id`.
     ///
     /// # Errors
     ///
@@ -851,13 +851,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
             }
             _ => None,
         };
-        if let Some(key) = key
+        if self.kept_len != 0
             && let Some(e) = self.take_kept(wr.wr_id, key)
         {
-            #[cfg(any(test, debug_assertions))]
-            {
-                self.kept_taken += 1;
-            }
+            self.kept_taken += 1;
             if policy == PostPolicy::Flush {
                 self.recycle_segs(e.segs);
                 self.complete_recv(wr.wr_id, WcStatus::WrFlush);
@@ -896,21 +893,16 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
         Ok(())
     }
 
-    /// The kept buffer of receive `wr_id` posted with `key`'s SGE, taken
-    /// out of the kept list; `None` if there is none or the registrations
-    /// changed since it was checked (it is let go then).
+    /// The kept buffer of receive `wr_id`, if it was checked as `key`
+    /// (the same SGE, the registrations unchanged since). Any buffer kept
+    /// for `wr_id` is taken out of the kept list: one that does not match
+    /// (another SGE, a changed stamp, a post of other than one SGE) is let
+    /// go here, not held until `wr_id` completes again.
     #[inline]
-    fn take_kept(&mut self, wr_id: u64, key: RecvKey) -> Option<RecvEntry<R>> {
-        let slot = self.kept.get_mut(usize::try_from(wr_id).ok()?)?;
-        if !slot
-            .as_ref()
-            .is_some_and(|e| e.key.is_some_and(|k| k.sge == key.sge))
-        {
-            return None;
-        }
-        let e = slot.take()?;
+    fn take_kept(&mut self, wr_id: u64, key: Option<RecvKey>) -> Option<RecvEntry<R>> {
+        let e = self.kept.get_mut(usize::try_from(wr_id).ok()?)?.take()?;
         self.kept_len -= 1;
-        if e.key.is_some_and(|k| k.stamp == key.stamp) {
+        if key.is_some() && e.key == key {
             return Some(e);
         }
         self.recycle_segs(e.segs);
@@ -961,17 +953,10 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     }
 
     /// Posts that took a kept receive buffer instead of checking the SGE
-    /// (counted in debug builds and tests only; 0 otherwise).
+    /// ([`Config::keep_recvs`]).
     #[must_use]
     pub fn kept_recvs_taken(&self) -> u64 {
-        #[cfg(any(test, debug_assertions))]
-        {
-            self.kept_taken
-        }
-        #[cfg(not(any(test, debug_assertions)))]
-        {
-            0
-        }
+        self.kept_taken
     }
 
     /// What posting a send request does now. A connection reaches IDLE

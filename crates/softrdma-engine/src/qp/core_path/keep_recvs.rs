@@ -35,6 +35,13 @@ struct Ring {
 }
 
 fn ring(keep: bool) -> Ring {
+    let r = unposted(keep);
+    r.post_all();
+    r
+}
+
+/// [`ring`] with no receive posted yet.
+fn unposted(keep: bool) -> Ring {
     let dev = Device::open_with(DeviceConfig {
         pin_threads: false,
         ..DeviceConfig::default()
@@ -52,7 +59,7 @@ fn ring(keep: bool) -> Ring {
         .register((SLOTS as u32 * SLOT) as usize, Access::LOCAL_WRITE)
         .unwrap();
     let src = pd.register(SLOT as usize, Access::LOCAL_WRITE).unwrap();
-    let r = Ring {
+    Ring {
         _dev: dev,
         pd,
         a,
@@ -62,11 +69,7 @@ fn ring(keep: bool) -> Ring {
         ring,
         src,
         sge0: None,
-    };
-    for slot in 0..SLOTS {
-        r.post(slot).unwrap();
     }
-    r
 }
 
 impl Ring {
@@ -80,6 +83,13 @@ impl Ring {
         self.ring.sge((slot as u32 * SLOT) as usize, SLOT).unwrap()
     }
 
+    /// Posts every slot's receive.
+    fn post_all(&self) {
+        for slot in 0..SLOTS {
+            self.post(slot).unwrap();
+        }
+    }
+
     /// Posts slot `slot`'s buffer as receive `slot`.
     fn post(&self, slot: u64) -> Result<(), crate::qp::PostRecvError> {
         self.b.post_recv(&RecvWr::new(slot, &[self.sge(slot)]))
@@ -87,10 +97,16 @@ impl Ring {
 
     /// Sends 16 octets of `byte` and waits for the send's completion.
     fn send(&self, byte: u8) {
+        self.send_op(byte, SendOp::Send);
+    }
+
+    /// Sends 16 octets of `byte` with `op` (a kind of Send) and waits for
+    /// the send's completion.
+    fn send_op(&self, byte: u8, op: SendOp<'_>) {
         self.src.write(0, &[byte; 16]).unwrap();
         let sge = [self.src.sge(0, 16).unwrap()];
         self.a
-            .post_send(&SendWr::new(1000, SendOp::Send).sg_list(&sge).signaled())
+            .post_send(&SendWr::new(1000, op).sg_list(&sge).signaled())
             .unwrap();
         let wc = wait(&self.cqa, 1);
         assert_eq!(wc[0].status, WcStatus::Success, "the send: {wc:?}");
@@ -227,8 +243,9 @@ fn a_repost_after_deregistration_fails_as_the_look_up_does() {
 }
 
 /// The region's rights changed (re-registered without local write) in
-/// between: posted with its new key, the repost fails (no local write);
-/// the kept buffer is not used.
+/// between: posted with its new key (another SGE than the kept receive's,
+/// so the kept buffer is let go whatever the change count says), the
+/// repost fails (no local write).
 #[test]
 fn a_repost_after_the_rights_changed_fails_as_the_look_up_does() {
     let (seen, taken) = both(
@@ -242,6 +259,214 @@ fn a_repost_after_the_rights_changed_fails_as_the_look_up_does() {
         seen.contains("(0, LocalProtection, Recv, 0)") && seen.contains("state Error"),
         "{seen}"
     );
+}
+
+/// The region re-registered in between with the same rights, the repost
+/// naming its old key: the very SGE the kept buffer was checked as, but
+/// the key is gone, so the repost fails as the look-up does. The
+/// re-registration's change count is what keeps the kept buffer from
+/// being taken.
+#[test]
+fn a_repost_with_the_old_key_after_rereg_fails_as_the_look_up_does() {
+    let (seen, taken) = both(
+        |r| {
+            let old = r.sge(0);
+            r.ring.rereg(Access::LOCAL_WRITE).unwrap();
+            assert_ne!(r.sge(0).lkey, old.lkey, "the same key after rereg");
+            r.sge0 = Some(old);
+        },
+        |r| format!("{:?}", recvs(&wait(&r.cqb, 4))),
+    );
+    assert_eq!(taken, 0);
+    assert!(
+        seen.contains("(0, LocalProtection, Recv, 0)") && seen.contains("state Error"),
+        "{seen}"
+    );
+    assert_eq!(seen.matches("WrFlush").count(), 3, "{seen}");
+}
+
+/// Octets a fast-register region answers for in the cases below.
+const FR_LEN: u32 = SLOT;
+
+/// Slot 0 receives into a fast-register region (fast-registered with
+/// local write, its STag in the slot's SGE) and is posted again, the same
+/// SGE, after `between` ran (given the region); then `after` runs.
+/// Returns what the receiver saw and the posts that took a kept buffer.
+fn fast_reg_case(
+    keep: bool,
+    between: &dyn Fn(&Ring, &MemoryRegion),
+    after: &dyn Fn(&Ring, &MemoryRegion) -> String,
+) -> (String, u64) {
+    let mut r = unposted(keep);
+    let fmr = r.pd.alloc_mr(FR_LEN as usize).unwrap();
+    let iova = 0x5_0000;
+    let op = SendOp::FastReg {
+        mr: &fmr,
+        iova,
+        length: u64::from(FR_LEN),
+        access: Access::LOCAL_WRITE,
+    };
+    r.b.post_send(&SendWr::new(500, op).signaled()).unwrap();
+    let wc = wait(&r.cqb, 1);
+    assert_eq!(
+        (wc[0].status, wc[0].opcode),
+        (WcStatus::Success, WcOpcode::RegMr)
+    );
+    r.sge0 = Some(Sge {
+        addr: iova,
+        length: FR_LEN,
+        lkey: fmr.lkey(),
+    });
+    r.post_all();
+    r.send(1);
+    let first = recvs(&wait(&r.cqb, 1));
+    assert_eq!(first, [(0, WcStatus::Success, WcOpcode::Recv, 16)]);
+    between(&r, &fmr);
+    let post = format!("{:?}", r.post(0));
+    let seen = after(&r, &fmr);
+    let state = r.b.state();
+    (
+        format!("post {post}; {seen}; state {state:?}"),
+        r.kept_taken(),
+    )
+}
+
+/// [`fast_reg_case`] with and without `keep_recvs`: both must see the
+/// same. Returns what they saw and the kept buffers taken with
+/// `keep_recvs`.
+fn fast_reg_both(
+    between: &dyn Fn(&Ring, &MemoryRegion),
+    after: &dyn Fn(&Ring, &MemoryRegion) -> String,
+) -> (String, u64) {
+    let (with, taken) = fast_reg_case(true, between, after);
+    let (without, none) = fast_reg_case(false, between, after);
+    assert_eq!(with, without, "keep_recvs changed the result");
+    assert_eq!(none, 0, "a buffer kept without keep_recvs");
+    (with, taken)
+}
+
+/// Nothing in between: the repost into the fast-registered region takes
+/// its kept buffer, and the slot receives there again.
+#[test]
+fn a_repost_into_a_fast_registered_region_takes_its_kept_buffer() {
+    let (seen, taken) = fast_reg_both(&|_, _| {}, &|r, fmr| {
+        let mut wc = Vec::new();
+        for slot in 1..=SLOTS {
+            r.send(slot as u8 + 1);
+            wc.extend(recvs(&wait(&r.cqb, 1)));
+        }
+        format!("{wc:?} {:?}", &fmr.to_vec()[..16])
+    });
+    assert_eq!(taken, 1);
+    assert!(
+        seen.contains("(0, Success, Recv, 16)]") && seen.contains(&format!("{:?}", [5u8; 16])),
+        "{seen}"
+    );
+    assert!(seen.contains("state Rts"), "{seen}");
+}
+
+/// The fast-register region invalidated (Local Invalidate: its STag
+/// stays the same) between the completion and the repost of the same
+/// SGE: the repost fails as the look-up does (ERROR, the other receives
+/// flushed, a local protection error), with or without `keep_recvs`.
+#[test]
+fn a_repost_after_local_invalidate_fails_as_the_look_up_does() {
+    let (seen, taken) = fast_reg_both(
+        &|r, fmr| {
+            let stag = fmr.lkey();
+            r.b.post_send(&SendWr::new(501, SendOp::LocalInv { rkey: stag }).signaled())
+                .unwrap();
+            let wc = wait(&r.cqb, 1);
+            assert_eq!(
+                (wc[0].status, wc[0].opcode),
+                (WcStatus::Success, WcOpcode::LocalInv)
+            );
+            assert_eq!(fmr.lkey(), stag, "the invalidation changed the STag");
+        },
+        &|r, _| format!("{:?}", recvs(&wait(&r.cqb, 4))),
+    );
+    assert_eq!(taken, 0);
+    assert!(
+        seen.contains("(0, LocalProtection, Recv, 0)") && seen.contains("state Error"),
+        "{seen}"
+    );
+    assert_eq!(seen.matches("WrFlush").count(), 3, "{seen}");
+}
+
+/// The peer invalidates the fast-register region (Send with Invalidate,
+/// received by slot 1) between the completion and the repost of the same
+/// SGE: the repost fails as the look-up does.
+#[test]
+fn a_repost_after_send_with_invalidate_fails_as_the_look_up_does() {
+    let (seen, taken) = fast_reg_both(
+        &|r, fmr| {
+            let op = SendOp::SendWithInv {
+                invalidate_rkey: fmr.rkey(),
+            };
+            r.send_op(2, op);
+            let wc = recvs(&wait(&r.cqb, 1));
+            assert_eq!(wc, [(1, WcStatus::Success, WcOpcode::Recv, 16)]);
+        },
+        &|r, _| format!("{:?}", recvs(&wait(&r.cqb, 3))),
+    );
+    assert_eq!(taken, 0);
+    assert!(
+        seen.contains("(0, LocalProtection, Recv, 0)") && seen.contains("state Error"),
+        "{seen}"
+    );
+    assert_eq!(seen.matches("WrFlush").count(), 2, "{seen}");
+}
+
+/// A kept buffer does not outlive the next post of its `wr_id`: slot 0
+/// receives into a region of its own, the region is deregistered, and
+/// receive 0 is posted again with another SGE (slot 0 of the ring) or
+/// with two SGEs: the old region's memory is freed at that post, not
+/// kept until receive 0 completes again.
+#[test]
+fn a_repost_with_another_sge_lets_the_kept_buffer_go() {
+    for two_sges in [false, true] {
+        for keep in [true, false] {
+            let mut r = unposted(keep);
+            let own = r.pd.register(SLOT as usize, Access::LOCAL_WRITE).unwrap();
+            let weak = std::sync::Arc::downgrade(&own.mem);
+            r.sge0 = Some(own.sge(0, SLOT).unwrap());
+            r.post_all();
+            r.send(1);
+            let wc = recvs(&wait(&r.cqb, 1));
+            assert_eq!(wc, [(0, WcStatus::Success, WcOpcode::Recv, 16)]);
+            own.deregister().unwrap();
+            assert_eq!(
+                weak.upgrade().is_some(),
+                keep,
+                "the memory after deregistration (keep_recvs {keep})"
+            );
+            r.sge0 = None;
+            if two_sges {
+                let sgl = [
+                    r.ring.sge(0, SLOT / 2).unwrap(),
+                    r.ring.sge((SLOT / 2) as usize, SLOT / 2).unwrap(),
+                ];
+                r.b.post_recv(&RecvWr::new(0, &sgl)).unwrap();
+            } else {
+                r.post(0).unwrap();
+            }
+            assert!(
+                weak.upgrade().is_none(),
+                "the old buffer kept past the post (two SGEs {two_sges}, keep_recvs {keep})"
+            );
+            assert_eq!(r.kept_taken(), 0);
+            // Receive 0 lands in the ring's slot 0.
+            for slot in 1..SLOTS {
+                r.send(slot as u8);
+                wait(&r.cqb, 1);
+            }
+            r.send(7);
+            let wc = recvs(&wait(&r.cqb, 1));
+            assert_eq!(wc, [(0, WcStatus::Success, WcOpcode::Recv, 16)]);
+            assert_eq!(r.slot_bytes(0), [7; 16]);
+            assert_eq!(r.b.state(), QpState::Rts);
+        }
+    }
 }
 
 /// Another region of the device deregistered in between: the kept
