@@ -119,9 +119,10 @@ pub struct QpInitAttr {
     /// engine allocated is kept (not memory registered with
     /// `register_raw` or lent for one call). A kept buffer holds its
     /// region's memory (all of it, also after the region is deregistered)
-    /// until the next post of its `wr_id`, whatever that post's SGEs (a
-    /// post that does not take it lets it go), or until the connection
-    /// ends. Off by default.
+    /// until the next accepted post of its `wr_id`, whatever that post's
+    /// SGEs (a post that does not take it lets it go; one refused before
+    /// its checks, by a full queue, the state or too many SGEs, leaves it
+    /// kept), or until the connection ends. Off by default.
     pub keep_recvs: bool,
 }
 

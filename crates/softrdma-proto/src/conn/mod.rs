@@ -815,7 +815,9 @@ impl<R: Clone + core::fmt::Debug> Connection<R> {
     /// effect it has without the kept buffer. Otherwise the SGE is checked
     /// as usual, and a buffer kept for `wr_id` is let go at this post
     /// (whatever the post's SGEs), so a kept buffer never outlives the
-    /// next post of its `wr_id`.
+    /// next accepted post of its `wr_id` (a post refused before these
+    /// checks, by a full queue, the state or too many SGEs, leaves it
+    /// kept).
     ///
     /// # Errors
     ///

@@ -192,9 +192,6 @@ fn both(between: impl Fn(&mut Ring), after: impl Fn(&mut Ring) -> String) -> (St
     (with, taken)
 }
 
-/// The ring's usual life: every slot receives, is posted again and
-/// receives again; the reposts take the kept buffers, the data lands in
-/// the right slots.
 /// What a refused repost of slot 0 leaves, the same with and without
 /// `keep_recvs` (checked by `both`): no kept buffer taken, the receive
 /// failed with `LocalProtection`, the QP in ERROR and the `flushed`
@@ -208,6 +205,9 @@ fn refused_as_the_look_up_refuses(seen: &str, taken: u64, flushed: usize) {
     assert_eq!(seen.matches("WrFlush").count(), flushed, "{seen}");
 }
 
+/// The ring's usual life: every slot receives, is posted again and
+/// receives again; the reposts take the kept buffers, the data lands in
+/// the right slots.
 #[test]
 fn a_reposted_ring_takes_its_kept_buffers() {
     for keep in [true, false] {
