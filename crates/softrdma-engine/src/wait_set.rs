@@ -801,6 +801,16 @@ impl WaitSet {
     /// `handed` stays `None` whenever `hand` was not called or answered
     /// `false`.
     ///
+    /// Sends completed straight to their poster
+    /// ([`QueuePair::post_send_now`](crate::QueuePair::post_send_now)) and
+    /// a kept receive completion never pass each other: while the wait
+    /// may keep one (from `hand`'s yes to the capture's end, a time in
+    /// which the QP's connection lock may be let go around a large
+    /// payload's read), a send's completion goes to the CQ (behind the
+    /// kept one when the CQ is the receive's too), whoever posts it. If
+    /// the wait unwinds (a panic) after keeping a completion, that one is
+    /// queued on the CQ ahead of what the run queued after it.
+    ///
     /// [`CqBuilder::exclusive`]: crate::cq::CqBuilder::exclusive
     ///
     /// # Errors
