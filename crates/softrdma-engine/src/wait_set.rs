@@ -849,8 +849,15 @@ impl WaitSet {
             // may have pushed a completion since (it would wait for the
             // sleep's timeout).
             let cq = &self.cqs[0];
-            let r = hook.progress_sleep(timeout, &|| !cq.is_empty() || changed(), hand, handed);
-            self.slept_in_recv = r != crate::cq::RxSleep::Unable;
+            // Whether that look ended the wait (no sleep then).
+            let found = std::cell::Cell::new(false);
+            let ready = || {
+                let r = !cq.is_empty() || changed();
+                found.set(r);
+                r
+            };
+            let r = hook.progress_sleep(timeout, &ready, hand, handed);
+            self.slept_in_recv = r != crate::cq::RxSleep::Unable && !found.get();
             r
         };
         hook.renew_claim(crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS));
