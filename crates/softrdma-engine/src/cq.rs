@@ -1434,6 +1434,33 @@ impl CompletionQueue {
     /// is marked overflowed and, the first time, an
     /// [`AsyncEventKind::CqError`] event is queued on the device. The QP
     /// should go to ERROR.
+    /// [`push`](Self::push) of a completion older than everything the CQ
+    /// holds (one kept out of it, [`may_complete_directly`](Self::may_complete_directly),
+    /// that its taker will not take): it goes first, before what is held,
+    /// which is taken out and queued again after it. Only when nothing
+    /// takes completions out of the CQ meanwhile (the taker of the kept
+    /// one promised that) and under the QP's connection lock (nothing is
+    /// pushed meanwhile).
+    ///
+    /// # Errors
+    ///
+    /// As [`push`](Self::push), if one of them is lost (the CQ is full).
+    pub(crate) fn push_oldest(&self, wc: WorkCompletion) -> Result<(), CqOverflow> {
+        let held: Vec<WorkCompletion> = self
+            .shared
+            .ring
+            .with(|r| std::iter::from_fn(|| r.pop()).collect());
+        // Kept out because the CQ was empty, unarmed and without waiters:
+        // an event it raises now is its own.
+        let mut r = self.push(wc, false);
+        for w in held {
+            if let Err(e) = self.push(w, false) {
+                r = Err(e);
+            }
+        }
+        r
+    }
+
     #[allow(dead_code)] // used by the data path
     pub(crate) fn push(&self, wc: WorkCompletion, solicited: bool) -> Result<(), CqOverflow> {
         let shared = &*self.shared;

@@ -801,6 +801,16 @@ impl WaitSet {
     /// `handed` stays `None` whenever `hand` was not called or answered
     /// `false`.
     ///
+    /// Sends completed straight to their poster
+    /// ([`QueuePair::post_send_now`](crate::QueuePair::post_send_now)) and
+    /// a kept receive completion never pass each other: while the wait
+    /// may keep one (from `hand`'s yes to the capture's end, a time in
+    /// which the QP's connection lock may be let go around a large
+    /// payload's read), a send's completion goes to the CQ (behind the
+    /// kept one when the CQ is the receive's too), whoever posts it. If
+    /// the wait unwinds (a panic) after keeping a completion, that one is
+    /// queued on the CQ ahead of what the run queued after it.
+    ///
     /// [`CqBuilder::exclusive`]: crate::cq::CqBuilder::exclusive
     ///
     /// # Errors
@@ -839,8 +849,15 @@ impl WaitSet {
             // may have pushed a completion since (it would wait for the
             // sleep's timeout).
             let cq = &self.cqs[0];
-            let r = hook.progress_sleep(timeout, &|| !cq.is_empty() || changed(), hand, handed);
-            self.slept_in_recv = r != crate::cq::RxSleep::Unable;
+            // Whether that look ended the wait (no sleep then).
+            let found = std::cell::Cell::new(false);
+            let ready = || {
+                let r = !cq.is_empty() || changed();
+                found.set(r);
+                r
+            };
+            let r = hook.progress_sleep(timeout, &ready, hand, handed);
+            self.slept_in_recv = r != crate::cq::RxSleep::Unable && !found.get();
             r
         };
         hook.renew_claim(crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS));

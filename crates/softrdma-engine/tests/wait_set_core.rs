@@ -221,3 +221,37 @@ fn ping_pong_sleeping_in_recv_on_the_core_path() {
     echoer.join().unwrap();
     assert!(slept > 0, "no wait slept in recv");
 }
+
+/// A wait in `recv` that `changed` ended before the sleep (what it waits
+/// for came another way) used to report that it slept there
+/// (`slept_in_recv`), and the callers' counts of sleeps in `recv` counted
+/// sleeps that never were. A wait that did sleep (nothing came, its time
+/// ran out) still says so.
+#[test]
+fn a_wait_ended_by_changed_before_its_sleep_did_not_sleep_in_recv() {
+    let mut cfg = DeviceConfig::default();
+    cfg.poll_spin = Duration::ZERO;
+    cfg.pin_threads = false;
+    let dev = softrdma_engine::Device::open_with(cfg).unwrap();
+    let p = common::pair_with(dev, false, |_| {});
+    let a_dst = common::mr(&p.a, SIZE);
+    post_recv(&p.a, &a_dst, 0);
+    let mut set = WaitSet::new();
+    set.add_cq(&p.a.cq);
+    let short = Duration::from_millis(20);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    // (`None`: an engine thread held the receive; tried again.)
+    let mut wait = |changed: bool| loop {
+        assert!(std::time::Instant::now() < deadline, "never waited in recv");
+        match set.wait_receiving_handed(short, &|| changed, &mut || false, &mut None) {
+            Ok(Some(n)) => {
+                assert_eq!(n, 0);
+                return set.slept_in_recv();
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => panic!("wait: {e}"),
+        }
+    };
+    assert!(!wait(true), "a wait ended before its sleep counted as one");
+    assert!(wait(false), "a wait that slept in recv not counted");
+}

@@ -100,6 +100,38 @@ pub(crate) struct CoreConn {
     direct_rwc: Option<Option<WorkCompletion>>,
 }
 
+/// Ends a receive completion's capture (`CoreConn::direct_rwc`) when
+/// [`QpInner::core_rx_sleep`] unwinds between setting it and taking what
+/// it kept: a completion kept is queued on the receive CQ, first (it is
+/// older than whatever the run pushed after it; the taker, unwinding,
+/// has not let anything take completions out of the CQ), and the field is
+/// cleared (a later run, or a poster's delivery, would otherwise keep a
+/// completion that nobody takes, or drop this one).
+struct KeptOnUnwind<'a> {
+    /// `None`: nothing to end (no capture, or it was taken).
+    qp: Option<&'a QpInner>,
+    /// The connection the capture was set on.
+    epoch: u64,
+}
+
+impl Drop for KeptOnUnwind<'_> {
+    fn drop(&mut self) {
+        let Some(qp) = self.qp.take() else {
+            return;
+        };
+        let mut g = qp.core.lock();
+        if let Some(cc) = g.as_mut().filter(|cc| cc.epoch == self.epoch)
+            && let Some(Some(wc)) = cc.direct_rwc.take()
+            && qp.recv_cq.push_oldest(wc).is_err()
+        {
+            qp.cq_overflow();
+        }
+        if qp.core.release(g) {
+            qp.core_kick();
+        }
+    }
+}
+
 impl CoreConn {
     /// Ends the exit hold of a FIN that waited (`fin_holds_exit`).
     fn release_exit_hold(&mut self) {
@@ -362,7 +394,10 @@ impl QpInner {
     /// completion without a proxy.
     fn core_send_now_done(&self, cc: &mut CoreConn, c: &ct::Completion) {
         let wc = super::conn::work_completion(c, self.qp_num);
-        if matches!(cc.direct_wc, Some(None)) && self.send_cq.may_complete_directly() {
+        if matches!(cc.direct_wc, Some(None))
+            && cc.direct_rwc.is_none()
+            && self.send_cq.may_complete_directly()
+        {
             cc.direct_wc = Some(Some(wc));
         } else if self.send_cq.push(wc, false).is_err() {
             self.cq_overflow();
@@ -599,8 +634,13 @@ impl QpInner {
                 let lost = match self.proxy.get() {
                     Some(link) => link.core_completion(self, &c, wc, info),
                     None => match c.cq {
+                        // Not while a receive completion may be kept (the
+                        // receive run of `core_rx_sleep`, which may let the
+                        // lock go meanwhile): with one CQ for both, the
+                        // kept one is older and the CQ looks empty.
                         ct::CqKind::Send
                             if matches!(cc.direct_wc, Some(None))
+                                && cc.direct_rwc.is_none()
                                 && self.send_cq.may_complete_directly() =>
                         {
                             cc.direct_wc = Some(Some(wc));
@@ -911,6 +951,8 @@ impl QpInner {
             cc.reset_detail = Some(format!("connection failed: {e}"));
         }
         self.core_outputs(cc);
+        #[cfg(test)]
+        tests::panic_after_capture_if_asked(matches!(cc.direct_rwc, Some(Some(_))));
         // Responses the receive path queued (Read and Atomic Responses, a
         // Terminate) go out now, unless the datamover has the socket.
         if self.device.config().force_datamover && !cc.on_dm {
@@ -1047,6 +1089,14 @@ impl QpInner {
                 direct =
                     n > 0 && self.recv_cq.is_exclusive() && self.proxy.get().is_none() && hand();
                 if direct {
+                    // Set and taken back under the receive lock, with a
+                    // guard for an unwind in between (below).
+                    debug_assert!(cc.direct_rwc.is_none(), "a kept receive completion left");
+                    if let Some(Some(wc)) = cc.direct_rwc.take()
+                        && self.recv_cq.push_oldest(wc).is_err()
+                    {
+                        self.cq_overflow();
+                    }
                     cc.direct_rwc = Some(None);
                 }
             }
@@ -1075,12 +1125,20 @@ impl QpInner {
         if self.core_rx_wanted.load(Ordering::SeqCst) {
             self.core_rx_wanted.store(false, Ordering::SeqCst);
         }
+        // An unwind out of the run (or the transmit after it) must not
+        // leave the capture set, nor lose what it kept: the guard ends it
+        // (dropped before the receive lock, declared after it).
+        let mut keep = KeptOnUnwind {
+            qp: direct.then_some(self),
+            epoch,
+        };
         let (mut g, _, to_dm) = self.core_rx_locked(g);
         if direct && let Some(cc) = g.as_mut() {
             // Under the same hold as the run (the receive lock held
             // throughout: the connection is the one the field was set on).
             *handed = cc.direct_rwc.take().flatten();
         }
+        keep.qp = None;
         let out = end(g, receiving, RxSleep::Received);
         if to_dm {
             self.schedule_dm();
@@ -2226,6 +2284,19 @@ mod tests {
         }
     }
 
+    std::thread_local! {
+        /// [`panic_after_capture_if_asked`] panics (once) on this thread.
+        static PANIC_AFTER_CAPTURE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Called by the receive run once it delivered its completions: panics
+    /// if asked on this thread and a receive completion was kept.
+    pub(super) fn panic_after_capture_if_asked(kept: bool) {
+        if kept && PANIC_AFTER_CAPTURE.with(|p| p.replace(false)) {
+            panic!("injected: unwinding with a receive completion kept");
+        }
+    }
+
     /// What [`handing_pair`] made.
     struct Handing {
         a: QueuePair,
@@ -2439,5 +2510,114 @@ mod tests {
         let mut got = [0u8; 8];
         dst2.read(0, &mut got).unwrap();
         assert_eq!(got, [8u8; 8]);
+    }
+
+    /// A receive run that unwound after it kept the first receive
+    /// completion (and queued the second) used to leave it in the
+    /// connection: it never reached the CQ, and the next hand-back's run
+    /// dropped it (its data lost, its receive never given back). The
+    /// unwind now queues it, ahead of the second; and the next run hands
+    /// back its own.
+    #[test]
+    fn a_panic_after_the_capture_does_not_lose_the_kept_completion() {
+        let p = handing_pair(false);
+        let (a, b, cqb, pd) = (&p.a, &p.b, &p.cqb, &p.pd);
+        let dst2 = pd.register(64, Access::LOCAL_WRITE).unwrap();
+        for id in [3, 5] {
+            let sge = [Sge {
+                lkey: dst2.lkey(),
+                addr: dst2.addr(),
+                length: 64,
+            }];
+            b.post_recv(&RecvWr::new(id, &sge)).unwrap();
+        }
+        send_eight(a, pd, 7, 2, false);
+        send_eight(a, pd, 8, 4, false);
+        let fd = b.qp().core_fd.load(super::Ordering::Acquire);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !crate::sys::io::readable_now(fd) {
+            assert!(Instant::now() < deadline, "the Sends never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        PANIC_AFTER_CAPTURE.with(|p| p.set(true));
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut handed = None;
+            b.qp().core_rx_sleep(
+                Duration::from_secs(10),
+                &|| false,
+                &mut || true,
+                &mut handed,
+            );
+        }));
+        assert!(unwound.is_err(), "the injected panic did not happen");
+        assert!(!PANIC_AFTER_CAPTURE.with(std::cell::Cell::get));
+        let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        let n = cqb.poll(&mut wc);
+        assert_eq!(
+            wc[..n].iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+            vec![1, 3],
+            "the kept completion lost or out of order"
+        );
+        // The capture was ended: the next run hands its own back.
+        send_eight(a, pd, 9, 6, false);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !crate::sys::io::readable_now(fd) {
+            assert!(Instant::now() < deadline, "the third Send never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut handed = None;
+        let r = b.qp().core_rx_sleep(
+            Duration::from_secs(10),
+            &|| false,
+            &mut || true,
+            &mut handed,
+        );
+        assert_eq!(r, crate::cq::RxSleep::Received);
+        assert_eq!(handed.map(|w| w.wr_id), Some(5));
+        assert_eq!(cqb.poll(&mut wc), 0, "a completion given twice");
+    }
+
+    /// A send completed directly (`post_send_now`) while a receive run
+    /// may keep a receive completion (its capture set, the connection's
+    /// lock let go around a large payload's read) would be handed to the
+    /// poster ahead of that older completion on the one CQ: the send's
+    /// completion goes to the CQ instead while the capture is set.
+    #[test]
+    fn a_send_is_not_completed_directly_while_a_receive_completion_may_be_kept() {
+        let p = handing_pair(false);
+        let (b, cqb, pd) = (&p.b, &p.cqb, &p.pd);
+        let src = pd.register(64, Access::LOCAL_WRITE).unwrap();
+        let sge = [Sge {
+            lkey: src.lkey(),
+            addr: src.addr(),
+            length: 8,
+        }];
+        let post = |id: u64, inline: bool| {
+            let mut wr = SendWr::new(id, SendOp::Send).sg_list(&sge).signaled();
+            if inline {
+                wr = SendWr::new(id, SendOp::Send).inline(&[7; 8]).signaled();
+            }
+            b.post_send_now(&wr).unwrap()
+        };
+        // Without a capture, the direct path (checked: the test means
+        // something).
+        let wc = post(20, false).expect("not completed directly");
+        assert_eq!(wc.wr_id, 20);
+        let mut wcs = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
+        for (id, inline) in [(21, false), (22, true)] {
+            b.qp().lock_core().as_mut().unwrap().direct_rwc = Some(None);
+            let direct = post(id, inline);
+            let kept = b.qp().lock_core().as_mut().unwrap().direct_rwc.take();
+            assert_eq!(kept, Some(None), "a send completion kept as a receive's");
+            assert!(direct.is_none(), "completed directly past the capture");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut n = 0;
+            while n == 0 {
+                assert!(Instant::now() < deadline, "the Send never completed");
+                n = cqb.poll(&mut wcs);
+            }
+            assert_eq!((n, wcs[0].wr_id, wcs[0].opcode), (1, id, WcOpcode::Send));
+        }
     }
 }
