@@ -436,34 +436,22 @@ fn loom_a_handed_receive_and_a_reset_under_the_state_lock() {
 /// lower bound (the state space of five threads).
 #[test]
 fn loom_a_handed_receive_among_a_writer_and_the_datamover() {
-    let mut model = loom::model::Builder::new();
-    model.preemption_bound = Some(2);
-    model.check(|| {
-        let qp = Qp::new();
-        let spawn = |f: fn(&Qp)| {
-            let qp = qp.clone();
-            thread::spawn(move || f(&qp))
-        };
-        let ts = [
-            spawn(|q| q.waiter(Waiter::Rule)),
-            spawn(Qp::other_consumer),
-            spawn(Qp::writer),
-            spawn(Qp::datamover),
-        ];
-        for t in ts {
-            t.join().unwrap();
-        }
-        qp.check();
-    });
+    four_parties(Qp::writer, Qp::datamover);
 }
 
 /// All four parties but the reset, at a lower bound (the state space of
 /// five threads).
 #[test]
 fn loom_a_handed_receive_among_a_writer_and_a_receive_thread() {
+    four_parties(Qp::receive_thread, Qp::writer);
+}
+
+/// The waiter (by the rule) and the other consumer with two more
+/// parties, at preemption bound 2 (the state space of five threads).
+fn four_parties(third: fn(&Qp), fourth: fn(&Qp)) {
     let mut model = loom::model::Builder::new();
     model.preemption_bound = Some(2);
-    model.check(|| {
+    model.check(move || {
         let qp = Qp::new();
         let spawn = |f: fn(&Qp)| {
             let qp = qp.clone();
@@ -472,8 +460,8 @@ fn loom_a_handed_receive_among_a_writer_and_a_receive_thread() {
         let ts = [
             spawn(|q| q.waiter(Waiter::Rule)),
             spawn(Qp::other_consumer),
-            spawn(Qp::receive_thread),
-            spawn(Qp::writer),
+            spawn(third),
+            spawn(fourth),
         ];
         for t in ts {
             t.join().unwrap();

@@ -100,18 +100,22 @@ pub(crate) struct CoreConn {
     direct_rwc: Option<Option<WorkCompletion>>,
 }
 
-/// Ends a receive completion's capture (`CoreConn::direct_rwc`) when
-/// [`QpInner::core_rx_sleep`] unwinds between setting it and taking what
-/// it kept: a completion kept is queued on the receive CQ, first (it is
-/// older than whatever the run pushed after it; the taker, unwinding,
-/// has not let anything take completions out of the CQ), and the field is
-/// cleared (a later run, or a poster's delivery, would otherwise keep a
-/// completion that nobody takes, or drop this one).
+/// Undoes what [`QpInner::core_rx_sleep`] set when it unwinds before its
+/// end: the "a waiter sleeps in `recv`" flag (left set, it would keep the
+/// receive threads and `poll(2)` waiters backing off from a connection
+/// nobody receives on), and a receive completion's capture
+/// (`CoreConn::direct_rwc`): a completion kept is queued on the receive
+/// CQ, first (it is older than whatever the run pushed after it; the
+/// taker, unwinding, has not let anything take completions out of the
+/// CQ), and the field is cleared (a later run, or a poster's delivery,
+/// would otherwise keep a completion that nobody takes, or drop this
+/// one). It runs no connection code itself (that may be what panicked):
+/// work a poster announced meanwhile goes to the datamover.
 struct KeptOnUnwind<'a> {
-    /// `None`: nothing to end (no capture, or it was taken).
+    /// `None`: nothing to undo (the sleep ended normally).
     qp: Option<&'a QpInner>,
-    /// The connection the capture was set on.
-    epoch: u64,
+    /// `Some(epoch)`: a capture was set, on the connection of `epoch`.
+    capture: Option<u64>,
 }
 
 impl Drop for KeptOnUnwind<'_> {
@@ -119,15 +123,19 @@ impl Drop for KeptOnUnwind<'_> {
         let Some(qp) = self.qp.take() else {
             return;
         };
+        qp.core_rx_sleeping.store(false, Ordering::Release);
+        let Some(epoch) = self.capture else {
+            return;
+        };
         let mut g = qp.core.lock();
-        if let Some(cc) = g.as_mut().filter(|cc| cc.epoch == self.epoch)
+        if let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch)
             && let Some(Some(wc)) = cc.direct_rwc.take()
             && qp.recv_cq.push_oldest(wc).is_err()
         {
             qp.cq_overflow();
         }
         if qp.core.release(g) {
-            qp.core_kick();
+            qp.schedule_dm();
         }
     }
 }
@@ -1023,6 +1031,13 @@ impl QpInner {
         // (`core_rx`); one that reads it late waits a timed try for the
         // lock and looks again.
         self.core_rx_sleeping.store(true, Ordering::Release);
+        // An unwind from here on must not leave the flag set, nor a
+        // capture set below (dropped after every connection-lock guard
+        // below, declared before them; before the receive lock).
+        let mut keep = KeptOnUnwind {
+            qp: Some(self),
+            capture: None,
+        };
         let g = self.core.lock();
         let mut g = g;
         let prepared = g.as_mut().and_then(|cc| {
@@ -1051,6 +1066,7 @@ impl QpInner {
             Some((cc.epoch, cc.fd, cc.stream.clone(), buf))
         });
         let Some((epoch, fd, stream, mut buf)) = prepared else {
+            keep.qp = None;
             self.core_rx_sleeping.store(false, Ordering::Release);
             drop(receiving);
             if self.core.release(g) {
@@ -1066,7 +1082,8 @@ impl QpInner {
         let r = crate::sys::io::recv_wait(fd, &mut buf);
         let mut g = self.core.lock();
         drop(stream);
-        let end = |g, receiving, out| {
+        let end = |g, receiving, out, keep: &mut KeptOnUnwind<'_>| {
+            keep.qp = None;
             self.core_rx_sleeping.store(false, Ordering::Release);
             drop(receiving);
             if self.core.release(g) {
@@ -1077,7 +1094,7 @@ impl QpInner {
         let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch) else {
             // Reset (and maybe connected again) meanwhile: the bytes read
             // belonged to the old connection.
-            return end(g, receiving, RxSleep::Received);
+            return end(g, receiving, RxSleep::Received, &mut keep);
         };
         let mut direct = false;
         match r {
@@ -1105,13 +1122,13 @@ impl QpInner {
                     cc.rx.put_staging(buf, 0);
                     if crate::sys::io::is_nonblocking(fd) {
                         cc.sleep_off = true;
-                        return end(g, receiving, RxSleep::Unable);
+                        return end(g, receiving, RxSleep::Unable, &mut keep);
                     }
-                    return end(g, receiving, RxSleep::TimedOut);
+                    return end(g, receiving, RxSleep::TimedOut, &mut keep);
                 }
                 io::ErrorKind::Interrupted => {
                     cc.rx.put_staging(buf, 0);
-                    return end(g, receiving, RxSleep::Interrupted);
+                    return end(g, receiving, RxSleep::Interrupted, &mut keep);
                 }
                 // The run acts on it (a reset: the socket now reads as
                 // at its end, which would pass for the peer's FIN).
@@ -1126,20 +1143,17 @@ impl QpInner {
             self.core_rx_wanted.store(false, Ordering::SeqCst);
         }
         // An unwind out of the run (or the transmit after it) must not
-        // leave the capture set, nor lose what it kept: the guard ends it
-        // (dropped before the receive lock, declared after it).
-        let mut keep = KeptOnUnwind {
-            qp: direct.then_some(self),
-            epoch,
-        };
+        // leave the capture set, nor lose what it kept: the guard ends it.
+        if direct {
+            keep.capture = Some(epoch);
+        }
         let (mut g, _, to_dm) = self.core_rx_locked(g);
         if direct && let Some(cc) = g.as_mut() {
             // Under the same hold as the run (the receive lock held
             // throughout: the connection is the one the field was set on).
             *handed = cc.direct_rwc.take().flatten();
         }
-        keep.qp = None;
-        let out = end(g, receiving, RxSleep::Received);
+        let out = end(g, receiving, RxSleep::Received, &mut keep);
         if to_dm {
             self.schedule_dm();
         }
@@ -2531,15 +2545,22 @@ mod tests {
             }];
             b.post_recv(&RecvWr::new(id, &sge)).unwrap();
         }
-        send_eight(a, pd, 7, 2, false);
-        send_eight(a, pd, 8, 4, false);
         let fd = b.qp().core_fd.load(super::Ordering::Acquire);
+        send_eight(a, pd, 7, 2, false);
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !crate::sys::io::readable_now(fd) {
-            assert!(Instant::now() < deadline, "the Sends never arrived");
+        let mut one = 0;
+        while one == 0 {
+            assert!(Instant::now() < deadline, "the first Send never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+            one = crate::sys::io::readable_octets(fd);
+        }
+        // Both messages on the socket before the run (one `recv` takes
+        // both): the second doubles what the first left there.
+        send_eight(a, pd, 8, 4, false);
+        while crate::sys::io::readable_octets(fd) < 2 * one {
+            assert!(Instant::now() < deadline, "the second Send never arrived");
             std::thread::sleep(Duration::from_millis(1));
         }
-        std::thread::sleep(Duration::from_millis(20));
         PANIC_AFTER_CAPTURE.with(|p| p.set(true));
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut handed = None;
@@ -2552,6 +2573,12 @@ mod tests {
         }));
         assert!(unwound.is_err(), "the injected panic did not happen");
         assert!(!PANIC_AFTER_CAPTURE.with(std::cell::Cell::get));
+        // Left set, the flag would keep the receive threads and `poll(2)`
+        // waiters backing off from a connection nobody receives on.
+        assert!(
+            !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst),
+            "the unwind left the sleeping-in-recv flag set"
+        );
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
         let n = cqb.poll(&mut wc);
         assert_eq!(
