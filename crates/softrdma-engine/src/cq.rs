@@ -1425,15 +1425,6 @@ impl CompletionQueue {
         self.shared.unacked.load(Ordering::Relaxed)
     }
 
-    /// Queues a completion (the data path). `solicited`: the completion is of
-    /// a receive that consumed a solicited Send (wakes solicited-only arms).
-    ///
-    /// # Errors
-    ///
-    /// [`CqOverflow`] if the CQ is full: the completion is not stored, the CQ
-    /// is marked overflowed and, the first time, an
-    /// [`AsyncEventKind::CqError`] event is queued on the device. The QP
-    /// should go to ERROR.
     /// [`push`](Self::push) of a completion older than everything the CQ
     /// holds (one kept out of it, [`may_complete_directly`](Self::may_complete_directly),
     /// that its taker will not take): it goes first, before what is held,
@@ -1461,6 +1452,15 @@ impl CompletionQueue {
         r
     }
 
+    /// Queues a completion (the data path). `solicited`: the completion is of
+    /// a receive that consumed a solicited Send (wakes solicited-only arms).
+    ///
+    /// # Errors
+    ///
+    /// [`CqOverflow`] if the CQ is full: the completion is not stored, the CQ
+    /// is marked overflowed and, the first time, an
+    /// [`AsyncEventKind::CqError`] event is queued on the device. The QP
+    /// should go to ERROR.
     #[allow(dead_code)] // used by the data path
     pub(crate) fn push(&self, wc: WorkCompletion, solicited: bool) -> Result<(), CqOverflow> {
         let shared = &*self.shared;

@@ -125,6 +125,22 @@ pub(crate) fn readable_now(fd: RawFd) -> bool {
     ret != 0
 }
 
+/// Octets queued for reading on socket `fd` now (`ioctl(FIONREAD)`); 0 if
+/// that cannot be told. For tests that need a given number of messages
+/// to have arrived before a receive runs.
+#[cfg(test)]
+pub(crate) fn readable_octets(fd: RawFd) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one `int` through the pointer, which points
+    // to one on the stack; `fd` is only inspected.
+    let ret = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
+    if ret < 0 {
+        0
+    } else {
+        n.unsigned_abs() as usize
+    }
+}
+
 /// One write of the list. Retries on `EINTR`. On a socket it is `send(2)`
 /// (one buffer) or `sendmsg(2)` with `MSG_DONTWAIT` (non-blocking whatever
 /// the descriptor's `O_NONBLOCK`, which a waiter may clear to sleep in a
