@@ -36,13 +36,32 @@ fn static_unwinder() -> Option<PathBuf> {
     {
         return None;
     }
-    let cc = std::env::var("RUSTC_LINKER").unwrap_or_else(|_| "cc".into());
-    let out = Command::new(cc)
+    let out = Command::new(c_compiler())
         .arg("-print-file-name=libgcc_eh.a")
         .output()
         .ok()?;
     let path = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
     (out.status.success() && path.is_absolute() && path.is_file()).then_some(path)
+}
+
+/// The C compiler asked: `$RUSTC_LINKER`, else `cc` (the linker rustc
+/// runs by default).
+fn c_compiler() -> String {
+    std::env::var("RUSTC_LINKER").unwrap_or_else(|_| "cc".into())
+}
+
+/// Where `cc` is a plain name, the file `PATH` resolves it to (the first
+/// executable match), else the path itself.
+fn resolved_c_compiler() -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let cc = PathBuf::from(c_compiler());
+    if cc.components().count() > 1 {
+        return cc.is_file().then_some(cc);
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(&cc))
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
 /// Tell cargo to link the unwinder archive in whole into every binary of
@@ -51,8 +70,13 @@ fn static_unwinder() -> Option<PathBuf> {
 /// would be asked.
 fn link_static_unwinder() {
     println!("cargo:rerun-if-env-changed=RUSTC_LINKER");
-    // `cc` is looked up in `PATH`.
-    println!("cargo:rerun-if-env-changed=PATH");
+    // The compiler `PATH` finds, not `PATH` itself (which differs between
+    // an editor and a shell, and would rebuild the crate at each switch):
+    // replaced or upgraded, it is asked again. A different `PATH` that
+    // finds another compiler first is not seen (`cargo clean -p` then).
+    if let Some(cc) = resolved_c_compiler() {
+        println!("cargo:rerun-if-changed={}", cc.display());
+    }
     let Some(archive) = static_unwinder() else {
         return;
     };

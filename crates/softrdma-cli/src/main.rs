@@ -139,7 +139,9 @@ enum Command {
     softrdma run --sockets -- iperf3 -c 127.0.0.1\n  \
     eval \"$(softrdma run --print-env)\"        # the same settings for a shell\n\
 The libraries are found in --lib-dir, else $SOFTRDMA_LIB_DIR, else next to the softrdma \
-executable (target/release after `cargo build --release`).")]
+executable (target/release after `cargo build --release`). A --print-env path under the \
+temporary directory (when the library directory cannot be written) may be removed by a tmp \
+cleaner: do not keep it in long-lived shells.")]
 struct RunArgs {
     /// Require the drop-in verbs libraries (default: used when built).
     #[arg(long, conflicts_with = "no_verbs")]

@@ -251,37 +251,76 @@ fn prepend_path(dir: &Path, old: Option<OsString>) -> OsString {
     v
 }
 
-/// The private directory when the library directory cannot be written:
-/// one per effective user and library directory, in `$XDG_RUNTIME_DIR`
-/// (when it is a directory) or the temporary directory.
-fn fallback_run_dir(lib_dir: &Path, env: &impl Fn(&str) -> Option<OsString>) -> PathBuf {
+/// The private directories to try, in order, when the library directory
+/// cannot be written: one per effective user and library directory, in
+/// `$XDG_RUNTIME_DIR` (when it is an absolute directory owned by the
+/// effective user and writable by no one else, as the XDG base directory
+/// specification requires), then in the temporary directory.
+fn fallback_run_dirs(lib_dir: &Path, env: &impl Fn(&str) -> Option<OsString>) -> Vec<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in lib_dir.as_os_str().as_encoded_bytes() {
         h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
     }
-    let base = env("XDG_RUNTIME_DIR")
-        .map(PathBuf::from)
-        .filter(|d| d.is_absolute() && d.is_dir())
-        .unwrap_or_else(std::env::temp_dir);
     let uid = nix::unistd::geteuid();
-    base.join(format!("softrdma-run-{uid}-{h:016x}"))
+    let runtime = env("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.is_absolute())
+        .filter(|d| {
+            std::fs::metadata(d)
+                .is_ok_and(|m| m.is_dir() && m.uid() == uid.as_raw() && m.mode() & 0o022 == 0)
+        });
+    runtime
+        .into_iter()
+        .chain([std::env::temp_dir()])
+        .map(|base| base.join(format!("softrdma-run-{uid}-{h:016x}")))
+        .collect()
 }
 
 /// Make (mode 0700) or open the directory `dir` in a directory that others
 /// can write, and check it is this user's alone: a directory (not a link),
-/// owned by the effective user, writable by no one else.
+/// owned by the effective user, writable by no one else, in a directory
+/// owned by the effective user or root and, if others can write that, with
+/// the sticky bit set (else another user could rename `dir` away and put
+/// their own in its place).
 fn private_dir(dir: &Path) -> Result<(), RunError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     let io = |source| RunError::Io {
         path: dir.to_path_buf(),
         source,
     };
+    let euid = nix::unistd::geteuid().as_raw();
+    let parent = dir.parent().unwrap_or(Path::new("/"));
+    let p = std::fs::metadata(parent).map_err(|source| RunError::Io {
+        path: parent.to_path_buf(),
+        source,
+    })?;
+    let parent_why = if p.uid() != euid && p.uid() != 0 {
+        Some(format!(
+            "its directory {} is owned by uid {}, not {euid} or root",
+            parent.display(),
+            p.uid()
+        ))
+    } else if p.mode() & 0o022 != 0 && p.mode() & 0o1000 == 0 {
+        Some(format!(
+            "its directory {} (mode {:o}) lets others write in it without the sticky bit",
+            parent.display(),
+            p.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = parent_why {
+        return Err(RunError::NotPrivate {
+            path: dir.to_path_buf(),
+            why,
+        });
+    }
     match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(io(e)),
         _ => {}
     }
     let m = std::fs::symlink_metadata(dir).map_err(io)?;
-    let euid = nix::unistd::geteuid().as_raw();
     let why = if !m.file_type().is_dir() {
         Some("it is not a directory".to_string())
     } else if m.uid() != euid {
@@ -456,9 +495,17 @@ pub fn prepare(
         match done {
             Some(vars) => (vars, Some(preferred)),
             None => {
-                let rd = fallback_run_dir(&dir, &env);
-                private_dir(&rd)?;
-                (fill(&rd)?, Some(rd))
+                // The runtime directory, then the temporary directory if
+                // the runtime directory cannot be written.
+                let mut dirs = fallback_run_dirs(&dir, &env).into_iter().peekable();
+                loop {
+                    let rd = dirs.next().expect("the temporary directory is last");
+                    match private_dir(&rd).and_then(|()| fill(&rd)) {
+                        Ok(vars) => break (vars, Some(rd)),
+                        Err(e) if falls_back(&e) && dirs.peek().is_some() => {}
+                        Err(e) => return Err(e),
+                    }
+                }
             }
         }
     } else {
@@ -685,7 +732,7 @@ mod tests {
         };
         let dir = d.path().canonicalize().unwrap();
         let env = |k: &str| (k == "XDG_RUNTIME_DIR").then(|| runtime.into());
-        let rd = fallback_run_dir(&dir, &env);
+        let rd = fallback_run_dirs(&dir, &env).remove(0);
         (d, opts, rd)
     }
 
@@ -791,5 +838,64 @@ mod tests {
         assert_eq!(shell_quote(OsStr::new("/a/b:c")), "/a/b:c");
         assert_eq!(shell_quote(OsStr::new("a b")), "'a b'");
         assert_eq!(shell_quote(OsStr::new("it's")), "'it'\\''s'");
+    }
+
+    /// `$XDG_RUNTIME_DIR` was used if it was any absolute directory: one
+    /// kept by `sudo -E` or `su` that another user owns (or can write) let
+    /// them swap the private directory for their own.
+    #[test]
+    fn an_xdg_runtime_dir_another_user_owns_or_can_write_is_not_used() {
+        use std::os::unix::fs::PermissionsExt;
+        let runtime = tempfile::tempdir().unwrap();
+        let env = |k: &str| (k == "XDG_RUNTIME_DIR").then(|| runtime.path().into());
+        let lib = Path::new("/lib/dir");
+        // Owned by this user, 0700: used first.
+        let dirs = fallback_run_dirs(lib, &env);
+        assert_eq!(dirs.len(), 2);
+        assert_eq!(dirs[0].parent(), Some(runtime.path()));
+        assert_eq!(dirs[1].parent(), Some(&*std::env::temp_dir()));
+        // Writable by others: not used.
+        std::fs::set_permissions(runtime.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert_eq!(fallback_run_dirs(lib, &env), [dirs[1].clone()]);
+        if nix::unistd::geteuid().is_root() {
+            // Another user's, 0700: not used.
+            std::fs::set_permissions(runtime.path(), std::fs::Permissions::from_mode(0o700))
+                .unwrap();
+            std::os::unix::fs::chown(runtime.path(), Some(65534), Some(65534)).unwrap();
+            assert_eq!(fallback_run_dirs(lib, &env), [dirs[1].clone()]);
+        } else {
+            println!("SKIPPED (the other user's directory): needs root");
+        }
+    }
+
+    /// Only the private directory itself was checked: in a directory
+    /// another user owns, or one others can write without the sticky bit,
+    /// they could rename it away and put their own in its place.
+    #[test]
+    fn a_private_dir_whose_parent_another_user_can_swap_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent.path().join("softrdma-run-x");
+        let mode = |m| {
+            std::fs::set_permissions(parent.path(), std::fs::Permissions::from_mode(m)).unwrap();
+        };
+        mode(0o777);
+        let e = private_dir(&dir).unwrap_err();
+        assert!(matches!(e, RunError::NotPrivate { .. }), "{e}");
+        assert!(e.to_string().contains("sticky"), "{e}");
+        assert!(!dir.exists());
+        mode(0o1777);
+        private_dir(&dir).unwrap();
+        std::fs::remove_dir(&dir).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            mode(0o700);
+            std::os::unix::fs::chown(parent.path(), Some(65534), Some(65534)).unwrap();
+            let e = private_dir(&dir).unwrap_err();
+            assert!(matches!(e, RunError::NotPrivate { .. }), "{e}");
+            assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+            assert!(!dir.exists());
+        } else {
+            println!("SKIPPED (another user's directory): needs root");
+        }
     }
 }

@@ -437,3 +437,54 @@ fn the_writable_check_uses_the_effective_user_not_the_real_one() {
     assert!(!rd.starts_with(d.path()), "{path}");
     std::fs::remove_dir_all(rd).unwrap();
 }
+
+/// A runtime directory the effective user cannot write was a hard error
+/// ("Permission denied") instead of falling back to the temporary
+/// directory.
+#[test]
+fn an_unwritable_xdg_runtime_dir_falls_back_to_tmp() {
+    if !nix::unistd::geteuid().is_root() || !have("setpriv") {
+        println!("SKIPPED: needs root and setpriv");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let exe = Path::new(env!("CARGO_BIN_EXE_softrdma"));
+    let reachable = exe
+        .ancestors()
+        .skip(1)
+        .all(|a| std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 != 0));
+    if !reachable {
+        println!("SKIPPED: the executable's directory is closed to other users");
+        return;
+    }
+    let d = fake_libs(&["libsoftrdma_verbs.so"]);
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir(d.path().join("softrdma-run")).unwrap();
+    // The effective user's own runtime directory, but read-only to it.
+    let runtime = d.path().join("runtime");
+    std::fs::create_dir(&runtime).unwrap();
+    std::os::unix::fs::chown(&runtime, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o500)).unwrap();
+    let o = Command::new("setpriv")
+        .arg("--euid=65534")
+        .arg(exe)
+        .args(["run", "--lib-dir"])
+        .arg(d.path())
+        .arg("--print-env")
+        .env("XDG_RUNTIME_DIR", &runtime)
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let path = printed_library_path(&text(&o.stdout));
+    let rd = Path::new(&path);
+    assert!(
+        rd.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("softrdma-run-65534-"),
+        "{path}"
+    );
+    assert!(!rd.starts_with(d.path()), "{path}");
+    std::fs::remove_dir_all(rd).unwrap();
+}
