@@ -1433,6 +1433,12 @@ impl CompletionQueue {
     /// one promised that) and under the QP's connection lock (nothing is
     /// pushed meanwhile).
     ///
+    /// The completions taken out are queued again as new pushes: each
+    /// runs the wake-ups again (a spurious wake at most: with a kept
+    /// completion the CQ was not armed and had no waiters) and counts as
+    /// not solicited. Used only where a kept completion would otherwise be
+    /// lost (an unwind).
+    ///
     /// # Errors
     ///
     /// As [`push`](Self::push), if one of them is lost (the CQ is full).

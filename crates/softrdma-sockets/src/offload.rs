@@ -2533,18 +2533,21 @@ impl Shared {
                 gate.wait_receiving_handed(nap, &polled, hand, &mut wc)
             });
             st.recv_sleeping = false;
+            // The oldest completion: before anything polled, whatever the
+            // wait returned (the engine hands one back only with a
+            // receive, but a completion taken out of the CQ must never be
+            // dropped: its slot would never be posted again).
+            if let Some(wc) = wc {
+                st.handed_back += 1;
+                handed = 1;
+                self.on_wc(st, &wc);
+            }
             let r = match r {
                 Ok(Some(n)) => {
                     seen = n > 0;
                     if gate.slept_in_recv() {
                         st.recv_sleeps += 1;
                         count_recv_sleep();
-                    }
-                    if let Some(wc) = wc {
-                        // The oldest completion: before anything polled.
-                        st.handed_back += 1;
-                        handed = 1;
-                        self.on_wc(st, &wc);
                     }
                     Ok(n + handed)
                 }

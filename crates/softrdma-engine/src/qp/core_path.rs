@@ -128,11 +128,8 @@ impl Drop for KeptOnUnwind<'_> {
             return;
         };
         let mut g = qp.core.lock();
-        if let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch)
-            && let Some(Some(wc)) = cc.direct_rwc.take()
-            && qp.recv_cq.push_oldest(wc).is_err()
-        {
-            qp.cq_overflow();
+        if let Some(cc) = g.as_mut().filter(|cc| cc.epoch == epoch) {
+            qp.end_capture(cc);
         }
         if qp.core.release(g) {
             qp.schedule_dm();
@@ -982,6 +979,18 @@ impl QpInner {
         (g, (got, matches!(stop, RxStop::Drained)), false)
     }
 
+    /// Ends a receive completion's capture (`CoreConn::direct_rwc`): a
+    /// completion it kept and nobody will take is queued on the receive
+    /// CQ ahead of what it holds ([`CompletionQueue::push_oldest`]); an
+    /// overflow there puts the QP in ERROR as any push's.
+    fn end_capture(&self, cc: &mut CoreConn) {
+        if let Some(Some(wc)) = cc.direct_rwc.take()
+            && self.recv_cq.push_oldest(wc).is_err()
+        {
+            self.cq_overflow();
+        }
+    }
+
     /// [`Progress::progress_sleep`] on the core path: sleeps in the
     /// socket's `recv(2)` (at most `timeout`, its `SO_RCVTIMEO`) with the
     /// receive lock held and the connection's lock let go, into the
@@ -1109,11 +1118,7 @@ impl QpInner {
                     // Set and taken back under the receive lock, with a
                     // guard for an unwind in between (below).
                     debug_assert!(cc.direct_rwc.is_none(), "a kept receive completion left");
-                    if let Some(Some(wc)) = cc.direct_rwc.take()
-                        && self.recv_cq.push_oldest(wc).is_err()
-                    {
-                        self.cq_overflow();
-                    }
+                    self.end_capture(cc);
                     cc.direct_rwc = Some(None);
                 }
             }
