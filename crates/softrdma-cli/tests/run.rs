@@ -389,20 +389,18 @@ fn a_full_library_directory_falls_back_to_tmp() {
     let _ = fallen_back_under(script, d.path(), t.path());
 }
 
-/// `access(2)` checks the real user: a program whose effective user
-/// cannot write the library directory (setuid, `setpriv --euid`) was told
-/// it could, and failed with "Permission denied" making the links.
-#[test]
-fn the_writable_check_uses_the_effective_user_not_the_real_one() {
+/// `softrdma run --lib-dir LIBS --print-env` as root with the effective
+/// user 65534 (`setpriv --euid`), `XDG_RUNTIME_DIR` set to `runtime` or
+/// unset: checks that it ran and that the private directory is 65534's,
+/// outside `libs` (the fallback), and removes it. `false` (the test
+/// skipped) without root, `setpriv`, or an executable other users can
+/// reach.
+fn falls_back_as_another_user(libs: &Path, runtime: Option<&Path>) -> bool {
+    use std::os::unix::fs::PermissionsExt;
     if !nix::unistd::geteuid().is_root() || !have("setpriv") {
         println!("SKIPPED: needs root and setpriv");
-        return;
+        return false;
     }
-    use std::os::unix::fs::PermissionsExt;
-    let d = fake_libs(&["libsoftrdma_verbs.so"]);
-    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    std::fs::create_dir(d.path().join("softrdma-run")).unwrap();
-    // The executable must be reachable by the other user.
     let exe = Path::new(env!("CARGO_BIN_EXE_softrdma"));
     let reachable = exe
         .ancestors()
@@ -410,18 +408,20 @@ fn the_writable_check_uses_the_effective_user_not_the_real_one() {
         .all(|a| std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 != 0));
     if !reachable {
         println!("SKIPPED: the executable's directory is closed to other users");
-        return;
+        return false;
     }
-    let o = Command::new("setpriv")
-        .arg("--euid=65534")
+    let mut cmd = Command::new("setpriv");
+    cmd.arg("--euid=65534")
         .arg(exe)
         .args(["run", "--lib-dir"])
-        .arg(d.path())
+        .arg(libs)
         .arg("--print-env")
-        .env_remove("XDG_RUNTIME_DIR")
-        .env_remove("LD_LIBRARY_PATH")
-        .output()
-        .unwrap();
+        .env_remove("LD_LIBRARY_PATH");
+    match runtime {
+        Some(r) => cmd.env("XDG_RUNTIME_DIR", r),
+        None => cmd.env_remove("XDG_RUNTIME_DIR"),
+    };
+    let o = cmd.output().unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let path = printed_library_path(&text(&o.stdout));
     let rd = Path::new(&path);
@@ -434,8 +434,28 @@ fn the_writable_check_uses_the_effective_user_not_the_real_one() {
             .starts_with("softrdma-run-65534-"),
         "{path}"
     );
-    assert!(!rd.starts_with(d.path()), "{path}");
+    assert!(!rd.starts_with(libs), "{path}");
     std::fs::remove_dir_all(rd).unwrap();
+    true
+}
+
+/// A library directory (mode 0755, its private directory made already)
+/// that root can write and the effective user 65534 cannot.
+fn libs_root_can_write() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let d = fake_libs(&["libsoftrdma_verbs.so"]);
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir(d.path().join("softrdma-run")).unwrap();
+    d
+}
+
+/// `access(2)` checks the real user: a program whose effective user
+/// cannot write the library directory (setuid, `setpriv --euid`) was told
+/// it could, and failed with "Permission denied" making the links.
+#[test]
+fn the_writable_check_uses_the_effective_user_not_the_real_one() {
+    let d = libs_root_can_write();
+    falls_back_as_another_user(d.path(), None);
 }
 
 /// A runtime directory the effective user cannot write was a hard error
@@ -443,48 +463,16 @@ fn the_writable_check_uses_the_effective_user_not_the_real_one() {
 /// directory.
 #[test]
 fn an_unwritable_xdg_runtime_dir_falls_back_to_tmp() {
-    if !nix::unistd::geteuid().is_root() || !have("setpriv") {
-        println!("SKIPPED: needs root and setpriv");
-        return;
-    }
     use std::os::unix::fs::PermissionsExt;
-    let exe = Path::new(env!("CARGO_BIN_EXE_softrdma"));
-    let reachable = exe
-        .ancestors()
-        .skip(1)
-        .all(|a| std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 != 0));
-    if !reachable {
-        println!("SKIPPED: the executable's directory is closed to other users");
+    if !nix::unistd::geteuid().is_root() {
+        println!("SKIPPED: needs root");
         return;
     }
-    let d = fake_libs(&["libsoftrdma_verbs.so"]);
-    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    std::fs::create_dir(d.path().join("softrdma-run")).unwrap();
+    let d = libs_root_can_write();
     // The effective user's own runtime directory, but read-only to it.
     let runtime = d.path().join("runtime");
     std::fs::create_dir(&runtime).unwrap();
     std::os::unix::fs::chown(&runtime, Some(65534), Some(65534)).unwrap();
     std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o500)).unwrap();
-    let o = Command::new("setpriv")
-        .arg("--euid=65534")
-        .arg(exe)
-        .args(["run", "--lib-dir"])
-        .arg(d.path())
-        .arg("--print-env")
-        .env("XDG_RUNTIME_DIR", &runtime)
-        .env_remove("LD_LIBRARY_PATH")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let path = printed_library_path(&text(&o.stdout));
-    let rd = Path::new(&path);
-    assert!(
-        rd.file_name()
-            .unwrap()
-            .to_string_lossy()
-            .starts_with("softrdma-run-65534-"),
-        "{path}"
-    );
-    assert!(!rd.starts_with(d.path()), "{path}");
-    std::fs::remove_dir_all(rd).unwrap();
+    falls_back_as_another_user(d.path(), Some(&runtime));
 }
