@@ -1402,11 +1402,9 @@ mod tests {
         let (a, b, cqb, pd) = quiet_core_pair();
         let dst = send_seven(&a, &b, &pd);
         let fd = b.qp().core_fd.load(super::Ordering::Acquire);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !crate::sys::io::readable_now(fd) {
-            assert!(Instant::now() < deadline, "the Send never arrived");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("the Send never arrived", || {
+            !crate::sys::io::readable_now(fd)
+        });
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0)];
         let held = b.qp().lock_core();
         // The receiver finds the connection busy: nothing received yet.
@@ -1539,11 +1537,9 @@ mod tests {
                 &mut None,
             )
         });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst) {
-            assert!(Instant::now() < deadline, "the waiter never slept");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("the waiter never slept", || {
+            !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst)
+        });
         let thread = b.clone();
         assert_eq!(bounded(move || thread.qp().core_rx(true)), (false, true));
         let _dst = send_seven(&a, &b, &pd);
@@ -1570,11 +1566,9 @@ mod tests {
                 &mut None,
             )
         });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst) {
-            assert!(Instant::now() < deadline, "the waiter never slept");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("the waiter never slept", || {
+            !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst)
+        });
         // The peer's connection is reset (RST), as by a process that died.
         let fd = a.qp().core_fd.load(super::Ordering::Acquire);
         crate::sys::io::reset_connection(fd).unwrap();
@@ -2096,11 +2090,9 @@ mod tests {
         let fd = a.qp().core_fd.load(super::Ordering::Acquire);
         crate::sys::io::reset_connection(fd).unwrap();
         let bfd = b.qp().core_fd.load(super::Ordering::Acquire);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !crate::sys::io::readable_now(bfd) {
-            assert!(Instant::now() < deadline, "the reset never arrived");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("the reset never arrived", || {
+            !crate::sys::io::readable_now(bfd)
+        });
         assert!(idle_for_one_pass(&b), "not idle before the post");
         let wc = b
             .post_send_now(&wr)
@@ -2329,6 +2321,16 @@ mod tests {
         _dsta: crate::MemoryRegion,
     }
 
+    /// Waits while `pending()` holds, looking every millisecond; fails with
+    /// `what` after 20 s.
+    fn wait_while(what: &str, mut pending: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while pending() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// A Send of 8 octets of `byte` from `q` (`wr_id`), unsignaled
     /// unless `signaled`.
     fn send_eight(q: &QueuePair, pd: &ProtectionDomain, byte: u8, wr_id: u64, signaled: bool) {
@@ -2373,11 +2375,9 @@ mod tests {
             );
             (r, handed)
         });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst) {
-            assert!(Instant::now() < deadline, "the waiter never slept");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("the waiter never slept", || {
+            !b.qp().core_rx_sleeping.load(super::Ordering::SeqCst)
+        });
         (t, asked)
     }
 
@@ -2435,18 +2435,10 @@ mod tests {
         // `b`'s own Send, posted by this thread while `b` sleeps: written
         // and completed at once, its completion on `b`'s CQ.
         send_eight(b, pd, 5, 5, true);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while cqb.is_empty() {
-            assert!(Instant::now() < deadline, "the Send never completed");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("the Send never completed", || cqb.is_empty());
         let mut wc = [WorkCompletion::success(0, WcOpcode::Send, 0); 4];
         // `a` takes the Send, then answers.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while cqa.poll(&mut wc) == 0 {
-            assert!(Instant::now() < deadline, "`a` never received the Send");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("`a` never received the Send", || cqa.poll(&mut wc) == 0);
         assert_eq!((wc[0].wr_id, wc[0].opcode), (11, WcOpcode::Recv));
         send_eight(a, pd, 7, 2, false);
         let (r, handed) = t.join().unwrap();
@@ -2500,11 +2492,9 @@ mod tests {
         send_eight(a, pd, 7, 2, false);
         send_eight(a, pd, 8, 4, false);
         let fd = b.qp().core_fd.load(super::Ordering::Acquire);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !crate::sys::io::readable_now(fd) {
-            assert!(Instant::now() < deadline, "the Sends never arrived");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("the Sends never arrived", || {
+            !crate::sys::io::readable_now(fd)
+        });
         // (Loopback: both are there once the first is; some slack.)
         std::thread::sleep(Duration::from_millis(20));
         let mut handed = None;
@@ -2593,11 +2583,9 @@ mod tests {
         );
         // The capture was ended: the next run hands its own back.
         send_eight(a, pd, 9, 6, false);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !crate::sys::io::readable_now(fd) {
-            assert!(Instant::now() < deadline, "the third Send never arrived");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while("the third Send never arrived", || {
+            !crate::sys::io::readable_now(fd)
+        });
         let mut handed = None;
         let r = b.qp().core_rx_sleep(
             Duration::from_secs(10),
