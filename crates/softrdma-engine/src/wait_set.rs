@@ -860,7 +860,11 @@ impl WaitSet {
             self.slept_in_recv = r != crate::cq::RxSleep::Unable && !found.get();
             r
         };
-        hook.renew_claim(crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS));
+        // The coarse clock (its step added: the claim outlasts the wait by
+        // at least `CLAIM_AFTER_NS`): a fine reading per message cost
+        // about 20 ns on a virtual machine.
+        let (now, step) = crate::datamover::now_ns_coarse();
+        hook.renew_claim(now.saturating_add(step).saturating_add(CLAIM_AFTER_NS));
         match r {
             crate::cq::RxSleep::Unable => Ok(None),
             crate::cq::RxSleep::Interrupted if self.look_cqs() == 0 && handed.is_none() => {
@@ -1773,6 +1777,34 @@ mod tests {
         }
         assert_eq!(out[0].wr_id, 7);
         drop(other);
+    }
+
+    /// A wait in `recv` leaves the QP's socket claimed for at least
+    /// `CLAIM_AFTER_NS` past its end, read from the coarse clock (which
+    /// trails the time by up to its step), and not much longer.
+    #[test]
+    fn a_wait_in_recv_renews_the_claim_past_its_end_from_the_coarse_clock() {
+        let (cq, hook, _peer, _) = hooked(0);
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        let step = crate::sys::clock::coarse_resolution_ns();
+        for _ in 0..50 {
+            let before = crate::datamover::now_ns();
+            assert_eq!(set.wait_receiving(Duration::from_millis(1)).unwrap(), None);
+            let after = crate::datamover::now_ns();
+            let renewed = hook.renewed.load(Ordering::Relaxed);
+            // At least the claim time past the wait's end (the coarse
+            // reading trails the time: its step is added), at most a step
+            // (two, for a virtual CPU that did not run) more.
+            assert!(
+                renewed >= before + CLAIM_AFTER_NS,
+                "claim until {renewed}, wait from {before}"
+            );
+            assert!(
+                renewed <= after + CLAIM_AFTER_NS + 2 * step,
+                "claim until {renewed}, wait until {after}"
+            );
+        }
     }
 
     /// A wait that sleeps in a QP's `recv` takes the CQ's one hook from
