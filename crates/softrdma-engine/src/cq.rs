@@ -143,7 +143,7 @@ pub(crate) trait Progress: Send + Sync {
         0
     }
 
-    /// [`sleep_on`](Self::sleep_on) until at least `after_ns` from now (an
+    /// [`sleep_on`](Self::sleep_on) until `after_ns` from now (an
     /// implementation that reads the clock anyway reads it once; the
     /// QP's reads the coarse clock and adds its step).
     fn sleep_on_for(&self, after_ns: u64) -> Option<RawFd> {

@@ -557,12 +557,15 @@ pub(crate) fn now_ns() -> u64 {
     crate::sys::clock::monotonic_ns().saturating_sub(start)
 }
 
-/// [`now_ns`] from the coarse clock, as an interval: `(at_most, step)`,
-/// the time is at least `at_most` and, while the system runs, less than
-/// `at_most + step`. A reading without the time-stamp counter (about 3
-/// against 20 ns on a virtual machine), for stamps that need no better
-/// than the kernel's tick: a waiter's claim on its socket before and
-/// after a sleep in `recv`, twice per message of a blocking ping-pong.
+/// [`now_ns`] from the coarse clock: `(earliest, step)`, the time is at
+/// least `earliest` and usually less than `earliest + step` (the coarse
+/// clock trails by about its step, more when the CPU that keeps the time
+/// was not run; see `sys::clock::monotonic_coarse_ns`). A reading
+/// without the time-stamp counter (about 3 against 20 ns on a virtual
+/// machine), for stamps that need no better than the kernel's tick: a
+/// waiter's claim on its socket before and after a sleep in `recv`
+/// (twice per message of a blocking ping-pong), a heuristic whose end
+/// only decides when an engine thread takes the socket over.
 pub(crate) fn now_ns_coarse() -> (u64, u64) {
     let start = start_ns();
     (

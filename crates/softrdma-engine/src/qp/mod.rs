@@ -1201,7 +1201,8 @@ impl Progress for QpInner {
         // coarse clock (a sleep in `recv` per message; the fine clock's
         // reading was about as dear as the rest of the claim): the poll
         // is stamped with the earliest time it may be, the claim reaches
-        // at least `after_ns` past the latest.
+        // `after_ns` past the latest it usually is (the clock's step
+        // added).
         let (now, step) = crate::datamover::now_ns_coarse();
         let now = self.batch_poll_at(now);
         self.device.threads().claim_rx(

@@ -39,8 +39,10 @@ pub(crate) fn monotonic_ns() -> u64 {
 /// The coarse monotonic clock in nanoseconds (`CLOCK_MONOTONIC_COARSE`:
 /// the same clock as [`monotonic_ns`] as of the kernel's last tick, read
 /// from memory without the time-stamp counter, several times cheaper on
-/// a virtual machine). Never ahead of [`monotonic_ns`]; behind it by at
-/// most about [`coarse_resolution_ns`] while the system runs.
+/// a virtual machine). Never ahead of [`monotonic_ns`]; behind it by
+/// about [`coarse_resolution_ns`] at most while the CPU that keeps the
+/// time runs (further when a virtual CPU was not run: 4.6 ms and more
+/// with a 4 ms step seen under load).
 pub(crate) fn monotonic_coarse_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -96,22 +98,22 @@ mod tests {
         );
     }
 
-    /// The coarse clock is the fine one as of its last step: never ahead
-    /// of it, and behind it by about one step (checked with a margin of
-    /// two, for a virtual CPU that was not running).
+    /// The coarse clock is the fine one as of the kernel's last tick:
+    /// never ahead of it, and it moves (by at least a step over a sleep
+    /// of a few steps). How far it trails is not asserted: about a step,
+    /// more when the virtual CPU that keeps the time was not running.
     #[test]
-    fn the_coarse_clock_trails_the_fine_one_by_at_most_a_step() {
+    fn the_coarse_clock_is_never_ahead_of_the_fine_one_and_moves() {
         let res = super::coarse_resolution_ns();
         assert!((1..=10_000_000).contains(&res), "{res}");
+        let first = super::monotonic_coarse_ns();
         for _ in 0..1000 {
-            let before = super::monotonic_ns();
             let coarse = super::monotonic_coarse_ns();
             let after = super::monotonic_ns();
             assert!(coarse <= after, "coarse {coarse} ahead of {after}");
-            assert!(
-                coarse + 2 * res >= before,
-                "coarse {coarse} behind {before} by more than two steps of {res}"
-            );
         }
+        std::thread::sleep(std::time::Duration::from_nanos(4 * res));
+        let later = super::monotonic_coarse_ns();
+        assert!(later >= first + res, "{first} then {later}, step {res}");
     }
 }
