@@ -740,7 +740,9 @@ impl WaitSet {
     /// QP's socket's `recv(2)` instead of `poll(2)`, as a blocking TCP
     /// reader does: one system call per wait (`poll(2)` and then a read
     /// otherwise), and the bytes received are processed at once. At most
-    /// `timeout` (the socket's receive time limit, set once and kept);
+    /// `timeout` (the socket's receive time limit, set when it changes;
+    /// `Duration::MAX`: none, and no kernel timer armed per sleep, for a
+    /// caller whom nothing but the socket's bytes can concern meanwhile);
     /// 0 ready entries when the time is up. The first such sleep makes the
     /// QP's socket blocking (clears `O_NONBLOCK` of the open socket, which
     /// every holder of a duplicate of its descriptor sees; the engine's

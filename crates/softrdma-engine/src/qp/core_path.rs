@@ -992,7 +992,8 @@ impl QpInner {
     }
 
     /// [`Progress::progress_sleep`] on the core path: sleeps in the
-    /// socket's `recv(2)` (at most `timeout`, its `SO_RCVTIMEO`) with the
+    /// socket's `recv(2)` (at most `timeout`, its `SO_RCVTIMEO`;
+    /// `Duration::MAX`: no limit, no kernel timer per sleep) with the
     /// receive lock held and the connection's lock let go, into the
     /// staging buffer taken out of the connection, then runs the receive
     /// path on what came (as [`core_rx`](Self::core_rx)). The socket is
