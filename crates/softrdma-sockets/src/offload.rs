@@ -2614,7 +2614,8 @@ impl Shared {
     /// socket's `recv`, which nothing but bytes (or the socket's end), a
     /// signal or the time limit wakes: only while this call is the only
     /// one waiting, no deadline is to be kept (the socket's time limit is
-    /// the re-poll time, set once), and nothing it might wait for can come
+    /// the re-poll time, or none for a read by the only handle: see
+    /// [`Offload::read_sole`]), and nothing it might wait for can come
     /// as a completion pushed by another thread or as a timer: no send in
     /// flight (the engine's thread completes sends the socket could not
     /// take at once), no data queued or held by the cork (its ceiling is
