@@ -144,7 +144,8 @@ pub(crate) trait Progress: Send + Sync {
     }
 
     /// [`sleep_on`](Self::sleep_on) until `after_ns` from now (an
-    /// implementation that reads the clock anyway reads it once).
+    /// implementation that reads the clock anyway reads it once; the
+    /// QP's reads the coarse clock and adds its step).
     fn sleep_on_for(&self, after_ns: u64) -> Option<RawFd> {
         self.sleep_on(Some(crate::datamover::now_ns().saturating_add(after_ns)))
     }

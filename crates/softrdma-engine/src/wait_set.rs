@@ -740,7 +740,9 @@ impl WaitSet {
     /// QP's socket's `recv(2)` instead of `poll(2)`, as a blocking TCP
     /// reader does: one system call per wait (`poll(2)` and then a read
     /// otherwise), and the bytes received are processed at once. At most
-    /// `timeout` (the socket's receive time limit, set once and kept);
+    /// `timeout` (the socket's receive time limit, set when it changes;
+    /// `Duration::MAX`: none, and no kernel timer armed per sleep, for a
+    /// caller whom nothing but the socket's bytes can concern meanwhile);
     /// 0 ready entries when the time is up. The first such sleep makes the
     /// QP's socket blocking (clears `O_NONBLOCK` of the open socket, which
     /// every holder of a duplicate of its descriptor sees; the engine's
@@ -860,7 +862,12 @@ impl WaitSet {
             self.slept_in_recv = r != crate::cq::RxSleep::Unable && !found.get();
             r
         };
-        hook.renew_claim(crate::datamover::now_ns().saturating_add(CLAIM_AFTER_NS));
+        // The coarse clock, its step added (the claim outlasts the wait by
+        // `CLAIM_AFTER_NS` while the clock trails by at most its step, a
+        // little less otherwise): a fine reading per message cost about
+        // 20 ns on a virtual machine.
+        let (now, step) = crate::datamover::now_ns_coarse();
+        hook.renew_claim(now.saturating_add(step).saturating_add(CLAIM_AFTER_NS));
         match r {
             crate::cq::RxSleep::Unable => Ok(None),
             crate::cq::RxSleep::Interrupted if self.look_cqs() == 0 && handed.is_none() => {
@@ -1773,6 +1780,31 @@ mod tests {
         }
         assert_eq!(out[0].wr_id, 7);
         drop(other);
+    }
+
+    /// A wait in `recv` renews the QP's claim on its socket until
+    /// `CLAIM_AFTER_NS` past the coarse clock's reading at the wait's end
+    /// plus the clock's step (the coarse clock trails the time by up to
+    /// about a step): bracketed by the coarse readings before and after.
+    #[test]
+    fn a_wait_in_recv_renews_the_claim_past_its_end_from_the_coarse_clock() {
+        let (cq, hook, _peer, _) = hooked(0);
+        let mut set = WaitSet::new();
+        set.add_cq(&cq);
+        for _ in 0..50 {
+            let (before, step) = crate::datamover::now_ns_coarse();
+            assert_eq!(set.wait_receiving(Duration::from_millis(1)).unwrap(), None);
+            let (after, _) = crate::datamover::now_ns_coarse();
+            let renewed = hook.renewed.load(Ordering::Relaxed);
+            assert!(
+                renewed >= before + step + CLAIM_AFTER_NS,
+                "claim until {renewed}, coarse clock at {before} before the wait, step {step}"
+            );
+            assert!(
+                renewed <= after + step + CLAIM_AFTER_NS,
+                "claim until {renewed}, coarse clock at {after} after the wait, step {step}"
+            );
+        }
     }
 
     /// A wait that sleeps in a QP's `recv` takes the CQ's one hook from

@@ -779,6 +779,18 @@ impl TcpStream {
         }
     }
 
+    /// `read` through the handle borrowed exclusively (`Read` of a
+    /// `TcpStream`, not of a `&TcpStream`): with no clone of it, no other
+    /// thread can call on the connection meanwhile, and a blocked read
+    /// sleeps in the socket's `recv` without a time limit (see
+    /// `Offload::read_sole`).
+    fn read_exclusive(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match &self.inner {
+            Inner::Plain(s) => (&*s).read(buf),
+            Inner::Offload(o) => o.read_sole(buf, self.nonblocking(), self.read_timeout()?),
+        }
+    }
+
     fn write_inner(&self, buf: &[u8]) -> io::Result<usize> {
         match &self.inner {
             Inner::Plain(s) => (&*s).write(buf),
@@ -796,7 +808,7 @@ impl TcpStream {
 
 impl Read for TcpStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.read_inner(buf)
+        self.read_exclusive(buf)
     }
 }
 

@@ -1097,6 +1097,36 @@ impl Offload {
         nonblocking: bool,
         timeout: Option<Duration>,
     ) -> io::Result<usize> {
+        self.read_as(buf, peek, nonblocking, timeout, false)
+    }
+
+    /// [`read`](Self::read) by the connection's only handle, borrowed
+    /// exclusively (`Read` of a `&mut TcpStream` that has no clones): no
+    /// other thread can make a call on the connection until it returns,
+    /// so nothing that wakes no sleeper (another call's `shutdown(Read)`,
+    /// its corked or queued data, a readiness descriptor or task it
+    /// registers) can happen meanwhile, and a sleep in the socket's `recv`
+    /// needs no time limit (see [`wait_holding`](Shared::wait_holding)).
+    /// A clone made before counts (the handles' close guard is shared);
+    /// none can be made during the call.
+    pub(crate) fn read_sole(
+        &self,
+        buf: &mut [u8],
+        nonblocking: bool,
+        timeout: Option<Duration>,
+    ) -> io::Result<usize> {
+        let sole = Arc::strong_count(&self._close) == 1;
+        self.read_as(buf, false, nonblocking, timeout, sole)
+    }
+
+    fn read_as(
+        &self,
+        buf: &mut [u8],
+        peek: bool,
+        nonblocking: bool,
+        timeout: Option<Duration>,
+        sole: bool,
+    ) -> io::Result<usize> {
         let sh = &*self.sh;
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = sh.lock();
@@ -1134,7 +1164,10 @@ impl Offload {
             if let Some(e) = st.error() {
                 return Err(e);
             }
-            sh.wait(&mut st, nonblocking, deadline)?;
+            match sh.wait_inner(&mut st, nonblocking, deadline, false, sole) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                r => r?,
+            }
         }
     }
 
@@ -2382,7 +2415,7 @@ impl Shared {
         nonblocking: bool,
         deadline: Option<Instant>,
     ) -> io::Result<()> {
-        match self.wait_inner(st, nonblocking, deadline, false) {
+        match self.wait_inner(st, nonblocking, deadline, false, false) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
             r => r,
         }
@@ -2391,15 +2424,18 @@ impl Shared {
     /// [`wait`](Self::wait) that returns `ErrorKind::Interrupted` when a
     /// signal was handled while it slept (`EINTR`).
     fn wait_interruptible(&self, st: &mut Locked<'_>, deadline: Option<Instant>) -> io::Result<()> {
-        self.wait_inner(st, false, deadline, true)
+        self.wait_inner(st, false, deadline, true, false)
     }
 
+    /// `sole`: the caller is the connection's only possible caller (see
+    /// [`Offload::read_sole`]): a sleep in `recv` has no time limit.
     fn wait_inner(
         &self,
         st: &mut Locked<'_>,
         nonblocking: bool,
         deadline: Option<Instant>,
         interruptible: bool,
+        sole: bool,
     ) -> io::Result<()> {
         if nonblocking {
             return Err(io::ErrorKind::WouldBlock.into());
@@ -2451,7 +2487,7 @@ impl Shared {
         // without it every later blocking call would find it held for
         // good. No cost unless it unwinds.
         let section = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.wait_holding(st, &mut gate, nap, deadline)
+            self.wait_holding(st, &mut gate, nap, deadline, sole)
         }));
         let (res, n) = match section {
             Ok(r) => r,
@@ -2495,6 +2531,7 @@ impl Shared {
         gate: &mut WaitSet,
         nap: Duration,
         deadline: Option<Instant>,
+        sole: bool,
     ) -> (Result<usize, WaitError>, usize) {
         #[cfg(test)]
         drive_tests::panic_in_wait_if_asked();
@@ -2509,8 +2546,12 @@ impl Shared {
         let res = if self.may_sleep_in_recv(st, deadline) {
             // One system call per wait, as a blocking TCP read: the
             // sleep in the socket's `recv`, bounded by the same re-poll
-            // time. Whoever comes meanwhile handles completions itself
-            // (`recv_sleeping`).
+            // time, or by nothing for the connection's only possible
+            // caller (`sole`: nobody else can change what it waits for; a
+            // time limit arms a kernel timer per sleep, 3-4 % of the CPU
+            // of a 64-byte ping-pong on one CPU). Whoever comes meanwhile
+            // handles completions itself (`recv_sleeping`).
+            let recv_limit = if sole { Duration::MAX } else { nap };
             st.recv_sleeping = true;
             // Polls beside this call count from here (under the lock).
             let beside = self.polled_beside.load(Ordering::Relaxed);
@@ -2530,7 +2571,7 @@ impl Shared {
                 // have taken in what it waits for (and left the CQ
                 // empty); it then does not sleep, and looks again.
                 let polled = || self.polled_beside.load(Ordering::SeqCst) != beside;
-                gate.wait_receiving_handed(nap, &polled, hand, &mut wc)
+                gate.wait_receiving_handed(recv_limit, &polled, hand, &mut wc)
             });
             st.recv_sleeping = false;
             // The oldest completion: before anything polled, whatever the
@@ -2573,7 +2614,8 @@ impl Shared {
     /// socket's `recv`, which nothing but bytes (or the socket's end), a
     /// signal or the time limit wakes: only while this call is the only
     /// one waiting, no deadline is to be kept (the socket's time limit is
-    /// the re-poll time, set once), and nothing it might wait for can come
+    /// the re-poll time, or none for a read by the only handle: see
+    /// [`Offload::read_sole`]), and nothing it might wait for can come
     /// as a completion pushed by another thread or as a timer: no send in
     /// flight (the engine's thread completes sends the socket could not
     /// take at once), no data queued or held by the cork (its ceiling is

@@ -484,3 +484,49 @@ fn readiness_fd_edge_triggered_epoll_sees_every_write() {
     // SAFETY: closing the epoll descriptor this test created.
     unsafe { libc::close(ep) };
 }
+
+/// The receive time limit of the kernel socket under `s` (`None`: none),
+/// read through a duplicate of its descriptor.
+fn recv_limit(fd: &std::os::fd::OwnedFd) -> Option<Duration> {
+    socket2::SockRef::from(fd).read_timeout().unwrap()
+}
+
+/// A blocked read through the stream's only handle (`Read` of a
+/// `TcpStream` that has no clone) sleeps in the kernel socket's `recv`
+/// with no time limit (no kernel timer armed per sleep): nobody else can
+/// call on the connection meanwhile. One through `&TcpStream`, or while a
+/// clone lives (another thread may change what it waits for: its
+/// `shutdown(Read)`, data it leaves corked), keeps the re-poll limit.
+#[test]
+fn a_blocked_read_by_the_only_handle_sleeps_without_a_time_limit() {
+    use std::os::fd::AsFd;
+    for how in ["only handle", "shared reference", "with a clone"] {
+        let (c, mut s) = offload_pair();
+        let fd = c.as_fd().try_clone_to_owned().unwrap();
+        let clone = (how == "with a clone").then(|| c.try_clone().unwrap());
+        let reader = thread::spawn(move || {
+            let mut c = c;
+            let mut b = [0u8; 4];
+            if how == "shared reference" {
+                (&c).read_exact(&mut b).unwrap();
+            } else {
+                c.read_exact(&mut b).unwrap();
+            }
+            b
+        });
+        // The limit is set on the first sleep in `recv`.
+        thread::sleep(Duration::from_millis(300));
+        let limit = recv_limit(&fd);
+        s.write_all(b"wake").unwrap();
+        assert_eq!(&reader.join().unwrap(), b"wake", "{how}");
+        if how == "only handle" {
+            assert_eq!(limit, None, "{how}");
+        } else {
+            assert!(
+                limit.is_some_and(|d| d <= Duration::from_secs(1)),
+                "{how}: {limit:?}"
+            );
+        }
+        drop(clone);
+    }
+}

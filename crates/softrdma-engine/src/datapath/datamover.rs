@@ -545,11 +545,33 @@ fn duration_ns(d: Duration) -> u64 {
         .saturating_mul(1_000_000)
 }
 
+/// The fine clock's reading when the engine's clock started.
+fn start_ns() -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *START.get_or_init(crate::sys::clock::monotonic_ns)
+}
+
 /// Nanoseconds since the engine's clock started.
 pub(crate) fn now_ns() -> u64 {
-    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let start = *START.get_or_init(crate::sys::clock::monotonic_ns);
+    let start = start_ns();
     crate::sys::clock::monotonic_ns().saturating_sub(start)
+}
+
+/// [`now_ns`] from the coarse clock: `(earliest, step)`, the time is at
+/// least `earliest` and usually less than `earliest + step` (the coarse
+/// clock trails by about its step, more when the CPU that keeps the time
+/// was not run; see `sys::clock::monotonic_coarse_ns`). A reading
+/// without the time-stamp counter (about 3 against 20 ns on a virtual
+/// machine), for stamps that need no better than the kernel's tick: a
+/// waiter's claim on its socket before and after a sleep in `recv`
+/// (twice per message of a blocking ping-pong), a heuristic whose end
+/// only decides when an engine thread takes the socket over.
+pub(crate) fn now_ns_coarse() -> (u64, u64) {
+    let start = start_ns();
+    (
+        crate::sys::clock::monotonic_coarse_ns().saturating_sub(start),
+        crate::sys::clock::coarse_resolution_ns(),
+    )
 }
 
 /// A QP whose CQ was polled this recently is left to the poller: its

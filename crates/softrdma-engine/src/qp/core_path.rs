@@ -992,7 +992,8 @@ impl QpInner {
     }
 
     /// [`Progress::progress_sleep`] on the core path: sleeps in the
-    /// socket's `recv(2)` (at most `timeout`, its `SO_RCVTIMEO`) with the
+    /// socket's `recv(2)` (at most `timeout`, its `SO_RCVTIMEO`;
+    /// `Duration::MAX`: no limit, no kernel timer per sleep) with the
     /// receive lock held and the connection's lock let go, into the
     /// staging buffer taken out of the connection, then runs the receive
     /// path on what came (as [`core_rx`](Self::core_rx)). The socket is
@@ -1072,9 +1073,9 @@ impl QpInner {
             // Bytes staged already (the connection stopped taking them):
             // nothing to sleep for.
             let buf = cc.rx.take_staging()?;
-            Some((cc.epoch, cc.fd, cc.stream.clone(), buf))
+            Some((cc.epoch, cc.fd, buf))
         });
-        let Some((epoch, fd, stream, mut buf)) = prepared else {
+        let Some((epoch, fd, mut buf)) = prepared else {
             keep.qp = None;
             self.core_rx_sleeping.store(false, Ordering::Release);
             drop(receiving);
@@ -1086,11 +1087,16 @@ impl QpInner {
         if self.core.release(g) {
             self.core_kick();
         }
-        // The stream's `Arc` keeps the descriptor open across a reset
-        // meanwhile (whose `shutdown` ends the sleep).
+        // The descriptor stays open while this thread sleeps on it with
+        // the connection's lock let go: the connection, and the stream in
+        // it, is dropped only by `core_reset`, which takes the receive
+        // lock (held here until after the connection's lock is taken
+        // again) first, so it waits for this sleep to end (the move to
+        // ERROR before it shuts the socket down, which ends the sleep).
+        // (No clone of the stream's `Arc` for the sleep: two locked
+        // instructions per message.)
         let r = crate::sys::io::recv_wait(fd, &mut buf);
         let mut g = self.core.lock();
-        drop(stream);
         let end = |g, receiving, out, keep: &mut KeptOnUnwind<'_>| {
             keep.qp = None;
             self.core_rx_sleeping.store(false, Ordering::Release);

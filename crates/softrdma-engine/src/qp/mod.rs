@@ -1198,11 +1198,17 @@ impl Progress for QpInner {
 
     fn sleep_on_for(&self, after_ns: u64) -> Option<std::os::fd::RawFd> {
         // As `sleep_on(Some(now + after_ns))`, with one reading of the
-        // clock: the one that stamps the poll.
-        let now = self.batch_poll();
-        self.device
-            .threads()
-            .claim_rx(self, Some(now.saturating_add(after_ns)))
+        // coarse clock (a sleep in `recv` per message; the fine clock's
+        // reading was about as dear as the rest of the claim): the poll
+        // is stamped with the earliest time it may be, the claim reaches
+        // `after_ns` past the latest it usually is (the clock's step
+        // added).
+        let (now, step) = crate::datamover::now_ns_coarse();
+        let now = self.batch_poll_at(now);
+        self.device.threads().claim_rx(
+            self,
+            Some(now.saturating_add(step).saturating_add(after_ns)),
+        )
     }
 
     fn progress(&self, armed: bool) -> bool {

@@ -486,6 +486,14 @@ impl QpInner {
     /// if there was nothing, the next post goes out at once. Returns the
     /// engine clock's time (ns) it stamped.
     pub(super) fn batch_poll(&self) -> u64 {
+        self.batch_poll_at(crate::datamover::now_ns())
+    }
+
+    /// [`batch_poll`](Self::batch_poll) stamping `now`, a reading of the
+    /// engine clock the caller made (a coarse one may be earlier than the
+    /// time: the poll then counts as that much older, and posts are
+    /// deferred less, never more).
+    pub(super) fn batch_poll_at(&self, now: u64) -> u64 {
         let b = &self.tx_batch;
         if b.deferred.load(Ordering::SeqCst) > 0 && b.deferred.swap(0, Ordering::SeqCst) > 0 {
             b.stats[1].fetch_add(1, Ordering::Relaxed);
@@ -497,7 +505,6 @@ impl QpInner {
         if b.polled_by.load(Ordering::Relaxed) != me {
             b.polled_by.store(me, Ordering::Relaxed);
         }
-        let now = crate::datamover::now_ns();
         b.polled_ns.store(now, Ordering::Relaxed);
         now
     }

@@ -443,7 +443,8 @@ pub(crate) fn set_nonblocking(fd: RawFd, on: bool) -> io::Result<()> {
 }
 
 /// Sets `SO_RCVTIMEO` of `fd` (rounded up to whole microseconds; at least
-/// one, as zero would mean no limit).
+/// one, as zero would mean no limit). A time beyond the kernel's range
+/// (`Duration::MAX`) is no limit: a sleep then arms no kernel timer.
 pub(crate) fn set_recv_timeout(fd: RawFd, timeout: std::time::Duration) -> io::Result<()> {
     let us = timeout.as_micros().max(1);
     let tv = libc::timeval {
@@ -849,6 +850,17 @@ mod tests {
         drop(a);
         let (buf, n, end) = t.join().unwrap();
         assert_eq!((&buf[..n], end), (&b"wake"[..], 0));
+    }
+
+    /// `Duration::MAX` sets no limit (read back as none), a finite time
+    /// one.
+    #[test]
+    fn a_recv_time_limit_of_duration_max_is_none() {
+        let (_a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        set_recv_timeout(b.as_raw_fd(), std::time::Duration::MAX).unwrap();
+        assert_eq!(b.read_timeout().unwrap(), None);
+        set_recv_timeout(b.as_raw_fd(), std::time::Duration::from_millis(50)).unwrap();
+        assert!(b.read_timeout().unwrap().is_some());
     }
 
     /// Only a stream socket is made blocking: a pipe (whose reads could
