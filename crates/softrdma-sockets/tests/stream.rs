@@ -491,42 +491,75 @@ fn recv_limit(fd: &std::os::fd::OwnedFd) -> Option<Duration> {
     socket2::SockRef::from(fd).read_timeout().unwrap()
 }
 
+/// Waits (up to 10 s) until the receive time limit of the kernel socket
+/// under `fd` satisfies `want`, and returns it; fails the test if it
+/// never does. The sleep in `recv` sets the limit when it starts, which
+/// a loaded machine may delay.
+fn wait_for_limit(
+    fd: &std::os::fd::OwnedFd,
+    want: impl Fn(Option<Duration>) -> bool,
+    what: &str,
+) -> Option<Duration> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let limit = recv_limit(fd);
+        if want(limit) {
+            return limit;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: the receive time limit stayed {limit:?} for 10 s"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// A blocked read through the stream's only handle (`Read` of a
 /// `TcpStream` that has no clone) sleeps in the kernel socket's `recv`
 /// with no time limit (no kernel timer armed per sleep): nobody else can
 /// call on the connection meanwhile. One through `&TcpStream`, or while a
 /// clone lives (another thread may change what it waits for: its
 /// `shutdown(Read)`, data it leaves corked), keeps the re-poll limit.
+///
+/// On one connection a read through `&TcpStream` first sets the limit,
+/// then one through the only handle takes it away: a socket that never
+/// slept in `recv` would show no limit either, so the change is what
+/// tells the only handle's sleep in `recv` happened.
 #[test]
 fn a_blocked_read_by_the_only_handle_sleeps_without_a_time_limit() {
     use std::os::fd::AsFd;
-    for how in ["only handle", "shared reference", "with a clone"] {
-        let (c, mut s) = offload_pair();
-        let fd = c.as_fd().try_clone_to_owned().unwrap();
-        let clone = (how == "with a clone").then(|| c.try_clone().unwrap());
-        let reader = thread::spawn(move || {
-            let mut c = c;
-            let mut b = [0u8; 4];
-            if how == "shared reference" {
-                (&c).read_exact(&mut b).unwrap();
-            } else {
-                c.read_exact(&mut b).unwrap();
-            }
-            b
-        });
-        // The limit is set on the first sleep in `recv`.
-        thread::sleep(Duration::from_millis(300));
-        let limit = recv_limit(&fd);
-        s.write_all(b"wake").unwrap();
-        assert_eq!(&reader.join().unwrap(), b"wake", "{how}");
-        if how == "only handle" {
-            assert_eq!(limit, None, "{how}");
-        } else {
-            assert!(
-                limit.is_some_and(|d| d <= Duration::from_secs(1)),
-                "{how}: {limit:?}"
-            );
-        }
-        drop(clone);
-    }
+    let bounded = |l: Option<Duration>| l.is_some_and(|d| d <= Duration::from_secs(1));
+    // Through a shared reference, then through the only handle.
+    let (c, mut s) = offload_pair();
+    let fd = c.as_fd().try_clone_to_owned().unwrap();
+    let reader = thread::spawn(move || {
+        let mut c = c;
+        let mut b = [0u8; 4];
+        (&c).read_exact(&mut b).unwrap();
+        let first = b;
+        c.read_exact(&mut b).unwrap();
+        (first, b)
+    });
+    let shared = wait_for_limit(&fd, bounded, "shared reference");
+    s.write_all(b"one!").unwrap();
+    let only = wait_for_limit(&fd, |l| l.is_none(), "only handle after a shared reference");
+    s.write_all(b"two!").unwrap();
+    assert_eq!(reader.join().unwrap(), (*b"one!", *b"two!"));
+    assert!(bounded(shared), "{shared:?}");
+    assert_eq!(only, None);
+    // While a clone lives.
+    let (c, mut s) = offload_pair();
+    let fd = c.as_fd().try_clone_to_owned().unwrap();
+    let clone = c.try_clone().unwrap();
+    let reader = thread::spawn(move || {
+        let mut c = c;
+        let mut b = [0u8; 4];
+        c.read_exact(&mut b).unwrap();
+        b
+    });
+    let limit = wait_for_limit(&fd, bounded, "with a clone");
+    s.write_all(b"wake").unwrap();
+    assert_eq!(&reader.join().unwrap(), b"wake");
+    assert!(bounded(limit), "{limit:?}");
+    drop(clone);
 }
