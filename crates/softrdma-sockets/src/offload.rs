@@ -3500,6 +3500,77 @@ mod drive_tests {
         });
     }
 
+    /// Reads by each end's only handle ([`Offload::read_sole`]) sleep in
+    /// the socket's `recv` with no time limit (not the re-poll time, here
+    /// 10 minutes: no safety net), and the peer's data ends each sleep: a
+    /// read that sleeps before the peer writes gets the data, and a
+    /// 64-octet ping-pong stays byte-exact, both ends sleeping that way.
+    #[test]
+    fn reads_by_the_only_handle_sleep_in_recv_untimed_and_the_peers_data_wakes_them() {
+        no_safety_net();
+        within(Duration::from_secs(120), || {
+            let (c, s) = nodelay_pair();
+            assert_eq!(Arc::strong_count(&c._close), 1, "the client has a clone");
+            assert_eq!(Arc::strong_count(&s._close), 1, "the server has a clone");
+            fn read_full_sole(o: &Offload, buf: &mut [u8]) {
+                let mut got = 0;
+                while got < buf.len() {
+                    let n = o.read_sole(&mut buf[got..], false, None).unwrap();
+                    assert!(n > 0, "early end after {got} octets");
+                    got += n;
+                }
+            }
+            const ROUNDS: usize = 300;
+            // The server's state, looked at from here while it sleeps
+            // (not a handle: its reads stay the only handle's).
+            let server_sh = Arc::clone(&s.sh);
+            let server = std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                read_full_sole(&s, &mut buf);
+                assert_eq!(&buf[..], &ping_message(0)[..]);
+                s.write(&buf, false, None).unwrap();
+                for _ in 0..ROUNDS {
+                    read_full_sole(&s, &mut buf);
+                    s.write(&buf, false, None).unwrap();
+                }
+                let limit = socket2::SockRef::from(s.socket()).read_timeout().unwrap();
+                let sleeps = s.sh.lock().recv_sleeps;
+                (sleeps, limit, s)
+            });
+            // The first message comes only once the server sleeps in
+            // `recv`, its time limit set: none.
+            for _ in 0..20_000 {
+                if server_sh.lock().recv_sleeping {
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            assert!(
+                server_sh.lock().recv_sleeping,
+                "the server never slept in recv"
+            );
+            drop(server_sh);
+            c.write(&ping_message(0), false, None).unwrap();
+            let mut back = [0u8; 64];
+            read_full_sole(&c, &mut back);
+            assert_eq!(&back[..], &ping_message(0)[..]);
+            for i in 0..ROUNDS {
+                let msg = ping_message(i + 1);
+                c.write(&msg, false, None).unwrap();
+                read_full_sole(&c, &mut back);
+                assert_eq!(&back[..], &msg[..], "round {i}");
+            }
+            let (server_sleeps, server_limit, s) = server.join().unwrap();
+            let client_sleeps = c.sh.lock().recv_sleeps;
+            let client_limit = socket2::SockRef::from(c.socket()).read_timeout().unwrap();
+            assert!(client_sleeps > 0, "the client never slept in recv");
+            assert!(server_sleeps > 0, "the server never slept in recv");
+            assert_eq!(client_limit, None, "the client slept with a time limit");
+            assert_eq!(server_limit, None, "the server slept with a time limit");
+            super::tests::close_pair(c, s);
+        });
+    }
+
     /// Serializes the tests that look at (or hold) the list of per-thread
     /// counters of sleeps in `recv`.
     static RECV_SLEEP_LIST_TESTS: Mutex<()> = Mutex::new(());
