@@ -1346,6 +1346,43 @@ mod claim_tests {
         inner.set_state(crate::state::QpState::Error);
     }
 
+    /// A waiter about to sleep in `recv` (`sleep_on_for`) stamps the QP's
+    /// poll with a reading of the coarse clock and claims the socket
+    /// until that reading plus the clock's step plus the time asked:
+    /// both bracketed by coarse readings before and after the call. (With
+    /// the fine clock's reading instead, the claim falls short of the
+    /// lower bound and the stamp passes the upper one whenever the coarse
+    /// clock trails by less than its step, as it nearly always does: one
+    /// of 50 calls suffices.)
+    #[test]
+    fn a_waiters_claim_and_poll_stamp_come_from_the_coarse_clock() {
+        use std::os::fd::AsRawFd;
+        const AFTER_NS: u64 = 10_000_000;
+        let qp = super::unconnected_qp();
+        let inner = qp.qp();
+        let p: &dyn crate::cq::Progress = &**inner;
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        inner.set_state(crate::state::QpState::Rts);
+        inner.device.threads().register_rx(inner, ours.as_raw_fd());
+        for _ in 0..50 {
+            let (before, step) = crate::datamover::now_ns_coarse();
+            assert_eq!(p.sleep_on_for(AFTER_NS), Some(ours.as_raw_fd()));
+            let (after, _) = crate::datamover::now_ns_coarse();
+            let claim = inner.last_poll.load(Ordering::Relaxed);
+            let stamp = inner.tx_batch.polled_ns();
+            assert!(
+                (before + step + AFTER_NS..=after + step + AFTER_NS).contains(&claim),
+                "claim until {claim}, coarse clock at {before} and {after}, step {step}"
+            );
+            assert!(
+                (before..=after).contains(&stamp),
+                "poll stamped {stamp}, coarse clock at {before} and {after}"
+            );
+        }
+        inner.device.threads().unregister(&**inner);
+        inner.set_state(crate::state::QpState::Error);
+    }
+
     /// A poll of the CQ (the waiter's own look between two sleeps, or a
     /// busy poll) marks the QP as polled now without cutting short a
     /// waiter's claim that reaches further; only the waiter's release

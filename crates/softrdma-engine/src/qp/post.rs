@@ -100,6 +100,13 @@ impl TxBatch {
         self.backstop.store(true, Ordering::SeqCst);
     }
 
+    /// When the CQ was last polled (engine clock, ns; 0: never), as the
+    /// post that follows compares it with the time.
+    #[cfg(test)]
+    pub(crate) fn polled_ns(&self) -> u64 {
+        self.polled_ns.load(Ordering::Relaxed)
+    }
+
     /// The calling thread's `post_send_list` call must not defer: Reads or
     /// atomics are outstanding (`core_post_send`, under the connection's
     /// lock).
