@@ -2535,10 +2535,12 @@ impl Shared {
     ) -> (Result<usize, WaitError>, usize) {
         #[cfg(test)]
         drive_tests::panic_in_wait_if_asked();
-        // A bounded sleep even without a deadline: a completion wakes it,
-        // but data held by a cork (its `CORK_MAX` ceiling is checked after
-        // a wait) or another thread's change of the state push nothing,
-        // and this call must look again.
+        // A bounded sleep even without a deadline (`nap`): a completion
+        // wakes it, but data held by a cork (its `CORK_MAX` ceiling is
+        // checked after a wait) or another thread's change of the state
+        // push nothing, and this call must look again. The one exception:
+        // the only handle's sleep in `recv` (`sole`, below) has no time
+        // limit, as nothing of that kind can happen meanwhile.
         // The wait's last look found the CQ non-empty (no second look
         // before the first poll).
         let mut seen = false;
@@ -2623,7 +2625,8 @@ impl Shared {
     /// transfer under way, and no async task or readiness descriptor to
     /// serve. What could still happen meanwhile (another thread's
     /// `shutdown(Read)`) is seen after the re-poll time at the latest, as
-    /// with the `poll(2)` wait; a call that comes meanwhile handles
+    /// with the `poll(2)` wait (for the only handle's read nothing can,
+    /// and its sleep has no such end); a call that comes meanwhile handles
     /// completions itself (`State::recv_sleeping`).
     fn may_sleep_in_recv(&self, st: &State, deadline: Option<Instant>) -> bool {
         self.recv_sleep.load(Ordering::Relaxed)
@@ -2798,7 +2801,9 @@ const SPIN_YIELD_EVERY: u32 = 4;
 
 /// Longest sleep of a blocked call before it looks at the CQ again: a
 /// safety net, not a wake-up mechanism (the thread driving the connection
-/// wakes sleepers). Tests raise it so that a lost wake-up hangs.
+/// wakes sleepers). Not for a read by the stream's only handle that
+/// sleeps in the socket's `recv`: that sleep has no time limit (see
+/// [`Offload::read_sole`]). Tests raise it so that a lost wake-up hangs.
 const REPOLL: Duration = Duration::from_millis(50);
 
 /// A [`REPOLL`] override in milliseconds (0: none), for tests.
