@@ -6,9 +6,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustix::event::{EventfdFlags, eventfd};
 
-/// The owner raises and clears it under its own queue lock; `raised`
-/// remembers the descriptor's state so that only a change costs a system
-/// call (a polling consumer clears an empty queue millions of times).
+/// The owner raises and clears it under its own queue lock, or (the
+/// connection reactor's wake-up) raises it from any thread after changing
+/// what the one clearing thread looks at next; `raised` remembers the
+/// descriptor's state so that only a change costs a system call (a
+/// polling consumer clears an empty queue millions of times).
 #[derive(Debug)]
 pub(crate) struct Signal {
     fd: OwnedFd,
@@ -34,12 +36,28 @@ impl Signal {
     }
 
     /// Makes the descriptor not readable.
+    ///
+    /// The descriptor is drained before the flag is lowered: a raise that
+    /// comes in between sees the flag still up and writes nothing, and the
+    /// clearing thread, which looks at everything after `clear`, sees
+    /// what that raise announced (the swap reads the raise's write). The
+    /// other order let such a raise's write be eaten by the read and left
+    /// the flag up over an empty descriptor, and then every later raise
+    /// skipped its write: the reactor slept for good.
     pub(crate) fn clear(&self) {
-        if !self.raised.swap(false, Ordering::AcqRel) {
+        self.clear_with(|| {});
+    }
+
+    /// `clear`, with `between` run after the read and before the flag is
+    /// lowered (the window the tests put a racing raise in).
+    fn clear_with(&self, between: impl FnOnce()) {
+        if !self.raised.load(Ordering::Acquire) {
             return;
         }
         let mut buf = [0u8; 8];
         let _ = rustix::io::read(&self.fd, &mut buf);
+        between();
+        self.raised.swap(false, Ordering::AcqRel);
     }
 
     /// Whether the descriptor is readable now (as far as the owner made it).
@@ -82,5 +100,28 @@ mod tests {
         assert!(!readable(&s), "one clear undoes any number of raises");
         s.raise();
         assert!(readable(&s));
+    }
+
+    /// The connection reactor's wake-up is raised by any thread, with no
+    /// lock in common with the reactor that clears it. A raise inside the
+    /// clear (the flag lowered, the descriptor not yet read) had its
+    /// write eaten by the read and left the flag up over an empty
+    /// descriptor; every later raise then skipped its write and the
+    /// reactor slept for good (`dat_psp_free` waits up to a second per
+    /// service point for the reactor to let go of it: dapltest's
+    /// `limit_psp` hung now and then).
+    #[test]
+    fn regression_a_raise_inside_a_clear_left_the_flag_up_over_an_empty_descriptor() {
+        let s = Signal::new().unwrap();
+        s.raise();
+        s.clear_with(|| s.raise());
+        assert!(
+            !s.is_raised() || readable(&s),
+            "the flag is up over an empty descriptor: every later raise is lost"
+        );
+        s.raise();
+        assert!(readable(&s), "a raise after the race wakes the poller");
+        s.clear();
+        assert!(!readable(&s) && !s.is_raised());
     }
 }
