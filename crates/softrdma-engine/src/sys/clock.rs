@@ -20,15 +20,21 @@ pub(crate) fn elapsed(since: Instant) -> std::time::Duration {
 /// `Instant`/`Duration`, for the data path's time stamps (several per
 /// message).
 pub(crate) fn monotonic_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// `clock_gettime(id)` in nanoseconds.
+fn clock_ns(id: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC exists on
-    // every Linux, so the call cannot fail (the zeroed value stands if it
-    // did).
+    // SAFETY: `ts` is a valid, writable timespec; the engine asks only for
+    // CLOCK_MONOTONIC and CLOCK_MONOTONIC_COARSE, which exist on every
+    // Linux since 2.6.32, so the call cannot fail (the zeroed value stands
+    // if it did).
     unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
+        libc::clock_gettime(id, &mut ts);
     }
     u64::try_from(ts.tv_sec)
         .unwrap_or(0)
@@ -44,20 +50,7 @@ pub(crate) fn monotonic_ns() -> u64 {
 /// time runs (further when a virtual CPU was not run: 4.6 ms and more
 /// with a 4 ms step seen under load).
 pub(crate) fn monotonic_coarse_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC_COARSE
-    // exists on every Linux since 2.6.32 (the zeroed value stands if the
-    // call failed).
-    unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
-    }
-    u64::try_from(ts.tv_sec)
-        .unwrap_or(0)
-        .wrapping_mul(1_000_000_000)
-        .wrapping_add(u64::try_from(ts.tv_nsec).unwrap_or(0))
+    clock_ns(libc::CLOCK_MONOTONIC_COARSE)
 }
 
 /// The step of [`monotonic_coarse_ns`] (`clock_getres`: the kernel's tick,
