@@ -30,13 +30,10 @@ use crate::stats::PlainReason;
 pub(crate) struct Conn {
     /// The switched stream, or the errno every call reports.
     sw: OnceLock<Result<SdStream, c_int>>,
-    /// Server side, until the first call that needs the stream: the
-    /// duplicate descriptor to switch (as responder). The switch is made
-    /// by whichever process touches the connection first, so a server that
-    /// forks after accept serves it from the child. With it the
-    /// application's `TCP_NODELAY` if it set it meanwhile (see
-    /// [`Conn::nodelay_set`]).
-    pending: Mutex<Option<(std::net::TcpStream, Known, Option<bool>)>>,
+    /// Until the first call that needs the stream: the switch to make
+    /// (server) or to finish (client), with the application's
+    /// `TCP_NODELAY` if it set it meanwhile (see [`Conn::nodelay_set`]).
+    pending: Mutex<Option<(Pending, Option<bool>)>>,
     /// The process that switched it (0 while pending). Another process (a
     /// forked child) has the memory but not the engine threads behind it.
     owner: AtomicI32,
@@ -65,6 +62,30 @@ pub(crate) struct Conn {
     /// Times a write found no room (would block): an edge-triggered epoll
     /// registration reports the connection writable again (see `emu`).
     pub(crate) write_blocked: AtomicU64,
+}
+
+/// A switch not made yet.
+#[derive(Debug)]
+enum Pending {
+    /// Server side: the duplicate descriptor to switch (as responder). The
+    /// switch is made by whichever process touches the connection first,
+    /// so a server that forks after accept serves it from the child.
+    Accepted(std::net::TcpStream, Known),
+    /// Client side: the switch begun in `connect` (the MPA Request is
+    /// sent), finished by this process (the owner) on first use.
+    Connected(Box<Begun>),
+}
+
+/// A client's switch begun in `connect`, and what a plain connection in
+/// its place needs if it fails.
+#[derive(Debug)]
+struct Begun {
+    up: softrdma_sockets::Upgrade,
+    /// The application's descriptor number (the one `connect` was called
+    /// with): a failed switch puts a plain connection there.
+    fd: c_int,
+    addr: libc::sockaddr_storage,
+    len: libc::socklen_t,
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -440,25 +461,94 @@ impl Conn {
         }
     }
 
-    /// Client side: switches `fd` now (it is connected; `nonblock`: the
-    /// application's `O_NONBLOCK`, the socket's as well; `peer`: the
-    /// address it connected to); `Err` if the switch failed (the
-    /// connection is then unusable).
-    pub(crate) fn connect_switch(
+    /// Client side: begins the switch of `fd` (it is connected;
+    /// `nonblock`: the application's `O_NONBLOCK`, the socket's as well;
+    /// `peer`: the address it connected to, `addr`/`len` as the
+    /// application gave it): the MPA Request with the SDP Hello is sent,
+    /// and the first call that needs the stream finishes the switch (see
+    /// [`Conn::stream`]). `Err` if it could not begin (the connection is
+    /// then unusable).
+    ///
+    /// # Safety
+    /// `addr` points to `len` readable bytes.
+    pub(crate) unsafe fn connect_begin(
         fd: c_int,
         nonblock: bool,
         peer: Option<SocketAddr>,
+        addr: *const libc::sockaddr,
+        len: libc::socklen_t,
     ) -> Result<Arc<Conn>, c_int> {
+        let me = pid();
+        let started = ENGINE_PID.load(Ordering::Relaxed);
+        if started != 0 && started != me {
+            return Err(libc::ECONNRESET);
+        }
+        ENGINE_PID.store(me, Ordering::Relaxed);
+        // SAFETY: sockaddr_storage is plain data.
+        let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let n = (len as usize).min(size_of::<libc::sockaddr_storage>());
+        // SAFETY: the caller's `len` readable bytes, at most the storage's.
+        unsafe {
+            std::ptr::copy_nonoverlapping(addr.cast::<u8>(), (&raw mut storage).cast::<u8>(), n)
+        };
         let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
-        let c = Conn::new(nonblock);
+        let nodelay = dup.nodelay().unwrap_or(false);
         let known = Known {
             peer,
             nonblocking: nonblock,
-            ..Known::default()
+            nodelay,
         };
-        let s = switch(dup, true, known, None)?;
-        c.adopt(s);
+        let up = signals_blocked(|| {
+            as_internal(|| SdStream::begin_upgrade_known(dup, true, &config(), &known))
+        })
+        .map_err(|_| libc::ECONNRESET)?;
+        let c = Conn::new(nonblock);
+        // This process finishes it: a forked child never reads the
+        // parent's MPA Reply.
+        c.owner.store(me, Ordering::Relaxed);
+        let b = Begun {
+            up,
+            fd,
+            addr: storage,
+            len: n as libc::socklen_t,
+        };
+        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Pending::Connected(Box::new(b)), Some(nodelay)));
         Ok(Arc::new(c))
+    }
+
+    /// The stream if it can be had without waiting: `Ok(None)` while the
+    /// client's switch begun in `connect` waits for the server's MPA Reply
+    /// (with the descriptor to wait on for it); a switch whose Reply is in
+    /// is finished here, as is one that failed (the plain connection in
+    /// its place). Anything else as [`stream`](Self::stream).
+    pub(crate) fn stream_now(&self) -> Result<Result<&SdStream, c_int>, c_int> {
+        let owner = self.owner.load(Ordering::Relaxed);
+        if self.sw.get().is_none() && (owner == 0 || owner == pid()) {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((Pending::Connected(b), _)) = pending.as_mut() {
+                match b.up.poll() {
+                    Ok(false) => {
+                        return Ok(Err(b.up.wait_on().map_or(-1, |(fd, _)| fd)));
+                    }
+                    // Done, or failed: finished below without a wait (a
+                    // failure's plain connection is made there).
+                    Ok(true) | Err(_) => {}
+                }
+            }
+        }
+        self.stream().map(Ok)
+    }
+
+    /// Whether this is a client's connection whose switch, begun in
+    /// `connect`, is still to be finished by this process.
+    pub(crate) fn unfinished(&self) -> bool {
+        self.sw.get().is_none()
+            && self.owner.load(Ordering::Relaxed) == pid()
+            && matches!(
+                *self.pending.lock().unwrap_or_else(|e| e.into_inner()),
+                Some((Pending::Connected(_), _))
+            )
     }
 
     /// Server side: `fd` will be switched on first use; `nonblock`: its
@@ -477,7 +567,8 @@ impl Conn {
             nonblocking: nonblock,
             ..Known::default()
         };
-        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some((dup, known, None));
+        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Pending::Accepted(dup, known), None));
         Some(Arc::new(c))
     }
 
@@ -496,7 +587,7 @@ impl Conn {
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
         {
-            p.2 = Some(on);
+            p.1 = Some(on);
         }
     }
 
@@ -512,33 +603,82 @@ impl Conn {
     /// The switched stream (switching a pending one now), or the errno of
     /// a connection that cannot be used in this process.
     pub(crate) fn stream(&self) -> Result<&SdStream, c_int> {
+        let owner = self.owner.load(Ordering::Relaxed);
+        if owner != 0 && owner != pid() {
+            // A forked child: the parent's connection (switched, or its
+            // switch begun), not ours to use.
+            return Err(libc::EIO);
+        }
         if self.sw.get().is_none() {
             // Held during the switch: other threads' calls wait for it.
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((dup, known, nodelay)) = pending.take() {
-                let r = switch(dup, false, known, nodelay);
-                match &r {
-                    Ok(_) => state().stats.offloaded(),
-                    Err(_) => state().stats.plain(PlainReason::SetupFailed),
-                }
-                match r {
-                    Ok(s) => self.adopt(s),
-                    Err(e) => {
-                        let _ = self.sw.set(Err(e));
+            match pending.take() {
+                Some((Pending::Accepted(dup, known), nodelay)) => {
+                    let r = switch(dup, false, known, nodelay);
+                    match &r {
+                        Ok(_) => state().stats.offloaded(),
+                        Err(_) => state().stats.plain(PlainReason::SetupFailed),
+                    }
+                    match r {
+                        Ok(s) => self.adopt(s),
+                        Err(e) => {
+                            let _ = self.sw.set(Err(e));
+                        }
                     }
                 }
+                Some((Pending::Connected(b), nodelay)) => self.finish_connect(*b, nodelay),
+                None => {}
             }
-        }
-        let owner = self.owner.load(Ordering::Relaxed);
-        if owner != 0 && owner != pid() {
-            // A forked child: the parent's connection, not ours to use.
-            return Err(libc::EIO);
         }
         match self.sw.get() {
             Some(Ok(s)) => Ok(s),
             Some(Err(e)) => Err(*e),
             // Another thread is switching it.
             None => Err(libc::EAGAIN),
+        }
+    }
+
+    /// Client side: finishes the switch begun in `connect` (waits for the
+    /// server's MPA Reply, at most the switch's time limit counted from
+    /// the connect); if it fails, a new plain connection to the same
+    /// address takes the application's descriptor number before any
+    /// application byte (the server keeps it plain: it asks no twin), and
+    /// the connection's calls go to it.
+    fn finish_connect(&self, b: Begun, nodelay: Option<bool>) {
+        let Begun { up, fd, addr, len } = b;
+        let r = signals_blocked(|| as_internal(|| up.finish()));
+        match r {
+            Ok(s) => {
+                let _ = s.set_nonblocking(true);
+                if nodelay == Some(true) {
+                    let _ = s.set_nodelay(true);
+                }
+                state().stats.offloaded();
+                self.adopt(s);
+            }
+            Err(_) => {
+                state().stats.plain(PlainReason::SetupFailed);
+                let nb = self.nonblock.load(Ordering::Relaxed);
+                // SAFETY: the address as the application gave it, copied.
+                let ok = unsafe {
+                    crate::interpose::reconnect_plain(fd, (&raw const addr).cast(), len, nb)
+                };
+                let plain = ok.then(|| dup_stream(fd)).flatten().map(|d| {
+                    let _ = d.set_nonblocking(true);
+                    SdStream::plain_after_failed_setup(d)
+                });
+                match plain {
+                    Some(p) => self.adopt(p),
+                    None => {
+                        eprintln!(
+                            "softrdma-preload: switching a connection into sockets direct failed, and a plain reconnect too; it is reset"
+                        );
+                        // SAFETY: shutting down the application's socket.
+                        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                        let _ = self.sw.set(Err(libc::ECONNRESET));
+                    }
+                }
+            }
         }
     }
 

@@ -649,9 +649,10 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             }
             // SAFETY: the caller's guarantee for `addr`/`len`.
             let peer = unsafe { ip_port(addr, len) }.map(|(ip, port)| SocketAddr::new(ip, port));
-            match Conn::connect_switch(fd, app_nonblock, peer) {
+            // SAFETY: the caller's guarantee for `addr`/`len`.
+            match unsafe { Conn::connect_begin(fd, app_nonblock, peer, addr, len) } {
                 Ok(c) => {
-                    state().stats.offloaded();
+                    // Counted once the switch is finished (first use).
                     let cloexec = fd_cloexec(fd);
                     conn::insert(fd, c, cloexec);
                 }
@@ -685,7 +686,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 ///
 /// # Safety
 /// `addr` points to `len` readable bytes.
-unsafe fn reconnect_plain(
+pub(crate) unsafe fn reconnect_plain(
     fd: c_int,
     addr: *const sockaddr,
     len: socklen_t,
