@@ -309,7 +309,16 @@ pub(crate) fn release(c: Arc<Conn>) {
     } else if Arc::strong_count(&c) == 1 {
         // The last reference: the close may start an engine thread (a
         // close timer), which must not inherit the application's mask.
-        signals_blocked(|| drop(c));
+        signals_blocked(|| {
+            // A client's switch whose server Reply is in is finished (and
+            // counted), so that the close is the orderly one of an
+            // offloaded connection; one still waiting is aborted (the
+            // server's end is reset).
+            if c.unfinished() && c.reply_in() {
+                let _ = c.stream();
+            }
+            drop(c)
+        });
     } else {
         drop(c);
     }
@@ -540,15 +549,35 @@ impl Conn {
         self.stream().map(Ok)
     }
 
+    /// Whether a client's switch begun in `connect` has the server's Reply
+    /// (it finishes without a wait); false if it waits or failed.
+    fn reply_in(&self) -> bool {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        match pending.as_mut() {
+            Some((Pending::Connected(b), _)) => b.up.poll().unwrap_or(false),
+            _ => false,
+        }
+    }
+
     /// Whether this is a client's connection whose switch, begun in
-    /// `connect`, is still to be finished by this process.
+    /// `connect`, is still to be finished by this process (false while a
+    /// thread finishes it: the calls of the finish itself, a plain
+    /// reconnect's, go to the kernel).
     pub(crate) fn unfinished(&self) -> bool {
         self.sw.get().is_none()
             && self.owner.load(Ordering::Relaxed) == pid()
-            && matches!(
-                *self.pending.lock().unwrap_or_else(|e| e.into_inner()),
-                Some((Pending::Connected(_), _))
-            )
+            && self
+                .try_pending()
+                .is_some_and(|p| matches!(*p, Some((Pending::Connected(_), _))))
+    }
+
+    /// The pending switch's lock if no thread holds it.
+    fn try_pending(&self) -> Option<std::sync::MutexGuard<'_, Option<(Pending, Option<bool>)>>> {
+        match self.pending.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     /// Server side: `fd` will be switched on first use; `nonblock`: its
@@ -589,6 +618,11 @@ impl Conn {
         {
             p.1 = Some(on);
         }
+    }
+
+    /// The application's `TCP_NODELAY` as a switch not made yet keeps it.
+    pub(crate) fn pending_nodelay(&self) -> Option<bool> {
+        self.try_pending()?.as_ref().and_then(|p| p.1)
     }
 
     fn adopt(&self, s: SdStream) {
@@ -664,6 +698,9 @@ impl Conn {
                     crate::interpose::reconnect_plain(fd, (&raw const addr).cast(), len, nb)
                 };
                 let plain = ok.then(|| dup_stream(fd)).flatten().map(|d| {
+                    // The application's `TCP_NODELAY`, not the switch's
+                    // (which the reconnect copied from the old socket).
+                    let _ = d.set_nodelay(nodelay == Some(true));
                     let _ = d.set_nonblocking(true);
                     SdStream::plain_after_failed_setup(d)
                 });

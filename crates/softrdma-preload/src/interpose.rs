@@ -1571,7 +1571,11 @@ pub unsafe extern "C" fn setsockopt(
                     // read unaligned, as the caller's buffer may be any bytes.
                     let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
                     c.nodelay_set(on);
-                    if let Ok(s) = c.stream() {
+                    // A client's switch begun in `connect` takes it when
+                    // it is finished (not finished by this call).
+                    if !c.unfinished()
+                        && let Ok(s) = c.stream()
+                    {
                         let _ = s.set_nodelay(on);
                     }
                 }
@@ -1647,12 +1651,17 @@ pub unsafe extern "C" fn getsockopt(
     if level == libc::IPPROTO_TCP
         && name == libc::TCP_NODELAY
         && let Some(c) = conn::lookup(fd)
-        && let Some(s) = c.switched()
+        && (c.switched().is_some() || c.unfinished())
     {
         if val.is_null() || len.is_null() {
             return fail(libc::EFAULT);
         }
-        let on: c_int = match catch_unwind(AssertUnwindSafe(|| s.nodelay())) {
+        // A client's switch begun in `connect`: the application's setting
+        // (the kernel socket has the switch's).
+        let on: c_int = match catch_unwind(AssertUnwindSafe(|| match c.switched() {
+            Some(s) => s.nodelay(),
+            None => Ok(c.pending_nodelay().unwrap_or(false)),
+        })) {
             Ok(Ok(v)) => c_int::from(v),
             Ok(Err(e)) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
             Err(_) => return fail(libc::EIO),

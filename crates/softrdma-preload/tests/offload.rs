@@ -1250,3 +1250,143 @@ fn a_query_the_client_gave_up_on_switched_the_servers_connection() {
         assert_eq!(field(l, "plain"), "1", "both ends plain: {lines:?}");
     }
 }
+
+/// A client's `connect` returns once its MPA Request is sent, not once the
+/// server has switched: a program that connects to itself and accepts only
+/// afterwards, in the same thread, gets an offloaded connection at once
+/// when its server end is used first (here it speaks first); it waited
+/// for the switch's 5 s limit in `connect` and then connected plain.
+#[test]
+fn a_program_connecting_to_itself_and_accepting_later_in_the_same_thread_is_offloaded() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        t0=time.monotonic()\n\
+        x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
+        assert time.monotonic()-t0 < 2, time.monotonic()-t0\n\
+        y,_=l.accept()\n\
+        y.sendall(b'hello'); assert x.recv(5, socket.MSG_WAITALL)==b'hello'\n\
+        x.sendall(b'to myself'); assert y.recv(9, socket.MSG_WAITALL)==b'to myself'\n\
+        y.sendall(b'and back'); assert x.recv(8, socket.MSG_WAITALL)==b'and back'\n\
+        assert time.monotonic()-t0 < 3, time.monotonic()-t0\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+}
+
+/// `connect` returns before the server has accepted (the server's switch
+/// is made on its first use, later); a write right after it waits for the
+/// server's MPA Reply and its bytes arrive whole, offloaded.
+#[test]
+fn connect_returns_before_the_server_switches_and_a_write_before_the_reply_is_byte_exact() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        accepted=threading.Event(); got=[]\n\
+        def server():\n    time.sleep(0.3); a,_=l.accept(); accepted.set(); got.append(a.recv(100000, socket.MSG_WAITALL)); a.sendall(b'ok'); got.append(a)\n\
+        t=threading.Thread(target=server); t.start()\n\
+        x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
+        assert not accepted.is_set()\n\
+        data=os.urandom(100000); x.sendall(data)\n\
+        assert x.recv(2, socket.MSG_WAITALL)==b'ok'\n\
+        t.join(); assert got[0]==data\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
+/// A non-blocking connect's socket is not reported writable (epoll, poll)
+/// before its switch is finished: not while the server has not switched;
+/// then it is, and the bytes go offloaded.
+#[test]
+fn a_non_blocking_connect_is_writable_only_once_its_switch_is_finished() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        x=socket.socket(); x.setblocking(False)\n\
+        assert x.connect_ex(('127.0.0.1',l.getsockname()[1]))==errno.EINPROGRESS\n\
+        ep=select.epoll(); ep.register(x.fileno(), select.EPOLLOUT)\n\
+        assert ep.poll(0.3)==[], 'writable before the server switched'\n\
+        got=[]\n\
+        def server():\n    a,_=l.accept(); select.select([a],[],[],5); got.append(a.recv(5)); got.append(a)\n\
+        t=threading.Thread(target=server); t.start()\n\
+        ev=ep.poll(5); assert ev==[(x.fileno(), select.EPOLLOUT)], ev\n\
+        p=select.poll(); p.register(x, select.POLLOUT); assert p.poll(0)==[(x.fileno(), select.POLLOUT)]\n\
+        assert x.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)==0\n\
+        x.send(b'hello'); t.join(); assert got[0]==b'hello'\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
+
+/// A switch that fails after `connect` returned (the server closed the
+/// accepted connection without using it) is found at the first write: a
+/// fresh plain connection takes the descriptor before any application
+/// byte, the bytes arrive on it whole, and the reason is counted.
+#[test]
+fn a_switch_failing_after_connect_returned_falls_back_plain_at_the_first_write() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        t0=time.monotonic()\n\
+        x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
+        assert time.monotonic()-t0 < 2, time.monotonic()-t0\n\
+        fd=x.fileno(); x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n\
+        a,_=l.accept(); a.close()\n\
+        data=os.urandom(50000); x.sendall(data)\n\
+        assert x.fileno()==fd and x.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)==1\n\
+        b,_=l.accept(); assert b.getpeername()==x.getsockname()\n\
+        assert b.recv(50000, socket.MSG_WAITALL)==data\n\
+        b.sendall(b'plain'); assert x.recv(5, socket.MSG_WAITALL)==b'plain'\n");
+    let l = &lines[0];
+    assert_eq!(field(l, "offloaded"), "2", "{lines:?}");
+    assert!(l.contains("\"offload setup failed\":1"), "{lines:?}");
+    assert!(
+        l.contains("\"client did not ask for offload\":1"),
+        "{lines:?}"
+    );
+}
+
+/// Closing a connection whose switch was never finished leaves no
+/// descriptor behind, and the server's end sees the connection end (reset
+/// or end of stream), not a hang.
+#[test]
+fn closing_a_connection_before_its_first_use_leaks_nothing_and_ends_the_servers() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        def fds(): return len(os.listdir('/proc/self/fd'))\n\
+        port=l.getsockname()[1]\n\
+        x=socket.create_connection(('127.0.0.1',port)); x.close()\n\
+        a,_=l.accept()\n\
+        try:\n    assert a.recv(1)==b''\n\
+        except ConnectionResetError: pass\n\
+        a.close(); n=fds()\n\
+        for i in range(10):\n    x=socket.create_connection(('127.0.0.1',port)); x.close(); a,_=l.accept(); a.close()\n\
+        time.sleep(0.2); assert fds()==n, (fds(), n)\n");
+    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+}
+
+/// A child forked before the connection's first use gets `EIO` (the
+/// parent's connection, as for a switched one) and does not take the
+/// server's MPA Reply: the parent finishes the switch and its bytes go
+/// offloaded.
+#[test]
+fn a_child_forked_before_the_first_use_leaves_the_switch_to_its_parent() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
+        a,_=l.accept(); select.select([a],[],[],0)\n\
+        pid=os.fork()\n\
+        if pid==0:\n\
+        \x20   try:\n\
+        \x20       x.send(b'child'); os._exit(3)\n\
+        \x20   except OSError as e:\n\
+        \x20       x.close(); os._exit(0 if e.errno==errno.EIO else 4)\n\
+        assert os.waitpid(pid,0)[1]==0\n\
+        x.sendall(b'parent'); assert a.recv(6, socket.MSG_WAITALL)==b'parent'\n\
+        a.sendall(b'back'); assert x.recv(4, socket.MSG_WAITALL)==b'back'\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}

@@ -1194,7 +1194,6 @@ impl BegunParts {
 }
 
 impl Offload {
-
     /// MPA CRC in use.
     pub(crate) fn crc(&self) -> bool {
         self.sh.crc
