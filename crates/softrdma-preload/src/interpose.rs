@@ -554,8 +554,10 @@ fn wait_connected(fd: c_int) -> bool {
 
 /// `connect(2)`: a TCP connection whose policy allows offload asks the
 /// server's UDP twin first; if it agrees, the connection is made (a
-/// non-blocking one is waited for) and switched into sockets direct before
-/// `connect` returns, with the result the real call gave. Otherwise it
+/// non-blocking one is waited for) and its switch into sockets direct
+/// begun (the MPA Request sent) before `connect` returns, with the result
+/// the real call gave; the switch is finished on the connection's first
+/// use (see `Conn::stream`). Otherwise it
 /// stays plain TCP; a connection that must be offloaded but cannot is
 /// refused with `EOPNOTSUPP` before any byte.
 ///

@@ -7,9 +7,9 @@ mod common;
 use common::{field, have_python, python, python_done};
 
 /// Common prelude: a listener and a connected, offloaded pair (c: client,
-/// s: server side). The client connects from a thread: its `connect`
-/// returns once the server has switched too, which it does on its first
-/// use of the accepted socket (here a select).
+/// s: server side). The server switches on its first use of the accepted
+/// socket (here a select); the client's switch, begun in `connect`, is
+/// finished on its first use.
 const PAIR: &str = "import socket,os,sys,select,fcntl,termios,struct,signal,time,errno,threading\n\
 l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\
 def connect():\n    r=[]; t=threading.Thread(target=lambda: r.append(socket.create_connection(('127.0.0.1',l.getsockname()[1])))); t.start()\n    s,_=l.accept(); select.select([],[s],[],5); t.join(); return r[0],s\n\

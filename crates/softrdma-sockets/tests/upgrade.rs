@@ -122,15 +122,23 @@ fn a_begun_upgrade_returns_before_the_peer_switches_and_finishes_after_it() {
 #[test]
 fn a_begun_upgrade_dropped_unfinished_ends_the_connection() {
     let (c, s, _, _) = pair();
-    let up = TcpStream::begin_upgrade_known(c, true, &Config::default(), &Known::default()).unwrap();
+    let up =
+        TcpStream::begin_upgrade_known(c, true, &Config::default(), &Known::default()).unwrap();
     drop(up);
     let t = std::time::Instant::now();
     match TcpStream::upgrade(s, false, &Config::default()) {
         Err(_) => {}
         Ok(mut s) => {
             let mut b = [0u8; 1];
-            assert!(!matches!(s.read(&mut b), Ok(1)), "data from a dropped switch");
+            assert!(
+                !matches!(s.read(&mut b), Ok(1)),
+                "data from a dropped switch"
+            );
         }
     }
-    assert!(t.elapsed() < std::time::Duration::from_secs(4), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(4),
+        "{:?}",
+        t.elapsed()
+    );
 }
