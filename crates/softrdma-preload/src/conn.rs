@@ -33,7 +33,7 @@ pub(crate) struct Conn {
     /// Until the first call that needs the stream: the switch to make
     /// (server) or to finish (client), with the application's
     /// `TCP_NODELAY` if it set it meanwhile (see [`Conn::nodelay_set`]).
-    pending: Mutex<Option<(Pending, Option<bool>)>>,
+    pending: Mutex<Option<PendingSwitch>>,
     /// The process that switched it (0 while pending). Another process (a
     /// forked child) has the memory but not the engine threads behind it.
     owner: AtomicI32,
@@ -63,6 +63,10 @@ pub(crate) struct Conn {
     /// registration reports the connection writable again (see `emu`).
     pub(crate) write_blocked: AtomicU64,
 }
+
+/// A switch not made yet, and the application's `TCP_NODELAY` if it set
+/// it meanwhile.
+type PendingSwitch = (Pending, Option<bool>);
 
 /// A switch not made yet.
 #[derive(Debug)]
@@ -536,13 +540,10 @@ impl Conn {
         if self.sw.get().is_none() && (owner == 0 || owner == pid()) {
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             if let Some((Pending::Connected(b), _)) = pending.as_mut() {
-                match b.up.poll() {
-                    Ok(false) => {
-                        return Ok(Err(b.up.wait_on().map_or(-1, |(fd, _)| fd)));
-                    }
-                    // Done, or failed: finished below without a wait (a
-                    // failure's plain connection is made there).
-                    Ok(true) | Err(_) => {}
+                // Done, or failed: finished below without a wait (a
+                // failure's plain connection is made there).
+                if let Ok(false) = b.up.poll() {
+                    return Ok(Err(b.up.wait_on().map_or(-1, |(fd, _)| fd)));
                 }
             }
         }
@@ -572,7 +573,7 @@ impl Conn {
     }
 
     /// The pending switch's lock if no thread holds it.
-    fn try_pending(&self) -> Option<std::sync::MutexGuard<'_, Option<(Pending, Option<bool>)>>> {
+    fn try_pending(&self) -> Option<std::sync::MutexGuard<'_, Option<PendingSwitch>>> {
         match self.pending.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
