@@ -85,9 +85,11 @@ enum Pending {
 #[derive(Debug)]
 struct Begun {
     up: softrdma_sockets::Upgrade,
-    /// The application's descriptor number (the one `connect` was called
-    /// with): a failed switch puts a plain connection there.
-    fd: c_int,
+    /// The begun socket's identity (`st_dev`, `st_ino`): a failed switch
+    /// puts a plain connection only on the connection's descriptors that
+    /// still are this socket (the application may have closed the number
+    /// `connect` was called with, after a `dup`, and reused it).
+    ino: (u64, u64),
     addr: libc::sockaddr_storage,
     len: libc::socklen_t,
 }
@@ -454,6 +456,18 @@ pub(crate) fn dup_stream(fd: c_int) -> Option<std::net::TcpStream> {
     Some(unsafe { std::net::TcpStream::from_raw_fd(d) })
 }
 
+/// The identity (`st_dev`, `st_ino`) of what `fd` refers to.
+fn inode(fd: c_int) -> Option<(u64, u64)> {
+    // SAFETY: stat is plain data.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes the caller's descriptor's stat into `st`.
+    if unsafe { libc::fstat(fd, &raw mut st) } != 0 {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)]
+    Some((st.st_dev as u64, st.st_ino as u64))
+}
+
 impl Conn {
     fn new(nonblock: bool) -> Conn {
         Conn {
@@ -505,6 +519,7 @@ impl Conn {
             std::ptr::copy_nonoverlapping(addr.cast::<u8>(), (&raw mut storage).cast::<u8>(), n)
         };
         let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
+        let ino = inode(fd).ok_or(libc::EBADF)?;
         let nodelay = dup.nodelay().unwrap_or(false);
         let known = Known {
             peer,
@@ -521,7 +536,7 @@ impl Conn {
         c.owner.store(me, Ordering::Relaxed);
         let b = Begun {
             up,
-            fd,
+            ino,
             addr: storage,
             len: n as libc::socklen_t,
         };
@@ -680,7 +695,7 @@ impl Conn {
     /// application byte (the server keeps it plain: it asks no twin), and
     /// the connection's calls go to it.
     fn finish_connect(&self, b: Begun, nodelay: Option<bool>) {
-        let Begun { up, fd, addr, len } = b;
+        let Begun { up, ino, addr, len } = b;
         let r = signals_blocked(|| as_internal(|| up.finish()));
         match r {
             Ok(s) => {
@@ -695,13 +710,25 @@ impl Conn {
                 state().stats.plain(PlainReason::SetupFailed);
                 let nb = self.nonblock.load(Ordering::Relaxed);
                 // SAFETY: the address as the application gave it, copied.
-                let ok = unsafe {
-                    crate::interpose::reconnect_plain(fd, (&raw const addr).cast(), len, nb)
+                let ns = unsafe {
+                    crate::interpose::plain_socket(
+                        (&raw const addr).cast(),
+                        len,
+                        nb,
+                        nodelay == Some(true),
+                    )
                 };
-                let plain = ok.then(|| dup_stream(fd)).flatten().map(|d| {
-                    // The application's `TCP_NODELAY`, not the switch's
-                    // (which the reconnect copied from the old socket).
-                    let _ = d.set_nodelay(nodelay == Some(true));
+                let plain = ns.and_then(|ns| {
+                    let placed = self.place_plain(Some(ns), ino);
+                    // The stream's own duplicate of the new connection.
+                    let d = placed.then(|| dup_stream(ns)).flatten();
+                    if let Some(close) = crate::interpose::REAL_CLOSE.get() {
+                        // SAFETY: our socket (copies live at the descriptors).
+                        unsafe { close(ns) };
+                    }
+                    d
+                });
+                let plain = plain.map(|d| {
                     let _ = d.set_nonblocking(true);
                     SdStream::plain_after_failed_setup(d)
                 });
@@ -711,13 +738,57 @@ impl Conn {
                         eprintln!(
                             "softrdma-preload: switching a connection into sockets direct failed, and a plain reconnect too; it is reset"
                         );
-                        // SAFETY: shutting down the application's socket.
-                        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                        if ns.is_none() {
+                            // The begun socket, where the application
+                            // still has it, carries no data.
+                            self.place_plain(None, ino);
+                        }
                         let _ = self.sw.set(Err(libc::ECONNRESET));
                     }
                 }
             }
         }
+    }
+
+    /// Puts the plain connection `ns` on each descriptor of this
+    /// connection that is still the begun socket `ino` (under the table's
+    /// lock: a close forgets its descriptor before it closes it, so none
+    /// is closed meanwhile), or shuts each down if there is no `ns`; false
+    /// if there is none (no descriptor is touched then).
+    fn place_plain(&self, ns: Option<c_int>, ino: (u64, u64)) -> bool {
+        let (Some(dup3), Some(shutdown)) = (
+            crate::interpose::REAL_DUP3.get(),
+            crate::interpose::REAL_SHUTDOWN.get(),
+        ) else {
+            return false;
+        };
+        let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+        let mut placed = false;
+        for &fd in t
+            .iter()
+            .filter(|(_, s)| std::ptr::eq(Arc::as_ptr(&s.conn), self))
+            .map(|(fd, _)| fd)
+        {
+            if inode(fd) != Some(ino) {
+                continue;
+            }
+            let Some(ns) = ns else {
+                // SAFETY: a descriptor of this connection, still its socket.
+                unsafe { shutdown(fd, libc::SHUT_RDWR) };
+                placed = true;
+                continue;
+            };
+            // The kernel's flag (an offloaded descriptor's is always set).
+            let flags = if crate::interpose::fd_cloexec(fd) {
+                libc::O_CLOEXEC
+            } else {
+                0
+            };
+            // SAFETY: the new connection takes a descriptor number of this
+            // connection that is still its begun socket.
+            placed |= unsafe { dup3(ns, fd, flags) } == fd;
+        }
+        placed
     }
 
     /// The stream if it is switched and this process's (a pending one is

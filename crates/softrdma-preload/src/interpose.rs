@@ -694,27 +694,9 @@ pub(crate) unsafe fn reconnect_plain(
     len: socklen_t,
     nonblock: bool,
 ) -> bool {
-    let (Some(connect), Some(dup3), Some(close), Some(fcntl)) = (
-        REAL_CONNECT.get(),
-        REAL_DUP3.get(),
-        REAL_CLOSE.get(),
-        REAL_FCNTL.get(),
-    ) else {
+    let (Some(dup3), Some(close)) = (REAL_DUP3.get(), REAL_CLOSE.get()) else {
         return false;
     };
-    // SAFETY: the caller's address; the family is its first field.
-    let family = c_int::from(unsafe { (*addr).sa_family });
-    // SAFETY: a new socket.
-    let ns = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if ns < 0 {
-        return false;
-    }
-    // SAFETY: a blocking connect of our new socket to the caller's address.
-    if unsafe { connect(ns, addr, len) } != 0 {
-        // SAFETY: our socket.
-        unsafe { close(ns) };
-        return false;
-    }
     let mut nodelay: c_int = 0;
     let mut l = size_of::<c_int>() as socklen_t;
     // SAFETY: reading an int option of the caller's socket.
@@ -725,24 +707,12 @@ pub(crate) unsafe fn reconnect_plain(
             libc::TCP_NODELAY,
             (&raw mut nodelay).cast(),
             &raw mut l,
-        );
-        if nodelay != 0 {
-            libc::setsockopt(
-                ns,
-                libc::IPPROTO_TCP,
-                libc::TCP_NODELAY,
-                (&raw const nodelay).cast(),
-                size_of::<c_int>() as socklen_t,
-            );
-        }
-    }
-    if nonblock {
-        // SAFETY: F_GETFL/F_SETFL on our socket.
-        unsafe {
-            let nfl = fcntl(ns, libc::F_GETFL, 0);
-            fcntl(ns, libc::F_SETFL, (nfl | libc::O_NONBLOCK) as usize);
-        }
-    }
+        )
+    };
+    // SAFETY: the caller's guarantee for `addr`/`len`.
+    let Some(ns) = (unsafe { plain_socket(addr, len, nonblock, nodelay != 0) }) else {
+        return false;
+    };
     let flags = if fd_cloexec(fd) { libc::O_CLOEXEC } else { 0 };
     // SAFETY: the new connection takes the caller's descriptor number.
     let r = unsafe { dup3(ns, fd, flags) };
@@ -751,7 +721,59 @@ pub(crate) unsafe fn reconnect_plain(
     r == fd
 }
 
-fn fd_cloexec(fd: c_int) -> bool {
+/// A new plain connection to `addr` (a blocking connect), close-on-exec,
+/// with `nonblock` and `TCP_NODELAY` as given; the caller owns it.
+///
+/// # Safety
+/// `addr` points to `len` readable bytes.
+pub(crate) unsafe fn plain_socket(
+    addr: *const sockaddr,
+    len: socklen_t,
+    nonblock: bool,
+    nodelay: bool,
+) -> Option<c_int> {
+    let (Some(connect), Some(close), Some(fcntl)) =
+        (REAL_CONNECT.get(), REAL_CLOSE.get(), REAL_FCNTL.get())
+    else {
+        return None;
+    };
+    // SAFETY: the caller's address; the family is its first field.
+    let family = c_int::from(unsafe { (*addr).sa_family });
+    // SAFETY: a new socket.
+    let ns = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if ns < 0 {
+        return None;
+    }
+    // SAFETY: a blocking connect of our new socket to the caller's address.
+    if unsafe { connect(ns, addr, len) } != 0 {
+        // SAFETY: our socket.
+        unsafe { close(ns) };
+        return None;
+    }
+    if nodelay {
+        let one: c_int = 1;
+        // SAFETY: setting an int option of our socket.
+        unsafe {
+            libc::setsockopt(
+                ns,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                (&raw const one).cast(),
+                size_of::<c_int>() as socklen_t,
+            )
+        };
+    }
+    if nonblock {
+        // SAFETY: F_GETFL/F_SETFL on our socket.
+        unsafe {
+            let nfl = fcntl(ns, libc::F_GETFL, 0);
+            fcntl(ns, libc::F_SETFL, (nfl | libc::O_NONBLOCK) as usize);
+        }
+    }
+    Some(ns)
+}
+
+pub(crate) fn fd_cloexec(fd: c_int) -> bool {
     REAL_FCNTL.get().is_some_and(|f| {
         // SAFETY: F_GETFD has no argument.
         let fl = unsafe { f(fd, libc::F_GETFD, 0) };

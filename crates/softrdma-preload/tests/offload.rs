@@ -1390,3 +1390,29 @@ fn a_child_forked_before_the_first_use_leaves_the_switch_to_its_parent() {
         a.sendall(b'back'); assert x.recv(4, socket.MSG_WAITALL)==b'back'\n");
     assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
 }
+
+/// A switch failing at first use puts its plain connection only on the
+/// connection's descriptors that are still its socket: the number
+/// `connect` was called with, closed after a `dup` and taken by a file,
+/// stays the file (the plain reconnect's `dup3` replaced the file there
+/// and the application lost it), and the bytes go on the `dup`.
+#[test]
+fn a_failure_at_first_use_reconnects_onto_a_descriptor_number_the_application_no_longer_owns() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        import stat, tempfile\n\
+        x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
+        fd=x.fileno(); y=socket.socket(fileno=os.dup(fd)); x.close()\n\
+        f=tempfile.TemporaryFile(); assert f.fileno()==fd, (f.fileno(), fd)\n\
+        f.write(b'file'); f.flush()\n\
+        a,_=l.accept(); a.close()\n\
+        data=os.urandom(50000); y.sendall(data)\n\
+        assert stat.S_ISREG(os.fstat(fd).st_mode), 'the file was replaced'\n\
+        f.seek(0); assert f.read()==b'file'\n\
+        b,_=l.accept(); assert b.getpeername()==y.getsockname()\n\
+        assert b.recv(50000, socket.MSG_WAITALL)==data\n\
+        b.sendall(b'plain'); assert y.recv(5, socket.MSG_WAITALL)==b'plain'\n");
+    assert!(lines[0].contains("\"offload setup failed\":1"), "{lines:?}");
+}
