@@ -545,20 +545,27 @@ impl Conn {
         Ok(Arc::new(c))
     }
 
-    /// The stream if it can be had without waiting: `Ok(None)` while the
-    /// client's switch begun in `connect` waits for the server's MPA Reply
-    /// (with the descriptor to wait on for it); a switch whose Reply is in
-    /// is finished here, as is one that failed (the plain connection in
-    /// its place). Anything else as [`stream`](Self::stream).
-    pub(crate) fn stream_now(&self) -> Result<Result<&SdStream, c_int>, c_int> {
+    /// The stream if it can be had without waiting: `Ok(Err(Some(fd)))`
+    /// while the client's switch begun in `connect` waits for the server's
+    /// MPA Reply (with the descriptor to wait on for it), `Ok(Err(None))`
+    /// while another thread finishes a switch (its lock is held: look
+    /// again shortly); a switch whose Reply is in is finished here, as is
+    /// one that failed (the plain connection in its place). Anything else
+    /// as [`stream`](Self::stream).
+    pub(crate) fn stream_now(&self) -> Result<Result<&SdStream, Option<c_int>>, c_int> {
         let owner = self.owner.load(Ordering::Relaxed);
         if self.sw.get().is_none() && (owner == 0 || owner == pid()) {
-            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(mut pending) = self.try_pending() else {
+                if self.sw.get().is_some() {
+                    return self.stream().map(Ok);
+                }
+                return Ok(Err(None));
+            };
             if let Some((Pending::Connected(b), _)) = pending.as_mut() {
                 // Done, or failed: finished below without a wait (a
                 // failure's plain connection is made there).
                 if let Ok(false) = b.up.poll() {
-                    return Ok(Err(b.up.wait_on().map_or(-1, |(fd, _)| fd)));
+                    return Ok(Err(Some(b.up.wait_on().map_or(-1, |(fd, _)| fd))));
                 }
             }
         }

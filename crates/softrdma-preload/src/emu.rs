@@ -347,19 +347,6 @@ pub(crate) unsafe fn wait(
             switching.clear();
             for (&fd, r) in &g.regs {
                 let Some(c) = r.conn.upgrade() else { continue };
-                match c.stream_now() {
-                    Ok(Ok(_)) => {}
-                    // A client's switch waiting for the server's Reply:
-                    // nothing to report; its socket wakes the wait.
-                    Ok(Err(sfd)) => {
-                        if sfd >= 0 && !r.disabled {
-                            switching.push(sfd);
-                        }
-                        continue;
-                    }
-                    Err(_) => continue,
-                }
-                interest.push(r.interest(&c));
                 seen.push(Seen {
                     fd,
                     version: r.version,
@@ -371,6 +358,29 @@ pub(crate) unsafe fn wait(
                 });
             }
         }
+        // The connections are looked at without the instance's lock: a
+        // switch finished here (its Reply in, or failed: a plain connect)
+        // must not hold up the instance's other calls.
+        let mut busy = false;
+        seen.retain(|s| match s.conn.stream_now() {
+            Ok(Ok(_)) => true,
+            // A client's switch waiting for the server's Reply: nothing to
+            // report; its socket wakes the wait.
+            Ok(Err(Some(sfd))) => {
+                if sfd >= 0 && !s.disabled {
+                    switching.push(sfd);
+                }
+                false
+            }
+            // Another thread is finishing the switch: looked at again
+            // shortly.
+            Ok(Err(None)) => {
+                busy |= !s.disabled;
+                false
+            }
+            Err(_) => false,
+        });
+        interest.extend(seen.iter().map(interest_of_seen));
         let mut entries: Vec<PollEntry<'_>> = Vec::with_capacity(seen.len() + others.len() + 1);
         entries.push(PollEntry::fd(epfd, sdpoll::POLLIN));
         for (s, &i) in seen.iter().zip(&interest) {
@@ -387,8 +397,9 @@ pub(crate) unsafe fn wait(
             entries.push(PollEntry::fd(sfd, sdpoll::POLLIN));
         }
         let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        if !switching.is_empty() {
-            // A switch's time limit is looked at by the next round.
+        if !switching.is_empty() || busy {
+            // A switch's time limit, or another thread's finish of one, is
+            // looked at by the next round.
             left = Some(left.map_or(SWITCH_LOOK, |l| l.min(SWITCH_LOOK)));
         }
         if let Err(e) = sdpoll::wait_progress(&mut entries, left, mask) {

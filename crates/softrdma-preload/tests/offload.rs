@@ -1416,3 +1416,25 @@ fn a_failure_at_first_use_reconnects_onto_a_descriptor_number_the_application_no
         b.sendall(b'plain'); assert y.recv(5, socket.MSG_WAITALL)==b'plain'\n");
     assert!(lines[0].contains("\"offload setup failed\":1"), "{lines:?}");
 }
+
+/// `epoll_wait` with timeout 0 returns at once while another thread
+/// finishes a connection's switch (its write waits for the server's MPA
+/// Reply): the wait looked at the connection under the instance's lock
+/// and waited for the switch's lock, up to the switch's 5 s limit.
+#[test]
+fn epoll_wait_0_blocks_while_another_thread_finishes_the_switch() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        x=socket.socket(); x.setblocking(False)\n\
+        assert x.connect_ex(('127.0.0.1',l.getsockname()[1]))==errno.EINPROGRESS\n\
+        ep=select.epoll(); ep.register(x.fileno(), select.EPOLLOUT)\n\
+        def tx():\n    select.select([],[x],[],5); x.send(b'hello')\n\
+        t=threading.Thread(target=tx); t.start(); time.sleep(0.5)\n\
+        t0=time.monotonic(); ev=ep.poll(0); dt=time.monotonic()-t0\n\
+        assert dt < 0.5, ('epoll_wait(0) took', dt)\n\
+        a,_=l.accept(); select.select([a],[],[],5); assert a.recv(5, socket.MSG_WAITALL)==b'hello'\n\
+        t.join(); ev=ep.poll(5); assert ev==[(x.fileno(), select.EPOLLOUT)], ev\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+}
