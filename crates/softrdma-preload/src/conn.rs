@@ -14,7 +14,9 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::FromRawFd;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{
+    AtomicBool, AtomicI32, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -34,6 +36,16 @@ pub(crate) struct Conn {
     /// (server) or to finish (client), with the application's
     /// `TCP_NODELAY` if it set it meanwhile (see [`Conn::nodelay_set`]).
     pending: Mutex<Option<PendingSwitch>>,
+    /// A client's switch begun in `connect`: [`BEGUN`] until the first use
+    /// takes it, [`FINISHING`] while a thread finishes it, then [`DONE`]
+    /// ([`NOT_BEGUN`] for any other connection). Kept apart from the
+    /// switch's lock, which other threads also hold a moment (a look at
+    /// whether the Reply is in, a `TCP_NODELAY` kept): a held lock does not
+    /// tell a finish in progress.
+    stage: AtomicU8,
+    /// The application's `TCP_NODELAY` for a switch not made yet (0: not
+    /// known, 1: off, 2: on): answered without the switch's lock.
+    app_nodelay: AtomicU8,
     /// The process that switched it (0 while pending). Another process (a
     /// forked child) has the memory but not the engine threads behind it.
     owner: AtomicI32,
@@ -63,6 +75,15 @@ pub(crate) struct Conn {
     /// registration reports the connection writable again (see `emu`).
     pub(crate) write_blocked: AtomicU64,
 }
+
+/// [`Conn::stage`]: not a client's switch begun in `connect`.
+const NOT_BEGUN: u8 = 0;
+/// [`Conn::stage`]: begun, to be finished on first use.
+const BEGUN: u8 = 1;
+/// [`Conn::stage`]: a thread is finishing it.
+const FINISHING: u8 = 2;
+/// [`Conn::stage`]: finished (switched, or plain in its place).
+const DONE: u8 = 3;
 
 /// A switch not made yet, and the application's `TCP_NODELAY` if it set
 /// it meanwhile.
@@ -473,6 +494,8 @@ impl Conn {
         Conn {
             sw: OnceLock::new(),
             pending: Mutex::new(None),
+            stage: AtomicU8::new(NOT_BEGUN),
+            app_nodelay: AtomicU8::new(0),
             owner: AtomicI32::new(0),
             nonblock: AtomicBool::new(nonblock),
             rcvtimeo: AtomicU64::new(0),
@@ -542,6 +565,9 @@ impl Conn {
         };
         *c.pending.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((Pending::Connected(Box::new(b)), Some(nodelay)));
+        c.app_nodelay
+            .store(1 + u8::from(nodelay), Ordering::Relaxed);
+        c.stage.store(BEGUN, Ordering::Release);
         Ok(Arc::new(c))
     }
 
@@ -587,11 +613,19 @@ impl Conn {
     /// thread finishes it: the calls of the finish itself, a plain
     /// reconnect's, go to the kernel).
     pub(crate) fn unfinished(&self) -> bool {
-        self.sw.get().is_none()
+        self.stage.load(Ordering::Acquire) == BEGUN
+            && self.sw.get().is_none()
             && self.owner.load(Ordering::Relaxed) == pid()
-            && self
-                .try_pending()
-                .is_some_and(|p| matches!(*p, Some((Pending::Connected(_), _))))
+    }
+
+    /// Whether this is a client's connection whose switch, begun in
+    /// `connect`, is not finished yet (begun, or a thread finishing it):
+    /// the application's `TCP_NODELAY` is [`pending_nodelay`](Self::pending_nodelay),
+    /// not the kernel socket's.
+    pub(crate) fn begun(&self) -> bool {
+        matches!(self.stage.load(Ordering::Acquire), BEGUN | FINISHING)
+            && self.sw.get().is_none()
+            && self.owner.load(Ordering::Relaxed) == pid()
     }
 
     /// The pending switch's lock if no thread holds it.
@@ -641,11 +675,15 @@ impl Conn {
         {
             p.1 = Some(on);
         }
+        self.app_nodelay.store(1 + u8::from(on), Ordering::Relaxed);
     }
 
     /// The application's `TCP_NODELAY` as a switch not made yet keeps it.
     pub(crate) fn pending_nodelay(&self) -> Option<bool> {
-        self.try_pending()?.as_ref().and_then(|p| p.1)
+        match self.app_nodelay.load(Ordering::Relaxed) {
+            0 => None,
+            v => Some(v == 2),
+        }
     }
 
     fn adopt(&self, s: SdStream) {
@@ -683,7 +721,11 @@ impl Conn {
                         }
                     }
                 }
-                Some((Pending::Connected(b), nodelay)) => self.finish_connect(*b, nodelay),
+                Some((Pending::Connected(b), nodelay)) => {
+                    self.stage.store(FINISHING, Ordering::Release);
+                    self.finish_connect(*b, nodelay);
+                    self.stage.store(DONE, Ordering::Release);
+                }
                 None => {}
             }
         }

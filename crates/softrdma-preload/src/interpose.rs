@@ -1675,7 +1675,7 @@ pub unsafe extern "C" fn getsockopt(
     if level == libc::IPPROTO_TCP
         && name == libc::TCP_NODELAY
         && let Some(c) = conn::lookup(fd)
-        && (c.switched().is_some() || c.unfinished())
+        && (c.switched().is_some() || c.begun())
     {
         if val.is_null() || len.is_null() {
             return fail(libc::EFAULT);

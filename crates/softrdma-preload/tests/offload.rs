@@ -1438,3 +1438,101 @@ fn epoll_wait_0_blocks_while_another_thread_finishes_the_switch() {
         t.join(); ev=ep.poll(5); assert ev==[(x.fileno(), select.EPOLLOUT)], ev\n");
     assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
 }
+
+/// A C client for the test below: connects to 127.0.0.1:`argv[1]`, then
+/// one thread waits on an epoll instance of the connection with timeout 0
+/// in a loop while the other sets `TCP_NODELAY` off and reads it back, so
+/// many times; exits 0 if every read gave 0 and the loop took under 3 s.
+const NODELAY_WHILE_EPOLL_C: &str = r#"#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+static int ep;
+static volatile int stop;
+
+static void *spin(void *arg) {
+    (void)arg;
+    struct epoll_event ev;
+    while (!stop)
+        epoll_wait(ep, &ev, 1, 0);
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(atoi(argv[1]));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0)
+        return 2;
+    ep = epoll_create1(0);
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd};
+    epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
+    pthread_t t;
+    pthread_create(&t, NULL, spin, NULL);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int bad = 0, zero = 0;
+    for (int i = 0; i < 100000; i++) {
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &zero, sizeof zero);
+        int v = 0;
+        socklen_t len = sizeof v;
+        getsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &v, &len);
+        bad += v != 0;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    stop = 1;
+    pthread_join(t, NULL);
+    double dt = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+    printf("%d %f\n", bad, dt);
+    fflush(stdout);
+    _exit(bad == 0 && dt < 3 ? 0 : 1);
+}
+"#;
+
+/// Before the first use, `setsockopt(TCP_NODELAY)` and
+/// `getsockopt(TCP_NODELAY)` keep the application's setting while another
+/// thread merely looks at the connection (an `epoll_wait(0)` loop holds
+/// the switch's lock a moment): a busy lock was taken for a finish in
+/// progress, so a set finished the switch itself (waiting out the
+/// switch's 5 s limit for a Reply the server had not sent, then plain) and
+/// a get reported the kernel socket's 1. (Skipped without a C compiler.)
+#[test]
+fn unfinished_and_pending_nodelay_answer_wrongly_when_the_lock_is_merely_busy() {
+    if !have_python() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("busy.c");
+    let exe = dir.path().join("busy");
+    std::fs::write(&src, NODELAY_WHILE_EPOLL_C).unwrap();
+    match std::process::Command::new("cc")
+        .args(["-O1", "-pthread", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .status()
+    {
+        Ok(st) if st.success() => {}
+        _ => {
+            eprintln!("no C compiler: skipped");
+            return;
+        }
+    }
+    let lines = run(&format!(
+        "c.close(); s.close()\n\
+         import subprocess\n\
+         p=subprocess.run([{exe:?}, str(l.getsockname()[1])], capture_output=True, text=True)\n\
+         assert p.returncode==0, (p.returncode, p.stdout, p.stderr)\n\
+         a,_=l.accept(); a.close()\n",
+        exe = exe.display().to_string()
+    ));
+    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+}
