@@ -1283,11 +1283,11 @@ fn connect_returns_before_the_server_switches_and_a_write_before_the_reply_is_by
         return;
     }
     let lines = run("c.close(); s.close()\n\
-        accepted=threading.Event(); got=[]\n\
-        def server():\n    time.sleep(0.3); a,_=l.accept(); accepted.set(); got.append(a.recv(100000, socket.MSG_WAITALL)); a.sendall(b'ok'); got.append(a)\n\
+        accepted=threading.Event(); connected=threading.Event(); got=[]\n\
+        def server():\n    connected.wait(10); a,_=l.accept(); accepted.set(); got.append(a.recv(100000, socket.MSG_WAITALL)); a.sendall(b'ok'); got.append(a)\n\
         t=threading.Thread(target=server); t.start()\n\
         x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
-        assert not accepted.is_set()\n\
+        assert not accepted.is_set(); connected.set()\n\
         data=os.urandom(100000); x.sendall(data)\n\
         assert x.recv(2, socket.MSG_WAITALL)==b'ok'\n\
         t.join(); assert got[0]==data\n");
@@ -1363,7 +1363,9 @@ fn closing_a_connection_before_its_first_use_leaks_nothing_and_ends_the_servers(
         except ConnectionResetError: pass\n\
         a.close(); n=fds()\n\
         for i in range(10):\n    x=socket.create_connection(('127.0.0.1',port)); x.close(); a,_=l.accept(); a.close()\n\
-        time.sleep(0.2); assert fds()==n, (fds(), n)\n");
+        t0=time.monotonic()\n\
+        while fds()!=n and time.monotonic()-t0 < 5: time.sleep(0.05)\n\
+        assert fds()==n, (fds(), n)\n");
     assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
 }
 
