@@ -76,6 +76,12 @@ pub(crate) struct Conn {
     pub(crate) write_blocked: AtomicU64,
 }
 
+/// How long a close before the connection's first use waits for the
+/// server's MPA Reply, to finish the switch and close in order (a server
+/// that uses its end at once answers within it; otherwise the switch is
+/// aborted and the server's end reset).
+const CLOSE_REPLY_WAIT: Duration = Duration::from_millis(50);
+
 /// [`Conn::stage`]: not a client's switch begun in `connect`.
 const NOT_BEGUN: u8 = 0;
 /// [`Conn::stage`]: begun, to be finished on first use.
@@ -337,11 +343,12 @@ pub(crate) fn release(c: Arc<Conn>) {
         // The last reference: the close may start an engine thread (a
         // close timer), which must not inherit the application's mask.
         signals_blocked(|| {
-            // A client's switch whose server Reply is in is finished (and
-            // counted), so that the close is the orderly one of an
-            // offloaded connection; one still waiting is aborted (the
+            // A client's switch whose server Reply is in, or comes within
+            // a moment (a server that uses its end at once), is finished
+            // (and counted), so that the close is the orderly one of an
+            // offloaded connection; one still waiting then is aborted (the
             // server's end is reset).
-            if c.unfinished() && c.reply_in() {
+            if c.unfinished() && c.reply_within(CLOSE_REPLY_WAIT) {
                 let _ = c.stream();
             }
             drop(c)
@@ -599,12 +606,40 @@ impl Conn {
     }
 
     /// Whether a client's switch begun in `connect` has the server's Reply
-    /// (it finishes without a wait); false if it waits or failed.
-    fn reply_in(&self) -> bool {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        match pending.as_mut() {
-            Some((Pending::Connected(b), _)) => b.up.poll().unwrap_or(false),
-            _ => false,
+    /// (it finishes without a wait), waiting for it up to `limit`; false if
+    /// it still waits then, or failed.
+    fn reply_within(&self, limit: Duration) -> bool {
+        let end = Instant::now() + limit;
+        loop {
+            let (fd, write) = {
+                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                match pending.as_mut() {
+                    Some((Pending::Connected(b), _)) => match b.up.poll() {
+                        Ok(true) => return true,
+                        Err(_) => return false,
+                        Ok(false) => match b.up.wait_on() {
+                            Some(w) => w,
+                            None => return false,
+                        },
+                    },
+                    _ => return false,
+                }
+            };
+            let left = end.saturating_duration_since(Instant::now());
+            let Some(poll) = crate::interpose::REAL_POLL.get() else {
+                return false;
+            };
+            if left.is_zero() {
+                return false;
+            }
+            let mut p = libc::pollfd {
+                fd,
+                events: if write { libc::POLLOUT } else { libc::POLLIN },
+                revents: 0,
+            };
+            let ms = c_int::try_from(left.as_millis().max(1)).unwrap_or(c_int::MAX);
+            // SAFETY: one pollfd of ours; the switch's own descriptor.
+            unsafe { poll(&raw mut p, 1, ms) };
         }
     }
 

@@ -1538,3 +1538,21 @@ fn unfinished_and_pending_nodelay_answer_wrongly_when_the_lock_is_merely_busy() 
     ));
     assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
 }
+
+/// A connection closed right after `connect`, before its first use, while
+/// the server uses its end at once: the close waits a moment for the
+/// server's MPA Reply, finishes the switch and closes in order (the
+/// server reads the end of the stream); it aborted the switch, and the
+/// server's end was reset.
+#[test]
+fn a_close_before_first_use_races_the_reply_and_resets_the_servers_end() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        got=[]\n\
+        def server():\n    a,_=l.accept()\n    try: got.append(a.recv(1))\n    except ConnectionResetError: got.append('reset')\n    a.close()\n\
+        for i in range(5):\n    t=threading.Thread(target=server); t.start()\n    x=socket.create_connection(('127.0.0.1',l.getsockname()[1])); x.close(); t.join()\n\
+        assert got==[b'']*5, got\n");
+    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+}
