@@ -14,7 +14,9 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::FromRawFd;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{
+    AtomicBool, AtomicI32, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -30,13 +32,20 @@ use crate::stats::PlainReason;
 pub(crate) struct Conn {
     /// The switched stream, or the errno every call reports.
     sw: OnceLock<Result<SdStream, c_int>>,
-    /// Server side, until the first call that needs the stream: the
-    /// duplicate descriptor to switch (as responder). The switch is made
-    /// by whichever process touches the connection first, so a server that
-    /// forks after accept serves it from the child. With it the
-    /// application's `TCP_NODELAY` if it set it meanwhile (see
-    /// [`Conn::nodelay_set`]).
-    pending: Mutex<Option<(std::net::TcpStream, Known, Option<bool>)>>,
+    /// Until the first call that needs the stream: the switch to make
+    /// (server) or to finish (client), with the application's
+    /// `TCP_NODELAY` if it set it meanwhile (see [`Conn::nodelay_set`]).
+    pending: Mutex<Option<PendingSwitch>>,
+    /// A client's switch begun in `connect`: [`BEGUN`] until the first use
+    /// takes it, [`FINISHING`] while a thread finishes it, then [`DONE`]
+    /// ([`NOT_BEGUN`] for any other connection). Kept apart from the
+    /// switch's lock, which other threads also hold a moment (a look at
+    /// whether the Reply is in, a `TCP_NODELAY` kept): a held lock does not
+    /// tell a finish in progress.
+    stage: AtomicU8,
+    /// The application's `TCP_NODELAY` for a switch not made yet (0: not
+    /// known, 1: off, 2: on): answered without the switch's lock.
+    app_nodelay: AtomicU8,
     /// The process that switched it (0 while pending). Another process (a
     /// forked child) has the memory but not the engine threads behind it.
     owner: AtomicI32,
@@ -65,6 +74,51 @@ pub(crate) struct Conn {
     /// Times a write found no room (would block): an edge-triggered epoll
     /// registration reports the connection writable again (see `emu`).
     pub(crate) write_blocked: AtomicU64,
+}
+
+/// How long a close before the connection's first use waits for the
+/// server's MPA Reply, to finish the switch and close in order (a server
+/// that uses its end at once answers within it; otherwise the switch is
+/// aborted and the server's end reset).
+const CLOSE_REPLY_WAIT: Duration = Duration::from_millis(50);
+
+/// [`Conn::stage`]: not a client's switch begun in `connect`.
+const NOT_BEGUN: u8 = 0;
+/// [`Conn::stage`]: begun, to be finished on first use.
+const BEGUN: u8 = 1;
+/// [`Conn::stage`]: a thread is finishing it.
+const FINISHING: u8 = 2;
+/// [`Conn::stage`]: finished (switched, or plain in its place).
+const DONE: u8 = 3;
+
+/// A switch not made yet, and the application's `TCP_NODELAY` if it set
+/// it meanwhile.
+type PendingSwitch = (Pending, Option<bool>);
+
+/// A switch not made yet.
+#[derive(Debug)]
+enum Pending {
+    /// Server side: the duplicate descriptor to switch (as responder). The
+    /// switch is made by whichever process touches the connection first,
+    /// so a server that forks after accept serves it from the child.
+    Accepted(std::net::TcpStream, Known),
+    /// Client side: the switch begun in `connect` (the MPA Request is
+    /// sent), finished by this process (the owner) on first use.
+    Connected(Box<Begun>),
+}
+
+/// A client's switch begun in `connect`, and what a plain connection in
+/// its place needs if it fails.
+#[derive(Debug)]
+struct Begun {
+    up: softrdma_sockets::Upgrade,
+    /// The begun socket's identity (`st_dev`, `st_ino`): a failed switch
+    /// puts a plain connection only on the connection's descriptors that
+    /// still are this socket (the application may have closed the number
+    /// `connect` was called with, after a `dup`, and reused it).
+    ino: (u64, u64),
+    addr: libc::sockaddr_storage,
+    len: libc::socklen_t,
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -288,7 +342,17 @@ pub(crate) fn release(c: Arc<Conn>) {
     } else if Arc::strong_count(&c) == 1 {
         // The last reference: the close may start an engine thread (a
         // close timer), which must not inherit the application's mask.
-        signals_blocked(|| drop(c));
+        signals_blocked(|| {
+            // A client's switch whose server Reply is in, or comes within
+            // a moment (a server that uses its end at once), is finished
+            // (and counted), so that the close is the orderly one of an
+            // offloaded connection; one still waiting then is aborted (the
+            // server's end is reset).
+            if c.unfinished() && c.reply_within(CLOSE_REPLY_WAIT) {
+                let _ = c.stream();
+            }
+            drop(c)
+        });
     } else {
         drop(c);
     }
@@ -420,11 +484,25 @@ pub(crate) fn dup_stream(fd: c_int) -> Option<std::net::TcpStream> {
     Some(unsafe { std::net::TcpStream::from_raw_fd(d) })
 }
 
+/// The identity (`st_dev`, `st_ino`) of what `fd` refers to.
+fn inode(fd: c_int) -> Option<(u64, u64)> {
+    // SAFETY: stat is plain data.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes the caller's descriptor's stat into `st`.
+    if unsafe { libc::fstat(fd, &raw mut st) } != 0 {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)]
+    Some((st.st_dev as u64, st.st_ino as u64))
+}
+
 impl Conn {
     fn new(nonblock: bool) -> Conn {
         Conn {
             sw: OnceLock::new(),
             pending: Mutex::new(None),
+            stage: AtomicU8::new(NOT_BEGUN),
+            app_nodelay: AtomicU8::new(0),
             owner: AtomicI32::new(0),
             nonblock: AtomicBool::new(nonblock),
             rcvtimeo: AtomicU64::new(0),
@@ -440,25 +518,158 @@ impl Conn {
         }
     }
 
-    /// Client side: switches `fd` now (it is connected; `nonblock`: the
-    /// application's `O_NONBLOCK`, the socket's as well; `peer`: the
-    /// address it connected to); `Err` if the switch failed (the
-    /// connection is then unusable).
-    pub(crate) fn connect_switch(
+    /// Client side: begins the switch of `fd` (it is connected;
+    /// `nonblock`: the application's `O_NONBLOCK`, the socket's as well;
+    /// `peer`: the address it connected to, `addr`/`len` as the
+    /// application gave it): the MPA Request with the SDP Hello is sent,
+    /// and the first call that needs the stream finishes the switch (see
+    /// [`Conn::stream`]). `Err` if it could not begin (the connection is
+    /// then unusable).
+    ///
+    /// # Safety
+    /// `addr` points to `len` readable bytes.
+    pub(crate) unsafe fn connect_begin(
         fd: c_int,
         nonblock: bool,
         peer: Option<SocketAddr>,
+        addr: *const libc::sockaddr,
+        len: libc::socklen_t,
     ) -> Result<Arc<Conn>, c_int> {
+        let me = pid();
+        let started = ENGINE_PID.load(Ordering::Relaxed);
+        if started != 0 && started != me {
+            return Err(libc::ECONNRESET);
+        }
+        ENGINE_PID.store(me, Ordering::Relaxed);
+        // SAFETY: sockaddr_storage is plain data.
+        let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let n = (len as usize).min(size_of::<libc::sockaddr_storage>());
+        // SAFETY: the caller's `len` readable bytes, at most the storage's.
+        unsafe {
+            std::ptr::copy_nonoverlapping(addr.cast::<u8>(), (&raw mut storage).cast::<u8>(), n)
+        };
         let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
-        let c = Conn::new(nonblock);
+        let ino = inode(fd).ok_or(libc::EBADF)?;
+        let nodelay = dup.nodelay().unwrap_or(false);
         let known = Known {
             peer,
             nonblocking: nonblock,
-            ..Known::default()
+            nodelay,
         };
-        let s = switch(dup, true, known, None)?;
-        c.adopt(s);
+        let up = signals_blocked(|| {
+            as_internal(|| SdStream::begin_upgrade_known(dup, true, &config(), &known))
+        })
+        .map_err(|_| libc::ECONNRESET)?;
+        let c = Conn::new(nonblock);
+        // This process finishes it: a forked child never reads the
+        // parent's MPA Reply.
+        c.owner.store(me, Ordering::Relaxed);
+        let b = Begun {
+            up,
+            ino,
+            addr: storage,
+            len: n as libc::socklen_t,
+        };
+        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Pending::Connected(Box::new(b)), Some(nodelay)));
+        c.app_nodelay
+            .store(1 + u8::from(nodelay), Ordering::Relaxed);
+        c.stage.store(BEGUN, Ordering::Release);
         Ok(Arc::new(c))
+    }
+
+    /// The stream if it can be had without waiting: `Ok(Err(Some(fd)))`
+    /// while the client's switch begun in `connect` waits for the server's
+    /// MPA Reply (with the descriptor to wait on for it), `Ok(Err(None))`
+    /// while another thread finishes a switch (its lock is held: look
+    /// again shortly); a switch whose Reply is in is finished here, as is
+    /// one that failed (the plain connection in its place). Anything else
+    /// as [`stream`](Self::stream).
+    pub(crate) fn stream_now(&self) -> Result<Result<&SdStream, Option<c_int>>, c_int> {
+        let owner = self.owner.load(Ordering::Relaxed);
+        if self.sw.get().is_none() && (owner == 0 || owner == pid()) {
+            let Some(mut pending) = self.try_pending() else {
+                if self.sw.get().is_some() {
+                    return self.stream().map(Ok);
+                }
+                return Ok(Err(None));
+            };
+            if let Some((Pending::Connected(b), _)) = pending.as_mut() {
+                // Done, or failed: finished below without a wait (a
+                // failure's plain connection is made there).
+                if let Ok(false) = b.up.poll() {
+                    return Ok(Err(Some(b.up.wait_on().map_or(-1, |(fd, _)| fd))));
+                }
+            }
+        }
+        self.stream().map(Ok)
+    }
+
+    /// Whether a client's switch begun in `connect` has the server's Reply
+    /// (it finishes without a wait), waiting for it up to `limit`; false if
+    /// it still waits then, or failed.
+    fn reply_within(&self, limit: Duration) -> bool {
+        let end = Instant::now() + limit;
+        loop {
+            let (fd, write) = {
+                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                match pending.as_mut() {
+                    Some((Pending::Connected(b), _)) => match b.up.poll() {
+                        Ok(true) => return true,
+                        Err(_) => return false,
+                        Ok(false) => match b.up.wait_on() {
+                            Some(w) => w,
+                            None => return false,
+                        },
+                    },
+                    _ => return false,
+                }
+            };
+            let left = end.saturating_duration_since(Instant::now());
+            let Some(poll) = crate::interpose::REAL_POLL.get() else {
+                return false;
+            };
+            if left.is_zero() {
+                return false;
+            }
+            let mut p = libc::pollfd {
+                fd,
+                events: if write { libc::POLLOUT } else { libc::POLLIN },
+                revents: 0,
+            };
+            let ms = c_int::try_from(left.as_millis().max(1)).unwrap_or(c_int::MAX);
+            // SAFETY: one pollfd of ours; the switch's own descriptor.
+            unsafe { poll(&raw mut p, 1, ms) };
+        }
+    }
+
+    /// Whether this is a client's connection whose switch, begun in
+    /// `connect`, is still to be finished by this process (false while a
+    /// thread finishes it: the calls of the finish itself, a plain
+    /// reconnect's, go to the kernel).
+    pub(crate) fn unfinished(&self) -> bool {
+        self.stage.load(Ordering::Acquire) == BEGUN
+            && self.sw.get().is_none()
+            && self.owner.load(Ordering::Relaxed) == pid()
+    }
+
+    /// Whether this is a client's connection whose switch, begun in
+    /// `connect`, is not finished yet (begun, or a thread finishing it):
+    /// the application's `TCP_NODELAY` is [`pending_nodelay`](Self::pending_nodelay),
+    /// not the kernel socket's.
+    pub(crate) fn begun(&self) -> bool {
+        matches!(self.stage.load(Ordering::Acquire), BEGUN | FINISHING)
+            && self.sw.get().is_none()
+            && self.owner.load(Ordering::Relaxed) == pid()
+    }
+
+    /// The pending switch's lock if no thread holds it.
+    fn try_pending(&self) -> Option<std::sync::MutexGuard<'_, Option<PendingSwitch>>> {
+        match self.pending.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     /// Server side: `fd` will be switched on first use; `nonblock`: its
@@ -477,7 +688,8 @@ impl Conn {
             nonblocking: nonblock,
             ..Known::default()
         };
-        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some((dup, known, None));
+        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Pending::Accepted(dup, known), None));
         Some(Arc::new(c))
     }
 
@@ -496,7 +708,16 @@ impl Conn {
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
         {
-            p.2 = Some(on);
+            p.1 = Some(on);
+        }
+        self.app_nodelay.store(1 + u8::from(on), Ordering::Relaxed);
+    }
+
+    /// The application's `TCP_NODELAY` as a switch not made yet keeps it.
+    pub(crate) fn pending_nodelay(&self) -> Option<bool> {
+        match self.app_nodelay.load(Ordering::Relaxed) {
+            0 => None,
+            v => Some(v == 2),
         }
     }
 
@@ -512,27 +733,36 @@ impl Conn {
     /// The switched stream (switching a pending one now), or the errno of
     /// a connection that cannot be used in this process.
     pub(crate) fn stream(&self) -> Result<&SdStream, c_int> {
+        let owner = self.owner.load(Ordering::Relaxed);
+        if owner != 0 && owner != pid() {
+            // A forked child: the parent's connection (switched, or its
+            // switch begun), not ours to use.
+            return Err(libc::EIO);
+        }
         if self.sw.get().is_none() {
             // Held during the switch: other threads' calls wait for it.
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((dup, known, nodelay)) = pending.take() {
-                let r = switch(dup, false, known, nodelay);
-                match &r {
-                    Ok(_) => state().stats.offloaded(),
-                    Err(_) => state().stats.plain(PlainReason::SetupFailed),
-                }
-                match r {
-                    Ok(s) => self.adopt(s),
-                    Err(e) => {
-                        let _ = self.sw.set(Err(e));
+            match pending.take() {
+                Some((Pending::Accepted(dup, known), nodelay)) => {
+                    let r = switch(dup, false, known, nodelay);
+                    match &r {
+                        Ok(_) => state().stats.offloaded(),
+                        Err(_) => state().stats.plain(PlainReason::SetupFailed),
+                    }
+                    match r {
+                        Ok(s) => self.adopt(s),
+                        Err(e) => {
+                            let _ = self.sw.set(Err(e));
+                        }
                     }
                 }
+                Some((Pending::Connected(b), nodelay)) => {
+                    self.stage.store(FINISHING, Ordering::Release);
+                    self.finish_connect(*b, nodelay);
+                    self.stage.store(DONE, Ordering::Release);
+                }
+                None => {}
             }
-        }
-        let owner = self.owner.load(Ordering::Relaxed);
-        if owner != 0 && owner != pid() {
-            // A forked child: the parent's connection, not ours to use.
-            return Err(libc::EIO);
         }
         match self.sw.get() {
             Some(Ok(s)) => Ok(s),
@@ -540,6 +770,109 @@ impl Conn {
             // Another thread is switching it.
             None => Err(libc::EAGAIN),
         }
+    }
+
+    /// Client side: finishes the switch begun in `connect` (waits for the
+    /// server's MPA Reply, at most the switch's time limit counted from
+    /// the connect); if it fails, a new plain connection to the same
+    /// address takes the application's descriptor number before any
+    /// application byte (the server keeps it plain: it asks no twin), and
+    /// the connection's calls go to it.
+    fn finish_connect(&self, b: Begun, nodelay: Option<bool>) {
+        let Begun { up, ino, addr, len } = b;
+        let r = signals_blocked(|| as_internal(|| up.finish()));
+        match r {
+            Ok(s) => {
+                let _ = s.set_nonblocking(true);
+                if nodelay == Some(true) {
+                    let _ = s.set_nodelay(true);
+                }
+                state().stats.offloaded();
+                self.adopt(s);
+            }
+            Err(_) => {
+                state().stats.plain(PlainReason::SetupFailed);
+                let nb = self.nonblock.load(Ordering::Relaxed);
+                // SAFETY: the address as the application gave it, copied.
+                let ns = unsafe {
+                    crate::interpose::plain_socket(
+                        (&raw const addr).cast(),
+                        len,
+                        nb,
+                        nodelay == Some(true),
+                    )
+                };
+                let plain = ns.and_then(|ns| {
+                    let placed = self.place_plain(Some(ns), ino);
+                    // The stream's own duplicate of the new connection.
+                    let d = placed.then(|| dup_stream(ns)).flatten();
+                    if let Some(close) = crate::interpose::REAL_CLOSE.get() {
+                        // SAFETY: our socket (copies live at the descriptors).
+                        unsafe { close(ns) };
+                    }
+                    d
+                });
+                let plain = plain.map(|d| {
+                    let _ = d.set_nonblocking(true);
+                    SdStream::plain_after_failed_setup(d)
+                });
+                match plain {
+                    Some(p) => self.adopt(p),
+                    None => {
+                        eprintln!(
+                            "softrdma-preload: switching a connection into sockets direct failed, and a plain reconnect too; it is reset"
+                        );
+                        if ns.is_none() {
+                            // The begun socket, where the application
+                            // still has it, carries no data.
+                            self.place_plain(None, ino);
+                        }
+                        let _ = self.sw.set(Err(libc::ECONNRESET));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Puts the plain connection `ns` on each descriptor of this
+    /// connection that is still the begun socket `ino` (under the table's
+    /// lock: a close forgets its descriptor before it closes it, so none
+    /// is closed meanwhile), or shuts each down if there is no `ns`; false
+    /// if there is none (no descriptor is touched then).
+    fn place_plain(&self, ns: Option<c_int>, ino: (u64, u64)) -> bool {
+        let (Some(dup3), Some(shutdown)) = (
+            crate::interpose::REAL_DUP3.get(),
+            crate::interpose::REAL_SHUTDOWN.get(),
+        ) else {
+            return false;
+        };
+        let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+        let mut placed = false;
+        for &fd in t
+            .iter()
+            .filter(|(_, s)| std::ptr::eq(Arc::as_ptr(&s.conn), self))
+            .map(|(fd, _)| fd)
+        {
+            if inode(fd) != Some(ino) {
+                continue;
+            }
+            let Some(ns) = ns else {
+                // SAFETY: a descriptor of this connection, still its socket.
+                unsafe { shutdown(fd, libc::SHUT_RDWR) };
+                placed = true;
+                continue;
+            };
+            // The kernel's flag (an offloaded descriptor's is always set).
+            let flags = if crate::interpose::fd_cloexec(fd) {
+                libc::O_CLOEXEC
+            } else {
+                0
+            };
+            // SAFETY: the new connection takes a descriptor number of this
+            // connection that is still its begun socket.
+            placed |= unsafe { dup3(ns, fd, flags) } == fd;
+        }
+        placed
     }
 
     /// The stream if it is switched and this process's (a pending one is

@@ -117,6 +117,10 @@ struct Instance {
     generation: u64,
 }
 
+/// The longest sleep of a wait while a client's switch waits for the
+/// server's Reply (its time limit ends it even if no octet comes).
+const SWITCH_LOOK: Duration = Duration::from_millis(100);
+
 static INSTANCES: LazyLock<RwLock<FdMap<Arc<Mutex<Instance>>>>> = LazyLock::new(RwLock::default);
 /// Entries of [`INSTANCES`] (0: nothing to look up).
 static COUNT: AtomicUsize = AtomicUsize::new(0);
@@ -322,6 +326,7 @@ pub(crate) unsafe fn wait(
     let inst = instance(epfd)?;
     let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     let max = maxevents as usize;
+    let mut switching: Vec<c_int> = Vec::new();
     loop {
         // Snapshot: the live, usable registrations and what they wait for.
         let mut seen: Vec<Seen>;
@@ -339,12 +344,9 @@ pub(crate) unsafe fn wait(
             // step by step on every call).
             seen = Vec::with_capacity(g.regs.len());
             interest = Vec::with_capacity(g.regs.len());
+            switching.clear();
             for (&fd, r) in &g.regs {
                 let Some(c) = r.conn.upgrade() else { continue };
-                if c.stream().is_err() {
-                    continue;
-                }
-                interest.push(r.interest(&c));
                 seen.push(Seen {
                     fd,
                     version: r.version,
@@ -356,6 +358,29 @@ pub(crate) unsafe fn wait(
                 });
             }
         }
+        // The connections are looked at without the instance's lock: a
+        // switch finished here (its Reply in, or failed: a plain connect)
+        // must not hold up the instance's other calls.
+        let mut busy = false;
+        seen.retain(|s| match s.conn.stream_now() {
+            Ok(Ok(_)) => true,
+            // A client's switch waiting for the server's Reply: nothing to
+            // report; its socket wakes the wait.
+            Ok(Err(Some(sfd))) => {
+                if sfd >= 0 && !s.disabled {
+                    switching.push(sfd);
+                }
+                false
+            }
+            // Another thread is finishing the switch: looked at again
+            // shortly.
+            Ok(Err(None)) => {
+                busy |= !s.disabled;
+                false
+            }
+            Err(_) => false,
+        });
+        interest.extend(seen.iter().map(interest_of_seen));
         let mut entries: Vec<PollEntry<'_>> = Vec::with_capacity(seen.len() + others.len() + 1);
         entries.push(PollEntry::fd(epfd, sdpoll::POLLIN));
         for (s, &i) in seen.iter().zip(&interest) {
@@ -368,7 +393,15 @@ pub(crate) unsafe fn wait(
                 entries.push(PollEntry::stream(st, 0));
             }
         }
-        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        for &sfd in &switching {
+            entries.push(PollEntry::fd(sfd, sdpoll::POLLIN));
+        }
+        let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if !switching.is_empty() || busy {
+            // A switch's time limit, or another thread's finish of one, is
+            // looked at by the next round.
+            left = Some(left.map_or(SWITCH_LOOK, |l| l.min(SWITCH_LOOK)));
+        }
         if let Err(e) = sdpoll::wait_progress(&mut entries, left, mask) {
             return Some(Err(e.raw_os_error().unwrap_or(libc::EIO)));
         }

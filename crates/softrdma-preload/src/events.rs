@@ -400,7 +400,12 @@ pub unsafe extern "C" fn epoll_ctl(
             .unwrap_or_else(|e| e.into_inner())
             .contains(&epfd)
     };
-    if engine_wait() && c.stream().is_ok() && !catch_unwind(exposed).unwrap_or(true) {
+    // A client's switch begun in `connect` is not finished by its
+    // registration: the wait finishes it once the server's Reply is in.
+    if engine_wait()
+        && (c.unfinished() || c.stream().is_ok())
+        && !catch_unwind(exposed).unwrap_or(true)
+    {
         let e = if ev.is_null() {
             None
         } else {

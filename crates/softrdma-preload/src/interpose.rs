@@ -554,8 +554,10 @@ fn wait_connected(fd: c_int) -> bool {
 
 /// `connect(2)`: a TCP connection whose policy allows offload asks the
 /// server's UDP twin first; if it agrees, the connection is made (a
-/// non-blocking one is waited for) and switched into sockets direct before
-/// `connect` returns, with the result the real call gave. Otherwise it
+/// non-blocking one is waited for) and its switch into sockets direct
+/// begun (the MPA Request sent) before `connect` returns, with the result
+/// the real call gave; the switch is finished on the connection's first
+/// use (see `Conn::stream`). Otherwise it
 /// stays plain TCP; a connection that must be offloaded but cannot is
 /// refused with `EOPNOTSUPP` before any byte.
 ///
@@ -649,9 +651,10 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             }
             // SAFETY: the caller's guarantee for `addr`/`len`.
             let peer = unsafe { ip_port(addr, len) }.map(|(ip, port)| SocketAddr::new(ip, port));
-            match Conn::connect_switch(fd, app_nonblock, peer) {
+            // SAFETY: the caller's guarantee for `addr`/`len`.
+            match unsafe { Conn::connect_begin(fd, app_nonblock, peer, addr, len) } {
                 Ok(c) => {
-                    state().stats.offloaded();
+                    // Counted once the switch is finished (first use).
                     let cloexec = fd_cloexec(fd);
                     conn::insert(fd, c, cloexec);
                 }
@@ -685,33 +688,15 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 ///
 /// # Safety
 /// `addr` points to `len` readable bytes.
-unsafe fn reconnect_plain(
+pub(crate) unsafe fn reconnect_plain(
     fd: c_int,
     addr: *const sockaddr,
     len: socklen_t,
     nonblock: bool,
 ) -> bool {
-    let (Some(connect), Some(dup3), Some(close), Some(fcntl)) = (
-        REAL_CONNECT.get(),
-        REAL_DUP3.get(),
-        REAL_CLOSE.get(),
-        REAL_FCNTL.get(),
-    ) else {
+    let (Some(dup3), Some(close)) = (REAL_DUP3.get(), REAL_CLOSE.get()) else {
         return false;
     };
-    // SAFETY: the caller's address; the family is its first field.
-    let family = c_int::from(unsafe { (*addr).sa_family });
-    // SAFETY: a new socket.
-    let ns = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if ns < 0 {
-        return false;
-    }
-    // SAFETY: a blocking connect of our new socket to the caller's address.
-    if unsafe { connect(ns, addr, len) } != 0 {
-        // SAFETY: our socket.
-        unsafe { close(ns) };
-        return false;
-    }
     let mut nodelay: c_int = 0;
     let mut l = size_of::<c_int>() as socklen_t;
     // SAFETY: reading an int option of the caller's socket.
@@ -722,24 +707,12 @@ unsafe fn reconnect_plain(
             libc::TCP_NODELAY,
             (&raw mut nodelay).cast(),
             &raw mut l,
-        );
-        if nodelay != 0 {
-            libc::setsockopt(
-                ns,
-                libc::IPPROTO_TCP,
-                libc::TCP_NODELAY,
-                (&raw const nodelay).cast(),
-                size_of::<c_int>() as socklen_t,
-            );
-        }
-    }
-    if nonblock {
-        // SAFETY: F_GETFL/F_SETFL on our socket.
-        unsafe {
-            let nfl = fcntl(ns, libc::F_GETFL, 0);
-            fcntl(ns, libc::F_SETFL, (nfl | libc::O_NONBLOCK) as usize);
-        }
-    }
+        )
+    };
+    // SAFETY: the caller's guarantee for `addr`/`len`.
+    let Some(ns) = (unsafe { plain_socket(addr, len, nonblock, nodelay != 0) }) else {
+        return false;
+    };
     let flags = if fd_cloexec(fd) { libc::O_CLOEXEC } else { 0 };
     // SAFETY: the new connection takes the caller's descriptor number.
     let r = unsafe { dup3(ns, fd, flags) };
@@ -748,7 +721,59 @@ unsafe fn reconnect_plain(
     r == fd
 }
 
-fn fd_cloexec(fd: c_int) -> bool {
+/// A new plain connection to `addr` (a blocking connect), close-on-exec,
+/// with `nonblock` and `TCP_NODELAY` as given; the caller owns it.
+///
+/// # Safety
+/// `addr` points to `len` readable bytes.
+pub(crate) unsafe fn plain_socket(
+    addr: *const sockaddr,
+    len: socklen_t,
+    nonblock: bool,
+    nodelay: bool,
+) -> Option<c_int> {
+    let (Some(connect), Some(close), Some(fcntl)) =
+        (REAL_CONNECT.get(), REAL_CLOSE.get(), REAL_FCNTL.get())
+    else {
+        return None;
+    };
+    // SAFETY: the caller's address; the family is its first field.
+    let family = c_int::from(unsafe { (*addr).sa_family });
+    // SAFETY: a new socket.
+    let ns = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if ns < 0 {
+        return None;
+    }
+    // SAFETY: a blocking connect of our new socket to the caller's address.
+    if unsafe { connect(ns, addr, len) } != 0 {
+        // SAFETY: our socket.
+        unsafe { close(ns) };
+        return None;
+    }
+    if nodelay {
+        let one: c_int = 1;
+        // SAFETY: setting an int option of our socket.
+        unsafe {
+            libc::setsockopt(
+                ns,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                (&raw const one).cast(),
+                size_of::<c_int>() as socklen_t,
+            )
+        };
+    }
+    if nonblock {
+        // SAFETY: F_GETFL/F_SETFL on our socket.
+        unsafe {
+            let nfl = fcntl(ns, libc::F_GETFL, 0);
+            fcntl(ns, libc::F_SETFL, (nfl | libc::O_NONBLOCK) as usize);
+        }
+    }
+    Some(ns)
+}
+
+pub(crate) fn fd_cloexec(fd: c_int) -> bool {
     REAL_FCNTL.get().is_some_and(|f| {
         // SAFETY: F_GETFD has no argument.
         let fl = unsafe { f(fd, libc::F_GETFD, 0) };
@@ -1570,7 +1595,11 @@ pub unsafe extern "C" fn setsockopt(
                     // read unaligned, as the caller's buffer may be any bytes.
                     let on = unsafe { val.cast::<c_int>().read_unaligned() } != 0;
                     c.nodelay_set(on);
-                    if let Ok(s) = c.stream() {
+                    // A client's switch begun in `connect` takes it when
+                    // it is finished (not finished by this call).
+                    if !c.unfinished()
+                        && let Ok(s) = c.stream()
+                    {
                         let _ = s.set_nodelay(on);
                     }
                 }
@@ -1646,12 +1675,17 @@ pub unsafe extern "C" fn getsockopt(
     if level == libc::IPPROTO_TCP
         && name == libc::TCP_NODELAY
         && let Some(c) = conn::lookup(fd)
-        && let Some(s) = c.switched()
+        && (c.switched().is_some() || c.begun())
     {
         if val.is_null() || len.is_null() {
             return fail(libc::EFAULT);
         }
-        let on: c_int = match catch_unwind(AssertUnwindSafe(|| s.nodelay())) {
+        // A client's switch begun in `connect`: the application's setting
+        // (the kernel socket has the switch's).
+        let on: c_int = match catch_unwind(AssertUnwindSafe(|| match c.switched() {
+            Some(s) => s.nodelay(),
+            None => Ok(c.pending_nodelay().unwrap_or(false)),
+        })) {
             Ok(Ok(v)) => c_int::from(v),
             Ok(Err(e)) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
             Err(_) => return fail(libc::EIO),

@@ -136,5 +136,5 @@ pub use config::{
     Config, DEFAULT_BUF_SIZE, DEFAULT_RX_BUFS, DEFAULT_ZCOPY_THRESHOLD, Mode, PlainReason,
     Transport,
 };
-pub use net::{Known, TcpListener, TcpStream, choose_port};
+pub use net::{Known, TcpListener, TcpStream, Upgrade, choose_port};
 pub use offload::{lost_wakeups, recv_sleeps, zero_copy_fallbacks, zero_copy_octets};

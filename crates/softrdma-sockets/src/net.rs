@@ -64,6 +64,46 @@ pub(crate) enum ReadinessClone {
     Offload,
 }
 
+/// A switch into sockets direct begun by
+/// [`TcpStream::begin_upgrade_known`]: this side's frame is written, the
+/// peer's is awaited.
+#[derive(Debug)]
+pub struct Upgrade {
+    begun: crate::offload::Begun,
+}
+
+impl Upgrade {
+    /// Reads what the peer sent so far, without blocking: whether the
+    /// switch is done (then [`finish`](Self::finish) does not wait).
+    /// Fails as the switch does, its time limit
+    /// ([`Config::setup_timeout`], counted from the begin) included; the
+    /// connection is unusable then.
+    pub fn poll(&mut self) -> io::Result<bool> {
+        self.begun
+            .poll()
+            .map_err(|e| io::Error::other(format!("offload setup failed: {e}")))
+    }
+
+    /// The descriptor the switch waits on and whether it waits for room
+    /// to write (else for octets to read); `None` once done.
+    pub fn wait_on(&self) -> Option<(RawFd, bool)> {
+        self.begun.wait_on().map(|(fd, w)| (fd.as_raw_fd(), w))
+    }
+
+    /// Waits for the peer's frame (at most the switch's time limit) and
+    /// sets up the offloaded stream, as
+    /// [`TcpStream::upgrade_known`] does.
+    pub fn finish(self) -> io::Result<TcpStream> {
+        self.begun
+            .finish()
+            .map(|o| {
+                o.no_recv_sleep();
+                TcpStream::offloaded(o)
+            })
+            .map_err(|e| io::Error::other(format!("offload setup failed: {e}")))
+    }
+}
+
 /// A TCP connection that is offloaded (SDP over a softrdma queue pair on
 /// the same TCP connection) when both ends can, and plain kernel TCP
 /// otherwise. Mirrors [`std::net::TcpStream`].
@@ -487,6 +527,31 @@ impl TcpStream {
                 Self::offloaded(o)
             })
             .map_err(|e| io::Error::other(format!("offload setup failed: {e}")))
+    }
+
+    /// [`upgrade_known`](Self::upgrade_known) without waiting for the
+    /// peer: the resources are made and this side's switch frame (the
+    /// initiator's MPA Request with the SDP Hello, or the responder's
+    /// Reply) is written before this returns; the peer's frame is read by
+    /// [`Upgrade::poll`] or [`Upgrade::finish`]. Dropping the
+    /// [`Upgrade`] unfinished resets the connection.
+    pub fn begin_upgrade_known(
+        stream: std::net::TcpStream,
+        initiator: bool,
+        cfg: &Config,
+        known: &Known,
+    ) -> io::Result<Upgrade> {
+        Offload::begin(stream, initiator, cfg, known)
+            .map(|begun| Upgrade { begun })
+            .map_err(|e| io::Error::other(format!("offload setup failed: {e}")))
+    }
+
+    /// A plain stream that replaces a connection whose switch failed
+    /// before any application data (a new connection to the same peer,
+    /// made by the caller): its transport says
+    /// [`PlainReason::SetupFailed`].
+    pub fn plain_after_failed_setup(stream: std::net::TcpStream) -> TcpStream {
+        Self::plain(stream, PlainReason::SetupFailed)
     }
 
     /// What carries the connection, and why.

@@ -789,6 +789,19 @@ impl Offload {
         cfg: &Config,
         known: &crate::net::Known,
     ) -> Result<Offload, SetupError> {
+        Self::begin(stream, initiator, cfg, known)?.finish()
+    }
+
+    /// Starts the switch of a connected stream: the resources are made and
+    /// the MPA frame (the initiator's Request with the Hello, or the
+    /// responder's Reply) is written; [`Begun::poll`] or [`Begun::finish`]
+    /// ends it once the peer's frame is in.
+    pub(crate) fn begin(
+        stream: TcpStream,
+        initiator: bool,
+        cfg: &Config,
+        known: &crate::net::Known,
+    ) -> Result<Begun, SetupError> {
         cfg.checked().map_err(local)?;
         let eng = engine().map_err(local)?;
         let dev = eng.pd.device().clone();
@@ -926,7 +939,7 @@ impl Offload {
         sc.request_switch()?;
         let first = early - 1;
         let sge = rx_mr.sge(first * size, size as u32).map_err(local)?;
-        let mut switched = sc.post_recv_and_begin_switch(&RecvWr::new(first as u64, &[sge]))?;
+        let switched = sc.post_recv_and_begin_switch(&RecvWr::new(first as u64, &[sge]))?;
         // While the peer answers.
         for i in early..initial {
             if let Err(e) = post_rx(i) {
@@ -938,9 +951,92 @@ impl Offload {
             qp.abort();
             local(e)
         })?;
-        while !switched {
-            if let Some(fd) = sc.switch_fd() {
-                let flags = if sc.switch_wants_write() {
+        Ok(Begun {
+            parts: Some(BegunParts {
+                sc,
+                qp,
+                cq,
+                rx_mr,
+                rx_span,
+                tx_mr,
+                dup,
+                slot,
+                initiator,
+                initial,
+                inline_max,
+                zc,
+                cfg: cfg.clone(),
+            }),
+            switched,
+        })
+    }
+}
+
+/// A switch started by [`Offload::begin`]: the frame of this side is
+/// written, the peer's is awaited. Dropped unfinished, the QP is aborted
+/// (the peer sees its connection reset).
+#[derive(Debug)]
+pub(crate) struct Begun {
+    /// Taken by [`Begun::finish`].
+    parts: Option<BegunParts>,
+    switched: bool,
+}
+
+#[derive(Debug)]
+struct BegunParts {
+    sc: StreamConnection,
+    qp: QueuePair,
+    cq: CompletionQueue,
+    rx_mr: PooledMr,
+    rx_span: softrdma_engine::Sge,
+    tx_mr: PooledMr,
+    dup: TcpStream,
+    slot: Arc<OnceLock<Weak<Shared>>>,
+    initiator: bool,
+    initial: usize,
+    inline_max: usize,
+    zc: bool,
+    cfg: Config,
+}
+
+impl Drop for Begun {
+    fn drop(&mut self) {
+        if let Some(p) = self.parts.take() {
+            p.qp.abort();
+        }
+    }
+}
+
+impl Begun {
+    /// Advances the switch without blocking: whether the peer's frame is
+    /// in (then [`finish`](Self::finish) does not wait). Fails as the
+    /// switch does (its time limit included).
+    pub(crate) fn poll(&mut self) -> Result<bool, SetupError> {
+        if !self.switched {
+            let Some(p) = self.parts.as_mut() else {
+                return Err(SetupError::Local("switch already finished".into()));
+            };
+            self.switched = p.sc.poll_switch()?;
+        }
+        Ok(self.switched)
+    }
+
+    /// The socket the switch waits on, and whether it waits for room to
+    /// write (else for octets to read); `None` once switched.
+    pub(crate) fn wait_on(&self) -> Option<(std::os::fd::BorrowedFd<'_>, bool)> {
+        if self.switched {
+            return None;
+        }
+        let p = self.parts.as_ref()?;
+        p.sc.switch_fd().map(|fd| (fd, p.sc.switch_wants_write()))
+    }
+
+    /// Waits for the end of the switch (at most its time limit) and sets
+    /// up SDP.
+    pub(crate) fn finish(mut self) -> Result<Offload, SetupError> {
+        while !self.poll()? {
+            if let Some((fd, write)) = self.wait_on() {
+                let flags = if write {
                     rustix::event::PollFlags::OUT
                 } else {
                     rustix::event::PollFlags::IN
@@ -954,8 +1050,36 @@ impl Offload {
                 };
                 let _ = rustix::event::poll(&mut fds, Some(&ts));
             }
-            switched = sc.poll_switch()?;
         }
+        let Some(p) = self.parts.take() else {
+            return Err(SetupError::Local("switch already finished".into()));
+        };
+        p.setup()
+    }
+}
+
+impl BegunParts {
+    /// SDP over the switched QP.
+    fn setup(self) -> Result<Offload, SetupError> {
+        let BegunParts {
+            sc,
+            qp,
+            cq,
+            rx_mr,
+            rx_span,
+            tx_mr,
+            dup,
+            slot,
+            initiator,
+            initial,
+            inline_max,
+            zc,
+            cfg,
+        } = self;
+        let cfg = &cfg;
+        let rx_bufs = usize::from(cfg.rx_bufs);
+        let tx_bufs = usize::from(cfg.tx_bufs);
+        let size = cfg.buf_size;
         let n = sc
             .negotiated()
             .ok_or_else(|| SetupError::Local("no negotiation result".into()))?;
@@ -1067,7 +1191,9 @@ impl Offload {
             sh,
         })
     }
+}
 
+impl Offload {
     /// MPA CRC in use.
     pub(crate) fn crc(&self) -> bool {
         self.sh.crc

@@ -90,3 +90,55 @@ fn streams_upgraded_with_what_the_caller_knows_carry_data_both_ways() {
     assert_eq!(c.peer_addr().unwrap(), server_addr);
     server.join().unwrap();
 }
+
+/// `begin_upgrade_known` returns once this side's MPA Request is written,
+/// without the peer: a single thread begins the client's switch, then
+/// switches the server (which finds the Request there), then finishes the
+/// client's, and the streams carry data both ways.
+#[test]
+fn a_begun_upgrade_returns_before_the_peer_switches_and_finishes_after_it() {
+    let (c, s, server_addr, _) = pair();
+    let known = Known {
+        peer: Some(server_addr),
+        ..Known::default()
+    };
+    let mut up = TcpStream::begin_upgrade_known(c, true, &Config::default(), &known).unwrap();
+    assert!(!up.poll().unwrap(), "done before the peer answered");
+    assert!(up.wait_on().is_some());
+    let mut s = TcpStream::upgrade(s, false, &Config::default()).unwrap();
+    let mut c = up.finish().unwrap();
+    assert!(matches!(c.transport(), Transport::Offloaded { .. }));
+    c.write_all(b"early").unwrap();
+    let mut b = [0u8; 5];
+    s.read_exact(&mut b).unwrap();
+    assert_eq!(&b, b"early");
+    s.write_all(b"reply").unwrap();
+    c.read_exact(&mut b).unwrap();
+    assert_eq!(&b, b"reply");
+}
+
+/// A begun switch dropped unfinished ends the connection: the peer's
+/// switch, or its read, fails instead of waiting.
+#[test]
+fn a_begun_upgrade_dropped_unfinished_ends_the_connection() {
+    let (c, s, _, _) = pair();
+    let up =
+        TcpStream::begin_upgrade_known(c, true, &Config::default(), &Known::default()).unwrap();
+    drop(up);
+    let t = std::time::Instant::now();
+    match TcpStream::upgrade(s, false, &Config::default()) {
+        Err(_) => {}
+        Ok(mut s) => {
+            let mut b = [0u8; 1];
+            assert!(
+                !matches!(s.read(&mut b), Ok(1)),
+                "data from a dropped switch"
+            );
+        }
+    }
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(4),
+        "{:?}",
+        t.elapsed()
+    );
+}
