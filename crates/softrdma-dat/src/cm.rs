@@ -189,7 +189,8 @@ fn run(s: &Arc<RShared>) {
             });
             let _ = rustix::event::poll(&mut fds, ts.as_ref());
         }
-        s.wake.clear();
+        // Read every round: raisers share no lock with this thread.
+        s.wake.drain();
         if s.stop.load(Ordering::Acquire) {
             break;
         }

@@ -28,9 +28,16 @@ impl Signal {
 
     /// Makes the descriptor readable.
     pub(crate) fn raise(&self) {
+        self.raise_with(|| {});
+    }
+
+    /// `raise`, with `between` run after the flag is raised and before the
+    /// write (the window the tests put a racing clear in).
+    fn raise_with(&self, between: impl FnOnce()) {
         if self.raised.swap(true, Ordering::AcqRel) {
             return;
         }
+        between();
         // EAGAIN means the counter is already huge: readable anyway.
         let _ = rustix::io::write(&self.fd, &1u64.to_ne_bytes());
     }
@@ -46,6 +53,19 @@ impl Signal {
     /// skipped its write: the reactor slept for good.
     pub(crate) fn clear(&self) {
         self.clear_with(|| {});
+    }
+
+    /// Makes the descriptor not readable whatever the flag says: reads it
+    /// even with the flag down, then lowers the flag. For a consumer that
+    /// does not share a lock with its raisers (the connection reactor): a
+    /// raise whose flag went up before a `clear` and whose write landed
+    /// after it leaves the flag down over a readable descriptor, which
+    /// `clear` would never read again (the poller would spin until the
+    /// next raise); one read per round costs nothing there.
+    pub(crate) fn drain(&self) {
+        let mut buf = [0u8; 8];
+        let _ = rustix::io::read(&self.fd, &mut buf);
+        self.raised.swap(false, Ordering::AcqRel);
     }
 
     /// `clear`, with `between` run after the read and before the flag is
@@ -123,5 +143,24 @@ mod tests {
         assert!(readable(&s), "a raise after the race wakes the poller");
         s.clear();
         assert!(!readable(&s) && !s.is_raised());
+    }
+
+    /// A raise whose flag went up before a clear and whose write landed
+    /// after it leaves the flag down over a readable descriptor: `clear`
+    /// skips it (the reactor's `poll` returned at once, round after
+    /// round, until the next raise); `drain` reads it.
+    #[test]
+    fn regression_a_raise_written_after_a_clear_left_the_descriptor_readable_with_the_flag_down() {
+        let s = Signal::new().unwrap();
+        s.raise_with(|| s.clear());
+        assert!(readable(&s) && !s.is_raised(), "the race's state");
+        s.clear();
+        assert!(readable(&s), "clear skips a descriptor whose flag is down");
+        s.drain();
+        assert!(!readable(&s) && !s.is_raised(), "drain reads it");
+        s.raise();
+        assert!(readable(&s), "raises work again");
+        s.drain();
+        assert!(!readable(&s));
     }
 }
