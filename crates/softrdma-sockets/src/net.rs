@@ -77,7 +77,8 @@ impl Upgrade {
     /// switch is done (then [`finish`](Self::finish) does not wait).
     /// Fails as the switch does, its time limit
     /// ([`Config::setup_timeout`], counted from the begin) included; the
-    /// connection is unusable then.
+    /// connection is unusable then, and every later `poll` or `finish`
+    /// fails too (with a message of its own).
     pub fn poll(&mut self) -> io::Result<bool> {
         self.begun
             .poll()
@@ -85,7 +86,8 @@ impl Upgrade {
     }
 
     /// The descriptor the switch waits on and whether it waits for room
-    /// to write (else for octets to read); `None` once done.
+    /// to write (else for octets to read); `None` once done, and after a
+    /// failure. The descriptor is valid only while this `Upgrade` lives.
     pub fn wait_on(&self) -> Option<(RawFd, bool)> {
         self.begun.wait_on().map(|(fd, w)| (fd.as_raw_fd(), w))
     }
@@ -97,6 +99,7 @@ impl Upgrade {
         self.begun
             .finish()
             .map(|o| {
+                // Not our descriptor: its `O_NONBLOCK` stays as it is.
                 o.no_recv_sleep();
                 TcpStream::offloaded(o)
             })
@@ -520,13 +523,7 @@ impl TcpStream {
         // Its blocking mode is left as it is: nothing before the switch
         // reads or writes it, and the switch makes it non-blocking (one
         // system call less per side).
-        Offload::establish(stream, initiator, cfg, known)
-            .map(|o| {
-                // Not our descriptor: its `O_NONBLOCK` stays as it is.
-                o.no_recv_sleep();
-                Self::offloaded(o)
-            })
-            .map_err(|e| io::Error::other(format!("offload setup failed: {e}")))
+        Self::begin_upgrade_known(stream, initiator, cfg, known)?.finish()
     }
 
     /// [`upgrade_known`](Self::upgrade_known) without waiting for the
@@ -534,7 +531,9 @@ impl TcpStream {
     /// initiator's MPA Request with the SDP Hello, or the responder's
     /// Reply) is written before this returns; the peer's frame is read by
     /// [`Upgrade::poll`] or [`Upgrade::finish`]. Dropping the
-    /// [`Upgrade`] unfinished resets the connection.
+    /// [`Upgrade`] unfinished aborts the switch and closes its descriptor:
+    /// the connection is reset, unless another descriptor of the same
+    /// socket is still open (then it ends when the last one closes).
     pub fn begin_upgrade_known(
         stream: std::net::TcpStream,
         initiator: bool,
