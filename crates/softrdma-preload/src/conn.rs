@@ -91,6 +91,22 @@ const FINISHING: u8 = 2;
 /// [`Conn::stage`]: finished (switched, or plain in its place).
 const DONE: u8 = 3;
 
+/// Held while [`Conn::stream`] makes or finishes a switch: on the way
+/// out (a panic too) a connection the switch left unset fails with `EIO`,
+/// and a client's switch is marked done.
+struct SwitchGuard<'a>(&'a Conn);
+
+impl Drop for SwitchGuard<'_> {
+    fn drop(&mut self) {
+        if self.0.sw.get().is_none() {
+            let _ = self.0.sw.set(Err(libc::EIO));
+        }
+        if self.0.stage.load(Ordering::Acquire) == FINISHING {
+            self.0.stage.store(DONE, Ordering::Release);
+        }
+    }
+}
+
 /// A switch not made yet, and the application's `TCP_NODELAY` if it set
 /// it meanwhile.
 type PendingSwitch = (Pending, Option<bool>);
@@ -742,6 +758,9 @@ impl Conn {
         if self.sw.get().is_none() {
             // Held during the switch: other threads' calls wait for it.
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            // A panic in the switch leaves the connection failed (`EIO`)
+            // and its stage done, not switching for good (`EAGAIN`).
+            let _unwind = SwitchGuard(self);
             match pending.take() {
                 Some((Pending::Accepted(dup, known), nodelay)) => {
                     let r = switch(dup, false, known, nodelay);
@@ -759,7 +778,6 @@ impl Conn {
                 Some((Pending::Connected(b), nodelay)) => {
                     self.stage.store(FINISHING, Ordering::Release);
                     self.finish_connect(*b, nodelay);
-                    self.stage.store(DONE, Ordering::Release);
                 }
                 None => {}
             }
