@@ -810,6 +810,12 @@ impl Conn {
             }
             Err(_) => {
                 state().stats.plain(PlainReason::SetupFailed);
+                if !self.has_begun_socket(ino) {
+                    // Closed meanwhile (the last close finishes the
+                    // switch): no plain connection to open for it.
+                    let _ = self.sw.set(Err(libc::ECONNRESET));
+                    return;
+                }
                 let nb = self.nonblock.load(Ordering::Relaxed);
                 // SAFETY: the address as the application gave it, copied.
                 let ns = unsafe {
@@ -824,6 +830,14 @@ impl Conn {
                     let placed = self.place_plain(Some(ns), ino);
                     // The stream's own duplicate of the new connection.
                     let d = placed.then(|| dup_stream(ns)).flatten();
+                    if placed && d.is_none() {
+                        // The descriptors have it, the calls report a
+                        // reset: no live connection behind them.
+                        if let Some(shutdown) = crate::interpose::REAL_SHUTDOWN.get() {
+                            // SAFETY: our socket.
+                            unsafe { shutdown(ns, libc::SHUT_RDWR) };
+                        }
+                    }
                     if let Some(close) = crate::interpose::REAL_CLOSE.get() {
                         // SAFETY: our socket (copies live at the descriptors).
                         unsafe { close(ns) };
@@ -850,6 +864,15 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// Whether a descriptor of this connection is still the begun socket
+    /// `ino`.
+    fn has_begun_socket(&self, ino: (u64, u64)) -> bool {
+        let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+        t.iter()
+            .filter(|(_, s)| std::ptr::eq(Arc::as_ptr(&s.conn), self))
+            .any(|(&fd, _)| inode(fd) == Some(ino))
     }
 
     /// Puts the plain connection `ns` on each descriptor of this
