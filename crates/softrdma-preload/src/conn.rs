@@ -82,6 +82,10 @@ pub(crate) struct Conn {
 /// aborted and the server's end reset).
 const CLOSE_REPLY_WAIT: Duration = Duration::from_millis(50);
 
+/// How many times [`Conn::stream_now`] tries a switch's lock held a
+/// moment by another thread before it reports it busy.
+const BRIEF_TRIES: u32 = 8;
+
 /// [`Conn::stage`]: not a client's switch begun in `connect`.
 const NOT_BEGUN: u8 = 0;
 /// [`Conn::stage`]: begun, to be finished on first use.
@@ -597,14 +601,15 @@ impl Conn {
     /// The stream if it can be had without waiting: `Ok(Err(Some(fd)))`
     /// while the client's switch begun in `connect` waits for the server's
     /// MPA Reply (with the descriptor to wait on for it), `Ok(Err(None))`
-    /// while another thread finishes a switch (its lock is held: look
-    /// again shortly); a switch whose Reply is in is finished here, as is
-    /// one that failed (the plain connection in its place). Anything else
-    /// as [`stream`](Self::stream).
+    /// while another thread holds the switch's lock after a few tries
+    /// (look again shortly; [`finishing`](Self::finishing) tells a finish
+    /// in progress from a brief hold); a switch whose Reply is in is
+    /// finished here, as is one that failed (the plain connection in its
+    /// place). Anything else as [`stream`](Self::stream).
     pub(crate) fn stream_now(&self) -> Result<Result<&SdStream, Option<c_int>>, c_int> {
         let owner = self.owner.load(Ordering::Relaxed);
         if self.sw.get().is_none() && (owner == 0 || owner == pid()) {
-            let Some(mut pending) = self.try_pending() else {
+            let Some(mut pending) = self.try_pending_briefly() else {
                 if self.sw.get().is_some() {
                     return self.stream().map(Ok);
                 }
@@ -677,6 +682,29 @@ impl Conn {
         matches!(self.stage.load(Ordering::Acquire), BEGUN | FINISHING)
             && self.sw.get().is_none()
             && self.owner.load(Ordering::Relaxed) == pid()
+    }
+
+    /// Whether a thread is finishing a client's switch begun in `connect`
+    /// (it holds the switch's lock until the server's Reply, or the
+    /// switch's time limit).
+    pub(crate) fn finishing(&self) -> bool {
+        self.stage.load(Ordering::Acquire) == FINISHING
+    }
+
+    /// The pending switch's lock, tried a few times with a yield between
+    /// while it is only held a moment (a look at the Reply, a
+    /// `TCP_NODELAY` kept), not by a finish in progress.
+    fn try_pending_briefly(&self) -> Option<std::sync::MutexGuard<'_, Option<PendingSwitch>>> {
+        for _ in 0..BRIEF_TRIES {
+            if let Some(g) = self.try_pending() {
+                return Some(g);
+            }
+            if self.finishing() {
+                return None;
+            }
+            std::thread::yield_now();
+        }
+        self.try_pending()
     }
 
     /// The pending switch's lock if no thread holds it.
