@@ -82,6 +82,10 @@ pub(crate) struct Conn {
 /// aborted and the server's end reset).
 const CLOSE_REPLY_WAIT: Duration = Duration::from_millis(50);
 
+/// How many times [`Conn::stream_now`] tries a switch's lock held a
+/// moment by another thread before it reports it busy.
+const BRIEF_TRIES: u32 = 8;
+
 /// [`Conn::stage`]: not a client's switch begun in `connect`.
 const NOT_BEGUN: u8 = 0;
 /// [`Conn::stage`]: begun, to be finished on first use.
@@ -90,6 +94,22 @@ const BEGUN: u8 = 1;
 const FINISHING: u8 = 2;
 /// [`Conn::stage`]: finished (switched, or plain in its place).
 const DONE: u8 = 3;
+
+/// Held while [`Conn::stream`] makes or finishes a switch: on the way
+/// out (a panic too) a connection the switch left unset fails with `EIO`,
+/// and a client's switch is marked done.
+struct SwitchGuard<'a>(&'a Conn);
+
+impl Drop for SwitchGuard<'_> {
+    fn drop(&mut self) {
+        if self.0.sw.get().is_none() {
+            let _ = self.0.sw.set(Err(libc::EIO));
+        }
+        if self.0.stage.load(Ordering::Acquire) == FINISHING {
+            self.0.stage.store(DONE, Ordering::Release);
+        }
+    }
+}
 
 /// A switch not made yet, and the application's `TCP_NODELAY` if it set
 /// it meanwhile.
@@ -581,14 +601,15 @@ impl Conn {
     /// The stream if it can be had without waiting: `Ok(Err(Some(fd)))`
     /// while the client's switch begun in `connect` waits for the server's
     /// MPA Reply (with the descriptor to wait on for it), `Ok(Err(None))`
-    /// while another thread finishes a switch (its lock is held: look
-    /// again shortly); a switch whose Reply is in is finished here, as is
-    /// one that failed (the plain connection in its place). Anything else
-    /// as [`stream`](Self::stream).
+    /// while another thread holds the switch's lock after a few tries
+    /// (look again shortly; [`finishing`](Self::finishing) tells a finish
+    /// in progress from a brief hold); a switch whose Reply is in is
+    /// finished here, as is one that failed (the plain connection in its
+    /// place). Anything else as [`stream`](Self::stream).
     pub(crate) fn stream_now(&self) -> Result<Result<&SdStream, Option<c_int>>, c_int> {
         let owner = self.owner.load(Ordering::Relaxed);
         if self.sw.get().is_none() && (owner == 0 || owner == pid()) {
-            let Some(mut pending) = self.try_pending() else {
+            let Some(mut pending) = self.try_pending_briefly() else {
                 if self.sw.get().is_some() {
                     return self.stream().map(Ok);
                 }
@@ -661,6 +682,29 @@ impl Conn {
         matches!(self.stage.load(Ordering::Acquire), BEGUN | FINISHING)
             && self.sw.get().is_none()
             && self.owner.load(Ordering::Relaxed) == pid()
+    }
+
+    /// Whether a thread is finishing a client's switch begun in `connect`
+    /// (it holds the switch's lock until the server's Reply, or the
+    /// switch's time limit).
+    pub(crate) fn finishing(&self) -> bool {
+        self.stage.load(Ordering::Acquire) == FINISHING
+    }
+
+    /// The pending switch's lock, tried a few times with a yield between
+    /// while it is only held a moment (a look at the Reply, a
+    /// `TCP_NODELAY` kept), not by a finish in progress.
+    fn try_pending_briefly(&self) -> Option<std::sync::MutexGuard<'_, Option<PendingSwitch>>> {
+        for _ in 0..BRIEF_TRIES {
+            if let Some(g) = self.try_pending() {
+                return Some(g);
+            }
+            if self.finishing() {
+                return None;
+            }
+            std::thread::yield_now();
+        }
+        self.try_pending()
     }
 
     /// The pending switch's lock if no thread holds it.
@@ -742,6 +786,9 @@ impl Conn {
         if self.sw.get().is_none() {
             // Held during the switch: other threads' calls wait for it.
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            // A panic in the switch leaves the connection failed (`EIO`)
+            // and its stage done, not switching for good (`EAGAIN`).
+            let _unwind = SwitchGuard(self);
             match pending.take() {
                 Some((Pending::Accepted(dup, known), nodelay)) => {
                     let r = switch(dup, false, known, nodelay);
@@ -759,7 +806,6 @@ impl Conn {
                 Some((Pending::Connected(b), nodelay)) => {
                     self.stage.store(FINISHING, Ordering::Release);
                     self.finish_connect(*b, nodelay);
-                    self.stage.store(DONE, Ordering::Release);
                 }
                 None => {}
             }
@@ -792,6 +838,12 @@ impl Conn {
             }
             Err(_) => {
                 state().stats.plain(PlainReason::SetupFailed);
+                if !self.has_begun_socket(ino) {
+                    // Closed meanwhile (the last close finishes the
+                    // switch): no plain connection to open for it.
+                    let _ = self.sw.set(Err(libc::ECONNRESET));
+                    return;
+                }
                 let nb = self.nonblock.load(Ordering::Relaxed);
                 // SAFETY: the address as the application gave it, copied.
                 let ns = unsafe {
@@ -806,6 +858,14 @@ impl Conn {
                     let placed = self.place_plain(Some(ns), ino);
                     // The stream's own duplicate of the new connection.
                     let d = placed.then(|| dup_stream(ns)).flatten();
+                    if placed && d.is_none() {
+                        // The descriptors have it, the calls report a
+                        // reset: no live connection behind them.
+                        if let Some(shutdown) = crate::interpose::REAL_SHUTDOWN.get() {
+                            // SAFETY: our socket.
+                            unsafe { shutdown(ns, libc::SHUT_RDWR) };
+                        }
+                    }
                     if let Some(close) = crate::interpose::REAL_CLOSE.get() {
                         // SAFETY: our socket (copies live at the descriptors).
                         unsafe { close(ns) };
@@ -832,6 +892,15 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// Whether a descriptor of this connection is still the begun socket
+    /// `ino`.
+    fn has_begun_socket(&self, ino: (u64, u64)) -> bool {
+        let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+        t.iter()
+            .filter(|(_, s)| std::ptr::eq(Arc::as_ptr(&s.conn), self))
+            .any(|(&fd, _)| inode(fd) == Some(ino))
     }
 
     /// Puts the plain connection `ns` on each descriptor of this

@@ -121,6 +121,11 @@ struct Instance {
 /// server's Reply (its time limit ends it even if no octet comes).
 const SWITCH_LOOK: Duration = Duration::from_millis(100);
 
+/// The longest sleep of a wait while another thread holds a connection's
+/// switch lock a moment (not to finish it): the connection is looked at
+/// again soon after.
+const BUSY_LOOK: Duration = Duration::from_millis(2);
+
 static INSTANCES: LazyLock<RwLock<FdMap<Arc<Mutex<Instance>>>>> = LazyLock::new(RwLock::default);
 /// Entries of [`INSTANCES`] (0: nothing to look up).
 static COUNT: AtomicUsize = AtomicUsize::new(0);
@@ -362,6 +367,7 @@ pub(crate) unsafe fn wait(
         // switch finished here (its Reply in, or failed: a plain connect)
         // must not hold up the instance's other calls.
         let mut busy = false;
+        let mut busy_brief = false;
         seen.retain(|s| match s.conn.stream_now() {
             Ok(Ok(_)) => true,
             // A client's switch waiting for the server's Reply: nothing to
@@ -372,10 +378,17 @@ pub(crate) unsafe fn wait(
                 }
                 false
             }
-            // Another thread is finishing the switch: looked at again
-            // shortly.
+            // Another thread is finishing the switch, or holds its lock a
+            // moment: looked at again shortly (very shortly if it is not a
+            // finish: its readiness is not held up).
             Ok(Err(None)) => {
-                busy |= !s.disabled;
+                if !s.disabled {
+                    if s.conn.finishing() {
+                        busy = true;
+                    } else {
+                        busy_brief = true;
+                    }
+                }
                 false
             }
             Err(_) => false,
@@ -401,6 +414,9 @@ pub(crate) unsafe fn wait(
             // A switch's time limit, or another thread's finish of one, is
             // looked at by the next round.
             left = Some(left.map_or(SWITCH_LOOK, |l| l.min(SWITCH_LOOK)));
+        }
+        if busy_brief {
+            left = Some(left.map_or(BUSY_LOOK, |l| l.min(BUSY_LOOK)));
         }
         if let Err(e) = sdpoll::wait_progress(&mut entries, left, mask) {
             return Some(Err(e.raw_os_error().unwrap_or(libc::EIO)));

@@ -144,11 +144,12 @@ fn an_autocork_hold_is_sent_at_exit_with_the_exit_flush_off() {
         .arg(&src)
         .status()
     {
-        Ok(st) if st.success() => {}
-        _ => {
+        Ok(st) => assert!(st.success(), "the C test program did not compile: {st}"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             eprintln!("no C compiler: skipped");
             return;
         }
+        Err(e) => panic!("cc: {e}"),
     }
     let script = format!(
         "import socket,subprocess\n\

@@ -1275,7 +1275,8 @@ fn a_program_connecting_to_itself_and_accepting_later_in_the_same_thread_is_offl
 }
 
 /// `connect` returns before the server has accepted (the server's switch
-/// is made on its first use, later); a write right after it waits for the
+/// is made on its first use, later; the server accepts only once
+/// `connect` has returned, which must take well under 10 s); a write right after it waits for the
 /// server's MPA Reply and its bytes arrive whole, offloaded.
 #[test]
 fn connect_returns_before_the_server_switches_and_a_write_before_the_reply_is_byte_exact() {
@@ -1283,11 +1284,11 @@ fn connect_returns_before_the_server_switches_and_a_write_before_the_reply_is_by
         return;
     }
     let lines = run("c.close(); s.close()\n\
-        accepted=threading.Event(); connected=threading.Event(); got=[]\n\
-        def server():\n    connected.wait(10); a,_=l.accept(); accepted.set(); got.append(a.recv(100000, socket.MSG_WAITALL)); a.sendall(b'ok'); got.append(a)\n\
+        connected=threading.Event(); got=[]\n\
+        def server():\n    connected.wait(10); a,_=l.accept(); got.append(a.recv(100000, socket.MSG_WAITALL)); a.sendall(b'ok'); got.append(a)\n\
         t=threading.Thread(target=server); t.start()\n\
-        x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
-        assert not accepted.is_set(); connected.set()\n\
+        t0=time.monotonic(); x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
+        dt=time.monotonic()-t0; connected.set(); assert dt < 5, dt\n\
         data=os.urandom(100000); x.sendall(data)\n\
         assert x.recv(2, socket.MSG_WAITALL)==b'ok'\n\
         t.join(); assert got[0]==data\n");
@@ -1444,7 +1445,8 @@ fn epoll_wait_0_blocks_while_another_thread_finishes_the_switch() {
 /// A C client for the test below: connects to 127.0.0.1:`argv[1]`, then
 /// one thread waits on an epoll instance of the connection with timeout 0
 /// in a loop while the other sets `TCP_NODELAY` off and reads it back, so
-/// many times; exits 0 if every read gave 0 and the loop took under 3 s.
+/// many times; exits 0 if every read gave 0 and no one set-and-get pair
+/// took over 2 s.
 const NODELAY_WHILE_EPOLL_C: &str = r#"#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -1480,23 +1482,26 @@ int main(int argc, char **argv) {
     epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
     pthread_t t;
     pthread_create(&t, NULL, spin, NULL);
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
     int bad = 0, zero = 0;
+    double worst = 0;
     for (int i = 0; i < 100000; i++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &zero, sizeof zero);
         int v = 0;
         socklen_t len = sizeof v;
         getsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &v, &len);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
         bad += v != 0;
+        double dt = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+        if (dt > worst)
+            worst = dt;
     }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
     stop = 1;
     pthread_join(t, NULL);
-    double dt = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
-    printf("%d %f\n", bad, dt);
+    printf("%d %f\n", bad, worst);
     fflush(stdout);
-    _exit(bad == 0 && dt < 3 ? 0 : 1);
+    _exit(bad == 0 && worst < 2 ? 0 : 1);
 }
 "#;
 
@@ -1522,11 +1527,12 @@ fn unfinished_and_pending_nodelay_answer_wrongly_when_the_lock_is_merely_busy() 
         .arg(&src)
         .status()
     {
-        Ok(st) if st.success() => {}
-        _ => {
+        Ok(st) => assert!(st.success(), "the C test program did not compile: {st}"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             eprintln!("no C compiler: skipped");
             return;
         }
+        Err(e) => panic!("cc: {e}"),
     }
     let lines = run(&format!(
         "c.close(); s.close()\n\
