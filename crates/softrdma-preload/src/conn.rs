@@ -24,6 +24,8 @@ use libc::c_int;
 use softrdma_sockets::{Config, Known, TcpStream as SdStream};
 
 use crate::interpose::{REAL_FCNTL, state};
+use crate::scoped::as_internal;
+pub(crate) use crate::scoped::{internal, signals_blocked};
 use crate::stats::PlainReason;
 
 /// One connection switched (or about to be switched) into sockets direct;
@@ -378,13 +380,6 @@ pub(crate) fn release(c: Arc<Conn>) {
     }
 }
 
-thread_local! {
-    /// Set while this library sets up a connection: descriptors made then
-    /// (by the sockets-direct library and the engine) are moved to high
-    /// numbers.
-    static INTERNAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 /// Lowest number for the library's own descriptors: they stay out of the
 /// range programs size their tables by (wrk sizes its event loop for 3
 /// descriptors per connection) and below `FD_SETSIZE` where the limit
@@ -408,7 +403,7 @@ pub(crate) fn high_base() -> c_int {
 /// high number (close-on-exec); unchanged outside of that or if none is
 /// free.
 pub(crate) fn move_high(fd: c_int) -> c_int {
-    if fd < 0 || fd >= high_base() || !INTERNAL.with(|i| i.get()) {
+    if fd < 0 || fd >= high_base() || !internal() {
         return fd;
     }
     let (Some(fcntl), Some(close)) = (REAL_FCNTL.get(), crate::real::REAL_CLOSE.get()) else {
@@ -422,35 +417,6 @@ pub(crate) fn move_high(fd: c_int) -> c_int {
     // SAFETY: the original is ours and replaced by `h`.
     unsafe { close(fd) };
     h
-}
-
-/// Whether this thread is setting up a connection.
-pub(crate) fn internal() -> bool {
-    INTERNAL.with(|i| i.get())
-}
-
-/// Runs `f` as connection set-up (see [`move_high`]).
-fn as_internal<T>(f: impl FnOnce() -> T) -> T {
-    let was = INTERNAL.with(|i| i.replace(true));
-    let r = f();
-    INTERNAL.with(|i| i.set(was));
-    r
-}
-
-/// Runs `f` with every signal blocked in this thread, so threads it starts
-/// (the engine's, a twin) never run the application's signal handlers.
-pub(crate) fn signals_blocked<T>(f: impl FnOnce() -> T) -> T {
-    // SAFETY: sigset_t is plain data, filled by sigfillset; the old mask
-    // is restored below.
-    unsafe {
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        let mut old: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&raw mut all);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &raw const all, &raw mut old);
-        let r = f();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &raw const old, std::ptr::null_mut());
-        r
-    }
 }
 
 fn config() -> Config {

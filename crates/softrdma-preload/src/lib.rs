@@ -35,6 +35,7 @@
 //! forked child reports only its own connections.
 
 mod policy;
+mod scoped;
 mod stats;
 mod twin;
 
