@@ -45,6 +45,10 @@ pub(crate) struct Conn {
     /// whether the Reply is in, a `TCP_NODELAY` kept): a held lock does not
     /// tell a finish in progress.
     stage: AtomicU8,
+    /// Set while a thread makes or finishes the switch in
+    /// [`stream`](Conn::stream) (either side; a server's switch takes up
+    /// to the switch's time limit too), cleared by [`SwitchGuard`].
+    switching: AtomicBool,
     /// The application's `TCP_NODELAY` for a switch not made yet (0: not
     /// known, 1: off, 2: on): answered without the switch's lock.
     app_nodelay: AtomicU8,
@@ -99,7 +103,8 @@ const DONE: u8 = 3;
 
 /// Held while [`Conn::stream`] makes or finishes a switch: on the way
 /// out (a panic too) a connection the switch left unset fails with `EIO`,
-/// and a client's switch is marked done.
+/// a client's switch is marked done, and the switch is no longer in
+/// progress ([`Conn::finishing`]).
 struct SwitchGuard<'a>(&'a Conn);
 
 impl Drop for SwitchGuard<'_> {
@@ -110,6 +115,7 @@ impl Drop for SwitchGuard<'_> {
         if self.0.stage.load(Ordering::Acquire) == FINISHING {
             self.0.stage.store(DONE, Ordering::Release);
         }
+        self.0.switching.store(false, Ordering::Release);
     }
 }
 
@@ -488,6 +494,7 @@ impl Conn {
             sw: OnceLock::new(),
             pending: Mutex::new(None),
             stage: AtomicU8::new(NOT_BEGUN),
+            switching: AtomicBool::new(false),
             app_nodelay: AtomicU8::new(0),
             owner: AtomicI32::new(0),
             nonblock: AtomicBool::new(nonblock),
@@ -568,8 +575,8 @@ impl Conn {
     /// while the client's switch begun in `connect` waits for the server's
     /// MPA Reply (with the descriptor to wait on for it), `Ok(Err(None))`
     /// while another thread holds the switch's lock after a few tries
-    /// (look again shortly; [`finishing`](Self::finishing) tells a finish
-    /// in progress from a brief hold); a switch whose Reply is in is
+    /// (look again shortly; [`finishing`](Self::finishing) tells a switch
+    /// in progress, either side's, from a brief hold); a switch whose Reply is in is
     /// finished here, as is one that failed (the plain connection in its
     /// place). Anything else as [`stream`](Self::stream).
     pub(crate) fn stream_now(&self) -> Result<Result<&SdStream, Option<c_int>>, c_int> {
@@ -650,11 +657,12 @@ impl Conn {
             && self.owner.load(Ordering::Relaxed) == pid()
     }
 
-    /// Whether a thread is finishing a client's switch begun in `connect`
-    /// (it holds the switch's lock until the server's Reply, or the
-    /// switch's time limit).
+    /// Whether a thread is making a switch or finishing a client's switch
+    /// begun in `connect` (it holds the switch's lock until the switch is
+    /// made, the server's Reply is in, or the switch's time limit), not
+    /// only holding the lock a moment.
     pub(crate) fn finishing(&self) -> bool {
-        self.stage.load(Ordering::Acquire) == FINISHING
+        self.switching.load(Ordering::Acquire)
     }
 
     /// The pending switch's lock, tried a few times with a yield between
@@ -752,8 +760,12 @@ impl Conn {
         if self.sw.get().is_none() {
             // Held during the switch: other threads' calls wait for it.
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if pending.is_some() {
+                self.switching.store(true, Ordering::Release);
+            }
             // A panic in the switch leaves the connection failed (`EIO`)
-            // and its stage done, not switching for good (`EAGAIN`).
+            // and its stage done, not switching for good (`EAGAIN`); the
+            // switch is no longer in progress.
             let _unwind = SwitchGuard(self);
             match pending.take() {
                 Some((Pending::Accepted(dup, known), nodelay)) => {

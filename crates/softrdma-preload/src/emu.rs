@@ -378,9 +378,9 @@ pub(crate) unsafe fn wait(
                 }
                 false
             }
-            // Another thread is finishing the switch, or holds its lock a
-            // moment: looked at again shortly (very shortly if it is not a
-            // finish: its readiness is not held up).
+            // Another thread is making or finishing the switch, or holds
+            // its lock a moment: looked at again shortly (very shortly if
+            // no switch is in progress: its readiness is not held up).
             Ok(Err(None)) => {
                 if !s.disabled {
                     if s.conn.finishing() {
