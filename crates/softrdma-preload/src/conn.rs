@@ -88,8 +88,9 @@ pub(crate) struct Conn {
 /// aborted and the server's end reset).
 const CLOSE_REPLY_WAIT: Duration = Duration::from_millis(50);
 
-/// How many times [`Conn::stream_now`] tries a switch's lock held a
-/// moment by another thread before it reports it busy.
+/// How many times [`Conn::stream_now`] yields between tries of a switch's
+/// lock held a moment by another thread before it reports it busy (it
+/// tries once more than that: `BRIEF_TRIES + 1` tries in all).
 const BRIEF_TRIES: u32 = 8;
 
 /// [`Conn::stage`]: not a client's switch begun in `connect`.
@@ -815,6 +816,10 @@ impl Conn {
                 self.adopt(s);
             }
             Err(_) => {
+                // Counted as a failed set-up whether or not a plain
+                // connection takes its place (none if the application
+                // closed it meanwhile): the connection the application
+                // made stayed TCP.
                 state().stats.plain(PlainReason::SetupFailed);
                 if !self.has_begun_socket(ino) {
                     // Closed meanwhile (the last close finishes the
