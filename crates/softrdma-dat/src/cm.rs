@@ -189,7 +189,11 @@ fn run(s: &Arc<RShared>) {
             });
             let _ = rustix::event::poll(&mut fds, ts.as_ref());
         }
-        // Read every round: raisers share no lock with this thread.
+        // Read every round: raisers share no lock with this thread, and a
+        // raise written after a clear leaves the descriptor readable under
+        // a lowered flag, which `clear` would skip (the poll above would
+        // return at once round after round); `fd.rs`'s test
+        // `regression_a_raise_written_after_a_clear_left_the_descriptor_readable_with_the_flag_down`.
         s.wake.drain();
         if s.stop.load(Ordering::Acquire) {
             break;
