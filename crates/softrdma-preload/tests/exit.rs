@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{have_python, python_done};
+use common::{compile_c, have_python, python_done};
 
 /// The reader (the parent) and the writer (a forked child, running
 /// `child`, which ends by `exit(0)` with the socket `c` open); the parent
@@ -135,22 +135,9 @@ fn an_autocork_hold_is_sent_at_exit_with_the_exit_flush_off() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("hold.c");
-    let exe = dir.path().join("hold");
-    std::fs::write(&src, HOLD_THEN_EXIT_C).unwrap();
-    match std::process::Command::new("cc")
-        .arg("-o")
-        .arg(&exe)
-        .arg(&src)
-        .status()
-    {
-        Ok(st) => assert!(st.success(), "the C test program did not compile: {st}"),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!("no C compiler: skipped");
-            return;
-        }
-        Err(e) => panic!("cc: {e}"),
-    }
+    let Some(exe) = compile_c(dir.path(), "hold", HOLD_THEN_EXIT_C, &[]) else {
+        return;
+    };
     let script = format!(
         "import socket,subprocess\n\
          l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(8)\n\

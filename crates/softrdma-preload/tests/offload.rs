@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{field, have_python, python, python_done};
+use common::{compile_c, field, have_python, python, python_done};
 
 /// Common prelude: a listener and a connected, offloaded pair (c: client,
 /// s: server side). The server switches on its first use of the accepted
@@ -1519,22 +1519,14 @@ fn unfinished_and_pending_nodelay_answer_wrongly_when_the_lock_is_merely_busy() 
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("busy.c");
-    let exe = dir.path().join("busy");
-    std::fs::write(&src, NODELAY_WHILE_EPOLL_C).unwrap();
-    match std::process::Command::new("cc")
-        .args(["-O1", "-pthread", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .status()
-    {
-        Ok(st) => assert!(st.success(), "the C test program did not compile: {st}"),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!("no C compiler: skipped");
-            return;
-        }
-        Err(e) => panic!("cc: {e}"),
-    }
+    let Some(exe) = compile_c(
+        dir.path(),
+        "busy",
+        NODELAY_WHILE_EPOLL_C,
+        &["-O1", "-pthread"],
+    ) else {
+        return;
+    };
     let lines = run(&format!(
         "c.close(); s.close()\n\
          import subprocess\n\

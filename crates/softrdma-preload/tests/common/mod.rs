@@ -79,3 +79,33 @@ pub(crate) fn field(line: &str, key: &str) -> String {
         .trim_matches('"')
         .to_string()
 }
+
+/// Compiles the C program `src` (written to `dir/NAME.c`) with `cc` and
+/// `flags` into `dir/NAME`; `None` (and a note on stderr) when there is no
+/// `cc`. Any other failure, a compile error included, panics: a test must
+/// not pass silently because its program did not build.
+pub(crate) fn compile_c(
+    dir: &std::path::Path,
+    name: &str,
+    src: &str,
+    flags: &[&str],
+) -> Option<std::path::PathBuf> {
+    let c = dir.join(format!("{name}.c"));
+    let exe = dir.join(name);
+    std::fs::write(&c, src).unwrap();
+    match std::process::Command::new("cc")
+        .args(flags)
+        .arg("-o")
+        .arg(&exe)
+        .arg(&c)
+        .status()
+    {
+        Ok(st) => assert!(st.success(), "the C test program did not compile: {st}"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("no C compiler: skipped");
+            return None;
+        }
+        Err(e) => panic!("cc: {e}"),
+    }
+    Some(exe)
+}
