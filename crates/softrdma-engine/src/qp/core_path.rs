@@ -2354,6 +2354,20 @@ mod tests {
         q.post_send(&wr).unwrap();
     }
 
+    /// One sleep in `recv` on `b`'s connection in this thread that may
+    /// keep a receive completion (10 s at most): its outcome and the
+    /// completion handed back.
+    fn sleep_once(b: &QueuePair) -> (crate::cq::RxSleep, Option<WorkCompletion>) {
+        let mut handed = None;
+        let r = b.qp().core_rx_sleep(
+            Duration::from_secs(10),
+            &|| false,
+            &mut || true,
+            &mut handed,
+        );
+        (r, handed)
+    }
+
     /// `b` sleeps in its socket's `recv` on a thread of its own with a
     /// `hand` that answers `yes` (and counts its calls); returns once the
     /// sleep has begun, with the thread's handle (what the sleep returned,
@@ -2503,13 +2517,7 @@ mod tests {
         });
         // (Loopback: both are there once the first is; some slack.)
         std::thread::sleep(Duration::from_millis(20));
-        let mut handed = None;
-        let r = b.qp().core_rx_sleep(
-            Duration::from_secs(10),
-            &|| false,
-            &mut || true,
-            &mut handed,
-        );
+        let (r, handed) = sleep_once(b);
         assert_eq!(r, crate::cq::RxSleep::Received);
         assert_eq!(
             handed.map(|w| (w.wr_id, w.opcode)),
@@ -2564,13 +2572,7 @@ mod tests {
         }
         PANIC_AFTER_CAPTURE.with(|p| p.set(true));
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let mut handed = None;
-            b.qp().core_rx_sleep(
-                Duration::from_secs(10),
-                &|| false,
-                &mut || true,
-                &mut handed,
-            );
+            sleep_once(b);
         }));
         assert!(unwound.is_err(), "the injected panic did not happen");
         assert!(!PANIC_AFTER_CAPTURE.with(std::cell::Cell::get));
@@ -2592,13 +2594,7 @@ mod tests {
         wait_while("the third Send never arrived", || {
             !crate::sys::io::readable_now(fd)
         });
-        let mut handed = None;
-        let r = b.qp().core_rx_sleep(
-            Duration::from_secs(10),
-            &|| false,
-            &mut || true,
-            &mut handed,
-        );
+        let (r, handed) = sleep_once(b);
         assert_eq!(r, crate::cq::RxSleep::Received);
         assert_eq!(handed.map(|w| w.wr_id), Some(5));
         assert_eq!(cqb.poll(&mut wc), 0, "a completion given twice");
