@@ -115,70 +115,6 @@ struct Instance {
     /// as it was at its snapshot uses the snapshot's copies of the
     /// registrations instead of looking each one up again.
     generation: u64,
-    /// The copies of the registrations made at `generation`, shared by the
-    /// waits until the instance changes: a wait on an unchanged instance
-    /// (a level-triggered event loop that does not call `epoll_ctl` per
-    /// request) takes this instead of walking the table.
-    view: Option<Arc<View>>,
-}
-
-impl Instance {
-    /// The registrations as they are now (made anew if the instance
-    /// changed since the last view; registrations whose connection is
-    /// gone are swept then).
-    fn view(&mut self) -> Arc<View> {
-        if let Some(v) = &self.view
-            && v.generation == self.generation
-        {
-            return v.clone();
-        }
-        let before = self.regs.len();
-        self.regs.retain(|_, r| r.conn.strong_count() > 0);
-        if self.regs.len() != before {
-            self.generation += 1;
-        }
-        let slots = self
-            .regs
-            .iter()
-            .map(|(&fd, r)| Slot {
-                fd,
-                version: r.version,
-                conn: r.conn.clone(),
-                events: r.events,
-                data: r.data,
-                disabled: r.disabled,
-                fired: r.fired,
-            })
-            .collect();
-        let v = Arc::new(View {
-            generation: self.generation,
-            slots,
-        });
-        self.view = Some(v.clone());
-        v
-    }
-}
-
-/// The registrations of an instance as of one generation (see
-/// [`Instance::view`]).
-#[derive(Debug)]
-struct View {
-    generation: u64,
-    slots: Vec<Slot>,
-}
-
-/// A copy of one registration: its descriptor and version, its
-/// connection, and its rules (valid while the instance's generation is the
-/// view's).
-#[derive(Debug)]
-struct Slot {
-    fd: c_int,
-    version: u64,
-    conn: Weak<Conn>,
-    events: u32,
-    data: u64,
-    disabled: bool,
-    fired: [Option<u64>; 2],
 }
 
 /// The longest sleep of a wait while a client's switch waits for the
@@ -359,6 +295,19 @@ pub(crate) fn take_all(epfd: c_int) -> Vec<(c_int, Arc<Conn>, u32, u64)> {
         .collect()
 }
 
+/// What a wait saw of one registration: its descriptor and version, its
+/// connection, and a copy of its rules (valid while the instance's
+/// generation is the snapshot's).
+struct Seen {
+    fd: c_int,
+    version: u64,
+    conn: Arc<Conn>,
+    events: u32,
+    data: u64,
+    disabled: bool,
+    fired: [Option<u64>; 2],
+}
+
 /// `epoll_wait` on an instance with registrations kept here: `kernel(ptr,
 /// max)` looks at the kernel's instance without waiting (the real call
 /// with timeout 0); `others` are connections whose readiness descriptors
@@ -383,66 +332,72 @@ pub(crate) unsafe fn wait(
     let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     let max = maxevents as usize;
     let mut switching: Vec<c_int> = Vec::new();
-    // The connections of the view, kept from round to round while the
-    // view serves (buffers reused).
-    let mut seen: Vec<(usize, Arc<Conn>)> = Vec::new();
-    let mut interest: Vec<u32> = Vec::new();
     loop {
-        // The live, usable registrations and what they wait for.
-        let view = lock(&inst).view();
-        let generation = view.generation;
-        seen.clear();
-        interest.clear();
-        switching.clear();
+        // Snapshot: the live, usable registrations and what they wait for.
+        let mut seen: Vec<Seen>;
+        let mut interest: Vec<u32>;
+        let generation;
+        {
+            let mut g = lock(&inst);
+            let before = g.regs.len();
+            g.regs.retain(|_, r| r.conn.strong_count() > 0);
+            if g.regs.len() != before {
+                g.generation += 1;
+            }
+            generation = g.generation;
+            // Sized once (an event loop with many connections grew them
+            // step by step on every call).
+            seen = Vec::with_capacity(g.regs.len());
+            interest = Vec::with_capacity(g.regs.len());
+            switching.clear();
+            for (&fd, r) in &g.regs {
+                let Some(c) = r.conn.upgrade() else { continue };
+                seen.push(Seen {
+                    fd,
+                    version: r.version,
+                    conn: c,
+                    events: r.events,
+                    data: r.data,
+                    disabled: r.disabled,
+                    fired: r.fired,
+                });
+            }
+        }
         // The connections are looked at without the instance's lock: a
         // switch finished here (its Reply in, or failed: a plain connect)
         // must not hold up the instance's other calls.
         let mut busy = false;
         let mut busy_brief = false;
-        let mut gone = false;
-        for (k, s) in view.slots.iter().enumerate() {
-            let Some(c) = s.conn.upgrade() else {
-                gone = true;
-                continue;
-            };
-            match c.stream_now() {
-                Ok(Ok(_)) => seen.push((k, c)),
-                // A client's switch waiting for the server's Reply:
-                // nothing to report; its socket wakes the wait.
-                Ok(Err(Some(sfd))) => {
-                    if sfd >= 0 && !s.disabled {
-                        switching.push(sfd);
-                    }
+        seen.retain(|s| match s.conn.stream_now() {
+            Ok(Ok(_)) => true,
+            // A client's switch waiting for the server's Reply: nothing to
+            // report; its socket wakes the wait.
+            Ok(Err(Some(sfd))) => {
+                if sfd >= 0 && !s.disabled {
+                    switching.push(sfd);
                 }
-                // Another thread is making or finishing the switch, or
-                // holds its lock a moment: looked at again shortly (very
-                // shortly if no switch is in progress: its readiness is
-                // not held up).
-                Ok(Err(None)) => {
-                    if !s.disabled {
-                        if c.finishing() {
-                            busy = true;
-                        } else {
-                            busy_brief = true;
-                        }
-                    }
-                }
-                Err(_) => {}
+                false
             }
-        }
-        if gone {
-            // A connection closed since the view was made: the next view
-            // leaves its registration out.
-            lock(&inst).generation += 1;
-        }
-        interest.extend(
-            seen.iter()
-                .map(|(k, c)| interest_of_slot(&view.slots[*k], c)),
-        );
+            // Another thread is making or finishing the switch, or holds
+            // its lock a moment: looked at again shortly (very shortly if
+            // no switch is in progress: its readiness is not held up).
+            Ok(Err(None)) => {
+                if !s.disabled {
+                    if s.conn.finishing() {
+                        busy = true;
+                    } else {
+                        busy_brief = true;
+                    }
+                }
+                false
+            }
+            Err(_) => false,
+        });
+        interest.extend(seen.iter().map(interest_of_seen));
         let mut entries: Vec<PollEntry<'_>> = Vec::with_capacity(seen.len() + others.len() + 1);
         entries.push(PollEntry::fd(epfd, sdpoll::POLLIN));
-        for ((_, c), &i) in seen.iter().zip(&interest) {
-            if let Ok(st) = c.stream() {
+        for (s, &i) in seen.iter().zip(&interest) {
+            if let Ok(st) = s.conn.stream() {
                 entries.push(PollEntry::stream(st, poll_bits(i)));
             }
         }
@@ -479,13 +434,12 @@ pub(crate) unsafe fn wait(
             let same = g.generation == generation;
             for (k, &pre) in interest.iter().enumerate() {
                 let Some(e) = entries.get(k + 1) else { break };
-                let (slot, c) = &seen[k];
-                let s = &view.slots[*slot];
+                let s = &seen[k];
                 let want = if same {
-                    interest_of_slot(s, c)
+                    interest_of_seen(s)
                 } else {
                     match g.regs.get(&s.fd) {
-                        Some(r) if r.version == s.version => r.interest(c),
+                        Some(r) if r.version == s.version => r.interest(&s.conn),
                         _ => 0,
                     }
                 };
@@ -494,7 +448,8 @@ pub(crate) unsafe fn wait(
                 } else if want == 0 {
                     0
                 } else {
-                    let (rd, wr) = c
+                    let (rd, wr) = s
+                        .conn
                         .stream()
                         .ok()
                         .and_then(|st| st.ready_now())
@@ -546,12 +501,11 @@ pub(crate) unsafe fn wait(
                     break;
                 }
                 let (k, got) = hits[(start + j) % len];
-                let (slot, c) = &seen[k];
-                let s = &view.slots[*slot];
+                let s = &seen[k];
                 let (ev, data) = if same && s.events & (EPOLLET | EPOLLONESHOT) == 0 {
                     // Level-triggered and unchanged since the snapshot:
                     // reporting it changes nothing of the registration.
-                    (got | closed_bits(c, got, s.events), s.data)
+                    (got | closed_bits(&s.conn, got, s.events), s.data)
                 } else {
                     let Some(r) = g.regs.get_mut(&s.fd) else {
                         continue;
@@ -559,8 +513,8 @@ pub(crate) unsafe fn wait(
                     if r.version != s.version || r.disabled {
                         continue;
                     }
-                    let ev = got | closed_bits(c, got, r.events);
-                    let m = marks(c);
+                    let ev = got | closed_bits(&s.conn, got, r.events);
+                    let m = marks(&s.conn);
                     for (i, bit) in [EPOLLIN, EPOLLOUT].into_iter().enumerate() {
                         if ev & bit != 0 {
                             r.fired[i] = Some(m[i]);
@@ -601,9 +555,9 @@ pub(crate) unsafe fn wait(
     }
 }
 
-/// [`interest`] from a view's copy of a registration, on its connection `c`.
-fn interest_of_slot(s: &Slot, c: &Conn) -> u32 {
-    interest(s.events, s.disabled, s.fired, c)
+/// [`interest`] from a wait's copy of a registration.
+fn interest_of_seen(s: &Seen) -> u32 {
+    interest(s.events, s.disabled, s.fired, &s.conn)
 }
 
 /// What makes an edge: for reading, the messages the connection took in
