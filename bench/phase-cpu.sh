@@ -11,8 +11,10 @@
 # Prints per run: µs of CPU per MiB of each phase (samples at 8 kHz ×
 # 125 µs / MiB) and of each thread in it (softrdma: `poster`, `dm0_tx`
 # the engine thread that transmits, `rx` the thread that receives, other
-# engine threads by name; TCP: `writer`, `reader`), each phase's share of
-# one CPU, the call's MB/s and ratio;
+# engine threads by name; TCP: `writer`, `reader`; in parentheses the
+# share of the thread's samples taken on the hog's CPU, the first of
+# `AB_HOG_CPUS`, else 0), each phase's share of one CPU, the call's MB/s
+# and ratio;
 # then the medians, and per symbol the µs per MiB of both phases and their
 # difference, summed over the runs that split (the costs softrdma has
 # beyond the TCP baseline's, largest first; `--top N` lines [25]).
@@ -43,6 +45,10 @@ done
 # shellcheck source=bench/ab-common.sh
 . bench/ab-common.sh
 start_hogs "$load"
+# The CPU of the (first) hog: each thread's share of samples on it is
+# printed in parentheses.
+read -ra hog_list <<<"${AB_HOG_CPUS:-0}"
+hog_cpu=${hog_list[0]}
 dir=${keep:-$(mktemp -d)}
 mkdir -p "$dir"
 trap 'cleanup; [ -n "$keep" ] || rm -rf "$dir"' EXIT
@@ -53,7 +59,7 @@ echo "# $(date -u +%FT%TZ) $bin perf write -s 1M -n $mib --baseline tcp, hogs=$l
 split=0
 for r in $(seq 1 "$runs"); do
     la=$(cut -d' ' -f1 /proc/loadavg)
-    out=$(perf record -q -F 8000 -g -o "$dir/r$r.data" "$bin" perf write -s 1M -n "$mib" --baseline tcp --json 2>/dev/null | tail -1) || out=
+    out=$(perf record -q -F 8000 -g --sample-cpu -o "$dir/r$r.data" "$bin" perf write -s 1M -n "$mib" --baseline tcp --json 2>/dev/null | tail -1) || out=
     # First and last sample of every thread: "comm tid first last".
     perf script -i "$dir/r$r.data" -F comm,tid,time 2>/dev/null |
         awk '{k = $1 " " $2; t = $3 + 0; if (!(k in a)) a[k] = t; b[k] = t}
@@ -76,15 +82,18 @@ for r in $(seq 1 "$runs"); do
     # writes and the last one started reads.
     main=$(head -1 "$dir/r$r.tids" | awk '{print $2}')
     reader=$(awk '$1 == "softrdma" {t = $2} END {print t}' "$dir/r$r.tids")
-    perf script -i "$dir/r$r.data" --time "$start,$cut" -F tid,ip,sym -G 2>/dev/null | awk 'NF >= 3 {print $1, $3}' >"$dir/a.ts"
-    perf script -i "$dir/r$r.data" --time "$cut,$end" -F tid,ip,sym -G 2>/dev/null | awk 'NF >= 3 {print $1, $3}' >"$dir/b.ts"
-    awk '{print $2}' "$dir/a.ts" >"$dir/a.syms"
-    awk '{print $2}' "$dir/b.ts" >"$dir/b.syms"
-    roles=$(awk -v m="$main" -v rd="$reader" -v n="$mib" '
+    # "tid [cpu] ip symbol" -> "tid cpu symbol"
+    perf script -i "$dir/r$r.data" --time "$start,$cut" -F tid,cpu,ip,sym -G 2>/dev/null |
+        awk 'NF >= 4 {gsub(/[][]/, "", $2); print $1, $2 + 0, $4}' >"$dir/a.ts"
+    perf script -i "$dir/r$r.data" --time "$cut,$end" -F tid,cpu,ip,sym -G 2>/dev/null |
+        awk 'NF >= 4 {gsub(/[][]/, "", $2); print $1, $2 + 0, $4}' >"$dir/b.ts"
+    awk '{print $3}' "$dir/a.ts" >"$dir/a.syms"
+    awk '{print $3}' "$dir/b.ts" >"$dir/b.syms"
+    roles=$(awk -v m="$main" -v rd="$reader" -v n="$mib" -v hc="$hog_cpu" '
         FNR == 1 {f++}
         f == 1 {name[$2] = $1; next}
-        f == 2 {a[$1]++; next}
-        {b[$1]++}
+        f == 2 {a[$1]++; if ($2 == hc) ah[$1]++; next}
+        {b[$1]++; if ($2 == hc) bh[$1]++}
         END {
             for (t in a) {
                 if (t == m) role = "poster"
@@ -92,15 +101,17 @@ for r in $(seq 1 "$runs"); do
                 else if (name[t] ~ /^softrdma-/) role = substr(name[t], 10)
                 else role = "rx"
                 sr[role] += a[t]
+                srh[role] += ah[t]
             }
             for (t in b) {
                 role = "other"
                 if (t == m) role = "writer"
                 if (t == rd) role = "reader"
                 tc[role] += b[t]
+                tch[role] += bh[t]
             }
-            for (k in sr) printf " sr_%s=%.0f", k, sr[k] * 125 / n
-            for (k in tc) printf " tcp_%s=%.0f", k, tc[k] * 125 / n
+            for (k in sr) printf " sr_%s=%.0f(%d%%)", k, sr[k] * 125 / n, 100 * srh[k] / sr[k]
+            for (k in tc) printf " tcp_%s=%.0f(%d%%)", k, tc[k] * 125 / n, 100 * tch[k] / tc[k]
         }' "$dir/r$r.tids" "$dir/a.ts" "$dir/b.ts")
     cat "$dir/a.syms" >>"$dir/sr.syms"
     cat "$dir/b.syms" >>"$dir/tcp.syms"
