@@ -78,8 +78,10 @@ pub(crate) fn engine_wait() -> bool {
 }
 
 /// Runs when the library is loaded: copies the library's environment
-/// variables, nothing else.
+/// variables and keeps the library's panics out of the application's
+/// stderr (`stats::quiet_panics`), nothing else.
 extern "C" fn capture_env() {
+    crate::stats::quiet_panics();
     let _ = catch_unwind(|| ENV.get_or_init(read_env));
 }
 
@@ -151,6 +153,7 @@ extern "C" fn after_fork_child() {
         if let Some(s) = STATE.get() {
             s.stats.reset();
         }
+        crate::stats::reset_panics();
     });
 }
 
@@ -158,7 +161,9 @@ extern "C" fn write_stats() {
     let _ = catch_unwind(|| {
         let Some(s) = STATE.get() else { return };
         let Some(path) = &s.stats_file else { return };
-        let line = json_line(std::process::id(), &s.exe, &s.stats.snapshot()) + "\n";
+        let mut counts = s.stats.snapshot();
+        counts.panics = crate::stats::panics();
+        let line = json_line(std::process::id(), &s.exe, &counts) + "\n";
         // One write with O_APPEND: lines of concurrent processes never mix.
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)

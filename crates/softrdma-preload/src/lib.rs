@@ -28,7 +28,8 @@
 //!
 //! Safe inside someone else's process: at load time the library only copies
 //! its environment variables (servers such as nginx clear the environment
-//! of the worker processes that accept connections); its state
+//! of the worker processes that accept connections) and sets its panic
+//! hook, which prints nothing (panics are counted in the stats line); its state
 //! is made on the first interposed call, the engine on the first switch
 //! (its threads, and the twins', start with every signal blocked); every
 //! entry point catches panics and sets `errno` as the kernel would, and a

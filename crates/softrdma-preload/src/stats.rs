@@ -48,6 +48,33 @@ const REASONS: [PlainReason; 7] = [
     PlainReason::EngineInherited,
 ];
 
+/// Panics in the library's code in this process (see [`quiet_panics`]):
+/// global, as the hook that counts them may run before the state exists.
+static PANICS: AtomicU64 = AtomicU64::new(0);
+
+/// Keeps the library's panics out of the application's stderr: the hook
+/// (of the library's own copy of std: the application's panics, if it has
+/// any, are not seen by it) prints nothing and counts them for the stats
+/// line. Every entry point catches its panics, and the library's threads
+/// are not to panic, but a caught panic is printed by std's default hook
+/// all the same, and a thread's would be printed as it ends.
+pub(crate) fn quiet_panics() {
+    std::panic::set_hook(Box::new(|_| {
+        PANICS.fetch_add(1, Ordering::Relaxed);
+    }));
+}
+
+/// The panics counted since the start (or the fork) of this process.
+pub(crate) fn panics() -> u64 {
+    PANICS.load(Ordering::Relaxed)
+}
+
+/// Forgets the panics counted (a forked child reports only its own).
+#[cfg_attr(test, allow(dead_code))]
+pub(crate) fn reset_panics() {
+    PANICS.store(0, Ordering::Relaxed);
+}
+
 /// The counts of one process. Atomics only: a forked child resets them
 /// while a lock could be held by a thread that does not exist there.
 #[derive(Debug, Default)]
@@ -64,6 +91,9 @@ pub(crate) struct Counts {
     pub(crate) offloaded: u64,
     pub(crate) plain: u64,
     pub(crate) refused: u64,
+    /// Panics in the library's code (see [`quiet_panics`]; not a count
+    /// of [`Stats`]: set from [`panics`]).
+    pub(crate) panics: u64,
     pub(crate) reasons: BTreeMap<&'static str, u64>,
 }
 
@@ -99,6 +129,7 @@ impl Stats {
             offloaded: self.offloaded.load(Ordering::Relaxed),
             plain: self.plain.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
+            panics: 0,
             reasons: REASONS
                 .iter()
                 .zip(&self.reasons)
@@ -109,15 +140,21 @@ impl Stats {
     }
 }
 
-/// The JSON line for `pid`/`exe` (no trailing newline).
+/// The JSON line for `pid`/`exe` (no trailing newline); `panics` only
+/// when there were any.
 pub(crate) fn json_line(pid: u32, exe: &str, c: &Counts) -> String {
     let reasons: Vec<String> = c
         .reasons
         .iter()
         .map(|(k, v)| format!("{}:{v}", json_str(k)))
         .collect();
+    let panics = if c.panics > 0 {
+        format!(",\"panics\":{}", c.panics)
+    } else {
+        String::new()
+    };
     format!(
-        "{{\"pid\":{pid},\"exe\":{},\"offloaded\":{},\"plain\":{},\"refused\":{},\"reasons\":{{{}}}}}",
+        "{{\"pid\":{pid},\"exe\":{},\"offloaded\":{},\"plain\":{},\"refused\":{}{panics},\"reasons\":{{{}}}}}",
         json_str(exe),
         c.offloaded,
         c.plain,
@@ -160,5 +197,30 @@ mod tests {
         );
         s.reset();
         assert_eq!(s.snapshot(), Counts::default());
+    }
+
+    /// A panic of the library's code, caught or ending one of its threads,
+    /// prints nothing into the application's stderr (std's default hook
+    /// did): it is counted, and the stats line says so. (Other tests of
+    /// this binary may panic meanwhile and be counted too.)
+    #[test]
+    fn the_librarys_panics_are_counted_not_printed() {
+        let before = std::panic::take_hook();
+        quiet_panics();
+        let n = panics();
+        let caught = std::panic::catch_unwind(|| panic!("caught"));
+        let thread = std::thread::spawn(|| panic!("ends its thread")).join();
+        let counted = panics() - n;
+        std::panic::set_hook(before);
+        assert!(caught.is_err() && thread.is_err());
+        assert!(counted >= 2, "{counted}");
+        let c = Counts {
+            panics: 2,
+            ..Counts::default()
+        };
+        assert_eq!(
+            json_line(1, "x", &c),
+            "{\"pid\":1,\"exe\":\"x\",\"offloaded\":0,\"plain\":0,\"refused\":0,\"panics\":2,\"reasons\":{}}"
+        );
     }
 }

@@ -585,11 +585,16 @@ impl Covers {
 
 /// The twin thread: waits (peeking) until a datagram is there, then reads
 /// and answers what is queued with the records locked.
+///
+/// The wait reads no sender address (`recv` with `MSG_PEEK`, on the
+/// unconnected socket): the stop's `shutdown(Read)` ends it with none, and
+/// std's `peek_from` parsed the address memory the kernel had not written
+/// (a panic when it held an earlier datagram's `AF_INET`).
 #[cfg_attr(test, allow(dead_code))]
 fn serve(sock: &UdpSocket, records: Records, stop: &AtomicBool) {
     let mut b = [0u8; 1];
     while !stop.load(Ordering::Acquire) {
-        if sock.peek_from(&mut b).is_err() {
+        if sock.peek(&mut b).is_err() {
             continue;
         }
         if stop.load(Ordering::Acquire) {
@@ -697,6 +702,41 @@ mod tests {
             flags: 0,
         }
         .encode()
+    }
+
+    /// Regression: the twin thread waited for a datagram with `peek_from`,
+    /// and the stop's `shutdown(Read)` ends that wait with no sender
+    /// address (length 0): std parsed the address memory it had left
+    /// unwritten, which held an earlier IPv4 address's family (the
+    /// thread's stack after datagrams it answered), and its length
+    /// assertion panicked. The panic was printed into the application's
+    /// stderr (a preloaded server shutting down) and the thread died
+    /// without unmapping the records or saying it was done (the listener's
+    /// close waited its full second). The wait now reads no address.
+    ///
+    /// The thread's stack is filled with `AF_INET` first, as an earlier
+    /// address leaves it, and the socket is shut down before the stop is
+    /// set, so that the wait is woken by the shutdown whenever it starts.
+    #[test]
+    fn regression_the_twin_thread_panicked_when_its_stop_woke_a_peek_with_no_address() {
+        let sock = Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap());
+        let records = Records::new_shared().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (k, s) = (sock.clone(), stop.clone());
+        let t = std::thread::spawn(move || {
+            #[inline(never)]
+            fn leave_inet_families_on_the_stack() {
+                let families = [libc::AF_INET as u16; 32 * 1024];
+                std::hint::black_box(&families);
+            }
+            leave_inet_families_on_the_stack();
+            serve(&k, records, &s);
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let _ = socket2::SockRef::from(&*sock).shutdown(std::net::Shutdown::Read);
+        std::thread::sleep(Duration::from_millis(50));
+        stop.store(true, Ordering::Release);
+        assert!(t.join().is_ok(), "the twin thread panicked");
     }
 
     /// A query still queued on the twin's socket when the connection is

@@ -923,12 +923,15 @@ fn withdraw(r: &mut Table, w: &Probe, from: SocketAddr) {
 /// that finds the queue empty, one system call less per query). The
 /// answer's send is outside the lock: on loopback it delivers the answer
 /// and wakes the client, and an accepting thread that came meanwhile
-/// waited for it (a sleep on the lock and a wake-up per connection).
+/// waited for it (a sleep on the lock and a wake-up per connection). The
+/// peek reads no sender address: std's `peek_from` parses the address
+/// memory even when the kernel wrote none (a shut-down socket), and
+/// panics when that memory held an earlier `AF_INET`.
 fn serve(sock: &UdpSocket, records: &Records, stop: &AtomicBool, accept: bool) {
     let mut b = [0u8; 1];
     let mut q = [0u8; 64];
     while !stop.load(Ordering::Relaxed) {
-        if sock.peek_from(&mut b).is_err() {
+        if sock.peek(&mut b).is_err() {
             continue;
         }
         let mut r = records.lock().unwrap_or_else(|e| e.into_inner());
