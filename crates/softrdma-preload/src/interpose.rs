@@ -163,6 +163,7 @@ extern "C" fn write_stats() {
         let Some(path) = &s.stats_file else { return };
         let mut counts = s.stats.snapshot();
         counts.panics = crate::stats::panics();
+        counts.first_panic = crate::stats::first_panic();
         let line = json_line(std::process::id(), &s.exe, &counts) + "\n";
         // One write with O_APPEND: lines of concurrent processes never mix.
         if let Ok(mut f) = std::fs::OpenOptions::new()

@@ -59,9 +59,34 @@ static PANICS: AtomicU64 = AtomicU64::new(0);
 /// are not to panic, but a caught panic is printed by std's default hook
 /// all the same, and a thread's would be printed as it ends.
 pub(crate) fn quiet_panics() {
-    std::panic::set_hook(Box::new(|_| {
+    std::panic::set_hook(Box::new(|info| {
         PANICS.fetch_add(1, Ordering::Relaxed);
+        // The first one's place and message, for the stats line: the only
+        // trace a quiet panic leaves. `try_lock`: never wait in a hook.
+        if let Ok(mut first) = FIRST_PANIC.try_lock()
+            && first.is_none()
+        {
+            let what = info
+                .payload()
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            let at = info
+                .location()
+                .map(|l| format!("{}:{}", l.file(), l.line()))
+                .unwrap_or_default();
+            *first = Some(format!("{at}: {what}"));
+        }
     }));
+}
+
+/// The first panic's place and message since the start (or the fork).
+static FIRST_PANIC: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// The first panic's place and message, if one was counted.
+pub(crate) fn first_panic() -> Option<String> {
+    FIRST_PANIC.try_lock().ok().and_then(|g| g.clone())
 }
 
 /// The panics counted since the start (or the fork) of this process.
@@ -73,6 +98,11 @@ pub(crate) fn panics() -> u64 {
 #[cfg_attr(test, allow(dead_code))]
 pub(crate) fn reset_panics() {
     PANICS.store(0, Ordering::Relaxed);
+    // A forked child: a lock held by a thread that is not there stays
+    // held, and the parent's message with it (the count says none).
+    if let Ok(mut first) = FIRST_PANIC.try_lock() {
+        *first = None;
+    }
 }
 
 /// The counts of one process. Atomics only: a forked child resets them
@@ -94,6 +124,8 @@ pub(crate) struct Counts {
     /// Panics in the library's code (see [`quiet_panics`]; not a count
     /// of [`Stats`]: set from [`panics`]).
     pub(crate) panics: u64,
+    /// The first panic's place and message (`file:line: message`).
+    pub(crate) first_panic: Option<String>,
     pub(crate) reasons: BTreeMap<&'static str, u64>,
 }
 
@@ -130,6 +162,7 @@ impl Stats {
             plain: self.plain.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
             panics: 0,
+            first_panic: None,
             reasons: REASONS
                 .iter()
                 .zip(&self.reasons)
@@ -140,8 +173,8 @@ impl Stats {
     }
 }
 
-/// The JSON line for `pid`/`exe` (no trailing newline); `panics` only
-/// when there were any.
+/// The JSON line for `pid`/`exe` (no trailing newline); `panics` and the
+/// first one's place and message (`panic`) only when there were any.
 pub(crate) fn json_line(pid: u32, exe: &str, c: &Counts) -> String {
     let reasons: Vec<String> = c
         .reasons
@@ -149,7 +182,12 @@ pub(crate) fn json_line(pid: u32, exe: &str, c: &Counts) -> String {
         .map(|(k, v)| format!("{}:{v}", json_str(k)))
         .collect();
     let panics = if c.panics > 0 {
-        format!(",\"panics\":{}", c.panics)
+        let first = c
+            .first_panic
+            .as_deref()
+            .map(|m| format!(",\"panic\":{}", json_str(m)))
+            .unwrap_or_default();
+        format!(",\"panics\":{}{first}", c.panics)
     } else {
         String::new()
     };
@@ -209,18 +247,23 @@ mod tests {
         quiet_panics();
         let n = panics();
         let caught = std::panic::catch_unwind(|| panic!("caught"));
+        let first = first_panic().unwrap_or_default();
         let thread = std::thread::spawn(|| panic!("ends its thread")).join();
         let counted = panics() - n;
         std::panic::set_hook(before);
         assert!(caught.is_err() && thread.is_err());
         assert!(counted >= 2, "{counted}");
+        // The first panic of the process: this one unless another test's
+        // came first; either way a place and a message.
+        assert!(first.contains(".rs:") && first.contains(": "), "{first}");
         let c = Counts {
             panics: 2,
+            first_panic: Some("src/twin.rs:9: \"x\"".into()),
             ..Counts::default()
         };
         assert_eq!(
             json_line(1, "x", &c),
-            "{\"pid\":1,\"exe\":\"x\",\"offloaded\":0,\"plain\":0,\"refused\":0,\"panics\":2,\"reasons\":{}}"
+            "{\"pid\":1,\"exe\":\"x\",\"offloaded\":0,\"plain\":0,\"refused\":0,\"panics\":2,\"panic\":\"src/twin.rs:9: \\\"x\\\"\",\"reasons\":{}}"
         );
     }
 }
