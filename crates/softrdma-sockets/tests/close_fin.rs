@@ -44,9 +44,14 @@ impl Drop for Kid {
 }
 
 fn spawn(name: &str, envs: &[(&str, String)]) -> Kid {
+    spawn_limited(name, envs, 20_000)
+}
+
+/// As [`spawn`], with the exit flush bounded by `limit_ms` (`0`: off).
+fn spawn_limited(name: &str, envs: &[(&str, String)], limit_ms: u64) -> Kid {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args(["--exact", name, "--include-ignored", "--nocapture", "-q"])
-        .env(LIMIT_ENV, "20000")
+        .env(LIMIT_ENV, limit_ms.to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped());
     for (k, v) in envs {
@@ -81,7 +86,7 @@ fn signal(kid: &Kid, sig: &str) {
 /// The peer: accepts one offloaded connection, reads what comes until
 /// EOF, says so.
 #[test]
-#[ignore = "child process of a_close_does_not_wait_for_the_peers_fin_and_the_exit_does"]
+#[ignore = "child process of the tests below"]
 fn peer_child() {
     if std::env::var(PEER_ENV).is_err() {
         return;
@@ -109,7 +114,7 @@ fn peer_child() {
 /// closes, says how long the close took, and exits without anything
 /// else (`exit(3)`: the exit handlers run).
 #[test]
-#[ignore = "child process of a_close_does_not_wait_for_the_peers_fin_and_the_exit_does"]
+#[ignore = "child process of the tests below"]
 fn closer_child() {
     let Ok(addr) = std::env::var(ADDR_ENV) else {
         return;
@@ -164,6 +169,43 @@ fn a_close_does_not_wait_for_the_peers_fin_and_the_exit_does() {
         "the closing process exited before the peer's FIN came"
     );
     signal(&peer, "-CONT");
+    assert_eq!(
+        line_after(&mut peer_out, "got "),
+        format!("{LEN} ok true eof true")
+    );
+    let status = closer.0.wait().unwrap();
+    assert!(status.success(), "closer: {status}");
+    let status = peer.0.wait().unwrap();
+    assert!(status.success(), "peer: {status}");
+}
+
+/// With the exit flush off (`SOFTRDMA_SOCKETS_EXIT_FLUSH_MS=0`) nothing
+/// would wait for the peer's FIN at the exit: a close waits for it in the
+/// call, as before.
+#[test]
+fn with_the_exit_flush_off_a_close_waits_for_the_peers_fin() {
+    let mut peer = spawn("peer_child", &[(PEER_ENV, "1".to_string())]);
+    let mut peer_out = BufReader::new(peer.0.stdout.take().unwrap());
+    let addr = line_after(&mut peer_out, "addr ");
+    let mut closer = spawn_limited("closer_child", &[(ADDR_ENV, addr)], 0);
+    let mut closer_out = BufReader::new(closer.0.stdout.take().unwrap());
+    assert_eq!(line_after(&mut closer_out, "wrote "), LEN.to_string());
+    assert_eq!(line_after(&mut peer_out, "read "), LEN.to_string());
+    signal(&peer, "-STOP");
+    let mut stdin = closer.0.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    // The peer answers 500 ms later.
+    std::thread::sleep(Duration::from_millis(500));
+    signal(&peer, "-CONT");
+    let ms: u64 = line_after(&mut closer_out, "closed in ")
+        .trim_end_matches(" ms")
+        .parse()
+        .unwrap();
+    assert!(
+        ms >= 400,
+        "the close returned after {ms} ms, before the peer's FIN"
+    );
     assert_eq!(
         line_after(&mut peer_out, "got "),
         format!("{LEN} ok true eof true")
