@@ -206,10 +206,12 @@ pub(super) fn unregister(sh: &Shared) {
 /// over once nobody polls it); [`reap_closing`] lets it go, and the exit
 /// handler waits for the peer's FINs of all such connections together
 /// (bounded as the rest of the exit flush). `false`: not listed (no exit
-/// flush, so nothing would wait for it at the exit, or [`CLOSING_MAX`]
-/// connections wait already): the caller waits.
+/// flush, so nothing would wait for it at the exit; a forked child, which
+/// often ends with `_exit(2)` and no exit handler, as the children of a
+/// server forking per connection do; or [`CLOSING_MAX`] connections wait
+/// already): the caller waits.
 pub(super) fn defer_fin(sh: &Arc<Shared>, deadline: Instant) -> bool {
-    if exit_flush_limit().is_zero() {
+    if exit_flush_limit().is_zero() || softrdma_engine::fork_generation() != 0 {
         return false;
     }
     let mut closing = CLOSING.get(Default::default).lock();
