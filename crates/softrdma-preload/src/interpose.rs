@@ -78,11 +78,19 @@ pub(crate) fn engine_wait() -> bool {
 }
 
 /// Runs when the library is loaded: copies the library's environment
-/// variables and keeps the library's panics out of the application's
-/// stderr (`stats::quiet_panics`), nothing else.
+/// variables, keeps the library's panics out of the application's stderr
+/// (`stats::quiet_panics`), and has the engine count the process's forks
+/// from here on
+/// (a forked child's close waits for the peer's FIN, see the sockets
+/// crate's README, *The close of the side that closes first*; the count
+/// starts at the engine's first use otherwise, which a server that forks
+/// before its first connection is switched would miss).
 extern "C" fn capture_env() {
     crate::stats::quiet_panics();
-    let _ = catch_unwind(|| ENV.get_or_init(read_env));
+    let _ = catch_unwind(|| {
+        ENV.get_or_init(read_env);
+        softrdma_sockets::count_forks();
+    });
 }
 
 #[used]

@@ -421,6 +421,41 @@ fn fork_after_accept_child_serves_and_fork_for_work_parent_keeps_it() {
         s.sendall(b'ok'); assert c.recv(2, socket.MSG_WAITALL)==b'ok'\n");
 }
 
+/// A close returns before the peer's FIN in a process that exits with its
+/// exit handlers (they wait for it); a forked child often ends with
+/// `_exit(2)` instead (a server forking per connection), so there the
+/// close still waits for the peer's FIN in the call: here the peer is
+/// stopped for 500 ms, and the child's close takes that long. The child
+/// forked before any connection of its own (the fork is counted from the
+/// library's load).
+#[test]
+fn a_forked_childs_close_waits_for_the_peers_fin() {
+    if !have_python() {
+        return;
+    }
+    let script = "import socket,os,sys,subprocess,signal,time\n\
+        code='import socket\\nl=socket.socket(); l.bind((\"127.0.0.1\",0)); l.listen(4)\\nprint(l.getsockname()[1], flush=True)\\ns,_=l.accept(); s.settimeout(20)\\nx=s.recv(4, socket.MSG_WAITALL)\\nprint(\"read\", len(x), flush=True)\\nprint(\"eof\", s.recv(10)==b\"\", flush=True)'\n\
+        p=subprocess.Popen([sys.executable,'-c',code], stdout=subprocess.PIPE, text=True)\n\
+        port=int(p.stdout.readline())\n\
+        r1,w1=os.pipe(); r2,w2=os.pipe()\n\
+        pid=os.fork()\n\
+        if pid==0:\n    c=socket.create_connection(('127.0.0.1',port)); c.sendall(b'abcd')\n    os.write(w1, b'sent'); os.read(r2, 2)\n    t=time.monotonic(); c.close(); os.write(w1, str(int((time.monotonic()-t)*1000)).encode()); os._exit(0)\n\
+        assert os.read(r1, 4)==b'sent'\n\
+        assert p.stdout.readline().split()==['read','4']\n\
+        os.kill(p.pid, signal.SIGSTOP)\n\
+        os.write(w2, b'go'); time.sleep(0.5); os.kill(p.pid, signal.SIGCONT)\n\
+        ms=int(os.read(r1, 16))\n\
+        assert ms>=400, ms\n\
+        assert p.stdout.readline().split()==['eof','True']\n\
+        assert os.waitpid(pid,0)[1]==0 and p.wait(10)==0\n\
+        print('DONE')\n";
+    let lines = python_done(script, &[("SOFTRDMA_SOCKETS", "auto")]);
+    // The peer's line (its connection offloaded); the child leaves with
+    // _exit and the parent made no connection: no line of theirs.
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(field(&lines[0], "offloaded"), "1", "{lines:?}");
+}
+
 #[test]
 fn blocking_calls_return_eintr_and_sigpipe_is_raised_unless_suppressed() {
     if !have_python() {

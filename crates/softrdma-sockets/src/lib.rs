@@ -138,3 +138,12 @@ pub use config::{
 };
 pub use net::{Known, TcpListener, TcpStream, Upgrade, choose_port};
 pub use offload::{lost_wakeups, recv_sleeps, zero_copy_fallbacks, zero_copy_octets};
+
+/// Counts the process's `fork(2)`s from here on. A forked child's close
+/// waits for the peer's FIN in the call (a child often ends with
+/// `_exit(2)`, which runs no exit handler); the count otherwise starts at
+/// the first connection, and a child forked before it would not know it is
+/// one. For a program's (or a preloaded library's) start; cheap, once.
+pub fn count_forks() {
+    softrdma_engine::fork_generation();
+}

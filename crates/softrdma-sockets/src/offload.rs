@@ -607,7 +607,18 @@ struct CloseOnDrop(Arc<Shared>);
 
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
-        self.0.close();
+        // Connections closed earlier whose peer's FIN came since.
+        exit::reap_closing();
+        if let Some(deadline) = self.0.close() {
+            // Our DisConn and FIN are out; the peer's FIN is waited for
+            // after the call returns (`exit::defer_fin`), or here when the
+            // list of such connections is full or no exit flush would wait
+            // for it at the exit.
+            if !exit::defer_fin(&self.0, deadline) {
+                let mut st = self.0.lock();
+                self.0.wait_fin(&mut st, deadline);
+            }
+        }
         // After the close (an exit meanwhile still flushes it).
         exit::unregister(&self.0);
     }
@@ -803,6 +814,9 @@ impl Offload {
         known: &crate::net::Known,
     ) -> Result<Begun, SetupError> {
         cfg.checked().map_err(local)?;
+        // Connections closed earlier whose peer's FIN came since: their
+        // regions go back to the pool before this one takes its own.
+        exit::reap_closing();
         let eng = engine().map_err(local)?;
         let dev = eng.pd.device().clone();
         let rx_bufs = usize::from(cfg.rx_bufs);
@@ -3089,11 +3103,14 @@ fn slot_base(size: usize, slot: u32) -> usize {
 impl Shared {
     /// Closes gracefully (queued data, DisConn, FIN; bounded by the
     /// linger time), or resets with unread data or after an error.
-    fn close(&self) {
+    /// `Some(deadline)`: our FIN is sent and the peer's is still to come;
+    /// the caller waits for it ([`Shared::wait_fin`]) or has it waited
+    /// for later ([`exit::defer_fin`]), until `deadline`.
+    fn close(&self) -> Option<Instant> {
         let mut st = self.lock();
         if st.err.is_some() || st.sdp.close.aborted {
             self.qp.abort();
-            return;
+            return None;
         }
         self.progress(&mut st);
         if !st.rx.is_empty() {
@@ -3103,7 +3120,7 @@ impl Shared {
                 io::ErrorKind::ConnectionReset,
                 "closed with unread data",
             );
-            return;
+            return None;
         }
         st.disconn_wanted = true;
         st.nodelay = true;
@@ -3126,17 +3143,19 @@ impl Shared {
             // engine answered, the QP is idle: the engine's abort of an
             // idle QP makes no system call and sends nothing.)
             self.qp.abort();
-        } else if self.qp.disconnect().is_ok() {
-            // Wait for the peer's FIN (bounded): if the process exited now,
-            // the kernel would reset a connection whose last octets (a
-            // credit update) were not read, and the peer could lose data.
-            // This thread receives it itself, sleeping on the socket in the
-            // CQ (the FIN ends the QP's receives: their flush wakes it):
-            // an engine thread leaves a socket that was just polled alone
-            // for a while, and waiting for it made every close take
-            // milliseconds.
-            self.wait_fin(&mut st, deadline);
+        } else if self.qp.disconnect().is_ok() && !self.peer_fin_seen() {
+            // The peer's FIN is to be waited for (bounded): if the process
+            // exited, or the QP's socket were closed, before it came, the
+            // kernel would reset a connection whose last octets (a credit
+            // update) were not read, and the peer could lose data. The
+            // caller waits (`wait_fin`: this thread receives it itself,
+            // sleeping on the socket in the CQ; an engine thread leaves a
+            // socket that was just polled alone for a while, and waiting
+            // for it made every close take milliseconds), or lists the
+            // connection to be waited for later (`exit::defer_fin`).
+            return Some(deadline);
         }
+        None
     }
 
     /// After our FIN (`QueuePair::disconnect`): waits until the peer's
@@ -3384,6 +3403,31 @@ mod tests {
             sh.qp.state(),
             softrdma_engine::QpState::Idle | softrdma_engine::QpState::Error
         ));
+    }
+
+    /// A close that returned before the peer's FIN keeps the connection
+    /// (its QP, socket and regions) only until that FIN has come: the
+    /// peer reads everything and EOF, and a later close or setup lets the
+    /// connection go.
+    #[test]
+    fn a_connection_closed_before_the_peers_fin_is_let_go_once_it_came() {
+        let (c, s) = pair();
+        assert_eq!(c.write(b"last", false, None).unwrap(), 4);
+        let kept = Arc::downgrade(&c.sh);
+        drop(c);
+        let mut b = [0u8; 8];
+        assert_eq!(s.read(&mut b, false, false, None).unwrap(), 4);
+        assert_eq!(&b[..4], b"last");
+        assert_eq!(s.read(&mut b, false, false, None).unwrap(), 0);
+        // Our FIN went, the peer's engine answers it; the engine receives
+        // for the closed connection (no one polls it here).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while kept.strong_count() > 0 && Instant::now() < deadline {
+            exit::reap_closing();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(kept.strong_count(), 0, "the closed connection was kept");
+        drop(s);
     }
 
     /// Regression: the completion callback waited for the connection's

@@ -141,6 +141,17 @@ type Live = Mutex<HashMap<usize, Weak<Shared>>>;
 
 static LIVE: PerFork<Live> = PerFork::new();
 
+/// Connections of this fork generation that the application closed
+/// before the peer's FIN came (see [`defer_fin`]), with the time after
+/// which they are no longer waited for.
+type Closing = Mutex<Vec<(Arc<Shared>, Instant)>>;
+
+static CLOSING: PerFork<Closing> = PerFork::new();
+
+/// Most connections waiting for the peer's FIN after their close at once:
+/// a close beyond it waits for its peer in the call, as it did before.
+pub(super) const CLOSING_MAX: usize = 64;
+
 /// The bound in milliseconds, read at the first connection (`u64::MAX`:
 /// not read yet).
 static LIMIT_MS: AtomicU64 = AtomicU64::new(u64::MAX);
@@ -186,6 +197,78 @@ pub(super) fn unregister(sh: &Shared) {
             live.shrink_to(len * 2);
         }
     }
+}
+
+/// A close sent our DisConn and FIN, and the peer's FIN has not come
+/// yet: the connection is kept (its QP, socket and regions) until it
+/// comes or `deadline`, instead of the closing call waiting for it.
+/// Until then the engine receives for it (its thread takes the socket
+/// over once nobody polls it); [`reap_closing`] lets it go, and the exit
+/// handler waits for the peer's FINs of all such connections together
+/// (bounded as the rest of the exit flush). `false`: not listed (no exit
+/// flush, so nothing would wait for it at the exit; a forked child, which
+/// often ends with `_exit(2)` and no exit handler, as the children of a
+/// server forking per connection do; or [`CLOSING_MAX`] connections wait
+/// already): the caller waits.
+pub(super) fn defer_fin(sh: &Arc<Shared>, deadline: Instant) -> bool {
+    if exit_flush_limit().is_zero() || softrdma_engine::fork_generation() != 0 {
+        return false;
+    }
+    let mut closing = CLOSING.get(Default::default).lock();
+    if closing.len() >= CLOSING_MAX {
+        return false;
+    }
+    closing.push((sh.clone(), deadline));
+    true
+}
+
+/// Closed connections whose socket [`reap_closing`] reads (without
+/// waiting) per call, the oldest first: the peer's FIN is usually there
+/// by the next close or setup, and read here it costs one receive, where
+/// the engine's thread taking the socket over (after its quiet period)
+/// costs a wake-up and its epoll set's changes, and keeps the
+/// connection's regions out of the pool meanwhile.
+const REAP_STEPS: usize = 4;
+
+/// Lets go of the closed connections whose peer's FIN has come (or whose
+/// time is up): their QPs and sockets are closed and their regions go
+/// back to the pool. Reads the sockets of the [`REAP_STEPS`] oldest
+/// first, without waiting; called at each close and setup.
+pub(super) fn reap_closing() {
+    let Some(closing) = CLOSING.peek() else {
+        return;
+    };
+    let done: Vec<Arc<Shared>> = {
+        let Some(mut list) = closing.try_lock() else {
+            // Another thread reaps (or defers) right now.
+            return;
+        };
+        if list.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut done = Vec::new();
+        let mut steps = REAP_STEPS;
+        list.retain(|(sh, deadline)| {
+            if steps > 0 && !sh.peer_fin_seen() && now < *deadline {
+                steps -= 1;
+                // A connection whose lock another thread holds is left
+                // for later (its last handle is gone: only the engine's
+                // completion callback or an exit flush takes it).
+                if let Some(mut st) = sh.try_lock_now() {
+                    sh.progress(&mut st);
+                }
+            }
+            let keep = !sh.peer_fin_seen() && now < *deadline;
+            if !keep {
+                done.push(sh.clone());
+            }
+            keep
+        });
+        done
+    };
+    // Dropped outside the list's lock (a QP's and its regions' ends).
+    drop(done);
 }
 
 /// The bound [`EXIT_FLUSH_ENV`] sets (`None`: not set): milliseconds,
@@ -250,9 +333,21 @@ fn flush_live() {
     else {
         return;
     };
-    let streams: Vec<Arc<Shared>> = list.values().filter_map(Weak::upgrade).collect();
+    let mut streams: Vec<Arc<Shared>> = list.values().filter_map(Weak::upgrade).collect();
     drop(list);
-    flush_streams(&streams, deadline);
+    let mut phases = vec![Phase::Start; streams.len()];
+    // Closed connections still waiting for the peer's FIN: waited for
+    // with the others (their DisConn and FIN are out).
+    if let Some(closing) = CLOSING.peek()
+        && let Some(closing) =
+            closing.try_lock_until(deadline.min(deadline_after(Instant::now(), LIST_WAIT)))
+    {
+        for (sh, _) in closing.iter() {
+            streams.push(sh.clone());
+            phases.push(Phase::Fin);
+        }
+    }
+    flush_streams_from(&streams, phases, deadline);
 }
 
 /// A write of `len` octets on a connection whose exit-flush DisConn was
@@ -290,8 +385,13 @@ pub(super) enum Phase {
 /// progress is followed by one wait on all their completion queues
 /// together. A connection whose peer does not read costs the others
 /// nothing.
+#[cfg(test)]
 pub(super) fn flush_streams(streams: &[Arc<Shared>], deadline: Instant) {
-    let mut phases = vec![Phase::Start; streams.len()];
+    flush_streams_from(streams, vec![Phase::Start; streams.len()], deadline);
+}
+
+/// [`flush_streams`], each connection from its phase in `phases`.
+fn flush_streams_from(streams: &[Arc<Shared>], mut phases: Vec<Phase>, deadline: Instant) {
     let mut set = WaitSet::new();
     // The connections in `set` (rebuilt when one is done).
     let mut in_set = usize::MAX;
@@ -462,7 +562,7 @@ impl Shared {
 
     /// The connection has ended (the peer's FIN came after ours, or it
     /// failed).
-    fn peer_fin_seen(&self) -> bool {
+    pub(super) fn peer_fin_seen(&self) -> bool {
         matches!(
             self.qp.state(),
             softrdma_engine::QpState::Idle | softrdma_engine::QpState::Error

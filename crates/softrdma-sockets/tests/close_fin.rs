@@ -1,0 +1,217 @@
+//! The close of the side that closes first, and the peer's FIN.
+//!
+//! A close sends the connection's last data, its DisConn and its FIN, and
+//! returns without waiting for the peer's FIN: the connection is kept
+//! (its socket open, so that nothing the peer sends meanwhile resets it)
+//! until that FIN comes, and the process's exit waits for it (bounded).
+//!
+//! Each test runs two child processes (this test binary again, running one
+//! of the `*_child` tests, which do nothing when run alone): a peer, which
+//! the test stops (`SIGSTOP`) so that it cannot answer, and the process
+//! that closes.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use softrdma_sockets::{Config, Mode, TcpListener, TcpStream};
+
+/// Where the closing child connects (set by the parent).
+const ADDR_ENV: &str = "SD_CLOSE_FIN_ADDR";
+/// Set for the peer child (set by the parent).
+const PEER_ENV: &str = "SD_CLOSE_FIN_PEER";
+/// The exit flush's bound (read by the library at the first connection).
+const LIMIT_ENV: &str = "SOFTRDMA_SOCKETS_EXIT_FLUSH_MS";
+/// What the closing child writes before it closes.
+const LEN: usize = 1000;
+
+fn offload() -> Config {
+    Config::with_mode(Mode::Offload)
+}
+
+fn pattern(i: usize) -> u8 {
+    (i.wrapping_mul(31) ^ (i >> 9)) as u8
+}
+
+/// A child process, killed if the test ends before it does.
+struct Kid(Child);
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(name: &str, envs: &[(&str, String)]) -> Kid {
+    spawn_limited(name, envs, 20_000)
+}
+
+/// As [`spawn`], with the exit flush bounded by `limit_ms` (`0`: off).
+fn spawn_limited(name: &str, envs: &[(&str, String)], limit_ms: u64) -> Kid {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", name, "--include-ignored", "--nocapture", "-q"])
+        .env(LIMIT_ENV, limit_ms.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    Kid(cmd.spawn().unwrap())
+}
+
+/// The next line of a child's standard output that starts with `prefix`,
+/// without it.
+fn line_after(out: &mut BufReader<ChildStdout>, prefix: &str) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = out.read_line(&mut line).unwrap();
+        assert!(n > 0, "the child ended before saying {prefix:?}");
+        if let Some(v) = line.trim().strip_prefix(prefix) {
+            return v.to_string();
+        }
+    }
+}
+
+fn signal(kid: &Kid, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &kid.0.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig}");
+}
+
+/// The peer: accepts one offloaded connection, reads what comes until
+/// EOF, says so.
+#[test]
+#[ignore = "child process of the tests below"]
+fn peer_child() {
+    if std::env::var(PEER_ENV).is_err() {
+        return;
+    }
+    let l = TcpListener::bind_with("127.0.0.1:0", &offload()).unwrap();
+    println!("addr {}", l.local_addr().unwrap());
+    std::io::stdout().flush().unwrap();
+    let (mut s, _) = l.accept().unwrap();
+    assert!(s.transport().is_offloaded(), "{}", s.transport());
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut got = vec![0u8; LEN];
+    s.read_exact(&mut got).unwrap();
+    println!("read {}", got.len());
+    std::io::stdout().flush().unwrap();
+    // Here the parent stops this process, lets the other close, and
+    // continues this one.
+    let mut b = [0u8; 64];
+    let eof = s.read(&mut b).unwrap() == 0;
+    let ok = got.iter().enumerate().all(|(i, &b)| b == pattern(i));
+    println!("got {} ok {ok} eof {eof}", got.len());
+    std::io::stdout().flush().unwrap();
+}
+
+/// The closing side: connects, writes, waits for the parent's word,
+/// closes, says how long the close took, and exits without anything
+/// else (`exit(3)`: the exit handlers run).
+#[test]
+#[ignore = "child process of the tests below"]
+fn closer_child() {
+    let Ok(addr) = std::env::var(ADDR_ENV) else {
+        return;
+    };
+    let mut s = TcpStream::connect_with(&addr, &offload()).unwrap();
+    assert!(s.transport().is_offloaded(), "{}", s.transport());
+    let data: Vec<u8> = (0..LEN).map(pattern).collect();
+    s.write_all(&data).unwrap();
+    s.flush().unwrap();
+    println!("wrote {LEN}");
+    std::io::stdout().flush().unwrap();
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).unwrap();
+    let t = Instant::now();
+    drop(s);
+    println!("closed in {} ms", t.elapsed().as_millis());
+    std::io::stdout().flush().unwrap();
+    std::process::exit(0);
+}
+
+/// The close of the side that closes first returned only once the peer's
+/// FIN had come (up to the linger time, 5 s, with a peer that did not
+/// answer): a program closing many connections waited for a round trip
+/// through the peer's process on each. It now returns once its DisConn
+/// and FIN are sent; the process's exit still waits for the peer's FIN
+/// (so that the peer reads every octet and EOF, with no reset).
+#[test]
+fn a_close_does_not_wait_for_the_peers_fin_and_the_exit_does() {
+    let mut peer = spawn("peer_child", &[(PEER_ENV, "1".to_string())]);
+    let mut peer_out = BufReader::new(peer.0.stdout.take().unwrap());
+    let addr = line_after(&mut peer_out, "addr ");
+    let mut closer = spawn("closer_child", &[(ADDR_ENV, addr)]);
+    let mut closer_out = BufReader::new(closer.0.stdout.take().unwrap());
+    assert_eq!(line_after(&mut closer_out, "wrote "), LEN.to_string());
+    assert_eq!(line_after(&mut peer_out, "read "), LEN.to_string());
+    // The peer cannot answer the FIN now (its engine's threads are
+    // stopped too); the kernel still acknowledges what comes.
+    signal(&peer, "-STOP");
+    let mut stdin = closer.0.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    let ms: u64 = line_after(&mut closer_out, "closed in ")
+        .trim_end_matches(" ms")
+        .parse()
+        .unwrap();
+    // (A close that waits for the FIN takes the linger time: 5000 ms.)
+    assert!(ms < 2000, "the close waited {ms} ms for the peer's FIN");
+    // The exit waits for the peer's FIN.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        closer.0.try_wait().unwrap().is_none(),
+        "the closing process exited before the peer's FIN came"
+    );
+    signal(&peer, "-CONT");
+    assert_eq!(
+        line_after(&mut peer_out, "got "),
+        format!("{LEN} ok true eof true")
+    );
+    let status = closer.0.wait().unwrap();
+    assert!(status.success(), "closer: {status}");
+    let status = peer.0.wait().unwrap();
+    assert!(status.success(), "peer: {status}");
+}
+
+/// With the exit flush off (`SOFTRDMA_SOCKETS_EXIT_FLUSH_MS=0`) nothing
+/// would wait for the peer's FIN at the exit: a close waits for it in the
+/// call, as before.
+#[test]
+fn with_the_exit_flush_off_a_close_waits_for_the_peers_fin() {
+    let mut peer = spawn("peer_child", &[(PEER_ENV, "1".to_string())]);
+    let mut peer_out = BufReader::new(peer.0.stdout.take().unwrap());
+    let addr = line_after(&mut peer_out, "addr ");
+    let mut closer = spawn_limited("closer_child", &[(ADDR_ENV, addr)], 0);
+    let mut closer_out = BufReader::new(closer.0.stdout.take().unwrap());
+    assert_eq!(line_after(&mut closer_out, "wrote "), LEN.to_string());
+    assert_eq!(line_after(&mut peer_out, "read "), LEN.to_string());
+    signal(&peer, "-STOP");
+    let mut stdin = closer.0.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    // The peer answers 500 ms later.
+    std::thread::sleep(Duration::from_millis(500));
+    signal(&peer, "-CONT");
+    let ms: u64 = line_after(&mut closer_out, "closed in ")
+        .trim_end_matches(" ms")
+        .parse()
+        .unwrap();
+    assert!(
+        ms >= 400,
+        "the close returned after {ms} ms, before the peer's FIN"
+    );
+    assert_eq!(
+        line_after(&mut peer_out, "got "),
+        format!("{LEN} ok true eof true")
+    );
+    let status = closer.0.wait().unwrap();
+    assert!(status.success(), "closer: {status}");
+    let status = peer.0.wait().unwrap();
+    assert!(status.success(), "peer: {status}");
+}
