@@ -63,11 +63,6 @@ const SEND_DATA: u64 = 1 << 32;
 const SEND_CTRL: u64 = 2 << 32;
 /// The RDMA Read of a zero-copy transfer (at most one at a time).
 const ZC_READ: u64 = 3 << 32;
-/// A Data message gathered from the writer's own buffer (`write_lent`).
-const SEND_LENT: u64 = 4 << 32;
-/// Most whole messages one write sends from its own buffer (a longer
-/// write returns after them; the caller writes the rest).
-const LENT_MAX_MSGS: usize = 16;
 /// A read buffer smaller than this (and than the rest of the peer's
 /// SrcAvail) is not worth an RDMA Read round trip: the reader asks for
 /// buffered copy (SendSm) instead.
@@ -487,12 +482,6 @@ struct State {
     wakers: [Option<std::task::Waker>; 2],
     /// Our SrcAvail while a zero-copy write waits for the peer.
     zc_tx: Option<ZcTx>,
-    /// Data messages sent from a writer's own buffer whose completion has
-    /// not come yet (`Shared::write_lent`: the writing call waits for
-    /// them; other writes wait behind it).
-    lent_tx: u32,
-    /// Data messages sent from the writers' own buffers, for tests.
-    lent_sends: u64,
     /// Result of the zero-copy RDMA Read in flight (octets, or why not).
     zc_read_done: Option<Result<usize, String>>,
     /// A reader is RDMA-Reading the front SrcAvail (the state lock is let
@@ -842,9 +831,7 @@ impl Offload {
             // `Shared::sq_cap` sends, the zero-copy Read, an AbortConn.
             max_send_wr: u32::try_from(tx_bufs + 8).unwrap_or(u32::MAX),
             max_recv_wr: u32::try_from(rx_bufs).unwrap_or(u32::MAX),
-            // A Data message from the writer's buffer: its header from a
-            // send buffer, its payload from the lent buffer (`write_lent`).
-            max_send_sge: 2,
+            max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: ((BSDH_LEN + INLINE_PAYLOAD) as u32).min(dev.attr().max_inline_data),
         };
@@ -1168,8 +1155,6 @@ impl BegunParts {
                 ready_polled: false,
                 wakers: [None, None],
                 zc_tx: None,
-                lent_tx: 0,
-                lent_sends: 0,
                 zc_read_done: None,
                 zc_reading: false,
                 zc_skip: 0,
@@ -1364,9 +1349,9 @@ impl Offload {
             if total == 0 {
                 return Ok(0);
             }
-            if st.zc_tx.is_some() || st.lent_tx > 0 {
-                // Another thread's zero-copy write (or its write from its
-                // own buffer) is under way: the stream's order is its order.
+            if st.zc_tx.is_some() {
+                // Another thread's zero-copy write is under way: the
+                // stream's order is its order.
                 sh.wait(&mut st, nonblocking, deadline)?;
                 continue;
             }
@@ -1402,13 +1387,6 @@ impl Offload {
             if sh.send_small(&mut st, bufs, total, reply) {
                 sh.after(&mut st);
                 return Ok(total);
-            }
-            if bufs.len() == 1
-                && !st.exit_flush
-                && let Some(n) = sh.write_lent(&mut st, &bufs[0])?
-            {
-                sh.after(&mut st);
-                return Ok(n);
             }
             let n = sh.fill_tx(&mut st, bufs);
             if n > 0 {
@@ -1799,9 +1777,6 @@ impl Shared {
             return;
         }
         {
-            if wc.opcode == WcOpcode::Send && wc.wr_id == SEND_LENT {
-                st.lent_tx = st.lent_tx.saturating_sub(1);
-            }
             if wc.status != WcStatus::Success {
                 if wc.opcode == WcOpcode::Send && wc.wr_id & SEND_DATA != 0 {
                     st.tx_free.push(wc.wr_id as u32);
@@ -2362,101 +2337,6 @@ impl Shared {
             self.send_ctrl(st, &Message::Data { payload_len: 0 });
         }
         true
-    }
-
-    /// Sends whole messages of `buf` straight from it, without copying
-    /// them into the send buffers: each Data message gathers its header
-    /// (written into a free send buffer) and a `max_payload` slice of
-    /// `buf`, lent to the engine for the call; the call returns once every
-    /// one of them is written to the socket (its completion came: they
-    /// are never touched after it). `None` (nothing sent) unless the
-    /// write holds a whole message and one can go now: nothing queued or
-    /// corked before it, a credit, room in the send queue, a free send
-    /// buffer for the headers. The wait is for the engine's socket, not
-    /// the peer's reader: each message went with a credit, a receive the
-    /// peer's engine has posted and takes the bytes into (a non-blocking
-    /// write waits as the kernel's copy into a socket would). A signal
-    /// meanwhile does not end the wait. Sends at most [`LENT_MAX_MSGS`]
-    /// messages; the rest of the write (and its tail shorter than a
-    /// message) is the caller's next call.
-    fn write_lent(&self, st: &mut Locked<'_>, buf: &[u8]) -> io::Result<Option<usize>> {
-        let max = st.sdp.max_payload();
-        if buf.len() < max
-            || !st.tx_queue.is_empty()
-            || !st.ctrl_pending.is_empty()
-            || st.cork
-            || st.failed()
-            || !st.sdp.credits.can_send_data()
-            || st.tx_inflight >= self.sq_cap
-        {
-            return Ok(None);
-        }
-        let msgs = (buf.len() / max).min(LENT_MAX_MSGS);
-        // The headers' send buffer (LENT_MAX_MSGS headers fit any size).
-        let Some(hslot) = st.tx_free.pop() else {
-            return Ok(None);
-        };
-        let eng = engine()?;
-        let res = eng.pd.lend(&buf[..msgs * max], Access::NONE, |r| {
-            let mut sent = 0usize;
-            while sent < msgs && st.tx_inflight < self.sq_cap && !st.failed() {
-                let mut out = [0u8; AVAIL_LEN];
-                let Some(hl) = st.sdp.header(&Message::Data { payload_len: max }, &mut out) else {
-                    break;
-                };
-                let at = self.slot_base(hslot) + sent * AVAIL_LEN;
-                let posted = self
-                    .tx_mr
-                    .write(at, &out[..hl])
-                    .map_err(|e| e.to_string())
-                    .and_then(|()| {
-                        let head = self.tx_mr.sge(at, hl as u32).map_err(|e| e.to_string())?;
-                        let body = r.sge(sent * max, max as u32).map_err(|e| e.to_string())?;
-                        self.qp
-                            .post_send(
-                                &SendWr::new(SEND_LENT, SendOp::Send)
-                                    .sg_list(&[head, body])
-                                    .signaled(),
-                            )
-                            .map_err(|e| e.to_string())
-                    });
-                if let Err(e) = posted {
-                    // The credit is taken: the link is lost.
-                    st.link_lost(e);
-                    break;
-                }
-                st.tx_inflight += 1;
-                st.lent_tx += 1;
-                st.lent_sends += 1;
-                sent += 1;
-            }
-            // Until the engine is done with every slice of `buf` (a lost
-            // link flushes them: their completions come all the same).
-            while st.lent_tx > 0 {
-                if self.progress(st) {
-                    continue;
-                }
-                if let Err(e) = self.wait(st, false, None) {
-                    if st.failed() {
-                        // The flushes are on their way; the loan's end
-                        // waits for the engine to let go of `buf`.
-                        st.lent_tx = 0;
-                    }
-                    if sent == 0 || !st.failed() {
-                        return Err(e);
-                    }
-                    break;
-                }
-            }
-            Ok(sent)
-        });
-        st.tx_free.push(hslot);
-        match res {
-            Ok(Ok(0)) => Ok(None),
-            Ok(Ok(sent)) => Ok(Some(sent * max)),
-            Ok(Err(e)) => Err(e),
-            Err(e) => Err(io::Error::other(e)),
-        }
     }
 
     /// Copies as much of the concatenation of `bufs` as fits into staging
@@ -5007,158 +4887,5 @@ mod send_queue_tests {
         let s = reader.join().unwrap();
         assert!(most <= c.sh.sq_cap, "{most} sends outstanding");
         super::tests::close_pair(c, s);
-    }
-}
-
-/// Whole messages of large writes sent from the writer's own buffer
-/// (`Shared::write_lent`).
-#[cfg(test)]
-mod lent_tests {
-    use super::*;
-
-    fn pattern(i: usize) -> u8 {
-        (i.wrapping_mul(197) ^ (i >> 9)) as u8
-    }
-
-    /// A small generator for sizes and pacing (the same run every time).
-    struct Lcg(u64);
-    impl Lcg {
-        fn next(&mut self, below: usize) -> usize {
-            self.0 = self
-                .0
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((self.0 >> 33) as usize) % below
-        }
-    }
-
-    fn lent_sends(o: &Offload) -> u64 {
-        o.sh.lock().lent_sends
-    }
-
-    /// Reads `total` octets in pieces of random size (and now and then a
-    /// pause, so that the writer runs out of credits), checking each.
-    fn check_reader(s: Offload, total: usize, seed: u64) -> std::thread::JoinHandle<Offload> {
-        std::thread::spawn(move || {
-            let mut rng = Lcg(seed);
-            let mut got = 0;
-            let mut buf = vec![0u8; 300 * 1024];
-            while got < total {
-                let want = 1 + rng.next(buf.len());
-                let n = s.read(&mut buf[..want], false, false, None).unwrap();
-                assert!(n > 0, "early end after {got} octets");
-                for (k, &b) in buf[..n].iter().enumerate() {
-                    assert_eq!(b, pattern(got + k), "octet {}", got + k);
-                }
-                got += n;
-                if rng.next(16) == 0 {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-            }
-            s
-        })
-    }
-
-    /// Writes `total` octets in writes of the sizes `size` gives, each
-    /// buffer overwritten as soon as a write returns (an octet the engine
-    /// sent from it after that would arrive wrong).
-    fn write_scribbling(
-        c: &Offload,
-        total: usize,
-        nonblocking: bool,
-        mut size: impl FnMut() -> usize,
-    ) {
-        let mut sent = 0;
-        let mut buf = vec![0u8; 512 * 1024];
-        while sent < total {
-            let n = size().clamp(1, buf.len()).min(total - sent);
-            for (k, b) in buf[..n].iter_mut().enumerate() {
-                *b = pattern(sent + k);
-            }
-            let mut off = 0;
-            while off < n {
-                match c.write(&buf[off..n], nonblocking, None) {
-                    Ok(w) => {
-                        buf[off..off + w].fill(0xEE);
-                        off += w;
-                    }
-                    Err(e) if nonblocking && e.kind() == io::ErrorKind::WouldBlock => {
-                        std::thread::yield_now();
-                    }
-                    Err(e) => panic!("write: {e}"),
-                }
-            }
-            sent += n;
-        }
-        c.flush(None).unwrap();
-    }
-
-    /// 128 KiB writes (iperf3's) go as whole messages from the writer's
-    /// buffer, blocking or not, and every octet arrives in order, though
-    /// each buffer is overwritten as soon as its write returns.
-    #[test]
-    fn large_writes_go_from_the_writers_buffer_byte_exact() {
-        for nonblocking in [false, true] {
-            let (c, s) = super::tests::pair_with(&Config {
-                zcopy_threshold: 0,
-                ..Config::default()
-            });
-            const TOTAL: usize = 24 << 20;
-            let reader = check_reader(s, TOTAL, 7);
-            write_scribbling(&c, TOTAL, nonblocking, || 128 * 1024);
-            let s = reader.join().unwrap();
-            let lent = lent_sends(&c);
-            // Two messages per write when nothing waits in the send
-            // buffers; some writes go by copy after the reader's pauses
-            // (no credit at the write's start).
-            assert!(
-                lent >= (TOTAL / (64 * 1024) / 2) as u64,
-                "nonblocking {nonblocking}: {lent} messages from the writer's buffer"
-            );
-            assert_eq!(c.sh.lock().lent_tx, 0);
-            super::tests::close_pair(c, s);
-        }
-    }
-
-    /// Writes shorter than a message are copied, as before.
-    #[test]
-    fn writes_shorter_than_a_message_are_copied() {
-        let (c, s) = super::tests::pair();
-        const TOTAL: usize = 4 << 20;
-        let reader = check_reader(s, TOTAL, 11);
-        let max = c.sh.lock().sdp.max_payload();
-        write_scribbling(&c, TOTAL, false, || max - 1);
-        let s = reader.join().unwrap();
-        assert_eq!(lent_sends(&c), 0);
-        super::tests::close_pair(c, s);
-    }
-
-    /// Writes of random sizes (from one octet to several messages),
-    /// blocking and not, with `TCP_NODELAY` on and off: small writes held
-    /// in the send buffers go before a large write's messages, the large
-    /// write's tail is copied after them, and the stream stays byte-exact.
-    #[test]
-    fn mixed_writes_keep_the_stream_order() {
-        for (nodelay, nonblocking) in [(false, false), (true, true), (false, true)] {
-            let (c, s) = super::tests::pair_with(&Config {
-                zcopy_threshold: 0,
-                ..Config::default()
-            });
-            c.set_nodelay(nodelay);
-            const TOTAL: usize = 16 << 20;
-            let reader = check_reader(s, TOTAL, 3);
-            let mut rng = Lcg(5);
-            write_scribbling(&c, TOTAL, nonblocking, || match rng.next(4) {
-                0 => 1 + rng.next(200),
-                1 => 1 + rng.next(70 * 1024),
-                _ => 1 + rng.next(400 * 1024),
-            });
-            let s = reader.join().unwrap();
-            assert!(
-                lent_sends(&c) > 0,
-                "nodelay {nodelay}, nonblocking {nonblocking}: no write from the writer's buffer"
-            );
-            super::tests::close_pair(c, s);
-        }
     }
 }
