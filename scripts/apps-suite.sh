@@ -88,6 +88,11 @@ fresh_stats() { : >"$1" && chmod 666 "$1"; }
 # The stats verdict of a placement: "" if fine, else what is wrong.
 stats_verdict() { # placement statsfile
 	local f=$2
+	# The library's panics print nothing: the stats line counts them.
+	if [ -s "$f" ] && grep -q '"panics":' "$f"; then
+		echo "the library panicked: $(grep -o '"panic":"[^"]*' "$f" | head -1 | cut -c10-)"
+		return
+	fi
 	case "$1" in
 	none)
 		[ -s "$f" ] && { echo "stats written without the preload"; return; }

@@ -86,7 +86,8 @@ pub(crate) fn engine_wait() -> bool {
 /// starts at the engine's first use otherwise, which a server that forks
 /// before its first connection is switched would miss).
 extern "C" fn capture_env() {
-    crate::stats::quiet_panics();
+    let print = std::env::var_os("SOFTRDMA_SOCKETS_PANICS").is_some_and(|v| v == "print");
+    crate::stats::quiet_panics(print);
     let _ = catch_unwind(|| {
         ENV.get_or_init(read_env);
         softrdma_sockets::count_forks();
@@ -143,8 +144,8 @@ pub(crate) fn state() -> &'static State {
             unsafe { libc::atexit(write_stats) };
         }
         // SAFETY: registering an `extern "C" fn()` run in the child after
-        // fork; it only stores to atomics (no lock another thread could
-        // have held at the fork).
+        // fork; it stores to atomics and takes no lock another thread could
+        // have held at the fork (the first panic's only with `try_lock`).
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
         State {
             policy,

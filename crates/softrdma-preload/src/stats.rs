@@ -54,29 +54,41 @@ static PANICS: AtomicU64 = AtomicU64::new(0);
 
 /// Keeps the library's panics out of the application's stderr: the hook
 /// (of the library's own copy of std: the application's panics, if it has
-/// any, are not seen by it) prints nothing and counts them for the stats
-/// line. Every entry point catches its panics, and the library's threads
-/// are not to panic, but a caught panic is printed by std's default hook
-/// all the same, and a thread's would be printed as it ends.
-pub(crate) fn quiet_panics() {
-    std::panic::set_hook(Box::new(|info| {
+/// any, are not seen by it) counts them for the stats line, keeps the
+/// first one's place, thread and message, and prints nothing unless
+/// `print` (`SOFTRDMA_SOCKETS_PANICS=print`: std's default hook runs too).
+/// Every entry point catches its panics, and the library's threads are not
+/// to panic, but a caught panic is printed by std's default hook all the
+/// same, and a thread's would be printed as it ends.
+pub(crate) fn quiet_panics(print: bool) {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
         PANICS.fetch_add(1, Ordering::Relaxed);
-        // The first one's place and message, for the stats line: the only
-        // trace a quiet panic leaves. `try_lock`: never wait in a hook.
+        // The first one's place, thread and message, for the stats line:
+        // the only trace a quiet panic leaves. Built before the lock, and
+        // `try_lock`: never wait in a hook.
+        let what = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let at = info
+            .location()
+            .map(|l| format!("{}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        let thread = std::thread::current();
+        let message = format!(
+            "{at} in thread {}: {what}",
+            thread.name().unwrap_or("(unnamed)")
+        );
         if let Ok(mut first) = FIRST_PANIC.try_lock()
             && first.is_none()
         {
-            let what = info
-                .payload()
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_string())
-                .or_else(|| info.payload().downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            let at = info
-                .location()
-                .map(|l| format!("{}:{}", l.file(), l.line()))
-                .unwrap_or_default();
-            *first = Some(format!("{at}: {what}"));
+            *first = Some(message);
+        }
+        if print {
+            default(info);
         }
     }));
 }
@@ -237,33 +249,68 @@ mod tests {
         assert_eq!(s.snapshot(), Counts::default());
     }
 
+    /// What the child run of [`the_librarys_panics_print_nothing_unless_asked`]
+    /// does (nothing in a normal run): installs the hook as the library's
+    /// load does, panics in a named thread and prints the first panic.
+    #[test]
+    fn panic_child() {
+        let Some(mode) = std::env::var_os(CHILD) else {
+            return;
+        };
+        quiet_panics(mode == "print");
+        let ended = std::thread::Builder::new()
+            .name("softrdma-test".into())
+            .spawn(|| panic!("the child's panic"))
+            .unwrap()
+            .join();
+        let caught = std::panic::catch_unwind(|| panic!("a caught one"));
+        assert!(ended.is_err() && caught.is_err());
+        println!(
+            "COUNT {} FIRST {}",
+            panics(),
+            first_panic().unwrap_or_default()
+        );
+    }
+
+    const CHILD: &str = "SOFTRDMA_PRELOAD_TEST_PANIC_CHILD";
+
     /// A panic of the library's code, caught or ending one of its threads,
     /// prints nothing into the application's stderr (std's default hook
-    /// did): it is counted, and the stats line says so. (Other tests of
-    /// this binary may panic meanwhile and be counted too.)
+    /// did), unless asked; it is counted, with the first one's place,
+    /// thread and message. Run in a child process of this test binary: the
+    /// hook is the whole process's.
     #[test]
-    fn the_librarys_panics_are_counted_not_printed() {
-        let before = std::panic::take_hook();
-        quiet_panics();
-        let n = panics();
-        let caught = std::panic::catch_unwind(|| panic!("caught"));
-        let first = first_panic().unwrap_or_default();
-        let thread = std::thread::spawn(|| panic!("ends its thread")).join();
-        let counted = panics() - n;
-        std::panic::set_hook(before);
-        assert!(caught.is_err() && thread.is_err());
-        assert!(counted >= 2, "{counted}");
-        // The first panic of the process: this one unless another test's
-        // came first; either way a place and a message.
-        assert!(first.contains(".rs:") && first.contains(": "), "{first}");
+    fn the_librarys_panics_print_nothing_unless_asked() {
+        let exe = std::env::current_exe().unwrap();
+        for (mode, printed) in [("quiet", false), ("print", true)] {
+            let out = std::process::Command::new(&exe)
+                .args(["--exact", "stats::tests::panic_child", "--nocapture"])
+                .env(CHILD, mode)
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{mode}: {stdout}\n{stderr}");
+            assert_eq!(
+                stderr.contains("the child's panic"),
+                printed,
+                "{mode}: stderr {stderr}"
+            );
+            assert!(
+                stdout.contains("COUNT 2 FIRST ")
+                    && stdout.contains("stats.rs:")
+                    && stdout.contains(" in thread softrdma-test: the child's panic"),
+                "{mode}: stdout {stdout}"
+            );
+        }
         let c = Counts {
             panics: 2,
-            first_panic: Some("src/twin.rs:9: \"x\"".into()),
+            first_panic: Some("src/twin.rs:9 in thread t: \"x\"".into()),
             ..Counts::default()
         };
         assert_eq!(
             json_line(1, "x", &c),
-            "{\"pid\":1,\"exe\":\"x\",\"offloaded\":0,\"plain\":0,\"refused\":0,\"panics\":2,\"panic\":\"src/twin.rs:9: \\\"x\\\"\",\"reasons\":{}}"
+            "{\"pid\":1,\"exe\":\"x\",\"offloaded\":0,\"plain\":0,\"refused\":0,\"panics\":2,\"panic\":\"src/twin.rs:9 in thread t: \\\"x\\\"\",\"reasons\":{}}"
         );
     }
 }

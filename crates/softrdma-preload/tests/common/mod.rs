@@ -52,7 +52,13 @@ pub(crate) fn python(script: &str, env: &[(&str, &str)]) -> (Output, Vec<String>
         .unwrap_or_default()
         .lines()
         .map(String::from)
-        .collect();
+        .collect::<Vec<_>>();
+    // The library's panics print nothing; the stats line counts them.
+    assert!(
+        !lines.iter().any(|l| l.contains("\"panics\":")),
+        "the library panicked: {lines:?}\nstderr {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out, lines)
 }
 
