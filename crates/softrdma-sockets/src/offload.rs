@@ -859,9 +859,15 @@ impl Offload {
         let rx_span = rx_mr
             .sge(0, u32::try_from(rx_bufs * size).map_err(local)?)
             .map_err(local)?;
+        // Slot `i`'s buffer, from the span checked above (as
+        // `Shared::repost` does): no look-up of the region's key per slot.
+        let slot_sge = |i: usize| softrdma_engine::Sge {
+            addr: rx_span.addr + (i * size) as u64,
+            length: size as u32,
+            lkey: rx_span.lkey,
+        };
         let post_rx = |i: usize| -> Result<(), SetupError> {
-            let sge = rx_mr.sge(i * size, size as u32).map_err(local)?;
-            qp.post_recv(&RecvWr::new(i as u64, &[sge]))
+            qp.post_recv(&RecvWr::new(i as u64, &[slot_sge(i)]))
                 .map_err(local)?;
             Ok(())
         };
@@ -952,8 +958,8 @@ impl Offload {
         sc.reserve(&qp)?;
         sc.request_switch()?;
         let first = early - 1;
-        let sge = rx_mr.sge(first * size, size as u32).map_err(local)?;
-        let switched = sc.post_recv_and_begin_switch(&RecvWr::new(first as u64, &[sge]))?;
+        let switched =
+            sc.post_recv_and_begin_switch(&RecvWr::new(first as u64, &[slot_sge(first)]))?;
         // While the peer answers.
         for i in early..initial {
             if let Err(e) = post_rx(i) {
