@@ -1174,3 +1174,142 @@ fn the_batch_buffer_is_given_back_after_reads_without_batches() {
     assert_eq!(first_diff(&d[..2 * MIB], &s[..2 * MIB]), None);
     assert_eq!(first_diff(&d[2 * MIB..3 * MIB], &s[2 * MIB..3 * MIB]), None);
 }
+
+/// Posts a receive of `rbuf`'s first 4 KiB on `b` and a Send of `len`
+/// bytes of `src` on `a`.
+fn post_one_send(
+    a: &mut Side,
+    ma: &mut PdMemory<'_>,
+    b: &mut Side,
+    mb: &mut PdMemory<'_>,
+    src: &MemoryRegion,
+    rbuf: &MemoryRegion,
+    len: u32,
+) {
+    b.conn
+        .post_recv(
+            &RecvWr {
+                wr_id: 5,
+                sgl: &sge(rbuf, 0, 4096),
+            },
+            mb,
+        )
+        .unwrap();
+    let s = sge(src, 0, len);
+    a.conn
+        .post_send(
+            &SendWr::new(
+                1,
+                SendOp::Send {
+                    inv: None,
+                    imm: None,
+                },
+                &s,
+            ),
+            ma,
+        )
+        .unwrap();
+}
+
+/// Writes out what `a` has queued and returns at least `len` bytes read
+/// from `b`'s socket with a plain `read` (not by `b`'s receive path): the
+/// wire bytes of `a`'s FPDUs.
+fn wire_bytes(a: &mut Side, ma: &mut PdMemory<'_>, b: &mut Side, len: usize) -> Vec<u8> {
+    let fd_a = a.sock.as_raw_fd();
+    while !matches!(
+        a.tx.progress(&mut a.conn, ma, fd_a, usize::MAX),
+        TxStop::WouldBlock | TxStop::Idle
+    ) {}
+    let mut wire = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while wire.len() < len {
+        assert!(Instant::now() < deadline, "{} wire bytes", wire.len());
+        let mut chunk = [0u8; 8192];
+        match std::io::Read::read(&mut b.sock, &mut chunk) {
+            Ok(n) => wire.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    wire
+}
+
+/// Between receive runs a connection holds no staging buffer: a run that
+/// drains the socket gives it back to the process's free list (before,
+/// each connection kept 32 KiB of its own for its whole life, made
+/// resident page by page as reads filled it).
+#[test]
+fn a_drained_receive_run_gives_the_staging_buffer_back() {
+    let dev = device();
+    let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+    let src = region(&pa, 4096, 1);
+    let rbuf = region(&pb, 4096, 2);
+    let (sa, sb) = sockets();
+    let mut a = Side::new(config(false), sa);
+    let mut b = Side::new(config(false), sb);
+    let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+    let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+    post_one_send(&mut a, &mut ma, &mut b, &mut mb, &src, &rbuf, 300);
+    run(&mut a, &mut ma, &mut b, &mut mb, |_, b| !b.done.is_empty());
+    assert_eq!(b.done.len(), 1);
+    assert_eq!(b.done[0].status, WcStatus::Success);
+    assert!(b.rx.reads > 0);
+    assert_eq!(b.rx.staging_capacity(), 0, "staging buffer kept while idle");
+}
+
+/// A staging buffer reused from an earlier connection still holds what
+/// that connection read (valid FPDUs of the same protocol): none of it
+/// reaches the new connection's receive buffers or completions, and the
+/// buffer is given back again once the new connection's socket is
+/// drained.
+#[test]
+fn a_reused_staging_buffer_leaks_no_earlier_connections_bytes() {
+    for crc in [false, true] {
+        let dev = device();
+        let (pa, pb) = (ProtectionDomain::new(&dev), ProtectionDomain::new(&dev));
+        // The earlier connection: its Send's FPDU, as its receiver's
+        // staging buffer would have held it.
+        let old_src = region(&pa, 4096, 0x5a);
+        let old_rbuf = region(&pb, 4096, 0);
+        let (sa, sb) = sockets();
+        let mut a = Side::new(config(crc), sa);
+        let mut b = Side::new(config(crc), sb);
+        let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
+        let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
+        post_one_send(&mut a, &mut ma, &mut b, &mut mb, &old_src, &old_rbuf, 2000);
+        let wire = wire_bytes(&mut a, &mut ma, &mut b, 2000);
+        let mut stale = vec![0u8; STAGING];
+        for at in (0..STAGING - wire.len()).step_by(wire.len()) {
+            stale[at..at + wire.len()].copy_from_slice(&wire);
+        }
+
+        // The new connection receives with that buffer.
+        let src = region(&pa, 4096, 0x11);
+        let rbuf = region(&pb, 4096, 0);
+        let mut rbuf_before = vec![0u8; 4096];
+        rbuf.read(0, &mut rbuf_before).unwrap();
+        let (sa, sb) = sockets();
+        let mut a = Side::new(config(crc), sa);
+        let mut b = Side::new(config(crc), sb);
+        b.rx.put_staging(stale, 0);
+        post_one_send(&mut a, &mut ma, &mut b, &mut mb, &src, &rbuf, 1000);
+        run(&mut a, &mut ma, &mut b, &mut mb, |_, b| !b.done.is_empty());
+        for now in 0..20 {
+            a.turn(&mut ma, now);
+            b.turn(&mut mb, now);
+        }
+        let got: Vec<(u64, WcStatus, u32)> = b
+            .done
+            .iter()
+            .map(|c| (c.wr_id, c.status, c.byte_len))
+            .collect();
+        assert_eq!(got, [(5, WcStatus::Success, 1000)], "crc {crc}");
+        // The Send's 1000 bytes, and the rest as it was.
+        let mut want = rbuf_before.clone();
+        src.read(0, &mut want[..1000]).unwrap();
+        let mut have = vec![0u8; 4096];
+        rbuf.read(0, &mut have).unwrap();
+        assert_eq!(first_diff(&have, &want), None, "crc {crc}");
+        assert_eq!(b.rx.staging_capacity(), 0, "crc {crc}");
+    }
+}
