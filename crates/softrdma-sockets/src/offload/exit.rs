@@ -152,6 +152,12 @@ static CLOSING: PerFork<Closing> = PerFork::new();
 /// a close beyond it waits for its peer in the call, as it did before.
 pub(super) const CLOSING_MAX: usize = 64;
 
+/// The exit flush has started (set before it takes its snapshot of
+/// [`CLOSING`]): a close from then on (an exit handler or destructor
+/// that runs after the flush, another thread) is not listed, it waits
+/// for the peer's FIN in the call, as nothing would wait for it later.
+static EXIT_STARTED: AtomicBool = AtomicBool::new(false);
+
 /// The bound in milliseconds, read at the first connection (`u64::MAX`:
 /// not read yet).
 static LIMIT_MS: AtomicU64 = AtomicU64::new(u64::MAX);
@@ -208,14 +214,17 @@ pub(super) fn unregister(sh: &Shared) {
 /// (bounded as the rest of the exit flush). `false`: not listed (no exit
 /// flush, so nothing would wait for it at the exit; a forked child, which
 /// often ends with `_exit(2)` and no exit handler, as the children of a
-/// server forking per connection do; or [`CLOSING_MAX`] connections wait
-/// already): the caller waits.
+/// server forking per connection do; the exit flush has started, and its
+/// list of connections to wait for is taken; or [`CLOSING_MAX`]
+/// connections wait already): the caller waits.
 pub(super) fn defer_fin(sh: &Arc<Shared>, deadline: Instant) -> bool {
     if exit_flush_limit().is_zero() || softrdma_engine::fork_generation() != 0 {
         return false;
     }
     let mut closing = CLOSING.get(Default::default).lock();
-    if closing.len() >= CLOSING_MAX {
+    // Under the list's lock: the exit flush sets the flag before it takes
+    // the lock, so a connection is either in its snapshot or not listed.
+    if closing.len() >= CLOSING_MAX || EXIT_STARTED.load(Ordering::SeqCst) {
         return false;
     }
     closing.push((sh.clone(), deadline));
@@ -319,6 +328,8 @@ fn flush_live() {
     if limit.is_zero() {
         return;
     }
+    // Closes from here on wait for the peer's FIN in the call.
+    EXIT_STARTED.store(true, Ordering::SeqCst);
     // A generation that made no connection takes no lock.
     let Some(live) = LIVE.peek() else {
         return;
