@@ -115,7 +115,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use softrdma_engine::{PerFork, WaitSet};
 
 use super::{Locked, Offload, Shared};
@@ -228,7 +228,75 @@ pub(super) fn defer_fin(sh: &Arc<Shared>, deadline: Instant) -> bool {
         return false;
     }
     closing.push((sh.clone(), deadline));
+    if closing.len() == 1 {
+        // The reaper sleeps while nothing is listed.
+        REAP_WAKE.notify_one();
+    }
+    drop(closing);
+    start_reaper();
     true
+}
+
+/// Wakes the reaper when the list of closed connections is no longer
+/// empty.
+static REAP_WAKE: Condvar = Condvar::new();
+
+/// How often the reaper looks at the listed connections while any is
+/// listed: the longest a connection is kept after its peer's FIN came
+/// (or its linger time is up) in a process that neither closes nor sets
+/// up another.
+const REAP_PERIOD: Duration = Duration::from_millis(50);
+
+/// Starts, once, the thread that lets go of listed connections whose
+/// peer's FIN came or whose time is up, when no close or setup comes to
+/// do it ([`reap_closing`]): without it a process that closes a burst of
+/// connections and goes quiet kept their sockets and regions. The engine's
+/// thread reads the FIN (it takes over the socket of a QP nobody polls);
+/// the reaper only looks at the QP's state and the deadline, and the
+/// connections go (their QPs, sockets and regions) in its thread, not in
+/// the engine's. It sleeps while nothing is listed. Only this fork
+/// generation lists connections (a forked child never does), so no
+/// child needs one.
+fn start_reaper() {
+    static STARTED: AtomicBool = AtomicBool::new(false);
+    if STARTED.load(Ordering::Relaxed) || STARTED.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("softrdma-reap".into())
+        .spawn(reaper);
+    if spawned.is_err() {
+        // Closes and setups still reap; the exit still waits.
+        STARTED.store(false, Ordering::Relaxed);
+    }
+}
+
+fn reaper() {
+    let closing = CLOSING.get(Default::default);
+    loop {
+        {
+            let mut list = closing.lock();
+            while list.is_empty() {
+                REAP_WAKE.wait(&mut list);
+            }
+        }
+        std::thread::sleep(REAP_PERIOD);
+        let done: Vec<Arc<Shared>> = {
+            let mut list = closing.lock();
+            let now = Instant::now();
+            let mut done = Vec::new();
+            list.retain(|(sh, deadline)| {
+                let keep = !sh.peer_fin_seen() && now < *deadline;
+                if !keep {
+                    done.push(sh.clone());
+                }
+                keep
+            });
+            done
+        };
+        // Outside the list's lock.
+        drop(done);
+    }
 }
 
 /// Closed connections whose socket [`reap_closing`] reads (without
