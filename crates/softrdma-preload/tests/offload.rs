@@ -457,6 +457,24 @@ fn a_forked_childs_close_waits_for_the_peers_fin() {
     assert_eq!(field(&lines[0], "offloaded"), "1", "{lines:?}");
 }
 
+/// Regression: `SO_LINGER` on with a zero time, then `close`: the peer
+/// read the data and EOF (the close sent the DisConn and FIN), where with
+/// the kernel's TCP it gets `ECONNRESET`. The close now resets the
+/// connection (AbortConn, RST), as the kernel's abortive close does.
+#[test]
+fn a_close_with_so_linger_zero_gave_the_peer_eof_instead_of_a_reset() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.sendall(b'dropped'); time.sleep(0.1)\n\
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0)); c.close()\n\
+        s.settimeout(20); err=None\n\
+        try:\n    while s.recv(100): pass\n\
+        except ConnectionResetError as x: err=x\n\
+        assert err is not None, 'EOF, not a reset'\n");
+    assert_eq!(field(&lines[0], "offloaded"), "2", "{lines:?}");
+}
+
 #[test]
 fn blocking_calls_return_eintr_and_sigpipe_is_raised_unless_suppressed() {
     if !have_python() {
