@@ -209,7 +209,8 @@ pub(super) fn unregister(sh: &Shared) {
 /// yet: the connection is kept (its QP, socket and regions) until it
 /// comes or `deadline`, instead of the closing call waiting for it.
 /// Until then the engine receives for it (its thread takes the socket
-/// over once nobody polls it); [`reap_closing`] lets it go, and the exit
+/// over once nobody polls it); [`reap_closing`] (at closes and setups)
+/// or the reaper thread ([`start_reaper`]) lets it go, and the exit
 /// handler waits for the peer's FINs of all such connections together
 /// (bounded as the rest of the exit flush). `false`: not listed (no exit
 /// flush, so nothing would wait for it at the exit; a forked child, which
