@@ -3118,6 +3118,21 @@ impl Shared {
             self.qp.abort();
             return None;
         }
+        // `SO_LINGER` on with a zero time (set by the application on its
+        // socket, which the QP's shares): an abortive close, as the
+        // kernel's: what is queued is dropped and the peer is reset
+        // (AbortConn, then RST); nothing is waited for or listed.
+        if socket2::SockRef::from(&self.sock)
+            .linger()
+            .is_ok_and(|l| l == Some(Duration::ZERO))
+        {
+            self.reset(
+                &mut st,
+                io::ErrorKind::ConnectionAborted,
+                "closed with SO_LINGER 0",
+            );
+            return None;
+        }
         self.progress(&mut st);
         if !st.rx.is_empty() {
             // Unread data at close: reset, as TCP does.
@@ -3409,6 +3424,37 @@ mod tests {
             sh.qp.state(),
             softrdma_engine::QpState::Idle | softrdma_engine::QpState::Error
         ));
+    }
+
+    /// Regression: a close with `SO_LINGER` on and a zero time sent the
+    /// queued data, the DisConn and the FIN: the peer read the data and
+    /// EOF, where the kernel's TCP resets the connection (`ECONNRESET`).
+    /// It now resets (AbortConn, RST), and the connection is not listed to
+    /// wait for the peer's FIN.
+    #[test]
+    fn a_close_with_so_linger_zero_sent_eof_instead_of_a_reset() {
+        let (c, s) = pair();
+        assert_eq!(c.write(b"dropped", false, None).unwrap(), 7);
+        socket2::SockRef::from(&c.sh.sock)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        let kept = Arc::downgrade(&c.sh);
+        drop(c);
+        let mut b = [0u8; 16];
+        let end = loop {
+            match s.read(&mut b, false, false, Some(Duration::from_secs(20))) {
+                Ok(0) => break Ok(0),
+                Ok(_) => {}
+                Err(e) => break Err(e.kind()),
+            }
+        };
+        assert_eq!(
+            end,
+            Err(io::ErrorKind::ConnectionReset),
+            "the peer was not reset"
+        );
+        assert_eq!(kept.strong_count(), 0, "listed after an abortive close");
+        drop(s);
     }
 
     /// A close that returned before the peer's FIN keeps the connection

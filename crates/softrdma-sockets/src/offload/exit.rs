@@ -115,7 +115,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use softrdma_engine::{PerFork, WaitSet};
 
 use super::{Locked, Offload, Shared};
@@ -151,6 +151,12 @@ static CLOSING: PerFork<Closing> = PerFork::new();
 /// Most connections waiting for the peer's FIN after their close at once:
 /// a close beyond it waits for its peer in the call, as it did before.
 pub(super) const CLOSING_MAX: usize = 64;
+
+/// The exit flush has started (set before it takes its snapshot of
+/// [`CLOSING`]): a close from then on (an exit handler or destructor
+/// that runs after the flush, another thread) is not listed, it waits
+/// for the peer's FIN in the call, as nothing would wait for it later.
+static EXIT_STARTED: AtomicBool = AtomicBool::new(false);
 
 /// The bound in milliseconds, read at the first connection (`u64::MAX`:
 /// not read yet).
@@ -203,23 +209,95 @@ pub(super) fn unregister(sh: &Shared) {
 /// yet: the connection is kept (its QP, socket and regions) until it
 /// comes or `deadline`, instead of the closing call waiting for it.
 /// Until then the engine receives for it (its thread takes the socket
-/// over once nobody polls it); [`reap_closing`] lets it go, and the exit
+/// over once nobody polls it); [`reap_closing`] (at closes and setups)
+/// or the reaper thread ([`start_reaper`]) lets it go, and the exit
 /// handler waits for the peer's FINs of all such connections together
 /// (bounded as the rest of the exit flush). `false`: not listed (no exit
 /// flush, so nothing would wait for it at the exit; a forked child, which
 /// often ends with `_exit(2)` and no exit handler, as the children of a
-/// server forking per connection do; or [`CLOSING_MAX`] connections wait
-/// already): the caller waits.
+/// server forking per connection do; the exit flush has started, and its
+/// list of connections to wait for is taken; or [`CLOSING_MAX`]
+/// connections wait already): the caller waits.
 pub(super) fn defer_fin(sh: &Arc<Shared>, deadline: Instant) -> bool {
     if exit_flush_limit().is_zero() || softrdma_engine::fork_generation() != 0 {
         return false;
     }
     let mut closing = CLOSING.get(Default::default).lock();
-    if closing.len() >= CLOSING_MAX {
+    // Under the list's lock: the exit flush sets the flag before it takes
+    // the lock, so a connection is either in its snapshot or not listed.
+    if closing.len() >= CLOSING_MAX || EXIT_STARTED.load(Ordering::SeqCst) {
         return false;
     }
     closing.push((sh.clone(), deadline));
+    if closing.len() == 1 {
+        // The reaper sleeps while nothing is listed.
+        REAP_WAKE.notify_one();
+    }
+    drop(closing);
+    start_reaper();
     true
+}
+
+/// Wakes the reaper when the list of closed connections is no longer
+/// empty.
+static REAP_WAKE: Condvar = Condvar::new();
+
+/// How often the reaper looks at the listed connections while any is
+/// listed: the longest a connection is kept after its peer's FIN came
+/// (or its linger time is up) in a process that neither closes nor sets
+/// up another.
+const REAP_PERIOD: Duration = Duration::from_millis(50);
+
+/// Starts, once, the thread that lets go of listed connections whose
+/// peer's FIN came or whose time is up, when no close or setup comes to
+/// do it ([`reap_closing`]): without it a process that closes a burst of
+/// connections and goes quiet kept their sockets and regions. The engine's
+/// thread reads the FIN (it takes over the socket of a QP nobody polls);
+/// the reaper only looks at the QP's state and the deadline, and the
+/// connections go (their QPs, sockets and regions) in its thread, not in
+/// the engine's. It sleeps while nothing is listed. Only this fork
+/// generation lists connections (a forked child never does), so no
+/// child needs one.
+fn start_reaper() {
+    static STARTED: AtomicBool = AtomicBool::new(false);
+    if STARTED.load(Ordering::Relaxed) || STARTED.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("softrdma-reap".into())
+        .spawn(reaper);
+    if spawned.is_err() {
+        // Closes and setups still reap; the exit still waits.
+        STARTED.store(false, Ordering::Relaxed);
+    }
+}
+
+fn reaper() {
+    let closing = CLOSING.get(Default::default);
+    loop {
+        {
+            let mut list = closing.lock();
+            while list.is_empty() {
+                REAP_WAKE.wait(&mut list);
+            }
+        }
+        std::thread::sleep(REAP_PERIOD);
+        let done: Vec<Arc<Shared>> = {
+            let mut list = closing.lock();
+            let now = Instant::now();
+            let mut done = Vec::new();
+            list.retain(|(sh, deadline)| {
+                let keep = !sh.peer_fin_seen() && now < *deadline;
+                if !keep {
+                    done.push(sh.clone());
+                }
+                keep
+            });
+            done
+        };
+        // Outside the list's lock.
+        drop(done);
+    }
 }
 
 /// Closed connections whose socket [`reap_closing`] reads (without
@@ -319,6 +397,8 @@ fn flush_live() {
     if limit.is_zero() {
         return;
     }
+    // Closes from here on wait for the peer's FIN in the call.
+    EXIT_STARTED.store(true, Ordering::SeqCst);
     // A generation that made no connection takes no lock.
     let Some(live) = LIVE.peek() else {
         return;
