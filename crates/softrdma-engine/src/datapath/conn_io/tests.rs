@@ -1176,8 +1176,10 @@ fn the_batch_buffer_is_given_back_after_reads_without_batches() {
 }
 
 /// Posts a receive of `rbuf`'s first 4 KiB on `b` and a Send of `len`
-/// bytes of `src` on `a`.
-fn post_one_send(
+/// bytes of `src` on `a`, writes it out, and returns the wire bytes `b`'s
+/// socket holds when `raw` (read with a plain `read`, not by `b`'s
+/// receive path); else runs both sides until `b` has its completion.
+fn one_send(
     a: &mut Side,
     ma: &mut PdMemory<'_>,
     b: &mut Side,
@@ -1185,7 +1187,8 @@ fn post_one_send(
     src: &MemoryRegion,
     rbuf: &MemoryRegion,
     len: u32,
-) {
+    raw: bool,
+) -> Vec<u8> {
     b.conn
         .post_recv(
             &RecvWr {
@@ -1209,12 +1212,10 @@ fn post_one_send(
             ma,
         )
         .unwrap();
-}
-
-/// Writes out what `a` has queued and returns at least `len` bytes read
-/// from `b`'s socket with a plain `read` (not by `b`'s receive path): the
-/// wire bytes of `a`'s FPDUs.
-fn wire_bytes(a: &mut Side, ma: &mut PdMemory<'_>, b: &mut Side, len: usize) -> Vec<u8> {
+    if !raw {
+        run(a, ma, b, mb, |_, b| !b.done.is_empty());
+        return Vec::new();
+    }
     let fd_a = a.sock.as_raw_fd();
     while !matches!(
         a.tx.progress(&mut a.conn, ma, fd_a, usize::MAX),
@@ -1222,7 +1223,7 @@ fn wire_bytes(a: &mut Side, ma: &mut PdMemory<'_>, b: &mut Side, len: usize) -> 
     ) {}
     let mut wire = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while wire.len() < len {
+    while wire.len() < len as usize {
         assert!(Instant::now() < deadline, "{} wire bytes", wire.len());
         let mut chunk = [0u8; 8192];
         match std::io::Read::read(&mut b.sock, &mut chunk) {
@@ -1249,8 +1250,7 @@ fn a_drained_receive_run_gives_the_staging_buffer_back() {
     let mut b = Side::new(config(false), sb);
     let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
     let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
-    post_one_send(&mut a, &mut ma, &mut b, &mut mb, &src, &rbuf, 300);
-    run(&mut a, &mut ma, &mut b, &mut mb, |_, b| !b.done.is_empty());
+    one_send(&mut a, &mut ma, &mut b, &mut mb, &src, &rbuf, 300, false);
     assert_eq!(b.done.len(), 1);
     assert_eq!(b.done[0].status, WcStatus::Success);
     assert!(b.rx.reads > 0);
@@ -1276,8 +1276,9 @@ fn a_reused_staging_buffer_leaks_no_earlier_connections_bytes() {
         let mut b = Side::new(config(crc), sb);
         let mut ma = PdMemory::new(dev.stags(), pa.id(), None);
         let mut mb = PdMemory::new(dev.stags(), pb.id(), None);
-        post_one_send(&mut a, &mut ma, &mut b, &mut mb, &old_src, &old_rbuf, 2000);
-        let wire = wire_bytes(&mut a, &mut ma, &mut b, 2000);
+        let wire = one_send(
+            &mut a, &mut ma, &mut b, &mut mb, &old_src, &old_rbuf, 2000, true,
+        );
         let mut stale = vec![0u8; STAGING];
         for at in (0..STAGING - wire.len()).step_by(wire.len()) {
             stale[at..at + wire.len()].copy_from_slice(&wire);
@@ -1292,8 +1293,7 @@ fn a_reused_staging_buffer_leaks_no_earlier_connections_bytes() {
         let mut a = Side::new(config(crc), sa);
         let mut b = Side::new(config(crc), sb);
         b.rx.put_staging(stale, 0);
-        post_one_send(&mut a, &mut ma, &mut b, &mut mb, &src, &rbuf, 1000);
-        run(&mut a, &mut ma, &mut b, &mut mb, |_, b| !b.done.is_empty());
+        one_send(&mut a, &mut ma, &mut b, &mut mb, &src, &rbuf, 1000, false);
         for now in 0..20 {
             a.turn(&mut ma, now);
             b.turn(&mut mb, now);
