@@ -330,42 +330,7 @@ impl RxIo {
     /// [`placed`](Self::placed) (nothing but the receive path changes what
     /// the connection wants to read; a reset or close meanwhile makes
     /// `handle_rx_placed_in` take nothing).
-    ///
-    /// When receiving stops with the staging buffer empty, the buffer goes
-    /// back to the process's free list ([`release_idle`](Self::release_idle)).
     pub(crate) fn step(
-        &mut self,
-        conn: &mut Connection<Arc<Memory>>,
-        mem: &mut impl CoreMemory<Region = Arc<Memory>>,
-        fd: RawFd,
-        now: &dyn Fn() -> u64,
-    ) -> RxStep {
-        let step = self.step_on(conn, mem, fd, now);
-        if matches!(step, RxStep::Stop(_)) {
-            self.release_idle();
-        }
-        step
-    }
-
-    /// Gives the staging buffer back to the process's free list if it
-    /// holds no bytes and is of the usual size (one grown for batches is
-    /// kept while the reader batches). Between two receive runs a
-    /// connection holds no staging buffer: the connections served by a
-    /// thread share the few it runs at a time, instead of one each (up to
-    /// 32 KiB made resident per connection, page by page, as its reads
-    /// reached further into its own buffer). Whatever
-    /// the buffer holds from an earlier read is never looked at: the
-    /// receive path reads only the bytes between `start` and `end`, which
-    /// a read put there.
-    pub(crate) fn release_idle(&mut self) {
-        if self.end == self.start && self.buf.len() == STAGING && self.buf.capacity() == STAGING {
-            self.start = 0;
-            self.end = 0;
-            staging_pool().give(std::mem::take(&mut self.buf));
-        }
-    }
-
-    fn step_on(
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
         mem: &mut impl CoreMemory<Region = Arc<Memory>>,
@@ -490,21 +455,6 @@ impl RxIo {
     /// The result of a [`DirectRead`]: the placed bytes reported to `conn`,
     /// the read-ahead staged. `Some` if receiving stops.
     pub(crate) fn placed(
-        &mut self,
-        conn: &mut Connection<Arc<Memory>>,
-        mem: &mut impl CoreMemory<Region = Arc<Memory>>,
-        d: DirectRead,
-        r: io::Result<usize>,
-        now: &dyn Fn() -> u64,
-    ) -> Option<RxStop> {
-        let stop = self.placed_on(conn, mem, d, r, now);
-        if stop.is_some() {
-            self.release_idle();
-        }
-        stop
-    }
-
-    fn placed_on(
         &mut self,
         conn: &mut Connection<Arc<Memory>>,
         mem: &mut impl CoreMemory<Region = Arc<Memory>>,

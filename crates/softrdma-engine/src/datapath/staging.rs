@@ -1,11 +1,9 @@
 //! The staging buffers of the connections' receive paths
 //! ([`RxIo`](super::conn_io::RxIo)): a connection takes one at its first
-//! read that needs it (not when it is made), and gives it back when a
-//! receive run stops with the buffer empty (the socket drained) and when
-//! its receive state goes. Buffers given back are kept in a small
-//! process-wide free list, so the next run of any connection reuses one:
-//! no allocation and no zeroing of 32 KiB per connection, and no pages
-//! made resident per connection (a buffer is zeroed once, when first made;
+//! read that needs it (not when it is made), and gives it back when its
+//! receive state goes. Buffers given back are kept in a small process-wide
+//! free list, so a new connection reuses one: no allocation and no zeroing
+//! of 32 KiB per connection (a buffer is zeroed once, when first made;
 //! the receive path only ever looks at the bytes a read put into it).
 //! A `fork(2)`ed child keeps a free list of its own.
 
