@@ -35,7 +35,10 @@ impl Pool {
     /// A buffer of [`STAGING`] bytes: a kept one (holding what an earlier
     /// connection read), or a new zeroed one.
     pub(crate) fn take(&self) -> Vec<u8> {
-        self.free.lock().pop().unwrap_or_else(|| vec![0u8; STAGING])
+        // The lock's guard ends with this statement: a new buffer is
+        // allocated and zeroed outside it.
+        let kept = self.free.lock().pop();
+        kept.unwrap_or_else(|| vec![0u8; STAGING])
     }
 
     /// Keeps `buf` for reuse if it is a staging buffer of the usual size
