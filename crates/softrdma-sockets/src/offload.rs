@@ -3106,6 +3106,10 @@ fn slot_base(size: usize, slot: u32) -> usize {
     slot as usize * size
 }
 
+/// How long an abortive close (`SO_LINGER` on, zero time) keeps sending
+/// queued data while no credit comes from the peer; see [`Shared::close`].
+const LINGER_ZERO_STALL: Duration = Duration::from_millis(100);
+
 impl Shared {
     /// Closes gracefully (queued data, DisConn, FIN; bounded by the
     /// linger time), or resets with unread data or after an error.
@@ -3120,12 +3124,36 @@ impl Shared {
         }
         // `SO_LINGER` on with a zero time (set by the application on its
         // socket, which the QP's shares): an abortive close, as the
-        // kernel's: what is queued is dropped and the peer is reset
-        // (AbortConn, then RST); nothing is waited for or listed.
+        // kernel's: the peer is reset (AbortConn, then RST) and nothing is
+        // listed. The kernel has by then transmitted what the application
+        // wrote (on loopback, all of it): the data queued here waits only
+        // for the peer's credits, so it is sent first, while the peer
+        // keeps granting credits; what is still stuck then (no credit for
+        // `LINGER_ZERO_STALL`, or the linger time is up), a buffer held by
+        // `TCP_CORK`, and everything if unread data is here, is dropped.
         if socket2::SockRef::from(&self.sock)
             .linger()
             .is_ok_and(|l| l == Some(Duration::ZERO))
         {
+            self.progress(&mut st);
+            if st.rx.is_empty() {
+                self.flush_tx(&mut st);
+                let deadline = Instant::now() + self.linger;
+                let mut moved = Instant::now();
+                while ((!st.tx_queue.is_empty() && !st.cork_held) || st.tx_inflight > 0)
+                    && !st.failed()
+                {
+                    let now = Instant::now();
+                    if now >= deadline || now - moved >= LINGER_ZERO_STALL {
+                        break;
+                    }
+                    if self.progress(&mut st) {
+                        moved = now;
+                    } else {
+                        st.unlocked(|| std::thread::sleep(Duration::from_micros(50)));
+                    }
+                }
+            }
             self.reset(
                 &mut st,
                 io::ErrorKind::ConnectionAborted,
@@ -3455,6 +3483,57 @@ mod tests {
         );
         assert_eq!(kept.strong_count(), 0, "listed after an abortive close");
         drop(s);
+    }
+
+    /// Regression: a close with `SO_LINGER` on and a zero time dropped
+    /// all the data still queued, also what waited only for the peer's
+    /// credits (they run out after a few messages), where the kernel's
+    /// abortive close has transmitted what was written: a concurrent
+    /// reader got a fraction, then the reset. It now gets every octet,
+    /// then the reset (not EOF).
+    #[test]
+    fn a_close_with_so_linger_zero_dropped_data_waiting_for_credits() {
+        const N: usize = 40;
+        const SZ: usize = 1000;
+        // Few receive buffers: the peer's credits run out after 4 messages.
+        let (c, s) = pair_with(&Config {
+            buf_size: 16 * 1024,
+            rx_bufs: 4,
+            tx_bufs: 8,
+            ..Config::default()
+        });
+        c.set_nodelay(true);
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            let mut b = [0u8; 4096];
+            let end = loop {
+                match s.read(&mut b, false, false, Some(Duration::from_secs(20))) {
+                    Ok(0) => break Ok(0),
+                    Ok(n) => got.extend_from_slice(&b[..n]),
+                    Err(e) => break Err(e.kind()),
+                }
+            };
+            (got, end)
+        });
+        let all: Vec<u8> = (0..N * SZ).map(|i| (i % 251) as u8).collect();
+        for m in all.chunks(SZ) {
+            let mut done = 0;
+            while done < m.len() {
+                done += c.write(&m[done..], false, None).unwrap();
+            }
+        }
+        socket2::SockRef::from(&c.sh.sock)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(c);
+        let (got, end) = reader.join().unwrap();
+        assert_eq!(got.len(), all.len(), "octets read before the end");
+        assert!(got == all, "the octets read differ from those written");
+        assert_eq!(
+            end,
+            Err(io::ErrorKind::ConnectionReset),
+            "the peer was not reset"
+        );
     }
 
     /// A close that returned before the peer's FIN keeps the connection
