@@ -146,7 +146,9 @@ pub use qp::{LinkParams, QpAttr, QpCap, QpInitAttr, QueuePair, TerminateDirectio
 pub use remote::{RemoteBuf, RemoteBufError};
 pub use srq::SharedReceiveQueue;
 pub use state::QpState;
-pub use sys::io::{process_context_switches, signal_blocked, thread_context_switches};
+pub use sys::io::{
+    process_context_switches, signal_blocked, spawn_engine_thread, thread_context_switches,
+};
 pub use sys::process::{PerFork, at_exit};
 
 /// How many `fork(2)`s lie between the process that first called this and

@@ -609,12 +609,25 @@ impl Drop for CloseOnDrop {
     fn drop(&mut self) {
         // Connections closed earlier whose peer's FIN came since.
         exit::reap_closing();
+        // `SO_LINGER` on with a time N > 0: as the kernel's close, which
+        // blocks until the peer acknowledged its FIN or N seconds passed,
+        // the peer's FIN is waited for here, up to N from now; the
+        // connection is not listed.
+        let start = Instant::now();
+        let linger = socket2::SockRef::from(&self.0.sock)
+            .linger()
+            .ok()
+            .flatten()
+            .filter(|t| !t.is_zero());
         if let Some(deadline) = self.0.close() {
             // Our DisConn and FIN are out; the peer's FIN is waited for
             // after the call returns (`exit::defer_fin`), or here when the
             // list of such connections is full or no exit flush would wait
-            // for it at the exit.
-            if !exit::defer_fin(&self.0, deadline) {
+            // for it at the exit, or with `SO_LINGER` N (up to N).
+            if let Some(t) = linger {
+                let mut st = self.0.lock();
+                self.0.wait_fin(&mut st, start + t);
+            } else if !exit::defer_fin(&self.0, deadline) {
                 let mut st = self.0.lock();
                 self.0.wait_fin(&mut st, deadline);
             }
@@ -3106,6 +3119,10 @@ fn slot_base(size: usize, slot: u32) -> usize {
     slot as usize * size
 }
 
+/// How long an abortive close (`SO_LINGER` on, zero time) keeps sending
+/// queued data while no credit comes from the peer; see [`Shared::close`].
+const LINGER_ZERO_STALL: Duration = Duration::from_millis(100);
+
 impl Shared {
     /// Closes gracefully (queued data, DisConn, FIN; bounded by the
     /// linger time), or resets with unread data or after an error.
@@ -3120,12 +3137,36 @@ impl Shared {
         }
         // `SO_LINGER` on with a zero time (set by the application on its
         // socket, which the QP's shares): an abortive close, as the
-        // kernel's: what is queued is dropped and the peer is reset
-        // (AbortConn, then RST); nothing is waited for or listed.
+        // kernel's: the peer is reset (AbortConn, then RST) and nothing is
+        // listed. The kernel has by then transmitted what the application
+        // wrote (on loopback, all of it): the data queued here waits only
+        // for the peer's credits, so it is sent first, while the peer
+        // keeps granting credits; what is still stuck then (no credit for
+        // `LINGER_ZERO_STALL`, or the linger time is up), a buffer held by
+        // `TCP_CORK`, and everything if unread data is here, is dropped.
         if socket2::SockRef::from(&self.sock)
             .linger()
             .is_ok_and(|l| l == Some(Duration::ZERO))
         {
+            self.progress(&mut st);
+            if st.rx.is_empty() {
+                self.flush_tx(&mut st);
+                let deadline = Instant::now() + self.linger;
+                let mut moved = Instant::now();
+                while ((!st.tx_queue.is_empty() && !st.cork_held) || st.tx_inflight > 0)
+                    && !st.failed()
+                {
+                    let now = Instant::now();
+                    if now >= deadline || now - moved >= LINGER_ZERO_STALL {
+                        break;
+                    }
+                    if self.progress(&mut st) {
+                        moved = now;
+                    } else {
+                        st.unlocked(|| std::thread::sleep(Duration::from_micros(50)));
+                    }
+                }
+            }
             self.reset(
                 &mut st,
                 io::ErrorKind::ConnectionAborted,
@@ -3455,6 +3496,95 @@ mod tests {
         );
         assert_eq!(kept.strong_count(), 0, "listed after an abortive close");
         drop(s);
+    }
+
+    /// Regression: a close with `SO_LINGER` on and a zero time dropped
+    /// all the data still queued, also what waited only for the peer's
+    /// credits (they run out after a few messages), where the kernel's
+    /// abortive close has transmitted what was written: a concurrent
+    /// reader got a fraction, then the reset. It now gets every octet,
+    /// then the reset (not EOF).
+    #[test]
+    fn a_close_with_so_linger_zero_dropped_data_waiting_for_credits() {
+        const N: usize = 40;
+        const SZ: usize = 1000;
+        // Few receive buffers: the peer's credits run out after 4 messages.
+        let (c, s) = pair_with(&Config {
+            buf_size: 16 * 1024,
+            rx_bufs: 4,
+            tx_bufs: 8,
+            ..Config::default()
+        });
+        c.set_nodelay(true);
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            let mut b = [0u8; 4096];
+            let end = loop {
+                match s.read(&mut b, false, false, Some(Duration::from_secs(20))) {
+                    Ok(0) => break Ok(0),
+                    Ok(n) => got.extend_from_slice(&b[..n]),
+                    Err(e) => break Err(e.kind()),
+                }
+            };
+            (got, end)
+        });
+        let all: Vec<u8> = (0..N * SZ).map(|i| (i % 251) as u8).collect();
+        for m in all.chunks(SZ) {
+            let mut done = 0;
+            while done < m.len() {
+                done += c.write(&m[done..], false, None).unwrap();
+            }
+        }
+        socket2::SockRef::from(&c.sh.sock)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(c);
+        let (got, end) = reader.join().unwrap();
+        assert_eq!(got.len(), all.len(), "octets read before the end");
+        assert!(got == all, "the octets read differ from those written");
+        assert_eq!(
+            end,
+            Err(io::ErrorKind::ConnectionReset),
+            "the peer was not reset"
+        );
+    }
+
+    /// `SO_LINGER` on with a time N > 0 was ignored: the close returned
+    /// once its FIN was sent and listed the connection, where the
+    /// kernel's close blocks until its FIN is acknowledged or N seconds
+    /// pass. It now waits in the call for the peer's FIN (up to N; the
+    /// peer's engine answers ours at once) and lists nothing.
+    #[test]
+    fn a_close_with_so_linger_n_returned_before_the_peers_fin() {
+        let (c, s) = pair();
+        assert_eq!(c.write(b"last", false, None).unwrap(), 4);
+        socket2::SockRef::from(&c.sh.sock)
+            .set_linger(Some(Duration::from_secs(20)))
+            .unwrap();
+        let peer = std::thread::spawn(move || {
+            let mut b = [0u8; 8];
+            let mut got = 0;
+            loop {
+                match s.read(&mut b, false, false, Some(Duration::from_secs(20))) {
+                    Ok(0) => break,
+                    Ok(n) => got += n,
+                    Err(e) => panic!("read: {e}"),
+                }
+            }
+            drop(s);
+            got
+        });
+        let kept = Arc::downgrade(&c.sh);
+        let t = Instant::now();
+        drop(c);
+        let took = t.elapsed();
+        assert_eq!(
+            kept.strong_count(),
+            0,
+            "listed after a close with SO_LINGER N"
+        );
+        assert!(took < Duration::from_secs(15), "returned after {took:?}");
+        assert_eq!(peer.join().unwrap(), 4);
     }
 
     /// A close that returned before the peer's FIN keeps the connection

@@ -637,7 +637,7 @@ pub(crate) fn usable_cpus() -> Vec<usize> {
 /// run handlers on an engine thread inside another program. The mask is
 /// set in the spawning thread around `spawn` (a new thread inherits it), so
 /// there is no window in which the new thread accepts signals.
-pub(crate) fn spawn_engine_thread<F>(name: String, f: F) -> io::Result<std::thread::JoinHandle<()>>
+pub fn spawn_engine_thread<F>(name: String, f: F) -> io::Result<std::thread::JoinHandle<()>>
 where
     F: FnOnce() + Send + 'static,
 {

@@ -255,7 +255,8 @@ const REAP_PERIOD: Duration = Duration::from_millis(50);
 /// thread reads the FIN (it takes over the socket of a QP nobody polls);
 /// the reaper only looks at the QP's state and the deadline, and the
 /// connections go (their QPs, sockets and regions) in its thread, not in
-/// the engine's. It sleeps while nothing is listed. Only this fork
+/// the engine's. It sleeps while nothing is listed, with every signal
+/// blocked (it is started by whichever thread closes first). Only this fork
 /// generation lists connections (a forked child never does), so no
 /// child needs one.
 fn start_reaper() {
@@ -263,9 +264,10 @@ fn start_reaper() {
     if STARTED.load(Ordering::Relaxed) || STARTED.swap(true, Ordering::Relaxed) {
         return;
     }
-    let spawned = std::thread::Builder::new()
-        .name("softrdma-reap".into())
-        .spawn(reaper);
+    // With every signal blocked, as the engine's threads: the closing
+    // thread's mask (an application thread's) is not inherited, so no
+    // process-wide signal runs the application's handlers here.
+    let spawned = softrdma_engine::spawn_engine_thread("softrdma-reap".into(), reaper);
     if spawned.is_err() {
         // Closes and setups still reap; the exit still waits.
         STARTED.store(false, Ordering::Relaxed);
@@ -663,6 +665,55 @@ mod tests {
             rx_bufs: 4,
             tx_bufs: 2,
             ..Config::default()
+        }
+    }
+
+    /// Regression: the reaper thread was started with the closing
+    /// thread's signal mask (a plain spawn), so a last drop in an
+    /// application thread (not under the preload's blocked signals) gave
+    /// it the application's mask, and process-wide signals could run the
+    /// application's handlers on it. Started from a thread that blocks
+    /// no signal, it now blocks every signal, as the engine's threads.
+    #[test]
+    fn the_reaper_thread_inherited_the_closing_threads_signal_mask() {
+        std::thread::spawn(|| {
+            // SIGINT and SIGTERM are open in a test's thread.
+            assert!(!softrdma_engine::signal_blocked(libc::SIGINT));
+            assert!(!softrdma_engine::signal_blocked(libc::SIGTERM));
+            start_reaper();
+        })
+        .join()
+        .unwrap();
+        let mut found = None;
+        for _ in 0..200 {
+            for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+                let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+                if comm.trim_end() == "softrdma-reap" {
+                    let status =
+                        std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+                    found = status
+                        .lines()
+                        .find_map(|l| l.strip_prefix("SigBlk:"))
+                        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok());
+                }
+            }
+            if found.is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let blocked = found.expect("no softrdma-reap thread");
+        for sig in [
+            libc::SIGINT,
+            libc::SIGUSR1,
+            libc::SIGALRM,
+            libc::SIGTERM,
+            libc::SIGCHLD,
+        ] {
+            assert!(
+                blocked & (1 << (sig - 1)) != 0,
+                "signal {sig} not blocked in the reaper: SigBlk {blocked:016x}"
+            );
         }
     }
 
