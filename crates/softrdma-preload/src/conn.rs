@@ -195,8 +195,8 @@ pub(crate) fn take_abandoned(peer: SocketAddr, port: u16) -> bool {
 fn switch_own_server(own: (SocketAddr, SocketAddr)) -> bool {
     let found = {
         let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
-        t.iter()
-            .map(|(_, s)| &s.conn)
+        t.values()
+            .map(|s| &s.conn)
             .find(|c| {
                 let Some(p) = c.try_pending() else {
                     return false;
@@ -670,7 +670,7 @@ impl Conn {
                 // A peer of this process whose accepted end waits for its
                 // first use: switched here, its Reply is then in.
                 if let Ok(false) = b.up.poll()
-                    && !(b.own.is_some_and(switch_own_server) && !matches!(b.up.poll(), Ok(false)))
+                    && (!b.own.is_some_and(switch_own_server) || matches!(b.up.poll(), Ok(false)))
                 {
                     return Ok(Err(Some(b.up.wait_on().map_or(-1, |(fd, _)| fd))));
                 }
