@@ -88,6 +88,10 @@ pub(crate) struct Conn {
 /// aborted and the server's end reset).
 const CLOSE_REPLY_WAIT: Duration = Duration::from_millis(50);
 
+/// The step of a client's wait for the Reply of a listener of its own
+/// process, between looks for the accepted end to switch (ms).
+const OWN_STEP_MS: c_int = 20;
+
 /// How many times [`Conn::stream_now`] yields between tries of a switch's
 /// lock held a moment by another thread before it reports it busy (it
 /// tries once more than that: `BRIEF_TRIES + 1` tries in all).
@@ -148,6 +152,71 @@ struct Begun {
     ino: (u64, u64),
     addr: libc::sockaddr_storage,
     len: libc::socklen_t,
+    /// This end's address and the peer's, when the peer is a listener of
+    /// this process (see [`switch_own_server`]).
+    own: Option<(SocketAddr, SocketAddr)>,
+}
+
+/// Connections of this process whose client gave up its switch before
+/// this process accepted them (this end's address, the listener's port):
+/// `accept` closes them and takes the next (the client made a plain one
+/// in their place).
+static ABANDONED: Mutex<Vec<(SocketAddr, u16)>> = Mutex::new(Vec::new());
+/// Entries in [`ABANDONED`] (an `accept` looks only when it is not 0).
+static ABANDONED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether any connection is in [`ABANDONED`] (one load).
+pub(crate) fn abandoned_any() -> bool {
+    ABANDONED_COUNT.load(Ordering::Acquire) != 0
+}
+
+/// Whether the connection from `peer` accepted on port `port` is one its
+/// client (this process) gave up before it was accepted; it is forgotten
+/// then (the caller closes it).
+pub(crate) fn take_abandoned(peer: SocketAddr, port: u16) -> bool {
+    if ABANDONED_COUNT.load(Ordering::Acquire) == 0 {
+        return false;
+    }
+    let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(i) = a.iter().position(|&(p, l)| p == peer && l == port) else {
+        return false;
+    };
+    a.swap_remove(i);
+    ABANDONED_COUNT.store(a.len(), Ordering::Release);
+    true
+}
+
+/// Client side, the peer a listener of this process (`own`: this end's
+/// address, the listener's): switches the accepted end of this very
+/// connection if this process has accepted it and no thread switches it
+/// yet. Its switch reads our MPA Request and answers it; a program that
+/// connects to itself and uses both ends from one thread has no other
+/// thread to do it. Whether one was switched (or failed to).
+fn switch_own_server(own: (SocketAddr, SocketAddr)) -> bool {
+    let found = {
+        let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+        t.values()
+            .map(|s| &s.conn)
+            .find(|c| {
+                let Some(p) = c.try_pending() else {
+                    return false;
+                };
+                matches!(
+                    p.as_ref(),
+                    Some((Pending::Accepted(d, k), _))
+                        if k.peer == Some(own.0)
+                            && d.local_addr().is_ok_and(|a| a.port() == own.1.port())
+                )
+            })
+            .cloned()
+    };
+    match found {
+        Some(c) => {
+            let _ = c.stream();
+            true
+        }
+        None => false,
+    }
 }
 
 /// A descriptor's entry: its connection and its own `FD_CLOEXEC` view.
@@ -544,6 +613,11 @@ impl Conn {
         };
         let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
         let ino = inode(fd).ok_or(libc::EBADF)?;
+        // A listener of this process: its accepted end may have to be
+        // switched from here (see `switch_own_server`).
+        let own = peer
+            .filter(|p| crate::interpose::sibling_twin(p.ip(), p.port()).is_some())
+            .and_then(|p| dup.local_addr().ok().map(|me| (me, p)));
         let nodelay = dup.nodelay().unwrap_or(false);
         let known = Known {
             peer,
@@ -563,6 +637,7 @@ impl Conn {
             ino,
             addr: storage,
             len: n as libc::socklen_t,
+            own,
         };
         *c.pending.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((Pending::Connected(Box::new(b)), Some(nodelay)));
@@ -592,7 +667,11 @@ impl Conn {
             if let Some((Pending::Connected(b), _)) = pending.as_mut() {
                 // Done, or failed: finished below without a wait (a
                 // failure's plain connection is made there).
-                if let Ok(false) = b.up.poll() {
+                // A peer of this process whose accepted end waits for its
+                // first use: switched here, its Reply is then in.
+                if let Ok(false) = b.up.poll()
+                    && (!b.own.is_some_and(switch_own_server) || matches!(b.up.poll(), Ok(false)))
+                {
                     return Ok(Err(Some(b.up.wait_on().map_or(-1, |(fd, _)| fd))));
                 }
             }
@@ -804,7 +883,36 @@ impl Conn {
     /// application byte (the server keeps it plain: it asks no twin), and
     /// the connection's calls go to it.
     fn finish_connect(&self, b: Begun, nodelay: Option<bool>) {
-        let Begun { up, ino, addr, len } = b;
+        let Begun {
+            mut up,
+            ino,
+            addr,
+            len,
+            own,
+        } = b;
+        if let Some(own) = own {
+            // The server is this process: its accepted end may be waiting
+            // for its first use in this very thread. Wait for the Reply in
+            // short steps, switching that end once it is accepted.
+            while let Ok(false) = up.poll() {
+                if switch_own_server(own) {
+                    continue;
+                }
+                let Some((fd, write)) = up.wait_on() else {
+                    break;
+                };
+                let Some(poll) = crate::interpose::REAL_POLL.get() else {
+                    break;
+                };
+                let mut p = libc::pollfd {
+                    fd,
+                    events: if write { libc::POLLOUT } else { libc::POLLIN },
+                    revents: 0,
+                };
+                // SAFETY: one pollfd of ours; the switch's own descriptor.
+                unsafe { poll(&raw mut p, 1, OWN_STEP_MS) };
+            }
+        }
         let r = signals_blocked(|| as_internal(|| up.finish()));
         match r {
             Ok(s) => {
@@ -821,6 +929,16 @@ impl Conn {
                 // closed it meanwhile): the connection the application
                 // made stayed TCP.
                 state().stats.plain(PlainReason::SetupFailed);
+                if let Some((me, l)) = own
+                    && crate::interpose::sibling_twin(l.ip(), l.port()).is_some_and(|t| t.take(me))
+                {
+                    // Not accepted yet (its query's record is still
+                    // there): its accept skips it, the plain connection
+                    // made below comes next.
+                    let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
+                    a.push((me, l.port()));
+                    ABANDONED_COUNT.store(a.len(), Ordering::Release);
+                }
                 if !self.has_begun_socket(ino) {
                     // Closed meanwhile (the last close finishes the
                     // switch): no plain connection to open for it.

@@ -1014,7 +1014,7 @@ fn release_twin_port(fd: c_int, addr: SocketAddr) -> bool {
 /// The twin of a listener of this process that answers the queries for
 /// `ip` and `port` (bound to that address, or to the wildcard address of
 /// its family).
-fn sibling_twin(ip: IpAddr, port: u16) -> Option<Arc<Twin>> {
+pub(crate) fn sibling_twin(ip: IpAddr, port: u16) -> Option<Arc<Twin>> {
     let l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
     l.values()
         .find(|t| {
@@ -1106,10 +1106,57 @@ pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut sockle
         return fail(libc::ENOSYS);
     };
     let cap = addr_room(addr, len);
-    // SAFETY: forwarding the caller's arguments unchanged.
-    let r = unsafe { real(fd, addr, len) };
-    // SAFETY: the caller's buffer, as the real call filled it.
-    on_accepted(fd, r, 0, unsafe { accepted_peer(r, addr, len, cap) })
+    loop {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        let r = unsafe { real(fd, addr, len) };
+        // SAFETY: the caller's buffer, as the real call filled it.
+        let peer = unsafe { accepted_peer(r, addr, len, cap) };
+        // SAFETY: the caller's `len`, as for the real call.
+        if !unsafe { skip_abandoned(fd, r, peer, len, cap) } {
+            return on_accepted(fd, r, 0, peer);
+        }
+    }
+}
+
+/// Whether the connection `r` just accepted on `lfd` is one its client,
+/// this process, gave up before it was accepted (see
+/// `conn::take_abandoned`): it is closed, and the caller accepts again
+/// (the client's plain connection in its place is queued behind it). The
+/// caller's `len` is given its room `cap` back for that.
+///
+/// # Safety
+/// `len` is the caller's argument of the accept that returned `r`.
+unsafe fn skip_abandoned(
+    lfd: c_int,
+    r: c_int,
+    peer: Option<(IpAddr, u16)>,
+    len: *mut socklen_t,
+    cap: socklen_t,
+) -> bool {
+    if r < 0 || !conn::abandoned_any() {
+        return false;
+    }
+    let skip = catch_unwind(|| {
+        let Some(t) = listener_twin(lfd) else {
+            return false;
+        };
+        let peer = peer.or_else(|| peer_ip_port(r));
+        peer.is_some_and(|(ip, port)| {
+            conn::take_abandoned(SocketAddr::new(ip, port), t.addr.port())
+        })
+    })
+    .unwrap_or(false);
+    if skip {
+        if let Some(close) = REAL_CLOSE.get() {
+            // SAFETY: the descriptor the real accept just returned.
+            unsafe { close(r) };
+        }
+        if !len.is_null() {
+            // SAFETY: the caller's `len`, writable for accept.
+            unsafe { *len = cap };
+        }
+    }
+    skip
 }
 
 /// The room of an address buffer given to `accept` (0 without one).
@@ -1160,10 +1207,16 @@ pub unsafe extern "C" fn accept4(
         return fail(libc::ENOSYS);
     };
     let cap = addr_room(addr, len);
-    // SAFETY: forwarding the caller's arguments unchanged.
-    let r = unsafe { real(fd, addr, len, flags) };
-    // SAFETY: the caller's buffer, as the real call filled it.
-    on_accepted(fd, r, flags, unsafe { accepted_peer(r, addr, len, cap) })
+    loop {
+        // SAFETY: forwarding the caller's arguments unchanged.
+        let r = unsafe { real(fd, addr, len, flags) };
+        // SAFETY: the caller's buffer, as the real call filled it.
+        let peer = unsafe { accepted_peer(r, addr, len, cap) };
+        // SAFETY: the caller's `len`, as for the real call.
+        if !unsafe { skip_abandoned(fd, r, peer, len, cap) } {
+            return on_accepted(fd, r, flags, peer);
+        }
+    }
 }
 
 /// `close(2)`: an offloaded connection ends with its last descriptor; a

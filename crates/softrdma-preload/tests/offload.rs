@@ -1344,6 +1344,89 @@ fn a_program_connecting_to_itself_and_accepting_later_in_the_same_thread_is_offl
     assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
 }
 
+/// A program that connects to itself, accepts in the same thread and then
+/// uses the client's end first (a write, then a read of the answer) was
+/// reset: the write waited for the server's Reply, which only this thread
+/// could send by using the accepted end, gave up after the switch's 5 s,
+/// and connected again plain, while the program read on the accepted end,
+/// the connection given up. The client's wait switches the accepted end
+/// itself now. The same with `create_connection` and a listener of
+/// backlog 1.
+#[test]
+fn a_program_connecting_to_itself_and_writing_on_the_client_first_is_not_reset() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        t0=time.monotonic()\n\
+        x=socket.socket(); x.connect(('127.0.0.1',l.getsockname()[1]))\n\
+        y,_=l.accept()\n\
+        data=os.urandom(100000); x.sendall(data)\n\
+        assert y.recv(100000, socket.MSG_WAITALL)==data\n\
+        y.sendall(b'back'); assert x.recv(4, socket.MSG_WAITALL)==b'back'\n\
+        l1=socket.socket(); l1.bind(('127.0.0.1',0)); l1.listen(1)\n\
+        x1=socket.create_connection(('127.0.0.1',l1.getsockname()[1]))\n\
+        y1,_=l1.accept()\n\
+        x1.sendall(b'hello'); assert y1.recv(5, socket.MSG_WAITALL)==b'hello'\n\
+        y1.sendall(b'back'); assert x1.recv(4, socket.MSG_WAITALL)==b'back'\n\
+        assert time.monotonic()-t0 < 3, time.monotonic()-t0\n");
+    assert_eq!(field(&lines[0], "offloaded"), "6", "{lines:?}");
+    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+}
+
+/// The same with a non-blocking client: `connect` in progress, the
+/// accept, then a `poll` of both ends for writing (the client's end is
+/// writable once its switch is finished, which needs the accepted end
+/// switched by the same thread), both written, then both read.
+#[test]
+fn a_program_connecting_to_itself_non_blocking_and_polling_both_ends_is_not_reset() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        t0=time.monotonic()\n\
+        x=socket.socket(); x.setblocking(False)\n\
+        assert x.connect_ex(('127.0.0.1',l.getsockname()[1])) in (0, errno.EINPROGRESS)\n\
+        y,_=l.accept(); y.setblocking(False)\n\
+        p=select.poll(); p.register(x, select.POLLOUT)\n\
+        assert p.poll(5000)==[(x.fileno(), select.POLLOUT)]\n\
+        assert x.send(b'hello')==5\n\
+        select.select([],[y],[],5); assert y.send(b'back')==4\n\
+        select.select([y],[],[],5); assert y.recv(5)==b'hello'\n\
+        select.select([x],[],[],5); assert x.recv(4)==b'back'\n\
+        assert time.monotonic()-t0 < 3, time.monotonic()-t0\n");
+    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
+    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+}
+
+/// A program that connects to itself and writes on the client's end
+/// before it accepts (in the same thread; the bytes fit the socket
+/// buffer, as with TCP) was reset: the client gave up its switch after
+/// the switch's 5 s and connected again plain, and the accept returned
+/// the connection given up, whose switch then failed. That connection is
+/// closed by the accept now, which returns the plain one: the bytes
+/// arrive whole, both ways, plain (after the 5 s: no thread of the
+/// program answers the switch before the accept).
+#[test]
+fn a_program_connecting_to_itself_and_writing_before_it_accepts_is_not_reset() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        x=socket.create_connection(('127.0.0.1',l.getsockname()[1]))\n\
+        data=os.urandom(20000); x.sendall(data)\n\
+        y,peer=l.accept(); assert peer==x.getsockname(), (peer, x.getsockname())\n\
+        assert y.recv(20000, socket.MSG_WAITALL)==data\n\
+        y.sendall(b'back'); assert x.recv(4, socket.MSG_WAITALL)==b'back'\n\
+        x.close(); assert y.recv(1)==b''\n\
+        l.setblocking(False)\n\
+        try:\n    l.accept(); assert False, 'a second connection'\n\
+        except BlockingIOError: pass\n");
+    let l = &lines[0];
+    assert_eq!(field(l, "offloaded"), "2", "{lines:?}");
+    assert!(l.contains("\"offload setup failed\":1"), "{lines:?}");
+}
+
 /// `connect` returns before the server has accepted (the server's switch
 /// is made on its first use, later; the server accepts only once
 /// `connect` has returned, which must take under 2 s, well short of the
