@@ -609,25 +609,12 @@ impl Drop for CloseOnDrop {
     fn drop(&mut self) {
         // Connections closed earlier whose peer's FIN came since.
         exit::reap_closing();
-        // `SO_LINGER` on with a time N > 0: as the kernel's close, which
-        // blocks until the peer acknowledged its FIN or N seconds passed,
-        // the peer's FIN is waited for here, up to N from now; the
-        // connection is not listed.
-        let start = Instant::now();
-        let linger = socket2::SockRef::from(&self.0.sock)
-            .linger()
-            .ok()
-            .flatten()
-            .filter(|t| !t.is_zero());
         if let Some(deadline) = self.0.close() {
             // Our DisConn and FIN are out; the peer's FIN is waited for
             // after the call returns (`exit::defer_fin`), or here when the
             // list of such connections is full or no exit flush would wait
-            // for it at the exit, or with `SO_LINGER` N (up to N).
-            if let Some(t) = linger {
-                let mut st = self.0.lock();
-                self.0.wait_fin(&mut st, start + t);
-            } else if !exit::defer_fin(&self.0, deadline) {
+            // for it at the exit.
+            if !exit::defer_fin(&self.0, deadline) {
                 let mut st = self.0.lock();
                 self.0.wait_fin(&mut st, deadline);
             }
@@ -3547,44 +3534,6 @@ mod tests {
             Err(io::ErrorKind::ConnectionReset),
             "the peer was not reset"
         );
-    }
-
-    /// `SO_LINGER` on with a time N > 0 was ignored: the close returned
-    /// once its FIN was sent and listed the connection, where the
-    /// kernel's close blocks until its FIN is acknowledged or N seconds
-    /// pass. It now waits in the call for the peer's FIN (up to N; the
-    /// peer's engine answers ours at once) and lists nothing.
-    #[test]
-    fn a_close_with_so_linger_n_returned_before_the_peers_fin() {
-        let (c, s) = pair();
-        assert_eq!(c.write(b"last", false, None).unwrap(), 4);
-        socket2::SockRef::from(&c.sh.sock)
-            .set_linger(Some(Duration::from_secs(20)))
-            .unwrap();
-        let peer = std::thread::spawn(move || {
-            let mut b = [0u8; 8];
-            let mut got = 0;
-            loop {
-                match s.read(&mut b, false, false, Some(Duration::from_secs(20))) {
-                    Ok(0) => break,
-                    Ok(n) => got += n,
-                    Err(e) => panic!("read: {e}"),
-                }
-            }
-            drop(s);
-            got
-        });
-        let kept = Arc::downgrade(&c.sh);
-        let t = Instant::now();
-        drop(c);
-        let took = t.elapsed();
-        assert_eq!(
-            kept.strong_count(),
-            0,
-            "listed after a close with SO_LINGER N"
-        );
-        assert!(took < Duration::from_secs(15), "returned after {took:?}");
-        assert_eq!(peer.join().unwrap(), 4);
     }
 
     /// A close that returned before the peer's FIN keeps the connection
