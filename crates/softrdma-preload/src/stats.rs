@@ -55,8 +55,10 @@ static PANICS: AtomicU64 = AtomicU64::new(0);
 /// Keeps the library's panics out of the application's stderr: the hook
 /// (of the library's own copy of std: the application's panics, if it has
 /// any, are not seen by it) counts them for the stats line, keeps the
-/// first one's place, thread and message, and prints nothing unless
-/// `print` (`SOFTRDMA_SOCKETS_PANICS=print`: std's default hook runs too).
+/// first one's place, thread and message, and prints nothing for the
+/// application's threads unless `print` (`SOFTRDMA_SOCKETS_PANICS=print`:
+/// std's default hook runs too); on the library's own threads (named
+/// `softrdma-…`) one line.
 /// Every entry point catches its panics, and the library's threads are not
 /// to panic, but a caught panic is printed by std's default hook all the
 /// same, and a thread's would be printed as it ends.
@@ -85,10 +87,17 @@ pub(crate) fn quiet_panics(print: bool) {
         if let Ok(mut first) = FIRST_PANIC.try_lock()
             && first.is_none()
         {
-            *first = Some(message);
+            *first = Some(message.clone());
         }
         if print {
             default(info);
+        } else if thread.name().is_some_and(|n| n.starts_with("softrdma-")) {
+            // On one of the library's own threads (the engine's, the
+            // twin's, the flusher's, the reaper's): a thread that ends here
+            // may leave the application waiting, and an abort leaves no
+            // stats line; one line says where. Panics caught at the entry
+            // points, on the application's threads, stay quiet.
+            eprintln!("softrdma: panic: {message}");
         }
     }));
 }
@@ -259,12 +268,17 @@ mod tests {
         };
         quiet_panics(mode == "print");
         let ended = std::thread::Builder::new()
-            .name("softrdma-test".into())
+            .name("app-thread".into())
             .spawn(|| panic!("the child's panic"))
             .unwrap()
             .join();
         let caught = std::panic::catch_unwind(|| panic!("a caught one"));
-        assert!(ended.is_err() && caught.is_err());
+        let library = std::thread::Builder::new()
+            .name("softrdma-test".into())
+            .spawn(|| panic!("the library thread's panic"))
+            .unwrap()
+            .join();
+        assert!(ended.is_err() && caught.is_err() && library.is_err());
         println!(
             "COUNT {} FIRST {}",
             panics(),
@@ -274,10 +288,11 @@ mod tests {
 
     const CHILD: &str = "SOFTRDMA_PRELOAD_TEST_PANIC_CHILD";
 
-    /// A panic of the library's code, caught or ending one of its threads,
-    /// prints nothing into the application's stderr (std's default hook
-    /// did), unless asked; it is counted, with the first one's place,
-    /// thread and message. Run in a child process of this test binary: the
+    /// A panic of the library's code on an application's thread, caught or
+    /// ending the thread, prints nothing into the application's stderr
+    /// (std's default hook did), unless asked; one on the library's own
+    /// threads prints one line; all are counted, with the first one's
+    /// place, thread and message. Run in a child process of this test binary: the
     /// hook is the whole process's.
     #[test]
     fn the_librarys_panics_print_nothing_unless_asked() {
@@ -296,10 +311,15 @@ mod tests {
                 printed,
                 "{mode}: stderr {stderr}"
             );
+            // The library's own thread: one line either way.
             assert!(
-                stdout.contains("COUNT 2 FIRST ")
+                stderr.contains("the library thread's panic"),
+                "{mode}: stderr {stderr}"
+            );
+            assert!(
+                stdout.contains("COUNT 3 FIRST ")
                     && stdout.contains("stats.rs:")
-                    && stdout.contains(" in thread softrdma-test: the child's panic"),
+                    && stdout.contains(" in thread app-thread: the child's panic"),
                 "{mode}: stdout {stdout}"
             );
         }
