@@ -284,22 +284,35 @@ fn reaper() {
             }
         }
         std::thread::sleep(REAP_PERIOD);
-        let done: Vec<Arc<Shared>> = {
-            let mut list = closing.lock();
-            let now = Instant::now();
-            let mut done = Vec::new();
-            list.retain(|(sh, deadline)| {
-                let keep = !sh.peer_fin_seen() && now < *deadline;
-                if !keep {
-                    done.push(sh.clone());
-                }
-                keep
-            });
-            done
-        };
+        let done = take_done(&mut closing.lock(), 0);
         // Outside the list's lock.
         drop(done);
     }
+}
+
+/// Takes out of `list` the connections whose peer's FIN has come or whose
+/// time is up (to be dropped by the caller outside the list's lock),
+/// reading the sockets of the `steps` oldest still waiting first (without
+/// waiting; a connection whose lock another thread holds is left for
+/// later: its last handle is gone, only the engine's completion callback
+/// or an exit flush takes it).
+fn take_done(list: &mut Vec<(Arc<Shared>, Instant)>, mut steps: usize) -> Vec<Arc<Shared>> {
+    let now = Instant::now();
+    let mut done = Vec::new();
+    list.retain(|(sh, deadline)| {
+        if steps > 0 && !sh.peer_fin_seen() && now < *deadline {
+            steps -= 1;
+            if let Some(mut st) = sh.try_lock_now() {
+                sh.progress(&mut st);
+            }
+        }
+        let keep = !sh.peer_fin_seen() && now < *deadline;
+        if !keep {
+            done.push(sh.clone());
+        }
+        keep
+    });
+    done
 }
 
 /// Closed connections whose socket [`reap_closing`] reads (without
@@ -326,26 +339,7 @@ pub(super) fn reap_closing() {
         if list.is_empty() {
             return;
         }
-        let now = Instant::now();
-        let mut done = Vec::new();
-        let mut steps = REAP_STEPS;
-        list.retain(|(sh, deadline)| {
-            if steps > 0 && !sh.peer_fin_seen() && now < *deadline {
-                steps -= 1;
-                // A connection whose lock another thread holds is left
-                // for later (its last handle is gone: only the engine's
-                // completion callback or an exit flush takes it).
-                if let Some(mut st) = sh.try_lock_now() {
-                    sh.progress(&mut st);
-                }
-            }
-            let keep = !sh.peer_fin_seen() && now < *deadline;
-            if !keep {
-                done.push(sh.clone());
-            }
-            keep
-        });
-        done
+        take_done(&mut list, REAP_STEPS)
     };
     // Dropped outside the list's lock (a QP's and its regions' ends).
     drop(done);
