@@ -614,10 +614,14 @@ impl Conn {
         let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
         let ino = inode(fd).ok_or(libc::EBADF)?;
         // A listener of this process: its accepted end may have to be
-        // switched from here (see `switch_own_server`).
-        let own = peer
-            .filter(|p| crate::interpose::sibling_twin(p.ip(), p.port()).is_some())
-            .and_then(|p| dup.local_addr().ok().map(|me| (me, p)));
+        // switched from here (see `switch_own_server`). Only a peer on
+        // this host can be one: loopback, or this end's own address (a
+        // listener on 0.0.0.0:P does not make every host's port P ours).
+        let own = peer.and_then(|p| {
+            let me = dup.local_addr().ok()?;
+            let local = p.ip().is_loopback() || p.ip() == me.ip();
+            (local && crate::interpose::sibling_twin(p.ip(), p.port()).is_some()).then_some((me, p))
+        });
         let nodelay = dup.nodelay().unwrap_or(false);
         let known = Known {
             peer,
@@ -930,14 +934,28 @@ impl Conn {
                 // made stayed TCP.
                 state().stats.plain(PlainReason::SetupFailed);
                 if let Some((me, l)) = own
-                    && crate::interpose::sibling_twin(l.ip(), l.port()).is_some_and(|t| t.take(me))
+                    && let Some(t) = crate::interpose::sibling_twin(l.ip(), l.port())
                 {
-                    // Not accepted yet (its query's record is still
-                    // there): its accept skips it, the plain connection
-                    // made below comes next.
-                    let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
-                    a.push((me, l.port()));
-                    ABANDONED_COUNT.store(a.len(), Ordering::Release);
+                    // The entry is pushed before the record is taken: an
+                    // accept of this connection sees the record (and
+                    // switches it) or, once the record is gone, the entry
+                    // (and skips it); never neither, which would hand the
+                    // application our MPA Request as data. Not accepted
+                    // yet (the record was still there): its accept skips
+                    // it, the plain connection made below comes next.
+                    // Accepted already: the entry is withdrawn.
+                    {
+                        let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
+                        a.push((me, l.port()));
+                        ABANDONED_COUNT.store(a.len(), Ordering::Release);
+                    }
+                    if !t.take(me) {
+                        let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
+                        if let Some(i) = a.iter().rposition(|&e| e == (me, l.port())) {
+                            a.swap_remove(i);
+                        }
+                        ABANDONED_COUNT.store(a.len(), Ordering::Release);
+                    }
                 }
                 if !self.has_begun_socket(ino) {
                     // Closed meanwhile (the last close finishes the
