@@ -158,32 +158,71 @@ struct Begun {
 }
 
 /// Connections of this process whose client gave up its switch before
-/// this process accepted them (this end's address, the listener's port):
-/// `accept` closes them and takes the next (the client made a plain one
-/// in their place).
-static ABANDONED: Mutex<Vec<(SocketAddr, u16)>> = Mutex::new(Vec::new());
+/// this process accepted them: `accept` on their listener closes them and
+/// takes the next (the client made a plain one in their place).
+static ABANDONED: Mutex<Vec<Abandoned>> = Mutex::new(Vec::new());
 /// Entries in [`ABANDONED`] (an `accept` looks only when it is not 0).
 static ABANDONED_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// How long an entry of [`ABANDONED`] is kept: the connection is already
+/// in its listener's queue, so its accept comes soon or never.
+const ABANDONED_FOR: Duration = Duration::from_secs(10);
+
+/// A connection in [`ABANDONED`].
+struct Abandoned {
+    /// The client's address (the peer its accept returns).
+    peer: SocketAddr,
+    /// The listener's twin (see [`twin_id`]): only an accept on a
+    /// listener of that twin skips it.
+    twin: usize,
+    /// When it was given up.
+    at: Instant,
+}
+
+/// A twin's identity in [`ABANDONED`]; its entries are forgotten
+/// ([`forget_abandoned`]) when its last listener goes, before the address
+/// can be another twin's.
+pub(crate) fn twin_id(t: &Arc<crate::twin::Twin>) -> usize {
+    Arc::as_ptr(t) as usize
+}
+
+/// Drops the expired entries of `a` and publishes its length.
+fn abandoned_expire(a: &mut Vec<Abandoned>) {
+    let now = Instant::now();
+    a.retain(|e| now.duration_since(e.at) < ABANDONED_FOR);
+    ABANDONED_COUNT.store(a.len(), Ordering::Release);
+}
 
 /// Whether any connection is in [`ABANDONED`] (one load).
 pub(crate) fn abandoned_any() -> bool {
     ABANDONED_COUNT.load(Ordering::Acquire) != 0
 }
 
-/// Whether the connection from `peer` accepted on port `port` is one its
-/// client (this process) gave up before it was accepted; it is forgotten
-/// then (the caller closes it).
-pub(crate) fn take_abandoned(peer: SocketAddr, port: u16) -> bool {
+/// Whether the connection from `peer` accepted on a listener of twin
+/// `twin` ([`twin_id`]) is one its client (this process) gave up before
+/// it was accepted; it is forgotten then (the caller closes it).
+pub(crate) fn take_abandoned(peer: SocketAddr, twin: usize) -> bool {
     if ABANDONED_COUNT.load(Ordering::Acquire) == 0 {
         return false;
     }
     let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(i) = a.iter().position(|&(p, l)| p == peer && l == port) else {
+    abandoned_expire(&mut a);
+    let Some(i) = a.iter().position(|e| e.peer == peer && e.twin == twin) else {
         return false;
     };
     a.swap_remove(i);
     ABANDONED_COUNT.store(a.len(), Ordering::Release);
     true
+}
+
+/// Forgets the entries of twin `twin` ([`twin_id`]): its last listener
+/// is closed, their connections are never accepted.
+pub(crate) fn forget_abandoned(twin: usize) {
+    if ABANDONED_COUNT.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
+    a.retain(|e| e.twin != twin);
+    abandoned_expire(&mut a);
 }
 
 /// Client side, the peer a listener of this process (`own`: this end's
@@ -614,10 +653,14 @@ impl Conn {
         let dup = dup_stream(fd).ok_or(libc::EMFILE)?;
         let ino = inode(fd).ok_or(libc::EBADF)?;
         // A listener of this process: its accepted end may have to be
-        // switched from here (see `switch_own_server`).
-        let own = peer
-            .filter(|p| crate::interpose::sibling_twin(p.ip(), p.port()).is_some())
-            .and_then(|p| dup.local_addr().ok().map(|me| (me, p)));
+        // switched from here (see `switch_own_server`). Only a peer on
+        // this host can be one: loopback, or this end's own address (a
+        // listener on 0.0.0.0:P does not make every host's port P ours).
+        let own = peer.and_then(|p| {
+            let me = dup.local_addr().ok()?;
+            let local = p.ip().is_loopback() || p.ip() == me.ip();
+            (local && crate::interpose::sibling_twin(p.ip(), p.port()).is_some()).then_some((me, p))
+        });
         let nodelay = dup.nodelay().unwrap_or(false);
         let known = Known {
             peer,
@@ -930,14 +973,34 @@ impl Conn {
                 // made stayed TCP.
                 state().stats.plain(PlainReason::SetupFailed);
                 if let Some((me, l)) = own
-                    && crate::interpose::sibling_twin(l.ip(), l.port()).is_some_and(|t| t.take(me))
+                    && let Some(t) = crate::interpose::sibling_twin(l.ip(), l.port())
                 {
-                    // Not accepted yet (its query's record is still
-                    // there): its accept skips it, the plain connection
-                    // made below comes next.
-                    let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
-                    a.push((me, l.port()));
-                    ABANDONED_COUNT.store(a.len(), Ordering::Release);
+                    // The entry is pushed before the record is taken: an
+                    // accept of this connection sees the record (and
+                    // switches it) or, once the record is gone, the entry
+                    // (and skips it); never neither, which would hand the
+                    // application our MPA Request as data. Not accepted
+                    // yet (the record was still there): its accept skips
+                    // it, the plain connection made below comes next.
+                    // Accepted already: the entry is withdrawn.
+                    let twin = twin_id(&t);
+                    {
+                        let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
+                        abandoned_expire(&mut a);
+                        a.push(Abandoned {
+                            peer: me,
+                            twin,
+                            at: Instant::now(),
+                        });
+                        ABANDONED_COUNT.store(a.len(), Ordering::Release);
+                    }
+                    if !t.take(me) {
+                        let mut a = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
+                        if let Some(i) = a.iter().rposition(|e| e.peer == me && e.twin == twin) {
+                            a.swap_remove(i);
+                        }
+                        ABANDONED_COUNT.store(a.len(), Ordering::Release);
+                    }
                 }
                 if !self.has_begun_socket(ino) {
                     // Closed meanwhile (the last close finishes the

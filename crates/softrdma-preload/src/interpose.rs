@@ -816,9 +816,21 @@ fn drop_listener(fd: c_int) {
         let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
         let t = l.remove(&fd);
         LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
+        released(&l, t.as_ref());
         t
     };
     drop(t);
+}
+
+/// A twin removed from `l` (the map, locked): if no listener has it any
+/// more, the connections given up on it are forgotten (see
+/// `conn::take_abandoned`).
+fn released(l: &HashMap<c_int, Arc<Twin>>, t: Option<&Arc<Twin>>) {
+    if let Some(t) = t
+        && !l.values().any(|o| Arc::ptr_eq(o, t))
+    {
+        conn::forget_abandoned(conn::twin_id(t));
+    }
 }
 
 /// `listen(2)`: a TCP listener whose policy allows offload gets a UDP twin
@@ -998,6 +1010,9 @@ fn release_twin_port(fd: c_int, addr: SocketAddr) -> bool {
         // Every listener of the twin (listeners sharing a port share it).
         l.retain(|_, t| !found.iter().any(|f| Arc::ptr_eq(f, t)));
         LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
+        for t in &found {
+            released(&l, Some(t));
+        }
         found
     };
     if found.is_empty() {
@@ -1142,7 +1157,7 @@ unsafe fn skip_abandoned(
         };
         let peer = peer.or_else(|| peer_ip_port(r));
         peer.is_some_and(|(ip, port)| {
-            conn::take_abandoned(SocketAddr::new(ip, port), t.addr.port())
+            conn::take_abandoned(SocketAddr::new(ip, port), conn::twin_id(&t))
         })
     })
     .unwrap_or(false);
@@ -1352,6 +1367,7 @@ fn duplicated(old: c_int, new: c_int, cloexec: bool) {
                 None => l.remove(&new),
             };
             LISTENER_COUNT.store(l.len(), Ordering::Relaxed);
+            released(&l, gone.as_ref());
             drop(l);
             // (A twin is dropped outside the lock: its drop wakes its thread.)
             drop(gone);

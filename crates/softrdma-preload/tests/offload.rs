@@ -1427,6 +1427,29 @@ fn a_program_connecting_to_itself_and_writing_before_it_accepts_is_not_reset() {
     assert!(l.contains("\"offload setup failed\":1"), "{lines:?}");
 }
 
+/// A connection given up before it was accepted is skipped by an accept
+/// on its own listener only: after that listener is closed without
+/// accepting, a new listener on the same port accepts a connection from
+/// the old client's address (it used to close it, the entry kept forever).
+#[test]
+fn a_given_up_self_connect_whose_listener_closes_unaccepted_does_not_skip_a_later_connection() {
+    if !have_python() {
+        return;
+    }
+    let lines = run("c.close(); s.close()\n\
+        port=l.getsockname()[1]\n\
+        x=socket.create_connection(('127.0.0.1',port)); old=x.getsockname()\n\
+        x.sendall(b'first')\n\
+        x.close(); l.close()\n\
+        b=socket.socket(); b.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+        b.bind(('127.0.0.1',port)); b.listen(8)\n\
+        y=socket.socket(); y.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+        y.bind(old); y.connect(('127.0.0.1',port))\n\
+        b.settimeout(8); a,peer=b.accept(); assert peer==old, (peer, old)\n\
+        y.sendall(b'again'); assert a.recv(5, socket.MSG_WAITALL)==b'again'\n");
+    assert!(lines[0].contains("\"offload setup failed\":1"), "{lines:?}");
+}
+
 /// `connect` returns before the server has accepted (the server's switch
 /// is made on its first use, later; the server accepts only once
 /// `connect` has returned, which must take under 2 s, well short of the
