@@ -1321,6 +1321,13 @@ fn a_query_the_client_gave_up_on_switched_the_servers_connection() {
     );
 }
 
+/// The process's stats line: `n` connection ends offloaded, no switch
+/// failed (a program connecting to itself).
+fn offloaded_with_no_failed_setup(lines: &[String], n: &str) {
+    assert_eq!(field(&lines[0], "offloaded"), n, "{lines:?}");
+    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+}
+
 /// A client's `connect` returns once its MPA Request is sent, not once the
 /// server has switched: a program that connects to itself and accepts only
 /// afterwards, in the same thread, gets an offloaded connection at once
@@ -1340,8 +1347,7 @@ fn a_program_connecting_to_itself_and_accepting_later_in_the_same_thread_is_offl
         x.sendall(b'to myself'); assert y.recv(9, socket.MSG_WAITALL)==b'to myself'\n\
         y.sendall(b'and back'); assert x.recv(8, socket.MSG_WAITALL)==b'and back'\n\
         assert time.monotonic()-t0 < 3, time.monotonic()-t0\n");
-    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
-    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+    offloaded_with_no_failed_setup(&lines, "4");
 }
 
 /// A program that connects to itself, accepts in the same thread and then
@@ -1370,8 +1376,7 @@ fn a_program_connecting_to_itself_and_writing_on_the_client_first_is_not_reset()
         x1.sendall(b'hello'); assert y1.recv(5, socket.MSG_WAITALL)==b'hello'\n\
         y1.sendall(b'back'); assert x1.recv(4, socket.MSG_WAITALL)==b'back'\n\
         assert time.monotonic()-t0 < 3, time.monotonic()-t0\n");
-    assert_eq!(field(&lines[0], "offloaded"), "6", "{lines:?}");
-    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+    offloaded_with_no_failed_setup(&lines, "6");
 }
 
 /// The same with a non-blocking client: `connect` in progress, the
@@ -1395,8 +1400,7 @@ fn a_program_connecting_to_itself_non_blocking_and_polling_both_ends_is_not_rese
         select.select([y],[],[],5); assert y.recv(5)==b'hello'\n\
         select.select([x],[],[],5); assert x.recv(4)==b'back'\n\
         assert time.monotonic()-t0 < 3, time.monotonic()-t0\n");
-    assert_eq!(field(&lines[0], "offloaded"), "4", "{lines:?}");
-    assert!(!lines[0].contains("offload setup failed"), "{lines:?}");
+    offloaded_with_no_failed_setup(&lines, "4");
 }
 
 /// A program that connects to itself and writes on the client's end

@@ -83,6 +83,70 @@ fn signal(kid: &Kid, sig: &str) {
     assert!(ok, "kill {sig}");
 }
 
+/// A peer and a closer connected, the closer's data written and read.
+struct Pair {
+    peer: Kid,
+    peer_out: BufReader<ChildStdout>,
+    closer: Kid,
+    closer_out: BufReader<ChildStdout>,
+}
+
+impl Pair {
+    /// Starts the peer and the closer `name` (its exit flush bounded by
+    /// `limit_ms`, `0`: off), up to the closer's data read by the peer.
+    fn start(name: &str, limit_ms: u64) -> Pair {
+        let mut peer = spawn("peer_child", &[(PEER_ENV, "1".to_string())]);
+        let mut peer_out = BufReader::new(peer.0.stdout.take().unwrap());
+        let addr = line_after(&mut peer_out, "addr ");
+        let mut closer = spawn_limited(name, &[(ADDR_ENV, addr)], limit_ms);
+        let mut closer_out = BufReader::new(closer.0.stdout.take().unwrap());
+        assert_eq!(line_after(&mut closer_out, "wrote "), LEN.to_string());
+        assert_eq!(line_after(&mut peer_out, "read "), LEN.to_string());
+        Pair {
+            peer,
+            peer_out,
+            closer,
+            closer_out,
+        }
+    }
+
+    /// Stops the peer (its engine's threads too; the kernel still
+    /// acknowledges what comes) if `stop_peer`, then tells the closer to
+    /// go on.
+    fn go(&mut self, stop_peer: bool) {
+        if stop_peer {
+            signal(&self.peer, "-STOP");
+        }
+        let mut stdin = self.closer.0.stdin.take().unwrap();
+        stdin.write_all(b"go\n").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// How long the closer's close took, in ms.
+    fn closed_ms(&mut self) -> u64 {
+        line_after(&mut self.closer_out, "closed in ")
+            .trim_end_matches(" ms")
+            .parse()
+            .unwrap()
+    }
+
+    /// The peer read every octet, in order, then EOF.
+    fn peer_got_all(&mut self) {
+        assert_eq!(
+            line_after(&mut self.peer_out, "got "),
+            format!("{LEN} ok true eof true")
+        );
+    }
+
+    /// Both processes end with success (the closer first).
+    fn both_succeed(mut self) {
+        let status = self.closer.0.wait().unwrap();
+        assert!(status.success(), "closer: {status}");
+        let status = self.peer.0.wait().unwrap();
+        assert!(status.success(), "peer: {status}");
+    }
+}
+
 /// The peer: accepts one offloaded connection, reads what comes until
 /// EOF, says so.
 #[test]
@@ -143,40 +207,22 @@ fn closer_child() {
 /// (so that the peer reads every octet and EOF, with no reset).
 #[test]
 fn a_close_does_not_wait_for_the_peers_fin_and_the_exit_does() {
-    let mut peer = spawn("peer_child", &[(PEER_ENV, "1".to_string())]);
-    let mut peer_out = BufReader::new(peer.0.stdout.take().unwrap());
-    let addr = line_after(&mut peer_out, "addr ");
-    let mut closer = spawn("closer_child", &[(ADDR_ENV, addr)]);
-    let mut closer_out = BufReader::new(closer.0.stdout.take().unwrap());
-    assert_eq!(line_after(&mut closer_out, "wrote "), LEN.to_string());
-    assert_eq!(line_after(&mut peer_out, "read "), LEN.to_string());
+    let mut p = Pair::start("closer_child", 20_000);
     // The peer cannot answer the FIN now (its engine's threads are
     // stopped too); the kernel still acknowledges what comes.
-    signal(&peer, "-STOP");
-    let mut stdin = closer.0.stdin.take().unwrap();
-    stdin.write_all(b"go\n").unwrap();
-    stdin.flush().unwrap();
-    let ms: u64 = line_after(&mut closer_out, "closed in ")
-        .trim_end_matches(" ms")
-        .parse()
-        .unwrap();
+    p.go(true);
+    let ms = p.closed_ms();
     // (A close that waits for the FIN takes the linger time: 5000 ms.)
     assert!(ms < 2000, "the close waited {ms} ms for the peer's FIN");
     // The exit waits for the peer's FIN.
     std::thread::sleep(Duration::from_millis(300));
     assert!(
-        closer.0.try_wait().unwrap().is_none(),
+        p.closer.0.try_wait().unwrap().is_none(),
         "the closing process exited before the peer's FIN came"
     );
-    signal(&peer, "-CONT");
-    assert_eq!(
-        line_after(&mut peer_out, "got "),
-        format!("{LEN} ok true eof true")
-    );
-    let status = closer.0.wait().unwrap();
-    assert!(status.success(), "closer: {status}");
-    let status = peer.0.wait().unwrap();
-    assert!(status.success(), "peer: {status}");
+    signal(&p.peer, "-CONT");
+    p.peer_got_all();
+    p.both_succeed();
 }
 
 /// With the exit flush off (`SOFTRDMA_SOCKETS_EXIT_FLUSH_MS=0`) nothing
@@ -184,37 +230,19 @@ fn a_close_does_not_wait_for_the_peers_fin_and_the_exit_does() {
 /// call, as before.
 #[test]
 fn with_the_exit_flush_off_a_close_waits_for_the_peers_fin() {
-    let mut peer = spawn("peer_child", &[(PEER_ENV, "1".to_string())]);
-    let mut peer_out = BufReader::new(peer.0.stdout.take().unwrap());
-    let addr = line_after(&mut peer_out, "addr ");
-    let mut closer = spawn_limited("closer_child", &[(ADDR_ENV, addr)], 0);
-    let mut closer_out = BufReader::new(closer.0.stdout.take().unwrap());
-    assert_eq!(line_after(&mut closer_out, "wrote "), LEN.to_string());
-    assert_eq!(line_after(&mut peer_out, "read "), LEN.to_string());
-    signal(&peer, "-STOP");
-    let mut stdin = closer.0.stdin.take().unwrap();
-    stdin.write_all(b"go\n").unwrap();
-    stdin.flush().unwrap();
+    let mut p = Pair::start("closer_child", 0);
+    p.go(true);
     // The peer answers 1.5 s later (the close must take 400 ms at least,
     // whatever the scheduling delays of the signals).
     std::thread::sleep(Duration::from_millis(1500));
-    signal(&peer, "-CONT");
-    let ms: u64 = line_after(&mut closer_out, "closed in ")
-        .trim_end_matches(" ms")
-        .parse()
-        .unwrap();
+    signal(&p.peer, "-CONT");
+    let ms = p.closed_ms();
     assert!(
         ms >= 400,
         "the close returned after {ms} ms, before the peer's FIN"
     );
-    assert_eq!(
-        line_after(&mut peer_out, "got "),
-        format!("{LEN} ok true eof true")
-    );
-    let status = closer.0.wait().unwrap();
-    assert!(status.success(), "closer: {status}");
-    let status = peer.0.wait().unwrap();
-    assert!(status.success(), "peer: {status}");
+    p.peer_got_all();
+    p.both_succeed();
 }
 
 /// The stream the late closer's exit handler closes.
@@ -261,41 +289,23 @@ fn late_closer_child() {
 /// ended before the peer's FIN. Such a close now waits in the call.
 #[test]
 fn a_close_after_the_exit_flush_started_was_listed_but_never_waited_for() {
-    let mut peer = spawn("peer_child", &[(PEER_ENV, "1".to_string())]);
-    let mut peer_out = BufReader::new(peer.0.stdout.take().unwrap());
-    let addr = line_after(&mut peer_out, "addr ");
-    let mut closer = spawn("late_closer_child", &[(ADDR_ENV, addr)]);
-    let mut closer_out = BufReader::new(closer.0.stdout.take().unwrap());
-    assert_eq!(line_after(&mut closer_out, "wrote "), LEN.to_string());
-    assert_eq!(line_after(&mut peer_out, "read "), LEN.to_string());
-    signal(&peer, "-STOP");
-    let mut stdin = closer.0.stdin.take().unwrap();
-    stdin.write_all(b"go\n").unwrap();
-    stdin.flush().unwrap();
+    let mut p = Pair::start("late_closer_child", 20_000);
+    p.go(true);
     std::thread::sleep(Duration::from_millis(300));
     assert!(
-        closer.0.try_wait().unwrap().is_none(),
+        p.closer.0.try_wait().unwrap().is_none(),
         "the closing process exited before the peer's FIN came"
     );
     // The peer answers 1.5 s after the word to exit.
     std::thread::sleep(Duration::from_millis(1200));
-    signal(&peer, "-CONT");
-    let ms: u64 = line_after(&mut closer_out, "closed in ")
-        .trim_end_matches(" ms")
-        .parse()
-        .unwrap();
+    signal(&p.peer, "-CONT");
+    let ms = p.closed_ms();
     assert!(
         ms >= 400,
         "the close returned after {ms} ms, before the peer's FIN"
     );
-    assert_eq!(
-        line_after(&mut peer_out, "got "),
-        format!("{LEN} ok true eof true")
-    );
-    let status = closer.0.wait().unwrap();
-    assert!(status.success(), "closer: {status}");
-    let status = peer.0.wait().unwrap();
-    assert!(status.success(), "peer: {status}");
+    p.peer_got_all();
+    p.both_succeed();
 }
 
 /// This process's open sockets other than its netlink, unix and UDP ones
@@ -368,29 +378,18 @@ fn quiet_closer_child() {
 /// has come (or the linger time is up) whatever the process does.
 #[test]
 fn a_closed_connection_was_let_go_only_at_the_next_close_setup_or_exit() {
-    let mut peer = spawn("peer_child", &[(PEER_ENV, "1".to_string())]);
-    let mut peer_out = BufReader::new(peer.0.stdout.take().unwrap());
-    let addr = line_after(&mut peer_out, "addr ");
-    let mut closer = spawn("quiet_closer_child", &[(ADDR_ENV, addr)]);
-    let mut closer_out = BufReader::new(closer.0.stdout.take().unwrap());
-    assert_eq!(line_after(&mut closer_out, "wrote "), LEN.to_string());
-    assert_eq!(line_after(&mut peer_out, "read "), LEN.to_string());
-    let mut stdin = closer.0.stdin.take().unwrap();
-    stdin.write_all(b"go\n").unwrap();
-    stdin.flush().unwrap();
+    let mut p = Pair::start("quiet_closer_child", 20_000);
+    p.go(false);
     // The peer reads EOF, closes and exits: its FIN comes at once.
-    assert_eq!(
-        line_after(&mut peer_out, "got "),
-        format!("{LEN} ok true eof true")
-    );
-    let status = peer.0.wait().unwrap();
+    p.peer_got_all();
+    let status = p.peer.0.wait().unwrap();
     assert!(status.success(), "peer: {status}");
     let mut line = String::new();
-    closer_out.read_line(&mut line).unwrap();
+    p.closer_out.read_line(&mut line).unwrap();
     assert!(
         line.starts_with("let go in "),
         "the closed connection was kept: {line:?}"
     );
-    let status = closer.0.wait().unwrap();
+    let status = p.closer.0.wait().unwrap();
     assert!(status.success(), "closer: {status}");
 }
