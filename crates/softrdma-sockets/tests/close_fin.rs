@@ -83,6 +83,25 @@ fn signal(kid: &Kid, sig: &str) {
     assert!(ok, "kill {sig}");
 }
 
+/// A closer's start: an offloaded connection to `addr` and [`LEN`]
+/// octets written and flushed.
+fn connect_and_write(addr: &str) -> TcpStream {
+    let mut s = TcpStream::connect_with(addr, &offload()).unwrap();
+    assert!(s.transport().is_offloaded(), "{}", s.transport());
+    let data: Vec<u8> = (0..LEN).map(pattern).collect();
+    s.write_all(&data).unwrap();
+    s.flush().unwrap();
+    s
+}
+
+/// Says the data is written, then waits for the test's word to go on.
+fn wrote_then_wait_for_go() {
+    println!("wrote {LEN}");
+    std::io::stdout().flush().unwrap();
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).unwrap();
+}
+
 /// A peer and a closer connected, the closer's data written and read.
 struct Pair {
     peer: Kid,
@@ -183,15 +202,8 @@ fn closer_child() {
     let Ok(addr) = std::env::var(ADDR_ENV) else {
         return;
     };
-    let mut s = TcpStream::connect_with(&addr, &offload()).unwrap();
-    assert!(s.transport().is_offloaded(), "{}", s.transport());
-    let data: Vec<u8> = (0..LEN).map(pattern).collect();
-    s.write_all(&data).unwrap();
-    s.flush().unwrap();
-    println!("wrote {LEN}");
-    std::io::stdout().flush().unwrap();
-    let mut go = String::new();
-    std::io::stdin().read_line(&mut go).unwrap();
+    let s = connect_and_write(&addr);
+    wrote_then_wait_for_go();
     let t = Instant::now();
     drop(s);
     println!("closed in {} ms", t.elapsed().as_millis());
@@ -269,16 +281,9 @@ fn late_closer_child() {
         return;
     };
     assert!(softrdma_engine::at_exit(close_late));
-    let mut s = TcpStream::connect_with(&addr, &offload()).unwrap();
-    assert!(s.transport().is_offloaded(), "{}", s.transport());
-    let data: Vec<u8> = (0..LEN).map(pattern).collect();
-    s.write_all(&data).unwrap();
-    s.flush().unwrap();
+    let s = connect_and_write(&addr);
     *LATE.lock().unwrap() = Some(s);
-    println!("wrote {LEN}");
-    std::io::stdout().flush().unwrap();
-    let mut go = String::new();
-    std::io::stdin().read_line(&mut go).unwrap();
+    wrote_then_wait_for_go();
     std::process::exit(0);
 }
 
@@ -348,15 +353,8 @@ fn quiet_closer_child() {
         return;
     };
     let before = sockets_open();
-    let mut s = TcpStream::connect_with(&addr, &offload()).unwrap();
-    assert!(s.transport().is_offloaded(), "{}", s.transport());
-    let data: Vec<u8> = (0..LEN).map(pattern).collect();
-    s.write_all(&data).unwrap();
-    s.flush().unwrap();
-    println!("wrote {LEN}");
-    std::io::stdout().flush().unwrap();
-    let mut go = String::new();
-    std::io::stdin().read_line(&mut go).unwrap();
+    let s = connect_and_write(&addr);
+    wrote_then_wait_for_go();
     drop(s);
     let t = Instant::now();
     while sockets_open() > before && t.elapsed() < Duration::from_secs(3) {
